@@ -1,0 +1,41 @@
+# The two commands a new user runs: `make demo` and `make test`.
+# Each creates .venv and installs what it needs the first time.
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.gspo-installed
+# On a machine without CUDA we install the CPU build of torch first, so that the
+# plain `torch` requirement does not pull a multi-GB CUDA build. Point TORCH_INDEX at
+# https://download.pytorch.org/whl/cpu on machines whose pip does not already find one.
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX ?=
+DEMO_DIR ?= runs/demo
+
+.PHONY: install demo test lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
+		echo "torch already installed in $(VENV)"; \
+	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		$(PY) -m pip install torch; \
+	else \
+		$(PY) -m pip install "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)); \
+	fi
+	$(PY) -m pip install -e ".[dev]"
+	@touch $@
+
+demo: install
+	$(VENV)/bin/gspo train --output-dir $(DEMO_DIR)
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check src tests benchmarks experiments
+	$(VENV)/bin/ruff format --check src tests benchmarks experiments
+
+clean:
+	rm -rf $(VENV) runs

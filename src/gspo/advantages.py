@@ -1,0 +1,61 @@
+"""Group-relative advantage estimators (shared by GRPO and GSPO).
+
+``A_i = (r_i - mean_j r_j) / std_j r_j`` over the ``G`` responses to one query
+(``GSPO_SPEC.md``, "Group-relative advantage").
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import torch
+from torch import Tensor
+
+AdvantageScale = Literal["group", "batch", "none"]
+SCALES: tuple[str, ...] = get_args(AdvantageScale)
+
+#: A group whose reward standard deviation is at most this is treated as constant:
+#: its advantages are exactly 0 (mean subtraction alone can leave rounding noise).
+ZERO_STD = 1e-6
+
+
+def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group") -> Tensor:
+    """Group-relative advantages, ``[N] -> [N]`` float32.
+
+    Args:
+        rewards: ``[N]`` scalar rewards; rows ``k*G .. k*G+G-1`` are one query's group.
+        group_size: ``G``; ``N`` must be a multiple of it.
+        scale: ``"group"`` divides by each group's std (the paper's form, default),
+            ``"batch"`` by the std of all ``N`` rewards, ``"none"`` does not divide
+            (Dr. GRPO). Standard deviations are unbiased (Bessel), as in TRL and verl.
+
+    A group whose rewards are all equal gets advantages of exactly 0, never NaN.
+    """
+    if scale not in SCALES:
+        raise ValueError(f"scale must be one of {', '.join(SCALES)}; got {scale!r}")
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [N]; got shape {list(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"group_size={group_size} does not divide the number of rewards {rewards.numel()}"
+        )
+    if not torch.isfinite(rewards).all():
+        raise ValueError("rewards must be finite (got NaN or inf)")
+    r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+    groups = r.view(-1, group_size)
+    centered = groups - groups.mean(dim=1, keepdim=True)
+    if group_size > 1:
+        group_std = groups.std(dim=1, keepdim=True)
+    else:
+        group_std = torch.zeros_like(groups)
+    constant = group_std <= ZERO_STD
+    if scale == "group":
+        denominator = group_std
+    elif scale == "batch":
+        batch_std = r.std() if r.numel() > 1 else torch.zeros((), dtype=r.dtype)
+        denominator = batch_std.expand_as(group_std)
+    else:
+        denominator = torch.ones_like(group_std)
+    safe = torch.where(constant, torch.ones_like(denominator), denominator)
+    advantages = torch.where(constant, torch.zeros_like(centered), centered / safe)
+    return advantages.reshape(-1).to(torch.float32)

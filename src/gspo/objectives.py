@@ -1,0 +1,285 @@
+"""Policy-gradient objectives: GSPO, GSPO-token and GRPO as pure tensor functions.
+
+Contract: ``GSPO_SPEC.md`` (Zheng et al. 2025, "Group Sequence Policy Optimization",
+arXiv:2507.18071). Every function here takes tensors and returns tensors or floats: no
+model, no config object, no I/O. Shapes: ``B`` responses, ``T`` completion positions.
+
+Equations, and where each lives:
+
+- token ratio (GRPO, eq. for ``w_{i,t}``)          -> :func:`token_log_ratio`
+- sequence ratio (GSPO, ``s_i``)                    -> :func:`sequence_log_ratio`
+- token-wise sequence ratio (GSPO-token, ``s_{i,t}``) -> :func:`sequence_token_ratio`
+- ``min(ratio * A, clip(ratio) * A)`` and the clip test -> :func:`clipped_objective`
+- mean over responses of the per-response token mean -> :func:`mean_over_responses`
+- the whole loss with its metrics                   -> :func:`policy_loss`
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+import torch
+from torch import Tensor
+
+Level = Literal["sequence", "sequence_token", "token"]
+LEVELS: tuple[str, ...] = get_args(Level)
+
+#: The paper's clip ranges ``(eps_low, eps_high)``: section 5.1 for GSPO, the GRPO baseline.
+DEFAULT_CLIP: dict[str, tuple[float, float]] = {
+    "sequence": (3e-4, 4e-4),
+    "sequence_token": (3e-4, 4e-4),
+    "token": (0.2, 0.27),
+}
+
+#: Log-ratios are clamped to this magnitude before ``exp`` so that no finite input gives
+#: inf or NaN. ``exp(20) ~ 4.9e8`` is far outside any clip band, so the clamp never
+#: changes which branch of the clipped objective is active.
+MAX_LOG_RATIO = 20.0
+
+
+@dataclass
+class PolicyLoss:
+    """Result of :func:`policy_loss`.
+
+    ``loss`` is a scalar tensor (minus the objective, plus the KL penalty) that carries
+    the gradient; ``metrics`` holds plain floats for logging.
+    """
+
+    loss: Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def check_level(level: str) -> None:
+    """Raise ``ValueError`` naming the accepted values when ``level`` is not one of them."""
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {', '.join(LEVELS)}; got {level!r}")
+
+
+def _accumulation_dtype(t: Tensor) -> torch.dtype:
+    """float32 for half-precision inputs, otherwise the input's own (float32/float64)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def token_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """``lp_{i,t} - olp_{i,t}`` in float32 or wider, 0 where ``mask`` is false.
+
+    Shapes: ``[B, T]`` in, ``[B, T]`` out. Masked positions may hold any value (even
+    -inf): they are replaced, not multiplied, so they can never produce NaN.
+    """
+    dtype = _accumulation_dtype(logprobs)
+    delta = logprobs.to(dtype) - old_logprobs.to(dtype)
+    return torch.where(mask.bool(), delta, torch.zeros((), dtype=dtype, device=delta.device))
+
+
+def response_lengths(mask: Tensor) -> Tensor:
+    """``|y_i|``: the number of counted tokens per response, ``[B, T] -> [B]`` (float32)."""
+    return mask.bool().sum(dim=-1).to(torch.float32)
+
+
+def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """GSPO's length-normalised log-ratio ``(1/|y_i|) sum_t (lp_{i,t} - olp_{i,t})``.
+
+    ``[B, T] -> [B]``, clamped to ``[-MAX_LOG_RATIO, MAX_LOG_RATIO]``. Rows with an
+    all-zero mask give 0 (ratio 1).
+    """
+    delta = token_log_ratio(logprobs, old_logprobs, mask)
+    return mean_over_tokens(delta, mask).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+
+
+def sequence_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """GSPO's ``s_i = (pi_theta(y_i|x) / pi_old(y_i|x))^(1/|y_i|)``, ``[B, T] -> [B]``."""
+    return sequence_log_ratio(logprobs, old_logprobs, mask).exp()
+
+
+def sequence_token_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """GSPO-token's ``s_{i,t} = sg[s_i] * exp(lp_{i,t} - sg[lp_{i,t}])``, ``[B, T] -> [B, T]``.
+
+    Its value equals ``s_i`` at every token; its gradient flows through each token's own
+    log-prob, with weight ``s_i``.
+    """
+    s = sequence_ratio(logprobs, old_logprobs, mask).detach()
+    lp = logprobs.to(_accumulation_dtype(logprobs))
+    return s.unsqueeze(-1) * torch.exp(lp - lp.detach())
+
+
+def clipped_objective(
+    ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)`` and the clip test.
+
+    ``ratio`` and ``advantages`` broadcast together. Returns ``(objective, clipped_low,
+    clipped_high)`` where ``clipped_high`` marks ``ratio > 1 + clip_high`` with ``A > 0``
+    and ``clipped_low`` marks ``ratio < 1 - clip_low`` with ``A < 0``: exactly the
+    entries where the clipped branch of the min is active and the gradient is zero.
+    Written as a ``where`` on that test, which is the min itself case by case, so the
+    metric and the gradient cannot disagree.
+    """
+    clipped_high = (ratio > 1.0 + clip_high) & (advantages > 0)
+    clipped_low = (ratio < 1.0 - clip_low) & (advantages < 0)
+    clipped = clipped_high | clipped_low
+    bound = ratio.detach().clamp(1.0 - clip_low, 1.0 + clip_high)
+    objective = torch.where(clipped, bound * advantages, ratio * advantages)
+    return objective, clipped_low, clipped_high
+
+
+def mean_over_tokens(per_token: Tensor, mask: Tensor) -> Tensor:
+    """Each response's mean over its counted tokens, ``[B, T] -> [B]`` (0 for empty rows)."""
+    zero = torch.zeros((), dtype=per_token.dtype, device=per_token.device)
+    per_token = torch.where(mask.bool(), per_token, zero)
+    return per_token.sum(dim=-1) / response_lengths(mask).to(per_token.dtype).clamp(min=1.0)
+
+
+def mean_over_responses(per_token: Tensor, mask: Tensor) -> Tensor:
+    """The paper's aggregation: mean over responses of each response's token mean.
+
+    ``per_token`` ``[B, T]`` (or ``[B]``, already one value per response), ``mask``
+    ``[B, T]``. Responses with no counted token are left out; if none is left the result
+    is a zero that still depends on ``per_token`` (so ``backward`` works and gives 0).
+    """
+    valid = mask.bool().any(dim=-1)
+    per_response = mean_over_tokens(per_token, mask) if per_token.dim() == 2 else per_token
+    n_valid = valid.sum()
+    zero = torch.zeros((), dtype=per_response.dtype, device=per_response.device)
+    total = torch.where(valid, per_response, zero).sum()
+    return total / n_valid.clamp(min=1).to(per_response.dtype)
+
+
+def k3_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """Per-token k3 estimator of KL(pi_theta || pi_ref): ``exp(r) - r - 1``, ``r = ref - lp``.
+
+    ``[B, T] -> [B, T]``, 0 at masked positions, log-ratio clamped like the policy ratio.
+    """
+    r = token_log_ratio(ref_logprobs, logprobs, mask).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return torch.exp(r) - r - 1.0
+
+
+def _as_advantages(advantages: Tensor, mask: Tensor, level: str) -> Tensor:
+    """Validate the advantage shape: ``[B]`` for every level, ``[B, T]`` for token levels."""
+    b, t = mask.shape
+    if advantages.shape == (b,):
+        return advantages
+    if advantages.shape == (b, t):
+        if level == "sequence":
+            raise ValueError(
+                "advantages of shape [B, T] need level='sequence_token' or 'token'; "
+                "level='sequence' takes one advantage per response, shape [B]"
+            )
+        return advantages
+    raise ValueError(
+        f"advantages must have shape [B]={[b]} or [B, T]={[b, t]}; got {list(advantages.shape)}"
+    )
+
+
+def _ratio_stats(ratio: Tensor, valid: Tensor) -> dict[str, float]:
+    values = ratio.detach()[valid]
+    if values.numel() == 0:
+        nan = float("nan")
+        return {"ratio_mean": nan, "ratio_min": nan, "ratio_max": nan}
+    return {
+        "ratio_mean": values.mean().item(),
+        "ratio_min": values.min().item(),
+        "ratio_max": values.max().item(),
+    }
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    level: str = "sequence",
+    clip_low: float | None = None,
+    clip_high: float | None = None,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> PolicyLoss:
+    """The clipped policy-gradient loss of GSPO, GSPO-token or GRPO.
+
+    Args:
+        logprobs: ``[B, T]`` current-policy log-probs of the sampled tokens (with grad).
+        old_logprobs: ``[B, T]`` behaviour-policy log-probs (no grad needed).
+        advantages: ``[B]`` one per response, or ``[B, T]`` per token (token levels).
+        mask: ``[B, T]`` bool or 0/1, the completion tokens that count.
+        level: ``"sequence"`` (GSPO), ``"sequence_token"`` (GSPO-token), ``"token"`` (GRPO).
+        clip_low, clip_high: ``eps_low``, ``eps_high``; ``None`` takes the paper's range
+            for the level (:data:`DEFAULT_CLIP`).
+        ref_logprobs: ``[B, T]`` reference-policy log-probs for the KL penalty.
+        kl_coef: weight of the k3 KL penalty (needs ``ref_logprobs`` when non-zero).
+
+    Returns:
+        :class:`PolicyLoss` with ``loss = -J + kl_coef * KL`` where ``J`` is the mean over
+        responses of the (token-mean) clipped objective, and metrics:
+        ``clip_fraction`` (token-weighted, the paper's Figure 2), ``clip_fraction_low``,
+        ``clip_fraction_high``, ``clip_fraction_sequences`` (mean over responses of each
+        response's clipped-token fraction; for GSPO the fraction of clipped responses),
+        ``ratio_mean/min/max`` (of ``s_i`` for the sequence levels, ``w_{i,t}`` for token),
+        ``objective``, ``tokens``, ``sequences``, and ``kl`` when a reference is given.
+    """
+    check_level(level)
+    if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape:
+        raise ValueError(
+            "logprobs, old_logprobs and mask must share one [B, T] shape; got "
+            f"{list(logprobs.shape)}, {list(old_logprobs.shape)}, {list(mask.shape)}"
+        )
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [B, T]; got {logprobs.dim()} dimensions")
+    if kl_coef != 0.0 and ref_logprobs is None:
+        raise ValueError("kl_coef is non-zero but ref_logprobs is None")
+    default_low, default_high = DEFAULT_CLIP[level]
+    clip_low = default_low if clip_low is None else float(clip_low)
+    clip_high = default_high if clip_high is None else float(clip_high)
+
+    mask = mask.bool()
+    advantages = _as_advantages(advantages, mask, level)
+    dtype = _accumulation_dtype(logprobs)
+    advantages = advantages.to(dtype)
+    valid_rows = mask.any(dim=-1)
+
+    if level == "sequence":
+        ratio = sequence_ratio(logprobs, old_logprobs, mask)  # [B]
+        objective, low, high = clipped_objective(ratio, advantages, clip_low, clip_high)
+        # A clipped response clips all of its tokens: broadcast the test to [B, T].
+        low_tokens = low.unsqueeze(-1) & mask
+        high_tokens = high.unsqueeze(-1) & mask
+        stats = _ratio_stats(ratio, valid_rows)
+    else:
+        if level == "token":
+            log_w = token_log_ratio(logprobs, old_logprobs, mask)
+            ratio = log_w.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()  # w_{i,t}
+            stats = _ratio_stats(ratio, mask)
+        else:
+            ratio = sequence_token_ratio(logprobs, old_logprobs, mask)  # s_{i,t}
+            # Every token of response i holds the value s_i: report it once per response.
+            stats = _ratio_stats(mean_over_tokens(ratio, mask), valid_rows)
+        token_advantages = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)
+        objective, low, high = clipped_objective(ratio, token_advantages, clip_low, clip_high)
+        low_tokens = low & mask
+        high_tokens = high & mask
+
+    objective_value = mean_over_responses(objective, mask)
+    loss = -objective_value
+
+    metrics: dict[str, float] = {"objective": objective_value.item()}
+    if ref_logprobs is not None:
+        kl = mean_over_responses(k3_kl(logprobs, ref_logprobs, mask), mask)
+        if kl_coef != 0.0:
+            loss = loss + kl_coef * kl
+        metrics["kl"] = kl.item()
+
+    n_tokens = mask.sum().item()
+    clipped_tokens = low_tokens | high_tokens
+    per_response_fraction = mean_over_tokens(clipped_tokens.float(), mask)
+    metrics.update(
+        {
+            "clip_fraction": clipped_tokens.sum().item() / max(n_tokens, 1),
+            "clip_fraction_low": low_tokens.sum().item() / max(n_tokens, 1),
+            "clip_fraction_high": high_tokens.sum().item() / max(n_tokens, 1),
+            "clip_fraction_sequences": mean_over_responses(per_response_fraction, mask).item(),
+            **stats,
+            "tokens": float(n_tokens),
+            "sequences": float(valid_rows.sum().item()),
+        }
+    )
+    return PolicyLoss(loss=loss, metrics=metrics)
