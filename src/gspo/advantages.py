@@ -48,7 +48,11 @@ def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group") 
         group_std = groups.std(dim=1, keepdim=True)
     else:
         group_std = torch.zeros_like(groups)
-    constant = group_std <= ZERO_STD
+    # Exact equality as well as a small std: the float mean of equal rewards can be off by
+    # an ulp (e.g. 3 x 1000.1 in float32), leaving a std of rounding noise (~7e-5) that
+    # would be divided out into advantages of about +-0.8 for an all-equal group.
+    all_equal = (groups == groups[:, :1]).all(dim=1, keepdim=True)
+    constant = all_equal | (group_std <= ZERO_STD)
     if scale == "group":
         denominator = group_std
     elif scale == "batch":

@@ -1,15 +1,85 @@
-"""The ``gspo`` command."""
+"""The ``gspo`` command.
+
+    gspo train [--config FILE.yaml] [--output-dir DIR] [key.sub=value ...]
+    gspo train --resume DIR [key.sub=value ...]
+    gspo config [--config FILE.yaml] [key.sub=value ...]     # print the resolved config
+
+Bad input (config keys and values, files, reward functions) ends with one line on
+stderr naming what is wrong, and exit status 2 (set GSPO_DEBUG=1 for the traceback).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
 
 from gspo import __version__
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gspo", description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gspo", description="GSPO / GRPO reinforcement learning for language models."
+    )
     parser.add_argument("--version", action="version", version=f"gspo {__version__}")
-    parser.parse_args(argv)
-    parser.print_help()
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="cold-start SFT then RL (GSPO by default)")
+    train.add_argument("--config", type=Path, help="YAML config file")
+    train.add_argument("--output-dir", type=Path, default=Path("runs/gspo"))
+    train.add_argument("--resume", type=Path, metavar="DIR", help="continue the run in DIR")
+    train.add_argument(
+        "--overwrite", action="store_true", help="delete an existing run in --output-dir first"
+    )
+    train.add_argument("overrides", nargs="*", metavar="key.sub=value")
+
+    show = sub.add_parser("config", help="print the resolved config as YAML")
+    show.add_argument("--config", type=Path)
+    show.add_argument("overrides", nargs="*", metavar="key.sub=value")
+    return parser
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from gspo.config import load_config
+    from gspo.trainer import CHECKPOINTS, Trainer, resume_config
+
+    if args.resume is not None:
+        if args.config is not None:
+            raise ValueError("--resume takes the run's own config.yaml; drop --config")
+        config = resume_config(args.resume, args.overrides)
+        output_dir = args.resume
+    else:
+        config = load_config(args.config, args.overrides)
+        output_dir = args.output_dir
+        if (output_dir / CHECKPOINTS).exists():
+            if not args.overwrite:
+                raise ValueError(
+                    f"--output-dir {output_dir} already holds a run; "
+                    "use --resume to continue it or --overwrite to start over"
+                )
+            shutil.rmtree(output_dir)
+    trainer = Trainer(config, output_dir, resume=args.resume is not None)
+    trainer.fit()
+    print(f"run written to {output_dir}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            return run_train(args)
+        from gspo.config import dump_config_text, load_config
+
+        print(dump_config_text(load_config(args.config, args.overrides)), end="")
+        return 0
+    except (ValueError, FileNotFoundError) as exc:  # ConfigError and RewardError included
+        if os.environ.get("GSPO_DEBUG"):
+            raise
+        print(f"gspo: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("gspo: interrupted; resume with gspo train --resume DIR", file=sys.stderr)
+        return 130

@@ -100,6 +100,9 @@ def sequence_token_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -
     """
     s = sequence_ratio(logprobs, old_logprobs, mask).detach()
     lp = logprobs.to(_accumulation_dtype(logprobs))
+    # Masked positions may hold -inf/NaN: exp(lp - lp) would be NaN there, and its NaN
+    # gradient would leak through the later masking `where` (0 * NaN). Replace them first.
+    lp = torch.where(mask.bool(), lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
     return s.unsqueeze(-1) * torch.exp(lp - lp.detach())
 
 

@@ -1,0 +1,210 @@
+"""Typed configuration: YAML file plus dotted ``key.sub=value`` overrides, one loader.
+
+Every batch size is per optimizer step (global), never per process.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A bad config file, key or value; the message is one line naming it."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str | None = Field(None, description="Local HF causal-LM directory; None = built-in")
+    builtin: Literal["qwen3", "qwen3_moe"] = "qwen3"
+    layers: int = Field(4, ge=1)
+    hidden: int = Field(256, ge=8)
+    heads: int = Field(4, ge=1)
+    kv_heads: int = Field(2, ge=1)
+    intermediate: int = Field(768, ge=8)
+    experts: int = Field(8, ge=1)
+    experts_per_token: int = Field(2, ge=1)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"
+
+
+class DataConfig(_Section):
+    task: Literal["addition"] = "addition"
+    train: str | None = Field(None, description="JSONL/JSON/Parquet with a prompt column")
+    eval: str | None = None
+    sft: str | None = Field(None, description="Cold-start rows with prompt and completion")
+    digits: int = Field(2, ge=1, le=6)
+    eval_size: int = Field(500, ge=1)
+    sft_size: int = Field(4000, ge=1)
+    label_noise: float = Field(0.5, ge=0.0, le=1.0)
+
+
+class RewardConfig(_Section):
+    functions: list[str] = Field(default_factory=lambda: ["exact_match"])
+    weights: list[float] | None = None
+
+
+class RolloutConfig(_Section):
+    engine: Literal["torch"] = "torch"
+    group_size: int = Field(8, ge=1)
+    prompts_per_batch: int = Field(16, ge=1)
+    max_new_tokens: int = Field(8, ge=1)
+    temperature: float = Field(1.0, gt=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+
+
+class AlgorithmConfig(_Section):
+    level: Literal["sequence", "sequence_token", "token"] = "sequence"
+    clip_low: float | None = Field(None, ge=0.0)
+    clip_high: float | None = Field(None, ge=0.0)
+    minibatches: int = Field(4, ge=1)
+    old_logprobs: Literal["sampler", "recompute"] = "sampler"
+    advantage_scale: Literal["group", "batch", "none"] = "group"
+    kl_coef: float = Field(0.0, ge=0.0)
+
+
+class OptimConfig(_Section):
+    lr: float = Field(1e-4, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: float = Field(1.0, ge=0.0)
+    warmup_steps: int = Field(0, ge=0)
+
+
+class TrainConfig(_Section):
+    max_steps: int = Field(200, ge=0, description="Optimizer steps of RL")
+    cold_start_steps: int = Field(1500, ge=0)
+    cold_start_lr: float = Field(1e-3, gt=0.0)
+    cold_start_batch_size: int = Field(64, ge=1)
+    seed: int = 0
+    save_every: int = Field(100, ge=0, description="Optimizer steps; 0 = only at the end")
+
+
+class EvalConfig(_Section):
+    every: int = Field(40, ge=0, description="Optimizer steps; 0 = only at start and end")
+    samples: int = Field(4, ge=1, description="Sampled responses per held-out prompt")
+    max_prompts: int = Field(500, ge=1)
+    greedy: bool = True
+    success_threshold: float = 1.0
+
+
+class LogConfig(_Section):
+    tensorboard: bool = True
+    plots: bool = True
+    progress: bool = True
+    wandb: dict[str, Any] | None = None
+    mlflow: dict[str, Any] | None = None
+
+
+class Config(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Config:
+        batch = self.rollout.group_size * self.rollout.prompts_per_batch
+        if self.algorithm.minibatches > batch:
+            raise ValueError(
+                f"algorithm.minibatches={self.algorithm.minibatches} exceeds the rollout batch "
+                f"of {batch} responses (rollout.group_size * rollout.prompts_per_batch)"
+            )
+        if self.reward.weights is not None and len(self.reward.weights) != len(
+            self.reward.functions
+        ):
+            raise ValueError(
+                f"reward.weights has {len(self.reward.weights)} entries for "
+                f"{len(self.reward.functions)} reward.functions"
+            )
+        return self
+
+    @property
+    def rollout_batches(self) -> int:
+        """Rollout batches needed for ``train.max_steps`` optimizer steps."""
+        return -(-self.train.max_steps // self.algorithm.minibatches)
+
+
+def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """``tree['a']['b'] = value`` for ``dotted = 'a.b'``, creating sections as needed."""
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for key in parents:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: {key} is a value, not a section")
+        node = child
+    node[leaf] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``'optim.lr=3e-4' -> ('optim.lr', 3e-4)``; the value is parsed as YAML."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r} must look like key.sub=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{key}: cannot parse value {raw!r} as YAML") from exc
+    # YAML 1.1 reads "3e-4" (no dot) as a string; numbers written that way are meant.
+    if isinstance(value, str) and re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+", value):
+        value = float(value)
+    return key, value
+
+
+def _error_line(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "extra_forbidden":
+        return f"{where}: unknown key"
+    message = err["msg"].removeprefix("Value error, ")
+    value = err.get("input")
+    shown = "" if isinstance(value, dict) or where == "" else f" (got {value!r})"
+    return f"{where}: {message}{shown}" if where else message
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> Config:
+    """The config from an optional YAML file plus overrides; one-line :class:`ConfigError`."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        tree = loaded or {}
+    for text in overrides:
+        key, value = parse_override(text)
+        set_dotted(tree, key, value)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_error_line(exc)) from None
+
+
+def dump_config_text(config: Config) -> str:
+    """The resolved config as YAML text (reloadable with :func:`load_config`)."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def dump_config(config: Config, path: str | Path) -> None:
+    """Write the resolved config as YAML to ``path``."""
+    Path(path).write_text(dump_config_text(config))

@@ -1,0 +1,231 @@
+"""Models and tokenizers: the tiny built-in ones, loading any local HF causal LM, log-probs.
+
+Everything the trainer and the rollout engines need from a model goes through
+:func:`load_model` and :func:`completion_logprobs`, so a built-in tiny Qwen3 and a
+user's Qwen3-8B directory take the same path.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+#: Characters of the built-in tokenizer: printable ASCII (one token per character).
+CHARSET = string.digits + string.ascii_letters + string.punctuation + " \n"
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Size of a built-in model (a real transformers architecture, random init)."""
+
+    architecture: str = "qwen3"
+    layers: int = 4
+    hidden: int = 256
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 768
+    max_positions: int = 512
+    # MoE only (architecture "qwen3_moe"):
+    experts: int = 8
+    experts_per_token: int = 2
+    expert_intermediate: int = 256
+
+
+def build_char_tokenizer():
+    """A character-level fast tokenizer (``tokenizers`` WordLevel over single characters).
+
+    No BOS is added automatically: prompts are encoded as plain characters and the
+    model ends a completion with ``<eos>``.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, UNK, *CHARSET])}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def build_tiny_model(spec: TinyModelSpec, tokenizer, seed: int):
+    """A randomly initialised transformers causal LM of the given architecture."""
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.hidden // spec.heads,
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        rope_theta=10000.0,
+    )
+    if spec.architecture == "qwen3":
+        config = Qwen3Config(intermediate_size=spec.intermediate, **common)
+    elif spec.architecture == "qwen3_moe":
+        config = Qwen3MoeConfig(
+            intermediate_size=spec.intermediate,
+            moe_intermediate_size=spec.expert_intermediate,
+            num_experts=spec.experts,
+            num_experts_per_tok=spec.experts_per_token,
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+            **common,
+        )
+    else:
+        raise ValueError(
+            f"model.builtin architecture must be 'qwen3' or 'qwen3_moe'; got {spec.architecture!r}"
+        )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model
+
+
+def quiet_transformers() -> None:
+    """No per-shard progress bars in our logs."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+
+
+def save_pretrained_atomic(
+    model, tokenizer, directory: str | Path, *, also: Callable[[Path], None] | None = None
+) -> Path:
+    """``save_pretrained`` model and tokenizer into ``directory`` via a temp dir + rename.
+
+    ``also(tmp_dir)`` may write more files (e.g. optimizer state) before the rename, so
+    a reader sees either the whole directory or none of it.
+    """
+    quiet_transformers()
+    directory = Path(directory)
+    tmp = directory.with_name("." + directory.name + ".tmp")
+    if tmp.exists():
+        _rmtree(tmp)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if also is not None:
+        also(tmp)
+    if directory.exists():
+        _rmtree(directory)
+    os.replace(tmp, directory)
+    return directory
+
+
+def _rmtree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # bf16 matmuls are hundreds of times slower than fp32 on CPUs without AVX512-BF16.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"model.dtype must be auto or one of {', '.join(DTYPES)}; got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype):
+    """Load a local HF causal-LM directory (AutoModelForCausalLM + AutoTokenizer).
+
+    Raises ``FileNotFoundError``/``ValueError`` with a one-line message naming the path.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quiet_transformers()
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model.path: {path} is not a directory")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model.path: {path} has no config.json (not a HF model dir)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except (OSError, ValueError, KeyError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"model.path: cannot load {path}: {first_line}") from exc
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    model.to(device)
+    model.config.use_cache = True
+    return model, tokenizer
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """Positions that skip left padding: ``cumsum(mask) - 1``, clamped at 0."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def completion_logprobs(
+    model,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    temperature: float = 1.0,
+) -> Tensor:
+    """Log-probs of the completion tokens under ``model``, ``[N, T]`` float32.
+
+    ``prompt_ids``/``prompt_mask`` ``[N, P]`` (left-padded), ``completion_ids``/
+    ``completion_mask`` ``[N, T]`` (right-padded). The logits are divided by
+    ``temperature`` first, as the sampler does, so the trainer's pi_theta and the
+    sampler's pi_old are the same distribution. Only the ``T`` positions that predict
+    completion tokens are projected to the vocabulary (``logits_to_keep``).
+    """
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
+    t = completion_ids.shape[1]
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+        logits_to_keep=t + 1,
+    )
+    logits = out.logits[:, :-1, :]  # position P-1+k predicts completion token k
+    return token_logprobs_from_logits(logits, completion_ids, temperature)
+
+
+def token_logprobs_from_logits(logits: Tensor, token_ids: Tensor, temperature: float) -> Tensor:
+    """``log softmax(logits / temperature)[token]`` in float32, ``[N, T, V] -> [N, T]``.
+
+    Computed row by row so that at most one row of float32 logits exists at a time.
+    """
+    rows = []
+    for row_logits, row_ids in zip(logits, token_ids, strict=True):
+        scaled = row_logits.float() / temperature
+        picked = scaled.gather(-1, row_ids.unsqueeze(-1)).squeeze(-1)
+        rows.append(picked - torch.logsumexp(scaled, dim=-1))
+    return torch.stack(rows)

@@ -1,0 +1,546 @@
+"""The RL loop: cold-start SFT, then GSPO (or GRPO / GSPO-token), with eval and checkpoints.
+
+Follow one rollout batch through :meth:`Trainer.rl_step`:
+
+    prompts --engine.generate--> RolloutBatch --rewards--> scores
+    --group_advantages--> A --split into minibatches--> policy_loss --> optimizer step
+
+Randomness is derived, not carried: the prompts of rollout batch ``b``, the sampling seed
+of ``b``, the minibatch split of ``b`` and the eval seed at step ``s`` are all pure
+functions of ``(train.seed, b or s)``. A resumed run therefore replays exactly what an
+uninterrupted run would have done, with only the model and optimizer state to restore.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gspo.advantages import group_advantages
+from gspo.config import Config, dump_config, load_config
+from gspo.models import (
+    TinyModelSpec,
+    build_char_tokenizer,
+    build_tiny_model,
+    completion_logprobs,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+    save_pretrained_atomic,
+)
+from gspo.objectives import mean_over_tokens, policy_loss
+from gspo.rewards import RewardFunctions
+from gspo.rollout import RolloutBatch, SamplingParams, TorchEngine, left_pad
+from gspo.tasks import BUILTIN_TASKS, TaskData, as_completion, encode_prompt, load_rows
+from gspo.telemetry import (
+    MetricsLogger,
+    TrainingProgress,
+    plot_metrics,
+    print_summary,
+    read_metrics,
+)
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+TRAINER_STATE = "trainer_state.pt"
+
+
+def derive_seed(seed: int, *tags: object) -> int:
+    """A 63-bit seed that is a pure function of ``seed`` and ``tags``."""
+    digest = hashlib.sha256(repr((seed, *tags)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def load_task_data(config: Config) -> TaskData:
+    """The built-in task, or the user's files (``data.train`` / ``data.eval`` / ``data.sft``)."""
+    data = config.data
+    if data.train is None:
+        task = BUILTIN_TASKS[data.task](
+            digits=data.digits,
+            eval_size=data.eval_size,
+            sft_size=data.sft_size,
+            label_noise=data.label_noise,
+            seed=derive_seed(config.train.seed, "task"),
+        )
+        if data.eval is not None:
+            task.eval = load_rows(data.eval, what="data.eval")
+        if data.sft is not None:
+            task.sft = load_rows(data.sft, what="data.sft")
+        return task
+    train = load_rows(data.train, what="data.train")
+    evaluation = load_rows(data.eval, what="data.eval") if data.eval else []
+    sft = load_rows(data.sft, what="data.sft") if data.sft else []
+    if sft and "completion" not in sft[0]:
+        raise ValueError(f"data.sft: {data.sft} has no 'completion' column")
+    return TaskData(train=train, eval=evaluation, sft=sft)
+
+
+def build_or_load_model(config: Config, output_dir: Path, device: torch.device):
+    """``model.path``, or a built-in tiny model saved to ``output_dir/base_model`` first.
+
+    Both go through :func:`load_model`, so the built-in takes the user's code path.
+    """
+    if config.model.path is not None:
+        return load_model(config.model.path, device=device, dtype=torch.float32)
+    m = config.model
+    spec = TinyModelSpec(
+        architecture=m.builtin,
+        layers=m.layers,
+        hidden=m.hidden,
+        heads=m.heads,
+        kv_heads=m.kv_heads,
+        intermediate=m.intermediate,
+        experts=m.experts,
+        experts_per_token=m.experts_per_token,
+    )
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(spec, tokenizer, seed=derive_seed(config.train.seed, "init"))
+    base = save_pretrained_atomic(model, tokenizer, output_dir / "base_model")
+    return load_model(base, device=device, dtype=torch.float32)
+
+
+def column_batch(rows: list[dict[str, Any]], repeat: int) -> dict[str, list[Any]]:
+    """Dataset columns other than ``prompt``, each repeated ``repeat`` times per row."""
+    keys = [k for k in rows[0] if k != "prompt"] if rows else []
+    return {k: [row.get(k) for row in rows for _ in range(repeat)] for k in keys}
+
+
+@dataclass
+class Scored:
+    """A rollout batch with its decoded completions and rewards."""
+
+    batch: RolloutBatch
+    completions: list[Any]
+    rewards: torch.Tensor  # [N] float32
+    per_function: dict[str, list[float | None]]
+
+
+class Trainer:
+    """Holds the model, optimizer, engine and data of one run; :meth:`fit` runs it."""
+
+    def __init__(self, config: Config, output_dir: str | Path, *, resume: bool = False):
+        self.config = config
+        self.output_dir = Path(output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.device = resolve_device(config.model.device)
+        self.compute_dtype = resolve_dtype(config.model.dtype, self.device)
+        self.data = load_task_data(config)
+        if not self.data.train:
+            raise ValueError("data.train: no training prompts")
+        self.rewards = RewardFunctions.from_specs(config.reward.functions, config.reward.weights)
+        self.step = 0
+        checkpoint = latest_checkpoint(self.output_dir) if resume else None
+        if resume and checkpoint is None:
+            raise FileNotFoundError(
+                f"--resume: no checkpoint under {self.output_dir / CHECKPOINTS}"
+            )
+        if checkpoint is not None:
+            self.model, self.tokenizer = load_model(
+                checkpoint, device=self.device, dtype=torch.float32
+            )
+        else:
+            self.model, self.tokenizer = build_or_load_model(config, self.output_dir, self.device)
+        self.engine = TorchEngine(
+            self.model,
+            pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=self.tokenizer.eos_token_id,
+        )
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=config.optim.lr,
+            betas=config.optim.betas,
+            weight_decay=config.optim.weight_decay,
+        )
+        warmup = config.optim.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
+        )
+        self.cold_start_done = False
+        if checkpoint is not None:
+            state = torch.load(
+                checkpoint / TRAINER_STATE, map_location=self.device, weights_only=True
+            )
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.step = int(state["step"])
+            self.cold_start_done = True
+        self.train_prompt_ids = [
+            encode_prompt(r["prompt"], self.tokenizer) for r in self.data.train
+        ]
+        self.eval_prompt_ids = [encode_prompt(r["prompt"], self.tokenizer) for r in self.data.eval]
+        self.sampling = SamplingParams(
+            max_new_tokens=config.rollout.max_new_tokens,
+            temperature=config.rollout.temperature,
+            top_p=config.rollout.top_p,
+        )
+        self.logger = MetricsLogger(
+            self.output_dir,
+            tensorboard=config.log.tensorboard,
+            resume_step=self.step if checkpoint is not None else None,
+            wandb=config.log.wandb,
+            mlflow=config.log.mlflow,
+        )
+        dump_config(config, self.output_dir / "config.yaml")
+
+    # ------------------------------------------------------------------ helpers
+    def autocast(self):
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
+
+    def logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        with self.autocast():
+            return completion_logprobs(
+                self.model,
+                batch.prompt_ids,
+                batch.prompt_mask,
+                batch.completion_ids,
+                batch.completion_mask,
+                temperature=self.config.rollout.temperature,
+            )
+
+    def prompts_for_batch(self, index: int) -> list[int]:
+        """Row indices of rollout batch ``index``: epochs of seeded permutations."""
+        n, k = len(self.data.train), self.config.rollout.prompts_per_batch
+        rows: list[int] = []
+        position = index * k
+        while len(rows) < k:
+            epoch, offset = divmod(position, n)
+            order = list(range(n))
+            random.Random(derive_seed(self.config.train.seed, "data", epoch)).shuffle(order)
+            take = order[offset : offset + k - len(rows)]
+            rows.extend(take)
+            position += len(take)
+        return rows
+
+    def score(self, rows: list[dict[str, Any]], batch: RolloutBatch) -> Scored:
+        group = batch.group_size
+        texts = self.tokenizer.batch_decode(
+            [
+                ids[m].tolist()
+                for ids, m in zip(batch.completion_ids, batch.completion_mask, strict=True)
+            ],
+            skip_special_tokens=True,
+        )
+        prompts = [row["prompt"] for row in rows for _ in range(group)]
+        completions = [as_completion(t, p) for t, p in zip(texts, prompts, strict=True)]
+        result = self.rewards(prompts, completions, column_batch(rows, group))
+        rewards = torch.tensor(result.rewards, dtype=torch.float32)
+        return Scored(batch, completions, rewards, result.per_function)
+
+    # ------------------------------------------------------------------ stages
+    def cold_start(self) -> None:
+        """Supervised fine-tuning on ``prompt`` -> ``completion`` rows (the cold-start model)."""
+        cfg, rows = self.config.train, self.data.sft
+        if cfg.cold_start_steps == 0 or not rows:
+            return
+        rng = random.Random(derive_seed(cfg.seed, "sft"))
+        optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.cold_start_lr, betas=(0.9, 0.99)
+        )
+        eos = self.tokenizer.eos_token_id
+        encoded = [
+            (
+                encode_prompt(r["prompt"], self.tokenizer),
+                [*self.tokenizer(r["completion"], add_special_tokens=False)["input_ids"], eos],
+            )
+            for r in rows
+        ]
+        self.model.train()
+        start = time.perf_counter()
+        for i in range(cfg.cold_start_steps):
+            # cosine decay to 10% keeps the end of SFT from bouncing around
+            lr = cfg.cold_start_lr * (0.55 + 0.45 * math.cos(math.pi * i / cfg.cold_start_steps))
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            picked = [
+                encoded[rng.randrange(len(encoded))] for _ in range(cfg.cold_start_batch_size)
+            ]
+            prompt_ids, prompt_mask = left_pad(
+                [p for p, _ in picked], self.tokenizer.pad_token_id, self.device
+            )
+            completion_ids, completion_mask = right_pad(
+                [c for _, c in picked], self.tokenizer.pad_token_id, self.device
+            )
+            with self.autocast():
+                lp = completion_logprobs(
+                    self.model, prompt_ids, prompt_mask, completion_ids, completion_mask
+                )
+            loss = -lp[completion_mask.bool()].mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if (i + 1) % 100 == 0 or i + 1 == cfg.cold_start_steps:
+                self.logger.log(
+                    0,
+                    {
+                        "sft/step": i + 1,
+                        "sft/loss": loss.item(),
+                        "time/sft": time.perf_counter() - start,
+                    },
+                )
+        self.cold_start_done = True
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Held-out pass@1: mean success over ``eval.samples`` samples, plus greedy."""
+        cfg = self.config.eval
+        rows = self.data.eval[: cfg.max_prompts]
+        ids = self.eval_prompt_ids[: cfg.max_prompts]
+        if not rows:
+            return {}
+        metrics: dict[str, float] = {}
+        chunk = max(
+            1, self.config.rollout.prompts_per_batch * self.config.rollout.group_size // cfg.samples
+        )
+        modes = [("", cfg.samples, self.sampling)]
+        if cfg.greedy:
+            modes.append(
+                ("_greedy", 1, SamplingParams(self.sampling.max_new_tokens, temperature=0.0))
+            )
+        start = time.perf_counter()
+        for suffix, n, params in modes:
+            rewards, lengths = [], []
+            for c in range(0, len(rows), chunk):
+                seed = derive_seed(self.config.train.seed, "eval", self.step, suffix, c)
+                with self.autocast():
+                    batch = self.engine.generate(ids[c : c + chunk], n=n, params=params, seed=seed)
+                scored = self.score(rows[c : c + chunk], batch)
+                rewards.append(scored.rewards)
+                lengths.append(batch.completion_lengths.float().cpu())
+            r = torch.cat(rewards)
+            metrics[f"eval/accuracy{suffix}"] = (r >= cfg.success_threshold).float().mean().item()
+            metrics[f"eval/reward_mean{suffix}"] = r.mean().item()
+            metrics[f"eval/response_length_mean{suffix}"] = torch.cat(lengths).mean().item()
+        metrics["time/eval"] = time.perf_counter() - start
+        return metrics
+
+    def rl_step(self, rollout_index: int) -> list[tuple[int, dict[str, float]]]:
+        """One rollout batch: sample, score, advantages, ``algorithm.minibatches`` updates."""
+        cfg = self.config
+        timer = time.perf_counter
+        t0 = timer()
+        rows_idx = self.prompts_for_batch(rollout_index)
+        rows = [self.data.train[i] for i in rows_idx]
+        with self.autocast():
+            batch = self.engine.generate(
+                [self.train_prompt_ids[i] for i in rows_idx],
+                n=cfg.rollout.group_size,
+                params=self.sampling,
+                seed=derive_seed(cfg.train.seed, "rollout", rollout_index),
+            )
+        t_generate = timer() - t0
+
+        t1 = timer()
+        scored = self.score(rows, batch)
+        advantages = group_advantages(
+            scored.rewards, cfg.rollout.group_size, scale=cfg.algorithm.advantage_scale
+        ).to(self.device)
+        t_reward = timer() - t1
+
+        t2 = timer()
+        old_logprobs = batch.sampler_logprobs
+        recomputed = None
+        if cfg.algorithm.old_logprobs == "recompute":
+            with torch.no_grad():
+                recomputed = self.logprobs(batch)
+            old_logprobs = recomputed
+        t_old = timer() - t2
+
+        n = len(batch)
+        order = torch.randperm(
+            n,
+            generator=torch.Generator().manual_seed(
+                derive_seed(cfg.train.seed, "minibatch", rollout_index)
+            ),
+        )
+        rollout_metrics = self.rollout_metrics(scored, advantages)
+        rollout_metrics.update(
+            {"time/generate": t_generate, "time/reward": t_reward, "time/old_logprobs": t_old}
+        )
+        if recomputed is not None:
+            rollout_metrics.update(
+                logprob_mismatch(batch.sampler_logprobs, recomputed, batch.completion_mask)
+            )
+
+        lines = []
+        self.model.train()
+        for k, rows_mb in enumerate(order.chunk(cfg.algorithm.minibatches)):
+            t3 = timer()
+            rows_mb = rows_mb.to(self.device)
+            mb = batch.select(rows_mb)
+            lp = self.logprobs(mb)
+            olp = old_logprobs[rows_mb][:, : lp.shape[1]]
+            out = policy_loss(
+                lp,
+                olp,
+                advantages[rows_mb],
+                mb.completion_mask,
+                level=cfg.algorithm.level,
+                clip_low=cfg.algorithm.clip_low,
+                clip_high=cfg.algorithm.clip_high,
+                kl_coef=cfg.algorithm.kl_coef,
+                ref_logprobs=None,
+            )
+            out.loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(),
+                cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"),
+            )
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            line = {f"train/{key}": value for key, value in out.metrics.items()}
+            line["train/loss"] = out.loss.item()
+            line["train/grad_norm"] = grad_norm.item()
+            line["train/lr"] = self.scheduler.get_last_lr()[0]
+            line["train/minibatch"] = k
+            line["train/rollout"] = rollout_index
+            if k == 0 and recomputed is None:
+                # The first minibatch is on-policy: its log-probs are the recompute for free.
+                line.update(logprob_mismatch(mb.sampler_logprobs, lp.detach(), mb.completion_mask))
+            line["time/train"] = timer() - t3
+            line.update(rollout_metrics)
+            lines.append((self.step, line))
+        step_time = timer() - t0
+        for _, line in lines:
+            line["time/step"] = step_time / len(lines)
+        return lines
+
+    def rollout_metrics(self, scored: Scored, advantages: torch.Tensor) -> dict[str, float]:
+        batch, rewards = scored.batch, scored.rewards
+        g = batch.group_size
+        lengths = batch.completion_lengths.float().cpu()
+        group_std = rewards.view(-1, g).std(dim=1) if g > 1 else torch.zeros(len(rewards) // g)
+        metrics = {
+            "train/reward_mean": rewards.mean().item(),
+            "train/reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
+            "train/zero_std_fraction": (group_std <= 1e-6).float().mean().item(),
+            "train/advantage_abs_mean": advantages.abs().mean().item(),
+            "train/response_length_mean": lengths.mean().item(),
+            "train/response_length_max": lengths.max().item(),
+            "train/truncated_fraction": sum(r == "length" for r in batch.finish_reasons)
+            / len(batch),
+        }
+        for name, values in scored.per_function.items():
+            numbers = [v for v in values if v is not None]
+            if len(scored.per_function) > 1 and numbers:
+                metrics[f"train/reward/{name}"] = sum(numbers) / len(numbers)
+        return metrics
+
+    # ------------------------------------------------------------------ the run
+    def fit(self) -> list[dict[str, Any]]:
+        cfg = self.config
+        if not self.cold_start_done:
+            self.cold_start()
+            self.save_checkpoint()  # step 0: the cold-start model; RL resumes from here
+        if self.step == 0:
+            self.logger.log(0, self.evaluate())
+        total = cfg.train.max_steps
+        start_batch = self.step // cfg.algorithm.minibatches
+        with TrainingProgress(total, enabled=cfg.log.progress, start_step=self.step) as progress:
+            for rollout_index in range(start_batch, cfg.rollout_batches):
+                before = self.step
+                for step, line in self.rl_step(rollout_index):
+                    self.logger.log(step, line)
+                progress.update(self.step, line)
+                last = rollout_index == cfg.rollout_batches - 1
+                if crossed(before, self.step, cfg.eval.every) or last:
+                    metrics = self.evaluate()
+                    self.logger.log(self.step, metrics)
+                    progress.update(self.step, metrics)
+                if crossed(before, self.step, cfg.train.save_every) or last:
+                    self.save_checkpoint()
+        self.logger.close()
+        records = read_metrics(self.output_dir / "metrics.jsonl")
+        if cfg.log.plots:
+            plot_metrics(self.output_dir / "metrics.jsonl", self.output_dir / "plots")
+        print_summary(records)
+        return records
+
+    def save_checkpoint(self) -> Path:
+        """``checkpoints/step-NNNNNNN``: HF model + tokenizer + trainer state, atomically."""
+        root = self.output_dir / CHECKPOINTS
+        root.mkdir(exist_ok=True)
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+        }
+        final = save_pretrained_atomic(
+            self.model,
+            self.tokenizer,
+            root / f"step-{self.step:07d}",
+            also=lambda tmp: torch.save(state, tmp / TRAINER_STATE),
+        )
+        write_atomic(root / LATEST, final.name)
+        return final
+
+
+def crossed(before: int, after: int, every: int) -> bool:
+    """Whether a multiple of ``every`` lies in ``(before, after]``."""
+    return every > 0 and after // every > before // every
+
+
+def right_pad(
+    sequences: list[list[int]], pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, : len(s)] = True
+    return ids.to(device), mask.to(device)
+
+
+def logprob_mismatch(
+    sampler: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """Training/inference mismatch: token-level |delta log p| and the sequence-level mean delta."""
+    mask = mask.bool()
+    delta = (trainer.float() - sampler.float()).detach()
+    token_abs = delta.abs()[mask]
+    if token_abs.numel() == 0:
+        return {}
+    sequence_delta = mean_over_tokens(delta, mask)[mask.any(-1)]
+    return {
+        "mismatch/token_abs_mean": token_abs.mean().item(),
+        "mismatch/token_abs_max": token_abs.max().item(),
+        "mismatch/sequence_mean_delta_abs_mean": sequence_delta.abs().mean().item(),
+    }
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    pointer = output_dir / CHECKPOINTS / LATEST
+    if not pointer.is_file():
+        return None
+    path = output_dir / CHECKPOINTS / pointer.read_text().strip()
+    return path if (path / TRAINER_STATE).is_file() else None
+
+
+def train(config: Config, output_dir: str | Path, *, resume: bool = False) -> list[dict[str, Any]]:
+    """Run (or resume) a training run; returns the metric records."""
+    return Trainer(config, output_dir, resume=resume).fit()
+
+
+def resume_config(output_dir: str | Path, overrides: list[str]) -> Config:
+    """The config a run was started with (``config.yaml``), plus overrides."""
+    return load_config(Path(output_dir) / "config.yaml", overrides)

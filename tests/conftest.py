@@ -1,0 +1,19 @@
+"""Shared fixtures: a tiny Qwen3 model and the character tokenizer."""
+
+import pytest
+import torch
+
+from gspo.models import TinyModelSpec, build_char_tokenizer, build_tiny_model
+
+SMALL = TinyModelSpec(layers=2, hidden=64, heads=2, kv_heads=1, intermediate=128)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return build_char_tokenizer()
+
+
+@pytest.fixture
+def tiny_model(tokenizer):
+    torch.manual_seed(0)
+    return build_tiny_model(SMALL, tokenizer, seed=0)

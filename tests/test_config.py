@@ -1,0 +1,93 @@
+"""Config: YAML + dotted overrides, one-line errors naming the key."""
+
+import pytest
+
+from gspo.cli import main
+from gspo.config import ConfigError, dump_config, load_config, parse_override
+
+
+def test_defaults_are_the_papers_gspo_settings():
+    c = load_config()
+    assert c.algorithm.level == "sequence"
+    assert c.algorithm.minibatches == 4
+    assert c.algorithm.kl_coef == 0.0
+    assert c.algorithm.clip_low is None and c.algorithm.clip_high is None  # -> 3e-4 / 4e-4
+
+
+def test_overrides_are_parsed_as_yaml_values():
+    c = load_config(
+        overrides=[
+            "optim.lr=3e-4",
+            "rollout.group_size=4",
+            "algorithm.level=token",
+            "reward.functions=[exact_match, numeric_match]",
+            "reward.weights=[1, 0.5]",
+            "log.tensorboard=false",
+        ]
+    )
+    assert c.optim.lr == pytest.approx(3e-4)
+    assert c.rollout.group_size == 4
+    assert c.algorithm.level == "token"
+    assert c.reward.functions == ["exact_match", "numeric_match"]
+    assert c.reward.weights == [1.0, 0.5]
+    assert c.log.tensorboard is False
+
+
+def test_file_then_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  lr: 0.01\ntrain:\n  max_steps: 8\n")
+    c = load_config(path, ["train.max_steps=12"])
+    assert c.optim.lr == 0.01 and c.train.max_steps == 12
+
+
+def test_dump_and_reload_round_trip(tmp_path):
+    c = load_config(overrides=["algorithm.clip_high=0.3", "model.path=/some/dir"])
+    dump_config(c, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == c
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("optim.lrr=1", "optim.lrr: unknown key"),
+        ("nosuch.key=1", "nosuch: unknown key"),
+        ("rollout.group_size=0", "rollout.group_size:"),
+        ("algorithm.level=bogus", "algorithm.level:"),
+        ("optim.lr=abc", "optim.lr:"),
+        ("reward.weights=[1, 2]", "reward.weights has 2 entries for 1 reward.functions"),
+        ("algorithm.minibatches=1000", "algorithm.minibatches=1000 exceeds"),
+    ],
+)
+def test_bad_values_name_the_key(override, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[override])
+    message = str(info.value)
+    assert expected in message
+    assert "\n" not in message
+
+
+def test_malformed_override():
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        parse_override("justakey")
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a list\n- not sections\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(bad)
+
+
+def test_cli_bad_key_is_one_line_exit_2(capsys):
+    code = main(["train", "optim.nope=1", "--output-dir", "unused"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.strip() == "gspo: error: optim.nope: unknown key"
+
+
+def test_cli_config_prints_resolved_yaml(capsys):
+    assert main(["config", "optim.lr=0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "lr: 0.5" in out

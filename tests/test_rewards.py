@@ -1,0 +1,589 @@
+"""Tests for gspo.rewards: built-in verifiers, loading specs, combining rewards."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from gspo.rewards import (
+    BUILTIN_REWARDS,
+    RewardError,
+    RewardFunctions,
+    RewardResult,
+    completion_text,
+    extract_final_answer,
+    load_reward_function,
+    parse_number,
+)
+
+
+def chat(text: str) -> list[dict[str, str]]:
+    return [{"role": "assistant", "content": text}]
+
+
+def score(name: str, completions: list, answers: list, prompts: list | None = None) -> list:
+    prompts = prompts if prompts is not None else ["q"] * len(completions)
+    return BUILTIN_REWARDS[name](prompts=prompts, completions=completions, answer=answers)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def test_builtin_names() -> None:
+    assert set(BUILTIN_REWARDS) == {"exact_match", "numeric_match", "math", "format"}
+
+
+@pytest.mark.parametrize(
+    ("completion", "text"),
+    [
+        ("plain", "plain"),
+        (chat("hello"), "hello"),
+        ({"role": "assistant", "content": "one"}, "one"),
+        (
+            [{"role": "assistant", "content": "a"}, {"role": "tool", "content": "t"}],
+            "a",
+        ),
+        ([{"role": "assistant", "content": [{"type": "text", "text": "parts"}]}], "parts"),
+        ([], ""),
+        (None, ""),
+    ],
+)
+def test_completion_text(completion: object, text: str) -> None:
+    assert completion_text(completion) == text
+
+
+def test_completion_text_rejects_other_types() -> None:
+    with pytest.raises(TypeError):
+        completion_text(42)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("12", 12.0),
+        ("-3.5", -3.5),
+        ("1,234", 1234.0),
+        ("1,234,567.25", 1234567.25),
+        ("3/4", 0.75),
+        ("-3/4", -0.75),
+        ("\\frac{3}{4}", 0.75),
+        ("-\\dfrac{1}{2}", -0.5),
+        ("$1,234", 1234.0),
+        ("50\\%", 50.0),
+        ("7.", 7.0),
+        (".5", 0.5),
+        ("18 apples", None),
+        ("x", None),
+        ("1/0", None),
+        ("", None),
+    ],
+)
+def test_parse_number(text: str, value: float | None) -> None:
+    assert parse_number(text) == value
+
+
+def test_extract_final_answer_priority() -> None:
+    assert extract_final_answer("Answer: 3 and \\boxed{4} then \\boxed{5}") == "5"
+    assert extract_final_answer("<answer> 7 </answer> Answer: 8") == " 7 "
+    assert extract_final_answer("blah. The answer is 9\nmore") == "9"
+    assert extract_final_answer("\\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
+    assert extract_final_answer("no marker 12") is None
+
+
+# ---------------------------------------------------------------------------- exact_match
+
+
+def test_exact_match() -> None:
+    completions = ["  Paris\n", "paris", chat(" Paris "), "Paris is the capital", chat("Rome")]
+    assert score("exact_match", completions, ["Paris"] * 5) == [1.0, 0.0, 1.0, 0.0, 0.0]
+
+
+def test_exact_match_stringifies_gold_and_none_is_not_applicable() -> None:
+    assert score("exact_match", ["42", "42", "x"], [42, " 42 ", None]) == [1.0, 1.0, None]
+
+
+# ---------------------------------------------------------------------------- numeric_match
+
+
+@pytest.mark.parametrize(
+    ("completion", "gold", "expected"),
+    [
+        ("so the total is \\boxed{12}", "12", 1.0),
+        ("so the total is \\boxed{13}", "12", 0.0),
+        ("Adding up, 5 + 7 = \\boxed{12}. Then 99.", "12", 1.0),
+        ("The answer is -3.5", "-3.5", 1.0),
+        ("The answer is -3.5", "3.5", 0.0),
+        ("The answer is 3.5", "-3.5", 0.0),
+        ("We count 1,234 apples", "1234", 1.0),
+        ("We count 1,234 apples", "1,234", 1.0),
+        ("We count 1,235 apples", "1234", 0.0),
+        ("Half of it: 3/4", "0.75", 1.0),
+        ("\\boxed{\\frac{3}{4}}", "3/4", 1.0),
+        ("\\boxed{\\frac{3}{5}}", "3/4", 0.0),
+        ("<think>2+2=4, then 7</think><answer>18</answer>", "18", 1.0),
+        ("<think>18 is tempting</think><answer>17</answer>", "18", 0.0),
+        ("Answer: x = 5", "5", 1.0),
+        ("The answer is 42. Check: 6*7=42.", "42", 1.0),
+        ("The answer is 41. Check: 6*7=42.", "42", 0.0),
+        ("first 3 then 5 - 2 and finally 8", "8", 1.0),
+        ("5-3", "-3", 0.0),
+        ("no number at all", "3", 0.0),
+        ("value 2.0000001", "2", 1.0),
+        ("value 2.0001", "2", 0.0),
+        ("she pays $18.", "Natalia ... so 72 - 54 = 18.\n#### 18", 1.0),
+        ("\\boxed{18}", 18, 1.0),
+        ("\\boxed{0.5}", 0.5, 1.0),
+    ],
+)
+def test_numeric_match(completion: str, gold: object, expected: float) -> None:
+    assert score("numeric_match", [completion], [gold]) == [expected]
+    assert score("numeric_match", [chat(completion)], [gold], prompts=[[]]) == [expected]
+
+
+def test_numeric_match_non_numeric_gold_is_not_applicable() -> None:
+    assert score("numeric_match", ["\\boxed{5}"] * 4, ["Paris", "x^2", None, float("nan")]) == [
+        None,
+        None,
+        None,
+        None,
+    ]
+
+
+def test_builtin_without_answer_column_names_itself() -> None:
+    with pytest.raises(RewardError, match=r"numeric_match.*'answer'"):
+        BUILTIN_REWARDS["numeric_match"](prompts=["q"], completions=["1"])
+
+
+# ---------------------------------------------------------------------------- format
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        ("so \\boxed{12}", 1.0),
+        ("so \\boxed{\\frac{1}{2}}", 1.0),
+        ("<think>hmm</think><answer>12</answer>", 1.0),
+        ("Final Answer: 12", 1.0),
+        ("answer:\n 12", 1.0),
+        ("so \\boxed{12", 0.0),
+        ("so \\boxed{}", 0.0),
+        ("<answer>  </answer>", 0.0),
+        ("<answer>12", 0.0),
+        ("Answer:", 0.0),
+        ("I think it is 12", 0.0),
+        ("", 0.0),
+    ],
+)
+def test_format(completion: str, expected: float) -> None:
+    f = BUILTIN_REWARDS["format"]
+    assert f(prompts=["q"], completions=[completion]) == [expected]
+    assert f(prompts=[[]], completions=[chat(completion)], answer=["unused"]) == [expected]
+
+
+# ---------------------------------------------------------------------------- math
+
+
+def test_math_equivalent_forms() -> None:
+    cases = [
+        ("The answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("The answer is $0.5$", "\\frac{1}{2}", 1.0),
+        ("So \\boxed{(x+1)^2}", "x^2+2x+1", 1.0),
+        ("So \\boxed{\\frac{\\sqrt{2}}{2}}", "$\\frac{1}{\\sqrt{2}}$", 1.0),
+        ("We get \\boxed{12}", "12", 1.0),
+        ("We get \\boxed{13}", "12", 0.0),
+        ("The answer is -3.5", "-3.5", 1.0),
+        ("<think>first 7</think><answer>3/4</answer>", "0.75", 1.0),
+        ("<think>first 0.75</think><answer>7</answer>", "0.75", 0.0),
+        ("total is 1,234", "1234", 1.0),
+        ("nothing to see", "5", 0.0),
+        ("", "5", 0.0),
+        ("\\boxed{12}", "Natalia sold 48/2 = 24 clips... \n#### 12", 1.0),
+    ]
+    completions = [c for c, _, _ in cases]
+    golds = [g for _, g, _ in cases]
+    expected = [e for _, _, e in cases]
+    assert score("math", completions, golds) == expected
+    assert score("math", [chat(c) for c in completions], golds, prompts=[[]] * len(cases)) == (
+        expected
+    )
+
+
+def test_math_none_gold_and_garbage_do_not_crash() -> None:
+    completions = ["\\boxed{1}", "\\boxed{" * 50 + "}", "$\\frac{$", "\\boxed{1}"]
+    assert score("math", completions, [None, "1", "1", 1]) == [None, 0.0, 0.0, 1.0]
+
+
+def test_math_errors_inside_math_verify_count_as_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    import math_verify
+
+    def broken(*args: object, **kwargs: object) -> bool:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(math_verify, "verify", broken)
+    assert score("math", ["\\boxed{1}"], ["1"]) == [0.0]
+
+
+def test_math_works_outside_the_main_thread() -> None:
+    # math-verify's default signal.alarm timeouts raise ValueError off the main thread.
+    result: list = []
+    thread = threading.Thread(
+        target=lambda: result.append(score("math", ["\\boxed{\\frac{1}{2}}", "3"], ["0.5", "4"]))
+    )
+    thread.start()
+    thread.join()
+    assert result == [[1.0, 0.0]]
+
+
+@pytest.mark.skipif(not hasattr(__import__("signal"), "setitimer"), reason="POSIX only")
+def test_math_keeps_a_pending_alarm() -> None:
+    import signal
+
+    fired: list[int] = []
+    old = signal.signal(signal.SIGALRM, lambda *a: fired.append(1))
+    signal.setitimer(signal.ITIMER_REAL, 100.0)
+    try:
+        assert score("math", ["\\boxed{2}"], ["2"]) == [1.0]
+        remaining = signal.getitimer(signal.ITIMER_REAL)[0]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert remaining > 50
+    assert not fired
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def write(path: Path, source: str) -> Path:
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+def test_load_builtin() -> None:
+    assert load_reward_function("math") is BUILTIN_REWARDS["math"]
+    assert load_reward_function(" exact_match ") is BUILTIN_REWARDS["exact_match"]
+
+
+def test_load_from_file_absolute_and_relative(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write(tmp_path / "helper_mod_for_rewards.py", "BONUS = 0.5\n")
+    write(
+        tmp_path / "my_rewards.py",
+        """
+        from dataclasses import dataclass
+
+        from helper_mod_for_rewards import BONUS
+
+        @dataclass
+        class Cfg:
+            scale: float = 2.0
+
+        def length(prompts, completions, **kwargs):
+            return [Cfg().scale * len(c) + BONUS for c in completions]
+        """,
+    )
+    f = load_reward_function(f"{tmp_path / 'my_rewards.py'}:length")
+    assert f(prompts=["p", "p"], completions=["ab", "abc"]) == [4.5, 6.5]
+    assert str(tmp_path) not in sys.path
+
+    monkeypatch.chdir(tmp_path.parent)
+    g = load_reward_function(f"{tmp_path.name}/my_rewards.py:length")
+    assert g(prompts=["p"], completions=["a"]) == [2.5]
+    monkeypatch.chdir(tmp_path)
+    h = load_reward_function("my_rewards.py:length")
+    assert h(prompts=["p"], completions=[""]) == [0.5]
+
+
+def test_files_with_the_same_name_do_not_collide(tmp_path: Path) -> None:
+    for sub, value in (("a", 1.0), ("b", 2.0)):
+        (tmp_path / sub).mkdir()
+        write(tmp_path / sub / "rewards.py", f"def f(**kw):\n    return [{value}]\n")
+    fa = load_reward_function(f"{tmp_path / 'a' / 'rewards.py'}:f")
+    fb = load_reward_function(f"{tmp_path / 'b' / 'rewards.py'}:f")
+    assert fa(prompts=[1], completions=[1]) == [1.0]
+    assert fb(prompts=[1], completions=[1]) == [2.0]
+    assert fa.__module__ != fb.__module__
+    assert fa.__module__ not in {"rewards", "gspo.rewards"}
+
+
+def test_load_from_module_spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pkg = tmp_path / "rewardpkg_for_tests"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    write(
+        pkg / "scoring.py",
+        """
+        def shout(prompts, completions, **kwargs):
+            return [1.0 if c.isupper() else 0.0 for c in completions]
+
+        class Holder:
+            @staticmethod
+            def nested(prompts, completions, **kwargs):
+                return [None] * len(completions)
+        """,
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    f = load_reward_function("rewardpkg_for_tests.scoring:shout")
+    assert f(prompts=["p", "p"], completions=["HI", "hi"]) == [1.0, 0.0]
+    g = load_reward_function("rewardpkg_for_tests.scoring:Holder.nested")
+    assert g(prompts=["p"], completions=["x"]) == [None]
+
+
+@pytest.mark.parametrize(
+    ("spec", "pattern"),
+    [
+        ("exact", r"'exact'.*built-in name \(exact_match, format, math, numeric_match\)"),
+        ("", r"invalid reward function spec ''"),
+        ("mod:", r"'mod:'.*not a function name"),
+        (":f", r"':f'.*missing the file or module"),
+        ("mod:not-valid", r"'mod:not-valid'"),
+        ("a b.c:f", r"'a b.c:f'.*neither a \.py file nor a module name"),
+    ],
+)
+def test_malformed_specs(spec: str, pattern: str) -> None:
+    with pytest.raises(RewardError, match=pattern):
+        load_reward_function(spec)
+
+
+def test_non_string_spec() -> None:
+    with pytest.raises(RewardError, match="must be a string"):
+        load_reward_function(3)  # type: ignore[arg-type]
+
+
+def test_file_not_found(tmp_path: Path) -> None:
+    spec = f"{tmp_path / 'missing.py'}:f"
+    with pytest.raises(RewardError, match=r"file not found.*missing\.py") as info:
+        load_reward_function(spec)
+    assert spec in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_file_import_fails(tmp_path: Path) -> None:
+    write(tmp_path / "bad_syntax.py", "def f(:\n    pass\n")
+    write(tmp_path / "bad_runtime.py", "raise KeyError('nope')\n")
+    with pytest.raises(RewardError, match=r"bad_syntax\.py.*SyntaxError") as info:
+        load_reward_function(f"{tmp_path / 'bad_syntax.py'}:f")
+    assert "\n" not in str(info.value)
+    with pytest.raises(RewardError, match=r"bad_runtime\.py.*KeyError: 'nope'"):
+        load_reward_function(f"{tmp_path / 'bad_runtime.py'}:f")
+    assert not [m for m in sys.modules if "bad_runtime" in m]
+
+
+def test_module_import_fails() -> None:
+    with pytest.raises(
+        RewardError,
+        match=r"no_such_pkg_xyz\.mod.*'no_such_pkg_xyz\.mod:f'.*ModuleNotFoundError",
+    ):
+        load_reward_function("no_such_pkg_xyz.mod:f")
+
+
+def test_attribute_missing_and_not_callable(tmp_path: Path) -> None:
+    path = write(tmp_path / "few.py", "THRESHOLD = 3\n\ndef real(**kw):\n    return []\n")
+    with pytest.raises(RewardError, match=r"few\.py:nope'.*no attribute 'nope'.*real"):
+        load_reward_function(f"{path}:nope")
+    with pytest.raises(RewardError, match=r"few\.py:THRESHOLD'.*not callable.*int"):
+        load_reward_function(f"{path}:THRESHOLD")
+    with pytest.raises(RewardError, match=r"'math:nope'.*module 'math' has no attribute"):
+        load_reward_function("math:nope")
+
+
+# ---------------------------------------------------------------------------- combining
+
+
+def const(value: object):
+    def f(prompts: list, completions: list, **kwargs: object) -> list:
+        return [value] * len(completions)
+
+    return f
+
+
+@pytest.fixture
+def reward_file(tmp_path: Path) -> Path:
+    return write(
+        tmp_path / "rw.py",
+        """
+        import math
+
+        def half(prompts, completions, **kwargs):
+            return [0.5] * len(completions)
+
+        def only_even(prompts, completions, **kwargs):
+            return [1.0 if i % 2 == 0 else None for i in range(len(completions))]
+
+        def never(prompts, completions, **kwargs):
+            return [None] * len(completions)
+
+        def uses_column(prompts, completions, difficulty, answer, **kwargs):
+            return [d * (c == a) for c, d, a in zip(completions, difficulty, answer)]
+
+        def echo_kwargs(prompts, completions, **kwargs):
+            return [float(len(kwargs))] * len(completions)
+
+        def boom(prompts, completions, **kwargs):
+            raise ZeroDivisionError("division by zero\\nsecond line")
+
+        def short(prompts, completions, **kwargs):
+            return [1.0, 1.0, 1.0]
+
+        def not_a_list(prompts, completions, **kwargs):
+            return 1.0
+
+        def generator(prompts, completions, **kwargs):
+            return (1.0 for _ in completions)
+
+        def a_string(prompts, completions, **kwargs):
+            return [1.0, "high"]
+
+        def a_nan(prompts, completions, **kwargs):
+            return [1.0, math.nan]
+
+        def an_inf(prompts, completions, **kwargs):
+            return [-math.inf, 1.0]
+
+        def as_tuple(prompts, completions, **kwargs):
+            return tuple(True for _ in completions)
+        """,
+    )
+
+
+def test_weights_and_none_handling(reward_file: Path) -> None:
+    specs = [f"{reward_file}:half", f"{reward_file}:only_even", f"{reward_file}:never"]
+    rf = RewardFunctions.from_specs(specs, weights=[2.0, 3.0, 100.0])
+    result = rf(["p"] * 3, ["a", "b", "c"], {})
+    assert isinstance(result, RewardResult)
+    assert result.rewards == [4.0, 1.0, 4.0]
+    assert list(result.per_function) == specs
+    assert result.per_function[specs[1]] == [1.0, None, 1.0]
+    assert result.per_function[specs[2]] == [None, None, None]
+
+
+def test_all_none_gives_zero_and_default_weights(reward_file: Path) -> None:
+    rf = RewardFunctions.from_specs([f"{reward_file}:never"])
+    assert rf.weights == [1.0]
+    assert rf(["p", "p"], ["a", "b"], {}).rewards == [0.0, 0.0]
+    both = RewardFunctions.from_specs([f"{reward_file}:half", f"{reward_file}:only_even"])
+    assert both(["p", "p"], ["a", "b"], {}).rewards == [1.5, 0.5]
+
+
+def test_builtins_combined_with_columns() -> None:
+    rf = RewardFunctions.from_specs(["numeric_match", "format"], weights=[1.0, 0.1])
+    result = rf(
+        ["q1", "q2", "q3"],
+        ["\\boxed{4}", "it is 4", "\\boxed{5}"],
+        {"answer": ["4", "4", "Paris"]},
+    )
+    assert result.per_function["numeric_match"] == [1.0, 1.0, None]
+    assert result.per_function["format"] == [1.0, 0.0, 1.0]
+    assert [round(r, 9) for r in result.rewards] == [1.1, 1.0, 0.1]
+
+
+def test_columns_passed_as_keyword_arguments(reward_file: Path) -> None:
+    rf = RewardFunctions.from_specs([f"{reward_file}:uses_column", f"{reward_file}:echo_kwargs"])
+    columns = {"difficulty": [1, 2, 3], "answer": ["x", "y", "q"], "extra": [0, 0, 0]}
+    result = rf(["p"] * 3, ["x", "y", "z"], columns)
+    assert result.per_function[f"{reward_file}:uses_column"] == [1.0, 2.0, 0.0]
+    assert result.per_function[f"{reward_file}:echo_kwargs"] == [3.0, 3.0, 3.0]
+
+
+def test_missing_column_is_reported(reward_file: Path) -> None:
+    rf = RewardFunctions.from_specs([f"{reward_file}:uses_column"])
+    with pytest.raises(RewardError, match=r"rw\.py:uses_column'.*TypeError.*difficulty"):
+        rf(["p"], ["x"], {"answer": ["x"]})
+
+
+def test_chat_prompts_and_completions(reward_file: Path) -> None:
+    rf = RewardFunctions.from_specs(["exact_match", "math"])
+    prompts = [[{"role": "user", "content": "1/2 as decimal?"}]] * 2
+    result = rf(prompts, [chat("0.5"), chat("0.4")], {"answer": ["0.5", "0.5"]})
+    assert result.rewards == [2.0, 0.0]
+
+
+def test_duplicate_specs_are_suffixed(reward_file: Path) -> None:
+    spec = f"{reward_file}:half"
+    rf = RewardFunctions.from_specs([spec, spec, "format", spec])
+    assert rf.names == [spec, f"{spec}#2", "format", f"{spec}#3"]
+    assert len(rf) == 4
+    result = rf(["p"], ["x"], {})
+    assert set(result.per_function) == set(rf.names)
+    assert result.rewards == [1.5]
+
+
+def test_callables_are_accepted_as_specs() -> None:
+    rf = RewardFunctions.from_specs([const(0.25), "format"], weights=[4, 1])
+    assert rf.names == ["f", "format"]
+    assert rf(["p"], ["Answer: 3"], {}).rewards == [2.0]
+
+
+def test_weights_mismatch_and_invalid() -> None:
+    with pytest.raises(RewardError, match=r"reward\.weights has 1 values.*2 reward functions"):
+        RewardFunctions.from_specs(["format", "exact_match"], weights=[1.0])
+    with pytest.raises(RewardError, match=r"reward\.weights\[1\] is not finite"):
+        RewardFunctions.from_specs(["format", "exact_match"], weights=[1.0, math.inf])
+    with pytest.raises(RewardError, match=r"reward\.weights\[0\] is not a number"):
+        RewardFunctions.from_specs(["format"], weights=["1"])  # type: ignore[list-item]
+    with pytest.raises(RewardError, match="at least one"):
+        RewardFunctions.from_specs([])
+
+
+def test_loading_error_propagates_from_from_specs(tmp_path: Path) -> None:
+    with pytest.raises(RewardError, match=r"nope\.py"):
+        RewardFunctions.from_specs(["format", f"{tmp_path / 'nope.py'}:f"])
+
+
+@pytest.mark.parametrize(
+    ("name", "pattern"),
+    [
+        ("boom", r"'{spec}' raised ZeroDivisionError: division by zero second line"),
+        ("short", r"'{spec}' returned 3 values for 2 completions"),
+        ("not_a_list", r"'{spec}' returned float, expected a list"),
+        ("generator", r"'{spec}' returned generator"),
+        ("a_string", r"'{spec}' returned a non-numeric value at index 1: 'high'"),
+        ("a_nan", r"'{spec}' returned a non-finite value at index 1: nan"),
+        ("an_inf", r"'{spec}' returned a non-finite value at index 0: -inf"),
+    ],
+)
+def test_bad_reward_function_results(reward_file: Path, name: str, pattern: str) -> None:
+    spec = f"{reward_file}:{name}"
+    rf = RewardFunctions.from_specs(["format", spec])
+    with pytest.raises(RewardError) as info:
+        rf(["p", "p"], ["a", "b"], {})
+    message = str(info.value)
+    assert "\n" not in message
+    assert re.search(pattern.replace("{spec}", re.escape(spec)), message), message
+
+
+def test_tuple_and_bool_values_are_accepted(reward_file: Path) -> None:
+    rf = RewardFunctions.from_specs([f"{reward_file}:as_tuple"])
+    assert rf(["p", "p"], ["a", "b"], {}).rewards == [1.0, 1.0]
+
+
+def test_call_validates_batch_shapes(reward_file: Path) -> None:
+    rf = RewardFunctions.from_specs(["format"])
+    with pytest.raises(RewardError, match="2 prompts for 1 completions"):
+        rf(["p", "p"], ["a"], {})
+    with pytest.raises(RewardError, match="column 'answer' has 3 values for 2 completions"):
+        rf(["p", "p"], ["a", "b"], {"answer": [1, 2, 3]})
+    with pytest.raises(RewardError, match="column 'completions' clashes"):
+        rf(["p"], ["a"], {"completions": ["x"]})
+
+
+def test_import_stays_light() -> None:
+    code = (
+        "import importlib.util, sys\n"
+        "spec = importlib.util.spec_from_file_location('r', sys.argv[1])\n"
+        "m = importlib.util.module_from_spec(spec); sys.modules['r'] = m\n"
+        "spec.loader.exec_module(m)\n"
+        "heavy = {'torch', 'transformers', 'math_verify', 'sympy', 'gspo'} & set(sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    import gspo.rewards
+
+    subprocess.run([sys.executable, "-c", code, gspo.rewards.__file__], check=True)

@@ -1,0 +1,111 @@
+"""Rollout: the PyTorch engine (KV cache, seeded, early stop) and RolloutBatch."""
+
+import torch
+
+from gspo.models import completion_logprobs
+from gspo.rollout import SamplingParams, TorchEngine, sample_next
+
+
+def engine_for(model, tokenizer):
+    return TorchEngine(
+        model, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
+    )
+
+
+def prompts(tokenizer, texts=("12+34=", "5+6=", "123+456=")):
+    return [tokenizer(t)["input_ids"] for t in texts]
+
+
+def test_sampler_logprobs_equal_a_recompute(tokenizer, tiny_model):
+    engine = engine_for(tiny_model, tokenizer)
+    params = SamplingParams(max_new_tokens=10, temperature=0.8)
+    batch = engine.generate(prompts(tokenizer), n=4, params=params, seed=0)
+    assert len(batch) == 12 and batch.group_size == 4
+    with torch.no_grad():
+        lp = completion_logprobs(
+            tiny_model,
+            batch.prompt_ids,
+            batch.prompt_mask,
+            batch.completion_ids,
+            batch.completion_mask,
+            temperature=0.8,
+        )
+    delta = (lp - batch.sampler_logprobs).abs()[batch.completion_mask]
+    assert delta.max() < 1e-4
+
+
+def test_same_seed_same_samples_other_seed_differs(tokenizer, tiny_model):
+    engine = engine_for(tiny_model, tokenizer)
+    params = SamplingParams(max_new_tokens=6)
+    a = engine.generate(prompts(tokenizer), n=3, params=params, seed=1)
+    b = engine.generate(prompts(tokenizer), n=3, params=params, seed=1)
+    c = engine.generate(prompts(tokenizer), n=3, params=params, seed=2)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert not torch.equal(a.completion_ids, c.completion_ids)
+
+
+def test_greedy_matches_hf_generate(tokenizer, tiny_model):
+    engine = engine_for(tiny_model, tokenizer)
+    texts = ("12+34=", "5+6=")
+    batch = engine.generate(prompts(tokenizer, texts), n=1, params=SamplingParams(7, 0.0), seed=0)
+    for i, text in enumerate(texts):
+        ids = torch.tensor([tokenizer(text)["input_ids"]])
+        ref = tiny_model.generate(ids, max_new_tokens=7, do_sample=False, eos_token_id=None)
+        ours = batch.completion_ids[i][batch.completion_mask[i]]
+        assert ours.tolist() == ref[0, ids.shape[1] :].tolist()[: len(ours)]
+
+
+def test_finished_rows_stop_and_are_masked(tokenizer, tiny_model):
+    """With EOS made likely, rows finish at different steps; later positions are padding."""
+    bias = torch.zeros(len(tokenizer))
+    bias[tokenizer.eos_token_id] = 2.0
+    original = tiny_model.lm_head.forward
+    tiny_model.lm_head.forward = lambda x: original(x) + bias
+    try:
+        engine = engine_for(tiny_model, tokenizer)
+        batch = engine.generate(prompts(tokenizer), n=8, params=SamplingParams(12), seed=0)
+        with torch.no_grad():
+            lp = completion_logprobs(
+                tiny_model,
+                batch.prompt_ids,
+                batch.prompt_mask,
+                batch.completion_ids,
+                batch.completion_mask,
+            )
+    finally:
+        tiny_model.lm_head.forward = original
+    lengths = batch.completion_lengths
+    assert len(set(lengths.tolist())) > 2  # rows stopped at different steps
+    eos = tokenizer.eos_token_id
+    for i in range(len(batch)):
+        n = int(lengths[i])
+        row = batch.completion_ids[i]
+        if batch.finish_reasons[i] == "stop":
+            assert row[n - 1] == eos and eos not in row[: n - 1].tolist()
+        else:
+            assert n == 12 and eos not in row.tolist()
+        assert (row[n:] == tokenizer.pad_token_id).all()
+        assert (batch.sampler_logprobs[i, n:] == 0).all()
+    # dropping finished rows from the KV cache must not change the remaining rows' log-probs
+    delta = (lp - batch.sampler_logprobs).abs()[batch.completion_mask]
+    assert delta.max() < 1e-4
+
+
+def test_top_p_keeps_only_the_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
+    gen = torch.Generator().manual_seed(0)
+    tokens, logprobs = sample_next(logits, SamplingParams(top_p=0.7), gen)
+    assert set(tokens.tolist()) == {0, 1}
+    # reported log-probs are of the untruncated distribution (what the trainer recomputes)
+    assert torch.allclose(logprobs[tokens == 1], torch.log(torch.tensor(0.3)), atol=1e-6)
+
+
+def test_select_trims_padding(tokenizer, tiny_model):
+    engine = engine_for(tiny_model, tokenizer)
+    batch = engine.generate(
+        prompts(tokenizer, ("1+1=", "123+456=")), n=2, params=SamplingParams(5), seed=0
+    )
+    sub = batch.select(torch.tensor([0, 1]))  # the short prompt's group
+    assert sub.prompt_ids.shape[1] == len(tokenizer("1+1=")["input_ids"])
+    assert torch.equal(sub.completion_ids, batch.completion_ids[:2, : sub.completion_ids.shape[1]])
+    assert len(sub.finish_reasons) == 2

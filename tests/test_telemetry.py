@@ -1,0 +1,389 @@
+"""Tests for gspo.telemetry: metrics jsonl/TensorBoard logging, plots, progress, summaries."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from rich.console import Console
+
+from gspo.telemetry import (
+    MetricsLogger,
+    TrainingProgress,
+    json_safe,
+    plot_metrics,
+    plot_runs,
+    plot_series,
+    print_summary,
+    read_metrics,
+    summary_table,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _records(n: int = 20, *, eval_every: int = 5, clip_zero_every: int = 4) -> list[dict]:
+    recs = []
+    for s in range(1, n + 1):
+        rec = {
+            "step": s,
+            "time": 1000.0 + 2.0 * s,
+            "train/reward_mean": 0.1 + 0.03 * s,
+            "train/reward_std": 0.2,
+            "train/clip_fraction": 0.0 if s % clip_zero_every == 0 else 1e-3 * s,
+            "train/response_length_mean": 300.0 - s,
+        }
+        if s % eval_every == 0:
+            rec["eval/accuracy"] = 0.2 + 0.01 * s
+            rec["eval/accuracy_greedy"] = 0.25 + 0.01 * s
+        recs.append(rec)
+    return recs
+
+
+def _write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def _assert_png(path: Path) -> None:
+    assert path.is_file(), path
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC, path
+    assert len(data) > 1024, (path, len(data))
+
+
+def _scalar_events(tb_dir: Path, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir))
+    acc.Reload()
+    if tag not in acc.Tags()["scalars"]:
+        return []
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+# ------------------------------------------------------------------ json_safe / logger
+
+
+def test_json_safe_converts_tensors_numpy_and_non_finite():
+    out = json_safe(
+        {
+            "a": torch.tensor(0.5),
+            "b": np.float32(0.25),
+            "c": np.int64(7),
+            "d": float("nan"),
+            "e": float("inf"),
+            "f": torch.tensor(float("-inf")),
+            "g": torch.tensor(2.0, requires_grad=True),
+            "h": True,
+            "i": "text",
+            "j": [1.0, float("nan")],
+        }
+    )
+    assert out == {
+        "a": 0.5,
+        "b": 0.25,
+        "c": 7,
+        "d": None,
+        "e": None,
+        "f": None,
+        "g": 2.0,
+        "h": True,
+        "i": "text",
+        "j": [1.0, None],
+    }
+    assert type(out["a"]) is float and type(out["c"]) is int
+    json.dumps(out, allow_nan=False)  # valid strict JSON
+
+
+def test_jsonl_lines_valid_with_step_time_nan_null_and_round_trip(tmp_path):
+    metrics = [
+        {"train/reward_mean": 0.5, "train/loss": float("nan"), "n": torch.tensor(3)},
+        {"train/reward_mean": np.float64(0.75), "train/kl": float("inf")},
+    ]
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        logger.log(1, metrics[0])
+        # Flushed after every line: readable while the logger is still open.
+        assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
+        logger.log(2, metrics[1])
+
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    lines = [json.loads(line) for line in text.splitlines()]  # each line valid JSON
+    assert [rec["step"] for rec in lines] == [1, 2]
+    assert all(isinstance(rec["time"], float) for rec in lines)
+    assert lines[0]["train/loss"] is None and lines[1]["train/kl"] is None
+    assert lines[0]["n"] == 3
+
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert records == lines
+    assert records[0]["train/reward_mean"] == 0.5
+    assert records[1]["train/reward_mean"] == 0.75
+    assert read_metrics(tmp_path) == lines  # a run directory works too
+
+
+def test_tensorboard_event_files_contain_scalars(tmp_path):
+    with MetricsLogger(tmp_path) as logger:
+        for step in range(1, 4):
+            logger.log(step, {"train/reward_mean": 0.1 * step, "train/loss": float("nan")})
+    tb_dir = tmp_path / "tensorboard"
+    assert list(tb_dir.glob("events.out.tfevents.*"))
+    events = _scalar_events(tb_dir, "train/reward_mean")
+    assert [s for s, _ in events] == [1, 2, 3]
+    assert [v for _, v in events] == pytest.approx([0.1, 0.2, 0.3])
+    assert _scalar_events(tb_dir, "train/loss") == []  # non-finite values are skipped
+
+
+def test_resume_step_truncates_then_appends(tmp_path):
+    with MetricsLogger(tmp_path) as logger:
+        for step in range(1, 6):
+            logger.log(step, {"train/reward_mean": float(step)})
+    # A crash mid-write leaves a truncated last line; resume must drop it too.
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 6, "train/rew')
+
+    with MetricsLogger(tmp_path, resume_step=3) as logger:
+        assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+        for step in range(4, 7):
+            logger.log(step, {"train/reward_mean": 10.0 * step})
+
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r["train/reward_mean"] for r in records] == [1, 2, 3, 40, 50, 60]
+    assert not list(tmp_path.glob("*.tmp"))
+    # TensorBoard: the first run's steps 4-5 are purged in favour of the resumed ones.
+    events = dict(_scalar_events(tmp_path / "tensorboard", "train/reward_mean"))
+    assert events == pytest.approx({1: 1.0, 2: 2.0, 3: 3.0, 4: 40.0, 5: 50.0, 6: 60.0})
+
+
+def test_fresh_run_replaces_existing_metrics(tmp_path):
+    _write_jsonl(tmp_path / "metrics.jsonl", _records(3))
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        logger.log(1, {"x": 1.0})
+    assert [r["x"] for r in read_metrics(tmp_path)] == [1.0]
+
+
+def test_read_metrics_skips_truncated_last_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "a": 1.0}\n{"step": 2, "a": 2.0}\n{"step": 3, "a"', "utf-8")
+    assert read_metrics(path) == [{"step": 1, "a": 1.0}, {"step": 2, "a": 2.0}]
+    # A corrupt line that is not the last one is an error, not silently dropped.
+    path.write_text('{"step": 1, "a": 1.0}\n{"step": 2, "a\n{"step": 3}\n', "utf-8")
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
+        read_metrics(path)
+
+
+def test_disabled_logger_writes_nothing(tmp_path):
+    out = tmp_path / "run"
+    with MetricsLogger(out, enabled=False, wandb={"project": "x"}) as logger:
+        logger.log(1, {"train/reward_mean": 1.0})
+        logger.close()
+    assert not out.exists()
+
+
+def test_log_after_close_raises(tmp_path):
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger.close()
+    logger.close()  # idempotent
+    with pytest.raises(RuntimeError, match="after close"):
+        logger.log(1, {"a": 1.0})
+
+
+@pytest.mark.parametrize(("sink", "extra"), [("wandb", "wandb"), ("mlflow", "mlflow")])
+def test_missing_optional_sink_gives_one_line_runtime_error(tmp_path, monkeypatch, sink, extra):
+    # A None entry in sys.modules makes any import of the package raise ImportError,
+    # whether or not it is installed here.
+    monkeypatch.setitem(sys.modules, sink, None)
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError) as info:
+        MetricsLogger(out, **{sink: {"project": "p"}})
+    message = str(info.value)
+    assert "\n" not in message
+    assert f"pip install 'gspo[{extra}]'" in message
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    assert not out.exists()  # failed before creating any file
+
+
+def test_fake_wandb_sink_receives_finite_scalars(tmp_path, monkeypatch):
+    calls = []
+
+    class FakeRun:
+        def log(self, data, step):
+            calls.append(("log", data, step))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    class FakeWandb:
+        @staticmethod
+        def init(**cfg):
+            calls.append(("init", cfg))
+            return FakeRun()
+
+    monkeypatch.setitem(sys.modules, "wandb", FakeWandb)
+    with MetricsLogger(tmp_path, tensorboard=False, wandb={"project": "p"}) as logger:
+        logger.log(2, {"a": 1.0, "b": float("nan"), "s": "text"})
+    assert calls == [("init", {"project": "p"}), ("log", {"a": 1.0}, 2), ("finish",)]
+
+
+# ------------------------------------------------------------------------------ plots
+
+
+def test_plot_metrics_writes_expected_pngs(tmp_path):
+    metrics = _write_jsonl(tmp_path / "metrics.jsonl", _records(20))
+    paths = plot_metrics(metrics, tmp_path / "plots")
+    names = [p.name for p in paths]
+    assert names == ["reward.png", "accuracy.png", "clip_fraction.png"]
+    for p in paths:
+        _assert_png(p)
+
+
+def test_plot_metrics_skips_missing_keys_and_handles_nulls(tmp_path):
+    recs = [
+        {"step": s, "train/reward_mean": None if s == 3 else 0.1 * s, "train/clip_fraction": 0.0}
+        for s in range(1, 8)
+    ]
+    metrics = _write_jsonl(tmp_path / "metrics.jsonl", recs)
+    paths = plot_metrics(metrics, tmp_path / "plots")
+    assert [p.name for p in paths] == ["reward.png", "clip_fraction.png"]  # all-zero clip ok
+    assert not (tmp_path / "plots" / "accuracy.png").exists()
+    for p in paths:
+        _assert_png(p)
+
+
+def test_plot_series_returns_none_without_data(tmp_path):
+    out = tmp_path / "none.png"
+    assert plot_series(_records(5), ["missing/key"], out, title="t", ylabel="y") is None
+    assert not out.exists()
+    logy = plot_series(
+        _records(5), ["train/clip_fraction"], tmp_path / "c.png", title="t", ylabel="y", logy=True
+    )
+    _assert_png(logy)
+
+
+def test_plot_runs_overlays_two_runs(tmp_path):
+    from matplotlib.figure import Figure
+
+    saved: list[Figure] = []
+    original = Figure.savefig
+
+    def spy(self, *args, **kwargs):
+        saved.append(self)
+        return original(self, *args, **kwargs)
+
+    runs = {"gspo": _records(10), "grpo": _records(8), "other": [{"step": 1, "x": 1.0}]}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Figure, "savefig", spy)
+        path = plot_runs(runs, "train/reward_mean", tmp_path / "cmp.png", title="reward")
+    _assert_png(path)
+    (ax,) = saved[0].axes
+    assert [line.get_label() for line in ax.get_lines()] == ["gspo", "grpo"]
+    assert len(ax.get_lines()[1].get_xdata()) == 8
+    assert plot_runs(runs, "missing", tmp_path / "none.png") is None
+
+
+# ------------------------------------------------------------------- summary / progress
+
+
+def _render(renderable) -> str:
+    console = Console(file=io.StringIO(), width=120, color_system=None)
+    console.print(renderable)
+    return console.file.getvalue()
+
+
+def test_summary_table_first_and_last_values():
+    recs = _records(20, clip_zero_every=3)
+    recs[-1]["time/step_seconds"] = 1.5
+    recs[0]["time/step_seconds"] = 2.5
+    table = summary_table(recs, title="My run")
+    text = _render(table)
+    assert "My run" in text
+    rows = {}
+    for line in text.splitlines():
+        if "│" in line:
+            label, *cells = (c.strip() for c in line.split("│")[1:-1])
+            rows[label] = tuple(cells)
+    assert rows == {
+        "reward (train)": ("0.13", "0.7", "1 → 20"),
+        "accuracy (eval)": ("0.25", "0.4", "5 → 20"),
+        "accuracy (eval, greedy)": ("0.3", "0.45", "5 → 20"),
+        "clip fraction": ("0.001", "0.02", "1 → 20"),
+        "response length": ("299", "280", "1 → 20"),
+        "seconds / step": ("2.5", "1.5", "1 → 20"),
+    }
+    assert table.row_count == 6
+
+
+def test_summary_table_derives_step_time_and_skips_absent():
+    recs = [{"step": s, "time": 100.0 + 3.0 * s, "train/reward_mean": 1.0} for s in range(1, 4)]
+    text = _render(summary_table(recs))
+    assert "seconds / step (wall)" in text and "3" in text
+    assert "accuracy" not in text and "clip" not in text
+    assert "no metrics" in _render(summary_table([]))
+    console = Console(file=io.StringIO(), width=120)
+    print_summary(recs, console=console)
+    assert "reward (train)" in console.file.getvalue()
+
+
+def test_progress_plain_lines_when_not_a_terminal():
+    console = Console(file=io.StringIO(), width=200)  # a StringIO is not a terminal
+    recs = _records(40, eval_every=10, clip_zero_every=3)
+    with TrainingProgress(40, console=console) as progress:
+        for rec in recs:
+            progress.update(rec["step"], rec)
+    lines = console.file.getvalue().splitlines()
+    # First step, then every max(1, 40 // 20) = 2 steps, through the last.
+    assert [int(line.split()[1].split("/")[0]) for line in lines] == [1, *range(2, 41, 2)]
+    assert lines[-1].startswith("step 40/40 (100%)")
+    assert "reward 1.3" in lines[-1] and "eval acc 0.6" in lines[-1]
+    assert "clip 0.04" in lines[-1] and "s/step" in lines[-1]
+    assert "eval acc" not in lines[1]  # no eval yet at step 2
+    assert "eval acc 0.3" in lines[6]  # step 12: kept from the step-10 eval line
+    assert progress.accuracy == pytest.approx(0.6)
+
+
+def test_progress_live_bar_on_terminal_and_disabled():
+    console = Console(file=io.StringIO(), force_terminal=True, width=200, color_system=None)
+    with TrainingProgress(10, console=console, start_step=5) as progress:
+        for step in range(6, 11):
+            progress.update(step, {"train/reward_mean": 0.5, "eval/accuracy": 0.75})
+    out = console.file.getvalue()
+    assert "10/10" in out and "reward 0.5" in out and "eval acc 0.75" in out
+
+    quiet = Console(file=io.StringIO())
+    with TrainingProgress(10, enabled=False, console=quiet) as progress:
+        progress.update(1, {"train/reward_mean": 1.0})
+    assert quiet.file.getvalue() == ""
+
+
+def test_import_is_cheap():
+    # Load the module file on its own (not via the gspo package, whose __init__ pulls in
+    # torch): it must import nothing heavy at import time.
+    import gspo.telemetry
+
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('telemetry', {gspo.telemetry.__file__!r})\n"
+        "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
+        "heavy = ['gspo', 'torch', 'numpy', 'matplotlib', 'rich', 'transformers', 'wandb']\n"
+        "print([m for m in heavy if m in sys.modules])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_nan_in_every_sink_never_breaks_plots(tmp_path):
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        for s in range(1, 6):
+            logger.log(s, {"train/reward_mean": math.nan if s == 2 else float(s)})
+    paths = plot_metrics(tmp_path, tmp_path)
+    assert [p.name for p in paths] == ["reward.png"]

@@ -1,0 +1,210 @@
+"""The main job end to end: training, resume, bring-your-own model/data/reward, errors."""
+
+import json
+
+import pytest
+
+from gspo.cli import main
+from gspo.config import load_config
+from gspo.models import save_pretrained_atomic
+from gspo.telemetry import read_metrics
+from gspo.trainer import Trainer, crossed, derive_seed, latest_checkpoint
+
+# A small, fast setting: 1-layer model, short completions, few SFT steps.
+FAST = [
+    "model.layers=1",
+    "model.hidden=64",
+    "model.heads=2",
+    "model.kv_heads=1",
+    "model.intermediate=128",
+    "data.eval_size=24",
+    "data.sft_size=200",
+    "train.cold_start_steps=20",
+    "train.cold_start_batch_size=16",
+    "rollout.group_size=4",
+    "rollout.prompts_per_batch=4",
+    "rollout.max_new_tokens=4",
+    "eval.samples=2",
+    "log.progress=false",
+    "log.plots=false",
+    "log.tensorboard=false",
+]
+
+ONES_REWARD = '''
+def ones(prompts, completions, **kwargs):
+    """Dense and trivially learnable: the share of '1' characters in the completion."""
+    return [c.count("1") / max(len(c), 1) for c in completions]
+'''
+
+
+def run_metrics(output_dir):
+    return read_metrics(output_dir / "metrics.jsonl")
+
+
+def train_lines(records):
+    return [r for r in records if "train/loss" in r]
+
+
+def comparable(record):
+    return {k: v for k, v in record.items() if not k.startswith("time") and k != "time"}
+
+
+def test_derived_seeds_are_stable_and_distinct():
+    assert derive_seed(0, "rollout", 3) == derive_seed(0, "rollout", 3)
+    assert derive_seed(0, "rollout", 3) != derive_seed(0, "rollout", 4)
+    assert derive_seed(0, "rollout", 3) != derive_seed(1, "rollout", 3)
+
+
+def test_crossed():
+    assert crossed(3, 4, 4) and crossed(3, 7, 4) and not crossed(4, 7, 4)
+    assert not crossed(0, 100, 0)
+
+
+@pytest.mark.slow
+def test_reward_rises_on_a_trivially_learnable_task(tmp_path):
+    (tmp_path / "ones.py").write_text(ONES_REWARD)
+    overrides = [
+        *FAST,
+        f"reward.functions=[{tmp_path / 'ones.py'}:ones]",
+        "train.cold_start_steps=0",
+        "rollout.temperature=1.0",
+        "rollout.prompts_per_batch=8",
+        "optim.lr=3e-3",
+        "train.max_steps=48",
+        "eval.every=0",
+        "eval.max_prompts=8",
+        "eval.success_threshold=0.5",
+    ]
+    Trainer(load_config(None, overrides), tmp_path / "run").fit()
+    lines = train_lines(run_metrics(tmp_path / "run"))
+    assert len(lines) == 48 and [r["step"] for r in lines] == list(range(1, 49))
+    first = sum(r["train/reward_mean"] for r in lines[:8]) / 8
+    last = sum(r["train/reward_mean"] for r in lines[-8:]) / 8
+    assert last > first + 0.2, (first, last)
+    # minibatch 1 of each rollout batch is on-policy: ratio exactly 1, nothing clipped
+    on_policy = [r for r in lines if r["train/minibatch"] == 0]
+    assert all(r["train/clip_fraction"] == 0.0 for r in on_policy)
+    assert all(abs(r["train/ratio_mean"] - 1) < 1e-5 for r in on_policy)
+    assert all(r["mismatch/token_abs_max"] < 1e-4 for r in on_policy)
+
+
+@pytest.mark.slow
+def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(tmp_path):
+    (tmp_path / "ones.py").write_text(ONES_REWARD)
+    common = [
+        *FAST,
+        f"reward.functions=[{tmp_path / 'ones.py'}:ones]",
+        "eval.success_threshold=0.25",
+        "train.max_steps=8",
+        "train.save_every=4",
+        "eval.every=4",
+        "optim.lr=1e-3",
+    ]
+    assert main(["train", "--output-dir", str(tmp_path / "full"), *common]) == 0
+    # the same run stopped after step 4 (its checkpoint), then resumed to step 8
+    assert main(["train", "--output-dir", str(tmp_path / "cut"), *common, "train.max_steps=4"]) == 0
+    assert latest_checkpoint(tmp_path / "cut").name == "step-0000004"
+    assert main(["train", "--resume", str(tmp_path / "cut"), "train.max_steps=8"]) == 0
+    full, resumed = run_metrics(tmp_path / "full"), run_metrics(tmp_path / "cut")
+    assert [r["step"] for r in full] == [r["step"] for r in resumed]
+    for a, b in zip(full, resumed, strict=True):
+        assert comparable(a) == pytest.approx(comparable(b), rel=1e-6, abs=1e-7)
+    lines = train_lines(full)
+    assert len(lines) == 8
+    # the runs really learn something, so a resume that lost state would show
+    assert len({round(r["train/reward_mean"], 6) for r in lines}) > 1
+    assert any(r["train/clip_fraction"] > 0 for r in lines)
+
+
+@pytest.mark.slow
+def test_bring_your_own_model_data_and_reward(tmp_path, tokenizer):
+    from gspo.models import TinyModelSpec, build_tiny_model
+
+    spec = TinyModelSpec(layers=1, hidden=64, heads=2, kv_heads=1, intermediate=128)
+    save_pretrained_atomic(
+        build_tiny_model(spec, tokenizer, seed=1), tokenizer, tmp_path / "mymodel"
+    )
+    rows = [{"prompt": f"{a}+{a}=", "answer": str(2 * a), "bonus": a % 2} for a in range(20)]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "eval.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:6]))
+    (tmp_path / "my_reward.py").write_text(
+        "def uses_column(prompts, completions, bonus, **kw):\n"
+        "    assert len(bonus) == len(completions)\n"
+        "    return [float(b) for b in bonus]\n"
+    )
+    out = tmp_path / "run"
+    code = main(
+        [
+            "train",
+            "--output-dir",
+            str(out),
+            f"model.path={tmp_path / 'mymodel'}",
+            f"data.train={tmp_path / 'train.jsonl'}",
+            f"data.eval={tmp_path / 'eval.jsonl'}",
+            f"reward.functions=[exact_match, {tmp_path / 'my_reward.py'}:uses_column]",
+            "reward.weights=[1.0, 0.5]",
+            "train.max_steps=4",
+            "rollout.group_size=2",
+            "rollout.prompts_per_batch=4",
+            "rollout.max_new_tokens=3",
+            "eval.samples=1",
+            "log.progress=false",
+        ]
+    )
+    assert code == 0
+    records = run_metrics(out)
+    lines = train_lines(records)
+    assert len(lines) == 4
+    # reward = exact_match (0 for an untrained model) + 0.5 * bonus, bonus is 1 for odd rows
+    assert all(0.0 <= r["train/reward_mean"] <= 1.5 for r in lines)
+    assert any(
+        r["train/reward/my_reward.py:uses_column"] > 0
+        for r in lines
+        if "train/reward/my_reward.py:uses_column" in r
+    ) or any("uses_column" in k for r in lines for k in r)
+    assert (out / "config.yaml").is_file()
+    assert load_config(out / "config.yaml").model.path == str(tmp_path / "mymodel")
+    assert (out / "checkpoints" / "step-0000004" / "model.safetensors").is_file()
+    assert (out / "plots" / "reward.png").is_file()
+    assert any((out / "tensorboard").iterdir())
+    assert not (out / "base_model").exists()  # the user's model was used, not a built-in
+    assert any("eval/accuracy" in r for r in records)
+
+
+def test_bad_reward_function_is_one_line(tmp_path, capsys):
+    (tmp_path / "bad.py").write_text("def f(prompts, completions, **kw):\n    return [1.0]\n")
+    code = main(
+        [
+            "train",
+            "--output-dir",
+            str(tmp_path / "run"),
+            *FAST,
+            "train.cold_start_steps=0",
+            f"reward.functions=[{tmp_path / 'bad.py'}:f]",
+            "train.max_steps=4",
+        ]
+    )
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.startswith("gspo: error:") and "bad.py:f" in err and "\n" not in err
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("data.train=/no/such/file.jsonl", "data.train: file not found"),
+        ("model.path=/no/such/model", "model.path: /no/such/model is not a directory"),
+        ("reward.functions=[nosuch_builtin]", "nosuch_builtin"),
+    ],
+)
+def test_bad_inputs_are_one_line_errors(tmp_path, capsys, override, expected):
+    code = main(["train", "--output-dir", str(tmp_path / "run"), *FAST, override])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and expected in err and "\n" not in err
+
+
+def test_existing_run_needs_resume_or_overwrite(tmp_path, capsys):
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    assert main(["train", "--output-dir", str(tmp_path / "run"), *FAST]) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert main(["train", "--resume", str(tmp_path / "empty")]) == 2
