@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 demo: install
-	$(VENV)/bin/gspo train --output-dir $(DEMO_DIR)
+	$(VENV)/bin/gspo train --overwrite --output-dir $(DEMO_DIR)
 
 test: install
 	$(PY) -m pytest -q

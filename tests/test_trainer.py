@@ -96,7 +96,9 @@ def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(tmp_path):
         f"reward.functions=[{tmp_path / 'ones.py'}:ones]",
         "eval.success_threshold=0.25",
         "train.max_steps=8",
-        "train.save_every=4",
+        "algorithm.minibatches=2",
+        "train.save_every=2",
+        "train.keep_checkpoints=2",
         "eval.every=4",
         "optim.lr=1e-3",
     ]
@@ -104,6 +106,8 @@ def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(tmp_path):
     # the same run stopped after step 4 (its checkpoint), then resumed to step 8
     assert main(["train", "--output-dir", str(tmp_path / "cut"), *common, "train.max_steps=4"]) == 0
     assert latest_checkpoint(tmp_path / "cut").name == "step-0000004"
+    kept = sorted(p.name for p in (tmp_path / "full" / "checkpoints").glob("step-*"))
+    assert kept == ["step-0000000", "step-0000006", "step-0000008"]  # pruned to the newest 2
     assert main(["train", "--resume", str(tmp_path / "cut"), "train.max_steps=8"]) == 0
     full, resumed = run_metrics(tmp_path / "full"), run_metrics(tmp_path / "cut")
     assert [r["step"] for r in full] == [r["step"] for r in resumed]
@@ -169,6 +173,23 @@ def test_bring_your_own_model_data_and_reward(tmp_path, tokenizer):
     assert any((out / "tensorboard").iterdir())
     assert not (out / "base_model").exists()  # the user's model was used, not a built-in
     assert any("eval/accuracy" in r for r in records)
+
+
+@pytest.mark.slow
+def test_kl_penalty_uses_the_cold_start_model_as_reference(tmp_path):
+    (tmp_path / "ones.py").write_text(ONES_REWARD)
+    overrides = [
+        *FAST,
+        f"reward.functions=[{tmp_path / 'ones.py'}:ones]",
+        "algorithm.kl_coef=0.1",
+        "optim.lr=1e-3",
+        "train.max_steps=8",
+        "eval.every=0",
+    ]
+    Trainer(load_config(None, overrides), tmp_path / "run").fit()
+    lines = train_lines(run_metrics(tmp_path / "run"))
+    assert lines[0]["train/kl"] == pytest.approx(0.0, abs=1e-9)  # policy == reference
+    assert lines[-1]["train/kl"] > 1e-6  # it drifts away after updates
 
 
 def test_bad_reward_function_is_one_line(tmp_path, capsys):

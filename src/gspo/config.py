@@ -42,7 +42,7 @@ class DataConfig(_Section):
     sft: str | None = Field(None, description="Cold-start rows with prompt and completion")
     digits: int = Field(2, ge=1, le=6)
     eval_size: int = Field(500, ge=1)
-    sft_size: int = Field(4000, ge=1)
+    sft_size: int = Field(8000, ge=1)
     label_noise: float = Field(0.5, ge=0.0, le=1.0)
 
 
@@ -81,10 +81,11 @@ class OptimConfig(_Section):
 class TrainConfig(_Section):
     max_steps: int = Field(200, ge=0, description="Optimizer steps of RL")
     cold_start_steps: int = Field(1500, ge=0)
-    cold_start_lr: float = Field(1e-3, gt=0.0)
+    cold_start_lr: float = Field(2e-3, gt=0.0)
     cold_start_batch_size: int = Field(64, ge=1)
     seed: int = 0
     save_every: int = Field(100, ge=0, description="Optimizer steps; 0 = only at the end")
+    keep_checkpoints: int = Field(2, ge=1, description="Newest kept, besides the step-0 one")
 
 
 class EvalConfig(_Section):

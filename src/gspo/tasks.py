@@ -28,7 +28,7 @@ def addition_task(
     *,
     digits: int = 2,
     eval_size: int = 500,
-    sft_size: int = 4000,
+    sft_size: int = 8000,
     label_noise: float = 0.5,
     seed: int = 0,
 ) -> TaskData:

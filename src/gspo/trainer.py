@@ -18,6 +18,7 @@ import hashlib
 import math
 import os
 import random
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,6 +166,7 @@ class Trainer:
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
         )
         self.cold_start_done = False
+        self.reference: torch.nn.Module | None = None  # loaded on first use (KL penalty)
         if checkpoint is not None:
             state = torch.load(
                 checkpoint / TRAINER_STATE, map_location=self.device, weights_only=True
@@ -197,10 +199,11 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
 
-    def logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+    def logprobs(self, batch: RolloutBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
+        """Completion log-probs of ``batch`` under ``model`` (the policy by default)."""
         with self.autocast():
             return completion_logprobs(
-                self.model,
+                model if model is not None else self.model,
                 batch.prompt_ids,
                 batch.prompt_mask,
                 batch.completion_ids,
@@ -289,6 +292,12 @@ class Trainer:
                         "time/sft": time.perf_counter() - start,
                     },
                 )
+                if self.config.log.progress:
+                    print(
+                        f"cold start {i + 1}/{cfg.cold_start_steps} | sft loss {loss.item():.4f}"
+                        f" | {time.perf_counter() - start:.0f}s",
+                        flush=True,
+                    )
         self.cold_start_done = True
 
     @torch.no_grad()
@@ -390,7 +399,7 @@ class Trainer:
                 clip_low=cfg.algorithm.clip_low,
                 clip_high=cfg.algorithm.clip_high,
                 kl_coef=cfg.algorithm.kl_coef,
-                ref_logprobs=None,
+                ref_logprobs=self.reference_logprobs(mb),
             )
             out.loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(
@@ -417,6 +426,20 @@ class Trainer:
         for _, line in lines:
             line["time/step"] = step_time / len(lines)
         return lines
+
+    def reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor | None:
+        """Log-probs under the frozen cold-start model, when the KL penalty is on.
+
+        The reference is the step-0 checkpoint, so a resumed run uses the same one.
+        """
+        if self.config.algorithm.kl_coef == 0.0:
+            return None
+        if self.reference is None:
+            path = self.output_dir / CHECKPOINTS / f"step-{0:07d}"
+            self.reference, _ = load_model(path, device=self.device, dtype=torch.float32)
+            self.reference.eval().requires_grad_(False)
+        with torch.no_grad():
+            return self.logprobs(batch, self.reference)
 
     def rollout_metrics(self, scored: Scored, advantages: torch.Tensor) -> dict[str, float]:
         batch, rewards = scored.batch, scored.rewards
@@ -485,6 +508,10 @@ class Trainer:
             also=lambda tmp: torch.save(state, tmp / TRAINER_STATE),
         )
         write_atomic(root / LATEST, final.name)
+        # step 0 (the cold-start model) stays: it is the KL reference and the RL starting point
+        older = sorted(p for p in root.glob("step-*") if p.name != f"step-{0:07d}")
+        for stale in older[: -self.config.train.keep_checkpoints]:
+            shutil.rmtree(stale)
         return final
 
 
