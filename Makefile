@@ -33,9 +33,11 @@ demo: install
 test: install
 	$(PY) -m pytest -q
 
+LINT_PATHS := src tests $(wildcard benchmarks experiments)
+
 lint: install
-	$(VENV)/bin/ruff check src tests benchmarks experiments
-	$(VENV)/bin/ruff format --check src tests benchmarks experiments
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 
 clean:
 	rm -rf $(VENV) runs
