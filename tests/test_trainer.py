@@ -1,6 +1,9 @@
 """The main job end to end: training, resume, bring-your-own model/data/reward, errors."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -229,3 +232,43 @@ def test_existing_run_needs_resume_or_overwrite(tmp_path, capsys):
     assert main(["train", "--output-dir", str(tmp_path / "run"), *FAST]) == 2
     assert "--resume" in capsys.readouterr().err
     assert main(["train", "--resume", str(tmp_path / "empty")]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("level", "old_logprobs"),
+    [("sequence", "recompute"), ("sequence_token", "sampler"), ("token", "recompute")],
+)
+def test_every_level_and_old_logprob_source_trains(tmp_path, level, old_logprobs):
+    (tmp_path / "ones.py").write_text(ONES_REWARD)
+    overrides = [
+        *FAST,
+        f"reward.functions=[{tmp_path / 'ones.py'}:ones]",
+        f"algorithm.level={level}",
+        f"algorithm.old_logprobs={old_logprobs}",
+        "optim.lr=1e-3",
+        "train.max_steps=8",
+        "eval.every=0",
+    ]
+    Trainer(load_config(None, overrides), tmp_path / "run").fit()
+    lines = train_lines(run_metrics(tmp_path / "run"))
+    assert len(lines) == 8
+    if old_logprobs == "recompute":  # both sources exist on every line: mismatch logged
+        assert all(r["mismatch/token_abs_max"] < 1e-4 for r in lines)
+    default_high = 0.27 if level == "token" else 4e-4
+    clipped = [r for r in lines if r["train/clip_fraction_high"] > 0]
+    assert all(r["train/ratio_max"] > 1 + default_high for r in clipped)
+
+
+def test_python_dash_m_gspo_and_console_script():
+    out = subprocess.run(
+        [sys.executable, "-m", "gspo", "--version"], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip().startswith("gspo ")
+    script = subprocess.run(
+        [str(Path(sys.executable).parent / "gspo"), "config"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "algorithm:" in script.stdout and "level: sequence" in script.stdout
