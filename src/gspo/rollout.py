@@ -91,17 +91,22 @@ class RolloutEngine(Protocol):
         ...
 
 
-def left_pad(
-    sequences: list[list[int]], pad_id: int, device: torch.device
+def pad_batch(
+    sequences: list[list[int]], pad_id: int, device: torch.device, *, side: str = "left"
 ) -> tuple[Tensor, Tensor]:
-    """``[N, max_len]`` ids and mask with padding on the left."""
+    """``[N, max_len]`` token ids and a 0/1 mask, padded on the ``side`` given.
+
+    Prompts are left-padded (generation continues from the last column); completions
+    are right-padded (they start at the first column).
+    """
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for i, s in enumerate(sequences):
         if s:
-            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-            mask[i, width - len(s) :] = 1
+            cols = slice(width - len(s), width) if side == "left" else slice(0, len(s))
+            ids[i, cols] = torch.tensor(s, dtype=torch.long)
+            mask[i, cols] = 1
     return ids.to(device), mask.to(device)
 
 
@@ -152,7 +157,7 @@ class TorchEngine:
         model.eval()
         generator = torch.Generator(device=device).manual_seed(seed)
         expanded = [p for p in prompts for _ in range(n)]
-        prompt_ids, prompt_mask = left_pad(expanded, self.pad_token_id, device)
+        prompt_ids, prompt_mask = pad_batch(expanded, self.pad_token_id, device)
         rows = len(expanded)
         stop_ids = set(params.stop_token_ids)
         if self.eos_token_id is not None:

@@ -40,7 +40,7 @@ from gspo.models import (
 )
 from gspo.objectives import mean_over_tokens, policy_loss
 from gspo.rewards import RewardFunctions
-from gspo.rollout import RolloutBatch, SamplingParams, TorchEngine, left_pad
+from gspo.rollout import RolloutBatch, SamplingParams, TorchEngine, pad_batch
 from gspo.tasks import BUILTIN_TASKS, TaskData, as_completion, encode_prompt, load_rows
 from gspo.telemetry import (
     MetricsLogger,
@@ -268,11 +268,10 @@ class Trainer:
             picked = [
                 encoded[rng.randrange(len(encoded))] for _ in range(cfg.cold_start_batch_size)
             ]
-            prompt_ids, prompt_mask = left_pad(
-                [p for p, _ in picked], self.tokenizer.pad_token_id, self.device
-            )
-            completion_ids, completion_mask = right_pad(
-                [c for _, c in picked], self.tokenizer.pad_token_id, self.device
+            pad = self.tokenizer.pad_token_id
+            prompt_ids, prompt_mask = pad_batch([p for p, _ in picked], pad, self.device)
+            completion_ids, completion_mask = pad_batch(
+                [c for _, c in picked], pad, self.device, side="right"
             )
             with self.autocast():
                 lp = completion_logprobs(
@@ -445,11 +444,12 @@ class Trainer:
         batch, rewards = scored.batch, scored.rewards
         g = batch.group_size
         lengths = batch.completion_lengths.float().cpu()
-        group_std = rewards.view(-1, g).std(dim=1) if g > 1 else torch.zeros(len(rewards) // g)
+        # group_advantages zeroes exactly the groups whose rewards are all equal
+        constant_groups = (advantages.view(-1, g) == 0).all(dim=1)
         metrics = {
             "train/reward_mean": rewards.mean().item(),
             "train/reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
-            "train/zero_std_fraction": (group_std <= 1e-6).float().mean().item(),
+            "train/zero_std_fraction": constant_groups.float().mean().item(),
             "train/advantage_abs_mean": advantages.abs().mean().item(),
             "train/response_length_mean": lengths.mean().item(),
             "train/response_length_max": lengths.max().item(),
@@ -518,18 +518,6 @@ class Trainer:
 def crossed(before: int, after: int, every: int) -> bool:
     """Whether a multiple of ``every`` lies in ``(before, after]``."""
     return every > 0 and after // every > before // every
-
-
-def right_pad(
-    sequences: list[list[int]], pad_id: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
-    for i, s in enumerate(sequences):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, : len(s)] = True
-    return ids.to(device), mask.to(device)
 
 
 def logprob_mismatch(
