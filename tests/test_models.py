@@ -8,6 +8,9 @@ from gspo.models import (
     build_tiny_model,
     completion_logprobs,
     load_model,
+    logprobs_from_hidden,
+    packed_completion_logprobs,
+    position_ids_from_mask,
     save_pretrained_atomic,
     token_logprobs_from_logits,
 )
@@ -87,3 +90,64 @@ def test_token_logprobs_from_logits_is_log_softmax_gather():
     ref = torch.log_softmax(logits.float() / 2.0, -1).gather(-1, ids[..., None]).squeeze(-1)
     assert out.dtype == torch.float32
     assert torch.allclose(out, ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 10_000])
+def test_chunked_logprobs_equal_full_logits_in_value_and_gradient(chunk):
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 5, 16, generator=gen, requires_grad=True)
+    weight = torch.randn(50, 16, generator=gen, requires_grad=True)
+    ids = torch.randint(0, 50, (3, 5), generator=gen)
+    upstream = torch.randn(3, 5, generator=gen)
+
+    ours = logprobs_from_hidden(hidden, weight, ids, 0.7, chunk)
+    (ours * upstream).sum().backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+
+    ref = torch.log_softmax((hidden @ weight.T) / 0.7, -1).gather(-1, ids[..., None]).squeeze(-1)
+    (ref * upstream).sum().backward()
+    assert torch.allclose(ours, ref, atol=1e-5)
+    assert torch.allclose(grads[0], hidden.grad, atol=1e-5)
+    assert torch.allclose(grads[1], weight.grad, atol=1e-5)
+
+
+def test_chunked_logprobs_without_grad_and_empty():
+    with torch.no_grad():
+        out = logprobs_from_hidden(
+            torch.randn(2, 3, 4), torch.randn(9, 4), torch.zeros(2, 3).long(), 1.0, 2
+        )
+    assert out.shape == (2, 3) and not out.requires_grad
+    empty = logprobs_from_hidden(
+        torch.randn(2, 0, 4), torch.randn(9, 4), torch.zeros(2, 0).long(), 1.0, 2
+    )
+    assert empty.shape == (2, 0)
+
+
+@pytest.mark.parametrize("pack_tokens", [8, 40, 4096])
+def test_packed_logprobs_equal_the_padded_forward(tokenizer, tiny_model, pack_tokens):
+    """Packing (several bins or one) changes nothing: values and gradients, counted tokens."""
+    gen = torch.Generator().manual_seed(1)
+    n, p, t = 6, 5, 7
+    prompt = torch.randint(4, 60, (n, p), generator=gen)
+    prompt_mask = torch.ones(n, p, dtype=torch.long)
+    prompt_mask[0, :2] = 0  # left padding
+    prompt_mask[3, :4] = 0
+    completion = torch.randint(4, 60, (n, t), generator=gen)
+    lengths = torch.tensor([7, 1, 3, 0, 5, 2])
+    completion_mask = torch.arange(t)[None, :] < lengths[:, None]
+    args = (tiny_model, prompt, prompt_mask, completion, completion_mask)
+    packed = packed_completion_logprobs(*args, temperature=0.8, pack_tokens=pack_tokens)
+    # the padded reference: the model's own forward on left/right-padded rows
+    ids = torch.cat([prompt, completion], 1)
+    mask = torch.cat([prompt_mask, completion_mask.long()], 1)
+    logits = tiny_model(
+        input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)
+    ).logits[:, p - 1 : -1]
+    ref = token_logprobs_from_logits(logits, completion, 0.8) * completion_mask
+    assert torch.allclose(packed, ref, atol=1e-5)
+    assert (packed[~completion_mask] == 0).all()
+    weight = tiny_model.model.embed_tokens.weight
+    g_packed = torch.autograd.grad(packed.sum(), weight)[0]
+    g_ref = torch.autograd.grad(ref.sum(), weight)[0]
+    assert torch.allclose(g_packed, g_ref, atol=1e-4)

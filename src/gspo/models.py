@@ -40,16 +40,16 @@ class TinyModelSpec:
     expert_intermediate: int = 256
 
 
-def build_char_tokenizer():
+def build_char_tokenizer(charset: str = CHARSET):
     """A character-level fast tokenizer (``tokenizers`` WordLevel over single characters).
 
     No BOS is added automatically: prompts are encoded as plain characters and the
-    model ends a completion with ``<eos>``.
+    model ends a completion with ``<eos>``. Characters outside ``charset`` become ``<unk>``.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, UNK, *CHARSET])}
+    vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, UNK, *dict.fromkeys(charset)])}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
@@ -187,6 +187,16 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+#: Architectures whose logits are exactly ``lm_head(final hidden state)``: for these the
+#: vocabulary projection is done in chunks from the hidden states (no full logits tensor).
+PLAIN_LM_HEAD = frozenset(
+    {"qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "llama", "mistral", "mixtral", "olmoe"}
+)
+
+#: Tokens per chunk of the vocabulary projection: 256 x 151,936 float32 logits are 156 MB.
+LOGPROB_CHUNK = 256
+
+
 def completion_logprobs(
     model,
     prompt_ids: Tensor,
@@ -195,27 +205,153 @@ def completion_logprobs(
     completion_mask: Tensor,
     *,
     temperature: float = 1.0,
+    chunk_size: int = LOGPROB_CHUNK,
 ) -> Tensor:
     """Log-probs of the completion tokens under ``model``, ``[N, T]`` float32.
 
     ``prompt_ids``/``prompt_mask`` ``[N, P]`` (left-padded), ``completion_ids``/
-    ``completion_mask`` ``[N, T]`` (right-padded). The logits are divided by
-    ``temperature`` first, as the sampler does, so the trainer's pi_theta and the
-    sampler's pi_old are the same distribution. Only the ``T`` positions that predict
-    completion tokens are projected to the vocabulary (``logits_to_keep``).
+    ``completion_mask`` ``[N, T]`` (right-padded); 0 where ``completion_mask`` is false.
+    The logits are divided by ``temperature`` first, as the sampler does, so the
+    trainer's pi_theta and the sampler's pi_old are the same distribution. For
+    architectures in :data:`PLAIN_LM_HEAD` the sequences are packed (no compute on
+    padding) and only counted completion tokens are projected to the vocabulary,
+    ``chunk_size`` at a time (:func:`packed_completion_logprobs`); other models go
+    through their own forward with ``logits_to_keep``.
     """
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
     t = completion_ids.shape[1]
-    out = model(
+    inputs = dict(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
         use_cache=False,
-        logits_to_keep=t + 1,
     )
-    logits = out.logits[:, :-1, :]  # position P-1+k predicts completion token k
-    return token_logprobs_from_logits(logits, completion_ids, temperature)
+    head = model.get_output_embeddings()
+    plain_head = type(head) is torch.nn.Linear and head.bias is None
+    if plain_head and getattr(model.config, "model_type", None) in PLAIN_LM_HEAD:
+        return packed_completion_logprobs(
+            model,
+            prompt_ids,
+            prompt_mask,
+            completion_ids,
+            completion_mask,
+            temperature=temperature,
+            chunk_size=chunk_size,
+        )
+    logits = model(**inputs, logits_to_keep=t + 1).logits[:, :-1, :]
+    logprobs = token_logprobs_from_logits(logits, completion_ids, temperature)
+    return torch.where(completion_mask.bool(), logprobs, torch.zeros_like(logprobs))
+
+
+#: Tokens per packed row: the block-diagonal mask is ``PACK_TOKENS**2`` entries per row.
+PACK_TOKENS = 4096
+
+
+def packed_completion_logprobs(
+    model,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = LOGPROB_CHUNK,
+    pack_tokens: int = PACK_TOKENS,
+) -> Tensor:
+    """:func:`completion_logprobs` without computing anything on padding.
+
+    The real tokens of the rows (prompt then completion) are laid end to end in rows of
+    about ``pack_tokens`` tokens, with positions restarting at 0 for each sequence and no
+    attention mask: transformers then builds a block-diagonal causal mask from the
+    positions, so sequences do not see each other. Only the hidden states that predict
+    counted completion tokens are projected to the vocabulary. Same result as the padded
+    forward: ``[N, T]`` float32, 0 where ``completion_mask`` is false. Needs an
+    architecture in :data:`PLAIN_LM_HEAD`.
+    """
+    device = completion_ids.device
+    n, t = completion_ids.shape
+    prompt_mask, completion_mask = prompt_mask.bool(), completion_mask.bool()
+    prompt_len = prompt_mask.sum(-1).tolist()
+    sequences = [
+        torch.cat([prompt_ids[i][prompt_mask[i]], completion_ids[i][completion_mask[i]]])
+        for i in range(n)
+    ]
+    # greedy bins of consecutive sequences; (bin, offset) of each sequence's first token
+    budget = max([pack_tokens, *(len(q) for q in sequences)])
+    bins: list[list[int]] = [[]]
+    used, place = 0, []
+    for i, q in enumerate(sequences):
+        if used + len(q) > budget and bins[-1]:
+            bins.append([])
+            used = 0
+        place.append((len(bins) - 1, used))
+        bins[-1].append(i)
+        used += len(q)
+    width = max(sum(len(sequences[i]) for i in b) for b in bins)
+    tokens = torch.zeros((len(bins), width), dtype=torch.long, device=device)  # tail: any id
+    positions = torch.zeros((len(bins), width), dtype=torch.long, device=device)
+    for i, (row, offset) in enumerate(place):
+        length = len(sequences[i])
+        tokens[row, offset : offset + length] = sequences[i]
+        positions[row, offset : offset + length] = torch.arange(length, device=device)
+    for row, members in enumerate(bins):  # the tail of a row is one more dummy sequence
+        filled = sum(len(sequences[i]) for i in members)
+        positions[row, filled:] = torch.arange(width - filled, device=device)
+    hidden = model.get_decoder()(
+        input_ids=tokens, position_ids=positions, use_cache=False
+    ).last_hidden_state
+    # completion token k of row i is predicted by the hidden state just before it
+    rows, cols = completion_mask.nonzero(as_tuple=True)
+    bin_of = torch.tensor([p[0] for p in place], device=device)
+    offset_of = torch.tensor([p[1] for p in place], device=device)
+    first = offset_of + torch.tensor(prompt_len, device=device)
+    picked = logprobs_from_hidden(
+        hidden[bin_of[rows], first[rows] + cols - 1].unsqueeze(0),
+        model.get_output_embeddings().weight,
+        completion_ids[rows, cols].unsqueeze(0),
+        temperature,
+        chunk_size,
+    )[0]
+    out = torch.zeros((n, t), dtype=picked.dtype, device=device)
+    return out.index_put((rows, cols), picked)
+
+
+def _chunk_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float) -> Tensor:
+    logits = (hidden @ weight.T).float() / temperature
+    picked = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def logprobs_from_hidden(
+    hidden: Tensor, weight: Tensor, token_ids: Tensor, temperature: float, chunk_size: int
+) -> Tensor:
+    """``log softmax(hidden @ weight.T / temperature)[token]`` without full logits.
+
+    ``hidden`` ``[N, T, H]``, ``weight`` ``[V, H]``, ``token_ids`` ``[N, T]`` ->
+    ``[N, T]`` float32. Tokens go through in chunks of ``chunk_size``; with gradients on,
+    each chunk is checkpointed, so backward recomputes that chunk's logits instead of
+    keeping ``N x T x V`` of them alive: peak memory is one chunk's logits, not all.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    n, t, h = hidden.shape
+    flat_hidden, flat_ids = hidden.reshape(n * t, h), token_ids.reshape(n * t)
+    keep_graph = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    out = []
+    for start in range(0, n * t, chunk_size):
+        args = (
+            flat_hidden[start : start + chunk_size],
+            weight,
+            flat_ids[start : start + chunk_size],
+        )
+        if keep_graph:
+            out.append(checkpoint(_chunk_logprobs, *args, temperature, use_reentrant=False))
+        else:
+            out.append(_chunk_logprobs(*args, temperature))
+    if not out:
+        return hidden.new_zeros((n, t), dtype=torch.float32)
+    return torch.cat(out).reshape(n, t)
 
 
 def token_logprobs_from_logits(logits: Tensor, token_ids: Tensor, temperature: float) -> Tensor:
