@@ -57,23 +57,24 @@ def test_greedy_matches_hf_generate(tokenizer, tiny_model):
 
 def test_finished_rows_stop_and_are_masked(tokenizer, tiny_model):
     """With EOS made likely, rows finish at different steps; later positions are padding."""
-    bias = torch.zeros(len(tokenizer))
-    bias[tokenizer.eos_token_id] = 2.0
-    original = tiny_model.lm_head.forward
-    tiny_model.lm_head.forward = lambda x: original(x) + bias
-    try:
-        engine = engine_for(tiny_model, tokenizer)
-        batch = engine.generate(prompts(tokenizer), n=8, params=SamplingParams(12), seed=0)
-        with torch.no_grad():
-            lp = completion_logprobs(
-                tiny_model,
-                batch.prompt_ids,
-                batch.prompt_mask,
-                batch.completion_ids,
-                batch.completion_mask,
-            )
-    finally:
-        tiny_model.lm_head.forward = original
+    # An LM head with a bias on EOS (a bias also takes the model's own-logits path).
+    old_head = tiny_model.lm_head
+    head = torch.nn.Linear(old_head.in_features, old_head.out_features, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(old_head.weight)
+        head.bias.zero_()
+        head.bias[tokenizer.eos_token_id] = 2.0
+    tiny_model.lm_head = head
+    engine = engine_for(tiny_model, tokenizer)
+    batch = engine.generate(prompts(tokenizer), n=8, params=SamplingParams(12), seed=0)
+    with torch.no_grad():
+        lp = completion_logprobs(
+            tiny_model,
+            batch.prompt_ids,
+            batch.prompt_mask,
+            batch.completion_ids,
+            batch.completion_mask,
+        )
     lengths = batch.completion_lengths
     assert len(set(lengths.tolist())) > 2  # rows stopped at different steps
     eos = tokenizer.eos_token_id

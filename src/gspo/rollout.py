@@ -135,7 +135,11 @@ def sample_next(
 
 
 class TorchEngine:
-    """Batched sampling from a HF causal LM with a KV cache; finished rows leave the batch."""
+    """Batched sampling from a HF causal LM with a KV cache; finished rows leave the batch.
+
+    Only unfinished rows draw from the generator, so the samples do not depend on when
+    finished rows are dropped from the batch.
+    """
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, eos_token_id: int | None):
         self.model = model
@@ -174,6 +178,7 @@ class TorchEngine:
         attention = prompt_mask
         positions = position_ids_from_mask(prompt_mask)
         inputs = prompt_ids
+        alive = torch.ones(rows, dtype=torch.bool, device=device)  # per live batch row
         for k in range(params.max_new_tokens):
             out = model(
                 input_ids=inputs,
@@ -184,22 +189,26 @@ class TorchEngine:
                 logits_to_keep=1,
             )
             cache = out.past_key_values
-            tokens, logprobs = sample_next(out.logits[:, -1, :], params, generator)
-            rows_cpu = active.cpu()
-            tokens_out[rows_cpu, k] = tokens.cpu()
+            # Finished rows stay in the batch (their tokens are ignored) until a quarter
+            # of it has finished: re-indexing the KV cache at every step costs more.
+            tokens = torch.full((len(active),), self.pad_token_id, dtype=torch.long, device=device)
+            picked, logprobs = sample_next(out.logits[alive, -1, :], params, generator)
+            tokens[alive] = picked
+            rows_cpu = active[alive].cpu()
+            tokens_out[rows_cpu, k] = picked.cpu()
             logprobs_out[rows_cpu, k] = logprobs.cpu()
             lengths[rows_cpu] = k + 1
-            done = torch.isin(tokens, stop)
+            done = torch.isin(picked, stop)
             for r in rows_cpu[done.cpu()].tolist():
                 finished[r] = True
-            keep = ~done
-            if not keep.any():
+            alive[alive.clone()] = ~done
+            if not alive.any():
                 break
-            if not keep.all():  # finished rows leave the batch and the KV cache
-                idx = keep.nonzero().squeeze(-1)
+            if (~alive).sum() * 4 >= len(alive):  # finished rows leave the batch and cache
+                idx = alive.nonzero().squeeze(-1)
                 cache.batch_select_indices(idx)
                 active, tokens, attention = active[idx], tokens[idx], attention[idx]
-                positions = positions[idx]
+                positions, alive = positions[idx], alive[idx]
             attention = torch.cat([attention, attention.new_ones(attention.shape[0], 1)], dim=1)
             positions = positions[:, -1:] + 1
             inputs = tokens.unsqueeze(-1)
