@@ -87,3 +87,10 @@ def test_as_completion_follows_trl():
     assert as_completion("42", [{"role": "user", "content": "q"}]) == [
         {"role": "assistant", "content": "42"}
     ]
+
+
+def test_bad_jsonl_line_names_the_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "a"}\n{"prompt": oops}\n')
+    with pytest.raises(ValueError, match="data.train: .* line 2 is not JSON"):
+        load_rows(path, what="data.train")

@@ -7,6 +7,7 @@ in TRL. Cold-start SFT rows also carry a ``completion`` string.
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,17 +79,27 @@ def load_rows(path: str | Path, *, what: str) -> list[Row]:
     builders = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
     if suffix not in builders:
         raise ValueError(f"{what}: {path} must end in .jsonl, .json or .parquet")
-    import datasets
+    if suffix == ".jsonl":  # one json.loads per line: no need to start `datasets` for it
+        rows = []
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{what}: {path} line {number} is not JSON: {exc}") from exc
+    else:
+        import datasets
 
-    datasets.disable_progress_bars()
-    try:
-        table = datasets.load_dataset(builders[suffix], data_files=str(path), split="train")
-    except Exception as exc:  # datasets raises many types for malformed files
-        raise ValueError(f"{what}: cannot read {path}: {type(exc).__name__}: {exc}") from exc
-    rows = table.to_list()
+        datasets.disable_progress_bars()
+        try:
+            table = datasets.load_dataset(builders[suffix], data_files=str(path), split="train")
+        except Exception as exc:  # datasets raises many types for malformed files
+            raise ValueError(f"{what}: cannot read {path}: {type(exc).__name__}: {exc}") from exc
+        rows = table.to_list()
     if not rows:
         raise ValueError(f"{what}: {path} has no rows")
-    if "prompt" not in rows[0]:
+    if not isinstance(rows[0], dict) or "prompt" not in rows[0]:
         raise ValueError(f"{what}: {path} has no 'prompt' column (columns: {list(rows[0])})")
     return rows
 
