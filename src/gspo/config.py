@@ -96,6 +96,17 @@ class EvalConfig(_Section):
     success_threshold: float = 1.0
 
 
+class MoEConfig(_Section):
+    routing_replay: bool = Field(
+        False, description="Compute pi_theta for the ratio through the experts pi_old chose"
+    )
+    measure_churn: bool | None = Field(
+        None,
+        description="Log moe/expert_change_fraction after each optimizer step; "
+        "None = on for MoE models",
+    )
+
+
 class LogConfig(_Section):
     tensorboard: bool = True
     plots: bool = True
@@ -113,6 +124,7 @@ class Config(_Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    moe: MoEConfig = Field(default_factory=MoEConfig)
     log: LogConfig = Field(default_factory=LogConfig)
 
     @model_validator(mode="after")
@@ -129,6 +141,13 @@ class Config(_Section):
             raise ValueError(
                 f"reward.weights has {len(self.reward.weights)} entries for "
                 f"{len(self.reward.functions)} reward.functions"
+            )
+        dense_builtin = self.model.path is None and self.model.builtin == "qwen3"
+        if dense_builtin and (self.moe.routing_replay or self.moe.measure_churn):
+            key = "moe.routing_replay" if self.moe.routing_replay else "moe.measure_churn"
+            raise ValueError(
+                f"{key} needs a MoE model (model.builtin=qwen3_moe or a MoE model.path); "
+                "model.builtin=qwen3 is dense"
             )
         return self
 

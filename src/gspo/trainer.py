@@ -20,7 +20,7 @@ import os
 import random
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,14 @@ from gspo.models import (
     resolve_device,
     resolve_dtype,
     save_pretrained_atomic,
+)
+from gspo.moe import (
+    capture_routing,
+    expert_change_fraction,
+    find_routers,
+    is_moe,
+    replay_routing,
+    response_token_mask,
 )
 from gspo.objectives import mean_over_tokens, policy_loss
 from gspo.rewards import RewardFunctions
@@ -150,6 +158,9 @@ class Trainer:
             )
         else:
             self.model, self.tokenizer = build_or_load_model(config, self.output_dir, self.device)
+        self.routing_replay, self.measure_churn = moe_settings(config, self.model)
+        # routing under pi_old is recorded whenever replay or the churn measurement needs it
+        self.record_routing = self.routing_replay or self.measure_churn
         self.engine = TorchEngine(
             self.model,
             pad_token_id=self.tokenizer.pad_token_id,
@@ -357,21 +368,26 @@ class Trainer:
         t_reward = timer() - t1
 
         t2 = timer()
-        old_logprobs = batch.sampler_logprobs
-        recomputed = None
-        if cfg.algorithm.old_logprobs == "recompute":
-            with torch.no_grad():
-                recomputed = self.logprobs(batch)
-            old_logprobs = recomputed
-        t_old = timer() - t2
-
-        n = len(batch)
         order = torch.randperm(
-            n,
+            len(batch),
             generator=torch.Generator().manual_seed(
                 derive_seed(cfg.train.seed, "minibatch", rollout_index)
             ),
         )
+        minibatches = [rows.to(self.device) for rows in order.chunk(cfg.algorithm.minibatches)]
+        old_logprobs = batch.sampler_logprobs
+        recomputed = None
+        # old_routing[k]: experts of minibatch k under pi_old, [layers, tokens, k] (MoE only)
+        old_routing: list[torch.Tensor | None] = [None] * len(minibatches)
+        if self.record_routing:
+            recomputed, old_routing = self.old_pass_with_routing(batch, minibatches)
+        elif cfg.algorithm.old_logprobs == "recompute":
+            with torch.no_grad():
+                recomputed = self.logprobs(batch)
+        if recomputed is not None:
+            old_logprobs = recomputed
+        t_old = timer() - t2
+
         rollout_metrics = self.rollout_metrics(scored, advantages)
         rollout_metrics.update(
             {"time/generate": t_generate, "time/reward": t_reward, "time/old_logprobs": t_old}
@@ -383,11 +399,10 @@ class Trainer:
 
         lines = []
         self.model.train()
-        for k, rows_mb in enumerate(order.chunk(cfg.algorithm.minibatches)):
+        for k, rows_mb in enumerate(minibatches):
             t3 = timer()
-            rows_mb = rows_mb.to(self.device)
             mb = batch.select(rows_mb)
-            lp = self.logprobs(mb)
+            lp = self.policy_logprobs(mb, old_routing, k)
             olp = old_logprobs[rows_mb][:, : lp.shape[1]]
             out = policy_loss(
                 lp,
@@ -419,12 +434,88 @@ class Trainer:
                 # The first minibatch is on-policy: its log-probs are the recompute for free.
                 line.update(logprob_mismatch(mb.sampler_logprobs, lp.detach(), mb.completion_mask))
             line["time/train"] = timer() - t3
+            if self.measure_churn:
+                t4 = timer()
+                line.update(self.expert_churn(mb, old_routing[k]))
+                line["time/moe_churn"] = timer() - t4
             line.update(rollout_metrics)
             lines.append((self.step, line))
         step_time = timer() - t0
         for _, line in lines:
             line["time/step"] = step_time / len(lines)
         return lines
+
+    def old_pass_with_routing(
+        self, batch: RolloutBatch, minibatches: list[torch.Tensor]
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        """Before the first update: each minibatch's routing under pi_old (MoE models).
+
+        The pass runs per minibatch, on the trimmed layout ``batch.select`` gives the
+        training forward, so a recorded routing lines up token for token with the forward
+        that replays it. With ``algorithm.old_logprobs=recompute`` this pass is the
+        recompute (its log-probs are returned, [N, T], and cost nothing extra). In sampler
+        mode it is an extra no-grad forward over minibatches 1.. (the price of measuring);
+        minibatch 0's routing is recorded by its own training forward, which still runs
+        under pi_old, so it is ``None`` here.
+        """
+        recompute = self.config.algorithm.old_logprobs == "recompute"
+        recomputed = torch.zeros_like(batch.sampler_logprobs) if recompute else None
+        routing: list[torch.Tensor | None] = []
+        with torch.no_grad():
+            for k, rows in enumerate(minibatches):
+                if k == 0 and not recompute:
+                    routing.append(None)
+                    continue
+                mb = batch.select(rows)
+                with capture_routing(self.model) as recorder:
+                    lp = self.logprobs(mb)
+                routing.append(recorder.experts)
+                if recomputed is not None:
+                    recomputed[rows, : lp.shape[1]] = lp
+        return recomputed, routing
+
+    def policy_logprobs(
+        self, mb: RolloutBatch, old_routing: list[torch.Tensor | None], k: int
+    ) -> torch.Tensor:
+        """pi_theta's log-probs of minibatch ``k`` for the ratio (with gradient).
+
+        With routing replay the experts recorded under pi_old are forced. A minibatch
+        whose old routing is not recorded yet (the first, in sampler mode) runs under
+        pi_old's weights, so its routing is recorded here and is the same either way.
+        """
+        if self.record_routing and old_routing[k] is None:
+            with capture_routing(self.model) as recorder:
+                lp = self.logprobs(mb)
+            old_routing[k] = recorder.experts
+            return lp
+        if self.routing_replay:
+            with replay_routing(self.model, old_routing[k]):
+                return self.logprobs(mb)
+        return self.logprobs(mb)
+
+    @torch.no_grad()
+    def expert_churn(self, mb: RolloutBatch, old: torch.Tensor) -> dict[str, float]:
+        """Share of minibatch ``mb``'s activated experts that changed since pi_old.
+
+        A no-grad forward of the minibatch just trained on, with the updated weights and
+        the model's own routing, against the routing recorded under pi_old. After the
+        minibatch-``k`` step that is ``k + 1`` updates since the rollout. Counted: the
+        response tokens (completion tokens under the mask); prompt tokens, padding and
+        packing filler are not. Costs one no-grad forward of the minibatch per step.
+        """
+        with capture_routing(self.model) as recorder:
+            self.logprobs(mb)
+        response = response_token_mask(
+            self.model,
+            lambda p, c: self.logprobs(replace(mb, prompt_ids=p, completion_ids=c)),
+            mb.prompt_mask,
+            mb.completion_mask,
+        )
+        overall, per_layer = expert_change_fraction(old, recorder.experts, response)
+        metrics = {"moe/expert_change_fraction": overall}
+        for i, fraction in enumerate(per_layer):
+            metrics[f"moe/expert_change_fraction/layer_{i}"] = fraction
+        return metrics
 
     def reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor | None:
         """Log-probs under the frozen cold-start model, when the KL penalty is on.
@@ -513,6 +604,21 @@ class Trainer:
         for stale in older[: -self.config.train.keep_checkpoints]:
             shutil.rmtree(stale)
         return final
+
+
+def moe_settings(config: Config, model: torch.nn.Module) -> tuple[bool, bool]:
+    """``(routing_replay, measure_churn)`` for ``model``; the churn is on by default for MoE.
+
+    Asking for either on a model without MoE routers is a one-line ``ValueError``.
+    """
+    replay, churn = config.moe.routing_replay, config.moe.measure_churn
+    for key, wanted in (("moe.routing_replay", replay), ("moe.measure_churn", churn)):
+        if wanted:
+            try:
+                find_routers(model)
+            except ValueError as exc:
+                raise ValueError(f"{key}: {exc}") from None
+    return replay, is_moe(model) if churn is None else churn
 
 
 def crossed(before: int, after: int, every: int) -> bool:

@@ -1,0 +1,260 @@
+"""Mixture-of-Experts routing: capture it, replay it, and measure how much it changes.
+
+GSPO paper, section 5.3 (spec claim 3): after one gradient step about 10% of the experts
+a MoE model activates for the same rollout change, so GRPO's token ratios compare
+log-probs computed through different experts. *Routing Replay* caches the experts chosen
+under ``pi_old`` and forces them when computing ``pi_theta`` for the ratio.
+
+Everything works on the router modules of transformers' MoE blocks (:data:`ROUTERS`),
+whose forward is ``logits = h @ W.T; p = softmax(logits); top-k of p`` (optionally
+renormalised) and returns ``(router_logits, routing_weights, selected_experts)``; the
+MoE block then runs ``experts(h, selected_experts, routing_weights)``.
+
+Shapes. A forward over an ``[B, L]`` input calls each router once with the flattened
+``B * L`` tokens, so a recorded routing is an integer tensor ``[layers, B * L, k]``:
+for every MoE layer (in module order) and every input token (row-major over ``[B, L]``,
+padding included) the ``k`` experts chosen. ``layers`` counts MoE layers only. Nothing
+here assumes how a caller lays sequences out in ``[B, L]`` (padded or packed): replay
+needs the same layout as the capture, and :func:`response_token_mask` finds the response
+tokens in whatever layout a forward uses.
+
+- :func:`capture_routing` records the experts chosen (forward hooks, no change to the
+  computation).
+- :func:`replay_routing` makes every router use recorded experts: logits and softmax
+  are computed as usual from the current weights and only the top-k *choice* is
+  replaced, so the gate values (and their gradient into the router weights) are those
+  of the current router at the replayed experts.
+- :func:`expert_change_fraction` compares two recordings over the tokens of a mask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+#: Router classes handled here, by class name, with whether their forward casts the
+#: routing weights back to the logits' dtype (Mixtral's and MiniMax's keep float32).
+#: All compute ``softmax(float32) -> top-k -> renormalise`` (unless ``norm_topk_prob``
+#: is False on the router): checked against transformers 5.23's sources.
+ROUTERS: dict[str, bool] = {
+    "Qwen3MoeTopKRouter": True,
+    "Qwen2MoeTopKRouter": True,
+    "Qwen3NextTopKRouter": True,
+    "Qwen3VLMoeTextTopKRouter": True,
+    "Qwen3_5MoeTopKRouter": True,
+    "Qwen3OmniMoeThinkerTextTopKRouter": True,
+    "OlmoeTopKRouter": True,
+    "FlexOlmoTopKRouter": True,
+    "MixtralTopKRouter": False,
+    "MiniMaxTopKRouter": False,
+}
+
+
+#: Below this, the replayed experts' summed probability is treated as underflowed.
+_NEGLIGIBLE = 1e-20
+
+
+def find_routers(model: nn.Module) -> list[nn.Module]:
+    """The MoE router modules of ``model``, in module (= layer) order.
+
+    Raises ``ValueError`` for a model without any (a dense model, or a MoE family whose
+    router is not in :data:`ROUTERS`).
+    """
+    routers = [m for m in model.modules() if type(m).__name__ in ROUTERS]
+    if not routers:
+        kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        raise ValueError(
+            f"model has no MoE routers ({kind}: no module of a supported router class: "
+            f"{', '.join(ROUTERS)})"
+        )
+    return routers
+
+
+def is_moe(model: nn.Module) -> bool:
+    """Whether ``model`` has routers :func:`find_routers` supports."""
+    return any(type(m).__name__ in ROUTERS for m in model.modules())
+
+
+def _index_dtype(router: nn.Module) -> torch.dtype:
+    return torch.int16 if router.num_experts <= torch.iinfo(torch.int16).max else torch.int32
+
+
+@dataclass
+class RoutingRecorder:
+    """What :func:`capture_routing` saw: per MoE layer, the experts of each router call."""
+
+    calls: list[list[Tensor]] = field(default_factory=list)  # [layer][call] -> [tokens, k]
+
+    @property
+    def experts(self) -> Tensor:
+        """``[layers, tokens, k]`` integer tensor of one forward pass."""
+        counts = {len(c) for c in self.calls}
+        if counts != {1}:
+            raise ValueError(
+                f"captured {sorted(counts)} router calls per layer; .experts needs exactly "
+                "one forward pass inside capture_routing (use .calls for several)"
+            )
+        return torch.stack([c[0] for c in self.calls])
+
+
+@contextlib.contextmanager
+def capture_routing(model: nn.Module) -> Iterator[RoutingRecorder]:
+    """Record the top-k experts every router of ``model`` chooses inside the block.
+
+    ``recorder.experts`` is ``[layers, tokens, k]`` after one forward pass. Under
+    :func:`replay_routing` it records the replayed experts (what the experts ran).
+    """
+    routers = find_routers(model)
+    recorder = RoutingRecorder(calls=[[] for _ in routers])
+    handles = []
+    for layer, router in enumerate(routers):
+
+        def hook(module, args, output, layer=layer):
+            indices = output[2]
+            recorder.calls[layer].append(indices.detach().to(_index_dtype(module)))
+
+        handles.append(router.register_forward_hook(hook))
+    try:
+        yield recorder
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _replayed_forward(router: nn.Module, experts: Tensor, cast: bool):
+    """A forward for ``router`` that routes each token to ``experts`` ``[tokens, k]``."""
+    indices = experts.long()
+
+    def forward(hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        hidden_states = hidden_states.reshape(-1, router.hidden_dim)
+        if hidden_states.shape[0] != indices.shape[0]:
+            raise ValueError(
+                f"replay_routing: the router got {hidden_states.shape[0]} tokens but the "
+                f"recorded routing has {indices.shape[0]}; replay needs the same [B, L] "
+                "input layout as the capture"
+            )
+        router_logits = nn.functional.linear(hidden_states, router.weight)
+        router_probs = torch.softmax(router_logits.float(), dim=-1)
+        weights = router_probs.gather(-1, indices)  # the gate values of the replayed experts
+        if getattr(router, "norm_topk_prob", True):
+            # The router's own arithmetic (bit-identical when nothing changed), except where
+            # the current router gives the replayed experts ~0 probability and p / sum(p)
+            # would be 0 / 0: there the same quantity as a softmax over their logits.
+            total = weights.sum(dim=-1, keepdim=True)
+            usable = total > _NEGLIGIBLE
+            direct = weights / torch.where(usable, total, torch.ones_like(total))
+            stable = torch.softmax(router_logits.float().gather(-1, indices), dim=-1)
+            weights = torch.where(usable, direct, stable)
+        if cast:
+            weights = weights.to(router_logits.dtype)
+        return router_logits, weights, indices
+
+    return forward
+
+
+@contextlib.contextmanager
+def replay_routing(model: nn.Module, experts: Tensor) -> Iterator[None]:
+    """Inside the block, every router of ``model`` uses the recorded ``experts``.
+
+    ``experts`` is a ``[layers, tokens, k]`` recording (:func:`capture_routing`) of a
+    forward over the same ``[B, L]`` input layout; every forward inside the block must
+    have that layout (a different token count is a ``ValueError``). The routing weights
+    are ``softmax(current logits)`` at the recorded experts, renormalised as the
+    router's own forward does, so gradients reach the router weights.
+    """
+    routers = find_routers(model)
+    if experts.dim() != 3 or experts.shape[0] != len(routers):
+        raise ValueError(
+            f"replay_routing: recorded routing has shape {tuple(experts.shape)}; the model "
+            f"has {len(routers)} MoE layers (expected [layers, tokens, k])"
+        )
+    for router in routers:
+        if experts.shape[2] != router.top_k:
+            raise ValueError(
+                f"replay_routing: recorded {experts.shape[2]} experts per token; the "
+                f"router picks {router.top_k}"
+            )
+    try:
+        for router, recorded in zip(routers, experts, strict=True):
+            # an instance attribute shadows the class's forward; hooks still run around it
+            router.forward = _replayed_forward(router, recorded, ROUTERS[type(router).__name__])
+        yield
+    finally:
+        for router in routers:
+            router.__dict__.pop("forward", None)
+
+
+def expert_change_fraction(
+    old: Tensor, new: Tensor, mask: Tensor | None = None
+) -> tuple[float, list[float]]:
+    """Share of activated experts that differ between two routings of the same tokens.
+
+    ``old``, ``new``: ``[layers, tokens, k]``; ``mask``: ``[tokens]`` (0/1 or bool), the
+    tokens that count (all when ``None``). An activation ``(layer, token, slot)`` of
+    ``new`` has *changed* when its expert is not among the ``k`` experts ``old`` chose for
+    that token and layer, so a reordering of the same experts is no change. Returns the
+    fraction over all counted activations and one per layer (0.0 with no counted token).
+    """
+    if old.shape != new.shape:
+        raise ValueError(f"routings differ in shape: {tuple(old.shape)} vs {tuple(new.shape)}")
+    layers, tokens, _ = old.shape
+    keep = (
+        torch.ones(tokens, dtype=torch.bool, device=old.device)
+        if mask is None
+        else mask.reshape(-1).bool().to(old.device)
+    )
+    if keep.shape[0] != tokens:
+        raise ValueError(f"mask has {keep.shape[0]} tokens; the routings have {tokens}")
+    old_kept, new_kept = old[:, keep].long(), new[:, keep].long()  # [layers, n, k]
+    changed = ~(new_kept.unsqueeze(-1) == old_kept.unsqueeze(-2)).any(-1)  # [layers, n, k]
+    if changed.shape[1] == 0:
+        return 0.0, [0.0] * layers
+    per_layer = changed.float().mean(dim=(1, 2))
+    return per_layer.mean().item(), per_layer.tolist()
+
+
+class _Probed(Exception):
+    """Raised by :func:`response_token_mask`'s hook to stop the forward it probes."""
+
+
+def response_token_mask(
+    model: nn.Module,
+    forward: Callable[[Tensor, Tensor], object],
+    prompt_mask: Tensor,
+    completion_mask: Tensor,
+) -> Tensor:
+    """``[tokens]`` bool: which flattened input tokens of a forward are response tokens.
+
+    ``forward(prompt_ids, completion_ids)`` must run the same single model forward (same
+    token layout, padded or packed) as the one whose routing is recorded, for a batch with
+    these masks. It is called with marker ids (response tokens under ``completion_mask``
+    get one id, everything else others) and stopped at the input embedding, before any
+    compute, so the probe costs nothing and needs no knowledge of the layout.
+
+    Counted: the completion tokens under the mask (the stop token included); prompt
+    tokens, padding and any filler of a packed layout are not.
+    """
+    response, other = 2, 1
+    prompt_ids = torch.where(prompt_mask.bool(), other, 0)
+    completion_ids = torch.where(completion_mask.bool(), response, 0)
+    seen: list[Tensor] = []
+
+    def pre_hook(module, args, kwargs):
+        ids = args[0] if args else kwargs["input"]
+        seen.append(ids.detach().reshape(-1))
+        raise _Probed
+
+    handle = model.get_input_embeddings().register_forward_pre_hook(pre_hook, with_kwargs=True)
+    try:
+        forward(prompt_ids, completion_ids)
+    except _Probed:
+        pass
+    finally:
+        handle.remove()
+    if not seen:
+        raise ValueError("response_token_mask: the forward never reached the input embedding")
+    return seen[0] == response

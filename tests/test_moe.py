@@ -1,0 +1,409 @@
+"""MoE routing: capture, Routing Replay, expert-change fraction, and the trainer's use of them."""
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    MixtralConfig,
+    OlmoeConfig,
+    Qwen2MoeConfig,
+)
+
+from gspo.config import ConfigError, load_config
+from gspo.models import TinyModelSpec, build_tiny_model, completion_logprobs
+from gspo.moe import (
+    capture_routing,
+    expert_change_fraction,
+    find_routers,
+    replay_routing,
+    response_token_mask,
+)
+from gspo.telemetry import read_metrics
+from gspo.trainer import Trainer, moe_settings
+
+MOE = TinyModelSpec(
+    architecture="qwen3_moe",
+    layers=2,
+    hidden=64,
+    heads=2,
+    kv_heads=1,
+    intermediate=128,
+    experts=8,
+    experts_per_token=2,
+    expert_intermediate=32,
+)
+
+ONES_REWARD = '''
+def ones(prompts, completions, **kwargs):
+    """Dense reward (share of '1' characters), so every step has a gradient."""
+    return [c.count("1") / max(len(c), 1) for c in completions]
+'''
+
+FAST_MOE = [
+    "model.builtin=qwen3_moe",
+    "model.layers=2",
+    "model.hidden=64",
+    "model.heads=2",
+    "model.kv_heads=1",
+    "model.intermediate=128",
+    "model.experts=4",
+    "data.eval_size=8",
+    "data.sft_size=64",
+    "train.cold_start_steps=0",
+    "rollout.group_size=4",
+    "rollout.prompts_per_batch=4",
+    "rollout.max_new_tokens=4",
+    "eval.samples=1",
+    "eval.max_prompts=4",
+    "eval.every=0",
+    "eval.greedy=false",
+    "train.max_steps=4",
+    "optim.lr=3e-2",
+    "log.progress=false",
+    "log.plots=false",
+    "log.tensorboard=false",
+]
+
+
+@pytest.fixture
+def moe_model(tokenizer):
+    return build_tiny_model(MOE, tokenizer, seed=0)
+
+
+def tokens(batch=3, length=7, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(4, 60, (batch, length), generator=generator)
+
+
+def scramble_routers(model, seed=1):
+    """A large weight change: every router's weight replaced by large random values."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for router in find_routers(model):
+            router.weight.copy_(torch.randn(router.weight.shape, generator=generator) * 10)
+
+
+def moe_blocks(model):
+    return [m for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
+
+
+def experts_used(model, run):
+    """The top-k indices the expert modules actually received during ``run()``."""
+    seen = []
+
+    def pre_hook(module, args, kwargs):
+        seen.append(args[1].clone())
+
+    handles = [
+        block.experts.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        for block in moe_blocks(model)
+    ]
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return torch.stack(seen)
+
+
+# ---------------------------------------------------------------------------- capture
+
+
+def test_dense_model_has_no_routers(tiny_model):
+    with pytest.raises(ValueError, match="model has no MoE routers"):
+        find_routers(tiny_model)
+    with pytest.raises(ValueError, match="model has no MoE routers"), capture_routing(tiny_model):
+        pass
+
+
+def test_capture_records_k_experts_per_token_per_layer(moe_model):
+    ids = tokens(3, 7)
+    with torch.no_grad(), capture_routing(moe_model) as recorder:
+        moe_model(input_ids=ids)
+    experts = recorder.experts
+    assert experts.shape == (MOE.layers, 3 * 7, MOE.experts_per_token)
+    assert int(experts.min()) >= 0 and int(experts.max()) < MOE.experts
+    # the k experts of one token are distinct
+    assert (experts[..., 0] != experts[..., 1]).all()
+    # what the experts modules ran is what was recorded
+    used = experts_used(moe_model, lambda: moe_model(input_ids=ids))
+    assert torch.equal(used, experts.long())
+    # hooks are removed on exit
+    assert all(not r._forward_hooks for r in find_routers(moe_model))
+
+
+# ----------------------------------------------------------------------------- replay
+
+
+def test_replay_on_unchanged_weights_gives_identical_logits_and_gradients(moe_model):
+    ids = tokens()
+    with capture_routing(moe_model) as recorder:
+        logits = moe_model(input_ids=ids).logits
+    logits.square().mean().backward()
+    grads = [r.weight.grad.clone() for r in find_routers(moe_model)]
+    moe_model.zero_grad()
+    with replay_routing(moe_model, recorder.experts):
+        replayed = moe_model(input_ids=ids).logits
+    replayed.square().mean().backward()
+    assert torch.equal(logits, replayed)
+    for grad, router in zip(grads, find_routers(moe_model), strict=True):
+        assert torch.allclose(grad, router.weight.grad, atol=1e-7)
+        assert router.weight.grad.abs().sum() > 0  # gradient reaches the gate weights
+    assert all("forward" not in r.__dict__ for r in find_routers(moe_model))  # restored
+
+
+def test_replay_pins_the_routing_after_a_large_weight_change(moe_model):
+    ids = tokens()
+    with torch.no_grad(), capture_routing(moe_model) as recorder:
+        moe_model(input_ids=ids)
+    old = recorder.experts
+    scramble_routers(moe_model)
+
+    natural = experts_used(moe_model, lambda: moe_model(input_ids=ids))
+    overall, _ = expert_change_fraction(old, natural)
+    assert overall > 0.3  # without replay the routing moved a lot
+
+    def replayed_forward():
+        with replay_routing(moe_model, old):
+            moe_model(input_ids=ids).logits.sum().backward()
+
+    assert torch.equal(experts_used(moe_model, replayed_forward), old.long())
+    for router in find_routers(moe_model):
+        # finite even where the new router gives the replayed experts ~0 probability
+        assert torch.isfinite(router.weight.grad).all()
+        assert router.weight.grad.abs().sum() > 0
+
+
+def test_replayed_block_output_is_the_experts_at_the_recorded_routing(moe_model):
+    block = moe_blocks(moe_model)[0]
+    hidden = torch.randn(2, 5, MOE.hidden, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), capture_routing(moe_model) as recorder:
+        block(hidden)
+    old = recorder.calls[0][0].long()  # only block 0 ran
+    scramble_routers(moe_model)
+    with torch.no_grad():
+        natural = block(hidden)
+        with replay_routing(moe_model, torch.stack([old] * MOE.layers)):
+            replayed = block(hidden)
+        flat = hidden.reshape(-1, MOE.hidden)
+        # p_i / sum_j p_j over the replayed experts = a softmax over their logits
+        gates = torch.softmax((flat @ block.gate.weight.T).gather(-1, old), dim=-1)
+        expected = block.experts(flat, old, gates)
+    assert torch.allclose(replayed.reshape(-1, MOE.hidden), expected, atol=1e-6)
+    assert not torch.allclose(natural, replayed, atol=1e-4)
+
+
+def test_replay_rejects_a_different_layout(moe_model):
+    with torch.no_grad(), capture_routing(moe_model) as recorder:
+        moe_model(input_ids=tokens(3, 7))
+    with (
+        pytest.raises(ValueError, match="same \\[B, L\\] input layout"),
+        replay_routing(moe_model, recorder.experts),
+    ):
+        moe_model(input_ids=tokens(3, 8))
+    with (
+        pytest.raises(ValueError, match="MoE layers"),
+        replay_routing(moe_model, recorder.experts[:1]),
+    ):
+        pass
+
+
+def _tiny(config_class, **kwargs):
+    common = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        num_experts_per_tok=2,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config_class(**common, **kwargs), dtype=torch.float32)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: _tiny(MixtralConfig, num_local_experts=4),
+        lambda: _tiny(OlmoeConfig, num_experts=4, norm_topk_prob=False),
+        lambda: _tiny(
+            Qwen2MoeConfig,
+            num_experts=4,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+        ),
+    ],
+    ids=["mixtral", "olmoe", "qwen2_moe"],
+)
+def test_capture_and_replay_on_other_moe_families(make):
+    model = make()
+    ids = tokens(2, 6)
+    with capture_routing(model) as recorder:
+        logits = model(input_ids=ids).logits
+    assert recorder.experts.shape == (2, 12, 2)
+    with replay_routing(model, recorder.experts):
+        assert torch.equal(model(input_ids=ids).logits, logits)
+    scramble_routers(model)
+
+    def replayed_forward():
+        with replay_routing(model, recorder.experts):
+            model(input_ids=ids)
+
+    assert not torch.equal(experts_used(model, lambda: model(input_ids=ids)), recorder.experts)
+    assert torch.equal(experts_used(model, replayed_forward), recorder.experts.long())
+
+
+# ------------------------------------------------------------------- change fraction
+
+
+def test_expert_change_fraction_counts_changed_experts_as_sets():
+    old = torch.tensor([[[0, 1], [2, 3], [4, 5]]])  # 1 layer, 3 tokens, k = 2
+    assert expert_change_fraction(old, old) == (0.0, [0.0])
+    reordered = torch.tensor([[[1, 0], [3, 2], [5, 4]]])
+    assert expert_change_fraction(old, reordered)[0] == 0.0
+    new = torch.tensor([[[0, 7], [6, 7], [4, 5]]])  # 1 + 2 + 0 of 6 activations changed
+    assert expert_change_fraction(old, new)[0] == pytest.approx(3 / 6)
+    mask = torch.tensor([1, 0, 1])  # token 1 does not count: 1 of 4
+    assert expert_change_fraction(old, new, mask)[0] == pytest.approx(1 / 4)
+    two_layers = expert_change_fraction(torch.cat([old, old]), torch.cat([old, new]))
+    assert two_layers[0] == pytest.approx(3 / 12)
+    assert two_layers[1] == pytest.approx([0.0, 0.5])
+    assert expert_change_fraction(old, new, torch.zeros(3)) == (0.0, [0.0])
+
+
+def test_change_fraction_is_zero_for_identical_weights_and_positive_after_a_large_step(
+    moe_model,
+):
+    ids = tokens()
+
+    def routing():
+        with torch.no_grad(), capture_routing(moe_model) as recorder:
+            moe_model(input_ids=ids)
+        return recorder.experts
+
+    before = routing()
+    assert expert_change_fraction(before, routing())[0] == 0.0
+    optimizer = torch.optim.SGD(moe_model.parameters(), lr=50.0)
+    moe_model(input_ids=ids).logits.logsumexp(-1).mean().backward()
+    optimizer.step()
+    overall, per_layer = expert_change_fraction(before, routing())
+    assert overall > 0 and len(per_layer) == MOE.layers
+
+
+def test_response_token_mask_finds_the_response_tokens_in_any_layout(moe_model):
+    prompt_ids = torch.tensor([[0, 11, 12], [13, 14, 15]])
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    completion_ids = torch.tensor([[16, 17], [18, 0]])
+    completion_mask = torch.tensor([[1, 1], [1, 0]])
+
+    def padded(p, c):  # a known layout: [B, P + T] row-major
+        return moe_model(input_ids=torch.cat([p, c], dim=1))
+
+    with capture_routing(moe_model) as recorder:
+        mask = response_token_mask(moe_model, padded, prompt_mask, completion_mask)
+    assert mask.tolist() == [bool(x) for x in [0, 0, 0, 1, 1, 0, 0, 0, 1, 0]]
+    assert recorder.calls == [[], []]  # the probe stops before any layer runs
+
+    # the trainer's forward (completion_logprobs: padded or packed, its business)
+    def trainer_forward(p, c):
+        return completion_logprobs(moe_model, p, prompt_mask, c, completion_mask)
+
+    mask = response_token_mask(moe_model, trainer_forward, prompt_mask, completion_mask)
+    with torch.no_grad(), capture_routing(moe_model) as recorder:
+        trainer_forward(prompt_ids, completion_ids)
+    assert mask.shape[0] == recorder.experts.shape[1]
+    assert int(mask.sum()) == int(completion_mask.sum())
+
+
+# ---------------------------------------------------------------------------- trainer
+
+
+def test_moe_keys_on_a_dense_model_are_errors(tmp_path):
+    with pytest.raises(ConfigError, match="moe.routing_replay needs a MoE model"):
+        load_config(None, ["moe.routing_replay=true"])
+    with pytest.raises(ConfigError, match="moe.measure_churn needs a MoE model"):
+        load_config(None, ["moe.measure_churn=true"])
+
+
+def test_moe_keys_on_a_dense_model_path_are_errors(tiny_model):
+    config = load_config(None, ["model.path=/models/dense", "moe.routing_replay=true"])
+    with pytest.raises(ValueError, match="moe.routing_replay: model has no MoE routers"):
+        moe_settings(config, tiny_model)
+    # measure_churn=None means "on for MoE models": off for a dense one, no error
+    assert moe_settings(load_config(None, ["model.path=/models/dense"]), tiny_model) == (
+        False,
+        False,
+    )
+
+
+@pytest.mark.slow
+def test_trainer_on_moe_without_measuring_logs_no_moe_metrics(tmp_path):
+    config = load_config(None, [*FAST_MOE, "train.max_steps=2", "moe.measure_churn=false"])
+    Trainer(config, tmp_path / "run").fit()
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert records and not any(k.startswith("moe/") for r in records for k in r)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("level", "old_logprobs"),
+    [
+        ("sequence", "sampler"),
+        ("sequence_token", "sampler"),
+        ("token", "sampler"),
+        ("token", "recompute"),
+    ],
+)
+def test_trainer_with_routing_replay_logs_expert_change(tmp_path, level, old_logprobs):
+    (tmp_path / "ones.py").write_text(ONES_REWARD)
+    config = load_config(
+        None,
+        [
+            *FAST_MOE,
+            f"reward.functions=[{tmp_path / 'ones.py'}:ones]",
+            "moe.routing_replay=true",
+            f"algorithm.level={level}",
+            f"algorithm.old_logprobs={old_logprobs}",
+        ],
+    )
+    Trainer(config, tmp_path / "run").fit()
+    lines = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r]
+    assert len(lines) == 4
+    for line in lines:
+        assert 0.0 <= line["moe/expert_change_fraction"] <= 1.0
+        per_layer = [line[f"moe/expert_change_fraction/layer_{i}"] for i in range(2)]
+        assert line["moe/expert_change_fraction"] == pytest.approx(sum(per_layer) / 2)
+    assert max(line["moe/expert_change_fraction"] for line in lines) > 0  # lr 3e-2 moves it
+
+
+@pytest.mark.slow
+def test_trainer_replays_the_old_routing_in_every_minibatch(tmp_path, monkeypatch):
+    (tmp_path / "ones.py").write_text(ONES_REWARD)
+    config = load_config(
+        None,
+        [
+            *FAST_MOE,
+            f"reward.functions=[{tmp_path / 'ones.py'}:ones]",
+            "moe.routing_replay=true",
+            "algorithm.level=token",
+        ],
+    )
+    trainer = Trainer(config, tmp_path / "run")
+    used, recorded = [], []
+    original = Trainer.policy_logprobs
+
+    def spy(self, mb, old_routing, k):
+        with capture_routing(self.model) as recorder:
+            logprobs = original(self, mb, old_routing, k)
+        used.append(recorder.experts)
+        recorded.append(old_routing[k].clone())
+        return logprobs
+
+    monkeypatch.setattr(Trainer, "policy_logprobs", spy)
+    lines = trainer.rl_step(0)
+    assert len(used) == config.algorithm.minibatches
+    for experts, old in zip(used, recorded, strict=True):
+        assert torch.equal(experts, old)
+    # while the model's own routing did move (lr 3e-2): replay is what kept it fixed
+    assert max(line["moe/expert_change_fraction"] for _, line in lines) > 0
