@@ -11,7 +11,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?=
 DEMO_DIR ?= runs/demo
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test lint bench clean
 
 install: $(STAMP)
 
@@ -38,6 +38,19 @@ LINT_PATHS := src tests $(wildcard benchmarks experiments)
 lint: install
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+
+# Benchmarks against TRL need the `bench` extra: they get their own venv.
+BENCH_VENV ?= .venv-bench
+$(BENCH_VENV)/.gspo-installed: pyproject.toml
+	@test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	@$(BENCH_VENV)/bin/python -c "import torch" >/dev/null 2>&1 || \
+		$(BENCH_VENV)/bin/python -m pip install "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(BENCH_VENV)/bin/python -m pip install -e ".[bench]"
+	@touch $@
+
+bench: $(BENCH_VENV)/.gspo-installed
+	$(BENCH_VENV)/bin/python benchmarks/vs_trl.py
+	$(BENCH_VENV)/bin/python benchmarks/logprob_memory.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -1,0 +1,70 @@
+"""TRL's side of ``vs_trl.py``: GRPOTrainer running GSPO on the reference workload.
+
+GSPO in TRL is ``importance_sampling_level="sequence"`` with ``loss_type="grpo"``. Run as a
+separate process: ``python benchmarks/trl_side.py WORKLOAD_DIR OUTPUT_DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+START = time.perf_counter()
+
+
+def main(workload: Path, output: Path, max_steps: int = 32) -> None:
+    import torch
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from workload import dense
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(workload / "model")
+    model = AutoModelForCausalLM.from_pretrained(workload / "model", dtype=torch.float32)
+    data = load_dataset("json", data_files=str(workload / "train.jsonl"), split="train")
+    args = GRPOConfig(
+        output_dir=str(output),
+        importance_sampling_level="sequence",
+        loss_type="grpo",
+        epsilon=3e-4,
+        epsilon_high=4e-4,
+        beta=0.0,
+        num_generations=8,
+        per_device_train_batch_size=32,  # one minibatch = 32 completions
+        steps_per_generation=4,  # 4 minibatches per rollout batch of 16 prompts x 8
+        max_completion_length=32,
+        temperature=1.0,
+        max_steps=max_steps,
+        learning_rate=1e-4,
+        lr_scheduler_type="constant",
+        adam_beta2=0.99,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=dense, args=args, train_dataset=data, processing_class=tokenizer
+    )
+    train_start = time.perf_counter()
+    trainer.train()
+    result = {
+        "train_seconds": time.perf_counter() - train_start,
+        "process_seconds_to_end": time.perf_counter() - START,
+        "log_history": trainer.state.log_history,
+    }
+    (output / "trl_result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 32)
