@@ -124,9 +124,9 @@ def test_chunked_logprobs_without_grad_and_empty():
     assert empty.shape == (2, 0)
 
 
-@pytest.mark.parametrize("pack_tokens", [8, 40, 4096])
+@pytest.mark.parametrize("pack_tokens", [8, 12, 40, 4096])
 def test_packed_logprobs_equal_the_padded_forward(tokenizer, tiny_model, pack_tokens):
-    """Packing (several bins or one) changes nothing: values and gradients, counted tokens."""
+    """Packing into one row or several (first-fit decreasing) changes no value or gradient."""
     gen = torch.Generator().manual_seed(1)
     n, p, t = 6, 5, 7
     prompt = torch.randint(4, 60, (n, p), generator=gen)

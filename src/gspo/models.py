@@ -244,8 +244,12 @@ def completion_logprobs(
     return torch.where(completion_mask.bool(), logprobs, torch.zeros_like(logprobs))
 
 
-#: Tokens per packed row: the block-diagonal mask is ``PACK_TOKENS**2`` entries per row.
-PACK_TOKENS = 4096
+#: Least tokens per packed row (a row is at least as long as the longest sequence).
+#: Attention runs over a whole row, block-diagonal mask included, so a row costs
+#: ``row_tokens**2`` in attention: short rows keep that near the per-sequence cost. On the
+#: benchmark workload (32 sequences of ~21 tokens) a forward/backward took 139 ms with
+#: one row of 679 tokens and 113-122 ms with rows of 96-128 (benchmarks/README.md).
+PACK_TOKENS = 128
 
 
 def packed_completion_logprobs(
@@ -277,37 +281,36 @@ def packed_completion_logprobs(
         torch.cat([prompt_ids[i][prompt_mask[i]], completion_ids[i][completion_mask[i]]])
         for i in range(n)
     ]
-    # greedy bins of consecutive sequences; (bin, offset) of each sequence's first token
+    # first-fit decreasing into rows of `budget` tokens; (row, offset) of each sequence
     budget = max([pack_tokens, *(len(q) for q in sequences)])
-    bins: list[list[int]] = [[]]
-    used, place = 0, []
-    for i, q in enumerate(sequences):
-        if used + len(q) > budget and bins[-1]:
-            bins.append([])
-            used = 0
-        place.append((len(bins) - 1, used))
-        bins[-1].append(i)
-        used += len(q)
-    width = max(sum(len(sequences[i]) for i in b) for b in bins)
-    tokens = torch.zeros((len(bins), width), dtype=torch.long, device=device)  # tail: any id
-    positions = torch.zeros((len(bins), width), dtype=torch.long, device=device)
+    used: list[int] = []  # tokens in each row so far
+    place = [(0, 0)] * n
+    for i in sorted(range(n), key=lambda i: -len(sequences[i])):
+        row = next((r for r, u in enumerate(used) if u + len(sequences[i]) <= budget), None)
+        if row is None:
+            used.append(0)
+            row = len(used) - 1
+        place[i] = (row, used[row])
+        used[row] += len(sequences[i])
+    width = max(used)
+    tokens = torch.zeros((len(used), width), dtype=torch.long, device=device)  # tail: any id
+    positions = torch.zeros((len(used), width), dtype=torch.long, device=device)
     for i, (row, offset) in enumerate(place):
         length = len(sequences[i])
         tokens[row, offset : offset + length] = sequences[i]
         positions[row, offset : offset + length] = torch.arange(length, device=device)
-    for row, members in enumerate(bins):  # the tail of a row is one more dummy sequence
-        filled = sum(len(sequences[i]) for i in members)
+    for row, filled in enumerate(used):  # the tail of a row is one more dummy sequence
         positions[row, filled:] = torch.arange(width - filled, device=device)
     hidden = model.get_decoder()(
         input_ids=tokens, position_ids=positions, use_cache=False
     ).last_hidden_state
     # completion token k of row i is predicted by the hidden state just before it
     rows, cols = completion_mask.nonzero(as_tuple=True)
-    bin_of = torch.tensor([p[0] for p in place], device=device)
+    row_of = torch.tensor([p[0] for p in place], device=device)
     offset_of = torch.tensor([p[1] for p in place], device=device)
     first = offset_of + torch.tensor(prompt_len, device=device)
     picked = logprobs_from_hidden(
-        hidden[bin_of[rows], first[rows] + cols - 1].unsqueeze(0),
+        hidden[row_of[rows], first[rows] + cols - 1].unsqueeze(0),
         model.get_output_embeddings().weight,
         completion_ids[rows, cols].unsqueeze(0),
         temperature,
