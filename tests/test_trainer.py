@@ -272,3 +272,9 @@ def test_python_dash_m_gspo_and_console_script():
         check=True,
     )
     assert "algorithm:" in script.stdout and "level: sequence" in script.stdout
+    # the quick exit keeps the exit status and flushes what was printed
+    bad = subprocess.run(
+        [sys.executable, "-m", "gspo", "config", "optim.lrr=1"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines() == ["gspo: error: optim.lrr: unknown key"]

@@ -1,6 +1,6 @@
 """``python -m gspo`` is the ``gspo`` command."""
 
-from gspo.cli import main
+from gspo.cli import entry
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry()
