@@ -134,6 +134,10 @@ def sample_next(
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+#: Finished rows leave the batch and KV cache once this share of the batch has finished.
+DROP_FRACTION = 0.25
+
+
 class TorchEngine:
     """Batched sampling from a HF causal LM with a KV cache; finished rows leave the batch.
 
@@ -204,7 +208,7 @@ class TorchEngine:
             alive[alive.clone()] = ~done
             if not alive.any():
                 break
-            if (~alive).sum() * 4 >= len(alive):  # finished rows leave the batch and cache
+            if (~alive).sum() >= DROP_FRACTION * len(alive):  # finished rows leave the batch
                 idx = alive.nonzero().squeeze(-1)
                 cache.batch_select_indices(idx)
                 active, tokens, attention = active[idx], tokens[idx], attention[idx]
