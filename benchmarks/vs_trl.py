@@ -52,9 +52,11 @@ def run_gspo(work: Path) -> tuple[float, Path]:
         "log.plots=false",
         "log.tensorboard=false",
     ]  # fmt: skip
-    start = time.perf_counter()
+    start, wall_start = time.perf_counter(), time.time()
     subprocess.run(command, check=True, capture_output=True)
-    return time.perf_counter() - start, out
+    seconds = time.perf_counter() - start
+    (out / "process_wall.json").write_text(json.dumps({"start": wall_start, "end": time.time()}))
+    return seconds, out
 
 
 def run_trl(work: Path) -> tuple[float, dict]:
@@ -81,14 +83,24 @@ def gspo_summary(run: Path) -> dict:
         "forward/backward/optimizer": sum(r["time/train"] for r in train),
     }
     tokens = sum(r["train/response_length_mean"] * ROLLOUT for r in firsts)
-    return {"steps": len(train), "completion_tokens": tokens, "phases": phases}
+    # the RL loop: from the step-0 record (model loaded, ready) to the last step's record
+    loop = lines[-1]["time"] - lines[0]["time"]
+    wall = json.loads((run / "process_wall.json").read_text())
+    return {
+        "steps": len(train),
+        "completion_tokens": tokens,
+        "phases": phases,
+        "loop_s": loop,
+        "startup_s": lines[0]["time"] - wall["start"],  # interpreter, imports, model, data
+        "exit_s": wall["end"] - lines[-1]["time"],  # final checkpoint, summary, exit
+    }
 
 
 def trl_summary(result: dict) -> dict:
     gens = [h for h in result["log_history"] if "completions/mean_length" in h]
     steps = max(h.get("step", 0) for h in result["log_history"])
     tokens = sum(float(h["completions/mean_length"]) * ROLLOUT for h in gens)
-    return {"steps": steps, "completion_tokens": tokens}
+    return {"steps": steps, "completion_tokens": tokens, "loop_s": result["train_seconds"]}
 
 
 def flops_per_token(work: Path) -> tuple[float, int]:
@@ -151,6 +163,17 @@ def main() -> None:
     print(
         f"completion tokens/s (whole process): gspo {g['completion_tokens'] / best['gspo_s']:.0f}, "
         f"TRL {t['completion_tokens'] / best['trl_s']:.0f}"
+    )
+    print(
+        f"training loop only (trainer.train() for TRL; first to last step record for gspo): "
+        f"gspo {g['loop_s']:.2f} s, TRL {t['loop_s']:.2f} s, ratio {t['loop_s'] / g['loop_s']:.2f}x"
+    )
+    g_len = g["completion_tokens"] / (g["steps"] // 4 * ROLLOUT)
+    t_len = t["completion_tokens"] / (t["steps"] // 4 * ROLLOUT)
+    print(f"mean completion length (tokens): gspo {g_len:.1f}, TRL {t_len:.1f}")
+    print(
+        f"gspo outside the loop: {g['startup_s']:.2f} s to the step-0 record, "
+        f"{g['exit_s']:.2f} s after the last step"
     )
     print("gspo phases (s):", ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
     train_tokens = g["completion_tokens"]  # each completion token is trained on once

@@ -247,8 +247,11 @@ def completion_logprobs(
 #: Least tokens per packed row (a row is at least as long as the longest sequence).
 #: Attention runs over a whole row, block-diagonal mask included, so a row costs
 #: ``row_tokens**2`` in attention: short rows keep that near the per-sequence cost. On the
-#: benchmark workload (32 sequences of ~21 tokens) a forward/backward took 139 ms with
-#: one row of 679 tokens and 113-122 ms with rows of 96-128 (benchmarks/README.md).
+#: benchmark workload (32 sequences, 679 tokens) forward + backward took 142 ms in one
+#: row, 123 ms in rows of 128 and 106 ms in rows of 64 (``python benchmarks/levers.py``).
+#: 64 is not the default because the demo's outcome moved with it (rows change the float
+#: rounding): its cold start ended at greedy 0.82 instead of 0.98 and RL reached 0.78,
+#: under the demo's 0.80 target (benchmarks/README.md).
 PACK_TOKENS = 128
 
 

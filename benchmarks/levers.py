@@ -1,0 +1,188 @@
+"""Micro-benchmarks behind the speed choices, on the vs_trl reference model (float32, CPU).
+
+    python benchmarks/levers.py [--workdir runs/bench_vs_trl]
+
+Each lever is timed with its variants interleaved (variant A, B, C, A, B, C, ...) so that
+drift in this machine's speed hits all of them alike; figures are medians in ms.
+
+- pack: forward + backward of the packed log-probs of one minibatch (32 completions of
+  the reference workload) against the least row length (``pack_tokens``); "one row" packs
+  everything into a single row, as a 4096-token budget did.
+- drop: one rollout batch (16 prompts x 8, 32 new tokens) against the share of finished
+  rows at which they leave the batch and KV cache (``gspo.rollout.DROP_FRACTION``).
+- adamw: gradient clipping + one AdamW step, per-tensor loop vs foreach vs fused.
+- decode: one decoding step (KV cache, one new token per row) against the batch size;
+  the intercept is the per-call overhead of the transformers forward.
+- teardown: a child process imports torch and transformers' Qwen3 model code, then exits
+  normally or the way ``gspo.cli.entry`` does (atexit handlers, flush, ``os._exit``); the
+  time from its last line to its end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import workload  # noqa: E402
+
+from gspo import rollout  # noqa: E402
+from gspo.models import load_model, packed_completion_logprobs  # noqa: E402
+from gspo.tasks import encode_prompt  # noqa: E402
+
+
+def interleaved(variants: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Median ms of each variant, run round-robin ``reps`` times after one warm-up each."""
+    for fn in variants.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(reps):
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: 1000 * statistics.median(ts) for name, ts in times.items()}
+
+
+def table(title: str, results: dict[str, float]) -> None:
+    print(f"\n{title}\n| variant | median ms |\n|---|---|")
+    for name, ms in results.items():
+        print(f"| {name} | {ms:.1f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, default=Path("runs/bench_vs_trl"))
+    parser.add_argument("--reps", type=int, default=15)
+    args = parser.parse_args()
+    work = workload.build(args.workdir)
+    model, tokenizer = load_model(work / "model", device=torch.device("cpu"), dtype=torch.float32)
+    rows = [json.loads(x) for x in (work / "train.jsonl").read_text().splitlines()[:16]]
+    prompts = [encode_prompt(r["prompt"], tokenizer) for r in rows]
+    engine = rollout.TorchEngine(
+        model, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
+    )
+    params = rollout.SamplingParams(max_new_tokens=32, temperature=1.0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+    # pack: one minibatch of 32 sampled completions
+    batch = engine.generate(prompts, n=8, params=params, seed=1).select(torch.arange(32))
+    prompt_tokens = int(batch.prompt_mask.sum())
+    tokens = prompt_tokens + int(batch.completion_mask.sum())
+    width = batch.prompt_ids.shape[1] + int(batch.completion_mask.sum(-1).max())
+    print(f"one minibatch padded to its longest row: 32 x {width} = {32 * width} positions")
+    model.train()
+
+    def fwd_bwd(pack: int) -> Callable[[], object]:
+        def run() -> None:
+            lp = packed_completion_logprobs(
+                model,
+                batch.prompt_ids,
+                batch.prompt_mask,
+                batch.completion_ids,
+                batch.completion_mask,
+                pack_tokens=pack,
+            )
+            lp.sum().backward()
+            model.zero_grad()
+
+        return run
+
+    packs = {"one row": 10**6, "256": 256, "128": 128, "64": 64, "longest sequence": 0}
+    table(
+        f"pack: forward + backward, 32 completions, {tokens} tokens ({prompt_tokens} of "
+        "them prompt tokens), by least row length",
+        interleaved({k: fwd_bwd(v) for k, v in packs.items()}, args.reps),
+    )
+    model.eval()
+
+    # drop: one rollout batch by the share of finished rows that triggers dropping them
+    default = rollout.DROP_FRACTION
+    seeds = iter(range(10**6))
+
+    def generate(fraction: float) -> Callable[[], object]:
+        def run() -> None:
+            rollout.DROP_FRACTION = fraction
+            engine.generate(prompts, n=8, params=params, seed=next(seeds) // 5)
+
+        return run
+
+    fractions = {"every step": 1e-9, "1/8": 0.125, "1/4": 0.25, "1/2": 0.5, "never": 2.0}
+    table(
+        "drop: one rollout batch (128 completions, up to 32 tokens), by drop threshold",
+        interleaved({k: generate(v) for k, v in fractions.items()}, args.reps),
+    )
+    rollout.DROP_FRACTION = default
+
+    # adamw: one optimizer step with clipping
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+
+    def step(**kw: bool) -> Callable[[], object]:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.99), **kw)
+
+        def run() -> None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+
+        return run
+
+    table(
+        "adamw: clip + step",
+        interleaved(
+            {"per-tensor loop": step(), "foreach": step(foreach=True), "fused": step(fused=True)},
+            args.reps * 2,
+        ),
+    )
+    model.zero_grad(set_to_none=True)
+
+    # decode: one step with a KV cache by batch size
+    from transformers import DynamicCache
+
+    def decode(size: int) -> Callable[[], object]:
+        ids = torch.randint(3, 12, (size, 6))
+        with torch.no_grad():
+            cache = model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
+        kv = cache.past_key_values
+
+        def run() -> None:
+            with torch.no_grad():
+                for layer in kv.layers:  # keep the cache at 6 tokens: time one step only
+                    layer.keys, layer.values = layer.keys[:, :, :6], layer.values[:, :, :6]
+                model(input_ids=ids[:, :1], past_key_values=kv, use_cache=True, logits_to_keep=1)
+
+        return run
+
+    table(
+        "decode: one step with KV cache, by batch size",
+        interleaved({f"batch {b}": decode(b) for b in (1, 16, 64, 128)}, args.reps * 2),
+    )
+
+    exits = {"normal exit": "pass", "gspo.cli.entry's exit": "os._exit(0)"}
+    child = "import os, time, torch, transformers.models.qwen3.modeling_qwen3\n"
+    child += "print(time.time(), flush=True)\n"
+    times: dict[str, list[float]] = {name: [] for name in exits}
+    for _ in range(3):
+        for name, how in exits.items():
+            out = subprocess.run(
+                [sys.executable, "-c", child + how], capture_output=True, text=True, check=True
+            )
+            times[name].append(1000 * (time.time() - float(out.stdout.split()[-1])))
+    table(
+        "teardown: last line to process end, after importing torch + transformers",
+        {name: statistics.median(ts) for name, ts in times.items()},
+    )
+
+
+if __name__ == "__main__":
+    main()
