@@ -2,6 +2,7 @@
 
     gspo train [--config FILE.yaml] [--output-dir DIR] [key.sub=value ...]
     gspo train --resume DIR [key.sub=value ...]
+    gspo compare [--config FILE.yaml] [--output-dir DIR] [--seeds 3] [--preset default|stress]
     gspo config [--config FILE.yaml] [key.sub=value ...]     # print the resolved config
 
 Bad input (config keys and values, files, reward functions) ends with one line on
@@ -35,6 +36,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--overwrite", action="store_true", help="delete an existing run in --output-dir first"
     )
     train.add_argument("overrides", nargs="*", metavar="key.sub=value")
+
+    comp = sub.add_parser(
+        "compare",
+        help="GSPO vs GRPO vs GSPO-token from one cold start, several seeds, one report",
+    )
+    comp.add_argument("--config", type=Path, help="YAML config file (shared by every run)")
+    comp.add_argument("--output-dir", type=Path, default=Path("runs/compare"))
+    comp.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per algorithm")
+    comp.add_argument("--preset", default="default", help="default | stress")
+    comp.add_argument("overrides", nargs="*", metavar="key.sub=value")
 
     show = sub.add_parser("config", help="print the resolved config as YAML")
     show.add_argument("--config", type=Path)
@@ -72,6 +83,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return run_train(args)
+        if args.command == "compare":
+            from gspo.compare import compare
+
+            if args.seeds < 1:
+                raise ValueError(f"--seeds {args.seeds}: at least 1")
+            compare(
+                args.config,
+                args.overrides,
+                args.output_dir,
+                seeds=range(args.seeds),
+                preset=args.preset,
+            )
+            return 0
         from gspo.config import dump_config_text, load_config
 
         print(dump_config_text(load_config(args.config, args.overrides)), end="")

@@ -111,6 +111,12 @@ class LogConfig(_Section):
     tensorboard: bool = True
     plots: bool = True
     progress: bool = True
+    ratio_dump_every: int = Field(
+        0,
+        ge=0,
+        description="Save the last minibatch's importance ratios every N rollout batches "
+        "(ratios/*.pt, for gspo compare); 0 = never",
+    )
     wandb: dict[str, Any] | None = None
     mlflow: dict[str, Any] | None = None
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -487,6 +488,90 @@ def plot_runs(
     if not lines:
         return None
     return _draw(lines, path, title=title or key, xlabel=x, ylabel=key, logy=logy)
+
+
+def band_lines(
+    groups: Mapping[str, Sequence[Sequence[Mapping[str, Any]]]], key: str, x: str = "step"
+) -> list[tuple[str, list[float], list[float], list[float] | None]]:
+    """Per group: ``(name, xs, means, stds)`` of ``key`` over the group's runs.
+
+    Only the steps every run of the group has count; ``x`` is averaged over the runs at
+    each step (e.g. ``elapsed`` seconds), the spread is the population standard deviation
+    (``None`` for a group of one run). Groups without ``key`` are left out.
+    """
+    lines = []
+    for name, runs in groups.items():
+        per_run = []  # per run: step -> (x, value)
+        for records in runs:
+            points = {
+                float(r["step"]): (float(r[x]), float(r[key]))
+                for r in records
+                if _is_number(r.get(key)) and _is_number(r.get("step")) and _is_number(r.get(x))
+            }
+            if points:
+                per_run.append(points)
+        if not per_run:
+            continue
+        shared = sorted(set.intersection(*(set(r) for r in per_run)))
+        if not shared:
+            continue
+        xs = [statistics.fmean(r[s][0] for r in per_run) for s in shared]
+        values = [[r[s][1] for r in per_run] for s in shared]
+        means = [statistics.fmean(v) for v in values]
+        band = [statistics.pstdev(v) for v in values] if len(per_run) > 1 else None
+        lines.append((str(name), xs, means, band))
+    return lines
+
+
+def plot_bands(
+    groups: Mapping[str, Sequence[Sequence[Mapping[str, Any]]]],
+    key: str,
+    path: str | Path,
+    *,
+    x: str = "step",
+    logy: bool = False,
+    title: str | None = None,
+    xlabel: str | None = None,
+) -> Path | None:
+    """One line per group (e.g. an algorithm) with a ±1 sd band over its runs (e.g.
+    seeds): :func:`band_lines` drawn. Returns ``None`` (and writes nothing) when no
+    group has ``key``.
+    """
+    lines = band_lines(groups, key, x)
+    if not lines:
+        return None
+    label = xlabel or ("wall-clock seconds" if x == "elapsed" else x)
+    return _draw(lines, path, title=title or key, xlabel=label, ylabel=key, logy=logy)
+
+
+def plot_histograms(
+    series: Mapping[str, Any], path: str | Path, *, title: str, bins: int = 60
+) -> Path | None:
+    """Overlaid density histograms of log importance ratios (``{label: 1-D tensor}``).
+
+    The x axis is ``log ratio`` (0 = on-policy); a narrow spike is a tight ratio, a wide
+    one a noisy ratio. Returns ``None`` when no series has values.
+    """
+    data = {k: [float(v) for v in values] for k, values in series.items() if len(values)}
+    if not data:
+        return None
+    everything = [v for vs in data.values() for v in vs if math.isfinite(v)]
+    lo, hi = min(everything), max(everything)
+    if hi <= lo:
+        lo, hi = lo - 1e-6, hi + 1e-6
+    fig, ax = _new_figure()
+    for label, values in data.items():
+        ax.hist(values, bins=bins, range=(lo, hi), density=True, histtype="step", label=label)
+    ax.set_yscale("log")
+    ax.set_xlabel("log importance ratio (log w_it per token, log s_i per response)")
+    ax.set_ylabel("density (log)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=_DPI)
+    return path
 
 
 def plot_metrics(metrics_path: str | Path, output_dir: str | Path) -> list[Path]:

@@ -438,10 +438,42 @@ class Trainer:
                 line["time/moe_churn"] = timer() - t4
             line.update(rollout_metrics)
             lines.append((self.step, line))
+            every = cfg.log.ratio_dump_every
+            if k == len(minibatches) - 1 and every and rollout_index % every == 0:
+                self.dump_ratios(rollout_index, lp.detach(), olp, mb.completion_mask)
         step_time = timer() - t0
         for _, line in lines:
             line["time/step"] = step_time / len(lines)
         return lines
+
+    def dump_ratios(
+        self, rollout_index: int, logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask
+    ) -> Path:
+        """``ratios/rollout-NNNNNN.pt``: the importance ratios of one minibatch.
+
+        Written for the last minibatch of every ``log.ratio_dump_every``-th rollout batch,
+        with the ratios its loss saw (pi_theta before that minibatch's update over pi_old):
+        ``token_log_ratio`` (log w_it of every counted token, flat), ``token_length`` (the
+        length of each such token's response), ``sequence_log_ratio`` (log s_i, the
+        length-normalised sum) and ``length`` per non-empty response. ``gspo compare``
+        draws its ratio histograms and length buckets from these.
+        """
+        mask = mask.bool()
+        log_w = (logprobs - old_logprobs).float().masked_fill(~mask, 0.0)
+        lengths = mask.sum(-1)
+        rows = lengths > 0
+        dump = {
+            "token_log_ratio": log_w[mask].cpu(),
+            "token_length": lengths.unsqueeze(1).expand_as(mask)[mask].cpu(),
+            "sequence_log_ratio": (log_w.sum(-1)[rows] / lengths[rows]).cpu(),
+            "length": lengths[rows].cpu(),
+        }
+        path = self.output_dir / "ratios" / f"rollout-{rollout_index:06d}.pt"
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save(dump, tmp)
+        tmp.replace(path)
+        return path
 
     def old_pass_with_routing(
         self, batch: RolloutBatch, minibatches: list[torch.Tensor]

@@ -1,0 +1,508 @@
+"""``gspo compare``: GSPO, GRPO and GSPO-token from one cold start, several seeds, one report.
+
+The runs share everything but ``algorithm.level`` (each level with its paper clip range)
+and ``train.seed``: the same config, task, budget and cold-start checkpoint. Layout under
+the output directory::
+
+    cold_start/                the shared cold start (its checkpoints/step-0000000)
+    runs/<algorithm>-seed<N>/  one ``gspo train`` run each (reused when finished,
+                               resumed from its last checkpoint when interrupted)
+    report.md, report.html     the report (the HTML embeds the plots)
+    plots/*.png, summary.json
+
+The report states a verdict per claim of the paper (reproduced, not reproduced or
+inconclusive) with the figure behind it; :func:`verdicts` holds the rules.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gspo.config import Config, load_config
+from gspo.telemetry import plot_bands, plot_histograms, read_metrics
+
+#: name -> overrides; the clip ranges are each level's defaults (the paper's).
+ALGORITHMS: dict[str, list[str]] = {
+    "GSPO": ["algorithm.level=sequence"],
+    "GRPO": ["algorithm.level=token"],
+    "GSPO-token": ["algorithm.level=sequence_token"],
+}
+
+#: Extra overrides per preset. "stress" is where the paper predicts GRPO trouble: more
+#: off-policy minibatches per rollout batch and a 3x larger learning rate.
+PRESETS: dict[str, list[str]] = {
+    "default": [],
+    "stress": ["algorithm.minibatches=16", "rollout.prompts_per_batch=64"],
+}
+STRESS_LR_FACTOR = 3.0
+
+#: Rollout batches between ratio dumps (``log.ratio_dump_every``) in compared runs.
+RATIO_DUMP_EVERY = 5
+
+
+@dataclass
+class Run:
+    algorithm: str
+    seed: int
+    path: Path
+    records: list[dict[str, Any]]
+
+
+def slug(algorithm: str) -> str:
+    return algorithm.lower().replace("-", "_")
+
+
+def train_lines(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    return [r for r in records if "train/loss" in r]
+
+
+def finished(run_dir: Path, max_steps: int) -> bool:
+    """Whether ``run_dir`` holds a run that reached ``max_steps`` (its metrics say so)."""
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        return False
+    steps = [r["step"] for r in train_lines(read_metrics(metrics))]
+    return bool(steps) and max(steps) >= max_steps
+
+
+def run_or_reuse(config: Config, run_dir: Path, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Train ``config`` into ``run_dir``; reuse a finished run, resume an interrupted one."""
+    from gspo.trainer import Trainer, latest_checkpoint
+
+    if finished(run_dir, config.train.max_steps):
+        log(f"  reusing {run_dir}")
+        return read_metrics(run_dir / "metrics.jsonl")
+    resume = latest_checkpoint(run_dir) is not None and (run_dir / "metrics.jsonl").is_file()
+    log(f"  {'resuming' if resume else 'training'} {run_dir}")
+    return Trainer(config, run_dir, resume=resume).fit()
+
+
+def cold_start_checkpoint(
+    base: list[str], config_path: Path | None, out: Path, log: Callable[[str], None]
+) -> Path:
+    """The shared cold start: ``out/cold_start/checkpoints/step-0000000`` (made once)."""
+    from gspo.trainer import CHECKPOINTS
+
+    path = out / "cold_start" / CHECKPOINTS / f"step-{0:07d}"
+    if (path / "config.json").is_file():
+        log(f"cold start: reusing {path}")
+        return path
+    log("cold start")
+    config = load_config(config_path, [*base, "train.max_steps=0"])
+    from gspo.trainer import Trainer
+
+    Trainer(config, out / "cold_start").fit()
+    return path
+
+
+def run_configs(
+    config_path: Path | None,
+    overrides: Sequence[str],
+    *,
+    checkpoint: Path,
+    seeds: Sequence[int],
+    preset: str,
+) -> dict[tuple[str, int], Config]:
+    """The config of every (algorithm, seed) run."""
+    extra = list(PRESETS[preset])
+    if preset == "stress":
+        lr = load_config(config_path, list(overrides)).optim.lr
+        extra.append(f"optim.lr={lr * STRESS_LR_FACTOR}")
+    configs = {}
+    for name, algo in ALGORITHMS.items():
+        for seed in seeds:
+            configs[name, seed] = load_config(
+                config_path,
+                [
+                    *overrides,
+                    *extra,
+                    *algo,
+                    f"model.path={checkpoint}",
+                    "train.cold_start_steps=0",
+                    f"train.seed={seed}",
+                    f"log.ratio_dump_every={RATIO_DUMP_EVERY}",
+                    "log.progress=false",
+                    "log.plots=false",
+                ],
+            )
+    return configs
+
+
+def compare(
+    config_path: Path | None,
+    overrides: Sequence[str],
+    out: Path,
+    *,
+    seeds: Sequence[int] = (0, 1, 2),
+    preset: str = "default",
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run (or reuse) every run, then write the report; returns the summary."""
+    if preset not in PRESETS:
+        raise ValueError(f"--preset {preset!r}: expected one of {', '.join(PRESETS)}")
+    if not seeds:
+        raise ValueError("--seeds: at least one seed")
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    base = [*overrides, "log.progress=false", "log.plots=false"]
+    checkpoint = cold_start_checkpoint(base, config_path, out, log)
+    configs = run_configs(config_path, overrides, checkpoint=checkpoint, seeds=seeds, preset=preset)
+    runs = []
+    for (name, seed), config in configs.items():
+        log(f"{name}, seed {seed}")
+        run_dir = out / "runs" / f"{slug(name)}-seed{seed}"
+        runs.append(Run(name, seed, run_dir, run_or_reuse(config, run_dir, log)))
+    summary = write_report(runs, out, preset=preset, seconds=time.perf_counter() - start)
+    log(f"report written to {out / 'report.md'} and {out / 'report.html'}")
+    return summary
+
+
+# ---------------------------------------------------------------- numbers from runs
+def with_elapsed(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Records with ``elapsed``: wall seconds since the run's first record."""
+    times = [r["time"] for r in records if isinstance(r.get("time"), int | float)]
+    t0 = min(times) if times else 0.0
+    return [{**r, "elapsed": r.get("time", t0) - t0} for r in records]
+
+
+def token_weighted(lines: Sequence[Mapping[str, Any]], key: str) -> float:
+    """Mean of ``key`` over training lines, weighted by their token counts."""
+    pairs = [(r[key], r["train/tokens"]) for r in lines if r.get(key) is not None]
+    total = sum(w for _, w in pairs)
+    return sum(v * w for v, w in pairs) / total if total else math.nan
+
+
+def final_eval(records: Sequence[Mapping[str, Any]], key: str = "eval/accuracy") -> float:
+    values = [r[key] for r in records if r.get(key) is not None]
+    return values[-1] if values else math.nan
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return math.nan, math.nan
+    return statistics.fmean(finite), statistics.stdev(finite) if len(finite) > 1 else 0.0
+
+
+def load_ratio_dumps(run_dir: Path, last_fraction: float = 0.5) -> dict[str, torch.Tensor]:
+    """Token and sequence log-ratios of the run's dumps in the last ``last_fraction``.
+
+    A dump (``ratios/rollout-*.pt``, see ``log.ratio_dump_every``) holds the last
+    minibatch of a rollout batch: ``token_log_ratio`` (counted tokens, flat),
+    ``token_length`` (each token's response length), ``sequence_log_ratio`` and
+    ``length`` per response. Empty tensors when the run has no dumps.
+    """
+    files = sorted((run_dir / "ratios").glob("rollout-*.pt"))
+    files = files[int(len(files) * (1 - last_fraction)) :] if files else []
+    keys = ("token_log_ratio", "token_length", "sequence_log_ratio", "length")
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
+    for f in files:
+        dump = torch.load(f, weights_only=True)
+        for k in keys:
+            parts[k].append(dump[k].float())
+    return {k: torch.cat(v) if v else torch.zeros(0) for k, v in parts.items()}
+
+
+def length_buckets(lengths: torch.Tensor, buckets: int = 4) -> list[tuple[int, int]]:
+    """Up to ``buckets`` response-length ranges ``[lo, hi]`` with about equal counts."""
+    if lengths.numel() == 0:
+        return []
+    qs = torch.quantile(lengths.float(), torch.linspace(0, 1, buckets + 1)).round().long()
+    edges = sorted(set(qs.tolist()))
+    if len(edges) == 1:
+        return [(edges[0], edges[0])]
+    ranges = [(lo, hi - 1) for lo, hi in itertools.pairwise(edges[:-1])]
+    return [*ranges, (edges[-2], edges[-1])]
+
+
+def spread_by_length(dumps: Mapping[str, torch.Tensor]) -> list[dict[str, float]]:
+    """Per length bucket: the variance of token ratios w_it and of sequence ratios s_i."""
+    rows = []
+    for lo, hi in length_buckets(dumps["length"]):
+        seq = (dumps["length"] >= lo) & (dumps["length"] <= hi)
+        tok = (dumps["token_length"] >= lo) & (dumps["token_length"] <= hi)
+        if seq.sum() < 2 or tok.sum() < 2:
+            continue
+        rows.append(
+            {
+                "lengths": f"{lo}-{hi}" if hi > lo else str(lo),
+                "length_mid": (lo + hi) / 2,
+                "token_ratio_var": dumps["token_log_ratio"][tok].exp().var().item(),
+                "sequence_ratio_var": dumps["sequence_log_ratio"][seq].exp().var().item(),
+                "responses": int(seq.sum()),
+            }
+        )
+    return rows
+
+
+def algorithm_summary(runs: Sequence[Run]) -> dict[str, Any]:
+    """Across the seeds of one algorithm: final accuracies, clip fraction, time, spreads."""
+    finals = [final_eval(r.records) for r in runs]
+    starts = [next((x["eval/accuracy"] for x in r.records if "eval/accuracy" in x), math.nan)
+              for r in runs]  # fmt: skip
+    clips = [token_weighted(train_lines(r.records), "train/clip_fraction") for r in runs]
+    rewards = []
+    for r in runs:
+        lines = train_lines(r.records)
+        tail = lines[len(lines) * 3 // 4 :]
+        rewards.append(statistics.fmean(x["train/reward_mean"] for x in tail) if tail else math.nan)
+    seconds = [(with_elapsed(r.records)[-1]["elapsed"] if r.records else math.nan) for r in runs]
+    dumps = [load_ratio_dumps(r.path) for r in runs]
+    pooled = {k: torch.cat([d[k] for d in dumps]) for k in dumps[0]} if dumps else {}
+    token_lr, seq_lr = pooled.get("token_log_ratio"), pooled.get("sequence_log_ratio")
+    acc, acc_sd = mean_std(finals)
+    return {
+        "seeds": [r.seed for r in runs],
+        "accuracy_start": mean_std(starts)[0],
+        "accuracy": acc,
+        "accuracy_sd": acc_sd,
+        "accuracy_per_seed": finals,
+        "accuracy_greedy": mean_std([final_eval(r.records, "eval/accuracy_greedy") for r in runs])[
+            0
+        ],
+        "reward_tail": mean_std(rewards)[0],
+        "clip_fraction": mean_std(clips)[0],
+        "clip_fraction_per_seed": clips,
+        "seconds": mean_std(seconds)[0],
+        "token_log_ratio_sd": _sd(token_lr),
+        "sequence_log_ratio_sd": _sd(seq_lr),
+        "spread_by_length": spread_by_length(pooled) if pooled else [],
+        "ratio_dumps": {k: v for k, v in pooled.items()},
+    }
+
+
+def _sd(values: torch.Tensor | None) -> float:
+    return values.std().item() if values is not None and values.numel() > 1 else math.nan
+
+
+# ---------------------------------------------------------------- verdicts
+REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inconclusive"
+
+
+def verdicts(summary: Mapping[str, Mapping[str, Any]], preset: str) -> list[dict[str, str]]:
+    """One verdict per claim, each with the figures behind it.
+
+    (a) GSPO clips far more tokens (>= 10x GRPO's fraction) yet trains at least as well
+        (final accuracy not below GRPO's by more than two standard errors of the seed mean).
+    (b) Token ratios are noisy, sequence ratios tight (the spread of w_it at least 3x that
+        of s_i on GRPO's own runs), and the token noise grows with response length
+        (variance of w_it higher in the longest length bucket than in the shortest).
+    (c) GRPO unstable where GSPO is not: only judged on the stress preset; a collapse is a
+        final accuracy more than 0.1 below the start.
+    """
+    gspo, grpo = summary["GSPO"], summary["GRPO"]
+    out = []
+
+    # (a)
+    clip_x = gspo["clip_fraction"] / grpo["clip_fraction"] if grpo["clip_fraction"] else math.inf
+    n = len(gspo["seeds"])
+    noise = 2 * math.hypot(gspo["accuracy_sd"], grpo["accuracy_sd"]) / math.sqrt(max(n, 1))
+    gap = gspo["accuracy"] - grpo["accuracy"]
+    figures = (
+        f"clip fraction GSPO {gspo['clip_fraction']:.4f} vs GRPO {grpo['clip_fraction']:.4f} "
+        f"({clip_x:.0f}x); final accuracy GSPO {gspo['accuracy']:.3f} vs GRPO "
+        f"{grpo['accuracy']:.3f} (difference {gap:+.3f}, two standard errors {noise:.3f}, "
+        f"{n} seeds)"
+    )
+    if any(math.isnan(v) for v in (clip_x, gap)):
+        verdict = INCONCLUSIVE
+    elif clip_x >= 10 and gap >= -noise:
+        verdict = REPRODUCED
+    elif clip_x < 10 or gap < -noise:
+        verdict = NOT_REPRODUCED
+    else:  # pragma: no cover - the two branches above are exhaustive
+        verdict = INCONCLUSIVE
+    out.append({"claim": "(a) GSPO clips ~100x more tokens, trains at least as well",
+                "verdict": verdict, "figures": figures})  # fmt: skip
+
+    # (b)
+    tok_sd, seq_sd = grpo["token_log_ratio_sd"], grpo["sequence_log_ratio_sd"]
+    rows = grpo["spread_by_length"]
+    if math.isnan(tok_sd) or math.isnan(seq_sd) or len(rows) < 2:
+        verdict = INCONCLUSIVE
+        why = "not enough ratio dumps or response lengths to compare"
+        figures = f"sd of log w_it {tok_sd:.2e}, of log s_i {seq_sd:.2e}; {why}"
+    else:
+        wide = tok_sd >= 3 * seq_sd
+        grows = rows[-1]["token_ratio_var"] > rows[0]["token_ratio_var"]
+        verdict = REPRODUCED if wide and grows else NOT_REPRODUCED
+        figures = (
+            f"on GRPO's runs sd of log w_it {tok_sd:.2e} vs log s_i {seq_sd:.2e} "
+            f"({tok_sd / seq_sd if seq_sd else math.inf:.1f}x); variance of w_it "
+            f"{rows[0]['token_ratio_var']:.2e} for lengths {rows[0]['lengths']} vs "
+            f"{rows[-1]['token_ratio_var']:.2e} for {rows[-1]['lengths']}"
+        )
+    out.append({"claim": "(b) token ratios noisy and length-dependent, sequence ratios tight",
+                "verdict": verdict, "figures": figures})  # fmt: skip
+
+    # (c)
+    def collapsed(s: Mapping[str, Any]) -> bool:
+        return s["accuracy"] < s["accuracy_start"] - 0.1
+
+    if preset != "stress":
+        verdict, figures = INCONCLUSIVE, "not tested: run gspo compare --preset stress"
+    else:
+        figures = (
+            f"final accuracy GRPO {grpo['accuracy']:.3f} (start {grpo['accuracy_start']:.3f}), "
+            f"GSPO {gspo['accuracy']:.3f} (start {gspo['accuracy_start']:.3f})"
+        )
+        if collapsed(grpo) and not collapsed(gspo):
+            verdict = REPRODUCED
+        elif not collapsed(grpo):
+            verdict = NOT_REPRODUCED
+        else:
+            verdict = INCONCLUSIVE  # both collapsed
+    out.append({"claim": "(c) under stress GRPO becomes unstable, GSPO does not",
+                "verdict": verdict, "figures": figures})  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------- the report
+def write_report(
+    runs: Sequence[Run], out: Path, *, preset: str = "default", seconds: float = math.nan
+) -> dict[str, Any]:
+    """Plots, ``report.md``, ``report.html`` and ``summary.json`` under ``out``."""
+    by_algo: dict[str, list[Run]] = {}
+    for r in runs:
+        by_algo.setdefault(r.algorithm, []).append(r)
+    summary = {name: algorithm_summary(rs) for name, rs in by_algo.items()}
+    groups = {name: [with_elapsed(r.records) for r in rs] for name, rs in by_algo.items()}
+    trains = {name: [train_lines(x) for x in recs] for name, recs in groups.items()}
+    plots = out / "plots"
+    figures = [
+        ("Held-out accuracy vs optimizer steps", plot_bands(
+            groups, "eval/accuracy", plots / "accuracy_steps.png", title="Held-out accuracy")),
+        ("Held-out accuracy vs wall clock", plot_bands(
+            groups, "eval/accuracy", plots / "accuracy_time.png", x="elapsed",
+            title="Held-out accuracy")),
+        ("Training reward vs optimizer steps", plot_bands(
+            trains, "train/reward_mean", plots / "reward_steps.png", title="Training reward")),
+        ("Training reward vs wall clock", plot_bands(
+            trains, "train/reward_mean", plots / "reward_time.png", x="elapsed",
+            title="Training reward")),
+        ("Fraction of clipped tokens (the paper's Figure 2)", plot_bands(
+            trains, "train/clip_fraction", plots / "clip_fraction.png", logy=True,
+            title="Clipped fraction of tokens")),
+        ("Token ratios w_it and sequence ratios s_i, last minibatch of a rollout batch",
+         plot_histograms(
+             {f"{name}: {kind}": s["ratio_dumps"][key]
+              for name, s in summary.items()
+              for kind, key in (("w_it", "token_log_ratio"), ("s_i", "sequence_log_ratio"))
+              if s["ratio_dumps"] and s["ratio_dumps"][key].numel()},
+             plots / "ratios.png", title="log importance ratios (second half of training)")),
+        ("Variance of the ratios by response length", plot_bands(
+            {f"{name}: {label}": [[{"step": row["length_mid"], "variance": row[key]}
+                                   for row in s["spread_by_length"]]]
+             for name, s in summary.items()
+             for label, key in (("w_it", "token_ratio_var"), ("s_i", "sequence_ratio_var"))},
+            "variance", plots / "ratio_variance_by_length.png", logy=True,
+            xlabel="response length (bucket middle)",
+            title="Variance of importance ratios by response length")),
+    ]  # fmt: skip
+    claims = verdicts(summary, preset)
+    for s in summary.values():
+        s.pop("ratio_dumps")
+    result = {"preset": preset, "seconds": seconds, "algorithms": summary, "verdicts": claims}
+    (out / "summary.json").write_text(json.dumps(result, indent=2, default=float) + "\n")
+    md = report_markdown(result, [(t, p) for t, p in figures if p is not None], out)
+    (out / "report.md").write_text(md)
+    (out / "report.html").write_text(report_html(md, out))
+    return result
+
+
+def report_markdown(result: Mapping[str, Any], figures: list[tuple[str, Path]], out: Path) -> str:
+    summary = result["algorithms"]
+    seeds = next(iter(summary.values()))["seeds"] if summary else []
+    lines = [
+        "# GSPO vs GRPO vs GSPO-token",
+        "",
+        f"Produced by `gspo compare` (preset `{result['preset']}`, seeds "
+        f"{', '.join(map(str, seeds))}); {result['seconds'] / 60:.1f} min in all. Every run "
+        "starts from the same cold-start checkpoint with the same config but "
+        "`algorithm.level` (and its paper clip range) and `train.seed`. Figures are means "
+        "over seeds (± one standard deviation in the plots' bands).",
+        "",
+        "## Verdicts",
+        "",
+        "| claim | verdict | figures |",
+        "|---|---|---|",
+        *[f"| {c['claim']} | **{c['verdict']}** | {c['figures']} |" for c in result["verdicts"]],
+        "",
+        "## Final numbers",
+        "",
+        "| algorithm | held-out accuracy (start -> end, ± sd over seeds) | greedy (end) "
+        "| reward, last quarter | clipped tokens | sd log w_it | sd log s_i | run time (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, s in summary.items():
+        lines.append(
+            f"| {name} | {s['accuracy_start']:.3f} -> {s['accuracy']:.3f} ± "
+            f"{s['accuracy_sd']:.3f} | {s['accuracy_greedy']:.3f} | {s['reward_tail']:.3f} | "
+            f"{s['clip_fraction']:.4f} | {s['token_log_ratio_sd']:.2e} | "
+            f"{s['sequence_log_ratio_sd']:.2e} | {s['seconds']:.0f} |"
+        )
+    lines += ["", "## Ratio variance by response length", ""]
+    lines += ["| algorithm | lengths | responses | var w_it | var s_i |", "|---|---|---|---|---|"]
+    for name, s in summary.items():
+        for row in s["spread_by_length"]:
+            lines.append(
+                f"| {name} | {row['lengths']} | {row['responses']} | "
+                f"{row['token_ratio_var']:.2e} | {row['sequence_ratio_var']:.2e} |"
+            )
+    lines += ["", "## Plots", ""]
+    for title, path in figures:
+        lines += [f"### {title}", "", f"![{title}]({path.relative_to(out).as_posix()})", ""]
+    return "\n".join(lines)
+
+
+def report_html(markdown: str, out: Path) -> str:
+    """A self-contained HTML page of the report: tables as tables, plots embedded."""
+    import html
+
+    body, table = [], []
+
+    def flush_table() -> None:
+        if not table:
+            return
+        rows = [r.strip("|").split(" | ") for r in table if not set(r) <= set("|-: ")]
+        head, *rest = rows
+        body.append("<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in head) + "</tr>")
+        for r in rest:
+            cells = "".join(
+                f"<td>{html.escape(c).replace('**', '')}</td>" for c in (x.strip() for x in r)
+            )
+            body.append(f"<tr>{cells}</tr>")
+        body.append("</table>")
+        table.clear()
+
+    for line in markdown.splitlines():
+        if line.startswith("|"):
+            table.append(line)
+            continue
+        flush_table()
+        if line.startswith("!["):
+            alt, src = line[2:].split("](", 1)
+            data = base64.b64encode((out / src.rstrip(")")).read_bytes()).decode()
+            body.append(f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">')
+        elif line.startswith("#"):
+            level = len(line) - len(line.lstrip("#"))
+            body.append(f"<h{level}>{html.escape(line.lstrip('# '))}</h{level}>")
+        elif line:
+            body.append(f"<p>{html.escape(line)}</p>")
+    flush_table()
+    style = "body{font-family:sans-serif;max-width:980px;margin:auto}td,th{border:1px solid #ccc;padding:4px}table{border-collapse:collapse}img{max-width:100%}"  # noqa: E501
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>gspo compare</title>"
+        f"<style>{style}</style></head><body>{''.join(body)}</body></html>\n"
+    )

@@ -1,0 +1,211 @@
+"""`gspo compare`: the numbers it plots, its verdict rules, and the report on tiny runs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from gspo.cli import main
+from gspo.compare import (
+    INCONCLUSIVE,
+    NOT_REPRODUCED,
+    REPRODUCED,
+    compare,
+    length_buckets,
+    spread_by_length,
+    token_weighted,
+    verdicts,
+    with_elapsed,
+)
+from gspo.config import load_config
+from gspo.telemetry import band_lines, plot_histograms
+from gspo.trainer import Trainer
+
+TINY = [
+    "model.layers=1",
+    "model.hidden=32",
+    "model.heads=2",
+    "model.kv_heads=1",
+    "model.intermediate=64",
+    "data.sft_size=64",
+    "data.eval_size=8",
+    "train.cold_start_steps=4",
+    "train.cold_start_batch_size=8",
+    "rollout.group_size=4",
+    "rollout.prompts_per_batch=2",
+    "rollout.max_new_tokens=4",
+    "algorithm.minibatches=2",
+    "train.max_steps=4",
+    "eval.samples=2",
+    "eval.every=2",
+    "log.tensorboard=false",
+]
+
+ONES_REWARD = '''
+def ones(prompts, completions, **kwargs):
+    """Dense and learnable: the share of '1' characters in the completion."""
+    return [c.count("1") / max(len(c), 1) for c in completions]
+'''
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    """TINY plus a dense reward, so that advantages are not all zero."""
+    reward = tmp_path / "ones.py"
+    reward.write_text(ONES_REWARD)
+    return [*TINY, f"reward.functions=[{reward}:ones]"]
+
+
+def test_band_lines_average_the_runs_at_shared_steps():
+    runs = [
+        [{"step": 0, "acc": 0.2, "elapsed": 0.0}, {"step": 2, "acc": 0.6, "elapsed": 10.0}],
+        [{"step": 0, "acc": 0.4, "elapsed": 0.0}, {"step": 2, "acc": 1.0, "elapsed": 14.0}],
+        [{"step": 0, "acc": 0.3, "elapsed": 0.0}],  # lacks step 2: only step 0 is shared
+    ]
+    ((name, xs, means, sds),) = band_lines({"GSPO": runs[:2]}, "acc")
+    assert name == "GSPO" and xs == [0.0, 2.0]
+    assert means == pytest.approx([0.3, 0.8]) and sds == pytest.approx([0.1, 0.2])
+    ((_, xs, _, _),) = band_lines({"GSPO": runs[:2]}, "acc", x="elapsed")
+    assert xs == [0.0, 12.0]  # the runs' mean wall clock at each step
+    ((_, xs, means, _),) = band_lines({"x": runs}, "acc")
+    assert xs == [0.0] and means == pytest.approx([0.3])
+    ((_, _, _, sds),) = band_lines({"one": runs[:1]}, "acc")
+    assert sds is None  # one run: no band
+    assert band_lines({"GSPO": runs}, "missing") == []
+
+
+def test_elapsed_and_token_weighted_means():
+    recs = with_elapsed([{"step": 0, "time": 100.0}, {"step": 1, "time": 103.5}])
+    assert [r["elapsed"] for r in recs] == [0.0, 3.5]
+    lines = [
+        {"train/clip_fraction": 0.5, "train/tokens": 30},
+        {"train/clip_fraction": 0.0, "train/tokens": 10},
+    ]
+    assert token_weighted(lines, "train/clip_fraction") == pytest.approx(15 / 40)
+
+
+def test_length_buckets_and_ratio_variance_of_a_known_batch():
+    # two responses of length 1 and two of length 3; log ratios chosen by hand
+    token = torch.tensor([0.1, -0.1, 0.2, -0.2, 0.0, 0.3, -0.3, 0.0])
+    token_length = torch.tensor([1, 1, 3, 3, 3, 3, 3, 3])
+    seq = torch.tensor([0.1, -0.1, 0.0, 0.0])
+    length = torch.tensor([1, 1, 3, 3])
+    assert length_buckets(length, buckets=2) == [(1, 1), (2, 3)]
+    assert length_buckets(torch.tensor([4, 4, 4])) == [(4, 4)]
+    rows = spread_by_length(
+        {
+            "token_log_ratio": token,
+            "token_length": token_length,
+            "sequence_log_ratio": seq,
+            "length": length,
+        }
+    )
+    assert [r["lengths"] for r in rows] == ["1", "2-3"]
+    assert [r["responses"] for r in rows] == [2, 2]
+    short_w = torch.tensor([0.1, -0.1]).exp()
+    long_w = torch.tensor([0.2, -0.2, 0.0, 0.3, -0.3, 0.0]).exp()
+    assert rows[0]["token_ratio_var"] == pytest.approx(short_w.var().item())
+    assert rows[1]["token_ratio_var"] == pytest.approx(long_w.var().item())
+    assert rows[1]["sequence_ratio_var"] == pytest.approx(0.0)
+    assert rows[0]["sequence_ratio_var"] == pytest.approx(short_w.var().item())
+
+
+def summary(clip_gspo, clip_grpo, acc_gspo, acc_grpo, *, start=0.5, tok=0.1, seq=0.001,
+            spread=((1e-3, "1-2"), (5e-3, "3-4")), sd=0.01):  # fmt: skip
+    rows = [{"token_ratio_var": v, "lengths": b} for v, b in spread]
+
+    def algo(clip, acc):
+        return {
+            "seeds": [0, 1, 2],
+            "clip_fraction": clip,
+            "accuracy": acc,
+            "accuracy_sd": sd,
+            "accuracy_start": start,
+            "token_log_ratio_sd": tok,
+            "sequence_log_ratio_sd": seq,
+            "spread_by_length": rows,
+        }
+
+    return {"GSPO": algo(clip_gspo, acc_gspo), "GRPO": algo(clip_grpo, acc_grpo)}
+
+
+def test_verdict_rules():
+    a, b, c = verdicts(summary(0.15, 0.0013, 0.90, 0.90), "default")
+    assert a["verdict"] == REPRODUCED and "115x" in a["figures"]
+    assert b["verdict"] == REPRODUCED
+    assert c["verdict"] == INCONCLUSIVE and "--preset stress" in c["figures"]
+    # GSPO clips only 2x more: (a) not reproduced; GSPO far worse: not reproduced either
+    assert verdicts(summary(0.02, 0.01, 0.9, 0.9), "default")[0]["verdict"] == NOT_REPRODUCED
+    assert verdicts(summary(0.15, 0.001, 0.5, 0.9), "default")[0]["verdict"] == NOT_REPRODUCED
+    # token noise that does not grow with length, or no spread data
+    flat = summary(0.15, 0.001, 0.9, 0.9, spread=((5e-3, "1-2"), (1e-3, "3-4")))
+    assert verdicts(flat, "default")[1]["verdict"] == NOT_REPRODUCED
+    none = summary(0.15, 0.001, 0.9, 0.9, tok=math.nan, spread=())
+    assert verdicts(none, "default")[1]["verdict"] == INCONCLUSIVE
+    # stress: GRPO collapses (more than 0.1 under its start) while GSPO does not
+    stress = summary(0.15, 0.001, 0.9, 0.2, start=0.5)
+    assert verdicts(stress, "stress")[2]["verdict"] == REPRODUCED
+    assert verdicts(summary(0.15, 0.001, 0.9, 0.9), "stress")[2]["verdict"] == NOT_REPRODUCED
+
+
+def test_trainer_dumps_the_ratios_its_loss_saw(tmp_path, tiny):
+    config = load_config(None, [*tiny, "log.plots=false", "log.progress=false",
+                                "log.ratio_dump_every=1"])  # fmt: skip
+    Trainer(config, tmp_path / "run").fit()
+    dumps = sorted((tmp_path / "run" / "ratios").glob("rollout-*.pt"))
+    assert [d.name for d in dumps] == ["rollout-000000.pt", "rollout-000001.pt"]
+    dump = torch.load(dumps[-1], weights_only=True)
+    n_tokens = int(dump["length"].sum())
+    assert dump["token_log_ratio"].shape == (n_tokens,) == dump["token_length"].shape
+    # s_i is the mean of its tokens' log w_it: rebuild it from the flat token list
+    rebuilt, start = [], 0
+    for length in dump["length"].tolist():
+        rebuilt.append(dump["token_log_ratio"][start : start + length].mean())
+        assert (dump["token_length"][start : start + length] == length).all()
+        start += length
+    assert torch.allclose(torch.stack(rebuilt), dump["sequence_log_ratio"], atol=1e-6)
+    # the last minibatch is off-policy after one update: its ratios are not all 1
+    assert dump["token_log_ratio"].abs().max() > 1e-4
+
+
+def test_compare_writes_the_report_and_reuses_finished_runs(tmp_path, tiny):
+    out = tmp_path / "cmp"
+    messages: list[str] = []
+    result = compare(None, tiny, out, seeds=(0,), log=messages.append)
+    assert set(result["algorithms"]) == {"GSPO", "GRPO", "GSPO-token"}
+    for name in ("report.md", "report.html", "summary.json"):
+        assert (out / name).is_file()
+    md = (out / "report.md").read_text()
+    assert md.count("| (a)") == 1 and md.count("| (b)") == 1 and md.count("| (c)") == 1
+    for png in ("accuracy_steps", "accuracy_time", "reward_steps", "clip_fraction", "ratios"):
+        assert f"plots/{png}.png" in md and (out / "plots" / f"{png}.png").is_file()
+    html = (out / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == md.count("![")
+    saved = json.loads((out / "summary.json").read_text())
+    gspo, grpo = saved["algorithms"]["GSPO"], saved["algorithms"]["GRPO"]
+    # paper clip ranges: GSPO's 3e-4 band clips far more than GRPO's 0.2
+    assert gspo["clip_fraction"] > grpo["clip_fraction"]
+    assert all(v["verdict"] in (REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE)
+               for v in saved["verdicts"])  # fmt: skip
+    assert sum("training" in m for m in messages) == 3  # three runs trained
+    # a second call trains nothing: the cold start and the runs are reused
+    again: list[str] = []
+    compare(None, tiny, out, seeds=(0,), log=again.append)
+    assert not any("training" in m for m in again)
+    assert sum("reusing" in m for m in again) == 4
+
+
+def test_compare_bad_input_is_one_line(tmp_path, capsys):
+    assert main(["compare", "--output-dir", str(tmp_path), "--preset", "wild"]) == 2
+    assert "--preset 'wild'" in capsys.readouterr().err
+    assert main(["compare", "--output-dir", str(tmp_path), "--seeds", "0"]) == 2
+
+
+def test_histogram_needs_values(tmp_path):
+    assert plot_histograms({"w": torch.zeros(0)}, tmp_path / "h.png", title="t") is None
+    path = plot_histograms({"w": torch.randn(50), "s": torch.randn(50) * 0.01},
+                           tmp_path / "h.png", title="t")  # fmt: skip
+    assert path is not None and path.stat().st_size > 0
