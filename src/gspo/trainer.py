@@ -48,7 +48,7 @@ from gspo.moe import (
 )
 from gspo.objectives import mean_over_tokens, policy_loss
 from gspo.rewards import RewardFunctions
-from gspo.rollout import RolloutBatch, SamplingParams, TorchEngine, pad_batch
+from gspo.rollout import RolloutBatch, RolloutEngine, SamplingParams, TorchEngine, pad_batch
 from gspo.tasks import BUILTIN_TASKS, TaskData, as_completion, encode_prompt, load_rows
 from gspo.telemetry import (
     MetricsLogger,
@@ -156,16 +156,18 @@ class Trainer:
             self.model, self.tokenizer = load_model(
                 checkpoint, device=self.device, dtype=torch.float32
             )
+            model_dir = checkpoint
         else:
             self.model, self.tokenizer = build_or_load_model(config, self.output_dir, self.device)
+            model_dir = Path(config.model.path or self.output_dir / "base_model")
         self.routing_replay, self.measure_churn = moe_settings(config, self.model)
         # routing under pi_old is recorded whenever replay or the churn measurement needs it
         self.record_routing = self.routing_replay or self.measure_churn
-        self.engine = TorchEngine(
-            self.model,
-            pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.tokenizer.eos_token_id,
-        )
+        self.engine = self.build_engine(model_dir)
+        # Every optimizer step (SFT or RL) bumps weights_version; the engine is synced to
+        # the policy before it next generates whenever its version is behind.
+        self.weights_version = 0
+        self.engine_version = 0
         self.optimizer = adamw(
             self.model,
             lr=config.optim.lr,
@@ -205,6 +207,50 @@ class Trainer:
         dump_config(config, self.output_dir / "config.yaml")
 
     # ------------------------------------------------------------------ helpers
+    def build_engine(self, model_dir: Path) -> RolloutEngine:
+        """``rollout.engine``: the torch sampler, or vLLM started from ``model_dir``."""
+        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        if self.config.rollout.engine == "torch":
+            return TorchEngine(self.model, pad_token_id=pad, eos_token_id=eos)
+        from gspo.vllm_engine import VLLMEngine
+
+        v = self.config.rollout.vllm
+        return VLLMEngine(
+            model_dir,
+            pad_token_id=pad,
+            eos_token_id=eos,
+            device=self.device,
+            dtype=self.compute_dtype,
+            seed=derive_seed(self.config.train.seed, "vllm") % 2**32,
+            gpu_memory_utilization=v.gpu_memory_utilization,
+            cpu_kv_cache_gb=v.cpu_kv_cache_gb,
+            max_model_len=v.max_model_len,
+            enforce_eager=v.enforce_eager,
+        )
+
+    def sync_engine(self) -> float:
+        """Give the engine the policy's current weights if it is behind; seconds taken."""
+        if self.engine_version == self.weights_version:
+            return 0.0
+        start = time.perf_counter()
+        self.engine.sync_weights(self.model)
+        self.engine_version = self.weights_version
+        return time.perf_counter() - start
+
+    def generate(
+        self, prompts: list[list[int]], *, n: int, params: SamplingParams, seed: int
+    ) -> tuple[RolloutBatch, float]:
+        """Sample from the current policy: ``(batch, seconds spent syncing weights)``.
+
+        The engine is synced first if an optimizer step came after its last sync. The
+        torch engine runs under the trainer's autocast; vLLM keeps its own dtype.
+        """
+        t_sync = self.sync_engine()
+        torch_engine = isinstance(self.engine, TorchEngine)
+        with self.autocast() if torch_engine else contextlib.nullcontext():
+            batch = self.engine.generate(prompts, n=n, params=params, seed=seed)
+        return batch, t_sync
+
     def autocast(self):
         if self.compute_dtype == torch.float32:
             return contextlib.nullcontext()
@@ -291,6 +337,7 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            self.weights_version += 1
             if (i + 1) % 100 == 0 or i + 1 == cfg.cold_start_steps:
                 self.logger.log(
                     0,
@@ -330,8 +377,7 @@ class Trainer:
             rewards, lengths = [], []
             for c in range(0, len(rows), chunk):
                 seed = derive_seed(self.config.train.seed, "eval", self.step, suffix, c)
-                with self.autocast():
-                    batch = self.engine.generate(ids[c : c + chunk], n=n, params=params, seed=seed)
+                batch, _ = self.generate(ids[c : c + chunk], n=n, params=params, seed=seed)
                 scored = self.score(rows[c : c + chunk], batch)
                 rewards.append(scored.rewards)
                 lengths.append(batch.completion_lengths.float().cpu())
@@ -349,13 +395,12 @@ class Trainer:
         t0 = timer()
         rows_idx = self.prompts_for_batch(rollout_index)
         rows = [self.data.train[i] for i in rows_idx]
-        with self.autocast():
-            batch = self.engine.generate(
-                [self.train_prompt_ids[i] for i in rows_idx],
-                n=cfg.rollout.group_size,
-                params=self.sampling,
-                seed=derive_seed(cfg.train.seed, "rollout", rollout_index),
-            )
+        batch, t_sync = self.generate(
+            [self.train_prompt_ids[i] for i in rows_idx],
+            n=cfg.rollout.group_size,
+            params=self.sampling,
+            seed=derive_seed(cfg.train.seed, "rollout", rollout_index),
+        )
         t_generate = timer() - t0
 
         t1 = timer()
@@ -388,7 +433,12 @@ class Trainer:
 
         rollout_metrics = self.rollout_metrics(scored, advantages)
         rollout_metrics.update(
-            {"time/generate": t_generate, "time/reward": t_reward, "time/old_logprobs": t_old}
+            {
+                "time/generate": t_generate - t_sync,
+                "time/weight_sync": t_sync,
+                "time/reward": t_reward,
+                "time/old_logprobs": t_old,
+            }
         )
         if recomputed is not None:
             rollout_metrics.update(
@@ -422,6 +472,7 @@ class Trainer:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
+            self.weights_version += 1
             line = {f"train/{key}": value for key, value in out.metrics.items()}
             line["train/loss"] = out.loss.item()
             line["train/grad_norm"] = grad_norm.item()

