@@ -114,8 +114,16 @@ def test_length_buckets_and_ratio_variance_of_a_known_batch():
 
 
 def summary(clip_gspo, clip_grpo, acc_gspo, acc_grpo, *, start=0.5, tok=0.1, seq=0.001,
-            spread=((1e-3, "1-2"), (5e-3, "3-4")), sd=0.01):  # fmt: skip
-    rows = [{"token_ratio_var": v, "lengths": b} for v, b in spread]
+            spread=((1e-3, "5-9"), (5e-3, "20-40")), sd=0.01, length=20.0):  # fmt: skip
+    rows = [
+        {
+            "token_ratio_var": v,
+            "lengths": b,
+            "lo": int(b.split("-")[0]),
+            "hi": int(b.split("-")[-1]),
+        }
+        for v, b in spread
+    ]
 
     def algo(clip, acc):
         return {
@@ -127,6 +135,7 @@ def summary(clip_gspo, clip_grpo, acc_gspo, acc_grpo, *, start=0.5, tok=0.1, seq
             "token_log_ratio_sd": tok,
             "sequence_log_ratio_sd": seq,
             "spread_by_length": rows,
+            "mean_response_length": length,
         }
 
     return {"GSPO": algo(clip_gspo, acc_gspo), "GRPO": algo(clip_grpo, acc_grpo)}
@@ -141,8 +150,15 @@ def test_verdict_rules():
     assert verdicts(summary(0.02, 0.01, 0.9, 0.9), "default")[0]["verdict"] == NOT_REPRODUCED
     assert verdicts(summary(0.15, 0.001, 0.5, 0.9), "default")[0]["verdict"] == NOT_REPRODUCED
     # token noise that does not grow with length, or no spread data
-    flat = summary(0.15, 0.001, 0.9, 0.9, spread=((5e-3, "1-2"), (1e-3, "3-4")))
+    flat = summary(0.15, 0.001, 0.9, 0.9, spread=((5e-3, "5-9"), (1e-3, "20-40")))
     assert verdicts(flat, "default")[1]["verdict"] == NOT_REPRODUCED
+    tight_tokens = summary(0.15, 0.001, 0.9, 0.9, tok=0.002)  # w_it only 2x wider than s_i
+    assert verdicts(tight_tokens, "default")[1]["verdict"] == NOT_REPRODUCED
+    # too short (the demo's 3-5 tokens) or too uniform in length to test
+    short = summary(0.15, 0.001, 0.9, 0.9, length=4.0, spread=((1e-3, "3"), (5e-3, "4-5")))
+    assert verdicts(short, "default")[1]["verdict"] == INCONCLUSIVE
+    uniform = summary(0.15, 0.001, 0.9, 0.9, spread=((1e-3, "18-20"), (5e-3, "21-30")))
+    assert verdicts(uniform, "default")[1]["verdict"] == INCONCLUSIVE
     none = summary(0.15, 0.001, 0.9, 0.9, tok=math.nan, spread=())
     assert verdicts(none, "default")[1]["verdict"] == INCONCLUSIVE
     # stress: GRPO collapses (more than 0.1 under its start) while GSPO does not
@@ -185,6 +201,7 @@ def test_compare_writes_the_report_and_reuses_finished_runs(tmp_path, tiny):
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64,") == md.count("![")
     saved = json.loads((out / "summary.json").read_text())
+    assert saved["cold_start_seconds"] > 0 and saved["run_seconds"] > 0
     gspo, grpo = saved["algorithms"]["GSPO"], saved["algorithms"]["GRPO"]
     # paper clip ranges: GSPO's 3e-4 band clips far more than GRPO's 0.2
     assert gspo["clip_fraction"] > grpo["clip_fraction"]

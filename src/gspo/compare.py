@@ -47,6 +47,11 @@ PRESETS: dict[str, list[str]] = {
 }
 STRESS_LR_FACTOR = 3.0
 
+#: Below this mean response length (tokens) claim (b) cannot be told apart from noise:
+#: the spread of a mean of L log-ratios is sqrt(L) times smaller, under the 3x the rule
+#: asks for.
+MIN_MEAN_LENGTH = 9
+
 #: Rollout batches between ratio dumps (``log.ratio_dump_every``) in compared runs.
 RATIO_DUMP_EVERY = 5
 
@@ -163,12 +168,25 @@ def compare(
         log(f"{name}, seed {seed}")
         run_dir = out / "runs" / f"{slug(name)}-seed{seed}"
         runs.append(Run(name, seed, run_dir, run_or_reuse(config, run_dir, log)))
-    summary = write_report(runs, out, preset=preset, seconds=time.perf_counter() - start)
+    summary = write_report(
+        runs,
+        out,
+        preset=preset,
+        seconds=time.perf_counter() - start,
+        cold_start_seconds=cold_start_seconds(out / "cold_start"),
+    )
     log(f"report written to {out / 'report.md'} and {out / 'report.html'}")
     return summary
 
 
 # ---------------------------------------------------------------- numbers from runs
+def cold_start_seconds(run_dir: Path) -> float:
+    """The cold start's own time, from its metrics: SFT (``time/sft``) plus evaluation."""
+    records = read_metrics(run_dir / "metrics.jsonl") if run_dir.is_dir() else []
+    sft = max((r["time/sft"] for r in records if "time/sft" in r), default=0.0)
+    return sft + sum(r["time/eval"] for r in records if "time/eval" in r)
+
+
 def with_elapsed(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Records with ``elapsed``: wall seconds since the run's first record."""
     times = [r["time"] for r in records if isinstance(r.get("time"), int | float)]
@@ -237,6 +255,8 @@ def spread_by_length(dumps: Mapping[str, torch.Tensor]) -> list[dict[str, float]
         rows.append(
             {
                 "lengths": f"{lo}-{hi}" if hi > lo else str(lo),
+                "lo": lo,
+                "hi": hi,
                 "length_mid": (lo + hi) / 2,
                 "token_ratio_var": dumps["token_log_ratio"][tok].exp().var().item(),
                 "sequence_ratio_var": dumps["sequence_log_ratio"][seq].exp().var().item(),
@@ -275,6 +295,11 @@ def algorithm_summary(runs: Sequence[Run]) -> dict[str, Any]:
         "clip_fraction": mean_std(clips)[0],
         "clip_fraction_per_seed": clips,
         "seconds": mean_std(seconds)[0],
+        "mean_response_length": (
+            pooled["length"].float().mean().item()
+            if pooled and pooled["length"].numel()
+            else math.nan
+        ),
         "token_log_ratio_sd": _sd(token_lr),
         "sequence_log_ratio_sd": _sd(seq_lr),
         "spread_by_length": spread_by_length(pooled) if pooled else [],
@@ -293,11 +318,15 @@ REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inco
 def verdicts(summary: Mapping[str, Mapping[str, Any]], preset: str) -> list[dict[str, str]]:
     """One verdict per claim, each with the figures behind it.
 
-    (a) GSPO clips far more tokens (>= 10x GRPO's fraction) yet trains at least as well
-        (final accuracy not below GRPO's by more than two standard errors of the seed mean).
-    (b) Token ratios are noisy, sequence ratios tight (the spread of w_it at least 3x that
-        of s_i on GRPO's own runs), and the token noise grows with response length
-        (variance of w_it higher in the longest length bucket than in the shortest).
+    (a) GSPO clips far more tokens (>= 10x GRPO's fraction; the paper shows ~100x) yet
+        trains at least as well (final accuracy not below GRPO's by more than two standard
+        errors of the seed mean).
+    (b) Token ratios are noisy, sequence ratios tight (the spread of log w_it at least 3x
+        that of log s_i on GRPO's own runs), and the token noise grows with response length
+        (variance of w_it higher in the longest length bucket than in the shortest). A mean
+        of L independent log-ratios has sqrt(L) times less spread, so below
+        :data:`MIN_MEAN_LENGTH` tokens (3x) or with the longest bucket under twice the
+        shortest, the test cannot tell and the verdict is inconclusive.
     (c) GRPO unstable where GSPO is not: only judged on the stress preset; a collapse is a
         final accuracy more than 0.1 below the start.
     """
@@ -323,26 +352,37 @@ def verdicts(summary: Mapping[str, Mapping[str, Any]], preset: str) -> list[dict
         verdict = NOT_REPRODUCED
     else:  # pragma: no cover - the two branches above are exhaustive
         verdict = INCONCLUSIVE
-    out.append({"claim": "(a) GSPO clips ~100x more tokens, trains at least as well",
+    out.append({"claim": "(a) GSPO clips far more tokens (paper: ~100x), trains as well",
                 "verdict": verdict, "figures": figures})  # fmt: skip
 
     # (b)
     tok_sd, seq_sd = grpo["token_log_ratio_sd"], grpo["sequence_log_ratio_sd"]
-    rows = grpo["spread_by_length"]
+    rows, mean_len = grpo["spread_by_length"], grpo.get("mean_response_length", math.nan)
     if math.isnan(tok_sd) or math.isnan(seq_sd) or len(rows) < 2:
         verdict = INCONCLUSIVE
-        why = "not enough ratio dumps or response lengths to compare"
-        figures = f"sd of log w_it {tok_sd:.2e}, of log s_i {seq_sd:.2e}; {why}"
+        figures = (
+            f"sd of log w_it {tok_sd:.2e}, of log s_i {seq_sd:.2e}; not enough ratio dumps "
+            "or response lengths to compare"
+        )
     else:
         wide = tok_sd >= 3 * seq_sd
         grows = rows[-1]["token_ratio_var"] > rows[0]["token_ratio_var"]
-        verdict = REPRODUCED if wide and grows else NOT_REPRODUCED
+        testable = mean_len >= MIN_MEAN_LENGTH and rows[-1]["lo"] >= 2 * rows[0]["hi"]
         figures = (
             f"on GRPO's runs sd of log w_it {tok_sd:.2e} vs log s_i {seq_sd:.2e} "
             f"({tok_sd / seq_sd if seq_sd else math.inf:.1f}x); variance of w_it "
             f"{rows[0]['token_ratio_var']:.2e} for lengths {rows[0]['lengths']} vs "
-            f"{rows[-1]['token_ratio_var']:.2e} for {rows[-1]['lengths']}"
+            f"{rows[-1]['token_ratio_var']:.2e} for {rows[-1]['lengths']}; mean response "
+            f"length {mean_len:.1f} tokens"
         )
+        if not testable:
+            verdict = INCONCLUSIVE
+            figures += (
+                f" (too short or too uniform to test: needs a mean of {MIN_MEAN_LENGTH}+ "
+                "tokens and a longest length bucket at least twice the shortest)"
+            )
+        else:
+            verdict = REPRODUCED if wide and grows else NOT_REPRODUCED
     out.append({"claim": "(b) token ratios noisy and length-dependent, sequence ratios tight",
                 "verdict": verdict, "figures": figures})  # fmt: skip
 
@@ -370,7 +410,12 @@ def verdicts(summary: Mapping[str, Mapping[str, Any]], preset: str) -> list[dict
 
 # ---------------------------------------------------------------- the report
 def write_report(
-    runs: Sequence[Run], out: Path, *, preset: str = "default", seconds: float = math.nan
+    runs: Sequence[Run],
+    out: Path,
+    *,
+    preset: str = "default",
+    seconds: float = math.nan,
+    cold_start_seconds: float = math.nan,
 ) -> dict[str, Any]:
     """Plots, ``report.md``, ``report.html`` and ``summary.json`` under ``out``."""
     by_algo: dict[str, list[Run]] = {}
@@ -413,7 +458,14 @@ def write_report(
     claims = verdicts(summary, preset)
     for s in summary.values():
         s.pop("ratio_dumps")
-    result = {"preset": preset, "seconds": seconds, "algorithms": summary, "verdicts": claims}
+    result = {
+        "preset": preset,
+        "seconds": seconds,
+        "cold_start_seconds": cold_start_seconds,
+        "run_seconds": sum(with_elapsed(r.records)[-1]["elapsed"] for r in runs if r.records),
+        "algorithms": summary,
+        "verdicts": claims,
+    }
     (out / "summary.json").write_text(json.dumps(result, indent=2, default=float) + "\n")
     md = report_markdown(result, [(t, p) for t, p in figures if p is not None], out)
     (out / "report.md").write_text(md)
@@ -428,7 +480,11 @@ def report_markdown(result: Mapping[str, Any], figures: list[tuple[str, Path]], 
         "# GSPO vs GRPO vs GSPO-token",
         "",
         f"Produced by `gspo compare` (preset `{result['preset']}`, seeds "
-        f"{', '.join(map(str, seeds))}); {result['seconds'] / 60:.1f} min in all. Every run "
+        f"{', '.join(map(str, seeds))}). Time: the shared cold start "
+        f"{result['cold_start_seconds'] / 60:.1f} min, the {len(result['algorithms']) * len(seeds)}"
+        f" runs {result['run_seconds'] / 60:.1f} min together (first to last record of "
+        f"each); this invocation {result['seconds'] / 60:.1f} min (reused runs cost nothing). "
+        "Every run "
         "starts from the same cold-start checkpoint with the same config but "
         "`algorithm.level` (and its paper clip range) and `train.seed`. Figures are means "
         "over seeds (± one standard deviation in the plots' bands).",
