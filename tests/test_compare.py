@@ -15,6 +15,7 @@ from gspo.compare import (
     REPRODUCED,
     compare,
     length_buckets,
+    per_rollout,
     spread_by_length,
     token_weighted,
     verdicts,
@@ -85,6 +86,18 @@ def test_elapsed_and_token_weighted_means():
         {"train/clip_fraction": 0.0, "train/tokens": 10},
     ]
     assert token_weighted(lines, "train/clip_fraction") == pytest.approx(15 / 40)
+
+
+def test_clip_fraction_per_rollout_batch_is_token_weighted():
+    lines = [
+        {"step": 1, "train/rollout": 0, "train/clip_fraction": 0.0, "train/tokens": 10},
+        {"step": 2, "train/rollout": 0, "train/clip_fraction": 0.5, "train/tokens": 30},
+        {"step": 3, "train/rollout": 1, "train/clip_fraction": 0.2, "train/tokens": 5},
+    ]
+    assert per_rollout(lines, "train/clip_fraction") == [
+        {"step": 2, "train/clip_fraction": pytest.approx(15 / 40)},
+        {"step": 3, "train/clip_fraction": pytest.approx(0.2)},
+    ]
 
 
 def test_length_buckets_and_ratio_variance_of_a_known_batch():
@@ -208,6 +221,7 @@ def test_compare_writes_the_report_and_reuses_finished_runs(tmp_path, tiny):
     assert all(v["verdict"] in (REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE)
                for v in saved["verdicts"])  # fmt: skip
     assert sum("training" in m for m in messages) == 3  # three runs trained
+    assert "GSPO-token matched GSPO exactly on every seed" in md
     # a second call trains nothing: the cold start and the runs are reused
     again: list[str] = []
     compare(None, tiny, out, seeds=(0,), log=again.append)

@@ -411,6 +411,8 @@ def _draw(
         all_y.extend(ys)
         if band is not None:
             lo = [y - b for y, b in zip(ys, band, strict=True)]
+            if logy and all(y >= 0 for y in ys):  # a spread of non-negative values stays >= 0
+                lo = [max(v, 0.0) for v in lo]
             hi = [y + b for y, b in zip(ys, band, strict=True)]
             ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
             all_y.extend(lo + hi)
