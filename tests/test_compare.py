@@ -13,8 +13,11 @@ from gspo.compare import (
     INCONCLUSIVE,
     NOT_REPRODUCED,
     REPRODUCED,
+    Run,
     compare,
+    first_divergence,
     length_buckets,
+    notes,
     per_rollout,
     spread_by_length,
     token_weighted,
@@ -98,6 +101,24 @@ def test_clip_fraction_per_rollout_batch_is_token_weighted():
         {"step": 2, "train/clip_fraction": pytest.approx(15 / 40)},
         {"step": 3, "train/clip_fraction": pytest.approx(0.2)},
     ]
+
+
+def test_gspo_token_divergence_note_names_the_first_differing_step(tmp_path):
+    def lines(values):
+        return [{"step": i + 1, "train/loss": 0.0, "train/objective": v}
+                for i, v in enumerate(values)]  # fmt: skip
+
+    a, b = lines([0.1, 0.2, 0.3, 0.4]), lines([0.1, 0.20001, 0.35, 0.5])
+    assert first_divergence(a, b) == 3  # 1e-5 at step 2 is within tolerance
+    assert first_divergence(a, a) is None
+    algo = {"seeds": [0], "accuracy": 0.9, "accuracy_per_seed": [0.9],
+            "clip_fraction_per_seed": [0.3]}  # fmt: skip
+    same = notes({"GSPO": algo, "GSPO-token": dict(algo)})
+    assert same[0].startswith("GSPO-token matched GSPO exactly")
+    other = {**algo, "accuracy": 0.8, "accuracy_per_seed": [0.8]}
+    runs = [Run("GSPO", 0, tmp_path, a), Run("GSPO-token", 0, tmp_path, b)]
+    (note,) = notes({"GSPO": algo, "GSPO-token": other}, runs)
+    assert "differed" in note and "per seed: step 3" in note
 
 
 def test_length_buckets_and_ratio_variance_of_a_known_batch():

@@ -484,13 +484,18 @@ def write_report(
         "verdicts": claims,
     }
     (out / "summary.json").write_text(json.dumps(result, indent=2, default=float) + "\n")
-    md = report_markdown(result, [(t, p) for t, p in figures if p is not None], out)
+    md = report_markdown(result, [(t, p) for t, p in figures if p is not None], out, runs)
     (out / "report.md").write_text(md)
     (out / "report.html").write_text(report_html(md, out))
     return result
 
 
-def report_markdown(result: Mapping[str, Any], figures: list[tuple[str, Path]], out: Path) -> str:
+def report_markdown(
+    result: Mapping[str, Any],
+    figures: list[tuple[str, Path]],
+    out: Path,
+    runs: Sequence[Run] = (),
+) -> str:
     summary = result["algorithms"]
     seeds = next(iter(summary.values()))["seeds"] if summary else []
     lines = [
@@ -525,7 +530,7 @@ def report_markdown(result: Mapping[str, Any], figures: list[tuple[str, Path]], 
             f"{s['clip_fraction']:.4f} | {s['token_log_ratio_sd']:.2e} | "
             f"{s['sequence_log_ratio_sd']:.2e} | {s['seconds']:.0f} |"
         )
-    lines += ["", *[f"- {note}" for note in notes(summary)]]
+    lines += ["", *[f"- {note}" for note in notes(summary, runs)]]
     lines += ["", "## Ratio variance by response length", ""]
     lines += ["| algorithm | lengths | responses | var w_it | var s_i |", "|---|---|---|---|---|"]
     for name, s in summary.items():
@@ -540,7 +545,18 @@ def report_markdown(result: Mapping[str, Any], figures: list[tuple[str, Path]], 
     return "\n".join(lines)
 
 
-def notes(summary: Mapping[str, Mapping[str, Any]]) -> list[str]:
+def first_divergence(a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, Any]],
+                     key: str = "train/objective", tol: float = 1e-4) -> float | None:  # fmt: skip
+    """The first step at which two runs' ``key`` differ by more than ``tol`` (or None)."""
+    by_step = {r["step"]: r[key] for r in train_lines(b) if key in r}
+    for r in train_lines(a):
+        other = by_step.get(r["step"])
+        if other is not None and key in r and abs(r[key] - other) > tol:
+            return r["step"]
+    return None
+
+
+def notes(summary: Mapping[str, Mapping[str, Any]], runs: Sequence[Run] = ()) -> list[str]:
     """Statements computed from the numbers, beside the verdicts."""
     out = []
     gspo, token = summary.get("GSPO"), summary.get("GSPO-token")
@@ -550,14 +566,29 @@ def notes(summary: Mapping[str, Mapping[str, Any]]) -> list[str]:
             for key in ("accuracy_per_seed", "clip_fraction_per_seed")
             for a, b in zip(gspo[key], token[key], strict=True)
         )
-        out.append(
-            "GSPO-token "
-            + ("matched GSPO exactly on every seed (accuracy and clip fraction): "
-               "with one advantage per response the two objectives and gradients are the "
-               "same (GSPO_SPEC), so this checks the implementation, it is not a second "
-               "result." if same else "differed from GSPO: expected only with per-token "
-               "advantages, which compare does not use; look into it.")
-        )  # fmt: skip
+        if same:
+            out.append(
+                "GSPO-token matched GSPO exactly on every seed (accuracy and clip fraction): "
+                "with one advantage per response the two objectives and gradients are the "
+                "same (GSPO_SPEC), so this checks the implementation, it is not a second result."
+            )
+        else:
+            by = {(r.algorithm, r.seed): r.records for r in runs}
+            steps = [
+                first_divergence(by[("GSPO", seed)], by[("GSPO-token", seed)])
+                for seed in gspo["seeds"]
+                if ("GSPO", seed) in by and ("GSPO-token", seed) in by
+            ]
+            where = ", ".join("never" if s is None else f"step {s:g}" for s in steps)
+            out.append(
+                "GSPO-token differed from GSPO (final accuracy "
+                f"{token['accuracy']:.3f} vs {gspo['accuracy']:.3f}). With one advantage per "
+                "response the two have the same objective and gradient in exact arithmetic; "
+                "their float rounding differs (the order of sums), and a chaotic run can grow "
+                "that into different trajectories. First step where their objectives differ "
+                f"by more than 1e-4, per seed: {where}; a late first step means rounding "
+                "drift, a difference at step 1 would be a bug."
+            )
     return out
 
 
