@@ -17,3 +17,18 @@ def tokenizer():
 def tiny_model(tokenizer):
     torch.manual_seed(0)
     return build_tiny_model(SMALL, tokenizer, seed=0)
+
+
+ONES_REWARD = '''
+def ones(prompts, completions, **kwargs):
+    """Dense and trivially learnable: the share of '1' characters in the completion."""
+    return [c.count("1") / max(len(c), 1) for c in completions]
+'''
+
+
+@pytest.fixture
+def ones_reward(tmp_path):
+    """The override ``reward.functions=[<file>:ones]``: a dense, learnable reward."""
+    path = tmp_path / "ones.py"
+    path.write_text(ONES_REWARD)
+    return f"reward.functions=[{path}:ones]"

@@ -48,19 +48,11 @@ TINY = [
     "log.tensorboard=false",
 ]
 
-ONES_REWARD = '''
-def ones(prompts, completions, **kwargs):
-    """Dense and learnable: the share of '1' characters in the completion."""
-    return [c.count("1") / max(len(c), 1) for c in completions]
-'''
-
 
 @pytest.fixture
-def tiny(tmp_path):
+def tiny(ones_reward):
     """TINY plus a dense reward, so that advantages are not all zero."""
-    reward = tmp_path / "ones.py"
-    reward.write_text(ONES_REWARD)
-    return [*TINY, f"reward.functions=[{reward}:ones]"]
+    return [*TINY, ones_reward]
 
 
 def test_band_lines_average_the_runs_at_shared_steps():

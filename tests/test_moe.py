@@ -33,11 +33,6 @@ MOE = TinyModelSpec(
     expert_intermediate=32,
 )
 
-ONES_REWARD = '''
-def ones(prompts, completions, **kwargs):
-    """Dense reward (share of '1' characters), so every step has a gradient."""
-    return [c.count("1") / max(len(c), 1) for c in completions]
-'''
 
 FAST_MOE = [
     "model.builtin=qwen3_moe",
@@ -355,13 +350,12 @@ def test_trainer_on_moe_without_measuring_logs_no_moe_metrics(tmp_path):
         ("token", "recompute"),
     ],
 )
-def test_trainer_with_routing_replay_logs_expert_change(tmp_path, level, old_logprobs):
-    (tmp_path / "ones.py").write_text(ONES_REWARD)
+def test_trainer_with_routing_replay_logs_expert_change(tmp_path, level, old_logprobs, ones_reward):
     config = load_config(
         None,
         [
             *FAST_MOE,
-            f"reward.functions=[{tmp_path / 'ones.py'}:ones]",
+            ones_reward,
             "moe.routing_replay=true",
             f"algorithm.level={level}",
             f"algorithm.old_logprobs={old_logprobs}",
@@ -378,13 +372,12 @@ def test_trainer_with_routing_replay_logs_expert_change(tmp_path, level, old_log
 
 
 @pytest.mark.slow
-def test_trainer_replays_the_old_routing_in_every_minibatch(tmp_path, monkeypatch):
-    (tmp_path / "ones.py").write_text(ONES_REWARD)
+def test_trainer_replays_the_old_routing_in_every_minibatch(tmp_path, monkeypatch, ones_reward):
     config = load_config(
         None,
         [
             *FAST_MOE,
-            f"reward.functions=[{tmp_path / 'ones.py'}:ones]",
+            ones_reward,
             "moe.routing_replay=true",
             "algorithm.level=token",
         ],

@@ -33,12 +33,6 @@ FAST = [
     "log.tensorboard=false",
 ]
 
-ONES_REWARD = '''
-def ones(prompts, completions, **kwargs):
-    """Dense and trivially learnable: the share of '1' characters in the completion."""
-    return [c.count("1") / max(len(c), 1) for c in completions]
-'''
-
 
 def run_metrics(output_dir):
     return read_metrics(output_dir / "metrics.jsonl")
@@ -64,11 +58,10 @@ def test_crossed():
 
 
 @pytest.mark.slow
-def test_reward_rises_on_a_trivially_learnable_task(tmp_path):
-    (tmp_path / "ones.py").write_text(ONES_REWARD)
+def test_reward_rises_on_a_trivially_learnable_task(tmp_path, ones_reward):
     overrides = [
         *FAST,
-        f"reward.functions=[{tmp_path / 'ones.py'}:ones]",
+        ones_reward,
         "train.cold_start_steps=0",
         "rollout.temperature=1.0",
         "rollout.prompts_per_batch=8",
@@ -92,11 +85,10 @@ def test_reward_rises_on_a_trivially_learnable_task(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(tmp_path):
-    (tmp_path / "ones.py").write_text(ONES_REWARD)
+def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(tmp_path, ones_reward):
     common = [
         *FAST,
-        f"reward.functions=[{tmp_path / 'ones.py'}:ones]",
+        ones_reward,
         "eval.success_threshold=0.25",
         "train.max_steps=8",
         "algorithm.minibatches=2",
@@ -179,11 +171,10 @@ def test_bring_your_own_model_data_and_reward(tmp_path, tokenizer):
 
 
 @pytest.mark.slow
-def test_kl_penalty_uses_the_cold_start_model_as_reference(tmp_path):
-    (tmp_path / "ones.py").write_text(ONES_REWARD)
+def test_kl_penalty_uses_the_cold_start_model_as_reference(tmp_path, ones_reward):
     overrides = [
         *FAST,
-        f"reward.functions=[{tmp_path / 'ones.py'}:ones]",
+        ones_reward,
         "algorithm.kl_coef=0.1",
         "optim.lr=1e-3",
         "train.max_steps=8",
@@ -239,11 +230,10 @@ def test_existing_run_needs_resume_or_overwrite(tmp_path, capsys):
     ("level", "old_logprobs"),
     [("sequence", "recompute"), ("sequence_token", "sampler"), ("token", "recompute")],
 )
-def test_every_level_and_old_logprob_source_trains(tmp_path, level, old_logprobs):
-    (tmp_path / "ones.py").write_text(ONES_REWARD)
+def test_every_level_and_old_logprob_source_trains(tmp_path, level, old_logprobs, ones_reward):
     overrides = [
         *FAST,
-        f"reward.functions=[{tmp_path / 'ones.py'}:ones]",
+        ones_reward,
         f"algorithm.level={level}",
         f"algorithm.old_logprobs={old_logprobs}",
         "optim.lr=1e-3",
