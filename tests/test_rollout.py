@@ -110,3 +110,29 @@ def test_select_trims_padding(tokenizer, tiny_model):
     assert sub.prompt_ids.shape[1] == len(tokenizer("1+1=")["input_ids"])
     assert torch.equal(sub.completion_ids, batch.completion_ids[:2, : sub.completion_ids.shape[1]])
     assert len(sub.finish_reasons) == 2
+
+
+def test_logit_noise_changes_the_sampler_distribution_and_its_logprobs(tiny_model, tokenizer):
+    """The testing-only noise emulates an engine whose probabilities differ from ours."""
+    engine = engine_for(tiny_model, tokenizer)
+    clean = SamplingParams(max_new_tokens=6, temperature=1.0)
+    noisy = SamplingParams(max_new_tokens=6, temperature=1.0, logit_noise=0.5)
+    batch = engine.generate(prompts(tokenizer), n=4, params=noisy, seed=0)
+    with torch.no_grad():
+        lp = completion_logprobs(
+            tiny_model,
+            batch.prompt_ids,
+            batch.prompt_mask,
+            batch.completion_ids,
+            batch.completion_mask,
+        )
+    delta = (lp - batch.sampler_logprobs).abs()[batch.completion_mask]
+    assert delta.mean() > 0.05  # the sampler's log-probs are of the perturbed logits
+    again = engine.generate(prompts(tokenizer), n=4, params=noisy, seed=0)
+    assert torch.equal(again.completion_ids, batch.completion_ids)  # seeded
+    base = engine.generate(prompts(tokenizer), n=4, params=clean, seed=0)
+    with torch.no_grad():
+        lp0 = completion_logprobs(
+            tiny_model, base.prompt_ids, base.prompt_mask, base.completion_ids, base.completion_mask
+        )
+    assert (lp0 - base.sampler_logprobs).abs()[base.completion_mask].max() < 1e-4

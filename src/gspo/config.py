@@ -73,6 +73,12 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    logit_noise: float = Field(
+        0.0,
+        ge=0.0,
+        description="Testing: noise (sd) on the sampler's logits, emulating an inference "
+        "engine whose probabilities differ from the trainer's (torch engine only)",
+    )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
 
@@ -176,6 +182,8 @@ class Config(_Section):
                 "algorithm.old_logprobs=recompute (vLLM's log-probs are of the truncated "
                 "distribution)"
             )
+        if self.rollout.engine == "vllm" and self.rollout.logit_noise > 0:
+            raise ValueError("rollout.logit_noise is for the torch engine (rollout.engine=torch)")
         dense_builtin = self.model.path is None and self.model.builtin == "qwen3"
         if dense_builtin and (self.moe.routing_replay or self.moe.measure_churn):
             key = "moe.routing_replay" if self.moe.routing_replay else "moe.measure_churn"

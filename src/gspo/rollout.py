@@ -24,6 +24,10 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
+    #: Testing only: Gaussian noise of this standard deviation added to the logits before
+    #: sampling, so the sampler's distribution (and its log-probs) differ from the
+    #: trainer's, as a bf16 inference engine's do. 0 = the model's own distribution.
+    logit_noise: float = 0.0
 
 
 @dataclass
@@ -119,6 +123,9 @@ def sample_next(
     distribution the trainer recomputes); greedy decoding reports ``temperature = 1``.
     """
     logits = logits.float()
+    if params.logit_noise > 0:
+        noise = torch.randn(logits.shape, generator=generator, device=logits.device)
+        logits = logits + params.logit_noise * noise
     if params.temperature == 0:
         logprobs = torch.log_softmax(logits, dim=-1)
         tokens = logits.argmax(dim=-1)

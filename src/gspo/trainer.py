@@ -398,7 +398,8 @@ class Trainer:
         batch, t_sync = self.generate(
             [self.train_prompt_ids[i] for i in rows_idx],
             n=cfg.rollout.group_size,
-            params=self.sampling,
+            # evaluation samples without the testing-only logit noise; rollouts with it
+            params=replace(self.sampling, logit_noise=cfg.rollout.logit_noise),
             seed=derive_seed(cfg.train.seed, "rollout", rollout_index),
         )
         t_generate = timer() - t0
