@@ -26,7 +26,13 @@ from pathlib import Path
 
 import torch
 
-from gspo.compare import cold_start_checkpoint, final_eval, run_or_reuse, token_weighted
+from gspo.compare import (
+    cold_start_checkpoint,
+    final_eval,
+    run_or_reuse,
+    token_weighted,
+    with_elapsed,
+)
 from gspo.config import load_config
 from gspo.telemetry import plot_runs
 
@@ -90,15 +96,17 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     plot_runs(runs, "eval/accuracy", out / "accuracy.png", title="Held-out accuracy (pass@1)")
     seconds = time.perf_counter() - start
-    summary = {"noise": args.noise, "seconds": seconds, "runs": rows}
+    run_seconds = sum(with_elapsed(r)[-1]["elapsed"] for r in runs.values() if r)
+    summary = {"noise": args.noise, "seconds": seconds, "run_seconds": run_seconds, "runs": rows}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     lines = [
         "# Old log-probs from the sampler vs recomputed",
         "",
         f"Produced by `python experiments/inference_logprobs.py --noise {args.noise:g}` on "
         f"{platform.machine()}, {torch.get_num_threads()} torch threads, float32; "
-        f"this invocation {seconds / 60:.1f} min (finished runs are reused; a first run with "
-        f"the cold start of `{args.cold_start}` took 4 min 27 s). "
+        f"the {len(rows)} runs {run_seconds / 60:.1f} min together (first to last record of "
+        f"each), this invocation {seconds / 60:.1f} min (finished runs are reused; the cold "
+        f"start is `{args.cold_start}`'s when present). "
         "One seed per run, the demo's task and budget (200 GSPO/GRPO steps, 4 minibatches "
         "per rollout batch of 16 prompts x 8). *Noise*: Gaussian noise of that sd on the "
         "sampler's logits, so its probabilities (and, in sampler mode, pi_old) differ from "

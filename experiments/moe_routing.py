@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from gspo.compare import train_lines
 from gspo.config import load_config
 from gspo.telemetry import plot_runs
 from gspo.trainer import Trainer
@@ -111,10 +112,6 @@ def train_run(output_dir: Path, overrides: list[str]) -> tuple[list[dict[str, An
     start = time.perf_counter()
     records = Trainer(config, output_dir).fit()
     return records, time.perf_counter() - start
-
-
-def train_lines(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in records if "train/loss" in r]
 
 
 def mean(values: list[float]) -> float:
