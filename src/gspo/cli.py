@@ -2,6 +2,7 @@
 
     gspo train [--config FILE.yaml] [--output-dir DIR] [key.sub=value ...]
     gspo train --resume DIR [key.sub=value ...]
+    torchrun --nproc-per-node N -m gspo train ...           # data-parallel, FSDP2
     gspo compare [--config FILE.yaml] [--output-dir DIR] [--seeds 3] [--preset default|stress]
     gspo config [--config FILE.yaml] [key.sub=value ...]     # print the resolved config
 
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_train(args: argparse.Namespace) -> int:
     from gspo.config import load_config
+    from gspo.distributed import setup_distributed, teardown_distributed
     from gspo.trainer import CHECKPOINTS, Trainer, resume_config
 
     if args.resume is not None:
@@ -65,16 +67,24 @@ def run_train(args: argparse.Namespace) -> int:
     else:
         config = load_config(args.config, args.overrides)
         output_dir = args.output_dir
-        if (output_dir / CHECKPOINTS).exists():
-            if not args.overwrite:
-                raise ValueError(
-                    f"--output-dir {output_dir} already holds a run; "
-                    "use --resume to continue it or --overwrite to start over"
-                )
-            shutil.rmtree(output_dir)
-    trainer = Trainer(config, output_dir, resume=args.resume is not None)
-    trainer.fit()
-    print(f"run written to {output_dir}")
+        if (output_dir / CHECKPOINTS).exists() and not args.overwrite:
+            raise ValueError(
+                f"--output-dir {output_dir} already holds a run; "
+                "use --resume to continue it or --overwrite to start over"
+            )
+    # under torchrun: one process per rank, joined here (a no-op in a single process)
+    dist = setup_distributed(config.model.device)
+    try:
+        if args.resume is None and (output_dir / CHECKPOINTS).exists():
+            if dist.is_main:
+                shutil.rmtree(output_dir)
+            dist.barrier()
+        Trainer(config, output_dir, resume=args.resume is not None, dist=dist).fit()
+        dist.barrier()
+    finally:
+        teardown_distributed()
+    if dist.is_main:
+        print(f"run written to {output_dir}")
     return 0
 
 

@@ -187,6 +187,36 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+class CompletionLogprobs(torch.nn.Module):
+    """:func:`completion_logprobs` of ``model`` as a module: the training forward.
+
+    The trainer calls this module, not the HF model, for every log-prob it trains on, so
+    a wrapper around the whole computation (FSDP2's root unit under ``torchrun``) sees
+    the embeddings, the decoder and the LM head used inside one ``forward``.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        completion_ids: Tensor,
+        completion_mask: Tensor,
+        temperature: float = 1.0,
+    ) -> Tensor:
+        return completion_logprobs(
+            self.model,
+            prompt_ids,
+            prompt_mask,
+            completion_ids,
+            completion_mask,
+            temperature=temperature,
+        )
+
+
 #: Architectures whose logits are exactly ``lm_head(final hidden state)``: for these the
 #: vocabulary projection is done in chunks from the hidden states (no full logits tensor).
 PLAIN_LM_HEAD = frozenset(

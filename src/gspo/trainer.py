@@ -14,6 +14,7 @@ uninterrupted run would have done, with only the model and optimizer state to re
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import math
 import os
@@ -28,13 +29,24 @@ import torch
 
 from gspo.advantages import group_advantages
 from gspo.config import Config, dump_config, load_config
+from gspo.distributed import (
+    SHARDED,
+    Distributed,
+    Reduction,
+    as_float,
+    combine_metrics,
+    full_state_dict,
+    load_sharded,
+    rank_device,
+    save_sharded,
+    shard_policy,
+)
 from gspo.models import (
+    CompletionLogprobs,
     TinyModelSpec,
     build_char_tokenizer,
     build_tiny_model,
-    completion_logprobs,
     load_model,
-    resolve_device,
     resolve_dtype,
     save_pretrained_atomic,
 )
@@ -99,10 +111,13 @@ def load_task_data(config: Config) -> TaskData:
     return TaskData(train=train, eval=evaluation, sft=sft)
 
 
-def build_or_load_model(config: Config, output_dir: Path, device: torch.device):
+def build_or_load_model(
+    config: Config, output_dir: Path, device: torch.device, dist: Distributed | None = None
+):
     """``model.path``, or a built-in tiny model saved to ``output_dir/base_model`` first.
 
-    Both go through :func:`load_model`, so the built-in takes the user's code path.
+    Both go through :func:`load_model`, so the built-in takes the user's code path. Under
+    torchrun rank 0 builds and saves it and every rank loads the saved files.
     """
     if config.model.path is not None:
         return load_model(config.model.path, device=device, dtype=torch.float32)
@@ -117,9 +132,12 @@ def build_or_load_model(config: Config, output_dir: Path, device: torch.device):
         experts=m.experts,
         experts_per_token=m.experts_per_token,
     )
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_model(spec, tokenizer, seed=derive_seed(config.train.seed, "init"))
-    base = save_pretrained_atomic(model, tokenizer, output_dir / "base_model")
+    base, dist = output_dir / "base_model", dist or Distributed()
+    if dist.is_main:
+        tokenizer = build_char_tokenizer()
+        model = build_tiny_model(spec, tokenizer, seed=derive_seed(config.train.seed, "init"))
+        save_pretrained_atomic(model, tokenizer, base)
+    dist.barrier()
     return load_model(base, device=device, dtype=torch.float32)
 
 
@@ -140,14 +158,40 @@ class Scored:
 
 
 class Trainer:
-    """Holds the model, optimizer, engine and data of one run; :meth:`fit` runs it."""
+    """Holds the model, optimizer, engine and data of one run; :meth:`fit` runs it.
 
-    def __init__(self, config: Config, output_dir: str | Path, *, resume: bool = False):
+    ``dist`` is this process's rank under ``torchrun`` (:func:`gspo.distributed.
+    setup_distributed`); by default the single process, which runs exactly as it would
+    without any distributed code.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        output_dir: str | Path,
+        *,
+        resume: bool = False,
+        dist: Distributed | None = None,
+    ):
         self.config = config
+        self.dist = dist or Distributed()
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self.device = resolve_device(config.model.device)
+        self.device = rank_device(config.model.device, self.dist)
         self.compute_dtype = resolve_dtype(config.model.dtype, self.device)
+        # batch sizes are global: this rank's shares (one-line errors if they do not divide)
+        self.local_prompts = self.dist.shard(
+            config.rollout.prompts_per_batch, "rollout.prompts_per_batch"
+        )
+        self.local_sft_batch = self.dist.shard(
+            config.train.cold_start_batch_size, "train.cold_start_batch_size"
+        )
+        if self.local_prompts * config.rollout.group_size < config.algorithm.minibatches:
+            raise ValueError(
+                f"algorithm.minibatches={config.algorithm.minibatches} exceeds the "
+                f"{self.local_prompts * config.rollout.group_size} responses each of the "
+                f"{self.dist.world_size} ranks holds per rollout batch"
+            )
         self.data = load_task_data(config)
         if not self.data.train:
             raise ValueError("data.train: no training prompts")
@@ -164,8 +208,20 @@ class Trainer:
             )
             model_dir = checkpoint
         else:
-            self.model, self.tokenizer = build_or_load_model(config, self.output_dir, self.device)
+            self.model, self.tokenizer = build_or_load_model(
+                config, self.output_dir, self.device, self.dist
+            )
             model_dir = Path(config.model.path or self.output_dir / "base_model")
+        # The training forward; under torchrun, FSDP2's root unit. `unsharded` holds the
+        # policy's whole weights as a plain HF module: the policy itself in one process, a
+        # replica (refreshed from the shards, see refresh_unsharded) under FSDP. Rollout
+        # engines sample from it and checkpoints export it.
+        self.policy = CompletionLogprobs(self.model)
+        self.unsharded = self.model
+        if self.dist.enabled:
+            self.unsharded = copy.deepcopy(self.model).requires_grad_(False)
+            shard_policy(self.policy, self.model, self.dist.world_size)
+        self.unsharded_version = 0
         self.routing_replay, self.measure_churn = moe_settings(config, self.model)
         # routing under pi_old is recorded whenever replay or the churn measurement needs it
         self.record_routing = self.routing_replay or self.measure_churn
@@ -175,7 +231,7 @@ class Trainer:
         self.weights_version = 0
         self.engine_version = 0
         self.optimizer = adamw(
-            self.model,
+            self.policy,
             lr=config.optim.lr,
             betas=config.optim.betas,
             weight_decay=config.optim.weight_decay,
@@ -187,10 +243,10 @@ class Trainer:
         self.cold_start_done = False
         self.reference: torch.nn.Module | None = None  # loaded on first use (KL penalty)
         if checkpoint is not None:
+            load_sharded(checkpoint / SHARDED, self.policy, self.optimizer)
             state = torch.load(
                 checkpoint / TRAINER_STATE, map_location=self.device, weights_only=True
             )
-            self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             self.step = int(state["step"])
             self.cold_start_done = True
@@ -205,19 +261,21 @@ class Trainer:
         )
         self.logger = MetricsLogger(
             self.output_dir,
+            enabled=self.dist.is_main,
             tensorboard=config.log.tensorboard,
             resume_step=self.step if checkpoint is not None else None,
             wandb=config.log.wandb,
             mlflow=config.log.mlflow,
         )
-        dump_config(config, self.output_dir / "config.yaml")
+        if self.dist.is_main:
+            dump_config(config, self.output_dir / "config.yaml")
 
     # ------------------------------------------------------------------ helpers
     def build_engine(self, model_dir: Path) -> RolloutEngine:
         """``rollout.engine``: the torch sampler, or vLLM started from ``model_dir``."""
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         if self.config.rollout.engine == "torch":
-            return TorchEngine(self.model, pad_token_id=pad, eos_token_id=eos)
+            return TorchEngine(self.unsharded, pad_token_id=pad, eos_token_id=eos)
         from gspo.vllm_engine import VLLMEngine
 
         v = self.config.rollout.vllm
@@ -239,9 +297,49 @@ class Trainer:
         if self.engine_version == self.weights_version:
             return 0.0
         start = time.perf_counter()
-        self.engine.sync_weights(self.model)
+        self.refresh_unsharded()
+        self.engine.sync_weights(self.unsharded)
         self.engine_version = self.weights_version
         return time.perf_counter() - start
+
+    def rank_seed(self, *tags: object) -> int:
+        """A seed for this rank's own randomness (its samples, its minibatch split).
+
+        In one process it is ``derive_seed(train.seed, *tags)``, as it always was; each
+        rank of a torchrun run adds its rank, so ranks draw different samples.
+        """
+        rank = (("rank", self.dist.rank),) if self.dist.enabled else ()
+        return derive_seed(self.config.train.seed, *tags, *rank)
+
+    def backward(self, loss: torch.Tensor, local_count: float) -> None:
+        """``loss.backward()`` for a mean over ``local_count`` items of this rank's share.
+
+        Under torchrun the loss is scaled (:meth:`Distributed.mean_scale`) so that FSDP's
+        average over ranks is the gradient of the mean over the whole global batch.
+        """
+        if self.dist.enabled:
+            loss = loss * self.dist.mean_scale(local_count)
+        loss.backward()
+
+    def refresh_unsharded(self) -> None:
+        """Bring :attr:`unsharded` up to the policy's weights (FSDP: gathered from the shards).
+
+        A collective under torchrun: every rank calls it at the same point of the loop.
+        """
+        if self.unsharded_version == self.weights_version:
+            return
+        if self.unsharded is not self.model:
+            self.unsharded.load_state_dict(full_state_dict(self.model, self.dist))
+        self.unsharded_version = self.weights_version
+
+    def combine(self, metrics: dict[str, float]) -> dict[str, float]:
+        """This rank's metrics combined with every other rank's (the identity in one process)."""
+        if not self.dist.enabled:
+            return metrics
+        level = self.config.algorithm.level
+        return combine_metrics(
+            self.dist.gather_objects(metrics), lambda key: metric_reduction(key, level)
+        )
 
     def generate(
         self, prompts: list[list[int]], *, n: int, params: SamplingParams, seed: int
@@ -264,9 +362,9 @@ class Trainer:
 
     def logprobs(self, batch: RolloutBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
         """Completion log-probs of ``batch`` under ``model`` (the policy by default)."""
+        forward = self.policy if model is None else CompletionLogprobs(model)
         with self.autocast():
-            return completion_logprobs(
-                model if model is not None else self.model,
+            return forward(
                 batch.prompt_ids,
                 batch.prompt_mask,
                 batch.completion_ids,
@@ -309,8 +407,8 @@ class Trainer:
         cfg, rows = self.config.train, self.data.sft
         if cfg.cold_start_steps == 0 or not rows:
             return
-        rng = random.Random(derive_seed(cfg.seed, "sft"))
-        optimizer = adamw(self.model, lr=cfg.cold_start_lr, betas=(0.9, 0.99))
+        rng = random.Random(self.rank_seed("sft"))
+        optimizer = adamw(self.policy, lr=cfg.cold_start_lr, betas=(0.9, 0.99))
         eos = self.tokenizer.eos_token_id
         encoded = [
             (
@@ -319,51 +417,53 @@ class Trainer:
             )
             for r in rows
         ]
-        self.model.train()
+        self.policy.train()
         start = time.perf_counter()
         for i in range(cfg.cold_start_steps):
             # cosine decay to 10% keeps the end of SFT from bouncing around
             lr = cfg.cold_start_lr * (0.55 + 0.45 * math.cos(math.pi * i / cfg.cold_start_steps))
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            picked = [
-                encoded[rng.randrange(len(encoded))] for _ in range(cfg.cold_start_batch_size)
-            ]
+            picked = [encoded[rng.randrange(len(encoded))] for _ in range(self.local_sft_batch)]
             pad = self.tokenizer.pad_token_id
             prompt_ids, prompt_mask = pad_batch([p for p, _ in picked], pad, self.device)
             completion_ids, completion_mask = pad_batch(
                 [c for _, c in picked], pad, self.device, side="right"
             )
             with self.autocast():
-                lp = completion_logprobs(
-                    self.model, prompt_ids, prompt_mask, completion_ids, completion_mask
-                )
+                lp = self.policy(prompt_ids, prompt_mask, completion_ids, completion_mask)
             loss = -lp[completion_mask.bool()].mean()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.backward(loss, completion_mask.sum().item())
+            torch.nn.utils.clip_grad_norm_(self.policy.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             self.weights_version += 1
             if (i + 1) % 100 == 0 or i + 1 == cfg.cold_start_steps:
-                self.logger.log(
-                    0,
+                line = self.combine(
                     {
                         "sft/step": i + 1,
                         "sft/loss": loss.item(),
+                        "sft/tokens": float(completion_mask.sum().item()),
                         "time/sft": time.perf_counter() - start,
-                    },
+                    }
                 )
-                if self.config.log.progress:
+                self.logger.log(0, line)
+                if self.config.log.progress and self.dist.is_main:
                     print(
-                        f"cold start {i + 1}/{cfg.cold_start_steps} | sft loss {loss.item():.4f}"
-                        f" | {time.perf_counter() - start:.0f}s",
+                        f"cold start {i + 1}/{cfg.cold_start_steps} | "
+                        f"sft loss {line['sft/loss']:.4f} | {line['time/sft']:.0f}s",
                         flush=True,
                     )
         self.cold_start_done = True
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Held-out pass@1: mean success over ``eval.samples`` samples, plus greedy."""
+        """Held-out pass@1: mean success over ``eval.samples`` samples, plus greedy.
+
+        The prompts go in chunks, each sampled with a seed of its own; under torchrun the
+        ranks share the chunks out and gather the results, so N ranks measure exactly
+        what one process would.
+        """
         cfg = self.config.eval
         rows = self.data.eval[: cfg.max_prompts]
         ids = self.eval_prompt_ids[: cfg.max_prompts]
@@ -379,14 +479,19 @@ class Trainer:
                 ("_greedy", 1, SamplingParams(self.sampling.max_new_tokens, temperature=0.0))
             )
         start = time.perf_counter()
+        self.sync_engine()  # a collective under torchrun: before the ranks' chunks diverge
+        starts = range(0, len(rows), chunk)
         for suffix, n, params in modes:
-            rewards, lengths = [], []
-            for c in range(0, len(rows), chunk):
+            mine = []
+            for c in starts[self.dist.rank :: self.dist.world_size]:
                 seed = derive_seed(self.config.train.seed, "eval", self.step, suffix, c)
                 batch, _ = self.generate(ids[c : c + chunk], n=n, params=params, seed=seed)
                 scored = self.score(rows[c : c + chunk], batch)
-                rewards.append(scored.rewards)
-                lengths.append(batch.completion_lengths.float().cpu())
+                mine.append((c, scored.rewards, batch.completion_lengths.float().cpu()))
+            every_rank = self.dist.gather_objects(mine)
+            done = sorted((part for parts in every_rank for part in parts), key=lambda p: p[0])
+            rewards = [r for _, r, _ in done]
+            lengths = [length for _, _, length in done]
             r = torch.cat(rewards)
             metrics[f"eval/accuracy{suffix}"] = (r >= cfg.success_threshold).float().mean().item()
             metrics[f"eval/reward_mean{suffix}"] = r.mean().item()
@@ -399,14 +504,18 @@ class Trainer:
         cfg = self.config
         timer = time.perf_counter
         t0 = timer()
-        rows_idx = self.prompts_for_batch(rollout_index)
+        # this rank's share of the rollout batch's prompts (all of them in one process)
+        share = self.local_prompts
+        rows_idx = self.prompts_for_batch(rollout_index)[
+            self.dist.rank * share : (self.dist.rank + 1) * share
+        ]
         rows = [self.data.train[i] for i in rows_idx]
         batch, t_sync = self.generate(
             [self.train_prompt_ids[i] for i in rows_idx],
             n=cfg.rollout.group_size,
             # evaluation samples without the testing-only logit noise; rollouts with it
             params=replace(self.sampling, logit_noise=cfg.rollout.logit_noise),
-            seed=derive_seed(cfg.train.seed, "rollout", rollout_index),
+            seed=self.rank_seed("rollout", rollout_index),
         )
         t_generate = timer() - t0
 
@@ -420,9 +529,7 @@ class Trainer:
         t2 = timer()
         order = torch.randperm(
             len(batch),
-            generator=torch.Generator().manual_seed(
-                derive_seed(cfg.train.seed, "minibatch", rollout_index)
-            ),
+            generator=torch.Generator().manual_seed(self.rank_seed("minibatch", rollout_index)),
         )
         minibatches = [rows.to(self.device) for rows in order.chunk(cfg.algorithm.minibatches)]
         old_logprobs = batch.sampler_logprobs
@@ -438,52 +545,27 @@ class Trainer:
             old_logprobs = recomputed
         t_old = timer() - t2
 
-        rollout_metrics = self.rollout_metrics(scored, advantages)
-        rollout_metrics.update(
-            {
-                "time/generate": t_generate - t_sync,
-                "time/weight_sync": t_sync,
-                "time/reward": t_reward,
-                "time/old_logprobs": t_old,
-            }
-        )
+        local = {
+            "time/generate": t_generate - t_sync,
+            "time/weight_sync": t_sync,
+            "time/reward": t_reward,
+            "time/old_logprobs": t_old,
+        }
         if recomputed is not None:
-            rollout_metrics.update(
+            local.update(
                 logprob_mismatch(batch.sampler_logprobs, recomputed, batch.completion_mask)
             )
+        # over all ranks: rewards and lengths gathered, times and mismatch combined
+        rollout_metrics = {**self.rollout_metrics(scored, advantages), **self.combine(local)}
 
         lines = []
-        self.model.train()
+        self.policy.train()
         for k, rows_mb in enumerate(minibatches):
             t3 = timer()
             mb = batch.select(rows_mb)
             lp = self.policy_logprobs(mb, old_routing, k)
             olp = old_logprobs[rows_mb][:, : lp.shape[1]]
-            out = policy_loss(
-                lp,
-                olp,
-                advantages[rows_mb],
-                mb.completion_mask,
-                level=cfg.algorithm.level,
-                clip_low=cfg.algorithm.clip_low,
-                clip_high=cfg.algorithm.clip_high,
-                kl_coef=cfg.algorithm.kl_coef,
-                ref_logprobs=self.reference_logprobs(mb),
-            )
-            out.loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                self.model.parameters(),
-                cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"),
-            )
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.step += 1
-            self.weights_version += 1
-            line = {f"train/{key}": value for key, value in out.metrics.items()}
-            line["train/loss"] = out.loss.item()
-            line["train/grad_norm"] = grad_norm.item()
-            line["train/lr"] = self.scheduler.get_last_lr()[0]
+            line = self.policy_update(mb, lp, olp, advantages[rows_mb])
             line["train/minibatch"] = k
             line["train/rollout"] = rollout_index
             if k == 0 and recomputed is None:
@@ -494,15 +576,60 @@ class Trainer:
                 t4 = timer()
                 line.update(self.expert_churn(mb, old_routing[k]))
                 line["time/moe_churn"] = timer() - t4
+            every = cfg.log.ratio_dump_every
+            dump = k == len(minibatches) - 1 and every and rollout_index % every == 0
+            if dump and self.dist.is_main:  # under torchrun: rank 0's share of the minibatch
+                self.dump_ratios(rollout_index, lp.detach(), olp, mb.completion_mask)
+            line = self.combine(line)
             line.update(rollout_metrics)
             lines.append((self.step, line))
-            every = cfg.log.ratio_dump_every
-            if k == len(minibatches) - 1 and every and rollout_index % every == 0:
-                self.dump_ratios(rollout_index, lp.detach(), olp, mb.completion_mask)
         step_time = timer() - t0
         for _, line in lines:
             line["time/step"] = step_time / len(lines)
         return lines
+
+    def policy_update(
+        self,
+        mb: RolloutBatch,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+    ) -> dict[str, float]:
+        """One optimizer step on minibatch ``mb`` (this rank's share of it); its metrics.
+
+        ``logprobs`` ``[n, T]`` under pi_theta (with gradient), ``old_logprobs`` ``[n, T]``,
+        ``advantages`` ``[n]``. The loss is :func:`policy_loss`; its backward is scaled so
+        that N ranks holding a share each take the step one process with the whole
+        minibatch would. Metrics are this rank's (see :meth:`combine`) but the gradient
+        norm, which is the global one.
+        """
+        cfg = self.config
+        out = policy_loss(
+            logprobs,
+            old_logprobs,
+            advantages,
+            mb.completion_mask,
+            level=cfg.algorithm.level,
+            clip_low=cfg.algorithm.clip_low,
+            clip_high=cfg.algorithm.clip_high,
+            kl_coef=cfg.algorithm.kl_coef,
+            ref_logprobs=self.reference_logprobs(mb),
+        )
+        self.backward(out.loss, out.metrics["sequences"])
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.policy.parameters(),
+            cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"),
+        )
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.weights_version += 1
+        line = {f"train/{key}": value for key, value in out.metrics.items()}
+        line["train/loss"] = out.loss.item()
+        line["train/grad_norm"] = as_float(grad_norm)
+        line["train/lr"] = self.scheduler.get_last_lr()[0]
+        return line
 
     def dump_ratios(
         self, rollout_index: int, logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask
@@ -619,11 +746,27 @@ class Trainer:
             return self.logprobs(batch, self.reference)
 
     def rollout_metrics(self, scored: Scored, advantages: torch.Tensor) -> dict[str, float]:
-        batch, rewards = scored.batch, scored.rewards
-        g = batch.group_size
-        lengths = batch.completion_lengths.float().cpu()
+        """Rewards, advantages and lengths of the rollout batch, over every rank's share.
+
+        The per-response values are gathered (groups stay whole and contiguous), so the
+        figures are those of the whole rollout batch, standard deviation included.
+        """
+        batch = scored.batch
+        mine = (
+            scored.rewards.cpu(),
+            advantages.cpu(),
+            batch.completion_lengths.float().cpu(),
+            batch.finish_reasons,
+            scored.per_function,
+        )
+        parts = self.dist.gather_objects(mine)
+        rewards = torch.cat([p[0] for p in parts])
+        advantages = torch.cat([p[1] for p in parts])
+        lengths = torch.cat([p[2] for p in parts])
+        finish_reasons = [r for p in parts for r in p[3]]
+        per_function = {name: [v for p in parts for v in p[4][name]] for name in parts[0][4]}
         # group_advantages zeroes exactly the groups whose rewards are all equal
-        constant_groups = (advantages.view(-1, g) == 0).all(dim=1)
+        constant_groups = (advantages.view(-1, batch.group_size) == 0).all(dim=1)
         metrics = {
             "train/reward_mean": rewards.mean().item(),
             "train/reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
@@ -631,12 +774,12 @@ class Trainer:
             "train/advantage_abs_mean": advantages.abs().mean().item(),
             "train/response_length_mean": lengths.mean().item(),
             "train/response_length_max": lengths.max().item(),
-            "train/truncated_fraction": sum(r == "length" for r in batch.finish_reasons)
-            / len(batch),
+            "train/truncated_fraction": sum(r == "length" for r in finish_reasons)
+            / len(finish_reasons),
         }
-        for name, values in scored.per_function.items():
+        for name, values in per_function.items():
             numbers = [v for v in values if v is not None]
-            if len(scored.per_function) > 1 and numbers:
+            if len(per_function) > 1 and numbers:
                 metrics[f"train/reward/{name}"] = sum(numbers) / len(numbers)
         return metrics
 
@@ -650,7 +793,8 @@ class Trainer:
             self.logger.log(0, self.evaluate())
         total = cfg.train.max_steps
         start_batch = self.step // cfg.algorithm.minibatches
-        with TrainingProgress(total, enabled=cfg.log.progress, start_step=self.step) as progress:
+        show = cfg.log.progress and self.dist.is_main
+        with TrainingProgress(total, enabled=show, start_step=self.step) as progress:
             for rollout_index in range(start_batch, cfg.rollout_batches):
                 before = self.step
                 for step, line in self.rl_step(rollout_index):
@@ -664,6 +808,8 @@ class Trainer:
                 if crossed(before, self.step, cfg.train.save_every) or last:
                     self.save_checkpoint()
         self.logger.close()
+        if not self.dist.is_main:
+            return []
         records = read_metrics(self.output_dir / "metrics.jsonl")
         if cfg.log.plots:
             plot_metrics(self.output_dir / "metrics.jsonl", self.output_dir / "plots")
@@ -671,25 +817,39 @@ class Trainer:
         return records
 
     def save_checkpoint(self) -> Path:
-        """``checkpoints/step-NNNNNNN``: HF model + tokenizer + trainer state, atomically."""
+        """``checkpoints/step-NNNNNNN``, atomically: a reader sees all of it or none.
+
+        Inside: the whole model in HF format with its tokenizer (``load_model`` and
+        serving read it; rank 0 writes it from the gathered weights), ``sharded/``
+        (model and optimizer state by ``torch.distributed.checkpoint``, each rank its
+        shards; loadable by any number of ranks) and ``trainer_state.pt`` (step,
+        scheduler). Every rank calls this at the same step.
+        """
         root = self.output_dir / CHECKPOINTS
-        root.mkdir(exist_ok=True)
-        state = {
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "step": self.step,
-        }
-        final = save_pretrained_atomic(
-            self.model,
-            self.tokenizer,
-            root / f"step-{self.step:07d}",
-            also=lambda tmp: torch.save(state, tmp / TRAINER_STATE),
-        )
-        write_atomic(root / LATEST, final.name)
-        # step 0 (the cold-start model) stays: it is the KL reference and the RL starting point
-        older = sorted(p for p in root.glob("step-*") if p.name != f"step-{0:07d}")
-        for stale in older[: -self.config.train.keep_checkpoints]:
-            shutil.rmtree(stale)
+        final = root / f"step-{self.step:07d}"
+        sharded = root / f".{final.name}.sharded.tmp"
+        if self.dist.is_main:
+            root.mkdir(exist_ok=True)
+            if sharded.exists():
+                shutil.rmtree(sharded)
+        self.dist.barrier()
+        save_sharded(sharded, self.policy, self.optimizer)
+        self.refresh_unsharded()
+        self.dist.barrier()  # every rank's shards are on disk
+        if self.dist.is_main:
+            state = {"scheduler": self.scheduler.state_dict(), "step": self.step}
+
+            def complete(tmp: Path) -> None:
+                os.replace(sharded, tmp / SHARDED)
+                torch.save(state, tmp / TRAINER_STATE)
+
+            save_pretrained_atomic(self.unsharded, self.tokenizer, final, also=complete)
+            write_atomic(root / LATEST, final.name)
+            # step 0 (the cold-start model) stays: the KL reference and RL's starting point
+            older = sorted(p for p in root.glob("step-*") if p.name != f"step-{0:07d}")
+            for stale in older[: -self.config.train.keep_checkpoints]:
+                shutil.rmtree(stale)
+        self.dist.barrier()
         return final
 
 
@@ -723,6 +883,39 @@ def crossed(before: int, after: int, every: int) -> bool:
     return every > 0 and after // every > before // every
 
 
+#: How each logged metric combines across ranks (:func:`gspo.distributed.combine_metrics`):
+#: counts add up, extremes and times take the extreme (a step lasts as long as its slowest
+#: rank), fractions and means are weighted by the tokens or responses behind them.
+SUMMED = frozenset({"train/tokens", "train/sequences", "mismatch/tokens", "mismatch/sequences"})
+TOKEN_WEIGHTED = frozenset(
+    {"train/clip_fraction", "train/clip_fraction_low", "train/clip_fraction_high"}
+)
+SEQUENCE_WEIGHTED = frozenset(
+    {"train/objective", "train/kl", "train/loss", "train/clip_fraction_sequences"}
+)
+
+
+def metric_reduction(key: str, level: str) -> tuple[Reduction, str | None]:
+    """``(reduction, weight key)`` of a logged metric for :func:`combine_metrics`."""
+    if key in SUMMED:
+        return "sum", None
+    if key == "train/ratio_min":
+        return "min", None
+    if key in ("train/ratio_max", "mismatch/token_abs_max") or key.startswith("time/"):
+        return "max", None
+    if key in TOKEN_WEIGHTED or (key == "train/ratio_mean" and level == "token"):
+        return "mean", "train/tokens"
+    if key in SEQUENCE_WEIGHTED or key == "train/ratio_mean":
+        return "mean", "train/sequences"
+    if key == "mismatch/token_abs_mean":
+        return "mean", "mismatch/tokens"
+    if key == "mismatch/sequence_mean_delta_abs_mean":
+        return "mean", "mismatch/sequences"
+    if key == "sft/loss":
+        return "mean", "sft/tokens"
+    return "mean", None
+
+
 def logprob_mismatch(
     sampler: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor
 ) -> dict[str, float]:
@@ -737,6 +930,8 @@ def logprob_mismatch(
         "mismatch/token_abs_mean": token_abs.mean().item(),
         "mismatch/token_abs_max": token_abs.max().item(),
         "mismatch/sequence_mean_delta_abs_mean": sequence_delta.abs().mean().item(),
+        "mismatch/tokens": float(token_abs.numel()),
+        "mismatch/sequences": float(sequence_delta.numel()),
     }
 
 

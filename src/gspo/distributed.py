@@ -1,0 +1,254 @@
+"""Data-parallel runs under ``torchrun``: process group, FSDP2 sharding, reductions, checkpoints.
+
+One process per device. Each rank samples its share of a rollout batch's prompts with its
+own rollout engine, scores them and computes group advantages locally (a group never
+spans ranks), and trains on its share; the policy is sharded with FSDP2
+(``fully_shard``): parameters, gradients and optimizer state are split across ranks.
+
+Without ``torchrun`` (``WORLD_SIZE`` unset or 1) :class:`Distributed` is the single
+process: every function here is then a no-op or the identity, so the single-process path
+runs exactly the code and the arithmetic it always has.
+
+Rules that make N ranks equal to one process with the whole batch:
+
+- batch sizes in the config are global (per optimizer step); a rank takes ``1/N`` of the
+  prompts of every rollout batch and of every minibatch;
+- a loss that is a mean over responses (or tokens) is multiplied by
+  :meth:`Distributed.mean_scale` so that FSDP's gradient average over ranks is the
+  gradient of the mean over the whole batch;
+- metrics are combined with :func:`combine_metrics` (weighted by the token or response
+  counts behind them) before rank 0 logs them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from gspo.models import resolve_device
+
+Reduction = Literal["sum", "min", "max", "mean"]
+
+
+@dataclass(frozen=True)
+class Distributed:
+    """This process's place in the run: ``rank`` of ``world_size`` (1 = no torchrun)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 writes metrics, plots, checkpoints' HF export and the progress bar."""
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.enabled:
+            torch.distributed.barrier()
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank, in rank order (``[obj]`` in a single process)."""
+        if not self.enabled:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    def mean_scale(self, local_count: float) -> float:
+        """Factor for a rank's mean-over-``local_count`` loss so ranks average to the global mean.
+
+        FSDP averages gradients over ranks, so rank r's loss ``sum_r / n_r`` is multiplied
+        by ``N * n_r / n`` (``n`` the count over all ranks): the average of the scaled
+        losses is ``sum / n``, the loss of one process holding the whole batch. A rank
+        with nothing counted gets 0 (its loss is already 0 and has no gradient).
+        """
+        if not self.enabled:
+            return 1.0
+        total = torch.tensor([float(local_count)], dtype=torch.float64, device=self.device())
+        torch.distributed.all_reduce(total)
+        return self.world_size * float(local_count) / max(total.item(), 1.0)
+
+    def device(self) -> torch.device:
+        """The device collectives run on (CUDA under NCCL, CPU under gloo)."""
+        if torch.distributed.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def shard(self, sizes: int, what: str) -> int:
+        """This rank's share of a global batch size; a one-line error if it does not divide."""
+        if sizes % self.world_size:
+            raise ValueError(
+                f"{what}={sizes} is not divisible by the {self.world_size} ranks "
+                "(torchrun --nproc-per-node): batch sizes are global, split evenly"
+            )
+        return sizes // self.world_size
+
+
+def setup_distributed(device: str = "auto") -> Distributed:
+    """Join the ``torchrun`` process group if there is one.
+
+    ``WORLD_SIZE``/``RANK``/``LOCAL_RANK`` come from ``torchrun``. On CUDA each rank takes
+    GPU ``LOCAL_RANK`` and the backend is NCCL; on CPU it is gloo. A single process
+    (``WORLD_SIZE`` unset or 1) starts no process group.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Distributed()
+    dist = Distributed(
+        rank=int(os.environ["RANK"]),
+        world_size=world,
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+    )
+    resolved = rank_device(device, dist)
+    if resolved.type == "cuda":
+        torch.cuda.set_device(resolved)
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if resolved.type == "cuda" else "gloo")
+    return dist
+
+
+def rank_device(device: str, dist: Distributed) -> torch.device:
+    """``model.device`` for this rank: under torchrun, CUDA means GPU ``LOCAL_RANK``."""
+    resolved = resolve_device(device)
+    if dist.enabled and resolved.type == "cuda" and resolved.index is None:
+        return torch.device("cuda", dist.local_rank)
+    return resolved
+
+
+def teardown_distributed() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of a HF model (its ``_no_split_modules`` classes).
+
+    These are the FSDP units: each block's parameters are gathered just before it runs
+    and freed after, so at most one block is whole at a time.
+    """
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(
+            f"cannot shard {type(model).__name__}: it names no transformer block classes "
+            "(_no_split_modules)"
+        )
+    return blocks
+
+
+def shard_policy(root: torch.nn.Module, model: torch.nn.Module, world_size: int) -> None:
+    """FSDP2: every transformer block of ``model`` its own unit, the rest under ``root``.
+
+    ``root`` is the module whose ``forward`` the trainer calls (it holds ``model``), so
+    FSDP's root hooks gather the embeddings, final norm and LM head around every forward
+    and reduce-scatter their gradients in backward.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device_type = next(model.parameters()).device.type
+    mesh = init_device_mesh(device_type, (world_size,))
+    for block in decoder_blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(root, mesh=mesh)
+
+
+def full_state_dict(model: torch.nn.Module, dist: Distributed) -> dict[str, torch.Tensor]:
+    """The whole (unsharded) weights of ``model`` on every rank: a collective under FSDP."""
+    if not dist.enabled:
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def as_float(value: Any) -> float:
+    """A scalar tensor (a DTensor under FSDP, e.g. a gradient norm) as a Python float."""
+    if hasattr(value, "full_tensor"):
+        value = value.full_tensor()
+    return float(value)
+
+
+# ---------------------------------------------------------------- sharded checkpoints
+#: Subdirectory of a checkpoint holding the sharded model and optimizer state (DCP).
+SHARDED = "sharded"
+
+
+def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Model and optimizer state with ``torch.distributed.checkpoint``: each rank its shards.
+
+    Called by every rank (a single process writes everything). The files can be loaded
+    by any number of ranks (:func:`load_sharded` reshards).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save(
+        {"model": model_state, "optimizer": optim_state},
+        checkpoint_id=path,
+        no_dist=not torch.distributed.is_initialized(),
+    )
+
+
+def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load :func:`save_sharded`'s files into ``model`` and ``optimizer``, whatever the ranks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=path, no_dist=not torch.distributed.is_initialized())
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+    )
+
+
+# ---------------------------------------------------------------- metrics across ranks
+def combine_metrics(
+    per_rank: Sequence[Mapping[str, float]],
+    rule: Callable[[str], tuple[Reduction, str | None]],
+) -> dict[str, float]:
+    """One metrics dict from every rank's, each key combined by ``rule(key)``.
+
+    ``rule`` returns ``(reduction, weight_key)``: ``"sum"``, ``"min"``, ``"max"``, or
+    ``"mean"`` weighted by the value of ``weight_key`` on each rank (``None``: equal
+    weights). A rank missing a key, or whose value is NaN with weight 0, is left out of it;
+    a key whose every weight is 0 keeps its plain mean (NaN stays NaN). Weights are read
+    before anything is combined, so a weight key may itself be summed.
+    """
+    keys = list(dict.fromkeys(k for metrics in per_rank for k in metrics))
+    out: dict[str, float] = {}
+    for key in keys:
+        how, weight_key = rule(key)
+        present = [m for m in per_rank if key in m]
+        values = [float(m[key]) for m in present]
+        if how == "sum":
+            out[key] = math.fsum(values)
+        elif how in ("min", "max"):
+            # a rank with nothing to measure reports NaN: it has no say in the extreme
+            finite = [v for v in values if not math.isnan(v)] or values
+            out[key] = min(finite) if how == "min" else max(finite)
+        else:
+            weights = [float(m.get(weight_key, 0.0)) if weight_key else 1.0 for m in present]
+            pairs = [(v, w) for v, w in zip(values, weights, strict=True) if w > 0]
+            total = math.fsum(w for _, w in pairs)
+            if total > 0:
+                out[key] = math.fsum(v * w for v, w in pairs) / total
+            else:
+                out[key] = math.fsum(values) / len(values)
+    return out

@@ -1,0 +1,103 @@
+"""One optimizer step on a fixed rollout batch, as one process or as a rank of torchrun.
+
+    python tests/distributed_worker.py OUT_DIR                            # whole batch
+    torchrun --standalone --nproc-per-node 2 tests/distributed_worker.py OUT_DIR
+
+Each rank takes its contiguous share of the batch's groups (as the trainer does) and
+takes the step through ``Trainer.policy_update``; rank 0 saves the combined metrics and
+the whole updated weights to ``OUT_DIR/<level>.pt`` for ``test_distributed.py`` to compare.
+The batch has responses of unequal lengths and two empty ones, all in rank 0's half, so
+the ranks hold different token and response counts: a wrong loss normalisation shows.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from gspo.advantages import group_advantages
+from gspo.config import load_config
+from gspo.distributed import full_state_dict, setup_distributed, teardown_distributed
+from gspo.rollout import RolloutBatch, pad_batch
+from gspo.trainer import Trainer
+
+GROUPS, GROUP_SIZE, LENGTH = 4, 4, 6
+CONFIG = [
+    "model.layers=2",
+    "model.hidden=64",
+    "model.heads=2",
+    "model.kv_heads=1",
+    "model.intermediate=128",
+    "data.eval_size=8",
+    "data.sft_size=8",
+    "train.cold_start_steps=0",
+    f"rollout.group_size={GROUP_SIZE}",
+    f"rollout.prompts_per_batch={GROUPS}",
+    "algorithm.minibatches=1",
+    "log.progress=false",
+    "log.plots=false",
+    "log.tensorboard=false",
+]
+#: level -> clip range wide enough that some responses (or tokens) clip and some do not
+LEVELS = {"sequence": (0.02, 0.02), "token": (0.2, 0.27)}
+
+
+def fixed_batch(trainer: Trainer) -> tuple[RolloutBatch, torch.Tensor]:
+    """The same rollout batch and advantages in every process (seeded, no sampling)."""
+    g = torch.Generator().manual_seed(1234)
+    n = GROUPS * GROUP_SIZE
+    prompts = [trainer.train_prompt_ids[i] for i in range(GROUPS) for _ in range(GROUP_SIZE)]
+    prompt_ids, prompt_mask = pad_batch(prompts, trainer.tokenizer.pad_token_id, trainer.device)
+    lengths = torch.randint(1, LENGTH + 1, (n,), generator=g)
+    lengths[[1, 5]] = 0  # two empty responses, both in rank 0's half
+    lengths[: n // 2] = torch.where(lengths[: n // 2] > 0, LENGTH, 0)  # rank 0: long ones
+    completion_ids = torch.randint(4, 30, (n, LENGTH), generator=g)
+    completion_mask = torch.arange(LENGTH).unsqueeze(0) < lengths.unsqueeze(1)
+    batch = RolloutBatch(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        sampler_logprobs=torch.zeros(n, LENGTH),
+        finish_reasons=["stop"] * n,
+        group_size=GROUP_SIZE,
+    )
+    with torch.no_grad():
+        exact = trainer.logprobs(batch)
+    # pi_old differs from pi_theta by a seeded perturbation, so ratios are not all 1
+    noise = 0.05 * torch.randn(n, LENGTH, generator=g)
+    batch.sampler_logprobs = torch.where(completion_mask, exact + noise, 0.0)
+    advantages = group_advantages(torch.rand(n, generator=g), GROUP_SIZE)
+    return batch, advantages
+
+
+def main(out: Path) -> None:
+    dist = setup_distributed()
+    try:
+        for level, (low, high) in LEVELS.items():
+            overrides = [
+                *CONFIG,
+                f"algorithm.level={level}",
+                f"algorithm.clip_low={low}",
+                f"algorithm.clip_high={high}",
+            ]
+            trainer = Trainer(load_config(None, overrides), out / f"run-{level}", dist=dist)
+            batch, advantages = fixed_batch(trainer)
+            share = len(batch) // dist.world_size
+            rows = torch.arange(dist.rank * share, (dist.rank + 1) * share)
+            mb = batch.select(rows)
+            logprobs = trainer.logprobs(mb)
+            old = batch.sampler_logprobs[rows][:, : logprobs.shape[1]]
+            metrics = trainer.combine(trainer.policy_update(mb, logprobs, old, advantages[rows]))
+            weights = full_state_dict(trainer.model, dist)
+            if dist.is_main:
+                torch.save({"metrics": metrics, "weights": weights}, out / f"{level}.pt")
+            dist.barrier()
+    finally:
+        teardown_distributed()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

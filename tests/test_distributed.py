@@ -1,0 +1,170 @@
+"""Data-parallel training: metric combination, sharding rules, and real 2-rank gloo runs."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gspo.cli import main
+from gspo.config import load_config
+from gspo.distributed import Distributed, combine_metrics, decoder_blocks
+from gspo.telemetry import read_metrics
+from gspo.trainer import SHARDED, Trainer, latest_checkpoint, metric_reduction
+
+HERE = Path(__file__).parent
+SMALL_RUN = [
+    "model.layers=1",
+    "model.hidden=64",
+    "model.heads=2",
+    "model.kv_heads=1",
+    "model.intermediate=128",
+    "data.eval_size=24",
+    "data.sft_size=200",
+    "train.cold_start_steps=20",
+    "train.cold_start_batch_size=16",
+    "rollout.group_size=4",
+    "rollout.prompts_per_batch=4",
+    "rollout.max_new_tokens=4",
+    "eval.samples=2",
+    "log.plots=false",
+    "log.tensorboard=false",
+]
+
+
+def by_level(key):
+    return metric_reduction(key, "sequence")
+
+
+def test_combine_weights_fractions_by_their_counts():
+    ranks = [
+        {"train/clip_fraction": 0.5, "train/tokens": 30.0, "train/sequences": 3.0},
+        {"train/clip_fraction": 0.0, "train/tokens": 10.0, "train/sequences": 5.0},
+    ]
+    out = combine_metrics(ranks, by_level)
+    assert out["train/clip_fraction"] == pytest.approx(15 / 40)  # token-weighted
+    assert out["train/tokens"] == 40.0 and out["train/sequences"] == 8.0
+
+
+def test_combine_extremes_ignore_a_rank_with_nothing_measured():
+    ranks = [
+        {"train/ratio_min": 0.9, "train/ratio_max": 1.2, "train/sequences": 4.0},
+        {"train/ratio_min": math.nan, "train/ratio_max": math.nan, "train/sequences": 0.0},
+        {"train/ratio_min": 0.7, "train/ratio_max": 1.1, "train/sequences": 2.0},
+    ]
+    out = combine_metrics(ranks, by_level)
+    assert out["train/ratio_min"] == 0.7 and out["train/ratio_max"] == 1.2
+
+
+def test_combine_weighted_mean_skips_zero_weight_nan_and_missing_keys():
+    ranks = [
+        {"train/ratio_mean": 1.1, "train/sequences": 3.0, "moe/x": 0.2, "time/step": 1.0},
+        {"train/ratio_mean": math.nan, "train/sequences": 0.0, "time/step": 3.0},
+        {"train/ratio_mean": 0.9, "train/sequences": 1.0, "moe/x": 0.4, "time/step": 2.0},
+    ]
+    out = combine_metrics(ranks, by_level)
+    assert out["train/ratio_mean"] == pytest.approx((3 * 1.1 + 0.9) / 4)
+    assert out["moe/x"] == pytest.approx(0.3)  # plain mean over the ranks that have it
+    assert out["time/step"] == 3.0  # a step lasts as long as its slowest rank
+
+
+def test_token_level_ratio_mean_is_token_weighted():
+    assert metric_reduction("train/ratio_mean", "token") == ("mean", "train/tokens")
+    assert metric_reduction("train/ratio_mean", "sequence") == ("mean", "train/sequences")
+    assert metric_reduction("train/loss", "token") == ("mean", "train/sequences")
+
+
+def test_single_process_combines_nothing():
+    single = Distributed()
+    assert not single.enabled and single.is_main
+    assert single.gather_objects({"a": 1}) == [{"a": 1}]
+    assert single.mean_scale(7) == 1.0
+
+
+def test_batch_sizes_must_divide_over_the_ranks(tmp_path):
+    config = load_config(None, SMALL_RUN)
+    with pytest.raises(ValueError, match=r"rollout\.prompts_per_batch=4 is not divisible by the 3"):
+        Trainer(config, tmp_path, dist=Distributed(rank=0, world_size=3))
+    too_many = load_config(None, [*SMALL_RUN, "algorithm.minibatches=16"])
+    with pytest.raises(ValueError, match="algorithm.minibatches=16 exceeds the 8 responses"):
+        Trainer(too_many, tmp_path, dist=Distributed(rank=0, world_size=2))
+
+
+def test_fsdp_units_are_the_transformer_blocks(tiny_model):
+    blocks = decoder_blocks(tiny_model)
+    assert len(blocks) == 2 and {type(b).__name__ for b in blocks} == {"Qwen3DecoderLayer"}
+    with pytest.raises(ValueError, match="cannot shard Linear"):
+        decoder_blocks(torch.nn.Linear(2, 2))
+
+
+def torchrun(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+@pytest.mark.slow
+def test_two_ranks_with_half_each_take_the_one_process_step(tmp_path):
+    """One optimizer step on a fixed batch: same loss, metrics and weights as one process."""
+    worker = str(HERE / "distributed_worker.py")
+    subprocess.run([sys.executable, worker, str(tmp_path / "one")], check=True, timeout=300)
+    torchrun(worker, str(tmp_path / "two"))
+    for level in ("sequence", "token"):
+        one = torch.load(tmp_path / "one" / f"{level}.pt", weights_only=True)
+        two = torch.load(tmp_path / "two" / f"{level}.pt", weights_only=True)
+        m1, m2 = one["metrics"], two["metrics"]
+        assert m2["train/tokens"] == m1["train/tokens"] and m2["train/sequences"] == 14
+        assert m2["train/loss"] == pytest.approx(m1["train/loss"], abs=1e-6)
+        assert m2["train/grad_norm"] == pytest.approx(m1["train/grad_norm"], rel=1e-5)
+        for key in ("clip_fraction", "clip_fraction_low", "clip_fraction_high", "ratio_mean"):
+            assert m2[f"train/{key}"] == pytest.approx(m1[f"train/{key}"], abs=1e-6), key
+        if level == "sequence":
+            assert 0 < m1["train/clip_fraction"] < 1  # the test batch clips some, not all
+        # Adam's first step moves every weight by up to lr = 1e-4; a wrong loss
+        # normalisation across ranks changes that direction (2e-4 apart when tried)
+        assert one["weights"].keys() == two["weights"].keys()
+        for name, weight in one["weights"].items():
+            torch.testing.assert_close(two["weights"][name], weight, rtol=0, atol=2e-6)
+
+
+@pytest.mark.slow
+def test_torchrun_run_logs_once_and_resumes_with_one_rank(tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    out = tmp_path / "run"
+    overrides = [*SMALL_RUN, "train.max_steps=8", "train.save_every=4", "eval.every=4"]
+    done = torchrun("-m", "gspo", "train", "--output-dir", str(out), *overrides)
+    assert done.stdout.count("run written to") == 1  # rank 0 alone prints
+    records = read_metrics(out / "metrics.jsonl")
+    steps = [r["step"] for r in records if "train/loss" in r]
+    assert steps == list(range(1, 9))  # one line per optimizer step, not one per rank
+    assert all(r["train/sequences"] == 4 for r in records if "train/loss" in r)  # 16 / 4
+    checkpoint = latest_checkpoint(out)
+    assert checkpoint is not None and checkpoint.name == "step-0000008"
+    assert (checkpoint / "model.safetensors").is_file()  # the HF export
+    assert len(list((checkpoint / SHARDED).glob("*.distcp"))) == 2  # one file per rank
+
+    # the sharded state, whole, as the two ranks saved it
+    dcp_to_torch_save(checkpoint / SHARDED, tmp_path / "whole.pt")
+    saved = torch.load(tmp_path / "whole.pt", weights_only=False)
+    resumed = Trainer(load_config(out / "config.yaml"), out, resume=True)
+    model_state, optim_state = get_state_dict(resumed.policy, resumed.optimizer)
+    for name, value in saved["model"].items():
+        torch.testing.assert_close(model_state[name], value, rtol=0, atol=0)
+    moments = [(n, s) for n, s in optim_state["state"].items()]
+    assert moments
+    for name, state in moments:
+        torch.testing.assert_close(state["exp_avg"], saved["optimizer"]["state"][name]["exp_avg"])
+    assert resumed.step == 8
+    resumed.logger.close()
+
+    assert main(["train", "--resume", str(out), "train.max_steps=12", "log.progress=false"]) == 0
+    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
+    assert steps == list(range(1, 13))
