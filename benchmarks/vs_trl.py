@@ -31,10 +31,14 @@ STEPS = 32
 ROLLOUT = 16 * 8
 
 
-def run_gspo(work: Path) -> tuple[float, Path]:
-    out = work / "gspo_run"
+def run_gspo(
+    work: Path, launcher: list[str] | None = None, name: str = "gspo_run"
+) -> tuple[float, Path]:
+    """gspo on the workload as a process of its own (``launcher``: e.g. torchrun's argv)."""
+    out = work / name
     command = [
-        sys.executable, "-m", "gspo", "train", "--overwrite", "--output-dir", str(out),
+        *(launcher or [sys.executable]), "-m", "gspo", "train", "--overwrite",
+        "--output-dir", str(out),
         f"model.path={work / 'model'}",
         f"data.train={work / 'train.jsonl'}",
         f"reward.functions=[{HERE / 'workload.py'}:dense]",
