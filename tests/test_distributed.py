@@ -168,3 +168,33 @@ def test_torchrun_run_logs_once_and_resumes_with_one_rank(tmp_path):
     assert main(["train", "--resume", str(out), "train.max_steps=12", "log.progress=false"]) == 0
     steps = [r["step"] for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
     assert steps == list(range(1, 13))
+
+
+def test_sharded_checkpoint_of_a_fresh_optimizer_leaves_it_fresh(tmp_path, tiny_model):
+    """No state is written for an optimizer that has not stepped, and none is made up.
+
+    Asking DCP for a fresh optimizer's state initialises it with a zero-lr step, which
+    Adam counts: the first real step would then get step 2's bias correction.
+    """
+    from gspo.distributed import load_sharded, save_sharded
+    from gspo.models import CompletionLogprobs
+
+    policy = CompletionLogprobs(tiny_model)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    save_sharded(tmp_path / "fresh", policy, optimizer)
+    assert not optimizer.state
+    load_sharded(tmp_path / "fresh", policy, optimizer)
+    assert not optimizer.state
+
+    for p in policy.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    save_sharded(tmp_path / "stepped", policy, optimizer)
+    expected = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    other = CompletionLogprobs(type(tiny_model)(tiny_model.config))
+    other_optimizer = torch.optim.AdamW(other.parameters(), lr=1e-3)
+    load_sharded(tmp_path / "stepped", other, other_optimizer)
+    for name, p in other.named_parameters():
+        torch.testing.assert_close(p, expected[name], rtol=0, atol=0)
+    steps = {float(s["step"]) for s in other_optimizer.state.values()}
+    assert steps == {1.0}  # the saved step, not an extra initialising one

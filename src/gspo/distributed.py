@@ -22,9 +22,11 @@ Rules that make N ranks equal to one process with the whole batch:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -185,37 +187,58 @@ def as_float(value: Any) -> float:
 SHARDED = "sharded"
 
 
+@contextlib.contextmanager
+def single_process_quiet() -> Iterator[None]:
+    """DCP warns on every call made without a process group; one process is meant here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Model and optimizer state with ``torch.distributed.checkpoint``: each rank its shards.
 
     Called by every rank (a single process writes everything). The files can be loaded
-    by any number of ranks (:func:`load_sharded` reshards).
+    by any number of ranks (:func:`load_sharded` reshards). An optimizer that has not
+    stepped yet has no state and none is written: asking ``get_state_dict`` for it would
+    initialise it with a zero-learning-rate step, which counts as Adam's first step and
+    changes the bias correction of the real one.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save(
-        {"model": model_state, "optimizer": optim_state},
-        checkpoint_id=path,
-        no_dist=not torch.distributed.is_initialized(),
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
     )
+
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer.state:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    with single_process_quiet():
+        dcp.save(state, checkpoint_id=path, no_dist=not torch.distributed.is_initialized())
 
 
 def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Load :func:`save_sharded`'s files into ``model`` and ``optimizer``, whatever the ranks."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    """Load :func:`save_sharded`'s files into ``model`` and ``optimizer``, whatever the ranks.
 
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=path, no_dist=not torch.distributed.is_initialized())
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optimizer"],
+    The optimizer is left as it is (fresh) when the checkpoint holds no optimizer state.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
     )
+
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if any(key.startswith("optimizer.") for key in saved):
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    with single_process_quiet():
+        dcp.load(state, checkpoint_id=path, no_dist=not torch.distributed.is_initialized())
+    set_model_state_dict(model, state["model"])
+    if "optimizer" in state:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
 # ---------------------------------------------------------------- metrics across ranks
