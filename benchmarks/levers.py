@@ -10,6 +10,10 @@ drift in this machine's speed hits all of them alike; figures are medians in ms.
   everything into a single row, as a 4096-token budget did.
 - drop: one rollout batch (16 prompts x 8, 32 new tokens) against the share of finished
   rows at which they leave the batch and KV cache (``gspo.rollout.DROP_FRACTION``).
+- prefill: one rollout batch (16 prompts x 8, 32 new tokens), each prompt run once and
+  its KV cache copied to its 8 responses (``TorchEngine``) vs run once per response (the
+  same 128 prompts as distinct prompts, n=1: the same samples), for the workload's
+  6-token prompts and for the same problems behind 250 tokens of worked examples.
 - adamw: gradient clipping + one AdamW step, per-tensor loop vs foreach vs fused.
 - decode: one decoding step (KV cache, one new token per row) against the batch size;
   the intercept is the per-call overhead of the transformers forward.
@@ -123,6 +127,34 @@ def main() -> None:
         interleaved({k: generate(v) for k, v in fractions.items()}, args.reps),
     )
     rollout.DROP_FRACTION = default
+
+    # prefill: shared per prompt vs once per response, short and long prompts
+    preamble = encode_prompt("12+34=46 " * 28, tokenizer)[:250]  # the charset: digits, +, =
+    long_prompts = [preamble + p for p in prompts]
+
+    def sample(prompt_ids: list[list[int]], shared: bool) -> Callable[[], object]:
+        each = [p for p in prompt_ids for _ in range(8)]
+
+        def run() -> None:
+            if shared:
+                engine.generate(prompt_ids, n=8, params=params, seed=3)
+            else:
+                engine.generate(each, n=1, params=params, seed=3)
+
+        return run
+
+    table(
+        "prefill: one rollout batch (128 completions, up to 32 tokens), prompt prefill",
+        interleaved(
+            {
+                "6-token prompts, once per prompt": sample(prompts, True),
+                "6-token prompts, once per response": sample(prompts, False),
+                "256-token prompts, once per prompt": sample(long_prompts, True),
+                "256-token prompts, once per response": sample(long_prompts, False),
+            },
+            args.reps,
+        ),
+    )
 
     # adamw: one optimizer step with clipping
     for p in model.parameters():

@@ -148,8 +148,9 @@ DROP_FRACTION = 0.25
 class TorchEngine:
     """Batched sampling from a HF causal LM with a KV cache; finished rows leave the batch.
 
-    Only unfinished rows draw from the generator, so the samples do not depend on when
-    finished rows are dropped from the batch.
+    Each distinct prompt is run through the model once (prefill) and its KV cache copied
+    to its ``n`` responses, instead of ``n`` identical prefills. Only unfinished rows draw
+    from the generator, so the samples do not depend on when finished rows are dropped.
     """
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, eos_token_id: int | None):
@@ -171,9 +172,10 @@ class TorchEngine:
         was_training = model.training
         model.eval()
         generator = torch.Generator(device=device).manual_seed(seed)
-        expanded = [p for p in prompts for _ in range(n)]
-        prompt_ids, prompt_mask = pad_batch(expanded, self.pad_token_id, device)
-        rows = len(expanded)
+        unique_ids, unique_mask = pad_batch(prompts, self.pad_token_id, device)
+        prompt_ids = unique_ids.repeat_interleave(n, dim=0)
+        prompt_mask = unique_mask.repeat_interleave(n, dim=0)
+        rows = prompt_ids.shape[0]
         stop_ids = set(params.stop_token_ids)
         if self.eos_token_id is not None:
             stop_ids.add(self.eos_token_id)
@@ -184,26 +186,38 @@ class TorchEngine:
         lengths = torch.zeros(rows, dtype=torch.long)
         finished = [False] * rows
 
+        # prefill: each distinct prompt once, then its cache and logits copied n times
         cache = DynamicCache()
+        out = model(
+            input_ids=unique_ids,
+            attention_mask=unique_mask,
+            position_ids=position_ids_from_mask(unique_mask),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(n)
+        logits = out.logits[:, -1, :].repeat_interleave(n, dim=0)
         active = torch.arange(rows, device=device)  # original row of each live batch row
         attention = prompt_mask
         positions = position_ids_from_mask(prompt_mask)
-        inputs = prompt_ids
         alive = torch.ones(rows, dtype=torch.bool, device=device)  # per live batch row
         for k in range(params.max_new_tokens):
-            out = model(
-                input_ids=inputs,
-                attention_mask=attention,
-                position_ids=positions,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            cache = out.past_key_values
+            if k > 0:
+                out = model(
+                    input_ids=tokens.unsqueeze(-1),
+                    attention_mask=attention,
+                    position_ids=positions,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                cache, logits = out.past_key_values, out.logits[:, -1, :]
             # Finished rows stay in the batch (their tokens are ignored) until a quarter
             # of it has finished: re-indexing the KV cache at every step costs more.
             tokens = torch.full((len(active),), self.pad_token_id, dtype=torch.long, device=device)
-            picked, logprobs = sample_next(out.logits[alive, -1, :], params, generator)
+            picked, logprobs = sample_next(logits[alive], params, generator)
             tokens[alive] = picked
             rows_cpu = active[alive].cpu()
             tokens_out[rows_cpu, k] = picked.cpu()
@@ -222,7 +236,6 @@ class TorchEngine:
                 positions, alive = positions[idx], alive[idx]
             attention = torch.cat([attention, attention.new_ones(attention.shape[0], 1)], dim=1)
             positions = positions[:, -1:] + 1
-            inputs = tokens.unsqueeze(-1)
 
         t = int(lengths.max().item()) if rows else 0
         completion_mask = torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)
