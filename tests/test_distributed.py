@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_trainer import FAST as SMALL_RUN  # the small, fast run setting
 
 from gspo.cli import main
 from gspo.config import load_config
@@ -16,23 +17,6 @@ from gspo.telemetry import read_metrics
 from gspo.trainer import SHARDED, Trainer, latest_checkpoint, metric_reduction
 
 HERE = Path(__file__).parent
-SMALL_RUN = [
-    "model.layers=1",
-    "model.hidden=64",
-    "model.heads=2",
-    "model.kv_heads=1",
-    "model.intermediate=128",
-    "data.eval_size=24",
-    "data.sft_size=200",
-    "train.cold_start_steps=20",
-    "train.cold_start_batch_size=16",
-    "rollout.group_size=4",
-    "rollout.prompts_per_batch=4",
-    "rollout.max_new_tokens=4",
-    "eval.samples=2",
-    "log.plots=false",
-    "log.tensorboard=false",
-]
 
 
 def by_level(key):
