@@ -8,6 +8,9 @@ drift in this machine's speed hits all of them alike; figures are medians in ms.
 - pack: forward + backward of the packed log-probs of one minibatch (32 completions of
   the reference workload) against the least row length (``pack_tokens``); "one row" packs
   everything into a single row, as a 4096-token budget did.
+- share: forward + backward of a minibatch drawn at random from a rollout batch as the
+  trainer draws it, with each group's prompt computed once for its rows
+  (``share_prompts``, the trainer's setting) or once per row.
 - drop: one rollout batch (16 prompts x 8, 32 new tokens) against the share of finished
   rows at which they leave the batch and KV cache (``gspo.rollout.DROP_FRACTION``).
 - prefill: one rollout batch (16 prompts x 8, 32 new tokens), each prompt run once and
@@ -107,6 +110,36 @@ def main() -> None:
         f"pack: forward + backward, 32 completions, {tokens} tokens ({prompt_tokens} of "
         "them prompt tokens), by least row length",
         interleaved({k: fwd_bwd(v) for k, v in packs.items()}, args.reps),
+    )
+
+    # share: a minibatch drawn as the trainer draws it (32 of the 128 at random), each
+    # group's prompt computed once for its rows in it, or once per row
+    rollout_batch = engine.generate(prompts, n=8, params=params, seed=2)
+    mb = rollout_batch.select(torch.randperm(128, generator=torch.Generator().manual_seed(0))[:32])
+    masks = mb.prompt_mask.bool()
+    distinct = len({tuple(r[m].tolist()) for r, m in zip(mb.prompt_ids, masks, strict=True)})
+
+    def shared(share: bool) -> Callable[[], object]:
+        def run() -> None:
+            lp = packed_completion_logprobs(
+                model,
+                mb.prompt_ids,
+                mb.prompt_mask,
+                mb.completion_ids,
+                mb.completion_mask,
+                share_prompts=share,
+            )
+            lp.sum().backward()
+            model.zero_grad()
+
+        return run
+
+    table(
+        f"share: forward + backward of a random minibatch (32 completions of {distinct} "
+        f"distinct prompts, {int(mb.completion_mask.sum())} completion tokens)",
+        interleaved(
+            {"prompt once per row": shared(False), "prompt once per group": shared(True)}, args.reps
+        ),
     )
     model.eval()
 

@@ -151,3 +151,40 @@ def test_packed_logprobs_equal_the_padded_forward(tokenizer, tiny_model, pack_to
     g_packed = torch.autograd.grad(packed.sum(), weight)[0]
     g_ref = torch.autograd.grad(ref.sum(), weight)[0]
     assert torch.allclose(g_packed, g_ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("pack_tokens", [8, 40, 4096])
+def test_shared_prompts_equal_the_padded_forward_and_feed_each_prompt_once(
+    tokenizer, tiny_model, pack_tokens
+):
+    """Rows with one prompt (a group) share it: same values and gradients, fewer tokens."""
+    gen = torch.Generator().manual_seed(2)
+    p, t = 5, 6
+    prompts = torch.randint(4, 60, (3, p), generator=gen)
+    groups = torch.tensor([0, 1, 0, 2, 1, 0, 0])  # rows 0, 2, 5, 6 share prompt 0, ...
+    prompt = prompts[groups]
+    prompt_mask = torch.ones(len(groups), p, dtype=torch.long)
+    prompt_mask[groups == 1, :2] = 0  # prompt 1 is left-padded, in both its rows
+    completion = torch.randint(4, 60, (len(groups), t), generator=gen)
+    lengths = torch.tensor([6, 1, 0, 3, 5, 2, 4])
+    completion_mask = torch.arange(t)[None, :] < lengths[:, None]
+    args = (tiny_model, prompt, prompt_mask, completion, completion_mask)
+    fed: list[int] = []
+    hook = tiny_model.model.embed_tokens.register_forward_hook(
+        lambda module, inputs, output: fed.append(int(inputs[0].numel()))
+    )
+    try:
+        shared = packed_completion_logprobs(*args, pack_tokens=pack_tokens, share_prompts=True)
+        alone = packed_completion_logprobs(*args, pack_tokens=pack_tokens)
+    finally:
+        hook.remove()
+    assert torch.allclose(shared, alone, atol=1e-5)
+    assert (shared[~completion_mask] == 0).all()
+    real = int(completion_mask.sum()) + 5 + 3 + 5  # completions, the three prompts once each
+    assert fed[0] >= real and fed[0] < fed[1]  # (rows of several have a tail)
+    if pack_tokens == 4096:  # one row, no tail: exactly the real tokens
+        assert fed == [real, real - 13 + int(prompt_mask.sum())]
+    weight = tiny_model.model.embed_tokens.weight
+    g_shared = torch.autograd.grad(shared.sum(), weight)[0]
+    g_alone = torch.autograd.grad(alone.sum(), weight)[0]
+    assert torch.allclose(g_shared, g_alone, atol=1e-4)

@@ -296,7 +296,7 @@ def test_response_token_mask_finds_the_response_tokens_in_any_layout(moe_model):
         return moe_model(input_ids=torch.cat([p, c], dim=1))
 
     with capture_routing(moe_model) as recorder:
-        mask = response_token_mask(moe_model, padded, prompt_mask, completion_mask)
+        mask = response_token_mask(moe_model, padded, prompt_ids, prompt_mask, completion_mask)
     assert mask.tolist() == [bool(x) for x in [0, 0, 0, 1, 1, 0, 0, 0, 1, 0]]
     assert recorder.calls == [[], []]  # the probe stops before any layer runs
 
@@ -304,7 +304,7 @@ def test_response_token_mask_finds_the_response_tokens_in_any_layout(moe_model):
     def trainer_forward(p, c):
         return completion_logprobs(moe_model, p, prompt_mask, c, completion_mask)
 
-    mask = response_token_mask(moe_model, trainer_forward, prompt_mask, completion_mask)
+    mask = response_token_mask(moe_model, trainer_forward, prompt_ids, prompt_mask, completion_mask)
     with torch.no_grad(), capture_routing(moe_model) as recorder:
         trainer_forward(prompt_ids, completion_ids)
     assert mask.shape[0] == recorder.experts.shape[1]

@@ -11,6 +11,7 @@ import os
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -206,6 +207,7 @@ class CompletionLogprobs(torch.nn.Module):
         completion_ids: Tensor,
         completion_mask: Tensor,
         temperature: float = 1.0,
+        share_prompts: bool = False,
     ) -> Tensor:
         return completion_logprobs(
             self.model,
@@ -214,6 +216,7 @@ class CompletionLogprobs(torch.nn.Module):
             completion_ids,
             completion_mask,
             temperature=temperature,
+            share_prompts=share_prompts,
         )
 
 
@@ -236,6 +239,7 @@ def completion_logprobs(
     *,
     temperature: float = 1.0,
     chunk_size: int = LOGPROB_CHUNK,
+    share_prompts: bool = False,
 ) -> Tensor:
     """Log-probs of the completion tokens under ``model``, ``[N, T]`` float32.
 
@@ -245,7 +249,8 @@ def completion_logprobs(
     trainer's pi_theta and the sampler's pi_old are the same distribution. For
     architectures in :data:`PLAIN_LM_HEAD` the sequences are packed (no compute on
     padding) and only counted completion tokens are projected to the vocabulary,
-    ``chunk_size`` at a time (:func:`packed_completion_logprobs`); other models go
+    ``chunk_size`` at a time (:func:`packed_completion_logprobs`, which with
+    ``share_prompts`` also computes a prompt repeated over rows once); other models go
     through their own forward with ``logits_to_keep``.
     """
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
@@ -268,6 +273,7 @@ def completion_logprobs(
             completion_mask,
             temperature=temperature,
             chunk_size=chunk_size,
+            share_prompts=share_prompts,
         )
     logits = model(**inputs, logits_to_keep=t + 1).logits[:, :-1, :]
     logprobs = token_logprobs_from_logits(logits, completion_ids, temperature)
@@ -295,6 +301,7 @@ def packed_completion_logprobs(
     temperature: float = 1.0,
     chunk_size: int = LOGPROB_CHUNK,
     pack_tokens: int = PACK_TOKENS,
+    share_prompts: bool = False,
 ) -> Tensor:
     """:func:`completion_logprobs` without computing anything on padding.
 
@@ -305,45 +312,84 @@ def packed_completion_logprobs(
     counted completion tokens are projected to the vocabulary. Same result as the padded
     forward: ``[N, T]`` float32, 0 where ``completion_mask`` is false. Needs an
     architecture in :data:`PLAIN_LM_HEAD`.
+
+    ``share_prompts``: rows with the same prompt (a group's responses) are laid out as
+    one segment, the prompt once and then each completion, positions continuing from the
+    prompt in each; an explicit mask lets every completion see the prompt and itself
+    only. The prompt is computed once for its rows instead of once per row (in backward
+    its gradient gathers them all), which is exact up to float rounding. Taken only for
+    SDPA attention (its mask is a boolean 4D tensor) and when some prompt repeats.
     """
     device = completion_ids.device
     n, t = completion_ids.shape
     prompt_mask, completion_mask = prompt_mask.bool(), completion_mask.bool()
     prompt_len = prompt_mask.sum(-1).tolist()
-    sequences = [
-        torch.cat([prompt_ids[i][prompt_mask[i]], completion_ids[i][completion_mask[i]]])
-        for i in range(n)
-    ]
-    # first-fit decreasing into rows of `budget` tokens; (row, offset) of each sequence
-    budget = max([pack_tokens, *(len(q) for q in sequences)])
+    prompts = [prompt_ids[i][prompt_mask[i]] for i in range(n)]
+    completions = [completion_ids[i][completion_mask[i]] for i in range(n)]
+    # segments: a prompt and the rows whose completions follow it (one row each, unshared)
+    members: dict[tuple[int, ...], list[int]] = {}
+    for i in range(n):
+        members.setdefault(tuple(prompts[i].tolist()) if share_prompts else (i,), []).append(i)
+    segments = list(members.values())
+    shared = any(len(rows) > 1 for rows in segments) and (
+        getattr(model.config, "_attn_implementation", None) == "sdpa"
+    )
+    if not shared:
+        segments = [[i] for i in range(n)]
+    lengths = [prompt_len[rows[0]] + sum(len(completions[i]) for i in rows) for rows in segments]
+    # first-fit decreasing into rows of `budget` tokens; (row, offset) of each segment
+    budget = max([pack_tokens, *lengths])
     used: list[int] = []  # tokens in each row so far
-    place = [(0, 0)] * n
-    for i in sorted(range(n), key=lambda i: -len(sequences[i])):
-        row = next((r for r, u in enumerate(used) if u + len(sequences[i]) <= budget), None)
+    place = [(0, 0)] * len(segments)
+    for s in sorted(range(len(segments)), key=lambda s: -lengths[s]):
+        row = next((r for r, u in enumerate(used) if u + lengths[s] <= budget), None)
         if row is None:
             used.append(0)
             row = len(used) - 1
-        place[i] = (row, used[row])
-        used[row] += len(sequences[i])
+        place[s] = (row, used[row])
+        used[row] += lengths[s]
     width = max(used)
     tokens = torch.zeros((len(used), width), dtype=torch.long, device=device)  # tail: any id
     positions = torch.zeros((len(used), width), dtype=torch.long, device=device)
-    for i, (row, offset) in enumerate(place):
-        length = len(sequences[i])
-        tokens[row, offset : offset + length] = sequences[i]
-        positions[row, offset : offset + length] = torch.arange(length, device=device)
+    # per packed token: its segment (tail: one more) and branch (0 prompt, j+1 completion j)
+    segment_of = torch.full((len(used), width), -1, dtype=torch.long, device=device)
+    branch_of = torch.zeros((len(used), width), dtype=torch.long, device=device)
+    row_of, prompt_end, completion_start = [0] * n, [0] * n, [0] * n
+    for s, rows in enumerate(segments):
+        row, offset = place[s]
+        p = prompt_len[rows[0]]
+        tokens[row, offset : offset + p] = prompts[rows[0]]
+        positions[row, offset : offset + p] = torch.arange(p, device=device)
+        segment_of[row, offset : offset + lengths[s]] = s
+        at = offset + p
+        for j, i in enumerate(rows):
+            length = len(completions[i])
+            tokens[row, at : at + length] = completions[i]
+            positions[row, at : at + length] = torch.arange(p, p + length, device=device)
+            branch_of[row, at : at + length] = j + 1
+            row_of[i], prompt_end[i], completion_start[i] = row, offset + p - 1, at
+            at += length
     for row, filled in enumerate(used):  # the tail of a row is one more dummy sequence
         positions[row, filled:] = torch.arange(width - filled, device=device)
+    mask = None
+    if shared:
+        segment_of[segment_of < 0] = len(segments)
+        same = segment_of.unsqueeze(2) == segment_of.unsqueeze(1)  # [rows, query, key]
+        causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()
+        visible = (branch_of.unsqueeze(1) == 0) | (branch_of.unsqueeze(2) == branch_of.unsqueeze(1))
+        mask = (same & causal & visible).unsqueeze(1)
     hidden = model.get_decoder()(
-        input_ids=tokens, position_ids=positions, use_cache=False
+        input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=False
     ).last_hidden_state
-    # completion token k of row i is predicted by the hidden state just before it
+    # completion token k of row i is predicted by the hidden state just before it: the
+    # prompt's last token for k = 0, the completion's token k - 1 after that
     rows, cols = completion_mask.nonzero(as_tuple=True)
-    row_of = torch.tensor([p[0] for p in place], device=device)
-    offset_of = torch.tensor([p[1] for p in place], device=device)
-    first = offset_of + torch.tensor(prompt_len, device=device)
+    as_tensor = partial(torch.tensor, device=device)
+    before = torch.where(
+        cols == 0, as_tensor(prompt_end)[rows], as_tensor(completion_start)[rows] + cols - 1
+    )
     picked = logprobs_from_hidden(
-        hidden[row_of[rows], first[rows] + cols - 1].unsqueeze(0),
+        hidden[as_tensor(row_of)[rows], before].unsqueeze(0),
         model.get_output_embeddings().weight,
         completion_ids[rows, cols].unsqueeze(0),
         temperature,

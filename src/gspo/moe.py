@@ -224,6 +224,7 @@ class _Probed(Exception):
 def response_token_mask(
     model: nn.Module,
     forward: Callable[[Tensor, Tensor], object],
+    prompt_ids: Tensor,
     prompt_mask: Tensor,
     completion_mask: Tensor,
 ) -> Tensor:
@@ -231,15 +232,16 @@ def response_token_mask(
 
     ``forward(prompt_ids, completion_ids)`` must run the same single model forward (same
     token layout, padded or packed) as the one whose routing is recorded, for a batch with
-    these masks. It is called with marker ids (response tokens under ``completion_mask``
-    get one id, everything else others) and stopped at the input embedding, before any
-    compute, so the probe costs nothing and needs no knowledge of the layout.
+    these prompts and masks. It is called with marker ids and stopped at the input
+    embedding, before any compute, so the probe costs nothing and needs no knowledge of the
+    layout: response tokens under ``completion_mask`` get id 1, prompt tokens their own id
+    plus 2 (a layout that shares equal prompts sees them equal still), padding 0.
 
     Counted: the completion tokens under the mask (the stop token included); prompt
     tokens, padding and any filler of a packed layout are not.
     """
-    response, other = 2, 1
-    prompt_ids = torch.where(prompt_mask.bool(), other, 0)
+    response = 1
+    prompt_ids = torch.where(prompt_mask.bool(), prompt_ids + 2, 0)
     completion_ids = torch.where(completion_mask.bool(), response, 0)
     seen: list[Tensor] = []
 

@@ -204,16 +204,6 @@ class TorchEngine:
         positions = position_ids_from_mask(prompt_mask)
         alive = torch.ones(rows, dtype=torch.bool, device=device)  # per live batch row
         for k in range(params.max_new_tokens):
-            if k > 0:
-                out = model(
-                    input_ids=tokens.unsqueeze(-1),
-                    attention_mask=attention,
-                    position_ids=positions,
-                    past_key_values=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-                cache, logits = out.past_key_values, out.logits[:, -1, :]
             # Finished rows stay in the batch (their tokens are ignored) until a quarter
             # of it has finished: re-indexing the KV cache at every step costs more.
             tokens = torch.full((len(active),), self.pad_token_id, dtype=torch.long, device=device)
@@ -236,6 +226,16 @@ class TorchEngine:
                 positions, alive = positions[idx], alive[idx]
             attention = torch.cat([attention, attention.new_ones(attention.shape[0], 1)], dim=1)
             positions = positions[:, -1:] + 1
+            if k + 1 < params.max_new_tokens:
+                out = model(
+                    input_ids=tokens.unsqueeze(-1),
+                    attention_mask=attention,
+                    position_ids=positions,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                cache, logits = out.past_key_values, out.logits[:, -1, :]
 
         t = int(lengths.max().item()) if rows else 0
         completion_mask = torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)

@@ -361,7 +361,11 @@ class Trainer:
         return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
 
     def logprobs(self, batch: RolloutBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
-        """Completion log-probs of ``batch`` under ``model`` (the policy by default)."""
+        """Completion log-probs of ``batch`` under ``model`` (the policy by default).
+
+        The responses of a group share their prompt, which is computed once for them
+        (``share_prompts``, see :func:`gspo.models.packed_completion_logprobs`).
+        """
         forward = self.policy if model is None else CompletionLogprobs(model)
         with self.autocast():
             return forward(
@@ -370,6 +374,7 @@ class Trainer:
                 batch.completion_ids,
                 batch.completion_mask,
                 temperature=self.config.rollout.temperature,
+                share_prompts=True,
             )
 
     def prompts_for_batch(self, index: int) -> list[int]:
@@ -722,6 +727,7 @@ class Trainer:
         response = response_token_mask(
             self.model,
             lambda p, c: self.logprobs(replace(mb, prompt_ids=p, completion_ids=c)),
+            mb.prompt_ids,
             mb.prompt_mask,
             mb.completion_mask,
         )
