@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import math
 import os
 import random
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 
 from gspo.advantages import group_advantages
-from gspo.config import Config, dump_config, load_config
+from gspo.config import Config, DataConfig, dump_config, load_config
 from gspo.models import (
     TinyModelSpec,
     build_char_tokenizer,
@@ -79,13 +80,11 @@ def load_task_data(config: Config) -> TaskData:
     """The built-in task, or the user's files (``data.train`` / ``data.eval`` / ``data.sft``)."""
     data = config.data
     if data.train is None:
-        task = BUILTIN_TASKS[data.task](
-            digits=data.digits,
-            eval_size=data.eval_size,
-            sft_size=data.sft_size,
-            label_noise=data.label_noise,
-            seed=derive_seed(config.train.seed, "task"),
-        )
+        make = BUILTIN_TASKS[data.task]
+        # each task takes the data.* settings named like its keyword arguments
+        settings = {k: getattr(data, k) for k in inspect.signature(make).parameters
+                    if k in DataConfig.model_fields}  # fmt: skip
+        task = make(**settings, seed=derive_seed(config.train.seed, "task"))
         if data.eval is not None:
             task.eval = load_rows(data.eval, what="data.eval")
         if data.sft is not None:
