@@ -17,7 +17,6 @@ inconclusive) with the figure behind it; :func:`verdicts` holds the rules.
 from __future__ import annotations
 
 import base64
-import itertools
 import json
 import math
 import statistics
@@ -30,6 +29,7 @@ from typing import Any
 import torch
 
 from gspo.config import Config, load_config
+from gspo.gradient_noise import length_buckets
 from gspo.telemetry import plot_bands, plot_histograms, read_metrics
 
 #: name -> overrides; the clip ranges are each level's defaults (the paper's).
@@ -39,13 +39,35 @@ ALGORITHMS: dict[str, list[str]] = {
     "GSPO-token": ["algorithm.level=sequence_token"],
 }
 
-#: Extra overrides per preset. "stress" is where the paper predicts GRPO trouble: more
-#: off-policy minibatches per rollout batch and a 3x larger learning rate.
+#: Overrides per preset, applied before the user's (which win), cold start included.
+#: "stress" is where the paper predicts GRPO trouble: more off-policy minibatches per
+#: rollout batch and a 3x larger learning rate. "long" is the paper's other lever: long
+#: responses (the chain task, ~20-130 tokens against addition's 3-4) on a smaller model,
+#: sized so that the whole comparison takes about half an hour on 2 CPU cores.
 PRESETS: dict[str, list[str]] = {
     "default": [],
     "stress": ["algorithm.minibatches=16", "rollout.prompts_per_batch=64"],
+    "long": [
+        "data.task=chain",
+        "reward.functions=[numeric_match]",
+        "rollout.max_new_tokens=144",
+        "model.layers=2",
+        "model.hidden=128",
+        "model.heads=4",
+        "model.kv_heads=2",
+        "model.intermediate=384",
+        "train.cold_start_steps=600",
+        "train.max_steps=96",
+        "algorithm.minibatches=8",
+        "eval.every=24",
+        "eval.max_prompts=128",
+        "data.label_noise=0.3",
+    ],
 }
 STRESS_LR_FACTOR = 3.0
+
+#: Presets on which claim (c) is judged: the levers the paper says break GRPO.
+UNSTABLE_PRESETS = ("stress", "long")
 
 #: Below this mean response length (tokens) claim (b) cannot be told apart from noise:
 #: the spread of a mean of L log-ratios is sqrt(L) times smaller, under the 3x the rule
@@ -111,6 +133,11 @@ def cold_start_checkpoint(
     return path
 
 
+def with_preset(preset: str, overrides: Sequence[str]) -> list[str]:
+    """The preset's overrides, then the user's (so that the user's win)."""
+    return [*PRESETS[preset], *overrides]
+
+
 def run_configs(
     config_path: Path | None,
     overrides: Sequence[str],
@@ -120,9 +147,9 @@ def run_configs(
     preset: str,
 ) -> dict[tuple[str, int], Config]:
     """The config of every (algorithm, seed) run."""
-    extra = list(PRESETS[preset])
+    extra = []
     if preset == "stress":
-        lr = load_config(config_path, list(overrides)).optim.lr
+        lr = load_config(config_path, with_preset(preset, overrides)).optim.lr
         extra.append(f"optim.lr={lr * STRESS_LR_FACTOR}")
     configs = {}
     for name, algo in ALGORITHMS.items():
@@ -130,7 +157,7 @@ def run_configs(
             configs[name, seed] = load_config(
                 config_path,
                 [
-                    *overrides,
+                    *with_preset(preset, overrides),
                     *extra,
                     *algo,
                     f"model.path={checkpoint}",
@@ -160,7 +187,7 @@ def compare(
         raise ValueError("--seeds: at least one seed")
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    base = [*overrides, "log.progress=false", "log.plots=false"]
+    base = [*with_preset(preset, overrides), "log.progress=false", "log.plots=false"]
     checkpoint = cold_start_checkpoint(base, config_path, out, log)
     configs = run_configs(config_path, overrides, checkpoint=checkpoint, seeds=seeds, preset=preset)
     runs = []
@@ -247,16 +274,45 @@ def load_ratio_dumps(run_dir: Path, last_fraction: float = 0.5) -> dict[str, tor
     return {k: torch.cat(v) if v else torch.zeros(0) for k, v in parts.items()}
 
 
-def length_buckets(lengths: torch.Tensor, buckets: int = 4) -> list[tuple[int, int]]:
-    """Up to ``buckets`` response-length ranges ``[lo, hi]`` with about equal counts."""
-    if lengths.numel() == 0:
+#: Per-bucket gradient cosines in a dump (see ``Trainer.gradient_cosines``).
+COSINE_KEYS = ("cosine_to_full", "cosine_halves", "cosine_to_on_policy", "cosine_length_mean")
+
+
+def load_gradient_cosines(run_dir: Path, last_fraction: float = 0.5) -> list[dict[str, Any]]:
+    """The gradient cosines of the run's dumps in the last ``last_fraction`` (those that have
+    them): per dump, ``[buckets]`` tensors of :data:`COSINE_KEYS` and the scalar
+    ``cosine_full_to_on_policy``."""
+    files = sorted((run_dir / "ratios").glob("rollout-*.pt"))
+    files = files[int(len(files) * (1 - last_fraction)) :] if files else []
+    out = []
+    for f in files:
+        dump = torch.load(f, weights_only=True)
+        if "cosine_to_full" in dump:
+            keep = (*COSINE_KEYS, "cosine_full_to_on_policy")
+            out.append({k: dump[k] for k in keep})
+    return out
+
+
+def cosines_by_length(dumps: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, float]]:
+    """Per length bucket (shortest first), each cosine's mean over dumps (NaNs skipped).
+
+    A dump's buckets are its own rollout batch's length quartiles, so bucket ``b`` is
+    pooled by rank; dumps with fewer buckets than the most common count (ties in length)
+    are left out.
+    """
+    counts = [len(d["cosine_to_full"]) for d in dumps]
+    if not counts:
         return []
-    qs = torch.quantile(lengths.float(), torch.linspace(0, 1, buckets + 1)).round().long()
-    edges = sorted(set(qs.tolist()))
-    if len(edges) == 1:
-        return [(edges[0], edges[0])]
-    ranges = [(lo, hi - 1) for lo, hi in itertools.pairwise(edges[:-1])]
-    return [*ranges, (edges[-2], edges[-1])]
+    n = max(set(counts), key=counts.count)
+    kept = [d for d in dumps if len(d["cosine_to_full"]) == n]
+    rows = []
+    for b in range(n):
+        row: dict[str, float] = {"bucket": b, "dumps": len(kept)}
+        for key in COSINE_KEYS:
+            values = [d[key][b].item() for d in kept]
+            row[key.removeprefix("cosine_")] = mean_std(values)[0]
+        rows.append(row)
+    return rows
 
 
 def spread_by_length(dumps: Mapping[str, torch.Tensor]) -> list[dict[str, float]]:
@@ -293,6 +349,7 @@ def algorithm_summary(runs: Sequence[Run]) -> dict[str, Any]:
         tail = lines[len(lines) * 3 // 4 :]
         rewards.append(statistics.fmean(x["train/reward_mean"] for x in tail) if tail else math.nan)
     seconds = [(with_elapsed(r.records)[-1]["elapsed"] if r.records else math.nan) for r in runs]
+    cosine_dumps = [d for r in runs for d in load_gradient_cosines(r.path)]
     dumps = [load_ratio_dumps(r.path) for r in runs]
     pooled = {k: torch.cat([d[k] for d in dumps]) for k in dumps[0]} if dumps else {}
     token_lr, seq_lr = pooled.get("token_log_ratio"), pooled.get("sequence_log_ratio")
@@ -318,6 +375,10 @@ def algorithm_summary(runs: Sequence[Run]) -> dict[str, Any]:
         "token_log_ratio_sd": _sd(token_lr),
         "sequence_log_ratio_sd": _sd(seq_lr),
         "spread_by_length": spread_by_length(pooled) if pooled else [],
+        "gradient_cosines_by_length": cosines_by_length(cosine_dumps),
+        "gradient_cosine_full_to_on_policy": mean_std(
+            [d["cosine_full_to_on_policy"].item() for d in cosine_dumps]
+        )[0],
         "ratio_dumps": {k: v for k, v in pooled.items()},
     }
 
@@ -342,8 +403,9 @@ def verdicts(summary: Mapping[str, Mapping[str, Any]], preset: str) -> list[dict
         of L independent log-ratios has sqrt(L) times less spread, so below
         :data:`MIN_MEAN_LENGTH` tokens (3x) or with the longest bucket under twice the
         shortest, the test cannot tell and the verdict is inconclusive.
-    (c) GRPO unstable where GSPO is not: only judged on the stress preset; a collapse is a
-        final accuracy more than 0.1 below the start.
+    (c) GRPO unstable where GSPO is not: only judged on the presets that pull the paper's
+        levers (:data:`UNSTABLE_PRESETS`); a collapse is a final accuracy more than 0.1
+        below the start.
     """
     gspo, grpo = summary["GSPO"], summary["GRPO"]
     out = []
@@ -405,8 +467,9 @@ def verdicts(summary: Mapping[str, Mapping[str, Any]], preset: str) -> list[dict
     def collapsed(s: Mapping[str, Any]) -> bool:
         return s["accuracy"] < s["accuracy_start"] - 0.1
 
-    if preset != "stress":
-        verdict, figures = INCONCLUSIVE, "not tested: run gspo compare --preset stress"
+    if preset not in UNSTABLE_PRESETS:
+        verdict = INCONCLUSIVE
+        figures = f"not tested: run gspo compare --preset {' or '.join(UNSTABLE_PRESETS)}"
     else:
         figures = (
             f"final accuracy GRPO {grpo['accuracy']:.3f} (start {grpo['accuracy_start']:.3f}), "
@@ -418,7 +481,8 @@ def verdicts(summary: Mapping[str, Mapping[str, Any]], preset: str) -> list[dict
             verdict = NOT_REPRODUCED
         else:
             verdict = INCONCLUSIVE  # both collapsed
-    out.append({"claim": "(c) under stress GRPO becomes unstable, GSPO does not",
+    out.append({"claim": "(c) under stress (off-policy updates, long responses) GRPO "
+                "becomes unstable, GSPO does not",
                 "verdict": verdict, "figures": figures})  # fmt: skip
     return out
 
@@ -471,6 +535,17 @@ def write_report(
             "variance", plots / "ratio_variance_by_length.png", logy=True,
             xlabel="response length (bucket middle)",
             title="Variance of importance ratios by response length")),
+        ("Gradient noise by response length: cosine between the gradient of half a "
+         "length bucket and the full-batch gradient (last minibatch's weights)", plot_bands(
+            cosine_lines(summary, "to_full"), "cosine", plots / "gradient_cosine_by_length.png",
+            xlabel="response length (bucket mean)",
+            title="cos(half-bucket gradient, full-batch gradient)")),
+        ("How far the importance ratios turn the gradient: cosine between a half bucket's "
+         "gradient with the run's ratios and with ratios 1", plot_bands(
+            cosine_lines(summary, "to_on_policy"), "cosine",
+            plots / "gradient_ratio_turn_by_length.png",
+            xlabel="response length (bucket mean)",
+            title="cos(gradient with ratios, gradient with ratios 1)")),
     ]  # fmt: skip
     claims = verdicts(summary, preset)
     for s in summary.values():
@@ -488,6 +563,15 @@ def write_report(
     (out / "report.md").write_text(md)
     (out / "report.html").write_text(report_html(md, out))
     return result
+
+
+def cosine_lines(summary: Mapping[str, Mapping[str, Any]], key: str) -> dict[str, Any]:
+    """``plot_bands`` groups: per algorithm one line of ``key`` against the bucket length."""
+    return {
+        name: [[{"step": row["length_mean"], "cosine": row[key]}
+                for row in s["gradient_cosines_by_length"]]]
+        for name, s in summary.items() if s["gradient_cosines_by_length"]
+    }  # fmt: skip
 
 
 def report_markdown(
@@ -539,6 +623,35 @@ def report_markdown(
                 f"| {name} | {row['lengths']} | {row['responses']} | "
                 f"{row['token_ratio_var']:.2e} | {row['sequence_ratio_var']:.2e} |"
             )
+    if any(s["gradient_cosines_by_length"] for s in summary.values()):
+        lines += [
+            "",
+            "## Gradient noise by response length",
+            "",
+            "On every dumped rollout batch, at the weights its last (most off-policy) "
+            "minibatch sees, the batch is cut into four length buckets (its quartiles) and "
+            "each bucket into two random halves; the gradient of the policy loss over each "
+            "half is compared with the full-batch gradient (*to full*), with the other "
+            "half (*halves*), and with the same half's gradient under ratios 1 (*to ratio "
+            "1*: how far the importance ratios and the clipping turn it). Means over the "
+            "dumps of the second half of training, all seeds. 1 is perfect agreement.",
+            "",
+            "| algorithm | bucket | mean length | to full | halves | to ratio 1 | dumps |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name, s in summary.items():
+            for row in s["gradient_cosines_by_length"]:
+                lines.append(
+                    f"| {name} | {row['bucket'] + 1} | {row['length_mean']:.0f} | "
+                    f"{row['to_full']:.3f} | {row['halves']:.3f} | {row['to_on_policy']:.3f} | "
+                    f"{row['dumps']} |"
+                )
+        lines += [""] + [
+            f"- {name}: whole-batch gradient with ratios vs with ratios 1, cosine "
+            f"{s['gradient_cosine_full_to_on_policy']:.3f}."
+            for name, s in summary.items()
+            if s["gradient_cosines_by_length"]
+        ]
     lines += ["", "## Plots", ""]
     for title, path in figures:
         lines += [f"### {title}", "", f"![{title}]({path.relative_to(out).as_posix()})", ""]
