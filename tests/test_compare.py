@@ -29,7 +29,7 @@ from gspo.compare import (
 )
 from gspo.config import load_config
 from gspo.telemetry import band_lines, plot_histograms
-from gspo.trainer import Trainer
+from gspo.trainer import Trainer, load_task_data
 
 TINY = [
     "model.layers=1",
@@ -168,6 +168,12 @@ def test_presets_come_before_the_users_overrides():
     assert config.data.task == "chain" and config.reward.functions == ["numeric_match"]
     assert config.model.hidden == 64  # the user's override wins over the preset's 128
     assert config.algorithm.level == "token" and config.log.ratio_dump_every > 0
+    # the long preset's completions fit its token budget (EOS included), and their lengths
+    # spread enough for claim (b): longest quartile at least twice the shortest
+    completions = [len(r["completion"]) + 1 for r in load_task_data(config).sft]
+    assert max(completions) <= config.rollout.max_new_tokens
+    buckets = length_buckets(torch.tensor(completions))
+    assert buckets[-1][0] >= 2 * buckets[0][1]
     stress = run_configs(None, ["optim.lr=1e-3"], checkpoint=Path("c"), seeds=[0],
                          preset="stress")  # fmt: skip
     assert stress["GSPO", 0].optim.lr == pytest.approx(3e-3)

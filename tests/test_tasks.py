@@ -81,7 +81,7 @@ def test_chain_format_and_lengths_as_designed():
     )
     task = chain_task(terms=12, sft_size=2000, label_noise=0.0, seed=0)
     lengths = [len(r["completion"]) for r in task.sft]  # one token per character
-    # 2 terms: ~20 tokens; 12 terms: ~130; the preset's rollout.max_new_tokens=144 fits all
+    # 2 terms: ~20 tokens; 12 terms: ~130
     assert 17 <= min(lengths) <= 22 and 120 <= max(lengths) < 144
     assert 65 < sum(lengths) / len(lengths) < 85
 
