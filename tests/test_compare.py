@@ -18,6 +18,7 @@ from gspo.compare import (
     compare,
     cosines_by_length,
     first_divergence,
+    gradient_noise_notes,
     length_buckets,
     notes,
     per_rollout,
@@ -159,6 +160,21 @@ def test_gradient_cosines_pool_buckets_by_rank():
     assert rows[0]["to_full"] == pytest.approx(0.7) and rows[1]["to_full"] == pytest.approx(0.4)
     assert rows[1]["length_mean"] == pytest.approx(105.0)
     assert rows[0]["to_on_policy"] == 1.0 and cosines_by_length([]) == []
+
+
+def test_gradient_noise_notes_compare_the_length_trend():
+    def algo(short, long):
+        return {"gradient_cosines_by_length": [
+            {"to_full": short, "to_on_policy": 0.99, "length_mean": 30.0},
+            {"to_full": long, "to_on_policy": 0.9, "length_mean": 95.0}]}  # fmt: skip
+
+    falls, turn = gradient_noise_notes({"GRPO": algo(0.6, 0.3), "GSPO": algo(0.6, 0.5)})
+    assert "GRPO 0.600 -> 0.300 (lengths 30 -> 95)" in falls
+    assert "falls more with length for GRPO than for GSPO" in falls
+    assert "GSPO 0.990 -> 0.900" in turn
+    (same, _) = gradient_noise_notes({"GRPO": algo(0.6, 0.5), "GSPO": algo(0.6, 0.3)})
+    assert "does not fall more" in same
+    assert gradient_noise_notes({"GRPO": algo(0.6, 0.5)}) == []
 
 
 def test_presets_come_before_the_users_overrides():

@@ -654,6 +654,7 @@ def report_markdown(
             for name, s in summary.items()
             if s["gradient_cosines_by_length"]
         ]
+        lines += [f"- {note}" for note in gradient_noise_notes(summary)]
     lines += ["", "## Plots", ""]
     for title, path in figures:
         lines += [f"### {title}", "", f"![{title}]({path.relative_to(out).as_posix()})", ""]
@@ -669,6 +670,36 @@ def first_divergence(a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, An
         if other is not None and key in r and abs(r[key] - other) > tol:
             return r["step"]
     return None
+
+
+def gradient_noise_notes(summary: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """GRPO against GSPO on the gradient cosines, shortest vs longest length bucket."""
+    rows = {n: summary[n]["gradient_cosines_by_length"] for n in ("GRPO", "GSPO") if n in summary}
+    if len(rows) < 2 or any(len(r) < 2 for r in rows.values()):
+        return []
+
+    def change(name: str, key: str) -> str:
+        first, last = rows[name][0], rows[name][-1]
+        return (
+            f"{name} {first[key]:.3f} -> {last[key]:.3f} (lengths {first['length_mean']:.0f}"
+            f" -> {last['length_mean']:.0f})"
+        )
+
+    drop = {n: r[0]["to_full"] - r[-1]["to_full"] for n, r in rows.items()}
+    trend = (
+        "falls more with length for GRPO than for GSPO"
+        if drop["GRPO"] > drop["GSPO"]
+        else "does not fall more with length for GRPO than for GSPO"
+    )
+    return [
+        f"Agreement of a half-bucket gradient with the full-batch gradient, shortest -> "
+        f"longest bucket: {change('GRPO', 'to_full')}; {change('GSPO', 'to_full')}: it "
+        f"{trend}.",
+        f"How much the ratios turn a half-bucket gradient (cosine to its ratio-1 gradient, "
+        f"shortest -> longest): {change('GRPO', 'to_on_policy')}; "
+        f"{change('GSPO', 'to_on_policy')}. GSPO's turn includes whole responses dropped by "
+        "its clipping, GRPO's the per-token ratio weights.",
+    ]
 
 
 def notes(summary: Mapping[str, Mapping[str, Any]], runs: Sequence[Run] = ()) -> list[str]:
