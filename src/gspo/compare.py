@@ -638,7 +638,10 @@ def report_markdown(
             "half is compared with the full-batch gradient (*to full*), with the other "
             "half (*halves*), and with the same half's gradient under ratios 1 (*to ratio "
             "1*: how far the importance ratios and the clipping turn it). Means over the "
-            "dumps of the second half of training, all seeds. 1 is perfect agreement.",
+            "dumps of the second half of training, all seeds. 1 is perfect agreement. "
+            "*Halves* is the noise measure proper (two independent samples of the same "
+            "lengths); *to full* also rises with the bucket's weight in the full-batch "
+            "gradient (a bucket whose gradient is larger pulls the full one toward it).",
             "",
             "| algorithm | bucket | mean length | to full | halves | to ratio 1 | dumps |",
             "|---|---|---|---|---|---|---|",
