@@ -158,22 +158,36 @@ def test_gradient_cosines_pool_buckets_by_rank():
     rows = cosines_by_length(dumps)
     assert [r["bucket"] for r in rows] == [0, 1] and rows[0]["dumps"] == 2
     assert rows[0]["to_full"] == pytest.approx(0.7) and rows[1]["to_full"] == pytest.approx(0.4)
+    assert rows[0]["to_full_se"] == pytest.approx(0.1)  # sd 0.1414 over 2 dumps / sqrt(2)
+    assert math.isnan(rows[1]["to_full_se"])  # one finite value: no spread
     assert rows[1]["length_mean"] == pytest.approx(105.0)
     assert rows[0]["to_on_policy"] == 1.0 and cosines_by_length([]) == []
 
 
 def test_gradient_noise_notes_compare_the_length_trend():
-    def algo(short, long):
-        return {"gradient_cosines_by_length": [
-            {"to_full": short, "to_on_policy": 0.99, "length_mean": 30.0},
-            {"to_full": long, "to_on_policy": 0.9, "length_mean": 95.0}]}  # fmt: skip
+    def algo(short, long, se=0.02):
+        def row(value, length):
+            return {"halves": value, "halves_se": se, "to_full": 0.5, "to_full_se": se,
+                    "to_on_policy": 0.9, "to_on_policy_se": se, "length_mean": length}  # fmt: skip
 
-    falls, turn = gradient_noise_notes({"GRPO": algo(0.6, 0.3), "GSPO": algo(0.6, 0.5)})
-    assert "GRPO 0.600 -> 0.300 (lengths 30 -> 95)" in falls
-    assert "falls more with length for GRPO than for GSPO" in falls
-    assert "GSPO 0.990 -> 0.900" in turn
-    (same, _) = gradient_noise_notes({"GRPO": algo(0.6, 0.5), "GSPO": algo(0.6, 0.3)})
-    assert "does not fall more" in same
+        return {"gradient_cosines_by_length": [row(short, 30.0), row(long, 95.0)]}
+
+    halves, to_full, turn, _ = gradient_noise_notes(
+        {"GRPO": algo(0.6, 0.3), "GSPO": algo(0.6, 0.5)}
+    )
+    assert "GRPO 0.60 ± 0.02 -> 0.30 ± 0.02; GSPO 0.60 ± 0.02 -> 0.50 ± 0.02" in halves
+    assert (
+        "(lengths 30 -> 95" in halves and "minus GSPO's -0.20 (two standard errors 0.08)" in halves
+    )
+    assert "falls more with length for GRPO than for GSPO" in halves
+    assert "change alike" in to_full and "change alike" in turn
+    # the same drop with noisy estimates (standard error 0.1 each): not told apart
+    (noisy, *_) = gradient_noise_notes(
+        {"GRPO": algo(0.6, 0.3, se=0.1), "GSPO": algo(0.6, 0.5, se=0.1)}
+    )
+    assert "change alike with length, within two standard errors" in noisy
+    (rises, *_) = gradient_noise_notes({"GRPO": algo(0.3, 0.6), "GSPO": algo(0.6, 0.5)})
+    assert "rises more with length for GRPO" in rises
     assert gradient_noise_notes({"GRPO": algo(0.6, 0.5)}) == []
 
 
@@ -291,6 +305,7 @@ def test_compare_writes_the_report_and_reuses_finished_runs(tmp_path, tiny):
         assert (out / name).is_file()
     md = (out / "report.md").read_text()
     assert md.count("| (a)") == 1 and md.count("| (b)") == 1 and md.count("| (c)") == 1
+    assert "override `rollout.group_size=4`" in md  # the command is in the report
     assert "## Gradient noise by response length" in md
     for png in ("accuracy_steps", "accuracy_time", "reward_steps", "clip_fraction", "ratios",
                 "gradient_cosine_by_length", "gradient_ratio_turn_by_length"):  # fmt: skip

@@ -205,6 +205,7 @@ def compare(
         preset=preset,
         seconds=time.perf_counter() - start,
         cold_start_seconds=cold_start_seconds(out / "cold_start"),
+        overrides=overrides,
     )
     log(f"report written to {out / 'report.md'} and {out / 'report.html'}")
     return summary
@@ -298,7 +299,8 @@ def load_gradient_cosines(run_dir: Path, last_fraction: float = 0.5) -> list[dic
 
 
 def cosines_by_length(dumps: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, float]]:
-    """Per length bucket (shortest first), each cosine's mean over dumps (NaNs skipped).
+    """Per length bucket (shortest first), each cosine's mean over dumps (NaNs skipped)
+    and, as ``<name>_se``, its standard error (sd over dumps / sqrt of their number).
 
     A dump's buckets are its own rollout batch's length quartiles, so bucket ``b`` is
     pooled by rank; dumps with fewer buckets than the most common count (ties in length)
@@ -313,8 +315,11 @@ def cosines_by_length(dumps: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[
     for b in range(n):
         row: dict[str, float] = {"bucket": b, "dumps": len(kept)}
         for key in COSINE_KEYS:
-            values = [d[key][b].item() for d in kept]
-            row[key.removeprefix("cosine_")] = mean_std(values)[0]
+            values = [v for v in (d[key][b].item() for d in kept) if math.isfinite(v)]
+            mean, sd = mean_std(values)
+            name = key.removeprefix("cosine_")
+            row[name] = mean
+            row[f"{name}_se"] = sd / math.sqrt(len(values)) if len(values) > 1 else math.nan
         rows.append(row)
     return rows
 
@@ -499,6 +504,7 @@ def write_report(
     preset: str = "default",
     seconds: float = math.nan,
     cold_start_seconds: float = math.nan,
+    overrides: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Plots, ``report.md``, ``report.html`` and ``summary.json`` under ``out``."""
     by_algo: dict[str, list[Run]] = {}
@@ -556,6 +562,7 @@ def write_report(
         s.pop("ratio_dumps")
     result = {
         "preset": preset,
+        "overrides": list(overrides),
         "seconds": seconds,
         "cold_start_seconds": cold_start_seconds,
         "run_seconds": sum(with_elapsed(r.records)[-1]["elapsed"] for r in runs if r.records),
@@ -589,7 +596,9 @@ def report_markdown(
     lines = [
         "# GSPO vs GRPO vs GSPO-token",
         "",
-        f"Produced by `gspo compare` (preset `{result['preset']}`, seeds "
+        f"Produced by `gspo compare` (preset `{result['preset']}`"
+        + "".join(f", override `{o}`" for o in result.get("overrides", []))
+        + ", seeds "
         f"{', '.join(map(str, seeds))}). Time: the shared cold start "
         f"{result['cold_start_seconds'] / 60:.1f} min, the {len(result['algorithms']) * len(seeds)}"
         f" runs {result['run_seconds'] / 60:.1f} min together (first to last record of "
@@ -638,7 +647,8 @@ def report_markdown(
             "half is compared with the full-batch gradient (*to full*), with the other "
             "half (*halves*), and with the same half's gradient under ratios 1 (*to ratio "
             "1*: how far the importance ratios and the clipping turn it). Means over the "
-            "dumps of the second half of training, all seeds. 1 is perfect agreement. "
+            "dumps of the second half of training, all seeds, ± their standard error. 1 is "
+            "perfect agreement. "
             "*Halves* is the noise measure proper (two independent samples of the same "
             "lengths); *to full* also rises with the bucket's weight in the full-batch "
             "gradient (a bucket whose gradient is larger pulls the full one toward it).",
@@ -650,8 +660,9 @@ def report_markdown(
             for row in s["gradient_cosines_by_length"]:
                 lines.append(
                     f"| {name} | {row['bucket'] + 1} | {row['length_mean']:.0f} | "
-                    f"{row['to_full']:.3f} | {row['halves']:.3f} | {row['to_on_policy']:.3f} | "
-                    f"{row['dumps']} |"
+                    f"{row['to_full']:.3f} ± {row['to_full_se']:.3f} | "
+                    f"{row['halves']:.3f} ± {row['halves_se']:.3f} | "
+                    f"{row['to_on_policy']:.3f} ± {row['to_on_policy_se']:.3f} | {row['dumps']} |"
                 )
         lines += [""] + [
             f"- {name}: whole-batch gradient with ratios vs with ratios 1, cosine "
@@ -678,33 +689,52 @@ def first_divergence(a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, An
 
 
 def gradient_noise_notes(summary: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """GRPO against GSPO on the gradient cosines, shortest vs longest length bucket."""
+    """GRPO against GSPO on the gradient cosines, shortest vs longest length bucket.
+
+    A change with length counts as different between the two when the difference of
+    their changes exceeds two standard errors (from the spread over dumps).
+    """
     rows = {n: summary[n]["gradient_cosines_by_length"] for n in ("GRPO", "GSPO") if n in summary}
     if len(rows) < 2 or any(len(r) < 2 for r in rows.values()):
         return []
 
-    def change(name: str, key: str) -> str:
+    def trend(name: str, key: str) -> tuple[float, float, str]:
         first, last = rows[name][0], rows[name][-1]
-        return (
-            f"{name} {first[key]:.3f} -> {last[key]:.3f} (lengths {first['length_mean']:.0f}"
-            f" -> {last['length_mean']:.0f})"
+        se = math.hypot(first[f"{key}_se"], last[f"{key}_se"])
+        text = (
+            f"{name} {first[key]:.2f} ± {first[f'{key}_se']:.2f} -> {last[key]:.2f} ± "
+            f"{last[f'{key}_se']:.2f}"
         )
+        return last[key] - first[key], se, text
 
-    drop = {n: r[0]["to_full"] - r[-1]["to_full"] for n, r in rows.items()}
-    trend = (
-        "falls more with length for GRPO than for GSPO"
-        if drop["GRPO"] > drop["GSPO"]
-        else "does not fall more with length for GRPO than for GSPO"
+    lengths = (
+        f"lengths {rows['GRPO'][0]['length_mean']:.0f} -> {rows['GRPO'][-1]['length_mean']:.0f}"
     )
-    return [
-        f"Agreement of a half-bucket gradient with the full-batch gradient, shortest -> "
-        f"longest bucket: {change('GRPO', 'to_full')}; {change('GSPO', 'to_full')}: it "
-        f"{trend}.",
-        f"How much the ratios turn a half-bucket gradient (cosine to its ratio-1 gradient, "
-        f"shortest -> longest): {change('GRPO', 'to_on_policy')}; "
-        f"{change('GSPO', 'to_on_policy')}. GSPO's turn includes whole responses dropped by "
-        "its clipping, GRPO's the per-token ratio weights.",
-    ]
+    out = []
+    for key, what in (
+        ("halves", "Agreement between the two halves of a length bucket (the noise measure)"),
+        ("to_full", "Agreement of a half-bucket gradient with the full-batch gradient"),
+        ("to_on_policy", "Cosine of a half-bucket gradient to its ratio-1 gradient"),
+    ):
+        grpo_change, grpo_se, grpo_text = trend("GRPO", key)
+        gspo_change, gspo_se, gspo_text = trend("GSPO", key)
+        diff, two_se = grpo_change - gspo_change, 2 * math.hypot(grpo_se, gspo_se)
+        if diff < -two_se:
+            finding = "it falls more with length for GRPO than for GSPO"
+        elif diff > two_se:
+            finding = "it rises more with length for GRPO than for GSPO (or falls less)"
+        else:
+            finding = "the two change alike with length, within two standard errors"
+        out.append(
+            f"{what}, shortest -> longest bucket ({lengths}; mean ± standard error): "
+            f"{grpo_text}; {gspo_text}. GRPO's change minus GSPO's {diff:+.2f} (two "
+            f"standard errors {two_se:.2f}): {finding}."
+        )
+    out.append(
+        "The ratio-1 cosine measures how far the ratios turn the gradient: for GSPO it "
+        "includes whole responses dropped by its clipping, for GRPO the per-token weights."
+    )
+    return out
 
 
 def notes(summary: Mapping[str, Mapping[str, Any]], runs: Sequence[Run] = ()) -> list[str]:
