@@ -546,10 +546,11 @@ def write_report(
             xlabel="response length (bucket middle)",
             title="Variance of importance ratios by response length")),
         ("Gradient noise by response length: cosine between the gradient of half a "
-         "length bucket and the full-batch gradient (last minibatch's weights)", plot_bands(
-            cosine_lines(summary, "to_full"), "cosine", plots / "gradient_cosine_by_length.png",
-            xlabel="response length (bucket mean)",
-            title="cos(half-bucket gradient, full-batch gradient)")),
+         "length bucket and the full-batch gradient (to_full), and between the two halves "
+         "(halves); last minibatch's weights", plot_bands(
+            cosine_lines(summary, "to_full", "halves"), "cosine",
+            plots / "gradient_cosine_by_length.png", xlabel="response length (bucket mean)",
+            title="cos(half-bucket gradient, full-batch gradient / other half)")),
         ("How far the importance ratios turn the gradient: cosine between a half bucket's "
          "gradient with the run's ratios and with ratios 1", plot_bands(
             cosine_lines(summary, "to_on_policy"), "cosine",
@@ -576,12 +577,14 @@ def write_report(
     return result
 
 
-def cosine_lines(summary: Mapping[str, Mapping[str, Any]], key: str) -> dict[str, Any]:
-    """``plot_bands`` groups: per algorithm one line of ``key`` against the bucket length."""
+def cosine_lines(summary: Mapping[str, Mapping[str, Any]], *keys: str) -> dict[str, Any]:
+    """``plot_bands`` groups: per algorithm and key, one line against the bucket length."""
     return {
-        name: [[{"step": row["length_mean"], "cosine": row[key]}
-                for row in s["gradient_cosines_by_length"]]]
+        f"{name}: {key}" if len(keys) > 1 else name: [
+            [{"step": row["length_mean"], "cosine": row[key]}
+             for row in s["gradient_cosines_by_length"]]]
         for name, s in summary.items() if s["gradient_cosines_by_length"]
+        for key in keys
     }  # fmt: skip
 
 
