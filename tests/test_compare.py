@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,10 +16,13 @@ from gspo.compare import (
     REPRODUCED,
     Run,
     compare,
+    cosines_by_length,
     first_divergence,
+    gradient_noise_notes,
     length_buckets,
     notes,
     per_rollout,
+    run_configs,
     spread_by_length,
     token_weighted,
     verdicts,
@@ -26,7 +30,7 @@ from gspo.compare import (
 )
 from gspo.config import load_config
 from gspo.telemetry import band_lines, plot_histograms
-from gspo.trainer import Trainer
+from gspo.trainer import Trainer, load_task_data
 
 TINY = [
     "model.layers=1",
@@ -139,6 +143,73 @@ def test_length_buckets_and_ratio_variance_of_a_known_batch():
     assert rows[0]["sequence_ratio_var"] == pytest.approx(short_w.var().item())
 
 
+def test_gradient_cosines_pool_buckets_by_rank():
+    def dump(to_full, length_mean):
+        n = len(to_full)
+        return {"cosine_to_full": torch.tensor(to_full), "cosine_halves": torch.zeros(n),
+                "cosine_to_on_policy": torch.ones(n),
+                "cosine_length_mean": torch.tensor(length_mean)}  # fmt: skip
+
+    dumps = [
+        dump([0.8, 0.4], [20.0, 100.0]),
+        dump([0.6, float("nan")], [30.0, 110.0]),  # a NaN (zero gradient) is skipped
+        dump([0.1, 0.1, 0.1], [5.0, 6.0, 7.0]),  # a different bucket count: left out
+    ]
+    rows = cosines_by_length(dumps)
+    assert [r["bucket"] for r in rows] == [0, 1] and rows[0]["dumps"] == 2
+    assert rows[0]["to_full"] == pytest.approx(0.7) and rows[1]["to_full"] == pytest.approx(0.4)
+    assert rows[0]["to_full_se"] == pytest.approx(0.1)  # sd 0.1414 over 2 dumps / sqrt(2)
+    assert math.isnan(rows[1]["to_full_se"])  # one finite value: no spread
+    assert rows[1]["length_mean"] == pytest.approx(105.0)
+    assert rows[0]["to_on_policy"] == 1.0 and cosines_by_length([]) == []
+
+
+def test_gradient_noise_notes_compare_the_length_trend():
+    def algo(short, long, se=0.02):
+        def row(value, length):
+            return {"halves": value, "halves_se": se, "to_full": 0.5, "to_full_se": se,
+                    "to_on_policy": 0.9, "to_on_policy_se": se, "length_mean": length}  # fmt: skip
+
+        return {"gradient_cosines_by_length": [row(short, 30.0), row(long, 95.0)]}
+
+    halves, to_full, turn, _ = gradient_noise_notes(
+        {"GRPO": algo(0.6, 0.3), "GSPO": algo(0.6, 0.5)}
+    )
+    assert "GRPO 0.60 ± 0.02 -> 0.30 ± 0.02; GSPO 0.60 ± 0.02 -> 0.50 ± 0.02" in halves
+    assert (
+        "(lengths 30 -> 95" in halves and "minus GSPO's -0.20 (two standard errors 0.08)" in halves
+    )
+    assert "falls more with length for GRPO than for GSPO" in halves
+    assert "change alike" in to_full and "change alike" in turn
+    # the same drop with noisy estimates (standard error 0.1 each): not told apart
+    (noisy, *_) = gradient_noise_notes(
+        {"GRPO": algo(0.6, 0.3, se=0.1), "GSPO": algo(0.6, 0.5, se=0.1)}
+    )
+    assert "change alike with length, within two standard errors" in noisy
+    (rises, *_) = gradient_noise_notes({"GRPO": algo(0.3, 0.6), "GSPO": algo(0.6, 0.5)})
+    assert "rises more with length for GRPO" in rises
+    assert gradient_noise_notes({"GRPO": algo(0.6, 0.5)}) == []
+
+
+def test_presets_come_before_the_users_overrides():
+    configs = run_configs(None, ["model.hidden=64"], checkpoint=Path("ckpt"), seeds=[0],
+                          preset="long")  # fmt: skip
+    config = configs["GRPO", 0]
+    assert config.data.task == "chain" and config.reward.functions == ["numeric_match"]
+    assert config.model.hidden == 64  # the user's override wins over the preset's 128
+    assert config.algorithm.level == "token" and config.log.ratio_dump_every > 0
+    # the long preset's completions fit its token budget (EOS included), and their lengths
+    # spread enough for claim (b): longest quartile at least twice the shortest
+    completions = [len(r["completion"]) + 1 for r in load_task_data(config).sft]
+    assert max(completions) <= config.rollout.max_new_tokens
+    buckets = length_buckets(torch.tensor(completions))
+    assert buckets[-1][0] >= 2 * buckets[0][1]
+    stress = run_configs(None, ["optim.lr=1e-3"], checkpoint=Path("c"), seeds=[0],
+                         preset="stress")  # fmt: skip
+    assert stress["GSPO", 0].optim.lr == pytest.approx(3e-3)
+    assert stress["GSPO", 0].algorithm.minibatches == 16
+
+
 def summary(clip_gspo, clip_grpo, acc_gspo, acc_grpo, *, start=0.5, tok=0.1, seq=0.001,
             spread=((1e-3, "5-9"), (5e-3, "20-40")), sd=0.01, length=20.0):  # fmt: skip
     rows = [
@@ -191,6 +262,7 @@ def test_verdict_rules():
     stress = summary(0.15, 0.001, 0.9, 0.2, start=0.5)
     assert verdicts(stress, "stress")[2]["verdict"] == REPRODUCED
     assert verdicts(summary(0.15, 0.001, 0.9, 0.9), "stress")[2]["verdict"] == NOT_REPRODUCED
+    assert verdicts(stress, "long")[2]["verdict"] == REPRODUCED  # long responses: judged too
 
 
 def test_trainer_dumps_the_ratios_its_loss_saw(tmp_path, tiny):
@@ -211,6 +283,17 @@ def test_trainer_dumps_the_ratios_its_loss_saw(tmp_path, tiny):
     assert torch.allclose(torch.stack(rebuilt), dump["sequence_log_ratio"], atol=1e-6)
     # the last minibatch is off-policy after one update: its ratios are not all 1
     assert dump["token_log_ratio"].abs().max() > 1e-4
+    # gradient cosines by length, on the first batch (the last one's rewards are all 0
+    # here, so its gradients are zero and its cosines NaN): one value per bucket
+    first = torch.load(dumps[0], weights_only=True)
+    assert 1 <= len(first["cosine_to_full"]) <= 4
+    assert first["cosine_responses"].sum() == 8  # the halves cover the whole batch
+    for key in ("cosine_to_full", "cosine_halves", "cosine_to_on_policy"):
+        assert (first[key].isnan() | (first[key].abs() <= 1 + 1e-6)).all()
+    assert (first["cosine_length_lo"] <= first["cosine_length_mean"]).all()
+    assert (first["cosine_length_mean"] <= first["cosine_length_hi"]).all()
+    # after one update the ratios (and the clipping) turn the gradient, not reverse it
+    assert 0 < first["cosine_full_to_on_policy"] < 1
 
 
 def test_compare_writes_the_report_and_reuses_finished_runs(tmp_path, tiny):
@@ -222,7 +305,10 @@ def test_compare_writes_the_report_and_reuses_finished_runs(tmp_path, tiny):
         assert (out / name).is_file()
     md = (out / "report.md").read_text()
     assert md.count("| (a)") == 1 and md.count("| (b)") == 1 and md.count("| (c)") == 1
-    for png in ("accuracy_steps", "accuracy_time", "reward_steps", "clip_fraction", "ratios"):
+    assert "override `rollout.group_size=4`" in md  # the command is in the report
+    assert "## Gradient noise by response length" in md
+    for png in ("accuracy_steps", "accuracy_time", "reward_steps", "clip_fraction", "ratios",
+                "gradient_cosine_by_length", "gradient_ratio_turn_by_length"):  # fmt: skip
         assert f"plots/{png}.png" in md and (out / "plots" / f"{png}.png").is_file()
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64,") == md.count("![")

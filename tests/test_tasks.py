@@ -1,11 +1,20 @@
-"""Tasks: the built-in addition task, dataset loading, prompt encoding."""
+"""Tasks: the built-in addition and chain tasks, dataset loading, prompt encoding."""
 
 import json
 
 import pytest
 
 from gspo.models import build_char_tokenizer
-from gspo.tasks import addition_task, as_completion, encode_prompt, load_rows
+from gspo.rewards import numeric_match_reward
+from gspo.tasks import (
+    addition_task,
+    as_completion,
+    chain_completion,
+    chain_steps,
+    chain_task,
+    encode_prompt,
+    load_rows,
+)
 
 
 def test_addition_splits_are_disjoint_and_answers_correct():
@@ -39,6 +48,83 @@ def test_addition_is_seeded():
     c = addition_task(seed=4, sft_size=10)
     assert a.eval == b.eval and a.sft == b.sft
     assert a.eval != c.eval
+
+
+def operands(prompt):
+    return [int(t) for t in prompt.rstrip("=").split("+")]
+
+
+def test_chain_answers_right_and_held_out_disjoint():
+    task = chain_task(terms=6, min_terms=3, eval_size=200, train_size=2000, sft_size=300,
+                      label_noise=0.0, seed=1)  # fmt: skip
+    train = {r["prompt"] for r in task.train}
+    held_out = {r["prompt"] for r in task.eval}
+    assert len(held_out) == 200 and len(train) == 2000 and not train & held_out
+    for r in task.eval:
+        assert 3 <= len(operands(r["prompt"])) <= 6
+        assert r["answer"] == str(sum(operands(r["prompt"])))
+    for r in task.sft:  # no noise: every line adds up and the last line is the total
+        assert r["prompt"] in train
+        *lines, last = r["completion"].split("\n")
+        assert len(lines) == len(operands(r["prompt"])) - 1
+        for line in lines:
+            left, total = line.split("=")
+            a, b = left.split("+")
+            assert int(a) + int(b) == int(total)
+        assert last == f"answer: {sum(operands(r['prompt']))}"
+
+
+def test_chain_format_and_lengths_as_designed():
+    assert chain_steps([12, 34, 56, 78]) == [(12, 34, 46), (46, 56, 102), (102, 78, 180)]
+    assert chain_completion(chain_steps([12, 34, 56, 78])) == (
+        "12+34=46\n46+56=102\n102+78=180\nanswer: 180"
+    )
+    task = chain_task(terms=12, sft_size=2000, label_noise=0.0, seed=0)
+    lengths = [len(r["completion"]) for r in task.sft]  # one token per character
+    # 2 terms: ~20 tokens; 12 terms: ~130
+    assert 17 <= min(lengths) <= 22 and 120 <= max(lengths) < 144
+    assert 65 < sum(lengths) / len(lengths) < 85
+
+
+def test_chain_label_noise_slips_one_step_and_stays_consistent():
+    task = chain_task(terms=8, sft_size=3000, label_noise=0.5, seed=0)
+    wrong = 0
+    for r in task.sft:
+        *lines, last = r["completion"].split("\n")
+        total = int(last.removeprefix("answer: "))
+        wrong += total != sum(operands(r["prompt"]))
+        # the later steps add correctly from whatever the previous line said
+        previous = None
+        for line in lines:
+            left, result = line.split("=")
+            a = left.split("+")[0]
+            if previous is not None:
+                assert int(a) == previous
+            previous = int(result)
+        assert previous == total
+    # a slipped digit is right again 1 time in 10: expected wrong share 0.45
+    assert 0.41 < wrong / len(task.sft) < 0.49
+
+
+def test_chain_reward_reads_the_final_answer():
+    prompt, gold = "12+34+56+78=", "180"
+    right = "12+34=46\n46+56=102\n102+78=180\nanswer: 180"
+    slipped = "12+34=46\n46+56=103\n103+78=181\nanswer: 181"
+    unfinished = "12+34=46\n46+56=102\n102+78="
+    rewards = numeric_match_reward(
+        prompts=[prompt] * 3, completions=[right, slipped, unfinished], answer=[gold] * 3
+    )
+    assert rewards == [1.0, 0.0, 0.0]
+
+
+def test_chain_config_needs_a_final_answer_reward():
+    from gspo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"numeric_match"):
+        load_config(None, ["data.task=chain"])
+    config = load_config(None, ["data.task=chain", "reward.functions=[numeric_match]",
+                                "data.terms=5"])  # fmt: skip
+    assert config.data.terms == 5
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet"])

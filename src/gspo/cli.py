@@ -3,7 +3,7 @@
     gspo train [--config FILE.yaml] [--output-dir DIR] [key.sub=value ...]
     gspo train --resume DIR [key.sub=value ...]
     torchrun --nproc-per-node N -m gspo train ...           # data-parallel, FSDP2
-    gspo compare [--config FILE.yaml] [--output-dir DIR] [--seeds 3] [--preset default|stress]
+    gspo compare [--config FILE.yaml] [--output-dir DIR] [--seeds 3] [--preset default|stress|long]
     gspo config [--config FILE.yaml] [key.sub=value ...]     # print the resolved config
 
 Bad input (config keys and values, files, reward functions) ends with one line on
@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--config", type=Path, help="YAML config file (shared by every run)")
     comp.add_argument("--output-dir", type=Path, default=Path("runs/compare"))
     comp.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per algorithm")
-    comp.add_argument("--preset", default="default", help="default | stress")
+    comp.add_argument("--preset", default="default", help="default | stress | long")
     comp.add_argument("overrides", nargs="*", metavar="key.sub=value")
 
     show = sub.add_parser("config", help="print the resolved config as YAML")

@@ -17,7 +17,6 @@ inconclusive) with the figure behind it; :func:`verdicts` holds the rules.
 from __future__ import annotations
 
 import base64
-import itertools
 import json
 import math
 import statistics
@@ -30,6 +29,7 @@ from typing import Any
 import torch
 
 from gspo.config import Config, load_config
+from gspo.gradient_noise import length_buckets
 from gspo.telemetry import plot_bands, plot_histograms, read_metrics
 
 #: name -> overrides; the clip ranges are each level's defaults (the paper's).
@@ -39,13 +39,39 @@ ALGORITHMS: dict[str, list[str]] = {
     "GSPO-token": ["algorithm.level=sequence_token"],
 }
 
-#: Extra overrides per preset. "stress" is where the paper predicts GRPO trouble: more
-#: off-policy minibatches per rollout batch and a 3x larger learning rate.
+#: Overrides per preset, applied before the user's (which win), cold start included.
+#: "stress" is where the paper predicts GRPO trouble: more off-policy minibatches per
+#: rollout batch and a 3x larger learning rate. "long" is the paper's other lever: long
+#: responses (the chain task, 20-130 tokens against addition's 3-4) and twice the default
+#: minibatches, on a smaller model, sized for about half an hour on 2 CPU cores.
 PRESETS: dict[str, list[str]] = {
     "default": [],
     "stress": ["algorithm.minibatches=16", "rollout.prompts_per_batch=64"],
+    "long": [
+        "data.task=chain",
+        "data.terms=12",
+        "data.label_noise=0.2",
+        "reward.functions=[numeric_match]",
+        "rollout.max_new_tokens=144",
+        "model.layers=2",
+        "model.hidden=128",
+        "model.heads=4",
+        "model.kv_heads=2",
+        "model.intermediate=384",
+        "train.cold_start_steps=1000",
+        "train.max_steps=128",
+        "algorithm.minibatches=8",
+        # at the default 1e-4 all three degraded in a trial (held-out 0.72 -> 0.53-0.60)
+        "optim.lr=2e-5",
+        "eval.every=32",
+        "eval.max_prompts=96",
+        "log.ratio_dump_every=2",
+    ],
 }
 STRESS_LR_FACTOR = 3.0
+
+#: Presets on which claim (c) is judged: the levers the paper says break GRPO.
+UNSTABLE_PRESETS = ("stress", "long")
 
 #: Below this mean response length (tokens) claim (b) cannot be told apart from noise:
 #: the spread of a mean of L log-ratios is sqrt(L) times smaller, under the 3x the rule
@@ -111,6 +137,11 @@ def cold_start_checkpoint(
     return path
 
 
+def with_preset(preset: str, overrides: Sequence[str]) -> list[str]:
+    """The preset's overrides, then the user's (so that the user's win)."""
+    return [*PRESETS[preset], *overrides]
+
+
 def run_configs(
     config_path: Path | None,
     overrides: Sequence[str],
@@ -120,9 +151,9 @@ def run_configs(
     preset: str,
 ) -> dict[tuple[str, int], Config]:
     """The config of every (algorithm, seed) run."""
-    extra = list(PRESETS[preset])
+    extra = []
     if preset == "stress":
-        lr = load_config(config_path, list(overrides)).optim.lr
+        lr = load_config(config_path, with_preset(preset, overrides)).optim.lr
         extra.append(f"optim.lr={lr * STRESS_LR_FACTOR}")
     configs = {}
     for name, algo in ALGORITHMS.items():
@@ -130,13 +161,13 @@ def run_configs(
             configs[name, seed] = load_config(
                 config_path,
                 [
-                    *overrides,
+                    f"log.ratio_dump_every={RATIO_DUMP_EVERY}",  # a preset may change it
+                    *with_preset(preset, overrides),
                     *extra,
                     *algo,
                     f"model.path={checkpoint}",
                     "train.cold_start_steps=0",
                     f"train.seed={seed}",
-                    f"log.ratio_dump_every={RATIO_DUMP_EVERY}",
                     "log.progress=false",
                     "log.plots=false",
                 ],
@@ -160,7 +191,7 @@ def compare(
         raise ValueError("--seeds: at least one seed")
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    base = [*overrides, "log.progress=false", "log.plots=false"]
+    base = [*with_preset(preset, overrides), "log.progress=false", "log.plots=false"]
     checkpoint = cold_start_checkpoint(base, config_path, out, log)
     configs = run_configs(config_path, overrides, checkpoint=checkpoint, seeds=seeds, preset=preset)
     runs = []
@@ -174,6 +205,7 @@ def compare(
         preset=preset,
         seconds=time.perf_counter() - start,
         cold_start_seconds=cold_start_seconds(out / "cold_start"),
+        overrides=overrides,
     )
     log(f"report written to {out / 'report.md'} and {out / 'report.html'}")
     return summary
@@ -247,16 +279,49 @@ def load_ratio_dumps(run_dir: Path, last_fraction: float = 0.5) -> dict[str, tor
     return {k: torch.cat(v) if v else torch.zeros(0) for k, v in parts.items()}
 
 
-def length_buckets(lengths: torch.Tensor, buckets: int = 4) -> list[tuple[int, int]]:
-    """Up to ``buckets`` response-length ranges ``[lo, hi]`` with about equal counts."""
-    if lengths.numel() == 0:
+#: Per-bucket gradient cosines in a dump (see ``Trainer.gradient_cosines``).
+COSINE_KEYS = ("cosine_to_full", "cosine_halves", "cosine_to_on_policy", "cosine_length_mean")
+
+
+def load_gradient_cosines(run_dir: Path, last_fraction: float = 0.5) -> list[dict[str, Any]]:
+    """The gradient cosines of the run's dumps in the last ``last_fraction`` (those that have
+    them): per dump, ``[buckets]`` tensors of :data:`COSINE_KEYS` and the scalar
+    ``cosine_full_to_on_policy``."""
+    files = sorted((run_dir / "ratios").glob("rollout-*.pt"))
+    files = files[int(len(files) * (1 - last_fraction)) :] if files else []
+    out = []
+    for f in files:
+        dump = torch.load(f, weights_only=True)
+        if "cosine_to_full" in dump:
+            keep = (*COSINE_KEYS, "cosine_full_to_on_policy")
+            out.append({k: dump[k] for k in keep})
+    return out
+
+
+def cosines_by_length(dumps: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, float]]:
+    """Per length bucket (shortest first), each cosine's mean over dumps (NaNs skipped)
+    and, as ``<name>_se``, its standard error (sd over dumps / sqrt of their number).
+
+    A dump's buckets are its own rollout batch's length quartiles, so bucket ``b`` is
+    pooled by rank; dumps with fewer buckets than the most common count (ties in length)
+    are left out.
+    """
+    counts = [len(d["cosine_to_full"]) for d in dumps]
+    if not counts:
         return []
-    qs = torch.quantile(lengths.float(), torch.linspace(0, 1, buckets + 1)).round().long()
-    edges = sorted(set(qs.tolist()))
-    if len(edges) == 1:
-        return [(edges[0], edges[0])]
-    ranges = [(lo, hi - 1) for lo, hi in itertools.pairwise(edges[:-1])]
-    return [*ranges, (edges[-2], edges[-1])]
+    n = max(set(counts), key=counts.count)
+    kept = [d for d in dumps if len(d["cosine_to_full"]) == n]
+    rows = []
+    for b in range(n):
+        row: dict[str, float] = {"bucket": b, "dumps": len(kept)}
+        for key in COSINE_KEYS:
+            values = [v for v in (d[key][b].item() for d in kept) if math.isfinite(v)]
+            mean, sd = mean_std(values)
+            name = key.removeprefix("cosine_")
+            row[name] = mean
+            row[f"{name}_se"] = sd / math.sqrt(len(values)) if len(values) > 1 else math.nan
+        rows.append(row)
+    return rows
 
 
 def spread_by_length(dumps: Mapping[str, torch.Tensor]) -> list[dict[str, float]]:
@@ -293,6 +358,7 @@ def algorithm_summary(runs: Sequence[Run]) -> dict[str, Any]:
         tail = lines[len(lines) * 3 // 4 :]
         rewards.append(statistics.fmean(x["train/reward_mean"] for x in tail) if tail else math.nan)
     seconds = [(with_elapsed(r.records)[-1]["elapsed"] if r.records else math.nan) for r in runs]
+    cosine_dumps = [d for r in runs for d in load_gradient_cosines(r.path)]
     dumps = [load_ratio_dumps(r.path) for r in runs]
     pooled = {k: torch.cat([d[k] for d in dumps]) for k in dumps[0]} if dumps else {}
     token_lr, seq_lr = pooled.get("token_log_ratio"), pooled.get("sequence_log_ratio")
@@ -318,6 +384,10 @@ def algorithm_summary(runs: Sequence[Run]) -> dict[str, Any]:
         "token_log_ratio_sd": _sd(token_lr),
         "sequence_log_ratio_sd": _sd(seq_lr),
         "spread_by_length": spread_by_length(pooled) if pooled else [],
+        "gradient_cosines_by_length": cosines_by_length(cosine_dumps),
+        "gradient_cosine_full_to_on_policy": mean_std(
+            [d["cosine_full_to_on_policy"].item() for d in cosine_dumps]
+        )[0],
         "ratio_dumps": {k: v for k, v in pooled.items()},
     }
 
@@ -342,8 +412,9 @@ def verdicts(summary: Mapping[str, Mapping[str, Any]], preset: str) -> list[dict
         of L independent log-ratios has sqrt(L) times less spread, so below
         :data:`MIN_MEAN_LENGTH` tokens (3x) or with the longest bucket under twice the
         shortest, the test cannot tell and the verdict is inconclusive.
-    (c) GRPO unstable where GSPO is not: only judged on the stress preset; a collapse is a
-        final accuracy more than 0.1 below the start.
+    (c) GRPO unstable where GSPO is not: only judged on the presets that pull the paper's
+        levers (:data:`UNSTABLE_PRESETS`); a collapse is a final accuracy more than 0.1
+        below the start.
     """
     gspo, grpo = summary["GSPO"], summary["GRPO"]
     out = []
@@ -405,8 +476,9 @@ def verdicts(summary: Mapping[str, Mapping[str, Any]], preset: str) -> list[dict
     def collapsed(s: Mapping[str, Any]) -> bool:
         return s["accuracy"] < s["accuracy_start"] - 0.1
 
-    if preset != "stress":
-        verdict, figures = INCONCLUSIVE, "not tested: run gspo compare --preset stress"
+    if preset not in UNSTABLE_PRESETS:
+        verdict = INCONCLUSIVE
+        figures = f"not tested: run gspo compare --preset {' or '.join(UNSTABLE_PRESETS)}"
     else:
         figures = (
             f"final accuracy GRPO {grpo['accuracy']:.3f} (start {grpo['accuracy_start']:.3f}), "
@@ -418,7 +490,8 @@ def verdicts(summary: Mapping[str, Mapping[str, Any]], preset: str) -> list[dict
             verdict = NOT_REPRODUCED
         else:
             verdict = INCONCLUSIVE  # both collapsed
-    out.append({"claim": "(c) under stress GRPO becomes unstable, GSPO does not",
+    out.append({"claim": "(c) under stress (off-policy updates, long responses) GRPO "
+                "becomes unstable, GSPO does not",
                 "verdict": verdict, "figures": figures})  # fmt: skip
     return out
 
@@ -431,6 +504,7 @@ def write_report(
     preset: str = "default",
     seconds: float = math.nan,
     cold_start_seconds: float = math.nan,
+    overrides: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Plots, ``report.md``, ``report.html`` and ``summary.json`` under ``out``."""
     by_algo: dict[str, list[Run]] = {}
@@ -471,12 +545,25 @@ def write_report(
             "variance", plots / "ratio_variance_by_length.png", logy=True,
             xlabel="response length (bucket middle)",
             title="Variance of importance ratios by response length")),
+        ("Gradient noise by response length: cosine between the gradient of half a "
+         "length bucket and the full-batch gradient (to_full), and between the two halves "
+         "(halves); last minibatch's weights", plot_bands(
+            cosine_lines(summary, "to_full", "halves"), "cosine",
+            plots / "gradient_cosine_by_length.png", xlabel="response length (bucket mean)",
+            title="cos(half-bucket gradient, full-batch gradient / other half)")),
+        ("How far the importance ratios turn the gradient: cosine between a half bucket's "
+         "gradient with the run's ratios and with ratios 1", plot_bands(
+            cosine_lines(summary, "to_on_policy"), "cosine",
+            plots / "gradient_ratio_turn_by_length.png",
+            xlabel="response length (bucket mean)",
+            title="cos(gradient with ratios, gradient with ratios 1)")),
     ]  # fmt: skip
     claims = verdicts(summary, preset)
     for s in summary.values():
         s.pop("ratio_dumps")
     result = {
         "preset": preset,
+        "overrides": list(overrides),
         "seconds": seconds,
         "cold_start_seconds": cold_start_seconds,
         "run_seconds": sum(with_elapsed(r.records)[-1]["elapsed"] for r in runs if r.records),
@@ -490,6 +577,17 @@ def write_report(
     return result
 
 
+def cosine_lines(summary: Mapping[str, Mapping[str, Any]], *keys: str) -> dict[str, Any]:
+    """``plot_bands`` groups: per algorithm and key, one line against the bucket length."""
+    return {
+        f"{name}: {key}" if len(keys) > 1 else name: [
+            [{"step": row["length_mean"], "cosine": row[key]}
+             for row in s["gradient_cosines_by_length"]]]
+        for name, s in summary.items() if s["gradient_cosines_by_length"]
+        for key in keys
+    }  # fmt: skip
+
+
 def report_markdown(
     result: Mapping[str, Any],
     figures: list[tuple[str, Path]],
@@ -501,7 +599,9 @@ def report_markdown(
     lines = [
         "# GSPO vs GRPO vs GSPO-token",
         "",
-        f"Produced by `gspo compare` (preset `{result['preset']}`, seeds "
+        f"Produced by `gspo compare` (preset `{result['preset']}`"
+        + "".join(f", override `{o}`" for o in result.get("overrides", []))
+        + ", seeds "
         f"{', '.join(map(str, seeds))}). Time: the shared cold start "
         f"{result['cold_start_seconds'] / 60:.1f} min, the {len(result['algorithms']) * len(seeds)}"
         f" runs {result['run_seconds'] / 60:.1f} min together (first to last record of "
@@ -539,6 +639,41 @@ def report_markdown(
                 f"| {name} | {row['lengths']} | {row['responses']} | "
                 f"{row['token_ratio_var']:.2e} | {row['sequence_ratio_var']:.2e} |"
             )
+    if any(s["gradient_cosines_by_length"] for s in summary.values()):
+        lines += [
+            "",
+            "## Gradient noise by response length",
+            "",
+            "On every dumped rollout batch, at the weights its last (most off-policy) "
+            "minibatch sees, the batch is cut into four length buckets (its quartiles) and "
+            "each bucket into two random halves; the gradient of the policy loss over each "
+            "half is compared with the full-batch gradient (*to full*), with the other "
+            "half (*halves*), and with the same half's gradient under ratios 1 (*to ratio "
+            "1*: how far the importance ratios and the clipping turn it). Means over the "
+            "dumps of the second half of training, all seeds, ± their standard error. 1 is "
+            "perfect agreement. "
+            "*Halves* is the noise measure proper (two independent samples of the same "
+            "lengths); *to full* also rises with the bucket's weight in the full-batch "
+            "gradient (a bucket whose gradient is larger pulls the full one toward it).",
+            "",
+            "| algorithm | bucket | mean length | to full | halves | to ratio 1 | dumps |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name, s in summary.items():
+            for row in s["gradient_cosines_by_length"]:
+                lines.append(
+                    f"| {name} | {row['bucket'] + 1} | {row['length_mean']:.0f} | "
+                    f"{row['to_full']:.3f} ± {row['to_full_se']:.3f} | "
+                    f"{row['halves']:.3f} ± {row['halves_se']:.3f} | "
+                    f"{row['to_on_policy']:.3f} ± {row['to_on_policy_se']:.3f} | {row['dumps']} |"
+                )
+        lines += [""] + [
+            f"- {name}: whole-batch gradient with ratios vs with ratios 1, cosine "
+            f"{s['gradient_cosine_full_to_on_policy']:.3f}."
+            for name, s in summary.items()
+            if s["gradient_cosines_by_length"]
+        ]
+        lines += [f"- {note}" for note in gradient_noise_notes(summary)]
     lines += ["", "## Plots", ""]
     for title, path in figures:
         lines += [f"### {title}", "", f"![{title}]({path.relative_to(out).as_posix()})", ""]
@@ -554,6 +689,55 @@ def first_divergence(a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, An
         if other is not None and key in r and abs(r[key] - other) > tol:
             return r["step"]
     return None
+
+
+def gradient_noise_notes(summary: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """GRPO against GSPO on the gradient cosines, shortest vs longest length bucket.
+
+    A change with length counts as different between the two when the difference of
+    their changes exceeds two standard errors (from the spread over dumps).
+    """
+    rows = {n: summary[n]["gradient_cosines_by_length"] for n in ("GRPO", "GSPO") if n in summary}
+    if len(rows) < 2 or any(len(r) < 2 for r in rows.values()):
+        return []
+
+    def trend(name: str, key: str) -> tuple[float, float, str]:
+        first, last = rows[name][0], rows[name][-1]
+        se = math.hypot(first[f"{key}_se"], last[f"{key}_se"])
+        text = (
+            f"{name} {first[key]:.2f} ± {first[f'{key}_se']:.2f} -> {last[key]:.2f} ± "
+            f"{last[f'{key}_se']:.2f}"
+        )
+        return last[key] - first[key], se, text
+
+    lengths = (
+        f"lengths {rows['GRPO'][0]['length_mean']:.0f} -> {rows['GRPO'][-1]['length_mean']:.0f}"
+    )
+    out = []
+    for key, what in (
+        ("halves", "Agreement between the two halves of a length bucket (the noise measure)"),
+        ("to_full", "Agreement of a half-bucket gradient with the full-batch gradient"),
+        ("to_on_policy", "Cosine of a half-bucket gradient to its ratio-1 gradient"),
+    ):
+        grpo_change, grpo_se, grpo_text = trend("GRPO", key)
+        gspo_change, gspo_se, gspo_text = trend("GSPO", key)
+        diff, two_se = grpo_change - gspo_change, 2 * math.hypot(grpo_se, gspo_se)
+        if diff < -two_se:
+            finding = "it falls more with length for GRPO than for GSPO"
+        elif diff > two_se:
+            finding = "it rises more with length for GRPO than for GSPO (or falls less)"
+        else:
+            finding = "the two change alike with length, within two standard errors"
+        out.append(
+            f"{what}, shortest -> longest bucket ({lengths}; mean ± standard error): "
+            f"{grpo_text}; {gspo_text}. GRPO's change minus GSPO's {diff:+.2f} (two "
+            f"standard errors {two_se:.2f}): {finding}."
+        )
+    out.append(
+        "The ratio-1 cosine measures how far the ratios turn the gradient: for GSPO it "
+        "includes whole responses dropped by its clipping, for GRPO the per-token weights."
+    )
+    return out
 
 
 def notes(summary: Mapping[str, Mapping[str, Any]], runs: Sequence[Run] = ()) -> list[str]:

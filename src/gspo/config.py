@@ -36,11 +36,17 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    task: Literal["addition"] = "addition"
+    task: Literal["addition", "chain"] = Field(
+        "addition",
+        description="Built-in task: addition (a+b=, 2-4 tokens) or chain (step-by-step "
+        "multi-term addition, ~20-130 tokens; score it with reward.functions=[numeric_match])",
+    )
     train: str | None = Field(None, description="JSONL/JSON/Parquet with a prompt column")
     eval: str | None = None
     sft: str | None = Field(None, description="Cold-start rows with prompt and completion")
     digits: int = Field(2, ge=1, le=6)
+    terms: int = Field(12, ge=2, le=40, description="chain: most operands per prompt")
+    min_terms: int = Field(2, ge=2, description="chain: fewest operands per prompt")
     eval_size: int = Field(500, ge=1)
     sft_size: int = Field(8000, ge=1)
     label_noise: float = Field(0.5, ge=0.0, le=1.0)
@@ -182,6 +188,12 @@ class Config(_Section):
                 "algorithm.old_logprobs=recompute (vLLM's log-probs are of the truncated "
                 "distribution)"
             )
+        if self.data.task == "chain" and self.data.train is None:
+            if self.data.min_terms > self.data.terms:
+                raise ValueError("data.min_terms exceeds data.terms")
+            if self.reward.functions == ["exact_match"]:
+                # the answer column holds the total; the completion is the whole chain
+                raise ValueError("data.task=chain needs reward.functions=[numeric_match]")
         if self.rollout.engine == "vllm" and self.rollout.logit_noise > 0:
             raise ValueError("rollout.logit_noise is for the torch engine (rollout.engine=torch)")
         dense_builtin = self.model.path is None and self.model.builtin == "qwen3"

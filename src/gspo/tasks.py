@@ -1,4 +1,4 @@
-"""Tasks: the built-in procedurally generated task, dataset loading, prompt encoding.
+"""Tasks: the built-in procedurally generated tasks, dataset loading, prompt encoding.
 
 A dataset here is a list of rows (dicts) with a ``prompt`` column (a string or a list of
 chat messages) plus any other columns, which are passed to reward functions by name, as
@@ -64,7 +64,86 @@ def addition_task(
     return TaskData(train=[row(*p) for p in train], eval=[row(*p) for p in held_out], sft=sft)
 
 
-BUILTIN_TASKS = {"addition": addition_task}
+def chain_steps(terms: list[int]) -> list[tuple[int, int, int]]:
+    """The running sums of ``terms``: ``(sum so far, next term, new sum)`` per step."""
+    steps, total = [], terms[0]
+    for term in terms[1:]:
+        steps.append((total, term, total + term))
+        total += term
+    return steps
+
+
+def chain_completion(steps: list[tuple[int, int, int]]) -> str:
+    """One line ``a+b=c`` per step, then ``answer: <last sum>`` (read by ``numeric_match``)."""
+    lines = [f"{a}+{b}={c}" for a, b, c in steps]
+    return "\n".join([*lines, f"answer: {steps[-1][2]}"])
+
+
+def chain_task(
+    *,
+    digits: int = 2,
+    terms: int = 12,
+    min_terms: int = 2,
+    eval_size: int = 500,
+    sft_size: int = 8000,
+    label_noise: float = 0.5,
+    train_size: int = 20_000,
+    seed: int = 0,
+) -> TaskData:
+    """Step-by-step multi-term addition: long responses whose length varies with the prompt.
+
+    The prompt ``12+34+56+78=`` (``min_terms`` to ``terms`` operands of ``digits`` digits,
+    drawn uniformly) is answered with every partial sum on its own line and the total::
+
+        12+34=46
+        46+56=102
+        102+78=180
+        answer: 180
+
+    One token per character: with 2-digit operands a step is about 10 tokens, so 12 terms
+    make a completion of about 120 tokens and 2 terms one of about 20. The ``answer``
+    column holds the total; score with ``numeric_match`` (it reads the ``answer:`` line).
+    The held-out prompts are disjoint from the training ones. With probability
+    ``label_noise`` a cold-start SFT row carries one slip: the last digit of one uniformly
+    chosen partial sum is replaced by a random digit, and the later steps add correctly
+    from the wrong value, so the chain stays self-consistent but its answer is wrong (9
+    times in 10). The model learns to slip now and then; RL has something to remove.
+    """
+    if digits < 1 or digits > 6:
+        raise ValueError(f"data.digits must be between 1 and 6; got {digits}")
+    if not 2 <= min_terms <= terms:
+        raise ValueError(f"need 2 <= data.min_terms <= data.terms; got {min_terms}, {terms}")
+    rng = random.Random(seed)
+    lo, hi = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
+    prompts: dict[tuple[int, ...], None] = {}
+    for _ in range(50 * (eval_size + train_size)):  # bounded: tiny digit/term ranges run dry
+        if len(prompts) == eval_size + train_size:
+            break
+        count = rng.randint(min_terms, terms)
+        prompts[tuple(rng.randint(lo, hi) for _ in range(count))] = None
+    ordered = list(prompts)
+    eval_size = min(eval_size, len(ordered) // 5)
+    held_out, train = ordered[:eval_size], ordered[eval_size:]
+
+    def prompt(t: tuple[int, ...]) -> str:
+        return "+".join(map(str, t)) + "="
+
+    def row(t: tuple[int, ...]) -> Row:
+        return {"prompt": prompt(t), "answer": str(sum(t))}
+
+    sft = []
+    for t in (train[rng.randrange(len(train))] for _ in range(sft_size)):
+        steps = chain_steps(list(t))
+        if rng.random() < label_noise:
+            slip = rng.randrange(len(steps))  # step `slip` adds operand t[slip + 1]
+            a, b, c = steps[slip]
+            wrong = int(str(c)[:-1] + str(rng.randrange(10)))
+            steps = [*steps[:slip], (a, b, wrong), *chain_steps([wrong, *t[slip + 2 :]])]
+        sft.append({"prompt": prompt(t), "completion": chain_completion(steps)})
+    return TaskData(train=[row(t) for t in train], eval=[row(t) for t in held_out], sft=sft)
+
+
+BUILTIN_TASKS = {"addition": addition_task, "chain": chain_task}
 
 
 def load_rows(path: str | Path, *, what: str) -> list[Row]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import inspect
 import math
 import os
 import random
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from gspo.advantages import group_advantages
-from gspo.config import Config, dump_config, load_config
+from gspo.config import Config, DataConfig, dump_config, load_config
 from gspo.distributed import (
     SHARDED,
     Distributed,
@@ -41,6 +42,7 @@ from gspo.distributed import (
     save_sharded,
     shard_policy,
 )
+from gspo.gradient_noise import bucket_cosines, flatten, length_halves
 from gspo.models import (
     CompletionLogprobs,
     TinyModelSpec,
@@ -91,13 +93,11 @@ def load_task_data(config: Config) -> TaskData:
     """The built-in task, or the user's files (``data.train`` / ``data.eval`` / ``data.sft``)."""
     data = config.data
     if data.train is None:
-        task = BUILTIN_TASKS[data.task](
-            digits=data.digits,
-            eval_size=data.eval_size,
-            sft_size=data.sft_size,
-            label_noise=data.label_noise,
-            seed=derive_seed(config.train.seed, "task"),
-        )
+        make = BUILTIN_TASKS[data.task]
+        # each task takes the data.* settings named like its keyword arguments
+        settings = {k: getattr(data, k) for k in inspect.signature(make).parameters
+                    if k in DataConfig.model_fields}  # fmt: skip
+        task = make(**settings, seed=derive_seed(config.train.seed, "task"))
         if data.eval is not None:
             task.eval = load_rows(data.eval, what="data.eval")
         if data.sft is not None:
@@ -565,8 +565,16 @@ class Trainer:
 
         lines = []
         self.policy.train()
+        every = cfg.log.ratio_dump_every
+        # ratio dumps: rank 0 writes its share of the last minibatch; the gradient cosines
+        # take gradients of pieces of the batch outside FSDP's hooks: one process only
+        dump = every > 0 and rollout_index % every == 0 and self.dist.is_main
+        cosines: dict[str, torch.Tensor] = {}
         for k, rows_mb in enumerate(minibatches):
             t3 = timer()
+            last = k == len(minibatches) - 1
+            if dump and last and not self.dist.enabled:  # at the weights the last one sees
+                cosines = self.gradient_cosines(batch, old_logprobs, advantages, rollout_index)
             mb = batch.select(rows_mb)
             lp = self.policy_logprobs(mb, old_routing, k)
             olp = old_logprobs[rows_mb][:, : lp.shape[1]]
@@ -581,10 +589,8 @@ class Trainer:
                 t4 = timer()
                 line.update(self.expert_churn(mb, old_routing[k]))
                 line["time/moe_churn"] = timer() - t4
-            every = cfg.log.ratio_dump_every
-            dump = k == len(minibatches) - 1 and every and rollout_index % every == 0
-            if dump and self.dist.is_main:  # under torchrun: rank 0's share of the minibatch
-                self.dump_ratios(rollout_index, lp.detach(), olp, mb.completion_mask)
+            if dump and last:
+                self.dump_ratios(rollout_index, lp.detach(), olp, mb.completion_mask, cosines)
             line = self.combine(line)
             line.update(rollout_metrics)
             lines.append((self.step, line))
@@ -637,7 +643,12 @@ class Trainer:
         return line
 
     def dump_ratios(
-        self, rollout_index: int, logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask
+        self,
+        rollout_index: int,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        mask,
+        extra: dict[str, torch.Tensor] | None = None,
     ) -> Path:
         """``ratios/rollout-NNNNNN.pt``: the importance ratios of one minibatch.
 
@@ -645,8 +656,9 @@ class Trainer:
         with the ratios its loss saw (pi_theta before that minibatch's update over pi_old):
         ``token_log_ratio`` (log w_it of every counted token, flat), ``token_length`` (the
         length of each such token's response), ``sequence_log_ratio`` (log s_i, the
-        length-normalised sum) and ``length`` per non-empty response. ``gspo compare``
-        draws its ratio histograms and length buckets from these.
+        length-normalised sum) and ``length`` per non-empty response, plus ``extra``
+        (the gradient cosines of :meth:`gradient_cosines`). ``gspo compare`` draws its
+        ratio histograms, length buckets and gradient-noise table from these.
         """
         mask = mask.bool()
         lengths = response_lengths(mask).long()
@@ -656,6 +668,7 @@ class Trainer:
             "token_length": lengths.unsqueeze(1).expand_as(mask)[mask].cpu(),
             "sequence_log_ratio": sequence_log_ratio(logprobs, old_logprobs, mask)[rows].cpu(),
             "length": lengths[rows].cpu(),
+            **(extra or {}),
         }
         path = self.output_dir / "ratios" / f"rollout-{rollout_index:06d}.pt"
         path.parent.mkdir(exist_ok=True)
@@ -663,6 +676,64 @@ class Trainer:
         torch.save(dump, tmp)
         tmp.replace(path)
         return path
+
+    def gradient_cosines(
+        self,
+        batch: RolloutBatch,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        rollout_index: int,
+    ) -> dict[str, torch.Tensor]:
+        """Gradient noise by response length, at the current weights, without a step.
+
+        The rollout batch is cut into length buckets and each bucket into two random
+        halves (:func:`gspo.gradient_noise.length_halves`); the gradient of
+        :func:`policy_loss` over each half is taken twice, with the run's ratios and with
+        ratios 1 (old log-probs = current ones). The halves partition the batch, so their
+        weighted mean is the full-batch gradient. Costs one forward and two backward
+        passes over the rollout batch (no routing replay on MoE models).
+        """
+        cfg = self.config.algorithm
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        generator = torch.Generator().manual_seed(
+            derive_seed(self.config.train.seed, "gradient_halves", rollout_index)
+        )
+        halves = length_halves(batch.completion_lengths.cpu(), generator=generator)
+        off, on, counts = [], [], []
+        for h in halves:
+            pair_off, pair_on, pair_counts = [], [], []
+            for rows_cpu in (h.first, h.second):
+                if len(rows_cpu) == 0:
+                    pair_off.append(flatten([None] * len(params), params))
+                    pair_on.append(pair_off[-1])
+                    pair_counts.append(0)
+                    continue
+                rows = rows_cpu.to(self.device)
+                mb = batch.select(rows)
+                lp = self.logprobs(mb)
+                ref = self.reference_logprobs(mb)
+                grads = []
+                for old in (old_logprobs[rows][:, : lp.shape[1]], lp.detach()):
+                    out = policy_loss(
+                        lp,
+                        old,
+                        advantages[rows],
+                        mb.completion_mask,
+                        level=cfg.level,
+                        clip_low=cfg.clip_low,
+                        clip_high=cfg.clip_high,
+                        kl_coef=cfg.kl_coef,
+                        ref_logprobs=ref,
+                    )
+                    g = torch.autograd.grad(out.loss, params, retain_graph=True, allow_unused=True)
+                    grads.append(flatten(list(g), params))
+                pair_off.append(grads[0])
+                pair_on.append(grads[1])
+                pair_counts.append(int(mb.completion_mask.any(-1).sum()))
+            off.append(tuple(pair_off))
+            on.append(tuple(pair_on))
+            counts.append(tuple(pair_counts))
+        return bucket_cosines(halves, off, on, counts, batch.completion_lengths.cpu())
 
     def old_pass_with_routing(
         self, batch: RolloutBatch, minibatches: list[torch.Tensor]
