@@ -35,6 +35,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -90,15 +91,15 @@ def main() -> None:
     print(f"one minibatch padded to its longest row: 32 x {width} = {32 * width} positions")
     model.train()
 
-    def fwd_bwd(pack: int) -> Callable[[], object]:
+    def fwd_bwd(mb: rollout.RolloutBatch, **options: Any) -> Callable[[], object]:
         def run() -> None:
             lp = packed_completion_logprobs(
                 model,
-                batch.prompt_ids,
-                batch.prompt_mask,
-                batch.completion_ids,
-                batch.completion_mask,
-                pack_tokens=pack,
+                mb.prompt_ids,
+                mb.prompt_mask,
+                mb.completion_ids,
+                mb.completion_mask,
+                **options,
             )
             lp.sum().backward()
             model.zero_grad()
@@ -109,7 +110,7 @@ def main() -> None:
     table(
         f"pack: forward + backward, 32 completions, {tokens} tokens ({prompt_tokens} of "
         "them prompt tokens), by least row length",
-        interleaved({k: fwd_bwd(v) for k, v in packs.items()}, args.reps),
+        interleaved({k: fwd_bwd(batch, pack_tokens=v) for k, v in packs.items()}, args.reps),
     )
 
     # share: a minibatch drawn as the trainer draws it (32 of the 128 at random), each
@@ -119,26 +120,15 @@ def main() -> None:
     masks = mb.prompt_mask.bool()
     distinct = len({tuple(r[m].tolist()) for r, m in zip(mb.prompt_ids, masks, strict=True)})
 
-    def shared(share: bool) -> Callable[[], object]:
-        def run() -> None:
-            lp = packed_completion_logprobs(
-                model,
-                mb.prompt_ids,
-                mb.prompt_mask,
-                mb.completion_ids,
-                mb.completion_mask,
-                share_prompts=share,
-            )
-            lp.sum().backward()
-            model.zero_grad()
-
-        return run
-
     table(
         f"share: forward + backward of a random minibatch (32 completions of {distinct} "
         f"distinct prompts, {int(mb.completion_mask.sum())} completion tokens)",
         interleaved(
-            {"prompt once per row": shared(False), "prompt once per group": shared(True)}, args.reps
+            {
+                "prompt once per row": fwd_bwd(mb, share_prompts=False),
+                "prompt once per group": fwd_bwd(mb, share_prompts=True),
+            },
+            args.reps,
         ),
     )
     model.eval()
