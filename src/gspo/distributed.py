@@ -6,8 +6,8 @@ spans ranks), and trains on its share; the policy is sharded with FSDP2
 (``fully_shard``): parameters, gradients and optimizer state are split across ranks.
 
 Without ``torchrun`` (``WORLD_SIZE`` unset or 1) :class:`Distributed` is the single
-process: every function here is then a no-op or the identity, so the single-process path
-runs exactly the code and the arithmetic it always has.
+process: every function here is then a no-op or the identity and adds no arithmetic to
+the single-process path (its metrics were checked bit for bit against the code before it).
 
 Rules that make N ranks equal to one process with the whole batch:
 
