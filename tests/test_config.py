@@ -1,9 +1,14 @@
 """Config: YAML + dotted overrides, one-line errors naming the key."""
 
+from pathlib import Path
+
 import pytest
 
 from gspo.cli import main
 from gspo.config import ConfigError, dump_config, load_config, parse_override
+from gspo.config_doc import REGENERATE, format_default, keys, render_reference, sections
+
+REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 
 def test_defaults_are_the_papers_gspo_settings():
@@ -91,3 +96,46 @@ def test_cli_config_prints_resolved_yaml(capsys):
     assert main(["config", "optim.lr=0.5"]) == 0
     out = capsys.readouterr().out
     assert "lr: 0.5" in out
+
+
+def test_committed_configuration_reference_is_current():
+    committed = REFERENCE.read_text() if REFERENCE.is_file() else ""
+    assert committed == render_reference(), (
+        f"docs/configuration.md is out of date with src/gspo/config.py; run `{REGENERATE}`"
+    )
+
+
+def test_reference_lists_every_key_with_its_default():
+    page = render_reference()
+    rows = {
+        line.split(" | ")[0].removeprefix("| ").strip("`"): line
+        for line in page.splitlines()
+        if line.startswith("| `")
+    }
+    names = [name for name, _ in sections()]
+    assert names == [
+        "model", "data", "reward", "rollout", "rollout.vllm",
+        "algorithm", "optim", "train", "eval", "moe", "log",
+    ]  # fmt: skip
+    expected = set()
+    for name, section in sections():
+        assert f"## `{name}`" in page
+        for key, field in keys(section):
+            dotted = f"{name}.{key}"
+            expected.add(dotted)
+            assert dotted in rows, f"{dotted} missing from the reference"
+            assert f"| `{format_default(field)}` |" in rows[dotted], dotted
+            assert field.description, f"{dotted} has no description"
+    assert set(rows) == expected
+    # the defaults are YAML, as `gspo config` prints them
+    assert "| `0.0001` |" in rows["optim.lr"]
+    assert "| `[exact_match]` |" in rows["reward.functions"]
+    assert "| `null` |" in rows["rollout.vllm.max_model_len"]
+    assert ">= 1, <= 6" in rows["data.digits"]
+    assert "| `true` |" in rows["rollout.vllm.enforce_eager"]
+
+
+def test_cli_config_doc_prints_the_reference(capsys):
+    assert main(["config", "--doc"]) == 0
+    assert capsys.readouterr().out == render_reference()
+    assert main(["config", "--doc", "optim.lr=1"]) == 2

@@ -5,6 +5,7 @@
     torchrun --nproc-per-node N -m gspo train ...           # data-parallel, FSDP2
     gspo compare [--config FILE.yaml] [--output-dir DIR] [--seeds 3] [--preset default|stress|long]
     gspo config [--config FILE.yaml] [key.sub=value ...]     # print the resolved config
+    gspo config --doc                                         # print the config reference
 
 Bad input (config keys and values, files, reward functions) ends with one line on
 stderr naming what is wrong, and exit status 2 (set GSPO_DEBUG=1 for the traceback).
@@ -50,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     show = sub.add_parser("config", help="print the resolved config as YAML")
     show.add_argument("--config", type=Path)
+    show.add_argument(
+        "--doc",
+        action="store_true",
+        help="print the Markdown reference of every key instead (docs/configuration.md)",
+    )
     show.add_argument("overrides", nargs="*", metavar="key.sub=value")
     return parser
 
@@ -105,6 +111,13 @@ def main(argv: list[str] | None = None) -> int:
                 seeds=range(args.seeds),
                 preset=args.preset,
             )
+            return 0
+        if args.doc:
+            if args.config is not None or args.overrides:
+                raise ValueError("--doc takes no --config or overrides")
+            from gspo.config_doc import render_reference
+
+            print(render_reference(), end="")
             return 0
         from gspo.config import dump_config_text, load_config
 

@@ -22,39 +22,101 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
+    """The policy: a local Hugging Face causal LM (``model.path``) or a built-in tiny one.
+
+    The ``layers`` .. ``experts_per_token`` keys size the built-in model (a real
+    transformers architecture, random init, character tokenizer) and are ignored when
+    ``model.path`` is set.
+    """
+
     path: str | None = Field(None, description="Local HF causal-LM directory; None = built-in")
-    builtin: Literal["qwen3", "qwen3_moe"] = "qwen3"
-    layers: int = Field(4, ge=1)
-    hidden: int = Field(256, ge=8)
-    heads: int = Field(4, ge=1)
-    kv_heads: int = Field(2, ge=1)
-    intermediate: int = Field(768, ge=8)
-    experts: int = Field(8, ge=1)
-    experts_per_token: int = Field(2, ge=1)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: str = "auto"
+    builtin: Literal["qwen3", "qwen3_moe"] = Field(
+        "qwen3",
+        description="Built-in architecture when model.path is null: qwen3 (dense) or "
+        "qwen3_moe (Mixture-of-Experts)",
+    )
+    layers: int = Field(4, ge=1, description="Built-in: transformer layers")
+    hidden: int = Field(256, ge=8, description="Built-in: hidden size (head dim = hidden / heads)")
+    heads: int = Field(4, ge=1, description="Built-in: attention heads")
+    kv_heads: int = Field(
+        2, ge=1, description="Built-in: key/value heads (grouped-query attention)"
+    )
+    intermediate: int = Field(
+        768,
+        ge=8,
+        description="Built-in qwen3: MLP width (qwen3_moe's experts are 256 wide and ignore it)",
+    )
+    experts: int = Field(8, ge=1, description="Built-in qwen3_moe: experts per layer")
+    experts_per_token: int = Field(
+        2, ge=1, description="Built-in qwen3_moe: experts activated per token (top-k)"
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Compute dtype of the forward passes (autocast; weights and optimizer "
+        "stay float32) and of vLLM; auto = bfloat16 on CUDA, float32 on CPU",
+    )
+    device: str = Field(
+        "auto",
+        description="torch device (cpu, cuda, cuda:1); auto = CUDA if available, else CPU. "
+        "Under torchrun, cuda means GPU LOCAL_RANK",
+    )
 
 
 class DataConfig(_Section):
+    """Prompts for RL, held-out prompts for evaluation, rows for the cold-start SFT.
+
+    With ``data.train`` null a built-in task generates all three (the ``digits`` ..
+    ``label_noise`` keys shape it). Files are JSONL, JSON or Parquet with a ``prompt``
+    column (a string or chat messages); every other column reaches the reward functions
+    as a keyword argument.
+    """
+
     task: Literal["addition", "chain"] = Field(
         "addition",
         description="Built-in task: addition (a+b=, 2-4 tokens) or chain (step-by-step "
         "multi-term addition, ~20-130 tokens; score it with reward.functions=[numeric_match])",
     )
     train: str | None = Field(None, description="JSONL/JSON/Parquet with a prompt column")
-    eval: str | None = None
+    eval: str | None = Field(
+        None,
+        description="Held-out prompts, same formats; with a built-in task it replaces the "
+        "generated held-out split",
+    )
     sft: str | None = Field(None, description="Cold-start rows with prompt and completion")
-    digits: int = Field(2, ge=1, le=6)
+    digits: int = Field(2, ge=1, le=6, description="Built-in tasks: digits per operand")
     terms: int = Field(12, ge=2, le=40, description="chain: most operands per prompt")
     min_terms: int = Field(2, ge=2, description="chain: fewest operands per prompt")
-    eval_size: int = Field(500, ge=1)
-    sft_size: int = Field(8000, ge=1)
-    label_noise: float = Field(0.5, ge=0.0, le=1.0)
+    eval_size: int = Field(
+        500,
+        ge=1,
+        description="Built-in tasks: held-out prompts (at most a fifth of the distinct prompts)",
+    )
+    sft_size: int = Field(8000, ge=1, description="Built-in tasks: cold-start SFT rows")
+    label_noise: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="Built-in tasks: probability that a cold-start row is wrong (addition: "
+        "a random last digit; chain: one slipped partial sum)",
+    )
 
 
 class RewardConfig(_Section):
-    functions: list[str] = Field(default_factory=lambda: ["exact_match"])
-    weights: list[float] | None = None
+    """Reward functions, called on every rollout batch and combined into one scalar reward.
+
+    They follow TRL's convention (``prompts``, ``completions`` and every dataset column as
+    keyword arguments, one float or ``None`` per completion), so TRL reward functions work
+    unchanged; ``None`` is left out of the weighted sum.
+    """
+
+    functions: list[str] = Field(
+        default_factory=lambda: ["exact_match"],
+        description="Built-ins (exact_match, numeric_match, math, format) or "
+        "path/to/file.py:function / package.module:function",
+    )
+    weights: list[float] | None = Field(
+        None, description="One weight per function for the weighted sum; null = 1.0 each"
+    )
 
 
 class VLLMConfig(_Section):
@@ -73,12 +135,34 @@ class VLLMConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    engine: Literal["torch", "vllm"] = "torch"
-    group_size: int = Field(8, ge=1)
-    prompts_per_batch: int = Field(16, ge=1)
-    max_new_tokens: int = Field(8, ge=1)
-    temperature: float = Field(1.0, gt=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Sampling the rollout batches: ``prompts_per_batch`` prompts, ``group_size`` each."""
+
+    engine: Literal["torch", "vllm"] = Field(
+        "torch",
+        description="Sampler: torch (built-in PyTorch sampler) or vllm (colocated vLLM, "
+        "see rollout.vllm)",
+    )
+    group_size: int = Field(8, ge=1, description="Responses per prompt (G)")
+    prompts_per_batch: int = Field(
+        16,
+        ge=1,
+        description="Prompts per rollout batch, global (must divide by the number of ranks)",
+    )
+    max_new_tokens: int = Field(
+        8, ge=1, description="Longest response in tokens; longer ones are cut off"
+    )
+    temperature: float = Field(
+        1.0,
+        gt=0.0,
+        description="Sampling temperature; the trainer's log-probs are taken under it too",
+    )
+    top_p: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="Nucleus sampling; below 1 with engine=vllm needs "
+        "algorithm.old_logprobs=recompute",
+    )
     logit_noise: float = Field(
         0.0,
         ge=0.0,
@@ -89,42 +173,107 @@ class RolloutConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
-    level: Literal["sequence", "sequence_token", "token"] = "sequence"
-    clip_low: float | None = Field(None, ge=0.0)
-    clip_high: float | None = Field(None, ge=0.0)
-    minibatches: int = Field(4, ge=1)
-    old_logprobs: Literal["sampler", "recompute"] = "sampler"
-    advantage_scale: Literal["group", "batch", "none"] = "group"
-    kl_coef: float = Field(0.0, ge=0.0)
+    """The policy-gradient objective: GSPO, GSPO-token or GRPO, and how each batch is used.
+
+    Defaults are the GSPO paper's settings (clip 3e-4 / 4e-4, 4 minibatches per rollout
+    batch, no KL penalty).
+    """
+
+    level: Literal["sequence", "sequence_token", "token"] = Field(
+        "sequence",
+        description="Importance ratio: sequence (GSPO), sequence_token (GSPO-token), token (GRPO)",
+    )
+    clip_low: float | None = Field(
+        None,
+        ge=0.0,
+        description="Clip epsilon below 1; null = the level's paper value (3e-4 for the "
+        "sequence levels, 0.2 for token)",
+    )
+    clip_high: float | None = Field(
+        None,
+        ge=0.0,
+        description="Clip epsilon above 1; null = the level's paper value (4e-4 for the "
+        "sequence levels, 0.27 for token)",
+    )
+    minibatches: int = Field(
+        4,
+        ge=1,
+        description="Optimizer steps per rollout batch, one per minibatch (at most "
+        "rollout.group_size * rollout.prompts_per_batch); the first is on-policy",
+    )
+    old_logprobs: Literal["sampler", "recompute"] = Field(
+        "sampler",
+        description="pi_old's log-probs: sampler (the rollout engine's, no extra pass) or "
+        "recompute (a no-grad trainer forward)",
+    )
+    advantage_scale: Literal["group", "batch", "none"] = Field(
+        "group",
+        description="Divide group-centred rewards by the group's std (group), the rollout "
+        "batch's (batch) or nothing (none, Dr. GRPO)",
+    )
+    kl_coef: float = Field(
+        0.0,
+        ge=0.0,
+        description="Weight of a k3 KL penalty against the cold-start (step-0) model; "
+        "0 = off, no reference model loaded",
+    )
 
 
 class OptimConfig(_Section):
-    lr: float = Field(1e-4, gt=0.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    betas: tuple[float, float] = (0.9, 0.99)
-    grad_clip: float = Field(1.0, ge=0.0)
-    warmup_steps: int = Field(0, ge=0)
+    """AdamW for the RL stage (the cold start has its own ``train.cold_start_*`` keys)."""
+
+    lr: float = Field(1e-4, gt=0.0, description="RL learning rate")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas")
+    grad_clip: float = Field(
+        1.0, ge=0.0, description="Largest global gradient norm per step; 0 = no clipping"
+    )
+    warmup_steps: int = Field(
+        0, ge=0, description="Linear learning-rate warm-up over this many steps; 0 = none"
+    )
 
 
 class TrainConfig(_Section):
+    """The run's length, the cold-start SFT stage before RL, seeding and checkpoints."""
+
     max_steps: int = Field(200, ge=0, description="Optimizer steps of RL")
-    cold_start_steps: int = Field(1500, ge=0)
-    cold_start_lr: float = Field(2e-3, gt=0.0)
-    cold_start_batch_size: int = Field(64, ge=1)
-    seed: int = 0
+    cold_start_steps: int = Field(
+        1500,
+        ge=0,
+        description="SFT steps on the cold-start rows before RL (none without rows); 0 = skip",
+    )
+    cold_start_lr: float = Field(
+        2e-3, gt=0.0, description="Cold-start learning rate, cosine-decayed to 10%"
+    )
+    cold_start_batch_size: int = Field(
+        64,
+        ge=1,
+        description="Rows per cold-start step, global (must divide by the number of ranks)",
+    )
+    seed: int = Field(
+        0,
+        description="Seed that every random choice (init, task, samples, minibatches, "
+        "evaluation) derives from",
+    )
     save_every: int = Field(100, ge=0, description="Optimizer steps; 0 = only at the end")
     keep_checkpoints: int = Field(2, ge=1, description="Newest kept, besides the step-0 one")
 
 
 class EvalConfig(_Section):
+    """Held-out evaluation at the start of RL, every ``eval.every`` steps and at the end."""
+
     every: int = Field(40, ge=0, description="Optimizer steps; 0 = only at start and end")
     samples: int = Field(4, ge=1, description="Sampled responses per held-out prompt")
-    max_prompts: int = Field(500, ge=1)
-    greedy: bool = True
-    success_threshold: float = 1.0
+    max_prompts: int = Field(500, ge=1, description="Held-out prompts evaluated (the first N)")
+    greedy: bool = Field(True, description="Also evaluate greedy decoding (eval/accuracy_greedy)")
+    success_threshold: float = Field(
+        1.0, description="A response counts as correct when its reward is at least this"
+    )
 
 
 class MoEConfig(_Section):
+    """Mixture-of-Experts diagnostics and Routing Replay (MoE models only)."""
+
     routing_replay: bool = Field(
         False, description="Compute pi_theta for the ratio through the experts pi_old chose"
     )
@@ -136,20 +285,37 @@ class MoEConfig(_Section):
 
 
 class LogConfig(_Section):
-    tensorboard: bool = True
-    plots: bool = True
-    progress: bool = True
+    """What a run records besides ``metrics.jsonl`` (always written)."""
+
+    tensorboard: bool = Field(True, description="Write TensorBoard scalars to tensorboard/")
+    plots: bool = Field(
+        True, description="Draw plots/*.png (reward, accuracy, clip fraction) at the end"
+    )
+    progress: bool = Field(True, description="Progress bar and cold-start lines on stdout")
     ratio_dump_every: int = Field(
         0,
         ge=0,
         description="Save the last minibatch's importance ratios every N rollout batches "
         "(ratios/*.pt, for gspo compare); 0 = never",
     )
-    wandb: dict[str, Any] | None = None
-    mlflow: dict[str, Any] | None = None
+    wandb: dict[str, Any] | None = Field(
+        None,
+        description="Mirror metrics to W&B: keyword arguments of wandb.init "
+        "(e.g. {project: my-project}); null = off",
+    )
+    mlflow: dict[str, Any] | None = Field(
+        None,
+        description="Mirror metrics to MLflow: tracking_uri and experiment_name, the rest "
+        "to mlflow.start_run; null = off",
+    )
 
 
 class Config(_Section):
+    """The whole run configuration: one YAML file, every section optional.
+
+    Every batch size is per optimizer step (global), never per process.
+    """
+
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
