@@ -1,4 +1,4 @@
-"""Tests of ``gspo.advantages.group_advantages`` against ``GSPO_SPEC.md``
+"""Tests of ``gspo.advantages.group_advantages`` against ``docs/algorithm.md`` Eq. (1)
 ("Group-relative advantage": A_i = (r_i - mean_j r_j) / std_j r_j, 0 for a group of equal
 rewards, batch-std and no-std (Dr. GRPO) variants)."""
 
@@ -14,7 +14,7 @@ from gspo.advantages import group_advantages
 
 
 def reference(rewards, group_size: int, scale: str) -> np.ndarray:
-    """The spec formula in float64 numpy, unbiased (ddof=1) standard deviations."""
+    """Eq. (1) of docs/algorithm.md in float64 numpy, unbiased (ddof=1) standard deviations."""
     r = np.asarray(rewards, dtype=np.float64).reshape(-1, group_size)
     centered = r - r.mean(axis=1, keepdims=True)
     if scale == "group":

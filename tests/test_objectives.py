@@ -1,8 +1,9 @@
-"""Tests of ``gspo.objectives`` against ``GSPO_SPEC.md``.
+"""Tests of ``gspo.objectives`` against ``docs/algorithm.md``.
 
-The reference below is written directly from the spec formulas in plain Python floats
-(float64), one response and one token at a time. It does not call any helper of the
-module. Its gradient is the spec's closed form: every counted, unclipped token gets
+The reference below is written directly from the formulas of ``docs/algorithm.md``
+(Eqs. (2)-(10)) in plain Python floats (float64), one response and one token at a time.
+It does not call any helper of the module. Its gradient is the closed form of that page's
+"Gradients" paragraph: every counted, unclipped token gets
 ``-ratio * A / (|y_i| * n_valid_rows)`` (for GSPO ``ratio = s_i``), plus the KL term.
 """
 
@@ -33,12 +34,12 @@ RATIO_KEYS = ("ratio_mean", "ratio_min", "ratio_max")
 
 
 # ---------------------------------------------------------------------------------------
-# Reference implementation (spec formulas, plain float64 loops)
+# Reference implementation (docs/algorithm.md formulas, plain float64 loops)
 # ---------------------------------------------------------------------------------------
 
 
 def reference(lp, olp, adv, mask, *, level, eps_low, eps_high, ref=None, kl_coef=0.0):
-    """GRPO / GSPO / GSPO-token loss, gradient and clip metrics, straight from the spec."""
+    """GRPO / GSPO / GSPO-token loss, gradient and clip metrics, from docs/algorithm.md."""
     b, t_len = mask.shape
     lp, olp, m = lp.double().tolist(), olp.double().tolist(), mask.bool().tolist()
     adv = adv.double().tolist()
@@ -207,7 +208,7 @@ SHAPES = [(b, t) for b in (1, 3, 8) for t in (1, 5, 33)]
     [("sequence", False), ("sequence_token", False), ("sequence_token", True), ("token", False)],
 )
 def test_matches_reference(level, token_adv, b, t_len, dtype):
-    """Each level's loss, gradient and metrics equal the spec formulas (J_GSPO, J of
+    """Each level's loss, gradient and metrics equal the formulas (J_GSPO, J of
     GSPO-token with [B] or per-token [B, T] advantages, J_GRPO), with the default clip
     range, on masked batches where both clipped and unclipped units occur."""
     rtol, atol = (1e-10, 1e-12) if dtype == torch.float64 else (2e-5, 1e-6)

@@ -1,7 +1,7 @@
 """Group-relative advantage estimators (shared by GRPO and GSPO).
 
-``A_i = (r_i - mean_j r_j) / std_j r_j`` over the ``G`` responses to one query
-(``GSPO_SPEC.md``, "Group-relative advantage").
+``A_i = (r_i - mean_j r_j) / std_j r_j`` over the ``G`` responses to one query:
+``docs/algorithm.md`` Eq. (1), section "Group-relative advantage".
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ ZERO_STD = 1e-6
 
 
 def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group") -> Tensor:
-    """Group-relative advantages, ``[N] -> [N]`` float32.
+    """Group-relative advantages, ``[N] -> [N]`` float32 (``docs/algorithm.md`` Eq. (1)).
 
     Args:
         rewards: ``[N]`` scalar rewards; rows ``k*G .. k*G+G-1`` are one query's group.

@@ -754,7 +754,8 @@ def notes(summary: Mapping[str, Mapping[str, Any]], runs: Sequence[Run] = ()) ->
             out.append(
                 "GSPO-token matched GSPO exactly on every seed (accuracy and clip fraction): "
                 "with one advantage per response the two objectives and gradients are the "
-                "same (GSPO_SPEC), so this checks the implementation, it is not a second result."
+                "same (docs/algorithm.md), so this checks the implementation, it is not a "
+                "second result."
             )
         else:
             by = {(r.algorithm, r.seed): r.records for r in runs}

@@ -1,17 +1,22 @@
 """Policy-gradient objectives: GSPO, GSPO-token and GRPO as pure tensor functions.
 
-Contract: ``GSPO_SPEC.md`` (Zheng et al. 2025, "Group Sequence Policy Optimization",
-arXiv:2507.18071). Every function here takes tensors and returns tensors or floats: no
-model, no config object, no I/O. Shapes: ``B`` responses, ``T`` completion positions.
+Contract: ``docs/algorithm.md``, the project's statement of the algorithm (after Zheng
+et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071). Every function here
+takes tensors and returns tensors or floats: no model, no config object, no I/O. Shapes:
+``B`` responses, ``T`` completion positions.
 
-Equations, and where each lives:
+Equations of ``docs/algorithm.md``, and where each lives:
 
-- token ratio (GRPO, eq. for ``w_{i,t}``)          -> :func:`token_log_ratio`
-- sequence ratio (GSPO, ``s_i``)                    -> :func:`sequence_log_ratio`
-- token-wise sequence ratio (GSPO-token, ``s_{i,t}``) -> :func:`sequence_token_ratio`
-- ``min(ratio * A, clip(ratio) * A)`` and the clip test -> :func:`clipped_objective`
-- mean over responses of the per-response token mean -> :func:`mean_over_responses`
-- the whole loss with its metrics                   -> :func:`policy_loss`
+- Eq. (2), token ratio (GRPO, ``w_{i,t}``)           -> :func:`token_log_ratio`
+- Eq. (3), sequence ratio (GSPO, ``s_i``)             -> :func:`sequence_log_ratio`,
+  :func:`sequence_ratio`
+- Eq. (4), token-wise sequence ratio (GSPO-token, ``s_{i,t}``) -> :func:`sequence_token_ratio`
+- Eq. (5), ``min(ratio * A, clip(ratio) * A)`` and the clip test -> :func:`clipped_objective`
+- "Aggregation": mean over responses of the per-response token mean
+  -> :func:`mean_over_responses` (inner mean :func:`mean_over_tokens`)
+- Eq. (9), the k3 KL estimator                        -> :func:`k3_kl`
+- Eqs. (6)-(8) and (10), the whole loss, with the metrics of "Logged metrics"
+  -> :func:`policy_loss`
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from torch import Tensor
 Level = Literal["sequence", "sequence_token", "token"]
 LEVELS: tuple[str, ...] = get_args(Level)
 
-#: The paper's clip ranges ``(eps_low, eps_high)``: section 5.1 for GSPO, the GRPO baseline.
+#: The paper's clip ranges ``(eps_low, eps_high)``: section 5.1 for GSPO, the GRPO baseline
+#: (``docs/algorithm.md``, "The clipped term and the clip ranges").
 DEFAULT_CLIP: dict[str, tuple[float, float]] = {
     "sequence": (3e-4, 4e-4),
     "sequence_token": (3e-4, 4e-4),
@@ -34,7 +40,7 @@ DEFAULT_CLIP: dict[str, tuple[float, float]] = {
 
 #: Log-ratios are clamped to this magnitude before ``exp`` so that no finite input gives
 #: inf or NaN. ``exp(20) ~ 4.9e8`` is far outside any clip band, so the clamp never
-#: changes which branch of the clipped objective is active.
+#: changes which branch of the clipped objective is active (``docs/algorithm.md``, "Numerics").
 MAX_LOG_RATIO = 20.0
 
 
@@ -64,6 +70,8 @@ def _accumulation_dtype(t: Tensor) -> torch.dtype:
 def token_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
     """``lp_{i,t} - olp_{i,t}`` in float32 or wider, 0 where ``mask`` is false.
 
+    The log of GRPO's token ratio ``w_{i,t}``, ``docs/algorithm.md`` Eq. (2).
+
     Shapes: ``[B, T]`` in, ``[B, T]`` out. Masked positions may hold any value (even
     -inf): they are replaced, not multiplied, so they can never produce NaN.
     """
@@ -73,12 +81,17 @@ def token_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Ten
 
 
 def response_lengths(mask: Tensor) -> Tensor:
-    """``|y_i|``: the number of counted tokens per response, ``[B, T] -> [B]`` (float32)."""
+    """``|y_i|``: the number of counted tokens per response, ``[B, T] -> [B]`` (float32).
+
+    ``docs/algorithm.md``, "Notation".
+    """
     return mask.bool().sum(dim=-1).to(torch.float32)
 
 
 def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
     """GSPO's length-normalised log-ratio ``(1/|y_i|) sum_t (lp_{i,t} - olp_{i,t})``.
+
+    The log of ``s_i``, ``docs/algorithm.md`` Eq. (3).
 
     ``[B, T] -> [B]``, clamped to ``[-MAX_LOG_RATIO, MAX_LOG_RATIO]``. Rows with an
     all-zero mask give 0 (ratio 1).
@@ -88,15 +101,18 @@ def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> 
 
 
 def sequence_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
-    """GSPO's ``s_i = (pi_theta(y_i|x) / pi_old(y_i|x))^(1/|y_i|)``, ``[B, T] -> [B]``."""
+    """GSPO's ``s_i = (pi_theta(y_i|x) / pi_old(y_i|x))^(1/|y_i|)``, ``[B, T] -> [B]``.
+
+    ``docs/algorithm.md`` Eq. (3).
+    """
     return sequence_log_ratio(logprobs, old_logprobs, mask).exp()
 
 
 def sequence_token_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
     """GSPO-token's ``s_{i,t} = sg[s_i] * exp(lp_{i,t} - sg[lp_{i,t}])``, ``[B, T] -> [B, T]``.
 
-    Its value equals ``s_i`` at every token; its gradient flows through each token's own
-    log-prob, with weight ``s_i``.
+    ``docs/algorithm.md`` Eq. (4). Its value equals ``s_i`` at every token; its gradient
+    flows through each token's own log-prob, with weight ``s_i``.
     """
     s = sequence_ratio(logprobs, old_logprobs, mask).detach()
     lp = logprobs.to(_accumulation_dtype(logprobs))
@@ -111,12 +127,12 @@ def clipped_objective(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)`` and the clip test.
 
-    ``ratio`` and ``advantages`` broadcast together. Returns ``(objective, clipped_low,
-    clipped_high)`` where ``clipped_high`` marks ``ratio > 1 + clip_high`` with ``A > 0``
-    and ``clipped_low`` marks ``ratio < 1 - clip_low`` with ``A < 0``: exactly the
-    entries where the clipped branch of the min is active and the gradient is zero.
-    Written as a ``where`` on that test, which is the min itself case by case, so the
-    metric and the gradient cannot disagree.
+    ``docs/algorithm.md`` Eq. (5). ``ratio`` and ``advantages`` broadcast together.
+    Returns ``(objective, clipped_low, clipped_high)`` where ``clipped_high`` marks
+    ``ratio > 1 + clip_high`` with ``A > 0`` and ``clipped_low`` marks
+    ``ratio < 1 - clip_low`` with ``A < 0``: exactly the entries where the clipped branch
+    of the min is active and the gradient is zero. Written as a ``where`` on that test,
+    which is the min itself case by case, so the metric and the gradient cannot disagree.
     """
     clipped_high = (ratio > 1.0 + clip_high) & (advantages > 0)
     clipped_low = (ratio < 1.0 - clip_low) & (advantages < 0)
@@ -127,7 +143,10 @@ def clipped_objective(
 
 
 def mean_over_tokens(per_token: Tensor, mask: Tensor) -> Tensor:
-    """Each response's mean over its counted tokens, ``[B, T] -> [B]`` (0 for empty rows)."""
+    """Each response's mean over its counted tokens, ``[B, T] -> [B]`` (0 for empty rows).
+
+    The inner ``(1/|y_i|) sum_t`` of ``docs/algorithm.md`` Eqs. (3) and (7)-(9).
+    """
     zero = torch.zeros((), dtype=per_token.dtype, device=per_token.device)
     per_token = torch.where(mask.bool(), per_token, zero)
     return per_token.sum(dim=-1) / response_lengths(mask).to(per_token.dtype).clamp(min=1.0)
@@ -135,6 +154,8 @@ def mean_over_tokens(per_token: Tensor, mask: Tensor) -> Tensor:
 
 def mean_over_responses(per_token: Tensor, mask: Tensor) -> Tensor:
     """The paper's aggregation: mean over responses of each response's token mean.
+
+    The outer ``(1/|V|) sum_{i in V}`` of ``docs/algorithm.md`` Eqs. (6)-(9) ("Aggregation").
 
     ``per_token`` ``[B, T]`` (or ``[B]``, already one value per response), ``mask``
     ``[B, T]``. Responses with no counted token are left out; if none is left the result
@@ -150,6 +171,8 @@ def mean_over_responses(per_token: Tensor, mask: Tensor) -> Tensor:
 
 def k3_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor) -> Tensor:
     """Per-token k3 estimator of KL(pi_theta || pi_ref): ``exp(r) - r - 1``, ``r = ref - lp``.
+
+    ``docs/algorithm.md`` Eq. (9).
 
     ``[B, T] -> [B, T]``, 0 at masked positions, log-ratio clamped like the policy ratio.
     """
@@ -199,6 +222,9 @@ def policy_loss(
     kl_coef: float = 0.0,
 ) -> PolicyLoss:
     """The clipped policy-gradient loss of GSPO, GSPO-token or GRPO.
+
+    ``docs/algorithm.md`` Eq. (6) (GSPO), (7) (GSPO-token) or (8) (GRPO), plus the KL
+    penalty of Eq. (10); the metrics are those of its "Logged metrics".
 
     Args:
         logprobs: ``[B, T]`` current-policy log-probs of the sampled tokens (with grad).
