@@ -1,0 +1,24 @@
+"""The rooms of the RL loop that :mod:`gspo.trainer` composes.
+
+One rollout batch flows through them in this order::
+
+    prompts --RolloutStage--> Experience --UpdateStage (per minibatch)--> metrics
+              (sampler + scorer + old log-probs)   (log-probs -> policy_loss -> optimizer)
+
+============================  =========================================================
+module                        what lives there
+============================  =========================================================
+:mod:`.setup`                 derived seeds, task data, the model, the optimizer
+:mod:`.policy`                :class:`Policy`: the trained weights behind one handle
+:mod:`.sampler`               the rollout engine, kept in step with the policy
+:mod:`.experience`            prompts -> rollout -> scores -> advantages -> old log-probs
+:mod:`.forward`               how minibatch log-probs are computed (plain, MoE routing)
+:mod:`.update`                the objective and one optimizer step per minibatch
+:mod:`.hooks`                 optional instruments: expert churn, ratio dumps, mismatch
+:mod:`.reference`             the frozen KL reference
+:mod:`.cold_start`            supervised fine-tuning before RL
+:mod:`.evaluation`            held-out accuracy
+:mod:`.checkpoint`            naming, writing and finding checkpoints
+:mod:`.metrics`               timers and how each metric combines across ranks
+============================  =========================================================
+"""

@@ -1,0 +1,101 @@
+"""Checkpoints: their names, writing them atomically, finding and loading the latest.
+
+``checkpoints/step-NNNNNNN`` holds the whole model in HF format with its tokenizer
+(``load_model`` and serving read it; rank 0 writes it from the gathered weights),
+``sharded/`` (model and optimizer state by ``torch.distributed.checkpoint``, each rank
+its shards; loadable by any number of ranks) and ``trainer_state.pt`` (step, scheduler).
+``checkpoints/latest`` names the newest. Step 0 is the cold-start model.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from gspo.distributed import SHARDED, Distributed, load_sharded, save_sharded
+from gspo.models import save_pretrained_atomic
+from gspo.training.policy import Policy
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+TRAINER_STATE = "trainer_state.pt"
+
+__all__ = ["CHECKPOINTS", "LATEST", "SHARDED", "TRAINER_STATE"]
+
+
+def checkpoint_dir(output_dir: Path, step: int) -> Path:
+    return Path(output_dir) / CHECKPOINTS / f"step-{step:07d}"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    pointer = Path(output_dir) / CHECKPOINTS / LATEST
+    if not pointer.is_file():
+        return None
+    path = pointer.parent / pointer.read_text().strip()
+    return path if (path / TRAINER_STATE).is_file() else None
+
+
+def save_checkpoint(
+    output_dir: Path,
+    step: int,
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    tokenizer,
+    *,
+    keep: int,
+    dist: Distributed,
+) -> Path:
+    """Write ``checkpoints/step-NNNNNNN`` atomically: a reader sees all of it or none.
+
+    Keeps the ``keep`` newest besides step 0. Every rank calls this at the same step.
+    """
+    final = checkpoint_dir(output_dir, step)
+    root = final.parent
+    sharded = root / f".{final.name}.sharded.tmp"
+    if dist.is_main:
+        root.mkdir(exist_ok=True)
+        if sharded.exists():
+            shutil.rmtree(sharded)
+    dist.barrier()
+    save_sharded(sharded, policy.forward, optimizer)
+    replica = policy.replica()
+    dist.barrier()  # every rank's shards are on disk
+    if dist.is_main:
+        state = {"scheduler": scheduler.state_dict(), "step": step}
+
+        def complete(tmp: Path) -> None:
+            os.replace(sharded, tmp / SHARDED)
+            torch.save(state, tmp / TRAINER_STATE)
+
+        save_pretrained_atomic(replica, tokenizer, final, also=complete)
+        write_atomic(root / LATEST, final.name)
+        # step 0 (the cold-start model) stays: the KL reference and RL's starting point
+        start = checkpoint_dir(output_dir, 0).name
+        older = sorted(p for p in root.glob("step-*") if p.name != start)
+        for stale in older[:-keep]:
+            shutil.rmtree(stale)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(
+    path: Path,
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> int:
+    """Restore model, optimizer and scheduler state from ``path``; its step."""
+    load_sharded(path / SHARDED, policy.forward, optimizer)
+    state = torch.load(path / TRAINER_STATE, map_location=policy.device, weights_only=True)
+    scheduler.load_state_dict(state["scheduler"])
+    return int(state["step"])

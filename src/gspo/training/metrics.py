@@ -1,0 +1,86 @@
+"""Timers, and how each logged metric combines across torchrun ranks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, MutableMapping
+from contextlib import contextmanager
+
+import torch
+
+from gspo.distributed import Distributed, Reduction, combine_metrics
+from gspo.objectives import mean_over_tokens
+
+
+@contextmanager
+def timed(metrics: MutableMapping[str, float], key: str) -> Iterator[None]:
+    """``metrics[key]`` = seconds the block took (also when it raises)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        metrics[key] = time.perf_counter() - start
+
+
+def crossed(before: int, after: int, every: int) -> bool:
+    """Whether a multiple of ``every`` lies in ``(before, after]``."""
+    return every > 0 and after // every > before // every
+
+
+#: How each logged metric combines across ranks (:func:`gspo.distributed.combine_metrics`):
+#: counts add up, extremes and times take the extreme (a step lasts as long as its slowest
+#: rank), fractions and means are weighted by the tokens or responses behind them.
+SUMMED = frozenset({"train/tokens", "train/sequences", "mismatch/tokens", "mismatch/sequences"})
+TOKEN_WEIGHTED = frozenset(
+    {"train/clip_fraction", "train/clip_fraction_low", "train/clip_fraction_high"}
+)
+SEQUENCE_WEIGHTED = frozenset(
+    {"train/objective", "train/kl", "train/loss", "train/clip_fraction_sequences"}
+)
+
+
+def metric_reduction(key: str, level: str) -> tuple[Reduction, str | None]:
+    """``(reduction, weight key)`` of a logged metric for :func:`combine_metrics`."""
+    if key in SUMMED:
+        return "sum", None
+    if key == "train/ratio_min":
+        return "min", None
+    if key in ("train/ratio_max", "mismatch/token_abs_max") or key.startswith("time/"):
+        return "max", None
+    if key in TOKEN_WEIGHTED or (key == "train/ratio_mean" and level == "token"):
+        return "mean", "train/tokens"
+    if key in SEQUENCE_WEIGHTED or key == "train/ratio_mean":
+        return "mean", "train/sequences"
+    if key == "mismatch/token_abs_mean":
+        return "mean", "mismatch/tokens"
+    if key == "mismatch/sequence_mean_delta_abs_mean":
+        return "mean", "mismatch/sequences"
+    if key == "sft/loss":
+        return "mean", "sft/tokens"
+    return "mean", None
+
+
+def combine(dist: Distributed, level: str, metrics: dict[str, float]) -> dict[str, float]:
+    """This rank's metrics combined with every other rank's (the identity in one process)."""
+    if not dist.enabled:
+        return metrics
+    return combine_metrics(dist.gather_objects(metrics), lambda key: metric_reduction(key, level))
+
+
+def logprob_mismatch(
+    sampler: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """Training/inference mismatch: token-level |delta log p| and the sequence-level mean delta."""
+    mask = mask.bool()
+    delta = (trainer.float() - sampler.float()).detach()
+    token_abs = delta.abs()[mask]
+    if token_abs.numel() == 0:
+        return {}
+    sequence_delta = mean_over_tokens(delta, mask)[mask.any(-1)]
+    return {
+        "mismatch/token_abs_mean": token_abs.mean().item(),
+        "mismatch/token_abs_max": token_abs.max().item(),
+        "mismatch/sequence_mean_delta_abs_mean": sequence_delta.abs().mean().item(),
+        "mismatch/tokens": float(token_abs.numel()),
+        "mismatch/sequences": float(sequence_delta.numel()),
+    }

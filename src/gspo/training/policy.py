@@ -1,0 +1,99 @@
+"""The weights being trained, behind one handle: :class:`Policy`."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+
+from gspo.distributed import Distributed, full_state_dict, shard_policy
+from gspo.models import CompletionLogprobs
+from gspo.rollout import RolloutBatch
+
+
+class Policy:
+    """The trained model as the loop sees it: forward, backward, version, whole weights.
+
+    ``module`` is the HF causal LM; ``forward`` (:class:`CompletionLogprobs` over it) is
+    the training forward and, under torchrun, FSDP2's root unit. :meth:`replica` gives the
+    whole weights as a plain HF module: the module itself in one process, a copy refreshed
+    from the shards under FSDP. Rollout engines sample from it and checkpoints export it.
+    ``version`` counts optimizer steps (SFT and RL) so that whoever holds a copy of the
+    weights knows when it is stale.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        dist: Distributed,
+        *,
+        compute_dtype: torch.dtype,
+        temperature: float,
+    ):
+        self.module = module
+        self.forward = CompletionLogprobs(module)
+        self.dist = dist
+        self.compute_dtype = compute_dtype
+        self.device = next(module.parameters()).device
+        self.temperature = temperature
+        self._replica = module
+        if dist.enabled:
+            self._replica = copy.deepcopy(module).requires_grad_(False)
+            shard_policy(self.forward, module, dist.world_size)
+        self.version = 0
+        self._replica_version = 0
+
+    def parameters(self):
+        return self.forward.parameters()
+
+    def train(self) -> None:
+        self.forward.train()
+
+    def stepped(self) -> None:
+        """Record that an optimizer step changed the weights."""
+        self.version += 1
+
+    def autocast(self):
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
+
+    def logprobs(self, batch: RolloutBatch, module: torch.nn.Module | None = None) -> torch.Tensor:
+        """Completion log-probs ``[N, T]`` of ``batch`` under ``module`` (the policy by default).
+
+        The responses of a group share their prompt, which is computed once for them
+        (``share_prompts``, see :func:`gspo.models.packed_completion_logprobs`).
+        """
+        forward = self.forward if module is None else CompletionLogprobs(module)
+        with self.autocast():
+            return forward(
+                batch.prompt_ids,
+                batch.prompt_mask,
+                batch.completion_ids,
+                batch.completion_mask,
+                temperature=self.temperature,
+                share_prompts=True,
+            )
+
+    def backward(self, loss: torch.Tensor, local_count: float) -> None:
+        """``loss.backward()`` for a mean over ``local_count`` items of this rank's share.
+
+        Under torchrun the loss is scaled (:meth:`Distributed.mean_scale`) so that FSDP's
+        average over ranks is the gradient of the mean over the whole global batch.
+        """
+        if self.dist.enabled:
+            loss = loss * self.dist.mean_scale(local_count)
+        loss.backward()
+
+    def replica(self) -> torch.nn.Module:
+        """The whole weights as a plain HF module, brought up to the current version.
+
+        A collective under torchrun (gathered from the shards): every rank calls it at the
+        same point of the loop.
+        """
+        if self._replica_version != self.version:
+            if self._replica is not self.module:
+                self._replica.load_state_dict(full_state_dict(self.module, self.dist))
+            self._replica_version = self.version
+        return self._replica
