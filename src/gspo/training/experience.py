@@ -1,0 +1,217 @@
+"""The rollout stage: prompts -> rollout -> scores -> advantages -> old log-probs.
+
+:class:`RolloutStage` turns a rollout batch index into an :class:`Experience`, the one
+object the update stage consumes.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from gspo.advantages import group_advantages
+from gspo.config import Config
+from gspo.distributed import Distributed
+from gspo.rewards import RewardFunctions
+from gspo.rollout import RolloutBatch, SamplingParams
+from gspo.tasks import as_completion
+from gspo.training.forward import PlainForward, RoutedForward
+from gspo.training.metrics import combine, logprob_mismatch, timed
+from gspo.training.sampler import Sampler
+from gspo.training.setup import derive_seed, rank_seed
+
+
+def column_batch(rows: list[dict[str, Any]], repeat: int) -> dict[str, list[Any]]:
+    """Dataset columns other than ``prompt``, each repeated ``repeat`` times per row."""
+    keys = [k for k in rows[0] if k != "prompt"] if rows else []
+    return {k: [row.get(k) for row in rows for _ in range(repeat)] for k in keys}
+
+
+@dataclass
+class Scored:
+    """A rollout batch with its decoded completions and rewards."""
+
+    batch: RolloutBatch
+    completions: list[Any]
+    rewards: torch.Tensor  # [N] float32
+    per_function: dict[str, list[float | None]]
+
+
+class Scorer:
+    """Decodes completions and scores them with the run's reward functions."""
+
+    def __init__(self, tokenizer, rewards: RewardFunctions):
+        self.tokenizer = tokenizer
+        self.rewards = rewards
+
+    def __call__(self, rows: list[dict[str, Any]], batch: RolloutBatch) -> Scored:
+        group = batch.group_size
+        texts = self.tokenizer.batch_decode(
+            [
+                ids[m].tolist()
+                for ids, m in zip(batch.completion_ids, batch.completion_mask, strict=True)
+            ],
+            skip_special_tokens=True,
+        )
+        prompts = [row["prompt"] for row in rows for _ in range(group)]
+        completions = [as_completion(t, p) for t, p in zip(texts, prompts, strict=True)]
+        result = self.rewards(prompts, completions, column_batch(rows, group))
+        rewards = torch.tensor(result.rewards, dtype=torch.float32)
+        return Scored(batch, completions, rewards, result.per_function)
+
+
+def prompts_for_batch(index: int, rows: int, per_batch: int, seed: int) -> list[int]:
+    """Row indices of rollout batch ``index``: epochs of seeded permutations of ``rows``."""
+    picked: list[int] = []
+    position = index * per_batch
+    while len(picked) < per_batch:
+        epoch, offset = divmod(position, rows)
+        order = list(range(rows))
+        random.Random(derive_seed(seed, "data", epoch)).shuffle(order)
+        take = order[offset : offset + per_batch - len(picked)]
+        picked.extend(take)
+        position += len(take)
+    return picked
+
+
+@dataclass
+class Experience:
+    """One scored rollout batch (this rank's share), ready for the update stage.
+
+    ``advantages`` ``[N]`` and ``old_logprobs`` ``[N, T]`` (pi_old, from the sampler or
+    the trainer's recompute; ``recomputed`` says which) line up with ``batch``'s rows;
+    ``minibatches`` are the row indices of each update; ``metrics`` describe the whole
+    rollout batch over every rank.
+    """
+
+    index: int
+    batch: RolloutBatch
+    advantages: torch.Tensor
+    old_logprobs: torch.Tensor
+    recomputed: bool
+    minibatches: list[torch.Tensor]
+    metrics: dict[str, float]
+
+    @property
+    def last_minibatch(self) -> int:
+        return len(self.minibatches) - 1
+
+
+class RolloutStage:
+    """``stage(index) -> Experience``: everything before the first update of a rollout batch."""
+
+    def __init__(
+        self,
+        config: Config,
+        dist: Distributed,
+        rows: list[dict[str, Any]],
+        prompt_ids: list[list[int]],
+        sampler: Sampler,
+        scorer: Scorer,
+        forward: PlainForward | RoutedForward,
+        sampling: SamplingParams,
+    ):
+        self.config = config
+        self.dist = dist
+        self.rows = rows
+        self.prompt_ids = prompt_ids
+        self.sampler = sampler
+        self.scorer = scorer
+        self.forward = forward
+        # evaluation samples without the testing-only logit noise; rollouts with it
+        self.sampling = replace(sampling, logit_noise=config.rollout.logit_noise)
+        self.local_prompts = dist.shard(
+            config.rollout.prompts_per_batch, "rollout.prompts_per_batch"
+        )
+
+    def __call__(self, index: int) -> Experience:
+        cfg, dist = self.config, self.dist
+        seed = cfg.train.seed
+        local: dict[str, float] = {}
+        with timed(local, "time/generate"):
+            # this rank's share of the rollout batch's prompts (all of them in one process)
+            share = self.local_prompts
+            picked = prompts_for_batch(index, len(self.rows), cfg.rollout.prompts_per_batch, seed)
+            picked = picked[dist.rank * share : (dist.rank + 1) * share]
+            batch, local["time/weight_sync"] = self.sampler.generate(
+                [self.prompt_ids[i] for i in picked],
+                n=cfg.rollout.group_size,
+                params=self.sampling,
+                seed=rank_seed(seed, dist, "rollout", index),
+            )
+        local["time/generate"] -= local["time/weight_sync"]
+        with timed(local, "time/reward"):
+            scored = self.scorer([self.rows[i] for i in picked], batch)
+            advantages = group_advantages(
+                scored.rewards, cfg.rollout.group_size, scale=cfg.algorithm.advantage_scale
+            ).to(self.forward.policy.device)
+        with timed(local, "time/old_logprobs"):
+            order = torch.randperm(
+                len(batch),
+                generator=torch.Generator().manual_seed(rank_seed(seed, dist, "minibatch", index)),
+            )
+            device = self.forward.policy.device
+            minibatches = [rows.to(device) for rows in order.chunk(cfg.algorithm.minibatches)]
+            recomputed = self.forward.old_logprobs(batch, minibatches)
+        if recomputed is not None:
+            local.update(
+                logprob_mismatch(batch.sampler_logprobs, recomputed, batch.completion_mask)
+            )
+        # over all ranks: rewards and lengths gathered, times and mismatch combined
+        metrics = {
+            **rollout_metrics(dist, scored, advantages),
+            **combine(dist, cfg.algorithm.level, local),
+        }
+        return Experience(
+            index=index,
+            batch=batch,
+            advantages=advantages,
+            old_logprobs=batch.sampler_logprobs if recomputed is None else recomputed,
+            recomputed=recomputed is not None,
+            minibatches=minibatches,
+            metrics=metrics,
+        )
+
+
+def rollout_metrics(
+    dist: Distributed, scored: Scored, advantages: torch.Tensor
+) -> dict[str, float]:
+    """Rewards, advantages and lengths of the rollout batch, over every rank's share.
+
+    The per-response values are gathered (groups stay whole and contiguous), so the
+    figures are those of the whole rollout batch, standard deviation included.
+    """
+    batch = scored.batch
+    mine = (
+        scored.rewards.cpu(),
+        advantages.cpu(),
+        batch.completion_lengths.float().cpu(),
+        batch.finish_reasons,
+        scored.per_function,
+    )
+    parts = dist.gather_objects(mine)
+    rewards = torch.cat([p[0] for p in parts])
+    advantages = torch.cat([p[1] for p in parts])
+    lengths = torch.cat([p[2] for p in parts])
+    finish_reasons = [r for p in parts for r in p[3]]
+    per_function = {name: [v for p in parts for v in p[4][name]] for name in parts[0][4]}
+    # group_advantages zeroes exactly the groups whose rewards are all equal
+    constant_groups = (advantages.view(-1, batch.group_size) == 0).all(dim=1)
+    metrics = {
+        "train/reward_mean": rewards.mean().item(),
+        "train/reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
+        "train/zero_std_fraction": constant_groups.float().mean().item(),
+        "train/advantage_abs_mean": advantages.abs().mean().item(),
+        "train/response_length_mean": lengths.mean().item(),
+        "train/response_length_max": lengths.max().item(),
+        "train/truncated_fraction": sum(r == "length" for r in finish_reasons)
+        / len(finish_reasons),
+    }
+    for name, values in per_function.items():
+        numbers = [v for v in values if v is not None]
+        if len(per_function) > 1 and numbers:
+            metrics[f"train/reward/{name}"] = sum(numbers) / len(numbers)
+    return metrics

@@ -1,0 +1,69 @@
+"""The rollout engine, kept in step with the policy's weights."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+
+from gspo.config import Config
+from gspo.rollout import RolloutBatch, RolloutEngine, SamplingParams, TorchEngine
+from gspo.training.policy import Policy
+from gspo.training.setup import derive_seed
+
+
+def build_engine(config: Config, policy: Policy, tokenizer, model_dir: Path) -> RolloutEngine:
+    """``rollout.engine``: the torch sampler, or vLLM started from ``model_dir``."""
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    if config.rollout.engine == "torch":
+        return TorchEngine(policy.replica(), pad_token_id=pad, eos_token_id=eos)
+    from gspo.vllm_engine import VLLMEngine
+
+    v = config.rollout.vllm
+    return VLLMEngine(
+        model_dir,
+        pad_token_id=pad,
+        eos_token_id=eos,
+        device=policy.device,
+        dtype=policy.compute_dtype,
+        seed=derive_seed(config.train.seed, "vllm") % 2**32,
+        gpu_memory_utilization=v.gpu_memory_utilization,
+        cpu_kv_cache_gb=v.cpu_kv_cache_gb,
+        max_model_len=v.max_model_len,
+        enforce_eager=v.enforce_eager,
+    )
+
+
+class Sampler:
+    """Generates from the policy's current weights through a rollout engine.
+
+    The engine is synced to the policy before it generates whenever an optimizer step
+    came after its last sync (the policy's ``version`` moved).
+    """
+
+    def __init__(self, engine: RolloutEngine, policy: Policy):
+        self.engine = engine
+        self.policy = policy
+        self.version = policy.version
+
+    def sync(self) -> float:
+        """Give the engine the policy's current weights if it is behind; seconds taken."""
+        if self.version == self.policy.version:
+            return 0.0
+        start = time.perf_counter()
+        self.engine.sync_weights(self.policy.replica())
+        self.version = self.policy.version
+        return time.perf_counter() - start
+
+    def generate(
+        self, prompts: list[list[int]], *, n: int, params: SamplingParams, seed: int
+    ) -> tuple[RolloutBatch, float]:
+        """``(batch, seconds spent syncing weights first)``.
+
+        The torch engine runs under the policy's autocast; vLLM keeps its own dtype.
+        """
+        t_sync = self.sync()
+        torch_engine = isinstance(self.engine, TorchEngine)
+        with self.policy.autocast() if torch_engine else contextlib.nullcontext():
+            batch = self.engine.generate(prompts, n=n, params=params, seed=seed)
+        return batch, t_sync
