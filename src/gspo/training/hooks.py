@@ -1,0 +1,226 @@
+"""Optional instruments on the update stage, each a :class:`~gspo.training.update.Hook`.
+
+- :class:`FirstMinibatchMismatch`: sampler vs trainer log-probs, free in sampler mode.
+- :class:`ExpertChurn`: share of activated MoE experts that moved since pi_old.
+- :class:`RatioDumps`: importance ratios (and gradient noise by length) to ``ratios/``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from gspo.config import Config
+from gspo.distributed import Distributed
+from gspo.gradient_noise import bucket_cosines, flatten, length_halves
+from gspo.moe import capture_routing, expert_change_fraction, response_token_mask
+from gspo.objectives import response_lengths, sequence_log_ratio, token_log_ratio
+from gspo.rollout import RolloutBatch
+from gspo.training.experience import Experience
+from gspo.training.forward import PlainForward, RoutedForward
+from gspo.training.metrics import logprob_mismatch
+from gspo.training.policy import Policy
+from gspo.training.reference import Reference
+from gspo.training.setup import derive_seed
+from gspo.training.update import Hook, Minibatch, Objective
+
+
+def build_hooks(
+    config: Config,
+    output_dir: Path,
+    dist: Distributed,
+    forward: PlainForward | RoutedForward,
+    objective: Objective,
+    reference: Reference,
+) -> list[Hook]:
+    """The instruments the config asks for, in the order their metrics are added."""
+    hooks: list[Hook] = [FirstMinibatchMismatch()]
+    if isinstance(forward, RoutedForward) and forward.measure_churn:
+        hooks.append(ExpertChurn(forward))
+    if config.log.ratio_dump_every > 0:
+        hooks.append(
+            RatioDumps(
+                config.log.ratio_dump_every,
+                output_dir,
+                dist,
+                forward.policy,
+                objective,
+                reference,
+                config.train.seed,
+            )
+        )
+    return hooks
+
+
+class FirstMinibatchMismatch(Hook):
+    """In sampler mode the first minibatch is on-policy: its forward is the recompute.
+
+    So the training/inference mismatch is measured there for free (with
+    ``old_logprobs=recompute`` the rollout stage measures it over the whole batch).
+    """
+
+    def after_update(self, experience: Experience, minibatch: Minibatch) -> dict[str, float]:
+        if minibatch.k != 0 or experience.recomputed:
+            return {}
+        mb = minibatch.batch
+        return logprob_mismatch(mb.sampler_logprobs, minibatch.logprobs, mb.completion_mask)
+
+
+class ExpertChurn(Hook):
+    """``moe/expert_change_fraction`` after each optimizer step (MoE models).
+
+    A no-grad forward of the minibatch just trained on, with the updated weights and the
+    model's own routing, against the routing recorded under pi_old. After the minibatch-k
+    step that is ``k + 1`` updates since the rollout. Counted: the response tokens
+    (completion tokens under the mask); prompt tokens, padding and packing filler are not.
+    """
+
+    def __init__(self, forward: RoutedForward):
+        self.forward = forward
+
+    def after_update(self, experience: Experience, minibatch: Minibatch) -> dict[str, float]:
+        start = time.perf_counter()
+        metrics = self.churn(minibatch.batch, self.forward.old(minibatch.k))
+        metrics["time/moe_churn"] = time.perf_counter() - start
+        return metrics
+
+    @torch.no_grad()
+    def churn(self, mb: RolloutBatch, old: torch.Tensor) -> dict[str, float]:
+        policy = self.forward.policy
+        with capture_routing(policy.module) as recorder:
+            policy.logprobs(mb)
+        response = response_token_mask(
+            policy.module,
+            lambda p, c: policy.logprobs(replace(mb, prompt_ids=p, completion_ids=c)),
+            mb.prompt_ids,
+            mb.prompt_mask,
+            mb.completion_mask,
+        )
+        overall, per_layer = expert_change_fraction(old, recorder.experts, response)
+        metrics = {"moe/expert_change_fraction": overall}
+        for i, fraction in enumerate(per_layer):
+            metrics[f"moe/expert_change_fraction/layer_{i}"] = fraction
+        return metrics
+
+
+class RatioDumps(Hook):
+    """``ratios/rollout-NNNNNN.pt`` every ``log.ratio_dump_every`` rollout batches (rank 0).
+
+    Holds the ratios the last minibatch's loss saw (pi_theta before its update over
+    pi_old): ``token_log_ratio`` (log w_it of every counted token, flat), ``token_length``
+    (its response's length), ``sequence_log_ratio`` (log s_i) and ``length`` per non-empty
+    response, plus the gradient cosines by length of :func:`gradient_cosines` (one
+    process only: they take gradients outside FSDP's hooks). ``gspo compare`` draws its
+    ratio histograms, length buckets and gradient-noise table from these.
+    """
+
+    def __init__(
+        self,
+        every: int,
+        output_dir: Path,
+        dist: Distributed,
+        policy: Policy,
+        objective: Objective,
+        reference: Reference,
+        seed: int,
+    ):
+        self.every = every
+        self.directory = Path(output_dir) / "ratios"
+        self.dist = dist
+        self.policy = policy
+        self.objective = objective
+        self.reference = reference
+        self.seed = seed
+        self.cosines: dict[str, torch.Tensor] = {}
+
+    def due(self, experience: Experience, k: int) -> bool:
+        index = experience.index
+        return index % self.every == 0 and self.dist.is_main and k == experience.last_minibatch
+
+    def before_update(self, experience: Experience, k: int) -> None:
+        self.cosines = {}
+        if self.due(experience, k) and not self.dist.enabled:  # at the weights k sees
+            self.cosines = gradient_cosines(
+                self.policy,
+                self.objective,
+                self.reference,
+                experience,
+                torch.Generator().manual_seed(
+                    derive_seed(self.seed, "gradient_halves", experience.index)
+                ),
+            )
+
+    def after_update(self, experience: Experience, minibatch: Minibatch) -> dict[str, float]:
+        if self.due(experience, minibatch.k):
+            mb = minibatch
+            self.write(experience.index, mb.logprobs, mb.old_logprobs, mb.batch.completion_mask)
+        return {}
+
+    def write(
+        self, index: int, logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor
+    ) -> Path:
+        mask = mask.bool()
+        lengths = response_lengths(mask).long()
+        rows = lengths > 0
+        dump = {
+            "token_log_ratio": token_log_ratio(logprobs, old_logprobs, mask)[mask].cpu(),
+            "token_length": lengths.unsqueeze(1).expand_as(mask)[mask].cpu(),
+            "sequence_log_ratio": sequence_log_ratio(logprobs, old_logprobs, mask)[rows].cpu(),
+            "length": lengths[rows].cpu(),
+            **self.cosines,
+        }
+        path = self.directory / f"rollout-{index:06d}.pt"
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save(dump, tmp)
+        tmp.replace(path)
+        return path
+
+
+def gradient_cosines(
+    policy: Policy,
+    objective: Objective,
+    reference: Reference,
+    experience: Experience,
+    generator: torch.Generator,
+) -> dict[str, torch.Tensor]:
+    """Gradient noise by response length, at the current weights, without a step.
+
+    The rollout batch is cut into length buckets and each bucket into two random halves
+    (:func:`gspo.gradient_noise.length_halves`); the gradient of the objective over each
+    half is taken twice, with the run's ratios and with ratios 1 (old log-probs = current
+    ones). The halves partition the batch, so their weighted mean is the full-batch
+    gradient. Costs one forward and two backward passes over the rollout batch (no
+    routing replay on MoE models).
+    """
+    batch = experience.batch
+    params = [p for p in policy.module.parameters() if p.requires_grad]
+    halves = length_halves(batch.completion_lengths.cpu(), generator=generator)
+    off, on, counts = [], [], []
+    for h in halves:
+        pair_off, pair_on, pair_counts = [], [], []
+        for rows_cpu in (h.first, h.second):
+            if len(rows_cpu) == 0:
+                pair_off.append(flatten([None] * len(params), params))
+                pair_on.append(pair_off[-1])
+                pair_counts.append(0)
+                continue
+            rows = rows_cpu.to(policy.device)
+            mb = batch.select(rows)
+            lp = policy.logprobs(mb)
+            ref = reference.logprobs(mb)
+            grads = []
+            for old in (experience.old_logprobs[rows][:, : lp.shape[1]], lp.detach()):
+                out = objective(lp, old, experience.advantages[rows], mb.completion_mask, ref)
+                g = torch.autograd.grad(out.loss, params, retain_graph=True, allow_unused=True)
+                grads.append(flatten(list(g), params))
+            pair_off.append(grads[0])
+            pair_on.append(grads[1])
+            pair_counts.append(int(mb.completion_mask.any(-1).sum()))
+        off.append(tuple(pair_off))
+        on.append(tuple(pair_on))
+        counts.append(tuple(pair_counts))
+    return bucket_cosines(halves, off, on, counts, batch.completion_lengths.cpu())

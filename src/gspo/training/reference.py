@@ -1,0 +1,36 @@
+"""The frozen reference policy of the KL penalty (``algorithm.kl_coef > 0``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from gspo.models import load_model
+from gspo.rollout import RolloutBatch
+from gspo.training.checkpoint import checkpoint_dir
+from gspo.training.policy import Policy
+
+
+class Reference:
+    """Log-probs under the cold-start model (the step-0 checkpoint), when the KL is on.
+
+    Loaded on first use, so a run without the penalty never holds a second model, and a
+    resumed run reads the same step-0 weights.
+    """
+
+    def __init__(self, kl_coef: float, output_dir: Path, policy: Policy):
+        self.enabled = kl_coef > 0.0
+        self.path = checkpoint_dir(output_dir, 0)
+        self.policy = policy
+        self.module: torch.nn.Module | None = None
+
+    def logprobs(self, batch: RolloutBatch) -> torch.Tensor | None:
+        """``[N, T]`` reference log-probs of ``batch``, or ``None`` when the KL is off."""
+        if not self.enabled:
+            return None
+        if self.module is None:
+            self.module, _ = load_model(self.path, device=self.policy.device, dtype=torch.float32)
+            self.module.eval().requires_grad_(False)
+        with torch.no_grad():
+            return self.policy.logprobs(batch, self.module)

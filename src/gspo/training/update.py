@@ -1,0 +1,158 @@
+"""The update stage: per minibatch, log-probs -> ``policy_loss`` -> one optimizer step."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from gspo.config import AlgorithmConfig
+from gspo.distributed import as_float
+from gspo.objectives import PolicyLoss, policy_loss
+from gspo.rollout import RolloutBatch
+from gspo.training.experience import Experience
+from gspo.training.forward import PlainForward, RoutedForward
+from gspo.training.policy import Policy
+from gspo.training.reference import Reference
+
+
+class Objective:
+    """:func:`gspo.objectives.policy_loss` with the run's ``algorithm.*`` settings."""
+
+    def __init__(self, algorithm: AlgorithmConfig):
+        self.algorithm = algorithm
+
+    def __call__(
+        self,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        ref_logprobs: torch.Tensor | None = None,
+    ) -> PolicyLoss:
+        cfg = self.algorithm
+        return policy_loss(
+            logprobs,
+            old_logprobs,
+            advantages,
+            mask,
+            level=cfg.level,
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            kl_coef=cfg.kl_coef,
+            ref_logprobs=ref_logprobs,
+        )
+
+
+class PolicyUpdate:
+    """One optimizer step on a minibatch; ``step`` counts RL's optimizer steps."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        objective: Objective,
+        reference: Reference,
+        grad_clip: float,
+    ):
+        self.policy = policy
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.objective = objective
+        self.reference = reference
+        self.grad_clip = grad_clip if grad_clip > 0 else float("inf")
+        self.step = 0
+
+    def __call__(
+        self,
+        mb: RolloutBatch,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+    ) -> dict[str, float]:
+        """One optimizer step on minibatch ``mb`` (this rank's share of it); its metrics.
+
+        ``logprobs`` ``[n, T]`` under pi_theta (with gradient), ``old_logprobs`` ``[n, T]``,
+        ``advantages`` ``[n]``. The backward is scaled so that N ranks holding a share each
+        take the step one process with the whole minibatch would. Metrics are this rank's
+        (see :func:`gspo.training.metrics.combine`) but the gradient norm, which is global.
+        """
+        out = self.objective(
+            logprobs, old_logprobs, advantages, mb.completion_mask, self.reference.logprobs(mb)
+        )
+        self.policy.backward(out.loss, out.metrics["sequences"])
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.policy.stepped()
+        line = {f"train/{key}": value for key, value in out.metrics.items()}
+        line["train/loss"] = out.loss.item()
+        line["train/grad_norm"] = as_float(grad_norm)
+        line["train/lr"] = self.scheduler.get_last_lr()[0]
+        return line
+
+
+@dataclass
+class Minibatch:
+    """A minibatch just trained on, as the hooks see it after its optimizer step.
+
+    ``logprobs`` are pi_theta's before the step (the ratio's numerator, detached),
+    ``old_logprobs`` pi_old's, both ``[n, T]`` over ``batch``'s trimmed columns.
+    """
+
+    k: int
+    rows: torch.Tensor
+    batch: RolloutBatch
+    logprobs: torch.Tensor
+    old_logprobs: torch.Tensor
+
+
+class Hook:
+    """An optional instrument attached to the update stage (see :mod:`gspo.training.hooks`).
+
+    ``before_update`` runs at the weights minibatch ``k`` will see, before its forward;
+    ``after_update`` after its optimizer step, and returns metrics for its log line.
+    """
+
+    def before_update(self, experience: Experience, k: int) -> None:
+        return None
+
+    def after_update(self, experience: Experience, minibatch: Minibatch) -> dict[str, float]:
+        return {}
+
+
+class UpdateStage:
+    """``stage(experience, k) -> metrics``: minibatch ``k``'s forward, step and hooks."""
+
+    def __init__(
+        self,
+        forward: PlainForward | RoutedForward,
+        update: PolicyUpdate,
+        hooks: Sequence[Hook] = (),
+    ):
+        self.forward = forward
+        self.update = update
+        self.hooks = list(hooks)
+
+    def __call__(self, experience: Experience, k: int) -> dict[str, float]:
+        self.update.policy.train()
+        for hook in self.hooks:
+            hook.before_update(experience, k)
+        start = time.perf_counter()
+        rows = experience.minibatches[k]
+        mb = experience.batch.select(rows)
+        logprobs = self.forward.logprobs(mb, k)
+        old_logprobs = experience.old_logprobs[rows][:, : logprobs.shape[1]]
+        line = self.update(mb, logprobs, old_logprobs, experience.advantages[rows])
+        line["train/minibatch"] = k
+        line["train/rollout"] = experience.index
+        line["time/train"] = time.perf_counter() - start
+        done = Minibatch(k, rows, mb, logprobs.detach(), old_logprobs)
+        for hook in self.hooks:
+            line.update(hook.after_update(experience, done))
+        return line
