@@ -1,0 +1,78 @@
+"""Held-out evaluation: pass@1 over sampled responses, and greedy."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from gspo.config import Config
+from gspo.distributed import Distributed
+from gspo.rollout import SamplingParams
+from gspo.training.experience import Scorer
+from gspo.training.sampler import Sampler
+from gspo.training.setup import derive_seed
+
+
+class Evaluator:
+    """``evaluator(step) -> metrics``: ``eval/accuracy``, ``eval/reward_mean``, lengths.
+
+    Accuracy is the mean success (reward >= ``eval.success_threshold``) over
+    ``eval.samples`` samples per prompt, and of one greedy response with ``eval.greedy``.
+    The prompts go in chunks, each sampled with a seed of its own; under torchrun the
+    ranks share the chunks out and gather the results, so N ranks measure exactly what
+    one process would.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        dist: Distributed,
+        rows: list[dict[str, Any]],
+        prompt_ids: list[list[int]],
+        sampler: Sampler,
+        scorer: Scorer,
+        sampling: SamplingParams,
+    ):
+        cfg = config.eval
+        self.config = config
+        self.dist = dist
+        self.rows = rows[: cfg.max_prompts]
+        self.prompt_ids = prompt_ids[: cfg.max_prompts]
+        self.sampler = sampler
+        self.scorer = scorer
+        self.modes = [("", cfg.samples, sampling)]
+        if cfg.greedy:
+            self.modes.append(
+                ("_greedy", 1, SamplingParams(sampling.max_new_tokens, temperature=0.0))
+            )
+        rollout = config.rollout
+        self.chunk = max(1, rollout.prompts_per_batch * rollout.group_size // cfg.samples)
+
+    @torch.no_grad()
+    def __call__(self, step: int) -> dict[str, float]:
+        rows, ids, chunk = self.rows, self.prompt_ids, self.chunk
+        if not rows:
+            return {}
+        metrics: dict[str, float] = {}
+        start = time.perf_counter()
+        self.sampler.sync()  # a collective under torchrun: before the ranks' chunks diverge
+        starts = range(0, len(rows), chunk)
+        for suffix, n, params in self.modes:
+            mine = []
+            for c in starts[self.dist.rank :: self.dist.world_size]:
+                seed = derive_seed(self.config.train.seed, "eval", step, suffix, c)
+                batch, _ = self.sampler.generate(ids[c : c + chunk], n=n, params=params, seed=seed)
+                scored = self.scorer(rows[c : c + chunk], batch)
+                mine.append((c, scored.rewards, batch.completion_lengths.float().cpu()))
+            every_rank = self.dist.gather_objects(mine)
+            done = sorted((part for parts in every_rank for part in parts), key=lambda p: p[0])
+            r = torch.cat([rewards for _, rewards, _ in done])
+            lengths = torch.cat([length for _, _, length in done])
+            threshold = self.config.eval.success_threshold
+            metrics[f"eval/accuracy{suffix}"] = (r >= threshold).float().mean().item()
+            metrics[f"eval/reward_mean{suffix}"] = r.mean().item()
+            metrics[f"eval/response_length_mean{suffix}"] = lengths.mean().item()
+        metrics["time/eval"] = time.perf_counter() - start
+        return metrics
