@@ -4,7 +4,8 @@
     torchrun --standalone --nproc-per-node 2 tests/distributed_worker.py OUT_DIR
 
 Each rank takes its contiguous share of the batch's groups (as the trainer does) and
-takes the step through ``Trainer.policy_update``; rank 0 saves the combined metrics and
+takes the step through ``Trainer.policy_update`` (a :class:`gspo.training.update.
+PolicyUpdate`); rank 0 saves the combined metrics and
 the whole updated weights to ``OUT_DIR/<level>.pt`` for ``test_distributed.py`` to compare.
 The batch has responses of unequal lengths and two empty ones, all in rank 0's half, so
 the ranks hold different token and response counts: a wrong loss normalisation shows.
@@ -49,7 +50,9 @@ def fixed_batch(trainer: Trainer) -> tuple[RolloutBatch, torch.Tensor]:
     g = torch.Generator().manual_seed(1234)
     n = GROUPS * GROUP_SIZE
     prompts = [trainer.train_prompt_ids[i] for i in range(GROUPS) for _ in range(GROUP_SIZE)]
-    prompt_ids, prompt_mask = pad_batch(prompts, trainer.tokenizer.pad_token_id, trainer.device)
+    prompt_ids, prompt_mask = pad_batch(
+        prompts, trainer.tokenizer.pad_token_id, trainer.policy.device
+    )
     lengths = torch.randint(1, LENGTH + 1, (n,), generator=g)
     lengths[[1, 5]] = 0  # two empty responses, both in rank 0's half
     lengths[: n // 2] = torch.where(lengths[: n // 2] > 0, LENGTH, 0)  # rank 0: long ones
@@ -65,7 +68,7 @@ def fixed_batch(trainer: Trainer) -> tuple[RolloutBatch, torch.Tensor]:
         group_size=GROUP_SIZE,
     )
     with torch.no_grad():
-        exact = trainer.logprobs(batch)
+        exact = trainer.policy.logprobs(batch)
     # pi_old differs from pi_theta by a seeded perturbation, so ratios are not all 1
     noise = 0.05 * torch.randn(n, LENGTH, generator=g)
     batch.sampler_logprobs = torch.where(completion_mask, exact + noise, 0.0)
@@ -88,7 +91,7 @@ def main(out: Path) -> None:
             share = len(batch) // dist.world_size
             rows = torch.arange(dist.rank * share, (dist.rank + 1) * share)
             mb = batch.select(rows)
-            logprobs = trainer.logprobs(mb)
+            logprobs = trainer.policy.logprobs(mb)
             old = batch.sampler_logprobs[rows][:, : logprobs.shape[1]]
             metrics = trainer.combine(trainer.policy_update(mb, logprobs, old, advantages[rows]))
             weights = full_state_dict(trainer.model, dist)

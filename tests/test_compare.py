@@ -30,7 +30,8 @@ from gspo.compare import (
 )
 from gspo.config import load_config
 from gspo.telemetry import band_lines, plot_histograms
-from gspo.trainer import Trainer, load_task_data
+from gspo.trainer import Trainer
+from gspo.training.setup import load_task_data
 
 TINY = [
     "model.layers=1",

@@ -139,7 +139,7 @@ def test_torchrun_run_logs_once_and_resumes_with_one_rank(tmp_path):
     dcp_to_torch_save(checkpoint / SHARDED, tmp_path / "whole.pt")
     saved = torch.load(tmp_path / "whole.pt", weights_only=False)
     resumed = Trainer(load_config(out / "config.yaml"), out, resume=True)
-    model_state, optim_state = get_state_dict(resumed.policy, resumed.optimizer)
+    model_state, optim_state = get_state_dict(resumed.policy.forward, resumed.optimizer)
     for name, value in saved["model"].items():
         torch.testing.assert_close(model_state[name], value, rtol=0, atol=0)
     moments = [(n, s) for n, s in optim_state["state"].items()]

@@ -19,7 +19,9 @@ from gspo.moe import (
     response_token_mask,
 )
 from gspo.telemetry import read_metrics
-from gspo.trainer import Trainer, moe_settings
+from gspo.trainer import Trainer
+from gspo.training.forward import RoutedForward
+from gspo.training.setup import moe_settings
 
 MOE = TinyModelSpec(
     architecture="qwen3_moe",
@@ -384,16 +386,16 @@ def test_trainer_replays_the_old_routing_in_every_minibatch(tmp_path, monkeypatc
     )
     trainer = Trainer(config, tmp_path / "run")
     used, recorded = [], []
-    original = Trainer.policy_logprobs
+    original = RoutedForward.logprobs
 
-    def spy(self, mb, old_routing, k):
-        with capture_routing(self.model) as recorder:
-            logprobs = original(self, mb, old_routing, k)
+    def spy(self, mb, k):
+        with capture_routing(self.policy.module) as recorder:
+            logprobs = original(self, mb, k)
         used.append(recorder.experts)
-        recorded.append(old_routing[k].clone())
+        recorded.append(self.old(k).clone())
         return logprobs
 
-    monkeypatch.setattr(Trainer, "policy_logprobs", spy)
+    monkeypatch.setattr(RoutedForward, "logprobs", spy)
     lines = trainer.rl_step(0)
     assert len(used) == config.algorithm.minibatches
     for experts, old in zip(used, recorded, strict=True):

@@ -279,7 +279,7 @@ def load_ratio_dumps(run_dir: Path, last_fraction: float = 0.5) -> dict[str, tor
     return {k: torch.cat(v) if v else torch.zeros(0) for k, v in parts.items()}
 
 
-#: Per-bucket gradient cosines in a dump (see ``Trainer.gradient_cosines``).
+#: Per-bucket gradient cosines in a dump (see :func:`gspo.training.hooks.gradient_cosines`).
 COSINE_KEYS = ("cosine_to_full", "cosine_halves", "cosine_to_on_policy", "cosine_length_mean")
 
 

@@ -1,6 +1,6 @@
 """Gradient noise by response length: cosines between subset and full-batch gradients.
 
-Pure tensor functions (no model, no I/O); :meth:`gspo.trainer.Trainer.gradient_cosines`
+Pure tensor functions (no model, no I/O); :func:`gspo.training.hooks.gradient_cosines`
 feeds them gradients of :func:`gspo.objectives.policy_loss` and ``gspo compare`` reads
 the result from the ratio dumps.
 
