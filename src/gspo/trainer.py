@@ -161,7 +161,7 @@ class Trainer:
         scorer = Scorer(self.tokenizer, rewards)
         self.rollout = RolloutStage(
             config, dist, self.data.train, self.train_prompt_ids, self.sampler, scorer, forward,
-            sampling,
+            sampling, local_prompts=local_prompts,
         )  # fmt: skip
         hooks = build_hooks(config, out, dist, forward, objective, self.reference)
         self.update = UpdateStage(forward, self.policy_update, hooks)

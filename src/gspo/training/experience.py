@@ -113,6 +113,8 @@ class RolloutStage:
         scorer: Scorer,
         forward: PlainForward | RoutedForward,
         sampling: SamplingParams,
+        *,
+        local_prompts: int,
     ):
         self.config = config
         self.dist = dist
@@ -123,13 +125,11 @@ class RolloutStage:
         self.forward = forward
         # evaluation samples without the testing-only logit noise; rollouts with it
         self.sampling = replace(sampling, logit_noise=config.rollout.logit_noise)
-        self.local_prompts = dist.shard(
-            config.rollout.prompts_per_batch, "rollout.prompts_per_batch"
-        )
+        self.local_prompts = local_prompts  # this rank's share of rollout.prompts_per_batch
 
     def __call__(self, index: int) -> Experience:
         cfg, dist = self.config, self.dist
-        seed = cfg.train.seed
+        seed, device = cfg.train.seed, self.forward.policy.device
         local: dict[str, float] = {}
         with timed(local, "time/generate"):
             # this rank's share of the rollout batch's prompts (all of them in one process)
@@ -147,13 +147,12 @@ class RolloutStage:
             scored = self.scorer([self.rows[i] for i in picked], batch)
             advantages = group_advantages(
                 scored.rewards, cfg.rollout.group_size, scale=cfg.algorithm.advantage_scale
-            ).to(self.forward.policy.device)
+            ).to(device)
         with timed(local, "time/old_logprobs"):
             order = torch.randperm(
                 len(batch),
                 generator=torch.Generator().manual_seed(rank_seed(seed, dist, "minibatch", index)),
             )
-            device = self.forward.policy.device
             minibatches = [rows.to(device) for rows in order.chunk(cfg.algorithm.minibatches)]
             recomputed = self.forward.old_logprobs(batch, minibatches)
         if recomputed is not None:

@@ -106,7 +106,6 @@ class Minibatch:
     """
 
     k: int
-    rows: torch.Tensor
     batch: RolloutBatch
     logprobs: torch.Tensor
     old_logprobs: torch.Tensor
@@ -152,7 +151,7 @@ class UpdateStage:
         line["train/minibatch"] = k
         line["train/rollout"] = experience.index
         line["time/train"] = time.perf_counter() - start
-        done = Minibatch(k, rows, mb, logprobs.detach(), old_logprobs)
+        done = Minibatch(k, mb, logprobs.detach(), old_logprobs)
         for hook in self.hooks:
             line.update(hook.after_update(experience, done))
         return line
