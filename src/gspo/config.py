@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -389,11 +390,54 @@ def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
+def _is_text(annotation: Any) -> bool:
+    """Whether a field holds text: ``str``, ``str | None`` or a ``Literal`` of strings."""
+    if annotation is str:
+        return True
+    args = get_args(annotation)
+    if get_origin(annotation) is Literal:
+        return all(isinstance(a, str) for a in args)
+    if get_origin(annotation) in (Union, UnionType):
+        others = [a for a in args if a is not type(None)]
+        return len(others) == 1 and _is_text(others[0])
+    return False
+
+
+def _field_annotation(dotted: str) -> Any:
+    """The annotation of the config field at ``dotted``, or None for a section or unknown key."""
+    model: type[BaseModel] = Config
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        field = model.model_fields.get(key)
+        if field is None or not (
+            isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        ):
+            return None
+        model = field.annotation
+    field = model.model_fields.get(leaf)
+    return None if field is None else field.annotation
+
+
+_NULL = {"null", "Null", "NULL", "~", ""}
+
+
 def parse_override(text: str) -> tuple[str, Any]:
-    """``'optim.lr=3e-4' -> ('optim.lr', 3e-4)``; the value is parsed as YAML."""
+    """``'optim.lr=3e-4' -> ('optim.lr', 3e-4)``: the value typed by the key's field.
+
+    Text keys (``str``, ``str | None``, a choice of strings) take the value as written,
+    colons, braces and quotes included (``data.prompt_template=Q: {question} A:``); for
+    an optional one ``null``, ``~`` or nothing means None. Every other value (numbers,
+    booleans, lists, mappings) is parsed as YAML.
+    """
     key, sep, raw = text.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r} must look like key.sub=value")
+    annotation = _field_annotation(key)
+    if annotation is not None and _is_text(annotation):
+        if type(None) in get_args(annotation) and raw.strip() in _NULL:
+            return key, None
+        # a choice is a word: spaces around it are not part of it
+        return key, raw.strip() if get_origin(annotation) is Literal else raw
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as exc:
