@@ -13,6 +13,8 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from gspo.data import template_fields
+
 
 class ConfigError(ValueError):
     """A bad config file, key or value; the message is one line naming it."""
@@ -67,9 +69,13 @@ class DataConfig(_Section):
     """Prompts for RL, held-out prompts for evaluation, rows for the cold-start SFT.
 
     With ``data.train`` null a built-in task generates all three (the ``digits`` ..
-    ``label_noise`` keys shape it). Files are JSONL, JSON or Parquet with a ``prompt``
-    column (a string or chat messages); every other column reaches the reward functions
-    as a keyword argument.
+    ``label_noise`` keys shape it). Otherwise each of ``data.train`` / ``data.eval`` /
+    ``data.sft`` is a local file (JSONL, JSON, Parquet, CSV), a local dataset directory
+    (``save_to_disk`` output or data files) or a ``datasets`` hub id
+    ``owner/name[:config[:split]]``; an existing local path always wins, and ``./``
+    marks a relative one. The prompt comes from ``data.prompt_column`` (a string or chat
+    messages) or ``data.prompt_template``; every other column reaches the reward
+    functions as a keyword argument.
     """
 
     task: Literal["addition", "chain"] = Field(
@@ -77,13 +83,54 @@ class DataConfig(_Section):
         description="Built-in task: addition (a+b=, 2-4 tokens) or chain (step-by-step "
         "multi-term addition, ~20-130 tokens; score it with reward.functions=[numeric_match])",
     )
-    train: str | None = Field(None, description="JSONL/JSON/Parquet with a prompt column")
+    train: str | None = Field(
+        None,
+        description="RL prompts: a local .jsonl/.json/.parquet/.csv file or dataset "
+        "directory, or a datasets hub id owner/name[:config[:split]] "
+        "(openai/gsm8k:main:train); null = the built-in task",
+    )
     eval: str | None = Field(
         None,
-        description="Held-out prompts, same formats; with a built-in task it replaces the "
-        "generated held-out split",
+        description="Held-out prompts, same forms (openai/gsm8k:main:test); with a built-in "
+        "task it replaces the generated held-out split",
     )
-    sft: str | None = Field(None, description="Cold-start rows with prompt and completion")
+    sft: str | None = Field(
+        None, description="Cold-start SFT rows, same forms: a prompt and a completion column"
+    )
+    prompt_column: str = Field(
+        "prompt",
+        description="Column holding the prompt (a string or a list of chat messages)",
+    )
+    prompt_template: str | None = Field(
+        None,
+        description="Prompt as a Python format string over the row's columns, e.g. "
+        "'Solve: {question}' (literal braces doubled: \\boxed{{}}); replaces "
+        "data.prompt_column",
+    )
+    system_prompt: str | None = Field(
+        None,
+        description="System message put before each prompt (the prompt becomes chat "
+        "messages, so the tokenizer needs a chat template); a prompt that has one keeps it",
+    )
+    chat_template: bool = Field(
+        False,
+        description="Send string prompts through the tokenizer's chat template as one user "
+        "message (implied by data.system_prompt); message-list prompts always are",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra variables for the chat template, e.g. {enable_thinking: false} "
+        "for Qwen3",
+    )
+    answer_column: str | None = Field(
+        None,
+        description="Column whose final answer (GSM8K '#### 42' -> 42, the last \\boxed{} "
+        "-> its content) becomes the answer column the built-in rewards read; "
+        "null = use the answer column as it is",
+    )
+    completion_column: str = Field(
+        "completion", description="data.sft: column holding the cold-start completion"
+    )
     digits: int = Field(2, ge=1, le=6, description="Built-in tasks: digits per operand")
     terms: int = Field(12, ge=2, le=40, description="chain: most operands per prompt")
     min_terms: int = Field(2, ge=2, description="chain: fewest operands per prompt")
@@ -355,6 +402,15 @@ class Config(_Section):
                 "algorithm.old_logprobs=recompute (vLLM's log-probs are of the truncated "
                 "distribution)"
             )
+        if self.data.prompt_template is not None:
+            if "prompt_column" in self.data.model_fields_set and (
+                self.data.prompt_column != "prompt"
+            ):
+                raise ValueError("set one of data.prompt_column and data.prompt_template")
+            try:
+                template_fields(self.data.prompt_template)
+            except ValueError as exc:
+                raise ValueError(f"data.prompt_template: {exc}") from None
         if self.data.task == "chain" and self.data.train is None:
             if self.data.min_terms > self.data.terms:
                 raise ValueError("data.min_terms exceeds data.terms")
