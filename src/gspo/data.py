@@ -161,8 +161,14 @@ def load_rows(text: str | Path, *, what: str) -> list[Row]:
                 loaded = datasets.load_dataset(source.location, source.config, split=source.split)
         except Exception as exc:  # datasets raises many types: one line, naming the key
             kind = "dataset id" if source.kind == "hub" else "local dataset"
+            hint = ""
+            if source.kind == "hub" and isinstance(exc, ConnectionError):
+                hint = (
+                    " (offline, the dataset must be in the datasets cache; "
+                    "HF_HUB_OFFLINE=1 skips the network)"
+                )
             raise ValueError(
-                f"{what}: cannot load {kind} {text!r}: {type(exc).__name__}: {_one_line(exc)}"
+                f"{what}: cannot load {kind} {text!r}: {type(exc).__name__}: {_one_line(exc)}{hint}"
             ) from None
         rows = _one_split(loaded, text, what=what).to_list()
     if not rows:
