@@ -225,3 +225,34 @@ def test_chat_template_kwargs_reach_the_template():
     messages = [{"role": "user", "content": "hi"}]
     assert tok.decode(encode_prompt(messages, tok)).endswith("assistant:[no]")
     assert tok.decode(encode_prompt(messages, tok, think=True)).endswith("assistant:")
+
+
+@pytest.mark.slow
+def test_cli_trains_on_a_dataset_directory_with_a_template(gsm8k_dir, tmp_path):
+    """Issue 18's line, overrides on both sides of an option, a template with colons."""
+    from gspo.cli import main
+    from gspo.telemetry import read_metrics
+
+    out = tmp_path / "run"
+    small = ["model.layers=1", "model.hidden=32", "model.heads=2", "model.kv_heads=1",
+             "model.intermediate=64", "rollout.group_size=2", "rollout.prompts_per_batch=2",
+             "rollout.max_new_tokens=3", "algorithm.minibatches=1", "train.max_steps=1",
+             "eval.samples=1", "log.progress=false", "log.plots=false",
+             "log.tensorboard=false"]  # fmt: skip
+    code = main(
+        [
+            "train",
+            "data.prompt_template=Q: {question} A:",
+            f"data.train={gsm8k_dir}::train",
+            "--output-dir",
+            str(out),
+            f"data.eval={gsm8k_dir}::test",
+            "data.answer_column=answer",
+            "reward.functions=[numeric_match]",
+            *small,
+        ]
+    )
+    assert code == 0
+    config = load_config(out / "config.yaml")
+    assert config.data.prompt_template == "Q: {question} A:"
+    assert any("train/loss" in r for r in read_metrics(out / "metrics.jsonl"))

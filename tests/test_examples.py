@@ -73,6 +73,7 @@ def test_example_is_valid_as_written_and_says_what_it_is_for(path):
     assert "model.path=" in header  # the command line to run it
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_example_runs_one_step_on_stand_ins(path, stand_ins, tmp_path):
     written = load_config(path)
