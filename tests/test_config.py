@@ -139,3 +139,67 @@ def test_cli_config_doc_prints_the_reference(capsys):
     assert main(["config", "--doc"]) == 0
     assert capsys.readouterr().out == render_reference()
     assert main(["config", "--doc", "optim.lr=1"]) == 2
+
+
+def test_text_keys_take_the_value_as_written():
+    template = "Q: {question}\nA: [think] - step: 1, 2 #"
+    c = load_config(
+        overrides=[
+            "model.path=/models/a:b #1",
+            "data.train=openai/gsm8k:main:train",
+            "algorithm.level= token ",  # a choice: spaces around it dropped
+            "data.eval=null",
+            "model.device=cuda:1",
+            "optim.lr=3e-4",  # non-text keys still parse as YAML
+            "reward.functions=[math, format]",
+        ]
+    )
+    assert c.model.path == "/models/a:b #1"
+    assert c.data.train == "openai/gsm8k:main:train"
+    assert c.algorithm.level == "token"
+    assert c.data.eval is None
+    assert c.model.device == "cuda:1"
+    assert c.optim.lr == pytest.approx(3e-4)
+    assert c.reward.functions == ["math", "format"]
+    # what YAML would have turned into something else stays text
+    assert parse_override("model.path=yes") == ("model.path", "yes")
+    assert parse_override("model.path=123") == ("model.path", "123")
+    assert parse_override(f"model.path={template}") == ("model.path", template)
+    # unknown keys and whole sections fall back to YAML and are then refused by name
+    with pytest.raises(ConfigError, match="data.nosuch: unknown key"):
+        load_config(overrides=["data.nosuch=Q: {x}"])
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["config", "optim.lr=0.5", "--config", "CFG", "train.max_steps=7"],
+        ["config", "--config", "CFG", "optim.lr=0.5", "train.max_steps=7"],
+        ["config", "optim.lr=0.5", "train.max_steps=7", "--config", "CFG"],
+    ],
+)
+def test_cli_overrides_anywhere_on_the_line(tmp_path, capsys, argv):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("optim:\n  lr: 0.01\n  warmup_steps: 3\n")
+    argv = [str(cfg) if a == "CFG" else a for a in argv]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "lr: 0.5" in out and "max_steps: 7" in out and "warmup_steps: 3" in out
+
+
+def test_cli_train_and_compare_take_overrides_after_options(tmp_path):
+    from gspo.cli import parse_args
+
+    argv = ["train", "a.b=1", "--output-dir", str(tmp_path), "c.d=Q: {x}", "--overwrite"]
+    args = parse_args(argv)
+    assert args.overrides == ["a.b=1", "c.d=Q: {x}"] and args.overwrite
+    args = parse_args(["compare", "--seeds", "2", "a.b=1", "--preset", "stress", "c.d=2"])
+    assert args.overrides == ["a.b=1", "c.d=2"] and args.seeds == 2
+
+
+@pytest.mark.parametrize("stray", ["--bogus", "notanoverride"])
+def test_cli_unknown_words_are_argparse_errors(capsys, stray):
+    with pytest.raises(SystemExit) as info:
+        main(["train", "a.b=1", "--output-dir", "unused", stray])
+    assert info.value.code == 2
+    assert f"unrecognized arguments: {stray}" in capsys.readouterr().err

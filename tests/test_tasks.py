@@ -1,6 +1,4 @@
-"""Tasks: the built-in addition and chain tasks, dataset loading, prompt encoding."""
-
-import json
+"""Tasks: the built-in addition and chain tasks, prompt encoding."""
 
 import pytest
 
@@ -13,7 +11,6 @@ from gspo.tasks import (
     chain_steps,
     chain_task,
     encode_prompt,
-    load_rows,
 )
 
 
@@ -127,39 +124,12 @@ def test_chain_config_needs_a_final_answer_reward():
     assert config.data.terms == 5
 
 
-@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet"])
-def test_load_rows_formats(tmp_path, suffix):
-    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
-    path = tmp_path / f"d{suffix}"
-    if suffix == ".jsonl":
-        path.write_text("\n".join(json.dumps(r) for r in rows))
-    elif suffix == ".json":
-        path.write_text(json.dumps(rows))
-    else:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        pq.write_table(pa.Table.from_pylist(rows), path)
-    assert load_rows(path, what="data.train") == rows
-
-
-def test_load_rows_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="data.train: file not found"):
-        load_rows(tmp_path / "missing.jsonl", what="data.train")
-    (tmp_path / "x.csv").write_text("prompt\nhi\n")
-    with pytest.raises(ValueError, match=r"data.eval: .* must end in"):
-        load_rows(tmp_path / "x.csv", what="data.eval")
-    (tmp_path / "np.jsonl").write_text(json.dumps({"question": "1+1"}) + "\n")
-    with pytest.raises(ValueError, match="no 'prompt' column"):
-        load_rows(tmp_path / "np.jsonl", what="data.train")
-
-
 def test_encode_prompt_string_and_chat():
     tok = build_char_tokenizer()
     ids = encode_prompt("12+3=", tok)
     assert tok.decode(ids) == "12+3="
     messages = [{"role": "user", "content": "hi"}]
-    with pytest.raises(ValueError, match="no chat template"):
+    with pytest.raises(ValueError, match="tokenizer has no chat template"):
         encode_prompt(messages, tok)
     tok.chat_template = (
         "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}\n{% endfor %}"
@@ -173,10 +143,3 @@ def test_as_completion_follows_trl():
     assert as_completion("42", [{"role": "user", "content": "q"}]) == [
         {"role": "assistant", "content": "42"}
     ]
-
-
-def test_bad_jsonl_line_names_the_line(tmp_path):
-    path = tmp_path / "d.jsonl"
-    path.write_text('{"prompt": "a"}\n{"prompt": oops}\n')
-    with pytest.raises(ValueError, match="data.train: .* line 2 is not JSON"):
-        load_rows(path, what="data.train")

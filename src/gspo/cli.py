@@ -7,6 +7,9 @@
     gspo config [--config FILE.yaml] [key.sub=value ...]     # print the resolved config
     gspo config --doc                                         # print the config reference
 
+Overrides may stand anywhere on the line, before or after the options; a text key takes
+its value as written (``data.prompt_template=Q: {question} A:``), other values are YAML.
+
 Bad input (config keys and values, files, reward functions) ends with one line on
 stderr naming what is wrong, and exit status 2 (set GSPO_DEBUG=1 for the traceback).
 """
@@ -94,8 +97,24 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with ``key.sub=value`` overrides accepted anywhere in it.
+
+    argparse gives a ``nargs="*"`` positional only one run of words, so overrides after
+    an option (``train a=1 --output-dir DIR b=2``) come back unrecognised; they are
+    appended here in the order written. Anything else unrecognised is argparse's error.
+    """
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    unknown = [word for word in extra if word.startswith("-") or "=" not in word]
+    if unknown or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
+    args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         if args.command == "train":
             return run_train(args)

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from gspo.data import template_fields
 
 
 class ConfigError(ValueError):
@@ -66,9 +69,13 @@ class DataConfig(_Section):
     """Prompts for RL, held-out prompts for evaluation, rows for the cold-start SFT.
 
     With ``data.train`` null a built-in task generates all three (the ``digits`` ..
-    ``label_noise`` keys shape it). Files are JSONL, JSON or Parquet with a ``prompt``
-    column (a string or chat messages); every other column reaches the reward functions
-    as a keyword argument.
+    ``label_noise`` keys shape it). Otherwise each of ``data.train`` / ``data.eval`` /
+    ``data.sft`` is a local file (JSONL, JSON, Parquet, CSV), a local dataset directory
+    (``save_to_disk`` output or data files) or a ``datasets`` hub id
+    ``owner/name[:config[:split]]``; an existing local path always wins, and ``./``
+    marks a relative one. The prompt comes from ``data.prompt_column`` (a string or chat
+    messages) or ``data.prompt_template``; every other column reaches the reward
+    functions as a keyword argument.
     """
 
     task: Literal["addition", "chain"] = Field(
@@ -76,13 +83,54 @@ class DataConfig(_Section):
         description="Built-in task: addition (a+b=, 2-4 tokens) or chain (step-by-step "
         "multi-term addition, ~20-130 tokens; score it with reward.functions=[numeric_match])",
     )
-    train: str | None = Field(None, description="JSONL/JSON/Parquet with a prompt column")
+    train: str | None = Field(
+        None,
+        description="RL prompts: a local .jsonl/.json/.parquet/.csv file or dataset "
+        "directory, or a datasets hub id owner/name[:config[:split]] "
+        "(openai/gsm8k:main:train); null = the built-in task",
+    )
     eval: str | None = Field(
         None,
-        description="Held-out prompts, same formats; with a built-in task it replaces the "
-        "generated held-out split",
+        description="Held-out prompts, same forms (openai/gsm8k:main:test); with a built-in "
+        "task it replaces the generated held-out split",
     )
-    sft: str | None = Field(None, description="Cold-start rows with prompt and completion")
+    sft: str | None = Field(
+        None, description="Cold-start SFT rows, same forms: a prompt and a completion column"
+    )
+    prompt_column: str = Field(
+        "prompt",
+        description="Column holding the prompt (a string or a list of chat messages)",
+    )
+    prompt_template: str | None = Field(
+        None,
+        description="Prompt as a Python format string over the row's columns, e.g. "
+        "'Solve: {question}' (literal braces doubled: \\boxed{{}}); replaces "
+        "data.prompt_column",
+    )
+    system_prompt: str | None = Field(
+        None,
+        description="System message put before each prompt (the prompt becomes chat "
+        "messages, so the tokenizer needs a chat template); a prompt that has one keeps it",
+    )
+    chat_template: bool = Field(
+        False,
+        description="Send string prompts through the tokenizer's chat template as one user "
+        "message (implied by data.system_prompt); message-list prompts always are",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra variables for the chat template, e.g. {enable_thinking: false} "
+        "for Qwen3",
+    )
+    answer_column: str | None = Field(
+        None,
+        description="Column whose final answer (GSM8K '#### 42' -> 42, the last \\boxed{} "
+        "-> its content) becomes the answer column the built-in rewards read; "
+        "null = use the answer column as it is",
+    )
+    completion_column: str = Field(
+        "completion", description="data.sft: column holding the cold-start completion"
+    )
     digits: int = Field(2, ge=1, le=6, description="Built-in tasks: digits per operand")
     terms: int = Field(12, ge=2, le=40, description="chain: most operands per prompt")
     min_terms: int = Field(2, ge=2, description="chain: fewest operands per prompt")
@@ -354,6 +402,15 @@ class Config(_Section):
                 "algorithm.old_logprobs=recompute (vLLM's log-probs are of the truncated "
                 "distribution)"
             )
+        if self.data.prompt_template is not None:
+            if "prompt_column" in self.data.model_fields_set and (
+                self.data.prompt_column != "prompt"
+            ):
+                raise ValueError("set one of data.prompt_column and data.prompt_template")
+            try:
+                template_fields(self.data.prompt_template)
+            except ValueError as exc:
+                raise ValueError(f"data.prompt_template: {exc}") from None
         if self.data.task == "chain" and self.data.train is None:
             if self.data.min_terms > self.data.terms:
                 raise ValueError("data.min_terms exceeds data.terms")
@@ -389,11 +446,54 @@ def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
+def _is_text(annotation: Any) -> bool:
+    """Whether a field holds text: ``str``, ``str | None`` or a ``Literal`` of strings."""
+    if annotation is str:
+        return True
+    args = get_args(annotation)
+    if get_origin(annotation) is Literal:
+        return all(isinstance(a, str) for a in args)
+    if get_origin(annotation) in (Union, UnionType):
+        others = [a for a in args if a is not type(None)]
+        return len(others) == 1 and _is_text(others[0])
+    return False
+
+
+def _field_annotation(dotted: str) -> Any:
+    """The annotation of the config field at ``dotted``, or None for a section or unknown key."""
+    model: type[BaseModel] = Config
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        field = model.model_fields.get(key)
+        if field is None or not (
+            isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        ):
+            return None
+        model = field.annotation
+    field = model.model_fields.get(leaf)
+    return None if field is None else field.annotation
+
+
+_NULL = {"null", "Null", "NULL", "~", ""}
+
+
 def parse_override(text: str) -> tuple[str, Any]:
-    """``'optim.lr=3e-4' -> ('optim.lr', 3e-4)``; the value is parsed as YAML."""
+    """``'optim.lr=3e-4' -> ('optim.lr', 3e-4)``: the value typed by the key's field.
+
+    Text keys (``str``, ``str | None``, a choice of strings) take the value as written,
+    colons, braces and quotes included (``data.prompt_template=Q: {question} A:``); for
+    an optional one ``null``, ``~`` or nothing means None. Every other value (numbers,
+    booleans, lists, mappings) is parsed as YAML.
+    """
     key, sep, raw = text.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r} must look like key.sub=value")
+    annotation = _field_annotation(key)
+    if annotation is not None and _is_text(annotation):
+        if type(None) in get_args(annotation) and raw.strip() in _NULL:
+            return key, None
+        # a choice is a word: spaces around it are not part of it
+        return key, raw.strip() if get_origin(annotation) is Literal else raw
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as exc:

@@ -29,8 +29,11 @@ run `{REGENERATE}`. -->
 edit by hand (regenerate with `{REGENERATE}`).*
 
 A run's configuration is one YAML file (`--config FILE.yaml`) whose top-level keys are the
-sections below, plus dotted `key.sub=value` overrides on the command line, parsed as YAML
-(`gspo train optim.lr=3e-4 reward.functions='[math, format]'`). Every key is optional;
+sections below, plus dotted `key.sub=value` overrides anywhere on the command line
+(`gspo train optim.lr=3e-4 reward.functions='[math, format]'`). The value of a text key
+(`str`, a choice of words) is taken as written, colons and braces included
+(`data.prompt_template='Q: {{question}} A:'`; `null` for None where the key allows it);
+every other value is parsed as YAML. Every key is optional;
 unknown keys and bad values stop with one line naming the key. `gspo config [--config
 FILE.yaml] [key.sub=value ...]` prints the resolved configuration, and every run saves it
 as `config.yaml` in its output directory.

@@ -56,6 +56,7 @@ __all__ = [
     "math_reward",
     "numeric_match_reward",
     "parse_number",
+    "reference_answer",
 ]
 
 RewardFunction = Callable[..., Sequence[float | None]]
@@ -280,17 +281,25 @@ def _gold_text(answer: Any) -> str:
     return s
 
 
+def reference_answer(solution: Any) -> str:
+    """The final answer of a reference solution, as text.
+
+    GSM8K's ``... #### 72`` gives ``72``; a MATH solution's last ``\\boxed{...}`` gives
+    its content (``\\frac{1}{2}``); anything else is returned stripped. ``data.answer_column``
+    fills the ``answer`` column with this.
+    """
+    s = _gold_text(solution)
+    boxed = _boxed_contents(s)
+    return boxed[-1].strip() if boxed else s
+
+
 def _gold_number(answer: Any) -> float | None:
     if answer is None or isinstance(answer, bool):
         return None
     if isinstance(answer, numbers.Real):
         value = float(answer)
         return value if math.isfinite(value) else None
-    s = _gold_text(answer)
-    boxed = _boxed_contents(s)
-    if boxed:
-        s = boxed[-1]
-    return parse_number(s)
+    return parse_number(reference_answer(answer))
 
 
 # --------------------------------------------------------------------------------------------

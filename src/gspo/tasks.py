@@ -1,4 +1,4 @@
-"""Tasks: the built-in procedurally generated tasks, dataset loading, prompt encoding.
+"""Tasks: the built-in procedurally generated tasks, prompt encoding (user datasets: ``gspo.data``).
 
 A dataset here is a list of rows (dicts) with a ``prompt`` column (a string or a list of
 chat messages) plus any other columns, which are passed to reward functions by name, as
@@ -7,10 +7,8 @@ in TRL. Cold-start SFT rows also carry a ``completion`` string.
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 Row = dict[str, Any]
@@ -146,53 +144,25 @@ def chain_task(
 BUILTIN_TASKS = {"addition": addition_task, "chain": chain_task}
 
 
-def load_rows(path: str | Path, *, what: str) -> list[Row]:
-    """Rows of a JSONL, JSON or Parquet file (via ``datasets``), checked for a prompt column.
+def encode_prompt(
+    prompt: str | list[dict[str, str]], tokenizer, **chat_template_kwargs: Any
+) -> list[int]:
+    """Token ids of a prompt: chat messages go through the tokenizer's chat template.
 
-    ``what`` names the config key in error messages (e.g. ``data.train``).
+    ``chat_template_kwargs`` (``data.chat_template_kwargs``, e.g. Qwen3's
+    ``enable_thinking``) reach the template as its variables.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{what}: file not found: {path}")
-    suffix = path.suffix.lower()
-    builders = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-    if suffix not in builders:
-        raise ValueError(f"{what}: {path} must end in .jsonl, .json or .parquet")
-    if suffix == ".jsonl":  # one json.loads per line: no need to start `datasets` for it
-        rows = []
-        for number, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{what}: {path} line {number} is not JSON: {exc}") from exc
-    else:
-        import datasets
-
-        datasets.disable_progress_bars()
-        try:
-            table = datasets.load_dataset(builders[suffix], data_files=str(path), split="train")
-        except Exception as exc:  # datasets raises many types for malformed files
-            raise ValueError(f"{what}: cannot read {path}: {type(exc).__name__}: {exc}") from exc
-        rows = table.to_list()
-    if not rows:
-        raise ValueError(f"{what}: {path} has no rows")
-    if not isinstance(rows[0], dict) or "prompt" not in rows[0]:
-        raise ValueError(f"{what}: {path} has no 'prompt' column (columns: {list(rows[0])})")
-    return rows
-
-
-def encode_prompt(prompt: str | list[dict[str, str]], tokenizer) -> list[int]:
-    """Token ids of a prompt: chat messages go through the tokenizer's chat template."""
     if isinstance(prompt, str):
         return list(tokenizer(prompt)["input_ids"])
     if isinstance(prompt, list):
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError(
-                "prompt is a list of chat messages but the tokenizer has no chat template"
+                "prompts are chat messages (a message-list prompt column, data.system_prompt "
+                "or data.chat_template) but the tokenizer has no chat template"
             )
-        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            prompt, add_generation_prompt=True, tokenize=True, **chat_template_kwargs
+        )
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)

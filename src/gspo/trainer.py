@@ -150,9 +150,9 @@ class Trainer:
             self.cold_start_done = True
 
         # the stages, and the hooks attached to the update stage
-        tok = self.tokenizer
-        self.train_prompt_ids = [encode_prompt(r["prompt"], tok) for r in self.data.train]
-        eval_prompt_ids = [encode_prompt(r["prompt"], tok) for r in self.data.eval]
+        tok, chat = self.tokenizer, config.data.chat_template_kwargs
+        self.train_prompt_ids = [encode_prompt(r["prompt"], tok, **chat) for r in self.data.train]
+        eval_prompt_ids = [encode_prompt(r["prompt"], tok, **chat) for r in self.data.eval]
         sampling = SamplingParams(
             max_new_tokens=config.rollout.max_new_tokens,
             temperature=config.rollout.temperature,

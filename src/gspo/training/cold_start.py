@@ -44,7 +44,7 @@ def cold_start(
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     encoded = [
         (
-            encode_prompt(r["prompt"], tokenizer),
+            encode_prompt(r["prompt"], tokenizer, **config.data.chat_template_kwargs),
             [*tokenizer(r["completion"], add_special_tokens=False)["input_ids"], eos],
         )
         for r in rows

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from gspo.config import Config, DataConfig
+from gspo.data import load_rows, prepare_rows
 from gspo.distributed import Distributed
 from gspo.models import (
     TinyModelSpec,
@@ -19,7 +20,7 @@ from gspo.models import (
     save_pretrained_atomic,
 )
 from gspo.moe import find_routers, is_moe
-from gspo.tasks import BUILTIN_TASKS, TaskData, load_rows
+from gspo.tasks import BUILTIN_TASKS, TaskData
 
 
 def derive_seed(seed: int, *tags: object) -> int:
@@ -39,7 +40,8 @@ def rank_seed(seed: int, dist: Distributed, *tags: object) -> int:
 
 
 def load_task_data(config: Config) -> TaskData:
-    """The built-in task, or the user's files (``data.train`` / ``data.eval`` / ``data.sft``)."""
+    """The built-in task or the user's data (``data.train`` / ``data.eval`` / ``data.sft``),
+    each row's prompt (and answer, completion) built by the ``data.*`` keys."""
     data = config.data
     if data.train is None:
         make = BUILTIN_TASKS[data.task]
@@ -51,13 +53,17 @@ def load_task_data(config: Config) -> TaskData:
             task.eval = load_rows(data.eval, what="data.eval")
         if data.sft is not None:
             task.sft = load_rows(data.sft, what="data.sft")
-        return task
-    train = load_rows(data.train, what="data.train")
-    evaluation = load_rows(data.eval, what="data.eval") if data.eval else []
-    sft = load_rows(data.sft, what="data.sft") if data.sft else []
-    if sft and "completion" not in sft[0]:
-        raise ValueError(f"data.sft: {data.sft} has no 'completion' column")
-    return TaskData(train=train, eval=evaluation, sft=sft)
+    else:
+        task = TaskData(
+            train=load_rows(data.train, what="data.train"),
+            eval=load_rows(data.eval, what="data.eval") if data.eval else [],
+            sft=load_rows(data.sft, what="data.sft") if data.sft else [],
+        )
+    return TaskData(
+        train=prepare_rows(task.train, data, what="data.train"),
+        eval=prepare_rows(task.eval, data, what="data.eval"),
+        sft=prepare_rows(task.sft, data, what="data.sft", sft=True),
+    )
 
 
 def build_or_load_model(

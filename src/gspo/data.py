@@ -1,0 +1,258 @@
+"""User datasets: where the rows come from and how each row becomes a prompt.
+
+**Sources** (``data.train``, ``data.eval``, ``data.sft``), decided in this order:
+
+1. the value names an existing file or directory: a local file (``.jsonl``, ``.json``,
+   ``.parquet``, ``.csv``), a directory written by ``datasets``' ``save_to_disk`` (read
+   with ``load_from_disk``) or a directory of data files (read with ``load_dataset``);
+2. otherwise it is read as ``SOURCE[:CONFIG[:SPLIT]]`` (``:SPLIT`` alone is ``::SPLIT``).
+   ``SOURCE`` is a local directory as in 1 when one exists by that name; a local path
+   that does not exist when it ends in one of those suffixes or starts with ``/``,
+   ``./``, ``../`` or ``~`` (an error); else a ``datasets`` hub id
+   (``openai/gsm8k:main:train``, ``HuggingFaceH4/MATH-500::test``), read with
+   ``datasets.load_dataset`` so the user's cache and offline mode (``HF_HUB_OFFLINE=1``)
+   apply. A source with several splits and none named is an error listing them.
+
+**Rows to prompts** (:func:`prepare_rows`): the prompt is ``data.prompt_template``
+filled from the row's columns, else the ``data.prompt_column`` column; with
+``data.system_prompt`` or ``data.chat_template`` a string prompt becomes a user message
+(after the system message) for the tokenizer's chat template. ``data.answer_column``
+fills the ``answer`` column the built-in rewards read with that column's final answer
+(:func:`gspo.rewards.reference_answer`), ``data.completion_column`` the cold start's
+``completion``. Every other column reaches the reward functions by name, as in TRL.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import string
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gspo.rewards import reference_answer
+
+if TYPE_CHECKING:
+    from gspo.config import DataConfig
+
+Row = dict[str, Any]
+
+#: Local file suffixes and the ``datasets`` builder that reads each.
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+_LOCAL_PREFIXES = ("/", "./", "../", "~")
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where ``data.*`` rows come from: ``kind`` is file, saved (``save_to_disk``),
+    directory (data files) or hub."""
+
+    kind: str
+    location: str
+    config: str | None = None
+    split: str | None = None
+
+
+def _local(path: Path, config: str | None = None, split: str | None = None) -> Source:
+    if path.is_file():
+        return Source("file", str(path), config, split)
+    saved = (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
+    return Source("saved" if saved else "directory", str(path), config, split)
+
+
+def parse_source(text: str, *, what: str) -> Source:
+    """Where ``text`` (the value of the key ``what``) points; the rule in the module doc."""
+    whole = Path(text).expanduser()
+    if whole.exists():
+        return _local(whole)
+    if whole.suffix.lower() in FILE_BUILDERS:
+        raise FileNotFoundError(f"{what}: file not found: {text}")
+    source, *rest = text.split(":")
+    if len(rest) > 2:
+        raise ValueError(f"{what}: {text!r} has more than SOURCE:CONFIG:SPLIT")
+    config, split = ((rest + [""] * 2)[:2]) if rest else ("", "")
+    config, split = config or None, split or None
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return _local(path, config, split)
+    if path.suffix.lower() in FILE_BUILDERS or source.startswith(_LOCAL_PREFIXES):
+        raise FileNotFoundError(f"{what}: file not found: {source}")
+    if not _HUB_ID.fullmatch(source):
+        raise ValueError(
+            f"{what}: {text!r} is neither an existing local path nor a dataset id "
+            "(owner/name[:config[:split]])"
+        )
+    return Source("hub", source, config, split)
+
+
+def _read_file(path: Path, *, what: str) -> list[Row]:
+    suffix = path.suffix.lower()
+    if suffix not in FILE_BUILDERS:
+        raise ValueError(f"{what}: {path} must end in {', '.join(FILE_BUILDERS)}")
+    if suffix == ".jsonl":  # one json.loads per line: no need to start `datasets` for it
+        rows = []
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{what}: {path} line {number} is not JSON: {exc}") from exc
+        return rows
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        table = datasets.load_dataset(FILE_BUILDERS[suffix], data_files=str(path), split="train")
+    except Exception as exc:  # datasets raises many types for malformed files
+        raise ValueError(f"{what}: cannot read {path}: {type(exc).__name__}: {exc}") from exc
+    return table.to_list()
+
+
+def _one_split(loaded: Any, text: str, *, what: str) -> Any:
+    """The only split of a ``DatasetDict``, or a one-line error naming the splits."""
+    import datasets
+
+    if not isinstance(loaded, datasets.DatasetDict):
+        return loaded
+    if len(loaded) == 1:
+        return next(iter(loaded.values()))
+    source, _, config = text.partition(":")
+    raise ValueError(
+        f"{what}: {text} has splits {', '.join(loaded)}; name one as "
+        f"{source}:{config.split(':')[0]}:SPLIT"
+    )
+
+
+def load_rows(text: str | Path, *, what: str) -> list[Row]:
+    """The rows ``text`` points to (see the module doc), as dicts; one-line errors.
+
+    ``what`` names the config key in error messages (e.g. ``data.train``).
+    """
+    text = str(text)
+    source = parse_source(text, what=what)
+    if source.kind == "file":
+        if source.config or source.split:
+            raise ValueError(f"{what}: {text}: a file has no configs or splits")
+        rows = _read_file(Path(source.location), what=what)
+    else:
+        import datasets
+
+        datasets.disable_progress_bars()
+        try:
+            if source.kind == "saved":
+                if source.config is not None:
+                    raise ValueError(f"a saved dataset has no configs (got {source.config!r})")
+                loaded = datasets.load_from_disk(source.location)
+                if source.split is not None:
+                    if not isinstance(loaded, datasets.DatasetDict):
+                        raise ValueError("it holds one split; drop ':SPLIT'")
+                    if source.split not in loaded:
+                        raise ValueError(f"no split {source.split!r} (splits: {', '.join(loaded)})")
+                    loaded = loaded[source.split]
+            else:
+                loaded = datasets.load_dataset(source.location, source.config, split=source.split)
+        except Exception as exc:  # datasets raises many types: one line, naming the key
+            kind = "dataset id" if source.kind == "hub" else "local dataset"
+            hint = ""
+            if source.kind == "hub" and isinstance(exc, ConnectionError):
+                hint = (
+                    " (offline, the dataset must be in the datasets cache; "
+                    "HF_HUB_OFFLINE=1 skips the network)"
+                )
+            raise ValueError(
+                f"{what}: cannot load {kind} {text!r}: {type(exc).__name__}: {_one_line(exc)}{hint}"
+            ) from None
+        rows = _one_split(loaded, text, what=what).to_list()
+    if not rows:
+        raise ValueError(f"{what}: {text} has no rows")
+    if not isinstance(rows[0], dict):
+        raise ValueError(f"{what}: {text} rows are {type(rows[0]).__name__}, not records")
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Rows to prompts
+# --------------------------------------------------------------------------------------------
+
+
+def template_fields(template: str) -> list[str]:
+    """The column names ``template`` reads (``{question}``, ``{meta[level]}`` -> ``meta``).
+
+    Raises ``ValueError`` (message without the key) for malformed format strings and
+    positional fields such as ``{}``, a common slip for ``\\boxed{}`` (write ``{{}}``).
+    """
+    fields = []
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ValueError(f"not a format string ({exc}); write {{{{ and }}}} for braces") from None
+    for _, field, _, _ in parsed:
+        if field is None:
+            continue
+        name = re.split(r"[.\[]", field, maxsplit=1)[0]
+        if not name or name.isdigit():
+            raise ValueError(
+                f"{{{field}}} is a positional field; name a column, or write {{{{}}}} for "
+                "literal braces (\\boxed{{}})"
+            )
+        fields.append(name)
+    return fields
+
+
+def _columns(rows: list[Row]) -> str:
+    return ", ".join(rows[0]) if rows else "none"
+
+
+def prepare_rows(rows: list[Row], data: DataConfig, *, what: str, sft: bool = False) -> list[Row]:
+    """``rows`` with ``prompt`` (and ``answer``, and for ``sft`` rows ``completion``) set
+    from the ``data.*`` keys; see the module doc. One-line errors name the key, the
+    source and the columns that exist.
+    """
+    if not rows:
+        return rows
+    source = getattr(data, what.removeprefix("data."), None) or "the built-in task"
+    where = f"{what} ({source}; columns: {_columns(rows)})"
+
+    def need(column: str, key: str) -> None:
+        missing = next((i for i, row in enumerate(rows) if column not in row), None)
+        if missing is not None:
+            row = "" if missing == 0 else f" in row {missing}"
+            raise ValueError(f"{key}: no column {column!r}{row} of {where}")
+
+    template = data.prompt_template
+    if template is not None:
+        for field in template_fields(template):
+            need(field, "data.prompt_template")
+    else:
+        need(data.prompt_column, "data.prompt_column")
+    if data.answer_column is not None:
+        need(data.answer_column, "data.answer_column")
+    if sft:
+        need(data.completion_column, "data.completion_column")
+    chat = data.chat_template or data.system_prompt is not None
+
+    out = []
+    for row in rows:
+        prompt = template.format_map(row) if template else row[data.prompt_column]
+        if chat:
+            if isinstance(prompt, str):
+                prompt = [{"role": "user", "content": prompt}]
+            has_system = bool(prompt) and prompt[0].get("role") == "system"
+            if data.system_prompt is not None and not has_system:
+                prompt = [{"role": "system", "content": data.system_prompt}, *prompt]
+        new = {**row, "prompt": prompt}
+        if data.answer_column is not None:
+            gold = row[data.answer_column]
+            new["answer"] = None if gold is None else reference_answer(gold)
+        if sft:
+            new["completion"] = row[data.completion_column]
+        out.append(new)
+    return out

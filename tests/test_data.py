@@ -1,0 +1,258 @@
+"""User datasets: sources (files, saved directories, hub ids), prompts, answers, errors."""
+
+import json
+
+import datasets
+import pytest
+
+from gspo.config import ConfigError, load_config
+from gspo.data import load_rows, parse_source, prepare_rows, template_fields
+from gspo.models import build_char_tokenizer
+from gspo.tasks import encode_prompt
+
+GSM8K_ROWS = [
+    {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3+4=7\n#### 7"},
+    {"question": "Half of 10?", "answer": "10/2=5\n#### 5"},
+    {"question": "What is 6*7?", "answer": "6*7=42\n#### 42"},
+]
+
+
+def data_config(*overrides):
+    return load_config(None, list(overrides)).data
+
+
+@pytest.fixture
+def gsm8k_dir(tmp_path):
+    """A GSM8K stand-in: a DatasetDict (train, test) written with save_to_disk."""
+    path = tmp_path / "gsm8k"
+    datasets.DatasetDict(
+        train=datasets.Dataset.from_list(GSM8K_ROWS),
+        test=datasets.Dataset.from_list(GSM8K_ROWS[:1]),
+    ).save_to_disk(str(path))
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet", ".csv"])
+def test_local_files(tmp_path, suffix):
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
+    path = tmp_path / f"d{suffix}"
+    if suffix == ".jsonl":
+        path.write_text("\n".join(json.dumps(r) for r in rows))
+    elif suffix == ".json":
+        path.write_text(json.dumps(rows))
+    elif suffix == ".csv":
+        path.write_text("prompt,answer\n1+1=,2\n2+2=,4\n")
+    else:
+        datasets.Dataset.from_list(rows).to_parquet(str(path))
+    loaded = load_rows(path, what="data.train")
+    assert [{k: str(v) for k, v in r.items()} for r in loaded] == rows
+
+
+def test_saved_dataset_directory_and_its_splits(gsm8k_dir):
+    assert load_rows(f"{gsm8k_dir}::train", what="data.train") == GSM8K_ROWS
+    assert load_rows(f"{gsm8k_dir}::test", what="data.eval") == GSM8K_ROWS[:1]
+    with pytest.raises(ValueError, match=r"data.eval: .* has splits train, test; name one as"):
+        load_rows(gsm8k_dir, what="data.eval")
+    with pytest.raises(ValueError, match=r"data.eval: .*no split 'dev' \(splits: train, test\)"):
+        load_rows(f"{gsm8k_dir}::dev", what="data.eval")
+    single = gsm8k_dir.parent / "single"
+    datasets.Dataset.from_list(GSM8K_ROWS).save_to_disk(str(single))
+    assert load_rows(single, what="data.train") == GSM8K_ROWS
+
+
+def test_directory_of_data_files_goes_through_load_dataset(tmp_path):
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    for split, rows in (("train", GSM8K_ROWS), ("test", GSM8K_ROWS[2:])):
+        (folder / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    assert load_rows(f"{folder}::test", what="data.eval") == GSM8K_ROWS[2:]
+
+
+def test_hub_ids_reach_load_dataset_with_config_and_split(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # no local directory named like the id
+    calls = []
+
+    def fake_load_dataset(path, name=None, split=None, **kwargs):
+        calls.append((path, name, split))
+        return datasets.Dataset.from_list(GSM8K_ROWS)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    assert load_rows("openai/gsm8k:main:train", what="data.train") == GSM8K_ROWS
+    load_rows("HuggingFaceH4/MATH-500::test", what="data.eval")
+    load_rows("openai/gsm8k:main", what="data.eval")
+    assert calls == [
+        ("openai/gsm8k", "main", "train"),
+        ("HuggingFaceH4/MATH-500", None, "test"),
+        ("openai/gsm8k", "main", None),
+    ]
+
+
+def test_uncached_hub_id_offline_is_one_line(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf" / "datasets"))
+    with pytest.raises(ValueError) as info:
+        load_rows("nobody-here/no-such-dataset:main:train", what="data.train")
+    message = str(info.value)
+    assert message.startswith("data.train: cannot load dataset id 'nobody-here/no-such-dataset")
+    assert "\n" not in message
+
+
+def test_which_values_are_local_and_which_are_ids(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "openai").mkdir()
+    (tmp_path / "openai" / "gsm8k").mkdir()  # an existing local directory wins over the id
+    assert parse_source("openai/gsm8k:main:train", what="k").kind == "directory"
+    assert parse_source("other/gsm8k:main:train", what="k").kind == "hub"
+    for missing in ("train.jsonl", "./gsm8k", "/no/such/dir", "~/nope", "x.parquet:a:b"):
+        with pytest.raises(FileNotFoundError, match="k: file not found"):
+            parse_source(missing, what="k")
+    with pytest.raises(ValueError, match="more than SOURCE:CONFIG:SPLIT"):
+        parse_source("a/b:c:d:e", what="k")
+    with pytest.raises(ValueError, match="neither an existing local path nor a dataset id"):
+        parse_source("a b/c", what="k")
+    (tmp_path / "x.txt").write_text("prompt\n")
+    with pytest.raises(ValueError, match=r"data.eval: .* must end in"):
+        load_rows(tmp_path / "x.txt", what="data.eval")
+    (tmp_path / "d.jsonl").write_text('{"prompt": "a"}\n{"prompt": oops}\n')
+    with pytest.raises(ValueError, match="data.train: .* line 2 is not JSON"):
+        load_rows(tmp_path / "d.jsonl", what="data.train")
+
+
+def test_template_system_prompt_and_answer_extraction():
+    data = data_config(
+        "data.train=gsm8k",
+        "data.prompt_template=Q: {question}\nPut the answer in \\boxed{{}}. A:",
+        "data.system_prompt=You are careful: think {step} by step.",
+        "data.answer_column=answer",
+    )
+    rows = prepare_rows(GSM8K_ROWS, data, what="data.train")
+    assert rows[0]["prompt"] == [
+        {"role": "system", "content": "You are careful: think {step} by step."},
+        {"role": "user", "content": f"Q: {GSM8K_ROWS[0]['question']}\nPut the answer in "
+                                    "\\boxed{}. A:"},
+    ]  # fmt: skip
+    assert [r["answer"] for r in rows] == ["7", "5", "42"]
+    assert rows[0]["question"] == GSM8K_ROWS[0]["question"]  # other columns stay
+
+
+def test_prompt_column_chat_rows_and_boxed_answers():
+    math_rows = [{"problem": "1/2+0?", "solution": "It is $\\boxed{\\frac{1}{2}}$."}]
+    data = data_config("data.prompt_column=problem", "data.answer_column=solution")
+    rows = prepare_rows(math_rows, data, what="data.train")
+    assert rows[0]["prompt"] == "1/2+0?" and rows[0]["answer"] == "\\frac{1}{2}"
+    assert rows[0]["solution"] == math_rows[0]["solution"]
+    # a chat prompt that has its own system message keeps it; string prompts become chat
+    chat_rows = [
+        {"prompt": [{"role": "system", "content": "own"}, {"role": "user", "content": "q"}]},
+        {"prompt": "plain"},
+    ]
+    rows = prepare_rows(chat_rows, data_config("data.system_prompt=sys"), what="data.train")
+    assert rows[0]["prompt"] == chat_rows[0]["prompt"]
+    assert rows[1]["prompt"] == [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "plain"},
+    ]
+    rows = prepare_rows(chat_rows[1:], data_config("data.chat_template=true"), what="data.train")
+    assert rows[0]["prompt"] == [{"role": "user", "content": "plain"}]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["data.prompt_column=questoin"], "data.prompt_column: no column 'questoin' of "),
+        (["data.prompt_template=Q: {questoin}"], "data.prompt_template: no column 'questoin'"),
+        (
+            ["data.prompt_column=question", "data.answer_column=solution"],
+            "data.answer_column: no column 'solution' of ",
+        ),
+    ],
+)
+def test_bad_columns_name_the_key_and_the_columns(overrides, expected):
+    data = data_config("data.train=t.jsonl", *overrides)
+    with pytest.raises(ValueError) as info:
+        prepare_rows(GSM8K_ROWS, data, what="data.train")
+    message = str(info.value)
+    assert message.startswith(expected)
+    assert "data.train (t.jsonl; columns: question, answer)" in message
+    assert "\n" not in message
+
+
+def test_a_column_missing_from_a_later_row_names_the_row():
+    rows = [{"prompt": "a"}, {"prompt": "b"}, {"question": "c"}]
+    with pytest.raises(ValueError, match="no column 'prompt' in row 2 of data.eval"):
+        prepare_rows(rows, data_config(), what="data.eval")
+
+
+def test_sft_rows_need_their_completion_column():
+    data = data_config("data.prompt_column=question", "data.completion_column=answer")
+    rows = prepare_rows(GSM8K_ROWS, data, what="data.sft", sft=True)
+    assert rows[2]["completion"] == GSM8K_ROWS[2]["answer"]
+    with pytest.raises(ValueError, match="data.completion_column: no column 'completion'"):
+        prepare_rows(GSM8K_ROWS, data_config("data.prompt_column=question"), what="data.sft",
+                     sft=True)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        ("\\boxed{} {question}", "{} is a positional field"),
+        ("{0} {question}", "{0} is a positional field"),
+        ("Q: {question", "not a format string"),
+        ("Q: question}", "not a format string"),
+    ],
+)
+def test_malformed_templates_are_config_errors(template, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"data.prompt_template={template}"])
+    assert str(info.value).startswith(f"data.prompt_template: {expected}")
+
+
+def test_template_fields_and_one_prompt_key():
+    assert template_fields("{a} {b[0]} {c.real} {{literal}}") == ["a", "b", "c"]
+    with pytest.raises(ConfigError, match="set one of data.prompt_column and data.prompt_template"):
+        load_config(None, ["data.prompt_column=q", "data.prompt_template={q}"])
+
+
+def test_chat_template_kwargs_reach_the_template():
+    tok = build_char_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% if not think %}[no]{% endif %}{% endif %}"
+    )
+    messages = [{"role": "user", "content": "hi"}]
+    assert tok.decode(encode_prompt(messages, tok)).endswith("assistant:[no]")
+    assert tok.decode(encode_prompt(messages, tok, think=True)).endswith("assistant:")
+
+
+@pytest.mark.slow
+def test_cli_trains_on_a_dataset_directory_with_a_template(gsm8k_dir, tmp_path):
+    """Issue 18's line, overrides on both sides of an option, a template with colons."""
+    from gspo.cli import main
+    from gspo.telemetry import read_metrics
+
+    out = tmp_path / "run"
+    small = ["model.layers=1", "model.hidden=32", "model.heads=2", "model.kv_heads=1",
+             "model.intermediate=64", "rollout.group_size=2", "rollout.prompts_per_batch=2",
+             "rollout.max_new_tokens=3", "algorithm.minibatches=1", "train.max_steps=1",
+             "eval.samples=1", "log.progress=false", "log.plots=false",
+             "log.tensorboard=false"]  # fmt: skip
+    code = main(
+        [
+            "train",
+            "data.prompt_template=Q: {question} A:",
+            f"data.train={gsm8k_dir}::train",
+            "--output-dir",
+            str(out),
+            f"data.eval={gsm8k_dir}::test",
+            "data.answer_column=answer",
+            "reward.functions=[numeric_match]",
+            *small,
+        ]
+    )
+    assert code == 0
+    config = load_config(out / "config.yaml")
+    assert config.data.prompt_template == "Q: {question} A:"
+    assert any("train/loss" in r for r in read_metrics(out / "metrics.jsonl"))
