@@ -84,7 +84,8 @@ def test_group_form_is_standardised(batch):
         if (r == r[0]).all():
             assert (adv == 0).all()
         else:
-            assert adv.mean().item() == pytest.approx(0.0, abs=1e-6)
+            # float32: r - mean cancels (hypothesis found [4, 4, 4.25]: mean -1.1e-6)
+            assert adv.mean().item() == pytest.approx(0.0, abs=1e-5)
             assert adv.std().item() == pytest.approx(1.0, rel=1e-5)
 
 
