@@ -48,6 +48,7 @@ __all__ = [
     "RewardFunction",
     "RewardFunctions",
     "RewardResult",
+    "code_reward",
     "completion_text",
     "exact_match_reward",
     "extract_final_answer",
@@ -484,7 +485,24 @@ def math_reward(
     return out
 
 
+def code_reward(
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    tests: Sequence[Any] | None = None,
+    **kwargs: Any,
+) -> list[float | None]:
+    """Pass fraction of the completion's Python program on the row's ``tests`` (sandboxed).
+
+    See :func:`gspo.sandbox.code_reward`: the program is the last fenced Python block, each
+    runs in its own isolated, resource-limited process.
+    """
+    from gspo.sandbox import code_reward as run
+
+    return run(prompts=prompts, completions=completions, tests=tests, **kwargs)
+
+
 BUILTIN_REWARDS: dict[str, RewardFunction] = {
+    "code": code_reward,
     "exact_match": exact_match_reward,
     "numeric_match": numeric_match_reward,
     "math": math_reward,
