@@ -250,6 +250,22 @@ class TrainConfig(_Section):
         ge=1,
         description="Rows per cold-start step, global (must divide by the number of ranks)",
     )
+    cold_start_save_every: int = Field(
+        250,
+        ge=0,
+        description="Cold-start steps between its progress checkpoints (a killed cold start "
+        "resumes from the last one); 0 = none",
+    )
+    cold_start_cache: bool = Field(
+        True,
+        description="Reuse an identical earlier cold start (same model, rows, SFT settings, "
+        "seed, ranks and code) from the cache instead of redoing it (CLI: --no-cache = false)",
+    )
+    cold_start_cache_dir: str | None = Field(
+        None,
+        description="Where finished cold starts are kept; None = $XDG_CACHE_HOME/gspo/"
+        "cold-start (~/.cache/gspo/cold-start)",
+    )
     seed: int = Field(
         0,
         description="Seed that every random choice (init, task, samples, minibatches, "
