@@ -111,11 +111,23 @@ class RewardConfig(_Section):
 
     functions: list[str] = Field(
         default_factory=lambda: ["exact_match"],
-        description="Built-ins (exact_match, numeric_match, math, format) or "
+        description="Built-ins (exact_match, numeric_match, math, format, code) or "
         "path/to/file.py:function / package.module:function",
     )
     weights: list[float] | None = Field(
         None, description="One weight per function for the weighted sum; null = 1.0 each"
+    )
+    workers: int = Field(
+        0,
+        ge=0,
+        description="Worker processes that score each rollout batch in parallel chunks; "
+        "0 = in the trainer process",
+    )
+    timeout: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds the reward functions may take per rollout batch before the run "
+        "stops with one line naming the function; null = no limit",
     )
 
 

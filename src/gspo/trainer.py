@@ -109,7 +109,12 @@ class Trainer:
         self.data = load_task_data(config)
         if not self.data.train:
             raise ValueError("data.train: no training prompts")
-        rewards = RewardFunctions.from_specs(config.reward.functions, config.reward.weights)
+        rewards = RewardFunctions.from_specs(
+            config.reward.functions,
+            config.reward.weights,
+            workers=config.reward.workers,
+            timeout=config.reward.timeout,
+        )
 
         # the model: the latest checkpoint, the user's, or a built-in
         # (a run killed before its step-0 checkpoint resumes inside its cold start, whose
