@@ -11,7 +11,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?=
 DEMO_DIR ?= runs/demo
 
-.PHONY: install demo test lint bench install-vllm test-vllm clean
+.PHONY: install demo test lint bench install-vllm test-vllm clean sandbox-tools
 
 install: $(STAMP)
 
@@ -30,8 +30,18 @@ $(STAMP): pyproject.toml
 demo: install
 	$(VENV)/bin/gspo train --overwrite --output-dir $(DEMO_DIR)
 
-test: install
+test: install sandbox-tools
 	$(PY) -m pytest -q
+
+# The `code` reward isolates programs with bubblewrap where it is installed (else resource
+# limits only, and the tests that need namespaces are skipped with the reason).
+sandbox-tools:
+	@command -v bwrap >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
+			{ apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1; } || \
+			echo "could not install bubblewrap: the code sandbox will use resource limits only"; \
+		else echo "bubblewrap (bwrap) not found: the code sandbox will use resource limits only"; fi; }
 
 LINT_PATHS := src tests $(wildcard benchmarks experiments)
 

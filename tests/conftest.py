@@ -8,6 +8,13 @@ from gspo.models import TinyModelSpec, build_char_tokenizer, build_tiny_model
 SMALL = TinyModelSpec(layers=2, hidden=64, heads=2, kv_heads=1, intermediate=128)
 
 
+@pytest.fixture(autouse=True)
+def cold_start_cache(tmp_path, monkeypatch):
+    """Each test its own cold-start cache (never the user's ~/.cache)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
+    return tmp_path / "xdg-cache" / "gspo" / "cold-start"
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return build_char_tokenizer()

@@ -37,7 +37,7 @@ def score(name: str, completions: list, answers: list, prompts: list | None = No
 
 
 def test_builtin_names() -> None:
-    assert set(BUILTIN_REWARDS) == {"exact_match", "numeric_match", "math", "format"}
+    assert set(BUILTIN_REWARDS) == {"code", "exact_match", "numeric_match", "math", "format"}
 
 
 @pytest.mark.parametrize(
@@ -340,7 +340,7 @@ def test_load_from_module_spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 @pytest.mark.parametrize(
     ("spec", "pattern"),
     [
-        ("exact", r"'exact'.*built-in name \(exact_match, format, math, numeric_match\)"),
+        ("exact", r"'exact'.*built-in name \(code, exact_match, format, math, numeric_match\)"),
         ("", r"invalid reward function spec ''"),
         ("mod:", r"'mod:'.*not a function name"),
         (":f", r"':f'.*missing the file or module"),

@@ -25,6 +25,8 @@ from pathlib import Path
 
 from gspo import __version__
 
+NO_CACHE_HELP = "redo the cold start even if an identical one is cached (train.cold_start_cache)"
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -40,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--overwrite", action="store_true", help="delete an existing run in --output-dir first"
     )
+    train.add_argument("--no-cache", action="store_true", help=NO_CACHE_HELP)
     train.add_argument("overrides", nargs="*", metavar="key.sub=value")
 
     comp = sub.add_parser(
@@ -50,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--output-dir", type=Path, default=Path("runs/compare"))
     comp.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per algorithm")
     comp.add_argument("--preset", default="default", help="default | stress | long")
+    comp.add_argument("--no-cache", action="store_true", help=NO_CACHE_HELP)
     comp.add_argument("overrides", nargs="*", metavar="key.sub=value")
 
     show = sub.add_parser("config", help="print the resolved config as YAML")
@@ -115,6 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if getattr(args, "no_cache", False):
+        args.overrides.append("train.cold_start_cache=false")
     try:
         if args.command == "train":
             return run_train(args)

@@ -159,11 +159,23 @@ class RewardConfig(_Section):
 
     functions: list[str] = Field(
         default_factory=lambda: ["exact_match"],
-        description="Built-ins (exact_match, numeric_match, math, format) or "
+        description="Built-ins (exact_match, numeric_match, math, format, code) or "
         "path/to/file.py:function / package.module:function",
     )
     weights: list[float] | None = Field(
         None, description="One weight per function for the weighted sum; null = 1.0 each"
+    )
+    workers: int = Field(
+        0,
+        ge=0,
+        description="Worker processes that score each rollout batch in parallel chunks; "
+        "0 = in the trainer process",
+    )
+    timeout: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds the reward functions may take per rollout batch before the run "
+        "stops with one line naming the function; null = no limit",
     )
 
 
@@ -297,6 +309,22 @@ class TrainConfig(_Section):
         64,
         ge=1,
         description="Rows per cold-start step, global (must divide by the number of ranks)",
+    )
+    cold_start_save_every: int = Field(
+        250,
+        ge=0,
+        description="Cold-start steps between its progress checkpoints (a killed cold start "
+        "resumes from the last one); 0 = none",
+    )
+    cold_start_cache: bool = Field(
+        True,
+        description="Reuse an identical earlier cold start (same model, rows, SFT settings, "
+        "seed, ranks and code) from the cache instead of redoing it (CLI: --no-cache = false)",
+    )
+    cold_start_cache_dir: str | None = Field(
+        None,
+        description="Where finished cold starts are kept; None = $XDG_CACHE_HOME/gspo/"
+        "cold-start (~/.cache/gspo/cold-start)",
     )
     seed: int = Field(
         0,

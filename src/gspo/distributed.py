@@ -195,14 +195,16 @@ def single_process_quiet() -> Iterator[None]:
         yield
 
 
-def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def save_sharded(
+    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> None:
     """Model and optimizer state with ``torch.distributed.checkpoint``: each rank its shards.
 
     Called by every rank (a single process writes everything). The files can be loaded
     by any number of ranks (:func:`load_sharded` reshards). An optimizer that has not
     stepped yet has no state and none is written: asking ``get_state_dict`` for it would
     initialise it with a zero-learning-rate step, which counts as Adam's first step and
-    changes the bias correction of the real one.
+    changes the bias correction of the real one. ``optimizer=None`` writes the model only.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -211,13 +213,15 @@ def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     )
 
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
-    if optimizer.state:
+    if optimizer is not None and optimizer.state:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     with single_process_quiet():
         dcp.save(state, checkpoint_id=path, no_dist=not torch.distributed.is_initialized())
 
 
-def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def load_sharded(
+    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> None:
     """Load :func:`save_sharded`'s files into ``model`` and ``optimizer``, whatever the ranks.
 
     The optimizer is left as it is (fresh) when the checkpoint holds no optimizer state.
@@ -232,7 +236,7 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
 
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
-    if any(key.startswith("optimizer.") for key in saved):
+    if optimizer is not None and any(key.startswith("optimizer.") for key in saved):
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     with single_process_quiet():
         dcp.load(state, checkpoint_id=path, no_dist=not torch.distributed.is_initialized())

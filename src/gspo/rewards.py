@@ -32,13 +32,17 @@ import importlib
 import importlib.util
 import inspect
 import math
+import multiprocessing
 import numbers
+import pickle
 import re
 import signal
 import sys
 import threading
+import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +52,7 @@ __all__ = [
     "RewardFunction",
     "RewardFunctions",
     "RewardResult",
+    "code_reward",
     "completion_text",
     "exact_match_reward",
     "extract_final_answer",
@@ -493,7 +498,24 @@ def math_reward(
     return out
 
 
+def code_reward(
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    tests: Sequence[Any] | None = None,
+    **kwargs: Any,
+) -> list[float | None]:
+    """Pass fraction of the completion's Python program on the row's ``tests`` (sandboxed).
+
+    See :func:`gspo.sandbox.code_reward`: the program is the last fenced Python block, each
+    runs in its own isolated, resource-limited process.
+    """
+    from gspo.sandbox import code_reward as run
+
+    return run(prompts=prompts, completions=completions, tests=tests, **kwargs)
+
+
 BUILTIN_REWARDS: dict[str, RewardFunction] = {
+    "code": code_reward,
     "exact_match": exact_match_reward,
     "numeric_match": numeric_match_reward,
     "math": math_reward,
@@ -672,6 +694,184 @@ def _spec_name(spec: str | RewardFunction) -> str:
     return getattr(spec, "__name__", None) or type(spec).__name__
 
 
+# --------------------------------------------------------------------------------------------
+# Calling reward functions: in this process, or in worker processes; with a deadline
+# --------------------------------------------------------------------------------------------
+
+
+def _call_one(
+    name: str, function: RewardFunction, prompts: Any, completions: Any, columns: Any
+) -> Any:
+    try:
+        return function(prompts=prompts, completions=completions, **columns)
+    except Exception as e:
+        raise RewardError(
+            f"reward function {name!r} raised {type(e).__name__}: {_one_line(e)}"
+        ) from e
+
+
+@functools.cache
+def _worker_function(spec: str) -> RewardFunction:
+    return load_reward_function(spec)
+
+
+def _worker_call(name: str, spec: str | bytes, prompts: Any, completions: Any, columns: Any) -> Any:
+    """In a worker process: load the function by its spec (or unpickle it) and call it."""
+    function = pickle.loads(spec) if isinstance(spec, bytes) else _worker_function(spec)
+    try:
+        return _call_one(name, function, prompts, completions, columns)
+    except RewardError as e:  # the cause may not pickle; its message is what matters
+        raise RewardError(str(e)) from None
+
+
+def _shippable(name: str, spec: str | RewardFunction) -> str | bytes:
+    """What a worker needs to get the function: its spec string, or the pickled callable."""
+    if isinstance(spec, str):
+        return spec.strip()
+    try:
+        return pickle.dumps(spec)
+    except Exception as e:
+        raise RewardError(
+            f"reward function {name!r} cannot be sent to reward.workers processes "
+            f"({type(e).__name__}: {_one_line(e, 120)}); name it by a spec string "
+            f"(path/to/file.py:function) or set reward.workers=0"
+        ) from None
+
+
+def _chunks(n: int, parts: int) -> list[tuple[int, int]]:
+    size, extra = divmod(n, parts)
+    bounds, start = [], 0
+    for k in range(parts):
+        stop = start + size + (k < extra)
+        if stop > start:
+            bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+class Runner:
+    """How reward functions are called on a batch.
+
+    ``workers=0`` calls them in this process; ``workers=N`` splits each batch into N
+    contiguous chunks scored in parallel by N worker processes (started once, with
+    ``spawn``; each loads the functions from their specs). ``timeout`` (seconds for the
+    whole batch) turns a function that hangs into a :class:`RewardError` naming it; with
+    workers the hung processes are killed, without them the call is abandoned in a daemon
+    thread (the run stops anyway).
+    """
+
+    def __init__(self, workers: int = 0, timeout: float | None = None):
+        if workers < 0:
+            raise RewardError(f"reward.workers={workers}: must be >= 0")
+        if timeout is not None and not timeout > 0:
+            raise RewardError(f"reward.timeout={timeout}: must be > 0 seconds")
+        self.workers = workers
+        self.timeout = timeout
+        self._pool: Any = None
+        self._finalizer: Any = None
+
+    def start(self) -> Any:
+        """Start the worker processes (once) and wait until each is up; the pool."""
+        if self._pool is None:
+            context = multiprocessing.get_context("spawn")
+            self._pool = context.Pool(self.workers)
+            self._finalizer = weakref.finalize(self, self._pool.terminate)
+            self._pool.map(_worker_function, ["format"] * self.workers)  # all started
+        return self._pool
+
+    def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+        self._pool = self._finalizer = None
+
+    def _late(self, name: str) -> RewardError:
+        return RewardError(
+            f"reward function {name!r} did not finish within reward.timeout={self.timeout:g} s "
+            f"for one rollout batch; the run stops here (its last checkpoint is intact)"
+        )
+
+    def run(
+        self,
+        names: Sequence[str],
+        functions: Sequence[RewardFunction],
+        specs: Sequence[str | RewardFunction],
+        prompts: Sequence[Any],
+        completions: Sequence[Any],
+        columns: Mapping[str, Sequence[Any]],
+    ) -> list[Any]:
+        """Each function's raw output on the whole batch, in order."""
+        if self.workers > 0:
+            shipped = [_shippable(n, s) for n, s in zip(names, specs, strict=True)]
+            pool = self.start()  # start-up is not part of the deadline
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        if self.workers == 0:
+            return [
+                self._in_thread(name, f, prompts, completions, columns, deadline)
+                for name, f in zip(names, functions, strict=True)
+            ]
+        bounds = _chunks(len(completions), self.workers)
+        pending = [
+            [
+                pool.apply_async(
+                    _worker_call,
+                    (
+                        name,
+                        spec,
+                        prompts[a:b],
+                        completions[a:b],
+                        {k: v[a:b] for k, v in columns.items()},
+                    ),
+                )
+                for a, b in bounds
+            ]
+            for name, spec in zip(names, shipped, strict=True)
+        ]
+        outputs = []
+        for name, parts in zip(names, pending, strict=True):
+            merged: list[Any] = []
+            for part in parts:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    raw = part.get(timeout=left)
+                except multiprocessing.TimeoutError:
+                    self.close()  # kills the hung workers; a new pool is made if needed
+                    raise self._late(name) from None
+                if not isinstance(raw, (list, tuple)):
+                    merged = raw  # reported by the caller, like an in-process result
+                    break
+                merged.extend(raw)
+            outputs.append(merged)
+        return outputs
+
+    def _in_thread(
+        self,
+        name: str,
+        function: RewardFunction,
+        prompts: Any,
+        completions: Any,
+        columns: Any,
+        deadline: float | None,
+    ) -> Any:
+        if deadline is None:
+            return _call_one(name, function, prompts, completions, columns)
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["out"] = _call_one(name, function, prompts, completions, columns)
+            except BaseException as e:  # re-raised in the caller's thread
+                box["err"] = e
+
+        thread = threading.Thread(target=target, name=f"reward {name}", daemon=True)
+        thread.start()
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            raise self._late(name)
+        if "err" in box:
+            raise box["err"]
+        return box["out"]
+
+
 @dataclass
 class RewardFunctions:
     """Several reward functions with weights, called together on a batch.
@@ -683,17 +883,23 @@ class RewardFunctions:
     names: list[str]
     functions: list[RewardFunction]
     weights: list[float]
+    specs: list[str | RewardFunction] = field(default_factory=list)
+    runner: Runner = field(default_factory=lambda: Runner())
 
     @classmethod
     def from_specs(
         cls,
         specs: Sequence[str | RewardFunction],
         weights: Sequence[float] | None = None,
+        *,
+        workers: int = 0,
+        timeout: float | None = None,
     ) -> RewardFunctions:
         """Load the reward functions named by ``specs`` (see :func:`load_reward_function`).
 
         A spec may also be a callable, used as is and named by its ``__name__``. ``weights``
         None means 1.0 each; otherwise it needs one finite number per spec (``reward.weights``).
+        ``workers`` and ``timeout`` choose how they are called (:class:`Runner`).
         """
         if isinstance(specs, str):
             specs = [specs]
@@ -736,10 +942,15 @@ class RewardFunctions:
                 name = f"{base}#{seen[base]}"
             names.append(name)
             functions.append(function)
-        return cls(names=names, functions=functions, weights=weight_list)
+        runner = Runner(workers=workers, timeout=timeout)
+        return cls(names, functions, weight_list, specs=specs, runner=runner)
 
     def __len__(self) -> int:
         return len(self.functions)
+
+    def close(self) -> None:
+        """Stop the worker processes, if any (also done when the object is collected)."""
+        self.runner.close()
 
     def __call__(
         self,
@@ -777,13 +988,9 @@ class RewardFunctions:
                 raise RewardError(f"dataset column {key!r} has {count} values for {n} completions")
 
         per_function: dict[str, list[float | None]] = {}
-        for name, function in zip(self.names, self.functions, strict=True):
-            try:
-                raw = function(prompts=prompts, completions=completions, **columns)
-            except Exception as e:
-                raise RewardError(
-                    f"reward function {name!r} raised {type(e).__name__}: {_one_line(e)}"
-                ) from e
+        specs = self.specs or self.functions
+        outputs = self.runner.run(self.names, self.functions, specs, prompts, completions, columns)
+        for name, raw in zip(self.names, outputs, strict=True):
             if not isinstance(raw, (list, tuple)):
                 raise RewardError(
                     f"reward function {name!r} returned {type(raw).__name__}, "

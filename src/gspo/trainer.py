@@ -44,7 +44,7 @@ from gspo.training.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from gspo.training.cold_start import cold_start
+from gspo.training.cold_start import cold_start, drop_progress
 from gspo.training.evaluation import Evaluator
 from gspo.training.experience import RolloutStage, Scorer
 from gspo.training.forward import build_forward
@@ -109,12 +109,17 @@ class Trainer:
         self.data = load_task_data(config)
         if not self.data.train:
             raise ValueError("data.train: no training prompts")
-        rewards = RewardFunctions.from_specs(config.reward.functions, config.reward.weights)
+        rewards = RewardFunctions.from_specs(
+            config.reward.functions,
+            config.reward.weights,
+            workers=config.reward.workers,
+            timeout=config.reward.timeout,
+        )
 
         # the model: the latest checkpoint, the user's, or a built-in
+        # (a run killed before its step-0 checkpoint resumes inside its cold start, whose
+        # own progress checkpoints it finds, or else starts again: deterministically)
         checkpoint = latest_checkpoint(out) if resume else None
-        if resume and checkpoint is None:
-            raise FileNotFoundError(f"--resume: no checkpoint under {out / CHECKPOINTS}")
         if checkpoint is not None:
             model, self.tokenizer = load_model(checkpoint, device=device, dtype=torch.float32)
             model_dir = checkpoint
@@ -209,12 +214,14 @@ class Trainer:
     def fit(self) -> list[dict[str, Any]]:
         cfg = self.config
         if not self.cold_start_done:
+            checkpoints = self.output_dir / CHECKPOINTS
             cold_start(
                 cfg, self.policy, self.tokenizer, self.data.sft, self.logger, self.dist,
-                local_batch=self.local_sft_batch,
+                local_batch=self.local_sft_batch, checkpoints=checkpoints,
             )  # fmt: skip
             self.cold_start_done = True
             self.save_checkpoint()  # step 0: the cold-start model; RL resumes from here
+            drop_progress(checkpoints, self.dist)
         if self.step == 0:
             self.logger.log(0, self.evaluate(self.step))
         show = cfg.log.progress and self.dist.is_main

@@ -1,22 +1,154 @@
-"""Cold start: supervised fine-tuning on ``prompt`` -> ``completion`` rows before RL."""
+"""Cold start: supervised fine-tuning on ``prompt`` -> ``completion`` rows before RL.
+
+A cold start survives being killed and is not redone:
+
+* every ``train.cold_start_save_every`` steps it writes its progress to
+  ``checkpoints/cold-start-NNNNNNN`` (model, its own AdamW, the step, the metric lines so
+  far; written atomically). A resumed run continues from the newest one: the row sampler
+  is replayed to that step, so the result equals an uninterrupted cold start's.
+* when it finishes, the model is kept in a cache (``train.cold_start_cache_dir``, by
+  default ``$XDG_CACHE_HOME/gspo/cold-start``) under a content hash of everything that
+  decides it (:func:`cold_start_key`); a later run with the same hash loads it instead of
+  training (``train.cold_start_cache=false`` or ``--no-cache`` to skip the cache).
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
 import random
+import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
+import gspo
 from gspo.config import Config
-from gspo.distributed import Distributed
+from gspo.distributed import Distributed, load_sharded, save_sharded
 from gspo.rollout import pad_batch
 from gspo.tasks import encode_prompt
 from gspo.telemetry import MetricsLogger
 from gspo.training.metrics import combine
 from gspo.training.policy import Policy
 from gspo.training.setup import adamw, rank_seed
+
+PROGRESS_PREFIX = "cold-start-"
+_STATE = "state.pt"
+_LINES = "sft_metrics.jsonl"
+_MODEL = "sharded"
+_INLINE_BYTES = 64 << 20
+
+
+def _hash_dir(path: Path, h: Any) -> None:
+    """Files of a model directory into ``h``: contents, or size+mtime for big weight files."""
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        stat = f.stat()
+        h.update(str(f.relative_to(path)).encode())
+        if stat.st_size <= _INLINE_BYTES:
+            h.update(f.read_bytes())
+        else:
+            h.update(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
+
+
+def cold_start_key(config: Config, rows: list[dict[str, Any]], dist: Distributed) -> str:
+    """Content hash of what decides a cold start's result.
+
+    The model and data settings (and a user model's files), the SFT rows, the ``train.cold_start_*``
+    settings, the seed, the sampling temperature (log-probs are taken at it), the number of
+    ranks (each draws its own rows), and the code: gspo's source, torch and transformers
+    versions. Anything else (RL settings, logging, checkpoints) does not enter it.
+    """
+    import transformers
+
+    t = config.train
+    h = hashlib.sha256()
+    settings = {
+        "model": config.model.model_dump(mode="json"),
+        "data": config.data.model_dump(mode="json"),  # templates and chat settings too
+        "train": [t.seed, t.cold_start_steps, t.cold_start_lr, t.cold_start_batch_size],
+        "temperature": config.rollout.temperature,
+        "world_size": dist.world_size,
+        "versions": [torch.__version__, transformers.__version__],
+    }
+    h.update(json.dumps(settings, sort_keys=True).encode())
+    h.update(json.dumps(rows, sort_keys=True, default=str).encode())
+    if config.model.path is not None:
+        _hash_dir(Path(config.model.path), h)
+    for source in sorted(Path(gspo.__file__).parent.rglob("*.py")):
+        h.update(source.read_bytes())
+    return h.hexdigest()[:32]
+
+
+def cache_dir(config: Config) -> Path | None:
+    """The cold-start cache's directory, or None when the cache is off."""
+    if not config.train.cold_start_cache:
+        return None
+    if config.train.cold_start_cache_dir is not None:
+        return Path(config.train.cold_start_cache_dir).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "gspo" / "cold-start"
+
+
+def progress_checkpoints(checkpoints: Path) -> list[Path]:
+    """The run's cold-start progress checkpoints, oldest first."""
+    found = [p for p in checkpoints.glob(f"{PROGRESS_PREFIX}*") if (p / _STATE).is_file()]
+    return sorted(found)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename a finished directory into place; a concurrent identical one may win."""
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _save_progress(
+    checkpoints: Path, step: int, policy: Policy, optimizer, lines: list[dict], dist: Distributed
+) -> None:
+    final = checkpoints / f"{PROGRESS_PREFIX}{step:07d}"
+    tmp = checkpoints / f".{final.name}.tmp"
+    if dist.is_main:
+        checkpoints.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    save_sharded(tmp / _MODEL, policy.forward, optimizer)
+    dist.barrier()
+    if dist.is_main:
+        torch.save({"step": step, "lines": lines}, tmp / _STATE)
+        _publish(tmp, final)
+        for older in progress_checkpoints(checkpoints)[:-1]:
+            shutil.rmtree(older)
+    dist.barrier()
+
+
+def _store_in_cache(entry: Path, policy: Policy, lines: list[dict], dist: Distributed) -> None:
+    tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
+    try:
+        if dist.is_main:
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
+        save_sharded(tmp / _MODEL, policy.forward, None)
+        dist.barrier()
+        if dist.is_main:
+            (tmp / _LINES).write_text("".join(json.dumps(line) + "\n" for line in lines))
+            _publish(tmp, entry)
+    except OSError as exc:  # a read-only or full cache never stops a run
+        if dist.is_main:
+            print(f"cold start: not cached ({entry.parent}: {exc.strerror or exc})", flush=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+
+
+def _cached(entry: Path | None, dist: Distributed) -> bool:
+    """Whether every rank sees a complete cache entry."""
+    here = entry is not None and (entry / _LINES).is_file()
+    return all(dist.gather_objects(here))
 
 
 def cold_start(
@@ -28,9 +160,10 @@ def cold_start(
     dist: Distributed,
     *,
     local_batch: int,
+    checkpoints: Path,
 ) -> None:
     """``train.cold_start_steps`` SFT steps of ``train.cold_start_batch_size`` rows each
-    (``local_batch`` of them on this rank).
+    (``local_batch`` of them on this rank), resumed from ``checkpoints`` or the cache.
 
     AdamW of its own (``train.cold_start_lr``, cosine decay to 10%), completions end with
     EOS, the loss is the mean token NLL of the completions. Logged at step 0 as ``sft/*``
@@ -39,6 +172,19 @@ def cold_start(
     cfg = config.train
     if cfg.cold_start_steps == 0 or not rows:
         return
+    show = config.log.progress and dist.is_main
+    root = cache_dir(config)
+    entry = None if root is None else root / cold_start_key(config, rows, dist)
+    if _cached(entry, dist):
+        assert entry is not None
+        load_sharded(entry / _MODEL, policy.forward, None)
+        policy.stepped()
+        for line in (entry / _LINES).read_text().splitlines():
+            logger.log(0, json.loads(line))
+        if show:
+            print(f"cold start: reused {entry} (--no-cache to redo it)", flush=True)
+        return
+
     rng = random.Random(rank_seed(cfg.seed, dist, "sft"))
     optimizer = adamw(policy.forward, lr=cfg.cold_start_lr, betas=(0.9, 0.99))
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -49,9 +195,22 @@ def cold_start(
         )
         for r in rows
     ]
+    first, lines = 0, []
+    saved = progress_checkpoints(checkpoints)
+    if saved:
+        load_sharded(saved[-1] / _MODEL, policy.forward, optimizer)
+        policy.stepped()
+        state = torch.load(saved[-1] / _STATE, weights_only=True)
+        first, lines = int(state["step"]), list(state["lines"])
+        for line in lines:
+            logger.log(0, line)
+        for _ in range(first * local_batch):  # the row sampler, as it stood at that step
+            rng.randrange(len(encoded))
+        if show:
+            print(f"cold start: resumed at step {first} from {saved[-1]}", flush=True)
     policy.train()
-    start = time.perf_counter()
-    for i in range(cfg.cold_start_steps):
+    start = time.perf_counter() - (lines[-1]["time/sft"] if lines else 0.0)
+    for i in range(first, cfg.cold_start_steps):
         # cosine decay to 10% keeps the end of SFT from bouncing around
         lr = cfg.cold_start_lr * (0.55 + 0.45 * math.cos(math.pi * i / cfg.cold_start_steps))
         for group in optimizer.param_groups:
@@ -81,9 +240,22 @@ def cold_start(
                 },
             )
             logger.log(0, line)
-            if config.log.progress and dist.is_main:
+            lines.append(line)
+            if show:
                 print(
                     f"cold start {i + 1}/{cfg.cold_start_steps} | "
                     f"sft loss {line['sft/loss']:.4f} | {line['time/sft']:.0f}s",
                     flush=True,
                 )
+        every = cfg.cold_start_save_every
+        if every and (i + 1) % every == 0 and i + 1 < cfg.cold_start_steps:
+            _save_progress(checkpoints, i + 1, policy, optimizer, lines, dist)
+    if entry is not None:
+        _store_in_cache(entry, policy, lines, dist)
+
+
+def drop_progress(checkpoints: Path, dist: Distributed) -> None:
+    """Remove the cold start's progress checkpoints once the step-0 checkpoint holds it."""
+    if dist.is_main:
+        for path in progress_checkpoints(checkpoints):
+            shutil.rmtree(path)

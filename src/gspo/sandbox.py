@@ -1,0 +1,456 @@
+"""Running untrusted Python from completions, and the built-in ``code`` reward.
+
+A completion's code runs in a separate process per completion, never in the trainer's:
+
+* **bubblewrap** (``bwrap``) where it is installed and works: new user, PID, network, IPC
+  and UTS namespaces (no network, no view of the trainer's processes or their
+  environment), a read-only view of the Python installation and system libraries only (no
+  repository, no home directory, no dataset files), an empty size-capped ``tmpfs`` as the
+  working directory, and ``--die-with-parent``;
+* **resource limits** always: wall clock (the whole process tree is killed), CPU seconds,
+  address space, process count (fork bombs), file size (runaway output), and a scrubbed
+  environment (``PATH``, ``HOME`` and ``LANG`` only).
+
+Without ``bwrap`` only the resource limits apply, and :func:`isolation` says what is then
+not isolated (network, the file system outside the working directory, other processes).
+Install bubblewrap (Debian/Ubuntu: ``apt-get install bubblewrap``) on machines that train
+on code.
+
+What the sandbox defends is the host and the run. A completion that reads the verifier's
+own harness out of its interpreter's memory could print a forged pass line; that takes
+deliberate introspection of the harness, which the harness does not expose in files,
+arguments or the environment.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import functools
+import json
+import os
+import pwd
+import re
+import resource
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import warnings
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CodeTest",
+    "Limits",
+    "RunResult",
+    "code_reward",
+    "extract_code",
+    "isolation",
+    "parse_tests",
+    "run_python",
+    "score_code",
+]
+
+_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+_PYTHON_TAGS = {"python", "py", "python3"}
+_SANDBOX_DIR = "/sandbox"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-run limits of the sandbox (one run = one completion's program)."""
+
+    wall_s: float = 10.0
+    cpu_s: int = 5
+    memory_mb: int = 1024
+    max_procs: int = 32
+    max_output_bytes: int = 1 << 20
+    workdir_mb: int = 16
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What one sandboxed run gave: exit status (None if killed on the wall clock), output."""
+
+    returncode: int | None
+    stdout: str
+    stderr: str
+    timed_out: bool
+
+
+@dataclass(frozen=True)
+class CodeTest:
+    """One test: Python statements run after the program (``code``), or stdin -> stdout."""
+
+    code: str | None = None
+    stdin: str | None = None
+    stdout: str | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Isolation
+# --------------------------------------------------------------------------------------------
+
+
+def _sandbox_ids() -> tuple[int, int]:
+    """The uid/gid programs run as: ``nobody`` when the trainer is root, else the trainer's.
+
+    Root is exempt from the kernel's process-count limit whatever its capabilities, so a
+    fork bomb is contained only under another uid; ``nobody`` also owns no files to write.
+    """
+    if os.getuid() != 0:
+        return os.getuid(), os.getgid()
+    try:
+        entry = pwd.getpwnam("nobody")
+    except KeyError:
+        return 65534, 65534
+    return entry.pw_uid, entry.pw_gid
+
+
+def _world_executable(path: str) -> bool:
+    parts = Path(path).resolve().parts
+    return all(os.stat(os.path.join(*parts[: k + 1])).st_mode & 0o001 for k in range(1, len(parts)))
+
+
+@functools.cache
+def _python() -> str:
+    """The interpreter programs run with: this one's base interpreter (not a venv's) when the
+    sandbox uid can reach it, else the system's ``python3``."""
+    own = os.path.realpath(sys.executable)
+    if _sandbox_ids()[0] == os.getuid() or _world_executable(own):
+        return own
+    system = shutil.which("python3", path="/usr/bin:/bin")
+    if system is None or not _world_executable(system):
+        raise RuntimeError(
+            f"code sandbox: {own} is not readable by uid {_sandbox_ids()[0]} and there is no "
+            "/usr/bin/python3; install a system python3 or run the trainer as a non-root user"
+        )
+    return os.path.realpath(system)
+
+
+def _bwrap_args(workdir_mb: int) -> list[str]:
+    args = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
+    for top in ("/usr", "/bin", "/lib", "/lib64", "/sbin", "/lib32", "/libx32"):
+        path = Path(top)
+        if path.is_symlink():
+            args += ["--symlink", os.readlink(top), top]
+        elif path.is_dir():
+            args += ["--ro-bind", top, top]
+    prefix = os.path.dirname(os.path.dirname(_python()))
+    if not prefix.startswith("/usr"):
+        args += ["--ro-bind", prefix, prefix]
+    args += ["--proc", "/proc", "--dev", "/dev"]
+    args += ["--size", str(workdir_mb << 20), "--tmpfs", _SANDBOX_DIR, "--chdir", _SANDBOX_DIR]
+    args += ["--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", _SANDBOX_DIR]
+    args += ["--setenv", "TMPDIR", _SANDBOX_DIR, "--setenv", "LANG", "C.UTF-8"]
+    return args
+
+
+@functools.cache
+def _bwrap_works() -> bool:
+    if shutil.which("bwrap") is None:
+        return False
+    try:
+        probe = subprocess.run(
+            [*_bwrap_args(1), "--", _python(), "-I", "-c", "print(6 * 7)"],
+            capture_output=True,
+            timeout=30,
+            env={"PATH": "/usr/bin:/bin"},
+            preexec_fn=_limit_setter(Limits(), _process_count(_sandbox_ids()[0]) + 64),
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return probe.returncode == 0 and probe.stdout.strip() == b"42"
+
+
+def isolation() -> tuple[str, str]:
+    """``(mode, message)``: ``"bwrap"`` or ``"rlimits"``, and what that mode leaves open."""
+    if _bwrap_works():
+        return "bwrap", "bubblewrap namespaces + resource limits"
+    return (
+        "rlimits",
+        "bubblewrap (bwrap) is not available here: completions' code runs with resource "
+        "limits, a scrubbed environment and (under root) as user nobody only, NOT isolated "
+        "from the network, world-writable directories or reading world-readable files "
+        "(install bubblewrap, e.g. `apt-get install bubblewrap`)",
+    )
+
+
+def _process_count(uid: int) -> int:
+    """How many processes ``uid`` owns now (RLIMIT_NPROC counts them all, not just ours)."""
+    count = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.stat(f"/proc/{entry}").st_uid == uid:
+                    count += 1
+    return count
+
+
+def _limit_setter(limits: Limits, nproc: int) -> Any:
+    """What the child does before exec: set the limits, then become the sandbox uid."""
+    uid, gid = _sandbox_ids()
+
+    def apply() -> None:
+        memory = limits.memory_mb << 20
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+        out = limits.max_output_bytes
+        resource.setrlimit(resource.RLIMIT_FSIZE, (out, out))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if uid != os.getuid():
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+
+    return apply
+
+
+def run_python(
+    source: str,
+    *,
+    stdin: str = "",
+    limits: Limits | None = None,
+    script_on_stdin: bool = False,
+) -> RunResult:
+    """Run ``source`` with the base interpreter in the sandbox and return what it did.
+
+    ``script_on_stdin=True`` feeds ``source`` itself on standard input (``python -``), so
+    the program text is in no file and no argument; otherwise ``source`` is written to
+    ``main.py`` in the working directory and ``stdin`` is its standard input.
+    """
+    limits = limits or Limits()
+    mode, _ = isolation()
+    host_dir = tempfile.mkdtemp(prefix="gspo-sandbox-")
+    uid, gid = _sandbox_ids()
+    try:
+        if uid != os.getuid():
+            os.chown(host_dir, uid, gid)
+        out_path = Path(host_dir, "stdout")
+        err_path = Path(host_dir, "stderr")
+        if script_on_stdin:
+            program_args, feed = ["-"], source
+        else:
+            Path(host_dir, "main.py").write_text(source)
+            program_args, feed = ["main.py"], stdin
+        python = [_python(), "-I", *program_args]
+        env = {"PATH": "/usr/bin:/bin", "HOME": host_dir, "LANG": "C.UTF-8"}
+        if mode == "bwrap":
+            argv = _bwrap_args(limits.workdir_mb)
+            if not script_on_stdin:
+                argv += ["--ro-bind", str(Path(host_dir, "main.py")), f"{_SANDBOX_DIR}/main.py"]
+            argv += ["--", *python]
+            cwd = host_dir
+        else:
+            argv, cwd = python, host_dir
+            env["TMPDIR"] = host_dir
+        nproc = _process_count(uid) + limits.max_procs
+        with (
+            open(out_path, "wb") as out,
+            open(err_path, "wb") as err,
+            tempfile.TemporaryFile() as feed_file,
+        ):
+            feed_file.write(feed.encode())
+            feed_file.seek(0)
+            proc = subprocess.Popen(
+                argv,
+                stdin=feed_file,
+                stdout=out,
+                stderr=err,
+                cwd=cwd,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_limit_setter(limits, nproc),
+            )
+            timed_out = False
+            try:
+                proc.wait(timeout=limits.wall_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            finally:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        cap = limits.max_output_bytes
+        stdout = out_path.read_bytes()[:cap].decode(errors="replace")
+        stderr = err_path.read_bytes()[:cap].decode(errors="replace")
+        return RunResult(
+            returncode=None if timed_out else proc.returncode,
+            stdout=stdout,
+            stderr=stderr,
+            timed_out=timed_out,
+        )
+    finally:
+        shutil.rmtree(host_dir, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Programs and tests
+# --------------------------------------------------------------------------------------------
+
+
+def extract_code(text: str) -> str | None:
+    """The program in a completion: its last fenced Python block, else its last fenced block.
+
+    Returns None when the completion has no fenced block (```` ``` ```` ... ```` ``` ````).
+    """
+    blocks = _FENCE.findall(text)
+    if not blocks:
+        return None
+    python = [body for tag, body in blocks if tag.lower() in _PYTHON_TAGS]
+    return (python or [body for _, body in blocks])[-1]
+
+
+def _io_case(item: Any, where: str) -> CodeTest:
+    keys = ({"input", "output"}, {"stdin", "stdout"})
+    for key_in, key_out in (sorted(k) for k in keys):
+        if isinstance(item, dict) and key_in in item and key_out in item:
+            return CodeTest(stdin=str(item[key_in]), stdout=str(item[key_out]))
+    raise ValueError(f"{where}: expected an assert snippet or {{'input': ..., 'output': ...}}")
+
+
+def _assert_cases(text: str, where: str) -> list[CodeTest]:
+    """Each top-level ``assert`` is a test; other statements before it are its set-up."""
+    try:
+        module = ast.parse(text)
+    except SyntaxError as exc:
+        raise ValueError(f"{where}: tests do not parse as Python ({exc.msg})") from exc
+    cases: list[CodeTest] = []
+    setup: list[str] = []
+    for node in module.body:
+        segment = ast.get_source_segment(text, node) or ast.unparse(node)
+        if isinstance(node, ast.Assert):
+            cases.append(CodeTest(code="\n".join([*setup, segment])))
+        else:
+            setup.append(segment)
+    if not cases:
+        raise ValueError(f"{where}: no assert statement among the tests")
+    return cases
+
+
+def parse_tests(tests: Any, where: str = "tests") -> list[CodeTest]:
+    """The test cases of one dataset row.
+
+    Accepted forms (a JSON string of any of them too): a string of Python with ``assert``
+    statements (each top-level assert is one test, earlier statements its set-up); a list of
+    such strings (each one test); a list of ``{"input": ..., "output": ...}`` (or
+    ``stdin``/``stdout``) pairs; ``{"inputs": [...], "outputs": [...]}``. Raises ValueError
+    naming ``where`` for anything else.
+    """
+    if isinstance(tests, str):
+        stripped = tests.strip()
+        if stripped[:1] in "[{":
+            with contextlib.suppress(json.JSONDecodeError):
+                return parse_tests(json.loads(stripped), where)
+        return _assert_cases(tests, where)
+    if isinstance(tests, dict) and "inputs" in tests and "outputs" in tests:
+        pairs = zip(tests["inputs"], tests["outputs"], strict=True)
+        return [CodeTest(stdin=str(i), stdout=str(o)) for i, o in pairs]
+    if isinstance(tests, Sequence) and tests:
+        cases: list[CodeTest] = []
+        for k, item in enumerate(tests):
+            if isinstance(item, str):
+                cases.append(CodeTest(code=item))
+            else:
+                cases.append(_io_case(item, f"{where}[{k}]"))
+        return cases
+    raise ValueError(f"{where}: expected assert statements, a list of tests or input/output pairs")
+
+
+def _harness(program: str, snippets: Sequence[str], nonce: str) -> str:
+    """A script (fed on stdin) that runs ``program``, then each test, printing verdict lines."""
+    return (
+        "import sys\n"
+        f"_program = {program!r}\n"
+        f"_tests = {list(snippets)!r}\n"
+        "_ns = {'__name__': '__main__'}\n"
+        "exec(compile(_program, '<completion>', 'exec'), _ns)\n"
+        "for _i, _t in enumerate(_tests):\n"
+        "    try:\n"
+        "        exec(compile(_t, '<test>', 'exec'), dict(_ns))\n"
+        "        _ok = 1\n"
+        "    except BaseException:\n"
+        "        _ok = 0\n"
+        f"    sys.stdout.write('\\n{nonce} %d %d\\n' % (_i, _ok))\n"
+        "    sys.stdout.flush()\n"
+    )
+
+
+def _same_output(got: str, want: str) -> bool:
+    return [line.rstrip() for line in got.strip().splitlines()] == [
+        line.rstrip() for line in want.strip().splitlines()
+    ]
+
+
+def score_code(
+    program: str | None, cases: Sequence[CodeTest], limits: Limits | None = None
+) -> float:
+    """Fraction of ``cases`` that ``program`` passes in the sandbox (0.0 without a program)."""
+    if program is None or not cases:
+        return 0.0
+    passed = 0
+    snippets = [case.code for case in cases if case.code is not None]
+    if snippets:
+        nonce = secrets.token_hex(16)
+        run = run_python(_harness(program, snippets, nonce), limits=limits, script_on_stdin=True)
+        verdicts: dict[int, int] = {}
+        for line in run.stdout.splitlines():
+            parts = line.split()
+            if len(parts) == 3 and parts[0] == nonce:
+                verdicts.setdefault(int(parts[1]), int(parts[2]))
+        passed += sum(verdicts.get(i, 0) for i in range(len(snippets)))
+    for case in cases:
+        if case.code is None:
+            run = run_python(program, stdin=case.stdin or "", limits=limits)
+            ok = run.returncode == 0 and _same_output(run.stdout, case.stdout or "")
+            passed += int(ok)
+    return passed / len(cases)
+
+
+def code_reward(
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    tests: Sequence[Any] | None = None,
+    **kwargs: Any,
+) -> list[float | None]:
+    """Pass fraction of each completion's Python program on its row's ``tests``.
+
+    Called TRL-style as ``f(prompts=..., completions=..., tests=..., **other_columns)``. The
+    program is the completion's last fenced Python block (see :func:`extract_code`); a
+    completion without one scores 0.0, a row whose ``tests`` is None gets None. Tests take
+    the forms of :func:`parse_tests`. Every program runs in the sandbox of this module, one
+    process per completion (and per input/output test), in parallel over the CPUs.
+    """
+    from gspo.rewards import RewardError, completion_text
+
+    if tests is None:
+        raise RewardError("built-in reward 'code' needs a dataset column named 'tests'")
+    if isinstance(tests, str) or len(tests) != len(completions):
+        raise RewardError(
+            f"built-in reward 'code': column 'tests' does not align with "
+            f"{len(completions)} completions"
+        )
+    jobs: list[tuple[str | None, list[CodeTest]] | None] = []
+    for k, row_tests in enumerate(tests):
+        if row_tests is None:
+            jobs.append(None)
+            continue
+        try:
+            cases = parse_tests(row_tests, where=f"column 'tests', row {k}")
+        except ValueError as exc:
+            raise RewardError(f"built-in reward 'code': {exc}") from None
+        jobs.append((extract_code(completion_text(completions[k])), cases))
+    mode, message = isolation()
+    if mode != "bwrap":
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    workers = max(1, min(len(jobs), os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [None if job is None else pool.submit(score_code, *job) for job in jobs]
+        return [None if f is None else f.result() for f in futures]

@@ -1,0 +1,138 @@
+"""Cold start: progress checkpoints and exact resume, and the content-addressed cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_trainer import FAST, comparable
+
+import gspo.training.cold_start as cs
+from gspo.cli import main
+from gspo.config import load_config
+from gspo.distributed import Distributed
+from gspo.telemetry import read_metrics
+from gspo.trainer import Trainer, latest_checkpoint
+
+COMMON = [
+    *FAST,
+    "train.cold_start_steps=120",
+    "train.cold_start_save_every=50",
+    "train.max_steps=4",
+    "algorithm.minibatches=2",
+    "eval.every=0",
+]
+
+
+def records(run):
+    return [comparable(r) for r in read_metrics(run / "metrics.jsonl")]
+
+
+class Killed(Exception):
+    """Stands in for a SIGKILL at a chosen cold-start step (the subprocess test kills)."""
+
+
+def kill_at(monkeypatch, step: int) -> None:
+    calls = {"n": 0}
+    real = torch.nn.utils.clip_grad_norm_
+
+    def clip(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > step:
+            raise Killed
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+
+
+@pytest.mark.slow
+def test_cold_start_resumes_exactly_after_a_kill(tmp_path, monkeypatch, ones_reward):
+    overrides = [*COMMON, ones_reward, "train.cold_start_cache=false"]
+    assert main(["train", "--output-dir", str(tmp_path / "full"), *overrides]) == 0
+    kill_at(monkeypatch, 110)  # after the step-100 progress checkpoint, before the end
+    with pytest.raises(Killed):
+        Trainer(load_config(None, overrides), tmp_path / "cut").fit()
+    monkeypatch.undo()
+    saved = cs.progress_checkpoints(tmp_path / "cut" / "checkpoints")
+    assert [p.name for p in saved] == ["cold-start-0000100"]  # older one pruned
+    assert latest_checkpoint(tmp_path / "cut") is None
+    assert main(["train", "--resume", str(tmp_path / "cut")]) == 0
+    full, resumed = records(tmp_path / "full"), records(tmp_path / "cut")
+    assert [r["step"] for r in full] == [r["step"] for r in resumed]
+    for a, b in zip(full, resumed, strict=True):
+        assert a == pytest.approx(b, rel=1e-6, abs=1e-7)
+    assert [r["sft/step"] for r in resumed if "sft/step" in r] == [100, 120]
+    # the step-0 checkpoint supersedes the progress checkpoints
+    assert cs.progress_checkpoints(tmp_path / "cut" / "checkpoints") == []
+
+
+@pytest.mark.slow
+def test_resume_before_any_checkpoint_starts_again(tmp_path, monkeypatch, ones_reward):
+    overrides = [*COMMON, ones_reward, "train.cold_start_cache=false"]
+    assert main(["train", "--output-dir", str(tmp_path / "full"), *overrides]) == 0
+    kill_at(monkeypatch, 30)  # before the first progress checkpoint
+    with pytest.raises(Killed):
+        Trainer(load_config(None, overrides), tmp_path / "cut").fit()
+    monkeypatch.undo()
+    assert main(["train", "--resume", str(tmp_path / "cut")]) == 0
+    assert records(tmp_path / "full") == records(tmp_path / "cut")
+
+
+@pytest.mark.slow
+def test_identical_cold_start_comes_from_the_cache(
+    tmp_path, monkeypatch, ones_reward, cold_start_cache
+):
+    overrides = [*COMMON, ones_reward]
+    assert main(["train", "--output-dir", str(tmp_path / "first"), *overrides]) == 0
+    assert len(list(cold_start_cache.iterdir())) == 1
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("the cold start trained instead of using the cache")
+
+    monkeypatch.setattr(cs, "adamw", no_training)
+    # RL settings are not part of the key: another run with other RL settings reuses it
+    assert main(["train", "--output-dir", str(tmp_path / "again"), *overrides]) == 0
+    assert records(tmp_path / "first") == records(tmp_path / "again")
+    other_rl = [*overrides, "optim.lr=3e-3"]
+    assert main(["train", "--output-dir", str(tmp_path / "other"), *other_rl]) == 0
+    # --no-cache, and any setting of the cold start itself, trains again
+    with pytest.raises(AssertionError, match="trained instead"):
+        main(["train", "--output-dir", str(tmp_path / "nc"), *overrides, "--no-cache"])
+    with pytest.raises(AssertionError, match="trained instead"):
+        main(["train", "--output-dir", str(tmp_path / "lr"), *overrides, "train.seed=1"])
+
+
+def test_cache_key_covers_what_decides_the_cold_start(tmp_path):
+    rows = [{"prompt": "1+1=", "completion": "2"}]
+    one = Distributed()
+
+    def key(*overrides, rows=rows):
+        return cs.cold_start_key(load_config(None, list(overrides)), rows, one)
+
+    base = key()
+    assert key() == base
+    assert key("optim.lr=1e-2", "train.max_steps=7", "algorithm.level=token") == base
+    assert key("train.cold_start_save_every=3", "log.plots=false") == base
+    for changed in (
+        "train.seed=1",
+        "train.cold_start_lr=1e-3",
+        "train.cold_start_steps=3",
+        "train.cold_start_batch_size=8",
+        "model.hidden=32",
+        "rollout.temperature=0.7",
+    ):
+        assert key(changed) != base, changed
+    assert key(rows=[{"prompt": "1+1=", "completion": "3"}]) != base
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with_model = key(f"model.path={model}")
+    (model / "config.json").write_text('{"a": 1}')
+    assert key(f"model.path={model}") != with_model
+
+
+def test_cache_dir_follows_settings(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert cs.cache_dir(load_config(None, [])) == tmp_path / "x" / "gspo" / "cold-start"
+    custom = load_config(None, [f"train.cold_start_cache_dir={tmp_path / 'c'}"])
+    assert cs.cache_dir(custom) == tmp_path / "c"
+    assert cs.cache_dir(load_config(None, ["train.cold_start_cache=false"])) is None

@@ -1,0 +1,115 @@
+"""Reward functions in worker processes and under a deadline (``reward.workers``/``timeout``)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from gspo.rewards import RewardError, RewardFunctions
+
+FUNCTIONS = '''
+import os, time
+
+def pid_parity(prompts, completions, **kwargs):
+    """Scores that reveal the process and the row: (length of completion) + 0 * pid."""
+    return [float(len(c)) for c in completions]
+
+def which_pid(prompts, completions, **kwargs):
+    return [float(os.getpid()) for _ in completions]
+
+def uses_column(prompts, completions, answer, **kwargs):
+    return [1.0 if c == a else 0.0 for c, a in zip(completions, answer)]
+
+def hangs(prompts, completions, **kwargs):
+    while True:
+        time.sleep(0.05)
+
+def slow(prompts, completions, **kwargs):
+    time.sleep(0.2)
+    return [0.5] * len(completions)
+
+def raises(prompts, completions, **kwargs):
+    raise ValueError("bad row 3")
+'''
+
+
+@pytest.fixture
+def module(tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text(FUNCTIONS)
+    return path
+
+
+def specs(module, *names):
+    return [f"{module}:{name}" for name in names]
+
+
+def test_workers_give_the_same_rewards_in_order(module):
+    completions = [f"c{'x' * k}" for k in range(11)]
+    answer = [c if k % 3 else "no" for k, c in enumerate(completions)]
+    names = ("pid_parity", "uses_column")
+    local = RewardFunctions.from_specs(specs(module, *names), [1.0, 2.0])
+    pooled = RewardFunctions.from_specs(specs(module, *names), [1.0, 2.0], workers=3)
+    try:
+        a = local(["p"] * 11, completions, {"answer": answer})
+        b = pooled(["p"] * 11, completions, {"answer": answer})
+        assert a == b
+        assert b.per_function[f"{module}:uses_column"][:4] == [0.0, 1.0, 1.0, 0.0]
+        pids = pooled.runner.run(
+            ["w"], [None], specs(module, "which_pid"), ["p"] * 11, completions, {}
+        )[0]
+        assert len(pids) == 11 and os.getpid() not in pids  # scored in worker processes
+    finally:
+        pooled.close()
+
+
+def test_worker_errors_name_the_function(module):
+    pooled = RewardFunctions.from_specs(specs(module, "raises"), workers=2)
+    try:
+        with pytest.raises(RewardError, match=r"raises' raised ValueError: bad row 3"):
+            pooled(["p"] * 4, ["a"] * 4)
+    finally:
+        pooled.close()
+
+
+def test_unpicklable_callable_gets_a_clear_message():
+    def local_function(prompts, completions, **kwargs):
+        return [0.0] * len(completions)
+
+    pooled = RewardFunctions.from_specs([local_function], workers=2)
+    with pytest.raises(RewardError, match="cannot be sent to reward.workers.*spec string"):
+        pooled(["p"], ["a"])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_hung_function_stops_with_one_line(module, workers):
+    functions = RewardFunctions.from_specs(
+        specs(module, "slow", "hangs"), workers=workers, timeout=1.0
+    )
+    try:
+        start = time.monotonic()
+        with pytest.raises(
+            RewardError, match=r"'.*:hangs' did not finish within reward\.timeout=1 s"
+        ):
+            functions(["p"] * 4, ["a"] * 4)
+        assert 0.9 < time.monotonic() - start < 10.0  # stopped, not hung (2-core CI is slow)
+    finally:
+        functions.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_slow_function_within_the_deadline_passes(module, workers):
+    functions = RewardFunctions.from_specs(specs(module, "slow"), workers=workers, timeout=5.0)
+    try:
+        assert functions(["p"] * 4, ["a"] * 4).rewards == [0.5] * 4
+    finally:
+        functions.close()
+
+
+def test_bad_settings_are_one_line():
+    with pytest.raises(RewardError, match="reward.workers=-1"):
+        RewardFunctions.from_specs(["format"], workers=-1)
+    with pytest.raises(RewardError, match="reward.timeout=0"):
+        RewardFunctions.from_specs(["format"], timeout=0)

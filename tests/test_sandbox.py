@@ -1,0 +1,212 @@
+"""The code-execution sandbox and the built-in ``code`` reward.
+
+Hostile programs (infinite loop, fork bomb, 10 GB allocation, writes outside the working
+directory, reading the trainer's environment, sockets, killing the parent, runaway output)
+must each be contained, score 0, and leave the test process and the machine unharmed.
+Cases that need bubblewrap's namespaces are checked only where it works (``make test``
+installs it where it can); the resource limits are checked in both modes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from gspo import sandbox
+from gspo.rewards import BUILTIN_REWARDS, RewardError, load_reward_function
+from gspo.sandbox import CodeTest, Limits, extract_code, parse_tests, run_python, score_code
+
+FAST = Limits(wall_s=4.0, cpu_s=2, memory_mb=512, max_procs=16)
+HAS_BWRAP = sandbox.isolation()[0] == "bwrap"
+needs_bwrap = pytest.mark.skipif(not HAS_BWRAP, reason=sandbox.isolation()[1])
+
+
+@pytest.fixture(params=["bwrap", "rlimits"])
+def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test under bubblewrap (where available) and under the rlimits-only fallback."""
+    if request.param == "bwrap" and not HAS_BWRAP:
+        pytest.skip(sandbox.isolation()[1])
+    if request.param == "rlimits":
+        monkeypatch.setattr(sandbox, "_bwrap_works", lambda: False)
+    assert sandbox.isolation()[0] == request.param
+    return request.param
+
+
+def _process_count() -> int:
+    return sum(1 for entry in os.listdir("/proc") if entry.isdigit())
+
+
+def fenced(code: str) -> str:
+    return f"Here is my solution.\n```python\n{code}\n```\nDone."
+
+
+# ------------------------------------------------------------------------------ extraction
+
+
+def test_extract_code_takes_last_python_block() -> None:
+    text = "```text\nnot code\n```\n```python\nx = 1\n```\nthen\n```py\nx = 2\n```"
+    assert extract_code(text) == "x = 2\n"
+    assert extract_code("```\nplain = 3\n```") == "plain = 3\n"
+    assert extract_code("no fence at all: x = 1") is None
+
+
+def test_parse_tests_forms() -> None:
+    asserts = parse_tests("import math\nassert f(1) == 2\nassert math.isclose(f(0.5), 1.5)")
+    assert [c.code for c in asserts] == [
+        "import math\nassert f(1) == 2",
+        "import math\nassert math.isclose(f(0.5), 1.5)",
+    ]
+    assert parse_tests(["assert f(1) == 2", "assert f(2) == 3"])[1].code == "assert f(2) == 3"
+    pairs = parse_tests('[{"input": "1 2", "output": "3"}]')
+    assert pairs == [CodeTest(stdin="1 2", stdout="3")]
+    assert parse_tests({"inputs": ["a"], "outputs": ["A"]}) == [CodeTest(stdin="a", stdout="A")]
+    with pytest.raises(ValueError, match="row 3: no assert"):
+        parse_tests("x = 1", where="row 3")
+    with pytest.raises(ValueError, match=r"row 1\[0\]: expected"):
+        parse_tests([{"in": 1}], where="row 1")
+
+
+# ----------------------------------------------------------------------------------- scoring
+
+
+def test_scores_pass_fraction(mode: str) -> None:
+    program = "def add(a, b):\n    return a + b if a < 10 else 0"
+    cases = parse_tests("assert add(1, 2) == 3\nassert add(2, 2) == 4\nassert add(10, 1) == 11")
+    assert score_code(program, cases, FAST) == pytest.approx(2 / 3)
+    io = parse_tests([{"input": "3\n", "output": "6"}, {"input": "4\n", "output": "9"}])
+    assert score_code("print(int(input()) * 2)", io, FAST) == 0.5
+    assert score_code(None, cases, FAST) == 0.0
+
+
+def test_exiting_early_does_not_forge_a_pass(mode: str) -> None:
+    cases = parse_tests("assert False\nassert 1 == 2")
+    for escape in ("import os\nos._exit(0)", "import sys\nsys.exit(0)", "raise SystemExit"):
+        assert score_code(escape, cases, FAST) == 0.0
+    printed = "print('0 0 1')\nprint('0 1 1')"  # verdict-shaped lines without the nonce
+    assert score_code(printed, cases, FAST) == 0.0
+
+
+def test_code_reward_builtin() -> None:
+    reward = load_reward_function("code")
+    assert reward is BUILTIN_REWARDS["code"]
+    completions = [
+        fenced("def sq(x):\n    return x * x"),
+        fenced("def sq(x):\n    return x + x"),
+        "I cannot solve this.",
+        fenced("def sq(x):\n    return x * x"),
+    ]
+    tests = ["assert sq(3) == 9\nassert sq(2) == 4", "assert sq(3) == 9\nassert sq(2) == 4"]
+    tests += ["assert sq(3) == 9", None]
+    out = reward(prompts=["q"] * 4, completions=completions, tests=tests)
+    assert out == [1.0, 0.5, 0.0, None]
+    conversational = [[{"role": "assistant", "content": completions[0]}]]
+    assert reward(prompts=[[]], completions=conversational, tests=tests[:1]) == [1.0]
+    with pytest.raises(RewardError, match="column named 'tests'"):
+        reward(prompts=["q"], completions=["x"])
+    with pytest.raises(RewardError, match="row 0: tests do not parse"):
+        reward(prompts=["q"], completions=["x"], tests=["assert ("])
+
+
+# ---------------------------------------------------------------------------- hostile code
+
+LOOP = "while True:\n    pass"
+FORK_BOMB = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+ALLOCATE = "x = bytearray(10 * 1024 ** 3)\nx[-1] = 1"
+FLOOD = "while True:\n    print('x' * 4096)"
+
+
+@pytest.mark.parametrize("program", [LOOP, FORK_BOMB, ALLOCATE, FLOOD], ids=str.split)
+def test_resource_abuse_is_contained(mode: str, program: str) -> None:
+    before = _process_count()
+    start = time.monotonic()
+    cases = parse_tests("assert True")  # would pass if the program ever finished
+    assert score_code(program, cases, FAST) == 0.0
+    assert time.monotonic() - start < FAST.wall_s + 3
+    result = run_python(program, limits=FAST)
+    assert result.returncode != 0
+    assert len(result.stdout) <= FAST.max_output_bytes
+    deadline = time.monotonic() + 10
+    while _process_count() > before + 8 and time.monotonic() < deadline:
+        time.sleep(0.1)  # killed processes are reaped asynchronously
+    assert _process_count() <= before + 8
+
+
+def test_environment_is_scrubbed(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GSPO_TEST_SECRET", "hunter2")
+    result = run_python("import os\nprint(sorted(os.environ))", limits=FAST)
+    assert result.returncode == 0
+    assert "GSPO_TEST_SECRET" not in result.stdout
+    assert set(eval(result.stdout)) <= {"PATH", "HOME", "LANG", "TMPDIR", "PWD"}
+
+
+@needs_bwrap
+def test_cannot_read_parent_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GSPO_TEST_SECRET", "hunter2")
+    program = (
+        "import os\n"
+        "for pid in [os.getppid(), 1] + [int(p) for p in os.listdir('/proc') if p.isdigit()]:\n"
+        "    try:\n"
+        "        print(open(f'/proc/{pid}/environ').read())\n"
+        "    except OSError:\n"
+        "        pass\n"
+        f"print(open('/proc/{os.getpid()}/environ').read())\n"
+    )
+    result = run_python(program, limits=FAST)
+    assert "hunter2" not in result.stdout
+
+
+@needs_bwrap
+def test_cannot_write_outside_working_directory(tmp_path: Path) -> None:
+    target = tmp_path / "escaped.txt"
+    program = (
+        "import os\n"
+        f"for path in [{str(target)!r}, '/tmp/gspo-escaped', '/usr/gspo-escaped',\n"
+        "             '/root/gspo-escaped']:\n"
+        "    try:\n"
+        "        open(path, 'w').write('x')\n"
+        "        print('wrote', path)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "open('inside.txt', 'w').write('ok')\n"
+        "print(open('inside.txt').read())\n"
+    )
+    result = run_python(program, limits=FAST)
+    assert result.returncode == 0
+    assert "wrote" not in result.stdout and result.stdout.strip() == "ok"
+    assert not target.exists() and not Path("/tmp/gspo-escaped").exists()
+
+
+@needs_bwrap
+def test_cannot_read_repository_or_open_socket() -> None:
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    program = (
+        "import socket\n"
+        "try:\n"
+        f"    print(open({str(readme)!r}).read()[:10])\n"
+        "except OSError:\n"
+        "    print('no file')\n"
+        "try:\n"
+        "    socket.create_connection(('127.0.0.1', 22), timeout=1)\n"
+        "    print('connected')\n"
+        "except OSError:\n"
+        "    print('no network')\n"
+    )
+    result = run_python(program, limits=FAST)
+    assert result.stdout.split("\n")[:2] == ["no file", "no network"]
+
+
+def test_killing_the_parent_leaves_the_run_unharmed(mode: str) -> None:
+    program = (
+        "import os, signal\n"
+        "for pid in (os.getppid(), -1):\n"
+        "    try:\n"
+        "        os.kill(pid, signal.SIGKILL)\n"
+        "    except OSError:\n"
+        "        pass\n"
+    )
+    assert score_code(program, parse_tests("assert False"), FAST) == 0.0
+    assert os.getppid() > 1  # pytest's parent (and pytest itself) survived
+    assert score_code("x = 1", parse_tests("assert x == 1"), FAST) == 1.0
