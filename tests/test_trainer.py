@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from gspo.cli import main
 from gspo.config import load_config
@@ -268,3 +269,45 @@ def test_python_dash_m_gspo_and_console_script():
     )
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == ["gspo: error: optim.lrr: unknown key"]
+
+
+@pytest.mark.slow
+def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch, ones_reward):
+    from gspo.training.update import Objective
+
+    real = Objective.__call__
+    calls = {"n": 0}
+    poisoned = {2, 5, 6, 7}  # update 2 alone, then 5, 6, 7 in a row
+
+    def poisoning(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] in poisoned:
+            out.loss = out.loss * float("nan")
+        return out
+
+    monkeypatch.setattr(Objective, "__call__", poisoning)
+    overrides = [*FAST, ones_reward, "train.cold_start_steps=0", "optim.lr=1e-3"]
+    overrides += ["train.max_steps=8", "train.save_every=1", "eval.every=0"]
+    overrides += ["algorithm.minibatches=1", "train.keep_checkpoints=10"]
+    trainer = Trainer(load_config(None, overrides), tmp_path / "run")
+    with pytest.raises(ValueError, match=r"train.max_skipped=3: 3 updates in a row .* step 7"):
+        trainer.fit()
+    lines = train_lines(run_metrics(tmp_path / "run"))
+    assert [r["train/skipped_steps"] for r in lines] == [0, 1, 1, 1, 2, 3]
+    # non-finite values are written as null
+    assert [r["step"] for r in lines if r["train/loss"] is None] == [2, 5, 6]
+    # a skipped update leaves the weights alone: step 2's checkpoint equals step 1's
+    from safetensors.torch import load_file
+
+    def weights(step):
+        path = tmp_path / "run" / "checkpoints" / f"step-{step:07d}" / "model.safetensors"
+        return load_file(path)
+
+    one, two, three = weights(1), weights(2), weights(3)
+    assert all(torch.equal(one[k], two[k]) for k in one)
+    assert any(not torch.equal(two[k], three[k]) for k in two)
+    final = latest_checkpoint(tmp_path / "run")
+    assert final is not None and final.name == "step-0000006"
+    for tensor in load_file(final / "model.safetensors").values():
+        assert torch.isfinite(tensor).all()

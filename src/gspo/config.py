@@ -332,6 +332,12 @@ class TrainConfig(_Section):
         "evaluation) derives from",
     )
     save_every: int = Field(100, ge=0, description="Optimizer steps; 0 = only at the end")
+    max_skipped: int = Field(
+        3,
+        ge=1,
+        description="Updates with a non-finite loss or gradient are skipped (logged as "
+        "train/skipped_steps); this many in a row stop the run",
+    )
     keep_checkpoints: int = Field(2, ge=1, description="Newest kept, besides the step-0 one")
 
 

@@ -146,6 +146,7 @@ class Trainer:
             objective,
             self.reference,
             config.optim.grad_clip,
+            max_skipped=config.train.max_skipped,
         )
         self.cold_start_done = False
         if checkpoint is not None:

@@ -61,6 +61,15 @@ def save_checkpoint(
     """
     final = checkpoint_dir(output_dir, step)
     root = final.parent
+    finite = all(  # this rank's shards (DTensor.to_local under FSDP)
+        bool(torch.isfinite(getattr(p, "to_local", lambda p=p: p)()).all())
+        for p in policy.parameters()
+    )
+    if not all(dist.gather_objects(finite)):
+        raise ValueError(
+            f"checkpoint at step {step} not written: the weights hold NaN or inf "
+            f"(the previous checkpoint under {root} is intact)"
+        )
     sharded = root / f".{final.name}.sharded.tmp"
     if dist.is_main:
         root.mkdir(exist_ok=True)

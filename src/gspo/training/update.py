@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,6 +47,10 @@ class Objective:
         )
 
 
+class NonFiniteTraining(ValueError):
+    """Too many updates in a row had a non-finite loss or gradient (a one-line error)."""
+
+
 class PolicyUpdate:
     """One optimizer step on a minibatch; ``step`` counts RL's optimizer steps."""
 
@@ -57,6 +62,7 @@ class PolicyUpdate:
         objective: Objective,
         reference: Reference,
         grad_clip: float,
+        max_skipped: int = 3,
     ):
         self.policy = policy
         self.optimizer = optimizer
@@ -64,7 +70,10 @@ class PolicyUpdate:
         self.objective = objective
         self.reference = reference
         self.grad_clip = grad_clip if grad_clip > 0 else float("inf")
+        self.max_skipped = max_skipped
         self.step = 0
+        self.skipped = 0  # updates skipped for a non-finite loss or gradient, in all
+        self.skipped_in_a_row = 0
 
     def __call__(
         self,
@@ -85,15 +94,31 @@ class PolicyUpdate:
         )
         self.policy.backward(out.loss, out.metrics["sequences"])
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.grad_clip)
-        self.optimizer.step()
+        loss, norm = out.loss.item(), as_float(grad_norm)  # the norm is global under FSDP
+        finite = math.isfinite(loss) and math.isfinite(norm)
+        if finite:
+            self.optimizer.step()
+            self.skipped_in_a_row = 0
+        else:  # the weights stay as they were; the schedule moves on
+            self.skipped += 1
+            self.skipped_in_a_row += 1
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        self.policy.stepped()
+        if finite:
+            self.policy.stepped()
+        elif self.skipped_in_a_row >= self.max_skipped:
+            raise NonFiniteTraining(
+                f"train.max_skipped={self.max_skipped}: {self.skipped_in_a_row} updates in a "
+                f"row had a non-finite loss or gradient (loss {loss}, grad norm {norm}, "
+                f"step {self.step}); stopping. Lower optim.lr or check the rewards; the "
+                f"checkpoints hold only finite weights"
+            )
         line = {f"train/{key}": value for key, value in out.metrics.items()}
-        line["train/loss"] = out.loss.item()
-        line["train/grad_norm"] = as_float(grad_norm)
+        line["train/loss"] = loss
+        line["train/grad_norm"] = norm
         line["train/lr"] = self.scheduler.get_last_lr()[0]
+        line["train/skipped_steps"] = float(self.skipped)
         return line
 
 
