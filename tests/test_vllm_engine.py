@@ -247,3 +247,30 @@ def test_gspo_train_with_the_vllm_engine(tmp_path):
     assert all(abs(r["train/ratio_mean"] - 1) < 1e-4 for r in on_policy)
     evals = [r for r in records if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [0, 4, 8]
+
+
+def test_unsupported_cpu_head_size_is_one_line(tmp_path, tokenizer, monkeypatch):
+    """Without vLLM installed too: the check reads config.json and the backend's list."""
+    import gspo.vllm_engine as ve
+
+    small = TinyModelSpec(layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64)
+    save_pretrained_atomic(build_tiny_model(small, tokenizer, seed=0), tokenizer, tmp_path / "m")
+    monkeypatch.setattr(ve, "_cpu_head_sizes", lambda: [32, 64, 128])
+    with pytest.raises(ValueError, match=r"head size 16 \(it supports 32, 64, 128\); use rol"):
+        ve.check_cpu_head_size(tmp_path / "m")
+    ve.check_cpu_head_size(tmp_path / "missing")  # no config: nothing to say before vLLM
+
+
+@needs_vllm
+def test_vllm_rejects_head_size_16_in_one_line(tmp_path, tokenizer):
+    from gspo.vllm_engine import VLLMEngine
+
+    small = TinyModelSpec(layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64)
+    save_pretrained_atomic(build_tiny_model(small, tokenizer, seed=0), tokenizer, tmp_path / "m")
+    with pytest.raises(ValueError, match=r"head size 16.*rollout.engine=torch"):
+        VLLMEngine(
+            tmp_path / "m",
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            device=torch.device("cpu"),
+        )

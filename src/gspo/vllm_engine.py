@@ -18,6 +18,7 @@ vLLM is imported here only, when an engine is built: ``import gspo`` never impor
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from collections.abc import Iterable
@@ -59,6 +60,45 @@ def vllm_dtype(dtype: torch.dtype) -> str:
     return names[dtype]
 
 
+def _head_dim(model_dir: str | Path) -> int | None:
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    config = config.get("text_config", config)
+    if config.get("head_dim"):
+        return int(config["head_dim"])
+    if config.get("hidden_size") and config.get("num_attention_heads"):
+        return int(config["hidden_size"]) // int(config["num_attention_heads"])
+    return None
+
+
+def _cpu_head_sizes() -> list[int] | None:
+    """The head sizes vLLM's CPU attention backend declares, where it declares them."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        return sorted(CPUAttentionBackend.get_supported_head_sizes())
+    except Exception:
+        return None
+
+
+def _head_size_message(model_dir: str | Path, supported: list[int] | None) -> str:
+    sizes = f" (it supports {', '.join(map(str, supported))})" if supported else ""
+    return (
+        f"rollout.engine=vllm: vLLM's CPU attention does not support this model's head size "
+        f"{_head_dim(model_dir)}{sizes}; use rollout.engine=torch on this machine, or a model "
+        f"whose head size it supports (built-in: model.hidden / model.heads = 32 or 64)"
+    )
+
+
+def check_cpu_head_size(model_dir: str | Path) -> None:
+    """A one-line error before vLLM starts, for a head size its CPU attention rejects."""
+    head_dim, supported = _head_dim(model_dir), _cpu_head_sizes()
+    if head_dim is not None and supported and head_dim not in supported:
+        raise ValueError(_head_size_message(model_dir, supported))
+
+
 class VLLMEngine:
     """Sampling with a colocated vLLM ``LLM`` loaded from a HF model directory.
 
@@ -96,17 +136,28 @@ class VLLMEngine:
             kwargs["max_model_len"] = max_model_len
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        self.llm = self._vllm.LLM(
-            model=str(model_dir),
-            dtype=vllm_dtype(dtype),
-            seed=seed,
-            enforce_eager=enforce_eager,
-            # token ids in, token ids out: vLLM needs no tokenizer
-            skip_tokenizer_init=True,
-            # log-probs after temperature (what the trainer recomputes), not of raw logits
-            logprobs_mode="processed_logprobs",
-            **kwargs,
-        )
+        else:
+            check_cpu_head_size(model_dir)
+        try:
+            self.llm = self._vllm.LLM(
+                model=str(model_dir),
+                dtype=vllm_dtype(dtype),
+                seed=seed,
+                enforce_eager=enforce_eager,
+                # token ids in, token ids out: vLLM needs no tokenizer
+                skip_tokenizer_init=True,
+                # log-probs after temperature (what the trainer recomputes), not of raw logits
+                logprobs_mode="processed_logprobs",
+                **kwargs,
+            )
+        except Exception as exc:
+            chain = []
+            while exc is not None and len(chain) < 20:
+                chain.append(str(exc))
+                exc = exc.__cause__ or exc.__context__
+            if any("Unsupported CPU attention" in text for text in chain):
+                raise ValueError(_head_size_message(model_dir, None)) from None
+            raise
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Copy ``model``'s current weights into vLLM's model, in memory."""
