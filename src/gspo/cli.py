@@ -153,6 +153,16 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"gspo: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # unwritable output directory, full disk, ...
+        if os.environ.get("GSPO_DEBUG"):
+            raise
+        where = f": {exc.filename}" if exc.filename else ""
+        print(
+            f"gspo: error: {exc.strerror or exc}{where}; checkpoints already written are "
+            "intact (gspo train --resume DIR continues from the last one)",
+            file=sys.stderr,
+        )
+        return 2
     except KeyboardInterrupt:
         print("gspo: interrupted; resume with gspo train --resume DIR", file=sys.stderr)
         return 130

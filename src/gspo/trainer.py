@@ -184,6 +184,14 @@ class Trainer:
         )
         if dist.is_main:
             dump_config(config, out / "config.yaml")
+        # a run resumed from its step-0 checkpoint may already hold the starting evaluation
+        logged = self.step == 0 and checkpoint is not None and dist.is_main
+        logged = logged and (out / "metrics.jsonl").is_file()
+        logged = logged and any(
+            r["step"] == 0 and any(k.startswith("eval/") for k in r)
+            for r in read_metrics(out / "metrics.jsonl")
+        )
+        self.start_evaluated = dist.gather_objects(logged)[0]
 
     @property
     def step(self) -> int:
@@ -223,7 +231,7 @@ class Trainer:
             self.cold_start_done = True
             self.save_checkpoint()  # step 0: the cold-start model; RL resumes from here
             drop_progress(checkpoints, self.dist)
-        if self.step == 0:
+        if self.step == 0 and not self.start_evaluated:
             self.logger.log(0, self.evaluate(self.step))
         show = cfg.log.progress and self.dist.is_main
         with TrainingProgress(cfg.train.max_steps, enabled=show, start_step=self.step) as bar:

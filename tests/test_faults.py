@@ -1,0 +1,135 @@
+"""Fault injection: a run killed (SIGKILL) anywhere resumes to the same metrics.
+
+Each trial starts the run in a subprocess that kills itself with SIGKILL at a chosen
+moment: the N-th gradient clip (a cold-start or an RL step) or the N-th ``os.replace``
+(a checkpoint or metrics file being put in place), picked by a seeded generator. It is then
+resumed with ``gspo train --resume`` and must end with the metrics of an uninterrupted
+run, every checkpoint left loadable. Unwritable output and a full disk are one line.
+"""
+
+from __future__ import annotations
+
+import errno
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_trainer import FAST, comparable
+
+from gspo.cli import main
+from gspo.models import load_model
+from gspo.telemetry import read_metrics
+
+COLD_STEPS, RL_STEPS = 60, 6
+RUN = [
+    *FAST,
+    f"train.cold_start_steps={COLD_STEPS}",
+    "train.cold_start_save_every=20",
+    f"train.max_steps={RL_STEPS}",
+    "algorithm.minibatches=2",
+    "train.save_every=2",
+    "eval.every=4",
+    "optim.lr=1e-3",
+]
+
+KILLER = """
+import os, signal, sys
+import torch
+
+kind, n = sys.argv[1], int(sys.argv[2])
+calls = [0]
+
+def maybe_die():
+    calls[0] += 1
+    if calls[0] == n:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+if kind == "step":
+    real_clip = torch.nn.utils.clip_grad_norm_
+    def clip(*args, **kwargs):
+        maybe_die()
+        return real_clip(*args, **kwargs)
+    torch.nn.utils.clip_grad_norm_ = clip
+else:
+    real_replace = os.replace
+    def replace(*args, **kwargs):
+        maybe_die()
+        return real_replace(*args, **kwargs)
+    os.replace = replace
+
+from gspo.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def gspo(tmp_path: Path, *args: str, kill: tuple[str, int] | None = None) -> int:
+    killer = tmp_path / "killer.py"
+    killer.write_text(KILLER)
+    kind, n = kill or ("step", 10**9)
+    cmd = [sys.executable, str(killer), kind, str(n), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600).returncode
+
+
+def trials() -> list[tuple[str, int]]:
+    rng = random.Random(0)
+    cold = [("step", rng.randint(2, COLD_STEPS)) for _ in range(2)]
+    rl = [("step", COLD_STEPS + rng.randint(1, RL_STEPS)) for _ in range(2)]
+    writes = [("replace", rng.randint(1, 12)) for _ in range(3)]
+    return [*cold, *rl, *writes]
+
+
+@pytest.mark.slow
+def test_sigkill_anywhere_then_resume_gives_the_same_run(tmp_path, ones_reward):
+    args = [*RUN, ones_reward, "--no-cache"]
+    assert gspo(tmp_path, "train", "--output-dir", str(tmp_path / "full"), *args) == 0
+    full = [comparable(r) for r in read_metrics(tmp_path / "full" / "metrics.jsonl")]
+    for k, kill in enumerate(trials()):
+        run = tmp_path / f"trial{k}"
+        rc = gspo(tmp_path, "train", "--output-dir", str(run), *args, kill=kill)
+        assert rc == -signal.SIGKILL, (kill, rc)
+        assert gspo(tmp_path, "train", "--resume", str(run)) == 0, kill
+        resumed = [comparable(r) for r in read_metrics(run / "metrics.jsonl")]
+        assert [r["step"] for r in resumed] == [r["step"] for r in full], kill
+        for a, b in zip(full, resumed, strict=True):
+            assert a == pytest.approx(b, rel=1e-6, abs=1e-7), kill
+        for checkpoint in sorted((run / "checkpoints").glob("step-*")):
+            model, _ = load_model(checkpoint, device=torch.device("cpu"), dtype=torch.float32)
+            assert all(torch.isfinite(p).all() for p in model.parameters())
+            assert (checkpoint / "trainer_state.pt").is_file()
+
+
+def test_unwritable_output_directory_is_one_line(tmp_path, capsys, ones_reward):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    assert main(["train", "--output-dir", str(blocker / "run"), *FAST, ones_reward]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gspo: error: ") and str(blocker) in err and "\n" not in err
+
+
+@pytest.mark.slow
+def test_full_disk_is_one_line_and_keeps_the_last_checkpoint(
+    tmp_path, capsys, monkeypatch, ones_reward
+):
+    import gspo.training.checkpoint as ckpt
+
+    real = ckpt.save_pretrained_atomic
+    calls = [0]
+
+    def fills_up(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:  # step 0 and step 2 fit; step 4 does not
+            raise OSError(errno.ENOSPC, "No space left on device", str(args[2]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "save_pretrained_atomic", fills_up)
+    run = tmp_path / "run"
+    assert main(["train", "--output-dir", str(run), *RUN, ones_reward]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("gspo: error: No space left on device: ") and "step-0000004" in err
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-0000002"
+    monkeypatch.undo()
+    assert main(["train", "--resume", str(run)]) == 0
