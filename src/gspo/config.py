@@ -217,6 +217,30 @@ class AlgorithmConfig(_Section):
         description="Weight of a k3 KL penalty against the cold-start (step-0) model; "
         "0 = off, no reference model loaded",
     )
+    mask_truncated: bool = Field(
+        False,
+        description="Leave responses cut off by rollout.max_new_tokens out of the loss "
+        "(DAPO's overlong filtering)",
+    )
+    rollout_correction: Literal["none", "token_tis", "token_mask", "sequence_mask"] = Field(
+        "none",
+        description="Correct for the sampler's log-probs differing from pi_old's (needs "
+        "old_logprobs=recompute): token_tis (weight min(rho, max)), token_mask (IcePop: "
+        "tokens with rho outside [min, max] dropped), sequence_mask (responses whose "
+        "geometric-mean rho leaves [min, max] dropped); rho = pi_old / pi_sampler",
+    )
+    correction_min: float | None = Field(
+        None,
+        ge=0.0,
+        description="Lower bound of rho; null = the mode's literature value (token_mask "
+        "0.5, sequence_mask 0.999; token_tis has none)",
+    )
+    correction_max: float | None = Field(
+        None,
+        gt=0.0,
+        description="Upper bound of rho; null = the mode's literature value (token_tis 2.0, "
+        "token_mask 5.0, sequence_mask 1.001)",
+    )
 
 
 class OptimConfig(_Section):
@@ -360,6 +384,28 @@ class Config(_Section):
             if self.reward.functions == ["exact_match"]:
                 # the answer column holds the total; the completion is the whole chain
                 raise ValueError("data.task=chain needs reward.functions=[numeric_match]")
+        algo = self.algorithm
+        if algo.rollout_correction != "none" and algo.old_logprobs == "sampler":
+            raise ValueError(
+                f"algorithm.rollout_correction={algo.rollout_correction} needs "
+                "algorithm.old_logprobs=recompute: with old_logprobs=sampler pi_old is the "
+                "sampler's own log-probs and there is nothing to correct"
+            )
+        bounds = {"correction_min": algo.correction_min, "correction_max": algo.correction_max}
+        for key, value in bounds.items():
+            if value is not None and algo.rollout_correction == "none":
+                raise ValueError(f"algorithm.{key} is set but algorithm.rollout_correction=none")
+        if algo.correction_min is not None and algo.rollout_correction == "token_tis":
+            raise ValueError(
+                "algorithm.correction_min: token_tis only truncates from above "
+                "(use token_mask to drop tokens below a bound)"
+            )
+        if (
+            algo.correction_min is not None
+            and algo.correction_max is not None
+            and algo.correction_min >= algo.correction_max
+        ):
+            raise ValueError("algorithm.correction_min must be below algorithm.correction_max")
         if self.rollout.engine == "vllm" and self.rollout.logit_noise > 0:
             raise ValueError("rollout.logit_noise is for the torch engine (rollout.engine=torch)")
         dense_builtin = self.model.path is None and self.model.builtin == "qwen3"

@@ -19,6 +19,7 @@ from gspo.rewards import RewardFunctions
 from gspo.rollout import RolloutBatch, SamplingParams
 from gspo.tasks import as_completion
 from gspo.training.forward import PlainForward, RoutedForward
+from gspo.training.loss_mask import LossMask
 from gspo.training.metrics import combine, logprob_mismatch, timed
 from gspo.training.sampler import Sampler
 from gspo.training.setup import derive_seed, rank_seed
@@ -83,6 +84,8 @@ class Experience:
 
     ``advantages`` ``[N]`` and ``old_logprobs`` ``[N, T]`` (pi_old, from the sampler or
     the trainer's recompute; ``recomputed`` says which) line up with ``batch``'s rows;
+    ``loss_mask`` ``[N, T]`` and ``loss_weights`` ``[N, T]`` (or None) are the tokens the
+    loss counts and their weights (:class:`gspo.training.loss_mask.LossMask`);
     ``minibatches`` are the row indices of each update; ``metrics`` describe the whole
     rollout batch over every rank.
     """
@@ -94,6 +97,8 @@ class Experience:
     recomputed: bool
     minibatches: list[torch.Tensor]
     metrics: dict[str, float]
+    loss_mask: torch.Tensor
+    loss_weights: torch.Tensor | None = None
 
     @property
     def last_minibatch(self) -> int:
@@ -126,6 +131,7 @@ class RolloutStage:
         # evaluation samples without the testing-only logit noise; rollouts with it
         self.sampling = replace(sampling, logit_noise=config.rollout.logit_noise)
         self.local_prompts = local_prompts  # this rank's share of rollout.prompts_per_batch
+        self.loss_mask = LossMask(config.algorithm)
 
     def __call__(self, index: int) -> Experience:
         cfg, dist = self.config, self.dist
@@ -159,6 +165,9 @@ class RolloutStage:
             local.update(
                 logprob_mismatch(batch.sampler_logprobs, recomputed, batch.completion_mask)
             )
+        old_logprobs = batch.sampler_logprobs if recomputed is None else recomputed
+        tokens = self.loss_mask(batch, old_logprobs)
+        local.update(tokens.metrics)
         # over all ranks: rewards and lengths gathered, times and mismatch combined
         metrics = {
             **rollout_metrics(dist, scored, advantages),
@@ -168,10 +177,12 @@ class RolloutStage:
             index=index,
             batch=batch,
             advantages=advantages,
-            old_logprobs=batch.sampler_logprobs if recomputed is None else recomputed,
+            old_logprobs=old_logprobs,
             recomputed=recomputed is not None,
             minibatches=minibatches,
             metrics=metrics,
+            loss_mask=tokens.mask,
+            loss_weights=tokens.weights,
         )
 
 
