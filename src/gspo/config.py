@@ -169,6 +169,17 @@ class RolloutConfig(_Section):
         description="Testing: noise (sd) on the sampler's logits, emulating an inference "
         "engine whose probabilities differ from the trainer's (torch engine only)",
     )
+    filter_groups: bool = Field(
+        False,
+        description="Dynamic sampling (DAPO): drop groups whose rewards are all equal and "
+        "sample more prompts until the rollout batch is full again",
+    )
+    filter_max_rounds: int = Field(
+        3,
+        ge=1,
+        description="filter_groups: most extra sampling rounds per rollout batch (each of "
+        "prompts_per_batch prompts); past it constant groups fill the batch",
+    )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
 

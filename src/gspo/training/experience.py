@@ -18,6 +18,11 @@ from gspo.distributed import Distributed
 from gspo.rewards import RewardFunctions
 from gspo.rollout import RolloutBatch, SamplingParams
 from gspo.tasks import as_completion
+from gspo.training.dynamic_sampling import (
+    concat_batches,
+    extra_prompts,
+    fill_with_informative_groups,
+)
 from gspo.training.forward import PlainForward, RoutedForward
 from gspo.training.loss_mask import LossMask
 from gspo.training.metrics import combine, logprob_mismatch, timed
@@ -62,6 +67,23 @@ class Scorer:
         result = self.rewards(prompts, completions, column_batch(rows, group))
         rewards = torch.tensor(result.rewards, dtype=torch.float32)
         return Scored(batch, completions, rewards, result.per_function)
+
+
+def merge_groups(rounds: list[Scored], groups: list[int]) -> Scored:
+    """The given groups (numbered across ``rounds`` in order) as one :class:`Scored`."""
+    group = rounds[0].batch.group_size
+    batch = concat_batches([s.batch for s in rounds])
+    rows = torch.tensor([g * group + j for g in groups for j in range(group)])
+    completions = [c for s in rounds for c in s.completions]
+    per_function = {
+        name: [v for s in rounds for v in s.per_function[name]] for name in rounds[0].per_function
+    }
+    return Scored(
+        batch.select(rows),
+        [completions[i] for i in rows.tolist()],
+        torch.cat([s.rewards for s in rounds])[rows],
+        {name: [values[i] for i in rows.tolist()] for name, values in per_function.items()},
+    )
 
 
 def prompts_for_batch(index: int, rows: int, per_batch: int, seed: int) -> list[int]:
@@ -133,6 +155,36 @@ class RolloutStage:
         self.local_prompts = local_prompts  # this rank's share of rollout.prompts_per_batch
         self.loss_mask = LossMask(config.algorithm)
 
+    def refill(
+        self, index: int, picked: list[int], first: Scored, local: dict[str, float]
+    ) -> tuple[Scored, list[int]]:
+        """``rollout.filter_groups``: replace constant-reward groups by fresh ones
+        (:mod:`gspo.training.dynamic_sampling`); the scored batch and its prompt rows."""
+        cfg = self.config
+        rounds, prompts = [first], [list(picked)]
+
+        def sample_round(r: int) -> torch.Tensor:
+            more = extra_prompts(cfg.train.seed, index, r, len(self.rows), len(picked))
+            seed = rank_seed(cfg.train.seed, self.dist, "rollout", index, "extra", r)
+            batch, _ = self.sampler.generate(
+                [self.prompt_ids[i] for i in more],
+                n=cfg.rollout.group_size,
+                params=self.sampling,
+                seed=seed,
+            )
+            rounds.append(self.scorer([self.rows[i] for i in more], batch))
+            prompts.append(more)
+            return rounds[-1].rewards
+
+        kept = fill_with_informative_groups(
+            first.rewards, cfg.rollout.group_size, len(picked), cfg.rollout.filter_max_rounds,
+            sample_round,
+        )  # fmt: skip
+        local["rollout/groups_dropped"] = float(kept.dropped)
+        local["rollout/extra_rounds"] = float(kept.rounds)
+        every_prompt = [i for p in prompts for i in p]
+        return merge_groups(rounds, kept.groups), [every_prompt[g] for g in kept.groups]
+
     def __call__(self, index: int) -> Experience:
         cfg, dist = self.config, self.dist
         seed, device = cfg.train.seed, self.forward.policy.device
@@ -151,9 +203,13 @@ class RolloutStage:
         local["time/generate"] -= local["time/weight_sync"]
         with timed(local, "time/reward"):
             scored = self.scorer([self.rows[i] for i in picked], batch)
+            if cfg.rollout.filter_groups:
+                with timed(local, "time/filter_groups"):  # extra rounds: sampled and scored
+                    scored, picked = self.refill(index, picked, scored, local)
             advantages = group_advantages(
                 scored.rewards, cfg.rollout.group_size, scale=cfg.algorithm.advantage_scale
             ).to(device)
+        batch = scored.batch
         with timed(local, "time/old_logprobs"):
             order = torch.randperm(
                 len(batch),
