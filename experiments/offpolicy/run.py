@@ -75,7 +75,7 @@ def slug(name: str) -> str:
     return name.lower().replace(" + ", "+").replace(", ", "-").replace(" ", "_")
 
 
-def mean_sd(values: list[float]) -> tuple[float, float]:
+def mean_sd(values: list[Any]) -> tuple[float, float]:
     values = [v for v in values if v == v]
     if not values:
         return float("nan"), float("nan")
@@ -151,6 +151,12 @@ def main() -> None:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "src"], capture_output=True, text=True, check=False
+    ).stdout.strip()
     base = [*BASE, "log.progress=false", "log.plots=false"]
     checkpoint = cold_start_checkpoint(base, None, out, print)
     results: dict[str, list[dict[str, float]]] = {}
@@ -163,13 +169,14 @@ def main() -> None:
             ]  # fmt: skip
             print(f"{name}, seed {seed}", flush=True)
             run_dir = out / "runs" / f"{slug(name)}-seed{seed}"
+            stamp = run_dir / "commit.txt"  # the commit the run was first started on
+            if not stamp.is_file():
+                run_dir.mkdir(parents=True, exist_ok=True)
+                stamp.write_text(commit + (" (src modified)" if dirty else ""))
             records = run_or_reuse(load_config(None, overrides), run_dir, print)
-            results[name].append(summarise(records))
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-    ).stdout.strip()
+            results[name].append({**summarise(records), "commit": stamp.read_text()})
     meta = {
-        "commit": commit,
+        "commit": commit + (" (src modified)" if dirty else ""),
         "seeds": args.seeds,
         "base": BASE,
         "rl": RL,
