@@ -117,6 +117,19 @@ class RewardConfig(_Section):
     weights: list[float] | None = Field(
         None, description="One weight per function for the weighted sum; null = 1.0 each"
     )
+    overlong_penalty: float = Field(
+        0.0,
+        ge=0.0,
+        description="DAPO's soft overlong punishment on training rewards (not evaluation): "
+        "0 up to rollout.max_new_tokens - overlong_buffer tokens, then falling linearly to "
+        "-overlong_penalty at the limit; 0 = off (DAPO: 1.0)",
+    )
+    overlong_buffer: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens before rollout.max_new_tokens where the overlong penalty "
+        "ramps; null = a fifth of max_new_tokens (DAPO: 4096 of 20480)",
+    )
 
 
 class VLLMConfig(_Section):
@@ -395,6 +408,13 @@ class Config(_Section):
             if self.reward.functions == ["exact_match"]:
                 # the answer column holds the total; the completion is the whole chain
                 raise ValueError("data.task=chain needs reward.functions=[numeric_match]")
+        if self.reward.overlong_buffer is not None and (
+            self.reward.overlong_buffer > self.rollout.max_new_tokens
+        ):
+            raise ValueError(
+                f"reward.overlong_buffer={self.reward.overlong_buffer} exceeds "
+                f"rollout.max_new_tokens={self.rollout.max_new_tokens}"
+            )
         algo = self.algorithm
         if algo.rollout_correction != "none" and algo.old_logprobs == "sampler":
             raise ValueError(
@@ -427,6 +447,12 @@ class Config(_Section):
                 "model.builtin=qwen3 is dense"
             )
         return self
+
+    @property
+    def overlong_buffer(self) -> int:
+        """``reward.overlong_buffer``, or a fifth of ``rollout.max_new_tokens`` (at least 1)."""
+        buffer = self.reward.overlong_buffer
+        return max(self.rollout.max_new_tokens // 5, 1) if buffer is None else buffer
 
     @property
     def rollout_batches(self) -> int:

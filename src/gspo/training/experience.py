@@ -15,7 +15,7 @@ import torch
 from gspo.advantages import group_advantages
 from gspo.config import Config
 from gspo.distributed import Distributed
-from gspo.rewards import RewardFunctions
+from gspo.rewards import RewardFunctions, overlong_penalty
 from gspo.rollout import RolloutBatch, SamplingParams
 from gspo.tasks import as_completion
 from gspo.training.dynamic_sampling import (
@@ -155,6 +155,20 @@ class RolloutStage:
         self.local_prompts = local_prompts  # this rank's share of rollout.prompts_per_batch
         self.loss_mask = LossMask(config.algorithm)
 
+    def score(self, picked: list[int], batch: RolloutBatch) -> Scored:
+        """The rewards of a training rollout: the reward functions, then the overlong
+        penalty (``reward.overlong_penalty``, training only: evaluation scores without)."""
+        scored = self.scorer([self.rows[i] for i in picked], batch)
+        cfg = self.config
+        if cfg.reward.overlong_penalty > 0:
+            penalty = overlong_penalty(
+                batch.completion_lengths.tolist(), cfg.rollout.max_new_tokens,
+                cfg.overlong_buffer, cfg.reward.overlong_penalty,
+            )  # fmt: skip
+            scored.rewards = scored.rewards + torch.tensor(penalty, dtype=torch.float32)
+            scored.per_function["overlong_penalty"] = penalty
+        return scored
+
     def refill(
         self, index: int, picked: list[int], first: Scored, local: dict[str, float]
     ) -> tuple[Scored, list[int]]:
@@ -172,7 +186,7 @@ class RolloutStage:
                 params=self.sampling,
                 seed=seed,
             )
-            rounds.append(self.scorer([self.rows[i] for i in more], batch))
+            rounds.append(self.score(more, batch))
             prompts.append(more)
             return rounds[-1].rewards
 
@@ -202,7 +216,7 @@ class RolloutStage:
             )
         local["time/generate"] -= local["time/weight_sync"]
         with timed(local, "time/reward"):
-            scored = self.scorer([self.rows[i] for i in picked], batch)
+            scored = self.score(picked, batch)
             if cfg.rollout.filter_groups:
                 with timed(local, "time/filter_groups"):  # extra rounds: sampled and scored
                     scored, picked = self.refill(index, picked, scored, local)
