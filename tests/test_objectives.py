@@ -920,3 +920,29 @@ def test_correction_leaves_dropped_responses_out_of_the_loss():
     rest = [i for i in range(8) if i != 2]
     want, _ = run(lp[rest], olp[rest], adv[rest], mask[rest], level=level)
     assert out.loss.item() == pytest.approx(want.loss.item(), rel=1e-12)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_entropy_bonus_matches_reference(level):
+    """metrics['entropy'] = mean over responses of the token-mean entropy (counted tokens
+    only); entropy_coef subtracts coef * that from the loss, whose gradient with respect
+    to each counted H_{i,t} is -coef / (|y_i| * |V|)."""
+    lp, olp, adv, mask = make_batch(8, 9, level, 0)
+    g = torch.Generator().manual_seed(7)
+    h = torch.rand(mask.shape, generator=g, dtype=F64) * 3.0
+    h[~mask] = float("nan")  # masked positions may hold anything
+    base, base_grad = run(lp, olp, adv, mask, level=level)
+    rows = [i for i in range(8) if mask[i].any()]
+    want = sum(h[i][mask[i]].mean().item() for i in rows) / len(rows)
+    for coef in (0.0, 0.01, 0.5):
+        x = h.clone().requires_grad_(True)
+        out, grad = run(lp, olp, adv, mask, level=level, entropy=x, entropy_coef=coef)
+        assert out.metrics["entropy"] == pytest.approx(want, rel=1e-12)
+        assert out.loss.item() == pytest.approx(base.loss.item() - coef * want, rel=1e-12)
+        assert torch.equal(grad, base_grad)  # the bonus does not touch d loss / d logprobs
+        if coef:
+            lengths = mask.sum(-1, keepdim=True).clamp(min=1).double()
+            expected = torch.where(mask, -coef / (lengths * len(rows)), 0.0)
+            torch.testing.assert_close(x.grad, expected, rtol=1e-12, atol=0.0)
+    with pytest.raises(ValueError, match="entropy_coef"):
+        policy_loss(lp, olp, adv, mask, level=level, entropy_coef=0.1)

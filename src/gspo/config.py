@@ -241,6 +241,12 @@ class AlgorithmConfig(_Section):
         description="Weight of a k3 KL penalty against the cold-start (step-0) model; "
         "0 = off, no reference model loaded",
     )
+    entropy_coef: float = Field(
+        0.0,
+        ge=0.0,
+        description="Weight of an entropy bonus (loss -= entropy_coef * mean token entropy "
+        "of pi_theta); 0 = off (train/entropy is logged either way)",
+    )
     mask_truncated: bool = Field(
         False,
         description="Leave responses cut off by rollout.max_new_tokens out of the loss "

@@ -325,6 +325,8 @@ def policy_loss(
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
     weights: Tensor | None = None,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> PolicyLoss:
     """The clipped policy-gradient loss of GSPO, GSPO-token or GRPO.
 
@@ -344,6 +346,10 @@ def policy_loss(
         weights: ``[B, T]`` (or ``[B]``) non-negative weights ``c_{i,t}`` of each token's
             clipped term, Eq. (11) (:func:`rollout_correction`); treated as constants.
             ``None`` = 1. Tokens to leave out altogether go out through ``mask``.
+        entropy: ``[B, T]`` the policy's entropy at each position (with gradient), for the
+            ``entropy`` metric and the bonus; aggregated like the KL.
+        entropy_coef: weight of the entropy bonus, ``loss -= entropy_coef * H`` (needs
+            ``entropy`` when non-zero).
 
     Returns:
         :class:`PolicyLoss` with ``loss = -J + kl_coef * KL`` where ``J`` is the mean over
@@ -364,6 +370,8 @@ def policy_loss(
         raise ValueError(f"logprobs must be [B, T]; got {logprobs.dim()} dimensions")
     if kl_coef != 0.0 and ref_logprobs is None:
         raise ValueError("kl_coef is non-zero but ref_logprobs is None")
+    if entropy_coef != 0.0 and entropy is None:
+        raise ValueError("entropy_coef is non-zero but entropy is None")
     default_low, default_high = DEFAULT_CLIP[level]
     clip_low = default_low if clip_low is None else float(clip_low)
     clip_high = default_high if clip_high is None else float(clip_high)
@@ -418,6 +426,11 @@ def policy_loss(
         if kl_coef != 0.0:
             loss = loss + kl_coef * kl
         metrics["kl"] = kl.item()
+    if entropy is not None:
+        h = mean_over_responses(entropy.to(dtype), mask)
+        if entropy_coef != 0.0:
+            loss = loss - entropy_coef * h
+        metrics["entropy"] = h.item()
 
     n_tokens = mask.sum().item()
     clipped_tokens = low_tokens | high_tokens

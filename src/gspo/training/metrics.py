@@ -35,7 +35,13 @@ TOKEN_WEIGHTED = frozenset(
     {"train/clip_fraction", "train/clip_fraction_low", "train/clip_fraction_high"}
 )
 SEQUENCE_WEIGHTED = frozenset(
-    {"train/objective", "train/kl", "train/loss", "train/clip_fraction_sequences"}
+    {
+        "train/objective",
+        "train/kl",
+        "train/entropy",
+        "train/loss",
+        "train/clip_fraction_sequences",
+    }
 )
 
 
