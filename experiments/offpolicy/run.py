@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from gspo.compare import cold_start_checkpoint, run_or_reuse, train_lines
 from gspo.config import load_config
 
@@ -43,14 +45,17 @@ BASE = [
     "eval.max_prompts=64",
 ]
 
-#: The RL stage every arm shares: 12 rollout batches of 16 prompts x 8 responses,
-#: 8 minibatches (optimizer steps) each, so 7 of every 8 updates are off-policy.
+#: The RL stage every arm shares: 8 rollout batches of 8 prompts x 8 responses, 4
+#: minibatches (optimizer steps) each, so 3 of every 4 updates are off-policy. Sized for a
+#: 2-core machine shared with other jobs: 21 runs in well under an hour.
 RL = [
-    "train.max_steps=96",
-    "algorithm.minibatches=8",
-    "optim.lr=5e-5",
+    "train.max_steps=32",
+    "rollout.prompts_per_batch=8",
+    "algorithm.minibatches=4",
+    "optim.lr=1e-4",
     "eval.every=0",
     "eval.samples=2",
+    "eval.greedy=false",
     "train.save_every=0",
     "log.progress=false",
     "log.plots=false",
@@ -138,7 +143,16 @@ def report(results: dict[str, list[dict[str, float]]], out: Path, meta: dict[str
             f"| {fmt(ms('seconds')[0], '.0f')} |"
         )
     table = "\n".join(rows)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps({"meta": meta, "runs": results}, indent=1))
+    seeds = ", ".join(str(s) for s in meta["seeds"])
+    (out / "results.md").write_text(
+        f"Produced by `python experiments/offpolicy/run.py` (runs started on commit(s) "
+        f"{', '.join(sorted({r['commit'] for v in results.values() for r in v}))}; "
+        f"seeds {seeds}). Means over seeds; ± is the standard deviation over seeds.\n\n"
+        + table
+        + "\n"
+    )
     return table
 
 
@@ -147,6 +161,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/offpolicy"))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--arms", nargs="+", default=list(ARMS), help="names from ARMS")
+    parser.add_argument("--report", type=Path, default=Path("docs/offpolicy"))
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1: the machine is shared)"
+    )
     args = parser.parse_args()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -159,10 +177,10 @@ def main() -> None:
     ).stdout.strip()
     base = [*BASE, "log.progress=false", "log.plots=false"]
     checkpoint = cold_start_checkpoint(base, None, out, print)
-    results: dict[str, list[dict[str, float]]] = {}
-    for name in args.arms:
-        results[name] = []
-        for seed in args.seeds:
+    torch.set_num_threads(args.threads)
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in args.arms}
+    for seed in args.seeds:  # seed-major: an interrupted invocation has whole seeds
+        for name in args.arms:
             overrides = [
                 *BASE, *RL, *ARMS[name],
                 f"model.path={checkpoint}", "train.cold_start_steps=0", f"train.seed={seed}",
@@ -183,7 +201,7 @@ def main() -> None:
         "arms": {n: ARMS[n] for n in args.arms},
         "invocation_seconds": time.perf_counter() - start,
     }
-    print(report(results, out, meta))
+    print(report(results, args.report, meta))
 
 
 if __name__ == "__main__":
