@@ -228,7 +228,7 @@ def test_filter_groups_fills_the_batch_and_resumes_exactly(tmp_path):
         *TINY, f"reward.functions=[{reward}:has_one]", "rollout.max_new_tokens=3",
         "rollout.filter_groups=true", "rollout.filter_max_rounds=2",
         "train.max_steps=8", "algorithm.minibatches=2", "train.save_every=4",
-        "eval.every=0", "optim.lr=1e-3",
+        "eval.every=4", "optim.lr=1e-3",
     ]  # fmt: skip
     assert main(["train", "--output-dir", str(tmp_path / "full"), *common]) == 0
     cut = ["train", "--output-dir", str(tmp_path / "cut"), *common, "train.max_steps=4"]
