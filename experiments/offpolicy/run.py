@@ -163,6 +163,12 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", default=list(ARMS), help="names from ARMS")
     parser.add_argument("--report", type=Path, default=Path("docs/offpolicy"))
     parser.add_argument(
+        "--set", nargs="*", default=[], help="overrides for every arm's RL stage (key=value)"
+    )
+    parser.add_argument(
+        "--cold-start", type=Path, default=None, help="reuse the cold start of this --out"
+    )
+    parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (1: the machine is shared)"
     )
     args = parser.parse_args()
@@ -176,13 +182,13 @@ def main() -> None:
         ["git", "status", "--porcelain", "src"], capture_output=True, text=True, check=False
     ).stdout.strip()
     base = [*BASE, "log.progress=false", "log.plots=false"]
-    checkpoint = cold_start_checkpoint(base, None, out, print)
+    checkpoint = cold_start_checkpoint(base, None, args.cold_start or out, print)
     torch.set_num_threads(args.threads)
     results: dict[str, list[dict[str, float]]] = {name: [] for name in args.arms}
     for seed in args.seeds:  # seed-major: an interrupted invocation has whole seeds
         for name in args.arms:
             overrides = [
-                *BASE, *RL, *ARMS[name],
+                *BASE, *RL, *args.set, *ARMS[name],
                 f"model.path={checkpoint}", "train.cold_start_steps=0", f"train.seed={seed}",
             ]  # fmt: skip
             print(f"{name}, seed {seed}", flush=True)
@@ -197,7 +203,7 @@ def main() -> None:
         "commit": commit + (" (src modified)" if dirty else ""),
         "seeds": args.seeds,
         "base": BASE,
-        "rl": RL,
+        "rl": [*RL, *args.set],
         "arms": {n: ARMS[n] for n in args.arms},
         "invocation_seconds": time.perf_counter() - start,
     }
