@@ -108,6 +108,9 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, float]:
         "masked_tokens": avg("correction/masked_token_fraction"),
         "masked_sequences": avg("correction/masked_sequence_fraction"),
         "tokens_in_loss": avg("train/tokens"),
+        "entropy": avg("train/entropy"),
+        "response_length": avg("train/response_length_mean"),
+        "tis_weight_min": avg("correction/weight_min"),
         "groups_dropped": avg("rollout/groups_dropped"),
         "extra_rounds": avg("rollout/extra_rounds"),
         "seconds": sum(r["time/step"] for r in lines),
@@ -121,11 +124,11 @@ def fmt(x: float, spec: str = ".3f") -> str:
 
 def report(results: dict[str, list[dict[str, float]]], out: Path, meta: dict[str, Any]) -> str:
     rows = [
-        "| arm | held-out accuracy, start -> end (± sd) | greedy, end | reward, last quarter "
+        "| arm | held-out accuracy, start -> end (± sd) | reward, last quarter "
         "| clipped tokens | masked tokens | masked responses | tokens in loss / minibatch "
         "| k3 KL sampler-trainer | groups dropped / batch | extra rounds / batch "
-        "| RL seconds (sum of steps) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| entropy | response length | RL seconds (sum of steps) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, runs in results.items():
 
@@ -135,11 +138,12 @@ def report(results: dict[str, list[dict[str, float]]], out: Path, meta: dict[str
         start, _ = ms("accuracy_start")
         end, end_sd = ms("accuracy_end")
         rows.append(
-            f"| {name} | {fmt(start)} -> {fmt(end)} ± {fmt(end_sd)} | {fmt(ms('greedy_end')[0])} "
+            f"| {name} | {fmt(start)} -> {fmt(end)} ± {fmt(end_sd)} "
             f"| {fmt(ms('reward_last_quarter')[0])} | {fmt(ms('clip_fraction')[0], '.4f')} "
             f"| {fmt(ms('masked_tokens')[0], '.4f')} | {fmt(ms('masked_sequences')[0], '.3f')} "
             f"| {fmt(ms('tokens_in_loss')[0], '.0f')} | {fmt(ms('k3_kl')[0], '.4f')} "
             f"| {fmt(ms('groups_dropped')[0], '.2f')} | {fmt(ms('extra_rounds')[0], '.2f')} "
+            f"| {fmt(ms('entropy')[0], '.3f')} | {fmt(ms('response_length')[0], '.1f')} "
             f"| {fmt(ms('seconds')[0], '.0f')} |"
         )
     table = "\n".join(rows)
