@@ -2,7 +2,8 @@
 
     python benchmarks/logprob_memory.py [--tokens 8x2048] [--naive-tokens 8x512]
 
-Compares gspo's chunked projection (`gspo.models.logprobs_from_hidden`: the vocabulary
+Compares gspo's chunked projection (also with ``train/entropy`` and an entropy bonus computed
+in the same chunks, variant ``entropy``) (`gspo.models.logprobs_from_hidden`: the vocabulary
 projection runs ``LOGPROB_CHUNK`` tokens at a time and each chunk is recomputed in backward)
 with the naive path (full float32 logits, ``log_softmax``, ``gather``). Each measurement is a
 fresh process; memory is the growth of peak RSS over the process's RSS once the inputs
@@ -42,12 +43,18 @@ def measure(variant: str, n: int, t: int) -> dict:
     advantages = torch.randn(n)
     mask = torch.ones(n, t, dtype=torch.bool)
     base = rss_mb()
+    entropy = None
     if variant == "naive":
         logits = (hidden @ weight.T).float()
         logprobs = torch.log_softmax(logits, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    elif variant == "entropy":
+        logprobs, entropy = logprobs_from_hidden(
+            hidden, weight, ids, 1.0, LOGPROB_CHUNK, with_entropy=True
+        )
     else:
         logprobs = logprobs_from_hidden(hidden, weight, ids, 1.0, LOGPROB_CHUNK)
-    loss = policy_loss(logprobs, old, advantages, mask).loss
+    coef = 0.0 if entropy is None else 0.01
+    loss = policy_loss(logprobs, old, advantages, mask, entropy=entropy, entropy_coef=coef).loss
     loss.backward()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
     return {
@@ -101,11 +108,19 @@ def main() -> None:
         run_child("naive", args.naive_tokens),
         run_child("chunked", args.naive_tokens),
         run_child("chunked", args.tokens),
+        run_child("entropy", args.naive_tokens),
+        run_child("entropy", args.tokens),
     ]
     for r in results:
         peak = r["peak_over_inputs_mb"]
         print(f"{r['variant']:8s} {r['tokens']:>8s}: peak {peak:8.0f} MB over inputs")
     naive, same = results[0], results[1]
+    for entropy, plain in ((results[3], results[1]), (results[4], results[2])):
+        print(
+            f"with entropy (bonus 0.01) at {entropy['tokens']}: "
+            f"{entropy['peak_over_inputs_mb']:.0f} MB vs {plain['peak_over_inputs_mb']:.0f} MB "
+            "without"
+        )
     ratio = same["peak_over_inputs_mb"] / naive["peak_over_inputs_mb"]
     print(f"chunked / naive at {naive['tokens']}: {ratio:.3f}")
     n, t = map(int, args.tokens.split("x"))

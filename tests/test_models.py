@@ -1,5 +1,7 @@
 """Models: built-in tiny model and tokenizer, HF loading, completion log-probs."""
 
+import math
+
 import pytest
 import torch
 
@@ -188,3 +190,58 @@ def test_shared_prompts_equal_the_padded_forward_and_feed_each_prompt_once(
     g_shared = torch.autograd.grad(shared.sum(), weight)[0]
     g_alone = torch.autograd.grad(alone.sum(), weight)[0]
     assert torch.allclose(g_shared, g_alone, atol=1e-4)
+
+
+def _full_entropy(logits):
+    logp = torch.log_softmax(logits, -1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 10_000])
+def test_chunked_entropy_equals_full_logits_in_value_and_gradient(chunk):
+    """with_entropy: each position's entropy of softmax(logits / T), from the same chunks
+    (checkpointed), equals the full-logits formula in value and gradient; the log-probs
+    are unchanged."""
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(3, 5, 16, generator=gen, requires_grad=True)
+    weight = torch.randn(50, 16, generator=gen, requires_grad=True)
+    ids = torch.randint(0, 50, (3, 5), generator=gen)
+    up_lp, up_h = torch.randn(3, 5, generator=gen), torch.randn(3, 5, generator=gen)
+    lp, ent = logprobs_from_hidden(hidden, weight, ids, 0.7, chunk, with_entropy=True)
+    ((lp * up_lp).sum() + (ent * up_h).sum()).backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    logits = (hidden @ weight.T) / 0.7
+    ref_lp = torch.log_softmax(logits, -1).gather(-1, ids[..., None]).squeeze(-1)
+    ref_ent = _full_entropy(logits)
+    ((ref_lp * up_lp).sum() + (ref_ent * up_h).sum()).backward()
+    assert torch.allclose(lp, ref_lp, atol=1e-5) and torch.allclose(ent, ref_ent, atol=1e-5)
+    assert ent.min() > 0 and ent.max() < math.log(50)
+    assert torch.allclose(grads[0], hidden.grad, atol=1e-4)
+    assert torch.allclose(grads[1], weight.grad, atol=1e-4)
+    plain = logprobs_from_hidden(hidden.detach(), weight.detach(), ids, 0.7, chunk)
+    assert torch.equal(plain, lp.detach())
+
+
+def test_packed_entropy_equals_the_padded_forward(tokenizer, tiny_model):
+    gen = torch.Generator().manual_seed(4)
+    n, p, t = 4, 5, 6
+    prompt = torch.randint(4, 60, (n, p), generator=gen)
+    prompt_mask = torch.ones(n, p, dtype=torch.long)
+    completion = torch.randint(4, 60, (n, t), generator=gen)
+    completion_mask = torch.arange(t)[None, :] < torch.tensor([6, 2, 0, 4])[:, None]
+    lp, ent = completion_logprobs(
+        tiny_model, prompt, prompt_mask, completion, completion_mask,
+        temperature=0.9, with_entropy=True,
+    )  # fmt: skip
+    ids = torch.cat([prompt, completion], 1)
+    mask = torch.cat([prompt_mask, completion_mask.long()], 1)
+    logits = tiny_model(
+        input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)
+    ).logits[:, p - 1 : -1]
+    ref_ent = _full_entropy(logits / 0.9) * completion_mask
+    assert torch.allclose(ent, ref_ent, atol=1e-4)
+    assert (ent[~completion_mask] == 0).all() and (ent[completion_mask] > 0).all()
+    ref_lp, ref_ent2 = token_logprobs_from_logits(logits, completion, 0.9, with_entropy=True)
+    assert torch.allclose(lp, ref_lp * completion_mask, atol=1e-5)
+    assert torch.allclose(ref_ent2 * completion_mask, ref_ent, atol=1e-5)

@@ -18,11 +18,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gspo.objectives import (
+    CORRECTIONS,
     DEFAULT_CLIP,
+    DEFAULT_CORRECTION_BOUNDS,
     LEVELS,
     MAX_LOG_RATIO,
     PolicyLoss,
     policy_loss,
+    rollout_correction,
     sequence_log_ratio,
     sequence_ratio,
     sequence_token_ratio,
@@ -38,9 +41,11 @@ RATIO_KEYS = ("ratio_mean", "ratio_min", "ratio_max")
 # ---------------------------------------------------------------------------------------
 
 
-def reference(lp, olp, adv, mask, *, level, eps_low, eps_high, ref=None, kl_coef=0.0):
-    """GRPO / GSPO / GSPO-token loss, gradient and clip metrics, from docs/algorithm.md."""
+def reference(lp, olp, adv, mask, *, level, eps_low, eps_high, ref=None, kl_coef=0.0, weights=None):
+    """GRPO / GSPO / GSPO-token loss, gradient and clip metrics, from docs/algorithm.md;
+    ``weights`` are the per-token c_{i,t} of Eq. (11) (None = 1)."""
     b, t_len = mask.shape
+    c = [[1.0] * t_len for _ in range(b)] if weights is None else weights.double().tolist()
     lp, olp, m = lp.double().tolist(), olp.double().tolist(), mask.bool().tolist()
     adv = adv.double().tolist()
     ref = None if ref is None else ref.double().tolist()
@@ -70,26 +75,27 @@ def reference(lp, olp, adv, mask, *, level, eps_low, eps_high, ref=None, kl_coef
         row_clipped = 0
         if level == "sequence":
             a = adv[i]
+            c_mean = sum(c[i][t] for t in idx) / n  # (1/|y_i|) sum_t c_{i,t}
             clipped = clip(s) * a < s * a  # the clipped branch of the min is active
-            objective += min(s * a, clip(s) * a) / n_valid
+            objective += c_mean * min(s * a, clip(s) * a) / n_valid
             row_clipped = n if clipped else 0
             n_high += row_clipped if a > 0 else 0
             n_low += row_clipped if a < 0 else 0
             clipped_units += int(clipped)
             unclipped_units += int(not clipped)
             for t in idx:
-                grad[i][t] = 0.0 if clipped else -s * a / (n * n_valid)
+                grad[i][t] = 0.0 if clipped else -c_mean * s * a / (n * n_valid)
         else:
             for t in idx:
                 r, a = ratio[t], a_tok[t]
                 clipped = clip(r) * a < r * a
-                objective += min(r * a, clip(r) * a) / (n * n_valid)
+                objective += c[i][t] * min(r * a, clip(r) * a) / (n * n_valid)
                 row_clipped += int(clipped)
                 n_high += int(clipped and a > 0)
                 n_low += int(clipped and a < 0)
                 clipped_units += int(clipped)
                 unclipped_units += int(not clipped)
-                grad[i][t] = 0.0 if clipped else -r * a / (n * n_valid)
+                grad[i][t] = 0.0 if clipped else -c[i][t] * r * a / (n * n_valid)
         row_fractions.append(row_clipped / n)
         if ref is not None:
             for t in idx:
@@ -741,3 +747,202 @@ def test_scaling_advantages_scales_loss_and_gradient(batch, c):
     torch.testing.assert_close(grad_c, c * grad, rtol=1e-10, atol=1e-13 * c)
     for key in CLIP_KEYS:
         assert out_c.metrics[key] == out.metrics[key], key
+
+
+# ---------------------------------------------------------------------------------------
+# Rollout correction: the weights c_{i,t} and kept tokens of Eq. (11)
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    ("level", "token_adv"),
+    [("sequence", False), ("sequence_token", False), ("sequence_token", True), ("token", False)],
+)
+@pytest.mark.parametrize("weight_shape", ["token", "response"])
+def test_weights_match_reference(level, token_adv, weight_shape, dtype):
+    """c_{i,t} multiplies each token's clipped term (for GSPO the response's term, so
+    J_i = mean_t c_{i,t} * min(s_i A_i, clip(s_i) A_i)); loss, gradient and metrics equal
+    the float64 reference at every level, with [B, T] or [B] weights."""
+    rtol, atol = (1e-10, 1e-12) if dtype == torch.float64 else (2e-5, 1e-6)
+    for seed in (0, 1):
+        lp, olp, adv, mask = make_batch(8, 17, level, seed, token_adv=token_adv)
+        g = torch.Generator().manual_seed(50 + seed)
+        shape = mask.shape if weight_shape == "token" else mask.shape[:1]
+        weights = 2.0 * torch.rand(shape, generator=g, dtype=F64)
+        full = weights if weights.dim() == 2 else weights[:, None].expand(mask.shape)
+        low, high = DEFAULT_CLIP[level]
+        want = reference(lp, olp, adv, mask, level=level, eps_low=low, eps_high=high, weights=full)
+        unweighted = reference(lp, olp, adv, mask, level=level, eps_low=low, eps_high=high)
+        assert abs(want["loss"] - unweighted["loss"]) > 1e-3  # the weights move the loss
+        lp, olp, adv = lp.to(dtype), olp.to(dtype), adv.to(dtype)
+        out, grad = run(lp, olp, adv, mask, level=level, weights=weights.to(dtype))
+        assert_matches_reference(out, grad, want, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_unit_weights_change_nothing_and_garbage_outside_mask_is_ignored(level):
+    """weights = 1 gives exactly the unweighted loss and gradient; NaN/inf weights at
+    masked positions change nothing and give no NaN gradient."""
+    lp, olp, adv, mask = make_batch(8, 9, level, 3)
+    base, base_grad = run(lp, olp, adv, mask, level=level)
+    weights = torch.ones(mask.shape, dtype=F64)
+    weights[~mask] = float("nan")
+    weights[~mask & (torch.arange(9) % 2 == 0)] = float("inf")
+    out, grad = run(lp, olp, adv, mask, level=level, weights=weights)
+    assert out.loss.item() == base.loss.item()
+    assert torch.equal(grad, base_grad)
+
+
+def test_bad_weight_shape_raises():
+    lp, olp, adv, mask = make_batch(3, 4, "token", 0)
+    with pytest.raises(ValueError, match="weights"):
+        policy_loss(lp, olp, adv, mask, level="token", weights=torch.ones(3, 5, dtype=F64))
+
+
+def _mismatched(b=6, t_len=40, seed=0, sd=0.3):
+    """pi_old (trainer) and sampler log-probs differing by noise of sd ``sd`` per token."""
+    g = torch.Generator().manual_seed(seed)
+    old = -3.0 * torch.rand(b, t_len, generator=g, dtype=F64)
+    sampler = old + sd * torch.randn(b, t_len, generator=g, dtype=F64)
+    mask = torch.rand(b, t_len, generator=g) < 0.8
+    mask[:, 0] = True
+    mask[1] = False  # an empty response
+    return old, sampler, mask
+
+
+def test_correction_defaults_are_the_literature_values():
+    assert CORRECTIONS == ("none", "token_tis", "token_mask", "sequence_mask")
+    assert DEFAULT_CORRECTION_BOUNDS == {
+        "token_tis": (0.0, 2.0),
+        "token_mask": (0.5, 5.0),
+        "sequence_mask": (0.999, 1.001),
+    }
+
+
+@pytest.mark.parametrize("mode", ["token_tis", "token_mask", "sequence_mask", "none"])
+def test_rollout_correction_matches_definition(mode):
+    """Weights, kept tokens and metrics equal Eq. (11) written out token by token."""
+    old, sampler, mask = _mismatched(sd=0.8)
+    low, high = {"token_tis": (0.0, 1.5), "token_mask": (0.6, 1.6)}.get(mode, (0.9, 1.1))
+    out = rollout_correction(old, sampler, mask, mode, low=low, high=high)
+    b, t_len = mask.shape
+    n_tok = n_drop = rows = rows_drop = 0
+    shown = []
+    for i in range(b):
+        idx = [t for t in range(t_len) if mask[i, t]]
+        if not idx:
+            assert not out.keep[i].any()
+            continue
+        rows += 1
+        rho = {t: math.exp(old[i, t].item() - sampler[i, t].item()) for t in idx}
+        geo = math.exp(sum(math.log(r) for r in rho.values()) / len(idx))
+        row_drop = 0
+        for t in idx:
+            n_tok += 1
+            if mode == "token_tis":
+                want_w, want_keep = min(rho[t], high), True
+                shown.append(want_w)
+            elif mode == "token_mask":
+                want_w, want_keep = 1.0, low <= rho[t] <= high
+                shown.append(rho[t])
+            else:
+                want_w = 1.0
+                want_keep = mode == "none" or low <= geo <= high
+            assert out.weights[i, t].item() == pytest.approx(want_w, rel=1e-12)
+            assert bool(out.keep[i, t]) == want_keep
+            row_drop += int(not want_keep)
+        if mode in ("sequence_mask", "none"):
+            shown.append(geo)
+        n_drop += row_drop
+        rows_drop += int(row_drop > 0)
+        assert not out.keep[i][~mask[i]].any()
+    m = out.metrics
+    assert m["masked_token_fraction"] == pytest.approx(n_drop / n_tok, rel=1e-12)
+    assert m["masked_sequence_fraction"] == pytest.approx(rows_drop / rows, rel=1e-12)
+    assert m["weight_mean"] == pytest.approx(sum(shown) / len(shown), rel=1e-10)
+    assert m["weight_min"] == pytest.approx(min(shown), rel=1e-10)
+    assert m["weight_max"] == pytest.approx(max(shown), rel=1e-10)
+    if mode != "none":
+        assert 0.0 < m["masked_token_fraction"] < 1.0 or mode == "token_tis"
+    if mode == "token_tis":
+        assert m["weight_max"] == pytest.approx(high) and m["masked_token_fraction"] == 0.0
+
+
+def test_no_mismatch_means_no_correction():
+    """Sampler == trainer: every weight is 1 and every counted token is kept."""
+    old, _, mask = _mismatched()
+    for mode in CORRECTIONS:
+        out = rollout_correction(old, old.clone(), mask, mode)
+        assert torch.equal(out.keep, mask)
+        assert torch.all(out.weights == 1.0)
+        assert out.metrics["masked_token_fraction"] == 0.0
+
+
+def test_geometric_mean_survives_length_where_product_collapses():
+    """The product of token weights drifts away from 1 like exp(sqrt(L) * sd) as L grows;
+    the geometric mean tightens toward 1 (docs/algorithm.md, "Rollout correction")."""
+    spread = {}
+    for t_len in (16, 4096):
+        old, sampler, _ = _mismatched(b=64, t_len=t_len, seed=1, sd=0.1)
+        mask = torch.ones(old.shape, dtype=torch.bool)
+        log_rho = old - sampler
+        product = log_rho.sum(-1).exp()
+        out = rollout_correction(old, sampler, mask, "sequence_mask", low=0.98, high=1.02)
+        spread[t_len] = (
+            ((product < 0.5) | (product > 2.0)).float().mean().item(),
+            out.metrics["masked_sequence_fraction"],
+        )
+    product_short, geo_short = spread[16]
+    product_long, geo_long = spread[4096]
+    assert product_long > 0.8 > product_short  # the product leaves [0.5, 2] on long responses
+    assert geo_long < geo_short  # the geometric mean is kept more often the longer it is
+
+
+def test_rollout_correction_bad_input():
+    old, sampler, mask = _mismatched()
+    with pytest.raises(ValueError, match="mode must be one of"):
+        rollout_correction(old, sampler, mask, "tis")
+    with pytest.raises(ValueError, match="share one"):
+        rollout_correction(old, sampler[:, :3], mask, "token_tis")
+
+
+def test_correction_leaves_dropped_responses_out_of_the_loss():
+    """A response dropped by sequence_mask leaves the mean over responses entirely: the
+    loss equals the loss of the batch without it."""
+    level = "token"
+    lp, olp, adv, mask = make_batch(8, 9, level, 0, empty_row=False)
+    sampler = olp.clone()
+    sampler[2] += 0.5  # response 2 sampled under a very different policy
+    corr = rollout_correction(olp, sampler, mask, "sequence_mask")
+    assert corr.metrics["masked_sequence_fraction"] == pytest.approx(1 / 8)
+    out, _ = run(lp, olp, adv, corr.keep, level=level, weights=corr.weights)
+    rest = [i for i in range(8) if i != 2]
+    want, _ = run(lp[rest], olp[rest], adv[rest], mask[rest], level=level)
+    assert out.loss.item() == pytest.approx(want.loss.item(), rel=1e-12)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_entropy_bonus_matches_reference(level):
+    """metrics['entropy'] = mean over responses of the token-mean entropy (counted tokens
+    only); entropy_coef subtracts coef * that from the loss, whose gradient with respect
+    to each counted H_{i,t} is -coef / (|y_i| * |V|)."""
+    lp, olp, adv, mask = make_batch(8, 9, level, 0)
+    g = torch.Generator().manual_seed(7)
+    h = torch.rand(mask.shape, generator=g, dtype=F64) * 3.0
+    h[~mask] = float("nan")  # masked positions may hold anything
+    base, base_grad = run(lp, olp, adv, mask, level=level)
+    rows = [i for i in range(8) if mask[i].any()]
+    want = sum(h[i][mask[i]].mean().item() for i in rows) / len(rows)
+    for coef in (0.0, 0.01, 0.5):
+        x = h.clone().requires_grad_(True)
+        out, grad = run(lp, olp, adv, mask, level=level, entropy=x, entropy_coef=coef)
+        assert out.metrics["entropy"] == pytest.approx(want, rel=1e-12)
+        assert out.loss.item() == pytest.approx(base.loss.item() - coef * want, rel=1e-12)
+        assert torch.equal(grad, base_grad)  # the bonus does not touch d loss / d logprobs
+        if coef:
+            lengths = mask.sum(-1, keepdim=True).clamp(min=1).double()
+            expected = torch.where(mask, -coef / (lengths * len(rows)), 0.0)
+            torch.testing.assert_close(x.grad, expected, rtol=1e-12, atol=0.0)
+    with pytest.raises(ValueError, match="entropy_coef"):
+        policy_loss(lp, olp, adv, mask, level=level, entropy_coef=0.1)

@@ -177,6 +177,19 @@ class RewardConfig(_Section):
         description="Seconds the reward functions may take per rollout batch before the run "
         "stops with one line naming the function; null = no limit",
     )
+    overlong_penalty: float = Field(
+        0.0,
+        ge=0.0,
+        description="DAPO's soft overlong punishment on training rewards (not evaluation): "
+        "0 up to rollout.max_new_tokens - overlong_buffer tokens, then falling linearly to "
+        "-overlong_penalty at the limit; 0 = off (DAPO: 1.0)",
+    )
+    overlong_buffer: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens before rollout.max_new_tokens where the overlong penalty "
+        "ramps; null = a fifth of max_new_tokens (DAPO: 4096 of 20480)",
+    )
 
 
 class VLLMConfig(_Section):
@@ -229,6 +242,17 @@ class RolloutConfig(_Section):
         description="Testing: noise (sd) on the sampler's logits, emulating an inference "
         "engine whose probabilities differ from the trainer's (torch engine only)",
     )
+    filter_groups: bool = Field(
+        False,
+        description="Dynamic sampling (DAPO): drop groups whose rewards are all equal and "
+        "sample more prompts until the rollout batch is full again",
+    )
+    filter_max_rounds: int = Field(
+        3,
+        ge=1,
+        description="filter_groups: most extra sampling rounds per rollout batch (each of "
+        "prompts_per_batch prompts); past it constant groups fill the batch",
+    )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
 
@@ -276,6 +300,36 @@ class AlgorithmConfig(_Section):
         ge=0.0,
         description="Weight of a k3 KL penalty against the cold-start (step-0) model; "
         "0 = off, no reference model loaded",
+    )
+    entropy_coef: float = Field(
+        0.0,
+        ge=0.0,
+        description="Weight of an entropy bonus (loss -= entropy_coef * mean token entropy "
+        "of pi_theta); 0 = off (train/entropy is logged either way)",
+    )
+    mask_truncated: bool = Field(
+        False,
+        description="Leave responses cut off by rollout.max_new_tokens out of the loss "
+        "(DAPO's overlong filtering)",
+    )
+    rollout_correction: Literal["none", "token_tis", "token_mask", "sequence_mask"] = Field(
+        "none",
+        description="Correct for the sampler's log-probs differing from pi_old's (needs "
+        "old_logprobs=recompute): token_tis (weight min(rho, max)), token_mask (IcePop: "
+        "tokens with rho outside [min, max] dropped), sequence_mask (responses whose "
+        "geometric-mean rho leaves [min, max] dropped); rho = pi_old / pi_sampler",
+    )
+    correction_min: float | None = Field(
+        None,
+        ge=0.0,
+        description="Lower bound of rho; null = the mode's literature value (token_mask "
+        "0.5, sequence_mask 0.999; token_tis has none)",
+    )
+    correction_max: float | None = Field(
+        None,
+        gt=0.0,
+        description="Upper bound of rho; null = the mode's literature value (token_tis 2.0, "
+        "token_mask 5.0, sequence_mask 1.001)",
     )
 
 
@@ -451,6 +505,35 @@ class Config(_Section):
             if self.reward.functions == ["exact_match"]:
                 # the answer column holds the total; the completion is the whole chain
                 raise ValueError("data.task=chain needs reward.functions=[numeric_match]")
+        if self.reward.overlong_buffer is not None and (
+            self.reward.overlong_buffer > self.rollout.max_new_tokens
+        ):
+            raise ValueError(
+                f"reward.overlong_buffer={self.reward.overlong_buffer} exceeds "
+                f"rollout.max_new_tokens={self.rollout.max_new_tokens}"
+            )
+        algo = self.algorithm
+        if algo.rollout_correction != "none" and algo.old_logprobs == "sampler":
+            raise ValueError(
+                f"algorithm.rollout_correction={algo.rollout_correction} needs "
+                "algorithm.old_logprobs=recompute: with old_logprobs=sampler pi_old is the "
+                "sampler's own log-probs and there is nothing to correct"
+            )
+        bounds = {"correction_min": algo.correction_min, "correction_max": algo.correction_max}
+        for key, value in bounds.items():
+            if value is not None and algo.rollout_correction == "none":
+                raise ValueError(f"algorithm.{key} is set but algorithm.rollout_correction=none")
+        if algo.correction_min is not None and algo.rollout_correction == "token_tis":
+            raise ValueError(
+                "algorithm.correction_min: token_tis only truncates from above "
+                "(use token_mask to drop tokens below a bound)"
+            )
+        if (
+            algo.correction_min is not None
+            and algo.correction_max is not None
+            and algo.correction_min >= algo.correction_max
+        ):
+            raise ValueError("algorithm.correction_min must be below algorithm.correction_max")
         if self.rollout.engine == "vllm" and self.rollout.logit_noise > 0:
             raise ValueError("rollout.logit_noise is for the torch engine (rollout.engine=torch)")
         dense_builtin = self.model.path is None and self.model.builtin == "qwen3"
@@ -461,6 +544,12 @@ class Config(_Section):
                 "model.builtin=qwen3 is dense"
             )
         return self
+
+    @property
+    def overlong_buffer(self) -> int:
+        """``reward.overlong_buffer``, or a fifth of ``rollout.max_new_tokens`` (at least 1)."""
+        buffer = self.reward.overlong_buffer
+        return max(self.rollout.max_new_tokens // 5, 1) if buffer is None else buffer
 
     @property
     def rollout_batches(self) -> int:

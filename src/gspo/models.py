@@ -208,7 +208,8 @@ class CompletionLogprobs(torch.nn.Module):
         completion_mask: Tensor,
         temperature: float = 1.0,
         share_prompts: bool = False,
-    ) -> Tensor:
+        with_entropy: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         return completion_logprobs(
             self.model,
             prompt_ids,
@@ -217,6 +218,7 @@ class CompletionLogprobs(torch.nn.Module):
             completion_mask,
             temperature=temperature,
             share_prompts=share_prompts,
+            with_entropy=with_entropy,
         )
 
 
@@ -240,8 +242,13 @@ def completion_logprobs(
     temperature: float = 1.0,
     chunk_size: int = LOGPROB_CHUNK,
     share_prompts: bool = False,
-) -> Tensor:
+    with_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs of the completion tokens under ``model``, ``[N, T]`` float32.
+
+    With ``with_entropy`` also the entropy of the (temperature-scaled) next-token
+    distribution at each completion position, ``[N, T]`` float32 (0 where masked),
+    computed in the same chunks as the log-probs: no full logits tensor either way.
 
     ``prompt_ids``/``prompt_mask`` ``[N, P]`` (left-padded), ``completion_ids``/
     ``completion_mask`` ``[N, T]`` (right-padded); 0 where ``completion_mask`` is false.
@@ -274,10 +281,19 @@ def completion_logprobs(
             temperature=temperature,
             chunk_size=chunk_size,
             share_prompts=share_prompts,
+            with_entropy=with_entropy,
         )
     logits = model(**inputs, logits_to_keep=t + 1).logits[:, :-1, :]
-    logprobs = token_logprobs_from_logits(logits, completion_ids, temperature)
-    return torch.where(completion_mask.bool(), logprobs, torch.zeros_like(logprobs))
+    result = token_logprobs_from_logits(
+        logits, completion_ids, temperature, with_entropy=with_entropy
+    )
+    keep = completion_mask.bool()
+    masked = [torch.where(keep, x, torch.zeros_like(x)) for x in _as_tuple(result)]
+    return (masked[0], masked[1]) if with_entropy else masked[0]
+
+
+def _as_tuple(result: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    return result if isinstance(result, tuple) else (result,)
 
 
 #: Least tokens per packed row (a row is at least as long as the longest sequence).
@@ -302,7 +318,8 @@ def packed_completion_logprobs(
     chunk_size: int = LOGPROB_CHUNK,
     pack_tokens: int = PACK_TOKENS,
     share_prompts: bool = False,
-) -> Tensor:
+    with_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`completion_logprobs` without computing anything on padding.
 
     The real tokens of the rows (prompt then completion) are laid end to end in rows of
@@ -394,9 +411,18 @@ def packed_completion_logprobs(
         completion_ids[rows, cols].unsqueeze(0),
         temperature,
         chunk_size,
-    )[0]
-    out = torch.zeros((n, t), dtype=picked.dtype, device=device)
-    return out.index_put((rows, cols), picked)
+        with_entropy=with_entropy,
+    )
+    outs = []
+    for values in picked if with_entropy else (picked,):
+        out = torch.zeros((n, t), dtype=values.dtype, device=device)
+        outs.append(out.index_put((rows, cols), values[0]))
+    return (outs[0], outs[1]) if with_entropy else outs[0]
+
+
+def _entropy(logits: Tensor, logsumexp: Tensor) -> Tensor:
+    """Entropy of ``softmax(logits)`` along the last dimension, given its logsumexp."""
+    return logsumexp - (torch.softmax(logits, dim=-1) * logits).sum(-1)
 
 
 def _chunk_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float) -> Tensor:
@@ -405,21 +431,39 @@ def _chunk_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, temperature: fl
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+def _chunk_logprobs_entropy(
+    hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float
+) -> tuple[Tensor, Tensor]:
+    logits = (hidden @ weight.T).float() / temperature
+    picked = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    return picked - lse, _entropy(logits, lse)
+
+
 def logprobs_from_hidden(
-    hidden: Tensor, weight: Tensor, token_ids: Tensor, temperature: float, chunk_size: int
-) -> Tensor:
+    hidden: Tensor,
+    weight: Tensor,
+    token_ids: Tensor,
+    temperature: float,
+    chunk_size: int,
+    *,
+    with_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """``log softmax(hidden @ weight.T / temperature)[token]`` without full logits.
 
     ``hidden`` ``[N, T, H]``, ``weight`` ``[V, H]``, ``token_ids`` ``[N, T]`` ->
     ``[N, T]`` float32. Tokens go through in chunks of ``chunk_size``; with gradients on,
     each chunk is checkpointed, so backward recomputes that chunk's logits instead of
     keeping ``N x T x V`` of them alive: peak memory is one chunk's logits, not all.
+    ``with_entropy``: also each position's entropy ``[N, T]``, from the same chunk's
+    logits (and through the same checkpoint, so it may carry a gradient).
     """
     from torch.utils.checkpoint import checkpoint
 
     n, t, h = hidden.shape
     flat_hidden, flat_ids = hidden.reshape(n * t, h), token_ids.reshape(n * t)
     keep_graph = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    chunk = _chunk_logprobs_entropy if with_entropy else _chunk_logprobs
     out = []
     for start in range(0, n * t, chunk_size):
         args = (
@@ -428,22 +472,36 @@ def logprobs_from_hidden(
             flat_ids[start : start + chunk_size],
         )
         if keep_graph:
-            out.append(checkpoint(_chunk_logprobs, *args, temperature, use_reentrant=False))
+            out.append(checkpoint(chunk, *args, temperature, use_reentrant=False))
         else:
-            out.append(_chunk_logprobs(*args, temperature))
+            out.append(chunk(*args, temperature))
     if not out:
-        return hidden.new_zeros((n, t), dtype=torch.float32)
+        zeros = hidden.new_zeros((n, t), dtype=torch.float32)
+        return (zeros, zeros.clone()) if with_entropy else zeros
+    if with_entropy:
+        return (
+            torch.cat([o[0] for o in out]).reshape(n, t),
+            torch.cat([o[1] for o in out]).reshape(n, t),
+        )
     return torch.cat(out).reshape(n, t)
 
 
-def token_logprobs_from_logits(logits: Tensor, token_ids: Tensor, temperature: float) -> Tensor:
+def token_logprobs_from_logits(
+    logits: Tensor, token_ids: Tensor, temperature: float, *, with_entropy: bool = False
+) -> Tensor | tuple[Tensor, Tensor]:
     """``log softmax(logits / temperature)[token]`` in float32, ``[N, T, V] -> [N, T]``.
 
     Computed row by row so that at most one row of float32 logits exists at a time.
+    ``with_entropy``: also each position's entropy, ``[N, T]``.
     """
-    rows = []
+    rows, entropies = [], []
     for row_logits, row_ids in zip(logits, token_ids, strict=True):
         scaled = row_logits.float() / temperature
         picked = scaled.gather(-1, row_ids.unsqueeze(-1)).squeeze(-1)
-        rows.append(picked - torch.logsumexp(scaled, dim=-1))
+        lse = torch.logsumexp(scaled, dim=-1)
+        rows.append(picked - lse)
+        if with_entropy:
+            entropies.append(_entropy(scaled, lse))
+    if with_entropy:
+        return torch.stack(rows), torch.stack(entropies)
     return torch.stack(rows)

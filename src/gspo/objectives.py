@@ -15,12 +15,15 @@ Equations of ``docs/algorithm.md``, and where each lives:
 - "Aggregation": mean over responses of the per-response token mean
   -> :func:`mean_over_responses` (inner mean :func:`mean_over_tokens`)
 - Eq. (9), the k3 KL estimator                        -> :func:`k3_kl`
-- Eqs. (6)-(8) and (10), the whole loss, with the metrics of "Logged metrics"
+- "Rollout correction", the weight ``c_{i,t}`` and the kept tokens of Eq. (11)
+  -> :func:`rollout_correction`
+- Eqs. (6)-(8), (10) and (11), the whole loss, with the metrics of "Logged metrics"
   -> :func:`policy_loss`
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -42,6 +45,22 @@ DEFAULT_CLIP: dict[str, tuple[float, float]] = {
 #: inf or NaN. ``exp(20) ~ 4.9e8`` is far outside any clip band, so the clamp never
 #: changes which branch of the clipped objective is active (``docs/algorithm.md``, "Numerics").
 MAX_LOG_RATIO = 20.0
+
+
+Correction = Literal["none", "token_tis", "token_mask", "sequence_mask"]
+CORRECTIONS: tuple[str, ...] = get_args(Correction)
+
+#: Default ``(min, max)`` bounds of each rollout correction (``docs/algorithm.md``,
+#: "Rollout correction"): truncated importance sampling caps the token weight at 2 (Yao et
+#: al. 2025, "Your efficient RL framework secretly brings you off-policy RL training";
+#: verl's token-TIS default); IcePop keeps tokens whose weight lies in [0.5, 5] (Ring-1T,
+#: 2025); the geometric-mean sequence mask keeps responses within [0.999, 1.001] (verl's
+#: geometric rejection preset). ``token_tis`` has no lower bound.
+DEFAULT_CORRECTION_BOUNDS: dict[str, tuple[float, float]] = {
+    "token_tis": (0.0, 2.0),
+    "token_mask": (0.5, 5.0),
+    "sequence_mask": (0.999, 1.001),
+}
 
 
 @dataclass
@@ -180,6 +199,91 @@ def k3_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor) -> Tensor:
     return torch.exp(r) - r - 1.0
 
 
+@dataclass
+class RolloutCorrection:
+    """Result of :func:`rollout_correction`: what :func:`policy_loss` takes, and metrics.
+
+    ``weights`` ``[B, T]``: the weight ``c_{i,t}`` of each token's term (1 where nothing
+    is reweighted); ``keep`` ``[B, T]`` bool: the counted tokens that stay in the loss.
+    """
+
+    weights: Tensor
+    keep: Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def rollout_correction(
+    old_logprobs: Tensor,
+    sampler_logprobs: Tensor,
+    mask: Tensor,
+    mode: str,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+) -> RolloutCorrection:
+    """Correct for the sampler not being pi_old: ``docs/algorithm.md`` Eq. (11).
+
+    The per-token weight is ``rho_{i,t} = pi_old(y_{i,t}) / pi_sampler(y_{i,t})``
+    (the trainer's recompute over the rollout engine's log-probs of the sampled token).
+
+    - ``"none"``: weights 1, every counted token kept (the metrics are still reported).
+    - ``"token_tis"``: truncated importance sampling, ``c_{i,t} = min(rho_{i,t}, high)``.
+    - ``"token_mask"``: IcePop, tokens with ``rho_{i,t}`` outside ``[low, high]`` drop out.
+    - ``"sequence_mask"``: a response drops out when its geometric-mean weight
+      ``exp(mean_t log rho_{i,t})`` lies outside ``[low, high]``.
+
+    ``low``/``high`` default to :data:`DEFAULT_CORRECTION_BOUNDS`. Shapes ``[B, T]``;
+    masked positions may hold any value. Metrics: ``weight_mean/min/max`` (``c_{i,t}``
+    over counted tokens for the token modes, the geometric-mean weight per response for
+    ``sequence_mask`` and ``none``), ``masked_token_fraction`` (counted tokens dropped)
+    and ``masked_sequence_fraction`` (responses that lost at least one token).
+    """
+    if mode not in CORRECTIONS:
+        raise ValueError(f"mode must be one of {', '.join(CORRECTIONS)}; got {mode!r}")
+    if old_logprobs.shape != sampler_logprobs.shape or old_logprobs.shape != mask.shape:
+        raise ValueError(
+            "old_logprobs, sampler_logprobs and mask must share one [B, T] shape; got "
+            f"{list(old_logprobs.shape)}, {list(sampler_logprobs.shape)}, {list(mask.shape)}"
+        )
+    default_low, default_high = DEFAULT_CORRECTION_BOUNDS.get(mode, (0.0, math.inf))
+    low = default_low if low is None else float(low)
+    high = default_high if high is None else float(high)
+    mask = mask.bool()
+    log_rho = token_log_ratio(old_logprobs, sampler_logprobs, mask)
+    log_rho = log_rho.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    rho = log_rho.exp()
+    ones = torch.ones_like(rho)
+    valid_rows = mask.any(dim=-1)
+    geometric = mean_over_tokens(log_rho, mask).exp()  # [B]
+    if mode == "token_tis":
+        weights = torch.where(mask, rho.clamp(max=high), ones)
+        keep = mask
+        shown = weights[mask]
+    elif mode == "token_mask":
+        weights = ones
+        keep = mask & (rho >= low) & (rho <= high)
+        shown = rho[mask]
+    else:
+        weights = ones
+        inside = (geometric >= low) & (geometric <= high)
+        keep = mask & inside.unsqueeze(-1) if mode == "sequence_mask" else mask
+        shown = geometric[valid_rows]
+    n_tokens = int(mask.sum().item())
+    n_rows = int(valid_rows.sum().item())
+    dropped = mask & ~keep
+    metrics = {
+        "masked_token_fraction": dropped.sum().item() / max(n_tokens, 1),
+        "masked_sequence_fraction": dropped.any(dim=-1).sum().item() / max(n_rows, 1),
+    }
+    if shown.numel():
+        metrics.update(
+            weight_mean=shown.mean().item(),
+            weight_min=shown.min().item(),
+            weight_max=shown.max().item(),
+        )
+    return RolloutCorrection(weights=weights.detach(), keep=keep, metrics=metrics)
+
+
 def _as_advantages(advantages: Tensor, mask: Tensor, level: str) -> Tensor:
     """Validate the advantage shape: ``[B]`` for every level, ``[B, T]`` for token levels."""
     b, t = mask.shape
@@ -220,6 +324,9 @@ def policy_loss(
     clip_high: float | None = None,
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
+    weights: Tensor | None = None,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> PolicyLoss:
     """The clipped policy-gradient loss of GSPO, GSPO-token or GRPO.
 
@@ -236,6 +343,13 @@ def policy_loss(
             for the level (:data:`DEFAULT_CLIP`).
         ref_logprobs: ``[B, T]`` reference-policy log-probs for the KL penalty.
         kl_coef: weight of the k3 KL penalty (needs ``ref_logprobs`` when non-zero).
+        weights: ``[B, T]`` (or ``[B]``) non-negative weights ``c_{i,t}`` of each token's
+            clipped term, Eq. (11) (:func:`rollout_correction`); treated as constants.
+            ``None`` = 1. Tokens to leave out altogether go out through ``mask``.
+        entropy: ``[B, T]`` the policy's entropy at each position (with gradient), for the
+            ``entropy`` metric and the bonus; aggregated like the KL.
+        entropy_coef: weight of the entropy bonus, ``loss -= entropy_coef * H`` (needs
+            ``entropy`` when non-zero).
 
     Returns:
         :class:`PolicyLoss` with ``loss = -J + kl_coef * KL`` where ``J`` is the mean over
@@ -256,6 +370,8 @@ def policy_loss(
         raise ValueError(f"logprobs must be [B, T]; got {logprobs.dim()} dimensions")
     if kl_coef != 0.0 and ref_logprobs is None:
         raise ValueError("kl_coef is non-zero but ref_logprobs is None")
+    if entropy_coef != 0.0 and entropy is None:
+        raise ValueError("entropy_coef is non-zero but entropy is None")
     default_low, default_high = DEFAULT_CLIP[level]
     clip_low = default_low if clip_low is None else float(clip_low)
     clip_high = default_high if clip_high is None else float(clip_high)
@@ -287,6 +403,20 @@ def policy_loss(
         low_tokens = low & mask
         high_tokens = high & mask
 
+    if weights is not None:
+        if weights.shape not in (mask.shape, mask.shape[:1]):
+            raise ValueError(
+                f"weights must have shape [B, T]={list(mask.shape)} or [B]; "
+                f"got {list(weights.shape)}"
+            )
+        weights = weights.detach().to(dtype)
+        weights = weights if weights.dim() == 2 else weights.unsqueeze(-1).expand(mask.shape)
+        # masked positions may hold anything: 0 * NaN in backward would leak otherwise
+        weights = torch.where(mask, weights, torch.ones((), dtype=dtype, device=mask.device))
+        # c_{i,t} multiplies each token's term; GSPO's one term per response is the term
+        # of each of its tokens (the inner token mean leaves it unchanged when c = 1)
+        per_token = objective if objective.dim() == 2 else objective.unsqueeze(-1)
+        objective = per_token * weights
     objective_value = mean_over_responses(objective, mask)
     loss = -objective_value
 
@@ -296,6 +426,11 @@ def policy_loss(
         if kl_coef != 0.0:
             loss = loss + kl_coef * kl
         metrics["kl"] = kl.item()
+    if entropy is not None:
+        h = mean_over_responses(entropy.to(dtype), mask)
+        if entropy_coef != 0.0:
+            loss = loss - entropy_coef * h
+        metrics["entropy"] = h.item()
 
     n_tokens = mask.sum().item()
     clipped_tokens = low_tokens | high_tokens

@@ -15,10 +15,16 @@ import torch
 from gspo.advantages import group_advantages
 from gspo.config import Config
 from gspo.distributed import Distributed
-from gspo.rewards import RewardFunctions
+from gspo.rewards import RewardFunctions, overlong_penalty
 from gspo.rollout import RolloutBatch, SamplingParams
 from gspo.tasks import as_completion
+from gspo.training.dynamic_sampling import (
+    concat_batches,
+    extra_prompts,
+    fill_with_informative_groups,
+)
 from gspo.training.forward import PlainForward, RoutedForward
+from gspo.training.loss_mask import LossMask
 from gspo.training.metrics import combine, logprob_mismatch, timed
 from gspo.training.sampler import Sampler
 from gspo.training.setup import derive_seed, rank_seed
@@ -63,6 +69,23 @@ class Scorer:
         return Scored(batch, completions, rewards, result.per_function)
 
 
+def merge_groups(rounds: list[Scored], groups: list[int]) -> Scored:
+    """The given groups (numbered across ``rounds`` in order) as one :class:`Scored`."""
+    group = rounds[0].batch.group_size
+    batch = concat_batches([s.batch for s in rounds])
+    rows = torch.tensor([g * group + j for g in groups for j in range(group)])
+    completions = [c for s in rounds for c in s.completions]
+    per_function = {
+        name: [v for s in rounds for v in s.per_function[name]] for name in rounds[0].per_function
+    }
+    return Scored(
+        batch.select(rows),
+        [completions[i] for i in rows.tolist()],
+        torch.cat([s.rewards for s in rounds])[rows],
+        {name: [values[i] for i in rows.tolist()] for name, values in per_function.items()},
+    )
+
+
 def prompts_for_batch(index: int, rows: int, per_batch: int, seed: int) -> list[int]:
     """Row indices of rollout batch ``index``: epochs of seeded permutations of ``rows``."""
     picked: list[int] = []
@@ -83,6 +106,8 @@ class Experience:
 
     ``advantages`` ``[N]`` and ``old_logprobs`` ``[N, T]`` (pi_old, from the sampler or
     the trainer's recompute; ``recomputed`` says which) line up with ``batch``'s rows;
+    ``loss_mask`` ``[N, T]`` and ``loss_weights`` ``[N, T]`` (or None) are the tokens the
+    loss counts and their weights (:class:`gspo.training.loss_mask.LossMask`);
     ``minibatches`` are the row indices of each update; ``metrics`` describe the whole
     rollout batch over every rank.
     """
@@ -94,6 +119,8 @@ class Experience:
     recomputed: bool
     minibatches: list[torch.Tensor]
     metrics: dict[str, float]
+    loss_mask: torch.Tensor
+    loss_weights: torch.Tensor | None = None
 
     @property
     def last_minibatch(self) -> int:
@@ -126,6 +153,51 @@ class RolloutStage:
         # evaluation samples without the testing-only logit noise; rollouts with it
         self.sampling = replace(sampling, logit_noise=config.rollout.logit_noise)
         self.local_prompts = local_prompts  # this rank's share of rollout.prompts_per_batch
+        self.loss_mask = LossMask(config.algorithm)
+
+    def score(self, picked: list[int], batch: RolloutBatch) -> Scored:
+        """The rewards of a training rollout: the reward functions, then the overlong
+        penalty (``reward.overlong_penalty``, training only: evaluation scores without)."""
+        scored = self.scorer([self.rows[i] for i in picked], batch)
+        cfg = self.config
+        if cfg.reward.overlong_penalty > 0:
+            penalty = overlong_penalty(
+                batch.completion_lengths.tolist(), cfg.rollout.max_new_tokens,
+                cfg.overlong_buffer, cfg.reward.overlong_penalty,
+            )  # fmt: skip
+            scored.rewards = scored.rewards + torch.tensor(penalty, dtype=torch.float32)
+            scored.per_function["overlong_penalty"] = penalty
+        return scored
+
+    def refill(
+        self, index: int, picked: list[int], first: Scored, local: dict[str, float]
+    ) -> tuple[Scored, list[int]]:
+        """``rollout.filter_groups``: replace constant-reward groups by fresh ones
+        (:mod:`gspo.training.dynamic_sampling`); the scored batch and its prompt rows."""
+        cfg = self.config
+        rounds, prompts = [first], [list(picked)]
+
+        def sample_round(r: int) -> torch.Tensor:
+            more = extra_prompts(cfg.train.seed, index, r, len(self.rows), len(picked))
+            seed = rank_seed(cfg.train.seed, self.dist, "rollout", index, "extra", r)
+            batch, _ = self.sampler.generate(
+                [self.prompt_ids[i] for i in more],
+                n=cfg.rollout.group_size,
+                params=self.sampling,
+                seed=seed,
+            )
+            rounds.append(self.score(more, batch))
+            prompts.append(more)
+            return rounds[-1].rewards
+
+        kept = fill_with_informative_groups(
+            first.rewards, cfg.rollout.group_size, len(picked), cfg.rollout.filter_max_rounds,
+            sample_round,
+        )  # fmt: skip
+        local["rollout/groups_dropped"] = float(kept.dropped)
+        local["rollout/extra_rounds"] = float(kept.rounds)
+        every_prompt = [i for p in prompts for i in p]
+        return merge_groups(rounds, kept.groups), [every_prompt[g] for g in kept.groups]
 
     def __call__(self, index: int) -> Experience:
         cfg, dist = self.config, self.dist
@@ -144,10 +216,14 @@ class RolloutStage:
             )
         local["time/generate"] -= local["time/weight_sync"]
         with timed(local, "time/reward"):
-            scored = self.scorer([self.rows[i] for i in picked], batch)
+            scored = self.score(picked, batch)
+            if cfg.rollout.filter_groups:
+                with timed(local, "time/filter_groups"):  # extra rounds: sampled and scored
+                    scored, picked = self.refill(index, picked, scored, local)
             advantages = group_advantages(
                 scored.rewards, cfg.rollout.group_size, scale=cfg.algorithm.advantage_scale
             ).to(device)
+        batch = scored.batch
         with timed(local, "time/old_logprobs"):
             order = torch.randperm(
                 len(batch),
@@ -159,6 +235,9 @@ class RolloutStage:
             local.update(
                 logprob_mismatch(batch.sampler_logprobs, recomputed, batch.completion_mask)
             )
+        old_logprobs = batch.sampler_logprobs if recomputed is None else recomputed
+        tokens = self.loss_mask(batch, old_logprobs)
+        local.update(tokens.metrics)
         # over all ranks: rewards and lengths gathered, times and mismatch combined
         metrics = {
             **rollout_metrics(dist, scored, advantages),
@@ -168,10 +247,12 @@ class RolloutStage:
             index=index,
             batch=batch,
             advantages=advantages,
-            old_logprobs=batch.sampler_logprobs if recomputed is None else recomputed,
+            old_logprobs=old_logprobs,
             recomputed=recomputed is not None,
             minibatches=minibatches,
             metrics=metrics,
+            loss_mask=tokens.mask,
+            loss_weights=tokens.weights,
         )
 
 

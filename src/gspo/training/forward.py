@@ -42,9 +42,9 @@ class PlainForward:
         with torch.no_grad():
             return self.policy.logprobs(batch)
 
-    def logprobs(self, mb: RolloutBatch, k: int) -> torch.Tensor:
-        """pi_theta's log-probs of minibatch ``k`` (with gradient)."""
-        return self.policy.logprobs(mb)
+    def logprobs(self, mb: RolloutBatch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """pi_theta's log-probs of minibatch ``k`` and its entropies (with gradient)."""
+        return self.policy.logprobs(mb, with_entropy=True)
 
 
 class RoutedForward:
@@ -92,8 +92,8 @@ class RoutedForward:
                     recomputed[rows, : lp.shape[1]] = lp
         return recomputed
 
-    def logprobs(self, mb: RolloutBatch, k: int) -> torch.Tensor:
-        """pi_theta's log-probs of minibatch ``k`` (with gradient).
+    def logprobs(self, mb: RolloutBatch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """pi_theta's log-probs of minibatch ``k`` and its entropies (with gradient).
 
         With routing replay the experts recorded under pi_old are forced. A minibatch
         whose old routing is not recorded yet (the first, in sampler mode) runs under
@@ -101,10 +101,10 @@ class RoutedForward:
         """
         if self._old[k] is None:
             with capture_routing(self.policy.module) as recorder:
-                lp = self.policy.logprobs(mb)
+                out = self.policy.logprobs(mb, with_entropy=True)
             self._old[k] = recorder.experts
-            return lp
+            return out
         if self.replay:
             with replay_routing(self.policy.module, self._old[k]):
-                return self.policy.logprobs(mb)
-        return self.policy.logprobs(mb)
+                return self.policy.logprobs(mb, with_entropy=True)
+        return self.policy.logprobs(mb, with_entropy=True)

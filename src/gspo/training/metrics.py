@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import torch
 
 from gspo.distributed import Distributed, Reduction, combine_metrics
-from gspo.objectives import mean_over_tokens
+from gspo.objectives import k3_kl, mean_over_tokens
 
 
 @contextmanager
@@ -35,7 +35,13 @@ TOKEN_WEIGHTED = frozenset(
     {"train/clip_fraction", "train/clip_fraction_low", "train/clip_fraction_high"}
 )
 SEQUENCE_WEIGHTED = frozenset(
-    {"train/objective", "train/kl", "train/loss", "train/clip_fraction_sequences"}
+    {
+        "train/objective",
+        "train/kl",
+        "train/entropy",
+        "train/loss",
+        "train/clip_fraction_sequences",
+    }
 )
 
 
@@ -45,15 +51,23 @@ def metric_reduction(key: str, level: str) -> tuple[Reduction, str | None]:
         return "sum", None
     if key == "train/ratio_min":
         return "min", None
-    if key in ("train/ratio_max", "mismatch/token_abs_max") or key.startswith("time/"):
+    if key == "correction/weight_min":
+        return "min", None
+    if key in ("train/ratio_max", "mismatch/token_abs_max", "correction/weight_max"):
+        return "max", None
+    if key.startswith("time/"):
         return "max", None
     if key in TOKEN_WEIGHTED or (key == "train/ratio_mean" and level == "token"):
         return "mean", "train/tokens"
     if key in SEQUENCE_WEIGHTED or key == "train/ratio_mean":
         return "mean", "train/sequences"
-    if key == "mismatch/token_abs_mean":
+    if key in ("mismatch/token_abs_mean", "mismatch/k3_kl", "correction/masked_token_fraction"):
         return "mean", "mismatch/tokens"
-    if key == "mismatch/sequence_mean_delta_abs_mean":
+    if key in (
+        "mismatch/sequence_mean_delta_abs_mean",
+        "mismatch/log_ppl_gap",
+        "correction/masked_sequence_fraction",
+    ):
         return "mean", "mismatch/sequences"
     if key == "sft/loss":
         return "mean", "sft/tokens"
@@ -70,14 +84,24 @@ def combine(dist: Distributed, level: str, metrics: dict[str, float]) -> dict[st
 def logprob_mismatch(
     sampler: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor
 ) -> dict[str, float]:
-    """Training/inference mismatch: token-level |delta log p| and the sequence-level mean delta."""
+    """Training/inference mismatch between the sampler's and the trainer's log-probs.
+
+    Token level: |delta log p| (mean, max) and the k3 estimate of KL(sampler || trainer)
+    (token mean of ``exp(r) - r - 1``, ``r = trainer - sampler``, over the sampler's own
+    tokens). Response level: |mean_t delta log p| and the log-perplexity gap
+    ``mean_t(-trainer) - mean_t(-sampler)``, averaged over responses (positive: the trainer
+    finds the responses less likely than the sampler did).
+    """
     mask = mask.bool()
     delta = (trainer.float() - sampler.float()).detach()
     token_abs = delta.abs()[mask]
     if token_abs.numel() == 0:
         return {}
     sequence_delta = mean_over_tokens(delta, mask)[mask.any(-1)]
+    kl = k3_kl(sampler.float().detach(), trainer.float().detach(), mask)[mask]
     return {
+        "mismatch/k3_kl": kl.mean().item(),
+        "mismatch/log_ppl_gap": -sequence_delta.mean().item(),
         "mismatch/token_abs_mean": token_abs.mean().item(),
         "mismatch/token_abs_max": token_abs.max().item(),
         "mismatch/sequence_mean_delta_abs_mean": sequence_delta.abs().mean().item(),

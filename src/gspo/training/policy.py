@@ -59,9 +59,17 @@ class Policy:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
 
-    def logprobs(self, batch: RolloutBatch, module: torch.nn.Module | None = None) -> torch.Tensor:
+    def logprobs(
+        self,
+        batch: RolloutBatch,
+        module: torch.nn.Module | None = None,
+        *,
+        with_entropy: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Completion log-probs ``[N, T]`` of ``batch`` under ``module`` (the policy by default).
 
+        ``with_entropy``: ``(log-probs, entropy)``, the entropy of each completion position's
+        next-token distribution from the same chunked pass (no full logits tensor).
         The responses of a group share their prompt, which is computed once for them
         (``share_prompts``, see :func:`gspo.models.packed_completion_logprobs`).
         """
@@ -74,6 +82,7 @@ class Policy:
                 batch.completion_mask,
                 temperature=self.temperature,
                 share_prompts=True,
+                with_entropy=with_entropy,
             )
 
     def backward(self, loss: torch.Tensor, local_count: float) -> None:

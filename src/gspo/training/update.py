@@ -32,6 +32,8 @@ class Objective:
         advantages: torch.Tensor,
         mask: torch.Tensor,
         ref_logprobs: torch.Tensor | None = None,
+        weights: torch.Tensor | None = None,
+        entropy: torch.Tensor | None = None,
     ) -> PolicyLoss:
         cfg = self.algorithm
         return policy_loss(
@@ -44,6 +46,9 @@ class Objective:
             clip_high=cfg.clip_high,
             kl_coef=cfg.kl_coef,
             ref_logprobs=ref_logprobs,
+            weights=weights,
+            entropy=entropy,
+            entropy_coef=cfg.entropy_coef,
         )
 
 
@@ -81,17 +86,23 @@ class PolicyUpdate:
         logprobs: torch.Tensor,
         old_logprobs: torch.Tensor,
         advantages: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        weights: torch.Tensor | None = None,
+        entropy: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """One optimizer step on minibatch ``mb`` (this rank's share of it); its metrics.
 
         ``logprobs`` ``[n, T]`` under pi_theta (with gradient), ``old_logprobs`` ``[n, T]``,
-        ``advantages`` ``[n]``. The backward is scaled so that N ranks holding a share each
-        take the step one process with the whole minibatch would. Metrics are this rank's
-        (see :func:`gspo.training.metrics.combine`) but the gradient norm, which is global.
+        ``advantages`` ``[n]``; ``mask``/``weights`` ``[n, T]`` the tokens in the loss and
+        their weights (default: every completion token, weight 1); ``entropy`` ``[n, T]``
+        pi_theta's per-position entropy (with gradient). The backward is scaled
+        so that N ranks holding a share each take the step one process with the whole
+        minibatch would. Metrics are this rank's (see :func:`gspo.training.metrics.combine`)
+        but the gradient norm, which is global.
         """
-        out = self.objective(
-            logprobs, old_logprobs, advantages, mb.completion_mask, self.reference.logprobs(mb)
-        )
+        mask = mb.completion_mask if mask is None else mask
+        ref = self.reference.logprobs(mb)
+        out = self.objective(logprobs, old_logprobs, advantages, mask, ref, weights, entropy)
         self.policy.backward(out.loss, out.metrics["sequences"])
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.grad_clip)
         loss, norm = out.loss.item(), as_float(grad_norm)  # the norm is global under FSDP
@@ -170,9 +181,14 @@ class UpdateStage:
         start = time.perf_counter()
         rows = experience.minibatches[k]
         mb = experience.batch.select(rows)
-        logprobs = self.forward.logprobs(mb, k)
-        old_logprobs = experience.old_logprobs[rows][:, : logprobs.shape[1]]
-        line = self.update(mb, logprobs, old_logprobs, experience.advantages[rows])
+        logprobs, entropy = self.forward.logprobs(mb, k)
+        width = logprobs.shape[1]
+        old_logprobs = experience.old_logprobs[rows][:, :width]
+        mask = experience.loss_mask[rows][:, :width]
+        weights = experience.loss_weights
+        weights = None if weights is None else weights[rows][:, :width]
+        advantages = experience.advantages[rows]
+        line = self.update(mb, logprobs, old_logprobs, advantages, mask, weights, entropy)
         line["train/minibatch"] = k
         line["train/rollout"] = experience.index
         line["time/train"] = time.perf_counter() - start

@@ -1,0 +1,283 @@
+"""Off-policy features end to end: rollout correction, truncation masking, dynamic sampling.
+
+Trainer runs use the long-response ``chain`` task (as well as a binary toy reward where
+groups with constant rewards must occur) with a tiny model.
+"""
+
+import pytest
+import torch
+
+from gspo.cli import main
+from gspo.config import ConfigError, load_config
+from gspo.rollout import RolloutBatch
+from gspo.telemetry import read_metrics
+from gspo.trainer import Trainer, latest_checkpoint
+from gspo.training.dynamic_sampling import (
+    concat_batches,
+    constant_groups,
+    extra_prompts,
+    fill_with_informative_groups,
+)
+
+TINY = [
+    "model.layers=1",
+    "model.hidden=64",
+    "model.heads=2",
+    "model.kv_heads=1",
+    "model.intermediate=128",
+    "data.eval_size=8",
+    "data.sft_size=200",
+    "train.cold_start_steps=10",
+    "train.cold_start_batch_size=16",
+    "rollout.group_size=4",
+    "rollout.prompts_per_batch=4",
+    "eval.samples=1",
+    "eval.max_prompts=4",
+    "eval.greedy=false",
+    "log.progress=false",
+    "log.plots=false",
+    "log.tensorboard=false",
+]
+CHAIN = [
+    *TINY,
+    "data.task=chain",
+    "data.terms=4",
+    "reward.functions=[numeric_match]",
+    "rollout.max_new_tokens=48",
+]
+RECOMPUTE_GRPO = ["algorithm.level=token", "algorithm.old_logprobs=recompute"]
+
+HAS_ONE = '''
+def has_one(prompts, completions, **kwargs):
+    """Binary: whether the completion holds a '1' (groups of equal rewards happen often)."""
+    return [float("1" in c) for c in completions]
+'''
+
+
+def train_lines(records):
+    return [r for r in records if "train/loss" in r]
+
+
+def comparable(record):
+    return {k: v for k, v in record.items() if not k.startswith("time")}
+
+
+# ------------------------------------------------------------------ configuration
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["algorithm.rollout_correction=token_tis"], "nothing to correct"),
+        (
+            ["algorithm.old_logprobs=recompute", "algorithm.correction_max=3"],
+            "algorithm.correction_max is set but algorithm.rollout_correction=none",
+        ),
+        (
+            [
+                "algorithm.old_logprobs=recompute",
+                "algorithm.rollout_correction=token_tis",
+                "algorithm.correction_min=0.5",
+            ],
+            "algorithm.correction_min: token_tis only truncates from above",
+        ),
+        (
+            [
+                "algorithm.old_logprobs=recompute",
+                "algorithm.rollout_correction=token_mask",
+                "algorithm.correction_min=2",
+                "algorithm.correction_max=1",
+            ],
+            "correction_min must be below",
+        ),
+        (["rollout.filter_max_rounds=0"], "rollout.filter_max_rounds"),
+    ],
+)
+def test_bad_offpolicy_keys_are_one_line_errors(overrides, expected, tmp_path, capsys):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, overrides)
+    code = main(["train", "--output-dir", str(tmp_path / "run"), *TINY, *overrides])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and expected in err and "\n" not in err
+
+
+# ------------------------------------------------------------------ rollout correction
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("mode", "bounds"),
+    [
+        ("token_tis", ["algorithm.correction_max=1.2"]),
+        ("token_mask", ["algorithm.correction_min=0.8", "algorithm.correction_max=1.25"]),
+        ("sequence_mask", ["algorithm.correction_min=0.6", "algorithm.correction_max=2.0"]),
+    ],
+)
+def test_correction_on_the_chain_task_drops_and_weights_what_it_says(tmp_path, mode, bounds):
+    """Under injected mismatch the loss counts exactly the tokens the correction kept:
+    summed over a rollout batch's minibatches, train/tokens = mismatch/tokens x (1 -
+    masked_token_fraction); token_tis caps its weights at correction_max."""
+    overrides = [
+        *CHAIN, *RECOMPUTE_GRPO, "rollout.logit_noise=1.0",
+        f"algorithm.rollout_correction={mode}", *bounds,
+        "train.max_steps=4", "algorithm.minibatches=2", "eval.every=0",
+    ]  # fmt: skip
+    Trainer(load_config(None, overrides), tmp_path / "run").fit()
+    lines = train_lines(read_metrics(tmp_path / "run" / "metrics.jsonl"))
+    assert len(lines) == 4
+    for rollout in (lines[0:2], lines[2:4]):
+        first = rollout[0]
+        assert first["mismatch/k3_kl"] > 0.01  # the noise is there
+        assert first["mismatch/log_ppl_gap"] != 0.0
+        kept = first["mismatch/tokens"] * (1.0 - first["correction/masked_token_fraction"])
+        assert sum(r["train/tokens"] for r in rollout) == pytest.approx(kept, abs=1e-6)
+    fractions = [r["correction/masked_token_fraction"] for r in lines]
+    if mode == "token_tis":
+        assert all(f == 0.0 for f in fractions)
+        assert all(r["correction/weight_max"] <= 1.2 + 1e-6 for r in lines)
+        assert any(r["correction/weight_max"] == pytest.approx(1.2) for r in lines)
+    else:
+        assert all(0.0 < f < 1.0 for f in fractions)
+        assert all(r["correction/masked_sequence_fraction"] > 0.0 for r in lines)
+
+
+@pytest.mark.slow
+def test_correction_without_mismatch_changes_nothing(tmp_path):
+    """No noise: the sampler and the trainer agree, so every correction keeps every token
+    with weight ~1 and the run's losses equal the uncorrected run's."""
+    common = [*CHAIN, *RECOMPUTE_GRPO, "train.max_steps=2", "algorithm.minibatches=2"]
+    Trainer(load_config(None, common), tmp_path / "none").fit()
+    base = train_lines(read_metrics(tmp_path / "none" / "metrics.jsonl"))
+    for mode in ("token_tis", "token_mask", "sequence_mask"):
+        config = load_config(None, [*common, f"algorithm.rollout_correction={mode}"])
+        Trainer(config, tmp_path / mode).fit()
+        lines = train_lines(read_metrics(tmp_path / mode / "metrics.jsonl"))
+        for a, b in zip(base, lines, strict=True):
+            assert b["correction/masked_token_fraction"] == 0.0
+            assert a["train/tokens"] == b["train/tokens"]
+            assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_mask_truncated_leaves_cut_responses_out(tmp_path):
+    """chain completions are 20+ tokens: cut at 12 most responses are truncated, and
+    exactly the others stay in the loss (one minibatch of 16 responses per step)."""
+    overrides = [
+        *CHAIN, "rollout.max_new_tokens=12", "algorithm.mask_truncated=true",
+        "train.max_steps=2", "algorithm.minibatches=1", "eval.every=0",
+    ]  # fmt: skip
+    Trainer(load_config(None, overrides), tmp_path / "run").fit()
+    lines = train_lines(read_metrics(tmp_path / "run" / "metrics.jsonl"))
+    assert lines and any(r["train/truncated_fraction"] > 0.5 for r in lines)
+    for r in lines:
+        assert r["train/masked_truncated_fraction"] == r["train/truncated_fraction"]
+        assert r["train/sequences"] == round(16 * (1 - r["train/truncated_fraction"]))
+        assert r["train/loss"] == r["train/loss"]  # finite, no NaN
+
+
+# ------------------------------------------------------------------ dynamic sampling
+def test_fill_keeps_informative_groups_and_stops_at_the_cap():
+    g = 2
+    rounds = {
+        1: torch.tensor([1.0, 1.0, 0.0, 1.0]),  # constant, informative
+        2: torch.tensor([0.0, 1.0, 1.0, 0.0]),  # informative, informative
+    }
+    first = torch.tensor([0.0, 0.0, 1.0, 0.0])  # constant, informative
+    calls = []
+
+    def sample_round(r):
+        calls.append(r)
+        return rounds[r]
+
+    out = fill_with_informative_groups(first, g, 2, max_rounds=3, sample_round=sample_round)
+    assert calls == [1] and out.groups == [1, 3] and out.rounds == 1 and out.dropped == 2
+    calls.clear()
+    out = fill_with_informative_groups(first, g, 2, max_rounds=0, sample_round=sample_round)
+    assert calls == [] and out.groups == [0, 1] and out.dropped == 0  # topped up
+
+
+def test_constant_groups_and_extra_prompts_are_deterministic():
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.5, 0.0, 0.0])
+    assert constant_groups(rewards, 2).tolist() == [True, False, True]
+    assert extra_prompts(0, 3, 1, 100, 8) == extra_prompts(0, 3, 1, 100, 8)
+    assert extra_prompts(0, 3, 1, 100, 8) != extra_prompts(0, 3, 2, 100, 8)
+
+
+def test_concat_batches_pads_and_keeps_rows():
+    def batch(p, t, value):
+        return RolloutBatch(
+            prompt_ids=torch.full((2, p), value), prompt_mask=torch.ones(2, p, dtype=torch.long),
+            completion_ids=torch.full((2, t), value),
+            completion_mask=torch.ones(2, t, dtype=torch.long),
+            sampler_logprobs=torch.full((2, t), -float(value)),
+            finish_reasons=["stop", "length"], group_size=2,
+        )  # fmt: skip
+
+    out = concat_batches([batch(3, 5, 1), batch(4, 2, 2)])
+    assert out.prompt_ids.shape == (4, 4) and out.completion_ids.shape == (4, 5)
+    assert out.prompt_mask[:2, 0].tolist() == [0, 0]  # left padding
+    assert out.completion_mask[2:, 2:].sum() == 0  # right padding
+    assert out.finish_reasons == ["stop", "length", "stop", "length"]
+    assert out.select(torch.tensor([2, 3])).completion_ids.shape == (2, 2)
+
+
+@pytest.mark.slow
+def test_filter_groups_fills_the_batch_and_resumes_exactly(tmp_path):
+    """A binary reward gives constant groups; with filter_groups they are replaced (no
+    constant group is left unless the cap was hit) and a resumed run replays the same
+    extra rounds."""
+    reward = tmp_path / "has_one.py"
+    reward.write_text(HAS_ONE)
+    common = [
+        *TINY, f"reward.functions=[{reward}:has_one]", "rollout.max_new_tokens=3",
+        "rollout.filter_groups=true", "rollout.filter_max_rounds=2",
+        "train.max_steps=8", "algorithm.minibatches=2", "train.save_every=4",
+        "eval.every=4", "optim.lr=1e-3",
+    ]  # fmt: skip
+    assert main(["train", "--output-dir", str(tmp_path / "full"), *common]) == 0
+    cut = ["train", "--output-dir", str(tmp_path / "cut"), *common, "train.max_steps=4"]
+    assert main(cut) == 0
+    assert latest_checkpoint(tmp_path / "cut").name == "step-0000004"
+    assert main(["train", "--resume", str(tmp_path / "cut"), "train.max_steps=8"]) == 0
+    full = read_metrics(tmp_path / "full" / "metrics.jsonl")
+    resumed = read_metrics(tmp_path / "cut" / "metrics.jsonl")
+    for a, b in zip(full, resumed, strict=True):
+        assert comparable(a) == pytest.approx(comparable(b), rel=1e-6, abs=1e-7)
+    lines = train_lines(full)
+    assert sum(r["rollout/groups_dropped"] for r in lines) > 0
+    for r in lines:
+        if r["rollout/extra_rounds"] < 2:  # the batch filled up before the cap
+            assert r["train/zero_std_fraction"] == 0.0
+        assert r["train/sequences"] > 0
+
+
+# ------------------------------------------------------------------ overlong penalty
+def test_overlong_penalty_values():
+    from gspo.rewards import overlong_penalty
+
+    # limit 20, buffer 5: free up to 15 tokens, then -0.2 per token to -1 at 20
+    got = overlong_penalty([3, 15, 16, 18, 20], 20, 5, 1.0)
+    assert got == pytest.approx([0.0, 0.0, -0.2, -0.6, -1.0])
+    assert overlong_penalty([20], 20, 5, 0.5) == [-0.5]
+    with pytest.raises(ValueError, match="buffer"):
+        overlong_penalty([1], 20, 21, 1.0)
+    with pytest.raises(ConfigError, match="reward.overlong_buffer"):
+        load_config(None, ["rollout.max_new_tokens=8", "reward.overlong_buffer=9"])
+
+
+@pytest.mark.slow
+def test_overlong_penalty_shapes_training_rewards_not_evaluation(tmp_path):
+    """On chain cut at 24 tokens (buffer 8) the training reward is the task's reward plus
+    the logged penalty, which is -1 exactly for truncated responses; evaluation is not
+    penalised."""
+    overrides = [
+        *CHAIN, "rollout.max_new_tokens=24", "reward.overlong_penalty=1.0",
+        "reward.overlong_buffer=8", "train.max_steps=2", "algorithm.minibatches=1",
+    ]  # fmt: skip
+    Trainer(load_config(None, overrides), tmp_path / "run").fit()
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    for r in train_lines(records):
+        penalty = r["train/reward/overlong_penalty"]
+        assert -1.0 <= penalty < 0.0
+        assert penalty <= -r["train/truncated_fraction"] + 1e-6  # truncated ones give -1
+        assert r["train/reward_mean"] == pytest.approx(
+            r["train/reward/numeric_match"] + penalty, abs=1e-5
+        )
+    evals = [r for r in records if "eval/reward_mean" in r]
+    assert evals and all(r["eval/reward_mean"] >= 0.0 for r in evals)
