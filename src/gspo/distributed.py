@@ -166,13 +166,23 @@ def shard_policy(root: torch.nn.Module, model: torch.nn.Module, world_size: int)
     fully_shard(root, mesh=mesh)
 
 
-def full_state_dict(model: torch.nn.Module, dist: Distributed) -> dict[str, torch.Tensor]:
-    """The whole (unsharded) weights of ``model`` on every rank: a collective under FSDP."""
+def full_state_dict(
+    model: torch.nn.Module, dist: Distributed, *, trainable_only: bool = False
+) -> dict[str, torch.Tensor]:
+    """The whole (unsharded) weights of ``model`` on every rank: a collective under FSDP.
+
+    ``trainable_only``: only the parameters that train (a LoRA run's adapters).
+    """
     if not dist.enabled:
-        return model.state_dict()
+        state = model.state_dict()
+        if trainable_only:
+            trained = {name for name, p in model.named_parameters() if p.requires_grad}
+            state = {k: v for k, v in state.items() if k in trained}
+        return state
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    options = StateDictOptions(full_state_dict=True, ignore_frozen_params=trainable_only)
+    return get_model_state_dict(model, options=options)
 
 
 def as_float(value: Any) -> float:
@@ -195,8 +205,16 @@ def single_process_quiet() -> Iterator[None]:
         yield
 
 
-def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def save_sharded(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    trainable_only: bool = False,
+) -> None:
     """Model and optimizer state with ``torch.distributed.checkpoint``: each rank its shards.
+
+    ``trainable_only`` leaves frozen parameters out (a LoRA run writes its adapters only).
 
     Called by every rank (a single process writes everything). The files can be loaded
     by any number of ranks (:func:`load_sharded` reshards). An optimizer that has not
@@ -206,24 +224,35 @@ def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
     )
 
-    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    options = StateDictOptions(ignore_frozen_params=trainable_only)
+    state: dict[str, Any] = {"model": get_model_state_dict(model, options=options)}
     if optimizer.state:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     with single_process_quiet():
         dcp.save(state, checkpoint_id=path, no_dist=not torch.distributed.is_initialized())
 
 
-def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def load_sharded(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    trainable_only: bool = False,
+) -> None:
     """Load :func:`save_sharded`'s files into ``model`` and ``optimizer``, whatever the ranks.
+
+    ``trainable_only``: the files hold the trainable parameters only (see :func:`save_sharded`).
 
     The optimizer is left as it is (fresh) when the checkpoint holds no optimizer state.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
         set_model_state_dict,
@@ -231,12 +260,13 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     )
 
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+    state: dict[str, Any] = {"model": get_model_state_dict(model, options=options)}
     if any(key.startswith("optimizer.") for key in saved):
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     with single_process_quiet():
         dcp.load(state, checkpoint_id=path, no_dist=not torch.distributed.is_initialized())
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=options)
     if "optimizer" in state:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
