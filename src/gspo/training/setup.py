@@ -19,6 +19,7 @@ from gspo.models import (
     save_pretrained_atomic,
 )
 from gspo.moe import find_routers, is_moe
+from gspo.tasks import BUILTIN_TASKS, TaskData, load_rows
 from gspo.training.lora import (
     adam_state_bytes,
     attach_lora,
@@ -26,7 +27,6 @@ from gspo.training.lora import (
     is_lora_checkpoint,
     parameter_counts,
 )
-from gspo.tasks import BUILTIN_TASKS, TaskData, load_rows
 
 
 def derive_seed(seed: int, *tags: object) -> int:
