@@ -175,14 +175,19 @@ def full_state_dict(
     """
     if not dist.enabled:
         state = model.state_dict()
-        if trainable_only:
-            trained = {name for name, p in model.named_parameters() if p.requires_grad}
-            state = {k: v for k, v in state.items() if k in trained}
-        return state
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    else:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
 
-    options = StateDictOptions(full_state_dict=True, ignore_frozen_params=trainable_only)
-    return get_model_state_dict(model, options=options)
+        options = StateDictOptions(full_state_dict=True, ignore_frozen_params=trainable_only)
+        state = get_model_state_dict(model, options=options)
+    if trainable_only:
+        # (DCP keeps a frozen weight tied to another name, e.g. lm_head to the embeddings)
+        trained = {name for name, p in model.named_parameters() if p.requires_grad}
+        state = {k: v for k, v in state.items() if k in trained}
+    return state
 
 
 def as_float(value: Any) -> float:
