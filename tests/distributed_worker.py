@@ -1,7 +1,9 @@
 """One optimizer step on a fixed rollout batch, as one process or as a rank of torchrun.
 
-    python tests/distributed_worker.py OUT_DIR                            # whole batch
-    torchrun --standalone --nproc-per-node 2 tests/distributed_worker.py OUT_DIR
+    python tests/distributed_worker.py OUT_DIR [key=value ...]            # whole batch
+    torchrun --standalone --nproc-per-node 2 tests/distributed_worker.py OUT_DIR [key=value ...]
+
+Extra ``key=value`` arguments are config overrides (``model.lora.r=4``: a LoRA policy).
 
 Each rank takes its contiguous share of the batch's groups (as the trainer does) and
 takes the step through ``Trainer.policy_update`` (a :class:`gspo.training.update.
@@ -76,7 +78,7 @@ def fixed_batch(trainer: Trainer) -> tuple[RolloutBatch, torch.Tensor]:
     return batch, advantages
 
 
-def main(out: Path) -> None:
+def main(out: Path, extra: list[str]) -> None:
     dist = setup_distributed()
     try:
         for level, (low, high) in LEVELS.items():
@@ -85,6 +87,7 @@ def main(out: Path) -> None:
                 f"algorithm.level={level}",
                 f"algorithm.clip_low={low}",
                 f"algorithm.clip_high={high}",
+                *extra,
             ]
             trainer = Trainer(load_config(None, overrides), out / f"run-{level}", dist=dist)
             batch, advantages = fixed_batch(trainer)
@@ -94,7 +97,8 @@ def main(out: Path) -> None:
             logprobs = trainer.policy.logprobs(mb)
             old = batch.sampler_logprobs[rows][:, : logprobs.shape[1]]
             metrics = trainer.combine(trainer.policy_update(mb, logprobs, old, advantages[rows]))
-            weights = full_state_dict(trainer.model, dist)
+            # a LoRA policy: its adapters (the frozen base cannot move)
+            weights = full_state_dict(trainer.model, dist, trainable_only=trainer.policy.adapters)
             if dist.is_main:
                 torch.save({"metrics": metrics, "weights": weights}, out / f"{level}.pt")
             dist.barrier()
@@ -103,4 +107,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2:])

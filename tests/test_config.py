@@ -114,7 +114,7 @@ def test_reference_lists_every_key_with_its_default():
     }
     names = [name for name, _ in sections()]
     assert names == [
-        "model", "data", "reward", "rollout", "rollout.vllm",
+        "model", "model.lora", "data", "reward", "rollout", "rollout.vllm",
         "algorithm", "optim", "train", "eval", "moe", "log",
     ]  # fmt: skip
     expected = set()

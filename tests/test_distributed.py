@@ -96,9 +96,24 @@ def torchrun(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_two_ranks_with_half_each_take_the_one_process_step(tmp_path):
     """One optimizer step on a fixed batch: same loss, metrics and weights as one process."""
+    check_two_ranks_take_the_one_process_step(tmp_path)
+
+
+@pytest.mark.slow
+def test_two_ranks_take_the_one_process_step_with_lora(tmp_path):
+    """The same with LoRA adapters: only they move, identically on 1 and 2 ranks."""
+    weights = check_two_ranks_take_the_one_process_step(tmp_path, "model.lora.r=4")
+    moved = [n for n, w in weights["sequence"].items() if "lora_B" in n and w.abs().max() > 0]
+    assert moved  # lora_B starts at zero: the step moved it
+    assert all("lora_" in n for n in weights["sequence"])  # the adapters alone were gathered
+
+
+def check_two_ranks_take_the_one_process_step(tmp_path, *extra: str) -> dict:
     worker = str(HERE / "distributed_worker.py")
-    subprocess.run([sys.executable, worker, str(tmp_path / "one")], check=True, timeout=300)
-    torchrun(worker, str(tmp_path / "two"))
+    subprocess.run([sys.executable, worker, str(tmp_path / "one"), *extra], check=True,
+                   timeout=300)  # fmt: skip
+    torchrun(worker, str(tmp_path / "two"), *extra)
+    out = {}
     for level in ("sequence", "token"):
         one = torch.load(tmp_path / "one" / f"{level}.pt", weights_only=True)
         two = torch.load(tmp_path / "two" / f"{level}.pt", weights_only=True)
@@ -115,6 +130,8 @@ def test_two_ranks_with_half_each_take_the_one_process_step(tmp_path):
         assert one["weights"].keys() == two["weights"].keys()
         for name, weight in one["weights"].items():
             torch.testing.assert_close(two["weights"][name], weight, rtol=0, atol=2e-6)
+        out[level] = one["weights"]
+    return out
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@
     gspo compare [--config FILE.yaml] [--output-dir DIR] [--seeds 3] [--preset default|stress|long]
     gspo config [--config FILE.yaml] [key.sub=value ...]     # print the resolved config
     gspo config --doc                                         # print the config reference
+    gspo export RUN_OR_CHECKPOINT --merge OUT                 # one plain HF model (LoRA merged)
 
 Overrides may stand anywhere on the line, before or after the options; a text key takes
 its value as written (``data.prompt_template=Q: {question} A:``), other values are YAML.
@@ -55,6 +56,19 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--preset", default="default", help="default | stress | long")
     comp.add_argument("--no-cache", action="store_true", help=NO_CACHE_HELP)
     comp.add_argument("overrides", nargs="*", metavar="key.sub=value")
+
+    export = sub.add_parser(
+        "export", help="write a run's latest (or a given) checkpoint as one plain HF model"
+    )
+    export.add_argument("source", type=Path, metavar="RUN_OR_CHECKPOINT")
+    export.add_argument(
+        "--merge",
+        type=Path,
+        required=True,
+        metavar="OUT",
+        help="output directory: the base with a LoRA adapter merged in (a full fine-tuning "
+        "checkpoint is written as it is)",
+    )
 
     show = sub.add_parser("config", help="print the resolved config as YAML")
     show.add_argument("--config", type=Path)
@@ -136,6 +150,12 @@ def main(argv: list[str] | None = None) -> int:
                 seeds=range(args.seeds),
                 preset=args.preset,
             )
+            return 0
+        if args.command == "export":
+            from gspo.export import export_merged
+
+            checkpoint = export_merged(args.source, args.merge)
+            print(f"{checkpoint} written to {args.merge} as one model")
             return 0
         if args.doc:
             if args.config is not None or args.overrides:

@@ -24,6 +24,26 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class LoraSettings(_Section):
+    """LoRA adapters (PEFT) on the policy: RL trains only them, the base stays frozen.
+
+    ``r = 0`` trains every weight (full fine-tuning). With ``r > 0`` only the adapters
+    have gradients and optimizer state, the KL reference is the same module with its
+    adapters switched off, and checkpoints hold the adapter in PEFT's format.
+    """
+
+    r: int = Field(0, ge=0, description="LoRA rank; 0 = full fine-tuning (no adapters)")
+    alpha: float = Field(
+        32.0, gt=0.0, description="LoRA alpha: the adapter's update is scaled by alpha / r"
+    )
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input")
+    target_modules: str | list[str] = Field(
+        "all-linear",
+        description="Modules that get adapters: all-linear (every linear layer but the "
+        "output head), a list of module names (q_proj, v_proj, ...) or one regex",
+    )
+
+
 class ModelConfig(_Section):
     """The policy: a local Hugging Face causal LM (``model.path``) or a built-in tiny one.
 
@@ -55,14 +75,16 @@ class ModelConfig(_Section):
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
-        description="Compute dtype of the forward passes (autocast; weights and optimizer "
-        "stay float32) and of vLLM; auto = bfloat16 on CUDA, float32 on CPU",
+        description="Compute dtype of the forward passes (autocast; trained weights and "
+        "optimizer stay float32, a LoRA run's frozen base is held in it on CUDA) and of "
+        "vLLM; auto = bfloat16 on CUDA, float32 on CPU",
     )
     device: str = Field(
         "auto",
         description="torch device (cpu, cuda, cuda:1); auto = CUDA if available, else CPU. "
         "Under torchrun, cuda means GPU LOCAL_RANK",
     )
+    lora: LoraSettings = Field(default_factory=LoraSettings)
 
 
 class DataConfig(_Section):
@@ -536,6 +558,16 @@ class Config(_Section):
             raise ValueError("algorithm.correction_min must be below algorithm.correction_max")
         if self.rollout.engine == "vllm" and self.rollout.logit_noise > 0:
             raise ValueError("rollout.logit_noise is for the torch engine (rollout.engine=torch)")
+        lora = self.model.lora
+        sft_rows = self.data.train is None or self.data.sft is not None
+        if lora.r > 0 and self.train.cold_start_steps > 0 and sft_rows:
+            raise ValueError(
+                f"model.lora.r={lora.r} needs train.cold_start_steps=0: LoRA trains RL "
+                "only; run the cold start without LoRA and pass its step-0 checkpoint as "
+                "model.path"
+            )
+        if lora.r > 0 and isinstance(lora.target_modules, list) and not lora.target_modules:
+            raise ValueError("model.lora.target_modules: empty list (use all-linear)")
         dense_builtin = self.model.path is None and self.model.builtin == "qwen3"
         if dense_builtin and (self.moe.routing_replay or self.moe.measure_churn):
             key = "moe.routing_replay" if self.moe.routing_replay else "moe.measure_churn"

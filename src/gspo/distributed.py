@@ -166,13 +166,28 @@ def shard_policy(root: torch.nn.Module, model: torch.nn.Module, world_size: int)
     fully_shard(root, mesh=mesh)
 
 
-def full_state_dict(model: torch.nn.Module, dist: Distributed) -> dict[str, torch.Tensor]:
-    """The whole (unsharded) weights of ``model`` on every rank: a collective under FSDP."""
-    if not dist.enabled:
-        return model.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+def full_state_dict(
+    model: torch.nn.Module, dist: Distributed, *, trainable_only: bool = False
+) -> dict[str, torch.Tensor]:
+    """The whole (unsharded) weights of ``model`` on every rank: a collective under FSDP.
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    ``trainable_only``: only the parameters that train (a LoRA run's adapters).
+    """
+    if not dist.enabled:
+        state = model.state_dict()
+    else:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, ignore_frozen_params=trainable_only)
+        state = get_model_state_dict(model, options=options)
+    if trainable_only:
+        # (DCP keeps a frozen weight tied to another name, e.g. lm_head to the embeddings)
+        trained = {name for name, p in model.named_parameters() if p.requires_grad}
+        state = {k: v for k, v in state.items() if k in trained}
+    return state
 
 
 def as_float(value: Any) -> float:
@@ -196,9 +211,15 @@ def single_process_quiet() -> Iterator[None]:
 
 
 def save_sharded(
-    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    trainable_only: bool = False,
 ) -> None:
     """Model and optimizer state with ``torch.distributed.checkpoint``: each rank its shards.
+
+    ``trainable_only`` leaves frozen parameters out (a LoRA run writes its adapters only).
 
     Called by every rank (a single process writes everything). The files can be loaded
     by any number of ranks (:func:`load_sharded` reshards). An optimizer that has not
@@ -208,11 +229,13 @@ def save_sharded(
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
     )
 
-    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    options = StateDictOptions(ignore_frozen_params=trainable_only)
+    state: dict[str, Any] = {"model": get_model_state_dict(model, options=options)}
     if optimizer is not None and optimizer.state:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     with single_process_quiet():
@@ -220,14 +243,21 @@ def save_sharded(
 
 
 def load_sharded(
-    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    trainable_only: bool = False,
 ) -> None:
     """Load :func:`save_sharded`'s files into ``model`` and ``optimizer``, whatever the ranks.
+
+    ``trainable_only``: the files hold the trainable parameters only (see :func:`save_sharded`).
 
     The optimizer is left as it is (fresh) when the checkpoint holds no optimizer state.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
         set_model_state_dict,
@@ -235,12 +265,13 @@ def load_sharded(
     )
 
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+    state: dict[str, Any] = {"model": get_model_state_dict(model, options=options)}
     if optimizer is not None and any(key.startswith("optimizer.") for key in saved):
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     with single_process_quiet():
         dcp.load(state, checkpoint_id=path, no_dist=not torch.distributed.is_initialized())
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=options)
     if "optimizer" in state:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
 

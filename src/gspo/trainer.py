@@ -26,7 +26,7 @@ import torch
 
 from gspo.config import Config, dump_config, load_config
 from gspo.distributed import Distributed, rank_device
-from gspo.models import load_model, resolve_dtype
+from gspo.models import resolve_dtype
 from gspo.rewards import RewardFunctions
 from gspo.rollout import SamplingParams
 from gspo.tasks import encode_prompt
@@ -54,9 +54,10 @@ from gspo.training.policy import Policy
 from gspo.training.reference import Reference
 from gspo.training.sampler import Sampler, build_engine
 from gspo.training.setup import (
-    build_or_load_model,
+    build_policy_model,
     derive_seed,
     load_task_data,
+    model_summary,
     rl_optimizer,
 )
 from gspo.training.update import Objective, PolicyUpdate, UpdateStage
@@ -120,17 +121,13 @@ class Trainer:
         # (a run killed before its step-0 checkpoint resumes inside its cold start, whose
         # own progress checkpoints it finds, or else starts again: deterministically)
         checkpoint = latest_checkpoint(out) if resume else None
-        if checkpoint is not None:
-            model, self.tokenizer = load_model(checkpoint, device=device, dtype=torch.float32)
-            model_dir = checkpoint
-        else:
-            model, self.tokenizer = build_or_load_model(config, out, device, dist)
-            model_dir = Path(config.model.path or out / "base_model")
+        compute_dtype = resolve_dtype(config.model.dtype, device)
+        model, self.tokenizer, model_dir = build_policy_model(
+            config, out, device, dist, checkpoint, compute_dtype
+        )
+        summary = model_summary(model)
         self.policy = Policy(
-            model,
-            dist,
-            compute_dtype=resolve_dtype(config.model.dtype, device),
-            temperature=config.rollout.temperature,
+            model, dist, compute_dtype=compute_dtype, temperature=config.rollout.temperature
         )
         forward = build_forward(config, self.policy)
         self.sampler = Sampler(
@@ -184,6 +181,16 @@ class Trainer:
         )
         if dist.is_main:
             dump_config(config, out / "config.yaml")
+        if checkpoint is None:
+            self.logger.log(0, summary)
+        if config.log.progress and dist.is_main:
+            print(
+                f"model: {summary['model/trainable_params']:,.0f} of "
+                f"{summary['model/params']:,.0f} parameters train"
+                f"{' (LoRA adapters)' if self.policy.adapters else ''}; AdamW state "
+                f"{summary['optim/state_bytes'] / 2**20:.2f} MiB",
+                flush=True,
+            )
         # a run resumed from its step-0 checkpoint may already hold the starting evaluation
         logged = self.step == 0 and checkpoint is not None and dist.is_main
         logged = logged and (out / "metrics.jsonl").is_file()

@@ -5,6 +5,11 @@
 ``sharded/`` (model and optimizer state by ``torch.distributed.checkpoint``, each rank
 its shards; loadable by any number of ranks) and ``trainer_state.pt`` (step, scheduler).
 ``checkpoints/latest`` names the newest. Step 0 is the cold-start model.
+
+A LoRA run's checkpoints hold the adapter in PEFT's format instead of the whole model
+(``adapter_config.json``, which names the base model directory, and
+``adapter_model.safetensors``: ``PeftModel.from_pretrained`` loads them), and ``sharded/``
+holds the adapters and their optimizer state only.
 """
 
 from __future__ import annotations
@@ -76,7 +81,7 @@ def save_checkpoint(
         if sharded.exists():
             shutil.rmtree(sharded)
     dist.barrier()
-    save_sharded(sharded, policy.forward, optimizer)
+    save_sharded(sharded, policy.forward, optimizer, trainable_only=policy.adapters)
     replica = policy.replica()
     dist.barrier()  # every rank's shards are on disk
     if dist.is_main:
@@ -104,7 +109,9 @@ def load_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
 ) -> int:
     """Restore model, optimizer and scheduler state from ``path``; its step."""
-    load_sharded(path / SHARDED, policy.forward, optimizer)
+    load_sharded(path / SHARDED, policy.forward, optimizer, trainable_only=policy.adapters)
+    if policy.adapters:
+        policy.stepped()  # the adapters just changed: engines and the replica must resync
     state = torch.load(path / TRAINER_STATE, map_location=policy.device, weights_only=True)
     scheduler.load_state_dict(state["scheduler"])
     return int(state["step"])

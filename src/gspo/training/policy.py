@@ -10,6 +10,7 @@ import torch
 from gspo.distributed import Distributed, full_state_dict, shard_policy
 from gspo.models import CompletionLogprobs
 from gspo.rollout import RolloutBatch
+from gspo.training.lora import is_lora, merged_copy
 
 
 class Policy:
@@ -21,6 +22,11 @@ class Policy:
     from the shards under FSDP. Rollout engines sample from it and checkpoints export it.
     ``version`` counts optimizer steps (SFT and RL) so that whoever holds a copy of the
     weights knows when it is stale.
+
+    With LoRA (``adapters``) ``module`` is a PEFT model: only the adapters train, the
+    replica under FSDP is refreshed from the gathered adapters alone, :meth:`base` is the
+    same module with its adapters off (the KL reference), and :meth:`merged` gives the
+    whole weights with the adapters merged in, for engines that take plain weights.
     """
 
     def __init__(
@@ -37,6 +43,7 @@ class Policy:
         self.compute_dtype = compute_dtype
         self.device = next(module.parameters()).device
         self.temperature = temperature
+        self.adapters = is_lora(module)
         self._replica = module
         if dist.enabled:
             self._replica = copy.deepcopy(module).requires_grad_(False)
@@ -51,8 +58,17 @@ class Policy:
         self.forward.train()
 
     def stepped(self) -> None:
-        """Record that an optimizer step changed the weights."""
+        """Record that an optimizer step (or a checkpoint load) changed the weights."""
         self.version += 1
+
+    def base(self):
+        """Context in which the forward runs the frozen base: the adapters switched off.
+
+        Only for a LoRA policy; under FSDP every rank enters it at the same point.
+        """
+        if not self.adapters:
+            raise ValueError("Policy.base: the policy has no adapters (model.lora.r=0)")
+        return self.module.disable_adapter()
 
     def autocast(self):
         if self.compute_dtype == torch.float32:
@@ -103,6 +119,17 @@ class Policy:
         """
         if self._replica_version != self.version:
             if self._replica is not self.module:
-                self._replica.load_state_dict(full_state_dict(self.module, self.dist))
+                # a LoRA run gathers the adapters only: the frozen base never changes
+                state = full_state_dict(self.module, self.dist, trainable_only=self.adapters)
+                self._replica.load_state_dict(state, strict=not self.adapters)
             self._replica_version = self.version
         return self._replica
+
+    def merged(self) -> torch.nn.Module:
+        """The whole weights as a plain HF module without adapters (merged into a copy).
+
+        For engines that load plain weights (vLLM). The policy itself is left untouched;
+        without LoRA this is :meth:`replica`. A collective under torchrun.
+        """
+        replica = self.replica()
+        return merged_copy(replica) if self.adapters else replica

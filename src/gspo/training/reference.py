@@ -16,7 +16,9 @@ class Reference:
     """Log-probs under the cold-start model (the step-0 checkpoint), when the KL is on.
 
     Loaded on first use, so a run without the penalty never holds a second model, and a
-    resumed run reads the same step-0 weights.
+    resumed run reads the same step-0 weights. A LoRA run (``policy.adapters``) loads
+    nothing: its frozen base is the step-0 model, so the reference is the policy's own
+    forward with the adapters switched off.
     """
 
     def __init__(self, kl_coef: float, output_dir: Path, policy: Policy):
@@ -29,6 +31,9 @@ class Reference:
         """``[N, T]`` reference log-probs of ``batch``, or ``None`` when the KL is off."""
         if not self.enabled:
             return None
+        if self.policy.adapters:
+            with torch.no_grad(), self.policy.base():
+                return self.policy.logprobs(batch)
         if self.module is None:
             self.module, _ = load_model(self.path, device=self.policy.device, dtype=torch.float32)
             self.module.eval().requires_grad_(False)

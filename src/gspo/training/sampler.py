@@ -13,7 +13,12 @@ from gspo.training.setup import derive_seed
 
 
 def build_engine(config: Config, policy: Policy, tokenizer, model_dir: Path) -> RolloutEngine:
-    """``rollout.engine``: the torch sampler, or vLLM started from ``model_dir``."""
+    """``rollout.engine``: the torch sampler, or vLLM started from ``model_dir``.
+
+    The torch engine samples the policy's module itself (through its adapters in a LoRA
+    run); vLLM starts from ``model_dir``'s whole weights (a LoRA run's base) and is given
+    merged weights at every sync.
+    """
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     if config.rollout.engine == "torch":
         return TorchEngine(policy.replica(), pad_token_id=pad, eos_token_id=eos)
@@ -38,7 +43,9 @@ class Sampler:
     """Generates from the policy's current weights through a rollout engine.
 
     The engine is synced to the policy before it generates whenever an optimizer step
-    came after its last sync (the policy's ``version`` moved).
+    came after its last sync (the policy's ``version`` moved). The torch engine gets the
+    policy's replica (a LoRA run's adapters included); an engine that loads plain weights
+    gets :meth:`Policy.merged` (the adapters merged into a copy).
     """
 
     def __init__(self, engine: RolloutEngine, policy: Policy):
@@ -51,7 +58,10 @@ class Sampler:
         if self.version == self.policy.version:
             return 0.0
         start = time.perf_counter()
-        self.engine.sync_weights(self.policy.replica())
+        if isinstance(self.engine, TorchEngine):
+            self.engine.sync_weights(self.policy.replica())
+        else:
+            self.engine.sync_weights(self.policy.merged())
         self.version = self.policy.version
         return time.perf_counter() - start
 

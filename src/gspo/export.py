@@ -1,0 +1,51 @@
+"""``gspo export RUN_OR_CHECKPOINT --merge OUT``: a checkpoint as one plain HF model.
+
+A LoRA checkpoint holds only the adapter (PEFT format) and names its base model; export
+loads the base, loads the adapter onto it with ``PeftModel.from_pretrained`` and writes
+``merge_and_unload()``'s model with the tokenizer, atomically, so that serving stacks that
+know nothing of adapters (vLLM, transformers, llama.cpp converters) can load it. A full
+fine-tuning checkpoint is already a whole model and is written out as it is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from gspo.models import load_model, save_pretrained_atomic
+from gspo.training.checkpoint import TRAINER_STATE, latest_checkpoint
+from gspo.training.lora import base_model_path, is_lora_checkpoint
+
+
+def resolve_checkpoint(source: Path) -> Path:
+    """``source`` itself if it is a checkpoint, else the latest checkpoint of the run in it."""
+    source = Path(source)
+    if (source / TRAINER_STATE).is_file():
+        return source
+    checkpoint = latest_checkpoint(source)
+    if checkpoint is None:
+        raise FileNotFoundError(f"export: {source} is neither a checkpoint nor a run with one")
+    return checkpoint
+
+
+def export_merged(source: Path, out: Path) -> Path:
+    """Write the whole model of ``source`` (a run or a checkpoint) to ``out``; the checkpoint."""
+    from peft import PeftModel
+
+    checkpoint = resolve_checkpoint(source)
+    cpu = torch.device("cpu")
+    if not is_lora_checkpoint(checkpoint):
+        model, tokenizer = load_model(checkpoint, device=cpu, dtype=torch.float32)
+        save_pretrained_atomic(model, tokenizer, out)
+        return checkpoint
+    base_dir = base_model_path(checkpoint)
+    if not base_dir.is_dir():
+        raise FileNotFoundError(
+            f"export: the base model {base_dir} named in {checkpoint}/adapter_config.json "
+            "is missing"
+        )
+    base, tokenizer = load_model(base_dir, device=cpu, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, checkpoint).merge_and_unload()
+    save_pretrained_atomic(merged, tokenizer, out)
+    return checkpoint

@@ -1,0 +1,129 @@
+"""LoRA adapters (``model.lora``, PEFT): attaching them, their weights, merged copies.
+
+The policy of a LoRA run is a :class:`peft.PeftModel` around the frozen base model. Only
+the adapters train, so only they have gradients and optimizer state; the KL reference is
+the same module under :meth:`peft.PeftModel.disable_adapter` (no second copy); engines
+that take weights (vLLM) and ``gspo export --merge`` get a merged copy made by PEFT's
+``merge_and_unload`` on a copy, so the trained module is never merged into.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+
+from gspo.config import LoraSettings
+
+#: PEFT's file names in a LoRA checkpoint.
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    """Whether ``model`` carries PEFT adapters."""
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def attach_lora(
+    model: torch.nn.Module,
+    settings: LoraSettings,
+    *,
+    seed: int,
+    base_path: Path | None = None,
+    base_dtype: torch.dtype = torch.float32,
+) -> torch.nn.Module:
+    """``model`` wrapped with fresh adapters (``model.lora``); its own weights frozen.
+
+    The adapters' random init (PEFT draws ``lora_A`` from the global generator) runs
+    under a generator forked and seeded with ``seed``, so it is a function of the seed
+    and leaves the caller's random state alone. The adapters are float32; the frozen
+    base is cast to ``base_dtype`` (the compute dtype on CUDA: 2 bytes a weight in bf16
+    instead of 4, the point of LoRA on a GPU). Target modules that match nothing are a
+    one-line ``ValueError`` naming ``model.lora.target_modules``. ``base_path`` is
+    recorded in the adapter's ``adapter_config.json`` (``base_model_name_or_path``).
+    """
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=settings.r,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=settings.target_modules,
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=str(Path(base_path).resolve()) if base_path else None,
+    )
+    devices = [model.device] if model.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        try:
+            peft_model = get_peft_model(model, config)
+        except ValueError as exc:
+            first = str(exc).strip().splitlines()[0]
+            raise ValueError(
+                f"model.lora.target_modules={settings.target_modules!r}: {first}"
+            ) from None
+    if base_dtype != torch.float32:
+        for param in peft_model.parameters():
+            if not param.requires_grad:
+                param.data = param.data.to(base_dtype)
+    for param in peft_model.parameters():
+        if param.requires_grad:
+            param.data = param.data.float()
+    return peft_model
+
+
+def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """``(trainable, total)`` parameter counts of ``model`` (before any sharding)."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in model.parameters())
+
+
+def adam_state_bytes(model: torch.nn.Module) -> int:
+    """Bytes of AdamW's state over ``model``'s trainable parameters once it has stepped.
+
+    Two moments the size of each trained parameter (its dtype) and a float32 step count
+    per parameter tensor, as ``torch.optim.AdamW`` keeps them.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    return sum(2 * p.numel() * p.element_size() + 4 for p in params)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors an optimizer holds now (this rank's share under FSDP)."""
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if hasattr(value, "to_local") else value
+                total += local.numel() * local.element_size()
+    return total
+
+
+def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable tensors of ``model`` by state-dict name (the adapters of a LoRA run)."""
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A plain HF model whose weights are ``model``'s base with its adapters merged in.
+
+    Made from a deep copy (PEFT's ``merge_and_unload``), so ``model`` itself, base and
+    adapters, is left bitwise as it was; the copy costs one model's memory while it lives.
+    """
+    return copy.deepcopy(model).merge_and_unload()
+
+
+def base_model_path(checkpoint: Path) -> Path:
+    """The base model a LoRA checkpoint's adapter was trained on (``adapter_config.json``)."""
+    config = json.loads((Path(checkpoint) / ADAPTER_CONFIG).read_text())
+    return Path(config["base_model_name_or_path"])
+
+
+def is_lora_checkpoint(path: Path) -> bool:
+    return (Path(path) / ADAPTER_CONFIG).is_file()

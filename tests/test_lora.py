@@ -1,0 +1,216 @@
+"""LoRA (``model.lora``, PEFT): what trains, the reference, sampling, checkpoints, export."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from gspo.cli import main
+from gspo.config import ConfigError, load_config
+from gspo.models import load_model
+from gspo.rollout import SamplingParams, TorchEngine
+from gspo.telemetry import read_metrics
+from gspo.trainer import Trainer
+from gspo.training.lora import merged_copy, optimizer_state_bytes
+
+SAMPLING = SamplingParams(max_new_tokens=4, temperature=1.0)
+
+FAST = [
+    "model.layers=1",
+    "model.hidden=64",
+    "model.heads=2",
+    "model.kv_heads=1",
+    "model.intermediate=128",
+    "data.eval_size=24",
+    "train.cold_start_steps=0",
+    "rollout.group_size=4",
+    "rollout.prompts_per_batch=4",
+    "rollout.max_new_tokens=4",
+    "eval.samples=2",
+    "log.progress=false",
+    "log.plots=false",
+    "log.tensorboard=false",
+    "model.lora.r=4",
+]
+
+
+def lora_run(tmp_path: Path, ones_reward: str, *extra: str, name: str = "run") -> Trainer:
+    config = load_config(
+        None,
+        [*FAST, ones_reward, "train.max_steps=4", "algorithm.minibatches=2", "optim.lr=1e-2",
+         *extra],
+    )  # fmt: skip
+    trainer = Trainer(config, tmp_path / name)
+    trainer.fit()
+    return trainer
+
+
+def base_weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(path / "model.safetensors")
+
+
+def peft_base_state(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """The policy's frozen base weights under their HF names."""
+    base = trainer.policy.module.get_base_model()
+    return {
+        k.replace(".base_layer.", "."): v for k, v in base.state_dict().items() if "lora_" not in k
+    }
+
+
+def test_lora_trains_only_adapters_and_leaves_the_base_bitwise_unchanged(tmp_path, ones_reward):
+    trainer = lora_run(tmp_path, ones_reward)
+    module = trainer.policy.module
+    trained = [n for n, p in module.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n for n in trained)
+    # the optimizer holds exactly the adapters, and its state is what was logged
+    in_optimizer = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert in_optimizer == {id(p) for p in module.parameters() if p.requires_grad}
+    summary = next(r for r in read_metrics(tmp_path / "run" / "metrics.jsonl")
+                   if "model/trainable_params" in r)  # fmt: skip
+    assert summary["model/trainable_params"] == sum(p.numel() for p in module.parameters()
+                                                    if p.requires_grad)  # fmt: skip
+    assert summary["model/trainable_params"] < 0.2 * summary["model/params"]
+    assert summary["optim/state_bytes"] == optimizer_state_bytes(trainer.optimizer)
+    # the adapters moved (lora_B starts at zero) ...
+    assert any(p.abs().max() > 0 for n, p in module.named_parameters() if "lora_B" in n)
+    # ... and the base is bitwise the model the run started from
+    saved = base_weights(tmp_path / "run" / "base_model")
+    now = peft_base_state(trainer)
+    for key, tensor in saved.items():
+        assert torch.equal(now[key], tensor), key
+
+
+def test_lora_reference_is_the_base_with_adapters_off_and_no_second_model(tmp_path, ones_reward):
+    trainer = lora_run(tmp_path, ones_reward, "algorithm.kl_coef=0.1")
+    assert trainer.reference.module is None  # nothing loaded
+    lines = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "train/kl" in r]
+    assert lines and all(r["train/kl"] >= 0 for r in lines)
+    assert any(r["train/kl"] > 0 for r in lines)
+    base, _ = load_model(tmp_path / "run" / "base_model", device=torch.device("cpu"),
+                         dtype=torch.float32)  # fmt: skip
+    batch = trainer.sampler.engine.generate([[5, 6, 7], [8, 9]], n=2,
+                                            params=SAMPLING, seed=1)  # fmt: skip
+    reference = trainer.reference.logprobs(batch)
+    expected = trainer.policy.logprobs(batch, base).detach()
+    assert torch.allclose(reference, expected, atol=1e-6)
+    with torch.no_grad():
+        adapted = trainer.policy.logprobs(batch)
+    assert (adapted - reference).abs().max() > 1e-4  # the adapters do change the policy
+
+
+def test_torch_engine_samples_through_the_adapters(tmp_path, ones_reward):
+    trainer = lora_run(tmp_path, ones_reward)
+    engine = trainer.sampler.engine
+    assert isinstance(engine, TorchEngine) and engine.model is trainer.policy.module
+    lines = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl")
+             if r.get("train/minibatch") == 0]  # fmt: skip
+    # on-policy minibatches: sampler and trainer log-probs agree at float32 level
+    assert lines and all(r["mismatch/token_abs_max"] < 1e-4 for r in lines)
+
+
+def test_merged_copy_equals_the_adapter_model_and_leaves_it_untouched(tmp_path, ones_reward):
+    trainer = lora_run(tmp_path, ones_reward)
+    module = trainer.policy.module
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    merged = merged_copy(module)
+    assert not any("lora_" in k for k in merged.state_dict())
+    for key, tensor in module.state_dict().items():
+        assert torch.equal(tensor, before[key]), key
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        assert torch.allclose(module(input_ids=ids).logits, merged(input_ids=ids).logits,
+                              atol=1e-5)  # fmt: skip
+
+
+def test_lora_checkpoint_is_peft_format_and_export_merges(tmp_path, ones_reward, capsys):
+    from peft import PeftModel
+
+    trainer = lora_run(tmp_path, ones_reward)
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-0000004"
+    assert (checkpoint / "adapter_config.json").is_file()
+    assert (checkpoint / "adapter_model.safetensors").is_file()
+    assert not (checkpoint / "model.safetensors").exists()  # no copy of the base
+    base, _ = load_model(tmp_path / "run" / "base_model", device=torch.device("cpu"),
+                         dtype=torch.float32)  # fmt: skip
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+    with torch.no_grad():
+        base_logits = base(input_ids=ids).logits
+    loaded = PeftModel.from_pretrained(base, checkpoint).eval()  # wraps base in place
+    with torch.no_grad():
+        trained = trainer.policy.module.eval()(input_ids=ids).logits
+        assert torch.equal(loaded(input_ids=ids).logits, trained)
+    # gspo export RUN --merge OUT: a plain HF model with the same logits
+    out = tmp_path / "merged"
+    assert main(["export", str(tmp_path / "run"), "--merge", str(out)]) == 0
+    assert (out / "config.json").is_file() and not (out / "adapter_config.json").exists()
+    merged, _ = load_model(out, device=torch.device("cpu"), dtype=torch.float32)
+    with torch.no_grad():
+        logits = merged.eval()(input_ids=ids).logits
+    assert (logits - trained).abs().max() < 1e-5
+    assert (logits - base_logits).abs().max() > 1e-4  # the adapter is in it
+
+
+def test_export_errors_are_one_line(tmp_path, capsys):
+    assert main(["export", str(tmp_path / "nothing"), "--merge", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gspo: error:") and "\n" not in err
+
+
+@pytest.mark.slow
+def test_lora_resume_gives_the_same_metrics(tmp_path, ones_reward):
+    common = [*FAST, ones_reward, "train.max_steps=8", "algorithm.minibatches=2",
+              "train.save_every=2", "eval.every=4", "optim.lr=1e-2",
+              "algorithm.kl_coef=0.05"]  # fmt: skip
+    assert main(["train", "--output-dir", str(tmp_path / "full"), *common]) == 0
+    assert main(["train", "--output-dir", str(tmp_path / "cut"), *common, "train.max_steps=4"]) == 0
+    assert main(["train", "--resume", str(tmp_path / "cut"), "train.max_steps=8"]) == 0
+    full = read_metrics(tmp_path / "full" / "metrics.jsonl")
+    resumed = read_metrics(tmp_path / "cut" / "metrics.jsonl")
+    assert [r["step"] for r in full] == [r["step"] for r in resumed]
+
+    def comparable(r):
+        return {k: v for k, v in r.items() if not k.startswith("time/")}
+
+    for a, b in zip(full, resumed, strict=True):
+        assert comparable(a) == pytest.approx(comparable(b), rel=1e-6, abs=1e-7)
+    lines = [r for r in full if "train/loss" in r]
+    assert len({round(r["train/reward_mean"], 6) for r in lines}) > 1
+
+
+def test_lora_on_the_moe_builtin_trains(tmp_path, ones_reward):
+    trainer = lora_run(
+        tmp_path, ones_reward, "model.builtin=qwen3_moe", "model.experts=4",
+        "moe.routing_replay=true",
+    )  # fmt: skip
+    trained = [n for n, p in trainer.policy.module.named_parameters() if p.requires_grad]
+    assert any("experts" in n for n in trained)
+    saved = base_weights(tmp_path / "run" / "base_model")
+    now = peft_base_state(trainer)
+    assert all(torch.equal(now[k], v) for k, v in saved.items() if k in now)
+    lines = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r]
+    assert len(lines) == 4
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["model.lora.r=-1"], "model.lora.r"),
+        (["model.lora.r=8", "train.cold_start_steps=10"], "train.cold_start_steps=0"),
+        (["model.lora.r=8", "train.cold_start_steps=0", "model.lora.target_modules=[]"],
+         "model.lora.target_modules"),
+        (["model.lora.dropout=1.5"], "model.lora.dropout"),
+    ],
+)  # fmt: skip
+def test_lora_config_errors_name_the_key(overrides, needle):
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, overrides)
+    assert needle in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_target_modules_matching_nothing_is_one_line(tmp_path, capsys):
+    code = main(["train", "--output-dir", str(tmp_path / "r"), *FAST,
+                 "model.lora.target_modules=[no_such_proj]", "train.max_steps=1"])  # fmt: skip
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert "model.lora.target_modules" in err and "\n" not in err
