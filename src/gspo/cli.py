@@ -127,7 +127,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [word for word in extra if word.startswith("-") or "=" not in word]
     if unknown or (extra and not hasattr(args, "overrides")):
         parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
-    args.overrides = [*args.overrides, *extra]
+    if hasattr(args, "overrides"):  # `gspo export` takes none
+        args.overrides = [*args.overrides, *extra]
     return args
 
 
