@@ -73,7 +73,7 @@ class Policy:
                 batch.completion_ids,
                 batch.completion_mask,
                 temperature=self.temperature,
-                share_prompts=True,
+                share_prompts="auto",
             )
 
     def backward(self, loss: torch.Tensor, local_count: float) -> None:
