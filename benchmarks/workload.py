@@ -41,21 +41,33 @@ def dense(prompts, completions, answer, **kwargs):
     return rewards
 
 
-def build(folder: str | Path, seed: int = 0, vocab: int | None = None) -> Path:
+def padding_characters(count: int) -> str:
+    """``count`` distinct characters from U+0100 on, none a surrogate or in ``CHARSET``."""
+    chars = (chr(c) for c in range(0x100, 0x110000) if not 0xD800 <= c <= 0xDFFF)
+    return "".join(next(chars) for _ in range(count))
+
+
+def build(
+    folder: str | Path,
+    seed: int = 0,
+    vocab: int | None = None,
+    spec: TinyModelSpec | None = None,
+) -> Path:
     """Write ``model/`` (HF format) and ``train.jsonl`` under ``folder``; return it.
 
     ``vocab``: pad the character vocabulary to this many tokens with characters no prompt
     or answer uses (the long workload); the model then also takes positions up to 1,024.
+    ``spec``: another model size (the GPU check's ~0.5B Qwen3).
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    charset, spec = CHARSET, SPEC
+    charset, spec = CHARSET, spec or SPEC
     if vocab is not None:
         extra = vocab - len(build_char_tokenizer(CHARSET))
         if extra < 0:
             raise ValueError(f"vocab must be at least {vocab - extra}; got {vocab}")
-        charset = CHARSET + "".join(chr(0x100 + i) for i in range(extra))
-        spec = replace(SPEC, max_positions=1024)
+        charset = CHARSET + padding_characters(extra)
+        spec = replace(spec, max_positions=max(spec.max_positions, 1024))
     tokenizer = build_char_tokenizer(charset)
     model = build_tiny_model(spec, tokenizer, seed=seed)
     save_pretrained_atomic(model, tokenizer, folder / "model")

@@ -1,0 +1,192 @@
+"""Micro-benchmarks behind the long-response speed choices (float32, CPU), interleaved.
+
+    python benchmarks/long_levers.py [--reps 3] [--baseline 190be02] [--only gen,check,layout]
+
+On the long workload of ``vs_trl.py --long`` (the reference model with a 520-token
+vocabulary, so completions run to ``max_new_tokens``), 16 prompts x 8 responses:
+
+- gen: one rollout batch at 256 new tokens by ``TorchEngine`` as of the git revision
+  ``--baseline`` (loaded from ``git show``), with the transformers forward
+  (``fast=False``, the reference decoder), and with the fast decoder (``KVDecoder``);
+  generated tokens/s and the share of this machine's float32 matmul peak they reach
+  (2 x the weights per token, attention not counted).
+- check: the fast decoder reading which rows finished every step vs every 8 (default).
+- layout: forward + backward of a training minibatch (32 completions drawn at random
+  from a rollout batch, as the trainer draws them) with each group's prompt shared
+  (one segment per group), not shared, and ``"auto"`` (the cheaper by estimate): on the
+  long workload at 256 new tokens and on the reference workload (17 tokens, 32 new).
+
+Variants run round-robin (A, B, C, A, B, C, ...), so drift in the machine's speed hits
+all alike; figures are medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import workload  # noqa: E402
+from vs_trl import flops_per_token, matmul_peak  # noqa: E402
+
+from gspo import rollout  # noqa: E402
+from gspo.models import load_model, packed_completion_logprobs  # noqa: E402
+from gspo.tasks import encode_prompt  # noqa: E402
+
+
+def interleaved(variants: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
+    """Seconds of each variant's ``reps`` runs, round-robin, after one warm-up each."""
+    for fn in variants.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(reps):
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def engine_at(revision: str):
+    """The ``gspo.rollout`` module as of a git revision, imported under another name."""
+    source = subprocess.run(
+        ["git", "-C", str(HERE), "show", f"{revision}:src/gspo/rollout.py"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    path = Path(tempfile.mkdtemp()) / f"rollout_{revision}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def setup(folder: Path, vocab: int | None):
+    work = workload.build(folder, vocab=vocab)
+    model, tokenizer = load_model(work / "model", device=torch.device("cpu"), dtype=torch.float32)
+    rows = [json.loads(x) for x in (work / "train.jsonl").read_text().splitlines()[:16]]
+    prompts = [encode_prompt(r["prompt"], tokenizer) for r in rows]
+    ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    return work, model, prompts, ids
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, default=Path("runs/bench_long_levers"))
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--baseline", default="190be02", help="git revision of 'today'")
+    parser.add_argument("--only", default="gen,check,layout")
+    args = parser.parse_args()
+    only = set(args.only.split(","))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    work, model, prompts, ids = setup(args.workdir / "long", workload.LONG_VOCAB)
+    model.eval()
+    params = rollout.SamplingParams(max_new_tokens=256, temperature=1.0)
+    peak = matmul_peak()
+    print(f"matmul peak: {peak / 1e9:.1f} GFLOP/s", flush=True)
+    per_token, _ = flops_per_token(work)
+
+    def generate(engine, counts: list[int]) -> Callable[[], object]:
+        seeds = iter(range(10**6))
+
+        def run() -> None:
+            batch = engine.generate(prompts, n=8, params=params, seed=next(seeds) % 3)
+            counts.append(int(batch.completion_mask.sum()))
+
+        return run
+
+    if "gen" in only:
+        engines = {
+            f"TorchEngine at {args.baseline}": engine_at(args.baseline).TorchEngine(model, **ids),
+            "transformers forward (fast=False)": rollout.TorchEngine(model, fast=False, **ids),
+            "KVDecoder (default)": rollout.TorchEngine(model, **ids),
+        }
+        counts: dict[str, list[int]] = {name: [] for name in engines}
+        times = interleaved({k: generate(e, counts[k]) for k, e in engines.items()}, args.reps)
+        print("\ngen: one rollout batch, 128 responses, up to 256 new tokens")
+        print("| decoder | median s | tokens/s | share of matmul peak |\n|---|---|---|---|")
+        for name, ts in times.items():
+            rate = sum(counts[name][1:]) / sum(ts)  # the warm-up's tokens are not timed
+            print(
+                f"| {name} | {statistics.median(ts):.2f} | {rate:,.0f} | "
+                f"{rate * per_token / peak:.2f} |",
+                flush=True,
+            )
+
+    if "check" in only:
+        engine = rollout.TorchEngine(model, **ids)
+
+        def every(k: int) -> Callable[[], object]:
+            run = generate(engine, [])
+
+            def timed() -> None:
+                rollout.CHECK_EVERY = k
+                run()
+
+            return timed
+
+        default = rollout.CHECK_EVERY
+        times = interleaved({f"every {k}": every(k) for k in (1, 8)}, args.reps)
+        rollout.CHECK_EVERY = default
+        print("\ncheck: one rollout batch (256 new tokens), finished rows read every k steps")
+        print("| k | median s |\n|---|---|")
+        for name, ts in times.items():
+            print(f"| {name} | {statistics.median(ts):.2f} |", flush=True)
+
+    if "layout" in only:
+        print("\nlayout: forward + backward of a minibatch of 32 completions")
+        print("| workload | prompt shared | not shared | auto |\n|---|---|---|---|")
+        cases = [("long, 256 new tokens", model, prompts, ids, params)]
+        _, ref_model, ref_prompts, ref_ids = setup(args.workdir / "reference", None)
+        ref_params = rollout.SamplingParams(max_new_tokens=32, temperature=1.0)
+        cases.append(("reference, 32 new tokens", ref_model, ref_prompts, ref_ids, ref_params))
+        for name, m, ps, kw, p in cases:
+            m.eval()
+            batch = rollout.TorchEngine(m, **kw).generate(ps, n=8, params=p, seed=2)
+            pick = torch.randperm(128, generator=torch.Generator().manual_seed(0))[:32]
+            mb = batch.select(pick)
+            m.train()
+
+            def fwd_bwd(share, m=m, mb=mb) -> Callable[[], object]:
+                def run() -> None:
+                    lp = packed_completion_logprobs(
+                        m,
+                        mb.prompt_ids,
+                        mb.prompt_mask,
+                        mb.completion_ids,
+                        mb.completion_mask,
+                        share_prompts=share,
+                    )
+                    lp.sum().backward()
+                    m.zero_grad()
+
+                return run
+
+            variants = {"shared": fwd_bwd(True), "alone": fwd_bwd(False), "auto": fwd_bwd("auto")}
+            times = interleaved(variants, args.reps * 3)
+            ms = {k: 1000 * statistics.median(v) for k, v in times.items()}
+            tokens = int(mb.completion_mask.sum())
+            print(
+                f"| {name} ({tokens} completion tokens) | {ms['shared']:.0f} ms | "
+                f"{ms['alone']:.0f} ms | {ms['auto']:.0f} ms |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
