@@ -191,8 +191,8 @@ def test_shared_prompts_equal_the_padded_forward_and_feed_each_prompt_once(
 
 
 def test_auto_layout_shares_long_prompts_and_not_long_completions(tokenizer, tiny_model):
-    """``share_prompts="auto"`` takes the layout :func:`layout_cost` finds cheaper; the
-    values equal the padded forward's either way."""
+    """``share_prompts="auto"`` takes the layout :func:`layout_cost` finds cheaper; values
+    and gradients equal the padded forward's either way."""
     from gspo.models import layout_cost
 
     gen = torch.Generator().manual_seed(5)
@@ -212,11 +212,16 @@ def test_auto_layout_shares_long_prompts_and_not_long_completions(tokenizer, tin
             packed_completion_logprobs(*args, share_prompts=False)
             shared, alone = fed[1], fed[2]
             assert fed[0] == (shared if p > t else alone)
-            with torch.no_grad():
-                ref = completion_logprobs(tiny_model, *args[1:])
+            ref = completion_logprobs(tiny_model, *args[1:])
             assert torch.allclose(auto, ref, atol=1e-5)
+            weight = tiny_model.model.embed_tokens.weight
+            g_auto = torch.autograd.grad(auto.sum(), weight)[0]
+            g_ref = torch.autograd.grad(ref.sum(), weight)[0]
+            assert torch.allclose(g_auto, g_ref, atol=1e-4)
     finally:
         hook.remove()
     config = tiny_model.config
+    # long completions: one sequence per row (causal, no mask) beats two per masked row
+    assert layout_cost(config, [63] * 4, causal=True) < layout_cost(config, [126, 126])
     assert layout_cost(config, [600]) > layout_cost(config, [150] * 4)  # attention: quadratic
     assert layout_cost(config, [60 + 4 * 3]) < layout_cost(config, [128] * 2)
