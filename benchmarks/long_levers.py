@@ -7,9 +7,14 @@ vocabulary, so completions run to ``max_new_tokens``), 16 prompts x 8 responses:
 
 - gen: one rollout batch at 256 new tokens by ``TorchEngine`` as of the git revision
   ``--baseline`` (loaded from ``git show``), with the transformers forward
-  (``fast=False``, the reference decoder), and with the fast decoder (``KVDecoder``);
+  (``fast=False``, the reference decoder), and with the fast decoder (``KVDecoder``)
+  with either attention kernel (``KVDecoder.attention``);
   generated tokens/s and the share of this machine's float32 matmul peak they reach
   (2 x the weights per token, attention not counted).
+- attn: one layer's single-query attention at batch 128, 206 cached tokens, the
+  reference model's heads (4 query / 2 key-value, head_dim 64): ``scaled_dot_product_
+  attention`` on [rows, kv heads, columns, head_dim] views of the buffers (the
+  transformers layout) vs ``KVDecoder``'s batched products over transposed keys.
 - check: the fast decoder reading which rows finished every step vs every 8 (default).
 - layout: forward + backward of a training minibatch (32 completions drawn at random
   from a rollout batch, as the trainer draws them) with each group's prompt shared
@@ -34,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -42,6 +48,7 @@ import workload  # noqa: E402
 from vs_trl import flops_per_token, matmul_peak  # noqa: E402
 
 from gspo import rollout  # noqa: E402
+from gspo.decoding import KVDecoder  # noqa: E402
 from gspo.models import load_model, packed_completion_logprobs  # noqa: E402
 from gspo.tasks import encode_prompt  # noqa: E402
 
@@ -90,7 +97,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("runs/bench_long_levers"))
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--baseline", default="190be02", help="git revision of 'today'")
-    parser.add_argument("--only", default="gen,check,layout")
+    parser.add_argument("--only", default="gen,attn,check,layout")
     args = parser.parse_args()
     only = set(args.only.split(","))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
@@ -101,23 +108,36 @@ def main() -> None:
     print(f"matmul peak: {peak / 1e9:.1f} GFLOP/s", flush=True)
     per_token, _ = flops_per_token(work)
 
-    def generate(engine, counts: list[int]) -> Callable[[], object]:
+    def generate(engine, counts: list[int], attention: str = "products") -> Callable[[], object]:
         seeds = iter(range(10**6))
 
         def run() -> None:
+            KVDecoder.attention = attention
             batch = engine.generate(prompts, n=8, params=params, seed=next(seeds) % 3)
             counts.append(int(batch.completion_mask.sum()))
 
         return run
 
     if "gen" in only:
+        default = KVDecoder.attention
+        fast = rollout.TorchEngine(model, **ids)
         engines = {
-            f"TorchEngine at {args.baseline}": engine_at(args.baseline).TorchEngine(model, **ids),
-            "transformers forward (fast=False)": rollout.TorchEngine(model, fast=False, **ids),
-            "KVDecoder (default)": rollout.TorchEngine(model, **ids),
+            f"TorchEngine at {args.baseline}": (
+                engine_at(args.baseline).TorchEngine(model, **ids),
+                default,
+            ),
+            "transformers forward (fast=False)": (
+                rollout.TorchEngine(model, fast=False, **ids),
+                default,
+            ),
+            "KVDecoder, SDPA attention": (fast, "sdpa"),
+            "KVDecoder, batched products": (fast, "products"),
         }
         counts: dict[str, list[int]] = {name: [] for name in engines}
-        times = interleaved({k: generate(e, counts[k]) for k, e in engines.items()}, args.reps)
+        times = interleaved(
+            {k: generate(e, counts[k], a) for k, (e, a) in engines.items()}, args.reps
+        )
+        KVDecoder.attention = default
         print("\ngen: one rollout batch, 128 responses, up to 256 new tokens")
         print("| decoder | median s | tokens/s | share of matmul peak |\n|---|---|---|---|")
         for name, ts in times.items():
@@ -127,6 +147,34 @@ def main() -> None:
                 f"{rate * per_token / peak:.2f} |",
                 flush=True,
             )
+
+    if "attn" in only:
+        import torch.nn.functional as F
+
+        rows, kv, group, d, cap, length = 128, 2, 2, 64, 262, 206
+        gen = torch.Generator().manual_seed(0)
+        keys = torch.randn(rows, kv, cap, d, generator=gen)
+        keys_t = keys.transpose(-1, -2).contiguous()  # [rows, kv, d, cap]
+        values = torch.randn(rows, kv, cap, d, generator=gen)
+        q = torch.randn(rows, kv, group, d, generator=gen)
+        none = torch.zeros(1, 1, 1)
+
+        def sdpa() -> Tensor:
+            k, v = keys[:, :, :length], values[:, :, :length]
+            return F.scaled_dot_product_attention(q, k, v, scale=d**-0.5)
+
+        def products() -> Tensor:
+            k = keys_t[..., :length].reshape(rows * kv, d, length)
+            v = values[:, :, :length].reshape(rows * kv, length, d)
+            scores = torch.baddbmm(none, q.reshape(rows * kv, group, d), k, beta=0.0, alpha=d**-0.5)
+            return torch.bmm(scores.softmax(-1), v)
+
+        assert (products().view(rows, kv, group, d) - sdpa()).abs().max() < 1e-5
+        times = interleaved({"SDPA": sdpa, "batched products": products}, args.reps * 20)
+        print("\nattn: one layer, 128 rows, 206 cached tokens, 4/2 heads")
+        print("| kernel | median ms |\n|---|---|")
+        for name, ts in times.items():
+            print(f"| {name} | {1000 * statistics.median(ts):.2f} |", flush=True)
 
     if "check" in only:
         engine = rollout.TorchEngine(model, **ids)

@@ -148,9 +148,10 @@ def test_fast_decoder_is_taken_for_qwen3_and_not_for_a_biased_head(tokenizer, ti
     assert isinstance(make_decoder(tiny_model), ModelDecoder)
 
 
+@pytest.mark.parametrize("attention", ["products", "sdpa"])
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)])
 def test_fast_decoder_samples_what_the_reference_samples(
-    tokenizer, tiny_model, temperature, top_p, monkeypatch
+    tokenizer, tiny_model, temperature, top_p, attention, monkeypatch
 ):
     """Same seed -> the same tokens as the transformers forward, log-probs within 1e-5.
 
@@ -158,8 +159,10 @@ def test_fast_decoder_samples_what_the_reference_samples(
     at different steps and leave the batch, and finished-ness is read every 3 steps.
     """
     import gspo.rollout as rollout
+    from gspo.decoding import KVDecoder
 
     monkeypatch.setattr(rollout, "CHECK_EVERY", 3)
+    monkeypatch.setattr(KVDecoder, "attention", attention)
     with torch.no_grad():
         tiny_model.lm_head.weight[tokenizer.eos_token_id] *= 0  # shared with the embedding
         tiny_model.model.norm.weight.mul_(3.0)  # sharper distributions

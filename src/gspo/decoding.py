@@ -111,6 +111,10 @@ class KVDecoder:
     the step computes in (autocast's when it is on), so a step does no casting.
     """
 
+    #: Single-query attention: ``"products"`` (batched matrix products over transposed
+    #: keys) or ``"sdpa"`` (``scaled_dot_product_attention``); see benchmarks/README.md.
+    attention = "products"
+
     def __init__(self, model: nn.Module):
         self.model = model
         config = model.config
@@ -203,17 +207,19 @@ class KVDecoder:
         u, p = ids.shape
         rows = u * n
         each = torch.arange(u, device=ids.device).repeat_interleave(n)
-        # keys are kept transposed, [rows, kv heads, head_dim, columns]: the score
-        # product q @ k^T then reads a row-major operand (faster on this CPU)
+        # for "products" keys are kept transposed, [rows, kv heads, head_dim, columns]:
+        # the score product q @ k^T then reads a row-major operand
+        self.transposed = self.attention == "products"
         self.keys, self.values = [], []
         for layer in cache.layers:
-            keys = layer.keys.new_empty(
-                (rows, self.kv_heads, self.head_dim, capacity), dtype=self.dtype
-            )
-            values = layer.values.new_empty(
-                (rows, self.kv_heads, capacity, self.head_dim), dtype=self.dtype
-            )
-            keys[..., :p] = layer.keys[each].transpose(-1, -2)
+            shape = (rows, self.kv_heads, capacity, self.head_dim)
+            keys = layer.keys.new_empty(shape, dtype=self.dtype)
+            values = layer.values.new_empty(shape, dtype=self.dtype)
+            if self.transposed:
+                keys = keys.transpose(-1, -2).contiguous()
+                keys[..., :p] = layer.keys[each].transpose(-1, -2)
+            else:
+                keys[:, :, :p] = layer.keys[each]
             values[:, :, :p] = layer.values[each]
             self.keys.append(keys)
             self.values.append(values)
@@ -247,18 +253,28 @@ class KVDecoder:
             half = d // 2
             rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
             qk = qk * cos + rotated * sin
-            self.keys[i][..., col] = qk[:, heads:]
             self.values[i][:, :, col] = v
-            # one query per row: a key/value head's query heads attend as one group,
-            # as batched matrix products over (row, kv head)
-            q = qk[:, :heads].reshape(rows * kv, group, d)
-            keys = self.keys[i][..., :length].reshape(rows * kv, d, length)
-            scores = torch.baddbmm(self.no_bias, q, keys, beta=0.0, alpha=self.scaling)
-            if self.bias is not None:
-                scores.view(rows, kv * group, length).add_(self.bias[..., :length])
-            values = self.values[i][:, :, :length].reshape(rows * kv, length, d)
-            out = torch.bmm(scores.softmax(-1), values)
-            h = h + F.linear(out.view(rows, heads * d), layer.o)
+            # one query per row: a key/value head's query heads attend as one group
+            if self.transposed:
+                self.keys[i][..., col] = qk[:, heads:]
+                q = qk[:, :heads].reshape(rows * kv, group, d)
+                keys = self.keys[i][..., :length].reshape(rows * kv, d, length)
+                scores = torch.baddbmm(self.no_bias, q, keys, beta=0.0, alpha=self.scaling)
+                if self.bias is not None:
+                    scores.view(rows, kv * group, length).add_(self.bias[..., :length])
+                values = self.values[i][:, :, :length].reshape(rows * kv, length, d)
+                out = torch.bmm(scores.softmax(-1), values)
+            else:
+                self.keys[i][:, :, col] = qk[:, heads:]
+                mask = None if self.bias is None else self.bias[:, None, :, :length]
+                out = F.scaled_dot_product_attention(
+                    qk[:, :heads].reshape(rows, kv, group, d),
+                    self.keys[i][:, :, :length],
+                    self.values[i][:, :, :length],
+                    attn_mask=mask,
+                    scale=self.scaling,
+                )
+            h = h + F.linear(out.reshape(rows, heads * d), layer.o)
             x = F.rms_norm(h, (h.shape[-1],), layer.post_norm, self.eps)
             h = h + layer.mlp(x.unsqueeze(1)).squeeze(1)
         h = F.rms_norm(h, (h.shape[-1],), self.final_norm, self.eps)
@@ -269,7 +285,10 @@ class KVDecoder:
         filled = self.length
         for i in range(len(self.keys)):
             keys = self.keys[i].new_empty((rows.shape[0], *self.keys[i].shape[1:]))
-            keys[..., :filled] = self.keys[i][rows, ..., :filled]
+            if self.transposed:
+                keys[..., :filled] = self.keys[i][rows, ..., :filled]
+            else:
+                keys[:, :, :filled] = self.keys[i][rows, :, :filled]
             values = self.values[i].new_empty((rows.shape[0], *self.values[i].shape[1:]))
             values[:, :, :filled] = self.values[i][rows, :, :filled]
             self.keys[i], self.values[i] = keys, values
