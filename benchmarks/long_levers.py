@@ -16,6 +16,11 @@ vocabulary, so completions run to ``max_new_tokens``), 16 prompts x 8 responses:
   attention`` on [rows, kv heads, columns, head_dim] views of the buffers (the
   transformers layout) vs ``KVDecoder``'s batched products over transposed keys.
 - check: the fast decoder reading which rows finished every step vs every 8 (default).
+- train: ``gspo train`` on the long workload at 256 new tokens (``vs_trl.py --long``'s
+  gspo side, 8 optimizer steps), once with this tree's code and once with the
+  ``--baseline`` revision's (``git archive`` into a temporary folder, on ``PYTHONPATH``),
+  alternating: whole process, ``time/generate`` per rollout batch, ``time/train`` per
+  minibatch, from each run's ``metrics.jsonl``.
 - layout: forward + backward of a training minibatch (32 completions drawn at random
   from a rollout batch, as the trainer draws them) with each group's prompt shared
   (one segment per group), not shared, and ``"auto"`` (the cheaper by estimate): on the
@@ -30,6 +35,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -45,7 +51,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import workload  # noqa: E402
-from vs_trl import flops_per_token, matmul_peak  # noqa: E402
+from vs_trl import LONG, flops_per_token, gspo_summary, matmul_peak, run_gspo  # noqa: E402
 
 from gspo import rollout  # noqa: E402
 from gspo.decoding import KVDecoder  # noqa: E402
@@ -97,7 +103,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("runs/bench_long_levers"))
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--baseline", default="190be02", help="git revision of 'today'")
-    parser.add_argument("--only", default="gen,attn,check,layout")
+    parser.add_argument("--only", default="gen,attn,check,train,layout")
     args = parser.parse_args()
     only = set(args.only.split(","))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
@@ -195,6 +201,41 @@ def main() -> None:
         print("| k | median s |\n|---|---|")
         for name, ts in times.items():
             print(f"| {name} | {statistics.median(ts):.2f} |", flush=True)
+
+    if "train" in only:
+        base = Path(tempfile.mkdtemp())
+        archive = subprocess.run(
+            ["git", "-C", str(HERE), "archive", args.baseline, "src"],
+            capture_output=True,
+            check=True,
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
+        sources = {"this tree": str(HERE.parent / "src"), args.baseline: str(base / "src")}
+        runs: dict[str, list[dict]] = {name: [] for name in sources}
+        for i in range(args.reps):
+            for name in sources if i % 2 == 0 else list(sources)[::-1]:
+                old_path = os.environ.get("PYTHONPATH")
+                os.environ["PYTHONPATH"] = sources[name]
+                try:
+                    seconds, run = run_gspo(work, name=f"gspo_{i}", schedule=LONG)
+                finally:
+                    if old_path is None:
+                        del os.environ["PYTHONPATH"]
+                    else:
+                        os.environ["PYTHONPATH"] = old_path
+                summary = gspo_summary(run)
+                runs[name].append({"seconds": seconds, **summary})
+        print("\ntrain: gspo train, long workload, 256 new tokens, 8 optimizer steps")
+        print(
+            "| code | whole process s | time/generate s per rollout batch | "
+            "time/train s per minibatch | completion tokens |\n|---|---|---|---|---|"
+        )
+        for name, rs in runs.items():
+            whole = statistics.median(r["seconds"] for r in rs)
+            gen = statistics.median(r["phases"]["generation"] / 2 for r in rs)
+            train = statistics.median(r["phases"]["forward/backward/optimizer"] / 8 for r in rs)
+            tokens = statistics.median(r["completion_tokens"] for r in rs)
+            print(f"| {name} | {whole:.1f} | {gen:.2f} | {train:.2f} | {tokens:,.0f} |", flush=True)
 
     if "layout" in only:
         print("\nlayout: forward + backward of a minibatch of 32 completions")
