@@ -92,7 +92,8 @@ class ModelDecoder:
 
 @dataclass
 class _Layer:
-    """One decoder layer's weights as the fast step uses them (in the compute dtype)."""
+    """One decoder layer's weights as the fast step uses them: matrices in the compute
+    dtype, norm weights in the parameters' (as the residual stream, as transformers has it)."""
 
     input_norm: Tensor
     qkv: Tensor  # [(H + 2 Hkv) * D, hidden]: q, k and v projections stacked
@@ -107,8 +108,8 @@ class KVDecoder:
     """Pre-allocated KV buffers and a lean decoding step (see the module docstring).
 
     ``supports(model)`` says whether a model can take this path. The weights are read
-    from the model when the decoder is built (one per ``generate`` call), in the dtype
-    the step computes in (autocast's when it is on), so a step does no casting.
+    from the model when the decoder is built (one per ``generate`` call); the matrices in
+    the dtype the products run in (autocast's when it is on), so a step casts no weight.
     """
 
     #: Single-query attention: ``"products"`` (batched matrix products over transposed
@@ -120,7 +121,7 @@ class KVDecoder:
         config = model.config
         decoder = model.get_decoder()
         dtype = _compute_dtype(next(model.parameters()))
-        self.dtype = dtype
+        self.dtype = dtype  # of the matrices and the KV buffers
         attn = decoder.layers[0].self_attn
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
@@ -128,7 +129,7 @@ class KVDecoder:
         self.scaling = attn.scaling
         self.eps = decoder.norm.variance_epsilon
         self.embed = decoder.embed_tokens.weight
-        self.final_norm = decoder.norm.weight.to(dtype)
+        self.final_norm = decoder.norm.weight
         self.head = model.get_output_embeddings().weight.to(dtype)
         self.rotary = decoder.rotary_emb
         self.layers = []
@@ -145,15 +146,15 @@ class KVDecoder:
                         a.q_norm.weight.expand(self.heads, -1),
                         a.k_norm.weight.expand(self.kv_heads, -1),
                     ]
-                ).to(dtype)
+                )
             self.layers.append(
                 _Layer(
-                    input_norm=layer.input_layernorm.weight.to(dtype),
+                    input_norm=layer.input_layernorm.weight,
                     qkv=torch.cat([p.weight for p in projections]).to(dtype),
                     qkv_bias=bias,
                     qk_norm=qk_norm,
                     o=a.o_proj.weight.to(dtype),
-                    post_norm=layer.post_attention_layernorm.weight.to(dtype),
+                    post_norm=layer.post_attention_layernorm.weight,
                     mlp=layer.mlp,
                 )
             )
@@ -163,8 +164,9 @@ class KVDecoder:
         """Whether ``model``'s layers are exactly those :class:`KVDecoder` reimplements.
 
         Checked module by module (plain ``nn.Linear`` projections, no bias on the output
-        projection, the expected RMSNorms, full attention, default or scaled RoPE), so a
-        wrapped projection (an adapter) or another attention takes the reference path.
+        projection, the expected RMSNorms, full attention, a RoPE that does not depend on
+        the sequence length), so a wrapped projection (an adapter) or another attention
+        takes the reference path.
         """
         config = getattr(model, "config", None)
         if getattr(config, "model_type", None) not in FAST_MODEL_TYPES:
@@ -178,6 +180,9 @@ class KVDecoder:
             return False
         decoder = model.get_decoder()
         if type(decoder.embed_tokens) is not nn.Embedding:
+            return False
+        rope_type = str(getattr(getattr(decoder, "rotary_emb", None), "rope_type", ""))
+        if not rope_type or "dynamic" in rope_type or "longrope" in rope_type:
             return False
         if type(decoder.norm).__name__ not in _NORMS:
             return False
@@ -231,9 +236,8 @@ class KVDecoder:
         self.no_bias = torch.zeros((1, 1, 1), dtype=self.dtype, device=ids.device)
         # cos/sin of every position a row can reach, looked up per step
         positions = torch.arange(capacity, device=ids.device).unsqueeze(0)
-        probe = self.embed.new_zeros((), dtype=torch.float32)
-        cos, sin = self.rotary(probe, positions)
-        self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)
+        cos, sin = self.rotary(self.embed.new_zeros(()), positions)
+        self.cos, self.sin = cos[0], sin[0]
         return logits[each]
 
     def step(self, tokens: Tensor, positions: Tensor) -> Tensor:
@@ -243,7 +247,7 @@ class KVDecoder:
         self.length = length = col + 1
         cos = self.cos[positions].unsqueeze(1)  # [R, 1, D], shared by every head
         sin = self.sin[positions].unsqueeze(1)
-        h = F.embedding(tokens, self.embed).to(self.dtype)
+        h = F.embedding(tokens, self.embed)
         for i, layer in enumerate(self.layers):
             x = F.rms_norm(h, (h.shape[-1],), layer.input_norm, self.eps)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias).view(rows, heads + 2 * kv, d)
