@@ -205,7 +205,7 @@ def main() -> None:
     if "train" in only:
         base = Path(tempfile.mkdtemp())
         archive = subprocess.run(
-            ["git", "-C", str(HERE), "archive", args.baseline, "src"],
+            ["git", "-C", str(HERE.parent), "archive", args.baseline, "src"],
             capture_output=True,
             check=True,
         ).stdout
