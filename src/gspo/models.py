@@ -323,8 +323,6 @@ def packed_completion_logprobs(
     ``"auto"`` shares only when that layout is estimated cheaper (:func:`layout_cost`):
     a shared segment saves the repeated prompt tokens but its attention spans all its
     completions, so it pays for long prompts and short completions, not the reverse.
-    It also weighs one sequence per row (no mask, causal attention), which pays when
-    sequences are long and about equally so.
     """
     device = completion_ids.device
     n, t = completion_ids.shape
@@ -336,16 +334,8 @@ def packed_completion_logprobs(
     segments = [[i] for i in range(n)]
     lengths = [prompt_len[i] + len(completions[i]) for i in range(n)]
     place, used = _pack(lengths, pack_tokens)
-    config = model.config
-    # "auto" also weighs one sequence per row, each row's tail continuing its sequence:
-    # no mask at all then, and SDPA's causal kernels skip the blocks above the diagonal
-    causal = share_prompts == "auto" and (
-        layout_cost(config, lengths, causal=True) < layout_cost(config, used)
-    )
-    if causal:
-        place, used = [(i, 0) for i in range(n)], list(lengths)
     shared = False
-    if share_prompts and getattr(config, "_attn_implementation", None) == "sdpa":
+    if share_prompts and getattr(model.config, "_attn_implementation", None) == "sdpa":
         members: dict[tuple[int, ...], list[int]] = {}
         for i in range(n):
             members.setdefault(tuple(prompts[i].tolist()), []).append(i)
@@ -355,11 +345,11 @@ def packed_completion_logprobs(
                 prompt_len[rows[0]] + sum(len(completions[i]) for i in rows) for rows in groups
             ]
             group_place, group_used = _pack(group_lengths, pack_tokens)
-            if share_prompts != "auto" or layout_cost(config, group_used) < layout_cost(
-                config, used, causal=causal
+            if share_prompts != "auto" or layout_cost(model.config, group_used) < layout_cost(
+                model.config, used
             ):
                 segments, lengths, place, used = groups, group_lengths, group_place, group_used
-                shared, causal = True, False
+                shared = True
     width = max(used)
     tokens = torch.zeros((len(used), width), dtype=torch.long, device=device)  # tail: any id
     positions = torch.zeros((len(used), width), dtype=torch.long, device=device)
@@ -382,8 +372,7 @@ def packed_completion_logprobs(
             row_of[i], prompt_end[i], completion_start[i] = row, offset + p - 1, at
             at += length
     for row, filled in enumerate(used):  # the tail of a row is one more dummy sequence
-        start = filled if causal else 0  # (or goes on with the row's only one)
-        positions[row, filled:] = torch.arange(start, start + width - filled, device=device)
+        positions[row, filled:] = torch.arange(width - filled, device=device)
     mask = None
     if shared:
         segment_of[segment_of < 0] = len(segments)
@@ -428,13 +417,12 @@ def _pack(lengths: list[int], pack_tokens: int) -> tuple[list[tuple[int, int]], 
     return place, used
 
 
-def layout_cost(config, used: list[int], *, causal: bool = False) -> float:
+def layout_cost(config, used: list[int]) -> float:
     """Estimated FLOPs of a packed forward whose rows hold ``used`` tokens each.
 
     Every row is padded to the widest, and attention runs over a whole row through a
-    mask (SDPA computes every block of it), or over its lower triangle only when each row
-    holds one sequence (``causal``: no mask). Per layer: ``2 x`` the projection and MLP
-    weights per position, plus ``4 x heads x head_dim`` per (query, key) pair computed.
+    mask (SDPA computes every block of it): per layer ``2 x`` the projection and MLP
+    weights per position, plus ``4 x heads x head_dim`` per (query, key) pair of a row.
     Backward scales both alike. The LM head is the same for every layout and left out.
     """
     rows, width = len(used), max(used)
@@ -444,10 +432,8 @@ def layout_cost(config, used: list[int], *, causal: bool = False) -> float:
     inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     active = getattr(config, "num_experts_per_tok", 1) if hasattr(config, "num_experts") else 1
     weights = hidden * head_dim * (2 * heads + 2 * kv) + 3 * hidden * inter * active
-    pairs = rows * width**2 / (2 if causal else 1)
-    return config.num_hidden_layers * (
-        2.0 * weights * rows * width + 4.0 * heads * head_dim * pairs
-    )
+    layers = config.num_hidden_layers
+    return layers * (2.0 * weights * rows * width + 4.0 * heads * head_dim * rows * width**2)
 
 
 def _chunk_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float) -> Tensor:
