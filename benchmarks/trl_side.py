@@ -1,7 +1,8 @@
 """TRL's side of ``vs_trl.py``: GRPOTrainer running GSPO on the reference workload.
 
 GSPO in TRL is ``importance_sampling_level="sequence"`` with ``loss_type="grpo"``. Run as a
-separate process: ``python benchmarks/trl_side.py WORKLOAD_DIR OUTPUT_DIR``.
+separate process: ``python benchmarks/trl_side.py WORKLOAD_DIR OUTPUT_DIR [STEPS [MAX_NEW_TOKENS
+[LR [DEVICE]]]]`` (defaults 32, 32, 1e-4, cpu: the reference schedule; on ``cuda``, bf16).
 """
 
 from __future__ import annotations
@@ -14,7 +15,14 @@ from pathlib import Path
 START = time.perf_counter()
 
 
-def main(workload: Path, output: Path, max_steps: int = 32) -> None:
+def main(
+    workload: Path,
+    output: Path,
+    max_steps: int = 32,
+    max_new_tokens: int = 32,
+    learning_rate: float = 1e-4,
+    device: str = "cpu",
+) -> None:
     import torch
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -37,10 +45,10 @@ def main(workload: Path, output: Path, max_steps: int = 32) -> None:
         num_generations=8,
         per_device_train_batch_size=32,  # one minibatch = 32 completions
         steps_per_generation=4,  # 4 minibatches per rollout batch of 16 prompts x 8
-        max_completion_length=32,
+        max_completion_length=max_new_tokens,
         temperature=1.0,
         max_steps=max_steps,
-        learning_rate=1e-4,
+        learning_rate=learning_rate,
         lr_scheduler_type="constant",
         adam_beta2=0.99,
         weight_decay=0.0,
@@ -48,8 +56,8 @@ def main(workload: Path, output: Path, max_steps: int = 32) -> None:
         logging_steps=1,
         report_to="none",
         save_strategy="no",
-        use_cpu=True,
-        bf16=False,
+        use_cpu=device == "cpu",
+        bf16=device != "cpu",
         seed=0,
         disable_tqdm=True,
     )
@@ -67,4 +75,12 @@ def main(workload: Path, output: Path, max_steps: int = 32) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 32)
+    extra = sys.argv[3:]
+    main(
+        Path(sys.argv[1]),
+        Path(sys.argv[2]),
+        int(extra[0]) if len(extra) > 0 else 32,
+        int(extra[1]) if len(extra) > 1 else 32,
+        float(extra[2]) if len(extra) > 2 else 1e-4,
+        extra[3] if len(extra) > 3 else "cpu",
+    )

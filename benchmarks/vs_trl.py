@@ -1,6 +1,7 @@
 """gspo vs TRL on the same GSPO workload: wall time, throughput, gspo's phases.
 
     python benchmarks/vs_trl.py [--repeats 3] [--workdir DIR]
+    python benchmarks/vs_trl.py --long --max-new-tokens 32 128 256 512 --repeats 2 2 2 1
 
 Needs the `bench` extra (TRL) in the running environment: `pip install -e '.[bench]'`.
 Both sides run as separate processes of this Python, on the same saved model, tokenizer,
@@ -9,6 +10,15 @@ responses per rollout batch, 4 minibatches (optimizer steps) per rollout batch, 
 tokens at temperature 1, 32 optimizer steps, GSPO clip 3e-4 / 4e-4, no KL. The ratio is
 whole-process wall time (imports and model loading included), median over repeats, with
 the two sides alternating so that drift in the machine's speed hits both.
+
+``--long`` is the long-response workload: the same model but a 520-token vocabulary (a
+random model rarely samples EOS, so completions run to ``max_new_tokens``), 8 optimizer
+steps at lr 1e-5. With several ``--max-new-tokens`` (and as many ``--repeats``) every
+length is measured in turn in the one invocation and a cost-vs-length table is printed:
+whole-process times, ratio, mean completion length of each side, and gspo's generation
+and training tokens/s with the share of this machine's matmul peak they reach (FLOPs:
+2 x the weights per token, plus attention over the context, x3 for training; peak: a
+2048^3 float32 matrix product, measured before and after the runs).
 """
 
 from __future__ import annotations
@@ -20,19 +30,39 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import workload  # noqa: E402
+from workload import LONG_VOCAB  # noqa: E402
 
 STEPS = 32
 ROLLOUT = 16 * 8
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """What both sides run: optimizer steps, learning rate, most new tokens per response,
+    and the device (``cuda``: bf16 autocast on both sides, gspo's default there)."""
+
+    steps: int = STEPS
+    lr: float = 1e-4
+    max_new_tokens: int = 32
+    device: str = "cpu"
+
+
+REFERENCE = Schedule()
+LONG = Schedule(steps=8, lr=1e-5, max_new_tokens=256)
+
+
 def run_gspo(
-    work: Path, launcher: list[str] | None = None, name: str = "gspo_run"
+    work: Path,
+    launcher: list[str] | None = None,
+    name: str = "gspo_run",
+    schedule: Schedule = REFERENCE,
 ) -> tuple[float, Path]:
     """gspo on the workload as a process of its own (``launcher``: e.g. torchrun's argv)."""
     out = work / name
@@ -43,18 +73,19 @@ def run_gspo(
         f"data.train={work / 'train.jsonl'}",
         f"reward.functions=[{HERE / 'workload.py'}:dense]",
         "train.cold_start_steps=0",
-        f"train.max_steps={STEPS}",
+        f"train.max_steps={schedule.steps}",
         "train.save_every=0",
         "rollout.group_size=8",
         "rollout.prompts_per_batch=16",
-        "rollout.max_new_tokens=32",
+        f"rollout.max_new_tokens={schedule.max_new_tokens}",
         "rollout.temperature=1.0",
         "algorithm.level=sequence",
         "algorithm.minibatches=4",
-        "optim.lr=1e-4",
+        f"optim.lr={schedule.lr}",
         "log.progress=false",
         "log.plots=false",
         "log.tensorboard=false",
+        f"model.device={schedule.device}",
     ]  # fmt: skip
     start, wall_start = time.perf_counter(), time.time()
     subprocess.run(command, check=True, capture_output=True)
@@ -63,12 +94,22 @@ def run_gspo(
     return seconds, out
 
 
-def run_trl(work: Path) -> tuple[float, dict]:
+def run_trl(work: Path, schedule: Schedule = REFERENCE) -> tuple[float, dict]:
     out = work / "trl_run"
     out.mkdir(exist_ok=True)
     start = time.perf_counter()
+    s = schedule
     subprocess.run(
-        [sys.executable, str(HERE / "trl_side.py"), str(work), str(out), str(STEPS)],
+        [
+            sys.executable,
+            str(HERE / "trl_side.py"),
+            str(work),
+            str(out),
+            str(s.steps),
+            str(s.max_new_tokens),
+            str(s.lr),
+            s.device,
+        ],
         check=True,
         capture_output=True,
     )
@@ -107,9 +148,17 @@ def trl_summary(result: dict) -> dict:
     return {"steps": steps, "completion_tokens": tokens, "loop_s": result["train_seconds"]}
 
 
+#: Tokens of every prompt of the workload ("ab+cd=").
+PROMPT_TOKENS = 6
+
+
+def model_config(work: Path) -> dict:
+    return json.loads((work / "model" / "config.json").read_text())
+
+
 def flops_per_token(work: Path) -> tuple[float, int]:
     """2 x non-embedding parameters (+ the LM head) per token for a forward pass."""
-    config = json.loads((work / "model" / "config.json").read_text())
+    config = model_config(work)
     h, layers, inter = (
         config["hidden_size"],
         config["num_hidden_layers"],
@@ -125,38 +174,89 @@ def flops_per_token(work: Path) -> tuple[float, int]:
     return 2.0 * params, params
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--workdir", type=Path, default=Path("runs/bench_vs_trl"))
-    args = parser.parse_args()
-    work = workload.build(args.workdir)
+def completion_flops(work: Path, length: float) -> tuple[float, float]:
+    """(generation, training) FLOPs of one completion of ``length`` tokens.
+
+    Generation: the weights (:func:`flops_per_token`) per completion token, plus
+    attention over the context so far (``4 x heads x head_dim`` per layer and context
+    token); the prompt's prefill is left out. Training: forward and backward (3x) over
+    prompt and completion, with causal attention; no padding, no masked blocks counted.
+    """
+    config = model_config(work)
+    per_token, params = flops_per_token(work)
+    pair = 4.0 * config["num_hidden_layers"] * config["num_attention_heads"] * config["head_dim"]
+    p, t = PROMPT_TOKENS, length
+    generation = per_token * t + pair * (t * p + t * t / 2)
+    weights = 2.0 * (params - config["vocab_size"] * config["hidden_size"])
+    training = 3 * ((p + t) * weights + (per_token - weights) * t + pair * (p + t) ** 2 / 2)
+    return generation, training
+
+
+def matmul_peak(size: int = 2048, reps: int = 5) -> float:
+    """This machine's float32 matmul rate, FLOP/s: median of ``reps`` ``size``^3 products."""
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times)
+
+
+def measure(work: Path, schedule: Schedule, repeats: int) -> list[dict]:
+    """``repeats`` runs of each side, alternating which goes first; one dict per run."""
     rows = []
-    for i in range(args.repeats):
+    for i in range(repeats):
         order = ["gspo", "trl"] if i % 2 == 0 else ["trl", "gspo"]
-        row = {}
+        row: dict = {"max_new_tokens": schedule.max_new_tokens}
         for side in order:
             if side == "gspo":
-                row["gspo_s"], run = run_gspo(work)
+                row["gspo_s"], run = run_gspo(work, schedule=schedule)
                 row["gspo"] = gspo_summary(run)
             else:
-                row["trl_s"], result = run_trl(work)
+                row["trl_s"], result = run_trl(work, schedule)
                 row["trl"] = trl_summary(result)
         row["ratio"] = row["trl_s"] / row["gspo_s"]
         rows.append(row)
         print(
-            f"run {i + 1}: gspo {row['gspo_s']:.2f} s, TRL {row['trl_s']:.2f} s, "
-            f"ratio {row['ratio']:.2f}x",
+            f"max_new_tokens {schedule.max_new_tokens}, run {i + 1}: gspo {row['gspo_s']:.2f} s, "
+            f"TRL {row['trl_s']:.2f} s, ratio {row['ratio']:.2f}x",
             flush=True,
         )
+    return rows
+
+
+def mean_length(summary: dict) -> float:
+    return summary["completion_tokens"] / (summary["steps"] // 4 * ROLLOUT)
+
+
+def length_row(work: Path, rows: list[dict], peak: float) -> str:
+    """One line of the cost-vs-length table from the runs at one length (the median run)."""
+    best = sorted(rows, key=lambda r: r["ratio"])[len(rows) // 2]
+    g, t = best["gspo"], best["trl"]
+    g_len, t_len = mean_length(g), mean_length(t)
+    completions = g["steps"] // 4 * ROLLOUT
+    gen_flops, train_flops = (completions * f for f in completion_flops(work, g_len))
+    gen_s, train_s = g["phases"]["generation"], g["phases"]["forward/backward/optimizer"]
+    tokens = g["completion_tokens"]
+    ratios = ", ".join(f"{r['ratio']:.2f}" for r in rows)
+    return (
+        f"| {best['max_new_tokens']} | {best['gspo_s']:.1f} | {best['trl_s']:.1f} | "
+        f"**{statistics.median(r['ratio'] for r in rows):.2f}x** ({ratios}) | "
+        f"{g_len:.0f} / {t_len:.0f} | {tokens / gen_s:,.0f} ({gen_flops / gen_s / peak:.2f}) | "
+        f"{tokens / train_s:,.0f} ({train_flops / train_s / peak:.2f}) |"
+    )
+
+
+def report(work: Path, rows: list[dict]) -> None:
+    """The detailed printout of one length's runs (the reference workload's format)."""
     best = sorted(rows, key=lambda r: r["ratio"])[len(rows) // 2]  # the median run
     g, t = best["gspo"], best["trl"]
     per_token, params = flops_per_token(work)
     phases = g["phases"]
-    print(
-        f"\nmachine: {platform.processor() or platform.machine()}, {_cores()} cores, "
-        f"python {platform.python_version()}"
-    )
     print(f"model: {params / 1e6:.2f}M parameters (non-embedding + LM head)")
     print(f"median ratio over {len(rows)} runs: {statistics.median(r['ratio'] for r in rows):.2f}x")
     print(
@@ -172,9 +272,7 @@ def main() -> None:
         f"training loop only (trainer.train() for TRL; first to last step record for gspo): "
         f"gspo {g['loop_s']:.2f} s, TRL {t['loop_s']:.2f} s, ratio {t['loop_s'] / g['loop_s']:.2f}x"
     )
-    g_len = g["completion_tokens"] / (g["steps"] // 4 * ROLLOUT)
-    t_len = t["completion_tokens"] / (t["steps"] // 4 * ROLLOUT)
-    print(f"mean completion length (tokens): gspo {g_len:.1f}, TRL {t_len:.1f}")
+    print(f"mean completion length (tokens): gspo {mean_length(g):.1f}, TRL {mean_length(t):.1f}")
     print(
         f"gspo outside the loop: {g['startup_s']:.2f} s to the step-0 record, "
         f"{g['exit_s']:.2f} s after the last step"
@@ -188,6 +286,64 @@ def main() -> None:
         f"gspo achieved: {(train_flops + gen_flops) / busy / 1e9:.1f} GFLOP/s over generation "
         f"and training (completion tokens only; prompts and attention not counted)"
     )
+
+
+def revision() -> str:
+    """The commit the gspo side runs (``+dirty`` with uncommitted changes)."""
+    git = ["git", "-C", str(HERE)]
+    try:
+        rev = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        dirty = subprocess.run(
+            [*git, "status", "--porcelain", "--", "src", "benchmarks"],
+            capture_output=True,
+            text=True,
+        )
+    except OSError:
+        return "unknown"
+    return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--long", action="store_true", help="the long-response workload")
+    parser.add_argument("--max-new-tokens", type=int, nargs="+", default=None)
+    parser.add_argument("--repeats", type=int, nargs="+", default=[3])
+    parser.add_argument("--workdir", type=Path, default=None)
+    args = parser.parse_args()
+    base = LONG if args.long else REFERENCE
+    lengths = args.max_new_tokens or [base.max_new_tokens]
+    repeats = args.repeats * len(lengths) if len(args.repeats) == 1 else args.repeats
+    if len(repeats) != len(lengths):
+        parser.error("give one --repeats, or one per --max-new-tokens")
+    default_dir = "runs/bench_vs_trl_long" if args.long else "runs/bench_vs_trl"
+    work = workload.build(
+        args.workdir or Path(default_dir), vocab=LONG_VOCAB if args.long else None
+    )
+    print(
+        f"gspo at {revision()}; machine: {platform.processor() or platform.machine()}, "
+        f"{_cores()} cores, python {platform.python_version()}",
+        flush=True,
+    )
+    peak_before = matmul_peak()
+    results = {}
+    for length, reps in zip(lengths, repeats, strict=True):
+        schedule = Schedule(base.steps, base.lr, length)
+        results[length] = measure(work, schedule, reps)
+    peak = min(peak_before, matmul_peak())
+    (work / "vs_trl_results.json").write_text(json.dumps({str(k): v for k, v in results.items()}))
+    if len(lengths) == 1:
+        report(work, results[lengths[0]])
+    print(
+        f"\nmatmul peak (float32 2048^3): {peak_before / 1e9:.1f} GFLOP/s before the runs, "
+        f"{peak / 1e9:.1f} GFLOP/s the lower of before/after (used below)"
+    )
+    print(
+        "\n| max new tokens | gspo (s) | TRL (s) | **ratio**, median (each run) | "
+        "mean completion length gspo / TRL | gspo generation tokens/s (of peak) | "
+        "gspo training tokens/s (of peak) |\n|---|---|---|---|---|---|---|"
+    )
+    for length in lengths:
+        print(length_row(work, results[length], peak))
 
 
 def _cores() -> int:

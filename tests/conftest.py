@@ -39,3 +39,19 @@ def ones_reward(tmp_path):
     path = tmp_path / "ones.py"
     path.write_text(ONES_REWARD)
     return f"reward.functions=[{path}:ones]"
+
+
+VARIED_REWARD = '''
+def varied(prompts, completions, **kwargs):
+    """Never flat in practice (a hash of the characters): every group has advantages."""
+    return [sum(ord(ch) for ch in c) % 7 / 7 for c in completions]
+'''
+
+
+@pytest.fixture
+def varied_reward(tmp_path):
+    """``reward.functions=[<file>:varied]``: rewards that differ within every group, so
+    every rollout batch updates the model whatever it samples (not learnable)."""
+    path = tmp_path / "varied.py"
+    path.write_text(VARIED_REWARD)
+    return f"reward.functions=[{path}:varied]"

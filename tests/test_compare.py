@@ -55,9 +55,9 @@ TINY = [
 
 
 @pytest.fixture
-def tiny(ones_reward):
-    """TINY plus a dense reward, so that advantages are not all zero."""
-    return [*TINY, ones_reward]
+def tiny(varied_reward):
+    """TINY plus a reward that is never flat, so that advantages are not all zero."""
+    return [*TINY, varied_reward]
 
 
 def test_band_lines_average_the_runs_at_shared_steps():
@@ -284,17 +284,17 @@ def test_trainer_dumps_the_ratios_its_loss_saw(tmp_path, tiny):
     assert torch.allclose(torch.stack(rebuilt), dump["sequence_log_ratio"], atol=1e-6)
     # the last minibatch is off-policy after one update: its ratios are not all 1
     assert dump["token_log_ratio"].abs().max() > 1e-4
-    # gradient cosines by length, on the first batch (the last one's rewards are all 0
-    # here, so its gradients are zero and its cosines NaN): one value per bucket
-    first = torch.load(dumps[0], weights_only=True)
-    assert 1 <= len(first["cosine_to_full"]) <= 4
-    assert first["cosine_responses"].sum() == 8  # the halves cover the whole batch
+    # gradient cosines by length (on the last batch: every sequence of the first one's
+    # off-policy minibatch is clipped, its gradient zero): one value per bucket
+    last = dump
+    assert 1 <= len(last["cosine_to_full"]) <= 4
+    assert last["cosine_responses"].sum() == 8  # the halves cover the whole batch
     for key in ("cosine_to_full", "cosine_halves", "cosine_to_on_policy"):
-        assert (first[key].isnan() | (first[key].abs() <= 1 + 1e-6)).all()
-    assert (first["cosine_length_lo"] <= first["cosine_length_mean"]).all()
-    assert (first["cosine_length_mean"] <= first["cosine_length_hi"]).all()
+        assert (last[key].isnan() | (last[key].abs() <= 1 + 1e-6)).all()
+    assert (last["cosine_length_lo"] <= last["cosine_length_mean"]).all()
+    assert (last["cosine_length_mean"] <= last["cosine_length_hi"]).all()
     # after one update the ratios (and the clipping) turn the gradient, not reverse it
-    assert 0 < first["cosine_full_to_on_policy"] < 1
+    assert 0 < last["cosine_full_to_on_policy"] < 1
 
 
 def test_compare_writes_the_report_and_reuses_finished_runs(tmp_path, tiny):

@@ -245,3 +245,39 @@ def test_packed_entropy_equals_the_padded_forward(tokenizer, tiny_model):
     ref_lp, ref_ent2 = token_logprobs_from_logits(logits, completion, 0.9, with_entropy=True)
     assert torch.allclose(lp, ref_lp * completion_mask, atol=1e-5)
     assert torch.allclose(ref_ent2 * completion_mask, ref_ent, atol=1e-5)
+
+
+def test_auto_layout_shares_long_prompts_and_not_long_completions(tokenizer, tiny_model):
+    """``share_prompts="auto"`` takes the layout :func:`layout_cost` finds cheaper; values
+    and gradients equal the padded forward's either way."""
+    from gspo.models import layout_cost
+
+    gen = torch.Generator().manual_seed(5)
+    fed: list[int] = []
+    hook = tiny_model.model.embed_tokens.register_forward_hook(
+        lambda module, inputs, output: fed.append(int(inputs[0].numel()))
+    )
+    try:
+        for p, t in ((60, 3), (3, 60)):  # long prompt + short completions, and the reverse
+            prompt = torch.randint(4, 60, (1, p), generator=gen).repeat(4, 1)
+            completion = torch.randint(4, 60, (4, t), generator=gen)
+            ones = torch.ones_like
+            args = (tiny_model, prompt, ones(prompt), completion, ones(completion))
+            fed.clear()
+            auto = packed_completion_logprobs(*args, share_prompts="auto")
+            packed_completion_logprobs(*args, share_prompts=True)
+            packed_completion_logprobs(*args, share_prompts=False)
+            shared, alone = fed[1], fed[2]
+            assert fed[0] == (shared if p > t else alone)
+            ref = completion_logprobs(tiny_model, *args[1:])
+            assert torch.allclose(auto, ref, atol=1e-5)
+            weight = tiny_model.model.embed_tokens.weight
+            g_auto = torch.autograd.grad(auto.sum(), weight)[0]
+            g_ref = torch.autograd.grad(ref.sum(), weight)[0]
+            assert torch.allclose(g_auto, g_ref, atol=1e-4)
+    finally:
+        hook.remove()
+    config = tiny_model.config
+
+    assert layout_cost(config, [600]) > layout_cost(config, [150] * 4)  # attention: quadratic
+    assert layout_cost(config, [60 + 4 * 3]) < layout_cost(config, [128] * 2)

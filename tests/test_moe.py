@@ -352,12 +352,14 @@ def test_trainer_on_moe_without_measuring_logs_no_moe_metrics(tmp_path):
         ("token", "recompute"),
     ],
 )
-def test_trainer_with_routing_replay_logs_expert_change(tmp_path, level, old_logprobs, ones_reward):
+def test_trainer_with_routing_replay_logs_expert_change(
+    tmp_path, level, old_logprobs, varied_reward
+):
     config = load_config(
         None,
         [
             *FAST_MOE,
-            ones_reward,
+            varied_reward,
             "moe.routing_replay=true",
             f"algorithm.level={level}",
             f"algorithm.old_logprobs={old_logprobs}",
@@ -374,12 +376,12 @@ def test_trainer_with_routing_replay_logs_expert_change(tmp_path, level, old_log
 
 
 @pytest.mark.slow
-def test_trainer_replays_the_old_routing_in_every_minibatch(tmp_path, monkeypatch, ones_reward):
+def test_trainer_replays_the_old_routing_in_every_minibatch(tmp_path, monkeypatch, varied_reward):
     config = load_config(
         None,
         [
             *FAST_MOE,
-            ones_reward,
+            varied_reward,
             "moe.routing_replay=true",
             "algorithm.level=token",
         ],

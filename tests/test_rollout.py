@@ -1,5 +1,6 @@
 """Rollout: the PyTorch engine (KV cache, seeded, early stop) and RolloutBatch."""
 
+import pytest
 import torch
 
 from gspo.models import completion_logprobs
@@ -136,3 +137,103 @@ def test_logit_noise_changes_the_sampler_distribution_and_its_logprobs(tiny_mode
             tiny_model, base.prompt_ids, base.prompt_mask, base.completion_ids, base.completion_mask
         )
     assert (lp0 - base.sampler_logprobs).abs()[base.completion_mask].max() < 1e-4
+
+
+def test_fast_decoder_is_taken_for_qwen3_and_not_for_a_biased_head(tokenizer, tiny_model):
+    from gspo.decoding import KVDecoder, ModelDecoder, make_decoder
+
+    assert isinstance(make_decoder(tiny_model), KVDecoder)
+    old_head = tiny_model.lm_head
+    tiny_model.lm_head = torch.nn.Linear(old_head.in_features, old_head.out_features, bias=True)
+    assert isinstance(make_decoder(tiny_model), ModelDecoder)
+
+
+@pytest.mark.parametrize("attention", ["products", "sdpa"])
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)])
+def test_fast_decoder_samples_what_the_reference_samples(
+    tokenizer, tiny_model, temperature, top_p, attention, monkeypatch
+):
+    """Same seed -> the same tokens as the transformers forward, log-probs within 1e-5.
+
+    The prompts have different lengths (left padding), EOS is made likely so rows finish
+    at different steps and leave the batch, and finished-ness is read every 3 steps.
+    """
+    import gspo.rollout as rollout
+    from gspo.decoding import KVDecoder
+
+    monkeypatch.setattr(rollout, "CHECK_EVERY", 3)
+    monkeypatch.setattr(KVDecoder, "attention", attention)
+    with torch.no_grad():
+        tiny_model.lm_head.weight[tokenizer.eos_token_id] *= 0  # shared with the embedding
+        tiny_model.model.norm.weight.mul_(3.0)  # sharper distributions
+    params = SamplingParams(max_new_tokens=24, temperature=temperature, top_p=top_p)
+    texts = ("12+34=", "5+6=", "123+456=", "7=")
+    kw = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    fast = TorchEngine(tiny_model, **kw).generate(
+        prompts(tokenizer, texts), n=5, params=params, seed=3
+    )
+    ref = TorchEngine(tiny_model, fast=False, **kw).generate(
+        prompts(tokenizer, texts), n=5, params=params, seed=3
+    )
+    assert torch.equal(fast.completion_ids, ref.completion_ids)
+    assert torch.equal(fast.completion_mask, ref.completion_mask)
+    assert fast.finish_reasons == ref.finish_reasons
+    delta = (fast.sampler_logprobs - ref.sampler_logprobs).abs().max()
+    assert delta < 1e-5
+    if temperature > 0:
+        lengths = fast.completion_lengths
+        assert len(set(lengths.tolist())) > 2  # rows finished at different steps
+    with torch.no_grad():
+        lp = completion_logprobs(
+            tiny_model,
+            fast.prompt_ids,
+            fast.prompt_mask,
+            fast.completion_ids,
+            fast.completion_mask,
+            temperature=temperature or 1.0,
+        )
+    assert (lp - fast.sampler_logprobs).abs()[fast.completion_mask].max() < 1e-4
+
+
+def test_samples_do_not_depend_on_when_finished_rows_leave(tokenizer, tiny_model, monkeypatch):
+    """Every step draws one uniform per response row, live or not: same tokens whatever
+    the drop threshold and however often finished-ness is read."""
+    import gspo.rollout as rollout
+
+    engine = engine_for(tiny_model, tokenizer)
+    params = SamplingParams(max_new_tokens=16)
+    runs = []
+    for every, fraction in ((1, 1e-9), (5, 0.25), (100, 2.0)):
+        monkeypatch.setattr(rollout, "CHECK_EVERY", every)
+        monkeypatch.setattr(rollout, "DROP_FRACTION", fraction)
+        runs.append(engine.generate(prompts(tokenizer), n=6, params=params, seed=4))
+    for other in runs[1:]:
+        assert torch.equal(other.completion_ids, runs[0].completion_ids)
+        # a matrix product's rounding can depend on how many rows it has
+        assert torch.allclose(other.sampler_logprobs, runs[0].sampler_logprobs, atol=1e-6)
+
+
+def test_inverse_cdf_sampling_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().repeat(20000, 1)
+    tokens, _ = sample_next(logits, SamplingParams(), torch.Generator().manual_seed(0))
+    freq = torch.bincount(tokens, minlength=4) / len(tokens)
+    assert (freq - probs).abs().max() < 0.01
+
+
+def test_fast_decoder_runs_the_moe_builtin_like_the_reference(tokenizer):
+    """MoE blocks are called as the model's own modules: same tokens as the reference."""
+    from gspo.decoding import KVDecoder, make_decoder
+    from gspo.models import TinyModelSpec, build_tiny_model
+
+    spec = TinyModelSpec("qwen3_moe", layers=2, hidden=64, heads=2, kv_heads=1, intermediate=128)
+    model = build_tiny_model(spec, tokenizer, seed=0)
+    assert isinstance(make_decoder(model), KVDecoder)
+    kw = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    params = SamplingParams(max_new_tokens=12)
+    fast = TorchEngine(model, **kw).generate(prompts(tokenizer), n=3, params=params, seed=0)
+    ref = TorchEngine(model, fast=False, **kw).generate(
+        prompts(tokenizer), n=3, params=params, seed=0
+    )
+    assert torch.equal(fast.completion_ids, ref.completion_ids)
+    assert (fast.sampler_logprobs - ref.sampler_logprobs).abs().max() < 1e-5

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -207,7 +208,7 @@ class CompletionLogprobs(torch.nn.Module):
         completion_ids: Tensor,
         completion_mask: Tensor,
         temperature: float = 1.0,
-        share_prompts: bool = False,
+        share_prompts: bool | Literal["auto"] = False,
         with_entropy: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         return completion_logprobs(
@@ -241,7 +242,7 @@ def completion_logprobs(
     *,
     temperature: float = 1.0,
     chunk_size: int = LOGPROB_CHUNK,
-    share_prompts: bool = False,
+    share_prompts: bool | Literal["auto"] = False,
     with_entropy: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs of the completion tokens under ``model``, ``[N, T]`` float32.
@@ -317,7 +318,7 @@ def packed_completion_logprobs(
     temperature: float = 1.0,
     chunk_size: int = LOGPROB_CHUNK,
     pack_tokens: int = PACK_TOKENS,
-    share_prompts: bool = False,
+    share_prompts: bool | Literal["auto"] = False,
     with_entropy: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`completion_logprobs` without computing anything on padding.
@@ -336,6 +337,9 @@ def packed_completion_logprobs(
     only. The prompt is computed once for its rows instead of once per row (in backward
     its gradient gathers them all), which is exact up to float rounding. Taken only for
     SDPA attention (its mask is a boolean 4D tensor) and when some prompt repeats.
+    ``"auto"`` shares only when that layout is estimated cheaper (:func:`layout_cost`):
+    a shared segment saves the repeated prompt tokens but its attention spans all its
+    completions, so it pays for long prompts and short completions, not the reverse.
     """
     device = completion_ids.device
     n, t = completion_ids.shape
@@ -344,27 +348,25 @@ def packed_completion_logprobs(
     prompts = [prompt_ids[i][prompt_mask[i]] for i in range(n)]
     completions = [completion_ids[i][completion_mask[i]] for i in range(n)]
     # segments: a prompt and the rows whose completions follow it (one row each, unshared)
-    members: dict[tuple[int, ...], list[int]] = {}
-    for i in range(n):
-        members.setdefault(tuple(prompts[i].tolist()) if share_prompts else (i,), []).append(i)
-    segments = list(members.values())
-    shared = any(len(rows) > 1 for rows in segments) and (
-        getattr(model.config, "_attn_implementation", None) == "sdpa"
-    )
-    if not shared:
-        segments = [[i] for i in range(n)]
-    lengths = [prompt_len[rows[0]] + sum(len(completions[i]) for i in rows) for rows in segments]
-    # first-fit decreasing into rows of `budget` tokens; (row, offset) of each segment
-    budget = max([pack_tokens, *lengths])
-    used: list[int] = []  # tokens in each row so far
-    place = [(0, 0)] * len(segments)
-    for s in sorted(range(len(segments)), key=lambda s: -lengths[s]):
-        row = next((r for r, u in enumerate(used) if u + lengths[s] <= budget), None)
-        if row is None:
-            used.append(0)
-            row = len(used) - 1
-        place[s] = (row, used[row])
-        used[row] += lengths[s]
+    segments = [[i] for i in range(n)]
+    lengths = [prompt_len[i] + len(completions[i]) for i in range(n)]
+    place, used = _pack(lengths, pack_tokens)
+    shared = False
+    if share_prompts and getattr(model.config, "_attn_implementation", None) == "sdpa":
+        members: dict[tuple[int, ...], list[int]] = {}
+        for i in range(n):
+            members.setdefault(tuple(prompts[i].tolist()), []).append(i)
+        if len(members) < n:  # some prompt repeats
+            groups = list(members.values())
+            group_lengths = [
+                prompt_len[rows[0]] + sum(len(completions[i]) for i in rows) for rows in groups
+            ]
+            group_place, group_used = _pack(group_lengths, pack_tokens)
+            if share_prompts != "auto" or layout_cost(model.config, group_used) < layout_cost(
+                model.config, used
+            ):
+                segments, lengths, place, used = groups, group_lengths, group_place, group_used
+                shared = True
     width = max(used)
     tokens = torch.zeros((len(used), width), dtype=torch.long, device=device)  # tail: any id
     positions = torch.zeros((len(used), width), dtype=torch.long, device=device)
@@ -423,6 +425,41 @@ def packed_completion_logprobs(
 def _entropy(logits: Tensor, logsumexp: Tensor) -> Tensor:
     """Entropy of ``softmax(logits)`` along the last dimension, given its logsumexp."""
     return logsumexp - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+
+
+def _pack(lengths: list[int], pack_tokens: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """First-fit decreasing of segments of ``lengths`` tokens into rows of at least
+    ``pack_tokens``: ``(row, offset)`` of each segment, and the tokens in each row."""
+    budget = max([pack_tokens, *lengths])
+    used: list[int] = []
+    place = [(0, 0)] * len(lengths)
+    for s in sorted(range(len(lengths)), key=lambda s: -lengths[s]):
+        row = next((r for r, u in enumerate(used) if u + lengths[s] <= budget), None)
+        if row is None:
+            used.append(0)
+            row = len(used) - 1
+        place[s] = (row, used[row])
+        used[row] += lengths[s]
+    return place, used
+
+
+def layout_cost(config, used: list[int]) -> float:
+    """Estimated FLOPs of a packed forward whose rows hold ``used`` tokens each.
+
+    Every row is padded to the widest, and attention runs over a whole row through a
+    mask (SDPA computes every block of it): per layer ``2 x`` the projection and MLP
+    weights per position, plus ``4 x heads x head_dim`` per (query, key) pair of a row.
+    Backward scales both alike. The LM head is the same for every layout and left out.
+    """
+    rows, width = len(used), max(used)
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv = getattr(config, "num_key_value_heads", heads)
+    inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    active = getattr(config, "num_experts_per_tok", 1) if hasattr(config, "num_experts") else 1
+    weights = hidden * head_dim * (2 * heads + 2 * kv) + 3 * hidden * inter * active
+    layers = config.num_hidden_layers
+    return layers * (2.0 * weights * rows * width + 4.0 * heads * head_dim * rows * width**2)
 
 
 def _chunk_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float) -> Tensor:

@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from gspo.models import position_ids_from_mask
+from gspo.decoding import ModelDecoder, make_decoder
 
 
 @dataclass(frozen=True)
@@ -115,16 +115,25 @@ def pad_batch(
 
 
 def sample_next(
-    logits: Tensor, params: SamplingParams, generator: torch.Generator
+    logits: Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    *,
+    uniforms: Tensor | None = None,
+    noise: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """One decoding step: ``[R, V]`` logits -> (token ids ``[R]``, their log-probs ``[R]``).
 
     The log-prob is under ``softmax(logits / temperature)`` before top-p truncation (the
     distribution the trainer recomputes); greedy decoding reports ``temperature = 1``.
+    A token is drawn by inverting the (truncated) CDF at one uniform number per row,
+    ``uniforms`` ``[R]`` in ``[0, 1)``; ``noise`` ``[R, V]`` is the standard normal noise
+    of ``params.logit_noise``. Either is drawn from ``generator`` when not given.
     """
     logits = logits.float()
     if params.logit_noise > 0:
-        noise = torch.randn(logits.shape, generator=generator, device=logits.device)
+        if noise is None:
+            noise = torch.randn(logits.shape, generator=generator, device=logits.device)
         logits = logits + params.logit_noise * noise
     if params.temperature == 0:
         logprobs = torch.log_softmax(logits, dim=-1)
@@ -137,26 +146,49 @@ def sample_next(
         before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly above each token
         sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if uniforms is None:
+        uniforms = torch.rand(logits.shape[0], generator=generator, device=logits.device)
+    # float64: a float32 running sum over a large vocabulary drifts by more than the
+    # probability of its rarest tokens
+    cdf = probs.double().cumsum(-1)
+    target = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    tokens = tokens.clamp_(max=logits.shape[-1] - 1)
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 #: Finished rows leave the batch and KV cache once this share of the batch has finished.
 DROP_FRACTION = 0.25
 
+#: Which rows have finished is read on the host every this many steps (a device sync on
+#: a GPU); between reads, finished rows are computed and their tokens ignored.
+CHECK_EVERY = 8
+
 
 class TorchEngine:
     """Batched sampling from a HF causal LM with a KV cache; finished rows leave the batch.
 
     Each distinct prompt is run through the model once (prefill) and its KV cache copied
-    to its ``n`` responses, instead of ``n`` identical prefills. Only unfinished rows draw
-    from the generator, so the samples do not depend on when finished rows are dropped.
+    to its ``n`` responses, instead of ``n`` identical prefills. Decoding goes through
+    :func:`gspo.decoding.make_decoder`: pre-allocated KV buffers and a lean step for the
+    Llama/Qwen families, the transformers forward for any other model (``fast=False``
+    forces the latter, the reference). Every step draws one uniform number per response
+    row from the seeded generator, live or not, so the samples depend on the seed only,
+    not on when finished rows are dropped or which decoder runs (up to float rounding).
     """
 
-    def __init__(self, model: torch.nn.Module, *, pad_token_id: int, eos_token_id: int | None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        pad_token_id: int,
+        eos_token_id: int | None,
+        fast: bool = True,
+    ):
         self.model = model
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
+        self.fast = fast
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.model = model  # same module object: nothing to copy
@@ -165,8 +197,6 @@ class TorchEngine:
     def generate(
         self, prompts: list[list[int]], *, n: int, params: SamplingParams, seed: int
     ) -> RolloutBatch:
-        from transformers import DynamicCache
-
         model = self.model
         device = next(model.parameters()).device
         was_training = model.training
@@ -175,77 +205,65 @@ class TorchEngine:
         unique_ids, unique_mask = pad_batch(prompts, self.pad_token_id, device)
         prompt_ids = unique_ids.repeat_interleave(n, dim=0)
         prompt_mask = unique_mask.repeat_interleave(n, dim=0)
-        rows = prompt_ids.shape[0]
+        rows, steps = prompt_ids.shape[0], params.max_new_tokens
         stop_ids = set(params.stop_token_ids)
         if self.eos_token_id is not None:
             stop_ids.add(self.eos_token_id)
         stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
 
-        tokens_out = torch.full((rows, params.max_new_tokens), self.pad_token_id, dtype=torch.long)
-        logprobs_out = torch.zeros((rows, params.max_new_tokens), dtype=torch.float32)
-        lengths = torch.zeros(rows, dtype=torch.long)
-        finished = [False] * rows
+        tokens_out = torch.full((rows, steps), self.pad_token_id, dtype=torch.long, device=device)
+        logprobs_out = torch.zeros((rows, steps), dtype=torch.float32, device=device)
+        lengths = torch.zeros(rows, dtype=torch.long, device=device)
 
-        # prefill: each distinct prompt once, then its cache and logits copied n times
-        cache = DynamicCache()
-        out = model(
-            input_ids=unique_ids,
-            attention_mask=unique_mask,
-            position_ids=position_ids_from_mask(unique_mask),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        cache = out.past_key_values
-        cache.batch_repeat_interleave(n)
-        logits = out.logits[:, -1, :].repeat_interleave(n, dim=0)
+        decoder = make_decoder(model) if self.fast else ModelDecoder(model)
+        logits = decoder.prefill(unique_ids, unique_mask, n, unique_ids.shape[1] + steps)
         active = torch.arange(rows, device=device)  # original row of each live batch row
-        attention = prompt_mask
-        positions = position_ids_from_mask(prompt_mask)
         alive = torch.ones(rows, dtype=torch.bool, device=device)  # per live batch row
-        for k in range(params.max_new_tokens):
-            # Finished rows stay in the batch (their tokens are ignored) until a quarter
-            # of it has finished: re-indexing the KV cache at every step costs more.
-            tokens = torch.full((len(active),), self.pad_token_id, dtype=torch.long, device=device)
-            picked, logprobs = sample_next(logits[alive], params, generator)
-            tokens[alive] = picked
-            rows_cpu = active[alive].cpu()
-            tokens_out[rows_cpu, k] = picked.cpu()
-            logprobs_out[rows_cpu, k] = logprobs.cpu()
-            lengths[rows_cpu] = k + 1
-            done = torch.isin(picked, stop)
-            for r in rows_cpu[done.cpu()].tolist():
-                finished[r] = True
-            alive[alive.clone()] = ~done
-            if not alive.any():
+        positions = prompt_mask.sum(-1)  # of the token each row feeds next
+        vocab = logits.shape[-1]
+        for k in range(steps):
+            # one uniform (and noise row) per original row, whichever rows are live
+            uniforms = torch.rand(rows, generator=generator, device=device)[active]
+            noise = None
+            if params.logit_noise > 0:
+                noise = torch.randn((rows, vocab), generator=generator, device=device)[active]
+            picked, logprobs = sample_next(logits, params, uniforms=uniforms, noise=noise)
+            tokens = torch.where(alive, picked, self.pad_token_id)
+            tokens_out[active, k] = tokens
+            logprobs_out[active, k] = torch.where(alive, logprobs, 0.0)
+            lengths.index_add_(0, active, alive.long())
+            alive = alive & ~torch.isin(tokens, stop)
+            if k + 1 == steps:
                 break
-            if (~alive).sum() >= DROP_FRACTION * len(alive):  # finished rows leave the batch
-                idx = alive.nonzero().squeeze(-1)
-                cache.batch_select_indices(idx)
-                active, tokens, attention = active[idx], tokens[idx], attention[idx]
-                positions, alive = positions[idx], alive[idx]
-            attention = torch.cat([attention, attention.new_ones(attention.shape[0], 1)], dim=1)
-            positions = positions[:, -1:] + 1
-            if k + 1 < params.max_new_tokens:
-                out = model(
-                    input_ids=tokens.unsqueeze(-1),
-                    attention_mask=attention,
-                    position_ids=positions,
-                    past_key_values=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-                cache, logits = out.past_key_values, out.logits[:, -1, :]
+            if (k + 1) % CHECK_EVERY == 0:
+                # Finished rows stay in the batch (their tokens are ignored) until a
+                # quarter of it has finished: re-indexing the KV cache costs more.
+                live = int(alive.sum())
+                if live == 0:
+                    break
+                if len(active) - live >= DROP_FRACTION * len(active):
+                    idx = alive.nonzero().squeeze(-1)
+                    decoder.select(idx)
+                    active, alive, positions, tokens = (
+                        active[idx],
+                        alive[idx],
+                        positions[idx],
+                        tokens[idx],
+                    )
+            logits = decoder.step(tokens, positions)
+            positions = positions + 1
 
-        t = int(lengths.max().item()) if rows else 0
-        completion_mask = torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)
+        t = int(lengths.max()) if rows else 0
+        completion_mask = torch.arange(t, device=device).unsqueeze(0) < lengths.unsqueeze(1)
+        last = tokens_out.gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+        stopped = (torch.isin(last, stop) & (lengths > 0)).tolist()
         model.train(was_training)
         return RolloutBatch(
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
-            completion_ids=tokens_out[:, :t].to(device),
-            completion_mask=completion_mask.to(device),
-            sampler_logprobs=(logprobs_out[:, :t] * completion_mask).to(device),
-            finish_reasons=["stop" if f else "length" for f in finished],
+            completion_ids=tokens_out[:, :t],
+            completion_mask=completion_mask,
+            sampler_logprobs=logprobs_out[:, :t] * completion_mask,
+            finish_reasons=["stop" if s else "length" for s in stopped],
             group_size=n,
         )

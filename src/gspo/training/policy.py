@@ -97,7 +97,7 @@ class Policy:
                 batch.completion_ids,
                 batch.completion_mask,
                 temperature=self.temperature,
-                share_prompts=True,
+                share_prompts="auto",
                 with_entropy=with_entropy,
             )
 

@@ -1,0 +1,325 @@
+"""One command for the day a GPU is lent: tests, a bf16 training run and gspo vs TRL on CUDA.
+
+    make gpu-check            # or: PYTHONPATH=src python benchmarks/gpu_check.py [--out DIR]
+
+On one CUDA GPU, with nothing downloaded, in under 10 minutes (each stage has a time
+limit taken from what is left of ``--budget``), it runs in turn:
+
+1. ``tests``: the tests that need CUDA (``tests/test_cuda.py``);
+2. ``vllm``: the vLLM engine tests (``tests/test_vllm_engine.py``) when vLLM is installed;
+3. ``train``: ``gspo train`` of the built-in task in bfloat16 on CUDA (the demo's config,
+   40 RL steps instead of 200);
+4. ``vs_trl``: gspo vs TRL (when installed) on a random-init Qwen3 of ~0.5B parameters
+   (28 layers, hidden 1,024, 16/8 heads, vocabulary 151,936 characters, so EOS is rare
+   and responses run to 512 tokens), 16 prompts x 8 responses, 8 optimizer steps,
+   one run of each side;
+
+and writes one report, ``DIR/report.md`` (and ``report.json``): each stage's outcome and
+wall time, the device's peak memory in use during it (``nvidia-smi``, every 0.5 s),
+gspo's generation and training tokens/s and their MFU (model FLOPs, as in
+``vs_trl.py``, over the GPU's dense bf16 peak and over a measured bf16 matmul rate).
+
+On a machine without CUDA it stops at once with one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+#: Dense bf16 tensor-core peaks (FLOP/s) by a substring of the device name (datasheets).
+NOMINAL_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}
+
+#: The ~0.5B Qwen3 of the vs_trl stage (sizes of Qwen3-0.6B but head_dim 64).
+HALF_B = dict(layers=28, hidden=1024, heads=16, kv_heads=8, intermediate=3072)
+HALF_B_VOCAB = 151_936
+RESPONSE_TOKENS = 512
+
+
+def parameters(layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, vocab: int):
+    """Parameters of a built-in Qwen3 (tied embeddings; norms left out): (total, non-embedding)."""
+    head_dim = hidden // heads
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    body = layers * (attention + 3 * hidden * intermediate)
+    return body + vocab * hidden, body
+
+
+def no_cuda_reason() -> str | None:
+    """Why this machine cannot run the check (one line), or ``None`` when it can."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return f"no CUDA device (torch {torch.__version__}: torch.cuda.is_available() is False)"
+    return None
+
+
+class MemoryPoller:
+    """Highest ``memory.used`` (MiB) that ``nvidia-smi`` reports while the block runs."""
+
+    def __init__(self, interval: float = 0.5):
+        self.interval = interval
+        self.peak_mib = 0.0
+        self._stop = threading.Event()
+
+    def _poll(self) -> None:
+        query = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+        while not self._stop.is_set():
+            try:
+                out = subprocess.run(query, capture_output=True, text=True, timeout=5).stdout
+                used = max(float(x) for x in out.split())
+                self.peak_mib = max(self.peak_mib, used)
+            except (OSError, ValueError, subprocess.SubprocessError):
+                pass
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> MemoryPoller:
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@dataclass
+class Stage:
+    """One stage's outcome for the report."""
+
+    name: str
+    status: str = "not run"  # passed | failed | skipped | timed out | not run
+    seconds: float = 0.0
+    peak_memory_mib: float = 0.0
+    detail: str = ""
+    figures: dict[str, float | str] = field(default_factory=dict)
+
+
+def run_stage(stage: Stage, body: Callable[[Stage, float], None], limit: float) -> None:
+    """Run ``body(stage, limit)``, recording status, wall time and peak device memory."""
+    start = time.perf_counter()
+    with MemoryPoller() as memory:
+        try:
+            body(stage, limit)
+            if stage.status == "not run":
+                stage.status = "passed"
+        except subprocess.TimeoutExpired:
+            stage.status, stage.detail = "timed out", f"stopped after {limit:.0f} s"
+        except Exception as exc:  # any failure goes into the report, and the next stage runs
+            stage.status = "failed"
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            stage.detail = stage.detail or f"{type(exc).__name__}: {first}"
+    stage.seconds = time.perf_counter() - start
+    stage.peak_memory_mib = memory.peak_mib
+
+
+def run(command: list[str], limit: float, stage: Stage) -> str:
+    """A subprocess within ``limit`` seconds; a non-zero exit fails the stage with its tail."""
+    out = subprocess.run(command, capture_output=True, text=True, timeout=limit, cwd=ROOT)
+    if out.returncode != 0:
+        stage.status = "failed"
+        tail = (out.stdout + out.stderr).strip().splitlines()[-5:]
+        stage.detail = " / ".join(tail)[-600:]
+    return out.stdout
+
+
+def pytest_stage(paths: list[str]) -> Callable[[Stage, float], None]:
+    def body(stage: Stage, limit: float) -> None:
+        out = run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths], limit, stage
+        )
+        lines = [
+            x for x in out.strip().splitlines() if " in " in x and ("passed" in x or "failed" in x)
+        ]
+        stage.detail = stage.detail or (lines[-1] if lines else "")
+
+    return body
+
+
+def train_stage(out: Path) -> Callable[[Stage, float], None]:
+    """The demo's ``gspo train`` on CUDA in bf16; tokens/s from its metrics."""
+
+    def body(stage: Stage, limit: float) -> None:
+        run_dir = out / "train"
+        # the demo's config, RL cut to 40 steps so the stage fits its time
+        command = [sys.executable, "-m", "gspo", "train", "--overwrite", "--output-dir",
+                   str(run_dir), "model.device=cuda", "model.dtype=bfloat16",
+                   "train.max_steps=40", "eval.every=20", "log.progress=false",
+                   "log.plots=false", "log.tensorboard=false"]  # fmt: skip
+        run(command, limit, stage)
+        records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        train = [r for r in records if "train/loss" in r]
+        firsts = [r for r in train if r["train/minibatch"] == 0]
+        evals = [r for r in records if "eval/accuracy" in r]
+        stage.figures["RL steps"] = len(train)
+        generate_s = sum(r["time/generate"] for r in firsts)
+        stage.figures["generation s (all rollout batches)"] = round(generate_s, 2)
+        stage.figures["forward/backward/optimizer s"] = round(
+            sum(r["time/train"] for r in train), 2
+        )
+        if evals:
+            stage.figures["held-out accuracy, first -> last eval"] = (
+                f"{evals[0]['eval/accuracy']:.3f} -> {evals[-1]['eval/accuracy']:.3f}"
+            )
+
+    return body
+
+
+def matmul_peak_bf16(size: int = 8192, reps: int = 10) -> float:
+    """Measured bf16 matmul rate on this GPU, FLOP/s."""
+    import torch
+
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    a @ b
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * size**3 * reps / (time.perf_counter() - start)
+
+
+def nominal_peak(name: str) -> float | None:
+    return next((peak for key, peak in NOMINAL_BF16.items() if key in name), None)
+
+
+def vs_trl_stage(out: Path, peaks: dict[str, float]) -> Callable[[Stage, float], None]:
+    """gspo vs TRL on the ~0.5B Qwen3 at 512-token responses, one run each."""
+
+    def body(stage: Stage, limit: float) -> None:
+        import vs_trl
+        import workload
+
+        from gspo.models import TinyModelSpec
+
+        if importlib.util.find_spec("trl") is None:
+            stage.status, stage.detail = "skipped", "TRL is not installed (the `bench` extra)"
+            return
+        deadline = time.perf_counter() + limit
+        spec = TinyModelSpec(max_positions=1024, **HALF_B)
+        work = workload.build(out / "half_b", vocab=HALF_B_VOCAB, spec=spec)
+        schedule = vs_trl.Schedule(steps=8, lr=1e-5, max_new_tokens=RESPONSE_TOKENS, device="cuda")
+        gspo_s, gspo_run = vs_trl.run_gspo(work, schedule=schedule)
+        g = vs_trl.gspo_summary(gspo_run)
+        stage.figures["gspo whole process s"] = round(gspo_s, 1)
+        left = deadline - time.perf_counter()
+        if left < 30:
+            raise subprocess.TimeoutExpired("trl_side.py", left)
+        trl_s, result = vs_trl.run_trl(work, schedule)
+        t = vs_trl.trl_summary(result)
+        stage.figures["TRL whole process s"] = round(trl_s, 1)
+        stage.figures["ratio TRL / gspo"] = round(trl_s / gspo_s, 2)
+        g_len, t_len = vs_trl.mean_length(g), vs_trl.mean_length(t)
+        stage.figures["mean completion length gspo / TRL"] = f"{g_len:.0f} / {t_len:.0f}"
+        completions = g["steps"] // 4 * vs_trl.ROLLOUT
+        gen_flops, train_flops = (completions * f for f in vs_trl.completion_flops(work, g_len))
+        gen_s = g["phases"]["generation"]
+        train_s = g["phases"]["forward/backward/optimizer"]
+        stage.figures["gspo generation tokens/s"] = round(g["completion_tokens"] / gen_s)
+        stage.figures["gspo training tokens/s"] = round(g["completion_tokens"] / train_s)
+        for label, peak in peaks.items():
+            stage.figures[f"gspo generation MFU ({label})"] = round(gen_flops / gen_s / peak, 3)
+            stage.figures[f"gspo training MFU ({label})"] = round(train_flops / train_s / peak, 3)
+
+    return body
+
+
+def render(stages: list[Stage], header: dict[str, str]) -> str:
+    """The report as markdown: the machine, then one section per stage."""
+    lines = ["# gspo GPU check", ""]
+    lines += [f"- {key}: {value}" for key, value in header.items()]
+    lines += ["", "| stage | outcome | wall s | peak device memory (MiB) | detail |"]
+    lines += ["|---|---|---|---|---|"]
+    for s in stages:
+        detail = s.detail.replace("|", "/")
+        lines.append(
+            f"| {s.name} | {s.status} | {s.seconds:.1f} | {s.peak_memory_mib:.0f} | {detail} |"
+        )
+    for s in stages:
+        if s.figures:
+            lines += ["", f"## {s.name}", "", "| figure | value |", "|---|---|"]
+            lines += [f"| {k} | {v} |" for k, v in s.figures.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu_check")
+    parser.add_argument("--budget", type=float, default=570.0, help="seconds for all stages")
+    args = parser.parse_args()
+    reason = no_cuda_reason()
+    if reason is not None:
+        print(f"gpu-check: {reason}; nothing run", file=sys.stderr)
+        return 2
+    import torch
+
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    name = torch.cuda.get_device_name()
+    measured = matmul_peak_bf16()
+    peaks = {"measured bf16 matmul": measured}
+    if nominal_peak(name):
+        peaks["datasheet dense bf16"] = nominal_peak(name)
+    header = {
+        "device": f"{name}, {torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB",
+        "torch": torch.__version__,
+        "commit": _revision(),
+        "measured bf16 matmul": f"{measured / 1e12:.0f} TFLOP/s (8192^3)",
+    }
+    stages = [
+        (Stage("tests (CUDA)"), pytest_stage(["tests/test_cuda.py"]), 90),
+        (Stage("vLLM engine tests"), None, 150),
+        (Stage("gspo train, built-in task, bf16"), train_stage(args.out), 180),
+        (
+            Stage("gspo vs TRL, ~0.5B Qwen3, 512-token responses"),
+            vs_trl_stage(args.out, peaks),
+            300,
+        ),
+    ]
+    if importlib.util.find_spec("vllm") is not None:
+        stages[1] = (stages[1][0], pytest_stage(["tests/test_vllm_engine.py"]), 150)
+    for stage, body, share in stages:
+        left = args.budget - (time.perf_counter() - start)
+        if body is None:
+            stage.status, stage.detail = "skipped", "vLLM is not installed"
+        elif left < 20:
+            stage.status, stage.detail = "not run", "no time left in the budget"
+        else:
+            run_stage(stage, body, min(share, left) if stage is not stages[-1][0] else left)
+        print(f"{stage.name}: {stage.status} ({stage.seconds:.0f} s) {stage.detail}", flush=True)
+        report = render([s for s, _, _ in stages], header)
+        (args.out / "report.md").write_text(report)
+        (args.out / "report.json").write_text(
+            json.dumps({"header": header, "stages": [s.__dict__ for s, _, _ in stages]}, indent=1)
+        )
+    print(f"report: {args.out / 'report.md'}")
+    return 0 if all(s.status in ("passed", "skipped") for s, _, _ in stages) else 1
+
+
+def _revision() -> str:
+    out = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    return out.stdout.strip() or "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""Micro-benchmarks behind the long-response speed choices (float32, CPU), interleaved.
+
+    python benchmarks/long_levers.py [--reps 3] [--baseline 190be02] [--only gen,check,layout]
+
+On the long workload of ``vs_trl.py --long`` (the reference model with a 520-token
+vocabulary, so completions run to ``max_new_tokens``), 16 prompts x 8 responses:
+
+- gen: one rollout batch at 256 new tokens by ``TorchEngine`` as of the git revision
+  ``--baseline`` (loaded from ``git show``), with the transformers forward
+  (``fast=False``, the reference decoder), and with the fast decoder (``KVDecoder``)
+  with either attention kernel (``KVDecoder.attention``);
+  generated tokens/s and the share of this machine's float32 matmul peak they reach
+  (2 x the weights per token, attention not counted).
+- attn: one layer's single-query attention at batch 128, 206 cached tokens, the
+  reference model's heads (4 query / 2 key-value, head_dim 64): ``scaled_dot_product_
+  attention`` on [rows, kv heads, columns, head_dim] views of the buffers (the
+  transformers layout) vs ``KVDecoder``'s batched products over transposed keys.
+- check: the fast decoder reading which rows finished every step vs every 8 (default).
+- train: ``gspo train`` on the long workload at 256 new tokens (``vs_trl.py --long``'s
+  gspo side, 8 optimizer steps), once with this tree's code and once with the
+  ``--baseline`` revision's (``git archive`` into a temporary folder, on ``PYTHONPATH``),
+  alternating: whole process, ``time/generate`` per rollout batch, ``time/train`` per
+  minibatch, from each run's ``metrics.jsonl``.
+- layout: forward + backward of a training minibatch (32 completions drawn at random
+  from a rollout batch, as the trainer draws them) with each group's prompt shared
+  (one segment per group), not shared, and ``"auto"`` (the cheaper by estimate): on the
+  long workload at 256 new tokens and on the reference workload (17 tokens, 32 new).
+
+Variants run round-robin (A, B, C, A, B, C, ...), so drift in the machine's speed hits
+all alike; figures are medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import workload  # noqa: E402
+from vs_trl import LONG, flops_per_token, gspo_summary, matmul_peak, run_gspo  # noqa: E402
+
+from gspo import rollout  # noqa: E402
+from gspo.decoding import KVDecoder  # noqa: E402
+from gspo.models import load_model, packed_completion_logprobs  # noqa: E402
+from gspo.tasks import encode_prompt  # noqa: E402
+
+
+def interleaved(variants: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
+    """Seconds of each variant's ``reps`` runs, round-robin, after one warm-up each."""
+    for fn in variants.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(reps):
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def engine_at(revision: str):
+    """The ``gspo.rollout`` module as of a git revision, imported under another name."""
+    source = subprocess.run(
+        ["git", "-C", str(HERE), "show", f"{revision}:src/gspo/rollout.py"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    path = Path(tempfile.mkdtemp()) / f"rollout_{revision}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def setup(folder: Path, vocab: int | None):
+    work = workload.build(folder, vocab=vocab)
+    model, tokenizer = load_model(work / "model", device=torch.device("cpu"), dtype=torch.float32)
+    rows = [json.loads(x) for x in (work / "train.jsonl").read_text().splitlines()[:16]]
+    prompts = [encode_prompt(r["prompt"], tokenizer) for r in rows]
+    ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    return work, model, prompts, ids
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, default=Path("runs/bench_long_levers"))
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--baseline", default="190be02", help="git revision of 'today'")
+    parser.add_argument("--only", default="gen,attn,check,train,layout")
+    args = parser.parse_args()
+    only = set(args.only.split(","))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    work, model, prompts, ids = setup(args.workdir / "long", workload.LONG_VOCAB)
+    model.eval()
+    params = rollout.SamplingParams(max_new_tokens=256, temperature=1.0)
+    peak = matmul_peak()
+    print(f"matmul peak: {peak / 1e9:.1f} GFLOP/s", flush=True)
+    per_token, _ = flops_per_token(work)
+
+    def generate(engine, counts: list[int], attention: str = "products") -> Callable[[], object]:
+        seeds = iter(range(10**6))
+
+        def run() -> None:
+            KVDecoder.attention = attention
+            batch = engine.generate(prompts, n=8, params=params, seed=next(seeds) % 3)
+            counts.append(int(batch.completion_mask.sum()))
+
+        return run
+
+    if "gen" in only:
+        default = KVDecoder.attention
+        fast = rollout.TorchEngine(model, **ids)
+        engines = {
+            f"TorchEngine at {args.baseline}": (
+                engine_at(args.baseline).TorchEngine(model, **ids),
+                default,
+            ),
+            "transformers forward (fast=False)": (
+                rollout.TorchEngine(model, fast=False, **ids),
+                default,
+            ),
+            "KVDecoder, SDPA attention": (fast, "sdpa"),
+            "KVDecoder, batched products": (fast, "products"),
+        }
+        counts: dict[str, list[int]] = {name: [] for name in engines}
+        times = interleaved(
+            {k: generate(e, counts[k], a) for k, (e, a) in engines.items()}, args.reps
+        )
+        KVDecoder.attention = default
+        print("\ngen: one rollout batch, 128 responses, up to 256 new tokens")
+        print("| decoder | median s | tokens/s | share of matmul peak |\n|---|---|---|---|")
+        for name, ts in times.items():
+            rate = sum(counts[name][1:]) / sum(ts)  # the warm-up's tokens are not timed
+            print(
+                f"| {name} | {statistics.median(ts):.2f} | {rate:,.0f} | "
+                f"{rate * per_token / peak:.2f} |",
+                flush=True,
+            )
+
+    if "attn" in only:
+        import torch.nn.functional as F
+
+        rows, kv, group, d, cap, length = 128, 2, 2, 64, 262, 206
+        gen = torch.Generator().manual_seed(0)
+        keys = torch.randn(rows, kv, cap, d, generator=gen)
+        keys_t = keys.transpose(-1, -2).contiguous()  # [rows, kv, d, cap]
+        values = torch.randn(rows, kv, cap, d, generator=gen)
+        q = torch.randn(rows, kv, group, d, generator=gen)
+        none = torch.zeros(1, 1, 1)
+
+        def sdpa() -> Tensor:
+            k, v = keys[:, :, :length], values[:, :, :length]
+            return F.scaled_dot_product_attention(q, k, v, scale=d**-0.5)
+
+        def products() -> Tensor:
+            k = keys_t[..., :length].reshape(rows * kv, d, length)
+            v = values[:, :, :length].reshape(rows * kv, length, d)
+            scores = torch.baddbmm(none, q.reshape(rows * kv, group, d), k, beta=0.0, alpha=d**-0.5)
+            return torch.bmm(scores.softmax(-1), v)
+
+        assert (products().view(rows, kv, group, d) - sdpa()).abs().max() < 1e-5
+        times = interleaved({"SDPA": sdpa, "batched products": products}, args.reps * 20)
+        print("\nattn: one layer, 128 rows, 206 cached tokens, 4/2 heads")
+        print("| kernel | median ms |\n|---|---|")
+        for name, ts in times.items():
+            print(f"| {name} | {1000 * statistics.median(ts):.2f} |", flush=True)
+
+    if "check" in only:
+        engine = rollout.TorchEngine(model, **ids)
+
+        def every(k: int) -> Callable[[], object]:
+            run = generate(engine, [])
+
+            def timed() -> None:
+                rollout.CHECK_EVERY = k
+                run()
+
+            return timed
+
+        default = rollout.CHECK_EVERY
+        times = interleaved({f"every {k}": every(k) for k in (1, 8)}, args.reps)
+        rollout.CHECK_EVERY = default
+        print("\ncheck: one rollout batch (256 new tokens), finished rows read every k steps")
+        print("| k | median s |\n|---|---|")
+        for name, ts in times.items():
+            print(f"| {name} | {statistics.median(ts):.2f} |", flush=True)
+
+    if "train" in only:
+        base = Path(tempfile.mkdtemp())
+        archive = subprocess.run(
+            ["git", "-C", str(HERE.parent), "archive", args.baseline, "src"],
+            capture_output=True,
+            check=True,
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
+        sources = {"this tree": str(HERE.parent / "src"), args.baseline: str(base / "src")}
+        runs: dict[str, list[dict]] = {name: [] for name in sources}
+        for i in range(args.reps):
+            for name in sources if i % 2 == 0 else list(sources)[::-1]:
+                old_path = os.environ.get("PYTHONPATH")
+                os.environ["PYTHONPATH"] = sources[name]
+                try:
+                    seconds, run = run_gspo(work, name=f"gspo_{i}", schedule=LONG)
+                finally:
+                    if old_path is None:
+                        del os.environ["PYTHONPATH"]
+                    else:
+                        os.environ["PYTHONPATH"] = old_path
+                summary = gspo_summary(run)
+                runs[name].append({"seconds": seconds, **summary})
+        print("\ntrain: gspo train, long workload, 256 new tokens, 8 optimizer steps")
+        print(
+            "| code | whole process s | time/generate s per rollout batch | "
+            "time/train s per minibatch | completion tokens |\n|---|---|---|---|---|"
+        )
+        for name, rs in runs.items():
+            whole = statistics.median(r["seconds"] for r in rs)
+            gen = statistics.median(r["phases"]["generation"] / 2 for r in rs)
+            train = statistics.median(r["phases"]["forward/backward/optimizer"] / 8 for r in rs)
+            tokens = statistics.median(r["completion_tokens"] for r in rs)
+            print(f"| {name} | {whole:.1f} | {gen:.2f} | {train:.2f} | {tokens:,.0f} |", flush=True)
+
+    if "layout" in only:
+        print("\nlayout: forward + backward of a minibatch of 32 completions")
+        print("| workload | prompt shared | not shared | auto |\n|---|---|---|---|")
+        cases = [("long, 256 new tokens", model, prompts, ids, params)]
+        _, ref_model, ref_prompts, ref_ids = setup(args.workdir / "reference", None)
+        ref_params = rollout.SamplingParams(max_new_tokens=32, temperature=1.0)
+        cases.append(("reference, 32 new tokens", ref_model, ref_prompts, ref_ids, ref_params))
+        for name, m, ps, kw, p in cases:
+            m.eval()
+            batch = rollout.TorchEngine(m, **kw).generate(ps, n=8, params=p, seed=2)
+            pick = torch.randperm(128, generator=torch.Generator().manual_seed(0))[:32]
+            mb = batch.select(pick)
+            m.train()
+
+            def fwd_bwd(share, m=m, mb=mb) -> Callable[[], object]:
+                def run() -> None:
+                    lp = packed_completion_logprobs(
+                        m,
+                        mb.prompt_ids,
+                        mb.prompt_mask,
+                        mb.completion_ids,
+                        mb.completion_mask,
+                        share_prompts=share,
+                    )
+                    lp.sum().backward()
+                    m.zero_grad()
+
+                return run
+
+            variants = {"shared": fwd_bwd(True), "alone": fwd_bwd(False), "auto": fwd_bwd("auto")}
+            times = interleaved(variants, args.reps * 3)
+            ms = {k: 1000 * statistics.median(v) for k, v in times.items()}
+            tokens = int(mb.completion_mask.sum())
+            print(
+                f"| {name} ({tokens} completion tokens) | {ms['shared']:.0f} ms | "
+                f"{ms['alone']:.0f} ms | {ms['auto']:.0f} ms |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

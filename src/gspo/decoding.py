@@ -1,0 +1,312 @@
+"""Decoders for :class:`gspo.rollout.TorchEngine`: prefill prompts, then one token per row per step.
+
+Two implementations of one small interface (``prefill``, ``step``, ``select``):
+
+- :class:`KVDecoder`, the fast path for decoder-only models of the Llama / Qwen2 / Qwen3
+  families (dense or MoE MLPs): keys and values go into buffers allocated once for the
+  whole generation (no per-step concatenation), and a step is the model's own arithmetic
+  written as a few fused tensor operations (one QKV matmul, one norm and one rotary
+  embedding over queries and keys together, single-query attention on the key/value
+  heads). The MLP of each layer is called as the model's own module, so MoE blocks and
+  their routers run unchanged.
+- :class:`ModelDecoder`, the reference: the transformers forward with a ``DynamicCache``,
+  for every other model (and to check the fast path against).
+
+Both prefill each distinct prompt once (transformers forward) and copy its keys and
+values to its ``n`` responses. Prompts are left-padded, so at any step every row writes
+the same cache column; rows only differ by their padding mask and positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gspo.models import position_ids_from_mask
+
+#: model_type values whose decoder layers :class:`KVDecoder` reimplements (checked
+#: against transformers 5.23's modeling files): RMSNorm before attention and MLP, RoPE
+#: on all of a head's dimensions, optional per-head q/k RMSNorm (Qwen3), optional
+#: q/k/v biases (Qwen2), full attention in every layer.
+FAST_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"})
+
+_NORMS = frozenset(
+    {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm"}
+)
+
+
+def prefill_cache(model: nn.Module, ids: Tensor, mask: Tensor):
+    """Run the distinct prompts ``[U, P]`` once; ``(logits of their last token [U, V], cache)``."""
+    from transformers import DynamicCache
+
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=position_ids_from_mask(mask),
+        past_key_values=DynamicCache(),
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    return out.logits[:, -1, :], out.past_key_values
+
+
+class ModelDecoder:
+    """The transformers forward with a ``DynamicCache``: any causal LM, the reference path."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def prefill(self, ids: Tensor, mask: Tensor, n: int, capacity: int) -> Tensor:
+        """``[U, P]`` distinct prompts -> logits ``[U * n, V]`` of each response's first token."""
+        logits, self.cache = prefill_cache(self.model, ids, mask)
+        self.cache.batch_repeat_interleave(n)
+        # the mask for every column up to ``capacity``, sliced (not grown) step by step
+        rows = ids.shape[0] * n
+        self.mask = torch.ones((rows, capacity), dtype=mask.dtype, device=mask.device)
+        self.mask[:, : mask.shape[1]] = mask.repeat_interleave(n, dim=0)
+        self.length = mask.shape[1]
+        return logits.repeat_interleave(n, dim=0)
+
+    def step(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        """Tokens ``[R]`` at positions ``[R]`` -> next-token logits ``[R, V]``."""
+        self.length += 1
+        out = self.model(
+            input_ids=tokens.unsqueeze(-1),
+            attention_mask=self.mask[:, : self.length],
+            position_ids=positions.unsqueeze(-1),
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.cache = out.past_key_values
+        return out.logits[:, -1, :]
+
+    def select(self, rows: Tensor) -> None:
+        """Keep only the batch rows ``rows`` (finished rows leave)."""
+        self.cache.batch_select_indices(rows)
+        self.mask = self.mask[rows]
+
+
+@dataclass
+class _Layer:
+    """One decoder layer's weights as the fast step uses them: matrices in the compute
+    dtype, norm weights in the parameters' (as the residual stream, as transformers has it)."""
+
+    input_norm: Tensor
+    qkv: Tensor  # [(H + 2 Hkv) * D, hidden]: q, k and v projections stacked
+    qkv_bias: Tensor | None
+    qk_norm: Tensor | None  # [H + Hkv, D]: q_norm's weight for query heads, k_norm's for keys
+    o: Tensor
+    post_norm: Tensor
+    mlp: nn.Module
+
+
+class KVDecoder:
+    """Pre-allocated KV buffers and a lean decoding step (see the module docstring).
+
+    ``supports(model)`` says whether a model can take this path. The weights are read
+    from the model when the decoder is built (one per ``generate`` call); the matrices in
+    the dtype the products run in (autocast's when it is on), so a step casts no weight.
+    """
+
+    #: Single-query attention: ``"products"`` (batched matrix products over transposed
+    #: keys) or ``"sdpa"`` (``scaled_dot_product_attention``); see benchmarks/README.md.
+    attention = "products"
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        config = model.config
+        decoder = model.get_decoder()
+        dtype = _compute_dtype(next(model.parameters()))
+        self.dtype = dtype  # of the matrices and the KV buffers
+        attn = decoder.layers[0].self_attn
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        self.eps = decoder.norm.variance_epsilon
+        self.embed = decoder.embed_tokens.weight
+        self.final_norm = decoder.norm.weight
+        self.head = model.get_output_embeddings().weight.to(dtype)
+        self.rotary = decoder.rotary_emb
+        self.layers = []
+        for layer in decoder.layers:
+            a = layer.self_attn
+            projections = (a.q_proj, a.k_proj, a.v_proj)
+            bias = None
+            if a.q_proj.bias is not None:
+                bias = torch.cat([p.bias for p in projections]).to(dtype)
+            qk_norm = None
+            if hasattr(a, "q_norm"):
+                qk_norm = torch.cat(
+                    [
+                        a.q_norm.weight.expand(self.heads, -1),
+                        a.k_norm.weight.expand(self.kv_heads, -1),
+                    ]
+                )
+            self.layers.append(
+                _Layer(
+                    input_norm=layer.input_layernorm.weight,
+                    qkv=torch.cat([p.weight for p in projections]).to(dtype),
+                    qkv_bias=bias,
+                    qk_norm=qk_norm,
+                    o=a.o_proj.weight.to(dtype),
+                    post_norm=layer.post_attention_layernorm.weight,
+                    mlp=layer.mlp,
+                )
+            )
+
+    @staticmethod
+    def supports(model: nn.Module) -> bool:
+        """Whether ``model``'s layers are exactly those :class:`KVDecoder` reimplements.
+
+        Checked module by module (plain ``nn.Linear`` projections, no bias on the output
+        projection, the expected RMSNorms, full attention, a RoPE that does not depend on
+        the sequence length), so a wrapped projection (an adapter) or another attention
+        takes the reference path.
+        """
+        config = getattr(model, "config", None)
+        if getattr(config, "model_type", None) not in FAST_MODEL_TYPES:
+            return False
+        if any(t != "full_attention" for t in getattr(config, "layer_types", None) or []):
+            return False
+        if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
+            return False
+        head = model.get_output_embeddings()
+        if type(head) is not nn.Linear or head.bias is not None:
+            return False
+        decoder = model.get_decoder()
+        if type(decoder.embed_tokens) is not nn.Embedding:
+            return False
+        rope_type = str(getattr(getattr(decoder, "rotary_emb", None), "rope_type", ""))
+        if not rope_type or "dynamic" in rope_type or "longrope" in rope_type:
+            return False
+        if type(decoder.norm).__name__ not in _NORMS:
+            return False
+        for layer in decoder.layers:
+            a = layer.self_attn
+            linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
+            if any(type(p) is not nn.Linear for p in linears) or a.o_proj.bias is not None:
+                return False
+            if len({p.bias is None for p in linears[:3]}) != 1:
+                return False
+            if hasattr(a, "q_norm") and type(a.q_norm).__name__ not in _NORMS:
+                return False
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if any(type(m).__name__ not in _NORMS for m in norms):
+                return False
+            if getattr(a, "sliding_window", None) is not None:
+                return False
+        return True
+
+    def prefill(self, ids: Tensor, mask: Tensor, n: int, capacity: int) -> Tensor:
+        """``[U, P]`` distinct prompts -> logits ``[U * n, V]`` of each response's first token.
+
+        The prompts' keys and values are copied into buffers of ``capacity`` columns,
+        ``n`` rows per prompt. The padding mask is kept only if some prompt is padded.
+        """
+        logits, cache = prefill_cache(self.model, ids, mask)
+        u, p = ids.shape
+        rows = u * n
+        each = torch.arange(u, device=ids.device).repeat_interleave(n)
+        # for "products" keys are kept transposed, [rows, kv heads, head_dim, columns]:
+        # the score product q @ k^T then reads a row-major operand
+        self.transposed = self.attention == "products"
+        self.keys, self.values = [], []
+        for layer in cache.layers:
+            shape = (rows, self.kv_heads, capacity, self.head_dim)
+            keys = layer.keys.new_empty(shape, dtype=self.dtype)
+            values = layer.values.new_empty(shape, dtype=self.dtype)
+            if self.transposed:
+                keys = keys.transpose(-1, -2).contiguous()
+                keys[..., :p] = layer.keys[each].transpose(-1, -2)
+            else:
+                keys[:, :, :p] = layer.keys[each]
+            values[:, :, :p] = layer.values[each]
+            self.keys.append(keys)
+            self.values.append(values)
+        self.length = p
+        self.bias = None  # additive attention mask [rows, 1, capacity]: -inf on padding
+        if not bool(mask.bool().all()):
+            self.bias = torch.zeros((rows, 1, capacity), dtype=self.dtype, device=ids.device)
+            self.bias[:, 0, :p].masked_fill_(~mask.bool()[each], float("-inf"))
+        self.no_bias = torch.zeros((1, 1, 1), dtype=self.dtype, device=ids.device)
+        # cos/sin of every position a row can reach, looked up per step
+        positions = torch.arange(capacity, device=ids.device).unsqueeze(0)
+        cos, sin = self.rotary(self.embed.new_zeros(()), positions)
+        self.cos, self.sin = cos[0], sin[0]
+        return logits[each]
+
+    def step(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        """Tokens ``[R]`` at positions ``[R]`` -> next-token logits ``[R, V]``."""
+        rows, heads, kv, d = tokens.shape[0], self.heads, self.kv_heads, self.head_dim
+        group, col = heads // kv, self.length
+        self.length = length = col + 1
+        cos = self.cos[positions].unsqueeze(1)  # [R, 1, D], shared by every head
+        sin = self.sin[positions].unsqueeze(1)
+        h = F.embedding(tokens, self.embed)
+        for i, layer in enumerate(self.layers):
+            x = F.rms_norm(h, (h.shape[-1],), layer.input_norm, self.eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias).view(rows, heads + 2 * kv, d)
+            qk, v = qkv[:, : heads + kv], qkv[:, heads + kv :]
+            if layer.qk_norm is not None:
+                qk = F.rms_norm(qk, (d,), None, self.eps) * layer.qk_norm
+            half = d // 2
+            rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
+            qk = qk * cos + rotated * sin
+            self.values[i][:, :, col] = v
+            # one query per row: a key/value head's query heads attend as one group
+            if self.transposed:
+                self.keys[i][..., col] = qk[:, heads:]
+                q = qk[:, :heads].reshape(rows * kv, group, d)
+                keys = self.keys[i][..., :length].reshape(rows * kv, d, length)
+                scores = torch.baddbmm(self.no_bias, q, keys, beta=0.0, alpha=self.scaling)
+                if self.bias is not None:
+                    scores.view(rows, kv * group, length).add_(self.bias[..., :length])
+                values = self.values[i][:, :, :length].reshape(rows * kv, length, d)
+                out = torch.bmm(scores.softmax(-1), values)
+            else:
+                self.keys[i][:, :, col] = qk[:, heads:]
+                mask = None if self.bias is None else self.bias[:, None, :, :length]
+                out = F.scaled_dot_product_attention(
+                    qk[:, :heads].reshape(rows, kv, group, d),
+                    self.keys[i][:, :, :length],
+                    self.values[i][:, :, :length],
+                    attn_mask=mask,
+                    scale=self.scaling,
+                )
+            h = h + F.linear(out.reshape(rows, heads * d), layer.o)
+            x = F.rms_norm(h, (h.shape[-1],), layer.post_norm, self.eps)
+            h = h + layer.mlp(x.unsqueeze(1)).squeeze(1)
+        h = F.rms_norm(h, (h.shape[-1],), self.final_norm, self.eps)
+        return F.linear(h, self.head)
+
+    def select(self, rows: Tensor) -> None:
+        """Keep only the batch rows ``rows`` (finished rows leave); copies the filled columns."""
+        filled = self.length
+        for i in range(len(self.keys)):
+            keys = self.keys[i].new_empty((rows.shape[0], *self.keys[i].shape[1:]))
+            if self.transposed:
+                keys[..., :filled] = self.keys[i][rows, ..., :filled]
+            else:
+                keys[:, :, :filled] = self.keys[i][rows, :, :filled]
+            values = self.values[i].new_empty((rows.shape[0], *self.values[i].shape[1:]))
+            values[:, :, :filled] = self.values[i][rows, :, :filled]
+            self.keys[i], self.values[i] = keys, values
+        if self.bias is not None:
+            self.bias = self.bias[rows]
+
+
+def make_decoder(model: nn.Module) -> KVDecoder | ModelDecoder:
+    """The fast decoder when ``model`` supports it, the reference one otherwise."""
+    return KVDecoder(model) if KVDecoder.supports(model) else ModelDecoder(model)
+
+
+def _compute_dtype(weight: Tensor) -> torch.dtype:
+    device = weight.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return weight.dtype

@@ -1,0 +1,78 @@
+"""benchmarks/gpu_check.py on a machine without CUDA: it stops at once, and its CPU-side
+parts (model size, report) are right. It has not run on a GPU from these tests."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).parents[1] / "benchmarks" / "gpu_check.py"
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    sys.path.insert(0, str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_without_cuda_it_stops_at_once_with_one_line(tmp_path):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    start = time.perf_counter()
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2
+    assert run.stdout == "" and len(run.stderr.strip().splitlines()) == 1
+    assert run.stderr.startswith("gpu-check: no CUDA device")
+    assert not (tmp_path / "out").exists()
+    assert time.perf_counter() - start < 60
+
+
+def test_the_vs_trl_model_is_about_half_a_billion_parameters(gpu_check):
+    total, body = gpu_check.parameters(**gpu_check.HALF_B, vocab=gpu_check.HALF_B_VOCAB)
+    assert 0.45e9 < total < 0.55e9 and body > 0.3e9
+    # the formula counts what transformers builds (norms aside), on a small Qwen3
+    from gspo.models import TinyModelSpec, build_char_tokenizer, build_tiny_model
+
+    spec = TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=96)
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(spec, tokenizer, seed=0)
+    norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+    counted, _ = gpu_check.parameters(2, 64, 4, 2, 96, len(tokenizer))
+    assert counted == sum(p.numel() for p in model.parameters()) - norms
+
+
+def test_report_lists_every_stage_and_its_figures(gpu_check):
+    stages = [
+        gpu_check.Stage("tests (CUDA)", "passed", 12.3, 900, "4 passed in 11.0s"),
+        gpu_check.Stage("vLLM engine tests", "skipped", detail="vLLM is not installed"),
+        gpu_check.Stage("gspo vs TRL", "passed", 250.0, 30000, figures={"ratio TRL / gspo": 2.5}),
+    ]
+    report = gpu_check.render(stages, {"device": "NVIDIA H100", "commit": "abc1234"})
+    assert "- device: NVIDIA H100" in report
+    assert "| tests (CUDA) | passed | 12.3 | 900 | 4 passed in 11.0s |" in report
+    assert "| vLLM engine tests | skipped | 0.0 | 0 | vLLM is not installed |" in report
+    assert "## gspo vs TRL" in report and "| ratio TRL / gspo | 2.5 |" in report
+    assert gpu_check.nominal_peak("NVIDIA H100 80GB HBM3") == 989e12
+    assert gpu_check.nominal_peak("Some GPU") is None
+
+
+def test_a_failing_stage_is_recorded_not_raised(gpu_check):
+    stage = gpu_check.Stage("boom")
+
+    def body(stage, limit):
+        raise RuntimeError("out of memory\nmore")
+
+    gpu_check.run_stage(stage, body, 10.0)
+    assert stage.status == "failed" and stage.detail.startswith("RuntimeError: out of memory")
