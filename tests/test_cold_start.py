@@ -45,8 +45,8 @@ def kill_at(monkeypatch, step: int) -> None:
 
 
 @pytest.mark.slow
-def test_cold_start_resumes_exactly_after_a_kill(tmp_path, monkeypatch, ones_reward):
-    overrides = [*COMMON, ones_reward, "train.cold_start_cache=false"]
+def test_cold_start_resumes_exactly_after_a_kill(tmp_path, monkeypatch, varied_reward):
+    overrides = [*COMMON, varied_reward, "train.cold_start_cache=false"]
     assert main(["train", "--output-dir", str(tmp_path / "full"), *overrides]) == 0
     kill_at(monkeypatch, 110)  # after the step-100 progress checkpoint, before the end
     with pytest.raises(Killed):
@@ -66,8 +66,8 @@ def test_cold_start_resumes_exactly_after_a_kill(tmp_path, monkeypatch, ones_rew
 
 
 @pytest.mark.slow
-def test_resume_before_any_checkpoint_starts_again(tmp_path, monkeypatch, ones_reward):
-    overrides = [*COMMON, ones_reward, "train.cold_start_cache=false"]
+def test_resume_before_any_checkpoint_starts_again(tmp_path, monkeypatch, varied_reward):
+    overrides = [*COMMON, varied_reward, "train.cold_start_cache=false"]
     assert main(["train", "--output-dir", str(tmp_path / "full"), *overrides]) == 0
     kill_at(monkeypatch, 30)  # before the first progress checkpoint
     with pytest.raises(Killed):
@@ -79,9 +79,9 @@ def test_resume_before_any_checkpoint_starts_again(tmp_path, monkeypatch, ones_r
 
 @pytest.mark.slow
 def test_identical_cold_start_comes_from_the_cache(
-    tmp_path, monkeypatch, ones_reward, cold_start_cache
+    tmp_path, monkeypatch, varied_reward, cold_start_cache
 ):
-    overrides = [*COMMON, ones_reward]
+    overrides = [*COMMON, varied_reward]
     assert main(["train", "--output-dir", str(tmp_path / "first"), *overrides]) == 0
     assert len(list(cold_start_cache.iterdir())) == 1
 

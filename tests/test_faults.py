@@ -83,8 +83,8 @@ def trials() -> list[tuple[str, int]]:
 
 
 @pytest.mark.slow
-def test_sigkill_anywhere_then_resume_gives_the_same_run(tmp_path, ones_reward):
-    args = [*RUN, ones_reward, "--no-cache"]
+def test_sigkill_anywhere_then_resume_gives_the_same_run(tmp_path, varied_reward):
+    args = [*RUN, varied_reward, "--no-cache"]
     assert gspo(tmp_path, "train", "--output-dir", str(tmp_path / "full"), *args) == 0
     full = [comparable(r) for r in read_metrics(tmp_path / "full" / "metrics.jsonl")]
     for k, kill in enumerate(trials()):
@@ -102,17 +102,17 @@ def test_sigkill_anywhere_then_resume_gives_the_same_run(tmp_path, ones_reward):
             assert (checkpoint / "trainer_state.pt").is_file()
 
 
-def test_unwritable_output_directory_is_one_line(tmp_path, capsys, ones_reward):
+def test_unwritable_output_directory_is_one_line(tmp_path, capsys, varied_reward):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    assert main(["train", "--output-dir", str(blocker / "run"), *FAST, ones_reward]) == 2
+    assert main(["train", "--output-dir", str(blocker / "run"), *FAST, varied_reward]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("gspo: error: ") and str(blocker) in err and "\n" not in err
 
 
 @pytest.mark.slow
 def test_full_disk_is_one_line_and_keeps_the_last_checkpoint(
-    tmp_path, capsys, monkeypatch, ones_reward
+    tmp_path, capsys, monkeypatch, varied_reward
 ):
     import gspo.training.checkpoint as ckpt
 
@@ -127,7 +127,7 @@ def test_full_disk_is_one_line_and_keeps_the_last_checkpoint(
 
     monkeypatch.setattr(ckpt, "save_pretrained_atomic", fills_up)
     run = tmp_path / "run"
-    assert main(["train", "--output-dir", str(run), *RUN, ones_reward]) == 2
+    assert main(["train", "--output-dir", str(run), *RUN, varied_reward]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("gspo: error: No space left on device: ") and "step-0000004" in err
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-0000002"

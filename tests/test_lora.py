@@ -35,10 +35,10 @@ FAST = [
 ]
 
 
-def lora_run(tmp_path: Path, ones_reward: str, *extra: str, name: str = "run") -> Trainer:
+def lora_run(tmp_path: Path, varied_reward: str, *extra: str, name: str = "run") -> Trainer:
     config = load_config(
         None,
-        [*FAST, ones_reward, "train.max_steps=4", "algorithm.minibatches=2", "optim.lr=1e-2",
+        [*FAST, varied_reward, "train.max_steps=4", "algorithm.minibatches=2", "optim.lr=1e-2",
          *extra],
     )  # fmt: skip
     trainer = Trainer(config, tmp_path / name)
@@ -58,8 +58,8 @@ def peft_base_state(trainer: Trainer) -> dict[str, torch.Tensor]:
     }
 
 
-def test_lora_trains_only_adapters_and_leaves_the_base_bitwise_unchanged(tmp_path, ones_reward):
-    trainer = lora_run(tmp_path, ones_reward)
+def test_lora_trains_only_adapters_and_leaves_the_base_bitwise_unchanged(tmp_path, varied_reward):
+    trainer = lora_run(tmp_path, varied_reward)
     module = trainer.policy.module
     trained = [n for n, p in module.named_parameters() if p.requires_grad]
     assert trained and all("lora_" in n for n in trained)
@@ -81,8 +81,8 @@ def test_lora_trains_only_adapters_and_leaves_the_base_bitwise_unchanged(tmp_pat
         assert torch.equal(now[key], tensor), key
 
 
-def test_lora_reference_is_the_base_with_adapters_off_and_no_second_model(tmp_path, ones_reward):
-    trainer = lora_run(tmp_path, ones_reward, "algorithm.kl_coef=0.1")
+def test_lora_reference_is_the_base_with_adapters_off_and_no_second_model(tmp_path, varied_reward):
+    trainer = lora_run(tmp_path, varied_reward, "algorithm.kl_coef=0.1")
     assert trainer.reference.module is None  # nothing loaded
     lines = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "train/kl" in r]
     assert lines and all(r["train/kl"] >= 0 for r in lines)
@@ -99,8 +99,8 @@ def test_lora_reference_is_the_base_with_adapters_off_and_no_second_model(tmp_pa
     assert (adapted - reference).abs().max() > 1e-4  # the adapters do change the policy
 
 
-def test_torch_engine_samples_through_the_adapters(tmp_path, ones_reward):
-    trainer = lora_run(tmp_path, ones_reward)
+def test_torch_engine_samples_through_the_adapters(tmp_path, varied_reward):
+    trainer = lora_run(tmp_path, varied_reward)
     engine = trainer.sampler.engine
     assert isinstance(engine, TorchEngine) and engine.model is trainer.policy.module
     lines = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl")
@@ -109,8 +109,8 @@ def test_torch_engine_samples_through_the_adapters(tmp_path, ones_reward):
     assert lines and all(r["mismatch/token_abs_max"] < 1e-4 for r in lines)
 
 
-def test_merged_copy_equals_the_adapter_model_and_leaves_it_untouched(tmp_path, ones_reward):
-    trainer = lora_run(tmp_path, ones_reward)
+def test_merged_copy_equals_the_adapter_model_and_leaves_it_untouched(tmp_path, varied_reward):
+    trainer = lora_run(tmp_path, varied_reward)
     module = trainer.policy.module
     before = {k: v.clone() for k, v in module.state_dict().items()}
     merged = merged_copy(module)
@@ -123,10 +123,10 @@ def test_merged_copy_equals_the_adapter_model_and_leaves_it_untouched(tmp_path, 
                               atol=1e-5)  # fmt: skip
 
 
-def test_lora_checkpoint_is_peft_format_and_export_merges(tmp_path, ones_reward, capsys):
+def test_lora_checkpoint_is_peft_format_and_export_merges(tmp_path, varied_reward, capsys):
     from peft import PeftModel
 
-    trainer = lora_run(tmp_path, ones_reward)
+    trainer = lora_run(tmp_path, varied_reward)
     checkpoint = tmp_path / "run" / "checkpoints" / "step-0000004"
     assert (checkpoint / "adapter_config.json").is_file()
     assert (checkpoint / "adapter_model.safetensors").is_file()
@@ -158,8 +158,8 @@ def test_export_errors_are_one_line(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_lora_resume_gives_the_same_metrics(tmp_path, ones_reward):
-    common = [*FAST, ones_reward, "train.max_steps=8", "algorithm.minibatches=2",
+def test_lora_resume_gives_the_same_metrics(tmp_path, varied_reward):
+    common = [*FAST, varied_reward, "train.max_steps=8", "algorithm.minibatches=2",
               "train.save_every=2", "eval.every=4", "optim.lr=1e-2",
               "algorithm.kl_coef=0.05"]  # fmt: skip
     assert main(["train", "--output-dir", str(tmp_path / "full"), *common]) == 0
@@ -178,9 +178,9 @@ def test_lora_resume_gives_the_same_metrics(tmp_path, ones_reward):
     assert len({round(r["train/reward_mean"], 6) for r in lines}) > 1
 
 
-def test_lora_on_the_moe_builtin_trains(tmp_path, ones_reward):
+def test_lora_on_the_moe_builtin_trains(tmp_path, varied_reward):
     trainer = lora_run(
-        tmp_path, ones_reward, "model.builtin=qwen3_moe", "model.experts=4",
+        tmp_path, varied_reward, "model.builtin=qwen3_moe", "model.experts=4",
         "moe.routing_replay=true",
     )  # fmt: skip
     trained = [n for n, p in trainer.policy.module.named_parameters() if p.requires_grad]

@@ -273,7 +273,7 @@ def test_python_dash_m_gspo_and_console_script():
 
 
 @pytest.mark.slow
-def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch, ones_reward):
+def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch, varied_reward):
     from gspo.training.update import Objective
 
     real = Objective.__call__
@@ -288,7 +288,7 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch,
         return out
 
     monkeypatch.setattr(Objective, "__call__", poisoning)
-    overrides = [*FAST, ones_reward, "train.cold_start_steps=0", "optim.lr=1e-3"]
+    overrides = [*FAST, varied_reward, "train.cold_start_steps=0", "optim.lr=1e-3"]
     overrides += ["train.max_steps=8", "train.save_every=1", "eval.every=0"]
     overrides += ["algorithm.minibatches=1", "train.keep_checkpoints=10"]
     trainer = Trainer(load_config(None, overrides), tmp_path / "run")
