@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_trainer import FAST as TRAINER_FAST
 
 from gspo.cli import main
 from gspo.config import ConfigError, load_config
@@ -16,23 +17,7 @@ from gspo.training.lora import merged_copy, optimizer_state_bytes
 
 SAMPLING = SamplingParams(max_new_tokens=4, temperature=1.0)
 
-FAST = [
-    "model.layers=1",
-    "model.hidden=64",
-    "model.heads=2",
-    "model.kv_heads=1",
-    "model.intermediate=128",
-    "data.eval_size=24",
-    "train.cold_start_steps=0",
-    "rollout.group_size=4",
-    "rollout.prompts_per_batch=4",
-    "rollout.max_new_tokens=4",
-    "eval.samples=2",
-    "log.progress=false",
-    "log.plots=false",
-    "log.tensorboard=false",
-    "model.lora.r=4",
-]
+FAST = [*TRAINER_FAST, "train.cold_start_steps=0", "model.lora.r=4"]  # later keys win
 
 
 def lora_run(tmp_path: Path, varied_reward: str, *extra: str, name: str = "run") -> Trainer:
