@@ -49,8 +49,10 @@ from gspo.models import load_model, packed_completion_logprobs  # noqa: E402
 from gspo.tasks import encode_prompt  # noqa: E402
 
 
-def interleaved(variants: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
-    """Median ms of each variant, run round-robin ``reps`` times after one warm-up each."""
+def interleaved_times(
+    variants: dict[str, Callable[[], object]], reps: int
+) -> dict[str, list[float]]:
+    """Seconds of each variant's ``reps`` runs, round-robin, after one warm-up each."""
     for fn in variants.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -59,6 +61,12 @@ def interleaved(variants: dict[str, Callable[[], object]], reps: int) -> dict[st
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
+    return times
+
+
+def interleaved(variants: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Median ms of each variant, run round-robin ``reps`` times after one warm-up each."""
+    times = interleaved_times(variants, reps)
     return {name: 1000 * statistics.median(ts) for name, ts in times.items()}
 
 

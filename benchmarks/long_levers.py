@@ -40,7 +40,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -51,25 +50,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import workload  # noqa: E402
+from levers import interleaved_times  # noqa: E402
 from vs_trl import LONG, flops_per_token, gspo_summary, matmul_peak, run_gspo  # noqa: E402
 
 from gspo import rollout  # noqa: E402
 from gspo.decoding import KVDecoder  # noqa: E402
 from gspo.models import load_model, packed_completion_logprobs  # noqa: E402
 from gspo.tasks import encode_prompt  # noqa: E402
-
-
-def interleaved(variants: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
-    """Seconds of each variant's ``reps`` runs, round-robin, after one warm-up each."""
-    for fn in variants.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(reps):
-        for name, fn in variants.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return times
 
 
 def engine_at(revision: str):
@@ -140,7 +127,7 @@ def main() -> None:
             "KVDecoder, batched products": (fast, "products"),
         }
         counts: dict[str, list[int]] = {name: [] for name in engines}
-        times = interleaved(
+        times = interleaved_times(
             {k: generate(e, counts[k], a) for k, (e, a) in engines.items()}, args.reps
         )
         KVDecoder.attention = default
@@ -176,7 +163,7 @@ def main() -> None:
             return torch.bmm(scores.softmax(-1), v)
 
         assert (products().view(rows, kv, group, d) - sdpa()).abs().max() < 1e-5
-        times = interleaved({"SDPA": sdpa, "batched products": products}, args.reps * 20)
+        times = interleaved_times({"SDPA": sdpa, "batched products": products}, args.reps * 20)
         print("\nattn: one layer, 128 rows, 206 cached tokens, 4/2 heads")
         print("| kernel | median ms |\n|---|---|")
         for name, ts in times.items():
@@ -195,7 +182,7 @@ def main() -> None:
             return timed
 
         default = rollout.CHECK_EVERY
-        times = interleaved({f"every {k}": every(k) for k in (1, 8)}, args.reps)
+        times = interleaved_times({f"every {k}": every(k) for k in (1, 8)}, args.reps)
         rollout.CHECK_EVERY = default
         print("\ncheck: one rollout batch (256 new tokens), finished rows read every k steps")
         print("| k | median s |\n|---|---|")
@@ -267,7 +254,7 @@ def main() -> None:
                 return run
 
             variants = {"shared": fwd_bwd(True), "alone": fwd_bwd(False), "auto": fwd_bwd("auto")}
-            times = interleaved(variants, args.reps * 3)
+            times = interleaved_times(variants, args.reps * 3)
             ms = {k: 1000 * statistics.median(v) for k, v in times.items()}
             tokens = int(mb.completion_mask.sum())
             print(
