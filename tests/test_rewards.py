@@ -37,7 +37,14 @@ def score(name: str, completions: list, answers: list, prompts: list | None = No
 
 
 def test_builtin_names() -> None:
-    assert set(BUILTIN_REWARDS) == {"code", "exact_match", "numeric_match", "math", "format"}
+    assert set(BUILTIN_REWARDS) == {
+        "code",
+        "environment",
+        "exact_match",
+        "numeric_match",
+        "math",
+        "format",
+    }
 
 
 @pytest.mark.parametrize(
@@ -340,9 +347,13 @@ def test_load_from_module_spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 @pytest.mark.parametrize(
     ("spec", "pattern"),
     [
-        ("exact", r"'exact'.*built-in name \(code, exact_match, format, math, numeric_match\)"),
+        (
+            "exact",
+            r"'exact'.*built-in name \(code, environment, exact_match, format, math, "
+            r"numeric_match\)",
+        ),
         ("", r"invalid reward function spec ''"),
-        ("mod:", r"'mod:'.*not a function name"),
+        ("mod:", r"'mod:'.*not a Python name"),
         (":f", r"':f'.*missing the file or module"),
         ("mod:not-valid", r"'mod:not-valid'"),
         ("a b.c:f", r"'a b.c:f'.*neither a \.py file nor a module name"),

@@ -100,10 +100,11 @@ class DataConfig(_Section):
     functions as a keyword argument.
     """
 
-    task: Literal["addition", "chain"] = Field(
+    task: Literal["addition", "chain", "calculator"] = Field(
         "addition",
-        description="Built-in task: addition (a+b=, 2-4 tokens) or chain (step-by-step "
-        "multi-term addition, ~20-130 tokens; score it with reward.functions=[numeric_match])",
+        description="Built-in task: addition (a+b=, 2-4 tokens), chain (step-by-step "
+        "multi-term addition, ~20-130 tokens; score it with reward.functions=[numeric_match]) "
+        "or calculator (a+b= with an add tool, multi-turn; set data.digits=5 or more)",
     )
     train: str | None = Field(
         None,
@@ -274,6 +275,23 @@ class RolloutConfig(_Section):
         ge=1,
         description="filter_groups: most extra sampling rounds per rollout batch (each of "
         "prompts_per_batch prompts); past it constant groups fill the batch",
+    )
+    environment: str | None = Field(
+        None,
+        description="Multi-turn, tool-using episodes: an environment class, "
+        "path/to/env.py:Factory or package.module:Factory (docs/environments.md); null = "
+        "single-turn responses (data.task=calculator uses gspo.environments:Calculator)",
+    )
+    max_turns: int = Field(
+        4,
+        ge=1,
+        description="environment: most model turns per episode (each at most max_new_tokens)",
+    )
+    max_episode_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="environment: most tokens after the prompt per episode, the model's and "
+        "the environment's; null = max_turns * max_new_tokens",
     )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
@@ -527,6 +545,11 @@ class Config(_Section):
             if self.reward.functions == ["exact_match"]:
                 # the answer column holds the total; the completion is the whole chain
                 raise ValueError("data.task=chain needs reward.functions=[numeric_match]")
+        if self.environment is not None and self.reward.workers > 0:
+            raise ValueError(
+                "reward.workers > 0 cannot be used with rollout.environment (the reward "
+                "functions get the environments, which stay in the trainer process)"
+            )
         if self.reward.overlong_buffer is not None and (
             self.reward.overlong_buffer > self.rollout.max_new_tokens
         ):
@@ -576,6 +599,21 @@ class Config(_Section):
                 "model.builtin=qwen3 is dense"
             )
         return self
+
+    @property
+    def environment(self) -> str | None:
+        """``rollout.environment``, or the calculator task's built-in environment."""
+        if self.rollout.environment is not None:
+            return self.rollout.environment
+        if self.data.task == "calculator" and self.data.train is None:
+            return "gspo.environments:Calculator"
+        return None
+
+    @property
+    def max_episode_tokens(self) -> int:
+        """``rollout.max_episode_tokens``, or ``max_turns * max_new_tokens``."""
+        r = self.rollout
+        return r.max_episode_tokens or r.max_turns * r.max_new_tokens
 
     @property
     def overlong_buffer(self) -> int:

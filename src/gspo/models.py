@@ -42,6 +42,22 @@ class TinyModelSpec:
     expert_intermediate: int = 256
 
 
+#: The built-in tokenizer's chat template: compact, with tool support. The tools' names
+#: head the prompt; a user message is its text, an assistant message its text and
+#: ``<eos>``, a tool message ``<tool_response>...</tool_response>``.
+CHAR_CHAT_TEMPLATE = (
+    "{%- if tools %}{{ 'tools: ' }}{%- for t in tools %}"
+    "{{ t.function.name if t.function is defined else t.name }}{{ ' ' if not loop.last }}"
+    "{%- endfor %}{{ '\\n' }}{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' %}{{ m.content + '\\n' }}"
+    "{%- elif m.role == 'user' %}{{ m.content }}"
+    "{%- elif m.role == 'assistant' %}{{ m.content + '<eos>' }}"
+    "{%- elif m.role == 'tool' %}{{ '<tool_response>' + m.content + '</tool_response>' }}"
+    "{%- endif %}{%- endfor %}"
+)
+
+
 def build_char_tokenizer(charset: str = CHARSET):
     """A character-level fast tokenizer (``tokenizers`` WordLevel over single characters).
 
@@ -63,6 +79,7 @@ def build_char_tokenizer(charset: str = CHARSET):
         unk_token=UNK,
         padding_side="left",
         clean_up_tokenization_spaces=False,
+        chat_template=CHAR_CHAT_TEMPLATE,
     )
 
 

@@ -81,9 +81,13 @@ class RewardError(ValueError):
     """
 
 
-def _one_line(exc: BaseException, limit: int = 500) -> str:
+def one_line(exc: BaseException, limit: int = 500) -> str:
+    """An exception's message on one line, at most ``limit`` characters."""
     text = " ".join(str(exc).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_one_line = one_line
 
 
 # --------------------------------------------------------------------------------------------
@@ -514,8 +518,30 @@ def code_reward(
     return run(prompts=prompts, completions=completions, tests=tests, **kwargs)
 
 
+def environment_reward(
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    environments: Sequence[Any] | None = None,
+    **kwargs: Any,
+) -> list[float | None]:
+    """The environment's own reward: ``get_reward()`` of each episode's environment.
+
+    For multi-turn runs (``rollout.environment``); None for an environment without
+    ``get_reward`` or one that returns None (left out of the weighted sum).
+    """
+    if environments is None:
+        raise ValueError("the 'environment' reward needs rollout.environment (no environments)")
+    out: list[float | None] = []
+    for env in environments:
+        get = getattr(env, "get_reward", None)
+        value = get() if callable(get) else None
+        out.append(None if value is None else float(value))
+    return out
+
+
 BUILTIN_REWARDS: dict[str, RewardFunction] = {
     "code": code_reward,
+    "environment": environment_reward,
     "exact_match": exact_match_reward,
     "numeric_match": numeric_match_reward,
     "math": math_reward,
@@ -533,27 +559,18 @@ def _builtin_names() -> str:
     return ", ".join(sorted(BUILTIN_REWARDS))
 
 
-def _malformed(spec: str, why: str) -> RewardError:
-    return RewardError(
-        f"invalid reward function spec {spec!r}: {why}; expected a built-in name "
-        f"({_builtin_names()}), 'path/to/file.py:function' or 'package.module:function'"
-    )
-
-
-def _import_file(path_text: str, spec: str) -> Any:
+def _import_file(path_text: str, spec: str, kind: str, error: type[Exception]) -> Any:
     path = Path(path_text).expanduser()
     resolved = path if path.is_absolute() else Path.cwd() / path
     if not resolved.is_file():
-        raise RewardError(
-            f"reward function file not found: {path_text!r} (spec {spec!r}, looked for {resolved})"
-        )
+        raise error(f"{kind} file not found: {path_text!r} (spec {spec!r}, looked for {resolved})")
     resolved = resolved.resolve()
     stem = re.sub(r"\W", "_", resolved.stem)
     digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:12]
-    module_name = f"_gspo_reward_{stem}_{digest}"
+    module_name = f"_gspo_{kind.split()[0]}_{stem}_{digest}"
     import_spec = importlib.util.spec_from_file_location(module_name, resolved)
     if import_spec is None or import_spec.loader is None:
-        raise RewardError(f"cannot import reward function file {str(resolved)!r} (spec {spec!r})")
+        raise error(f"cannot import {kind} file {str(resolved)!r} (spec {spec!r})")
     module = importlib.util.module_from_spec(import_spec)
     sys.modules[module_name] = module  # dataclasses, pickling etc. look the module up here
     directory = str(resolved.parent)
@@ -562,9 +579,9 @@ def _import_file(path_text: str, spec: str) -> Any:
         import_spec.loader.exec_module(module)
     except Exception as e:
         sys.modules.pop(module_name, None)
-        raise RewardError(
-            f"importing reward function file {path_text!r} (spec {spec!r}) failed: "
-            f"{type(e).__name__}: {_one_line(e)}"
+        raise error(
+            f"importing {kind} file {path_text!r} (spec {spec!r}) failed: "
+            f"{type(e).__name__}: {one_line(e)}"
         ) from e
     finally:
         with contextlib.suppress(ValueError):
@@ -572,14 +589,64 @@ def _import_file(path_text: str, spec: str) -> Any:
     return module
 
 
-def _import_module(module_name: str, spec: str) -> Any:
+def _import_module(module_name: str, spec: str, kind: str, error: type[Exception]) -> Any:
     try:
         return importlib.import_module(module_name)
     except Exception as e:
-        raise RewardError(
-            f"importing module {module_name!r} for reward function {spec!r} failed: "
-            f"{type(e).__name__}: {_one_line(e)}"
+        raise error(
+            f"importing module {module_name!r} for {kind} {spec!r} failed: "
+            f"{type(e).__name__}: {one_line(e)}"
         ) from e
+
+
+def load_object(spec: str, kind: str, error: type[Exception], expected: str) -> Any:
+    """The object a ``source:attribute`` spec names (``attribute`` may be dotted).
+
+    ``source`` is a ``.py`` file (relative to the current directory, or absolute; imported
+    under a unique module name with its directory on ``sys.path`` while it is imported) or
+    a module name. ``kind`` names what is loaded in messages ("reward function"), ``error``
+    is the exception raised, ``expected`` describes the accepted forms for a malformed spec.
+    The object must be callable.
+    """
+
+    def malformed(why: str) -> Exception:
+        return error(f"invalid {kind} spec {spec!r}: {why}; expected {expected}")
+
+    if ":" not in spec:
+        raise malformed("not a built-in name and no ':name' part")
+    source, _, attr_path = spec.rpartition(":")
+    source, attr_path = source.strip(), attr_path.strip()
+    if not source:
+        raise malformed("missing the file or module before ':'")
+    if not attr_path or not all(part.isidentifier() for part in attr_path.split(".")):
+        raise malformed(f"{attr_path!r} after ':' is not a Python name")
+    if source.endswith(".py") or "/" in source or "\\" in source:
+        module = _import_file(source, spec, kind, error)
+        where = f"file {source!r}"
+    else:
+        if not all(part.isidentifier() for part in source.split(".")):
+            raise malformed(f"{source!r} is neither a .py file nor a module name")
+        module = _import_module(source, spec, kind, error)
+        where = f"module {source!r}"
+    obj: Any = module
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            available = sorted(
+                name
+                for name, value in vars(module).items()
+                if callable(value) and not name.startswith("_")
+                and getattr(value, "__module__", None) == module.__name__
+            )  # fmt: skip
+            hint = f" (defined there: {', '.join(available[:20])})" if available else ""
+            raise error(f"{kind} {spec!r}: {where} has no attribute {attr_path!r}{hint}") from None
+    if not callable(obj):
+        raise error(
+            f"{kind} {spec!r}: {attr_path!r} in {where} is not callable "
+            f"(it is a {type(obj).__name__})"
+        )
+    return obj
 
 
 def load_reward_function(spec: str) -> RewardFunction:
@@ -603,46 +670,11 @@ def load_reward_function(spec: str) -> RewardFunction:
     spec = spec.strip()
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
-    if ":" not in spec:
-        raise _malformed(spec, "not a built-in name and no ':function' part")
-    source, _, attr_path = spec.rpartition(":")
-    source = source.strip()
-    attr_path = attr_path.strip()
-    if not source:
-        raise _malformed(spec, "missing the file or module before ':'")
-    if not attr_path or not all(part.isidentifier() for part in attr_path.split(".")):
-        raise _malformed(spec, f"{attr_path!r} after ':' is not a function name")
-
-    is_file = source.endswith(".py") or "/" in source or "\\" in source
-    if is_file:
-        module = _import_file(source, spec)
-        where = f"file {source!r}"
-    else:
-        if not all(part.isidentifier() for part in source.split(".")):
-            raise _malformed(spec, f"{source!r} is neither a .py file nor a module name")
-        module = _import_module(source, spec)
-        where = f"module {source!r}"
-
-    obj: Any = module
-    for part in attr_path.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            available = sorted(
-                name
-                for name, value in vars(module).items()
-                if callable(value) and not name.startswith("_") and not inspect.isclass(value)
-            )
-            hint = f" (functions there: {', '.join(available[:20])})" if available else ""
-            raise RewardError(
-                f"reward function {spec!r}: {where} has no attribute {attr_path!r}{hint}"
-            ) from None
-    if not callable(obj):
-        raise RewardError(
-            f"reward function {spec!r}: {attr_path!r} in {where} is not callable "
-            f"(it is a {type(obj).__name__})"
-        )
-    return obj
+    expected = (
+        f"a built-in name ({_builtin_names()}), 'path/to/file.py:function' or "
+        "'package.module:function'"
+    )
+    return load_object(spec, "reward function", RewardError, expected)
 
 
 # --------------------------------------------------------------------------------------------

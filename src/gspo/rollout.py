@@ -39,6 +39,12 @@ class RolloutBatch:
     the stop token included); ``sampler_logprobs`` ``[N, T]`` float32 log-probs the
     sampler assigned to its tokens under ``softmax(logits / temperature)`` (0 where masked).
     ``finish_reasons`` is ``"stop"`` or ``"length"`` per row.
+
+    ``action_mask`` ``[N, T]`` bool: the completion tokens the model sampled (its actions).
+    In a multi-turn episode (:mod:`gspo.training.episodes`) the completion also holds the
+    environment's tokens (tool responses, turn separators): context the trainer computes
+    through but never trains on. Single-turn rollouts leave it None and it becomes the
+    completion mask.
     """
 
     prompt_ids: Tensor
@@ -48,6 +54,11 @@ class RolloutBatch:
     sampler_logprobs: Tensor
     finish_reasons: list[str]
     group_size: int
+    action_mask: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.action_mask is None:
+            self.action_mask = self.completion_mask.bool()
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -80,6 +91,7 @@ class RolloutBatch:
             sampler_logprobs=self.sampler_logprobs[:, :t_keep],
             finish_reasons=self.finish_reasons,
             group_size=self.group_size,
+            action_mask=self.action_mask[:, :t_keep],
         )
 
 

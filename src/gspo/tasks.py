@@ -7,6 +7,7 @@ in TRL. Cold-start SFT rows also carry a ``completion`` string.
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -141,7 +142,97 @@ def chain_task(
     return TaskData(train=[row(t) for t in train], eval=[row(t) for t in held_out], sft=sft)
 
 
-BUILTIN_TASKS = {"addition": addition_task, "chain": chain_task}
+def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
+    """A tool call in the Hermes/Qwen format the environments parse (compact JSON)."""
+    body = json.dumps({"name": name, "arguments": arguments}, separators=(",", ":"))
+    return f"<tool_call>{body}</tool_call>"
+
+
+def calculator_task(
+    *,
+    digits: int = 5,
+    eval_size: int = 500,
+    sft_size: int = 8000,
+    label_noise: float = 0.5,
+    train_size: int = 20_000,
+    seed: int = 0,
+) -> TaskData:
+    """``a+b=`` with long operands and an ``add(a, b)`` tool: a multi-turn task.
+
+    The prompt is one user message ``a+b=``; the environment
+    (:class:`gspo.environments.Calculator`) offers ``add``. A good episode is two turns::
+
+        assistant: <tool_call>{"name":"add","arguments":{"a":12345,"b":67890}}</tool_call>
+        tool:      80235
+        assistant: 80235
+
+    The ``answer`` column holds ``str(a + b)`` (score with ``exact_match``: it reads the
+    last assistant message). The cold start uses the tool unreliably: a share
+    ``label_noise`` of its rows are, in equal parts, a direct answer (right, but a small
+    model cannot add long numbers by itself), a call with one argument digit miscopied
+    (the tool's sum, wrong, is the answer) and a call whose JSON is broken (the tool
+    answers with an error and the model answers directly). RL has to learn to call the
+    tool every time and to copy the operands exactly.
+    """
+    if digits < 1 or digits > 9:
+        raise ValueError(f"data.digits must be between 1 and 9 for calculator; got {digits}")
+    rng = random.Random(seed)
+    lo, hi = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
+    pairs: dict[tuple[int, int], None] = {}
+    for _ in range(50 * (eval_size + train_size)):
+        if len(pairs) == eval_size + train_size:
+            break
+        pairs[(rng.randint(lo, hi), rng.randint(lo, hi))] = None
+    ordered = list(pairs)
+    eval_size = min(eval_size, len(ordered) // 5)
+    held_out, train = ordered[:eval_size], ordered[eval_size:]
+
+    def prompt(a: int, b: int) -> list[dict[str, str]]:
+        return [{"role": "user", "content": f"{a}+{b}="}]
+
+    def row(a: int, b: int) -> Row:
+        return {"prompt": prompt(a, b), "answer": str(a + b)}
+
+    def miscopy(x: int) -> int:
+        text = str(x)
+        i = rng.randrange(len(text))
+        digit = rng.choice([d for d in "0123456789" if d != text[i] and (i or d != "0")])
+        return int(text[:i] + digit + text[i + 1 :])
+
+    def call(a: int, b: int) -> dict[str, str]:
+        return {"role": "assistant", "content": tool_call_text("add", {"a": a, "b": b})}
+
+    sft = []
+    for a, b in (train[rng.randrange(len(train))] for _ in range(sft_size)):
+        noisy, kind = rng.random() < label_noise, rng.randrange(3)
+        if noisy and kind == 0:  # answers without the tool
+            completion = [{"role": "assistant", "content": str(a + b)}]
+        elif noisy and kind == 1:  # miscopies an operand into the call
+            a2, b2 = (miscopy(a), b) if rng.random() < 0.5 else (a, miscopy(b))
+            completion = [
+                call(a2, b2),
+                {"role": "tool", "name": "add", "content": str(a2 + b2)},
+                {"role": "assistant", "content": str(a2 + b2)},
+            ]
+        elif noisy:  # broken JSON: the tool answers with an error
+            broken = call(a, b)
+            broken["content"] = broken["content"].replace("}}", "}", 1)
+            completion = [
+                broken,
+                {"role": "tool", "name": "add", "content": "error: tool call is not valid JSON"},
+                {"role": "assistant", "content": str(a + b)},
+            ]
+        else:
+            completion = [
+                call(a, b),
+                {"role": "tool", "name": "add", "content": str(a + b)},
+                {"role": "assistant", "content": str(a + b)},
+            ]
+        sft.append({"prompt": prompt(a, b), "completion": completion})
+    return TaskData(train=[row(*p) for p in train], eval=[row(*p) for p in held_out], sft=sft)
+
+
+BUILTIN_TASKS = {"addition": addition_task, "chain": chain_task, "calculator": calculator_task}
 
 
 def encode_prompt(

@@ -45,6 +45,7 @@ from gspo.training.checkpoint import (
     save_checkpoint,
 )
 from gspo.training.cold_start import cold_start, drop_progress
+from gspo.training.episodes import build_generator, sft_encoder
 from gspo.training.evaluation import Evaluator
 from gspo.training.experience import RolloutStage, Scorer
 from gspo.training.forward import build_forward
@@ -52,7 +53,7 @@ from gspo.training.hooks import build_hooks
 from gspo.training.metrics import combine, crossed, metric_reduction
 from gspo.training.policy import Policy
 from gspo.training.reference import Reference
-from gspo.training.sampler import Sampler, build_engine
+from gspo.training.sampler import Sampler, SingleTurn, build_engine
 from gspo.training.setup import (
     build_policy_model,
     derive_seed,
@@ -110,13 +111,6 @@ class Trainer:
         self.data = load_task_data(config)
         if not self.data.train:
             raise ValueError("data.train: no training prompts")
-        rewards = RewardFunctions.from_specs(
-            config.reward.functions,
-            config.reward.weights,
-            workers=config.reward.workers,
-            timeout=config.reward.timeout,
-        )
-
         # the model: the latest checkpoint, the user's, or a built-in
         # (a run killed before its step-0 checkpoint resumes inside its cold start, whose
         # own progress checkpoints it finds, or else starts again: deterministically)
@@ -132,6 +126,18 @@ class Trainer:
         forward = build_forward(config, self.policy)
         self.sampler = Sampler(
             build_engine(config, self.policy, self.tokenizer, model_dir), self.policy
+        )
+        self.generate = build_generator(config, self.sampler, self.tokenizer)
+        functions = config.reward.functions
+        environment = getattr(self.generate, "environment", None)
+        explicit = "functions" in config.reward.model_fields_set
+        if environment is not None and environment.has_reward and not explicit:
+            functions = ["environment"]  # an environment's own reward, by default
+        rewards = RewardFunctions.from_specs(
+            functions,
+            config.reward.weights,
+            workers=config.reward.workers,
+            timeout=config.reward.timeout,
         )
         self.optimizer, self.scheduler = rl_optimizer(config, self.policy.forward)
         self.reference = Reference(config.algorithm.kl_coef, out, self.policy)
@@ -154,8 +160,12 @@ class Trainer:
 
         # the stages, and the hooks attached to the update stage
         tok, chat = self.tokenizer, config.data.chat_template_kwargs
-        self.train_prompt_ids = [encode_prompt(r["prompt"], tok, **chat) for r in self.data.train]
-        eval_prompt_ids = [encode_prompt(r["prompt"], tok, **chat) for r in self.data.eval]
+        if isinstance(self.generate, SingleTurn):
+            train_ids = [encode_prompt(r["prompt"], tok, **chat) for r in self.data.train]
+            eval_prompt_ids = [encode_prompt(r["prompt"], tok, **chat) for r in self.data.eval]
+        else:  # episodes render their prompts themselves (tools, reset observations)
+            train_ids, eval_prompt_ids = [[]] * len(self.data.train), [[]] * len(self.data.eval)
+        self.train_prompt_ids = train_ids
         sampling = SamplingParams(
             max_new_tokens=config.rollout.max_new_tokens,
             temperature=config.rollout.temperature,
@@ -163,13 +173,13 @@ class Trainer:
         )
         scorer = Scorer(self.tokenizer, rewards)
         self.rollout = RolloutStage(
-            config, dist, self.data.train, self.train_prompt_ids, self.sampler, scorer, forward,
+            config, dist, self.data.train, self.train_prompt_ids, self.generate, scorer, forward,
             sampling, local_prompts=local_prompts,
         )  # fmt: skip
         hooks = build_hooks(config, out, dist, forward, objective, self.reference)
         self.update = UpdateStage(forward, self.policy_update, hooks)
         self.evaluate = Evaluator(
-            config, dist, self.data.eval, eval_prompt_ids, self.sampler, scorer, sampling
+            config, dist, self.data.eval, eval_prompt_ids, self.generate, scorer, sampling
         )
         self.logger = MetricsLogger(
             out,
@@ -234,6 +244,7 @@ class Trainer:
             cold_start(
                 cfg, self.policy, self.tokenizer, self.data.sft, self.logger, self.dist,
                 local_batch=self.local_sft_batch, checkpoints=checkpoints,
+                encode=sft_encoder(cfg, self.tokenizer, self.generate),
             )  # fmt: skip
             self.cold_start_done = True
             self.save_checkpoint()  # step 0: the cold-start model; RL resumes from here

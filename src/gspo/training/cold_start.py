@@ -21,6 +21,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,7 @@ def cold_start_key(config: Config, rows: list[dict[str, Any]], dist: Distributed
         "data": config.data.model_dump(mode="json"),  # templates and chat settings too
         "train": [t.seed, t.cold_start_steps, t.cold_start_lr, t.cold_start_batch_size],
         "temperature": config.rollout.temperature,
+        "environment": config.environment,  # its tools enter the prompts
         "world_size": dist.world_size,
         "versions": [torch.__version__, transformers.__version__],
     }
@@ -161,6 +163,7 @@ def cold_start(
     *,
     local_batch: int,
     checkpoints: Path,
+    encode: Callable[[dict[str, Any]], tuple[list[int], list[int], list[bool]]] | None = None,
 ) -> None:
     """``train.cold_start_steps`` SFT steps of ``train.cold_start_batch_size`` rows each
     (``local_batch`` of them on this rank), resumed from ``checkpoints`` or the cache.
@@ -187,14 +190,8 @@ def cold_start(
 
     rng = random.Random(rank_seed(cfg.seed, dist, "sft"))
     optimizer = adamw(policy.forward, lr=cfg.cold_start_lr, betas=(0.9, 0.99))
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    encoded = [
-        (
-            encode_prompt(r["prompt"], tokenizer, **config.data.chat_template_kwargs),
-            [*tokenizer(r["completion"], add_special_tokens=False)["input_ids"], eos],
-        )
-        for r in rows
-    ]
+    pad = tokenizer.pad_token_id
+    encoded = [(encode or single_turn_encoder(config, tokenizer))(r) for r in rows]
     first, lines = 0, []
     saved = progress_checkpoints(checkpoints)
     if saved:
@@ -216,14 +213,17 @@ def cold_start(
         for group in optimizer.param_groups:
             group["lr"] = lr
         picked = [encoded[rng.randrange(len(encoded))] for _ in range(local_batch)]
-        prompt_ids, prompt_mask = pad_batch([p for p, _ in picked], pad, policy.device)
+        prompt_ids, prompt_mask = pad_batch([p for p, _, _ in picked], pad, policy.device)
         completion_ids, completion_mask = pad_batch(
-            [c for _, c in picked], pad, policy.device, side="right"
+            [c for _, c, _ in picked], pad, policy.device, side="right"
         )
+        actions = torch.zeros_like(completion_mask, dtype=torch.bool)
+        for i, (_, _, a) in enumerate(picked):
+            actions[i, : len(a)] = torch.tensor(a, dtype=torch.bool)
         with policy.autocast():
             lp = policy.forward(prompt_ids, prompt_mask, completion_ids, completion_mask)
-        loss = -lp[completion_mask.bool()].mean()
-        policy.backward(loss, completion_mask.sum().item())
+        loss = -lp[actions].mean()  # the model's tokens: not an episode's tool responses
+        policy.backward(loss, actions.sum().item())
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -235,7 +235,7 @@ def cold_start(
                 {
                     "sft/step": i + 1,
                     "sft/loss": loss.item(),
-                    "sft/tokens": float(completion_mask.sum().item()),
+                    "sft/tokens": float(actions.sum().item()),
                     "time/sft": time.perf_counter() - start,
                 },
             )
@@ -252,6 +252,17 @@ def cold_start(
             _save_progress(checkpoints, i + 1, policy, optimizer, lines, dist)
     if entry is not None:
         _store_in_cache(entry, policy, lines, dist)
+
+
+def single_turn_encoder(config: Config, tokenizer):
+    """Encodes a row whose completion is a string: the model's tokens, then EOS."""
+    eos, chat = tokenizer.eos_token_id, config.data.chat_template_kwargs
+
+    def encode(row: dict[str, Any]) -> tuple[list[int], list[int], list[bool]]:
+        ids = [*tokenizer(row["completion"], add_special_tokens=False)["input_ids"], eos]
+        return encode_prompt(row["prompt"], tokenizer, **chat), ids, [True] * len(ids)
+
+    return encode
 
 
 def drop_progress(checkpoints: Path, dist: Distributed) -> None:

@@ -50,6 +50,7 @@ def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
         sampler_logprobs=torch.cat([right(b.sampler_logprobs) for b in batches]),
         finish_reasons=[r for b in batches for r in b.finish_reasons],
         group_size=batches[0].group_size,
+        action_mask=torch.cat([right(b.action_mask) for b in batches]),
     )
 
 

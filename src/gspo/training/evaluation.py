@@ -11,7 +11,7 @@ from gspo.config import Config
 from gspo.distributed import Distributed
 from gspo.rollout import SamplingParams
 from gspo.training.experience import Scorer
-from gspo.training.sampler import Sampler
+from gspo.training.sampler import Generator
 from gspo.training.setup import derive_seed
 
 
@@ -31,7 +31,7 @@ class Evaluator:
         dist: Distributed,
         rows: list[dict[str, Any]],
         prompt_ids: list[list[int]],
-        sampler: Sampler,
+        generate: Generator,
         scorer: Scorer,
         sampling: SamplingParams,
     ):
@@ -40,7 +40,7 @@ class Evaluator:
         self.dist = dist
         self.rows = rows[: cfg.max_prompts]
         self.prompt_ids = prompt_ids[: cfg.max_prompts]
-        self.sampler = sampler
+        self.generate = generate
         self.scorer = scorer
         self.modes = [("", cfg.samples, sampling)]
         if cfg.greedy:
@@ -57,19 +57,26 @@ class Evaluator:
             return {}
         metrics: dict[str, float] = {}
         start = time.perf_counter()
-        self.sampler.sync()  # a collective under torchrun: before the ranks' chunks diverge
+        self.generate.sampler.sync()  # a collective under torchrun: before chunks diverge
         starts = range(0, len(rows), chunk)
         for suffix, n, params in self.modes:
             mine = []
             for c in starts[self.dist.rank :: self.dist.world_size]:
                 seed = derive_seed(self.config.train.seed, "eval", step, suffix, c)
-                batch, _ = self.sampler.generate(ids[c : c + chunk], n=n, params=params, seed=seed)
-                scored = self.scorer(rows[c : c + chunk], batch)
-                mine.append((c, scored.rewards, batch.completion_lengths.float().cpu()))
+                generated = self.generate(
+                    rows[c : c + chunk], ids[c : c + chunk], n=n, params=params, seed=seed
+                )
+                scored = self.scorer(rows[c : c + chunk], generated)
+                lengths = generated.batch.completion_lengths.float().cpu()
+                mine.append((c, scored.rewards, lengths, generated.metrics))
             every_rank = self.dist.gather_objects(mine)
             done = sorted((part for parts in every_rank for part in parts), key=lambda p: p[0])
-            r = torch.cat([rewards for _, rewards, _ in done])
-            lengths = torch.cat([length for _, _, length in done])
+            r = torch.cat([part[1] for part in done])
+            lengths = torch.cat([part[2] for part in done])
+            for key in done[0][3] if done else ():  # environment metrics: mean over chunks
+                weights = [len(part[1]) for part in done]
+                total = sum(part[3][key] * w for part, w in zip(done, weights, strict=True))
+                metrics[f"eval/{key.removeprefix('env/')}{suffix}"] = total / sum(weights)
             threshold = self.config.eval.success_threshold
             metrics[f"eval/accuracy{suffix}"] = (r >= threshold).float().mean().item()
             metrics[f"eval/reward_mean{suffix}"] = r.mean().item()

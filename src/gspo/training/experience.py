@@ -26,7 +26,7 @@ from gspo.training.dynamic_sampling import (
 from gspo.training.forward import PlainForward, RoutedForward
 from gspo.training.loss_mask import LossMask
 from gspo.training.metrics import combine, logprob_mismatch, timed
-from gspo.training.sampler import Sampler
+from gspo.training.sampler import Generated, Generator
 from gspo.training.setup import derive_seed, rank_seed
 
 
@@ -53,18 +53,22 @@ class Scorer:
         self.tokenizer = tokenizer
         self.rewards = rewards
 
-    def __call__(self, rows: list[dict[str, Any]], batch: RolloutBatch) -> Scored:
+    def __call__(self, rows: list[dict[str, Any]], generated: Generated) -> Scored:
+        batch = generated.batch
         group = batch.group_size
-        texts = self.tokenizer.batch_decode(
-            [
-                ids[m].tolist()
-                for ids, m in zip(batch.completion_ids, batch.completion_mask, strict=True)
-            ],
-            skip_special_tokens=True,
-        )
         prompts = [row["prompt"] for row in rows for _ in range(group)]
-        completions = [as_completion(t, p) for t, p in zip(texts, prompts, strict=True)]
-        result = self.rewards(prompts, completions, column_batch(rows, group))
+        completions = generated.completions
+        if completions is None:
+            texts = self.tokenizer.batch_decode(
+                [
+                    ids[m].tolist()
+                    for ids, m in zip(batch.completion_ids, batch.completion_mask, strict=True)
+                ],
+                skip_special_tokens=True,
+            )
+            completions = [as_completion(t, p) for t, p in zip(texts, prompts, strict=True)]
+        columns = {**column_batch(rows, group), **generated.columns}
+        result = self.rewards(prompts, completions, columns)
         rewards = torch.tensor(result.rewards, dtype=torch.float32)
         return Scored(batch, completions, rewards, result.per_function)
 
@@ -136,7 +140,7 @@ class RolloutStage:
         dist: Distributed,
         rows: list[dict[str, Any]],
         prompt_ids: list[list[int]],
-        sampler: Sampler,
+        generate: Generator,
         scorer: Scorer,
         forward: PlainForward | RoutedForward,
         sampling: SamplingParams,
@@ -147,7 +151,7 @@ class RolloutStage:
         self.dist = dist
         self.rows = rows
         self.prompt_ids = prompt_ids
-        self.sampler = sampler
+        self.generate = generate
         self.scorer = scorer
         self.forward = forward
         # evaluation samples without the testing-only logit noise; rollouts with it
@@ -155,10 +159,21 @@ class RolloutStage:
         self.local_prompts = local_prompts  # this rank's share of rollout.prompts_per_batch
         self.loss_mask = LossMask(config.algorithm)
 
-    def score(self, picked: list[int], batch: RolloutBatch) -> Scored:
+    def sample(self, picked: list[int], seed: int) -> Generated:
+        """``rollout.group_size`` responses (or episodes) for each of the ``picked`` rows."""
+        return self.generate(
+            [self.rows[i] for i in picked],
+            [self.prompt_ids[i] for i in picked],
+            n=self.config.rollout.group_size,
+            params=self.sampling,
+            seed=seed,
+        )
+
+    def score(self, picked: list[int], generated: Generated) -> Scored:
         """The rewards of a training rollout: the reward functions, then the overlong
         penalty (``reward.overlong_penalty``, training only: evaluation scores without)."""
-        scored = self.scorer([self.rows[i] for i in picked], batch)
+        batch = generated.batch
+        scored = self.scorer([self.rows[i] for i in picked], generated)
         cfg = self.config
         if cfg.reward.overlong_penalty > 0:
             penalty = overlong_penalty(
@@ -180,13 +195,7 @@ class RolloutStage:
         def sample_round(r: int) -> torch.Tensor:
             more = extra_prompts(cfg.train.seed, index, r, len(self.rows), len(picked))
             seed = rank_seed(cfg.train.seed, self.dist, "rollout", index, "extra", r)
-            batch, _ = self.sampler.generate(
-                [self.prompt_ids[i] for i in more],
-                n=cfg.rollout.group_size,
-                params=self.sampling,
-                seed=seed,
-            )
-            rounds.append(self.score(more, batch))
+            rounds.append(self.score(more, self.sample(more, seed)))
             prompts.append(more)
             return rounds[-1].rewards
 
@@ -208,15 +217,12 @@ class RolloutStage:
             share = self.local_prompts
             picked = prompts_for_batch(index, len(self.rows), cfg.rollout.prompts_per_batch, seed)
             picked = picked[dist.rank * share : (dist.rank + 1) * share]
-            batch, local["time/weight_sync"] = self.sampler.generate(
-                [self.prompt_ids[i] for i in picked],
-                n=cfg.rollout.group_size,
-                params=self.sampling,
-                seed=rank_seed(seed, dist, "rollout", index),
-            )
+            generated = self.sample(picked, rank_seed(seed, dist, "rollout", index))
+        local["time/weight_sync"] = generated.sync_seconds
         local["time/generate"] -= local["time/weight_sync"]
+        local.update(generated.metrics)
         with timed(local, "time/reward"):
-            scored = self.score(picked, batch)
+            scored = self.score(picked, generated)
             if cfg.rollout.filter_groups:
                 with timed(local, "time/filter_groups"):  # extra rounds: sampled and scored
                     scored, picked = self.refill(index, picked, scored, local)
@@ -232,9 +238,7 @@ class RolloutStage:
             minibatches = [rows.to(device) for rows in order.chunk(cfg.algorithm.minibatches)]
             recomputed = self.forward.old_logprobs(batch, minibatches)
         if recomputed is not None:
-            local.update(
-                logprob_mismatch(batch.sampler_logprobs, recomputed, batch.completion_mask)
-            )
+            local.update(logprob_mismatch(batch.sampler_logprobs, recomputed, batch.action_mask))
         old_logprobs = batch.sampler_logprobs if recomputed is None else recomputed
         tokens = self.loss_mask(batch, old_logprobs)
         local.update(tokens.metrics)

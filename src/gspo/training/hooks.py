@@ -66,7 +66,7 @@ class FirstMinibatchMismatch(Hook):
         if minibatch.k != 0 or experience.recomputed:
             return {}
         mb = minibatch.batch
-        return logprob_mismatch(mb.sampler_logprobs, minibatch.logprobs, mb.completion_mask)
+        return logprob_mismatch(mb.sampler_logprobs, minibatch.logprobs, mb.action_mask)
 
 
 class ExpertChurn(Hook):
@@ -97,7 +97,7 @@ class ExpertChurn(Hook):
             lambda p, c: policy.logprobs(replace(mb, prompt_ids=p, completion_ids=c)),
             mb.prompt_ids,
             mb.prompt_mask,
-            mb.completion_mask,
+            mb.action_mask,
         )
         overall, per_layer = expert_change_fraction(old, recorder.experts, response)
         metrics = {"moe/expert_change_fraction": overall}
@@ -156,7 +156,7 @@ class RatioDumps(Hook):
     def after_update(self, experience: Experience, minibatch: Minibatch) -> dict[str, float]:
         if self.due(experience, minibatch.k):
             mb = minibatch
-            self.write(experience.index, mb.logprobs, mb.old_logprobs, mb.batch.completion_mask)
+            self.write(experience.index, mb.logprobs, mb.old_logprobs, mb.batch.action_mask)
         return {}
 
     def write(
@@ -198,7 +198,7 @@ def gradient_cosines(
     """
     batch = experience.batch
     params = [p for p in policy.module.parameters() if p.requires_grad]
-    halves = length_halves(batch.completion_lengths.cpu(), generator=generator)
+    halves = length_halves(batch.action_mask.sum(-1).cpu(), generator=generator)
     off, on, counts = [], [], []
     for h in halves:
         pair_off, pair_on, pair_counts = [], [], []
@@ -214,13 +214,13 @@ def gradient_cosines(
             ref = reference.logprobs(mb)
             grads = []
             for old in (experience.old_logprobs[rows][:, : lp.shape[1]], lp.detach()):
-                out = objective(lp, old, experience.advantages[rows], mb.completion_mask, ref)
+                out = objective(lp, old, experience.advantages[rows], mb.action_mask, ref)
                 g = torch.autograd.grad(out.loss, params, retain_graph=True, allow_unused=True)
                 grads.append(flatten(list(g), params))
             pair_off.append(grads[0])
             pair_on.append(grads[1])
-            pair_counts.append(int(mb.completion_mask.any(-1).sum()))
+            pair_counts.append(int(mb.action_mask.any(-1).sum()))
         off.append(tuple(pair_off))
         on.append(tuple(pair_on))
         counts.append(tuple(pair_counts))
-    return bucket_cosines(halves, off, on, counts, batch.completion_lengths.cpu())
+    return bucket_cosines(halves, off, on, counts, batch.action_mask.sum(-1).cpu())

@@ -8,9 +8,10 @@
 - ``algorithm.mask_truncated``: responses cut off by ``rollout.max_new_tokens`` leave the
   loss (DAPO's overlong filtering).
 
-The update stage hands the result to :func:`gspo.objectives.policy_loss` as its ``mask``
-and ``weights``; the rollout's own ``completion_mask`` (what the forward computes) is
-left alone.
+It starts from the rollout's ``action_mask`` (the tokens the model sampled; in a
+multi-turn episode the environment's tokens are left out). The update stage hands the
+result to :func:`gspo.objectives.policy_loss` as its ``mask`` and ``weights``; the
+rollout's own ``completion_mask`` (what the forward computes) is left alone.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class LossMask:
         self.mask_truncated = algorithm.mask_truncated
 
     def __call__(self, batch: RolloutBatch, old_logprobs: torch.Tensor) -> LossTokens:
-        mask = batch.completion_mask.bool()
+        mask = batch.action_mask.bool()  # the model's own tokens: never environment tokens
         out = LossTokens(mask)
         if self.mask_truncated:
             cut = torch.tensor([r == "length" for r in batch.finish_reasons], device=mask.device)

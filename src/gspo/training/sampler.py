@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 from gspo.config import Config
 from gspo.rollout import RolloutBatch, RolloutEngine, SamplingParams, TorchEngine
@@ -77,3 +79,58 @@ class Sampler:
         with self.policy.autocast() if torch_engine else contextlib.nullcontext():
             batch = self.engine.generate(prompts, n=n, params=params, seed=seed)
         return batch, t_sync
+
+
+@dataclass
+class Generated:
+    """What a generator hands the scorer: the rollout batch and what goes with it.
+
+    ``completions`` (one per row; None: the scorer decodes the batch), ``columns`` (extra
+    keyword arguments for the reward functions, e.g. TRL's ``environments``) and
+    ``metrics`` of the generation.
+    """
+
+    batch: RolloutBatch
+    sync_seconds: float
+    completions: list[Any] | None = None
+    columns: dict[str, list[Any]] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Generator(Protocol):
+    """Samples responses (:class:`SingleTurn`) or episodes
+    (:class:`gspo.training.episodes.MultiTurn`) for rows of a dataset."""
+
+    sampler: Sampler
+
+    def __call__(
+        self,
+        rows: list[dict[str, Any]],
+        prompt_ids: list[list[int]],
+        *,
+        n: int,
+        params: SamplingParams,
+        seed: int,
+    ) -> Generated: ...
+
+
+class SingleTurn:
+    """``generate(rows, prompt_ids, n=, params=, seed=) -> Generated``: one response each.
+
+    The multi-turn counterpart is :class:`gspo.training.episodes.MultiTurn`.
+    """
+
+    def __init__(self, sampler: Sampler):
+        self.sampler = sampler
+
+    def __call__(
+        self,
+        rows: list[dict[str, Any]],
+        prompt_ids: list[list[int]],
+        *,
+        n: int,
+        params: SamplingParams,
+        seed: int,
+    ) -> Generated:
+        batch, seconds = self.sampler.generate(prompt_ids, n=n, params=params, seed=seed)
+        return Generated(batch, seconds)

@@ -100,7 +100,7 @@ class PolicyUpdate:
         minibatch would. Metrics are this rank's (see :func:`gspo.training.metrics.combine`)
         but the gradient norm, which is global.
         """
-        mask = mb.completion_mask if mask is None else mask
+        mask = mb.action_mask if mask is None else mask
         ref = self.reference.logprobs(mb)
         out = self.objective(logprobs, old_logprobs, advantages, mask, ref, weights, entropy)
         self.policy.backward(out.loss, out.metrics["sequences"])

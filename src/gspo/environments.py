@@ -1,0 +1,248 @@
+"""Environments: what a model talks to in a multi-turn, tool-using episode.
+
+An environment is a plain Python class named in config (``rollout.environment=
+path/to/env.py:Factory`` or ``package.module:Factory``); ``Factory()`` makes one
+environment per episode. It follows TRL's ``environment_factory`` convention:
+
+- ``reset(**row)`` (optional) is called first with the dataset row's columns (the prompt
+  included); a string it returns is appended to the prompt's last user message.
+- Every other public method is a **tool**. Its name, docstring (Google style, with an
+  ``Args:`` section) and type hints become the JSON schema handed to the tokenizer's chat
+  template (``transformers.utils.get_json_schema``). The model calls tools in the
+  Hermes/Qwen format, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; each
+  call's return value (``str()``, or JSON for other types) goes back as a ``tool`` message.
+- ``step(text)`` (optional) is the generic hook for environments that are not
+  tool-shaped (games, interpreters): called with the model's turn when it made no tool
+  call, it returns the next observation (a ``user`` message) or None to end the episode.
+- ``get_reward()`` (optional) is the environment's own reward for the episode: the
+  built-in reward function ``environment`` returns it, and is the default reward of an
+  environment that has one. Every reward function also gets ``environments=`` (one per
+  completion), as TRL's do.
+
+An episode ends when the model's turn calls no tool and ``step`` is absent or returns
+None, or at ``rollout.max_turns`` / ``rollout.max_episode_tokens``
+(:mod:`gspo.training.episodes` runs them).
+
+A call that does not parse, names no tool, has arguments the tool does not take, or whose
+tool raises is answered with an ``error: ...`` tool message and counted
+(``env/tool_errors_mean``); it never stops the run. A factory that cannot be loaded or
+constructed, a ``reset`` that raises or a tool without a schema stops it with one line.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gspo.rewards import load_object, one_line
+
+#: Methods with a meaning of their own: never tools.
+RESERVED = frozenset({"reset", "step", "get_reward", "close"})
+
+_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
+
+
+class EnvError(ValueError):
+    """A bad environment (not found, not constructible, a tool without schema): one line."""
+
+
+@dataclass
+class ToolCall:
+    """One parsed call; ``error`` is set (and ``name`` may be empty) when it did not parse."""
+
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """Every ``<tool_call>...</tool_call>`` block of ``text``, in order (Hermes/Qwen format).
+
+    The block holds JSON ``{"name": str, "arguments": {...}}`` (``arguments`` may also be a
+    JSON string of an object, as some models write it). A block that is unterminated, not
+    JSON or of another shape comes back with ``error`` set.
+    """
+    calls = []
+    for match in _CALL.finditer(text):
+        body, closed = match.group(1).strip(), bool(match.group(2))
+        if not closed:
+            calls.append(ToolCall("", error="unterminated <tool_call> (no </tool_call>)"))
+            continue
+        try:
+            data = json.loads(body)
+        except json.JSONDecodeError as e:
+            calls.append(ToolCall("", error=f"tool call is not valid JSON ({e.msg})"))
+            continue
+        if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+            calls.append(ToolCall("", error='tool call needs {"name": ..., "arguments": {...}}'))
+            continue
+        arguments = data.get("arguments", data.get("parameters", {}))
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                arguments = None
+        if not isinstance(arguments, dict):
+            calls.append(ToolCall(data["name"], error="tool call arguments must be an object"))
+            continue
+        calls.append(ToolCall(data["name"], arguments))
+    return calls
+
+
+def tool_result_text(value: Any) -> str:
+    """A tool's return value as the text of its ``tool`` message."""
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+class EnvironmentFactory:
+    """The environment class a spec names, its tools and their schemas.
+
+    ``factory`` is a spec string or the callable itself. One instance is made up front to
+    read the tools (and to fail early, with one line, if construction fails).
+    """
+
+    def __init__(self, factory: str | Callable[[], Any]):
+        if isinstance(factory, str):
+            expected = "'path/to/env.py:Factory' or 'package.module:Factory'"
+            self.name = factory
+            factory = load_object(factory.strip(), "environment", EnvError, expected)
+        else:
+            self.name = getattr(factory, "__qualname__", repr(factory))
+        self.factory = factory
+        probe = self.make()
+        self.tool_names = [
+            name
+            for name, member in inspect.getmembers(type(probe))
+            if not name.startswith("_") and name not in RESERVED and callable(member)
+        ]
+        self.schemas = [self._schema(probe, name) for name in self.tool_names]
+        self.has_step = callable(getattr(probe, "step", None))
+        self.has_reward = callable(getattr(probe, "get_reward", None))
+        if not self.tool_names and not self.has_step:
+            raise EnvError(
+                f"environment {self.name!r} has no tools (public methods) and no step(text): "
+                "the model would have nothing to act on"
+            )
+        self.warned: set[tuple[str, str]] = set()
+
+    def _schema(self, probe: Any, name: str) -> dict[str, Any]:
+        from transformers.utils import get_json_schema
+
+        try:
+            return get_json_schema(getattr(probe, name))
+        except Exception as e:
+            raise EnvError(
+                f"environment {self.name!r}: tool {name!r} has no usable schema "
+                f"({type(e).__name__}: {one_line(e, 200)}); give it type hints and a "
+                "docstring with an Args: section, or make it private (_name)"
+            ) from e
+
+    def make(self) -> Any:
+        try:
+            return self.factory()
+        except Exception as e:
+            raise EnvError(
+                f"environment {self.name!r}: constructing it raised "
+                f"{type(e).__name__}: {one_line(e, 300)}"
+            ) from e
+
+    def episode(self) -> Episode:
+        """A fresh environment for one episode."""
+        return Episode(self, self.make())
+
+
+class Episode:
+    """One environment instance and what happened in its episode."""
+
+    def __init__(self, spec: EnvironmentFactory, env: Any):
+        self.spec = spec
+        self.env = env
+        self.tool_calls = 0
+        self.tool_errors = 0
+
+    def reset(self, row: dict[str, Any]) -> str | None:
+        """The environment's ``reset(**row)``; the text to append to the prompt, if any."""
+        reset = getattr(self.env, "reset", None)
+        if not callable(reset):
+            return None
+        try:
+            out = reset(**row)
+        except Exception as e:
+            raise EnvError(
+                f"environment {self.spec.name!r}: reset() raised "
+                f"{type(e).__name__}: {one_line(e, 300)}"
+            ) from e
+        return None if out is None else str(out)
+
+    def respond(self, text: str) -> list[dict[str, Any]] | None:
+        """The environment's reply to the model's turn ``text``: messages, or None (done)."""
+        calls = parse_tool_calls(text) if self.spec.tool_names else []
+        if calls:
+            return [self._answer(call) for call in calls]
+        if self.spec.has_step:
+            observation = self.env.step(text)
+            if observation is None:
+                return None
+            return [{"role": "user", "content": str(observation)}]
+        return None
+
+    def _answer(self, call: ToolCall) -> dict[str, Any]:
+        self.tool_calls += 1
+        message = {"role": "tool", "name": call.name, "content": ""}
+        error = call.error
+        if error is None and call.name not in self.spec.tool_names:
+            error = f"unknown tool {call.name!r}; tools: {', '.join(self.spec.tool_names)}"
+        if error is None:
+            tool = getattr(self.env, call.name)
+            try:
+                inspect.signature(tool).bind(**call.arguments)
+            except TypeError as e:
+                error = f"bad arguments for {call.name}: {e}"
+        if error is None:
+            try:
+                message["content"] = tool_result_text(tool(**call.arguments))
+                return message
+            except Exception as e:
+                error = f"{type(e).__name__}: {one_line(e, 200)}"
+                self._warn(call.name, e)
+        self.tool_errors += 1
+        message["content"] = f"error: {error}"
+        return message
+
+    def _warn(self, tool: str, e: Exception) -> None:
+        """One line on stderr the first time a tool raises a given exception type."""
+        key = (tool, type(e).__name__)
+        if key not in self.spec.warned:
+            self.spec.warned.add(key)
+            print(
+                f"environment {self.spec.name!r}: tool {tool!r} raised {type(e).__name__}: "
+                f"{one_line(e, 200)} (returned to the model as an error; shown once)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+class Calculator:
+    """The built-in ``calculator`` task's environment: one tool, ``add``."""
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+
+        Returns:
+            The sum a + b.
+        """
+        return int(a) + int(b)

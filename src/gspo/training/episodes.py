@@ -1,0 +1,360 @@
+"""Multi-turn episodes: the model and an environment take turns, token-in/token-out.
+
+:class:`MultiTurn` is the rollout stage's generator when ``rollout.environment`` is set
+(:class:`gspo.training.sampler.SingleTurn` otherwise). All episodes of a batch advance
+turn by turn through the same rollout engine (torch or vLLM): turn 0 samples ``G``
+responses per prompt from one shared prefill; each later turn continues every live
+episode from its whole context.
+
+**Token-in/token-out.** The tokens the model sampled are kept as sampled, never decoded
+and re-encoded. The environment's reply (tool responses, turn separators, the next
+generation prompt) is appended as the token ids of exactly the text the chat template
+puts between the model's end-of-turn and its next turn (:class:`TurnFormat`). The
+training sequence is the sampler's context, token for token.
+
+**Loss mask.** The completion of an episode holds the model's tokens and the
+environment's; ``RolloutBatch.action_mask`` marks the model's. Environment tokens are
+context: the trainer computes through them but they take no part in the policy loss,
+in GSPO's length normalisation, in clip fractions or in the mismatch metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gspo.config import Config
+from gspo.environments import EnvError, EnvironmentFactory, Episode
+from gspo.rollout import RolloutBatch, SamplingParams, pad_batch
+from gspo.training.cold_start import single_turn_encoder
+from gspo.training.sampler import Generated, Sampler, SingleTurn
+from gspo.training.setup import derive_seed
+
+#: Content of the stand-in assistant message :class:`TurnFormat` renders around.
+_SENTINEL = "GSPO7TURN9SENTINEL"
+
+
+class TurnFormat:
+    """Token ids of prompts and of the environment's replies, from the chat template.
+
+    ``schemas`` are the environment's tool schemas (rendered by the template's ``tools``
+    support); ``chat_kwargs`` reach the template as its variables (``enable_thinking``).
+    """
+
+    def __init__(self, tokenizer, schemas: list[dict[str, Any]], chat_kwargs: dict[str, Any]):
+        self.tokenizer = tokenizer
+        self.schemas = schemas or None
+        self.chat_kwargs = dict(chat_kwargs)
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise EnvError(
+                "rollout.environment needs a tokenizer with a chat template (none found); "
+                "set data.chat_template to one that renders tools and tool messages"
+            )
+        if self.schemas:
+            probe = [{"role": "user", "content": "x"}]
+            with_tools = self._render(probe, tools=self.schemas)
+            if with_tools == self._render(probe, tools=None):
+                raise EnvError(
+                    "the tokenizer's chat template ignores `tools`: the model would never see "
+                    "the environment's tools (rollout.environment); use a template with tool "
+                    "support (data.chat_template)"
+                )
+        stop = tokenizer.eos_token_id
+        self.stop_text = tokenizer.decode([stop]) if stop is not None else ""
+
+    def _render(self, messages: list[dict[str, Any]], *, tools=None, generation=False) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools,
+                add_generation_prompt=generation,
+                tokenize=False,
+                **self.chat_kwargs,
+            )
+        except Exception as e:
+            roles = ", ".join(m.get("role", "?") for m in messages)
+            raise EnvError(
+                f"the chat template failed on messages ({roles}): {type(e).__name__}: "
+                f"{' '.join(str(e).split())[:200]}"
+            ) from e
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The prompt, tools included, up to the model's first turn."""
+        return self.encode(self._render(messages, tools=self.schemas, generation=True))
+
+    def reply_ids(self, messages: list[dict[str, Any]], *, after_stop: bool = True) -> list[int]:
+        """What follows the model's turn when the environment answers with ``messages``.
+
+        The template renders a stand-in conversation (a user message, an assistant
+        message, then ``messages`` and the generation prompt); the text after the
+        assistant's content is the reply. The model's own end-of-turn (its stop token,
+        already in its sampled tokens when ``after_stop``) is not repeated.
+        """
+        base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL}]
+        text = self._render(base + messages, tools=self.schemas, generation=True)
+        tail = text[text.rindex(_SENTINEL) + len(_SENTINEL) :]
+        if after_stop and self.stop_text and tail.startswith(self.stop_text):
+            tail = tail[len(self.stop_text) :]
+        return self.encode(tail)
+
+
+def as_messages(prompt: Any) -> list[dict[str, Any]]:
+    """A prompt as chat messages (a string becomes one user message); a copy."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return [dict(m) for m in prompt]
+
+
+def with_observation(messages: list[dict[str, Any]], observation: str | None) -> list[dict]:
+    """``reset()``'s text appended to the last user message (TRL's convention)."""
+    if observation:
+        for m in reversed(messages):
+            if m.get("role") == "user":
+                m["content"] = f"{m.get('content', '')}{observation}"
+                break
+        else:
+            messages.append({"role": "user", "content": observation})
+    return messages
+
+
+def encode_conversation(
+    fmt: TurnFormat, prompt: Any, completion: list[dict[str, Any]], eos: int
+) -> tuple[list[int], list[int], list[bool]]:
+    """A cold-start row whose completion is a list of messages, as an episode's tokens.
+
+    Assistant messages are the model's tokens (their content, then EOS; in the loss), the
+    other messages the environment's reply tokens (context), exactly as a rollout lays
+    them out. Returns ``(prompt_ids, completion_ids, action_mask)``.
+    """
+    ids: list[int] = []
+    actions: list[bool] = []
+    pending: list[dict[str, Any]] = []
+    for message in completion:
+        if message.get("role") == "assistant":
+            if pending:
+                reply = fmt.reply_ids(pending)
+                ids += reply
+                actions += [False] * len(reply)
+                pending = []
+            turn = [*fmt.encode(str(message.get("content", ""))), eos]
+            ids += turn
+            actions += [True] * len(turn)
+        else:
+            pending.append(message)
+    return fmt.prompt_ids(as_messages(prompt)), ids, actions
+
+
+@dataclass
+class _State:
+    """One episode in progress."""
+
+    row: dict[str, Any]
+    episode: Episode
+    messages: list[dict[str, Any]]
+    prompt: list[int]
+    ids: list[int]
+    actions: list[bool]
+    logprobs: list[float]
+    turns: int = 0
+    finish: str | None = None
+
+    def __post_init__(self) -> None:
+        self.first = len(self.messages)  # where the episode's messages start
+
+
+class MultiTurn:
+    """``generate(rows, prompt_ids, n=, params=, seed=) -> Generated`` over episodes.
+
+    ``max_turns`` bounds the model's turns per episode, ``max_tokens`` the tokens after
+    the prompt (the model's and the environment's); ``params.max_new_tokens`` bounds one
+    turn. An episode cut by either limit, or whose turn was cut, finishes as ``"length"``.
+    Turn ``t`` samples with seed ``derive_seed(seed, "turn", t)`` (turn 0: ``seed``).
+    """
+
+    def __init__(
+        self,
+        sampler: Sampler,
+        environment: EnvironmentFactory,
+        tokenizer,
+        *,
+        max_turns: int,
+        max_tokens: int,
+        chat_kwargs: dict[str, Any],
+    ):
+        self.sampler = sampler
+        self.environment = environment
+        self.tokenizer = tokenizer
+        self.format = TurnFormat(tokenizer, environment.schemas, chat_kwargs)
+        self.max_turns = max_turns
+        self.max_tokens = max_tokens
+
+    def start(self, row: dict[str, Any]) -> _State:
+        episode = self.environment.episode()
+        messages = with_observation(as_messages(row["prompt"]), episode.reset(dict(row)))
+        prompt = self.format.prompt_ids(messages)
+        return _State(row, episode, messages, prompt, [], [], [])
+
+    def __call__(
+        self,
+        rows: list[dict[str, Any]],
+        prompt_ids: list[list[int]],
+        *,
+        n: int,
+        params: SamplingParams,
+        seed: int,
+    ) -> Generated:
+        del prompt_ids  # episodes render their own prompts (tools, reset observations)
+        states = [self.start(row) for row in rows for _ in range(n)]
+        live = list(range(len(states)))
+        sync = 0.0
+        for turn in range(self.max_turns):
+            if not live:
+                break
+            room = max(self.max_tokens - len(states[i].ids) for i in live)
+            turn_params = SamplingParams(
+                max_new_tokens=min(params.max_new_tokens, room),
+                temperature=params.temperature,
+                top_p=params.top_p,
+                stop_token_ids=params.stop_token_ids,
+                logit_noise=params.logit_noise,
+            )
+            turn_seed = seed if turn == 0 else derive_seed(seed, "turn", turn)
+            shared = turn == 0 and all(
+                states[i].prompt == states[i - i % n].prompt for i in range(len(states))
+            )
+            if shared:  # one prefill per prompt, n responses each
+                contexts, k = [states[i].prompt for i in range(0, len(states), n)], n
+            else:
+                contexts, k = [states[i].prompt + states[i].ids for i in live], 1
+            batch, seconds = self.sampler.generate(
+                contexts, n=k, params=turn_params, seed=turn_seed
+            )
+            sync += seconds
+            live = [i for j, i in enumerate(live) if self.advance(states[i], batch, j, turn)]
+        for i in live:  # still wanting to go on after max_turns
+            states[i].finish = "length"
+        return self.collect(states, n, sync)
+
+    def advance(self, state: _State, batch: RolloutBatch, j: int, turn: int) -> bool:
+        """Append row ``j`` of ``batch`` (this turn) to ``state``; whether it goes on."""
+        mask = batch.completion_mask[j].bool()
+        ids = batch.completion_ids[j][mask].tolist()
+        logprobs = batch.sampler_logprobs[j][mask].tolist()
+        room = self.max_tokens - len(state.ids)
+        cut = len(ids) > room
+        ids, logprobs = ids[:room], logprobs[:room]
+        state.ids += ids
+        state.actions += [True] * len(ids)
+        state.logprobs += logprobs
+        state.turns += 1
+        stopped = batch.finish_reasons[j] == "stop" and not cut
+        text_ids = ids[:-1] if stopped else ids
+        text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
+        state.messages.append({"role": "assistant", "content": text})
+        if not stopped:
+            state.finish = "length"
+            return False
+        reply = state.episode.respond(text)
+        if reply is None:
+            state.finish = "stop"
+            return False
+        if turn + 1 == self.max_turns:
+            return True  # marked "length" by the caller; the reply is never seen
+        reply_ids = self.format.reply_ids(reply)
+        if len(state.ids) + len(reply_ids) >= self.max_tokens:
+            state.finish = "length"
+            return False
+        state.messages += reply
+        state.ids += reply_ids
+        state.actions += [False] * len(reply_ids)
+        state.logprobs += [0.0] * len(reply_ids)
+        return True
+
+    def collect(self, states: list[_State], n: int, sync: float) -> Generated:
+        """The episodes as one :class:`RolloutBatch`, their messages and their metrics."""
+        device = self.sampler.policy.device
+        pad = self.tokenizer.pad_token_id
+        prompt_ids, prompt_mask = pad_batch([s.prompt for s in states], pad, device)
+        completion_ids, completion_mask = pad_batch(
+            [s.ids for s in states], pad, device, side="right"
+        )
+        width = completion_ids.shape[1]
+
+        def right(values: list, fill, dtype) -> torch.Tensor:
+            return torch.tensor([v + [fill] * (width - len(v)) for v in values], dtype=dtype)
+
+        actions = right([s.actions for s in states], False, torch.bool).to(device)
+        logprobs = right([s.logprobs for s in states], 0.0, torch.float32).to(device)
+        batch = RolloutBatch(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=completion_ids,
+            completion_mask=completion_mask.bool(),
+            sampler_logprobs=logprobs,
+            finish_reasons=[s.finish or "length" for s in states],
+            group_size=n,
+            action_mask=actions,
+        )
+        completions = [s.messages[s.first :] for s in states]
+        episodes = len(states)
+        calls = sum(s.episode.tool_calls for s in states)
+        errors = sum(s.episode.tool_errors for s in states)
+        tokens = int(completion_mask.sum())
+        model_tokens = int(actions.sum())
+        metrics = {
+            "env/turns_mean": sum(s.turns for s in states) / episodes,
+            "env/tool_calls_mean": calls / episodes,
+            "env/tool_errors_mean": errors / episodes,
+            "env/tool_call_valid_fraction": (calls - errors) / calls if calls else 1.0,
+            "env/env_token_fraction": (tokens - model_tokens) / tokens if tokens else 0.0,
+            "env/episode_length_mean": tokens / episodes,
+            "env/model_tokens_mean": model_tokens / episodes,
+        }
+        columns: dict[str, list[Any]] = {"environments": [s.episode.env for s in states]}
+        return Generated(batch, sync, completions, columns, metrics)
+
+
+def build_generator(config: Config, sampler: Sampler, tokenizer) -> SingleTurn | MultiTurn:
+    """Episodes with ``rollout.environment`` (or the calculator task), else single turns."""
+    spec = config.environment
+    if spec is None:
+        return SingleTurn(sampler)
+    return MultiTurn(
+        sampler,
+        EnvironmentFactory(spec),
+        tokenizer,
+        max_turns=config.rollout.max_turns,
+        max_tokens=config.max_episode_tokens,
+        chat_kwargs=config.data.chat_template_kwargs,
+    )
+
+
+def sft_encoder(
+    config: Config, tokenizer, generator: SingleTurn | MultiTurn
+) -> Callable[[dict[str, Any]], tuple[list[int], list[int], list[bool]]]:
+    """How the cold start encodes a row: ``(prompt_ids, completion_ids, action_mask)``.
+
+    A string completion is the model's tokens and EOS; a completion that is a list of
+    messages is laid out as an episode (:func:`encode_conversation`), its non-assistant
+    messages left out of the loss.
+    """
+    chat = config.data.chat_template_kwargs
+    eos = tokenizer.eos_token_id
+    fmt = generator.format if isinstance(generator, MultiTurn) else None
+    single = single_turn_encoder(config, tokenizer)
+
+    def encode(row: dict[str, Any]) -> tuple[list[int], list[int], list[bool]]:
+        nonlocal fmt
+        completion = row["completion"]
+        if not isinstance(completion, list):
+            return single(row)
+        fmt = fmt or TurnFormat(tokenizer, [], chat)
+        return encode_conversation(fmt, row["prompt"], completion, eos)
+
+    return encode
