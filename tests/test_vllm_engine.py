@@ -274,3 +274,36 @@ def test_vllm_rejects_head_size_16_in_one_line(tmp_path, tokenizer):
             eos_token_id=tokenizer.eos_token_id,
             device=torch.device("cpu"),
         )
+
+
+@needs_vllm
+def test_multi_turn_episodes_through_vllm_are_token_in_token_out(engine, model, tokenizer):
+    """Episodes run turn by turn through vLLM (token ids in, token ids out): the
+    recomputed log-probs of the model's tokens over the whole episode, the environment's
+    tokens in its context, equal vLLM's."""
+    from types import SimpleNamespace
+
+    from gspo.environments import EnvironmentFactory
+    from gspo.training.episodes import MultiTurn
+
+    class Stepper:
+        def __init__(self):
+            self.turns = 0
+
+        def step(self, text):
+            self.turns += 1
+            return None if self.turns >= 3 else f"turn {self.turns}: go on"
+
+    sampler = SimpleNamespace(
+        generate=lambda p, n, params, seed: (engine.generate(p, n=n, params=params, seed=seed), 0),
+        policy=SimpleNamespace(device=torch.device("cpu")),
+    )
+    runner = MultiTurn(
+        sampler, EnvironmentFactory(Stepper), tokenizer, max_turns=3, max_tokens=300,
+        chat_kwargs={},
+    )  # fmt: skip
+    rows = [{"prompt": t} for t in TEXTS]
+    batch = runner(rows, [[]] * 3, n=4, params=SamplingParams(max_new_tokens=80), seed=4).batch
+    assert (batch.completion_mask & ~batch.action_mask).any()  # environment tokens
+    lp = recompute(model, batch)
+    assert (lp - batch.sampler_logprobs).abs()[batch.action_mask].max() < 1e-4

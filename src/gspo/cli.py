@@ -3,7 +3,8 @@
     gspo train [--config FILE.yaml] [--output-dir DIR] [key.sub=value ...]
     gspo train --resume DIR [key.sub=value ...]
     torchrun --nproc-per-node N -m gspo train ...           # data-parallel, FSDP2
-    gspo compare [--config FILE.yaml] [--output-dir DIR] [--seeds 3] [--preset default|stress|long]
+    gspo compare [--config FILE.yaml] [--output-dir DIR] [--seeds 3]
+                 [--preset default|stress|long|tools] [--algorithms GSPO,GRPO]
     gspo config [--config FILE.yaml] [key.sub=value ...]     # print the resolved config
     gspo config --doc                                         # print the config reference
     gspo export RUN_OR_CHECKPOINT --merge OUT                 # one plain HF model (LoRA merged)
@@ -53,7 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--config", type=Path, help="YAML config file (shared by every run)")
     comp.add_argument("--output-dir", type=Path, default=Path("runs/compare"))
     comp.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per algorithm")
-    comp.add_argument("--preset", default="default", help="default | stress | long")
+    comp.add_argument("--preset", default="default", help="default | stress | long | tools")
+    comp.add_argument(
+        "--algorithms",
+        default="GSPO,GRPO,GSPO-token",
+        help="comma-separated subset of GSPO, GRPO, GSPO-token",
+    )
     comp.add_argument("--no-cache", action="store_true", help=NO_CACHE_HELP)
     comp.add_argument("overrides", nargs="*", metavar="key.sub=value")
 
@@ -150,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.output_dir,
                 seeds=range(args.seeds),
                 preset=args.preset,
+                algorithms=[a.strip() for a in args.algorithms.split(",") if a.strip()],
             )
             return 0
         if args.command == "export":

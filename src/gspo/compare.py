@@ -67,6 +67,36 @@ PRESETS: dict[str, list[str]] = {
         "eval.max_prompts=96",
         "log.ratio_dump_every=2",
     ],
+    # Multi-turn episodes with a tool (docs/environments.md): 5-digit additions that the
+    # small model cannot do by itself, and an add tool the cold start calls unreliably.
+    "tools": [
+        "data.task=calculator",
+        "data.digits=5",
+        "data.label_noise=0.5",
+        "rollout.max_new_tokens=80",
+        "rollout.max_turns=3",
+        "rollout.max_episode_tokens=200",
+        "model.layers=2",
+        "model.hidden=128",
+        "model.heads=4",
+        "model.kv_heads=2",
+        "model.intermediate=384",
+        "train.cold_start_steps=600",
+        "train.max_steps=48",
+        "algorithm.minibatches=4",
+        "optim.lr=2e-5",
+        "eval.every=16",
+        "eval.max_prompts=96",
+        "log.ratio_dump_every=2",
+    ],
+}
+
+#: Episode metrics reported when the runs have an environment (start -> end of training).
+EPISODE_METRICS = {
+    "eval/turns_mean": "turns per episode",
+    "eval/tool_calls_mean": "tool calls per episode",
+    "eval/tool_call_valid_fraction": "valid tool calls",
+    "eval/env_token_fraction": "environment-token share",
 }
 STRESS_LR_FACTOR = 3.0
 
@@ -149,6 +179,7 @@ def run_configs(
     checkpoint: Path,
     seeds: Sequence[int],
     preset: str,
+    algorithms: Sequence[str] = tuple(ALGORITHMS),
 ) -> dict[tuple[str, int], Config]:
     """The config of every (algorithm, seed) run."""
     extra = []
@@ -156,7 +187,8 @@ def run_configs(
         lr = load_config(config_path, with_preset(preset, overrides)).optim.lr
         extra.append(f"optim.lr={lr * STRESS_LR_FACTOR}")
     configs = {}
-    for name, algo in ALGORITHMS.items():
+    for name in algorithms:
+        algo = ALGORITHMS[name]
         for seed in seeds:
             configs[name, seed] = load_config(
                 config_path,
@@ -183,17 +215,26 @@ def compare(
     seeds: Sequence[int] = (0, 1, 2),
     preset: str = "default",
     log: Callable[[str], None] = print,
+    algorithms: Sequence[str] = tuple(ALGORITHMS),
 ) -> dict[str, Any]:
     """Run (or reuse) every run, then write the report; returns the summary."""
     if preset not in PRESETS:
         raise ValueError(f"--preset {preset!r}: expected one of {', '.join(PRESETS)}")
+    unknown = [a for a in algorithms if a not in ALGORITHMS]
+    if unknown or not algorithms:
+        raise ValueError(
+            f"--algorithms {','.join(algorithms)!r}: expected some of {', '.join(ALGORITHMS)}"
+        )
     if not seeds:
         raise ValueError("--seeds: at least one seed")
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     base = [*with_preset(preset, overrides), "log.progress=false", "log.plots=false"]
     checkpoint = cold_start_checkpoint(base, config_path, out, log)
-    configs = run_configs(config_path, overrides, checkpoint=checkpoint, seeds=seeds, preset=preset)
+    configs = run_configs(
+        config_path, overrides, checkpoint=checkpoint, seeds=seeds, preset=preset,
+        algorithms=algorithms,
+    )  # fmt: skip
     runs = []
     for (name, seed), config in configs.items():
         log(f"{name}, seed {seed}")
@@ -363,7 +404,16 @@ def algorithm_summary(runs: Sequence[Run]) -> dict[str, Any]:
     pooled = {k: torch.cat([d[k] for d in dumps]) for k in dumps[0]} if dumps else {}
     token_lr, seq_lr = pooled.get("token_log_ratio"), pooled.get("sequence_log_ratio")
     acc, acc_sd = mean_std(finals)
+    episodes = {}
+    for key in EPISODE_METRICS:
+        evals = [[x[key] for x in r.records if key in x] for r in runs]
+        if all(evals):
+            episodes[key] = (
+                mean_std([e[0] for e in evals])[0],
+                mean_std([e[-1] for e in evals])[0],
+            )
     return {
+        "episodes": episodes,
         "seeds": [r.seed for r in runs],
         "accuracy_start": mean_std(starts)[0],
         "accuracy": acc,
@@ -631,6 +681,24 @@ def report_markdown(
             f"{s['sequence_log_ratio_sd']:.2e} | {s['seconds']:.0f} |"
         )
     lines += ["", *[f"- {note}" for note in notes(summary, runs)]]
+    if any(s.get("episodes") for s in summary.values()):
+        lines += [
+            "",
+            "## Episodes",
+            "",
+            "Held-out episodes (sampled), at the first and the last evaluation, means over seeds.",
+            "",
+            "| algorithm | " + " | ".join(EPISODE_METRICS.values()) + " |",
+            "|---|" + "---|" * len(EPISODE_METRICS),
+        ]
+        for name, s in summary.items():
+            cells = [
+                f"{s['episodes'][k][0]:.3f} -> {s['episodes'][k][1]:.3f}"
+                if k in s.get("episodes", {})
+                else "-"
+                for k in EPISODE_METRICS
+            ]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "## Ratio variance by response length", ""]
     lines += ["| algorithm | lengths | responses | var w_it | var s_i |", "|---|---|---|---|---|"]
     for name, s in summary.items():

@@ -1,0 +1,436 @@
+"""Multi-turn environments: tool calls, token-in/token-out episodes, environment tokens masked."""
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from gspo.cli import main
+from gspo.config import load_config
+from gspo.environments import Calculator, EnvError, EnvironmentFactory, parse_tool_calls
+from gspo.objectives import policy_loss
+from gspo.rollout import RolloutBatch, SamplingParams, TorchEngine, pad_batch
+from gspo.tasks import calculator_task, tool_call_text
+from gspo.trainer import Trainer
+from gspo.training.episodes import MultiTurn, TurnFormat, encode_conversation
+from gspo.training.loss_mask import LossMask
+from gspo.training.metrics import logprob_mismatch
+from tests.test_trainer import FAST
+
+COUNTER_ENV = '''
+class Counter:
+    """A stateful counter: the model adds to it with a tool; the reward is the total."""
+
+    def __init__(self):
+        self.total = 0
+
+    def reset(self, **row):
+        self.total = int(row.get("start", 0))
+
+    def add(self, x: int) -> int:
+        """Add to the counter.
+
+        Args:
+            x: How much to add.
+        """
+        self.total += x
+        return self.total
+
+    def get_reward(self):
+        return float(self.total)
+
+
+class Talker:
+    """Not tool-shaped: answers every turn with 'ok' until the third."""
+
+    def __init__(self):
+        self.turns = 0
+
+    def step(self, text):
+        self.turns += 1
+        return None if self.turns >= 3 else "ok"
+
+
+class Broken:
+    def __init__(self):
+        raise RuntimeError("no licence server")
+
+
+class Undocumented:
+    def add(self, x):
+        return x
+'''
+
+
+@pytest.fixture
+def env_file(tmp_path):
+    path = tmp_path / "envs.py"
+    path.write_text(COUNTER_ENV)
+    return path
+
+
+# ---------------------------------------------------------------------------- parsing
+
+
+def test_tool_calls_parse_in_order_and_bad_ones_carry_an_error():
+    text = (
+        'a<tool_call>{"name": "add", "arguments": {"x": 1}}</tool_call>'
+        '<tool_call>{"name": "add", "arguments": "{\\"x\\": 2}"}</tool_call>'
+        "<tool_call>{not json}</tool_call>"
+        '<tool_call>["add"]</tool_call>'
+        '<tool_call>{"name": "add", "arguments": 3}</tool_call>'
+        '<tool_call>{"name": "add"'
+    )
+    calls = parse_tool_calls(text)
+    assert [(c.name, c.arguments, c.error is None) for c in calls[:2]] == [
+        ("add", {"x": 1}, True),
+        ("add", {"x": 2}, True),
+    ]
+    errors = [c.error for c in calls[2:]]
+    assert "not valid JSON" in errors[0]
+    assert '{"name"' in errors[1]
+    assert "must be an object" in errors[2]
+    assert "unterminated" in errors[3]
+    assert parse_tool_calls("no call here") == []
+
+
+# ---------------------------------------------------------------------------- the factory
+
+
+def test_tools_are_the_public_methods_with_their_schemas(env_file):
+    factory = EnvironmentFactory(f"{env_file}:Counter")
+    assert factory.tool_names == ["add"]  # reset and get_reward are not tools
+    schema = factory.schemas[0]["function"]
+    assert schema["name"] == "add"
+    assert schema["parameters"]["properties"]["x"]["type"] == "integer"
+    assert factory.has_reward and not factory.has_step
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("{file}:Nope", "has no attribute 'Nope'"),
+        ("/no/such/env.py:Env", "environment file not found"),
+        ("{file}:Broken", "constructing it raised RuntimeError: no licence server"),
+        ("{file}:Undocumented", "tool 'add' has no usable schema"),
+        ("gspo.environments:nothing", "has no attribute 'nothing'"),
+    ],
+)
+def test_bad_environments_are_one_line_errors(env_file, spec, expected):
+    with pytest.raises(EnvError, match=expected) as info:
+        EnvironmentFactory(spec.format(file=env_file))
+    assert "\n" not in str(info.value)
+
+
+def test_bad_environment_stops_the_cli_with_one_line(tmp_path, env_file, capsys):
+    code = main(
+        ["train", "--output-dir", str(tmp_path / "run"), *FAST,
+         f"rollout.environment={env_file}:Broken"]
+    )  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and "no licence server" in err
+
+
+def test_tool_errors_go_back_to_the_model_and_are_counted(env_file, capsys):
+    episode = EnvironmentFactory(f"{env_file}:Counter").episode()
+    episode.reset({"start": 5})
+    call = tool_call_text
+    reply = episode.respond(call("add", {"x": 2}) + call("sub", {"x": 1}) + call("add", {"y": 1}))
+    assert reply[0]["content"] == "7"
+    assert reply[1]["content"].startswith("error: unknown tool 'sub'")
+    assert reply[2]["content"].startswith("error: bad arguments for add")
+    assert (episode.tool_calls, episode.tool_errors) == (3, 2)
+    assert episode.respond("the answer is 7") is None  # no call: the episode ends
+
+    class Raises:
+        def add(self, x: int) -> int:
+            """Add.
+
+            Args:
+                x: How much.
+            """
+            raise ZeroDivisionError("boom")
+
+    factory = EnvironmentFactory(Raises)
+    for _ in range(2):
+        message = factory.episode().respond(call("add", {"x": 1}))[0]
+        assert message["content"] == "error: ZeroDivisionError: boom"
+    warned = capsys.readouterr().err
+    assert warned.count("raised ZeroDivisionError") == 1  # shown once
+
+
+def test_a_step_environment_answers_until_it_returns_none(env_file):
+    episode = EnvironmentFactory(f"{env_file}:Talker").episode()
+    assert episode.respond("hi") == [{"role": "user", "content": "ok"}]
+    assert episode.respond("hi") == [{"role": "user", "content": "ok"}]
+    assert episode.respond("hi") is None
+
+
+# ---------------------------------------------------------------------------- chat template
+
+
+def test_a_template_without_tools_or_no_template_is_refused(tokenizer):
+    schemas = EnvironmentFactory(Calculator).schemas
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    with pytest.raises(EnvError, match="ignores `tools`"):
+        TurnFormat(plain, schemas, {})
+    plain.chat_template = None
+    with pytest.raises(EnvError, match="needs a tokenizer with a chat template"):
+        TurnFormat(plain, schemas, {})
+
+
+def test_replies_follow_the_models_stop_token_without_repeating_it(tokenizer):
+    fmt = TurnFormat(tokenizer, EnvironmentFactory(Calculator).schemas, {})
+    reply = fmt.reply_ids([{"role": "tool", "name": "add", "content": "46"}])
+    assert tokenizer.decode(reply) == "<tool_response>46</tool_response>"
+    assert tokenizer.eos_token_id not in reply
+    assert tokenizer.decode(fmt.prompt_ids([{"role": "user", "content": "1+2="}])) == (
+        "tools: add\n1+2="
+    )
+
+
+def test_cold_start_conversations_train_on_the_assistant_tokens_only(tokenizer):
+    fmt = TurnFormat(tokenizer, EnvironmentFactory(Calculator).schemas, {})
+    row = calculator_task(digits=3, sft_size=50, label_noise=0.0, train_size=100).sft[0]
+    prompt, ids, actions = encode_conversation(
+        fmt, row["prompt"], row["completion"], tokenizer.eos_token_id
+    )
+    call, tool, answer = row["completion"]
+    model_text = tokenizer.decode([t for t, a in zip(ids, actions, strict=True) if a])
+    env_text = tokenizer.decode([t for t, a in zip(ids, actions, strict=True) if not a])
+    assert model_text == call["content"] + "<eos>" + answer["content"] + "<eos>"
+    assert env_text == f"<tool_response>{tool['content']}</tool_response>"
+    assert tokenizer.decode(prompt).startswith("tools: add\n")
+
+
+# ---------------------------------------------------------------------------- episodes
+
+
+class ScriptedEngine:
+    """Answers turn ``t`` of row ``j`` with ``script[t][j]`` (then EOS); records contexts."""
+
+    def __init__(self, tokenizer, script):
+        self.tokenizer, self.script, self.calls, self.turn = tokenizer, script, [], 0
+        self.policy = SimpleNamespace(device=torch.device("cpu"))
+
+    def generate(self, prompts, *, n, params, seed):
+        self.calls.append([list(p) for p in prompts for _ in range(n)])
+        texts = self.script[self.turn]
+        self.turn += 1
+        ids = [[*self.tokenizer(t, add_special_tokens=False)["input_ids"], 2] for t in texts]
+        ids = [seq[: params.max_new_tokens] for seq in ids]
+        pid, pmask = pad_batch([list(p) for p in prompts for _ in range(n)], 0, "cpu")
+        cid, cmask = pad_batch(ids, 0, "cpu", side="right")
+        lp = torch.where(cmask.bool(), -0.25, 0.0)
+        reasons = ["stop" if seq[-1] == 2 else "length" for seq in ids]
+        batch = RolloutBatch(pid, pmask, cid, cmask.bool(), lp, reasons, n)
+        return batch, 0.0
+
+
+def test_episodes_are_token_in_token_out_with_environment_tokens_masked(tokenizer, env_file):
+    assert tokenizer.eos_token_id == 2
+    call = tool_call_text
+    script = [
+        [call("add", {"x": 3}), "done", call("add", {"x": 1}) + "trailing"],
+        [call("add", {"x": 4}), "{bad"],
+        ["finished"],
+    ]
+    engine = ScriptedEngine(tokenizer, script)
+    runner = MultiTurn(
+        engine, EnvironmentFactory(f"{env_file}:Counter"), tokenizer,
+        max_turns=4, max_tokens=400, chat_kwargs={},
+    )  # fmt: skip
+    rows = [{"prompt": "count", "start": 10}]
+    out = runner(rows, [[]], n=3, params=SamplingParams(max_new_tokens=200), seed=0)
+    batch = out.batch
+    # turn 0 shares the prompt's prefill: one context, three responses
+    assert len(engine.calls[0]) == 3 and engine.calls[0][0] == engine.calls[0][2]
+    # turn 1 continues every live episode from its whole context, tokens as sampled
+    prompt = engine.calls[0][0]
+    first = [*tokenizer(script[0][0], add_special_tokens=False)["input_ids"], 2]
+    reply = tokenizer("<tool_response>13</tool_response>", add_special_tokens=False)
+    assert engine.calls[1][0] == prompt + first + reply["input_ids"]
+    # episode 0: call -> 13 -> call -> 17 -> "finished"; its rows hold exactly that
+    ids = batch.completion_ids[0][batch.completion_mask[0]].tolist()
+    assert tokenizer.decode(ids) == (
+        f"{script[0][0]}<eos><tool_response>13</tool_response>{script[1][0]}<eos>"
+        "<tool_response>17</tool_response>finished<eos>"
+    )
+    actions = batch.action_mask[0][batch.completion_mask[0]]
+    model_text = tokenizer.decode([t for t, a in zip(ids, actions.tolist(), strict=True) if a])
+    assert model_text == f"{script[0][0]}<eos>{script[1][0]}<eos>finished<eos>"
+    # the sampler's log-probs on its tokens, 0 on the environment's
+    lp = batch.sampler_logprobs[0][batch.completion_mask[0]]
+    assert torch.all(lp[actions] == -0.25) and torch.all(lp[~actions] == 0)
+    # episode 1 stopped at once; episode 2's second call failed to parse
+    assert batch.completion_lengths[1] == len("done") + 1
+    assert out.completions[1] == [{"role": "assistant", "content": "done"}]
+    assert [m["role"] for m in out.completions[0]] == ["assistant", "tool"] * 2 + ["assistant"]
+    assert batch.finish_reasons == ["stop", "stop", "stop"]
+    m = out.metrics
+    assert m["env/turns_mean"] == pytest.approx((3 + 1 + 2) / 3)
+    assert m["env/tool_calls_mean"] == pytest.approx(3 / 3)  # 2 + 0 + 1 parsed calls
+    assert m["env/tool_errors_mean"] == pytest.approx(0.0)
+    assert 0 < m["env/env_token_fraction"] < 1
+    assert [e.total for e in out.columns["environments"]] == [17, 10, 11]
+
+
+def test_budgets_cut_episodes_as_length(tokenizer, env_file):
+    call = tool_call_text("add", {"x": 1})
+    factory = EnvironmentFactory(f"{env_file}:Counter")
+    engine = ScriptedEngine(tokenizer, [[call, call], [call, call]])
+    runner = MultiTurn(engine, factory, tokenizer, max_turns=2, max_tokens=500, chat_kwargs={})
+    out = runner([{"prompt": "p"}], [[]], n=2, params=SamplingParams(max_new_tokens=100), seed=0)
+    assert out.batch.finish_reasons == ["length", "length"]  # still calling at max_turns
+    # the reply to the last turn is never appended: the episode ends on the model's tokens
+    last = out.batch.completion_ids[0][out.batch.completion_lengths[0] - 1]
+    assert last == tokenizer.eos_token_id
+    engine = ScriptedEngine(tokenizer, [[call, call]])
+    runner = MultiTurn(engine, factory, tokenizer, max_turns=4, max_tokens=20, chat_kwargs={})
+    out = runner([{"prompt": "p"}], [[]], n=2, params=SamplingParams(max_new_tokens=100), seed=0)
+    assert out.batch.finish_reasons == ["length", "length"]
+    assert out.batch.completion_lengths.tolist() == [20, 20]
+
+
+def test_the_trainer_recomputes_exactly_what_the_sampler_saw(tokenizer, tiny_model, env_file):
+    """Long, multi-turn episodes on a real model: the sampler's log-probs of its own tokens
+    equal a recompute over the whole episode (environment tokens in the context)."""
+
+    class Stepper:
+        def __init__(self):
+            self.turns = 0
+
+        def step(self, text):
+            self.turns += 1
+            return None if self.turns >= 3 else f"turn {self.turns}: go on"
+
+    engine = TorchEngine(tiny_model, pad_token_id=0, eos_token_id=2)
+    sampler = SimpleNamespace(
+        generate=lambda p, n, params, seed: (engine.generate(p, n=n, params=params, seed=seed), 0),
+        policy=SimpleNamespace(device=torch.device("cpu")),
+    )
+    runner = MultiTurn(
+        sampler, EnvironmentFactory(Stepper), tokenizer, max_turns=3, max_tokens=360,
+        chat_kwargs={},
+    )  # fmt: skip
+    rows = [{"prompt": "12+34+56="}, {"prompt": "7+8="}]
+    params = SamplingParams(max_new_tokens=120, temperature=0.9)
+    batch = runner(rows, [[]] * 2, n=3, params=params, seed=1).batch
+    env_tokens = (batch.completion_mask & ~batch.action_mask).sum()
+    assert env_tokens > 0 and batch.completion_lengths.max() > 120  # several turns
+    from gspo.models import completion_logprobs
+
+    with torch.no_grad():
+        lp = completion_logprobs(
+            tiny_model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+            batch.completion_mask, temperature=0.9,
+        )  # fmt: skip
+    delta = (lp - batch.sampler_logprobs).abs()[batch.action_mask]
+    assert delta.max() < 1e-4
+    mismatch = logprob_mismatch(batch.sampler_logprobs, lp, batch.action_mask)
+    assert mismatch["mismatch/tokens"] == batch.action_mask.sum()
+
+
+# ---------------------------------------------------------------------------- the loss
+
+
+@pytest.mark.parametrize("level", ["sequence", "sequence_token", "token"])
+def test_environment_tokens_take_no_part_in_the_loss(level):
+    """The loss, its gradient and clip fractions over an episode with environment tokens
+    equal those of the same episode with the environment tokens cut out: they count
+    neither in the ratios nor in GSPO's length normalisation."""
+    g = torch.Generator().manual_seed(0)
+    n, t = 6, 12
+    actions = torch.rand(n, t, generator=g) < 0.6
+    actions[:, 0] = True
+    lp = (-torch.rand(n, t, generator=g)).requires_grad_()
+    old = lp.detach() + 0.3 * torch.randn(n, t, generator=g)
+    adv = torch.randn(n, generator=g)
+    full = policy_loss(lp, old, adv, actions, level=level)
+    (grad_full,) = torch.autograd.grad(full.loss, lp)
+    # environment positions hold anything at all: the loss does not see them
+    noisy_old = torch.where(actions, old, old + 5 * torch.randn(n, t, generator=g))
+    assert policy_loss(lp, noisy_old, adv, actions, level=level).loss.item() == pytest.approx(
+        full.loss.item(), abs=1e-7
+    )
+    width = int(actions.sum(1).max())
+    compact_lp = torch.zeros(n, width)
+    compact_old = torch.zeros(n, width)
+    compact_mask = torch.zeros(n, width, dtype=torch.bool)
+    for i in range(n):
+        k = int(actions[i].sum())
+        compact_lp[i, :k] = lp.detach()[i][actions[i]]
+        compact_old[i, :k] = old[i][actions[i]]
+        compact_mask[i, :k] = True
+    compact_lp.requires_grad_()
+    compact = policy_loss(compact_lp, compact_old, adv, compact_mask, level=level)
+    (grad_compact,) = torch.autograd.grad(compact.loss, compact_lp)
+    assert full.loss.item() == pytest.approx(compact.loss.item(), abs=1e-6)
+    assert full.metrics == pytest.approx(compact.metrics, abs=1e-6)
+    assert torch.all(grad_full[~actions] == 0)
+    for i in range(n):
+        k = int(actions[i].sum())
+        assert torch.allclose(grad_full[i][actions[i]], grad_compact[i, :k], atol=1e-7)
+
+
+def test_the_loss_mask_starts_from_the_action_mask():
+    cfg = load_config(None, ["algorithm.mask_truncated=true"]).algorithm
+    completion = torch.ones(2, 5, dtype=torch.bool)
+    actions = torch.tensor([[1, 1, 0, 0, 1], [1, 0, 1, 1, 1]], dtype=torch.bool)
+    batch = RolloutBatch(
+        torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long),
+        torch.ones(2, 5, dtype=torch.long), completion, torch.zeros(2, 5),
+        ["stop", "length"], 2, action_mask=actions,
+    )  # fmt: skip
+    tokens = LossMask(cfg)(batch, torch.zeros(2, 5))
+    assert tokens.mask.tolist() == [actions[0].tolist(), [False] * 5]
+    # and a batch trimmed or selected keeps its action mask aligned
+    assert torch.equal(batch.select(torch.tensor([1])).action_mask, actions[1:])
+
+
+# ---------------------------------------------------------------------------- the trainer
+
+
+def test_a_multi_turn_run_trains_and_logs_episode_metrics(tmp_path, env_file):
+    """End to end through the trainer with a step environment (always several turns):
+    the rollout's loss mask is its action mask, updates are finite, env/* is logged."""
+    (tmp_path / "data.jsonl").write_text(
+        "\n".join(f'{{"prompt": "{a}+{a}=", "answer": "{2 * a}"}}' for a in range(10, 40))
+    )
+    overrides = [
+        *FAST, f"data.train={tmp_path / 'data.jsonl'}", f"data.eval={tmp_path / 'data.jsonl'}",
+        "train.cold_start_steps=0", f"rollout.environment={env_file}:Talker",
+        "rollout.max_new_tokens=24", "rollout.max_turns=3", "train.max_steps=2",
+        "algorithm.minibatches=2", "algorithm.old_logprobs=recompute", "eval.max_prompts=4",
+        "reward.functions=[numeric_match]",
+    ]  # fmt: skip
+    trainer = Trainer(load_config(None, overrides), tmp_path / "run")
+    experience = trainer.rollout(0)
+    batch = experience.batch
+    assert torch.equal(experience.loss_mask, batch.action_mask)
+    assert (batch.completion_mask & ~batch.action_mask).any()  # environment tokens exist
+    assert experience.metrics["env/turns_mean"] > 1
+    assert experience.metrics["mismatch/token_abs_max"] < 1e-4  # token-in/token-out
+    line = trainer.update(experience, 0)
+    assert torch.isfinite(torch.tensor(line["train/loss"]))
+    records = trainer.fit()
+    assert any("eval/turns_mean" in r for r in records)
+    assert all(r["env/turns_mean"] > 1 for r in records if "env/turns_mean" in r)
+
+
+def test_environment_reward_is_the_default_and_workers_are_refused(tmp_path, env_file):
+    from gspo.config import ConfigError
+
+    with pytest.raises((ConfigError, ValueError), match="reward.workers"):
+        load_config(None, [f"rollout.environment={env_file}:Counter", "reward.workers=2"])
+    overrides = [
+        *FAST, "train.cold_start_steps=0", f"rollout.environment={env_file}:Counter",
+        "rollout.max_new_tokens=8",
+    ]  # fmt: skip
+    trainer = Trainer(load_config(None, overrides), tmp_path / "run")
+    assert trainer.rollout.scorer.rewards.names == ["environment"]
+    experience = trainer.rollout(0)
+    # Counter's reward is its total: reset to the row's 'start' (absent: 0), no calls
+    assert experience.metrics["train/reward_mean"] == 0.0
