@@ -434,3 +434,36 @@ def test_environment_reward_is_the_default_and_workers_are_refused(tmp_path, env
     experience = trainer.rollout(0)
     # Counter's reward is its total: reset to the row's 'start' (absent: 0), no calls
     assert experience.metrics["train/reward_mean"] == 0.0
+
+
+def test_factories_that_take_the_row_and_close_after_scoring(tmp_path):
+    closed = []
+
+    class Quiz:
+        def __init__(self, answer, **rest):
+            self.answer = answer
+
+        def guess(self, x: int) -> str:
+            """Guess the answer.
+
+            Args:
+                x: The guess.
+            """
+            return "right" if str(x) == self.answer else "wrong"
+
+        def close(self):
+            closed.append(self.answer)
+
+    def make_quiz(row):  # one parameter that is not a column: the row itself
+        return Quiz(row["answer"])
+
+    for factory in (Quiz, make_quiz):
+        spec = EnvironmentFactory(factory, sample_row={"prompt": "p", "answer": "7"})
+        assert spec.tool_names == ["guess"]
+        episode = spec.episode({"prompt": "p", "answer": "7"})
+        reply = episode.respond(tool_call_text("guess", {"x": 7}))
+        assert reply[0]["content"] == "right"
+        episode.close()
+    assert closed == ["7", "7"]
+    with pytest.raises(EnvError, match="constructing it raised KeyError"):
+        EnvironmentFactory(make_quiz, sample_row={"prompt": "p"})

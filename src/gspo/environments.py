@@ -2,7 +2,9 @@
 
 An environment is a plain Python class named in config (``rollout.environment=
 path/to/env.py:Factory`` or ``package.module:Factory``); ``Factory()`` makes one
-environment per episode. It follows TRL's ``environment_factory`` convention:
+environment per episode. It follows TRL's ``environment_factory`` convention (a factory
+with required parameters is called with the dataset row instead, see
+:meth:`EnvironmentFactory.make`):
 
 - ``reset(**row)`` (optional) is called first with the dataset row's columns (the prompt
   included); a string it returns is appended to the prompt's last user message.
@@ -18,6 +20,8 @@ environment per episode. It follows TRL's ``environment_factory`` convention:
   built-in reward function ``environment`` returns it, and is the default reward of an
   environment that has one. Every reward function also gets ``environments=`` (one per
   completion), as TRL's do.
+
+- ``close()`` (optional) is called once the episode has been scored.
 
 An episode ends when the model's turn calls no tool and ``step`` is absent or returns
 None, or at ``rollout.max_turns`` / ``rollout.max_episode_tokens``
@@ -35,6 +39,7 @@ import inspect
 import json
 import re
 import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,7 +116,7 @@ class EnvironmentFactory:
     read the tools (and to fail early, with one line, if construction fails).
     """
 
-    def __init__(self, factory: str | Callable[[], Any]):
+    def __init__(self, factory: str | Callable[..., Any], sample_row: dict[str, Any] | None = None):
         if isinstance(factory, str):
             expected = "'path/to/env.py:Factory' or 'package.module:Factory'"
             self.name = factory
@@ -119,15 +124,29 @@ class EnvironmentFactory:
         else:
             self.name = getattr(factory, "__qualname__", repr(factory))
         self.factory = factory
-        probe = self.make()
+        try:
+            self.parameters = inspect.signature(factory).parameters
+        except (TypeError, ValueError):
+            self.parameters = {}
+        # one environment up front (fails early, in one line); a factory that needs a
+        # row is tried when one is given
+        needs_row = bool(self._required()) or self._takes_all()
+        probe = None if needs_row and sample_row is None else self.make(sample_row or {})
+        if inspect.isclass(factory):
+            owner: Any = factory
+        elif probe is not None:
+            owner = type(probe)
+        else:
+            owner = type(self.make({}))
         self.tool_names = [
             name
-            for name, member in inspect.getmembers(type(probe))
+            for name, member in inspect.getmembers(owner)
             if not name.startswith("_") and name not in RESERVED and callable(member)
-        ]
-        self.schemas = [self._schema(probe, name) for name in self.tool_names]
-        self.has_step = callable(getattr(probe, "step", None))
-        self.has_reward = callable(getattr(probe, "get_reward", None))
+            and not isinstance(inspect.getattr_static(owner, name), (staticmethod, classmethod))
+        ]  # fmt: skip
+        self.schemas = [self._schema(owner, name) for name in self.tool_names]
+        self.has_step = callable(getattr(owner, "step", None))
+        self.has_reward = callable(getattr(owner, "get_reward", None))
         if not self.tool_names and not self.has_step:
             raise EnvError(
                 f"environment {self.name!r} has no tools (public methods) and no step(text): "
@@ -135,11 +154,11 @@ class EnvironmentFactory:
             )
         self.warned: set[tuple[str, str]] = set()
 
-    def _schema(self, probe: Any, name: str) -> dict[str, Any]:
+    def _schema(self, owner: type, name: str) -> dict[str, Any]:
         from transformers.utils import get_json_schema
 
-        try:
-            return get_json_schema(getattr(probe, name))
+        try:  # bound to a stand-in, so that `self` leaves the signature
+            return get_json_schema(types.MethodType(getattr(owner, name), object()))
         except Exception as e:
             raise EnvError(
                 f"environment {self.name!r}: tool {name!r} has no usable schema "
@@ -147,18 +166,38 @@ class EnvironmentFactory:
                 "docstring with an Args: section, or make it private (_name)"
             ) from e
 
-    def make(self) -> Any:
+    def _required(self) -> list[inspect.Parameter]:
+        return [
+            p for p in self.parameters.values()
+            if p.default is inspect.Parameter.empty
+            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        ]  # fmt: skip
+
+    def _takes_all(self) -> bool:
+        return any(p.kind is p.VAR_KEYWORD for p in self.parameters.values())
+
+    def make(self, row: dict[str, Any]) -> Any:
+        """One environment: ``Factory()`` (TRL's form; the row then goes to ``reset``), or,
+        for a factory with required parameters, ``Factory(row)`` when it takes one
+        parameter that is not a column, else ``Factory(**columns it names)``."""
+        required, takes_all = self._required(), self._takes_all()
         try:
-            return self.factory()
+            if not required and not takes_all:
+                return self.factory()
+            if len(required) == 1 and required[0].name not in row and not takes_all:
+                return self.factory(row)
+            if takes_all:
+                return self.factory(**row)
+            return self.factory(**{k: v for k, v in row.items() if k in self.parameters})
         except Exception as e:
             raise EnvError(
                 f"environment {self.name!r}: constructing it raised "
                 f"{type(e).__name__}: {one_line(e, 300)}"
             ) from e
 
-    def episode(self) -> Episode:
-        """A fresh environment for one episode."""
-        return Episode(self, self.make())
+    def episode(self, row: dict[str, Any] | None = None) -> Episode:
+        """A fresh environment for one episode of ``row``."""
+        return Episode(self, self.make(row or {}))
 
 
 class Episode:
@@ -218,6 +257,12 @@ class Episode:
         self.tool_errors += 1
         message["content"] = f"error: {error}"
         return message
+
+    def close(self) -> None:
+        """The environment's ``close()``, if it has one (after its episode is scored)."""
+        close = getattr(self.env, "close", None)
+        if callable(close):
+            close()
 
     def _warn(self, tool: str, e: Exception) -> None:
         """One line on stderr the first time a tool raises a given exception type."""

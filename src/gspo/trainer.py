@@ -127,7 +127,7 @@ class Trainer:
         self.sampler = Sampler(
             build_engine(config, self.policy, self.tokenizer, model_dir), self.policy
         )
-        self.generate = build_generator(config, self.sampler, self.tokenizer)
+        self.generate = build_generator(config, self.sampler, self.tokenizer, self.data.train[0])
         functions = config.reward.functions
         environment = getattr(self.generate, "environment", None)
         explicit = "functions" in config.reward.model_fields_set

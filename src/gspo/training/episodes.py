@@ -195,7 +195,7 @@ class MultiTurn:
         self.max_tokens = max_tokens
 
     def start(self, row: dict[str, Any]) -> _State:
-        episode = self.environment.episode()
+        episode = self.environment.episode(dict(row))
         messages = with_observation(as_messages(row["prompt"]), episode.reset(dict(row)))
         prompt = self.format.prompt_ids(messages)
         return _State(row, episode, messages, prompt, [], [], [])
@@ -317,17 +317,23 @@ class MultiTurn:
             "env/model_tokens_mean": model_tokens / episodes,
         }
         columns: dict[str, list[Any]] = {"environments": [s.episode.env for s in states]}
-        return Generated(batch, sync, completions, columns, metrics)
+        return Generated(batch, sync, completions, columns, metrics, [s.episode for s in states])
 
 
-def build_generator(config: Config, sampler: Sampler, tokenizer) -> SingleTurn | MultiTurn:
-    """Episodes with ``rollout.environment`` (or the calculator task), else single turns."""
+def build_generator(
+    config: Config, sampler: Sampler, tokenizer, sample_row: dict[str, Any] | None = None
+) -> SingleTurn | MultiTurn:
+    """Episodes with ``rollout.environment`` (or the calculator task), else single turns.
+
+    ``sample_row`` (a training row) makes one environment up front, so that a factory
+    that fails does so before anything runs.
+    """
     spec = config.environment
     if spec is None:
         return SingleTurn(sampler)
     return MultiTurn(
         sampler,
-        EnvironmentFactory(spec),
+        EnvironmentFactory(spec, sample_row),
         tokenizer,
         max_turns=config.rollout.max_turns,
         max_tokens=config.max_episode_tokens,

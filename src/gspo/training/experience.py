@@ -69,6 +69,8 @@ class Scorer:
             completions = [as_completion(t, p) for t, p in zip(texts, prompts, strict=True)]
         columns = {**column_batch(rows, group), **generated.columns}
         result = self.rewards(prompts, completions, columns)
+        for episode in generated.episodes:
+            episode.close()
         rewards = torch.tensor(result.rewards, dtype=torch.float32)
         return Scored(batch, completions, rewards, result.per_function)
 

@@ -86,8 +86,8 @@ class Generated:
     """What a generator hands the scorer: the rollout batch and what goes with it.
 
     ``completions`` (one per row; None: the scorer decodes the batch), ``columns`` (extra
-    keyword arguments for the reward functions, e.g. TRL's ``environments``) and
-    ``metrics`` of the generation.
+    keyword arguments for the reward functions, e.g. TRL's ``environments``),
+    ``metrics`` of the generation and the ``episodes`` to close once scored.
     """
 
     batch: RolloutBatch
@@ -95,6 +95,7 @@ class Generated:
     completions: list[Any] | None = None
     columns: dict[str, list[Any]] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
+    episodes: list[Any] = field(default_factory=list)  # closed once scored
 
 
 class Generator(Protocol):
