@@ -467,3 +467,20 @@ def test_factories_that_take_the_row_and_close_after_scoring(tmp_path):
     assert closed == ["7", "7"]
     with pytest.raises(EnvError, match="constructing it raised KeyError"):
         EnvironmentFactory(make_quiz, sample_row={"prompt": "p"})
+
+
+def test_the_recipes_calculator_answers_arithmetic_and_refuses_the_rest():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "environments" / "calculator.py"
+    episode = EnvironmentFactory(f"{path}:Calculator").episode({"question": "q"})
+    call = tool_call_text
+    reply = episode.respond(
+        call("calculate", {"expression": "(12 + 30) / 7"})
+        + call("calculate", {"expression": "__import__('os').system('true')"})
+        + call("calculate", {"expression": "9 ** 99999"})
+    )
+    assert reply[0]["content"] == "6"
+    assert reply[1]["content"].startswith("error: ValueError: not arithmetic")
+    assert reply[2]["content"] == "error: ValueError: exponent too large"
+    assert (episode.tool_calls, episode.tool_errors, episode.env.calls) == (3, 2, 3)

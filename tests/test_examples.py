@@ -26,6 +26,7 @@ from gspo.training.setup import load_task_data
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
 
 CHAT_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }} {% endfor %}\n{% endif %}"
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
@@ -124,3 +125,6 @@ def test_example_runs_one_step_on_stand_ins(path, stand_ins, tmp_path):
     assert any("eval/accuracy" in r for r in records)
     if moe:
         assert "moe/expert_change_fraction" in lines[0]
+    if config.rollout.environment is not None:  # episodes: the environment was loaded
+        assert "env/turns_mean" in lines[0]
+        assert any("eval/turns_mean" in r for r in records)
