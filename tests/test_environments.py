@@ -294,25 +294,32 @@ def test_budgets_cut_episodes_as_length(tokenizer, env_file):
     assert out.batch.completion_lengths.tolist() == [20, 20]
 
 
+class Stepper:
+    """Not tool-shaped: a new observation after each of the model's first two turns."""
+
+    def __init__(self):
+        self.turns = 0
+
+    def step(self, text):
+        self.turns += 1
+        return None if self.turns >= 3 else f"turn {self.turns}: go on"
+
+
+def engine_sampler(engine):
+    """A rollout engine with the sampler's interface (no policy, no weight sync)."""
+    return SimpleNamespace(
+        generate=lambda p, n, params, seed: (engine.generate(p, n=n, params=params, seed=seed), 0),
+        policy=SimpleNamespace(device=torch.device("cpu")),
+    )
+
+
 def test_the_trainer_recomputes_exactly_what_the_sampler_saw(tokenizer, tiny_model, env_file):
     """Long, multi-turn episodes on a real model: the sampler's log-probs of its own tokens
     equal a recompute over the whole episode (environment tokens in the context)."""
 
-    class Stepper:
-        def __init__(self):
-            self.turns = 0
-
-        def step(self, text):
-            self.turns += 1
-            return None if self.turns >= 3 else f"turn {self.turns}: go on"
-
     engine = TorchEngine(tiny_model, pad_token_id=0, eos_token_id=2)
-    sampler = SimpleNamespace(
-        generate=lambda p, n, params, seed: (engine.generate(p, n=n, params=params, seed=seed), 0),
-        policy=SimpleNamespace(device=torch.device("cpu")),
-    )
     runner = MultiTurn(
-        sampler, EnvironmentFactory(Stepper), tokenizer, max_turns=3, max_tokens=360,
+        engine_sampler(engine), EnvironmentFactory(Stepper), tokenizer, max_turns=3, max_tokens=360,
         chat_kwargs={},
     )  # fmt: skip
     rows = [{"prompt": "12+34+56="}, {"prompt": "7+8="}]

@@ -281,25 +281,12 @@ def test_multi_turn_episodes_through_vllm_are_token_in_token_out(engine, model, 
     """Episodes run turn by turn through vLLM (token ids in, token ids out): the
     recomputed log-probs of the model's tokens over the whole episode, the environment's
     tokens in its context, equal vLLM's."""
-    from types import SimpleNamespace
-
     from gspo.environments import EnvironmentFactory
     from gspo.training.episodes import MultiTurn
+    from tests.test_environments import Stepper, engine_sampler
 
-    class Stepper:
-        def __init__(self):
-            self.turns = 0
-
-        def step(self, text):
-            self.turns += 1
-            return None if self.turns >= 3 else f"turn {self.turns}: go on"
-
-    sampler = SimpleNamespace(
-        generate=lambda p, n, params, seed: (engine.generate(p, n=n, params=params, seed=seed), 0),
-        policy=SimpleNamespace(device=torch.device("cpu")),
-    )
     runner = MultiTurn(
-        sampler, EnvironmentFactory(Stepper), tokenizer, max_turns=3, max_tokens=300,
+        engine_sampler(engine), EnvironmentFactory(Stepper), tokenizer, max_turns=3, max_tokens=300,
         chat_kwargs={},
     )  # fmt: skip
     rows = [{"prompt": t} for t in TEXTS]
