@@ -204,7 +204,8 @@ class RewardConfig(_Section):
         0.0,
         ge=0.0,
         description="DAPO's soft overlong punishment on training rewards (not evaluation): "
-        "0 up to rollout.max_new_tokens - overlong_buffer tokens, then falling linearly to "
+        "0 up to rollout.max_new_tokens (with an environment: max_episode_tokens) - "
+        "overlong_buffer tokens, then falling linearly to "
         "-overlong_penalty at the limit; 0 = off (DAPO: 1.0)",
     )
     overlong_buffer: int | None = Field(
@@ -551,11 +552,12 @@ class Config(_Section):
                 "functions get the environments, which stay in the trainer process)"
             )
         if self.reward.overlong_buffer is not None and (
-            self.reward.overlong_buffer > self.rollout.max_new_tokens
+            self.reward.overlong_buffer > self.response_limit
         ):
+            limit = "max_episode_tokens" if self.environment else "max_new_tokens"
             raise ValueError(
                 f"reward.overlong_buffer={self.reward.overlong_buffer} exceeds "
-                f"rollout.max_new_tokens={self.rollout.max_new_tokens}"
+                f"rollout.{limit}={self.response_limit}"
             )
         algo = self.algorithm
         if algo.rollout_correction != "none" and algo.old_logprobs == "sampler":
@@ -616,10 +618,16 @@ class Config(_Section):
         return r.max_episode_tokens or r.max_turns * r.max_new_tokens
 
     @property
+    def response_limit(self) -> int:
+        """The longest response: ``rollout.max_new_tokens``, or with an environment the
+        episode's ``max_episode_tokens`` (the overlong penalty ramps up to it)."""
+        return self.max_episode_tokens if self.environment else self.rollout.max_new_tokens
+
+    @property
     def overlong_buffer(self) -> int:
-        """``reward.overlong_buffer``, or a fifth of ``rollout.max_new_tokens`` (at least 1)."""
+        """``reward.overlong_buffer``, or a fifth of :attr:`response_limit` (at least 1)."""
         buffer = self.reward.overlong_buffer
-        return max(self.rollout.max_new_tokens // 5, 1) if buffer is None else buffer
+        return max(self.response_limit // 5, 1) if buffer is None else buffer
 
     @property
     def rollout_batches(self) -> int:

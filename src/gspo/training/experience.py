@@ -179,7 +179,7 @@ class RolloutStage:
         cfg = self.config
         if cfg.reward.overlong_penalty > 0:
             penalty = overlong_penalty(
-                batch.completion_lengths.tolist(), cfg.rollout.max_new_tokens,
+                batch.completion_lengths.tolist(), cfg.response_limit,
                 cfg.overlong_buffer, cfg.reward.overlong_penalty,
             )  # fmt: skip
             scored.rewards = scored.rewards + torch.tensor(penalty, dtype=torch.float32)
