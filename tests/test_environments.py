@@ -491,3 +491,26 @@ def test_the_recipes_calculator_answers_arithmetic_and_refuses_the_rest():
     assert reply[1]["content"].startswith("error: ValueError: not arithmetic")
     assert reply[2]["content"] == "error: ValueError: exponent too large"
     assert (episode.tool_calls, episode.tool_errors, episode.env.calls) == (3, 2, 3)
+
+
+def test_reset_gets_the_columns_it_takes():
+    class Plain:  # TRL's IncrementEnv shape: reset() takes nothing
+        def reset(self):
+            self.started = True
+
+        def ping(self) -> str:
+            """Ping."""
+            return "pong"
+
+    class Picky:
+        def reset(self, answer):
+            return f" (hint: {len(answer)} digits)"
+
+        def ping(self) -> str:
+            """Ping."""
+            return "pong"
+
+    row = {"prompt": "p", "answer": "42"}
+    episode = EnvironmentFactory(Plain).episode(row)
+    assert episode.reset(row) is None and episode.env.started
+    assert EnvironmentFactory(Picky).episode(row).reset(row) == " (hint: 2 digits)"

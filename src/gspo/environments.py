@@ -6,8 +6,9 @@ environment per episode. It follows TRL's ``environment_factory`` convention (a 
 with required parameters is called with the dataset row instead, see
 :meth:`EnvironmentFactory.make`):
 
-- ``reset(**row)`` (optional) is called first with the dataset row's columns (the prompt
-  included); a string it returns is appended to the prompt's last user message.
+- ``reset(**row)`` (optional) is called first with the dataset row's columns it takes
+  (all of them with ``**kwargs``; the prompt included); a string it returns is appended
+  to the prompt's last user message.
 - Every other public method is a **tool**. Its name, docstring (Google style, with an
   ``Args:`` section) and type hints become the JSON schema handed to the tokenizer's chat
   template (``transformers.utils.get_json_schema``). The model calls tools in the
@@ -99,6 +100,17 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     return calls
 
 
+def accepted(function: Callable[..., Any], row: dict[str, Any]) -> dict[str, Any]:
+    """The columns of ``row`` that ``function`` takes by name (all of them with ``**``)."""
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return dict(row)
+    if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        return dict(row)
+    return {k: v for k, v in row.items() if k in parameters}
+
+
 def tool_result_text(value: Any) -> str:
     """A tool's return value as the text of its ``tool`` message."""
     if isinstance(value, str):
@@ -186,9 +198,7 @@ class EnvironmentFactory:
                 return self.factory()
             if len(required) == 1 and required[0].name not in row and not takes_all:
                 return self.factory(row)
-            if takes_all:
-                return self.factory(**row)
-            return self.factory(**{k: v for k, v in row.items() if k in self.parameters})
+            return self.factory(**accepted(self.factory, row))
         except Exception as e:
             raise EnvError(
                 f"environment {self.name!r}: constructing it raised "
@@ -215,7 +225,7 @@ class Episode:
         if not callable(reset):
             return None
         try:
-            out = reset(**row)
+            out = reset(**accepted(reset, row))
         except Exception as e:
             raise EnvError(
                 f"environment {self.spec.name!r}: reset() raised "
