@@ -84,12 +84,12 @@ PRESETS: dict[str, list[str]] = {
         "train.cold_start_steps=400",
         "train.cold_start_batch_size=32",
         "rollout.prompts_per_batch=8",
-        "train.max_steps=48",
+        "train.max_steps=192",
         "algorithm.minibatches=4",
-        "optim.lr=2e-5",
-        "eval.every=16",
+        "optim.lr=5e-5",
+        "eval.every=48",
         "eval.max_prompts=64",
-        "log.ratio_dump_every=2",
+        "log.ratio_dump_every=4",
     ],
 }
 

@@ -218,8 +218,8 @@ def cold_start(
             [c for _, c, _ in picked], pad, policy.device, side="right"
         )
         actions = torch.zeros_like(completion_mask, dtype=torch.bool)
-        for i, (_, _, a) in enumerate(picked):
-            actions[i, : len(a)] = torch.tensor(a, dtype=torch.bool)
+        for row, (_, _, a) in enumerate(picked):
+            actions[row, : len(a)] = torch.tensor(a, dtype=torch.bool)
         with policy.autocast():
             lp = policy.forward(prompt_ids, prompt_mask, completion_ids, completion_mask)
         loss = -lp[actions].mean()  # the model's tokens: not an episode's tool responses
