@@ -167,3 +167,21 @@ def test_resume_with_another_staleness_is_one_line(tmp_path, varied_reward, caps
                  "rollout.max_staleness=1"])  # fmt: skip
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err and BEHAVIOUR_WEIGHTS in err
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_each_run_a_producer_and_resume_exactly(tmp_path, varied_reward):
+    from test_distributed import torchrun
+
+    # --no-cache: each launch does its own cold start (it is what a cached one would load)
+    common = [*RUN, varied_reward, "rollout.max_staleness=1", "train.save_every=4", "--no-cache"]
+    train = ["-m", "gspo", "train", "--output-dir"]
+    torchrun(*train, str(tmp_path / "full"), *common)
+    torchrun(*train, str(tmp_path / "cut"), *common, "train.max_steps=4")
+    torchrun("-m", "gspo", "train", "--resume", str(tmp_path / "cut"), "train.max_steps=8")
+    full, resumed = run_metrics(tmp_path / "full"), run_metrics(tmp_path / "cut")
+    assert staleness(full) == [0.0, 1.0, 1.0, 1.0]
+    assert all(r["train/sequences"] == 8 for r in train_lines(full))  # 16 responses / 2
+    assert [r["step"] for r in full] == [r["step"] for r in resumed]
+    for a, b in zip(full, resumed, strict=True):
+        assert comparable(a) == pytest.approx(comparable(b), rel=1e-6, abs=1e-7)
