@@ -9,6 +9,8 @@ One rollout batch flows through :meth:`Trainer.rl_step` in two stages::
 
 Each stage and everything optional (MoE routing, the KL reference, ratio dumps, expert
 churn, FSDP) lives in :mod:`gspo.training`; this module only builds them and runs them.
+The rollout stage runs when the loop asks for a batch, or ahead of it in a producer
+thread on stale weights (``rollout.max_staleness``, :mod:`gspo.training.async_rollout`).
 
 Randomness is derived, not carried: the prompts of rollout batch ``b``, the sampling seed
 of ``b``, the minibatch split of ``b`` and the eval seed at step ``s`` are all pure
