@@ -208,3 +208,21 @@ def test_sigkill_mid_run_then_resume_gives_the_same_run(tmp_path, varied_reward)
     assert [r["step"] for r in resumed] == [r["step"] for r in full]
     for a, b in zip(full, resumed, strict=True):
         assert a == pytest.approx(b, rel=1e-6, abs=1e-7)
+
+
+@pytest.mark.slow
+def test_lora_snapshots_hold_the_adapters_alone(tmp_path, varied_reward):
+    _, records, _ = train(
+        tmp_path,
+        "lora",
+        varied_reward,
+        "rollout.max_staleness=1",
+        "model.lora.r=4",
+        "train.cold_start_steps=0",
+    )
+    assert staleness(records) == [0.0, 1.0, 1.0, 1.0]
+    saved = torch.load(latest_checkpoint(tmp_path / "lora") / BEHAVIOUR_WEIGHTS, weights_only=True)
+    (weights,) = saved["weights"].values()  # W_3, which the next batch would be sampled by
+    assert weights and all("lora_" in name for name in weights)
+    # the producer's copy samples through the adapters: they moved, so its log-probs did
+    assert any(w.abs().max() > 0 for n, w in weights.items() if "lora_B" in n)
