@@ -13,6 +13,8 @@ limit taken from what is left of ``--budget``), it runs in turn:
    (28 layers, hidden 1,024, 16/8 heads, vocabulary 151,936 characters, so EOS is rare
    and responses run to 512 tokens), 16 prompts x 8 responses, 8 optimizer steps,
    one run of each side;
+5. ``async``: the gspo side of 4. with ``rollout.max_staleness`` 0 and 1 (one run each):
+   whole-process time, the time the trainer waited for rollouts, and where it went;
 
 and writes one report, ``DIR/report.md`` (and ``report.json``): each stage's outcome and
 wall time, the device's peak memory in use during it (``nvidia-smi``, every 0.5 s),
@@ -239,6 +241,45 @@ def vs_trl_stage(out: Path, peaks: dict[str, float]) -> Callable[[Stage, float],
     return body
 
 
+def async_stage(out: Path) -> Callable[[Stage, float], None]:
+    """``rollout.max_staleness`` 0 vs 1 on the ~0.5B Qwen3 (the vs_trl stage's workload)."""
+
+    def body(stage: Stage, limit: float) -> None:
+        import vs_trl
+        import workload
+
+        from gspo.models import TinyModelSpec
+
+        deadline = time.perf_counter() + limit
+        work = out / "half_b"
+        if not (work / "model").is_dir():
+            spec = TinyModelSpec(max_positions=1024, **HALF_B)
+            workload.build(work, vocab=HALF_B_VOCAB, spec=spec)
+        schedule = vs_trl.Schedule(steps=8, lr=1e-5, max_new_tokens=RESPONSE_TOKENS, device="cuda")
+        for k in (0, 1):
+            if k and deadline - time.perf_counter() < 30:
+                raise subprocess.TimeoutExpired("gspo train", deadline - time.perf_counter())
+            seconds, run_dir = vs_trl.run_gspo(
+                work, name=f"async_k{k}", schedule=schedule, extra=(f"rollout.max_staleness={k}",)
+            )
+            g = vs_trl.gspo_summary(run_dir)
+            records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            firsts = [r for r in records if "train/loss" in r and r["train/minibatch"] == 0]
+            stage.figures[f"k={k} whole process s"] = round(seconds, 1)
+            stage.figures[f"k={k} training loop s"] = round(g["loop_s"], 1)
+            stage.figures[f"k={k} generation s"] = round(g["phases"]["generation"], 1)
+            stage.figures[f"k={k} forward/backward/optimizer s"] = round(
+                g["phases"]["forward/backward/optimizer"], 1
+            )
+            waited = sum(r.get("time/rollout_wait", 0.0) for r in firsts)
+            stage.figures[f"k={k} waited for rollouts s"] = round(waited, 1)
+        stage.figures["loop k=0 / k=1"] = round(
+            stage.figures["k=0 training loop s"] / stage.figures["k=1 training loop s"], 2
+        )
+
+    return body
+
+
 def render(stages: list[Stage], header: dict[str, str]) -> str:
     """The report as markdown: the machine, then one section per stage."""
     lines = ["# gspo GPU check", ""]
@@ -293,6 +334,7 @@ def main() -> int:
             vs_trl_stage(args.out, peaks),
             300,
         ),
+        (Stage("async rollouts, max_staleness 0 vs 1, ~0.5B Qwen3"), async_stage(args.out), 150),
     ]
     if importlib.util.find_spec("vllm") is not None:
         stages[1] = (stages[1][0], pytest_stage(["tests/test_vllm_engine.py"]), 150)

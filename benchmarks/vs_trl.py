@@ -63,8 +63,10 @@ def run_gspo(
     launcher: list[str] | None = None,
     name: str = "gspo_run",
     schedule: Schedule = REFERENCE,
+    extra: tuple[str, ...] = (),
 ) -> tuple[float, Path]:
-    """gspo on the workload as a process of its own (``launcher``: e.g. torchrun's argv)."""
+    """gspo on the workload as a process of its own (``launcher``: e.g. torchrun's argv;
+    ``extra``: more config overrides, e.g. ``rollout.max_staleness=1``)."""
     out = work / name
     command = [
         *(launcher or [sys.executable]), "-m", "gspo", "train", "--overwrite",
@@ -86,6 +88,7 @@ def run_gspo(
         "log.plots=false",
         "log.tensorboard=false",
         f"model.device={schedule.device}",
+        *extra,
     ]  # fmt: skip
     start, wall_start = time.perf_counter(), time.time()
     subprocess.run(command, check=True, capture_output=True)

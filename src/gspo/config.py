@@ -294,6 +294,13 @@ class RolloutConfig(_Section):
         description="environment: most tokens after the prompt per episode, the model's and "
         "the environment's; null = max_turns * max_new_tokens",
     )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="Async rollouts: rollout batch b is sampled by the weights of b - k rollout "
+        "batches ago (b+1..b+k sampled while b trains, on a copy of the weights, in a "
+        "thread; torch engine only); 0 = synchronous",
+    )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
 
@@ -581,6 +588,18 @@ class Config(_Section):
             and algo.correction_min >= algo.correction_max
         ):
             raise ValueError("algorithm.correction_min must be below algorithm.correction_max")
+        staleness = self.rollout.max_staleness
+        if staleness > 0 and self.rollout.engine != "torch":
+            raise ValueError(
+                f"rollout.max_staleness={staleness} needs rollout.engine=torch (async "
+                "rollouts through vLLM are not implemented)"
+            )
+        if staleness > 0 and (self.moe.routing_replay or self.moe.measure_churn):
+            key = "moe.routing_replay" if self.moe.routing_replay else "moe.measure_churn"
+            raise ValueError(
+                f"{key} needs rollout.max_staleness=0 (pi_old's routing would be recorded "
+                "under the trainer's weights, not the stale ones that sampled the batch)"
+            )
         if self.rollout.engine == "vllm" and self.rollout.logit_noise > 0:
             raise ValueError("rollout.logit_noise is for the torch engine (rollout.engine=torch)")
         lora = self.model.lora

@@ -9,6 +9,8 @@ One rollout batch flows through :meth:`Trainer.rl_step` in two stages::
 
 Each stage and everything optional (MoE routing, the KL reference, ratio dumps, expert
 churn, FSDP) lives in :mod:`gspo.training`; this module only builds them and runs them.
+The rollout stage runs when the loop asks for a batch, or ahead of it in a producer
+thread on stale weights (``rollout.max_staleness``, :mod:`gspo.training.async_rollout`).
 
 Randomness is derived, not carried: the prompts of rollout batch ``b``, the sampling seed
 of ``b``, the minibatch split of ``b`` and the eval seed at step ``s`` are all pure
@@ -37,6 +39,7 @@ from gspo.telemetry import (
     print_summary,
     read_metrics,
 )
+from gspo.training.async_rollout import build_rollouts
 from gspo.training.checkpoint import (
     CHECKPOINTS,
     SHARDED,
@@ -176,6 +179,10 @@ class Trainer:
             config, dist, self.data.train, self.train_prompt_ids, self.generate, scorer, forward,
             sampling, local_prompts=local_prompts,
         )  # fmt: skip
+        # rollout.max_staleness: sampled in step, or ahead by a producer thread
+        self.rollouts = build_rollouts(
+            config, self.rollout, self.policy, self.tokenizer, checkpoint
+        )
         hooks = build_hooks(config, out, dist, forward, objective, self.reference)
         self.update = UpdateStage(forward, self.policy_update, hooks)
         self.evaluate = Evaluator(
@@ -227,11 +234,12 @@ class Trainer:
     def rl_step(self, rollout_index: int) -> list[tuple[int, dict[str, float]]]:
         """One rollout batch: sample, score, ``algorithm.minibatches`` updates; log lines."""
         start = time.perf_counter()
-        experience = self.rollout(rollout_index)
+        experience = self.rollouts(rollout_index)
         lines = []
         for k in range(len(experience.minibatches)):
             line = self.combine(self.update(experience, k))
             lines.append((self.step, {**line, **experience.metrics}))
+        self.rollouts.trained(rollout_index)
         step_time = time.perf_counter() - start
         for _, line in lines:
             line["time/step"] = step_time / len(lines)
@@ -252,8 +260,12 @@ class Trainer:
         if self.step == 0 and not self.start_evaluated:
             self.logger.log(0, self.evaluate(self.step))
         show = cfg.log.progress and self.dist.is_main
-        with TrainingProgress(cfg.train.max_steps, enabled=show, start_step=self.step) as bar:
-            for rollout_index in range(self.step // cfg.algorithm.minibatches, cfg.rollout_batches):
+        first = self.step // cfg.algorithm.minibatches
+        with (
+            TrainingProgress(cfg.train.max_steps, enabled=show, start_step=self.step) as bar,
+            self.rollouts.running(first, cfg.rollout_batches),
+        ):
+            for rollout_index in range(first, cfg.rollout_batches):
                 before = self.step
                 for step, line in self.rl_step(rollout_index):
                     self.logger.log(step, line)
@@ -284,6 +296,7 @@ class Trainer:
             self.tokenizer,
             keep=self.config.train.keep_checkpoints,
             dist=self.dist,
+            extra=self.rollouts.checkpoint_files(),
         )
 
 

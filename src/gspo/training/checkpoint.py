@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -59,10 +61,13 @@ def save_checkpoint(
     *,
     keep: int,
     dist: Distributed,
+    extra: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write ``checkpoints/step-NNNNNNN`` atomically: a reader sees all of it or none.
 
     Keeps the ``keep`` newest besides step 0. Every rank calls this at the same step.
+    ``extra``: more files, ``{name: object}`` written with ``torch.save`` by rank 0 (the
+    stale weights of async rollouts, :mod:`gspo.training.async_rollout`).
     """
     final = checkpoint_dir(output_dir, step)
     root = final.parent
@@ -89,6 +94,8 @@ def save_checkpoint(
 
         def complete(tmp: Path) -> None:
             os.replace(sharded, tmp / SHARDED)
+            for name, obj in (extra or {}).items():
+                torch.save(obj, tmp / name)
             torch.save(state, tmp / TRAINER_STATE)
 
         save_pretrained_atomic(replica, tokenizer, final, also=complete)

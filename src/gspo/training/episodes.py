@@ -20,6 +20,7 @@ in GSPO's length normalisation, in clip fractions or in the mismatch metrics.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -193,6 +194,12 @@ class MultiTurn:
         self.format = TurnFormat(tokenizer, environment.schemas, chat_kwargs)
         self.max_turns = max_turns
         self.max_tokens = max_tokens
+
+    def using(self, sampler: Any) -> MultiTurn:
+        """The same episodes sampled through another sampler (an async producer's)."""
+        other = copy.copy(self)
+        other.sampler = sampler
+        return other
 
     def start(self, row: dict[str, Any]) -> _State:
         episode = self.environment.episode(dict(row))

@@ -7,6 +7,8 @@ object the update stage consumes.
 from __future__ import annotations
 
 import random
+import threading
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -26,7 +28,7 @@ from gspo.training.dynamic_sampling import (
 from gspo.training.forward import PlainForward, RoutedForward
 from gspo.training.loss_mask import LossMask
 from gspo.training.metrics import combine, logprob_mismatch, timed
-from gspo.training.sampler import Generated, Generator
+from gspo.training.sampler import Generated, Generator, Sampler
 from gspo.training.setup import derive_seed, rank_seed
 
 
@@ -52,8 +54,15 @@ class Scorer:
     def __init__(self, tokenizer, rewards: RewardFunctions):
         self.tokenizer = tokenizer
         self.rewards = rewards
+        # one batch at a time: evaluation (main thread) and an async rollout producer
+        # (:mod:`gspo.training.async_rollout`) may score at once
+        self.lock = threading.Lock()
 
     def __call__(self, rows: list[dict[str, Any]], generated: Generated) -> Scored:
+        with self.lock:
+            return self.score(rows, generated)
+
+    def score(self, rows: list[dict[str, Any]], generated: Generated) -> Scored:
         batch = generated.batch
         group = batch.group_size
         prompts = [row["prompt"] for row in rows for _ in range(group)]
@@ -107,6 +116,23 @@ def prompts_for_batch(index: int, rows: int, per_batch: int, seed: int) -> list[
 
 
 @dataclass
+class Sampled:
+    """A rollout batch sampled and scored, before anything that needs the trainer.
+
+    ``picked`` are its prompt rows, ``metrics`` this rank's own (times, dynamic sampling).
+    ``old_logprobs`` ``[N, T]``: pi_old recomputed by whoever held the weights that sampled
+    the batch (an async producer, :mod:`gspo.training.async_rollout`); None = the trainer
+    computes pi_old itself (``algorithm.old_logprobs``).
+    """
+
+    index: int
+    picked: list[int]
+    scored: Scored
+    metrics: dict[str, float]
+    old_logprobs: torch.Tensor | None = None
+
+
+@dataclass
 class Experience:
     """One scored rollout batch (this rank's share), ready for the update stage.
 
@@ -115,7 +141,8 @@ class Experience:
     ``loss_mask`` ``[N, T]`` and ``loss_weights`` ``[N, T]`` (or None) are the tokens the
     loss counts and their weights (:class:`gspo.training.loss_mask.LossMask`);
     ``minibatches`` are the row indices of each update; ``metrics`` describe the whole
-    rollout batch over every rank.
+    rollout batch over every rank. ``staleness`` (``rollout.max_staleness``) is how many
+    rollout batches of updates the weights that sampled the batch lag the trained ones.
     """
 
     index: int
@@ -127,6 +154,7 @@ class Experience:
     metrics: dict[str, float]
     loss_mask: torch.Tensor
     loss_weights: torch.Tensor | None = None
+    staleness: int = 0  # rollout batches of updates between the sampling weights and these
 
     @property
     def last_minibatch(self) -> int:
@@ -134,7 +162,12 @@ class Experience:
 
 
 class RolloutStage:
-    """``stage(index) -> Experience``: everything before the first update of a rollout batch."""
+    """``stage(index) -> Experience``: everything before the first update of a rollout batch.
+
+    In two halves: :meth:`sample` (generate, score, dynamic sampling: no collective, so an
+    async producer may run it in its own thread with its own sampler) and
+    :meth:`experience` (advantages, minibatches, pi_old, loss mask, metrics over ranks).
+    """
 
     def __init__(
         self,
@@ -161,9 +194,9 @@ class RolloutStage:
         self.local_prompts = local_prompts  # this rank's share of rollout.prompts_per_batch
         self.loss_mask = LossMask(config.algorithm)
 
-    def sample(self, picked: list[int], seed: int) -> Generated:
+    def generated(self, generate: Generator, picked: list[int], seed: int) -> Generated:
         """``rollout.group_size`` responses (or episodes) for each of the ``picked`` rows."""
-        return self.generate(
+        return generate(
             [self.rows[i] for i in picked],
             [self.prompt_ids[i] for i in picked],
             n=self.config.rollout.group_size,
@@ -187,7 +220,12 @@ class RolloutStage:
         return scored
 
     def refill(
-        self, index: int, picked: list[int], first: Scored, local: dict[str, float]
+        self,
+        index: int,
+        picked: list[int],
+        first: Scored,
+        local: dict[str, float],
+        generate: Generator,
     ) -> tuple[Scored, list[int]]:
         """``rollout.filter_groups``: replace constant-reward groups by fresh ones
         (:mod:`gspo.training.dynamic_sampling`); the scored batch and its prompt rows."""
@@ -197,7 +235,7 @@ class RolloutStage:
         def sample_round(r: int) -> torch.Tensor:
             more = extra_prompts(cfg.train.seed, index, r, len(self.rows), len(picked))
             seed = rank_seed(cfg.train.seed, self.dist, "rollout", index, "extra", r)
-            rounds.append(self.score(more, self.sample(more, seed)))
+            rounds.append(self.score(more, self.generated(generate, more, seed)))
             prompts.append(more)
             return rounds[-1].rewards
 
@@ -211,15 +249,21 @@ class RolloutStage:
         return merge_groups(rounds, kept.groups), [every_prompt[g] for g in kept.groups]
 
     def __call__(self, index: int) -> Experience:
+        return self.experience(self.sample(index))
+
+    def sample(self, index: int, sampler: Sampler | None = None) -> Sampled:
+        """Rollout batch ``index`` sampled (by ``sampler``, the run's own by default) and
+        scored, with the extra rounds of ``rollout.filter_groups``."""
         cfg, dist = self.config, self.dist
-        seed, device = cfg.train.seed, self.forward.policy.device
+        generate = self.generate if sampler is None else self.generate.using(sampler)
+        seed = cfg.train.seed
         local: dict[str, float] = {}
         with timed(local, "time/generate"):
             # this rank's share of the rollout batch's prompts (all of them in one process)
             share = self.local_prompts
             picked = prompts_for_batch(index, len(self.rows), cfg.rollout.prompts_per_batch, seed)
             picked = picked[dist.rank * share : (dist.rank + 1) * share]
-            generated = self.sample(picked, rank_seed(seed, dist, "rollout", index))
+            generated = self.generated(generate, picked, rank_seed(seed, dist, "rollout", index))
         local["time/weight_sync"] = generated.sync_seconds
         local["time/generate"] -= local["time/weight_sync"]
         local.update(generated.metrics)
@@ -227,10 +271,19 @@ class RolloutStage:
             scored = self.score(picked, generated)
             if cfg.rollout.filter_groups:
                 with timed(local, "time/filter_groups"):  # extra rounds: sampled and scored
-                    scored, picked = self.refill(index, picked, scored, local)
-            advantages = group_advantages(
-                scored.rewards, cfg.rollout.group_size, scale=cfg.algorithm.advantage_scale
-            ).to(device)
+                    scored, picked = self.refill(index, picked, scored, local, generate)
+        return Sampled(index, picked, scored, local)
+
+    def experience(self, sampled: Sampled) -> Experience:
+        """Advantages, the minibatch split, pi_old and the loss mask of a sampled batch."""
+        cfg, dist = self.config, self.dist
+        seed, device = cfg.train.seed, self.forward.policy.device
+        index, scored, local = sampled.index, sampled.scored, dict(sampled.metrics)
+        start = time.perf_counter()
+        advantages = group_advantages(
+            scored.rewards, cfg.rollout.group_size, scale=cfg.algorithm.advantage_scale
+        ).to(device)
+        local["time/reward"] += time.perf_counter() - start  # scoring and advantages
         batch = scored.batch
         with timed(local, "time/old_logprobs"):
             order = torch.randperm(
@@ -238,7 +291,9 @@ class RolloutStage:
                 generator=torch.Generator().manual_seed(rank_seed(seed, dist, "minibatch", index)),
             )
             minibatches = [rows.to(device) for rows in order.chunk(cfg.algorithm.minibatches)]
-            recomputed = self.forward.old_logprobs(batch, minibatches)
+            recomputed = sampled.old_logprobs
+            if recomputed is None:
+                recomputed = self.forward.old_logprobs(batch, minibatches)
         if recomputed is not None:
             local.update(logprob_mismatch(batch.sampler_logprobs, recomputed, batch.action_mask))
         old_logprobs = batch.sampler_logprobs if recomputed is None else recomputed

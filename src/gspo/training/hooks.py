@@ -59,12 +59,14 @@ class FirstMinibatchMismatch(Hook):
     """In sampler mode the first minibatch is on-policy: its forward is the recompute.
 
     So the training/inference mismatch is measured there for free (with
-    ``old_logprobs=recompute`` the rollout stage measures it over the whole batch).
+    ``old_logprobs=recompute`` the rollout stage measures it over the whole batch). Not
+    for a batch sampled by stale weights (``rollout.max_staleness``): its first minibatch
+    is off-policy.
     """
 
     def after_update(self, experience: Experience, minibatch: Minibatch) -> dict[str, float]:
-        if minibatch.k != 0 or experience.recomputed:
-            return {}
+        if minibatch.k != 0 or experience.recomputed or experience.staleness > 0:
+            return {}  # (stale weights sampled the batch: not the same policy, no mismatch)
         mb = minibatch.batch
         return logprob_mismatch(mb.sampler_logprobs, minibatch.logprobs, mb.action_mask)
 

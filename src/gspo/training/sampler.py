@@ -104,6 +104,10 @@ class Generator(Protocol):
 
     sampler: Sampler
 
+    def using(self, sampler: Any) -> Generator:
+        """The same generator sampling through another sampler (an async producer's)."""
+        ...
+
     def __call__(
         self,
         rows: list[dict[str, Any]],
@@ -123,6 +127,9 @@ class SingleTurn:
 
     def __init__(self, sampler: Sampler):
         self.sampler = sampler
+
+    def using(self, sampler: Any) -> SingleTurn:
+        return SingleTurn(sampler)
 
     def __call__(
         self,

@@ -184,7 +184,8 @@ def rl_optimizer(
 
 
 def moe_settings(config: Config, model: torch.nn.Module) -> tuple[bool, bool]:
-    """``(routing_replay, measure_churn)`` for ``model``; the churn is on by default for MoE.
+    """``(routing_replay, measure_churn)`` for ``model``; the churn is on by default for MoE
+    (off by default with ``rollout.max_staleness > 0``: pi_old's routing is not the trainer's).
 
     Asking for either on a model without MoE routers is a one-line ``ValueError``.
     """
@@ -195,4 +196,6 @@ def moe_settings(config: Config, model: torch.nn.Module) -> tuple[bool, bool]:
                 find_routers(model)
             except ValueError as exc:
                 raise ValueError(f"{key}: {exc}") from None
-    return replay, is_moe(model) if churn is None else churn
+    if churn is None:
+        churn = is_moe(model) and config.rollout.max_staleness == 0
+    return replay, churn

@@ -1,0 +1,228 @@
+"""Async rollouts (``rollout.max_staleness``): which weights sample which batch, determinism,
+resume, and how it meets the cold start, evaluation and dynamic sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_trainer import FAST, comparable, run_metrics, train_lines
+
+from gspo.cli import main
+from gspo.config import ConfigError, load_config
+from gspo.models import CompletionLogprobs, load_model
+from gspo.trainer import Trainer, latest_checkpoint
+from gspo.training.async_rollout import BEHAVIOUR_WEIGHTS, AsyncRollouts, SyncRollouts
+from gspo.training.checkpoint import checkpoint_dir
+
+MINIBATCHES = 2
+RUN = [
+    *FAST,
+    "train.max_steps=8",
+    f"algorithm.minibatches={MINIBATCHES}",
+    "optim.lr=1e-3",
+    "eval.every=4",
+    "train.save_every=2",
+]
+
+
+def train(tmp_path, name, *overrides, capture=False):
+    """Train a run; with ``capture``, also every rollout batch's Experience, in order."""
+    trainer = Trainer(load_config(None, [*RUN, *overrides]), tmp_path / name)
+    seen = []
+    if capture:
+        real = trainer.rollout.experience
+
+        def experience(sampled):
+            seen.append(out := real(sampled))
+            return out
+
+        trainer.rollout.experience = experience
+    trainer.fit()
+    return trainer, run_metrics(tmp_path / name), seen
+
+
+def staleness(records):
+    return [r.get("rollout/staleness") for r in train_lines(records)[::MINIBATCHES]]
+
+
+def test_bad_combinations_are_one_line():
+    with pytest.raises(ConfigError, match="rollout.max_staleness=1 needs rollout.engine=torch"):
+        load_config(None, ["rollout.max_staleness=1", "rollout.engine=vllm"])
+    with pytest.raises(ConfigError, match="moe.routing_replay needs rollout.max_staleness=0"):
+        load_config(
+            None,
+            ["rollout.max_staleness=2", "model.builtin=qwen3_moe", "moe.routing_replay=true"],
+        )
+    with pytest.raises(ConfigError, match="rollout.max_staleness"):
+        load_config(None, ["rollout.max_staleness=-1"])
+
+
+@pytest.mark.slow
+def test_staleness_schedule_and_the_weights_that_sampled_each_batch(tmp_path, varied_reward):
+    """k=1: batch 0 by the start weights, batch b+1 by the weights after batch b-1's updates
+    (checked by recomputing log-probs with the checkpoint of each rollout batch)."""
+    trainer, sync, _ = train(tmp_path, "sync", varied_reward)
+    assert isinstance(trainer.rollouts, SyncRollouts)
+    assert staleness(sync) == [None] * 4  # k=0 logs nothing new
+    trainer, records, seen = train(
+        tmp_path,
+        "k1",
+        varied_reward,
+        "rollout.max_staleness=1",
+        "algorithm.old_logprobs=recompute",
+        "train.keep_checkpoints=10",
+        capture=True,
+    )
+    assert isinstance(trainer.rollouts, AsyncRollouts)
+    assert staleness(records) == [0.0, 1.0, 1.0, 1.0]
+    assert [e.staleness for e in seen] == [0, 1, 1, 1]
+    # batch 0 is sampled by the cold-start model, as in the synchronous run: same samples
+    for a, b in zip(train_lines(sync)[:1], train_lines(records)[:1], strict=True):
+        for key in ("train/reward_mean", "train/response_length_mean", "train/ratio_mean"):
+            assert a[key] == b[key], key
+    # evaluation measures the trained weights: at step 0 those of the synchronous run
+    start = [
+        [r for r in rs if r["step"] == 0 and "eval/reward_mean" in r] for rs in (sync, records)
+    ]
+    assert comparable(start[0][0]) == comparable(start[1][0])
+
+    def logprobs(j, batch):  # under W_j, the weights after j rollout batches of updates
+        model, _ = load_model(
+            checkpoint_dir(tmp_path / "k1", j * MINIBATCHES),
+            device=torch.device("cpu"),
+            dtype=torch.float32,
+        )
+        with torch.no_grad():
+            return CompletionLogprobs(model)(
+                batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
+            )
+
+    for b, experience in enumerate(seen):
+        batch, mask = experience.batch, experience.batch.completion_mask.bool()
+        source = max(0, b - 1)
+        # pi_old (recomputed on the producer's copy) and the sampler's are W_source's
+        expected = logprobs(source, batch)
+        assert torch.allclose(experience.old_logprobs[mask], expected[mask], atol=1e-5)
+        assert torch.allclose(batch.sampler_logprobs[mask], expected[mask], atol=1e-4)
+        if b > 0:  # and not the trainer's current weights, which moved on
+            current = logprobs(b, batch)
+            assert (current[mask] - expected[mask]).abs().max() > 1e-3
+
+
+@pytest.mark.slow
+def test_k2_staleness_and_first_batch_off_policy(tmp_path, varied_reward):
+    _, records, _ = train(
+        tmp_path, "k2", varied_reward, "rollout.max_staleness=2", "train.max_steps=10"
+    )
+    assert staleness(records) == [0.0, 1.0, 2.0, 2.0, 2.0]
+    lines = train_lines(records)
+    # the first minibatch of a stale batch is off-policy: its ratio moved from 1
+    stale_first = [r for r in lines if r["rollout/staleness"] > 0 and r["train/minibatch"] == 0]
+    assert any(abs(r["train/ratio_mean"] - 1) > 1e-4 for r in stale_first)
+    # the free sampler/trainer mismatch is measured only where the batch is on-policy
+    assert "mismatch/k3_kl" in lines[0]
+    assert not any("mismatch/k3_kl" in r for r in stale_first)
+
+
+@pytest.mark.slow
+def test_k1_is_deterministic_run_to_run(tmp_path, varied_reward):
+    _, a, _ = train(tmp_path, "a", varied_reward, "rollout.max_staleness=1")
+    _, b, _ = train(tmp_path, "b", varied_reward, "rollout.max_staleness=1")
+    assert [comparable(r) for r in a] == [comparable(r) for r in b]  # bit for bit
+    assert len({round(r["train/reward_mean"], 6) for r in train_lines(a)}) > 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["rollout.max_staleness=1"],
+        [
+            "rollout.max_staleness=2",
+            "algorithm.old_logprobs=recompute",
+            "rollout.filter_groups=true",
+        ],
+    ],
+    ids=["k1", "k2-recompute-filter_groups"],
+)
+def test_resume_regenerates_what_was_sampled_ahead(tmp_path, varied_reward, extra):
+    common = [*RUN, varied_reward, *extra]
+    assert main(["train", "--output-dir", str(tmp_path / "full"), *common]) == 0
+    assert main(["train", "--output-dir", str(tmp_path / "cut"), *common, "train.max_steps=4"]) == 0
+    cut = latest_checkpoint(tmp_path / "cut")
+    assert cut.name == "step-0000004" and (cut / BEHAVIOUR_WEIGHTS).is_file()
+    assert main(["train", "--resume", str(tmp_path / "cut"), "train.max_steps=8"]) == 0
+    full, resumed = run_metrics(tmp_path / "full"), run_metrics(tmp_path / "cut")
+    assert [r["step"] for r in full] == [r["step"] for r in resumed]
+    for a, b in zip(full, resumed, strict=True):
+        assert comparable(a) == pytest.approx(comparable(b), rel=1e-6, abs=1e-7)
+    assert staleness(resumed)[2:] == staleness(full)[2:]
+
+
+@pytest.mark.slow
+def test_resume_with_another_staleness_is_one_line(tmp_path, varied_reward, capsys):
+    common = [*RUN, varied_reward, "train.max_steps=4"]
+    assert main(["train", "--output-dir", str(tmp_path / "run"), *common]) == 0
+    code = main(["train", "--resume", str(tmp_path / "run"), "train.max_steps=8",
+                 "rollout.max_staleness=1"])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and BEHAVIOUR_WEIGHTS in err
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_each_run_a_producer_and_resume_exactly(tmp_path, varied_reward):
+    from test_distributed import torchrun
+
+    # --no-cache: each launch does its own cold start (it is what a cached one would load)
+    common = [*RUN, varied_reward, "rollout.max_staleness=1", "train.save_every=4", "--no-cache"]
+    train = ["-m", "gspo", "train", "--output-dir"]
+    torchrun(*train, str(tmp_path / "full"), *common)
+    torchrun(*train, str(tmp_path / "cut"), *common, "train.max_steps=4")
+    torchrun("-m", "gspo", "train", "--resume", str(tmp_path / "cut"), "train.max_steps=8")
+    full, resumed = run_metrics(tmp_path / "full"), run_metrics(tmp_path / "cut")
+    assert staleness(full) == [0.0, 1.0, 1.0, 1.0]
+    assert all(r["train/sequences"] == 8 for r in train_lines(full))  # 16 responses / 2
+    assert [r["step"] for r in full] == [r["step"] for r in resumed]
+    for a, b in zip(full, resumed, strict=True):
+        assert comparable(a) == pytest.approx(comparable(b), rel=1e-6, abs=1e-7)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_then_resume_gives_the_same_run(tmp_path, varied_reward):
+    """Killed while the producer is sampling ahead (at an RL step between checkpoints)."""
+    import signal
+
+    from test_faults import RUN as FAULT_RUN
+    from test_faults import gspo
+
+    cold = 20
+    args = [*FAULT_RUN, f"train.cold_start_steps={cold}", varied_reward,
+            "rollout.max_staleness=1", "--no-cache"]  # fmt: skip
+    assert gspo(tmp_path, "train", "--output-dir", str(tmp_path / "full"), *args) == 0
+    full = [comparable(r) for r in run_metrics(tmp_path / "full")]
+    run = tmp_path / "killed"
+    kill = ("step", cold + 4)  # the 4th RL step: after the step-2 checkpoint
+    assert gspo(tmp_path, "train", "--output-dir", str(run), *args, kill=kill) == -signal.SIGKILL
+    assert gspo(tmp_path, "train", "--resume", str(run)) == 0
+    resumed = [comparable(r) for r in run_metrics(run)]
+    assert [r["step"] for r in resumed] == [r["step"] for r in full]
+    for a, b in zip(full, resumed, strict=True):
+        assert a == pytest.approx(b, rel=1e-6, abs=1e-7)
+
+
+@pytest.mark.slow
+def test_lora_snapshots_hold_the_adapters_alone(tmp_path, varied_reward):
+    _, records, _ = train(
+        tmp_path,
+        "lora",
+        varied_reward,
+        "rollout.max_staleness=1",
+        "model.lora.r=4",
+        "train.cold_start_steps=0",
+    )
+    assert staleness(records) == [0.0, 1.0, 1.0, 1.0]
+    saved = torch.load(latest_checkpoint(tmp_path / "lora") / BEHAVIOUR_WEIGHTS, weights_only=True)
+    (weights,) = saved["weights"].values()  # W_3, which the next batch would be sampled by
+    assert weights and all("lora_" in name for name in weights)
+    # the producer's copy samples through the adapters: they moved, so its log-probs did
+    assert any(w.abs().max() > 0 for n, w in weights.items() if "lora_B" in n)
