@@ -514,3 +514,18 @@ def test_reset_gets_the_columns_it_takes():
     episode = EnvironmentFactory(Plain).episode(row)
     assert episode.reset(row) is None and episode.env.started
     assert EnvironmentFactory(Picky).episode(row).reset(row) == " (hint: 2 digits)"
+
+
+def test_async_rollouts_run_episodes_too(tmp_path, env_file):
+    """rollout.max_staleness=1: the producer thread runs the episodes through its own
+    copy of the weights (Generator.using), batch 1 one rollout batch stale."""
+    overrides = [
+        *FAST, "train.cold_start_steps=0", f"rollout.environment={env_file}:Talker",
+        "rollout.max_new_tokens=16", "rollout.max_turns=3", "train.max_steps=4",
+        "algorithm.minibatches=2", "rollout.max_staleness=1", "eval.every=0",
+        "eval.max_prompts=2", "reward.functions=[numeric_match]",
+    ]  # fmt: skip
+    records = Trainer(load_config(None, overrides), tmp_path / "run").fit()
+    lines = [r for r in records if "train/loss" in r]
+    assert [r["rollout/staleness"] for r in lines] == [0, 0, 1, 1]
+    assert all(r["env/turns_mean"] > 1 for r in lines)

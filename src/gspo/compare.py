@@ -649,7 +649,7 @@ def report_markdown(
     summary = result["algorithms"]
     seeds = next(iter(summary.values()))["seeds"] if summary else []
     lines = [
-        "# GSPO vs GRPO vs GSPO-token",
+        "# " + " vs ".join(summary),
         "",
         f"Produced by `gspo compare` (preset `{result['preset']}`"
         + "".join(f", override `{o}`" for o in result.get("overrides", []))
