@@ -129,6 +129,9 @@ def test_encode_prompt_string_and_chat():
     ids = encode_prompt("12+3=", tok)
     assert tok.decode(ids) == "12+3="
     messages = [{"role": "user", "content": "hi"}]
+    # the built-in template: a user message is its text, the model answers right after
+    assert tok.decode(encode_prompt(messages, tok)) == "hi"
+    tok.chat_template = None
     with pytest.raises(ValueError, match="tokenizer has no chat template"):
         encode_prompt(messages, tok)
     tok.chat_template = (
