@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,8 +64,10 @@ def run_gspo(
     launcher: list[str] | None = None,
     name: str = "gspo_run",
     schedule: Schedule = REFERENCE,
+    extra: Sequence[str] = (),
 ) -> tuple[float, Path]:
-    """gspo on the workload as a process of its own (``launcher``: e.g. torchrun's argv)."""
+    """gspo on the workload as a process of its own (``launcher``: e.g. torchrun's argv;
+    ``extra``: more overrides, e.g. ``model.lora.r=8``)."""
     out = work / name
     command = [
         *(launcher or [sys.executable]), "-m", "gspo", "train", "--overwrite",
@@ -86,6 +89,7 @@ def run_gspo(
         "log.plots=false",
         "log.tensorboard=false",
         f"model.device={schedule.device}",
+        *extra,
     ]  # fmt: skip
     start, wall_start = time.perf_counter(), time.time()
     subprocess.run(command, check=True, capture_output=True)
