@@ -2,7 +2,10 @@
 
     python experiments/lora_sweep.py [--out runs/lora_sweep] [--seeds 0 1 2] [--jobs 2]
 
-1. the demo's cold start once (``gspo train train.max_steps=0``; its step-0 checkpoint);
+1. the demo's cold start once (``gspo train train.max_steps=0``; its step-0 checkpoint;
+   1,500 SFT steps, about 3.5 minutes on an idle 2-core CPU; an interrupted one is
+   resumed from its progress checkpoints, and a finished one with the same content hash
+   is taken from gspo's cold-start cache, see ``train.cold_start_cache``);
 2. from it (``model.path=<step-0>``, ``train.cold_start_steps=0``), 200 GSPO steps each of
    full fine-tuning at the demo's lr and LoRA r in ``--ranks`` at every lr in ``--lrs``,
    every seed; each run is a process of its own, its peak resident memory (ru_maxrss)
@@ -71,13 +74,14 @@ def finished(run: Path, steps: int) -> bool:
     )
 
 
-def train(run: Path, overrides: list[str], log: Path) -> None:
+def train(run: Path, overrides: list[str], log: Path, *, resume: bool = False) -> None:
+    """``gspo train`` into ``run`` (``resume``: continue it from its checkpoints)."""
     run.parent.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    with open(log, "w") as out:
+    where = ["--resume", str(run)] if resume else ["--overwrite", "--output-dir", str(run)]
+    with open(log, "a" if resume else "w") as out:
         subprocess.run(
-            [sys.executable, "-c", RUNNER, str(run) + ".peak.json", "train", "--overwrite",
-             "--output-dir", str(run), *overrides],
+            [sys.executable, "-c", RUNNER, str(run) + ".peak.json", "train", *where, *overrides],
             check=True, env=env(), stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
     peak = json.loads(Path(str(run) + ".peak.json").read_text())
@@ -209,9 +213,13 @@ def main(argv: list[str] | None = None) -> None:
     cold = out / "cold_start"
     step0 = cold / "checkpoints" / "step-0000000"
     if not (step0 / "trainer_state.pt").is_file():
-        print(f"cold start -> {cold}", flush=True)
-        train(cold, ["train.max_steps=0", f"train.cold_start_steps={args.cold_start_steps}",
-                     *QUIET, *args.extra], out / "cold_start.log")  # fmt: skip
+        # an interrupted cold start continues from its progress checkpoints
+        resume = (cold / "config.yaml").is_file()
+        print(f"cold start -> {cold}{' (resumed)' if resume else ''}", flush=True)
+        overrides = [] if resume else ["train.max_steps=0",
+                                       f"train.cold_start_steps={args.cold_start_steps}",
+                                       *QUIET, *args.extra]  # fmt: skip
+        train(cold, overrides, out / "cold_start.log", resume=resume)
     jobs = []
     for seed in args.seeds:  # seed-major: a partial sweep covers every setting once first
         for name, rank, lr in configs(args):

@@ -308,14 +308,16 @@ def test_lora_sync_gives_vllm_the_merged_weights(engine, model_dir, tokenizer):
     "extra",
     [
         [],
-        # LoRA from the random built-in (LoRA trains RL only), a large lr so that a missed
-        # sync of the merged weights shows, and the KL on (its reference: adapters off)
+        # LoRA from the random built-in (LoRA trains RL only) with a reward that differs
+        # within every group (so the adapters move), a large lr so that a missed sync of
+        # the merged weights shows, and the KL on (its reference: the adapters off)
         ["train.cold_start_steps=0", "model.lora.r=8", "optim.lr=1e-2", "algorithm.kl_coef=0.1"],
     ],
     ids=["full", "lora"],
 )
-def test_gspo_train_with_the_vllm_engine(tmp_path, extra):
+def test_gspo_train_with_the_vllm_engine(tmp_path, extra, varied_reward):
     out = tmp_path / "run"
+    extra = [*extra, varied_reward] if extra else extra
     overrides = [*FAST, "rollout.engine=vllm", "train.max_steps=8", "eval.every=4", *extra]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
     run = subprocess.run(
@@ -339,6 +341,9 @@ def test_gspo_train_with_the_vllm_engine(tmp_path, extra):
     on_policy = [r for r in lines if r["train/minibatch"] == 0]
     assert all(r["mismatch/token_abs_max"] < 1e-4 for r in on_policy)
     assert all(abs(r["train/ratio_mean"] - 1) < 1e-4 for r in on_policy)
+    if extra:  # the adapters moved: the policy vLLM sampled from is not the base
+        assert all(r["train/grad_norm"] > 0 for r in lines)
+        assert on_policy[0]["train/kl"] == 0 and on_policy[1]["train/kl"] > 1e-4
     evals = [r for r in records if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [0, 4, 8]
 
