@@ -10,7 +10,9 @@ process of its own; the variants alternate (full, r=8, r=32, full, ...) so that 
 the machine's speed hits all of them. Per run: the RL loop's seconds per optimizer step
 (step-0 record to the last step's record, over the steps), and its phases from the
 metrics: generation and the old-log-prob pass per rollout batch, forward + backward +
-optimizer (``time/train``) per optimizer step. Medians over the repeats.
+optimizer (``time/train``) per optimizer step; and the CPU seconds (user + system) of the
+whole process, which a machine shared with other jobs inflates less than wall time.
+Medians over the repeats.
 
 memory: the KL reference (``algorithm.kl_coef > 0``) of full fine-tuning is a second
 copy of the model loaded from the step-0 checkpoint; LoRA's is the policy with its
@@ -32,6 +34,7 @@ import ctypes
 import gc
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -71,12 +74,19 @@ def step_times(run: Path) -> dict[str, float]:
     }
 
 
+def children_cpu_seconds() -> float:
+    """User + system CPU seconds of this process's finished children so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def measure_time(work: Path, ranks: list[int], repeats: int) -> dict[str, list[dict]]:
     results: dict[str, list[dict]] = {name: [] for name in variants(ranks)}
     for rep in range(repeats):
         for i, (name, extra) in enumerate(variants(ranks).items()):
+            cpu = children_cpu_seconds()
             _, run = vs_trl.run_gspo(work, name=f"lora_bench_{i}", extra=extra)
-            results[name].append(step_times(run))
+            results[name].append({**step_times(run), "cpu": children_cpu_seconds() - cpu})
             print(f"repeat {rep + 1}/{repeats} {name}: {results[name][-1]}", flush=True)
     return results
 
@@ -153,18 +163,19 @@ def measure_memory(work: Path, ranks: list[int]) -> dict[str, dict]:
 
 def report(times: dict[str, list[dict]], memory: dict[str, dict], repeats: int) -> str:
     lines = [
-        f"Per optimizer step, median over {repeats} runs of each (ms):",
+        f"Per optimizer step, median over {repeats} runs of each (ms; CPU: seconds a run):",
         "",
         "| variant | trainable params | loop per step | forward+backward+optimizer "
-        "| generation per rollout batch | old-log-prob pass per rollout batch |",
-        "|---|---|---|---|---|---|",
+        "| generation per rollout batch | old-log-prob pass per rollout batch "
+        "| CPU seconds of the whole process |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, runs in times.items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         lines.append(
             f"| {name} | {med['trainable']:,.0f} | {1000 * med['loop']:.1f} "
             f"| {1000 * med['train']:.1f} | {1000 * med['generate']:.1f} "
-            f"| {1000 * med['old_logprobs']:.1f} |"
+            f"| {1000 * med['old_logprobs']:.1f} | {med['cpu']:.1f} |"
         )
     if memory:
         first = next(iter(memory.values()))
