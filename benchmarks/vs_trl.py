@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,10 +64,10 @@ def run_gspo(
     launcher: list[str] | None = None,
     name: str = "gspo_run",
     schedule: Schedule = REFERENCE,
-    extra: tuple[str, ...] = (),
+    extra: Sequence[str] = (),
 ) -> tuple[float, Path]:
     """gspo on the workload as a process of its own (``launcher``: e.g. torchrun's argv;
-    ``extra``: more config overrides, e.g. ``rollout.max_staleness=1``)."""
+    ``extra``: more overrides, e.g. ``rollout.max_staleness=1`` or ``model.lora.r=8``)."""
     out = work / name
     command = [
         *(launcher or [sys.executable]), "-m", "gspo", "train", "--overwrite",

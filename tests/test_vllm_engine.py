@@ -222,11 +222,103 @@ def test_weight_sync_changes_outputs_and_matches_the_torch_engine(engine, model,
     assert max_logprob_delta(model, sampled) < 1e-4
 
 
+def lora_policy(model_dir, steps=3):
+    """The disk model with fresh LoRA adapters, after ``steps`` AdamW steps on the adapters.
+
+    The update pushes up the log-probs of a few fixed completions at lr 1e-2, so the
+    merged weights are far from the base (``lora_B`` starts at zero).
+    """
+    from gspo.config import LoraSettings
+    from gspo.distributed import Distributed
+    from gspo.training.lora import attach_lora
+    from gspo.training.policy import Policy
+
+    base, _ = load_model(model_dir, device=torch.device("cpu"), dtype=torch.float32)
+    module = attach_lora(base, LoraSettings(r=8), seed=7, base_path=model_dir)
+    policy = Policy(module, Distributed(), compute_dtype=torch.float32, temperature=1.0)
+    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-2)
+    prompt_ids = torch.tensor([[10, 11, 12], [13, 14, 15]])
+    completion_ids = torch.tensor([[20, 21, 22, 23], [24, 25, 26, 27]])
+    ones = torch.ones_like
+    for _ in range(steps):
+        lp = policy.forward(prompt_ids, ones(prompt_ids), completion_ids, ones(completion_ids))
+        (-lp.mean()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        policy.stepped()
+    return policy
+
+
+def lora_tensors(policy):
+    return {n: t.detach().clone() for n, t in policy.module.state_dict().items()}
+
+
+@needs_vllm
+def test_lora_sync_gives_vllm_the_merged_weights(engine, model_dir, tokenizer):
+    """After a LoRA update the trainer's sampler hands vLLM base + adapter, merged: vLLM's
+    log-probs equal the adapter model's (and its merged copy's) at the float32 level, and
+    differ from the base's, so a missed sync would fail this. The adapters and the base
+    are bitwise what they were before the sync."""
+    from gspo.training.sampler import Sampler
+
+    policy = lora_policy(model_dir)
+    assert any(p.abs().max() > 0 for n, p in policy.module.named_parameters() if "lora_B" in n)
+    sampler = Sampler(engine, policy)
+    sampler.version = 0  # the engine holds the disk model (the base): behind the policy
+    before = lora_tensors(policy)
+    prompts = encode(tokenizer)
+    batch, seconds = sampler.generate(prompts, n=4, params=SamplingParams(10), seed=11)
+    assert seconds > 0 and sampler.version == policy.version  # it synced
+    after = lora_tensors(policy)
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing merged in place
+    assert policy.adapters and policy.module.active_adapters == ["default"]
+
+    mask = batch.completion_mask.bool()
+    trainer_lp = policy.logprobs(batch).detach()  # the PEFT module, adapters on
+    assert (trainer_lp - batch.sampler_logprobs).abs()[mask].max() < 1e-4
+    merged_lp = recompute(policy.merged(), batch)
+    assert (merged_lp - batch.sampler_logprobs).abs()[mask].max() < 1e-4
+    with torch.no_grad(), policy.base():
+        base_lp = policy.logprobs(batch)
+    assert (base_lp - batch.sampler_logprobs).abs()[mask].max() > 1e-2
+
+    # greedy: vLLM decodes what the torch engine decodes through the adapters
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+    ours, _ = sampler.generate(prompts, n=1, params=greedy, seed=0)
+    ref = torch_engine(policy.module, tokenizer).generate(prompts, n=1, params=greedy, seed=0)
+    assert torch.equal(ours.completion_ids, ref.completion_ids)
+    assert (ours.sampler_logprobs - ref.sampler_logprobs).abs().max() < 1e-4
+
+    # a further update is synced too (the sampler sees the version move)
+    with torch.no_grad():
+        for name, p in policy.module.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.05)
+    policy.stepped()
+    again, seconds = sampler.generate(prompts, n=4, params=SamplingParams(10), seed=12)
+    assert seconds > 0
+    lp = policy.logprobs(again).detach()
+    assert (lp - again.sampler_logprobs).abs()[again.completion_mask.bool()].max() < 1e-4
+
+
 @needs_vllm
 @pytest.mark.slow
-def test_gspo_train_with_the_vllm_engine(tmp_path):
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        # LoRA from the random built-in (LoRA trains RL only) with a reward that differs
+        # within every group (so the adapters move), a large lr so that a missed sync of
+        # the merged weights shows, and the KL on (its reference: the adapters off)
+        ["train.cold_start_steps=0", "model.lora.r=8", "optim.lr=1e-2", "algorithm.kl_coef=0.1"],
+    ],
+    ids=["full", "lora"],
+)
+def test_gspo_train_with_the_vllm_engine(tmp_path, extra, varied_reward):
     out = tmp_path / "run"
-    overrides = [*FAST, "rollout.engine=vllm", "train.max_steps=8", "eval.every=4"]
+    extra = [*extra, varied_reward] if extra else extra
+    overrides = [*FAST, "rollout.engine=vllm", "train.max_steps=8", "eval.every=4", *extra]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
     run = subprocess.run(
         [sys.executable, "-m", "gspo", "train", "--output-dir", str(out), *overrides],
@@ -237,6 +329,10 @@ def test_gspo_train_with_the_vllm_engine(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    if extra:
+        summary = next(r for r in records if "model/trainable_params" in r)
+        assert summary["model/trainable_params"] < 0.5 * summary["model/params"]
+        assert (out / "checkpoints" / "step-0000008" / "adapter_config.json").is_file()
     lines = [r for r in records if "train/loss" in r]
     assert [r["step"] for r in lines] == list(range(1, 9))
     assert all("time/weight_sync" in r for r in lines)
@@ -245,6 +341,9 @@ def test_gspo_train_with_the_vllm_engine(tmp_path):
     on_policy = [r for r in lines if r["train/minibatch"] == 0]
     assert all(r["mismatch/token_abs_max"] < 1e-4 for r in on_policy)
     assert all(abs(r["train/ratio_mean"] - 1) < 1e-4 for r in on_policy)
+    if extra:  # the adapters moved: the policy vLLM sampled from is not the base
+        assert all(r["train/grad_norm"] > 0 for r in lines)
+        assert on_policy[0]["train/kl"] == 0 and on_policy[1]["train/kl"] > 1e-4
     evals = [r for r in records if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [0, 4, 8]
 
