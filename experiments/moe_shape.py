@@ -6,6 +6,8 @@ top-8, 48 layers). This script asks how that fraction moves with the routing sha
 
     python experiments/moe_shape.py churn            # expert change vs shape (docs/moe_shape)
     python experiments/moe_shape.py churn --quick    # a smoke run (its numbers mean nothing)
+    python experiments/moe_shape.py claim --experts 128 --top-k 8 --layers 4   # the claim
+    python experiments/moe_shape.py claim --quick    # its smoke run
 
 ``churn``: for every routing shape (number of experts, top-k, depth) its own cold start by
 one recipe (the same SFT steps, learning rate and batch on 2-digit addition), then a few
@@ -13,6 +15,12 @@ GRPO rollout batches without Routing Replay at the default learning rate, loggin
 ``moe/expert_change_fraction`` after every optimizer step; and, at one shape, the same RL
 from the same cold start (reused from the cold-start cache) at several learning rates.
 *After one update* is minibatch 0 of each rollout batch, averaged over the rollout batches.
+
+``claim``: at one shape, on the long-response ``chain`` task, one cold start and then GRPO
+and GSPO, each without and with Routing Replay, for every seed, from the same checkpoint
+(the paper's minibatching: several optimizer steps per rollout batch); accuracy and reward
+curves with seed bands, clip fractions, expert change over training, and a verdict per
+claim computed from those numbers (``claim.md``).
 
 Every model has hidden size 64 (2 heads, 1 KV head) and experts 24 wide (Qwen3-30B-A3B's
 768 / 2048 ratio), ``norm_topk_prob`` on, no router aux loss, and computes its experts with
@@ -423,9 +431,271 @@ def churn_sweep(args: argparse.Namespace) -> None:
     print(f"wrote {out / 'churn.md'} in {minutes:.1f} min", flush=True)
 
 
+# ----------------------------------------------------------------------------- claim
+
+
+@dataclass(frozen=True)
+class ClaimPlan:
+    cold_start_steps: int
+    rl_steps: int  # optimizer steps per run
+    minibatches: int  # optimizer steps per rollout batch
+    eval_every: int
+    eval_prompts: int
+    terms: int  # chain task: terms per problem (response length grows with it)
+    max_new_tokens: int
+    seeds: tuple[int, ...]
+
+
+CLAIM_FULL = ClaimPlan(
+    cold_start_steps=600,
+    rl_steps=64,
+    minibatches=8,
+    eval_every=16,
+    eval_prompts=64,
+    terms=8,
+    max_new_tokens=112,
+    seeds=(0, 1, 2),
+)
+CLAIM_QUICK = ClaimPlan(
+    cold_start_steps=4,
+    rl_steps=4,
+    minibatches=2,
+    eval_every=2,
+    eval_prompts=4,
+    terms=3,
+    max_new_tokens=48,
+    seeds=(0,),
+)
+CLAIM_VARIANTS: dict[str, list[str]] = {
+    "GRPO": ["algorithm.level=token", "moe.routing_replay=false"],
+    "GRPO + replay": ["algorithm.level=token", "moe.routing_replay=true"],
+    "GSPO": ["algorithm.level=sequence", "moe.routing_replay=false"],
+    "GSPO + replay": ["algorithm.level=sequence", "moe.routing_replay=true"],
+}
+
+
+def claim_common(plan: ClaimPlan, shape: Shape) -> list[str]:
+    return [
+        "model.builtin=qwen3_moe",
+        "model.hidden=64",
+        "model.heads=2",
+        "model.kv_heads=1",
+        "model.expert_intermediate=24",
+        "model.experts_implementation=padded",
+        *shape.overrides(),
+        "data.task=chain",
+        f"data.terms={plan.terms}",
+        "reward.functions=[numeric_match]",
+        f"rollout.max_new_tokens={plan.max_new_tokens}",
+        f"algorithm.minibatches={plan.minibatches}",
+        f"eval.max_prompts={plan.eval_prompts}",
+        f"eval.every={plan.eval_every}",
+        "eval.samples=2",
+        "eval.greedy=false",
+        "log.progress=false",
+        "log.plots=false",
+        "log.tensorboard=false",
+        "train.save_every=0",
+        "train.keep_checkpoints=1",
+    ]
+
+
+def claim_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    lines = train_lines(records)
+    evals = [r["eval/accuracy"] for r in records if r.get("eval/accuracy") is not None]
+    tail = lines[-max(1, len(lines) // 4) :]
+    return {
+        "accuracy_start": evals[0] if evals else math.nan,
+        "accuracy": evals[-1] if evals else math.nan,
+        "accuracy_best": max(evals) if evals else math.nan,
+        "reward_tail": mean([r["train/reward_mean"] for r in tail]),
+        "clip_fraction": mean([r["train/clip_fraction"] for r in lines]),
+        "churn_1": mean([r[CHURN] for r in lines if r.get("train/minibatch") == 0 and CHURN in r]),
+        "churn": mean([r[CHURN] for r in lines if CHURN in r]),
+        "length": mean(
+            [r["train/response_length_mean"] for r in lines if "train/response_length_mean" in r]
+        ),
+        "steps": len(lines),
+    }
+
+
+def claim_verdicts(summary: dict[str, list[dict[str, Any]]], margin: float) -> list[str]:
+    """One verdict per claim, from the per-seed numbers."""
+
+    def change(name: str) -> list[float]:
+        return [s["accuracy"] - s["accuracy_start"] for s in summary.get(name, [])]
+
+    def describe(name: str) -> str:
+        values = change(name)
+        listed = ", ".join(f"{v:+.3f}" for v in values)
+        return f"{name}: held-out accuracy change per seed {listed}"
+
+    notes = []
+    grpo, grpo_r, gspo = change("GRPO"), change("GRPO + replay"), change("GSPO")
+    churn = [s["churn_1"] for s in summary.get("GRPO", [])]
+    notes.append(
+        "Expert change after one update under GRPO without replay: "
+        + ", ".join(pct(c) for c in churn)
+        + " per seed (the paper: ~10%)."
+    )
+    if grpo and grpo_r:
+        worse = all(g < r - margin for g, r in zip(grpo, grpo_r, strict=False))
+        fell = all(g < -margin for g in grpo)
+        rose = all(g > margin for g in grpo)
+        if worse and fell:
+            verdict = "reproduced: GRPO without replay lost accuracy and fell behind GRPO + replay"
+        elif rose and not worse:
+            verdict = "not reproduced: GRPO without replay improved and did not fall behind replay"
+        else:
+            verdict = "inconclusive: the seeds do not all agree beyond the margin"
+        notes.append(
+            f"Claim 'GRPO needs Routing Replay on MoE' ({describe('GRPO')}; "
+            f"{describe('GRPO + replay')}; margin {margin}): {verdict}."
+        )
+    if gspo:
+        if all(g > margin for g in gspo):
+            verdict = "reproduced: GSPO without replay improved on every seed"
+        elif all(g < -margin for g in gspo):
+            verdict = "not reproduced: GSPO without replay lost accuracy on every seed"
+        else:
+            verdict = "inconclusive: the seeds do not all move beyond the margin"
+        notes.append(
+            f"Claim 'GSPO converges without Routing Replay' ({describe('GSPO')}): {verdict}."
+        )
+    return notes
+
+
+def claim(args: argparse.Namespace) -> None:
+    plan = CLAIM_QUICK if args.quick else CLAIM_FULL
+    if args.seeds:
+        plan = ClaimPlan(**{**asdict(plan), "seeds": tuple(args.seeds)})
+    shape = Shape(args.experts, args.top_k, args.layers)
+    work = args.work_dir / ("claim_quick" if args.quick else "claim") / shape.name
+    out = args.output_dir or (work / "report" if args.quick else Path("docs/moe_shape/claim"))
+    out.mkdir(parents=True, exist_ok=True)
+    commit = code_commit()
+    start = time.perf_counter()
+    common = [*claim_common(plan, shape), f"optim.lr={args.lr}"]
+    print(f"cold start: {plan.cold_start_steps} SFT steps on chain", flush=True)
+    _, cold_seconds = train_run(
+        work / "cold_start",
+        [
+            *common,
+            "train.seed=0",
+            f"train.cold_start_steps={plan.cold_start_steps}",
+            "train.max_steps=0",
+        ],
+    )
+    checkpoint = work / "cold_start" / "checkpoints" / "step-0000000"
+    runs: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in CLAIM_VARIANTS}
+    summary: dict[str, list[dict[str, Any]]] = {name: [] for name in CLAIM_VARIANTS}
+    for seed in plan.seeds:
+        for name, overrides in CLAIM_VARIANTS.items():
+            print(f"{name}, seed {seed}: {plan.rl_steps} RL steps", flush=True)
+            records, _ = train_run(
+                work / f"{name.replace(' + ', '_').lower()}_seed{seed}",
+                [
+                    *common,
+                    f"train.seed={seed}",
+                    f"model.path={checkpoint}",
+                    "train.cold_start_steps=0",
+                    f"train.max_steps={plan.rl_steps}",
+                    *overrides,
+                ],
+            )
+            runs[name].append(records)
+            summary[name].append(claim_summary(records))
+            print(f"  {summary[name][-1]}", flush=True)
+            write_claim(out, plan, shape, args, runs, summary, commit, start, cold_seconds)
+    print(f"wrote {out / 'claim.md'}", flush=True)
+
+
+def write_claim(out, plan, shape, args, runs, summary, commit, start, cold_seconds) -> None:
+    from gspo.telemetry import plot_bands
+
+    done = {name: r for name, r in runs.items() if r}
+    lines = {name: [train_lines(r) for r in rs] for name, rs in done.items()}
+    command = (
+        f"python experiments/moe_shape.py claim --experts {shape.experts} --top-k {shape.top_k} "
+        f"--layers {shape.layers} --lr {args.lr:g}"
+        + (f" --seeds {' '.join(map(str, args.seeds))}" if args.seeds else "")
+        + (" --quick" if args.quick else "")
+    )
+    tag = f" ({command}, commit {commit})"
+    plot_bands(done, "eval/accuracy", out / "accuracy.png", title="Held-out accuracy" + tag)
+    plot_bands(lines, "train/reward_mean", out / "reward.png", title="Training reward" + tag)
+    plot_bands(lines, "train/clip_fraction", out / "clip_fraction.png", title="Clip fraction" + tag)
+    first = {
+        n: [[r for r in rs if r.get("train/minibatch") == 0] for rs in ls]
+        for n, ls in lines.items()
+    }
+    plot_bands(first, CHURN, out / "expert_change.png", title="Expert change after 1 update" + tag)
+    expected = len(plan.seeds) * len(CLAIM_VARIANTS)
+    finished = sum(len(v) for v in summary.values())
+    rows = [
+        "| variant | seeds | held-out accuracy start → end (mean) | best | reward, last quarter "
+        "| clip fraction | expert change, 1 update | response length |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, ss in summary.items():
+        if not ss:
+            continue
+        m = {k: mean([s[k] for s in ss]) for k in ss[0]}
+        rows.append(
+            f"| {name} | {len(ss)} | {m['accuracy_start']:.3f} → {m['accuracy']:.3f} | "
+            f"{m['accuracy_best']:.3f} | {m['reward_tail']:.3f} | {m['clip_fraction']:.3f} | "
+            f"{pct(m['churn_1'])} | {m['length']:.0f} |"
+        )
+    minutes = (time.perf_counter() - start) / 60
+    text = [
+        "# GRPO vs GSPO, with and without Routing Replay, at a Qwen3-MoE-like routing shape",
+        "",
+        f"Produced by `{command}` on commit {commit}; {minutes:.1f} min so far"
+        + (" (a smoke configuration: its numbers mean nothing)." if args.quick else "."),
+        "",
+    ]
+    if finished < expected:
+        text += [f"**Partial**: {finished} of {expected} runs finished.", ""]
+    text += [
+        f"Model: the built-in Qwen3-MoE, {shape.layers} layers, hidden 64, {shape.experts} "
+        f"experts (24 wide), top-{shape.top_k}. Task: `chain` with {plan.terms} terms "
+        f"(responses up to {plan.max_new_tokens} tokens), reward `numeric_match`. One cold "
+        f"start ({plan.cold_start_steps} SFT steps, {cold_seconds:.0f} s), then each variant "
+        f"and seed {plan.rl_steps} optimizer steps from its checkpoint, {plan.minibatches} "
+        f"minibatches per rollout batch, lr {args.lr:g}, the levels' default clip ranges. "
+        f"Held-out accuracy: pass@1 over 2 samples of {plan.eval_prompts} prompts.",
+        "",
+        *rows,
+        "",
+        "![accuracy](accuracy.png) ![reward](reward.png)",
+        "",
+        "![clip fraction](clip_fraction.png) ![expert change](expert_change.png)",
+        "",
+        "## Verdicts",
+        "",
+        *[f"- {n}" for n in claim_verdicts(summary, args.margin)],
+        "",
+    ]
+    (out / "claim.md").write_text("\n".join(text))
+    payload = {"plan": asdict(plan), "shape": asdict(shape), "summary": summary, "commit": commit}
+    (out / "claim.json").write_text(json.dumps(payload, indent=1, allow_nan=True) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["churn"], help="churn: expert change vs routing shape")
+    parser.add_argument(
+        "what",
+        choices=["churn", "claim"],
+        help="churn: expert change vs routing shape; claim: GRPO/GSPO +- replay at one shape",
+    )
+    parser.add_argument("--experts", type=int, default=128, help="claim: experts per layer")
+    parser.add_argument("--top-k", type=int, default=8, help="claim: experts per token")
+    parser.add_argument("--layers", type=int, default=4, help="claim: depth")
+    parser.add_argument("--lr", type=float, default=DEFAULT_LR, help="claim: RL learning rate")
+    parser.add_argument("--seeds", type=int, nargs="+", help="claim: training seeds")
+    parser.add_argument(
+        "--margin", type=float, default=0.05, help="claim: accuracy change that counts"
+    )
     parser.add_argument("--output-dir", type=Path, help="report and plots")
     parser.add_argument(
         "--work-dir", type=Path, default=Path("runs/moe_shape"), help="the training runs"
@@ -435,6 +705,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.what == "churn":
         churn_sweep(args)
+    else:
+        claim(args)
 
 
 if __name__ == "__main__":
