@@ -393,7 +393,7 @@ def churn_sweep(args: argparse.Namespace) -> None:
     work = args.work_dir / ("quick" if args.quick else "full")
     out = args.output_dir or (work / "report" if args.quick else Path("docs/moe_shape"))
     out.mkdir(parents=True, exist_ok=True)
-    cache = work / "cold_start_cache"
+    cache = args.cache_dir or work / "cold_start_cache"
     commit = code_commit()
     start = time.perf_counter()
     points = []
@@ -402,6 +402,9 @@ def churn_sweep(args: argparse.Namespace) -> None:
     todo += [(shape, DEFAULT_LR) for shape in plan.shapes[2:]]
     if args.only:
         todo = todo[: args.only]
+    if args.select:
+        wanted = args.select.split(",")
+        todo = [(s, lr) for s, lr in todo if s.name in wanted and lr == DEFAULT_LR]
     for shape, lr in todo:
         print(f"{shape.name} lr {lr:g}", flush=True)
         points.append(run_point(work, plan, shape, lr, cache))
@@ -423,6 +426,8 @@ def churn_sweep(args: argparse.Namespace) -> None:
         command = "python experiments/moe_shape.py churn" + (" --quick" if args.quick else "")
         if args.only:
             command += f" --only {args.only}"
+        if args.select:
+            command += f" --select {args.select}"
         meta["command"] = command
         plot(points, plan, out / "churn_vs_shape.png", f"{command}  (commit {commit})")
         write_report(out, plan, points, args.quick, meta)
@@ -701,7 +706,13 @@ def main() -> None:
         "--work-dir", type=Path, default=Path("runs/moe_shape"), help="the training runs"
     )
     parser.add_argument("--quick", action="store_true", help="a tiny smoke configuration")
-    parser.add_argument("--only", type=int, help="run only the first N points (in run order)")
+    parser.add_argument("--only", type=int, help="churn: only the first N points (run order)")
+    parser.add_argument(
+        "--select", help="churn: only these shapes at the default lr, e.g. E128_k8_L2,E128_k8_L8"
+    )
+    parser.add_argument(
+        "--cache-dir", type=Path, help="churn: cold-start cache (default WORK_DIR/cold_start_cache)"
+    )
     args = parser.parse_args()
     if args.what == "churn":
         churn_sweep(args)
