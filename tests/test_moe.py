@@ -12,16 +12,19 @@ from transformers import (
 from gspo.config import ConfigError, load_config
 from gspo.models import TinyModelSpec, build_tiny_model, completion_logprobs
 from gspo.moe import (
+    capture_router_logits,
     capture_routing,
     expert_change_fraction,
     find_routers,
+    load_balancing_loss,
     replay_routing,
     response_token_mask,
+    use_padded_experts,
 )
 from gspo.telemetry import read_metrics
 from gspo.trainer import Trainer
 from gspo.training.forward import RoutedForward
-from gspo.training.setup import moe_settings
+from gspo.training.setup import build_or_load_model, moe_settings
 
 MOE = TinyModelSpec(
     architecture="qwen3_moe",
@@ -404,3 +407,137 @@ def test_trainer_replays_the_old_routing_in_every_minibatch(tmp_path, monkeypatc
         assert torch.equal(experts, old)
     # while the model's own routing did move (lr 3e-2): replay is what kept it fixed
     assert max(line["moe/expert_change_fraction"] for _, line in lines) > 0
+
+
+# ------------------------------------------------------- Qwen3-MoE-like routing shape
+
+#: Fine-grained routing as in Qwen3-30B-A3B (128 experts, top-8, narrow experts), small.
+FINE = TinyModelSpec(
+    architecture="qwen3_moe",
+    layers=3,
+    hidden=64,
+    heads=2,
+    kv_heads=1,
+    experts=128,
+    experts_per_token=8,
+    expert_intermediate=16,
+)
+
+
+def test_builtin_moe_takes_qwen3_moe_routing_from_config_keys(tmp_path):
+    config = load_config(
+        None,
+        [
+            "model.builtin=qwen3_moe",
+            "model.layers=3",
+            "model.hidden=64",
+            "model.heads=2",
+            "model.kv_heads=1",
+            "model.experts=128",
+            "model.experts_per_token=8",
+            "model.expert_intermediate=16",
+            "model.norm_topk_prob=false",
+        ],
+    )
+    model, _ = build_or_load_model(config, tmp_path, torch.device("cpu"))
+    c = model.config
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (128, 8, 16)
+    assert c.num_hidden_layers == 3 and c.norm_topk_prob is False
+    routers = find_routers(model)
+    assert len(routers) == 3 and all(r.top_k == 8 and r.num_experts == 128 for r in routers)
+    experts = model.model.layers[0].mlp.experts
+    assert tuple(experts.gate_up_proj.shape) == (128, 2 * 16, 64)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_fine_grained_routing_shape_and_gate_normalisation(tokenizer, norm_topk_prob):
+    spec = TinyModelSpec(**{**FINE.__dict__, "norm_topk_prob": norm_topk_prob})
+    model = build_tiny_model(spec, tokenizer, seed=0)
+    ids = tokens(3, 7)
+    gates = []
+    handle = find_routers(model)[0].register_forward_hook(lambda m, a, out: gates.append(out[1]))
+    with torch.no_grad(), capture_routing(model) as recorder:
+        model(input_ids=ids)
+    handle.remove()
+    experts = recorder.experts
+    assert experts.shape == (FINE.layers, 3 * 7, 8)
+    assert int(experts.max()) < 128
+    # 8 distinct experts per token, and the tokens use many different experts
+    assert (experts.long().sort(-1).values.diff(dim=-1) > 0).all()
+    assert experts.unique().numel() > 32
+    sums = gates[0].sum(-1)
+    if norm_topk_prob:
+        assert torch.allclose(sums, torch.ones_like(sums), atol=1e-5)
+    else:  # the raw softmax mass of 8 of 128 experts
+        assert (sums < 0.99).all()
+
+
+def test_padded_experts_match_the_eager_loop(tokenizer):
+    model = build_tiny_model(FINE, tokenizer, seed=0)
+    with torch.no_grad():  # non-zero router weights so that tokens spread over experts
+        for router in find_routers(model):
+            router.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(2))
+    ids = tokens(4, 9)
+
+    def run():
+        model.zero_grad()
+        with capture_routing(model) as recorder:
+            logits = model(input_ids=ids).logits
+        logits.square().mean().backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        return logits.detach(), grads, recorder.experts
+
+    eager = run()
+    use_padded_experts(model)
+    padded = run()
+    assert torch.equal(eager[2], padded[2])  # same routing
+    assert torch.allclose(eager[0], padded[0], atol=1e-5)
+    assert len(eager[1]) == len(padded[1])
+    for a, b in zip(eager[1], padded[1], strict=True):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+    with pytest.raises(ValueError, match="no expert modules"):
+        use_padded_experts(torch.nn.Linear(2, 2))
+
+
+def test_load_balancing_loss_is_transformers_one_and_grows_with_imbalance(tokenizer):
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    model = build_tiny_model(FINE, tokenizer, seed=0)
+    ids = tokens(3, 7)
+    with capture_router_logits(model) as calls:
+        model(input_ids=ids)
+    logits = [c[0] for c in calls]
+    mask = torch.ones(3, 7)
+    mask[0, :4] = 0
+    ours = load_balancing_loss(logits, 8, mask.reshape(-1))
+    theirs = load_balancing_loss_func(tuple(logits), 128, 8, attention_mask=mask)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-5)
+    assert ours.requires_grad
+    # every token sent to the same 8 experts with near-certainty: 128 / 8 x the uniform 8
+    skewed = torch.full((21, 128), -30.0)
+    skewed[:, :8] = 0.0
+    assert load_balancing_loss([skewed], 8).item() == pytest.approx(128.0, rel=1e-4)
+    # uniform probabilities and an even top-k assignment give top_k
+    even = torch.zeros((16, 128))
+    even[torch.arange(16).repeat_interleave(8), torch.arange(128)] = 1e-6
+    assert load_balancing_loss([even], 8).item() == pytest.approx(8.0, rel=1e-3)
+
+
+def test_router_aux_loss_on_a_dense_model_is_an_error():
+    with pytest.raises(ConfigError, match="moe.router_aux_loss_coef needs a MoE model"):
+        load_config(None, ["moe.router_aux_loss_coef=0.01"])
+
+
+@pytest.mark.slow
+def test_router_aux_loss_changes_the_loss_only_when_on(tmp_path, varied_reward):
+    def first_line(coef, name):
+        config = load_config(None, [*FAST_MOE, varied_reward, f"moe.router_aux_loss_coef={coef}"])
+        return Trainer(config, tmp_path / name).rl_step(0)[0][1]
+
+    off, on = first_line(0.0, "off"), first_line(0.5, "on")
+    assert "moe/router_aux_loss" not in off
+    # the same weights and samples: the policy part of the loss is the same, plus the aux
+    aux = on["moe/router_aux_loss"]
+    assert aux > 0.5 * 2 * 0.99  # coef x a loss of at least top_k (2) for 4 experts
+    assert on["train/loss"] == pytest.approx(off["train/loss"] + aux, abs=1e-5)
+    assert on["train/clip_fraction"] == off["train/clip_fraction"]

@@ -40,6 +40,7 @@ class TinyModelSpec:
     experts: int = 8
     experts_per_token: int = 2
     expert_intermediate: int = 256
+    norm_topk_prob: bool = True
 
 
 #: The built-in tokenizer's chat template: compact, with tool support. The tools' names
@@ -110,7 +111,7 @@ def build_tiny_model(spec: TinyModelSpec, tokenizer, seed: int):
             num_experts=spec.experts,
             num_experts_per_tok=spec.experts_per_token,
             decoder_sparse_step=1,
-            norm_topk_prob=True,
+            norm_topk_prob=spec.norm_topk_prob,
             **common,
         )
     else:

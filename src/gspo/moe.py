@@ -260,3 +260,118 @@ def response_token_mask(
     if not seen:
         raise ValueError("response_token_mask: the forward never reached the input embedding")
     return seen[0] == response
+
+
+# ------------------------------------------------------------------ router aux loss
+
+
+@contextlib.contextmanager
+def capture_router_logits(model: nn.Module) -> Iterator[list[list[Tensor]]]:
+    """Keep every router's logits (``[tokens, experts]``, with their gradient) inside the block.
+
+    Yields ``calls[layer]``: the logits of each call of that layer's router, in order.
+    Under :func:`replay_routing` they are the current router's logits all the same.
+    """
+    routers = find_routers(model)
+    calls: list[list[Tensor]] = [[] for _ in routers]
+    handles = []
+    for layer, router in enumerate(routers):
+
+        def hook(module, args, output, layer=layer):
+            calls[layer].append(output[0])
+
+        handles.append(router.register_forward_hook(hook))
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def load_balancing_loss(logits: list[Tensor], top_k: int, mask: Tensor | None = None) -> Tensor:
+    """The Switch-Transformer load-balancing loss that transformers' MoE models use.
+
+    ``logits``: one ``[tokens, experts]`` tensor per MoE layer (the same tokens);
+    ``mask``: ``[tokens]``, the tokens that count (all when ``None``). With ``f_e`` the
+    mean over counted (token, layer) pairs of whether ``e`` is among the top-k (the ``f_e``
+    sum to ``top_k``) and ``P_e`` the mean router probability of ``e``, the loss is
+    ``experts * sum_e f_e P_e``: ``top_k`` under perfectly uniform routing, more when the
+    routing concentrates. Equals transformers' ``load_balancing_loss_func`` (Qwen3-MoE,
+    Mixtral, ...) on the same tokens.
+    """
+    experts = logits[0].shape[-1]
+    keep = None if mask is None else mask.reshape(-1).to(logits[0].device, torch.float32)
+    counts = logits[0].new_zeros(experts, dtype=torch.float32)
+    probs = logits[0].new_zeros(experts, dtype=torch.float32)
+    for layer in logits:
+        p = torch.softmax(layer.float(), dim=-1)
+        chosen = torch.topk(p, top_k, dim=-1).indices  # [tokens, k]
+        weight = torch.ones_like(p[:, 0]) if keep is None else keep
+        counts = counts.index_add(0, chosen.reshape(-1), weight.repeat_interleave(top_k))
+        probs = probs + (p * weight.unsqueeze(-1)).sum(0)
+    total = (torch.ones_like(logits[0][:, 0]) if keep is None else keep).sum() * len(logits)
+    total = total.clamp(min=1.0)
+    return experts * torch.sum((counts / total) * (probs / total))
+
+
+# ------------------------------------------------------------------ expert compute
+
+
+def padded_experts_forward(
+    experts: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
+) -> Tensor:
+    """transformers' expert computation as three batched matmuls instead of a loop.
+
+    For expert modules with ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``
+    (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral). The (token, slot) pairs are sorted by expert
+    into an ``[E, C, H]`` block padded to the busiest expert's count ``C``; the same sums
+    as the eager loop up to float rounding. The eager loop's backward writes a full-size
+    zero gradient of the expert weights per expert it indexes; with 128 experts that cost
+    a 4-layer model 14 s per forward and backward of 512 tokens on 2 CPU cores against
+    1.3 s here (``padded``), at 8 experts the two are alike.
+    """
+    k = top_k_index.shape[1]
+    count = experts.num_experts
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    per_expert = torch.bincount(flat, minlength=count)
+    width = int(per_expert.max()) if flat.numel() else 0
+    sorted_experts = flat[order]
+    starts = per_expert.cumsum(0) - per_expert
+    position = torch.arange(flat.numel(), device=flat.device) - starts[sorted_experts]
+    slot = sorted_experts * width + position
+    token = order // k
+    hidden = hidden_states.shape[-1]
+    block = hidden_states.new_zeros(count * width, hidden)
+    block = block.index_copy(0, slot, hidden_states[token]).view(count, width, hidden)
+    gate, up = torch.bmm(block, experts.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
+    out = torch.bmm(experts.act_fn(gate) * up, experts.down_proj.transpose(1, 2))
+    out = out.reshape(count * width, hidden)[slot]
+    out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+    return torch.zeros_like(hidden_states).index_add(0, token, out)
+
+
+#: The name :func:`use_padded_experts` registers :func:`padded_experts_forward` under.
+PADDED = "gspo_padded"
+
+
+def use_padded_experts(model: nn.Module) -> None:
+    """Make ``model``'s expert modules compute with :func:`padded_experts_forward`.
+
+    Raises ``ValueError`` for a model whose experts do not have the layout it needs.
+    """
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    modules = [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")]
+    if not modules:
+        raise ValueError("model has no expert modules with gate_up_proj / down_proj weights")
+    for module in modules:
+        layout = getattr(module, "is_concatenated", True) and not getattr(
+            module, "is_transposed", False
+        )
+        if not layout or getattr(module, "has_bias", False):
+            raise ValueError(
+                f"{type(module).__name__}: expert weights not in the [E, 2I, H] layout"
+            )
+    ALL_EXPERTS_FUNCTIONS.register(PADDED, padded_experts_forward)
+    model.set_experts_implementation(PADDED)

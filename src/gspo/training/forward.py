@@ -4,17 +4,32 @@ Two small strategies with one interface, chosen once at setup:
 
 - :class:`PlainForward`: pi_old from the sampler or one no-grad recompute, pi_theta by the
   policy's forward.
-- :class:`RoutedForward` (MoE models, when Routing Replay or the churn measurement is
-  on): also records which experts pi_old chose for every minibatch, replays them in
-  pi_theta's forward if asked, and keeps them for :class:`gspo.training.hooks.ExpertChurn`.
+- :class:`RoutedForward` (MoE models, when Routing Replay, the churn measurement or the
+  router aux loss is on): also records which experts pi_old chose for every minibatch,
+  replays them in pi_theta's forward if asked, keeps them for
+  :class:`gspo.training.hooks.ExpertChurn`, and computes the routers' load-balancing loss
+  of pi_theta's forward when ``moe.router_aux_loss_coef > 0``.
+
+Both have ``router_loss()``: the weighted aux loss of the last :meth:`logprobs` call
+(with gradient), or ``None``; the update stage adds it to the policy loss.
 """
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import replace
+
 import torch
 
 from gspo.config import Config
-from gspo.moe import capture_routing, replay_routing
+from gspo.moe import (
+    capture_router_logits,
+    capture_routing,
+    find_routers,
+    load_balancing_loss,
+    replay_routing,
+    response_token_mask,
+)
 from gspo.rollout import RolloutBatch
 from gspo.training.policy import Policy
 from gspo.training.setup import moe_settings
@@ -25,8 +40,9 @@ def build_forward(config: Config, policy: Policy) -> PlainForward | RoutedForwar
     churn measurement (``moe.*``) needs it."""
     replay, churn = moe_settings(config, policy.module)
     recompute = config.algorithm.old_logprobs == "recompute"
-    if replay or churn:
-        return RoutedForward(policy, recompute, replay, churn)
+    aux = config.moe.router_aux_loss_coef
+    if replay or churn or aux > 0:
+        return RoutedForward(policy, recompute, replay, churn, aux)
     return PlainForward(policy, recompute)
 
 
@@ -46,6 +62,9 @@ class PlainForward:
         """pi_theta's log-probs of minibatch ``k`` and its entropies (with gradient)."""
         return self.policy.logprobs(mb, with_entropy=True)
 
+    def router_loss(self) -> torch.Tensor | None:
+        return None
+
 
 class RoutedForward:
     """Records each minibatch's routing under pi_old; replays it when ``replay``.
@@ -54,12 +73,21 @@ class RoutedForward:
     token for token like the training forward of ``batch.select(rows)``.
     """
 
-    def __init__(self, policy: Policy, recompute: bool, replay: bool, measure_churn: bool):
+    def __init__(
+        self,
+        policy: Policy,
+        recompute: bool,
+        replay: bool,
+        measure_churn: bool,
+        aux_coef: float = 0.0,
+    ):
         self.policy = policy
         self.recompute = recompute
         self.replay = replay
         self.measure_churn = measure_churn
+        self.aux_coef = aux_coef
         self._old: list[torch.Tensor | None] = []
+        self._aux: torch.Tensor | None = None
 
     def old(self, k: int) -> torch.Tensor:
         routing = self._old[k]
@@ -99,12 +127,37 @@ class RoutedForward:
         whose old routing is not recorded yet (the first, in sampler mode) runs under
         pi_old's weights, so its routing is recorded here and is the same either way.
         """
-        if self._old[k] is None:
-            with capture_routing(self.policy.module) as recorder:
+        self._aux = None
+        with contextlib.ExitStack() as stack:
+            logits = None
+            if self.aux_coef > 0:
+                logits = stack.enter_context(capture_router_logits(self.policy.module))
+            if self._old[k] is None:
+                recorder = stack.enter_context(capture_routing(self.policy.module))
                 out = self.policy.logprobs(mb, with_entropy=True)
-            self._old[k] = recorder.experts
-            return out
-        if self.replay:
-            with replay_routing(self.policy.module, self._old[k]):
-                return self.policy.logprobs(mb, with_entropy=True)
-        return self.policy.logprobs(mb, with_entropy=True)
+                self._old[k] = recorder.experts
+            elif self.replay:
+                stack.enter_context(replay_routing(self.policy.module, self._old[k]))
+                out = self.policy.logprobs(mb, with_entropy=True)
+            else:
+                out = self.policy.logprobs(mb, with_entropy=True)
+        if logits is not None:
+            self._aux = self.aux_coef * self._load_balancing(mb, logits)
+        return out
+
+    def _load_balancing(self, mb: RolloutBatch, logits: list[list[torch.Tensor]]) -> torch.Tensor:
+        """The load-balancing loss of one forward's router logits, over the response tokens."""
+        module = self.policy.module
+        response = response_token_mask(
+            module,
+            lambda p, c: self.policy.logprobs(replace(mb, prompt_ids=p, completion_ids=c)),
+            mb.prompt_ids,
+            mb.prompt_mask,
+            mb.completion_mask,
+        )
+        top_k = find_routers(module)[0].top_k
+        return load_balancing_loss([calls[0] for calls in logits], top_k, response)
+
+    def router_loss(self) -> torch.Tensor | None:
+        """``moe.router_aux_loss_coef`` x the load-balancing loss of the last forward."""
+        return self._aux

@@ -19,7 +19,7 @@ from gspo.models import (
     load_model,
     save_pretrained_atomic,
 )
-from gspo.moe import find_routers, is_moe
+from gspo.moe import find_routers, is_moe, use_padded_experts
 from gspo.tasks import BUILTIN_TASKS, TaskData
 from gspo.training.lora import (
     adam_state_bytes,
@@ -93,6 +93,8 @@ def build_or_load_model(
         intermediate=m.intermediate,
         experts=m.experts,
         experts_per_token=m.experts_per_token,
+        expert_intermediate=m.expert_intermediate,
+        norm_topk_prob=m.norm_topk_prob,
     )
     base, dist = output_dir / "base_model", dist or Distributed()
     if dist.is_main:
@@ -131,6 +133,8 @@ def build_policy_model(
     else:
         model, tokenizer = build_or_load_model(config, output_dir, device, dist)
         model_dir = Path(config.model.path or output_dir / "base_model")
+    if config.model.experts_implementation == "padded" and is_moe(model):
+        use_padded_experts(model)
     if lora.r > 0:
         # on CUDA the frozen base sits in the compute dtype (bf16: 2 bytes a weight)
         base_dtype = compute_dtype if device.type == "cuda" else torch.float32
@@ -190,7 +194,12 @@ def moe_settings(config: Config, model: torch.nn.Module) -> tuple[bool, bool]:
     Asking for either on a model without MoE routers is a one-line ``ValueError``.
     """
     replay, churn = config.moe.routing_replay, config.moe.measure_churn
-    for key, wanted in (("moe.routing_replay", replay), ("moe.measure_churn", churn)):
+    aux = config.moe.router_aux_loss_coef > 0
+    for key, wanted in (
+        ("moe.routing_replay", replay),
+        ("moe.measure_churn", churn),
+        ("moe.router_aux_loss_coef", aux),
+    ):
         if wanted:
             try:
                 find_routers(model)

@@ -89,13 +89,16 @@ class PolicyUpdate:
         mask: torch.Tensor | None = None,
         weights: torch.Tensor | None = None,
         entropy: torch.Tensor | None = None,
+        router_loss: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """One optimizer step on minibatch ``mb`` (this rank's share of it); its metrics.
 
         ``logprobs`` ``[n, T]`` under pi_theta (with gradient), ``old_logprobs`` ``[n, T]``,
         ``advantages`` ``[n]``; ``mask``/``weights`` ``[n, T]`` the tokens in the loss and
         their weights (default: every completion token, weight 1); ``entropy`` ``[n, T]``
-        pi_theta's per-position entropy (with gradient). The backward is scaled
+        pi_theta's per-position entropy (with gradient); ``router_loss`` a MoE model's
+        weighted load-balancing loss (with gradient), added to the policy loss and logged as
+        ``moe/router_aux_loss`` (weighted: ``train/loss`` is the sum). The backward is scaled
         so that N ranks holding a share each take the step one process with the whole
         minibatch would. Metrics are this rank's (see :func:`gspo.training.metrics.combine`)
         but the gradient norm, which is global.
@@ -103,9 +106,10 @@ class PolicyUpdate:
         mask = mb.action_mask if mask is None else mask
         ref = self.reference.logprobs(mb)
         out = self.objective(logprobs, old_logprobs, advantages, mask, ref, weights, entropy)
-        self.policy.backward(out.loss, out.metrics["sequences"])
+        total = out.loss if router_loss is None else out.loss + router_loss
+        self.policy.backward(total, out.metrics["sequences"])
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.grad_clip)
-        loss, norm = out.loss.item(), as_float(grad_norm)  # the norm is global under FSDP
+        loss, norm = total.item(), as_float(grad_norm)  # the norm is global under FSDP
         finite = math.isfinite(loss) and math.isfinite(norm)
         if finite:
             self.optimizer.step()
@@ -130,6 +134,8 @@ class PolicyUpdate:
         line["train/grad_norm"] = norm
         line["train/lr"] = self.scheduler.get_last_lr()[0]
         line["train/skipped_steps"] = float(self.skipped)
+        if router_loss is not None:
+            line["moe/router_aux_loss"] = router_loss.item()
         return line
 
 
@@ -188,7 +194,10 @@ class UpdateStage:
         weights = experience.loss_weights
         weights = None if weights is None else weights[rows][:, :width]
         advantages = experience.advantages[rows]
-        line = self.update(mb, logprobs, old_logprobs, advantages, mask, weights, entropy)
+        line = self.update(
+            mb, logprobs, old_logprobs, advantages, mask, weights, entropy,
+            self.forward.router_loss(),
+        )  # fmt: skip
         line["train/minibatch"] = k
         line["train/rollout"] = experience.index
         line["time/train"] = time.perf_counter() - start
