@@ -137,6 +137,26 @@ def test_correction_on_the_chain_task_drops_and_weights_what_it_says(tmp_path, m
         assert all(r["correction/masked_sequence_fraction"] > 0.0 for r in lines)
 
 
+def test_ratio_dumps_count_the_tokens_the_correction_kept(tmp_path):
+    """The ratio dumps (and gradient cosines) see the loss's tokens: the model's, less the
+    ones the rollout correction dropped."""
+    overrides = [
+        *CHAIN, *RECOMPUTE_GRPO, "rollout.logit_noise=1.0",
+        "algorithm.rollout_correction=token_mask", "algorithm.correction_min=0.8",
+        "algorithm.correction_max=1.25", "train.max_steps=2", "algorithm.minibatches=2",
+        "eval.every=0", "log.ratio_dump_every=1",
+    ]  # fmt: skip
+    trainer = Trainer(load_config(None, overrides), tmp_path / "run")
+    experience = trainer.rollout(0)
+    for k in range(2):
+        trainer.update(experience, k)
+    last = experience.minibatches[-1]
+    kept, sampled = experience.loss_mask[last], experience.batch.action_mask[last]
+    assert kept.sum() < sampled.sum()  # the correction dropped some tokens
+    dump = torch.load(tmp_path / "run" / "ratios" / "rollout-000000.pt")
+    assert dump["token_log_ratio"].numel() == kept.sum()
+
+
 @pytest.mark.slow
 def test_correction_without_mismatch_changes_nothing(tmp_path):
     """No noise: the sampler and the trainer agree, so every correction keeps every token

@@ -158,7 +158,10 @@ class RatioDumps(Hook):
     def after_update(self, experience: Experience, minibatch: Minibatch) -> dict[str, float]:
         if self.due(experience, minibatch.k):
             mb = minibatch
-            self.write(experience.index, mb.logprobs, mb.old_logprobs, mb.batch.action_mask)
+            rows = experience.minibatches[mb.k]
+            # the tokens in the loss: the model's, less any the rollout correction dropped
+            mask = experience.loss_mask[rows][:, : mb.logprobs.shape[1]]
+            self.write(experience.index, mb.logprobs, mb.old_logprobs, mask)
         return {}
 
     def write(
@@ -214,14 +217,18 @@ def gradient_cosines(
             mb = batch.select(rows)
             lp = policy.logprobs(mb)
             ref = reference.logprobs(mb)
+            width = lp.shape[1]
+            mask = experience.loss_mask[rows][:, :width]  # as the update sees it
+            weights = experience.loss_weights
+            weights = None if weights is None else weights[rows][:, :width]
             grads = []
-            for old in (experience.old_logprobs[rows][:, : lp.shape[1]], lp.detach()):
-                out = objective(lp, old, experience.advantages[rows], mb.action_mask, ref)
+            for old in (experience.old_logprobs[rows][:, :width], lp.detach()):
+                out = objective(lp, old, experience.advantages[rows], mask, ref, weights)
                 g = torch.autograd.grad(out.loss, params, retain_graph=True, allow_unused=True)
                 grads.append(flatten(list(g), params))
             pair_off.append(grads[0])
             pair_on.append(grads[1])
-            pair_counts.append(int(mb.action_mask.any(-1).sum()))
+            pair_counts.append(int(mask.any(-1).sum()))
         off.append(tuple(pair_off))
         on.append(tuple(pair_on))
         counts.append(tuple(pair_counts))
