@@ -108,14 +108,19 @@ QUICK = ChurnPlan(
     lrs=(1e-3,),
 )
 
-#: The model and task every point shares (the shape keys come from :class:`Shape`).
-COMMON = [
+#: The model every run shares (the routing-shape keys come from :class:`Shape`).
+MODEL = [
     "model.builtin=qwen3_moe",
     "model.hidden=64",
     "model.heads=2",
     "model.kv_heads=1",
     "model.expert_intermediate=24",
     "model.experts_implementation=padded",
+]
+
+#: The model and task every churn point shares.
+COMMON = [
+    *MODEL,
     "train.seed=0",
     "algorithm.level=token",
     "moe.routing_replay=false",
@@ -481,12 +486,7 @@ CLAIM_VARIANTS: dict[str, list[str]] = {
 
 def claim_common(plan: ClaimPlan, shape: Shape) -> list[str]:
     return [
-        "model.builtin=qwen3_moe",
-        "model.hidden=64",
-        "model.heads=2",
-        "model.kv_heads=1",
-        "model.expert_intermediate=24",
-        "model.experts_implementation=padded",
+        *MODEL,
         *shape.overrides(),
         "data.task=chain",
         f"data.terms={plan.terms}",

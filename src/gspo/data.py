@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gspo.rewards import reference_answer
+from gspo.rewards import one_line, reference_answer
 
 if TYPE_CHECKING:
     from gspo.config import DataConfig
@@ -42,11 +42,6 @@ Row = dict[str, Any]
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 _LOCAL_PREFIXES = ("/", "./", "../", "~")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
-
-
-def _one_line(exc: BaseException, limit: int = 300) -> str:
-    text = " ".join(str(exc).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -168,7 +163,8 @@ def load_rows(text: str | Path, *, what: str) -> list[Row]:
                     "HF_HUB_OFFLINE=1 skips the network)"
                 )
             raise ValueError(
-                f"{what}: cannot load {kind} {text!r}: {type(exc).__name__}: {_one_line(exc)}{hint}"
+                f"{what}: cannot load {kind} {text!r}: "
+                f"{type(exc).__name__}: {one_line(exc, 300)}{hint}"
             ) from None
         rows = _one_split(loaded, text, what=what).to_list()
     if not rows:

@@ -87,9 +87,6 @@ def one_line(exc: BaseException, limit: int = 500) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-_one_line = one_line
-
-
 # --------------------------------------------------------------------------------------------
 # Completion text and answer extraction
 # --------------------------------------------------------------------------------------------
@@ -703,14 +700,14 @@ def _check_value(name: str, index: int, value: Any) -> float | None:
     ):
         raise RewardError(
             f"reward function {name!r} returned a non-numeric value at index {index}: "
-            f"{_one_line(ValueError(repr(value)), 80)}"
+            f"{one_line(ValueError(repr(value)), 80)}"
         )
     try:
         converted = float(value)
     except (TypeError, ValueError) as e:
         raise RewardError(
             f"reward function {name!r} returned a non-numeric value at index {index}: "
-            f"{type(value).__name__} ({type(e).__name__}: {_one_line(e, 120)})"
+            f"{type(value).__name__} ({type(e).__name__}: {one_line(e, 120)})"
         ) from e
     if not math.isfinite(converted):
         raise RewardError(
@@ -738,7 +735,7 @@ def _call_one(
         return function(prompts=prompts, completions=completions, **columns)
     except Exception as e:
         raise RewardError(
-            f"reward function {name!r} raised {type(e).__name__}: {_one_line(e)}"
+            f"reward function {name!r} raised {type(e).__name__}: {one_line(e)}"
         ) from e
 
 
@@ -765,7 +762,7 @@ def _shippable(name: str, spec: str | RewardFunction) -> str | bytes:
     except Exception as e:
         raise RewardError(
             f"reward function {name!r} cannot be sent to reward.workers processes "
-            f"({type(e).__name__}: {_one_line(e, 120)}); name it by a spec string "
+            f"({type(e).__name__}: {one_line(e, 120)}); name it by a spec string "
             f"(path/to/file.py:function) or set reward.workers=0"
         ) from None
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -155,7 +155,6 @@ def encode_conversation(
 class _State:
     """One episode in progress."""
 
-    row: dict[str, Any]
     episode: Episode
     messages: list[dict[str, Any]]
     prompt: list[int]
@@ -205,7 +204,7 @@ class MultiTurn:
         episode = self.environment.episode(dict(row))
         messages = with_observation(as_messages(row["prompt"]), episode.reset(dict(row)))
         prompt = self.format.prompt_ids(messages)
-        return _State(row, episode, messages, prompt, [], [], [])
+        return _State(episode, messages, prompt, [], [], [])
 
     def __call__(
         self,
@@ -224,13 +223,7 @@ class MultiTurn:
             if not live:
                 break
             room = max(self.max_tokens - len(states[i].ids) for i in live)
-            turn_params = SamplingParams(
-                max_new_tokens=min(params.max_new_tokens, room),
-                temperature=params.temperature,
-                top_p=params.top_p,
-                stop_token_ids=params.stop_token_ids,
-                logit_noise=params.logit_noise,
-            )
+            turn_params = replace(params, max_new_tokens=min(params.max_new_tokens, room))
             turn_seed = seed if turn == 0 else derive_seed(seed, "turn", turn)
             shared = turn == 0 and all(
                 states[i].prompt == states[i - i % n].prompt for i in range(len(states))
