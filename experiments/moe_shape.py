@@ -36,6 +36,7 @@ import itertools
 import json
 import math
 import platform
+import statistics
 import subprocess
 import time
 from dataclasses import asdict, astuple, dataclass
@@ -448,7 +449,7 @@ def churn_sweep(args: argparse.Namespace) -> None:
 class ClaimPlan:
     cold_start_steps: int
     rl_steps: int  # optimizer steps per run
-    minibatches: int  # optimizer steps per rollout batch
+    minibatches: tuple[int, ...]  # optimizer steps per rollout batch, one setting each
     eval_every: int
     eval_prompts: int
     terms: int  # chain task: terms per problem (response length grows with it)
@@ -459,7 +460,7 @@ class ClaimPlan:
 CLAIM_FULL = ClaimPlan(
     cold_start_steps=600,
     rl_steps=64,
-    minibatches=8,
+    minibatches=(4, 8),  # the paper's minibatching, then a more off-policy one
     eval_every=16,
     eval_prompts=64,
     terms=8,
@@ -469,7 +470,7 @@ CLAIM_FULL = ClaimPlan(
 CLAIM_QUICK = ClaimPlan(
     cold_start_steps=4,
     rl_steps=4,
-    minibatches=2,
+    minibatches=(2,),
     eval_every=2,
     eval_prompts=4,
     terms=3,
@@ -492,7 +493,6 @@ def claim_common(plan: ClaimPlan, shape: Shape) -> list[str]:
         f"data.terms={plan.terms}",
         "reward.functions=[numeric_match]",
         f"rollout.max_new_tokens={plan.max_new_tokens}",
-        f"algorithm.minibatches={plan.minibatches}",
         f"eval.max_prompts={plan.eval_prompts}",
         f"eval.every={plan.eval_every}",
         "eval.samples=2",
@@ -574,6 +574,8 @@ def claim(args: argparse.Namespace) -> None:
     plan = CLAIM_QUICK if args.quick else CLAIM_FULL
     if args.seeds:
         plan = ClaimPlan(**{**asdict(plan), "seeds": tuple(args.seeds)})
+    if args.minibatches:
+        plan = ClaimPlan(**{**asdict(plan), "minibatches": tuple(args.minibatches)})
     shape = Shape(args.experts, args.top_k, args.layers)
     work = args.work_dir / ("claim_quick" if args.quick else "claim") / shape.name
     out = args.output_dir or (work / "report" if args.quick else Path("docs/moe_shape/claim"))
@@ -592,65 +594,104 @@ def claim(args: argparse.Namespace) -> None:
         ],
     )
     checkpoint = work / "cold_start" / "checkpoints" / "step-0000000"
-    runs: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in CLAIM_VARIANTS}
-    summary: dict[str, list[dict[str, Any]]] = {name: [] for name in CLAIM_VARIANTS}
+    # {minibatches: {variant: one entry per finished seed}}
+    runs: dict[int, dict[str, list[list[dict[str, Any]]]]] = {
+        mb: {name: [] for name in CLAIM_VARIANTS} for mb in plan.minibatches
+    }
+    summary: dict[int, dict[str, list[dict[str, Any]]]] = {
+        mb: {name: [] for name in CLAIM_VARIANTS} for mb in plan.minibatches
+    }
     for seed in plan.seeds:
-        for name, overrides in CLAIM_VARIANTS.items():
-            print(f"{name}, seed {seed}: {plan.rl_steps} RL steps", flush=True)
-            records, _ = train_run(
-                work / f"{name.replace(' + ', '_').lower()}_seed{seed}",
-                [
-                    *common,
-                    f"train.seed={seed}",
-                    f"model.path={checkpoint}",
-                    "train.cold_start_steps=0",
-                    f"train.max_steps={plan.rl_steps}",
-                    *overrides,
-                ],
-            )
-            runs[name].append(records)
-            summary[name].append(claim_summary(records))
-            print(f"  {summary[name][-1]}", flush=True)
-            write_claim(out, plan, shape, args, runs, summary, commit, start, cold_seconds)
+        for mb in plan.minibatches:
+            for name, overrides in CLAIM_VARIANTS.items():
+                print(
+                    f"{name}, {mb} minibatches, seed {seed}: {plan.rl_steps} RL steps", flush=True
+                )
+                slug = name.replace(" + ", "_").lower()
+                records, _ = train_run(
+                    work / f"{slug}_mb{mb}_seed{seed}",
+                    [
+                        *common,
+                        f"algorithm.minibatches={mb}",
+                        f"train.seed={seed}",
+                        f"model.path={checkpoint}",
+                        "train.cold_start_steps=0",
+                        f"train.max_steps={plan.rl_steps}",
+                        *overrides,
+                    ],
+                )
+                runs[mb][name].append(records)
+                summary[mb][name].append(claim_summary(records))
+                print(f"  {summary[mb][name][-1]}", flush=True)
+                write_claim(out, plan, shape, args, runs, summary, commit, start, cold_seconds)
     print(f"wrote {out / 'claim.md'}", flush=True)
 
 
 def write_claim(out, plan, shape, args, runs, summary, commit, start, cold_seconds) -> None:
     from gspo.telemetry import plot_bands
 
-    done = {name: r for name, r in runs.items() if r}
-    lines = {name: [train_lines(r) for r in rs] for name, rs in done.items()}
     command = (
         f"python experiments/moe_shape.py claim --experts {shape.experts} --top-k {shape.top_k} "
         f"--layers {shape.layers} --lr {args.lr:g}"
         + (f" --seeds {' '.join(map(str, args.seeds))}" if args.seeds else "")
+        + (f" --minibatches {' '.join(map(str, args.minibatches))}" if args.minibatches else "")
         + (" --quick" if args.quick else "")
     )
     tag = f" ({command}, commit {commit})"
-    plot_bands(done, "eval/accuracy", out / "accuracy.png", title="Held-out accuracy" + tag)
-    plot_bands(lines, "train/reward_mean", out / "reward.png", title="Training reward" + tag)
-    plot_bands(lines, "train/clip_fraction", out / "clip_fraction.png", title="Clip fraction" + tag)
-    first = {
-        n: [[r for r in rs if r.get("train/minibatch") == 0] for rs in ls]
-        for n, ls in lines.items()
-    }
-    plot_bands(first, CHURN, out / "expert_change.png", title="Expert change after 1 update" + tag)
-    expected = len(plan.seeds) * len(CLAIM_VARIANTS)
-    finished = sum(len(v) for v in summary.values())
+    expected = len(plan.seeds) * len(CLAIM_VARIANTS) * len(plan.minibatches)
+    finished = sum(len(v) for per in summary.values() for v in per.values())
     rows = [
-        "| variant | seeds | held-out accuracy start → end (mean) | best | reward, last quarter "
-        "| clip fraction | expert change, 1 update | response length |",
-        "|---|---|---|---|---|---|---|---|",
+        "| minibatches per rollout batch | variant | seeds | held-out accuracy start → end "
+        "(mean ± sd over seeds) | best | reward, last quarter | clip fraction | expert change, "
+        "1 update | expert change, all updates | response length |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, ss in summary.items():
-        if not ss:
+    sections = []
+    for mb, per in summary.items():
+        done = {name: r for name, r in runs[mb].items() if r}
+        if not done:
             continue
-        m = {k: mean([s[k] for s in ss]) for k in ss[0]}
-        rows.append(
-            f"| {name} | {len(ss)} | {m['accuracy_start']:.3f} → {m['accuracy']:.3f} | "
-            f"{m['accuracy_best']:.3f} | {m['reward_tail']:.3f} | {m['clip_fraction']:.3f} | "
-            f"{pct(m['churn_1'])} | {m['length']:.0f} |"
+        lines = {name: [train_lines(r) for r in rs] for name, rs in done.items()}
+        suffix = f"_mb{mb}"
+        at = f", {mb} minibatches" + tag
+        plot_bands(
+            done, "eval/accuracy", out / f"accuracy{suffix}.png", title="Held-out accuracy" + at
         )
+        plot_bands(
+            lines, "train/reward_mean", out / f"reward{suffix}.png", title="Training reward" + at
+        )
+        plot_bands(
+            lines,
+            "train/clip_fraction",
+            out / f"clip_fraction{suffix}.png",
+            title="Clip fraction" + at,
+        )
+        plot_bands(lines, CHURN, out / f"expert_change{suffix}.png", title="Expert change" + at)
+        for name, ss in per.items():
+            if not ss:
+                continue
+            m = {k: mean([s[k] for s in ss]) for k in ss[0]}
+            ends = [s["accuracy"] for s in ss]
+            sd = statistics.stdev(ends) if len(ends) > 1 else 0.0
+            rows.append(
+                f"| {mb} | {name} | {len(ss)} | {m['accuracy_start']:.3f} → {m['accuracy']:.3f} "
+                f"± {sd:.3f} | {m['accuracy_best']:.3f} | {m['reward_tail']:.3f} | "
+                f"{m['clip_fraction']:.3f} | {pct(m['churn_1'])} | {pct(m['churn'])} | "
+                f"{m['length']:.0f} |"
+            )
+        sections += [
+            f"## {mb} minibatches per rollout batch",
+            "",
+            f"![accuracy](accuracy{suffix}.png) ![reward](reward{suffix}.png)",
+            "",
+            f"![clip fraction](clip_fraction{suffix}.png) "
+            f"![expert change](expert_change{suffix}.png)",
+            "",
+            "Verdicts:",
+            "",
+            *[f"- {n}" for n in claim_verdicts(per, args.margin)],
+            "",
+        ]
     minutes = (time.perf_counter() - start) / 60
     text = [
         "# GRPO vs GSPO, with and without Routing Replay, at a Qwen3-MoE-like routing shape",
@@ -661,28 +702,33 @@ def write_claim(out, plan, shape, args, runs, summary, commit, start, cold_secon
     ]
     if finished < expected:
         text += [f"**Partial**: {finished} of {expected} runs finished.", ""]
+    settings = " and ".join(str(mb) for mb in plan.minibatches)
     text += [
         f"Model: the built-in Qwen3-MoE, {shape.layers} layers, hidden 64, {shape.experts} "
         f"experts (24 wide), top-{shape.top_k}. Task: `chain` with {plan.terms} terms "
         f"(responses up to {plan.max_new_tokens} tokens), reward `numeric_match`. One cold "
         f"start ({plan.cold_start_steps} SFT steps, {cold_seconds:.0f} s), then each variant "
-        f"and seed {plan.rl_steps} optimizer steps from its checkpoint, {plan.minibatches} "
-        f"minibatches per rollout batch, lr {args.lr:g}, the levels' default clip ranges. "
-        f"Held-out accuracy: pass@1 over 2 samples of {plan.eval_prompts} prompts.",
+        f"and seed {plan.rl_steps} optimizer steps from its checkpoint, with {settings} "
+        f"minibatches (optimizer steps) per rollout batch of 16 prompts x 8 responses, lr "
+        f"{args.lr:g}, the levels' default clip ranges. Held-out accuracy: pass@1 over 2 "
+        f"samples of {plan.eval_prompts} prompts. *Expert change*: "
+        "`moe/expert_change_fraction`, the share of the response tokens' activated experts "
+        "that the policy being trained no longer picks against the rollout-time policy "
+        "(measured with or without replay: replay changes what the loss sees, not what the "
+        "router would choose).",
         "",
         *rows,
         "",
-        "![accuracy](accuracy.png) ![reward](reward.png)",
-        "",
-        "![clip fraction](clip_fraction.png) ![expert change](expert_change.png)",
-        "",
-        "## Verdicts",
-        "",
-        *[f"- {n}" for n in claim_verdicts(summary, args.margin)],
-        "",
+        *sections,
     ]
     (out / "claim.md").write_text("\n".join(text))
-    payload = {"plan": asdict(plan), "shape": asdict(shape), "summary": summary, "commit": commit}
+    payload = {
+        "plan": asdict(plan),
+        "shape": asdict(shape),
+        "lr": args.lr,
+        "summary": {str(mb): per for mb, per in summary.items()},
+        "commit": commit,
+    }
     (out / "claim.json").write_text(json.dumps(payload, indent=1, allow_nan=True) + "\n")
 
 
@@ -698,6 +744,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4, help="claim: depth")
     parser.add_argument("--lr", type=float, default=DEFAULT_LR, help="claim: RL learning rate")
     parser.add_argument("--seeds", type=int, nargs="+", help="claim: training seeds")
+    parser.add_argument(
+        "--minibatches", type=int, nargs="+", help="claim: optimizer steps per rollout batch"
+    )
     parser.add_argument(
         "--margin", type=float, default=0.05, help="claim: accuracy change that counts"
     )
