@@ -74,6 +74,7 @@ class Shape:
 class ChurnPlan:
     cold_start_steps: int  # SFT steps of every shape's cold start
     rollouts: int  # GRPO rollout batches per point (x algorithm.minibatches optimizer steps)
+    seeds: tuple[int, ...]  # RL seeds per point, all from the shape's one cold start (seed 0)
     shapes: tuple[Shape, ...]  # the shape axis points (each its own cold start)
     lr_shape: Shape  # where the learning rate is varied
     lrs: tuple[float, ...]  # RL learning rates at lr_shape (the default 1e-4 is in shapes)
@@ -84,8 +85,9 @@ class ChurnPlan:
 #: learning rates at the former, then the rest of the experts and depth axes.
 _MAIN = Shape(128, 8, 4)
 FULL = ChurnPlan(
-    cold_start_steps=200,
+    cold_start_steps=600,
     rollouts=3,
+    seeds=(0, 1, 2),
     shapes=(
         _MAIN,
         Shape(8, 2, 4),
@@ -104,6 +106,7 @@ FULL = ChurnPlan(
 QUICK = ChurnPlan(
     cold_start_steps=4,
     rollouts=1,
+    seeds=(0, 1),
     shapes=(Shape(8, 2, 2), Shape(32, 8, 2)),
     lr_shape=Shape(32, 8, 2),
     lrs=(1e-3,),
@@ -155,49 +158,85 @@ def code_commit() -> str:
     return head + ("+dirty" if dirty else "")
 
 
-def summarize(records: list[dict[str, Any]], shape: Shape, lr: float) -> dict[str, Any]:
+def summarize(records: list[dict[str, Any]], shape: Shape) -> dict[str, Any]:
+    """One RL run's expert change (by updates since the rollout, per rollout batch, per layer)."""
     lines = train_lines(records)
     minibatches = 1 + max((r.get("train/minibatch", 0) for r in lines), default=0)
     by_k = [
         mean([r[CHURN] for r in lines if r.get("train/minibatch") == k and CHURN in r])
         for k in range(minibatches)
     ]
-    first = [r[CHURN] for r in lines if r.get("train/minibatch") == 0 and CHURN in r]
-    per_layer = [
-        mean([r[f"{CHURN}/layer_{i}"] for r in lines if r.get("train/minibatch") == 0])
-        for i in range(shape.layers)
-    ]
     return {
-        **asdict(shape),
-        "lr": lr,
-        "churn_1": by_k[0] if by_k else math.nan,
         "churn_by_updates": by_k,
-        "churn_1_per_rollout": first,
-        "churn_1_per_layer": per_layer,
+        "churn_1_per_rollout": [
+            r[CHURN] for r in lines if r.get("train/minibatch") == 0 and CHURN in r
+        ],
+        "churn_1_per_layer": [
+            mean([r[f"{CHURN}/layer_{i}"] for r in lines if r.get("train/minibatch") == 0])
+            for i in range(shape.layers)
+        ],
         "reward": mean([r["train/reward_mean"] for r in lines if r.get("train/minibatch") == 0]),
-        "clip_fraction": mean([r["train/clip_fraction"] for r in lines]),
         "seconds_per_step": mean([r["time/step"] for r in lines if "time/step" in r]),
     }
 
 
+def combine_seeds(runs: list[dict[str, Any]], shape: Shape, lr: float) -> dict[str, Any]:
+    """A point: the seeds' runs averaged element-wise, with the per-seed figure kept."""
+
+    def columns(key: str) -> list[float]:
+        return [mean(list(values)) for values in zip(*(r[key] for r in runs), strict=False)]
+
+    firsts = [r["churn_by_updates"][0] if r["churn_by_updates"] else math.nan for r in runs]
+    return {
+        **asdict(shape),
+        "lr": lr,
+        "churn_1": mean(firsts),
+        "churn_1_seeds": firsts,
+        "churn_1_sd": statistics.stdev(firsts) if len(firsts) > 1 else 0.0,
+        "churn_by_updates": columns("churn_by_updates"),
+        "churn_1_per_rollout": columns("churn_1_per_rollout"),
+        "churn_1_per_layer": columns("churn_1_per_layer"),
+        "reward": mean([r["reward"] for r in runs]),
+        "seconds_per_step": mean([r["seconds_per_step"] for r in runs]),
+    }
+
+
 def run_point(work: Path, plan: ChurnPlan, shape: Shape, lr: float, cache: Path) -> dict[str, Any]:
-    name = shape.name + ("" if lr == DEFAULT_LR else f"_lr{lr:g}")
-    records, seconds = train_run(
-        work / name,
+    """The shape's cold start (seed 0; from the cache after its first point), then RL at
+    ``lr`` for every seed from that one checkpoint."""
+    cold = work / f"{shape.name}_cold_start"
+    start = time.perf_counter()
+    records, _ = train_run(
+        cold,
         [
             *COMMON,
             *shape.overrides(),
             f"train.cold_start_steps={plan.cold_start_steps}",
             f"train.cold_start_cache_dir={cache}",
-            f"train.max_steps={plan.rollouts * 4}",
-            "algorithm.minibatches=4",
-            f"optim.lr={lr}",
+            "train.max_steps=0",
         ],
     )
-    out = summarize(records, shape, lr)
     sft = [r for r in records if "time/sft" in r]
+    runs = []
+    for seed in plan.seeds:
+        name = shape.name + ("" if lr == DEFAULT_LR else f"_lr{lr:g}") + f"_seed{seed}"
+        records, _ = train_run(
+            work / name,
+            [
+                *COMMON,
+                *shape.overrides(),
+                f"model.path={cold / 'checkpoints' / 'step-0000000'}",
+                "train.cold_start_steps=0",
+                f"train.seed={seed}",
+                f"train.max_steps={plan.rollouts * 4}",
+                "algorithm.minibatches=4",
+                f"optim.lr={lr}",
+            ],
+        )
+        runs.append(summarize(records, shape))
+    out = combine_seeds(runs, shape, lr)
     out["cold_start_seconds"] = sft[-1]["time/sft"] if sft else math.nan
-    out["seconds"] = seconds
+    out["seconds"] = time.perf_counter() - start
     return out
 
 
@@ -267,16 +306,19 @@ def write_report(
     out: Path, plan: ChurnPlan, points: list[dict[str, Any]], quick: bool, meta: dict[str, Any]
 ) -> None:
     rows = [
-        "| experts | top-k | layers | RL lr | expert change after 1 update | after 2 / 3 / 4 "
-        "updates | per rollout batch (1 update) | reward | cold start s | RL s / step |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| experts | top-k | layers | RL lr | expert change after 1 update (mean ± sd over "
+        "seeds) | per seed | after 2 / 3 / 4 updates | per rollout batch (1 update) | reward "
+        "| cold start s | RL s / step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in points:
         later = " / ".join(pct(v) for v in p["churn_by_updates"][1:])
         each = " / ".join(pct(v) for v in p["churn_1_per_rollout"])
+        seeds = " / ".join(pct(v) for v in p["churn_1_seeds"])
         rows.append(
             f"| {p['experts']} | {p['top_k']} | {p['layers']} | {p['lr']:g} | "
-            f"**{pct(p['churn_1'])}** | {later} | {each} | {p['reward']:.3f} | "
+            f"**{pct(p['churn_1'])}** ± {pct(p['churn_1_sd'])} | {seeds} | {later} | {each} | "
+            f"{p['reward']:.3f} | "
             f"{p['cold_start_seconds']:.0f} | {p['seconds_per_step']:.2f} |"
         )
     layer_rows = ["| shape | per layer, 1 update (first → last) |", "|---|---|"]
@@ -309,14 +351,16 @@ def write_report(
         f"on, no router aux loss), its own cold start ({plan.cold_start_steps} SFT steps on "
         "2-digit addition at the default SFT settings, seed 0), then "
         f"{plan.rollouts} GRPO rollout batches (16 prompts x 8 responses, 4 minibatches, "
-        f"lr {DEFAULT_LR:g} unless the row says otherwise, no Routing Replay). The lr rows "
-        "start from the same cold start as their shape's default-lr row.",
+        f"lr {DEFAULT_LR:g} unless the row says otherwise, no Routing Replay) for each of "
+        f"{len(plan.seeds)} RL seeds, all from that one checkpoint. The lr rows start from "
+        "the same cold start as their shape's default-lr row.",
         "",
         "*Expert change after 1 update*: `moe/expert_change_fraction` of minibatch 0 (the "
         "share of the response tokens' (token, layer, top-k slot) activations whose expert "
         "is not among those the rollout-time policy chose), averaged over the rollout batches; "
         "*after 2 / 3 / 4 updates* are minibatches 1-3. The paper reports about 10% per "
-        "update on Qwen3-30B-A3B (128 experts, top-8, 48 layers). One seed per point.",
+        "update on Qwen3-30B-A3B (128 experts, top-8, 48 layers). Every figure is the mean "
+        "over the seeds; *per seed* lists each seed's figure after 1 update.",
         "",
         *rows,
         "",
