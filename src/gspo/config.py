@@ -234,6 +234,10 @@ class RewardConfig(_Section):
     )
 
 
+#: The ``max_lora_rank`` values vLLM takes (adapter sync uses the smallest >= model.lora.r).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
 class VLLMConfig(_Section):
     """The colocated vLLM engine (``rollout.engine=vllm``); ignored by the torch engine."""
 
@@ -247,6 +251,12 @@ class VLLMConfig(_Section):
         None, ge=1, description="Longest prompt + completion; None = the model's own"
     )
     enforce_eager: bool = Field(True, description="No CUDA graphs / compilation (fast start)")
+    lora_sync: Literal["merged", "adapter"] = Field(
+        "merged",
+        description="LoRA runs: what vLLM gets at a weight sync: merged (base + adapters merged "
+        "into a copy, every weight copied in) or adapter (only the adapters, through vLLM's "
+        "LoRA support; the base is loaded once)",
+    )
 
 
 class RolloutConfig(_Section):
@@ -634,6 +644,16 @@ class Config(_Section):
                 "only; run the cold start without LoRA and pass its step-0 checkpoint as "
                 "model.path"
             )
+        if self.rollout.vllm.lora_sync == "adapter" and self.rollout.engine == "vllm":
+            if lora.r == 0:
+                raise ValueError(
+                    "rollout.vllm.lora_sync=adapter needs LoRA adapters (model.lora.r > 0)"
+                )
+            if lora.r > VLLM_LORA_RANKS[-1]:
+                raise ValueError(
+                    f"rollout.vllm.lora_sync=adapter: model.lora.r={lora.r} is above vLLM's "
+                    f"largest LoRA rank {VLLM_LORA_RANKS[-1]} (use lora_sync=merged)"
+                )
         if lora.r > 0 and isinstance(lora.target_modules, list) and not lora.target_modules:
             raise ValueError("model.lora.target_modules: empty list (use all-linear)")
         dense_builtin = self.model.path is None and self.model.builtin == "qwen3"

@@ -12,6 +12,10 @@ Weights are synced in memory, without touching disk: ``sync_weights`` hands the 
 state dict to vLLM's worker (``collective_rpc`` -> ``model_runner.reload_weights``), then
 drops vLLM's prefix cache, whose KV blocks were computed with the old weights. This needs
 the engine core in this process, so the engine sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``.
+A LoRA run with ``rollout.vllm.lora_sync=adapter`` syncs only its adapters instead
+(``sync_adapters``): vLLM keeps the base it loaded and applies the adapter through its own
+LoRA layers; the adapter (kilobytes to megabytes) goes through a temporary directory,
+the one file hand-over vLLM's LoRA loader takes.
 
 vLLM is imported here only, when an engine is built: ``import gspo`` never imports it.
 """
@@ -21,12 +25,14 @@ from __future__ import annotations
 import json
 import os
 import random
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from gspo.config import VLLM_LORA_RANKS
 from gspo.rollout import RolloutBatch, SamplingParams, pad_batch
 
 #: How to get vLLM, for the error raised when it cannot be imported.
@@ -60,12 +66,17 @@ def vllm_dtype(dtype: torch.dtype) -> str:
     return names[dtype]
 
 
-def _head_dim(model_dir: str | Path) -> int | None:
+def _model_config(model_dir: str | Path) -> dict[str, Any]:
+    """The (text) model's ``config.json``; empty when there is none to read."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
-        return None
-    config = config.get("text_config", config)
+        return {}
+    return config.get("text_config", config)
+
+
+def _head_dim(model_dir: str | Path) -> int | None:
+    config = _model_config(model_dir)
     if config.get("head_dim"):
         return int(config["head_dim"])
     if config.get("hidden_size") and config.get("num_attention_heads"):
@@ -99,6 +110,18 @@ def check_cpu_head_size(model_dir: str | Path) -> None:
         raise ValueError(_head_size_message(model_dir, supported))
 
 
+def check_cpu_lora(model_dir: str | Path) -> None:
+    """A one-line error before vLLM starts: its CPU build has no LoRA kernel for MoE layers
+    (a LoRA-enabled MoE model fails at its first forward, in Triton code)."""
+    config = _model_config(model_dir)
+    if config.get("num_experts") or config.get("num_local_experts"):
+        raise ValueError(
+            "rollout.vllm.lora_sync=adapter: vLLM's CPU build cannot run LoRA on a MoE "
+            "model (its MoE LoRA kernels need Triton on a GPU); use "
+            "rollout.vllm.lora_sync=merged on this machine"
+        )
+
+
 class VLLMEngine:
     """Sampling with a colocated vLLM ``LLM`` loaded from a HF model directory.
 
@@ -120,6 +143,7 @@ class VLLMEngine:
         cpu_kv_cache_gb: int = 1,
         max_model_len: int | None = None,
         enforce_eager: bool = True,
+        lora_rank: int = 0,
     ):
         # Weight sync runs a function inside vLLM's worker: the engine core must live here.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -134,10 +158,21 @@ class VLLMEngine:
         kwargs: dict[str, Any] = {}
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
+        self._lora_request: Any = None
+        self.takes_adapters = lora_rank > 0  # the sampler then calls sync_adapters
+        if lora_rank > 0:
+            # adapter sync (rollout.vllm.lora_sync=adapter): vLLM applies one LoRA adapter
+            # over the base it loaded; sync_adapters writes it here for vLLM to read
+            self._adapter_dir = tempfile.TemporaryDirectory(prefix="gspo-lora-")
+            kwargs["enable_lora"] = True
+            kwargs["max_lora_rank"] = min(r for r in VLLM_LORA_RANKS if r >= lora_rank)
+            kwargs["max_loras"] = 1
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         else:
             check_cpu_head_size(model_dir)
+            if lora_rank > 0:
+                check_cpu_lora(model_dir)
         try:
             self.llm = self._vllm.LLM(
                 model=str(model_dir),
@@ -174,6 +209,29 @@ class VLLMEngine:
         self.llm.collective_rpc(reload)
         self.llm.reset_prefix_cache()
 
+    def sync_adapters(self, model: torch.nn.Module) -> None:
+        """Give vLLM ``model``'s LoRA adapters (a PEFT model over the base vLLM loaded).
+
+        The adapter is saved in PEFT's format to the engine's own directory and reloaded in
+        place under one id; KV computed with the previous adapter is dropped. An adapter
+        vLLM cannot apply (a target module its LoRA layers do not cover) is a one-line
+        ``ValueError``.
+        """
+        from vllm.lora.request import LoRARequest
+
+        path = self._adapter_dir.name
+        model.save_pretrained(path)
+        try:
+            self.llm.llm_engine.add_lora(LoRARequest("policy", 1, path, load_inplace=True))
+        except Exception as exc:  # vLLM raises several types for an adapter it cannot use
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ValueError(
+                f"rollout.vllm.lora_sync=adapter: vLLM cannot load the adapter ({first}); "
+                "use rollout.vllm.lora_sync=merged"
+            ) from None
+        self._lora_request = LoRARequest("policy", 1, path)
+        self.llm.reset_prefix_cache()
+
     def sampling_params(self, params: SamplingParams, *, n: int, seed: int) -> Any:
         stop = set(params.stop_token_ids)
         if self.eos_token_id is not None:
@@ -198,7 +256,9 @@ class VLLMEngine:
         rng = random.Random(seed)
         requests = [{"prompt_token_ids": list(p)} for p in prompts]
         sampling = [self.sampling_params(params, n=n, seed=rng.getrandbits(31)) for _ in prompts]
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        outputs = self.llm.generate(
+            requests, sampling, use_tqdm=False, lora_request=self._lora_request
+        )
         expanded: list[list[int]] = []
         completions: list[list[int]] = []
         logprobs: list[list[float]] = []

@@ -27,6 +27,7 @@ def build_engine(config: Config, policy: Policy, tokenizer, model_dir: Path) -> 
     from gspo.vllm_engine import VLLMEngine
 
     v = config.rollout.vllm
+    adapter_sync = v.lora_sync == "adapter" and policy.adapters
     return VLLMEngine(
         model_dir,
         pad_token_id=pad,
@@ -38,6 +39,7 @@ def build_engine(config: Config, policy: Policy, tokenizer, model_dir: Path) -> 
         cpu_kv_cache_gb=v.cpu_kv_cache_gb,
         max_model_len=v.max_model_len,
         enforce_eager=v.enforce_eager,
+        lora_rank=config.model.lora.r if adapter_sync else 0,
     )
 
 
@@ -46,8 +48,9 @@ class Sampler:
 
     The engine is synced to the policy before it generates whenever an optimizer step
     came after its last sync (the policy's ``version`` moved). The torch engine gets the
-    policy's replica (a LoRA run's adapters included); an engine that loads plain weights
-    gets :meth:`Policy.merged` (the adapters merged into a copy).
+    policy's replica (a LoRA run's adapters included); a vLLM engine started for adapter
+    sync gets the replica's adapters only; any other engine gets :meth:`Policy.merged`
+    (the adapters merged into a copy).
     """
 
     def __init__(self, engine: RolloutEngine, policy: Policy):
@@ -62,6 +65,8 @@ class Sampler:
         start = time.perf_counter()
         if isinstance(self.engine, TorchEngine):
             self.engine.sync_weights(self.policy.replica())
+        elif getattr(self.engine, "takes_adapters", False):
+            self.engine.sync_adapters(self.policy.replica())
         else:
             self.engine.sync_weights(self.policy.merged())
         self.version = self.policy.version
