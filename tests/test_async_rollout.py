@@ -46,8 +46,7 @@ def staleness(records):
 
 
 def test_bad_combinations_are_one_line():
-    with pytest.raises(ConfigError, match="rollout.max_staleness=1 needs rollout.engine=torch"):
-        load_config(None, ["rollout.max_staleness=1", "rollout.engine=vllm"])
+    load_config(None, ["rollout.max_staleness=1", "rollout.engine=vllm"])  # both engines
     with pytest.raises(ConfigError, match="moe.routing_replay needs rollout.max_staleness=0"):
         load_config(
             None,
@@ -226,3 +225,44 @@ def test_lora_snapshots_hold_the_adapters_alone(tmp_path, varied_reward):
     assert weights and all("lora_" in name for name in weights)
     # the producer's copy samples through the adapters: they moved, so its log-probs did
     assert any(w.abs().max() > 0 for n, w in weights.items() if "lora_B" in n)
+
+
+def test_producer_and_evaluation_share_a_vllm_engine_without_mixing_weights():
+    """With vLLM the producer samples through the run's own engine, which evaluation also
+    loads with the trainer's weights: whoever generates finds its own weights loaded
+    (each loads them when the engine holds the other's), and nobody reloads needlessly."""
+    from types import SimpleNamespace
+
+    from gspo.training.async_rollout import SharedEngineSampler
+    from gspo.training.sampler import Sampler
+
+    class Engine:  # records which module's weights it holds and how often it was loaded
+        def __init__(self):
+            self.holding, self.loads = None, 0
+
+        def sync_weights(self, module):
+            self.holding, self.loads = module, self.loads + 1
+
+        def generate(self, prompts, *, n, params, seed):
+            return self.holding
+
+    trainer_weights, producer_weights = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    policy = SimpleNamespace(version=0, replica=lambda: trainer_weights)
+    engine = Engine()
+    sampler = Sampler(engine, policy)
+    sampler.version = None  # the engine starts from the disk model
+    producer = SharedEngineSampler(sampler, producer_weights)
+
+    def generate(s):
+        return s.generate([[1]], n=1, params=None, seed=0)[0]
+
+    assert generate(sampler) is trainer_weights and engine.loads == 1
+    assert generate(producer) is producer_weights and engine.loads == 2
+    assert generate(producer) is producer_weights and engine.loads == 2  # still loaded
+    assert generate(sampler) is trainer_weights and engine.loads == 3  # an evaluation
+    assert generate(producer) is producer_weights and engine.loads == 4
+    producer.weights_changed()  # the producer copied W_j+1 into its module
+    assert generate(producer) is producer_weights and engine.loads == 5
+    policy.version += 1  # an optimizer step
+    assert sampler.sync() > 0 and engine.holding is trainer_weights and engine.loads == 6
+    assert generate(sampler) is trainer_weights and engine.loads == 6

@@ -417,6 +417,46 @@ def test_adapter_sync_needs_adapters_vllm_can_hold(overrides, message):
     load_config(overrides=overrides)
 
 
+@needs_vllm
+@pytest.mark.slow
+def test_async_rollouts_through_vllm_sample_with_the_stale_weights(tmp_path, varied_reward):
+    """rollout.max_staleness=1 with vLLM: a producer thread samples batch b+1 through the
+    run's own vLLM engine while batch b trains, with the weights batch b started from;
+    evaluations in between load the trainer's current weights into the same engine. With
+    old_logprobs=recompute pi_old is the trainer's forward on the producer's copy (the
+    weights that sampled), so vLLM's log-probs agree with it on every batch only if vLLM
+    held exactly those weights every time: after each update and after each evaluation."""
+    out = tmp_path / "run"
+    overrides = [
+        *FAST,
+        "rollout.engine=vllm",
+        "rollout.max_staleness=1",
+        "algorithm.old_logprobs=recompute",
+        "algorithm.minibatches=2",
+        "optim.lr=1e-2",
+        "train.max_steps=8",
+        "eval.every=2",
+        varied_reward,
+    ]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    run = subprocess.run(
+        [sys.executable, "-m", "gspo", "train", "--output-dir", str(out), *overrides],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    lines = [r for r in records if "train/loss" in r]
+    first = [r for r in lines if r["train/minibatch"] == 0]
+    assert [r["rollout/staleness"] for r in first] == [0, 1, 1, 1]
+    assert all(r["mismatch/token_abs_max"] < 1e-4 for r in first)
+    # the stale batches were not sampled by the weights they train (the lr moved them)
+    assert all(abs(r["train/ratio_mean"] - 1) > 1e-4 for r in first[1:])
+    assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 2, 4, 6, 8]
+
+
 def test_unsupported_cpu_head_size_is_one_line(tmp_path, tokenizer, monkeypatch):
     """Without vLLM installed too: the check reads config.json and the backend's list."""
     import gspo.vllm_engine as ve

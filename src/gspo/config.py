@@ -327,7 +327,7 @@ class RolloutConfig(_Section):
         ge=0,
         description="Async rollouts: rollout batch b is sampled by the weights of b - k rollout "
         "batches ago (b+1..b+k sampled while b trains, on a copy of the weights, in a "
-        "thread; torch engine only); 0 = synchronous",
+        "thread; with vLLM the run's engine, shared with evaluation); 0 = synchronous",
     )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
@@ -623,11 +623,6 @@ class Config(_Section):
         ):
             raise ValueError("algorithm.correction_min must be below algorithm.correction_max")
         staleness = self.rollout.max_staleness
-        if staleness > 0 and self.rollout.engine != "torch":
-            raise ValueError(
-                f"rollout.max_staleness={staleness} needs rollout.engine=torch (async "
-                "rollouts through vLLM are not implemented)"
-            )
         if staleness > 0 and (self.moe.routing_replay or self.moe.measure_churn):
             key = "moe.routing_replay" if self.moe.routing_replay else "moe.measure_churn"
             raise ValueError(

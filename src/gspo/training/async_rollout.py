@@ -28,8 +28,11 @@ of the weights, while the trainer trains:
 - **Deterministic.** Every batch's prompts, sampling seed and weights are fixed by
   ``(train.seed, index)``; scoring is serialised with evaluation (:class:`Scorer`'s lock).
 
-Torch engine only (``rollout.engine=torch``); under torchrun every rank runs its own
-producer over its own share of the prompts.
+Both engines: the torch engine samples the producer's copy itself; a vLLM engine (the
+run's own, one per process) is shared with evaluation, which needs the trainer's current
+weights in it: whoever generates next loads its weights first if the engine holds other
+ones (:class:`SharedEngineSampler`), under the sampler's lock. Under torchrun every rank
+runs its own producer over its own share of the prompts.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from gspo.config import Config
 from gspo.rollout import RolloutBatch, SamplingParams, TorchEngine
 from gspo.training.experience import Experience, RolloutStage, Sampled
 from gspo.training.policy import Policy
+from gspo.training.sampler import Sampler, push_weights
 
 #: The file in a checkpoint holding the stale weights the next rollout batches need.
 BEHAVIOUR_WEIGHTS = "behaviour_weights.pt"
@@ -92,6 +96,41 @@ class FrozenSampler:
         with self.policy.autocast():
             return self.engine.generate(prompts, n=n, params=params, seed=seed), 0.0
 
+    def weights_changed(self) -> None:
+        """The engine samples the module itself: nothing to load."""
+
+
+class SharedEngineSampler:
+    """The producer's sampler over the run's own engine (vLLM), shared with evaluation.
+
+    Generates with the producer's copy of the weights (``module``): before a generation it
+    loads them into the engine (:func:`push_weights`) if they changed since it last did or
+    if the run's sampler loaded the trainer's weights in between (an evaluation), and marks
+    the run's sampler as behind, so that the next evaluation reloads the trainer's. Both
+    hold the run's sampler's lock from the load through the generation.
+    """
+
+    def __init__(self, sampler: Sampler, module: torch.nn.Module):
+        self.sampler = sampler
+        self.module = module
+        self.current = False  # whether the engine holds `module`'s present weights
+
+    def weights_changed(self) -> None:
+        self.current = False
+
+    def generate(
+        self, prompts: list[list[int]], *, n: int, params: SamplingParams, seed: int
+    ) -> tuple[RolloutBatch, float]:
+        with self.sampler.lock:
+            start = time.perf_counter()
+            if not self.current or self.sampler.version is not None:
+                push_weights(self.sampler.engine, self.module)
+                self.sampler.version = None  # the engine no longer holds the policy's
+                self.current = True
+            sync = time.perf_counter() - start
+            batch = self.sampler.engine.generate(prompts, n=n, params=params, seed=seed)
+        return batch, sync
+
 
 class _Stopped(Exception):
     """The producer was asked to stop."""
@@ -122,10 +161,16 @@ class AsyncRollouts:
         self.module = copy.deepcopy(policy.replica()).requires_grad_(False)
         for p in self.module.parameters():
             p.grad = None
-        engine = TorchEngine(
-            self.module, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
-        )
-        self.sampler = FrozenSampler(engine, policy)
+        self.sampler: FrozenSampler | SharedEngineSampler
+        if config.rollout.engine == "torch":
+            engine = TorchEngine(
+                self.module,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+            self.sampler = FrozenSampler(engine, policy)
+        else:  # the run's own engine (vLLM), loaded with the producer's weights when needed
+            self.sampler = SharedEngineSampler(stage.generate.sampler, self.module)
         # which tensors a snapshot holds: the trained ones (a LoRA run's adapters)
         self.names = [n for n, p in policy.module.named_parameters() if p.requires_grad]
         self.weights: dict[int, Snapshot] = {}  # W_j by j, the last k + 1
@@ -134,9 +179,9 @@ class AsyncRollouts:
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
         self.loaded: int | None = None  # j of the weights in the producer's copy
-        self.stream = (
-            torch.cuda.Stream(device=policy.device) if policy.device.type == "cuda" else None
-        )
+        # the torch engine's kernels on a stream of their own (vLLM manages its own)
+        on_cuda = policy.device.type == "cuda" and config.rollout.engine == "torch"
+        self.stream = torch.cuda.Stream(device=policy.device) if on_cuda else None
 
     # ------------------------------------------------------------------ schedule
     def source(self, index: int) -> int:
@@ -260,10 +305,11 @@ class AsyncRollouts:
             with torch.no_grad():
                 for name, tensor in weights.items():
                     params[name].copy_(tensor)
+            self.sampler.weights_changed()
             self.loaded = j
         sync = time.perf_counter() - start
         sampled = self.stage.sample(index, self.sampler)
-        sampled.metrics["time/weight_sync"] = sync
+        sampled.metrics["time/weight_sync"] += sync
         if self.recompute:  # pi_old: the trainer's forward on the weights that sampled
             start = time.perf_counter()
             with torch.no_grad():

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
+
 from gspo.config import Config
 from gspo.rollout import RolloutBatch, RolloutEngine, SamplingParams, TorchEngine
+from gspo.training.lora import is_lora, merged_copy
 from gspo.training.policy import Policy
 from gspo.training.setup import derive_seed
 
@@ -43,34 +47,44 @@ def build_engine(config: Config, policy: Policy, tokenizer, model_dir: Path) -> 
     )
 
 
+def push_weights(engine: RolloutEngine, module: torch.nn.Module) -> None:
+    """Give ``engine`` ``module``'s weights the way it takes them: the torch engine the
+    module itself (a LoRA run's adapters included), a vLLM engine started for adapter sync
+    the adapters only, any other engine whole weights (a LoRA module's adapters merged into
+    a copy, the module itself untouched)."""
+    if isinstance(engine, TorchEngine):
+        engine.sync_weights(module)
+    elif getattr(engine, "takes_adapters", False):
+        engine.sync_adapters(module)
+    else:
+        engine.sync_weights(merged_copy(module) if is_lora(module) else module)
+
+
 class Sampler:
     """Generates from the policy's current weights through a rollout engine.
 
     The engine is synced to the policy before it generates whenever an optimizer step
-    came after its last sync (the policy's ``version`` moved). The torch engine gets the
-    policy's replica (a LoRA run's adapters included); a vLLM engine started for adapter
-    sync gets the replica's adapters only; any other engine gets :meth:`Policy.merged`
-    (the adapters merged into a copy).
+    came after its last sync (the policy's ``version`` moved), or when someone else
+    loaded other weights into it (an async producer sharing a vLLM engine sets
+    ``version`` to None); :func:`push_weights` says what each engine is given. ``lock``
+    makes a sync and the generation after it one step for threads sharing the engine.
     """
 
     def __init__(self, engine: RolloutEngine, policy: Policy):
         self.engine = engine
         self.policy = policy
-        self.version = policy.version
+        self.version: int | None = policy.version  # the policy version the engine holds
+        self.lock = threading.RLock()
 
     def sync(self) -> float:
         """Give the engine the policy's current weights if it is behind; seconds taken."""
-        if self.version == self.policy.version:
-            return 0.0
-        start = time.perf_counter()
-        if isinstance(self.engine, TorchEngine):
-            self.engine.sync_weights(self.policy.replica())
-        elif getattr(self.engine, "takes_adapters", False):
-            self.engine.sync_adapters(self.policy.replica())
-        else:
-            self.engine.sync_weights(self.policy.merged())
-        self.version = self.policy.version
-        return time.perf_counter() - start
+        with self.lock:
+            if self.version == self.policy.version:
+                return 0.0
+            start = time.perf_counter()
+            push_weights(self.engine, self.policy.replica())
+            self.version = self.policy.version
+            return time.perf_counter() - start
 
     def generate(
         self, prompts: list[list[int]], *, n: int, params: SamplingParams, seed: int
@@ -79,10 +93,11 @@ class Sampler:
 
         The torch engine runs under the policy's autocast; vLLM keeps its own dtype.
         """
-        t_sync = self.sync()
-        torch_engine = isinstance(self.engine, TorchEngine)
-        with self.policy.autocast() if torch_engine else contextlib.nullcontext():
-            batch = self.engine.generate(prompts, n=n, params=params, seed=seed)
+        with self.lock:
+            t_sync = self.sync()
+            torch_engine = isinstance(self.engine, TorchEngine)
+            with self.policy.autocast() if torch_engine else contextlib.nullcontext():
+                batch = self.engine.generate(prompts, n=n, params=params, seed=seed)
         return batch, t_sync
 
 
