@@ -301,3 +301,36 @@ def test_overlong_penalty_shapes_training_rewards_not_evaluation(tmp_path):
         )
     evals = [r for r in records if "eval/reward_mean" in r]
     assert evals and all(r["eval/reward_mean"] >= 0.0 for r in evals)
+
+
+@pytest.mark.slow
+def test_filter_groups_under_two_ranks_fills_every_share_and_resumes_exactly(tmp_path):
+    """torchrun, 2 ranks: each rank refills its own share of the rollout batch; the
+    groups dropped add up over ranks and the extra rounds are the most any rank needed, so
+    a batch with fewer rounds than the cap has no constant group left on any rank; a run
+    cut at step 4 and resumed (on 2 ranks) logs what the uncut run logged."""
+    from test_distributed import torchrun
+
+    reward = tmp_path / "has_one.py"
+    reward.write_text(HAS_ONE)
+    common = [
+        *TINY, f"reward.functions=[{reward}:has_one]", "rollout.max_new_tokens=3",
+        "rollout.filter_groups=true", "rollout.filter_max_rounds=2",
+        "train.max_steps=8", "algorithm.minibatches=2", "train.save_every=4",
+        "eval.every=4", "optim.lr=1e-3", "--no-cache",
+    ]  # fmt: skip
+    train = ["-m", "gspo", "train", "--output-dir"]
+    torchrun(*train, str(tmp_path / "full"), *common)
+    torchrun(*train, str(tmp_path / "cut"), *common, "train.max_steps=4")
+    torchrun("-m", "gspo", "train", "--resume", str(tmp_path / "cut"), "train.max_steps=8")
+    full = read_metrics(tmp_path / "full" / "metrics.jsonl")
+    resumed = read_metrics(tmp_path / "cut" / "metrics.jsonl")
+    assert [r["step"] for r in full] == [r["step"] for r in resumed]
+    for a, b in zip(full, resumed, strict=True):
+        assert comparable(a) == pytest.approx(comparable(b), rel=1e-6, abs=1e-7)
+    lines = train_lines(full)
+    assert sum(r["rollout/groups_dropped"] for r in lines) > 0
+    for r in lines:
+        assert r["train/sequences"] == 8  # 4 prompts x 4, half of them per minibatch
+        if r["rollout/extra_rounds"] < 2:
+            assert r["train/zero_std_fraction"] == 0.0

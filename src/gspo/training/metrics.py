@@ -30,7 +30,17 @@ def crossed(before: int, after: int, every: int) -> bool:
 #: How each logged metric combines across ranks (:func:`gspo.distributed.combine_metrics`):
 #: counts add up, extremes and times take the extreme (a step lasts as long as its slowest
 #: rank), fractions and means are weighted by the tokens or responses behind them.
-SUMMED = frozenset({"train/tokens", "train/sequences", "mismatch/tokens", "mismatch/sequences"})
+#: ``rollout.filter_groups`` fills each rank's share on its own: the groups dropped add up,
+#: and the extra rounds of a batch are those of the rank that needed the most.
+SUMMED = frozenset(
+    {
+        "train/tokens",
+        "train/sequences",
+        "mismatch/tokens",
+        "mismatch/sequences",
+        "rollout/groups_dropped",
+    }
+)
 TOKEN_WEIGHTED = frozenset(
     {"train/clip_fraction", "train/clip_fraction_low", "train/clip_fraction_high"}
 )
@@ -53,7 +63,12 @@ def metric_reduction(key: str, level: str) -> tuple[Reduction, str | None]:
         return "min", None
     if key == "correction/weight_min":
         return "min", None
-    if key in ("train/ratio_max", "mismatch/token_abs_max", "correction/weight_max"):
+    if key in (
+        "train/ratio_max",
+        "mismatch/token_abs_max",
+        "correction/weight_max",
+        "rollout/extra_rounds",
+    ):
         return "max", None
     if key.startswith("time/"):
         return "max", None
