@@ -302,23 +302,32 @@ def test_lora_sync_gives_vllm_the_merged_weights(engine, model_dir, tokenizer):
     assert (lp - again.sampler_logprobs).abs()[again.completion_mask.bool()].max() < 1e-4
 
 
-@needs_vllm
-def test_adapter_sync_gives_vllm_only_the_adapters(model_dir, tokenizer):
-    """rollout.vllm.lora_sync=adapter: vLLM keeps the base it loaded and applies the
-    policy's adapters through its own LoRA layers. Its log-probs equal the PEFT module's
-    at the float32 level (and differ from the base's, so a missed sync fails), the adapters
-    stay bitwise as they were, a later update reaches vLLM too, and the base weights vLLM
-    holds are never rewritten (only the adapter is reloaded)."""
-    from gspo.training.sampler import Sampler
+@pytest.fixture(scope="module")
+def adapter_engine(model_dir, tokenizer, engine):
+    """A second engine, started for adapter sync. Module-scoped like ``engine`` (which it
+    outlives): a vLLM engine shut down mid-module tears down the process-wide parallel
+    state the other one still uses."""
     from gspo.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine(
+    return VLLMEngine(
         model_dir,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         device=torch.device("cpu"),
         lora_rank=8,
     )
+
+
+@needs_vllm
+def test_adapter_sync_gives_vllm_only_the_adapters(adapter_engine, model_dir, tokenizer):
+    """rollout.vllm.lora_sync=adapter: vLLM keeps the base it loaded and applies the
+    policy's adapters through its own LoRA layers. Its log-probs equal the PEFT module's
+    at the float32 level (and differ from the base's, so a missed sync fails), the adapters
+    stay bitwise as they were, a later update reaches vLLM too, and the base weights vLLM
+    holds are never rewritten (only the adapter is reloaded)."""
+    from gspo.training.sampler import Sampler
+
+    engine = adapter_engine
     assert engine.takes_adapters
     engine.sync_weights = None  # a whole-weights sync would fail here: it must not happen
     policy = lora_policy(model_dir)
