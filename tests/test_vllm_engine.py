@@ -249,6 +249,19 @@ def lora_policy(model_dir, steps=3):
     return policy
 
 
+def check_a_further_update_is_synced(policy, sampler, prompts):
+    """Move the adapters as an update would: the sampler syncs them before it generates."""
+    with torch.no_grad():
+        for name, p in policy.module.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.05)
+    policy.stepped()
+    again, seconds = sampler.generate(prompts, n=4, params=SamplingParams(10), seed=12)
+    assert seconds > 0
+    lp = policy.logprobs(again).detach()
+    assert (lp - again.sampler_logprobs).abs()[again.completion_mask.bool()].max() < 1e-4
+
+
 def lora_tensors(policy):
     return {n: t.detach().clone() for n, t in policy.module.state_dict().items()}
 
@@ -291,15 +304,7 @@ def test_lora_sync_gives_vllm_the_merged_weights(engine, model_dir, tokenizer):
     assert (ours.sampler_logprobs - ref.sampler_logprobs).abs().max() < 1e-4
 
     # a further update is synced too (the sampler sees the version move)
-    with torch.no_grad():
-        for name, p in policy.module.named_parameters():
-            if "lora_B" in name:
-                p.add_(0.05)
-    policy.stepped()
-    again, seconds = sampler.generate(prompts, n=4, params=SamplingParams(10), seed=12)
-    assert seconds > 0
-    lp = policy.logprobs(again).detach()
-    assert (lp - again.sampler_logprobs).abs()[again.completion_mask.bool()].max() < 1e-4
+    check_a_further_update_is_synced(policy, sampler, prompts)
 
 
 @pytest.fixture(scope="module")
@@ -345,15 +350,21 @@ def test_adapter_sync_gives_vllm_only_the_adapters(adapter_engine, model_dir, to
         base_lp = policy.logprobs(batch)
     assert (base_lp - batch.sampler_logprobs).abs()[mask].max() > 1e-2
 
-    with torch.no_grad():
-        for name, p in policy.module.named_parameters():
-            if "lora_B" in name:
-                p.add_(0.05)
-    policy.stepped()
-    again, seconds = sampler.generate(prompts, n=4, params=SamplingParams(10), seed=12)
-    assert seconds > 0
-    lp = policy.logprobs(again).detach()
-    assert (lp - again.sampler_logprobs).abs()[again.completion_mask.bool()].max() < 1e-4
+    check_a_further_update_is_synced(policy, sampler, prompts)
+
+
+def train_in_subprocess(out: Path, overrides: list[str]) -> list[dict]:
+    """``gspo train`` in a fresh process (vLLM's engine lives and dies with it): its records."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    run = subprocess.run(
+        [sys.executable, "-m", "gspo", "train", "--output-dir", str(out), *overrides],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 @needs_vllm
@@ -380,16 +391,7 @@ def test_gspo_train_with_the_vllm_engine(tmp_path, extra, varied_reward):
     out = tmp_path / "run"
     extra = [*extra, varied_reward] if extra else extra
     overrides = [*FAST, "rollout.engine=vllm", "train.max_steps=8", "eval.every=4", *extra]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
-    run = subprocess.run(
-        [sys.executable, "-m", "gspo", "train", "--output-dir", str(out), *overrides],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = train_in_subprocess(out, overrides)
     if extra:
         summary = next(r for r in records if "model/trainable_params" in r)
         assert summary["model/trainable_params"] < 0.5 * summary["model/params"]
@@ -447,16 +449,7 @@ def test_async_rollouts_through_vllm_sample_with_the_stale_weights(tmp_path, var
         "eval.every=2",
         varied_reward,
     ]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
-    run = subprocess.run(
-        [sys.executable, "-m", "gspo", "train", "--output-dir", str(out), *overrides],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = train_in_subprocess(out, overrides)
     lines = [r for r in records if "train/loss" in r]
     first = [r for r in lines if r["train/minibatch"] == 0]
     assert [r["rollout/staleness"] for r in first] == [0, 1, 1, 1]
