@@ -122,21 +122,26 @@ MODEL = [
     "model.experts_implementation=padded",
 ]
 
-#: The model and task every churn point shares.
-COMMON = [
-    *MODEL,
-    "train.seed=0",
-    "algorithm.level=token",
-    "moe.routing_replay=false",
-    "eval.max_prompts=1",  # evaluation is not what these runs are for
-    "eval.every=0",
-    "eval.samples=1",
+#: Every run: no progress bar, plots or TensorBoard, only the checkpoints it must keep.
+QUIET = [
     "eval.greedy=false",
     "log.progress=false",
     "log.plots=false",
     "log.tensorboard=false",
     "train.save_every=0",
     "train.keep_checkpoints=1",
+]
+
+#: The model and task every churn point shares.
+COMMON = [
+    *MODEL,
+    *QUIET,
+    "train.seed=0",
+    "algorithm.level=token",
+    "moe.routing_replay=false",
+    "eval.max_prompts=1",  # evaluation is not what these runs are for
+    "eval.every=0",
+    "eval.samples=1",
 ]
 DEFAULT_LR = 1e-4
 
@@ -546,12 +551,7 @@ def claim_common(plan: ClaimPlan, shape: Shape) -> list[str]:
         f"eval.max_prompts={plan.eval_prompts}",
         f"eval.every={plan.eval_every}",
         "eval.samples=2",
-        "eval.greedy=false",
-        "log.progress=false",
-        "log.plots=false",
-        "log.tensorboard=false",
-        "train.save_every=0",
-        "train.keep_checkpoints=1",
+        *QUIET,
     ]
 
 

@@ -272,6 +272,7 @@ def test_lora_sync_gives_vllm_the_merged_weights(engine, model_dir, tokenizer):
     log-probs equal the adapter model's (and its merged copy's) at the float32 level, and
     differ from the base's, so a missed sync would fail this. The adapters and the base
     are bitwise what they were before the sync."""
+    from gspo.training.lora import merged_copy
     from gspo.training.sampler import Sampler
 
     policy = lora_policy(model_dir)
@@ -290,7 +291,7 @@ def test_lora_sync_gives_vllm_the_merged_weights(engine, model_dir, tokenizer):
     mask = batch.completion_mask.bool()
     trainer_lp = policy.logprobs(batch).detach()  # the PEFT module, adapters on
     assert (trainer_lp - batch.sampler_logprobs).abs()[mask].max() < 1e-4
-    merged_lp = recompute(policy.merged(), batch)
+    merged_lp = recompute(merged_copy(policy.replica()), batch)
     assert (merged_lp - batch.sampler_logprobs).abs()[mask].max() < 1e-4
     with torch.no_grad(), policy.base():
         base_lp = policy.logprobs(batch)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -102,27 +103,37 @@ class RoutingRecorder:
 
 
 @contextlib.contextmanager
+def _router_outputs(
+    model: nn.Module, take: Callable[[nn.Module, Any], Tensor]
+) -> Iterator[list[list[Tensor]]]:
+    """``calls[layer]``: ``take(router, output)`` of each call of every router inside the block."""
+    routers = find_routers(model)
+    calls: list[list[Tensor]] = [[] for _ in routers]
+    handles = []
+    for layer, router in enumerate(routers):
+
+        def hook(module, args, output, layer=layer):
+            calls[layer].append(take(module, output))
+
+        handles.append(router.register_forward_hook(hook))
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
 def capture_routing(model: nn.Module) -> Iterator[RoutingRecorder]:
     """Record the top-k experts every router of ``model`` chooses inside the block.
 
     ``recorder.experts`` is ``[layers, tokens, k]`` after one forward pass. Under
     :func:`replay_routing` it records the replayed experts (what the experts ran).
     """
-    routers = find_routers(model)
-    recorder = RoutingRecorder(calls=[[] for _ in routers])
-    handles = []
-    for layer, router in enumerate(routers):
-
-        def hook(module, args, output, layer=layer):
-            indices = output[2]
-            recorder.calls[layer].append(indices.detach().to(_index_dtype(module)))
-
-        handles.append(router.register_forward_hook(hook))
-    try:
-        yield recorder
-    finally:
-        for handle in handles:
-            handle.remove()
+    with _router_outputs(
+        model, lambda router, output: output[2].detach().to(_index_dtype(router))
+    ) as calls:
+        yield RoutingRecorder(calls=calls)
 
 
 def _replayed_forward(router: nn.Module, experts: Tensor, cast: bool):
@@ -272,20 +283,8 @@ def capture_router_logits(model: nn.Module) -> Iterator[list[list[Tensor]]]:
     Yields ``calls[layer]``: the logits of each call of that layer's router, in order.
     Under :func:`replay_routing` they are the current router's logits all the same.
     """
-    routers = find_routers(model)
-    calls: list[list[Tensor]] = [[] for _ in routers]
-    handles = []
-    for layer, router in enumerate(routers):
-
-        def hook(module, args, output, layer=layer):
-            calls[layer].append(output[0])
-
-        handles.append(router.register_forward_hook(hook))
-    try:
+    with _router_outputs(model, lambda router, output: output[0]) as calls:
         yield calls
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def load_balancing_loss(logits: list[Tensor], top_k: int, mask: Tensor | None = None) -> Tensor:

@@ -10,7 +10,7 @@ import torch
 from gspo.distributed import Distributed, full_state_dict, shard_policy
 from gspo.models import CompletionLogprobs
 from gspo.rollout import RolloutBatch
-from gspo.training.lora import is_lora, merged_copy
+from gspo.training.lora import is_lora
 
 
 class Policy:
@@ -25,8 +25,9 @@ class Policy:
 
     With LoRA (``adapters``) ``module`` is a PEFT model: only the adapters train, the
     replica under FSDP is refreshed from the gathered adapters alone, :meth:`base` is the
-    same module with its adapters off (the KL reference), and :meth:`merged` gives the
-    whole weights with the adapters merged in, for engines that take plain weights.
+    same module with its adapters off (the KL reference); engines that take plain weights
+    get the replica with its adapters merged into a copy
+    (:func:`gspo.training.sampler.push_weights`).
     """
 
     def __init__(
@@ -124,12 +125,3 @@ class Policy:
                 self._replica.load_state_dict(state, strict=not self.adapters)
             self._replica_version = self.version
         return self._replica
-
-    def merged(self) -> torch.nn.Module:
-        """The whole weights as a plain HF module without adapters (merged into a copy).
-
-        For engines that load plain weights (vLLM). The policy itself is left untouched;
-        without LoRA this is :meth:`replica`. A collective under torchrun.
-        """
-        replica = self.replica()
-        return merged_copy(replica) if self.adapters else replica
