@@ -212,17 +212,18 @@ def main() -> None:
     # decode: one step with a KV cache by batch size
     from transformers import DynamicCache
 
+    from gspo.decoding import cached_forward
+
     def decode(size: int) -> Callable[[], object]:
         ids = torch.randint(3, 12, (size, 6))
         with torch.no_grad():
-            cache = model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
-        kv = cache.past_key_values
+            _, kv = cached_forward(model, DynamicCache(), input_ids=ids)
 
         def run() -> None:
             with torch.no_grad():
                 for layer in kv.layers:  # keep the cache at 6 tokens: time one step only
                     layer.keys, layer.values = layer.keys[:, :, :6], layer.values[:, :, :6]
-                model(input_ids=ids[:, :1], past_key_values=kv, use_cache=True, logits_to_keep=1)
+                cached_forward(model, kv, input_ids=ids[:, :1], logits_to_keep=1)
 
         return run
 

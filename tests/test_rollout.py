@@ -148,6 +148,21 @@ def test_fast_decoder_is_taken_for_qwen3_and_not_for_a_biased_head(tokenizer, ti
     assert isinstance(make_decoder(tiny_model), ModelDecoder)
 
 
+def test_reference_decoder_uses_the_cache_argument_transformers_names(tokenizer, tiny_model):
+    """No deprecation warning from the installed transformers' forward (5.24 renamed
+    ``past_key_values`` to ``cache``; older versions take the old name)."""
+    import warnings
+
+    kw = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    engine = TorchEngine(tiny_model, fast=False, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        out = engine.generate(
+            prompts(tokenizer, ("12+34=",)), n=2, params=SamplingParams(8), seed=0
+        )
+    assert out.completion_ids.shape[0] == 2
+
+
 @pytest.mark.parametrize("attention", ["products", "sdpa"])
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)])
 def test_fast_decoder_samples_what_the_reference_samples(

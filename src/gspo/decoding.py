@@ -19,6 +19,7 @@ the same cache column; rows only differ by their padding mask and positions.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -38,19 +39,33 @@ _NORMS = frozenset(
 )
 
 
+def cached_forward(model: nn.Module, cache, **inputs):
+    """The model's forward with a KV ``cache``: ``(output, the cache it returned)``.
+
+    transformers 5.24 renamed the forward's ``past_key_values`` argument (and output) to
+    ``cache`` and warns on the old name; models that predate it (or remote code) take
+    the old one, so the name is read from the forward's signature.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    name = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    out = model(**inputs, **{name: cache}, use_cache=True)
+    returned = getattr(out, "cache", None) if name == "cache" else None
+    return out, returned if returned is not None else out.past_key_values
+
+
 def prefill_cache(model: nn.Module, ids: Tensor, mask: Tensor):
     """Run the distinct prompts ``[U, P]`` once; ``(logits of their last token [U, V], cache)``."""
     from transformers import DynamicCache
 
-    out = model(
+    out, cache = cached_forward(
+        model,
+        DynamicCache(),
         input_ids=ids,
         attention_mask=mask,
         position_ids=position_ids_from_mask(mask),
-        past_key_values=DynamicCache(),
-        use_cache=True,
         logits_to_keep=1,
     )
-    return out.logits[:, -1, :], out.past_key_values
+    return out.logits[:, -1, :], cache
 
 
 class ModelDecoder:
@@ -73,15 +88,14 @@ class ModelDecoder:
     def step(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """Tokens ``[R]`` at positions ``[R]`` -> next-token logits ``[R, V]``."""
         self.length += 1
-        out = self.model(
+        out, self.cache = cached_forward(
+            self.model,
+            self.cache,
             input_ids=tokens.unsqueeze(-1),
             attention_mask=self.mask[:, : self.length],
             position_ids=positions.unsqueeze(-1),
-            past_key_values=self.cache,
-            use_cache=True,
             logits_to_keep=1,
         )
-        self.cache = out.past_key_values
         return out.logits[:, -1, :]
 
     def select(self, rows: Tensor) -> None:
