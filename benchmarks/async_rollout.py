@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -74,7 +73,7 @@ def main() -> None:
     print(
         f"gspo at {vs_trl.revision()}; {'long' if args.long else 'reference'} workload, "
         f"{schedule.steps} steps, {schedule.max_new_tokens} new tokens; machine: "
-        f"{platform.processor() or platform.machine()}, {vs_trl._cores()} cores",
+        f"{vs_trl.machine()}",
         flush=True,
     )
     runs = measure(work, schedule, args.staleness, args.repeats)

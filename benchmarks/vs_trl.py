@@ -324,8 +324,7 @@ def main() -> None:
         args.workdir or Path(default_dir), vocab=LONG_VOCAB if args.long else None
     )
     print(
-        f"gspo at {revision()}; machine: {platform.processor() or platform.machine()}, "
-        f"{_cores()} cores, python {platform.python_version()}",
+        f"gspo at {revision()}; machine: {machine()}, python {platform.python_version()}",
         flush=True,
     )
     peak_before = matmul_peak()
@@ -354,6 +353,25 @@ def _cores() -> int:
     import os
 
     return len(os.sched_getaffinity(0))
+
+
+def machine() -> str:
+    """The CPU's model name (hosts of one name differ a lot in speed), its cores and
+    the torch build's CPU capability, for the report's first line."""
+    name = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                name = f"{line.split(':', 1)[1].strip()} ({platform.machine()})"
+                break
+    try:
+        import torch
+
+        capability = f", torch {torch.__version__} {torch.backends.cpu.get_cpu_capability()}"
+    except (ImportError, AttributeError):
+        capability = ""
+    return f"{name}, {_cores()} cores{capability}"
 
 
 if __name__ == "__main__":
