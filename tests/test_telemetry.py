@@ -289,6 +289,28 @@ def test_plot_runs_overlays_two_runs(tmp_path):
     assert plot_runs(runs, "missing", tmp_path / "none.png") is None
 
 
+def test_a_long_title_is_wrapped_inside_the_figure(tmp_path):
+    """A title as long as the command behind a plot stays within the saved figure."""
+    from matplotlib.figure import Figure
+
+    saved = []
+    original = Figure.savefig
+
+    def spy(self, *args, **kwargs):
+        saved.append(self)
+        return original(self, *args, **kwargs)
+
+    title = "Expert change (python experiments/moe_shape.py claim --experts 128 " * 2
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Figure, "savefig", spy)
+        plot_runs({"a": _records(6)}, "train/reward_mean", tmp_path / "t.png", title=title)
+    fig = saved[0]
+    text = fig.axes[0].title
+    assert text.get_text().count("\n") >= 1
+    box, frame = text.get_window_extent(), fig.bbox
+    assert frame.x0 <= box.x0 and box.x1 <= frame.x1 and box.y1 <= frame.y1
+
+
 # ------------------------------------------------------------------- summary / progress
 
 

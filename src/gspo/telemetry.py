@@ -74,6 +74,9 @@ SUMMARY_KEYS: tuple[tuple[str, str], ...] = (
 
 _FIGSIZE = (6.0, 4.0)
 _DPI = 100
+#: Title characters that fit the figure's width at the default title size (longer titles
+#: are set smaller and wrapped at 1.25 times this).
+_TITLE_CHARS = 56
 
 
 # --------------------------------------------------------------------------- helpers
@@ -378,6 +381,16 @@ def _new_figure() -> tuple[Any, Any]:
     return fig, fig.add_subplot()
 
 
+def _set_title(ax: Any, title: str) -> None:
+    """The axes' title, wrapped to the figure's width (a long one, such as the command
+    that made the plot, would otherwise run off both edges)."""
+    import textwrap
+
+    width = _TITLE_CHARS if len(title) <= _TITLE_CHARS else int(_TITLE_CHARS * 1.25)
+    wrapped = "\n".join(textwrap.wrap(title, width, break_long_words=False)) or title
+    ax.set_title(wrapped, fontsize=None if len(title) <= _TITLE_CHARS else "small")
+
+
 def _set_log_scale(ax: Any, ys: Sequence[float]) -> None:
     """Log y-axis; if some values are 0, a symlog axis whose linear part holds the zeros."""
     finite = [v for v in ys if math.isfinite(v)]
@@ -422,7 +435,7 @@ def _draw(
     if ylabel:
         ax.set_ylabel(ylabel)
     if title:
-        ax.set_title(title)
+        _set_title(ax, title)
     ax.grid(True, alpha=0.3, which="major")
     if len(lines) > 1 or (lines and lines[0][0]):
         ax.legend(fontsize="small")
@@ -567,7 +580,7 @@ def plot_histograms(
     ax.set_yscale("log")
     ax.set_xlabel("log importance ratio (log w_it per token, log s_i per response)")
     ax.set_ylabel("density (log)")
-    ax.set_title(title)
+    _set_title(ax, title)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
     path = Path(path)
