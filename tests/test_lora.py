@@ -199,3 +199,17 @@ def test_target_modules_matching_nothing_is_one_line(tmp_path, capsys):
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert "model.lora.target_modules" in err and "\n" not in err
+
+
+def test_attaching_adapters_prints_no_deprecation_warning(tiny_model):
+    """PEFT's wrapper reads a property transformers 5.24 deprecated: gspo keeps that
+    FutureWarning, which no user setting can fix, out of the run's output."""
+    import warnings
+
+    from gspo.config import LoraSettings
+    from gspo.training.lora import attach_lora
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        model = attach_lora(tiny_model, LoraSettings(r=4), seed=0)
+    assert sum(p.requires_grad for p in model.parameters()) > 0

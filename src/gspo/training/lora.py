@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -59,8 +60,11 @@ def attach_lora(
         base_model_name_or_path=str(Path(base_path).resolve()) if base_path else None,
     )
     devices = [model.device] if model.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
         torch.manual_seed(seed)
+        # PEFT reads transformers' deprecated `is_gradient_checkpointing` (a FutureWarning
+        # since 5.24 that the user can do nothing about)
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
         try:
             peft_model = get_peft_model(model, config)
         except ValueError as exc:
