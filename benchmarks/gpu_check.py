@@ -1,6 +1,7 @@
 """One command for the day a GPU is lent: tests, a bf16 training run and gspo vs TRL on CUDA.
 
     make gpu-check            # or: PYTHONPATH=src python benchmarks/gpu_check.py [--out DIR]
+    PYTHONPATH=src python benchmarks/gpu_check.py --smoke    # toy sizes, CPU or GPU
 
 On one CUDA GPU, with nothing downloaded, in under 10 minutes (each stage has a time
 limit taken from what is left of ``--budget``), it runs in turn:
@@ -22,6 +23,11 @@ gspo's generation and training tokens/s and their MFU (model FLOPs, as in
 ``vs_trl.py``, over the GPU's dense bf16 peak and over a measured bf16 matmul rate).
 
 On a machine without CUDA it stops at once with one line and exit status 2.
+
+``--smoke`` runs the same stages at toy sizes (a 2-layer model, 16-token responses, a
+few steps, the train stage's cold start cut to 20 steps) on CUDA when present and on the
+CPU otherwise, in float32 there: a check of this script end to end before a GPU's
+minutes are spent on it. Its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -49,6 +55,46 @@ NOMINAL_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, 
 HALF_B = dict(layers=28, hidden=1024, heads=16, kv_heads=8, intermediate=3072)
 HALF_B_VOCAB = 151_936
 RESPONSE_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What the stages run: the GPU check's sizes, or ``--smoke``'s toy ones."""
+
+    device: str
+    dtype: str  # of the train stage's run
+    train: tuple[str, ...]  # the train stage's overrides of the demo's config
+    model: dict[str, int]  # TinyModelSpec sizes of the vs_trl and async stages' model
+    model_label: str
+    vocab: int | None  # their vocabulary (None: the reference workload's)
+    response_tokens: int
+    steps: int  # their optimizer steps (4 per rollout batch)
+
+
+FULL = Sizes(
+    device="cuda",
+    dtype="bfloat16",
+    train=("train.max_steps=40", "eval.every=20"),
+    model=HALF_B,
+    model_label="~0.5B Qwen3",
+    vocab=HALF_B_VOCAB,
+    response_tokens=RESPONSE_TOKENS,
+    steps=8,
+)
+
+
+def smoke_sizes(device: str) -> Sizes:
+    """Toy sizes on ``device`` (float32 on the CPU, where bf16 matmuls crawl)."""
+    return Sizes(
+        device=device,
+        dtype="bfloat16" if device == "cuda" else "float32",
+        train=("train.max_steps=4", "eval.every=2", "train.cold_start_steps=20"),
+        model=dict(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=96),
+        model_label="toy 2-layer Qwen3",
+        vocab=520,
+        response_tokens=16,
+        steps=4,
+    )
 
 
 def parameters(layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, vocab: int):
@@ -144,24 +190,26 @@ def pytest_stage(paths: list[str]) -> Callable[[Stage, float], None]:
         out = run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths], limit, stage
         )
-        lines = [
-            x for x in out.strip().splitlines() if " in " in x and ("passed" in x or "failed" in x)
-        ]
-        stage.detail = stage.detail or (lines[-1] if lines else "")
+        words = ("passed", "failed", "skipped", "error")
+        lines = [x for x in out.strip().splitlines() if " in " in x and any(w in x for w in words)]
+        summary = lines[-1] if lines else ""
+        stage.detail = stage.detail or summary
+        if stage.status == "not run" and "passed" not in summary:
+            stage.status = "skipped"  # nothing ran (no CUDA, say): not a pass
 
     return body
 
 
-def train_stage(out: Path) -> Callable[[Stage, float], None]:
+def train_stage(out: Path, sizes: Sizes = FULL) -> Callable[[Stage, float], None]:
     """The demo's ``gspo train`` on CUDA in bf16; tokens/s from its metrics."""
 
     def body(stage: Stage, limit: float) -> None:
         run_dir = out / "train"
         # the demo's config, RL cut to 40 steps so the stage fits its time
         command = [sys.executable, "-m", "gspo", "train", "--overwrite", "--output-dir",
-                   str(run_dir), "model.device=cuda", "model.dtype=bfloat16",
-                   "train.max_steps=40", "eval.every=20", "log.progress=false",
-                   "log.plots=false", "log.tensorboard=false"]  # fmt: skip
+                   str(run_dir), f"model.device={sizes.device}", f"model.dtype={sizes.dtype}",
+                   *sizes.train, "log.progress=false", "log.plots=false",
+                   "log.tensorboard=false"]  # fmt: skip
         run(command, limit, stage)
         records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         train = [r for r in records if "train/loss" in r]
@@ -181,18 +229,20 @@ def train_stage(out: Path) -> Callable[[Stage, float], None]:
     return body
 
 
-def matmul_peak_bf16(size: int = 8192, reps: int = 10) -> float:
-    """Measured bf16 matmul rate on this GPU, FLOP/s."""
+def matmul_peak(device: str = "cuda", size: int = 8192, reps: int = 10) -> float:
+    """Measured matmul rate on ``device``, FLOP/s: bf16 on CUDA, float32 on the CPU."""
     import torch
 
-    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
     a @ b
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
     start = time.perf_counter()
     for _ in range(reps):
         a @ b
-    torch.cuda.synchronize()
+    sync()
     return 2 * size**3 * reps / (time.perf_counter() - start)
 
 
@@ -200,22 +250,36 @@ def nominal_peak(name: str) -> float | None:
     return next((peak for key, peak in NOMINAL_BF16.items() if key in name), None)
 
 
-def vs_trl_stage(out: Path, peaks: dict[str, float]) -> Callable[[Stage, float], None]:
+def workload_for(out: Path, sizes: Sizes) -> tuple[Path, object]:
+    """The vs_trl and async stages' workload (built once) and their schedule."""
+    import vs_trl
+    import workload
+
+    from gspo.models import TinyModelSpec
+
+    work = out / ("half_b" if sizes.model == HALF_B else "toy")
+    if not (work / "model").is_dir():
+        spec = TinyModelSpec(max_positions=1024, **sizes.model)
+        workload.build(work, vocab=sizes.vocab, spec=spec)
+    schedule = vs_trl.Schedule(
+        steps=sizes.steps, lr=1e-5, max_new_tokens=sizes.response_tokens, device=sizes.device
+    )
+    return work, schedule
+
+
+def vs_trl_stage(
+    out: Path, peaks: dict[str, float], sizes: Sizes = FULL
+) -> Callable[[Stage, float], None]:
     """gspo vs TRL on the ~0.5B Qwen3 at 512-token responses, one run each."""
 
     def body(stage: Stage, limit: float) -> None:
         import vs_trl
-        import workload
-
-        from gspo.models import TinyModelSpec
 
         if importlib.util.find_spec("trl") is None:
             stage.status, stage.detail = "skipped", "TRL is not installed (the `bench` extra)"
             return
         deadline = time.perf_counter() + limit
-        spec = TinyModelSpec(max_positions=1024, **HALF_B)
-        work = workload.build(out / "half_b", vocab=HALF_B_VOCAB, spec=spec)
-        schedule = vs_trl.Schedule(steps=8, lr=1e-5, max_new_tokens=RESPONSE_TOKENS, device="cuda")
+        work, schedule = workload_for(out, sizes)
         gspo_s, gspo_run = vs_trl.run_gspo(work, schedule=schedule)
         g = vs_trl.gspo_summary(gspo_run)
         stage.figures["gspo whole process s"] = round(gspo_s, 1)
@@ -241,21 +305,14 @@ def vs_trl_stage(out: Path, peaks: dict[str, float]) -> Callable[[Stage, float],
     return body
 
 
-def async_stage(out: Path) -> Callable[[Stage, float], None]:
+def async_stage(out: Path, sizes: Sizes = FULL) -> Callable[[Stage, float], None]:
     """``rollout.max_staleness`` 0 vs 1 on the ~0.5B Qwen3 (the vs_trl stage's workload)."""
 
     def body(stage: Stage, limit: float) -> None:
         import vs_trl
-        import workload
-
-        from gspo.models import TinyModelSpec
 
         deadline = time.perf_counter() + limit
-        work = out / "half_b"
-        if not (work / "model").is_dir():
-            spec = TinyModelSpec(max_positions=1024, **HALF_B)
-            workload.build(work, vocab=HALF_B_VOCAB, spec=spec)
-        schedule = vs_trl.Schedule(steps=8, lr=1e-5, max_new_tokens=RESPONSE_TOKENS, device="cuda")
+        work, schedule = workload_for(out, sizes)
         for k in (0, 1):
             if k and deadline - time.perf_counter() < 30:
                 raise subprocess.TimeoutExpired("gspo train", deadline - time.perf_counter())
@@ -302,9 +359,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu_check")
     parser.add_argument("--budget", type=float, default=570.0, help="seconds for all stages")
+    parser.add_argument(
+        "--smoke", action="store_true", help="toy sizes, on the CPU when there is no CUDA"
+    )
     args = parser.parse_args()
     reason = no_cuda_reason()
-    if reason is not None:
+    if reason is not None and not (args.smoke and importlib.util.find_spec("torch")):
         print(f"gpu-check: {reason}; nothing run", file=sys.stderr)
         return 2
     import torch
@@ -314,27 +374,41 @@ def main() -> int:
     )
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    name = torch.cuda.get_device_name()
-    measured = matmul_peak_bf16()
-    peaks = {"measured bf16 matmul": measured}
-    if nominal_peak(name):
-        peaks["datasheet dense bf16"] = nominal_peak(name)
+    sizes = smoke_sizes("cpu" if reason else "cuda") if args.smoke else FULL
+    if sizes.device == "cuda":
+        name = torch.cuda.get_device_name()
+        memory = f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB"
+        measured = matmul_peak()
+        peaks = {"measured bf16 matmul": measured}
+        if nominal_peak(name):
+            peaks["datasheet dense bf16"] = nominal_peak(name)
+        rate = f"{measured / 1e12:.0f} TFLOP/s (bf16, 8192^3)"
+    else:
+        import platform
+
+        name, memory = f"CPU ({platform.machine()})", f"{torch.get_num_threads()} threads"
+        measured = matmul_peak("cpu", size=1024, reps=3)
+        peaks = {"measured float32 matmul": measured}
+        rate = f"{measured / 1e9:.0f} GFLOP/s (float32, 1024^3)"
     header = {
-        "device": f"{name}, {torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB",
+        "device": f"{name}, {memory}",
         "torch": torch.__version__,
         "commit": _revision(),
-        "measured bf16 matmul": f"{measured / 1e12:.0f} TFLOP/s (8192^3)",
+        "measured matmul": rate,
     }
+    if args.smoke:
+        header["mode"] = "smoke: toy sizes, a check of the script; the figures mean nothing"
+    model = f"{sizes.model_label}, {sizes.response_tokens}-token responses"
     stages = [
         (Stage("tests (CUDA)"), pytest_stage(["tests/test_cuda.py"]), 90),
         (Stage("vLLM engine tests"), None, 150),
-        (Stage("gspo train, built-in task, bf16"), train_stage(args.out), 180),
+        (Stage(f"gspo train, built-in task, {sizes.dtype}"), train_stage(args.out, sizes), 180),
+        (Stage(f"gspo vs TRL, {model}"), vs_trl_stage(args.out, peaks, sizes), 300),
         (
-            Stage("gspo vs TRL, ~0.5B Qwen3, 512-token responses"),
-            vs_trl_stage(args.out, peaks),
-            300,
+            Stage(f"async rollouts, max_staleness 0 vs 1, {sizes.model_label}"),
+            async_stage(args.out, sizes),
+            150,
         ),
-        (Stage("async rollouts, max_staleness 0 vs 1, ~0.5B Qwen3"), async_stage(args.out), 150),
     ]
     if importlib.util.find_spec("vllm") is not None:
         stages[1] = (stages[1][0], pytest_stage(["tests/test_vllm_engine.py"]), 150)

@@ -76,3 +76,35 @@ def test_a_failing_stage_is_recorded_not_raised(gpu_check):
 
     gpu_check.run_stage(stage, body, 10.0)
     assert stage.status == "failed" and stage.detail.startswith("RuntimeError: out of memory")
+
+
+def test_smoke_runs_every_stage_on_the_cpu_and_writes_the_report(tmp_path):
+    """``--smoke`` goes through every stage at toy sizes where there is no CUDA."""
+    import json
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["header"]["mode"].startswith("smoke") and "CPU" in report["header"]["device"]
+    stages = {s["name"].split(",")[0]: s for s in report["stages"]}
+    # the CUDA tests all skip here: the stage says so instead of passing
+    assert stages["tests (CUDA)"]["status"] == "skipped"
+    assert "skipped" in stages["tests (CUDA)"]["detail"]
+    train = stages["gspo train"]
+    assert train["status"] == "passed" and train["figures"]["RL steps"] == 4
+    assert train["figures"]["generation s (all rollout batches)"] > 0
+    vs = stages["gspo vs TRL"]
+    if importlib.util.find_spec("trl") is None:
+        assert vs["status"] == "skipped" and "TRL is not installed" in vs["detail"]
+    else:
+        assert vs["status"] == "passed" and vs["figures"]["ratio TRL / gspo"] > 0
+    async_ = stages["async rollouts"]
+    assert async_["status"] == "passed"
+    figures = async_["figures"]
+    assert figures["k=0 whole process s"] > 0 and figures["k=1 whole process s"] > 0
+    assert {"k=0 waited for rollouts s", "k=1 waited for rollouts s"} <= set(figures)
+    assert (tmp_path / "report.md").read_text().count("| passed |") >= 2
