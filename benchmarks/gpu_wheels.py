@@ -78,12 +78,14 @@ def download_command(out: Path, requirements: list[str], python: str = "3.12") -
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(".whl"))
+    parser.add_argument("--python", default="3.12", help="the GPU machine's Python version")
     args = parser.parse_args()
     requirements = pins()
     args.out.mkdir(parents=True, exist_ok=True)
     for stale in args.out.glob("*.whl"):
         stale.unlink()
-    run = subprocess.run(download_command(args.out, requirements), capture_output=True, text=True)
+    command = download_command(args.out, requirements, args.python)
+    run = subprocess.run(command, capture_output=True, text=True)
     if run.returncode != 0:
         tail = (run.stdout + run.stderr).strip().splitlines()[-1:]
         print(f"gpu-wheels: pip download failed: {' '.join(tail)}", file=sys.stderr)
