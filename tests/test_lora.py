@@ -213,3 +213,21 @@ def test_attaching_adapters_prints_no_deprecation_warning(tiny_model):
         warnings.simplefilter("error", FutureWarning)
         model = attach_lora(tiny_model, LoraSettings(r=4), seed=0)
     assert sum(p.requires_grad for p in model.parameters()) > 0
+
+
+def test_adapters_on_the_moe_builtin_print_no_pattern_warning(tokenizer):
+    """On a MoE model PEFT adds rank/alpha patterns for fused experts that gspo's experts
+    do not match, and warned about them at every LoRA run: gspo keeps that out."""
+    import warnings
+
+    from gspo.config import LoraSettings
+    from gspo.models import TinyModelSpec, build_tiny_model
+    from gspo.training.lora import attach_lora
+
+    spec = TinyModelSpec(architecture="qwen3_moe", layers=1, hidden=32, experts=4)
+    moe = build_tiny_model(spec, tokenizer, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = attach_lora(moe, LoraSettings(r=4), seed=0)
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any("experts" in n for n in trained)

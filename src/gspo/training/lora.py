@@ -65,6 +65,12 @@ def attach_lora(
         # PEFT reads transformers' deprecated `is_gradient_checkpointing` (a FutureWarning
         # since 5.24 that the user can do nothing about)
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
+        # and on MoE models PEFT adds rank/alpha patterns of its own for fused experts'
+        # gate_up_proj, then warns that they matched nothing when the experts are modules
+        # (gspo sets no pattern: the user has nothing to change)
+        warnings.filterwarnings(
+            "ignore", "The following (rank|alpha)_pattern keys did not match", RuntimeWarning
+        )
         try:
             peft_model = get_peft_model(model, config)
         except ValueError as exc:
