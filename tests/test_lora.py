@@ -1,5 +1,6 @@
 """LoRA (``model.lora``, PEFT): what trains, the reference, sampling, checkpoints, export."""
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from gspo.models import load_model
 from gspo.rollout import SamplingParams, TorchEngine
 from gspo.telemetry import read_metrics
 from gspo.trainer import Trainer
-from gspo.training.lora import merged_copy, optimizer_state_bytes
+from gspo.training.lora import merged_copy, optimizer_state_bytes, quiet_peft
 
 SAMPLING = SamplingParams(max_new_tokens=4, temperature=1.0)
 
@@ -121,13 +122,17 @@ def test_lora_checkpoint_is_peft_format_and_export_merges(tmp_path, varied_rewar
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
     with torch.no_grad():
         base_logits = base(input_ids=ids).logits
-    loaded = PeftModel.from_pretrained(base, checkpoint).eval()  # wraps base in place
+    with quiet_peft():
+        loaded = PeftModel.from_pretrained(base, checkpoint).eval()  # wraps base in place
     with torch.no_grad():
         trained = trainer.policy.module.eval()(input_ids=ids).logits
         assert torch.equal(loaded(input_ids=ids).logits, trained)
-    # gspo export RUN --merge OUT: a plain HF model with the same logits
+    # gspo export RUN --merge OUT: a plain HF model with the same logits, and no warning
+    # from PEFT's loading that the user could do nothing about
     out = tmp_path / "merged"
-    assert main(["export", str(tmp_path / "run"), "--merge", str(out)]) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        assert main(["export", str(tmp_path / "run"), "--merge", str(out)]) == 0
     assert (out / "config.json").is_file() and not (out / "adapter_config.json").exists()
     merged, _ = load_model(out, device=torch.device("cpu"), dtype=torch.float32)
     with torch.no_grad():

@@ -15,7 +15,7 @@ import torch
 
 from gspo.models import load_model, save_pretrained_atomic
 from gspo.training.checkpoint import TRAINER_STATE, latest_checkpoint
-from gspo.training.lora import base_model_path, is_lora_checkpoint
+from gspo.training.lora import base_model_path, is_lora_checkpoint, quiet_peft
 
 
 def resolve_checkpoint(source: Path) -> Path:
@@ -46,6 +46,7 @@ def export_merged(source: Path, out: Path) -> Path:
             "is missing"
         )
     base, tokenizer = load_model(base_dir, device=cpu, dtype=torch.float32)
-    merged = PeftModel.from_pretrained(base, checkpoint).merge_and_unload()
+    with quiet_peft():
+        merged = PeftModel.from_pretrained(base, checkpoint).merge_and_unload()
     save_pretrained_atomic(merged, tokenizer, out)
     return checkpoint

@@ -9,9 +9,11 @@ that take weights (vLLM) and ``gspo export --merge`` get a merged copy made by P
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -21,6 +23,23 @@ from gspo.config import LoraSettings
 #: PEFT's file names in a LoRA checkpoint.
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+@contextlib.contextmanager
+def quiet_peft() -> Iterator[None]:
+    """Around PEFT calls: no warnings that the user can do nothing about.
+
+    PEFT's wrapper reads transformers' deprecated ``is_gradient_checkpointing`` (a
+    FutureWarning since transformers 5.24), and on MoE models PEFT adds rank/alpha
+    patterns of its own for fused experts' ``gate_up_proj``, then warns that they matched
+    nothing when the experts are modules (gspo sets no pattern).
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
+        warnings.filterwarnings(
+            "ignore", "The following (rank|alpha)_pattern keys did not match", RuntimeWarning
+        )
+        yield
 
 
 def is_lora(model: torch.nn.Module) -> bool:
@@ -60,17 +79,8 @@ def attach_lora(
         base_model_name_or_path=str(Path(base_path).resolve()) if base_path else None,
     )
     devices = [model.device] if model.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
+    with torch.random.fork_rng(devices=devices), quiet_peft():
         torch.manual_seed(seed)
-        # PEFT reads transformers' deprecated `is_gradient_checkpointing` (a FutureWarning
-        # since 5.24 that the user can do nothing about)
-        warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
-        # and on MoE models PEFT adds rank/alpha patterns of its own for fused experts'
-        # gate_up_proj, then warns that they matched nothing when the experts are modules
-        # (gspo sets no pattern: the user has nothing to change)
-        warnings.filterwarnings(
-            "ignore", "The following (rank|alpha)_pattern keys did not match", RuntimeWarning
-        )
         try:
             peft_model = get_peft_model(model, config)
         except ValueError as exc:
