@@ -748,10 +748,11 @@ def write_claim(out, plan, shape, args, runs, summary, commit, start, cold_secon
             "",
         ]
     minutes = (time.perf_counter() - start) / 60
+    took = f"{minutes:.1f} min so far" if finished < expected else f"{minutes:.1f} min"
     text = [
         "# GRPO vs GSPO, with and without Routing Replay, at a Qwen3-MoE-like routing shape",
         "",
-        f"Produced by `{command}` on commit {commit}; {minutes:.1f} min so far"
+        f"Produced by `{command}` on commit {commit}; {took}"
         + (" (a smoke configuration: its numbers mean nothing)." if args.quick else "."),
         "",
     ]
