@@ -139,6 +139,18 @@ def test_lora_checkpoint_is_peft_format_and_export_merges(tmp_path, varied_rewar
         logits = merged.eval()(input_ids=ids).logits
     assert (logits - trained).abs().max() < 1e-5
     assert (logits - base_logits).abs().max() > 1e-4  # the adapter is in it
+    # an earlier export may be replaced; the run itself, a folder holding it, or any other
+    # non-empty directory never (the export replaces its target whole)
+    assert main(["export", str(checkpoint), "--merge", str(out)]) == 0
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("keep me")
+    capsys.readouterr()
+    for target in (tmp_path / "run", tmp_path, checkpoint, tmp_path / "notes"):
+        assert main(["export", str(tmp_path / "run"), "--merge", str(target)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("gspo: error: export: --merge") and "\n" not in err, err
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
+    assert (checkpoint / "adapter_config.json").is_file()
 
 
 def test_export_errors_are_one_line(tmp_path, capsys):

@@ -29,11 +29,39 @@ def resolve_checkpoint(source: Path) -> Path:
     return checkpoint
 
 
+def check_target(out: Path, source: Path, checkpoint: Path) -> None:
+    """Refuse an ``out`` whose replacement would lose anything but an earlier export.
+
+    The export replaces ``out`` whole (atomically), so ``out`` may be new, empty, or a plain
+    model directory (``config.json``, no checkpoints, no trainer state); never the run or
+    checkpoint being exported, a directory holding them, nor any other directory or file.
+    """
+    out = Path(out)
+    target = out.resolve()
+    for kept in (Path(source).resolve(), checkpoint.resolve()):
+        if kept == target or kept.is_relative_to(target):
+            raise ValueError(f"export: --merge {out} would overwrite {kept}, which is exported")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"export: --merge {out} is a file; name a new or empty directory")
+    if out.is_dir() and any(out.iterdir()):
+        plain_model = (
+            (out / "config.json").is_file()
+            and not (out / TRAINER_STATE).exists()
+            and not (out / "checkpoints").exists()
+        )
+        if not plain_model:
+            raise ValueError(
+                f"export: --merge {out} exists and is not an earlier export (a model directory "
+                "with config.json); name a new or empty directory"
+            )
+
+
 def export_merged(source: Path, out: Path) -> Path:
     """Write the whole model of ``source`` (a run or a checkpoint) to ``out``; the checkpoint."""
     from peft import PeftModel
 
     checkpoint = resolve_checkpoint(source)
+    check_target(out, source, checkpoint)
     cpu = torch.device("cpu")
     if not is_lora_checkpoint(checkpoint):
         model, tokenizer = load_model(checkpoint, device=cpu, dtype=torch.float32)
