@@ -86,6 +86,22 @@ def test_reward_rises_on_a_trivially_learnable_task(tmp_path, ones_reward):
     assert all(r["mismatch/token_abs_max"] < 1e-4 for r in on_policy)
 
 
+def test_every_rollout_batch_gives_exactly_minibatches_steps(tmp_path, ones_reward):
+    # 6 responses in 4 minibatches: torch's chunk() made 3 parts of 2, so a rollout batch
+    # gave 3 steps, the run ended short and a resume restarted at the wrong rollout batch
+    common = [*FAST, ones_reward, "train.cold_start_steps=0", "rollout.group_size=2",
+              "rollout.prompts_per_batch=3", "algorithm.minibatches=4", "train.max_steps=8",
+              "eval.every=0"]  # fmt: skip
+    assert main(["train", "--output-dir", str(tmp_path / "run"), *common]) == 0
+    lines = train_lines(run_metrics(tmp_path / "run"))
+    assert [r["step"] for r in lines] == list(range(1, 9))
+    assert [r["train/minibatch"] for r in lines] == [0, 1, 2, 3] * 2
+    assert [r["train/sequences"] for r in lines] == [2, 2, 1, 1] * 2
+    # resuming the finished run trains nothing more
+    assert main(["train", "--resume", str(tmp_path / "run"), *common]) == 0
+    assert [r["step"] for r in train_lines(run_metrics(tmp_path / "run"))] == list(range(1, 9))
+
+
 @pytest.mark.slow
 def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(tmp_path, ones_reward):
     common = [

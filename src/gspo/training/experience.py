@@ -290,7 +290,9 @@ class RolloutStage:
                 len(batch),
                 generator=torch.Generator().manual_seed(rank_seed(seed, dist, "minibatch", index)),
             )
-            minibatches = [rows.to(device) for rows in order.chunk(cfg.algorithm.minibatches)]
+            # exactly `minibatches` parts (chunk() may give fewer: 6 rows in 4 -> 3 parts)
+            parts = order.tensor_split(cfg.algorithm.minibatches)
+            minibatches = [rows.to(device) for rows in parts]
             recomputed = sampled.old_logprobs
             if recomputed is None:
                 recomputed = self.forward.old_logprobs(batch, minibatches)
