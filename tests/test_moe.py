@@ -541,3 +541,17 @@ def test_router_aux_loss_changes_the_loss_only_when_on(tmp_path, varied_reward):
     assert aux > 0.5 * 2 * 0.99  # coef x a loss of at least top_k (2) for 4 experts
     assert on["train/loss"] == pytest.approx(off["train/loss"] + aux, abs=1e-5)
     assert on["train/clip_fraction"] == off["train/clip_fraction"]
+
+
+def test_router_aux_loss_with_async_rollouts_trains(tmp_path, varied_reward):
+    # the async producer hands pi_old's log-probs over, so no old-routing pass runs: the
+    # aux loss must not need one (it raised IndexError at the first update)
+    common = [*FAST_MOE, varied_reward, "moe.router_aux_loss_coef=0.1", "train.max_steps=8",
+              "algorithm.minibatches=2", "eval.every=0", "log.progress=false",
+              "log.plots=false", "log.tensorboard=false"]  # fmt: skip
+    async_ = ["rollout.max_staleness=1", "algorithm.old_logprobs=recompute"]
+    for name, extra in (("sync", []), ("async", async_)):
+        records = Trainer(load_config(None, [*common, *extra]), tmp_path / name).fit()
+        lines = [r for r in records if "train/loss" in r]
+        assert [r["step"] for r in lines] == list(range(1, 9))
+        assert all(r["moe/router_aux_loss"] > 0.1 * 2 * 0.99 for r in lines)

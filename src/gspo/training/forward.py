@@ -105,8 +105,13 @@ class RoutedForward:
         minibatch 0's routing is recorded by its own training forward, which still runs
         under pi_old, so it is left to :meth:`logprobs`.
         """
-        recomputed = torch.zeros_like(batch.sampler_logprobs) if self.recompute else None
         self._old = []
+        if not (self.replay or self.measure_churn):  # the aux loss alone needs no old routing
+            if not self.recompute:
+                return None
+            with torch.no_grad():
+                return self.policy.logprobs(batch)
+        recomputed = torch.zeros_like(batch.sampler_logprobs) if self.recompute else None
         with torch.no_grad():
             for k, rows in enumerate(minibatches):
                 if k == 0 and not self.recompute:
@@ -132,7 +137,10 @@ class RoutedForward:
             logits = None
             if self.aux_coef > 0:
                 logits = stack.enter_context(capture_router_logits(self.policy.module))
-            if self._old[k] is None:
+            if not (self.replay or self.measure_churn):
+                # aux loss only; pi_old may also come from elsewhere (the async producer)
+                out = self.policy.logprobs(mb, with_entropy=True)
+            elif self._old[k] is None:
                 recorder = stack.enter_context(capture_routing(self.policy.module))
                 out = self.policy.logprobs(mb, with_entropy=True)
                 self._old[k] = recorder.experts
