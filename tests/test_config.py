@@ -203,3 +203,34 @@ def test_cli_unknown_words_are_argparse_errors(capsys, stray):
         main(["train", "a.b=1", "--output-dir", "unused", stray])
     assert info.value.code == 2
     assert f"unrecognized arguments: {stray}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.heads=3"], "model.hidden=256 must be model.heads=3 times an even head size"),
+        (["model.hidden=96", "model.heads=32"], "even head size"),  # head size 3
+        (["model.kv_heads=3"], "model.kv_heads=3 must divide model.heads=4"),
+        (
+            ["model.builtin=qwen3_moe", "model.experts=2", "model.experts_per_token=4"],
+            "model.experts_per_token=4 exceeds model.experts=2",
+        ),
+    ],
+)
+def test_builtin_sizes_that_cannot_build_a_model_are_config_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+    # a model.path brings its own sizes: the built-in keys are ignored
+    load_config(None, [*overrides, "model.path=/some/model"])
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:0"])
+def test_unusable_devices_are_one_line_errors(device, tmp_path, capsys):
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    run = ["train", "--output-dir", str(tmp_path / "run"), f"model.device={device}"]
+    assert main([*run, "train.max_steps=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"gspo: error: model.device={device}:") and "\n" not in err, err

@@ -547,6 +547,22 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
+        model = self.model
+        if model.path is None:  # the built-in's sizes (a model.path brings its own)
+            if model.hidden % model.heads or (model.hidden // model.heads) % 2:
+                raise ValueError(
+                    f"model.hidden={model.hidden} must be model.heads={model.heads} times an "
+                    "even head size (rotary embeddings rotate pairs of dimensions)"
+                )
+            if model.heads % model.kv_heads:
+                raise ValueError(
+                    f"model.kv_heads={model.kv_heads} must divide model.heads={model.heads}"
+                )
+            if model.builtin == "qwen3_moe" and model.experts_per_token > model.experts:
+                raise ValueError(
+                    f"model.experts_per_token={model.experts_per_token} exceeds "
+                    f"model.experts={model.experts}"
+                )
         batch = self.rollout.group_size * self.rollout.prompts_per_batch
         if self.algorithm.minibatches > batch:
             raise ValueError(

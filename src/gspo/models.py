@@ -163,7 +163,13 @@ def _rmtree(path: Path) -> None:
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"model.device={device}: not a torch device (cpu, cuda, cuda:1)") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"model.device={device}: this torch has no usable CUDA device")
+    return resolved
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
