@@ -334,3 +334,19 @@ def test_filter_groups_under_two_ranks_fills_every_share_and_resumes_exactly(tmp
         assert r["train/sequences"] == 8  # 4 prompts x 4, half of them per minibatch
         if r["rollout/extra_rounds"] < 2:
             assert r["train/zero_std_fraction"] == 0.0
+
+
+def test_recomputed_pi_old_makes_the_first_minibatch_exactly_on_policy_under_bf16(tmp_path):
+    # pi_old recomputed in one forward over the whole rollout batch packed its rows
+    # differently from the minibatches' training forwards; under bf16 that moved the
+    # on-policy minibatch's sequence ratios off 1 (to 0.999987 here; a 9-token response's
+    # mean log-ratio by -3.3e-4 in a scratch check, past GSPO's 3e-4 clip)
+    config = load_config(None, [*CHAIN, "train.cold_start_steps=0", "model.dtype=bfloat16",
+                                "algorithm.old_logprobs=recompute", "algorithm.minibatches=2",
+                                "rollout.max_new_tokens=24", "train.max_steps=2",
+                                "eval.every=0"])  # fmt: skip
+    lines = train_lines(Trainer(config, tmp_path / "run").fit())
+    first = lines[0]
+    assert first["train/minibatch"] == 0
+    assert first["train/ratio_min"] == first["train/ratio_max"] == 1.0, first
+    assert first["train/clip_fraction"] == 0.0

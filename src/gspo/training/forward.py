@@ -46,6 +46,22 @@ def build_forward(config: Config, policy: Policy) -> PlainForward | RoutedForwar
     return PlainForward(policy, recompute)
 
 
+def recompute_per_minibatch(
+    policy: Policy, batch: RolloutBatch, minibatches: list[torch.Tensor]
+) -> torch.Tensor:
+    """pi_old's log-probs ``[N, T]``, one no-grad forward per minibatch on the layout
+    ``batch.select`` gives the training forward: the same sums in the same order, so the
+    first minibatch's ratio is exactly 1 (one forward over the whole batch packs rows
+    differently, and under bf16 that moved a short response's mean log-ratio past GSPO's
+    3e-4 clip on the on-policy step)."""
+    recomputed = torch.zeros_like(batch.sampler_logprobs)
+    with torch.no_grad():
+        for rows in minibatches:
+            lp = policy.logprobs(batch.select(rows))
+            recomputed[rows, : lp.shape[1]] = lp
+    return recomputed
+
+
 class PlainForward:
     def __init__(self, policy: Policy, recompute: bool):
         self.policy = policy
@@ -55,8 +71,7 @@ class PlainForward:
         """pi_old's log-probs ``[N, T]`` recomputed by the trainer, or ``None`` (sampler's)."""
         if not self.recompute:
             return None
-        with torch.no_grad():
-            return self.policy.logprobs(batch)
+        return recompute_per_minibatch(self.policy, batch, minibatches)
 
     def logprobs(self, mb: RolloutBatch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """pi_theta's log-probs of minibatch ``k`` and its entropies (with gradient)."""
@@ -109,8 +124,7 @@ class RoutedForward:
         if not (self.replay or self.measure_churn):  # the aux loss alone needs no old routing
             if not self.recompute:
                 return None
-            with torch.no_grad():
-                return self.policy.logprobs(batch)
+            return recompute_per_minibatch(self.policy, batch, minibatches)
         recomputed = torch.zeros_like(batch.sampler_logprobs) if self.recompute else None
         with torch.no_grad():
             for k, rows in enumerate(minibatches):
