@@ -102,6 +102,28 @@ def test_every_rollout_batch_gives_exactly_minibatches_steps(tmp_path, ones_rewa
     assert [r["step"] for r in train_lines(run_metrics(tmp_path / "run"))] == list(range(1, 9))
 
 
+def test_resume_past_a_damaged_checkpoint_takes_the_newest_complete_one(
+    tmp_path, ones_reward, capsys
+):
+    common = [*FAST, ones_reward, "train.cold_start_steps=0", "algorithm.minibatches=2",
+              "train.max_steps=8", "train.save_every=4", "eval.every=0"]  # fmt: skip
+    run = tmp_path / "run"
+    assert main(["train", "--output-dir", str(run), *common]) == 0
+    assert latest_checkpoint(run).name == "step-0000008"
+    (run / "checkpoints" / "step-0000008" / "trainer_state.pt").unlink()  # damaged by hand
+    capsys.readouterr()
+    assert latest_checkpoint(run).name == "step-0000004"
+    assert "names step-0000008, which is missing or incomplete; using step-0000004" in (
+        capsys.readouterr().err
+    )
+    (run / "checkpoints" / "latest").write_text("step-0000099")
+    assert latest_checkpoint(run).name == "step-0000004"
+    # the resume redoes steps 5-8 from step 4, not the whole run from scratch
+    assert main(["train", "--resume", str(run), *common]) == 0
+    assert [r["step"] for r in train_lines(run_metrics(run))] == list(range(1, 9))
+    assert latest_checkpoint(run).name == "step-0000008"
+
+
 @pytest.mark.slow
 def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(tmp_path, ones_reward):
     common = [

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -44,11 +45,26 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def latest_checkpoint(output_dir: Path) -> Path | None:
-    pointer = Path(output_dir) / CHECKPOINTS / LATEST
-    if not pointer.is_file():
+    """The checkpoint ``checkpoints/latest`` names, or ``None`` when the run has none.
+
+    If the pointer is missing, or names a checkpoint that is gone or incomplete (no
+    trainer state: damaged by hand, since gspo writes the pointer only after the whole
+    checkpoint), the newest complete ``step-*`` is taken instead, and said on stderr: a
+    resume then loses the steps after it, not the whole run.
+    """
+    root = Path(output_dir) / CHECKPOINTS
+    pointer = root / LATEST
+    named = pointer.read_text().strip() if pointer.is_file() else None
+    if named and (root / named / TRAINER_STATE).is_file():
+        return root / named
+    complete = sorted(
+        p for p in root.glob("step-*") if p.is_dir() and (p / TRAINER_STATE).is_file()
+    )
+    if not complete:
         return None
-    path = pointer.parent / pointer.read_text().strip()
-    return path if (path / TRAINER_STATE).is_file() else None
+    said = f"names {named}, which is missing or incomplete" if named else "is missing"
+    print(f"gspo: {pointer} {said}; using {complete[-1].name}", file=sys.stderr)
+    return complete[-1]
 
 
 def save_checkpoint(
