@@ -1,6 +1,6 @@
 """Micro-benchmarks behind the long-response speed choices (float32, CPU), interleaved.
 
-    python benchmarks/long_levers.py [--reps 3] [--baseline 190be02] [--only gen,check,layout]
+    python benchmarks/long_levers.py [--reps 3] [--baseline 190be02] [--only gen,linear,layout]
 
 On the long workload of ``vs_trl.py --long`` (the reference model with a 520-token
 vocabulary, so completions run to ``max_new_tokens``), 16 prompts x 8 responses:
@@ -8,7 +8,8 @@ vocabulary, so completions run to ``max_new_tokens``), 16 prompts x 8 responses:
 - gen: one rollout batch at 256 new tokens by ``TorchEngine`` as of the git revision
   ``--baseline`` (loaded from ``git show``), with the transformers forward
   (``fast=False``, the reference decoder), and with the fast decoder (``KVDecoder``)
-  with either attention kernel (``KVDecoder.attention``);
+  with either attention kernel (``KVDecoder.attention``), and with its linear layers on
+  oneDNN (``model.cpu_linear``, the default of ``gspo train`` on the CPU);
   generated tokens/s and the share of this machine's float32 matmul peak they reach
   (2 x the weights per token, attention not counted).
 - attn: one layer's single-query attention at batch 128, 206 cached tokens, the
@@ -21,6 +22,10 @@ vocabulary, so completions run to ``max_new_tokens``), 16 prompts x 8 responses:
   ``--baseline`` revision's (``git archive`` into a temporary folder, on ``PYTHONPATH``),
   alternating: whole process, ``time/generate`` per rollout batch, ``time/train`` per
   minibatch, from each run's ``metrics.jsonl``.
+- linear: float32 linear layers on torch's default (``F.linear``, MKL) vs oneDNN
+  (``gspo.kernels``, ``model.cpu_linear``): the products of a decoding step and of a
+  training minibatch (forward, input gradient, weight gradient), then one rollout batch
+  and one minibatch's forward + backward of the model with its layers on either.
 - layout: forward + backward of a training minibatch (32 completions drawn at random
   from a rollout batch, as the trainer draws them) with each group's prompt shared
   (one segment per group), not shared, and ``"auto"`` (the cheaper by estimate): on the
@@ -76,6 +81,18 @@ def engine_at(revision: str):
     return module
 
 
+def onednn_copy(model):
+    """A copy of ``model`` with its linear layers on oneDNN (``model.cpu_linear=onednn``,
+    what ``gspo train`` does on the CPU); ``model`` itself stays on F.linear."""
+    import copy
+
+    from gspo.kernels import use_onednn_linears
+
+    other = copy.deepcopy(model)
+    assert use_onednn_linears(other) == "onednn"
+    return other
+
+
 def setup(folder: Path, vocab: int | None):
     work = workload.build(folder, vocab=vocab)
     model, tokenizer = load_model(work / "model", device=torch.device("cpu"), dtype=torch.float32)
@@ -90,7 +107,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("runs/bench_long_levers"))
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--baseline", default="190be02", help="git revision of 'today'")
-    parser.add_argument("--only", default="gen,attn,check,train,layout")
+    parser.add_argument("--only", default="gen,attn,check,train,linear,layout")
     args = parser.parse_args()
     only = set(args.only.split(","))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
@@ -125,6 +142,10 @@ def main() -> None:
             ),
             "KVDecoder, SDPA attention": (fast, "sdpa"),
             "KVDecoder, batched products": (fast, "products"),
+            "KVDecoder, batched products, oneDNN linears": (
+                rollout.TorchEngine(onednn_copy(model), **ids),
+                "products",
+            ),
         }
         counts: dict[str, list[int]] = {name: [] for name in engines}
         times = interleaved_times(
@@ -224,6 +245,9 @@ def main() -> None:
             tokens = statistics.median(r["completion_tokens"] for r in rs)
             print(f"| {name} | {whole:.1f} | {gen:.2f} | {train:.2f} | {tokens:,.0f} |", flush=True)
 
+    if "linear" in only:
+        linear_lever(model, prompts, ids, params, args.reps)
+
     if "layout" in only:
         print("\nlayout: forward + backward of a minibatch of 32 completions")
         print("| workload | prompt shared | not shared | auto |\n|---|---|---|---|")
@@ -262,6 +286,74 @@ def main() -> None:
                 f"{ms['alone']:.0f} ms | {ms['auto']:.0f} ms |",
                 flush=True,
             )
+
+
+def linear_lever(model, prompts, ids, params, reps: int) -> None:
+    """F.linear vs oneDNN: single products, then a rollout batch and a training minibatch."""
+    from functools import partial
+
+    import torch.nn.functional as F
+
+    from gspo.kernels import onednn_linear
+
+    gen = torch.Generator().manual_seed(0)
+    cases = {  # (rows, in, out): a decoding step's QKV, a minibatch's MLP up and down
+        "decode [128 x 256] x [256 x 768]": (128, 256, 768),
+        "train [6100 x 256] x [256 x 768]": (6100, 256, 768),
+        "train [6100 x 768] x [768 x 256]": (6100, 768, 256),
+    }
+    print("\nlinear: one product, median of interleaved runs (ms)")
+    print("| product | F.linear | oneDNN | F.linear / oneDNN |\n|---|---|---|---|")
+    for name, (m, k, n) in cases.items():
+        x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+        grad = torch.randn(m, n, generator=gen)
+        parts = {"forward": (partial(F.linear, x, w), partial(onednn_linear, x, w))}
+        if m > 128:
+            xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+
+            def backward(fn, xg=xg, wg=wg, grad=grad) -> Callable[[], object]:
+                return lambda: torch.autograd.grad(fn(xg, wg), (xg, wg), grad)
+
+            parts["forward + backward"] = (backward(F.linear), backward(onednn_linear))
+        for part, (ref, mine) in parts.items():
+            runs = reps * (20 if m > 128 else 200)
+            times = interleaved_times({"torch": ref, "onednn": mine}, runs)
+            a, b = (1000 * statistics.median(times[v]) for v in ("torch", "onednn"))
+            print(f"| {name}, {part} | {a:.3f} | {b:.3f} | {a / b:.2f}x |", flush=True)
+
+    variants = {"torch": model, "onednn": onednn_copy(model)}
+    batch = rollout.TorchEngine(model, **ids).generate(prompts, n=8, params=params, seed=2)
+    mb = batch.select(torch.randperm(128, generator=torch.Generator().manual_seed(0))[:32])
+
+    def rollout_batch(m) -> Callable[[], object]:
+        m.eval()
+        return lambda: rollout.TorchEngine(m, **ids).generate(prompts, n=8, params=params, seed=2)
+
+    def fwd_bwd(m) -> Callable[[], object]:
+        def run() -> None:
+            m.train()
+            lp = packed_completion_logprobs(
+                m, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
+                share_prompts="auto",
+            )  # fmt: skip
+            lp.sum().backward()
+            m.zero_grad()
+
+        return run
+
+    tokens = int(mb.completion_mask.sum())
+    print(
+        "\n| the model's linear layers on | one rollout batch (s) | forward + backward of "
+        f"a minibatch ({tokens} completion tokens, s) |\n|---|---|---|"
+    )
+    gen_times = interleaved_times({k: rollout_batch(m) for k, m in variants.items()}, reps)
+    train_times = interleaved_times({k: fwd_bwd(m) for k, m in variants.items()}, reps * 3)
+    for kernel in variants:
+        print(
+            f"| {kernel} | {statistics.median(gen_times[kernel]):.2f} | "
+            f"{statistics.median(train_times[kernel]):.3f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -163,19 +163,25 @@ def test_reference_decoder_uses_the_cache_argument_transformers_names(tokenizer,
     assert out.completion_ids.shape[0] == 2
 
 
+@pytest.mark.parametrize("linear", ["torch", "onednn"])
 @pytest.mark.parametrize("attention", ["products", "sdpa"])
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)])
 def test_fast_decoder_samples_what_the_reference_samples(
-    tokenizer, tiny_model, temperature, top_p, attention, monkeypatch
+    tokenizer, tiny_model, temperature, top_p, attention, linear, monkeypatch
 ):
     """Same seed -> the same tokens as the transformers forward, log-probs within 1e-5.
 
     The prompts have different lengths (left padding), EOS is made likely so rows finish
     at different steps and leave the batch, and finished-ness is read every 3 steps.
+    ``linear``: the model's linear layers (and so the fast step's) on F.linear or oneDNN.
     """
     import gspo.rollout as rollout
     from gspo.decoding import KVDecoder
+    from gspo.kernels import onednn_available, use_onednn_linears
 
+    if linear == "onednn" and not onednn_available():
+        pytest.skip("this torch has no oneDNN")
+    assert use_onednn_linears(tiny_model, linear) == linear
     monkeypatch.setattr(rollout, "CHECK_EVERY", 3)
     monkeypatch.setattr(KVDecoder, "attention", attention)
     with torch.no_grad():

@@ -91,6 +91,12 @@ class ModelConfig(_Section):
         "and much faster with many experts on CPU (14 s -> 1.3 s per forward+backward at "
         "128 experts)",
     )
+    cpu_linear: Literal["onednn", "torch"] = Field(
+        "onednn",
+        description="Float32 linear layers on the CPU: onednn = oneDNN's matrix products "
+        "(2.1-2.3x torch's default MKL on AMD CPUs; the same sums up to rounding), torch = "
+        "F.linear as shipped. Ignored on CUDA and where this torch has no oneDNN",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="Compute dtype of the forward passes (autocast; trained weights and "

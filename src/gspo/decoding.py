@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gspo.kernels import linear_for
 from gspo.models import position_ids_from_mask
 
 #: model_type values whose decoder layers :class:`KVDecoder` reimplements (checked
@@ -132,6 +133,7 @@ class KVDecoder:
 
     def __init__(self, model: nn.Module):
         self.model = model
+        self.linear = linear_for(model)  # the kernel of the model's own linear layers
         config = model.config
         decoder = model.get_decoder()
         dtype = _compute_dtype(next(model.parameters()))
@@ -264,7 +266,7 @@ class KVDecoder:
         h = F.embedding(tokens, self.embed)
         for i, layer in enumerate(self.layers):
             x = F.rms_norm(h, (h.shape[-1],), layer.input_norm, self.eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias).view(rows, heads + 2 * kv, d)
+            qkv = self.linear(x, layer.qkv, layer.qkv_bias).view(rows, heads + 2 * kv, d)
             qk, v = qkv[:, : heads + kv], qkv[:, heads + kv :]
             if layer.qk_norm is not None:
                 qk = F.rms_norm(qk, (d,), None, self.eps) * layer.qk_norm
@@ -292,11 +294,11 @@ class KVDecoder:
                     attn_mask=mask,
                     scale=self.scaling,
                 )
-            h = h + F.linear(out.reshape(rows, heads * d), layer.o)
+            h = h + self.linear(out.reshape(rows, heads * d), layer.o)
             x = F.rms_norm(h, (h.shape[-1],), layer.post_norm, self.eps)
             h = h + layer.mlp(x.unsqueeze(1)).squeeze(1)
         h = F.rms_norm(h, (h.shape[-1],), self.final_norm, self.eps)
-        return F.linear(h, self.head)
+        return self.linear(h, self.head)
 
     def select(self, rows: Tensor) -> None:
         """Keep only the batch rows ``rows`` (finished rows leave); copies the filled columns."""

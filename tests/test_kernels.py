@@ -1,0 +1,99 @@
+"""oneDNN linear layers on the CPU (gspo.kernels): same values and gradients as F.linear."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gspo.kernels import (
+    linear_for,
+    linear_kernel,
+    onednn_available,
+    onednn_linear,
+    use_onednn_linears,
+)
+from gspo.models import packed_completion_logprobs
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
+
+
+def close(a, b, rel=1e-5):
+    return (a - b).abs().max().item() <= rel * max(b.abs().max().item(), 1.0)
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(7, 33), (3, 5, 33), (1, 33)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_onednn_linear_gives_the_values_and_gradients_of_f_linear(shape, with_bias):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g, requires_grad=True)
+    w = torch.randn(19, 33, generator=g, requires_grad=True)
+    b = torch.randn(19, generator=g, requires_grad=True) if with_bias else None
+    grad = torch.randn(*shape[:-1], 19, generator=g)
+    out = onednn_linear(x, w, b)
+    ref = F.linear(x, w, b)
+    assert out.shape == ref.shape and close(out, ref)
+    mine = torch.autograd.grad(out, [t for t in (x, w, b) if t is not None], grad)
+    theirs = torch.autograd.grad(ref, [t for t in (x, w, b) if t is not None], grad)
+    for m, t in zip(mine, theirs, strict=True):
+        assert m.shape == t.shape and close(m, t)
+
+
+@needs_onednn
+def test_a_frozen_weight_gets_no_gradient_and_the_input_still_does():
+    x = torch.randn(6, 8, requires_grad=True)
+    w = torch.randn(4, 8)  # frozen (a LoRA run's base)
+    onednn_linear(x, w).pow(2).sum().backward()
+    assert w.grad is None
+    expected = torch.autograd.grad(F.linear(x, w).pow(2).sum(), x)[0]
+    assert close(x.grad, expected)
+
+
+def test_what_the_kernel_does_not_take_goes_to_f_linear_exactly():
+    x64, w64 = torch.randn(5, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64)
+    assert torch.equal(onednn_linear(x64, w64), F.linear(x64, w64))
+    x, w = torch.randn(5, 8), torch.randn(3, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = onednn_linear(x, w)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, F.linear(x, w))
+    empty = torch.randn(0, 8)
+    assert onednn_linear(empty, w).shape == (0, 3)
+
+
+@needs_onednn
+def test_a_model_switched_to_onednn_trains_like_the_same_model_on_f_linear(tiny_model):
+    model = copy.deepcopy(tiny_model)
+    assert linear_kernel(model) == "torch" and linear_for(model) is F.linear
+    assert use_onednn_linears(model) == "onednn"
+    assert linear_kernel(model) == "onednn" and linear_for(model) is onednn_linear
+    patched = [m for m in model.modules() if "forward" in m.__dict__]
+    assert patched and all(type(m) is torch.nn.Linear for m in patched)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, 16, (6, 5), generator=g)
+    completion = torch.randint(3, 16, (6, 9), generator=g)
+    ones = torch.ones_like
+    grads = []
+    for m in (tiny_model, model):
+        m.train()
+        lp = packed_completion_logprobs(m, prompt, ones(prompt), completion, ones(completion))
+        lp.sum().backward()
+        grads.append([p.grad for p in m.parameters()])
+        if m is tiny_model:
+            ref = lp
+    assert close(lp, ref)
+    assert all(close(a, b) for a, b in zip(grads[1], grads[0], strict=True))
+    # a copy (FSDP's replica is one) runs on its own weights, not the original's
+    replica = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in replica.parameters():
+            p.zero_()
+    x = torch.randn(2, model.config.hidden_size)
+    layer = replica.model.layers[0].mlp.down_proj
+    assert torch.equal(layer(torch.randn(2, layer.in_features)), torch.zeros(2, layer.out_features))
+    q = model.model.layers[0].self_attn.q_proj
+    assert not torch.equal(q(x), torch.zeros(2, q.out_features))
+    # and "torch" puts the layers back on F.linear
+    assert use_onednn_linears(model, "torch") == "torch"
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert linear_for(model) is F.linear
