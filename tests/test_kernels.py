@@ -25,12 +25,13 @@ def close(a, b, rel=1e-5):
 @needs_onednn
 @pytest.mark.parametrize("shape", [(7, 33), (3, 5, 33), (1, 33)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_onednn_linear_gives_the_values_and_gradients_of_f_linear(shape, with_bias):
+@pytest.mark.parametrize("out_features", [19, 40])  # fewer and more outputs than inputs
+def test_onednn_linear_gives_the_values_and_gradients_of_f_linear(shape, with_bias, out_features):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=g, requires_grad=True)
-    w = torch.randn(19, 33, generator=g, requires_grad=True)
-    b = torch.randn(19, generator=g, requires_grad=True) if with_bias else None
-    grad = torch.randn(*shape[:-1], 19, generator=g)
+    w = torch.randn(out_features, 33, generator=g, requires_grad=True)
+    b = torch.randn(out_features, generator=g, requires_grad=True) if with_bias else None
+    grad = torch.randn(*shape[:-1], out_features, generator=g)
     out = onednn_linear(x, w, b)
     ref = F.linear(x, w, b)
     assert out.shape == ref.shape and close(out, ref)
