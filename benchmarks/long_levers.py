@@ -297,10 +297,12 @@ def linear_lever(model, prompts, ids, params, reps: int) -> None:
     from gspo.kernels import onednn_linear
 
     gen = torch.Generator().manual_seed(0)
-    cases = {  # (rows, in, out): a decoding step's QKV, a minibatch's MLP up and down
+    cases = {  # (rows, in, out): a decoding step's QKV, a minibatch's MLP up and down,
+        # and one 256-token chunk of the vocabulary projection at Qwen3-0.6B's shape
         "decode [128 x 256] x [256 x 768]": (128, 256, 768),
         "train [6100 x 256] x [256 x 768]": (6100, 256, 768),
         "train [6100 x 768] x [768 x 256]": (6100, 768, 256),
+        "LM head chunk [256 x 1024] x [1024 x 151936]": (256, 1024, 151936),
     }
     print("\nlinear: one product, median of interleaved runs (ms)")
     print("| product | F.linear | oneDNN | F.linear / oneDNN |\n|---|---|---|---|")
@@ -308,7 +310,7 @@ def linear_lever(model, prompts, ids, params, reps: int) -> None:
         x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
         grad = torch.randn(m, n, generator=gen)
         parts = {"forward": (partial(F.linear, x, w), partial(onednn_linear, x, w))}
-        if m > 128:
+        if m > 128 or n > 100_000:
             xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
 
             def backward(fn, xg=xg, wg=wg, grad=grad) -> Callable[[], object]:
@@ -316,7 +318,7 @@ def linear_lever(model, prompts, ids, params, reps: int) -> None:
 
             parts["forward + backward"] = (backward(F.linear), backward(onednn_linear))
         for part, (ref, mine) in parts.items():
-            runs = reps * (20 if m > 128 else 200)
+            runs = reps * (1 if n > 100_000 else 20 if m > 128 else 200)
             times = interleaved_times({"torch": ref, "onednn": mine}, runs)
             a, b = (1000 * statistics.median(times[v]) for v in ("torch", "onednn"))
             print(f"| {name}, {part} | {a:.3f} | {b:.3f} | {a / b:.2f}x |", flush=True)

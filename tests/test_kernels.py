@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from gspo import kernels
 from gspo.kernels import (
     linear_for,
     linear_kernel,
@@ -26,7 +27,11 @@ def close(a, b, rel=1e-5):
 @pytest.mark.parametrize("shape", [(7, 33), (3, 5, 33), (1, 33)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("out_features", [19, 40])  # fewer and more outputs than inputs
-def test_onednn_linear_gives_the_values_and_gradients_of_f_linear(shape, with_bias, out_features):
+@pytest.mark.parametrize("transpose_max", [1 << 22, 0])  # weight gradient transposed or not
+def test_onednn_linear_gives_the_values_and_gradients_of_f_linear(
+    shape, with_bias, out_features, transpose_max, monkeypatch
+):
+    monkeypatch.setattr(kernels, "_TRANSPOSE_MAX", transpose_max)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=g, requires_grad=True)
     w = torch.randn(out_features, 33, generator=g, requires_grad=True)

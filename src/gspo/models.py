@@ -16,7 +16,10 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+
+from gspo.kernels import linear_for
 
 #: Characters of the built-in tokenizer: printable ASCII (one token per character).
 CHARSET = string.digits + string.ascii_letters + string.punctuation + " \n"
@@ -438,6 +441,7 @@ def packed_completion_logprobs(
         temperature,
         chunk_size,
         with_entropy=with_entropy,
+        linear=linear_for(model),
     )
     outs = []
     for values in picked if with_entropy else (picked,):
@@ -486,16 +490,18 @@ def layout_cost(config, used: list[int]) -> float:
     return layers * (2.0 * weights * rows * width + 4.0 * heads * head_dim * rows * width**2)
 
 
-def _chunk_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float) -> Tensor:
-    logits = (hidden @ weight.T).float() / temperature
+def _chunk_logprobs(
+    hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float, linear=F.linear
+) -> Tensor:
+    logits = linear(hidden, weight).float() / temperature
     picked = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
 
 
 def _chunk_logprobs_entropy(
-    hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float
+    hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float, linear=F.linear
 ) -> tuple[Tensor, Tensor]:
-    logits = (hidden @ weight.T).float() / temperature
+    logits = linear(hidden, weight).float() / temperature
     picked = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     lse = torch.logsumexp(logits, dim=-1)
     return picked - lse, _entropy(logits, lse)
@@ -509,6 +515,7 @@ def logprobs_from_hidden(
     chunk_size: int,
     *,
     with_entropy: bool = False,
+    linear=F.linear,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``log softmax(hidden @ weight.T / temperature)[token]`` without full logits.
 
@@ -517,7 +524,8 @@ def logprobs_from_hidden(
     each chunk is checkpointed, so backward recomputes that chunk's logits instead of
     keeping ``N x T x V`` of them alive: peak memory is one chunk's logits, not all.
     ``with_entropy``: also each position's entropy ``[N, T]``, from the same chunk's
-    logits (and through the same checkpoint, so it may carry a gradient).
+    logits (and through the same checkpoint, so it may carry a gradient). ``linear``: the
+    product ``hidden @ weight.T`` (:func:`gspo.kernels.linear_for` of the model).
     """
     from torch.utils.checkpoint import checkpoint
 
@@ -533,9 +541,9 @@ def logprobs_from_hidden(
             flat_ids[start : start + chunk_size],
         )
         if keep_graph:
-            out.append(checkpoint(chunk, *args, temperature, use_reentrant=False))
+            out.append(checkpoint(chunk, *args, temperature, linear, use_reentrant=False))
         else:
-            out.append(chunk(*args, temperature))
+            out.append(chunk(*args, temperature, linear))
     if not out:
         zeros = hidden.new_zeros((n, t), dtype=torch.float32)
         return (zeros, zeros.clone()) if with_entropy else zeros
