@@ -5,7 +5,9 @@
 Compares gspo's chunked projection (also with ``train/entropy`` and an entropy bonus computed
 in the same chunks, variant ``entropy``) (`gspo.models.logprobs_from_hidden`: the vocabulary
 projection runs ``LOGPROB_CHUNK`` tokens at a time and each chunk is recomputed in backward)
-with the naive path (full float32 logits, ``log_softmax``, ``gather``). Each measurement is a
+with the naive path (full float32 logits, ``log_softmax``, ``gather``), and the chunked path
+with the product on oneDNN (variant ``onednn``: ``model.cpu_linear=onednn``, what the
+trainer uses on x86 CPUs), with each variant's seconds. Each measurement is a
 fresh process; memory is the growth of peak RSS over the process's RSS once the inputs
 (hidden states, LM-head weight) exist. Hidden size 1,024 (Qwen3-0.6B), vocabulary 151,936.
 """
@@ -17,6 +19,7 @@ import json
 import resource
 import subprocess
 import sys
+import time
 
 V, H = 151_936, 1024
 
@@ -43,6 +46,7 @@ def measure(variant: str, n: int, t: int) -> dict:
     advantages = torch.randn(n)
     mask = torch.ones(n, t, dtype=torch.bool)
     base = rss_mb()
+    start = time.perf_counter()
     entropy = None
     if variant == "naive":
         logits = (hidden @ weight.T).float()
@@ -50,6 +54,12 @@ def measure(variant: str, n: int, t: int) -> dict:
     elif variant == "entropy":
         logprobs, entropy = logprobs_from_hidden(
             hidden, weight, ids, 1.0, LOGPROB_CHUNK, with_entropy=True
+        )
+    elif variant == "onednn":  # the product on oneDNN, as gspo's trainer on a CPU
+        from gspo.kernels import onednn_linear
+
+        logprobs = logprobs_from_hidden(
+            hidden, weight, ids, 1.0, LOGPROB_CHUNK, linear=onednn_linear
         )
     else:
         logprobs = logprobs_from_hidden(hidden, weight, ids, 1.0, LOGPROB_CHUNK)
@@ -61,6 +71,7 @@ def measure(variant: str, n: int, t: int) -> dict:
         "variant": variant,
         "tokens": f"{n}x{t}",
         "peak_over_inputs_mb": peak - base,
+        "seconds": time.perf_counter() - start,
         "logprobs_head": logprobs[0, :4].tolist(),
         "grad_hidden_head": hidden.grad[0, 0, :4].tolist(),
     }
@@ -110,10 +121,14 @@ def main() -> None:
         run_child("chunked", args.tokens),
         run_child("entropy", args.naive_tokens),
         run_child("entropy", args.tokens),
+        run_child("onednn", args.naive_tokens),
     ]
     for r in results:
-        peak = r["peak_over_inputs_mb"]
-        print(f"{r['variant']:8s} {r['tokens']:>8s}: peak {peak:8.0f} MB over inputs")
+        peak, seconds = r["peak_over_inputs_mb"], r["seconds"]
+        print(
+            f"{r['variant']:8s} {r['tokens']:>8s}: peak {peak:8.0f} MB over inputs, "
+            f"forward + loss + backward {seconds:.1f} s"
+        )
     naive, same = results[0], results[1]
     for entropy, plain in ((results[3], results[1]), (results[4], results[2])):
         print(
