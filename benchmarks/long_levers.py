@@ -86,10 +86,10 @@ def onednn_copy(model):
     what ``gspo train`` does on the CPU); ``model`` itself stays on F.linear."""
     import copy
 
-    from gspo.kernels import use_onednn_linears
+    from gspo.kernels import set_linear_kernel
 
     other = copy.deepcopy(model)
-    assert use_onednn_linears(other) == "onednn"
+    assert set_linear_kernel(other) == "onednn"
     return other
 
 

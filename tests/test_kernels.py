@@ -12,7 +12,7 @@ from gspo.kernels import (
     linear_kernel,
     onednn_available,
     onednn_linear,
-    use_onednn_linears,
+    set_linear_kernel,
 )
 from gspo.models import packed_completion_logprobs
 
@@ -71,7 +71,7 @@ def test_what_the_kernel_does_not_take_goes_to_f_linear_exactly():
 def test_a_model_switched_to_onednn_trains_like_the_same_model_on_f_linear(tiny_model):
     model = copy.deepcopy(tiny_model)
     assert linear_kernel(model) == "torch" and linear_for(model) is F.linear
-    assert use_onednn_linears(model) == "onednn"
+    assert set_linear_kernel(model) == "onednn"
     assert linear_kernel(model) == "onednn" and linear_for(model) is onednn_linear
     patched = [m for m in model.modules() if "forward" in m.__dict__]
     assert patched and all(type(m) is torch.nn.Linear for m in patched)
@@ -100,6 +100,6 @@ def test_a_model_switched_to_onednn_trains_like_the_same_model_on_f_linear(tiny_
     q = model.model.layers[0].self_attn.q_proj
     assert not torch.equal(q(x), torch.zeros(2, q.out_features))
     # and "torch" puts the layers back on F.linear
-    assert use_onednn_linears(model, "torch") == "torch"
+    assert set_linear_kernel(model, "torch") == "torch"
     assert not any("forward" in m.__dict__ for m in model.modules())
     assert linear_for(model) is F.linear

@@ -10,7 +10,7 @@ from test_trainer import FAST as TRAINER_FAST
 
 from gspo.cli import main
 from gspo.config import ConfigError, load_config
-from gspo.kernels import linear_kernel, use_onednn_linears
+from gspo.kernels import linear_kernel, set_linear_kernel
 from gspo.models import load_model
 from gspo.rollout import SamplingParams, TorchEngine
 from gspo.telemetry import read_metrics
@@ -125,7 +125,7 @@ def test_lora_checkpoint_is_peft_format_and_export_merges(tmp_path, varied_rewar
         base_logits = base(input_ids=ids).logits
     with quiet_peft():
         loaded = PeftModel.from_pretrained(base, checkpoint).eval()  # wraps base in place
-    use_onednn_linears(loaded, linear_kernel(trainer.policy.module))  # the run's kernel
+    set_linear_kernel(loaded, linear_kernel(trainer.policy.module))  # the run's kernel
     with torch.no_grad():
         trained = trainer.policy.module.eval()(input_ids=ids).logits
         assert torch.equal(loaded(input_ids=ids).logits, trained)

@@ -177,11 +177,11 @@ def test_fast_decoder_samples_what_the_reference_samples(
     """
     import gspo.rollout as rollout
     from gspo.decoding import KVDecoder
-    from gspo.kernels import onednn_available, use_onednn_linears
+    from gspo.kernels import onednn_available, set_linear_kernel
 
     if linear == "onednn" and not onednn_available():
         pytest.skip("this torch has no oneDNN")
-    assert use_onednn_linears(tiny_model, linear) == linear
+    assert set_linear_kernel(tiny_model, linear) == linear
     monkeypatch.setattr(rollout, "CHECK_EVERY", 3)
     monkeypatch.setattr(KVDecoder, "attention", attention)
     with torch.no_grad():

@@ -7,7 +7,7 @@ fast, both the small ones of a decoding step (``[128 x 256] x [256 x 768]``: 106
 us) and the large ones of training (``[6300 x 256] x [256 x 768]``: 4.8 vs 10.9 ms), and
 1.2-1.7x as fast for the weight gradient (``benchmarks/long_levers.py --only linear``).
 
-:func:`use_onednn_linears` points every plain ``nn.Linear`` of a model at
+:func:`set_linear_kernel` points every plain ``nn.Linear`` of a model at
 :func:`onednn_linear` (forward and backward); :func:`linear_for` gives a model's decoding
 step the same kernel. The sums are the same up to float rounding (another blocking of
 the same products); anything the kernel does not take (another dtype or device, tensor
@@ -110,7 +110,7 @@ def _forward(self: nn.Linear, x: Tensor) -> Tensor:
     return onednn_linear(x, self.weight, self.bias)
 
 
-def use_onednn_linears(model: nn.Module, kernel: str = "onednn") -> str:
+def set_linear_kernel(model: nn.Module, kernel: str = "onednn") -> str:
     """Point ``model``'s plain ``nn.Linear`` layers at oneDNN when ``kernel`` is
     ``"onednn"``, the model is on the CPU and this torch has oneDNN; returns the kernel in
     use (``"onednn"`` or ``"torch"``), also recorded on the model for :func:`linear_for`."""
@@ -127,7 +127,7 @@ def use_onednn_linears(model: nn.Module, kernel: str = "onednn") -> str:
 
 
 def linear_kernel(model: nn.Module) -> str:
-    """The kernel :func:`use_onednn_linears` chose for ``model`` (``"torch"`` if never asked)."""
+    """The kernel :func:`set_linear_kernel` chose for ``model`` (``"torch"`` if never asked)."""
     return getattr(model, MARK, "torch")
 
 

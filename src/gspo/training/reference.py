@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from gspo.kernels import linear_kernel, use_onednn_linears
+from gspo.kernels import linear_kernel, set_linear_kernel
 from gspo.models import load_model
 from gspo.rollout import RolloutBatch
 from gspo.training.checkpoint import checkpoint_dir
@@ -38,6 +38,6 @@ class Reference:
         if self.module is None:
             self.module, _ = load_model(self.path, device=self.policy.device, dtype=torch.float32)
             self.module.eval().requires_grad_(False)
-            use_onednn_linears(self.module, linear_kernel(self.policy.module))
+            set_linear_kernel(self.module, linear_kernel(self.policy.module))
         with torch.no_grad():
             return self.policy.logprobs(batch, self.module)

@@ -12,7 +12,7 @@ import torch
 from gspo.config import Config, DataConfig
 from gspo.data import load_rows, prepare_rows
 from gspo.distributed import Distributed
-from gspo.kernels import use_onednn_linears
+from gspo.kernels import set_linear_kernel
 from gspo.models import (
     TinyModelSpec,
     build_char_tokenizer,
@@ -146,7 +146,7 @@ def build_policy_model(
             base_path=model_dir,
             base_dtype=base_dtype,
         )
-    use_onednn_linears(model, config.model.cpu_linear)
+    set_linear_kernel(model, config.model.cpu_linear)
     return model, tokenizer, model_dir
 
 
