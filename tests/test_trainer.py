@@ -86,7 +86,7 @@ def test_reward_rises_on_a_trivially_learnable_task(tmp_path, ones_reward):
     assert all(r["mismatch/token_abs_max"] < 1e-4 for r in on_policy)
 
 
-def test_every_rollout_batch_gives_exactly_minibatches_steps(tmp_path, ones_reward):
+def test_every_rollout_batch_gives_exactly_minibatches_steps(tmp_path, ones_reward, capsys):
     # 6 responses in 4 minibatches: torch's chunk() made 3 parts of 2, so a rollout batch
     # gave 3 steps, the run ended short and a resume restarted at the wrong rollout batch
     common = [*FAST, ones_reward, "train.cold_start_steps=0", "rollout.group_size=2",
@@ -97,6 +97,13 @@ def test_every_rollout_batch_gives_exactly_minibatches_steps(tmp_path, ones_rewa
     assert [r["step"] for r in lines] == list(range(1, 9))
     assert [r["train/minibatch"] for r in lines] == [0, 1, 2, 3] * 2
     assert [r["train/sequences"] for r in lines] == [2, 2, 1, 1] * 2
+    # max_steps is rounded up to whole rollout batches, and the progress says so
+    capsys.readouterr()
+    assert main(["train", "--output-dir", str(tmp_path / "short"), *common,
+                 "train.max_steps=5", "log.progress=true"]) == 0  # fmt: skip
+    assert [r["step"] for r in train_lines(run_metrics(tmp_path / "short"))] == list(range(1, 9))
+    out = capsys.readouterr().out
+    assert "step 8/8 (100%)" in out and "/5 " not in out
     # resuming the finished run trains nothing more
     assert main(["train", "--resume", str(tmp_path / "run"), *common]) == 0
     assert [r["step"] for r in train_lines(run_metrics(tmp_path / "run"))] == list(range(1, 9))

@@ -432,7 +432,12 @@ class OptimConfig(_Section):
 class TrainConfig(_Section):
     """The run's length, the cold-start SFT stage before RL, seeding and checkpoints."""
 
-    max_steps: int = Field(200, ge=0, description="Optimizer steps of RL")
+    max_steps: int = Field(
+        200,
+        ge=0,
+        description="Optimizer steps of RL, rounded up to whole rollout batches "
+        "(algorithm.minibatches steps each)",
+    )
     cold_start_steps: int = Field(
         1500,
         ge=0,
@@ -719,6 +724,12 @@ class Config(_Section):
     def rollout_batches(self) -> int:
         """Rollout batches needed for ``train.max_steps`` optimizer steps."""
         return -(-self.train.max_steps // self.algorithm.minibatches)
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps a run takes: ``train.max_steps`` rounded up to whole rollout
+        batches (each gives ``algorithm.minibatches`` steps)."""
+        return self.rollout_batches * self.algorithm.minibatches
 
 
 def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

@@ -262,7 +262,7 @@ class Trainer:
         show = cfg.log.progress and self.dist.is_main
         first = self.step // cfg.algorithm.minibatches
         with (
-            TrainingProgress(cfg.train.max_steps, enabled=show, start_step=self.step) as bar,
+            TrainingProgress(cfg.total_steps, enabled=show, start_step=self.step) as bar,
             self.rollouts.running(first, cfg.rollout_batches),
         ):
             for rollout_index in range(first, cfg.rollout_batches):
