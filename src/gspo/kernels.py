@@ -2,17 +2,19 @@
 
 PyTorch's CPU builds compute ``F.linear`` in float32 with MKL. On CPUs MKL does not
 recognise as Intel's it takes slower generic paths: on this project's AMD EPYC hosts
-oneDNN (also inside every x86 build of PyTorch) computes the same products 2.1-2.3x as
-fast, both the small ones of a decoding step (``[128 x 256] x [256 x 768]``: 106 vs 228
-us) and the large ones of training (``[6300 x 256] x [256 x 768]``: 4.8 vs 10.9 ms), and
-1.2-1.7x as fast for the weight gradient (``benchmarks/long_levers.py --only linear``).
+oneDNN (also inside every x86 build of PyTorch) computes the same products about twice
+as fast, both the small ones of a decoding step (``[128 x 256] x [256 x 768]``: 0.147 vs
+0.296 ms) and the large ones of training (``[6100 x 256] x [256 x 768]``: 5.2 vs 10.6 ms
+forward, 1.7-2.1x with the backward; ``benchmarks/long_levers.py --only linear``). Intel
+CPUs were not measured: there MKL takes its own fast paths and the gain may be small.
 
 :func:`set_linear_kernel` points every plain ``nn.Linear`` of a model at
 :func:`onednn_linear` (forward and backward); :func:`linear_for` gives a model's decoding
-step the same kernel. The sums are the same up to float rounding (another blocking of
-the same products); anything the kernel does not take (another dtype or device, tensor
-subclasses such as FSDP's sharded ``DTensor``, autocast) goes to ``F.linear``. Selected
-by ``model.cpu_linear`` (``onednn`` by default; ``torch`` keeps MKL).
+step and its training forward's vocabulary projection the same kernel. The sums are the
+same up to float rounding (another blocking of the same products); anything the kernel
+does not take (another dtype or device, tensor subclasses such as FSDP's sharded
+``DTensor``, autocast) goes to ``F.linear``. Selected by ``model.cpu_linear`` (``onednn``
+by default; ``torch`` keeps MKL).
 """
 
 from __future__ import annotations
