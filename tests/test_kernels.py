@@ -103,3 +103,25 @@ def test_a_model_switched_to_onednn_trains_like_the_same_model_on_f_linear(tiny_
     assert set_linear_kernel(model, "torch") == "torch"
     assert not any("forward" in m.__dict__ for m in model.modules())
     assert linear_for(model) is F.linear
+
+
+@needs_onednn
+@pytest.mark.parametrize("kernel", ["onednn", "torch"])
+def test_a_run_puts_its_policy_and_kl_reference_on_model_cpu_linear(tmp_path, kernel):
+    from test_trainer import FAST
+
+    from gspo.config import load_config
+    from gspo.trainer import Trainer
+
+    overrides = [*FAST, "train.cold_start_steps=0", "train.max_steps=2",
+                 "algorithm.minibatches=2", "algorithm.kl_coef=0.1", "eval.every=0",
+                 f"model.cpu_linear={kernel}"]  # fmt: skip
+    trainer = Trainer(load_config(None, overrides), tmp_path / "run")
+    trainer.fit()
+    module = trainer.policy.module
+    assert linear_kernel(module) == kernel
+    patched = {m for m in module.modules() if "forward" in m.__dict__}
+    linears = {m for m in module.modules() if type(m) is torch.nn.Linear}
+    assert patched == (linears if kernel == "onednn" else set())
+    assert trainer.reference.module is not None  # loaded by the KL term
+    assert linear_kernel(trainer.reference.module) == kernel
