@@ -63,6 +63,10 @@ def test_what_the_kernel_does_not_take_goes_to_f_linear_exactly():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = onednn_linear(x, w)
         assert out.dtype == torch.bfloat16 and torch.equal(out, F.linear(x, w))
+    wide_bias = torch.randn(3, dtype=torch.float64)
+    assert torch.equal(onednn_linear(x64, w64, wide_bias), F.linear(x64, w64, wide_bias))
+    with pytest.raises(RuntimeError):  # what F.linear says of a float64 bias on float32
+        onednn_linear(x, w, wide_bias)
     empty = torch.randn(0, 8)
     assert onednn_linear(empty, w).shape == (0, 3)
 

@@ -42,18 +42,14 @@ def onednn_available() -> bool:
     )
 
 
-def _takes(x: Tensor, weight: Tensor) -> bool:
-    """Whether the oneDNN kernel computes ``x @ weight.T``: plain float32 CPU tensors,
-    autocast off (under autocast torch's own ``F.linear`` casts as it should)."""
+def _takes(*tensors: Tensor | None) -> bool:
+    """Whether the oneDNN kernel computes ``x @ weight.T + bias``: plain float32 CPU
+    tensors, autocast off (under autocast torch's own ``F.linear`` casts as it should)."""
     plain = (Tensor, nn.Parameter)
-    return (
-        type(x) in plain
-        and type(weight) in plain
-        and x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and x.device.type == "cpu"
-        and weight.device.type == "cpu"
-        and not torch.is_autocast_enabled("cpu")
+    return not torch.is_autocast_enabled("cpu") and all(
+        type(t) in plain and t.dtype == torch.float32 and t.device.type == "cpu"
+        for t in tensors
+        if t is not None
     )
 
 
@@ -98,7 +94,7 @@ class _OneDNNLinear(torch.autograd.Function):
 
 def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear`` through oneDNN where it applies (see the module docstring)."""
-    if not _takes(x, weight) or x.numel() == 0:
+    if not _takes(x, weight, bias) or x.numel() == 0:
         return F.linear(x, weight, bias)
     if torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
