@@ -94,7 +94,7 @@ class ModelConfig(_Section):
     cpu_linear: Literal["onednn", "torch"] = Field(
         "onednn",
         description="Float32 linear layers on the CPU: onednn = oneDNN's matrix products "
-        "(2.1-2.3x torch's default MKL on AMD CPUs; the same sums up to rounding), torch = "
+        "(about 2x torch's default MKL on AMD CPUs; the same sums up to rounding), torch = "
         "F.linear as shipped. Ignored on CUDA and where this torch has no oneDNN",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(

@@ -58,6 +58,11 @@ def _mm(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """:func:`_mm` over ``x``'s last dimension, whatever its leading ones."""
+    return _mm(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
 #: Largest weight (elements) whose gradient is computed transposed (see ``backward``).
 _TRANSPOSE_MAX = 1 << 22
 
@@ -65,19 +70,19 @@ _TRANSPOSE_MAX = 1 << 22
 class _OneDNNLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        ctx.save_for_backward(flat, weight)
-        ctx.shape, ctx.has_bias = x.shape, bias is not None
-        return _mm(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        flat, weight = ctx.saved_tensors
+        x, weight = ctx.saved_tensors
+        flat = x.reshape(-1, x.shape[-1])
         g = grad.reshape(-1, weight.shape[0])
         need_x, need_w, need_b = ctx.needs_input_grad
         # the weight's transpose as a strided view: a contiguous copy costs more than it
         # saves (186 vs 552 ms for a [256 x 151936] x [151936 x 1024] LM-head chunk)
-        grad_x = _mm(g, weight.t()).view(ctx.shape) if need_x else None
+        grad_x = _mm(g, weight.t()).view(x.shape) if need_x else None
         # grad_w = g^T x, [N, M] x [M, K]. oneDNN is faster when its product has fewer
         # rows than columns (M=6100, K=256, N=768: 6.9 ms for the transpose against 8.9),
         # so for N > K it computes [K, N] and transposes that, unless the copy of the
@@ -100,8 +105,7 @@ def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     ):
         return _OneDNNLinear.apply(x, weight, bias)
-    flat = x.reshape(-1, x.shape[-1])
-    return _mm(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    return _linear(x, weight, bias)
 
 
 def _forward(self: nn.Linear, x: Tensor) -> Tensor:
