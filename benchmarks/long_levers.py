@@ -26,6 +26,9 @@ vocabulary, so completions run to ``max_new_tokens``), 16 prompts x 8 responses:
   (``gspo.kernels``, ``model.cpu_linear``): the products of a decoding step and of a
   training minibatch (forward, input gradient, weight gradient), then one rollout batch
   and one minibatch's forward + backward of the model with its layers on either.
+- profile: where one rollout batch's time goes with the linear layers on oneDNN (torch
+  profiler, self CPU time): the linear products, the single-query attention products
+  (``bmm``/``baddbmm``) and everything else.
 - layout: forward + backward of a training minibatch (32 completions drawn at random
   from a rollout batch, as the trainer draws them) with each group's prompt shared
   (one segment per group), not shared, and ``"auto"`` (the cheaper by estimate): on the
@@ -107,7 +110,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("runs/bench_long_levers"))
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--baseline", default="190be02", help="git revision of 'today'")
-    parser.add_argument("--only", default="gen,attn,check,train,linear,layout")
+    parser.add_argument("--only", default="gen,attn,check,train,linear,profile,layout")
     args = parser.parse_args()
     only = set(args.only.split(","))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
@@ -248,6 +251,9 @@ def main() -> None:
     if "linear" in only:
         linear_lever(model, prompts, ids, params, args.reps)
 
+    if "profile" in only:
+        profile_lever(model, prompts, ids, params)
+
     if "layout" in only:
         print("\nlayout: forward + backward of a minibatch of 32 completions")
         print("| workload | prompt shared | not shared | auto |\n|---|---|---|---|")
@@ -356,6 +362,31 @@ def linear_lever(model, prompts, ids, params, reps: int) -> None:
             f"{statistics.median(train_times[kernel]):.3f} |",
             flush=True,
         )
+
+
+def profile_lever(model, prompts, ids, params) -> None:
+    """Self CPU time of one rollout batch (after a warm-up one), by kind of operation."""
+    from torch.profiler import profile
+
+    engine = rollout.TorchEngine(onednn_copy(model), **ids)
+    engine.generate(prompts, n=8, params=params, seed=2)
+    with profile() as prof:
+        engine.generate(prompts, n=8, params=params, seed=2)
+    kinds = {"linear products (oneDNN)": 0.0, "attention products (bmm, baddbmm)": 0.0}
+    rest = 0.0
+    for event in prof.key_averages():
+        seconds = event.self_cpu_time_total / 1e6
+        if event.key == "mkldnn::_linear_pointwise":
+            kinds["linear products (oneDNN)"] += seconds
+        elif event.key in ("aten::bmm", "aten::baddbmm"):
+            kinds["attention products (bmm, baddbmm)"] += seconds
+        else:
+            rest += seconds
+    kinds["everything else (elementwise, cache writes, sampling)"] = rest
+    print("\nprofile: one rollout batch (256 new tokens), self CPU time (s)")
+    print(f"| kind | s |\n|---|---|\n| all | {sum(kinds.values()):.2f} |")
+    for name, seconds in kinds.items():
+        print(f"| {name} | {seconds:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
