@@ -80,13 +80,13 @@ class _OneDNNLinear(torch.autograd.Function):
         flat = x.reshape(-1, x.shape[-1])
         g = grad.reshape(-1, weight.shape[0])
         need_x, need_w, need_b = ctx.needs_input_grad
-        # the weight's transpose as a strided view: a contiguous copy costs more than it
-        # saves (186 vs 552 ms for a [256 x 151936] x [151936 x 1024] LM-head chunk)
+        # the weight's transpose as a strided view: a contiguous copy of it costs more
+        # than it saves (of a vocabulary projection's weight, far more)
         grad_x = _mm(g, weight.t()).view(x.shape) if need_x else None
         # grad_w = g^T x, [N, M] x [M, K]. oneDNN is faster when its product has fewer
-        # rows than columns (M=6100, K=256, N=768: 6.9 ms for the transpose against 8.9),
-        # so for N > K it computes [K, N] and transposes that, unless the copy of the
-        # result outweighs the gain (a vocabulary projection: 615 against 413 ms).
+        # rows than columns, so for N > K it computes [K, N] and transposes that, unless
+        # the copy of the result outweighs the gain (weights above _TRANSPOSE_MAX, e.g. a
+        # vocabulary projection); `long_levers.py --only linear` times both shapes.
         grad_w = None
         n, k = weight.shape
         if need_w and k < n <= _TRANSPOSE_MAX // k:
