@@ -11,7 +11,9 @@ vocabulary, so completions run to ``max_new_tokens``), 16 prompts x 8 responses:
   with either attention kernel (``KVDecoder.attention``), and with its linear layers on
   oneDNN (``model.cpu_linear``, the default of ``gspo train`` on the CPU);
   generated tokens/s and the share of this machine's float32 matmul peak they reach
-  (2 x the weights per token, attention not counted).
+  (2 x the weights per token, attention not counted). Then the floor of such a batch on
+  this machine: its weight products at the matmul peak plus reading the key/value cache
+  of every unfinished row at every step at the memory bandwidth (``decode_floor``).
 - attn: one layer's single-query attention at batch 128, 206 cached tokens, the
   reference model's heads (4 query / 2 key-value, head_dim 64): ``scaled_dot_product_
   attention`` on [rows, kv heads, columns, head_dim] views of the buffers (the
@@ -48,6 +50,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -59,7 +62,14 @@ sys.path.insert(0, str(HERE))
 
 import workload  # noqa: E402
 from levers import interleaved_times  # noqa: E402
-from vs_trl import LONG, flops_per_token, gspo_summary, matmul_peak, run_gspo  # noqa: E402
+from vs_trl import (  # noqa: E402
+    LONG,
+    flops_per_token,
+    gspo_summary,
+    matmul_peak,
+    model_config,
+    run_gspo,
+)
 
 from gspo import rollout  # noqa: E402
 from gspo.decoding import KVDecoder  # noqa: E402
@@ -82,6 +92,40 @@ def engine_at(revision: str):
     sys.modules[path.stem] = module
     spec.loader.exec_module(module)
     return module
+
+
+def memory_bandwidth(mib: int = 512, reps: int = 5) -> float:
+    """This machine's memory read rate, bytes/s: the median time to sum a float32 tensor
+    of ``mib`` MiB, far larger than the CPU's caches."""
+    x = torch.ones(mib * 2**18)
+    x.sum()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - start)
+    return x.numel() * 4 / statistics.median(times)
+
+
+def decode_floor(batch, work: Path, peak: float, bandwidth: float) -> tuple[float, float]:
+    """(weight products s, key/value reads s): the least time to decode ``batch`` here.
+
+    Every generated token's products with the weights at the matmul ``peak``
+    (:func:`vs_trl.flops_per_token`), and every decoding step reading the keys and values
+    of each unfinished row's context (its prompt without padding and its tokens so far,
+    every layer, float32) at the memory ``bandwidth``: rows leave the moment they finish.
+    The first token of each row comes from the prompt's prefill and reads no cache.
+    """
+    config = model_config(work)
+    per_context_token = (
+        2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * 4
+    )
+    per_token, _ = flops_per_token(work)
+    t = batch.completion_mask.sum(-1).double()
+    p = batch.prompt_mask.sum(-1).double()
+    steps = (t - 1).clamp(min=0)  # decoding steps after the prefill's token
+    context = steps * p + steps * (steps + 1) / 2  # context tokens read over those steps
+    return per_token * float(t.sum()) / peak, per_context_token * float(context.sum()) / bandwidth
 
 
 def onednn_copy(model):
@@ -121,13 +165,12 @@ def main() -> None:
     print(f"matmul peak: {peak / 1e9:.1f} GFLOP/s", flush=True)
     per_token, _ = flops_per_token(work)
 
-    def generate(engine, counts: list[int], attention: str = "products") -> Callable[[], object]:
+    def generate(engine, batches: list, attention: str = "products") -> Callable[[], object]:
         seeds = iter(range(10**6))
 
         def run() -> None:
             KVDecoder.attention = attention
-            batch = engine.generate(prompts, n=8, params=params, seed=next(seeds) % 3)
-            counts.append(int(batch.completion_mask.sum()))
+            batches.append(engine.generate(prompts, n=8, params=params, seed=next(seeds) % 3))
 
         return run
 
@@ -150,20 +193,33 @@ def main() -> None:
                 "products",
             ),
         }
-        counts: dict[str, list[int]] = {name: [] for name in engines}
+        batches: dict[str, list] = {name: [] for name in engines}
         times = interleaved_times(
-            {k: generate(e, counts[k], a) for k, (e, a) in engines.items()}, args.reps
+            {k: generate(e, batches[k], a) for k, (e, a) in engines.items()}, args.reps
         )
         KVDecoder.attention = default
         print("\ngen: one rollout batch, 128 responses, up to 256 new tokens")
         print("| decoder | median s | tokens/s | share of matmul peak |\n|---|---|---|---|")
         for name, ts in times.items():
-            rate = sum(counts[name][1:]) / sum(ts)  # the warm-up's tokens are not timed
+            # the warm-up's tokens are not timed
+            rate = sum(int(b.completion_mask.sum()) for b in batches[name][1:]) / sum(ts)
             print(
                 f"| {name} | {statistics.median(ts):.2f} | {rate:,.0f} | "
                 f"{rate * per_token / peak:.2f} |",
                 flush=True,
             )
+        bandwidth = memory_bandwidth()
+        fastest = batches["KVDecoder, batched products, oneDNN linears"][1:]
+        floors = [decode_floor(b, work, peak, bandwidth) for b in fastest]
+        weights, reads = (statistics.median(f[i] for f in floors) for i in (0, 1))
+        baseline = statistics.median(times[f"TorchEngine at {args.baseline}"])
+        print(
+            f"\nfloor of one such batch on this machine: weight products at the matmul peak "
+            f"{weights:.2f} s + key/value cache reads at {bandwidth / 1e9:.1f} GB/s "
+            f"{reads:.2f} s = {weights + reads:.2f} s; 3x {args.baseline}'s speed is "
+            f"{baseline / 3:.2f} s",
+            flush=True,
+        )
 
     if "attn" in only:
         import torch.nn.functional as F
