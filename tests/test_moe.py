@@ -15,10 +15,12 @@ from gspo.moe import (
     capture_router_logits,
     capture_routing,
     expert_change_fraction,
+    experts_implementation,
     find_routers,
     load_balancing_loss,
     replay_routing,
     response_token_mask,
+    set_experts_implementation,
     use_padded_experts,
 )
 from gspo.telemetry import read_metrics
@@ -487,14 +489,19 @@ def test_padded_experts_match_the_eager_loop(tokenizer):
         grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
         return logits.detach(), grads, recorder.experts
 
+    default = run()  # as transformers set the model up
+    set_experts_implementation(model, "eager")
+    assert model.config._experts_implementation == "eager"
     eager = run()
     use_padded_experts(model)
+    assert experts_implementation(model) == "padded"
     padded = run()
-    assert torch.equal(eager[2], padded[2])  # same routing
-    assert torch.allclose(eager[0], padded[0], atol=1e-5)
-    assert len(eager[1]) == len(padded[1])
-    for a, b in zip(eager[1], padded[1], strict=True):
-        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+    for other in (default, padded):
+        assert torch.equal(eager[2], other[2])  # same routing
+        assert torch.allclose(eager[0], other[0], atol=1e-5)
+        assert len(eager[1]) == len(other[1])
+        for a, b in zip(eager[1], other[1], strict=True):
+            assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
     with pytest.raises(ValueError, match="no expert modules"):
         use_padded_experts(torch.nn.Linear(2, 2))
 
@@ -555,3 +562,30 @@ def test_router_aux_loss_with_async_rollouts_trains(tmp_path, varied_reward):
         lines = [r for r in records if "train/loss" in r]
         assert [r["step"] for r in lines] == list(range(1, 9))
         assert all(r["moe/router_aux_loss"] > 0.1 * 2 * 0.99 for r in lines)
+
+
+@pytest.mark.parametrize("implementation", ["auto", "eager", "padded"])
+def test_a_run_computes_its_policy_and_kl_reference_experts_as_configured(
+    tmp_path, tokenizer, implementation
+):
+    overrides = [*FAST_MOE, "train.max_steps=1", "algorithm.minibatches=1", "algorithm.kl_coef=0.1",
+                 f"model.experts_implementation={implementation}"]  # fmt: skip
+    trainer = Trainer(load_config(None, overrides), tmp_path / "run")
+    trainer.fit()
+    reference = trainer.reference.module
+    assert reference is not None  # loaded by the KL term
+    for module in (trainer.policy.module, reference):
+        chosen = experts_implementation(module)
+        if implementation == "auto":  # transformers' own choice, whatever it is
+            assert chosen == experts_implementation(build_tiny_model(MOE, tokenizer, seed=0))
+        else:
+            assert chosen == implementation
+
+
+def test_an_experts_implementation_this_transformers_lacks_is_one_line(tokenizer):
+    model = build_tiny_model(FINE, tokenizer, seed=0)
+    with pytest.raises(ValueError, match=r"^model.experts_implementation=nonesuch: "):
+        set_experts_implementation(model, "nonesuch")
+    dense = torch.nn.Linear(2, 2)
+    set_experts_implementation(dense, "nonesuch")  # a dense model is left as it is
+    assert experts_implementation(dense) == "auto"

@@ -84,12 +84,14 @@ class ModelConfig(_Section):
         description="Built-in qwen3_moe: renormalise the top-k routing weights to sum to 1 "
         "(Qwen3-MoE's setting); false = the raw softmax probabilities",
     )
-    experts_implementation: Literal["eager", "padded"] = Field(
-        "eager",
-        description="How MoE experts compute (any MoE model): eager = transformers' loop "
-        "over experts; padded = gspo's three batched matmuls, the same sums up to rounding "
-        "and much faster with many experts on CPU (14 s -> 1.3 s per forward+backward at "
-        "128 experts)",
+    experts_implementation: Literal["auto", "eager", "grouped_mm", "batched_mm", "padded"] = Field(
+        "auto",
+        description="How MoE experts compute (any MoE model; the same sums up to "
+        "rounding): auto = as transformers sets the model up (grouped_mm in "
+        "transformers 5.24); eager, grouped_mm, batched_mm = transformers' own (eager: "
+        "its loop over experts); padded = gspo's three batched matmuls (faster than the "
+        "eager loop with many experts on CPU, slower than grouped_mm: "
+        "benchmarks/moe_experts.py)",
     )
     cpu_linear: Literal["onednn", "torch"] = Field(
         "onednn",

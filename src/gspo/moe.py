@@ -325,9 +325,9 @@ def padded_experts_forward(
     (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral). The (token, slot) pairs are sorted by expert
     into an ``[E, C, H]`` block padded to the busiest expert's count ``C``; the same sums
     as the eager loop up to float rounding. The eager loop's backward writes a full-size
-    zero gradient of the expert weights per expert it indexes; with 128 experts that cost
-    a 4-layer model 14 s per forward and backward of 512 tokens on 2 CPU cores against
-    1.3 s here (``padded``), at 8 experts the two are alike.
+    zero gradient of the expert weights per expert it indexes, so with many experts this
+    is several times faster on the CPU; transformers 5.24's default, ``grouped_mm``, is
+    faster still (``benchmarks/moe_experts.py``).
     """
     k = top_k_index.shape[1]
     count = experts.num_experts
@@ -374,3 +374,41 @@ def use_padded_experts(model: nn.Module) -> None:
             )
     ALL_EXPERTS_FUNCTIONS.register(PADDED, padded_experts_forward)
     model.set_experts_implementation(PADDED)
+
+
+def experts_implementation(model: nn.Module) -> str:
+    """How ``model``'s experts compute, as a ``model.experts_implementation`` value
+    (``auto`` for a dense model or a transformers without the choice)."""
+    name = getattr(getattr(model, "config", None), "_experts_implementation", None)
+    if not is_moe(model) or not name:
+        return "auto"
+    return "padded" if name == PADDED else str(name)
+
+
+def set_experts_implementation(model: nn.Module, implementation: str) -> None:
+    """Compute an MoE ``model``'s experts the way ``model.experts_implementation`` says.
+
+    ``auto`` keeps what transformers chose when it built or loaded the model
+    (``grouped_mm`` in transformers 5.24), ``padded`` is :func:`padded_experts_forward`,
+    any other name is passed to transformers' ``set_experts_implementation`` (``eager``:
+    its loop over experts). The same sums up to rounding in every case. A dense model is
+    left as it is; a name this transformers cannot use raises ``ValueError``.
+    """
+    if implementation == "auto" or not is_moe(model):
+        return
+    if implementation == "padded":
+        use_padded_experts(model)
+        return
+    setter = getattr(model, "set_experts_implementation", None)
+    if setter is None:
+        import transformers
+
+        raise ValueError(
+            f"model.experts_implementation={implementation}: transformers "
+            f"{transformers.__version__} cannot choose how experts compute; use auto"
+        )
+    try:
+        setter(implementation)
+    except (ValueError, ImportError, KeyError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"model.experts_implementation={implementation}: {reason}") from None

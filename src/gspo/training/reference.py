@@ -8,6 +8,7 @@ import torch
 
 from gspo.kernels import linear_kernel, set_linear_kernel
 from gspo.models import load_model
+from gspo.moe import experts_implementation, set_experts_implementation
 from gspo.rollout import RolloutBatch
 from gspo.training.checkpoint import checkpoint_dir
 from gspo.training.policy import Policy
@@ -39,5 +40,6 @@ class Reference:
             self.module, _ = load_model(self.path, device=self.policy.device, dtype=torch.float32)
             self.module.eval().requires_grad_(False)
             set_linear_kernel(self.module, linear_kernel(self.policy.module))
+            set_experts_implementation(self.module, experts_implementation(self.policy.module))
         with torch.no_grad():
             return self.policy.logprobs(batch, self.module)

@@ -20,7 +20,7 @@ from gspo.models import (
     load_model,
     save_pretrained_atomic,
 )
-from gspo.moe import find_routers, is_moe, use_padded_experts
+from gspo.moe import find_routers, is_moe, set_experts_implementation
 from gspo.tasks import BUILTIN_TASKS, TaskData
 from gspo.training.lora import (
     adam_state_bytes,
@@ -134,8 +134,7 @@ def build_policy_model(
     else:
         model, tokenizer = build_or_load_model(config, output_dir, device, dist)
         model_dir = Path(config.model.path or output_dir / "base_model")
-    if config.model.experts_implementation == "padded" and is_moe(model):
-        use_padded_experts(model)
+    set_experts_implementation(model, config.model.experts_implementation)
     if lora.r > 0:
         # on CUDA the frozen base sits in the compute dtype (bf16: 2 bytes a weight)
         base_dtype = compute_dtype if device.type == "cuda" else torch.float32
