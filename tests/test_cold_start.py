@@ -10,6 +10,7 @@ import gspo.training.cold_start as cs
 from gspo.cli import main
 from gspo.config import load_config
 from gspo.distributed import Distributed
+from gspo.kernels import onednn_available
 from gspo.telemetry import read_metrics
 from gspo.trainer import Trainer, latest_checkpoint
 
@@ -101,7 +102,7 @@ def test_identical_cold_start_comes_from_the_cache(
         main(["train", "--output-dir", str(tmp_path / "lr"), *overrides, "train.seed=1"])
 
 
-def test_cache_key_covers_what_decides_the_cold_start(tmp_path):
+def test_cache_key_covers_what_decides_the_cold_start(tmp_path, monkeypatch):
     rows = [{"prompt": "1+1=", "completion": "2"}]
     one = Distributed()
 
@@ -122,6 +123,13 @@ def test_cache_key_covers_what_decides_the_cold_start(tmp_path):
     ):
         assert key(changed) != base, changed
     assert key(rows=[{"prompt": "1+1=", "completion": "3"}]) != base
+    # a cache made where the CPU takes other kernels (no oneDNN, another ISA) is not reused
+    with monkeypatch.context() as m:
+        m.setattr(cs, "onednn_available", lambda: not onednn_available())
+        assert key() != base
+    with monkeypatch.context() as m:
+        m.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "NO AVX")
+        assert key() != base
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")

@@ -30,6 +30,7 @@ import torch
 import gspo
 from gspo.config import Config
 from gspo.distributed import Distributed, load_sharded, save_sharded
+from gspo.kernels import onednn_available
 from gspo.rollout import pad_batch
 from gspo.tasks import encode_prompt
 from gspo.telemetry import MetricsLogger
@@ -61,7 +62,8 @@ def cold_start_key(config: Config, rows: list[dict[str, Any]], dist: Distributed
     The model and data settings (and a user model's files), the SFT rows, the ``train.cold_start_*``
     settings, the seed, the sampling temperature (log-probs are taken at it), the number of
     ranks (each draws its own rows), and the code: gspo's source, torch and transformers
-    versions. Anything else (RL settings, logging, checkpoints) does not enter it.
+    versions, and which kernels this CPU takes. Anything else (RL settings, logging,
+    checkpoints) does not enter it.
     """
     import transformers
 
@@ -75,6 +77,9 @@ def cold_start_key(config: Config, rows: list[dict[str, Any]], dist: Distributed
         "environment": config.environment,  # its tools enter the prompts
         "world_size": dist.world_size,
         "versions": [torch.__version__, transformers.__version__],
+        # the kernels the CPU takes (oneDNN's linear layers or MKL's, AVX2 or AVX-512)
+        # round differently
+        "cpu": [torch.backends.cpu.get_cpu_capability(), onednn_available()],
     }
     h.update(json.dumps(settings, sort_keys=True).encode())
     h.update(json.dumps(rows, sort_keys=True, default=str).encode())
