@@ -258,3 +258,77 @@ def test_fast_decoder_runs_the_moe_builtin_like_the_reference(tokenizer):
     )
     assert torch.equal(fast.completion_ids, ref.completion_ids)
     assert (fast.sampler_logprobs - ref.sampler_logprobs).abs().max() < 1e-5
+
+
+def lora_model(model, targets, *, use_dora=False, seed=0):
+    """``model`` with PEFT LoRA adapters on ``targets``, their B made non-zero (fresh
+    adapters add nothing) so that they change what the model samples."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, use_dora=use_dora)
+    peft_model = get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    return peft_model.eval()
+
+
+@pytest.mark.parametrize("linear", ["torch", "onednn"])
+@pytest.mark.parametrize(
+    "targets", ["all-linear", ["q_proj", "v_proj"], ["gate_proj", "down_proj"]]
+)
+def test_fast_decoder_merges_lora_adapters_and_samples_what_peft_samples(
+    tokenizer, tiny_model, targets, linear
+):
+    """A LoRA model decodes on the fast path with its adapters merged for the call: the
+    same tokens as PEFT's own forward (the reference decoder), log-probs within 1e-5, the
+    base weights untouched, and the adapters' effect kept (tokens differ without them)."""
+    from gspo.decoding import KVDecoder, make_decoder
+    from gspo.kernels import onednn_available, set_linear_kernel
+
+    if linear == "onednn" and not onednn_available():
+        pytest.skip("this torch has no oneDNN")
+    with torch.no_grad():
+        tiny_model.lm_head.weight[tokenizer.eos_token_id] *= 0  # long rows
+    model = lora_model(tiny_model, targets)
+    assert set_linear_kernel(model, linear) == linear
+    decoder = make_decoder(model)
+    assert isinstance(decoder, KVDecoder)
+    adapted_mlps = sum(layer.mlp_weights is not None for layer in decoder.layers)
+    assert adapted_mlps == (0 if targets == ["q_proj", "v_proj"] else len(decoder.layers))
+    base = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
+    kw = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    params = SamplingParams(max_new_tokens=20, temperature=0.8)
+    texts = ("12+34=", "5+6=", "123+456=")
+    fast = TorchEngine(model, **kw).generate(prompts(tokenizer, texts), n=4, params=params, seed=1)
+    ref = TorchEngine(model, fast=False, **kw).generate(
+        prompts(tokenizer, texts), n=4, params=params, seed=1
+    )
+    assert torch.equal(fast.completion_ids, ref.completion_ids)
+    assert (fast.sampler_logprobs - ref.sampler_logprobs).abs().max() < 1e-5
+    after = {k: v for k, v in model.state_dict().items() if "lora_" not in k}
+    assert all(torch.equal(base[k], after[k]) for k in base)
+    with model.disable_adapter():  # the base model alone, also on the fast path
+        plain = TorchEngine(model, **kw).generate(
+            prompts(tokenizer, texts), n=4, params=params, seed=1
+        )
+        plain_ref = TorchEngine(model, fast=False, **kw).generate(
+            prompts(tokenizer, texts), n=4, params=params, seed=1
+        )
+    assert torch.equal(plain.completion_ids, plain_ref.completion_ids)
+    assert not torch.equal(plain.completion_ids, fast.completion_ids)
+
+
+def test_dora_and_bf16_lora_take_the_reference_decoder(tokenizer, tiny_model):
+    import copy
+
+    from gspo.decoding import KVDecoder, ModelDecoder, make_decoder
+
+    dora = lora_model(copy.deepcopy(tiny_model), ["q_proj"], use_dora=True)
+    assert isinstance(make_decoder(dora), ModelDecoder)
+    lora = lora_model(tiny_model, ["q_proj"])
+    assert isinstance(make_decoder(lora), KVDecoder)
+    lora.to(torch.bfloat16)  # merged into bf16 weights the update would round away
+    assert isinstance(make_decoder(lora), ModelDecoder)

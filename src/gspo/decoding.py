@@ -8,7 +8,10 @@ Two implementations of one small interface (``prefill``, ``step``, ``select``):
   written as a few fused tensor operations (one QKV matmul, one norm and one rotary
   embedding over queries and keys together, single-query attention on the key/value
   heads). The MLP of each layer is called as the model's own module, so MoE blocks and
-  their routers run unchanged.
+  their routers run unchanged. A LoRA model (PEFT adapters on the linear layers, float32)
+  decodes with each adapted matrix merged for the call, ``W + scale * B @ A`` (what
+  PEFT's merge computes; the base weights are not touched), dense MLPs included, instead
+  of PEFT's extra products and dispatch per layer and step.
 - :class:`ModelDecoder`, the reference: the transformers forward with a ``DynamicCache``,
   for every other model (and to check the fast path against).
 
@@ -38,6 +41,10 @@ FAST_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe
 _NORMS = frozenset(
     {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm"}
 )
+
+#: Dense MLP classes computing ``down(act(gate(x)) * up(x))`` (transformers 5.24), which
+#: the fast step computes itself when LoRA adapters sit on their projections.
+_MLPS = frozenset({"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Qwen2MoeMLP", "Qwen3MoeMLP"})
 
 
 def cached_forward(model: nn.Module, cache, **inputs):
@@ -117,6 +124,9 @@ class _Layer:
     o: Tensor
     post_norm: Tensor
     mlp: nn.Module
+    #: gate, up and down matrices of a dense MLP whose projections carry LoRA adapters
+    #: (merged for the call); None: the MLP is called as its module
+    mlp_weights: tuple[Tensor, Tensor, Tensor] | None = None
 
 
 class KVDecoder:
@@ -153,8 +163,8 @@ class KVDecoder:
             a = layer.self_attn
             projections = (a.q_proj, a.k_proj, a.v_proj)
             bias = None
-            if a.q_proj.bias is not None:
-                bias = torch.cat([p.bias for p in projections]).to(dtype)
+            if _bias(a.q_proj) is not None:
+                bias = torch.cat([_bias(p) for p in projections]).to(dtype)
             qk_norm = None
             if hasattr(a, "q_norm"):
                 qk_norm = torch.cat(
@@ -163,15 +173,22 @@ class KVDecoder:
                         a.k_norm.weight.expand(self.kv_heads, -1),
                     ]
                 )
+            mlp_weights = None
+            if _adapted_mlp(layer.mlp):
+                m = layer.mlp
+                mlp_weights = tuple(
+                    _weight(p).to(dtype) for p in (m.gate_proj, m.up_proj, m.down_proj)
+                )
             self.layers.append(
                 _Layer(
                     input_norm=layer.input_layernorm.weight,
-                    qkv=torch.cat([p.weight for p in projections]).to(dtype),
+                    qkv=torch.cat([_weight(p) for p in projections]).to(dtype),
                     qkv_bias=bias,
                     qk_norm=qk_norm,
-                    o=a.o_proj.weight.to(dtype),
+                    o=_weight(a.o_proj).to(dtype),
                     post_norm=layer.post_attention_layernorm.weight,
                     mlp=layer.mlp,
+                    mlp_weights=mlp_weights,
                 )
             )
 
@@ -179,9 +196,10 @@ class KVDecoder:
     def supports(model: nn.Module) -> bool:
         """Whether ``model``'s layers are exactly those :class:`KVDecoder` reimplements.
 
-        Checked module by module (plain ``nn.Linear`` projections, no bias on the output
-        projection, the expected RMSNorms, full attention, a RoPE that does not depend on
-        the sequence length), so a wrapped projection (an adapter) or another attention
+        Checked module by module (plain ``nn.Linear`` projections or PEFT LoRA layers over
+        them in float32, no bias on the output projection, the expected RMSNorms, full
+        attention, a RoPE that does not depend on the sequence length), so another
+        adapter (DoRA, a merged or bf16 LoRA layer), another wrapper or another attention
         takes the reference path.
         """
         config = getattr(model, "config", None)
@@ -205,9 +223,15 @@ class KVDecoder:
         for layer in decoder.layers:
             a = layer.self_attn
             linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
-            if any(type(p) is not nn.Linear for p in linears) or a.o_proj.bias is not None:
+            if not all(_mergeable(p) for p in linears) or _bias(a.o_proj) is not None:
                 return False
-            if len({p.bias is None for p in linears[:3]}) != 1:
+            if len({_bias(p) is None for p in linears[:3]}) != 1:
+                return False
+            mlp = layer.mlp
+            adapted = [
+                _is_lora(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")
+            ]
+            if any(adapted) and not _adapted_mlp(mlp):
                 return False
             if hasattr(a, "q_norm") and type(a.q_norm).__name__ not in _NORMS:
                 return False
@@ -216,7 +240,10 @@ class KVDecoder:
                 return False
             if getattr(a, "sliding_window", None) is not None:
                 return False
-        return True
+        # merged adapters in a 16-bit compute dtype would round the (small) update away
+        # into the base weight's precision: float32 only
+        adapters = any(_is_lora(m) for m in decoder.modules())
+        return not adapters or _compute_dtype(next(model.parameters())) == torch.float32
 
     def prefill(self, ids: Tensor, mask: Tensor, n: int, capacity: int) -> Tensor:
         """``[U, P]`` distinct prompts -> logits ``[U * n, V]`` of each response's first token.
@@ -296,7 +323,12 @@ class KVDecoder:
                 )
             h = h + self.linear(out.reshape(rows, heads * d), layer.o)
             x = F.rms_norm(h, (h.shape[-1],), layer.post_norm, self.eps)
-            h = h + layer.mlp(x.unsqueeze(1)).squeeze(1)
+            if layer.mlp_weights is None:
+                h = h + layer.mlp(x.unsqueeze(1)).squeeze(1)
+            else:
+                gate, up, down = layer.mlp_weights
+                act = layer.mlp.act_fn(self.linear(x, gate)) * self.linear(x, up)
+                h = h + self.linear(act, down)
         h = F.rms_norm(h, (h.shape[-1],), self.final_norm, self.eps)
         return self.linear(h, self.head)
 
@@ -326,3 +358,59 @@ def _compute_dtype(weight: Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return weight.dtype
+
+
+def _is_lora(module: nn.Module | None) -> bool:
+    """Whether ``module`` is a PEFT LoRA layer (a base layer plus adapters)."""
+    return module is not None and hasattr(module, "base_layer") and hasattr(module, "lora_A")
+
+
+def _mergeable(p: nn.Module) -> bool:
+    """A plain ``nn.Linear``, or a PEFT LoRA layer over one whose active adapters add
+    ``scale * B @ A`` (no DoRA or other variant, no adapter bias, not merged in place),
+    in float32."""
+    if type(p) is nn.Linear:
+        return True
+    if not _is_lora(p) or type(p.base_layer) is not nn.Linear or p.merged:
+        return False
+    active = [a for a in p.active_adapters if a in p.lora_A]
+    for a in active:
+        if a in getattr(p, "lora_variant", {}) or p.use_dora.get(a, False):
+            return False
+        if getattr(p, "lora_bias", {}).get(a, False):
+            return False
+        if p.lora_A[a].weight.dtype != torch.float32 or p.lora_B[a].weight.dtype != torch.float32:
+            return False
+    return p.base_layer.weight.dtype == torch.float32
+
+
+def _weight(p: nn.Module) -> Tensor:
+    """The matrix ``p`` multiplies by: its weight, or a LoRA layer's base weight plus each
+    active adapter's ``scale * B @ A`` (PEFT's own ``get_delta_weight``, as its merge)."""
+    if type(p) is nn.Linear:
+        return p.weight
+    weight = p.base_layer.weight
+    if p.disable_adapters:
+        return weight
+    for a in p.active_adapters:
+        if a in p.lora_A:
+            weight = weight + p.get_delta_weight(a)
+    return weight
+
+
+def _bias(p: nn.Module) -> Tensor | None:
+    return (p.base_layer if _is_lora(p) else p).bias
+
+
+def _adapted_mlp(mlp: nn.Module) -> bool:
+    """A dense gated MLP (``down(act(gate(x)) * up(x))``) with LoRA adapters on its
+    projections, each mergeable and without bias: the fast step computes it itself."""
+    names = ("gate_proj", "up_proj", "down_proj")
+    projections = [getattr(mlp, n, None) for n in names]
+    if any(p is None for p in projections) or not hasattr(mlp, "act_fn"):
+        return False
+    if not any(_is_lora(p) for p in projections):
+        return False
+    if type(mlp).__name__ not in _MLPS:
+        return False
+    return all(_mergeable(p) and _bias(p) is None for p in projections)
