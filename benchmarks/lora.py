@@ -1,6 +1,11 @@
 """LoRA against full fine-tuning: per-step time, and the memory of the KL reference.
 
     flock /tmp/gspo-timing.lock python benchmarks/lora.py [--repeats 3] [--ranks 8 32]
+    python benchmarks/lora.py --generation [--repeats 3] [--ranks 8]
+
+generation (``--generation``, only it): one rollout batch of the full model and of the
+LoRA model, through PEFT's forward and on the fast decoder with the adapters merged for
+the call (:func:`measure_generation`).
 
 time: gspo on the reference workload of ``vs_trl.py`` (``benchmarks/workload.py``: 16
 prompts x 8 responses per rollout batch, 4 optimizer steps per rollout batch, 32 new
@@ -38,6 +43,7 @@ import resource
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -89,6 +95,76 @@ def measure_time(work: Path, ranks: list[int], repeats: int) -> dict[str, list[d
             results[name].append({**step_times(run), "cpu": children_cpu_seconds() - cpu})
             print(f"repeat {rep + 1}/{repeats} {name}: {results[name][-1]}", flush=True)
     return results
+
+
+def rollout_batch(engine, prompts: list, params, tokens: list[int]) -> Callable[[], object]:
+    """A run of one rollout batch (16 prompts x 8) that appends its completion tokens to
+    ``tokens``; seeds 0, 1, 2, 0, ... in turn."""
+
+    def run() -> None:
+        out = engine.generate(prompts, n=8, params=params, seed=len(tokens) % 3)
+        tokens.append(int(out.completion_mask.sum()))
+
+    return run
+
+
+def measure_generation(workdir: Path, rank: int, repeats: int) -> list[str]:
+    """One rollout batch (16 prompts x 8) by ``TorchEngine``: the full model on the fast
+    decoder, the LoRA model (rank ``rank``, all-linear, the adapters' B random so that
+    they count) through PEFT's forward (the reference decoder, what LoRA runs took before
+    the fast decoder merged adapters) and on the fast decoder with its adapters merged;
+    at 32 new tokens on the reference workload and 256 on the long one (the 520-token
+    vocabulary of ``vs_trl.py --long``). Linear layers on ``model.cpu_linear``'s default,
+    as ``gspo train`` has them; variants interleaved, medians in seconds."""
+    import copy
+
+    import torch
+    from levers import interleaved_times
+
+    from gspo.config import LoraSettings
+    from gspo.kernels import set_linear_kernel
+    from gspo.models import load_model
+    from gspo.rollout import SamplingParams, TorchEngine
+    from gspo.tasks import encode_prompt
+    from gspo.training.lora import attach_lora
+
+    lines = [
+        f"| workload | full model, fast decoder | LoRA r={rank}, PEFT forward | "
+        f"LoRA r={rank}, fast decoder (merged) | LoRA speed-up | completion tokens |",
+        "|---|---|---|---|---|---|",
+    ]
+    cases = [("reference, 32 new tokens", workdir / "gen_reference", None, 32)]
+    cases.append(("long, 256 new tokens", workdir / "gen_long", workload.LONG_VOCAB, 256))
+    for label, folder, vocab, new_tokens in cases:
+        work = workload.build(folder, vocab=vocab)
+        cpu = torch.device("cpu")
+        full, tokenizer = load_model(work / "model", device=cpu, dtype=torch.float32)
+        rows = [json.loads(x) for x in (work / "train.jsonl").read_text().splitlines()[:16]]
+        prompts = [encode_prompt(r["prompt"], tokenizer) for r in rows]
+        lora = attach_lora(copy.deepcopy(full), LoraSettings(r=rank), seed=0)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, param in lora.named_parameters():
+                if "lora_B" in name:
+                    param.copy_(torch.randn(param.shape, generator=gen) * 0.01)
+        for model in (full, lora):
+            set_linear_kernel(model)
+            model.eval()
+        ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)
+        engines = {
+            "full": TorchEngine(full, **ids),
+            "peft": TorchEngine(lora, fast=False, **ids),
+            "merged": TorchEngine(lora, **ids),
+        }
+        tokens: dict[str, list[int]] = {name: [] for name in engines}
+        runs = {k: rollout_batch(e, prompts, params, tokens[k]) for k, e in engines.items()}
+        times = interleaved_times(runs, repeats)
+        f, p, m = (statistics.median(times[k]) for k in engines)
+        counts = " / ".join(f"{statistics.median(tokens[k]):,.0f}" for k in engines)
+        lines.append(f"| {label} | {f:.2f} | {p:.2f} | {m:.2f} | {p / m:.2f}x | {counts} |")
+        print(lines[-1], flush=True)
+    return lines
 
 
 def rss_bytes() -> int:
@@ -207,9 +283,18 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--skip-time", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument(
+        "--generation",
+        action="store_true",
+        help="only the generation lever: one rollout batch, full vs LoRA through PEFT vs "
+        "LoRA merged on the fast decoder (rank: the first of --ranks)",
+    )
     args = parser.parse_args()
-    work = workload.build(args.workdir)
     print(f"commit {vs_trl.revision()}", flush=True)
+    if args.generation:
+        print("\n".join(measure_generation(args.workdir, args.ranks[0], args.repeats)))
+        return
+    work = workload.build(args.workdir)
     times = {} if args.skip_time else measure_time(work, args.ranks, args.repeats)
     memory = {} if args.skip_memory else measure_memory(args.workdir, args.ranks)
     text = report(times, memory, args.repeats)
