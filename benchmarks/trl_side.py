@@ -2,7 +2,8 @@
 
 GSPO in TRL is ``importance_sampling_level="sequence"`` with ``loss_type="grpo"``. Run as a
 separate process: ``python benchmarks/trl_side.py WORKLOAD_DIR OUTPUT_DIR [STEPS [MAX_NEW_TOKENS
-[LR [DEVICE]]]]`` (defaults 32, 32, 1e-4, cpu: the reference schedule; on ``cuda``, bf16).
+[LR [DEVICE [LORA_RANK]]]]]`` (defaults 32, 32, 1e-4, cpu, 0: the reference schedule; on
+``cuda``, bf16; a LoRA rank > 0 trains adapters through TRL's ``peft_config``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def main(
     max_new_tokens: int = 32,
     learning_rate: float = 1e-4,
     device: str = "cpu",
+    lora: int = 0,
 ) -> None:
     import torch
     from datasets import load_dataset
@@ -61,8 +63,20 @@ def main(
         seed=0,
         disable_tqdm=True,
     )
+    peft_config = None
+    if lora > 0:  # LoRA as gspo's model.lora.r: all linear layers but the head, alpha 32
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(
+            r=lora, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"
+        )
     trainer = GRPOTrainer(
-        model=model, reward_funcs=dense, args=args, train_dataset=data, processing_class=tokenizer
+        model=model,
+        reward_funcs=dense,
+        args=args,
+        train_dataset=data,
+        processing_class=tokenizer,
+        peft_config=peft_config,
     )
     train_start = time.perf_counter()
     trainer.train()
@@ -83,4 +97,5 @@ if __name__ == "__main__":
         int(extra[1]) if len(extra) > 1 else 32,
         float(extra[2]) if len(extra) > 2 else 1e-4,
         extra[3] if len(extra) > 3 else "cpu",
+        int(extra[4]) if len(extra) > 4 else 0,
     )

@@ -2,6 +2,7 @@
 
     python benchmarks/vs_trl.py [--repeats 3] [--workdir DIR]
     python benchmarks/vs_trl.py --long --max-new-tokens 32 128 256 512 --repeats 2 2 2 1
+    python benchmarks/vs_trl.py --lora 8 [--long --max-new-tokens 256]
 
 Needs the `bench` extra (TRL) in the running environment: `pip install -e '.[bench]'`.
 Both sides run as separate processes of this Python, on the same saved model, tokenizer,
@@ -20,6 +21,10 @@ and training tokens/s with the share of this machine's matmul peak they reach (F
 2 x the weights per token, plus attention over the context, x3 for training; peak: a
 2048^3 float32 matrix product by MKL or oneDNN, whichever is faster, measured before and
 after the runs).
+
+``--lora R`` trains LoRA adapters of rank R instead of the whole model on both sides
+(``all-linear``, alpha 32: gspo's ``model.lora.r``, TRL's ``peft_config``), everything
+else as above; the FLOP figures still count the whole model's products.
 """
 
 from __future__ import annotations
@@ -48,12 +53,14 @@ ROLLOUT = 16 * 8
 @dataclass(frozen=True)
 class Schedule:
     """What both sides run: optimizer steps, learning rate, most new tokens per response,
-    and the device (``cuda``: bf16 autocast on both sides, gspo's default there)."""
+    the device (``cuda``: bf16 autocast on both sides, gspo's default there) and the LoRA
+    rank (0: full fine-tuning)."""
 
     steps: int = STEPS
     lr: float = 1e-4
     max_new_tokens: int = 32
     device: str = "cpu"
+    lora: int = 0  # LoRA rank on both sides (all-linear, alpha 32); 0: full fine-tuning
 
 
 REFERENCE = Schedule()
@@ -90,6 +97,7 @@ def run_gspo(
         "log.plots=false",
         "log.tensorboard=false",
         f"model.device={schedule.device}",
+        *([f"model.lora.r={schedule.lora}"] if schedule.lora else []),
         *extra,
     ]  # fmt: skip
     start, wall_start = time.perf_counter(), time.time()
@@ -114,6 +122,7 @@ def run_trl(work: Path, schedule: Schedule = REFERENCE) -> tuple[float, dict]:
             str(s.max_new_tokens),
             str(s.lr),
             s.device,
+            str(s.lora),
         ],
         check=True,
         capture_output=True,
@@ -325,6 +334,13 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, nargs="+", default=None)
     parser.add_argument("--repeats", type=int, nargs="+", default=[3])
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="R",
+        help="LoRA of rank R on both sides (all-linear, alpha 32; TRL through its peft_config)",
+    )
     args = parser.parse_args()
     base = LONG if args.long else REFERENCE
     lengths = args.max_new_tokens or [base.max_new_tokens]
@@ -342,7 +358,7 @@ def main() -> None:
     peak_before = matmul_peak()
     results = {}
     for length, reps in zip(lengths, repeats, strict=True):
-        schedule = Schedule(base.steps, base.lr, length)
+        schedule = Schedule(base.steps, base.lr, length, lora=args.lora)
         results[length] = measure(work, schedule, reps)
     peak = min(peak_before, matmul_peak())
     (work / "vs_trl_results.json").write_text(json.dumps({str(k): v for k, v in results.items()}))
