@@ -120,12 +120,11 @@ def measure_generation(workdir: Path, rank: int, repeats: int) -> list[str]:
 
     import torch
     from levers import interleaved_times
+    from long_levers import setup
 
     from gspo.config import LoraSettings
     from gspo.kernels import set_linear_kernel
-    from gspo.models import load_model
     from gspo.rollout import SamplingParams, TorchEngine
-    from gspo.tasks import encode_prompt
     from gspo.training.lora import attach_lora
 
     lines = [
@@ -136,11 +135,7 @@ def measure_generation(workdir: Path, rank: int, repeats: int) -> list[str]:
     cases = [("reference, 32 new tokens", workdir / "gen_reference", None, 32)]
     cases.append(("long, 256 new tokens", workdir / "gen_long", workload.LONG_VOCAB, 256))
     for label, folder, vocab, new_tokens in cases:
-        work = workload.build(folder, vocab=vocab)
-        cpu = torch.device("cpu")
-        full, tokenizer = load_model(work / "model", device=cpu, dtype=torch.float32)
-        rows = [json.loads(x) for x in (work / "train.jsonl").read_text().splitlines()[:16]]
-        prompts = [encode_prompt(r["prompt"], tokenizer) for r in rows]
+        _, full, prompts, ids = setup(folder, vocab)
         lora = attach_lora(copy.deepcopy(full), LoraSettings(r=rank), seed=0)
         gen = torch.Generator().manual_seed(0)
         with torch.no_grad():
@@ -150,7 +145,6 @@ def measure_generation(workdir: Path, rank: int, repeats: int) -> list[str]:
         for model in (full, lora):
             set_linear_kernel(model)
             model.eval()
-        ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
         params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)
         engines = {
             "full": TorchEngine(full, **ids),

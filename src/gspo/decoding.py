@@ -45,6 +45,7 @@ _NORMS = frozenset(
 #: Dense MLP classes computing ``down(act(gate(x)) * up(x))`` (transformers 5.24), which
 #: the fast step computes itself when LoRA adapters sit on their projections.
 _MLPS = frozenset({"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Qwen2MoeMLP", "Qwen3MoeMLP"})
+_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def cached_forward(model: nn.Module, cache, **inputs):
@@ -175,9 +176,8 @@ class KVDecoder:
                 )
             mlp_weights = None
             if _adapted_mlp(layer.mlp):
-                m = layer.mlp
                 mlp_weights = tuple(
-                    _weight(p).to(dtype) for p in (m.gate_proj, m.up_proj, m.down_proj)
+                    _weight(getattr(layer.mlp, n)).to(dtype) for n in _MLP_PROJECTIONS
                 )
             self.layers.append(
                 _Layer(
@@ -227,11 +227,7 @@ class KVDecoder:
                 return False
             if len({_bias(p) is None for p in linears[:3]}) != 1:
                 return False
-            mlp = layer.mlp
-            adapted = [
-                _is_lora(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")
-            ]
-            if any(adapted) and not _adapted_mlp(mlp):
+            if _lora_mlp(layer.mlp) and not _adapted_mlp(layer.mlp):
                 return False
             if hasattr(a, "q_norm") and type(a.q_norm).__name__ not in _NORMS:
                 return False
@@ -402,15 +398,16 @@ def _bias(p: nn.Module) -> Tensor | None:
     return (p.base_layer if _is_lora(p) else p).bias
 
 
+def _lora_mlp(mlp: nn.Module) -> bool:
+    """Whether LoRA adapters sit on any of a gated MLP's projections."""
+    return any(_is_lora(getattr(mlp, n, None)) for n in _MLP_PROJECTIONS)
+
+
 def _adapted_mlp(mlp: nn.Module) -> bool:
-    """A dense gated MLP (``down(act(gate(x)) * up(x))``) with LoRA adapters on its
-    projections, each mergeable and without bias: the fast step computes it itself."""
-    names = ("gate_proj", "up_proj", "down_proj")
-    projections = [getattr(mlp, n, None) for n in names]
-    if any(p is None for p in projections) or not hasattr(mlp, "act_fn"):
+    """A dense gated MLP (one of ``_MLPS``: ``down(act(gate(x)) * up(x))``) with LoRA
+    adapters on its projections, each mergeable and without bias: the fast step
+    computes it itself."""
+    if type(mlp).__name__ not in _MLPS or not _lora_mlp(mlp):
         return False
-    if not any(_is_lora(p) for p in projections):
-        return False
-    if type(mlp).__name__ not in _MLPS:
-        return False
+    projections = [getattr(mlp, n) for n in _MLP_PROJECTIONS]
     return all(_mergeable(p) and _bias(p) is None for p in projections)

@@ -410,5 +410,6 @@ def set_experts_implementation(model: nn.Module, implementation: str) -> None:
     try:
         setter(implementation)
     except (ValueError, ImportError, KeyError) as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        text = str(error).strip()
+        reason = text.splitlines()[0] if text else type(error).__name__
         raise ValueError(f"model.experts_implementation={implementation}: {reason}") from None
