@@ -152,7 +152,7 @@ def main() -> None:
 
         return run
 
-    fractions = {"every step": 1e-9, "1/8": 0.125, "1/4": 0.25, "1/2": 0.5, "never": 2.0}
+    fractions = {"any finished (default)": 0.0, "1/8": 0.125, "1/4": 0.25, "1/2": 0.5, "never": 2.0}
     table(
         "drop: one rollout batch (128 completions, up to 32 tokens), by drop threshold",
         interleaved({k: generate(v) for k, v in fractions.items()}, args.reps),

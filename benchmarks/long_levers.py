@@ -1,6 +1,6 @@
 """Micro-benchmarks behind the long-response speed choices (float32, CPU), interleaved.
 
-    python benchmarks/long_levers.py [--reps 3] [--baseline 190be02] [--only gen,linear,layout]
+    python benchmarks/long_levers.py [--reps 3] [--baseline 190be02] [--only gen,drop,layout]
 
 On the long workload of ``vs_trl.py --long`` (the reference model with a 520-token
 vocabulary, so completions run to ``max_new_tokens``), 16 prompts x 8 responses:
@@ -19,6 +19,9 @@ vocabulary, so completions run to ``max_new_tokens``), 16 prompts x 8 responses:
   attention`` on [rows, kv heads, columns, head_dim] views of the buffers (the
   transformers layout) vs ``KVDecoder``'s batched products over transposed keys.
 - check: the fast decoder reading which rows finished every step vs every 8 (default).
+- drop: the fast decoder with finished rows leaving the batch and KV cache at every check
+  where any row has finished (``gspo.rollout.DROP_FRACTION = 0``, the default), once a
+  quarter of the batch has, and never.
 - train: ``gspo train`` on the long workload at 256 new tokens (``vs_trl.py --long``'s
   gspo side, 8 optimizer steps), once with this tree's code and once with the
   ``--baseline`` revision's (``git archive`` into a temporary folder, on ``PYTHONPATH``),
@@ -77,21 +80,32 @@ from gspo.models import load_model, packed_completion_logprobs  # noqa: E402
 from gspo.tasks import encode_prompt  # noqa: E402
 
 
-def engine_at(revision: str):
-    """The ``gspo.rollout`` module as of a git revision, imported under another name."""
-    source = subprocess.run(
-        ["git", "-C", str(HERE), "show", f"{revision}:src/gspo/rollout.py"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    path = Path(tempfile.mkdtemp()) / f"rollout_{revision}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
+def _module_at(revision: str, path: str, name: str, replace: dict[str, str]):
+    """``path`` as of a git revision, imported as module ``name`` (None if it has none),
+    with the ``replace`` substitutions made in its source first."""
+    shown = subprocess.run(
+        ["git", "-C", str(HERE), "show", f"{revision}:{path}"], capture_output=True, text=True
+    )
+    if shown.returncode:
+        return None
+    source = shown.stdout
+    for old, new in replace.items():
+        source = source.replace(old, new)
+    file = Path(tempfile.mkdtemp()) / f"{name}.py"
+    file.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, file)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def engine_at(revision: str):
+    """The ``gspo.rollout`` module as of a git revision, imported under another name,
+    with that revision's ``gspo.decoding`` when it has one."""
+    decoding = _module_at(revision, "src/gspo/decoding.py", f"decoding_{revision}", {})
+    replace = {"from gspo.decoding import": f"from {decoding.__name__} import"} if decoding else {}
+    return _module_at(revision, "src/gspo/rollout.py", f"rollout_{revision}", replace)
 
 
 def memory_bandwidth(mib: int = 512, reps: int = 5) -> float:
@@ -154,7 +168,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("runs/bench_long_levers"))
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--baseline", default="190be02", help="git revision of 'today'")
-    parser.add_argument("--only", default="gen,attn,check,train,linear,profile,layout")
+    parser.add_argument("--only", default="gen,attn,check,drop,train,linear,profile,layout")
     args = parser.parse_args()
     only = set(args.only.split(","))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
@@ -266,6 +280,27 @@ def main() -> None:
         rollout.CHECK_EVERY = default
         print("\ncheck: one rollout batch (256 new tokens), finished rows read every k steps")
         print("| k | median s |\n|---|---|")
+        for name, ts in times.items():
+            print(f"| {name} | {statistics.median(ts):.2f} |", flush=True)
+
+    if "drop" in only:
+        engine = rollout.TorchEngine(onednn_copy(model), **ids)
+
+        def dropping(fraction: float) -> Callable[[], object]:
+            run = generate(engine, [])
+
+            def timed() -> None:
+                rollout.DROP_FRACTION = fraction
+                run()
+
+            return timed
+
+        default = rollout.DROP_FRACTION
+        fractions = {"any finished (default)": 0.0, "a quarter": 0.25, "never": 2.0}
+        times = interleaved_times({k: dropping(v) for k, v in fractions.items()}, args.reps)
+        rollout.DROP_FRACTION = default
+        print("\ndrop: one rollout batch (256 new tokens), finished rows leave once ...")
+        print("| share finished | median s |\n|---|---|")
         for name, ts in times.items():
             print(f"| {name} | {statistics.median(ts):.2f} |", flush=True)
 

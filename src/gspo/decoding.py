@@ -107,10 +107,12 @@ class ModelDecoder:
         )
         return out.logits[:, -1, :]
 
-    def select(self, rows: Tensor) -> None:
-        """Keep only the batch rows ``rows`` (finished rows leave)."""
+    def select(self, rows: Tensor) -> Tensor:
+        """Keep only the batch rows ``rows`` (increasing; finished rows leave), in that
+        order; returns ``rows``, the old row at each new batch position."""
         self.cache.batch_select_indices(rows)
         self.mask = self.mask[rows]
+        return rows
 
 
 @dataclass
@@ -328,20 +330,34 @@ class KVDecoder:
         h = F.rms_norm(h, (h.shape[-1],), self.final_norm, self.eps)
         return self.linear(h, self.head)
 
-    def select(self, rows: Tensor) -> None:
-        """Keep only the batch rows ``rows`` (finished rows leave); copies the filled columns."""
+    def select(self, rows: Tensor) -> Tensor:
+        """Keep only the batch rows ``rows`` (increasing; finished rows leave); returns
+        the old row at each new batch position.
+
+        The buffers are compacted in place: each kept row beyond the new batch size moves
+        into the slot of a leaving row below it, and the buffers become their first rows
+        (a view). Only the moved rows' filled columns are copied, so rows can leave as soon
+        as they finish; the batch order changes accordingly.
+        """
+        kept = rows.shape[0]
+        movers = rows[rows >= kept]  # kept rows that sit beyond the new batch size
+        leaving = torch.ones(kept, dtype=torch.bool, device=rows.device)
+        leaving[rows[rows < kept]] = False
+        slots = leaving.nonzero().squeeze(-1)  # slots of leaving rows below it
+        order = torch.arange(kept, device=rows.device)
+        order[slots] = movers
         filled = self.length
-        for i in range(len(self.keys)):
-            keys = self.keys[i].new_empty((rows.shape[0], *self.keys[i].shape[1:]))
-            if self.transposed:
-                keys[..., :filled] = self.keys[i][rows, ..., :filled]
-            else:
-                keys[:, :, :filled] = self.keys[i][rows, :, :filled]
-            values = self.values[i].new_empty((rows.shape[0], *self.values[i].shape[1:]))
-            values[:, :, :filled] = self.values[i][rows, :, :filled]
-            self.keys[i], self.values[i] = keys, values
+        for buffers in (self.keys, self.values):
+            for i, b in enumerate(buffers):
+                if movers.numel():
+                    if self.transposed and buffers is self.keys:
+                        b[slots, ..., :filled] = b[movers, ..., :filled]
+                    else:
+                        b[slots, :, :filled] = b[movers, :, :filled]
+                buffers[i] = b[:kept]
         if self.bias is not None:
-            self.bias = self.bias[rows]
+            self.bias = self.bias[order]
+        return order
 
 
 def make_decoder(model: nn.Module) -> KVDecoder | ModelDecoder:
