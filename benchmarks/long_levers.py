@@ -263,46 +263,43 @@ def main() -> None:
         for name, ts in times.items():
             print(f"| {name} | {1000 * statistics.median(ts):.2f} |", flush=True)
 
-    if "check" in only:
-        engine = rollout.TorchEngine(model, **ids)
+    def by_setting(engine, setting: str, values: dict[str, object], title: str, column: str):
+        """One rollout batch of ``engine`` per value of ``gspo.rollout.<setting>``,
+        interleaved; the setting is restored after."""
+        default = getattr(rollout, setting)
 
-        def every(k: int) -> Callable[[], object]:
+        def with_value(value) -> Callable[[], object]:
             run = generate(engine, [])
 
             def timed() -> None:
-                rollout.CHECK_EVERY = k
+                setattr(rollout, setting, value)
                 run()
 
             return timed
 
-        default = rollout.CHECK_EVERY
-        times = interleaved_times({f"every {k}": every(k) for k in (1, 8)}, args.reps)
-        rollout.CHECK_EVERY = default
-        print("\ncheck: one rollout batch (256 new tokens), finished rows read every k steps")
-        print("| k | median s |\n|---|---|")
+        times = interleaved_times({k: with_value(v) for k, v in values.items()}, args.reps)
+        setattr(rollout, setting, default)
+        print(f"\n{title}\n| {column} | median s |\n|---|---|")
         for name, ts in times.items():
             print(f"| {name} | {statistics.median(ts):.2f} |", flush=True)
+
+    if "check" in only:
+        by_setting(
+            rollout.TorchEngine(model, **ids),
+            "CHECK_EVERY",
+            {f"every {k}": k for k in (1, 8)},
+            "check: one rollout batch (256 new tokens), finished rows read every k steps",
+            "k",
+        )
 
     if "drop" in only:
-        engine = rollout.TorchEngine(onednn_copy(model), **ids)
-
-        def dropping(fraction: float) -> Callable[[], object]:
-            run = generate(engine, [])
-
-            def timed() -> None:
-                rollout.DROP_FRACTION = fraction
-                run()
-
-            return timed
-
-        default = rollout.DROP_FRACTION
-        fractions = {"any finished (default)": 0.0, "a quarter": 0.25, "never": 2.0}
-        times = interleaved_times({k: dropping(v) for k, v in fractions.items()}, args.reps)
-        rollout.DROP_FRACTION = default
-        print("\ndrop: one rollout batch (256 new tokens), finished rows leave once ...")
-        print("| share finished | median s |\n|---|---|")
-        for name, ts in times.items():
-            print(f"| {name} | {statistics.median(ts):.2f} |", flush=True)
+        by_setting(
+            rollout.TorchEngine(onednn_copy(model), **ids),
+            "DROP_FRACTION",
+            {"any finished (default)": 0.0, "a quarter": 0.25, "never": 2.0},
+            "drop: one rollout batch (256 new tokens), finished rows leave once ...",
+            "share finished",
+        )
 
     if "train" in only:
         base = Path(tempfile.mkdtemp())
