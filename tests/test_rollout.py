@@ -234,6 +234,37 @@ def test_samples_do_not_depend_on_when_finished_rows_leave(tokenizer, tiny_model
         assert torch.allclose(other.sampler_logprobs, runs[0].sampler_logprobs, atol=1e-6)
 
 
+@pytest.mark.parametrize("attention", ["products", "sdpa"])
+def test_select_keeps_each_rows_cache_and_reports_its_order(
+    tokenizer, tiny_model, monkeypatch, attention
+):
+    """``select`` moves kept rows into leaving rows' slots: the order it returns says which
+    old row sits where, and the next step's logits are those of that old row (padded
+    prompts, so the padding mask moves with its row), on both decoders."""
+    from gspo.decoding import KVDecoder, ModelDecoder
+    from gspo.rollout import pad_batch
+
+    monkeypatch.setattr(KVDecoder, "attention", attention)
+    ids, mask = pad_batch(prompts(tokenizer), tokenizer.pad_token_id, torch.device("cpu"))
+    n, p = 3, ids.shape[1]
+    rows = torch.tensor([0, 2, 5, 7, 8])  # out of 9; three of them beyond the new size
+    tokens = torch.arange(9) % 7 + 1
+    positions = mask.sum(-1).repeat_interleave(n)
+    with torch.no_grad():
+        for decoder in (KVDecoder(tiny_model), ModelDecoder(tiny_model)):
+            decoder.prefill(ids, mask, n, p + 4)
+            decoder.step(tokens, positions)  # one step, so the copy covers a decoded column
+            full = decoder.step(tokens, positions + 1)  # every row's next logits, no select
+            decoder.prefill(ids, mask, n, p + 4)
+            decoder.step(tokens, positions)
+            order = decoder.select(rows)
+            assert sorted(order.tolist()) == rows.tolist()
+            logits = decoder.step(tokens[order], positions[order] + 1)
+            for j, i in enumerate(order.tolist()):
+                assert torch.allclose(logits[j], full[i], atol=1e-5), (type(decoder), j, i)
+    assert KVDecoder.supports(tiny_model)
+
+
 def test_inverse_cdf_sampling_follows_the_distribution():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log().repeat(20000, 1)
