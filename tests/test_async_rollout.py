@@ -11,7 +11,12 @@ from gspo.cli import main
 from gspo.config import ConfigError, load_config
 from gspo.models import CompletionLogprobs, load_model
 from gspo.trainer import Trainer, latest_checkpoint
-from gspo.training.async_rollout import BEHAVIOUR_WEIGHTS, AsyncRollouts, SyncRollouts
+from gspo.training.async_rollout import (
+    BEHAVIOUR_WEIGHTS,
+    AsyncRollouts,
+    SyncRollouts,
+    tensors_in,
+)
 from gspo.training.checkpoint import checkpoint_dir
 
 MINIBATCHES = 2
@@ -54,6 +59,30 @@ def test_bad_combinations_are_one_line():
         )
     with pytest.raises(ConfigError, match="rollout.max_staleness"):
         load_config(None, ["rollout.max_staleness=-1"])
+
+
+def test_tensors_in_finds_every_tensor_a_sampled_batch_hands_over():
+    """What the trainer marks as used on its CUDA stream (``record_stream``) when it takes a
+    batch the producer sampled on its own: every tensor, however deeply held."""
+    from gspo.rollout import RolloutBatch
+    from gspo.training.experience import Sampled, Scored
+
+    t = [torch.zeros(2, 3) for _ in range(5)]
+    batch = RolloutBatch(
+        prompt_ids=t[0],
+        prompt_mask=t[1],
+        completion_ids=t[2],
+        completion_mask=t[3],
+        sampler_logprobs=t[4],
+        finish_reasons=["stop", "length"],
+        group_size=2,
+    )
+    rewards, old, extra = torch.ones(2), torch.zeros(2, 3), torch.ones(1)
+    scored = Scored(batch=batch, completions=["a", ("b", extra)], rewards=rewards,
+                    per_function={"f": [1.0, None]})  # fmt: skip
+    sampled = Sampled(index=0, picked=[0], scored=scored, metrics={"x": 1.0}, old_logprobs=old)
+    found = {id(x) for x in tensors_in(sampled)}
+    assert found == {id(x) for x in [*t, batch.action_mask, rewards, old, extra]}
 
 
 @pytest.mark.slow

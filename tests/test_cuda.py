@@ -84,3 +84,36 @@ def test_gspo_trains_on_cuda_in_bf16(tmp_path, ones_reward):
     train = [r for r in lines if "train/loss" in r]
     assert len(train) == 4
     assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in train)
+
+
+def async_run_overrides(device: str, reward: str) -> list[str]:
+    """A small run with rollouts sampled one batch ahead and pi_old recomputed by the
+    producer on the weights that sampled (float32: no autocast)."""
+    return [
+        "model.layers=1", "model.hidden=64", "model.heads=2", "model.kv_heads=1",
+        "model.intermediate=128", "data.eval_size=16", "data.sft_size=64",
+        "train.cold_start_steps=4", "rollout.group_size=4", "rollout.prompts_per_batch=4",
+        "rollout.max_new_tokens=8", "train.max_steps=8", "algorithm.minibatches=2",
+        "eval.every=0", "eval.samples=2", "log.progress=false", "log.plots=false",
+        "log.tensorboard=false", f"model.device={device}", "model.dtype=float32",
+        "rollout.max_staleness=1", "algorithm.old_logprobs=recompute", reward,
+    ]  # fmt: skip
+
+
+def first_minibatch_records(run) -> list[dict]:
+    import json
+
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in lines if "train/loss" in r and r["train/minibatch"] == 0]
+
+
+@pytest.mark.slow
+def test_async_rollouts_on_cuda_stay_on_policy(tmp_path, varied_reward):
+    """``rollout.max_staleness=1`` on CUDA: the producer samples on a stream of its own and
+    hands its tensors to the trainer's stream. pi_old recomputed on the producer's weights
+    equals the sampler's log-probs to float32 rounding, which a race on the batch's or the
+    weights' memory between the two streams would break."""
+    Trainer(load_config(None, async_run_overrides("cuda", varied_reward)), tmp_path / "run").fit()
+    firsts = first_minibatch_records(tmp_path / "run")
+    assert [r["rollout/staleness"] for r in firsts] == [0.0, 1.0, 1.0, 1.0]
+    assert max(r["mismatch/token_abs_max"] for r in firsts) < 1e-3

@@ -32,13 +32,16 @@ Both engines: the torch engine samples the producer's copy itself; a vLLM engine
 run's own, one per process) is shared with evaluation, which needs the trainer's current
 weights in it: whoever generates next loads its weights first if the engine holds other
 ones (:class:`SharedEngineSampler`), under the sampler's lock. Under torchrun every rank
-runs its own producer over its own share of the prompts.
+runs its own producer over its own share of the prompts. On CUDA the torch engine samples
+on a stream of its own; the trainer marks a batch's tensors as in use on its stream when
+it takes them (``record_stream``), so their memory is not reused early by the producer.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import queue
 import threading
 import time
@@ -228,6 +231,13 @@ class AsyncRollouts:
         if isinstance(item, BaseException):
             raise item
         assert item.index == index, (item.index, index)
+        if self.stream is not None:
+            # The batch's tensors were allocated on the producer's stream: once the trainer
+            # frees them, the allocator must not hand their memory back to the producer
+            # before the trainer's stream has finished with them.
+            for t in tensors_in(item):
+                if t.is_cuda:
+                    t.record_stream(torch.cuda.current_stream(t.device))
         experience = self.stage.experience(item)
         experience.staleness = index - self.source(index)
         experience.metrics["rollout/staleness"] = float(experience.staleness)
@@ -336,6 +346,21 @@ class AsyncRollouts:
             with contextlib.suppress(queue.Full):
                 self.ready.put(item, timeout=0.05)
                 return
+
+
+def tensors_in(item: object) -> Iterator[torch.Tensor]:
+    """Every tensor inside ``item``: through dataclass fields, dicts, lists and tuples."""
+    if isinstance(item, torch.Tensor):
+        yield item
+    elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+        for f in dataclasses.fields(item):
+            yield from tensors_in(getattr(item, f.name))
+    elif isinstance(item, dict):
+        for value in item.values():
+            yield from tensors_in(value)
+    elif isinstance(item, list | tuple):
+        for value in item:
+            yield from tensors_in(value)
 
 
 def build_rollouts(
