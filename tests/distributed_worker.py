@@ -103,7 +103,7 @@ def main(out: Path, extra: list[str]) -> None:
                 torch.save({"metrics": metrics, "weights": weights}, out / f"{level}.pt")
             dist.barrier()
     finally:
-        teardown_distributed()
+        teardown_distributed(dist)
 
 
 if __name__ == "__main__":

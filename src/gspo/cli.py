@@ -112,10 +112,12 @@ def run_train(args: argparse.Namespace) -> int:
             if dist.is_main:
                 shutil.rmtree(output_dir)
             dist.barrier()
-        Trainer(config, output_dir, resume=args.resume is not None, dist=dist).fit()
-        dist.barrier()
+        # the trainer's engines close before the process group goes (see Trainer.close)
+        with Trainer(config, output_dir, resume=args.resume is not None, dist=dist) as trainer:
+            trainer.fit()
+            dist.barrier()
     finally:
-        teardown_distributed()
+        teardown_distributed(dist)
     if dist.is_main:
         print(f"run written to {output_dir}")
     return 0

@@ -148,7 +148,8 @@ def run_or_reuse(config: Config, run_dir: Path, log: Callable[[str], None]) -> l
         return read_metrics(run_dir / "metrics.jsonl")
     resume = latest_checkpoint(run_dir) is not None and (run_dir / "metrics.jsonl").is_file()
     log(f"  {'resuming' if resume else 'training'} {run_dir}")
-    return Trainer(config, run_dir, resume=resume).fit()
+    with Trainer(config, run_dir, resume=resume) as trainer:
+        return trainer.fit()
 
 
 def cold_start_checkpoint(
@@ -165,7 +166,8 @@ def cold_start_checkpoint(
     config = load_config(config_path, [*base, "train.max_steps=0"])
     from gspo.trainer import Trainer
 
-    Trainer(config, out / "cold_start").fit()
+    with Trainer(config, out / "cold_start") as trainer:
+        trainer.fit()
     return path
 
 

@@ -128,8 +128,11 @@ def rank_device(device: str, dist: Distributed) -> torch.device:
     return resolved
 
 
-def teardown_distributed() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+def teardown_distributed(dist: Distributed) -> None:
+    """Leave the process group :func:`setup_distributed` joined, if it joined one (and
+    nobody destroyed it yet). A single process leaves alone any group another library
+    made for itself: vLLM starts one of its own and tears it down at exit."""
+    if dist.enabled and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
 

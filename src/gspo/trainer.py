@@ -245,6 +245,20 @@ class Trainer:
             line["time/step"] = step_time / len(lines)
         return lines
 
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the rollout engine now, after the run's last collective and before its
+        process group goes: vLLM's engine shuts down here (see
+        :meth:`gspo.vllm_engine.VLLMEngine.close`); the torch engine holds nothing to release."""
+        close = getattr(self.sampler.engine, "close", None)
+        if close is not None:
+            close()
+
     def fit(self) -> list[dict[str, Any]]:
         cfg = self.config
         if not self.cold_start_done:

@@ -194,6 +194,16 @@ class VLLMEngine:
                 raise ValueError(_head_size_message(model_dir, None)) from None
             raise
 
+    def close(self) -> None:
+        """Shut vLLM's engine down now (a second call does nothing).
+
+        vLLM's shutdown also tears down the process groups it joined, the default one
+        included; left to its finalizer at the interpreter's exit, it would find them
+        already destroyed by the run and print a traceback. The trainer calls this after
+        its last collective (:meth:`gspo.trainer.Trainer.close`).
+        """
+        self.llm.llm_engine.engine_core.shutdown()
+
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Copy ``model``'s current weights into vLLM's model, in memory."""
         weights = [(name, tensor.detach()) for name, tensor in model.state_dict().items()]
