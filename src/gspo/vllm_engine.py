@@ -144,6 +144,7 @@ class VLLMEngine:
         max_model_len: int | None = None,
         enforce_eager: bool = True,
         lora_rank: int = 0,
+        ranks: int = 1,
     ):
         # Weight sync runs a function inside vLLM's worker: the engine core must live here.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -167,6 +168,10 @@ class VLLMEngine:
             kwargs["enable_lora"] = True
             kwargs["max_lora_rank"] = min(r for r in VLLM_LORA_RANKS if r >= lora_rank)
             kwargs["max_loras"] = 1
+        if ranks > 1:
+            # one engine per torchrun rank: vLLM joins the run's process group (its own
+            # tensor-parallel group of one per rank) and takes GPU LOCAL_RANK, not GPU 0
+            kwargs["distributed_executor_backend"] = "external_launcher"
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         else:

@@ -44,6 +44,7 @@ def build_engine(config: Config, policy: Policy, tokenizer, model_dir: Path) -> 
         max_model_len=v.max_model_len,
         enforce_eager=v.enforce_eager,
         lora_rank=config.model.lora.r if adapter_sync else 0,
+        ranks=policy.dist.world_size,
     )
 
 
