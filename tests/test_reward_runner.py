@@ -99,6 +99,31 @@ def test_a_hung_function_stops_with_one_line(module, workers):
         functions.close()
 
 
+@pytest.mark.parametrize(
+    ("function", "exits"),
+    [("pid_parity", "on their own"), ("raises", "on their own"), ("hangs", "killed")],
+)
+def test_idle_workers_exit_on_their_own_and_hung_ones_are_killed(module, function, exits):
+    """Closing the pool lets idle workers exit (code 0) instead of killing them: a worker
+    killed just after sending a result may still hold the result queue's lock, and the
+    pool's shutdown then waits on it forever. After a failing task the batch's others are
+    waited for first; workers still running past the deadline are killed."""
+    functions = RewardFunctions.from_specs(specs(module, function), workers=2, timeout=2.0)
+    processes = list(functions.runner.start()._pool)  # the pool's worker processes
+    try:
+        if function == "pid_parity":
+            functions(["p"] * 4, ["a"] * 4)
+        else:
+            with pytest.raises(RewardError):
+                functions(["p"] * 4, ["a"] * 4)
+    finally:
+        functions.close()
+    for process in processes:
+        process.join(10)
+    codes = [process.exitcode for process in processes]
+    assert codes == ([0, 0] if exits == "on their own" else [-15, -15]), codes
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_slow_function_within_the_deadline_passes(module, workers):
     functions = RewardFunctions.from_specs(specs(module, "slow"), workers=workers, timeout=5.0)

@@ -778,6 +778,10 @@ def _chunks(n: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
+#: Longest wait for a batch's other tasks after one of them failed (see ``Runner._settle``).
+SETTLE_SECONDS = 10.0
+
+
 class Runner:
     """How reward functions are called on a batch.
 
@@ -798,6 +802,7 @@ class Runner:
         self.timeout = timeout
         self._pool: Any = None
         self._finalizer: Any = None
+        self._busy = False  # some task sent to the workers may not have finished
 
     def start(self) -> Any:
         """Start the worker processes (once) and wait until each is up; the pool."""
@@ -809,9 +814,19 @@ class Runner:
         return self._pool
 
     def close(self) -> None:
-        if self._finalizer is not None:
-            self._finalizer()
+        """Stop the worker processes. Idle workers are told to exit and waited for, not
+        killed: a worker killed just after sending a result, before it releases the result
+        queue's lock, would leave the pool's shutdown waiting on that lock forever. Workers
+        that may still be busy (a function past ``timeout``) are killed."""
+        if self._pool is not None:
+            if self._busy:
+                self._finalizer()  # Pool.terminate
+            else:
+                self._finalizer.detach()
+                self._pool.close()
+                self._pool.join()
         self._pool = self._finalizer = None
+        self._busy = False
 
     def _late(self, name: str) -> RewardError:
         return RewardError(
@@ -855,6 +870,7 @@ class Runner:
             ]
             for name, spec in zip(names, shipped, strict=True)
         ]
+        self._busy = True
         outputs = []
         for name, parts in zip(names, pending, strict=True):
             merged: list[Any] = []
@@ -865,12 +881,27 @@ class Runner:
                 except multiprocessing.TimeoutError:
                     self.close()  # kills the hung workers; a new pool is made if needed
                     raise self._late(name) from None
+                except BaseException:
+                    self._settle([p for ps in pending for p in ps], deadline)
+                    raise
                 if not isinstance(raw, (list, tuple)):
                     merged = raw  # reported by the caller, like an in-process result
                     break
                 merged.extend(raw)
             outputs.append(merged)
+        self._settle([p for ps in pending for p in ps], deadline)
         return outputs
+
+    def _settle(self, parts: list[Any], deadline: float | None) -> None:
+        """Wait for the batch's tasks (after one failed, the others may still run; until
+        ``deadline``, and at most ``SETTLE_SECONDS``), so that the workers are idle when
+        the pool is closed; a task still running leaves the pool marked busy."""
+        limit = time.monotonic() + SETTLE_SECONDS
+        if deadline is not None:
+            limit = min(limit, deadline)
+        for part in parts:
+            part.wait(max(0.0, limit - time.monotonic()))
+        self._busy = not all(part.ready() for part in parts)
 
     def _in_thread(
         self,
