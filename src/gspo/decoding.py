@@ -336,8 +336,8 @@ class KVDecoder:
 
         The buffers are compacted in place: each kept row beyond the new batch size moves
         into the slot of a leaving row below it, and the buffers become their first rows
-        (a view). Only the moved rows' filled columns are copied, so rows can leave as soon
-        as they finish; the batch order changes accordingly.
+        (a view). Only the moved rows are copied, so rows can leave as soon as they finish;
+        the batch order changes accordingly.
         """
         kept = rows.shape[0]
         movers = rows[rows >= kept]  # kept rows that sit beyond the new batch size
@@ -346,14 +346,9 @@ class KVDecoder:
         slots = leaving.nonzero().squeeze(-1)  # slots of leaving rows below it
         order = torch.arange(kept, device=rows.device)
         order[slots] = movers
-        filled = self.length
         for buffers in (self.keys, self.values):
             for i, b in enumerate(buffers):
-                if movers.numel():
-                    if self.transposed and buffers is self.keys:
-                        b[slots, ..., :filled] = b[movers, ..., :filled]
-                    else:
-                        b[slots, :, :filled] = b[movers, :, :filled]
+                b[slots] = b[movers]
                 buffers[i] = b[:kept]
         if self.bias is not None:
             self.bias = self.bias[order]

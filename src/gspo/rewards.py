@@ -870,6 +870,7 @@ class Runner:
             ]
             for name, spec in zip(names, shipped, strict=True)
         ]
+        tasks = [part for parts in pending for part in parts]
         self._busy = True
         outputs = []
         for name, parts in zip(names, pending, strict=True):
@@ -882,14 +883,14 @@ class Runner:
                     self.close()  # kills the hung workers; a new pool is made if needed
                     raise self._late(name) from None
                 except BaseException:
-                    self._settle([p for ps in pending for p in ps], deadline)
+                    self._settle(tasks, deadline)
                     raise
                 if not isinstance(raw, (list, tuple)):
                     merged = raw  # reported by the caller, like an in-process result
                     break
                 merged.extend(raw)
             outputs.append(merged)
-        self._settle([p for ps in pending for p in ps], deadline)
+        self._settle(tasks, deadline)
         return outputs
 
     def _settle(self, parts: list[Any], deadline: float | None) -> None:
