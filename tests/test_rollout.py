@@ -363,3 +363,41 @@ def test_dora_and_bf16_lora_take_the_reference_decoder(tokenizer, tiny_model):
     assert isinstance(make_decoder(lora), KVDecoder)
     lora.to(torch.bfloat16)  # merged into bf16 weights the update would round away
     assert isinstance(make_decoder(lora), ModelDecoder)
+
+
+def test_bf16_sampler_logprobs_agree_with_the_trainer_forward(tokenizer, tiny_model, monkeypatch):
+    """Under bf16 autocast the sampler's log-probs and the trainer's packed forward part
+    where each rounds differently: the head's logits rounded to bf16 on each side and the
+    decoder's bf16 attention scores. With the head in float32 and SDPA in the decoder (the
+    defaults) the gap per token and per sequence mean falls several-fold."""
+    from gspo import models
+    from gspo.decoding import KVDecoder
+
+    with torch.no_grad():
+        tiny_model.lm_head.weight.mul_(3.0)  # logits of a trained model's size
+    engine = engine_for(tiny_model, tokenizer)
+    texts = ("12+34=", "7+8=", "99+1=", "5+55=")
+
+    def gaps() -> tuple[float, float]:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            b = engine.generate(prompts(tokenizer, texts), n=8, params=SamplingParams(24), seed=1)
+            lp = completion_logprobs(
+                tiny_model,
+                b.prompt_ids,
+                b.prompt_mask,
+                b.completion_ids,
+                b.completion_mask,
+                share_prompts="auto",
+            )
+        mask = b.completion_mask.bool()
+        delta = (lp - b.sampler_logprobs) * mask
+        sequence = delta.sum(-1) / mask.sum(-1)
+        return float(delta.abs().sum() / mask.sum()), float(sequence.abs().mean())
+
+    token, sequence = gaps()
+    monkeypatch.setattr(models, "HEAD_IN_FLOAT32", False)
+    monkeypatch.setattr(KVDecoder, "attention", "products")
+    token_before, sequence_before = gaps()
+    assert token < token_before / 3
+    assert sequence < sequence_before / 3
+    assert sequence < 1e-4 < sequence_before  # GSPO's clip band is 3e-4 / 4e-4

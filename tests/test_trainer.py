@@ -357,3 +357,50 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch,
     assert final is not None and final.name == "step-0000006"
     for tensor in load_file(final / "model.safetensors").values():
         assert torch.isfinite(tensor).all()
+
+
+def test_auto_old_logprobs_recompute_below_float32():
+    """``algorithm.old_logprobs=auto`` (the default) takes the sampler's log-probs only
+    where they are pi_old to rounding: float32 and nothing to correct."""
+    from gspo.training.forward import recomputes_old_logprobs
+
+    auto = load_config(None, [])
+    assert auto.algorithm.old_logprobs == "auto"
+    assert not recomputes_old_logprobs(auto, torch.float32)
+    assert recomputes_old_logprobs(auto, torch.bfloat16)
+    assert recomputes_old_logprobs(auto, torch.float16)
+    corrected = load_config(None, ["algorithm.rollout_correction=token_tis"])
+    assert recomputes_old_logprobs(corrected, torch.float32)
+    sampler = load_config(None, ["algorithm.old_logprobs=sampler"])
+    assert not recomputes_old_logprobs(sampler, torch.bfloat16)
+    recompute = load_config(None, ["algorithm.old_logprobs=recompute"])
+    assert recompute and recomputes_old_logprobs(recompute, torch.float32)
+
+
+def test_bf16_defaults_leave_the_on_policy_minibatch_unclipped(tmp_path, varied_reward, capsys):
+    """In bf16 the default recomputes pi_old per minibatch: minibatch 0's ratios are exactly
+    1 and nothing clips there. Forcing the sampler's log-probs (made to differ, as a bf16
+    engine's can, by logit noise) clips it, and the run says so in one warning line."""
+    bf16 = [
+        *FAST,
+        varied_reward,
+        "model.device=cpu",
+        "model.dtype=bfloat16",
+        "rollout.max_new_tokens=12",
+        "train.max_steps=8",
+        "eval.every=0",
+    ]
+    Trainer(load_config(None, bf16), tmp_path / "auto").fit()
+    lines = train_lines(run_metrics(tmp_path / "auto"))
+    first = [r for r in lines if r["train/minibatch"] == 0]
+    assert len(lines) == 8 and len(first) == 2
+    assert all(r["train/ratio_min"] == 1.0 == r["train/ratio_max"] for r in first)
+    assert all(r["train/clip_fraction"] == 0.0 for r in first)
+    assert all("mismatch/token_abs_max" in r for r in lines)  # measured by the recompute
+    assert "on-policy minibatch" not in capsys.readouterr().err
+
+    forced = [*bf16, "algorithm.old_logprobs=sampler", "rollout.logit_noise=0.5"]
+    Trainer(load_config(None, forced), tmp_path / "sampler").fit()
+    first = [r for r in train_lines(run_metrics(tmp_path / "sampler")) if r["train/minibatch"] == 0]
+    assert any(r["train/clip_fraction"] > 0 for r in first)
+    assert capsys.readouterr().err.count("warning: the on-policy minibatch") == 1

@@ -369,10 +369,13 @@ class AlgorithmConfig(_Section):
         description="Optimizer steps per rollout batch, one per minibatch (at most "
         "rollout.group_size * rollout.prompts_per_batch); the first is on-policy",
     )
-    old_logprobs: Literal["sampler", "recompute"] = Field(
-        "sampler",
-        description="pi_old's log-probs: sampler (the rollout engine's, no extra pass) or "
-        "recompute (a no-grad trainer forward)",
+    old_logprobs: Literal["auto", "sampler", "recompute"] = Field(
+        "auto",
+        description="pi_old's log-probs: sampler (the rollout engine's, no extra pass), "
+        "recompute (a no-grad trainer forward, per minibatch) or auto: the sampler's when "
+        "the forward runs in float32, recomputed in bfloat16/float16 (where the two differ "
+        "by more than GSPO's clip range: docs/precision.md), with a rollout_correction, and "
+        "for vLLM with top_p < 1",
     )
     advantage_scale: Literal["group", "batch", "none"] = Field(
         "group",

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gspo.kernels import linear_for
-from gspo.models import position_ids_from_mask
+from gspo.models import head_logits, plain_lm_head, position_ids_from_mask
 
 #: model_type values whose decoder layers :class:`KVDecoder` reimplements (checked
 #: against transformers 5.23's modeling files): RMSNorm before attention and MLP, RoPE
@@ -62,19 +62,33 @@ def cached_forward(model: nn.Module, cache, **inputs):
     return out, returned if returned is not None else out.past_key_values
 
 
+def next_token_logits(model: nn.Module, cache, **inputs) -> tuple[Tensor, object]:
+    """The model's forward with a KV ``cache`` -> (float32 logits of each row's last
+    token ``[R, V]``, the cache).
+
+    A plain head (:func:`gspo.models.plain_lm_head`) is applied to the decoder's last
+    hidden states by :func:`gspo.models.head_logits`, in float32, exactly as the trainer
+    applies it; any other model's logits are its own forward's.
+    """
+    if plain_lm_head(model):
+        out, cache = cached_forward(model.get_decoder(), cache, **inputs)
+        weight = model.get_output_embeddings().weight
+        return head_logits(out.last_hidden_state[:, -1], weight, linear_for(model)), cache
+    out, cache = cached_forward(model, cache, **inputs, logits_to_keep=1)
+    return out.logits[:, -1, :].float(), cache
+
+
 def prefill_cache(model: nn.Module, ids: Tensor, mask: Tensor):
     """Run the distinct prompts ``[U, P]`` once; ``(logits of their last token [U, V], cache)``."""
     from transformers import DynamicCache
 
-    out, cache = cached_forward(
+    return next_token_logits(
         model,
         DynamicCache(),
         input_ids=ids,
         attention_mask=mask,
         position_ids=position_ids_from_mask(mask),
-        logits_to_keep=1,
     )
-    return out.logits[:, -1, :], cache
 
 
 class ModelDecoder:
@@ -97,15 +111,14 @@ class ModelDecoder:
     def step(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """Tokens ``[R]`` at positions ``[R]`` -> next-token logits ``[R, V]``."""
         self.length += 1
-        out, self.cache = cached_forward(
+        logits, self.cache = next_token_logits(
             self.model,
             self.cache,
             input_ids=tokens.unsqueeze(-1),
             attention_mask=self.mask[:, : self.length],
             position_ids=positions.unsqueeze(-1),
-            logits_to_keep=1,
         )
-        return out.logits[:, -1, :]
+        return logits
 
     def select(self, rows: Tensor) -> Tensor:
         """Keep only the batch rows ``rows`` (increasing; finished rows leave), in that
@@ -141,8 +154,11 @@ class KVDecoder:
     """
 
     #: Single-query attention: ``"products"`` (batched matrix products over transposed
-    #: keys) or ``"sdpa"`` (``scaled_dot_product_attention``); see benchmarks/README.md.
-    attention = "products"
+    #: keys), ``"sdpa"`` (``scaled_dot_product_attention``, the trainer's kernel family)
+    #: or None: products in float32 (faster on the CPU, benchmarks/README.md), SDPA in a
+    #: 16-bit dtype, where the products would round each score to 16 bits before the
+    #: softmax while the trainer's SDPA keeps them in float32 (docs/precision.md).
+    attention: str | None = None
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -159,7 +175,7 @@ class KVDecoder:
         self.eps = decoder.norm.variance_epsilon
         self.embed = decoder.embed_tokens.weight
         self.final_norm = decoder.norm.weight
-        self.head = model.get_output_embeddings().weight.to(dtype)
+        self.head = model.get_output_embeddings().weight  # applied in float32 (head_logits)
         self.rotary = decoder.rotary_emb
         self.layers = []
         for layer in decoder.layers:
@@ -255,7 +271,8 @@ class KVDecoder:
         each = torch.arange(u, device=ids.device).repeat_interleave(n)
         # for "products" keys are kept transposed, [rows, kv heads, head_dim, columns]:
         # the score product q @ k^T then reads a row-major operand
-        self.transposed = self.attention == "products"
+        attention = self.attention or ("products" if self.dtype == torch.float32 else "sdpa")
+        self.transposed = attention == "products"
         self.keys, self.values = [], []
         for layer in cache.layers:
             shape = (rows, self.kv_heads, capacity, self.head_dim)
@@ -328,7 +345,7 @@ class KVDecoder:
                 act = layer.mlp.act_fn(self.linear(x, gate)) * self.linear(x, up)
                 h = h + self.linear(act, down)
         h = F.rms_norm(h, (h.shape[-1],), self.final_norm, self.eps)
-        return self.linear(h, self.head)
+        return head_logits(h, self.head, self.linear)
 
     def select(self, rows: Tensor) -> Tensor:
         """Keep only the batch rows ``rows`` (increasing; finished rows leave); returns

@@ -259,6 +259,37 @@ PLAIN_LM_HEAD = frozenset(
 #: Tokens per chunk of the vocabulary projection: 256 x 151,936 float32 logits are 156 MB.
 LOGPROB_CHUNK = 256
 
+#: The vocabulary projection of a plain head runs in float32 (autocast off), in the
+#: sampler and in the trainer alike. Under bf16 autocast the logits would otherwise be
+#: rounded to bf16 (8 significant bits: 0.06 at a logit of 16) by each side separately,
+#: and a small difference in their hidden states then flips roundings: per-token log-probs
+#: that differ by up to ~0.1, more than GSPO's 3e-4 clip range on the sequence mean
+#: (docs/precision.md). False: the head in the compute dtype (for measurements only).
+HEAD_IN_FLOAT32 = True
+
+
+def plain_lm_head(model) -> bool:
+    """Whether ``model``'s logits are exactly ``lm_head(final hidden state)``: a bias-free
+    ``nn.Linear`` head on an architecture of :data:`PLAIN_LM_HEAD`."""
+    head = model.get_output_embeddings()
+    return (
+        type(head) is torch.nn.Linear
+        and head.bias is None
+        and getattr(model.config, "model_type", None) in PLAIN_LM_HEAD
+    )
+
+
+def head_logits(hidden: Tensor, weight: Tensor, linear=F.linear) -> Tensor:
+    """``hidden @ weight.T``, ``[..., H] x [V, H] -> [..., V]`` float32 logits of a plain
+    head, computed in float32 whatever autocast is on (:data:`HEAD_IN_FLOAT32`).
+
+    ``linear``: the product (:func:`gspo.kernels.linear_for` of the model).
+    """
+    if not HEAD_IN_FLOAT32:
+        return linear(hidden, weight).float()
+    with torch.autocast(hidden.device.type, enabled=False):
+        return linear(hidden.float(), weight.float())
+
 
 def completion_logprobs(
     model,
@@ -297,9 +328,7 @@ def completion_logprobs(
         position_ids=position_ids_from_mask(attention_mask),
         use_cache=False,
     )
-    head = model.get_output_embeddings()
-    plain_head = type(head) is torch.nn.Linear and head.bias is None
-    if plain_head and getattr(model.config, "model_type", None) in PLAIN_LM_HEAD:
+    if plain_lm_head(model):
         return packed_completion_logprobs(
             model,
             prompt_ids,
@@ -493,7 +522,7 @@ def layout_cost(config, used: list[int]) -> float:
 def _chunk_logprobs(
     hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float, linear=F.linear
 ) -> Tensor:
-    logits = linear(hidden, weight).float() / temperature
+    logits = head_logits(hidden, weight, linear) / temperature
     picked = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
 
@@ -501,7 +530,7 @@ def _chunk_logprobs(
 def _chunk_logprobs_entropy(
     hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float, linear=F.linear
 ) -> tuple[Tensor, Tensor]:
-    logits = linear(hidden, weight).float() / temperature
+    logits = head_logits(hidden, weight, linear) / temperature
     picked = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     lse = torch.logsumexp(logits, dim=-1)
     return picked - lse, _entropy(logits, lse)
@@ -531,6 +560,8 @@ def logprobs_from_hidden(
 
     n, t, h = hidden.shape
     flat_hidden, flat_ids = hidden.reshape(n * t, h), token_ids.reshape(n * t)
+    if HEAD_IN_FLOAT32:
+        weight = weight.float()  # once, not per chunk (a no-op for float32 weights)
     keep_graph = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     chunk = _chunk_logprobs_entropy if with_entropy else _chunk_logprobs
     out = []

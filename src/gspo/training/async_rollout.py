@@ -53,6 +53,7 @@ import torch
 from gspo.config import Config
 from gspo.rollout import RolloutBatch, SamplingParams, TorchEngine
 from gspo.training.experience import Experience, RolloutStage, Sampled
+from gspo.training.forward import recomputes_old_logprobs
 from gspo.training.policy import Policy
 from gspo.training.sampler import Sampler, push_weights
 
@@ -156,7 +157,7 @@ class AsyncRollouts:
     ):
         self.k = config.rollout.max_staleness
         self.minibatches = config.algorithm.minibatches
-        self.recompute = config.algorithm.old_logprobs == "recompute"
+        self.recompute = recomputes_old_logprobs(config, policy.compute_dtype)
         self.stage = stage
         self.policy = policy
         self.checkpoint = checkpoint

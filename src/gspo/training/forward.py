@@ -35,11 +35,27 @@ from gspo.training.policy import Policy
 from gspo.training.setup import moe_settings
 
 
+def recomputes_old_logprobs(config: Config, compute_dtype: torch.dtype) -> bool:
+    """Whether the trainer recomputes pi_old (``algorithm.old_logprobs``), ``auto`` resolved.
+
+    ``auto`` takes the sampler's log-probs only where they are pi_old to float rounding:
+    a float32 forward with nothing to correct. In bf16 (or float16) the sampler's and
+    the trainer's log-probs differ by more than GSPO's clip range on a sequence's mean
+    even with the float32 head (docs/precision.md), so the on-policy minibatch would
+    clip; vLLM with ``top_p < 1`` reports the truncated distribution's log-probs.
+    """
+    algorithm, source = config.algorithm, config.algorithm.old_logprobs
+    if source != "auto":
+        return source == "recompute"
+    truncated = config.rollout.engine == "vllm" and config.rollout.top_p < 1.0
+    return compute_dtype != torch.float32 or algorithm.rollout_correction != "none" or truncated
+
+
 def build_forward(config: Config, policy: Policy) -> PlainForward | RoutedForward:
     """The run's strategy: routing under pi_old is recorded whenever Routing Replay or the
     churn measurement (``moe.*``) needs it."""
     replay, churn = moe_settings(config, policy.module)
-    recompute = config.algorithm.old_logprobs == "recompute"
+    recompute = recomputes_old_logprobs(config, policy.compute_dtype)
     aux = config.moe.router_aux_loss_coef
     if replay or churn or aux > 0:
         return RoutedForward(policy, recompute, replay, churn, aux)

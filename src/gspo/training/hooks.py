@@ -1,12 +1,15 @@
 """Optional instruments on the update stage, each a :class:`~gspo.training.update.Hook`.
 
 - :class:`FirstMinibatchMismatch`: sampler vs trainer log-probs, free in sampler mode.
+- :class:`OnPolicyClipWarning`: one line when the sampler's log-probs clip the
+  on-policy minibatch.
 - :class:`ExpertChurn`: share of activated MoE experts that moved since pi_old.
 - :class:`RatioDumps`: importance ratios (and gradient noise by length) to ``ratios/``.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -37,7 +40,7 @@ def build_hooks(
     reference: Reference,
 ) -> list[Hook]:
     """The instruments the config asks for, in the order their metrics are added."""
-    hooks: list[Hook] = [FirstMinibatchMismatch()]
+    hooks: list[Hook] = [FirstMinibatchMismatch(), OnPolicyClipWarning(dist)]
     if isinstance(forward, RoutedForward) and forward.measure_churn:
         hooks.append(ExpertChurn(forward))
     if config.log.ratio_dump_every > 0:
@@ -69,6 +72,39 @@ class FirstMinibatchMismatch(Hook):
             return {}  # (stale weights sampled the batch: not the same policy, no mismatch)
         mb = minibatch.batch
         return logprob_mismatch(mb.sampler_logprobs, minibatch.logprobs, mb.action_mask)
+
+
+class OnPolicyClipWarning(Hook):
+    """One line on stderr, once per run, when the on-policy minibatch clips.
+
+    With pi_old from the sampler (``algorithm.old_logprobs=sampler``) the first minibatch
+    of a batch the current weights sampled has pi_theta = pi_old, so every ratio should
+    be 1 and nothing should clip; what does clip there is the sampler's and the
+    trainer's numerics disagreeing (bf16: docs/precision.md), and those responses get no
+    gradient. The clip fraction of that minibatch is in the run summary either way.
+    """
+
+    def __init__(self, dist: Distributed):
+        self.dist = dist
+        self.warned = False
+
+    def after_update(self, experience: Experience, minibatch: Minibatch) -> dict[str, float]:
+        if self.warned or minibatch.k != 0 or experience.recomputed or experience.staleness:
+            return {}
+        clipped = minibatch.metrics.get("train/clip_fraction", 0.0)
+        if clipped > 0:
+            self.warned = True
+            if self.dist.is_main:
+                print(
+                    f"warning: the on-policy minibatch of rollout batch {experience.index} "
+                    f"clipped {clipped:.1%} of its tokens: the sampler's log-probs "
+                    "(algorithm.old_logprobs=sampler) differ from the trainer's by more than "
+                    "the clip range; algorithm.old_logprobs=auto or recompute avoids it "
+                    "(shown once)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        return {}
 
 
 class ExpertChurn(Hook):

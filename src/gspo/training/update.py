@@ -144,13 +144,15 @@ class Minibatch:
     """A minibatch just trained on, as the hooks see it after its optimizer step.
 
     ``logprobs`` are pi_theta's before the step (the ratio's numerator, detached),
-    ``old_logprobs`` pi_old's, both ``[n, T]`` over ``batch``'s trimmed columns.
+    ``old_logprobs`` pi_old's, both ``[n, T]`` over ``batch``'s trimmed columns;
+    ``metrics`` the update's log line (this rank's).
     """
 
     k: int
     batch: RolloutBatch
     logprobs: torch.Tensor
     old_logprobs: torch.Tensor
+    metrics: dict[str, float]
 
 
 class Hook:
@@ -201,7 +203,7 @@ class UpdateStage:
         line["train/minibatch"] = k
         line["train/rollout"] = experience.index
         line["time/train"] = time.perf_counter() - start
-        done = Minibatch(k, mb, logprobs.detach(), old_logprobs)
+        done = Minibatch(k, mb, logprobs.detach(), old_logprobs, dict(line))
         for hook in self.hooks:
             line.update(hook.after_update(experience, done))
         return line
