@@ -121,12 +121,12 @@ def _save_progress(
     dist.barrier()
 
 
-def _entry_problem(entry: Path, model: torch.nn.Module) -> str | None:
+def _entry_problem(entry: Path, model: torch.nn.Module | None) -> str | None:
     """Why the cache entry ``entry`` cannot be trusted, or None when it is whole.
 
-    It must be the entry of its key, its name (its own record says so), hold its metric lines, and
-    hold every file its sharded checkpoint's metadata names, with every tensor of
-    ``model`` at its shape.
+    Its own record must name its key (the directory's name), its metric lines must read,
+    and its sharded checkpoint must hold every file its metadata names, and every tensor
+    of ``model`` (if given) at its shape.
     """
     try:
         made = json.loads((entry / _ENTRY).read_text())
@@ -142,7 +142,7 @@ def _entry_problem(entry: Path, model: torch.nn.Module) -> str | None:
 
 def _store_in_cache(entry: Path, policy: Policy, lines: list[dict], dist: Distributed) -> None:
     def whole(existing: Path) -> bool:  # an identical run published first: keep its entry
-        return _entry_problem(existing, policy.forward) is None
+        return _entry_problem(existing, None) is None  # (rank 0 alone: no model state)
 
     try:
         with staged(entry, dist, keep=whole) as tmp:
