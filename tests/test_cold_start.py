@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from test_trainer import FAST, comparable
@@ -9,7 +12,7 @@ from test_trainer import FAST, comparable
 import gspo.training.cold_start as cs
 from gspo.cli import main
 from gspo.config import load_config
-from gspo.distributed import Distributed
+from gspo.distributed import Distributed, sharded_problem
 from gspo.kernels import onednn_available
 from gspo.telemetry import read_metrics
 from gspo.trainer import Trainer, latest_checkpoint
@@ -144,3 +147,59 @@ def test_cache_dir_follows_settings(tmp_path, monkeypatch):
     custom = load_config(None, [f"train.cold_start_cache_dir={tmp_path / 'c'}"])
     assert cs.cache_dir(custom) == tmp_path / "c"
     assert cs.cache_dir(load_config(None, ["train.cold_start_cache=false"])) is None
+
+
+CACHED = [*FAST, "train.max_steps=2", "eval.every=0", "model.device=cpu"]
+
+
+def only_entry(cache):
+    """The cache's one entry; nothing else in it (no temporary directory left)."""
+    entries = sorted(cache.iterdir())
+    assert len(entries) == 1 and not entries[0].name.startswith("."), entries
+    return entries[0]
+
+
+@pytest.mark.slow
+def test_damaged_cache_entry_is_said_once_and_rebuilt(
+    tmp_path, monkeypatch, capsys, varied_reward, cold_start_cache
+):
+    overrides = [*CACHED, varied_reward]
+    assert main(["train", "--output-dir", str(tmp_path / "first"), *overrides]) == 0
+    entry = only_entry(cold_start_cache)
+    shard = entry / "sharded" / "__0_0.distcp"
+    shard.unlink()  # damaged by hand, or by a crash of an older gspo
+    (cold_start_cache / f".{entry.name}.4242.tmp").mkdir()  # an older gspo's leftover
+    capsys.readouterr()
+    trained, adamw = [], cs.adamw
+    monkeypatch.setattr(cs, "adamw", lambda *a, **k: trained.append(1) or adamw(*a, **k))
+    assert main(["train", "--output-dir", str(tmp_path / "again"), *overrides]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if "cold start" in line]
+    assert said == [
+        f"cold start: ignoring the damaged cache entry {entry} "
+        "(sharded/__0_0.distcp is missing); training it again"
+    ]
+    assert trained == [1]  # trained again, not loaded
+    assert only_entry(cold_start_cache) == entry and shard.is_file()  # rebuilt whole
+    assert records(tmp_path / "first") == records(tmp_path / "again")
+
+
+@pytest.mark.slow
+def test_two_identical_runs_started_together_share_one_whole_entry(
+    tmp_path, varied_reward, cold_start_cache
+):
+    overrides = [*CACHED, varied_reward]
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "gspo", "train", "--output-dir", tmp_path / name, *overrides],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for name in ("one", "two")
+    ]
+    outs = [run.communicate(timeout=600)[0] for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], outs
+    assert not any("Traceback" in out for out in outs)
+    entry = only_entry(cold_start_cache)
+    assert sharded_problem(entry / "sharded") is None and (entry / cs._LINES).is_file()
+    assert records(tmp_path / "one") == records(tmp_path / "two")

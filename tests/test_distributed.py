@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_trainer import FAST as SMALL_RUN  # the small, fast run setting
+from test_trainer import comparable
 
 from gspo.cli import main
 from gspo.config import load_config
@@ -84,12 +85,13 @@ def test_fsdp_units_are_the_transformer_blocks(tiny_model):
         decoder_blocks(torch.nn.Linear(2, 2))
 
 
-def torchrun(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def torchrun(*args: str, timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += ["--nproc-per-node", "2", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
+    if check:
+        assert done.returncode == 0, done.stderr[-3000:]
     return done
 
 
@@ -199,3 +201,49 @@ def test_sharded_checkpoint_of_a_fresh_optimizer_leaves_it_fresh(tmp_path, tiny_
         torch.testing.assert_close(p, expected[name], rtol=0, atol=0)
     steps = {float(s["step"]) for s in other_optimizer.state.values()}
     assert steps == {1.0}  # the saved step, not an extra initialising one
+
+
+KILL_RANK_1_IN_THE_CACHE = """
+import os, signal, sys
+import gspo.training.cold_start as cs
+
+real = cs.save_sharded
+
+def save(path, *args, **kwargs):
+    real(path, *args, **kwargs)
+    if os.environ["RANK"] == "1" and str(path).startswith(os.environ["XDG_CACHE_HOME"]):
+        os.kill(os.getpid(), signal.SIGKILL)  # its shard written, the entry not yet whole
+
+cs.save_sharded = save
+from gspo.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_torchrun_cold_start_cache_holds_every_rank_and_is_reused(tmp_path, cold_start_cache):
+    """A rank killed while the cache is written leaves nothing trusted; the next run writes
+    an entry with both ranks' shards, and the one after takes it, to the same metrics."""
+    run = [*SMALL_RUN, "train.max_steps=2", "eval.every=0", "model.device=cpu", "log.progress=true"]
+    killer = tmp_path / "killer.py"
+    killer.write_text(KILL_RANK_1_IN_THE_CACHE)
+    killed = torchrun(str(killer), "train", "--output-dir", str(tmp_path / "killed"), *run,
+                      check=False)  # fmt: skip
+    assert killed.returncode != 0 and "SIGKILL" in killed.stderr, killed.stderr[-3000:]
+    assert [p for p in cold_start_cache.iterdir() if not p.name.startswith(".")] == []
+
+    first = torchrun("-m", "gspo", "train", "--output-dir", str(tmp_path / "first"), *run)
+    assert "cold start: reused" not in first.stdout  # trained: nothing was trusted
+    [entry] = cold_start_cache.iterdir()  # the killed run's temporary directory is gone
+    assert sorted(p.name for p in (entry / "sharded").glob("*.distcp")) == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+    again = torchrun("-m", "gspo", "train", "--output-dir", str(tmp_path / "again"), *run)
+    assert f"cold start: reused {entry}" in again.stdout
+    assert "Traceback" not in again.stderr
+    records = [
+        [comparable(r) for r in read_metrics(tmp_path / name / "metrics.jsonl")]
+        for name in ("first", "again")
+    ]
+    assert records[0] == records[1] and any("sft/loss" in r for r in records[0])

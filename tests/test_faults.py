@@ -116,7 +116,7 @@ def test_full_disk_is_one_line_and_keeps_the_last_checkpoint(
 ):
     import gspo.training.checkpoint as ckpt
 
-    real = ckpt.save_pretrained_atomic
+    real = ckpt.save_pretrained
     calls = [0]
 
     def fills_up(*args, **kwargs):
@@ -125,11 +125,12 @@ def test_full_disk_is_one_line_and_keeps_the_last_checkpoint(
             raise OSError(errno.ENOSPC, "No space left on device", str(args[2]))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ckpt, "save_pretrained_atomic", fills_up)
+    monkeypatch.setattr(ckpt, "save_pretrained", fills_up)
     run = tmp_path / "run"
     assert main(["train", "--output-dir", str(run), *RUN, varied_reward]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("gspo: error: No space left on device: ") and "step-0000004" in err
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-0000002"
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
     monkeypatch.undo()
     assert main(["train", "--resume", str(run)]) == 0

@@ -279,6 +279,41 @@ def load_sharded(
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
+def sharded_problem(path: Path, model: torch.nn.Module | None = None) -> str | None:
+    """Why :func:`save_sharded`'s files in ``path`` cannot be loaded whole, or None.
+
+    Every file its metadata names must be there, at least as long as the data it places
+    in it; with ``model``, the files must hold each of its tensors (model only) at its
+    shape. Reads the metadata and the files' sizes, not the tensors; no collective.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except FileNotFoundError:
+        return f"{Path(path).name}/.metadata is missing"
+    except Exception as exc:  # truncated or foreign: unpickling raises anything
+        return f"{Path(path).name}/.metadata is unreadable ({type(exc).__name__})"
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        file = Path(path) / name
+        if not file.is_file():
+            return f"{Path(path).name}/{name} is missing"
+        if file.stat().st_size < end:
+            return f"{Path(path).name}/{name} is cut short"
+    if model is not None:
+        saved = metadata.state_dict_metadata
+        for name, tensor in get_model_state_dict(model).items():
+            held = saved.get(f"model.{name}")
+            if not isinstance(held, TensorStorageMetadata) or held.size != tensor.size():
+                return f"it holds no {name} of shape {tuple(tensor.size())}"
+    return None
+
+
 # ---------------------------------------------------------------- metrics across ranks
 def combine_metrics(
     per_rank: Sequence[Mapping[str, float]],

@@ -7,7 +7,6 @@ user's Qwen3-8B directory take the same path.
 
 from __future__ import annotations
 
-import os
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gspo.kernels import linear_for
+from gspo.publish import staged
 
 #: Characters of the built-in tokenizer: printable ASCII (one token per character).
 CHARSET = string.digits + string.ascii_letters + string.punctuation + " \n"
@@ -134,33 +134,27 @@ def quiet_transformers() -> None:
     logging.disable_progress_bar()
 
 
+def save_pretrained(model, tokenizer, directory: str | Path) -> None:
+    """``save_pretrained`` model and tokenizer into ``directory`` (made if missing)."""
+    quiet_transformers()
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
 def save_pretrained_atomic(
     model, tokenizer, directory: str | Path, *, also: Callable[[Path], None] | None = None
 ) -> Path:
-    """``save_pretrained`` model and tokenizer into ``directory`` via a temp dir + rename.
+    """``save_pretrained`` model and tokenizer into ``directory`` whole or not at all.
 
-    ``also(tmp_dir)`` may write more files (e.g. optimizer state) before the rename, so
-    a reader sees either the whole directory or none of it.
+    ``also(tmp_dir)`` may write more files (e.g. optimizer state) before it is put in
+    place (:func:`gspo.publish.staged`); an existing ``directory`` is replaced.
     """
-    quiet_transformers()
     directory = Path(directory)
-    tmp = directory.with_name("." + directory.name + ".tmp")
-    if tmp.exists():
-        _rmtree(tmp)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if also is not None:
-        also(tmp)
-    if directory.exists():
-        _rmtree(directory)
-    os.replace(tmp, directory)
+    with staged(directory) as tmp:
+        save_pretrained(model, tokenizer, tmp)
+        if also is not None:
+            also(tmp)
     return directory
-
-
-def _rmtree(path: Path) -> None:
-    import shutil
-
-    shutil.rmtree(path)
 
 
 def resolve_device(device: str) -> torch.device:

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from gspo.distributed import SHARDED, Distributed, load_sharded, save_sharded
-from gspo.models import save_pretrained_atomic
+from gspo.models import save_pretrained
+from gspo.publish import staged
 from gspo.training.policy import Policy
 
 CHECKPOINTS = "checkpoints"
@@ -96,25 +97,15 @@ def save_checkpoint(
             f"checkpoint at step {step} not written: the weights hold NaN or inf "
             f"(the previous checkpoint under {root} is intact)"
         )
-    sharded = root / f".{final.name}.sharded.tmp"
-    if dist.is_main:
-        root.mkdir(exist_ok=True)
-        if sharded.exists():
-            shutil.rmtree(sharded)
-    dist.barrier()
-    save_sharded(sharded, policy.forward, optimizer, trainable_only=policy.adapters)
-    replica = policy.replica()
-    dist.barrier()  # every rank's shards are on disk
-    if dist.is_main:
-        state = {"scheduler": scheduler.state_dict(), "step": step}
-
-        def complete(tmp: Path) -> None:
-            os.replace(sharded, tmp / SHARDED)
+    with staged(final, dist) as tmp:  # every rank's shards and rank 0's files, or nothing
+        save_sharded(tmp / SHARDED, policy.forward, optimizer, trainable_only=policy.adapters)
+        replica = policy.replica()
+        if dist.is_main:
+            save_pretrained(replica, tokenizer, tmp)
             for name, obj in (extra or {}).items():
                 torch.save(obj, tmp / name)
-            torch.save(state, tmp / TRAINER_STATE)
-
-        save_pretrained_atomic(replica, tokenizer, final, also=complete)
+            torch.save({"scheduler": scheduler.state_dict(), "step": step}, tmp / TRAINER_STATE)
+    if dist.is_main:
         write_atomic(root / LATEST, final.name)
         # step 0 (the cold-start model) stays: the KL reference and RL's starting point
         start = checkpoint_dir(output_dir, 0).name

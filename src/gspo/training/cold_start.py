@@ -29,8 +29,9 @@ import torch
 
 import gspo
 from gspo.config import Config
-from gspo.distributed import Distributed, load_sharded, save_sharded
+from gspo.distributed import Distributed, load_sharded, save_sharded, sharded_problem
 from gspo.kernels import onednn_available
+from gspo.publish import staged
 from gspo.rollout import pad_batch
 from gspo.tasks import encode_prompt
 from gspo.telemetry import MetricsLogger
@@ -42,6 +43,7 @@ PROGRESS_PREFIX = "cold-start-"
 _STATE = "state.pt"
 _LINES = "sft_metrics.jsonl"
 _MODEL = "sharded"
+_ENTRY = "entry.json"  # a cache entry's own record: its key
 _INLINE_BYTES = 64 << 20
 
 
@@ -106,56 +108,65 @@ def progress_checkpoints(checkpoints: Path) -> list[Path]:
     return sorted(found)
 
 
-def _publish(tmp: Path, final: Path) -> None:
-    """Rename a finished directory into place; a concurrent identical one may win."""
-    try:
-        os.replace(tmp, final)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def _save_progress(
     checkpoints: Path, step: int, policy: Policy, optimizer, lines: list[dict], dist: Distributed
 ) -> None:
-    final = checkpoints / f"{PROGRESS_PREFIX}{step:07d}"
-    tmp = checkpoints / f".{final.name}.tmp"
+    with staged(checkpoints / f"{PROGRESS_PREFIX}{step:07d}", dist) as tmp:
+        save_sharded(tmp / _MODEL, policy.forward, optimizer)
+        if dist.is_main:
+            torch.save({"step": step, "lines": lines}, tmp / _STATE)
     if dist.is_main:
-        checkpoints.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier()
-    save_sharded(tmp / _MODEL, policy.forward, optimizer)
-    dist.barrier()
-    if dist.is_main:
-        torch.save({"step": step, "lines": lines}, tmp / _STATE)
-        _publish(tmp, final)
         for older in progress_checkpoints(checkpoints)[:-1]:
             shutil.rmtree(older)
     dist.barrier()
 
 
-def _store_in_cache(entry: Path, policy: Policy, lines: list[dict], dist: Distributed) -> None:
-    tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
+def _entry_problem(entry: Path, model: torch.nn.Module | None) -> str | None:
+    """Why the cache entry ``entry`` cannot be trusted, or None when it is whole.
+
+    Its own record must name its key (the directory's name), its metric lines must read,
+    and its sharded checkpoint must hold every file its metadata names, and every tensor
+    of ``model`` (if given) at its shape.
+    """
     try:
-        if dist.is_main:
-            entry.parent.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-        dist.barrier()
-        save_sharded(tmp / _MODEL, policy.forward, None)
-        dist.barrier()
-        if dist.is_main:
-            (tmp / _LINES).write_text("".join(json.dumps(line) + "\n" for line in lines))
-            _publish(tmp, entry)
+        made = json.loads((entry / _ENTRY).read_text())
+        [json.loads(line) for line in (entry / _LINES).read_text().splitlines()]
+    except FileNotFoundError as exc:
+        return f"{Path(exc.filename).name} is missing"
+    except (OSError, ValueError) as exc:
+        return f"unreadable ({exc})"
+    if not isinstance(made, dict) or made.get("key") != entry.name:
+        return f"{_ENTRY} names another key"
+    return sharded_problem(entry / _MODEL, model)
+
+
+def _store_in_cache(entry: Path, policy: Policy, lines: list[dict], dist: Distributed) -> None:
+    def whole(existing: Path) -> bool:  # an identical run published first: keep its entry
+        return _entry_problem(existing, None) is None  # (rank 0 alone: no model state)
+
+    try:
+        with staged(entry, dist, keep=whole) as tmp:
+            save_sharded(tmp / _MODEL, policy.forward, None)
+            if dist.is_main:
+                (tmp / _LINES).write_text("".join(json.dumps(line) + "\n" for line in lines))
+                (tmp / _ENTRY).write_text(json.dumps({"key": entry.name, "ranks": dist.world_size}))
     except OSError as exc:  # a read-only or full cache never stops a run
         if dist.is_main:
             print(f"cold start: not cached ({entry.parent}: {exc.strerror or exc})", flush=True)
-            shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
 
 
-def _cached(entry: Path | None, dist: Distributed) -> bool:
-    """Whether every rank sees a complete cache entry."""
-    here = entry is not None and (entry / _LINES).is_file()
-    return all(dist.gather_objects(here))
+def _cached(entry: Path | None, policy: Policy, dist: Distributed) -> bool:
+    """Whether every rank sees a whole cache entry; a damaged one is said once and redone."""
+    if entry is None:
+        return False
+    problem = _entry_problem(entry, policy.forward) if entry.exists() else "missing"
+    problems = dist.gather_objects(problem)
+    damaged = next((p for p in problems if p not in (None, "missing")), None)
+    if damaged is not None and dist.is_main:
+        print(f"cold start: ignoring the damaged cache entry {entry} ({damaged}); "
+              "training it again", flush=True)  # fmt: skip
+    return not any(problems)
 
 
 def cold_start(
@@ -183,7 +194,7 @@ def cold_start(
     show = config.log.progress and dist.is_main
     root = cache_dir(config)
     entry = None if root is None else root / cold_start_key(config, rows, dist)
-    if _cached(entry, dist):
+    if _cached(entry, policy, dist):
         assert entry is not None
         load_sharded(entry / _MODEL, policy.forward, None)
         policy.stepped()

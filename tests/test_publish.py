@@ -1,0 +1,72 @@
+"""Directories published whole (gspo.publish.staged): all or nothing, leftovers, races."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+import pytest
+
+from gspo.publish import leftovers, staged, temp_path
+
+
+def dot_entries(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
+
+
+def test_a_staged_directory_appears_whole_or_not_at_all(tmp_path):
+    final = tmp_path / "cache" / "entry"
+    with staged(final) as tmp:
+        assert tmp.parent == final.parent and tmp.name.startswith(".entry.gspo-")
+        (tmp / "a").write_text("1")
+        assert not final.exists()  # nothing is visible while it is written
+    assert (final / "a").read_text() == "1"
+    assert dot_entries(final.parent) == []
+
+    with pytest.raises(OSError, match="disk full"), staged(tmp_path / "cache" / "other") as tmp:
+        (tmp / "a").write_text("half")
+        raise OSError("disk full")
+    assert not (tmp_path / "cache" / "other").exists()
+    assert dot_entries(final.parent) == []  # the half-written directory is gone
+
+
+def test_an_existing_directory_is_replaced_unless_kept(tmp_path):
+    final = tmp_path / "entry"
+    for text in ("first", "second"):
+        with staged(final) as tmp:
+            (tmp / "a").write_text(text)
+    assert (final / "a").read_text() == "second"
+    # an identical process published first and its entry will do: it stays, ours goes
+    with staged(final, keep=lambda existing: (existing / "a").is_file()) as tmp:
+        (tmp / "a").write_text("third")
+    assert (final / "a").read_text() == "second"
+    # a damaged one does not do: it is replaced
+    (final / "a").unlink()
+    with staged(final, keep=lambda existing: (existing / "a").is_file()) as tmp:
+        (tmp / "a").write_text("fourth")
+    assert (final / "a").read_text() == "fourth"
+    assert dot_entries(tmp_path) == []
+
+
+def test_leftovers_of_dead_writers_go_and_live_ones_stay(tmp_path):
+    final = tmp_path / "entry"
+    dead = temp_path(final, "dead")  # a killed run's: nobody holds its lock
+    old_style = tmp_path / ".entry.12345.tmp"  # an earlier gspo's pid-named one
+    live = temp_path(tmp_path / "other", "live")  # another run writing right now
+    mine = tmp_path / ".entry.notes"  # not a temporary name
+    for path in (dead, old_style, live, mine):
+        path.mkdir()
+    held = os.open(live, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        assert leftovers(final) == sorted([dead, old_style])
+        with staged(final) as tmp:
+            (tmp / "a").write_text("1")
+            assert not dead.exists() and not old_style.exists() and live.is_dir()
+            # while it is written, another writer takes it for a live one
+            assert tmp not in leftovers(final)
+    finally:
+        os.close(held)
+    assert live in leftovers(final)  # its writer is gone now
+    assert mine.is_dir() and (final / "a").is_file()
