@@ -648,14 +648,11 @@ def _fmt(value: Any) -> str:
     return f"{value:.4g}"
 
 
-def _first_last(records: Sequence[Mapping[str, Any]], key: str) -> tuple | None:
-    """``((first_step, first_value), (last_step, last_value))`` over finite values."""
-    points = [
+def _points(records: Sequence[Mapping[str, Any]], key: str) -> list[tuple[Any, float]]:
+    """``(step, value)`` of the records with a finite ``key``, in order."""
+    return [
         (r.get("step"), r[key]) for r in records if _is_number(r.get(key)) and math.isfinite(r[key])
     ]
-    if not points:
-        return None
-    return points[0], points[-1]
 
 
 def _wall_step_times(records: Sequence[Mapping[str, Any]]) -> list[tuple[Any, float]]:
@@ -674,12 +671,13 @@ def _wall_step_times(records: Sequence[Mapping[str, Any]]) -> list[tuple[Any, fl
 
 
 def summary_table(records: Sequence[Mapping[str, Any]], *, title: str = "Run summary") -> Table:
-    """A rich table with the first and last value of each key metric present.
+    """A rich table with the first, last and mean value of each key metric present.
 
     Rows (whichever exist): train reward, eval accuracy (sampled and greedy), clip
     fraction (off-policy minibatches, on-policy minibatch), response length, and
-    seconds per step (from one of
-    :data:`STEP_TIME_KEYS`, else derived from the ``"time"`` column).
+    seconds per step (from one of :data:`STEP_TIME_KEYS`, else derived from the
+    ``"time"`` column). The mean is over the records that have the metric (for the clip
+    fractions, one per rollout batch), so what happened between first and last shows.
     """
     from rich.table import Table
 
@@ -687,25 +685,21 @@ def summary_table(records: Sequence[Mapping[str, Any]], *, title: str = "Run sum
     table.add_column("metric")
     table.add_column("first", justify="right")
     table.add_column("last", justify="right")
+    table.add_column("mean", justify="right")
     table.add_column("steps", justify="right", style="dim")
 
-    def add(label: str, fl: tuple | None) -> None:
-        if fl is None:
-            return
-        (s0, v0), (s1, v1) = fl
-        table.add_row(label, _fmt(v0), _fmt(v1), f"{_fmt(s0)} → {_fmt(s1)}")
+    def add(label: str, points: list[tuple[Any, float]]) -> bool:
+        if not points:
+            return False
+        (s0, v0), (s1, v1) = points[0], points[-1]
+        mean = statistics.fmean(v for _, v in points)
+        table.add_row(label, _fmt(v0), _fmt(v1), _fmt(mean), f"{_fmt(s0)} → {_fmt(s1)}")
+        return True
 
     for key, label in SUMMARY_KEYS:
-        add(label, _first_last(records, key))
-    for key in STEP_TIME_KEYS:
-        fl = _first_last(records, key)
-        if fl is not None:
-            add("seconds / step", fl)
-            break
-    else:
-        wall = _wall_step_times(records)
-        if wall:
-            add("seconds / step (wall)", (wall[0], wall[-1]))
+        add(label, _points(records, key))
+    if not any(add("seconds / step", _points(records, key)) for key in STEP_TIME_KEYS):
+        add("seconds / step (wall)", _wall_step_times(records))
     if not table.rows:
         table.caption = "no metrics recorded"
     return table
