@@ -9,11 +9,12 @@ STAMP := $(VENV)/.gspo-installed
 #   PyPI on Linux, the CUDA build).
 # - no GPU: the CPU build. PyPI's Linux `torch` is the multi-GB CUDA build, so PyTorch's CPU
 #   wheel index (TORCH_CPU_INDEX) is added to pip's own (--extra-index-url, not instead of
-#   them): its torch==2.13.0+cpu outranks PyPI's plain 2.13.0, and every other package
-#   still comes from where pip finds it. Where that index cannot be reached (offline; a
-#   pip that finds packages on local disk or a mirror only; checked first, 10 s at most,
-#   so pip does not retry an unreachable index) torch==TORCH_VERSION is resolved by pip's
-#   own indexes alone, which on such a machine hold the build its owner chose.
+#   them): its `+cpu` build outranks PyPI's plain one of the same version, and every
+#   other package still comes from where pip finds it. Where that index cannot be reached
+#   (offline; a pip that finds packages on local disk or a mirror only; checked first,
+#   10 s at most, so pip does not retry an unreachable index) torch==TORCH_VERSION is
+#   resolved by pip's own indexes alone, which on such a machine hold the build its
+#   owner chose (e.g. a torch +cpu wheel on local disk, where pip finds one).
 # - TORCH_INDEX=URL: torch from that index alone (--index-url), GPU or not, e.g.
 #   TORCH_INDEX=https://download.pytorch.org/whl/cu128 for another CUDA version.
 # A venv that already imports torch keeps it. The vLLM venv always takes the CPU build.

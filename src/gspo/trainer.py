@@ -53,12 +53,7 @@ from gspo.training.evaluation import Evaluator
 from gspo.training.experience import RolloutStage, Scorer
 from gspo.training.forward import build_forward
 from gspo.training.hooks import build_hooks
-from gspo.training.metrics import (
-    combine,
-    crossed,
-    metric_reduction,
-    rollout_clip_fractions,
-)
+from gspo.training.metrics import combine, crossed, metric_reduction, rollout_clip_fractions
 from gspo.training.policy import Policy
 from gspo.training.reference import Reference
 from gspo.training.sampler import Sampler, SingleTurn, build_engine

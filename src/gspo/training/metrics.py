@@ -75,7 +75,7 @@ def rollout_clip_fractions(
     per minibatch); a part without counted tokens is left out.
     """
     on = [x for x in lines if staleness == 0 and x["train/minibatch"] == 0]
-    off = [x for x in lines if not (staleness == 0 and x["train/minibatch"] == 0)]
+    off = [x for x in lines if not any(x is y for y in on)]
     out = {}
     for key, part in ((CLIP_ON_POLICY, on), (CLIP_OFF_POLICY, off)):
         tokens = sum(x["train/tokens"] for x in part)
