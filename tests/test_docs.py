@@ -1,6 +1,8 @@
-"""The README and the pages under docs/: every relative Markdown link points at a file."""
+"""The README and the pages under docs/: every relative Markdown link points at a file,
+and every ``gspo train|config|compare`` command they (and the recipes) show parses."""
 
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -39,3 +41,158 @@ def test_index_lists_every_page():
     pages = {p.name for p in (ROOT / "docs").glob("*.md")} - {"index.md"}
     assert pages <= listed, f"docs/index.md does not list {sorted(pages - listed)}"
     assert "algorithm.md" in listed
+
+
+# ------------------------------------------------ commands the docs tell a user to run
+
+#: Where commands are: the pages, the examples' README and the recipes' own comments.
+COMMAND_SOURCES = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").rglob("*.md")),
+    *sorted((ROOT / "examples").rglob("*.md")),
+    *sorted((ROOT / "examples").glob("*.yaml")),
+]
+FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
+INLINE = re.compile(r"`([^`]+)`")
+GSPO = re.compile(r"(?:^|[\s/])gspo\s+(?:train|config|compare)\b")
+#: An optional part of a synopsis, ``[--config FILE.yaml]`` (not a value: ``key=[a, b]``).
+OPTIONAL = re.compile(r"(?<!\S)\[[^\]]*\]")
+SHELL_OPERATORS = {"|", "||", "&&", ";", "&", ">", ">>", "2>&1"}
+#: The user's own config files the docs name (``--config my.yaml``): the overrides of such
+#: a command are checked on the default config. Any other --config must exist in the repo.
+USER_FILES = {"my.yaml"}
+
+
+def shell_lines(text: str) -> list[str]:
+    """Lines of a shell snippet, those continued with a backslash joined."""
+    lines, current = [], []
+    for line in text.splitlines():
+        current.append(line.strip().removesuffix("\\").strip())
+        if not line.rstrip().endswith("\\"):
+            lines.append(" ".join(current))
+            current = []
+    return [*lines, " ".join(current)] if current else lines
+
+
+def snippets(path: Path) -> list[str]:
+    """Shell lines of a page's code blocks and its inline code (a recipe: its comments)."""
+    text = path.read_text()
+    if path.suffix == ".yaml":
+        comments = [line.strip()[1:] for line in text.splitlines() if line.strip()[:1] == "#"]
+        return shell_lines("\n".join(comments))
+    found = [line for block in FENCE.findall(text) for line in shell_lines(block)]
+    return found + [" ".join(code.split()) for code in INLINE.findall(FENCE.sub("", text))]
+
+
+def documented_commands() -> list[tuple[str, str]]:
+    """``(page, command)`` for every ``gspo train|config|compare`` line the docs show."""
+    return [
+        (str(path.relative_to(ROOT)), line.strip())
+        for path in COMMAND_SOURCES
+        for line in snippets(path)
+        if GSPO.search(line)
+    ]
+
+
+def gspo_arguments(command: str) -> list[str]:
+    """The words after ``gspo`` (or ``-m gspo``, ``.venv/bin/gspo``) up to a pipe or
+    redirection, without a synopsis' optional parts and ``...`` placeholders."""
+    words = shlex.split(OPTIONAL.sub("", command), comments=True)
+    start = next(i for i, w in enumerate(words) if w == "gspo" or w.endswith("/gspo"))
+    args = []
+    for word in words[start + 1 :]:
+        if word in SHELL_OPERATORS or word.startswith((">", "2>")):
+            break
+        if word != "...":
+            args.append(word)
+    return args
+
+
+def check_command(command: str) -> None:
+    """Parse ``command`` as the gspo CLI does and validate its config, in-process.
+
+    ``--config`` is read from the repository (a recipe must exist) but for the user's own
+    files (:data:`USER_FILES`); ``--resume DIR``'s overrides apply to the default config
+    (DIR's config.yaml is the user's). ``gspo compare`` builds every run's config as it
+    would (its preset, algorithms and seeds), with a stand-in cold-start checkpoint.
+    """
+    from gspo.cli import parse_args
+    from gspo.compare import ALGORITHMS, PRESETS, run_configs
+    from gspo.config import load_config
+
+    try:
+        args = parse_args(gspo_arguments(command))
+    except SystemExit:
+        raise AssertionError("the gspo command line does not parse (see stderr)") from None
+    config = getattr(args, "config", None)
+    if config is not None:
+        if config.name in USER_FILES:
+            config = None
+        else:
+            config = ROOT / config
+            assert config.is_file(), f"--config {args.config}: no such file in the repository"
+    if args.command == "train":
+        load_config(None if args.resume else config, args.overrides)
+    elif args.command == "config":
+        assert not (args.doc and (args.config or args.overrides)), "--doc takes nothing else"
+        load_config(config, args.overrides)
+    else:
+        assert args.preset in PRESETS, f"--preset {args.preset}: not one of {list(PRESETS)}"
+        algorithms = [a.strip() for a in args.algorithms.split(",")]
+        assert set(algorithms) <= set(ALGORITHMS), f"--algorithms {args.algorithms}"
+        run_configs(config, args.overrides, checkpoint=Path("cold-start"),
+                    seeds=range(args.seeds), preset=args.preset, algorithms=algorithms)  # fmt: skip
+
+
+COMMANDS = documented_commands()
+
+
+@pytest.mark.parametrize(("page", "command"), COMMANDS, ids=[f"{p}: {c}" for p, c in COMMANDS])
+def test_documented_command_parses(page, command):
+    check_command(command)
+
+
+def test_the_docs_commands_are_found(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "Run `gspo train\ndata.task=calculator` or\n\n```bash\ngspo config \\\n"
+        "  --config my.yaml  # the resolved config\nls\n```\n"
+    )
+    assert snippets(page) == [
+        "gspo config --config my.yaml  # the resolved config",
+        "ls",
+        "gspo train data.task=calculator",  # inline code across lines
+    ]
+    found = {command for _, command in COMMANDS}
+    assert any("examples/math_qwen3_4b_8gpu.yaml" in c and "torchrun" in c for c in found)
+    assert any(page.endswith(".yaml") for page, _ in COMMANDS)  # a recipe's own comment
+    assert len(COMMANDS) > 40
+    (line,) = shell_lines(
+        "torchrun --nproc-per-node 8 -m gspo train --config my.yaml \\\n  a.b=1 # 8 GPUs"
+    )
+    assert gspo_arguments(line) == ["train", "--config", "my.yaml", "a.b=1"]
+    assert gspo_arguments(".venv/bin/gspo config [--config F] [k=...] x.y='[1, 2]' > f") == [
+        "config",
+        "x.y=[1, 2]",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("command", "error"),
+    [
+        ("gspo train optim.lrr=3e-4", "optim.lrr"),  # a key that does not exist
+        ("gspo train algorithm.level=grpoo", "algorithm.level"),  # a value it does not take
+        ("gspo train --config examples/missing.yaml", "no such file"),
+        ("gspo compare --preset longest", "--preset"),
+        ("gspo compare --algorithms GSPO,PPO", "--algorithms"),
+        ("gspo config --doc optim.lr=1", "--doc"),
+    ],
+)
+def test_a_wrong_command_in_the_docs_fails(command, error):
+    with pytest.raises((AssertionError, ValueError), match=re.escape(error)):
+        check_command(command)
+
+
+def test_an_unknown_option_in_the_docs_fails(capsys):
+    with pytest.raises(AssertionError, match="does not parse"):
+        check_command("gspo train --outputdir runs/x")

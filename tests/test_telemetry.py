@@ -30,6 +30,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _records(n: int = 20, *, eval_every: int = 5, clip_zero_every: int = 4) -> list[dict]:
+    """Training lines of 4 minibatches per rollout batch (the last one carries the batch's
+    clip fractions) and an evaluation every ``eval_every`` steps."""
     recs = []
     for s in range(1, n + 1):
         rec = {
@@ -40,6 +42,9 @@ def _records(n: int = 20, *, eval_every: int = 5, clip_zero_every: int = 4) -> l
             "train/clip_fraction": 0.0 if s % clip_zero_every == 0 else 1e-3 * s,
             "train/response_length_mean": 300.0 - s,
         }
+        if s % 4 == 0:
+            rec["train/clip_fraction_off_policy"] = 0.01 * s
+            rec["train/clip_fraction_on_policy"] = 1e-4 * s
         if s % eval_every == 0:
             rec["eval/accuracy"] = 0.2 + 0.01 * s
             rec["eval/accuracy_greedy"] = 0.25 + 0.01 * s
@@ -247,7 +252,11 @@ def test_plot_metrics_writes_expected_pngs(tmp_path):
 
 def test_plot_metrics_skips_missing_keys_and_handles_nulls(tmp_path):
     recs = [
-        {"step": s, "train/reward_mean": None if s == 3 else 0.1 * s, "train/clip_fraction": 0.0}
+        {
+            "step": s,
+            "train/reward_mean": None if s == 3 else 0.1 * s,
+            "train/clip_fraction_on_policy": 0.0,
+        }
         for s in range(1, 8)
     ]
     metrics = _write_jsonl(tmp_path / "metrics.jsonl", recs)
@@ -320,7 +329,7 @@ def _render(renderable) -> str:
     return console.file.getvalue()
 
 
-def test_summary_table_first_and_last_values():
+def test_summary_table_first_last_and_mean_values():
     recs = _records(20, clip_zero_every=3)
     recs[-1]["time/step_seconds"] = 1.5
     recs[0]["time/step_seconds"] = 2.5
@@ -333,14 +342,15 @@ def test_summary_table_first_and_last_values():
             label, *cells = (c.strip() for c in line.split("│")[1:-1])
             rows[label] = tuple(cells)
     assert rows == {
-        "reward (train)": ("0.13", "0.7", "1 → 20"),
-        "accuracy (eval)": ("0.25", "0.4", "5 → 20"),
-        "accuracy (eval, greedy)": ("0.3", "0.45", "5 → 20"),
-        "clip fraction": ("0.001", "0.02", "1 → 20"),
-        "response length": ("299", "280", "1 → 20"),
-        "seconds / step": ("2.5", "1.5", "1 → 20"),
+        "reward (train)": ("0.13", "0.7", "0.415", "1 → 20"),
+        "accuracy (eval)": ("0.25", "0.4", "0.325", "5 → 20"),
+        "accuracy (eval, greedy)": ("0.3", "0.45", "0.375", "5 → 20"),
+        "clip fraction, off-policy minibatches": ("0.04", "0.2", "0.12", "4 → 20"),
+        "clip fraction, on-policy minibatch": ("0.0004", "0.002", "0.0012", "4 → 20"),
+        "response length": ("299", "280", "289.5", "1 → 20"),
+        "seconds / step": ("2.5", "1.5", "2", "1 → 20"),
     }
-    assert table.row_count == 6
+    assert table.row_count == 7
 
 
 def test_summary_table_derives_step_time_and_skips_absent():
@@ -365,7 +375,9 @@ def test_progress_plain_lines_when_not_a_terminal():
     assert [int(line.split()[1].split("/")[0]) for line in lines] == [1, *range(2, 41, 2)]
     assert lines[-1].startswith("step 40/40 (100%)")
     assert "reward 1.3" in lines[-1] and "eval acc 0.6" in lines[-1]
-    assert "clip 0.04" in lines[-1] and "s/step" in lines[-1]
+    # the last rollout batch's clip fractions, not the last minibatch's (0.04 at step 40)
+    assert "clip off-policy 0.4, on-policy 0.004" in lines[-1] and "s/step" in lines[-1]
+    assert "clip 0.001" in lines[0]  # step 1: no rollout batch's yet, the minibatch's
     assert "eval acc" not in lines[1]  # no eval yet at step 2
     assert "eval acc 0.3" in lines[6]  # step 12: kept from the step-10 eval line
     assert progress.accuracy == pytest.approx(0.6)
@@ -375,9 +387,11 @@ def test_progress_live_bar_on_terminal_and_disabled():
     console = Console(file=io.StringIO(), force_terminal=True, width=200, color_system=None)
     with TrainingProgress(10, console=console, start_step=5) as progress:
         for step in range(6, 11):
-            progress.update(step, {"train/reward_mean": 0.5, "eval/accuracy": 0.75})
+            metrics = {"train/reward_mean": 0.5, "eval/accuracy": 0.75}
+            progress.update(step, {**metrics, "train/clip_fraction": 0.25})
     out = console.file.getvalue()
     assert "10/10" in out and "reward 0.5" in out and "eval acc 0.75" in out
+    assert "clip 0.25" in out  # lines without the rollout batch's clip fractions
 
     quiet = Console(file=io.StringIO())
     with TrainingProgress(10, enabled=False, console=quiet) as progress:
@@ -409,3 +423,74 @@ def test_nan_in_every_sink_never_breaks_plots(tmp_path):
             logger.log(s, {"train/reward_mean": math.nan if s == 2 else float(s)})
     paths = plot_metrics(tmp_path, tmp_path)
     assert [p.name for p in paths] == ["reward.png"]
+
+
+# ------------------------------------------------------- clip fraction per rollout batch
+
+
+@pytest.mark.slow
+def test_clip_fraction_per_rollout_batch_in_metrics_progress_summary_and_plot(
+    tmp_path, varied_reward, capsys
+):
+    """Minibatch 0 of each rollout batch is on-policy (ratio 1): one minibatch's clip
+    fraction read 0 -> 0 in the summary. Logged per rollout batch now, on its last line:
+    the on-policy one is minibatch 0's, the off-policy one the token-weighted mean of
+    minibatches 1-3; the progress line and the summary show both, the plot draws both."""
+    from test_trainer import FAST, run_metrics, train_lines
+
+    from gspo.cli import main
+
+    overrides = [*FAST, varied_reward, "model.device=cpu", "train.cold_start_steps=0"]
+    overrides += ["algorithm.minibatches=4", "train.max_steps=12", "optim.lr=1e-3"]
+    overrides += ["eval.every=0", "log.progress=true", "log.plots=true"]
+    assert main(["train", "--output-dir", str(tmp_path / "run"), *overrides]) == 0
+    out = capsys.readouterr().out
+    lines = train_lines(run_metrics(tmp_path / "run"))
+    assert [r["train/minibatch"] for r in lines] == [0, 1, 2, 3] * 3
+    on_key, off_key = "train/clip_fraction_on_policy", "train/clip_fraction_off_policy"
+    batches = [lines[i : i + 4] for i in range(0, 12, 4)]
+    for batch in batches:
+        assert not any(on_key in r or off_key in r for r in batch[:3])  # on the last line
+        last, rest = batch[-1], batch[1:]
+        assert last[on_key] == batch[0]["train/clip_fraction"]
+        tokens = sum(r["train/tokens"] for r in rest)
+        clipped = sum(r["train/clip_fraction"] * r["train/tokens"] for r in rest)
+        assert last[off_key] == pytest.approx(clipped / tokens)
+    assert all(b[0]["train/clip_fraction"] == 0 for b in batches)  # float32: on-policy
+    assert all(b[-1][off_key] > 0.05 for b in batches)  # the clip range acts off-policy
+    # the run summary: off-policy first -> last, and on-policy apart
+    first, final = batches[0][-1], batches[-1][-1]
+    rows = {
+        cells[0]: cells[1:4]
+        for row in out.splitlines()
+        if "│" in row
+        for cells in [[c.strip() for c in row.split("│")[1:-1]]]
+    }
+    off = [b[-1][off_key] for b in batches]
+    assert rows["clip fraction, off-policy minibatches"] == [
+        f"{first[off_key]:.4g}",
+        f"{final[off_key]:.4g}",
+        f"{sum(off) / len(off):.4g}",  # the mean over the rollout batches
+    ]
+    assert rows["clip fraction, on-policy minibatch"] == ["0", "0", "0"]
+    # the progress line: the last rollout batch's clip fractions
+    progress = [line for line in out.splitlines() if line.startswith("step 12/12")]
+    assert f"clip off-policy {final[off_key]:.4g}, on-policy 0 " in progress[-1]
+    _assert_png(tmp_path / "run" / "plots" / "clip_fraction.png")
+
+
+def test_rollout_clip_fractions_of_a_stale_batch_are_all_off_policy():
+    from gspo.training.metrics import rollout_clip_fractions
+
+    lines = [
+        {"train/minibatch": k, "train/clip_fraction": c, "train/tokens": t}
+        for k, (c, t) in enumerate([(0.1, 10.0), (0.5, 30.0), (0.0, 0.0)])
+    ]
+    assert rollout_clip_fractions(lines) == {
+        "train/clip_fraction_on_policy": pytest.approx(0.1),
+        "train/clip_fraction_off_policy": pytest.approx(0.5),  # the empty minibatch weighs 0
+    }
+    assert rollout_clip_fractions(lines, staleness=1) == {
+        "train/clip_fraction_off_policy": pytest.approx(16 / 40)
+    }
+    assert rollout_clip_fractions(lines[:1]) == {"train/clip_fraction_on_policy": 0.1}

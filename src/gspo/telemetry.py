@@ -64,11 +64,15 @@ STEP_TIME_KEYS: tuple[str, ...] = (
 )
 
 #: Metrics shown by :func:`summary_table` (whichever are present), with display labels.
+#: The clip fractions are per rollout batch (:func:`gspo.training.metrics.rollout_clip_fractions`):
+#: its on-policy first minibatch apart from the others (``train/clip_fraction`` is one
+#: minibatch's, and minibatch 0, on-policy, clips nothing up to numerics).
 SUMMARY_KEYS: tuple[tuple[str, str], ...] = (
     ("train/reward_mean", "reward (train)"),
     ("eval/accuracy", "accuracy (eval)"),
     ("eval/accuracy_greedy", "accuracy (eval, greedy)"),
-    ("train/clip_fraction", "clip fraction"),
+    ("train/clip_fraction_off_policy", "clip fraction, off-policy minibatches"),
+    ("train/clip_fraction_on_policy", "clip fraction, on-policy minibatch"),
     ("train/response_length_mean", "response length"),
 )
 
@@ -594,8 +598,9 @@ def plot_metrics(metrics_path: str | Path, output_dir: str | Path) -> list[Path]
 
     Writes whichever of these have data: ``reward.png`` (``train/reward_mean`` with a
     ±``train/reward_std`` band), ``accuracy.png`` (``eval/accuracy``,
-    ``eval/accuracy_greedy``) and ``clip_fraction.png`` (``train/clip_fraction`` and
-    ``train/clip_fraction_low`` / ``_high``, log y-axis). Returns the paths written.
+    ``eval/accuracy_greedy``) and ``clip_fraction.png`` (per rollout batch,
+    ``train/clip_fraction_off_policy`` and ``train/clip_fraction_on_policy``, linear
+    y-axis). Returns the paths written.
     """
     records = read_metrics(metrics_path)
     out = Path(output_dir)
@@ -617,11 +622,10 @@ def plot_metrics(metrics_path: str | Path, output_dir: str | Path) -> list[Path]
         ),
         plot_series(
             records,
-            ["train/clip_fraction", "train/clip_fraction_low", "train/clip_fraction_high"],
+            ["train/clip_fraction_off_policy", "train/clip_fraction_on_policy"],
             out / "clip_fraction.png",
-            title="Clipped fraction",
-            ylabel="fraction clipped (log)",
-            logy=True,
+            title="Clipped token fraction per rollout batch",
+            ylabel="fraction of tokens clipped",
         ),
     ]
     return [p for p in written if p is not None]
@@ -644,14 +648,11 @@ def _fmt(value: Any) -> str:
     return f"{value:.4g}"
 
 
-def _first_last(records: Sequence[Mapping[str, Any]], key: str) -> tuple | None:
-    """``((first_step, first_value), (last_step, last_value))`` over finite values."""
-    points = [
+def _points(records: Sequence[Mapping[str, Any]], key: str) -> list[tuple[Any, float]]:
+    """``(step, value)`` of the records with a finite ``key``, in order."""
+    return [
         (r.get("step"), r[key]) for r in records if _is_number(r.get(key)) and math.isfinite(r[key])
     ]
-    if not points:
-        return None
-    return points[0], points[-1]
 
 
 def _wall_step_times(records: Sequence[Mapping[str, Any]]) -> list[tuple[Any, float]]:
@@ -670,11 +671,13 @@ def _wall_step_times(records: Sequence[Mapping[str, Any]]) -> list[tuple[Any, fl
 
 
 def summary_table(records: Sequence[Mapping[str, Any]], *, title: str = "Run summary") -> Table:
-    """A rich table with the first and last value of each key metric present.
+    """A rich table with the first, last and mean value of each key metric present.
 
     Rows (whichever exist): train reward, eval accuracy (sampled and greedy), clip
-    fraction, response length, and seconds per step (from one of
-    :data:`STEP_TIME_KEYS`, else derived from the ``"time"`` column).
+    fraction (off-policy minibatches, on-policy minibatch), response length, and
+    seconds per step (from one of :data:`STEP_TIME_KEYS`, else derived from the
+    ``"time"`` column). The mean is over the records that have the metric (for the clip
+    fractions, one per rollout batch), so what happened between first and last shows.
     """
     from rich.table import Table
 
@@ -682,25 +685,21 @@ def summary_table(records: Sequence[Mapping[str, Any]], *, title: str = "Run sum
     table.add_column("metric")
     table.add_column("first", justify="right")
     table.add_column("last", justify="right")
+    table.add_column("mean", justify="right")
     table.add_column("steps", justify="right", style="dim")
 
-    def add(label: str, fl: tuple | None) -> None:
-        if fl is None:
-            return
-        (s0, v0), (s1, v1) = fl
-        table.add_row(label, _fmt(v0), _fmt(v1), f"{_fmt(s0)} → {_fmt(s1)}")
+    def add(label: str, points: list[tuple[Any, float]]) -> bool:
+        if not points:
+            return False
+        (s0, v0), (s1, v1) = points[0], points[-1]
+        mean = statistics.fmean(v for _, v in points)
+        table.add_row(label, _fmt(v0), _fmt(v1), _fmt(mean), f"{_fmt(s0)} → {_fmt(s1)}")
+        return True
 
     for key, label in SUMMARY_KEYS:
-        add(label, _first_last(records, key))
-    for key in STEP_TIME_KEYS:
-        fl = _first_last(records, key)
-        if fl is not None:
-            add("seconds / step", fl)
-            break
-    else:
-        wall = _wall_step_times(records)
-        if wall:
-            add("seconds / step (wall)", (wall[0], wall[-1]))
+        add(label, _points(records, key))
+    if not any(add("seconds / step", _points(records, key)) for key in STEP_TIME_KEYS):
+        add("seconds / step (wall)", _wall_step_times(records))
     if not table.rows:
         table.caption = "no metrics recorded"
     return table
@@ -724,8 +723,10 @@ class TrainingProgress:
     ``update(step, metrics)`` is called after each optimizer step with ``step`` the
     number of steps completed so far (so ``total_steps`` means done) and the metrics
     just logged. Shown: the latest ``train/reward_mean``, the latest ``eval/accuracy``
-    (kept from the last update that had it), ``train/clip_fraction`` and wall-clock
-    seconds/step (averaged over the last few updates).
+    (kept from the last update that had it), the latest rollout batch's clip fractions
+    (``train/clip_fraction_off_policy`` and ``_on_policy``; ``train/clip_fraction``
+    where neither was ever given) and wall-clock seconds/step (averaged over the last
+    few updates).
 
     When the console is not a terminal (CI, pipes, files), a compact plain line is
     printed every ``max(1, total_steps // 20)`` steps and at the last step instead.
@@ -749,6 +750,8 @@ class TrainingProgress:
         self.reward: float | None = None
         self.accuracy: float | None = None
         self.clip_fraction: float | None = None
+        self.clip_off_policy: float | None = None
+        self.clip_on_policy: float | None = None
         self._times: deque[tuple[int, float]] = deque(maxlen=11)
         self._console = console
         self._progress: Any = None
@@ -828,6 +831,8 @@ class TrainingProgress:
             ("reward", "train/reward_mean"),
             ("accuracy", "eval/accuracy"),
             ("clip_fraction", "train/clip_fraction"),
+            ("clip_off_policy", "train/clip_fraction_off_policy"),
+            ("clip_on_policy", "train/clip_fraction_on_policy"),
         ):
             value = safe.get(key)
             if _is_number(value):
@@ -847,13 +852,24 @@ class TrainingProgress:
             self._console.file.flush()
 
     def stats_text(self) -> str:
-        """``"reward 0.512 | eval acc 0.430 | clip 0.0012 | 3.21 s/step"`` (known parts)."""
+        """``"reward 0.512 | eval acc 0.430 | clip off-policy 0.38, on-policy 0 |
+        3.21 s/step"`` (the parts known)."""
         parts = []
         if self.reward is not None:
             parts.append(f"reward {_fmt(self.reward)}")
         if self.accuracy is not None:
             parts.append(f"eval acc {_fmt(self.accuracy)}")
-        if self.clip_fraction is not None:
+        clip = [
+            f"{label} {_fmt(value)}"
+            for label, value in (
+                ("off-policy", self.clip_off_policy),
+                ("on-policy", self.clip_on_policy),
+            )
+            if value is not None
+        ]
+        if clip:
+            parts.append("clip " + ", ".join(clip))
+        elif self.clip_fraction is not None:
             parts.append(f"clip {_fmt(self.clip_fraction)}")
         sps = self.seconds_per_step
         if sps is not None:

@@ -53,7 +53,7 @@ from gspo.training.evaluation import Evaluator
 from gspo.training.experience import RolloutStage, Scorer
 from gspo.training.forward import build_forward
 from gspo.training.hooks import build_hooks
-from gspo.training.metrics import combine, crossed, metric_reduction
+from gspo.training.metrics import combine, crossed, metric_reduction, rollout_clip_fractions
 from gspo.training.policy import Policy
 from gspo.training.reference import Reference
 from gspo.training.sampler import Sampler, SingleTurn, build_engine
@@ -232,7 +232,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def rl_step(self, rollout_index: int) -> list[tuple[int, dict[str, float]]]:
-        """One rollout batch: sample, score, ``algorithm.minibatches`` updates; log lines."""
+        """One rollout batch: sample, score, ``algorithm.minibatches`` updates; log lines.
+
+        The last line also carries the batch's on- and off-policy clip fractions.
+        """
         start = time.perf_counter()
         experience = self.rollouts(rollout_index)
         lines = []
@@ -240,6 +243,8 @@ class Trainer:
             line = self.combine(self.update(experience, k))
             lines.append((self.step, {**line, **experience.metrics}))
         self.rollouts.trained(rollout_index)
+        clip = rollout_clip_fractions([line for _, line in lines], experience.staleness)
+        lines[-1][1].update(clip)
         step_time = time.perf_counter() - start
         for _, line in lines:
             line["time/step"] = step_time / len(lines)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -53,6 +53,36 @@ SEQUENCE_WEIGHTED = frozenset(
         "train/clip_fraction_sequences",
     }
 )
+
+
+#: Logged once per rollout batch, on its last minibatch's line: the clip fraction of its
+#: on-policy minibatch and of its off-policy ones (:func:`rollout_clip_fractions`).
+CLIP_ON_POLICY = "train/clip_fraction_on_policy"
+CLIP_OFF_POLICY = "train/clip_fraction_off_policy"
+
+
+def rollout_clip_fractions(
+    lines: Sequence[Mapping[str, float]], staleness: int = 0
+) -> dict[str, float]:
+    """The clip fraction of a rollout batch, its on-policy and off-policy parts apart.
+
+    ``lines`` are the batch's minibatch lines (over every rank). Minibatch 0 of a batch
+    sampled by the weights it trains (``staleness`` 0) is on-policy: its ratio is 1 up to
+    the sampler's and the trainer's numerics (which is what it measures: 0 in float32,
+    above 0 where bf16 log-probs disagree). The later minibatches, and every minibatch of
+    a stale batch, are off-policy: the clip range acts there. Each part is token-weighted
+    (clipped tokens / counted tokens over its minibatches, as ``train/clip_fraction`` is
+    per minibatch); a part without counted tokens is left out.
+    """
+    on = [x for x in lines if staleness == 0 and x["train/minibatch"] == 0]
+    off = [x for x in lines if not any(x is y for y in on)]
+    out = {}
+    for key, part in ((CLIP_ON_POLICY, on), (CLIP_OFF_POLICY, off)):
+        tokens = sum(x["train/tokens"] for x in part)
+        if tokens > 0:
+            clipped = sum(x["train/clip_fraction"] * x["train/tokens"] for x in part)
+            out[key] = clipped / tokens
+    return out
 
 
 def metric_reduction(key: str, level: str) -> tuple[Reduction, str | None]:
