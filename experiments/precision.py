@@ -58,10 +58,14 @@ SETTINGS = {
 QUIET = ["log.progress=false", "log.plots=false", "log.tensorboard=false"]
 
 
-def commit() -> str:
+def _commit() -> str:
     out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     dirty = subprocess.run(["git", "status", "--porcelain", "src"], capture_output=True, text=True)
     return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+#: the code a report ran on, read when the script starts (not when it writes the report)
+COMMIT = _commit()
 
 
 def base_overrides(preset: str, extra: list[str]) -> list[str]:
@@ -153,7 +157,7 @@ def probe_report(results: dict, args) -> str:
     command = f"python experiments/precision.py probe --preset {args.preset}"
     machine = platform.processor() or platform.machine()
     head = (
-        f"`{command} --batches {args.batches}{extra}` on {commit()}, {machine} "
+        f"`{command} --batches {args.batches}{extra}` on {COMMIT}, {machine} "
         f"({torch.get_num_threads()} threads), torch {torch.__version__}: "
         f"{any_r['sequences']} sequences per setting, mean length "
         f"{any_r['mean_length']:.1f} tokens."
@@ -242,7 +246,7 @@ def runs_report(rows: list[dict], args) -> str:
     command = f"python experiments/precision.py runs --preset {args.preset}"
     machine = platform.processor() or platform.machine()
     lines = [
-        f"`{command} --steps {args.steps}{extra}` on {commit()}, {machine} "
+        f"`{command} --steps {args.steps}{extra}` on {COMMIT}, {machine} "
         f"({torch.get_num_threads()} threads), torch {torch.__version__}; one seed per run, "
         "all from the same float32 cold start.",
         "",
