@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CPU, device_named_in
 
 from gspo.cli import main
 from gspo.config import load_config
@@ -14,8 +15,9 @@ from gspo.models import save_pretrained_atomic
 from gspo.telemetry import read_metrics
 from gspo.trainer import Trainer, crossed, derive_seed, latest_checkpoint
 
-# A small, fast setting: 1-layer model, short completions, few SFT steps.
+# A small, fast setting on the CPU: 1-layer model, short completions, few SFT steps.
 FAST = [
+    CPU,
     "model.layers=1",
     "model.hidden=64",
     "model.heads=2",
@@ -357,3 +359,17 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch,
     assert final is not None and final.name == "step-0000006"
     for tensor in load_file(final / "model.safetensors").values():
         assert torch.isfinite(tensor).all()
+
+
+def test_a_test_run_left_at_model_device_auto_fails_on_any_machine(tmp_path):
+    """tests/conftest.py's guard: a test's run that does not name its device would take
+    CUDA and bf16 on a GPU machine; it fails on the CPU too, so CI catches it."""
+    auto = [a for a in FAST if a != CPU]
+    with pytest.raises(pytest.fail.Exception, match=r"model\.device=auto"):
+        Trainer(load_config(None, auto), tmp_path / "run")
+    with pytest.raises(pytest.fail.Exception, match=r"model\.device=auto"):
+        main(["train", "--output-dir", str(tmp_path / "cli"), *auto])
+    with pytest.raises(pytest.fail.Exception, match=r"model\.device=auto"):
+        device_named_in(["-m", "gspo", "train", "--output-dir", "out", *auto])
+    device_named_in(["-m", "gspo", "train", "--resume", "out"])  # its config.yaml names it
+    device_named_in(["-m", "gspo", "train", *FAST])
