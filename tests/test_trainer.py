@@ -187,6 +187,7 @@ def test_bring_your_own_model_data_and_reward(tmp_path, tokenizer):
             "--output-dir",
             str(out),
             f"model.path={tmp_path / 'mymodel'}",
+            CPU,
             f"data.train={tmp_path / 'train.jsonl'}",
             f"data.eval={tmp_path / 'eval.jsonl'}",
             f"reward.functions=[exact_match, {tmp_path / 'my_reward.py'}:uses_column]",
