@@ -104,7 +104,9 @@ def main(out: Path, extra: list[str]) -> None:
             # a LoRA policy: its adapters (the frozen base cannot move)
             weights = full_state_dict(trainer.model, dist, trainable_only=trainer.policy.adapters)
             if dist.is_main:
-                torch.save({"metrics": metrics, "weights": weights}, out / f"{level}.pt")
+                backend = torch.distributed.get_backend() if dist.enabled else None
+                saved = {"metrics": metrics, "weights": weights, "backend": backend}
+                torch.save(saved, out / f"{level}.pt")
             dist.barrier()
     finally:
         teardown_distributed(dist)

@@ -115,10 +115,15 @@ def test_two_ranks_take_the_one_process_step_with_lora(tmp_path):
 
 
 def check_two_ranks_take_the_one_process_step(
-    tmp_path, *extra: str, metric_abs: float = 1e-6, weight_atol: float = 2e-6
+    tmp_path,
+    *extra: str,
+    backend: str = "gloo",
+    metric_abs: float = 1e-6,
+    weight_atol: float = 2e-6,
 ) -> dict:
-    """``extra`` overrides name the device; the tolerances are float32 rounding on the CPU
-    (a wrong loss normalisation over ranks moved weights 2e-4 apart when tried)."""
+    """``extra`` overrides name the device (cpu: the ranks join over ``backend`` gloo, on
+    a machine with GPUs too); the tolerances are float32 rounding on the CPU (a wrong loss
+    normalisation over ranks moved weights 2e-4 apart when tried)."""
     worker = str(HERE / "distributed_worker.py")
     device_named_in(extra)
     subprocess.run([sys.executable, worker, str(tmp_path / "one"), *extra], check=True,
@@ -128,6 +133,7 @@ def check_two_ranks_take_the_one_process_step(
     for level in ("sequence", "token"):
         one = torch.load(tmp_path / "one" / f"{level}.pt", weights_only=True)
         two = torch.load(tmp_path / "two" / f"{level}.pt", weights_only=True)
+        assert one["backend"] is None and two["backend"] == backend
         m1, m2 = one["metrics"], two["metrics"]
         assert m2["train/tokens"] == m1["train/tokens"] and m2["train/sequences"] == 14
         assert m2["train/loss"] == pytest.approx(m1["train/loss"], abs=metric_abs)
