@@ -167,7 +167,11 @@ def test_bf16_defaults_leave_the_on_policy_minibatch_unclipped(tmp_path, task, l
     third of the on-policy minibatch's sequences clipped. Minibatch 0 of every rollout
     batch must not clip, and its ratios must be 1 to ON_POLICY_RATIO_TOL. The built-in
     model at its default size after a short cold start; only the batch is made smaller."""
-    chain = ["data.task=chain", "data.terms=6", "reward.functions=[numeric_match]"]
+    # chain: step-by-step sums of up to 6 terms, responses of 20-65 characters
+    chain = [
+        "data.task=chain", "data.terms=6", "reward.functions=[numeric_match]",
+        "rollout.max_new_tokens=72",
+    ]  # fmt: skip
     overrides = [
         *BF16, *(chain if task == "chain" else []), f"algorithm.level={level}",
         "train.cold_start_steps=100", "rollout.prompts_per_batch=8", "algorithm.minibatches=2",
