@@ -3,8 +3,12 @@
     make gpu-check            # or: PYTHONPATH=src python benchmarks/gpu_check.py [--out DIR]
     PYTHONPATH=src python benchmarks/gpu_check.py --smoke    # toy sizes, CPU or GPU
 
-On one CUDA GPU, with nothing downloaded, in under 10 minutes (each stage has a time
-limit taken from what is left of ``--budget``), it runs in turn:
+On one CUDA GPU, with nothing downloaded, it first runs the whole test suite (``make
+test``'s ``pytest``, up to ``--suite-limit`` seconds; the target is under 10 minutes on one
+H100, and the report says whether it was met: passed / failed / skipped counts, the
+failing tests, the wall time; with pytest-xdist installed the files are spread over
+workers, else they run one after another). Then, in under 10 minutes (each stage has a
+time limit taken from what is left of ``--budget``), it runs in turn:
 
 1. ``tests``: the tests that need CUDA (``tests/test_cuda.py``);
 2. ``vllm``: the vLLM engine tests (``tests/test_vllm_engine.py``) when vLLM is installed;
@@ -24,10 +28,10 @@ gspo's generation and training tokens/s and their MFU (model FLOPs, as in
 
 On a machine without CUDA it stops at once with one line and exit status 2.
 
-``--smoke`` runs the same stages at toy sizes (a 2-layer model, 16-token responses, a
-few steps, the train stage's cold start cut to 20 steps) on CUDA when present and on the
-CPU otherwise, in float32 there: a check of this script end to end before a GPU's
-minutes are spent on it. Its figures mean nothing.
+``--smoke`` runs the same stages at toy sizes (one small test file for the suite, a
+2-layer model, 16-token responses, a few steps, the train stage's cold start cut to 20
+steps) on CUDA when present and on the CPU otherwise, in float32 there: a check of this
+script end to end before a GPU's minutes are spent on it. Its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -55,6 +60,9 @@ NOMINAL_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, 
 HALF_B = dict(layers=28, hidden=1024, heads=16, kv_heads=8, intermediate=3072)
 HALF_B_VOCAB = 151_936
 RESPONSE_TOKENS = 512
+#: the target for the whole suite on one H100 (``make test`` on a GPU machine)
+SUITE_TARGET_S = 600.0
+PYTEST_COUNTS = r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)"
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,7 @@ class Sizes:
 
     device: str
     dtype: str  # of the train stage's run
+    suite: tuple[str, ...]  # what the suite stage gives pytest (the whole suite: tests/)
     train: tuple[str, ...]  # the train stage's overrides of the demo's config
     model: dict[str, int]  # TinyModelSpec sizes of the vs_trl and async stages' model
     model_label: str
@@ -74,6 +83,7 @@ class Sizes:
 FULL = Sizes(
     device="cuda",
     dtype="bfloat16",
+    suite=("tests",),
     train=("train.max_steps=40", "eval.every=20"),
     model=HALF_B,
     model_label="~0.5B Qwen3",
@@ -88,6 +98,7 @@ def smoke_sizes(device: str) -> Sizes:
     return Sizes(
         device=device,
         dtype="bfloat16" if device == "cuda" else "float32",
+        suite=("tests/test_config.py",),  # not the whole suite (which runs --smoke itself)
         train=("train.max_steps=4", "eval.every=2", "train.cold_start_steps=20"),
         model=dict(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=96),
         model_label="toy 2-layer Qwen3",
@@ -185,15 +196,53 @@ def run(command: list[str], limit: float, stage: Stage) -> str:
     return out.stdout
 
 
-def pytest_stage(paths: list[str]) -> Callable[[Stage, float], None]:
+def pytest_summary(out: str) -> tuple[str, dict[str, float | str]]:
+    """pytest's closing line (``3 failed, 450 passed, 12 skipped in 512.3s``), its counts
+    and seconds as figures, and the failing tests (``-ra``'s FAILED / ERROR lines)."""
+    words = ("passed", "failed", "skipped", "error")
+    lines = [x for x in out.strip().splitlines() if " in " in x and any(w in x for w in words)]
+    summary = lines[-1].strip("= ") if lines else ""
+    figures: dict[str, float | str] = {}
+    for count, word in re.findall(PYTEST_COUNTS, summary):
+        figures[word.rstrip("s") if word.startswith("error") else word] = int(count)
+    seconds = re.search(r" in ([\d.]+)s", summary)
+    if seconds:
+        figures["pytest s"] = float(seconds.group(1))
+    failing = [x.split(" - ")[0] for x in out.splitlines() if x.startswith(("FAILED ", "ERROR "))]
+    if failing:
+        figures["failing tests"] = "; ".join(failing)[:2000]
+    return summary, figures
+
+
+def pytest_command(paths: list[str] | tuple[str, ...], workers: int = 0) -> list[str]:
+    """``pytest -q`` over ``paths``; over ``workers`` pytest-xdist workers when > 0."""
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths]
+    return [*command, "-n", str(workers)] if workers else command
+
+
+def xdist_workers() -> int:
+    """pytest-xdist workers for the suite: 0 (one process) where it is not installed."""
+    if importlib.util.find_spec("xdist") is None:
+        return 0
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+def pytest_stage(
+    paths: list[str] | tuple[str, ...], *, workers: int = 0, target_s: float | None = None
+) -> Callable[[Stage, float], None]:
+    """pytest over ``paths``; with ``target_s`` the report says whether it ran within it."""
+
     def body(stage: Stage, limit: float) -> None:
-        out = run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths], limit, stage
-        )
-        words = ("passed", "failed", "skipped", "error")
-        lines = [x for x in out.strip().splitlines() if " in " in x and any(w in x for w in words)]
-        summary = lines[-1] if lines else ""
+        start = time.perf_counter()
+        out = run(pytest_command(paths, workers), limit, stage)
+        seconds = time.perf_counter() - start
+        summary, figures = pytest_summary(out)
+        stage.figures.update(figures)
         stage.detail = stage.detail or summary
+        if target_s is not None:
+            stage.figures["pytest-xdist workers"] = workers or "not installed: one process"
+            stage.figures["wall s"] = round(seconds, 1)
+            stage.figures[f"under {target_s:.0f} s"] = "yes" if seconds < target_s else "NO"
         if stage.status == "not run" and "passed" not in summary:
             stage.status = "skipped"  # nothing ran (no CUDA, say): not a pass
 
@@ -358,7 +407,15 @@ def render(stages: list[Stage], header: dict[str, str]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu_check")
-    parser.add_argument("--budget", type=float, default=570.0, help="seconds for all stages")
+    parser.add_argument(
+        "--budget", type=float, default=570.0, help="seconds for all stages after the suite"
+    )
+    parser.add_argument(
+        "--suite-limit",
+        type=float,
+        default=1200.0,
+        help=f"seconds the whole suite may run (the target is {SUITE_TARGET_S:.0f})",
+    )
     parser.add_argument(
         "--smoke", action="store_true", help="toy sizes, on the CPU when there is no CUDA"
     )
@@ -399,6 +456,12 @@ def main() -> int:
     if args.smoke:
         header["mode"] = "smoke: toy sizes, a check of the script; the figures mean nothing"
     model = f"{sizes.model_label}, {sizes.response_tokens}-token responses"
+    workers = xdist_workers()
+    suite = Stage("test suite" + (" (smoke: one file)" if args.smoke else ""))
+    run_stage(suite, pytest_stage(sizes.suite, workers=workers, target_s=SUITE_TARGET_S),
+              args.suite_limit)  # fmt: skip
+    print(f"{suite.name}: {suite.status} ({suite.seconds:.0f} s) {suite.detail}", flush=True)
+    start = time.perf_counter()  # the budget is for the stages after the suite
     stages = [
         (Stage("tests (CUDA)"), pytest_stage(["tests/test_cuda.py"]), 90),
         (Stage("vLLM engine tests"), None, 150),
@@ -421,13 +484,13 @@ def main() -> int:
         else:
             run_stage(stage, body, min(share, left) if stage is not stages[-1][0] else left)
         print(f"{stage.name}: {stage.status} ({stage.seconds:.0f} s) {stage.detail}", flush=True)
-        report = render([s for s, _, _ in stages], header)
-        (args.out / "report.md").write_text(report)
+        done = [suite, *(s for s, _, _ in stages)]
+        (args.out / "report.md").write_text(render(done, header))
         (args.out / "report.json").write_text(
-            json.dumps({"header": header, "stages": [s.__dict__ for s, _, _ in stages]}, indent=1)
+            json.dumps({"header": header, "stages": [s.__dict__ for s in done]}, indent=1)
         )
     print(f"report: {args.out / 'report.md'}")
-    return 0 if all(s.status in ("passed", "skipped") for s, _, _ in stages) else 1
+    return 0 if all(s.status in ("passed", "skipped") for s in done) else 1
 
 
 def _revision() -> str:

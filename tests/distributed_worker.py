@@ -3,7 +3,9 @@
     python tests/distributed_worker.py OUT_DIR [key=value ...]            # whole batch
     torchrun --standalone --nproc-per-node 2 tests/distributed_worker.py OUT_DIR [key=value ...]
 
-Extra ``key=value`` arguments are config overrides (``model.lora.r=4``: a LoRA policy).
+Extra ``key=value`` arguments are config overrides (``model.lora.r=4``: a LoRA policy);
+they name ``model.device`` (cpu: gloo; cuda: NCCL, one GPU per rank), and the fixed batch
+lives on the policy's device.
 
 Each rank takes its contiguous share of the batch's groups (as the trainer does) and
 takes the step through ``Trainer.policy_update`` (a :class:`gspo.training.update.
@@ -49,12 +51,11 @@ LEVELS = {"sequence": (0.02, 0.02), "token": (0.2, 0.27)}
 
 def fixed_batch(trainer: Trainer) -> tuple[RolloutBatch, torch.Tensor]:
     """The same rollout batch and advantages in every process (seeded, no sampling)."""
-    g = torch.Generator().manual_seed(1234)
+    g = torch.Generator().manual_seed(1234)  # drawn on the CPU, then moved: any device
+    device = trainer.policy.device
     n = GROUPS * GROUP_SIZE
     prompts = [trainer.train_prompt_ids[i] for i in range(GROUPS) for _ in range(GROUP_SIZE)]
-    prompt_ids, prompt_mask = pad_batch(
-        prompts, trainer.tokenizer.pad_token_id, trainer.policy.device
-    )
+    prompt_ids, prompt_mask = pad_batch(prompts, trainer.tokenizer.pad_token_id, device)
     lengths = torch.randint(1, LENGTH + 1, (n,), generator=g)
     lengths[[1, 5]] = 0  # two empty responses, both in rank 0's half
     lengths[: n // 2] = torch.where(lengths[: n // 2] > 0, LENGTH, 0)  # rank 0: long ones
@@ -63,9 +64,9 @@ def fixed_batch(trainer: Trainer) -> tuple[RolloutBatch, torch.Tensor]:
     batch = RolloutBatch(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
-        completion_ids=completion_ids,
-        completion_mask=completion_mask,
-        sampler_logprobs=torch.zeros(n, LENGTH),
+        completion_ids=completion_ids.to(device),
+        completion_mask=completion_mask.to(device),
+        sampler_logprobs=torch.zeros(n, LENGTH, device=device),
         finish_reasons=["stop"] * n,
         group_size=GROUP_SIZE,
     )
@@ -73,13 +74,14 @@ def fixed_batch(trainer: Trainer) -> tuple[RolloutBatch, torch.Tensor]:
         exact = trainer.policy.logprobs(batch)
     # pi_old differs from pi_theta by a seeded perturbation, so ratios are not all 1
     noise = 0.05 * torch.randn(n, LENGTH, generator=g)
-    batch.sampler_logprobs = torch.where(completion_mask, exact + noise, 0.0)
-    advantages = group_advantages(torch.rand(n, generator=g), GROUP_SIZE)
+    batch.sampler_logprobs = torch.where(batch.completion_mask, exact + noise.to(device), 0.0)
+    advantages = group_advantages(torch.rand(n, generator=g), GROUP_SIZE).to(device)
     return batch, advantages
 
 
 def main(out: Path, extra: list[str]) -> None:
-    dist = setup_distributed()
+    # cpu: gloo; cuda: NCCL with GPU LOCAL_RANK per rank (as `gspo train` joins)
+    dist = setup_distributed(load_config(None, [*CONFIG, *extra]).model.device)
     try:
         for level, (low, high) in LEVELS.items():
             overrides = [
@@ -92,7 +94,9 @@ def main(out: Path, extra: list[str]) -> None:
             trainer = Trainer(load_config(None, overrides), out / f"run-{level}", dist=dist)
             batch, advantages = fixed_batch(trainer)
             share = len(batch) // dist.world_size
-            rows = torch.arange(dist.rank * share, (dist.rank + 1) * share)
+            rows = torch.arange(
+                dist.rank * share, (dist.rank + 1) * share, device=trainer.policy.device
+            )
             mb = batch.select(rows)
             logprobs = trainer.policy.logprobs(mb)
             old = batch.sampler_logprobs[rows][:, : logprobs.shape[1]]
@@ -100,7 +104,9 @@ def main(out: Path, extra: list[str]) -> None:
             # a LoRA policy: its adapters (the frozen base cannot move)
             weights = full_state_dict(trainer.model, dist, trainable_only=trainer.policy.adapters)
             if dist.is_main:
-                torch.save({"metrics": metrics, "weights": weights}, out / f"{level}.pt")
+                backend = torch.distributed.get_backend() if dist.enabled else None
+                saved = {"metrics": metrics, "weights": weights, "backend": backend}
+                torch.save(saved, out / f"{level}.pt")
             dist.barrier()
     finally:
         teardown_distributed(dist)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CPU
 
 from gspo.cli import main
 from gspo.compare import (
@@ -34,6 +35,7 @@ from gspo.trainer import Trainer
 from gspo.training.setup import load_task_data
 
 TINY = [
+    CPU,  # the CPU and float32 (conftest)
     "model.layers=1",
     "model.hidden=32",
     "model.heads=2",

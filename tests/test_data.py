@@ -230,11 +230,13 @@ def test_chat_template_kwargs_reach_the_template():
 @pytest.mark.slow
 def test_cli_trains_on_a_dataset_directory_with_a_template(gsm8k_dir, tmp_path):
     """Issue 18's line, overrides on both sides of an option, a template with colons."""
+    from conftest import CPU
+
     from gspo.cli import main
     from gspo.telemetry import read_metrics
 
     out = tmp_path / "run"
-    small = ["model.layers=1", "model.hidden=32", "model.heads=2", "model.kv_heads=1",
+    small = [CPU, "model.layers=1", "model.hidden=32", "model.heads=2", "model.kv_heads=1",
              "model.intermediate=64", "rollout.group_size=2", "rollout.prompts_per_batch=2",
              "rollout.max_new_tokens=3", "algorithm.minibatches=1", "train.max_steps=1",
              "eval.samples=1", "log.progress=false", "log.plots=false",

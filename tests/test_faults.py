@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_trainer import FAST, comparable
+from conftest import device_named_in
+from test_trainer import FAST, comparable  # FAST names model.device=cpu
 
 from gspo.cli import main
 from gspo.models import load_model
@@ -67,6 +68,7 @@ sys.exit(main(sys.argv[3:]))
 
 
 def gspo(tmp_path: Path, *args: str, kill: tuple[str, int] | None = None) -> int:
+    device_named_in(args)
     killer = tmp_path / "killer.py"
     killer.write_text(KILLER)
     kind, n = kill or ("step", 10**9)

@@ -68,6 +68,25 @@ def test_report_lists_every_stage_and_its_figures(gpu_check):
     assert gpu_check.nominal_peak("Some GPU") is None
 
 
+def test_the_suite_stage_reads_pytests_counts_time_and_failures(gpu_check):
+    out = (
+        "..F.s\n=========================== short test summary info ===================\n"
+        "SKIPPED [1] tests/test_cuda.py:19: needs a CUDA device\n"
+        "FAILED tests/test_a.py::test_x - assert 0.99922 == 1\n"
+        "ERROR tests/test_b.py::test_y - RuntimeError: boom\n"
+        "2 failed, 450 passed, 12 skipped, 1 error in 512.34s (0:08:32)\n"
+    )
+    summary, figures = gpu_check.pytest_summary(out)
+    assert summary == "2 failed, 450 passed, 12 skipped, 1 error in 512.34s (0:08:32)"
+    assert (figures["failed"], figures["passed"], figures["skipped"]) == (2, 450, 12)
+    assert figures["error"] == 1 and figures["pytest s"] == 512.34
+    assert (
+        figures["failing tests"] == "FAILED tests/test_a.py::test_x; ERROR tests/test_b.py::test_y"
+    )
+    assert gpu_check.pytest_command(["tests"], workers=4)[-3:] == ["tests", "-n", "4"]
+    assert "-n" not in gpu_check.pytest_command(["tests"])
+
+
 def test_a_failing_stage_is_recorded_not_raised(gpu_check):
     stage = gpu_check.Stage("boom")
 
@@ -91,6 +110,11 @@ def test_smoke_runs_every_stage_on_the_cpu_and_writes_the_report(tmp_path):
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["header"]["mode"].startswith("smoke") and "CPU" in report["header"]["device"]
     stages = {s["name"].split(",")[0]: s for s in report["stages"]}
+    # the suite first (here one small file, not the whole suite, which runs this test)
+    suite = stages["test suite (smoke: one file)"]
+    assert suite["status"] == "passed" and suite["figures"]["passed"] > 0
+    assert "failed" not in suite["figures"] and suite["figures"]["under 600 s"] == "yes"
+    assert suite["figures"]["pytest-xdist workers"] in ("not installed: one process", *range(9))
     # the CUDA tests all skip here: the stage says so instead of passing
     assert stages["tests (CUDA)"]["status"] == "skipped"
     assert "skipped" in stages["tests (CUDA)"]["detail"]

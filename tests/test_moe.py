@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import CPU
 from transformers import (
     AutoModelForCausalLM,
     MixtralConfig,
@@ -42,6 +43,7 @@ MOE = TinyModelSpec(
 
 
 FAST_MOE = [
+    CPU,  # the CPU and float32 (conftest)
     "model.builtin=qwen3_moe",
     "model.layers=2",
     "model.hidden=64",

@@ -6,6 +6,7 @@ groups with constant rewards must occur) with a tiny model.
 
 import pytest
 import torch
+from conftest import CPU
 
 from gspo.cli import main
 from gspo.config import ConfigError, load_config
@@ -20,6 +21,7 @@ from gspo.training.dynamic_sampling import (
 )
 
 TINY = [
+    CPU,  # the CPU and float32 (conftest)
     "model.layers=1",
     "model.hidden=64",
     "model.heads=2",

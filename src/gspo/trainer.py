@@ -53,6 +53,7 @@ from gspo.training.evaluation import Evaluator
 from gspo.training.experience import RolloutStage, Scorer
 from gspo.training.forward import build_forward
 from gspo.training.hooks import build_hooks
+from gspo.training.memory import out_of_memory
 from gspo.training.metrics import combine, crossed, metric_reduction, rollout_clip_fractions
 from gspo.training.policy import Policy
 from gspo.training.reference import Reference
@@ -237,10 +238,14 @@ class Trainer:
         The last line also carries the batch's on- and off-policy clip fractions.
         """
         start = time.perf_counter()
-        experience = self.rollouts(rollout_index)
+        # generation names its own settings (RolloutStage.generated); the rest is pi_old
+        with out_of_memory("rollout", self.config):
+            experience = self.rollouts(rollout_index)
         lines = []
         for k in range(len(experience.minibatches)):
-            line = self.combine(self.update(experience, k))
+            with out_of_memory("update", self.config):
+                line = self.update(experience, k)
+            line = self.combine(line)
             lines.append((self.step, {**line, **experience.metrics}))
         self.rollouts.trained(rollout_index)
         clip = rollout_clip_fractions([line for _, line in lines], experience.staleness)
@@ -268,11 +273,12 @@ class Trainer:
         cfg = self.config
         if not self.cold_start_done:
             checkpoints = self.output_dir / CHECKPOINTS
-            cold_start(
-                cfg, self.policy, self.tokenizer, self.data.sft, self.logger, self.dist,
-                local_batch=self.local_sft_batch, checkpoints=checkpoints,
-                encode=sft_encoder(cfg, self.tokenizer, self.generate),
-            )  # fmt: skip
+            with out_of_memory("cold_start", cfg):
+                cold_start(
+                    cfg, self.policy, self.tokenizer, self.data.sft, self.logger, self.dist,
+                    local_batch=self.local_sft_batch, checkpoints=checkpoints,
+                    encode=sft_encoder(cfg, self.tokenizer, self.generate),
+                )  # fmt: skip
             self.cold_start_done = True
             self.save_checkpoint()  # step 0: the cold-start model; RL resumes from here
             drop_progress(checkpoints, self.dist)

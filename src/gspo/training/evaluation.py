@@ -11,6 +11,7 @@ from gspo.config import Config
 from gspo.distributed import Distributed
 from gspo.rollout import SamplingParams
 from gspo.training.experience import Scorer
+from gspo.training.memory import out_of_memory
 from gspo.training.sampler import Generator
 from gspo.training.setup import derive_seed
 
@@ -63,9 +64,10 @@ class Evaluator:
             mine = []
             for c in starts[self.dist.rank :: self.dist.world_size]:
                 seed = derive_seed(self.config.train.seed, "eval", step, suffix, c)
-                generated = self.generate(
-                    rows[c : c + chunk], ids[c : c + chunk], n=n, params=params, seed=seed
-                )
+                with out_of_memory("evaluation", self.config):
+                    generated = self.generate(
+                        rows[c : c + chunk], ids[c : c + chunk], n=n, params=params, seed=seed
+                    )
                 scored = self.scorer(rows[c : c + chunk], generated)
                 lengths = generated.batch.completion_lengths.float().cpu()
                 mine.append((c, scored.rewards, lengths, generated.metrics))

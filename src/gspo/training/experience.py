@@ -27,6 +27,7 @@ from gspo.training.dynamic_sampling import (
 )
 from gspo.training.forward import PlainForward, RoutedForward
 from gspo.training.loss_mask import LossMask
+from gspo.training.memory import out_of_memory
 from gspo.training.metrics import combine, logprob_mismatch, timed
 from gspo.training.sampler import Generated, Generator, Sampler
 from gspo.training.setup import derive_seed, rank_seed
@@ -196,13 +197,14 @@ class RolloutStage:
 
     def generated(self, generate: Generator, picked: list[int], seed: int) -> Generated:
         """``rollout.group_size`` responses (or episodes) for each of the ``picked`` rows."""
-        return generate(
-            [self.rows[i] for i in picked],
-            [self.prompt_ids[i] for i in picked],
-            n=self.config.rollout.group_size,
-            params=self.sampling,
-            seed=seed,
-        )
+        with out_of_memory("generation", self.config):
+            return generate(
+                [self.rows[i] for i in picked],
+                [self.prompt_ids[i] for i in picked],
+                n=self.config.rollout.group_size,
+                params=self.sampling,
+                seed=seed,
+            )
 
     def score(self, picked: list[int], generated: Generated) -> Scored:
         """The rewards of a training rollout: the reward functions, then the overlong

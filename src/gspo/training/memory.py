@@ -1,0 +1,91 @@
+"""Out of device memory: one line that names the stage and the settings that lower it.
+
+A CUDA out-of-memory error raised inside a stage of the run (generation, pi_old's
+recompute, the policy update, the cold start) becomes :class:`OutOfMemory`, whose message
+says what ran out, in which stage, and which settings to lower there (with their current
+values); the ``gspo`` command prints it as one line, like bad input, instead of a
+traceback. Set ``GSPO_DEBUG=1`` for torch's own error and traceback.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from gspo.config import Config
+
+
+class OutOfMemory(ValueError):
+    """The device ran out of memory in one stage of a run; the message names the settings
+    that lower that stage's memory. A ``ValueError``, so the CLI ends with it as one line
+    (exit status 2)."""
+
+
+def _generation(config: Config) -> str:
+    r = config.rollout
+    lower = [
+        f"rollout.prompts_per_batch ({r.prompts_per_batch})",
+        f"rollout.group_size ({r.group_size})",
+        f"rollout.max_new_tokens ({r.max_new_tokens})",
+    ]
+    if r.environment is not None:
+        lower.append(f"rollout.max_episode_tokens ({r.max_episode_tokens or 'unset'})")
+    return f"lower {', '.join(lower[:-1])} or {lower[-1]}: the sampled batch holds them all"
+
+
+def _per_minibatch(config: Config) -> str:
+    a, r = config.algorithm, config.rollout
+    advice = (
+        f"raise algorithm.minibatches ({a.minibatches}) so that each forward holds fewer "
+        f"responses, or lower rollout.max_new_tokens ({r.max_new_tokens}) or "
+        f"rollout.prompts_per_batch ({r.prompts_per_batch})"
+    )
+    if config.model.lora.r == 0:
+        advice += "; LoRA adapters (model.lora.r) train with far less optimizer state"
+    if r.engine == "vllm":
+        advice += (
+            f"; vLLM holds rollout.vllm.gpu_memory_utilization "
+            f"({r.vllm.gpu_memory_utilization}) of the GPU"
+        )
+    return advice
+
+
+def _cold_start(config: Config) -> str:
+    return f"lower train.cold_start_batch_size ({config.train.cold_start_batch_size})"
+
+
+#: stage -> (what it was doing, the settings that lower its memory)
+STAGES: dict[str, tuple[str, Callable[[Config], str]]] = {
+    "generation": ("while sampling rollouts", _generation),
+    "evaluation": (
+        "while sampling the held-out evaluation (in rollout-batch-sized chunks)",
+        _generation,
+    ),
+    "rollout": ("while computing the rollout batch's pi_old log-probs", _per_minibatch),
+    "update": ("in the policy update", _per_minibatch),
+    "cold_start": ("in the cold-start SFT", _cold_start),
+}
+
+
+def out_of_memory_message(stage: str, config: Config, error: BaseException) -> str:
+    """One line: what ran out (torch's first sentence and the allocation), in which stage,
+    and what to lower."""
+    what, advice = STAGES[stage]
+    text = str(error)
+    said = text.split(".")[0].strip() or "out of memory"
+    size = re.search(r"Tried to allocate ([\d.]+ ?[KMGTP]?i?B)", text)
+    if size:
+        said += f" (tried to allocate {size.group(1)})"
+    return f"{said} {what}: {advice(config)}"
+
+
+@contextmanager
+def out_of_memory(stage: str, config: Config) -> Iterator[None]:
+    """Turn a CUDA out-of-memory error inside the block into :class:`OutOfMemory`."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as exc:
+        raise OutOfMemory(out_of_memory_message(stage, config, exc)) from exc
