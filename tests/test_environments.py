@@ -123,6 +123,22 @@ def test_bad_environments_are_one_line_errors(env_file, spec, expected):
     assert "\n" not in str(info.value)
 
 
+def test_a_raising_environment_names_the_raising_line(env_file):
+    lines = env_file.read_text().splitlines()
+    line = lines.index('        raise RuntimeError("no licence server")') + 1
+    with pytest.raises(EnvError) as info:
+        EnvironmentFactory(f"{env_file}:Broken")
+    assert f"(at {env_file}:{line}; GSPO_DEBUG=1 shows the traceback)" in str(info.value)
+
+    class Crashes:
+        def step(self, text: str) -> str:
+            return {}[text]  # raises KeyError here
+
+    here = Crashes.step.__code__.co_firstlineno + 1
+    with pytest.raises(EnvError, match=rf"step\(\) raised KeyError: 'hi' \(at .*:{here};"):
+        EnvironmentFactory(Crashes).episode().respond("hi")
+
+
 def test_bad_environment_stops_the_cli_with_one_line(tmp_path, env_file, capsys):
     code = main(
         ["train", "--output-dir", str(tmp_path / "run"), *FAST,
