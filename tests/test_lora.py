@@ -234,6 +234,25 @@ def test_attaching_adapters_prints_no_deprecation_warning(tiny_model):
     assert sum(p.requires_grad for p in model.parameters()) > 0
 
 
+def test_adapters_on_a_model_loaded_by_a_relative_path_print_no_rename_warning(
+    tmp_path, tiny_model, tokenizer, monkeypatch
+):
+    """PEFT warned at the start of every LoRA run from a relative model.path that the
+    adapter's base_model_name_or_path "was renamed" (absolute vs as written)."""
+    from gspo.config import LoraSettings
+    from gspo.models import save_pretrained_atomic
+    from gspo.training.lora import attach_lora
+
+    save_pretrained_atomic(tiny_model, tokenizer, tmp_path / "base")
+    monkeypatch.chdir(tmp_path)
+    model, _ = load_model(Path("base"), device=torch.device("cpu"), dtype=torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lora = attach_lora(model, LoraSettings(r=4), seed=0, base_path=Path("base"))
+    assert not [w for w in caught if "was renamed" in str(w.message)]
+    assert lora.peft_config["default"].base_model_name_or_path == str(tmp_path / "base")
+
+
 def test_adapters_on_the_moe_builtin_print_no_pattern_warning(tokenizer):
     """On a MoE model PEFT adds rank/alpha patterns for fused experts that gspo's experts
     do not match, and warned about them at every LoRA run: gspo keeps that out."""
