@@ -155,6 +155,21 @@ def test_lora_checkpoint_is_peft_format_and_export_merges(tmp_path, varied_rewar
     assert (checkpoint / "adapter_config.json").is_file()
 
 
+def test_export_without_merge_names_a_full_checkpoint_and_asks_a_lora_one_for_out(
+    tmp_path, capsys
+):
+    for name, extra in (("full", "model.lora.r=0"), ("lora", "model.lora.r=4")):
+        config = load_config(None, [*FAST, extra, "train.max_steps=0", "eval.max_prompts=2"])
+        Trainer(config, tmp_path / name).fit()
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "full")]) == 0
+    checkpoint = tmp_path / "full" / "checkpoints" / "step-0000000"
+    assert capsys.readouterr().out.startswith(f"{checkpoint} is a plain HF model")
+    assert main(["export", str(tmp_path / "lora")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds a LoRA adapter" in err and "pass --merge OUT" in err and "\n" not in err
+
+
 def test_export_errors_are_one_line(tmp_path, capsys):
     assert main(["export", str(tmp_path / "nothing"), "--merge", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()

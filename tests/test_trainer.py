@@ -314,7 +314,9 @@ def test_python_dash_m_gspo_and_console_script():
         [sys.executable, "-m", "gspo", "config", "optim.lrr=1"], capture_output=True, text=True
     )
     assert bad.returncode == 2
-    assert bad.stderr.strip().splitlines() == ["gspo: error: optim.lrr: unknown key"]
+    assert bad.stderr.strip().splitlines() == [
+        "gspo: error: optim.lrr: unknown key; did you mean 'lr'?"
+    ]
 
 
 @pytest.mark.slow

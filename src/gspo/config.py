@@ -5,13 +5,21 @@ Every batch size is per optimizer step (global), never per process.
 
 from __future__ import annotations
 
+import difflib
 import re
 from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from gspo.data import template_fields
 
@@ -209,7 +217,7 @@ class RewardConfig(_Section):
     functions: list[str] = Field(
         default_factory=lambda: ["exact_match"],
         description="Built-ins (exact_match, numeric_match, math, format, code) or "
-        "path/to/file.py:function / package.module:function",
+        "path/to/file.py:function / package.module:function; one name alone is a list of one",
     )
     weights: list[float] | None = Field(
         None, description="One weight per function for the weighted sum; null = 1.0 each"
@@ -240,6 +248,11 @@ class RewardConfig(_Section):
         description="Tokens before rollout.max_new_tokens where the overlong penalty "
         "ramps; null = a fifth of max_new_tokens (DAPO: 4096 of 20480)",
     )
+
+    @field_validator("functions", mode="before")
+    @classmethod
+    def _one_function(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
 
 
 #: The ``max_lora_rank`` values vLLM takes (adapter sync uses the smallest >= model.lora.r).
@@ -340,6 +353,16 @@ class RolloutConfig(_Section):
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
 
+#: The algorithms' names, accepted for ``algorithm.level`` (as TRL, verl and the papers
+#: name them); each level brings its paper's clip range unless clip_low/high are set.
+ALGORITHM_NAMES = {
+    "gspo": "sequence",
+    "gspo_token": "sequence_token",
+    "gspo-token": "sequence_token",
+    "grpo": "token",
+}
+
+
 class AlgorithmConfig(_Section):
     """The policy-gradient objective: GSPO, GSPO-token or GRPO, and how each batch is used.
 
@@ -349,7 +372,8 @@ class AlgorithmConfig(_Section):
 
     level: Literal["sequence", "sequence_token", "token"] = Field(
         "sequence",
-        description="Importance ratio: sequence (GSPO), sequence_token (GSPO-token), token (GRPO)",
+        description="Importance ratio: sequence (GSPO), sequence_token (GSPO-token), token "
+        "(GRPO); the names gspo, gspo_token and grpo are accepted for them",
     )
     clip_low: float | None = Field(
         None,
@@ -415,6 +439,13 @@ class AlgorithmConfig(_Section):
         description="Upper bound of rho; null = the mode's literature value (token_tis 2.0, "
         "token_mask 5.0, sequence_mask 1.001)",
     )
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def _algorithm_name(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return ALGORITHM_NAMES.get(value.strip().lower(), value)
+        return value
 
 
 class OptimConfig(_Section):
@@ -804,14 +835,35 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
+def _section_keys(dotted: str) -> list[str]:
+    """The keys of the config section at ``dotted`` ("" = the top level); [] if none."""
+    model: type[BaseModel] = Config
+    for key in filter(None, dotted.split(".")):
+        field = model.model_fields.get(key)
+        annotation = None if field is None else field.annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
+def _did_you_mean(word: Any, choices: list[str]) -> str:
+    """``"; did you mean 'x'?"`` for the choice closest to ``word``, or ``""``."""
+    close = difflib.get_close_matches(str(word), choices, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 def _error_line(exc: ValidationError) -> str:
     err = exc.errors()[0]
     where = ".".join(str(p) for p in err["loc"])
     if err["type"] == "extra_forbidden":
-        return f"{where}: unknown key"
+        parent, _, leaf = where.rpartition(".")
+        return f"{where}: unknown key{_did_you_mean(leaf, _section_keys(parent))}"
     message = err["msg"].removeprefix("Value error, ")
     value = err.get("input")
     shown = "" if isinstance(value, dict) or where == "" else f" (got {value!r})"
+    if err["type"] == "literal_error":
+        shown += _did_you_mean(value, [str(a) for a in get_args(_field_annotation(where))])
     return f"{where}: {message}{shown}" if where else message
 
 

@@ -26,6 +26,7 @@ This module imports only the standard library; math-verify is imported lazily by
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import hashlib
 import importlib
@@ -676,6 +677,11 @@ def load_reward_function(spec: str) -> RewardFunction:
     spec = spec.strip()
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
+    close = difflib.get_close_matches(spec, list(BUILTIN_REWARDS), n=1)
+    if close and ":" not in spec:
+        raise RewardError(
+            f"reward function {spec!r} is not a built-in name; did you mean {close[0]!r}?"
+        )
     expected = (
         f"a built-in name ({_builtin_names()}), 'path/to/file.py:function' or "
         "'package.module:function'"
