@@ -265,6 +265,15 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys, override, expected):
     assert code == 2 and expected in err and "\n" not in err
 
 
+def test_a_run_that_fails_before_writing_anything_leaves_no_directory(tmp_path, capsys):
+    bad = "reward.functions=[nosuch_builtin]"  # refused after the built-in model is saved
+    assert main(["train", "--output-dir", str(tmp_path / "run"), *FAST, bad]) == 2
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "mine").mkdir()  # a directory the user made is left alone
+    assert main(["train", "--output-dir", str(tmp_path / "mine"), *FAST, bad]) == 2
+    assert (tmp_path / "mine").is_dir()
+
+
 def test_existing_run_needs_resume_or_overwrite(tmp_path, capsys):
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     assert main(["train", "--output-dir", str(tmp_path / "run"), *FAST]) == 2

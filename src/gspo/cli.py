@@ -120,6 +120,7 @@ def run_train(args: argparse.Namespace) -> int:
             )
     # under torchrun: one process per rank, joined here (a no-op in a single process)
     dist = setup_distributed(config.model.device)
+    new_dir = not output_dir.exists()
     try:
         if args.resume is None and (output_dir / CHECKPOINTS).exists():
             if dist.is_main:
@@ -129,11 +130,27 @@ def run_train(args: argparse.Namespace) -> int:
         with Trainer(config, output_dir, resume=args.resume is not None, dist=dist) as trainer:
             trainer.fit()
             dist.barrier()
+    except BaseException:
+        if new_dir and dist.is_main:
+            remove_unstarted_run(output_dir)
+        raise
     finally:
         teardown_distributed(dist)
     if dist.is_main:
         print(f"run written to {output_dir}")
     return 0
+
+
+def remove_unstarted_run(output_dir: Path) -> None:
+    """Remove the output directory a failed run made, if the run got nowhere: no metric
+    line and no checkpoint (a cold-start progress checkpoint included) to resume from;
+    what it holds then (the built-in model it saved, an empty metrics file) is remade."""
+    from gspo.trainer import CHECKPOINTS
+
+    metrics = output_dir / "metrics.jsonl"
+    if (output_dir / CHECKPOINTS).exists() or (metrics.is_file() and metrics.stat().st_size):
+        return
+    shutil.rmtree(output_dir, ignore_errors=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
