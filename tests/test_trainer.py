@@ -109,6 +109,17 @@ def test_every_rollout_batch_gives_exactly_minibatches_steps(tmp_path, ones_rewa
     assert [r["step"] for r in train_lines(run_metrics(tmp_path / "run"))] == list(range(1, 9))
 
 
+def test_the_last_progress_line_shows_the_final_evaluation(tmp_path, ones_reward, capsys):
+    config = load_config(None, [*FAST, ones_reward, "train.cold_start_steps=0",
+                                "train.max_steps=8", "eval.every=0", "log.progress=true"])  # fmt: skip
+    trainer = Trainer(config, tmp_path / "run")
+    trainer.evaluate = lambda step: {"eval/accuracy": 0.25 + step / 100}  # 0.25, then 0.33
+    capsys.readouterr()
+    trainer.fit()
+    steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert steps[-1].startswith("step 8/8 (100%)") and "eval acc 0.33 " in steps[-1]
+
+
 def test_resume_past_a_damaged_checkpoint_takes_the_newest_complete_one(
     tmp_path, ones_reward, capsys
 ):

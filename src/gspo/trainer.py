@@ -283,12 +283,12 @@ class Trainer:
                 before = self.step
                 for step, line in self.rl_step(rollout_index):
                     self.logger.log(step, line)
-                bar.update(self.step, line)
                 last = rollout_index == cfg.rollout_batches - 1
                 if crossed(before, self.step, cfg.eval.every) or last:
                     metrics = self.evaluate(self.step)
                     self.logger.log(self.step, metrics)
-                    bar.update(self.step, metrics)
+                    line = {**line, **metrics}  # the progress line shows this evaluation
+                bar.update(self.step, line)
                 if crossed(before, self.step, cfg.train.save_every) or last:
                     self.save_checkpoint()
         self.logger.close()
