@@ -117,6 +117,14 @@ def test_one_reward_function_needs_no_list():
     ]
 
 
+def test_a_group_of_one_is_refused():
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=["rollout.group_size=1"])
+    assert str(info.value).startswith("rollout.group_size=1: GSPO, GRPO and GSPO-token are "
+                                      "group-relative")  # fmt: skip
+    assert load_config(overrides=["rollout.group_size=2"]).rollout.group_size == 2
+
+
 def test_output_dir_has_help_text():
     from gspo.cli import build_parser
 

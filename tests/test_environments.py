@@ -545,3 +545,18 @@ def test_async_rollouts_run_episodes_too(tmp_path, env_file):
     lines = [r for r in records if "train/loss" in r]
     assert [r["rollout/staleness"] for r in lines] == [0, 0, 1, 1]
     assert all(r["env/turns_mean"] > 1 for r in lines)
+
+
+def test_turns_all_cut_by_max_new_tokens_warn_once(tmp_path, capsys):
+    """The calculator's tool call is ~45 tokens: at rollout.max_new_tokens=8 every first
+    turn is cut, every episode ends there, and the run says so once (not an error)."""
+    common = [*FAST, "data.task=calculator", "train.cold_start_steps=0", "train.max_steps=2",
+              "algorithm.minibatches=1", "eval.max_prompts=2", "rollout.max_new_tokens=8"]  # fmt: skip
+    capsys.readouterr()
+    Trainer(load_config(None, common), tmp_path / "cut").fit()
+    err = capsys.readouterr().err
+    assert err.count("gspo: warning: every episode ended after its first turn") == 1, err
+    assert "rollout.max_new_tokens=8 cut 4 of those 4 turns" in err  # the first evaluation
+    # one turn per episode on purpose (max_turns=1) is no mistake
+    Trainer(load_config(None, [*common, "rollout.max_turns=1"]), tmp_path / "one").fit()
+    assert "warning" not in capsys.readouterr().err

@@ -276,6 +276,25 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys, override, expected):
     assert code == 2 and expected in err and "\n" not in err
 
 
+def test_user_data_on_a_random_init_model_without_a_cold_start_warns(tmp_path, capsys):
+    rows = [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(20)]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    data = f"data.train={tmp_path / 'train.jsonl'}"
+    capsys.readouterr()
+    Trainer(load_config(None, [*FAST, data]), tmp_path / "a")  # warned when built
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gspo: warning: data.train with model.path null and no data.sft: ")
+    assert "\n" not in err
+    sft = f"data.sft={tmp_path / 'sft.jsonl'}"  # with a cold start: nothing to say
+    (tmp_path / "sft.jsonl").write_text(json.dumps({"prompt": "1+1=", "completion": "2"}))
+    assert load_config(None, [*FAST, data, sft]).warnings() == []
+    assert (
+        "train.cold_start_steps=0"
+        in load_config(None, [*FAST, data, sft, "train.cold_start_steps=0"]).warnings()[0]
+    )
+    assert load_config(None, FAST).warnings() == []  # the built-in task has its cold start
+
+
 def test_a_run_that_fails_before_writing_anything_leaves_no_directory(tmp_path, capsys):
     bad = "reward.functions=[nosuch_builtin]"  # refused after the built-in model is saved
     assert main(["train", "--output-dir", str(tmp_path / "run"), *FAST, bad]) == 2

@@ -607,6 +607,12 @@ class Config(_Section):
                     f"model.experts_per_token={model.experts_per_token} exceeds "
                     f"model.experts={model.experts}"
                 )
+        if self.rollout.group_size < 2:
+            raise ValueError(
+                f"rollout.group_size={self.rollout.group_size}: GSPO, GRPO and GSPO-token "
+                "are group-relative (a response's advantage is its reward minus its group's "
+                "mean), so a group of one never learns; use 2 or more (default 8)"
+            )
         batch = self.rollout.group_size * self.rollout.prompts_per_batch
         if self.algorithm.minibatches > batch:
             raise ValueError(
@@ -725,6 +731,20 @@ class Config(_Section):
                 "model.builtin=qwen3 is dense"
             )
         return self
+
+    def warnings(self) -> list[str]:
+        """One line per setting that is valid but leaves the run unable to learn."""
+        lines = []
+        data = self.data
+        cold = data.sft is not None and self.train.cold_start_steps > 0
+        if data.train is not None and self.model.path is None and not cold:
+            why = "no data.sft" if data.sft is None else "train.cold_start_steps=0"
+            lines.append(
+                f"data.train with model.path null and {why}: RL starts from the built-in "
+                "model's random initialisation with no cold start, which rarely earns any "
+                "reward (set model.path to a trained model, or data.sft for a cold start)"
+            )
+        return lines
 
     @property
     def environment(self) -> str | None:

@@ -20,6 +20,7 @@ uninterrupted run would have done, with only the model and optimizer state to re
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -200,6 +201,9 @@ class Trainer:
             dump_config(config, out / "config.yaml")
         if checkpoint is None:
             self.logger.log(0, summary)
+            if dist.is_main:
+                for line in config.warnings():
+                    print(f"gspo: warning: {line}", file=sys.stderr, flush=True)
         if config.log.progress and dist.is_main:
             print(
                 f"model: {summary['model/trainable_params']:,.0f} of "
