@@ -551,7 +551,8 @@ def test_turns_all_cut_by_max_new_tokens_warn_once(tmp_path, capsys):
     """The calculator's tool call is ~45 tokens: at rollout.max_new_tokens=8 every first
     turn is cut, every episode ends there, and the run says so once (not an error)."""
     common = [*FAST, "data.task=calculator", "train.cold_start_steps=0", "train.max_steps=2",
-              "algorithm.minibatches=1", "eval.max_prompts=2", "rollout.max_new_tokens=8"]  # fmt: skip
+              "algorithm.minibatches=1", "eval.max_prompts=2",
+              "rollout.max_new_tokens=8"]  # fmt: skip
     capsys.readouterr()
     Trainer(load_config(None, common), tmp_path / "cut").fit()
     err = capsys.readouterr().err

@@ -155,9 +155,7 @@ def test_lora_checkpoint_is_peft_format_and_export_merges(tmp_path, varied_rewar
     assert (checkpoint / "adapter_config.json").is_file()
 
 
-def test_export_without_merge_names_a_full_checkpoint_and_asks_a_lora_one_for_out(
-    tmp_path, capsys
-):
+def test_export_without_merge_names_a_full_checkpoint_or_asks_for_out(tmp_path, capsys):
     for name, extra in (("full", "model.lora.r=0"), ("lora", "model.lora.r=4")):
         config = load_config(None, [*FAST, extra, "train.max_steps=0", "eval.max_prompts=2"])
         Trainer(config, tmp_path / name).fit()

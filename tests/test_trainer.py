@@ -110,8 +110,9 @@ def test_every_rollout_batch_gives_exactly_minibatches_steps(tmp_path, ones_rewa
 
 
 def test_the_last_progress_line_shows_the_final_evaluation(tmp_path, ones_reward, capsys):
-    config = load_config(None, [*FAST, ones_reward, "train.cold_start_steps=0",
-                                "train.max_steps=8", "eval.every=0", "log.progress=true"])  # fmt: skip
+    overrides = [*FAST, ones_reward, "train.cold_start_steps=0", "train.max_steps=8",
+                 "eval.every=0", "log.progress=true"]  # fmt: skip
+    config = load_config(None, overrides)
     trainer = Trainer(config, tmp_path / "run")
     trainer.evaluate = lambda step: {"eval/accuracy": 0.25 + step / 100}  # 0.25, then 0.33
     capsys.readouterr()
