@@ -5,6 +5,7 @@ import pytest
 from gspo.models import build_char_tokenizer
 from gspo.rewards import numeric_match_reward
 from gspo.tasks import (
+    TASK_DEFAULTS,
     addition_task,
     as_completion,
     chain_completion,
@@ -117,11 +118,79 @@ def test_chain_reward_reads_the_final_answer():
 def test_chain_config_needs_a_final_answer_reward():
     from gspo.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match=r"numeric_match"):
-        load_config(None, ["data.task=chain"])
+    assert load_config(None, ["data.task=chain"]).reward.functions == ["numeric_match"]
+    with pytest.raises(ConfigError, match=r"numeric_match"):  # set by hand: refused
+        load_config(None, ["data.task=chain", "reward.functions=[exact_match]"])
     config = load_config(None, ["data.task=chain", "reward.functions=[numeric_match]",
                                 "data.terms=5"])  # fmt: skip
     assert config.data.terms == 5
+
+
+def test_tasks_bring_their_settings_where_the_user_sets_none(tmp_path):
+    from gspo.config import load_config
+
+    calculator = load_config(None, ["data.task=calculator", "rollout.max_turns=2"])
+    assert (
+        calculator.rollout.max_new_tokens == TASK_DEFAULTS["calculator"]["rollout.max_new_tokens"]
+    )
+    assert calculator.rollout.max_turns == 2  # the user's value wins
+    # the environment the run uses is in the resolved config (gspo config prints it)
+    assert calculator.rollout.environment == "gspo.environments:Calculator"
+    (tmp_path / "c.yaml").write_text("data:\n  task: calculator\nrollout:\n  max_new_tokens: 9\n")
+    assert load_config(tmp_path / "c.yaml").rollout.max_new_tokens == 9  # a file's too
+    # a run on the user's data gets none of them; addition's are the config's defaults
+    assert load_config(None, ["data.task=calculator", "data.train=x.jsonl"]).environment is None
+    assert load_config(None, ["data.task=addition"]) == load_config()
+
+
+#: Each built-in task's documented command line, as overrides, and where it is documented.
+DOCUMENTED = {
+    "addition": ([], "README.md", "`make demo` runs `gspo train` with no config"),
+    "chain": (["data.task=chain"], "docs/training.md", "gspo train data.task=chain"),
+    "calculator": (
+        ["data.task=calculator", "data.digits=5"],
+        "docs/environments.md",
+        "gspo train data.task=calculator data.digits=5",
+    ),
+}
+
+#: The documented runs made short: a fifth of a cold start or less, two rollout batches.
+SHORTER = [
+    "model.device=cpu",
+    "train.cold_start_steps=150",
+    "train.max_steps=8",
+    "eval.every=0",
+    "eval.max_prompts=16",
+    "log.progress=false",
+    "log.plots=false",
+    "log.tensorboard=false",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", DOCUMENTED)
+def test_each_documented_task_command_learns(tmp_path, task):
+    """`gspo train data.task=calculator data.digits=5` once trained nothing: every tool call
+    was cut at the default rollout.max_new_tokens=8. Each task's documented command, made
+    short, must end above the untrained model: accuracy, and tool calls for calculator."""
+    from pathlib import Path
+
+    from gspo.config import load_config
+    from gspo.trainer import Trainer
+
+    overrides, page, command = DOCUMENTED[task]
+    root = Path(__file__).resolve().parents[1]
+    assert command in " ".join((root / page).read_text().split())  # the docs say so
+
+    def final_eval(name, *extra):
+        config = load_config(None, [*overrides, *SHORTER, *extra])
+        records = Trainer(config, tmp_path / name).fit()
+        return [r for r in records if "eval/accuracy" in r][-1]
+
+    untrained = final_eval("untrained", "train.cold_start_steps=0", "train.max_steps=0")
+    trained = final_eval("trained")
+    key = "eval/tool_calls_mean" if task == "calculator" else "eval/accuracy"
+    assert trained[key] > untrained[key] + 0.25, (task, untrained[key], trained[key])
 
 
 def test_encode_prompt_string_and_chat():

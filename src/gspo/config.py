@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from gspo.data import template_fields
+from gspo.tasks import TASK_DEFAULTS
 
 
 class ConfigError(ValueError):
@@ -330,7 +331,7 @@ class RolloutConfig(_Section):
         None,
         description="Multi-turn, tool-using episodes: an environment class, "
         "path/to/env.py:Factory or package.module:Factory (docs/environments.md); null = "
-        "single-turn responses (data.task=calculator uses gspo.environments:Calculator)",
+        "single-turn responses (data.task=calculator's default: gspo.environments:Calculator)",
     )
     max_turns: int = Field(
         4,
@@ -748,12 +749,8 @@ class Config(_Section):
 
     @property
     def environment(self) -> str | None:
-        """``rollout.environment``, or the calculator task's built-in environment."""
-        if self.rollout.environment is not None:
-            return self.rollout.environment
-        if self.data.task == "calculator" and self.data.train is None:
-            return "gspo.environments:Calculator"
-        return None
+        """``rollout.environment`` (the calculator task's default: its built-in one)."""
+        return self.rollout.environment
 
     @property
     def max_episode_tokens(self) -> int:
@@ -887,6 +884,27 @@ def _error_line(exc: ValidationError) -> str:
     return f"{where}: {message}{shown}" if where else message
 
 
+def _get_dotted(tree: dict[str, Any], dotted: str) -> tuple[bool, Any]:
+    """``(True, tree['a']['b'])`` for ``dotted = 'a.b'``, or ``(False, None)`` if unset."""
+    node: Any = tree
+    for key in dotted.split("."):
+        if not isinstance(node, dict) or key not in node:
+            return False, None
+        node = node[key]
+    return True, node
+
+
+def with_task_defaults(tree: dict[str, Any]) -> None:
+    """Fill in the built-in task's own settings (:data:`gspo.tasks.TASK_DEFAULTS`) for the
+    keys the file and overrides leave unset; a run on ``data.train`` gets none of them."""
+    task = _get_dotted(tree, "data.task")[1] or "addition"
+    if _get_dotted(tree, "data.train")[1] is not None or task not in TASK_DEFAULTS:
+        return  # an unknown task is the validation's to report
+    for key, value in TASK_DEFAULTS[task].items():
+        if not _get_dotted(tree, key)[0]:
+            set_dotted(tree, key, value)
+
+
 def load_config(
     path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
 ) -> Config:
@@ -906,6 +924,7 @@ def load_config(
     for text in overrides:
         key, value = parse_override(text)
         set_dotted(tree, key, value)
+    with_task_defaults(tree)
     try:
         return Config.model_validate(tree)
     except ValidationError as exc:
