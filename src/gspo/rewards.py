@@ -680,7 +680,8 @@ def load_reward_function(spec: str) -> RewardFunction:
     close = difflib.get_close_matches(spec, list(BUILTIN_REWARDS), n=1)
     if close and ":" not in spec:
         raise RewardError(
-            f"reward function {spec!r} is not a built-in name; did you mean {close[0]!r}?"
+            f"invalid reward function spec {spec!r}: not a built-in name "
+            f"({_builtin_names()}); did you mean {close[0]!r}?"
         )
     expected = (
         f"a built-in name ({_builtin_names()}), 'path/to/file.py:function' or "
