@@ -71,6 +71,69 @@ def test_bad_values_name_the_key(override, expected):
     assert "\n" not in message
 
 
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("optim.lrr=1", "optim.lrr: unknown key; did you mean 'lr'?"),
+        ("rollout.groupsize=4", "rollout.groupsize: unknown key; did you mean 'group_size'?"),
+        ("modle.path=x", "modle: unknown key; did you mean 'model'?"),
+        ("data.task=calculater", "(got 'calculater'); did you mean 'calculator'?"),
+        ("algorithm.level=sequnce", "(got 'sequnce'); did you mean 'sequence'?"),
+        ("reward.functions=[exact_mach]", "numeric_match); did you mean 'exact_match'?"),
+    ],
+)  # fmt: skip
+def test_unknown_keys_and_values_suggest_the_closest(tmp_path, override, expected):
+    with pytest.raises(ValueError) as info:  # the reward's is a RewardError, when loaded
+        config = load_config(overrides=[override])
+        from gspo.rewards import RewardFunctions
+
+        RewardFunctions.from_specs(config.reward.functions)
+    assert str(info.value).endswith(expected)
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=["optim.zzzz=1"])  # nothing close: no suggestion
+    assert str(info.value) == "optim.zzzz: unknown key"
+
+
+@pytest.mark.parametrize(
+    ("name", "level"),
+    [("gspo", "sequence"), ("GSPO-token", "sequence_token"), ("gspo_token", "sequence_token"),
+     ("grpo", "token"), ("token", "token")],
+)  # fmt: skip
+def test_algorithm_names_are_accepted_for_the_level(name, level):
+    from gspo.objectives import DEFAULT_CLIP
+
+    config = load_config(overrides=[f"algorithm.level={name}"])
+    assert config.algorithm.level == level
+    # the clip range left null is the level's paper one: GRPO's 0.2 / 0.27
+    assert config.algorithm.clip_low is None and config.algorithm.clip_high is None
+    assert DEFAULT_CLIP[config.algorithm.level] == ((0.2, 0.27) if name in ("grpo", "token")
+                                                    else (3e-4, 4e-4))  # fmt: skip
+
+
+def test_one_reward_function_needs_no_list():
+    assert load_config(overrides=["reward.functions=numeric_match"]).reward.functions == [
+        "numeric_match"
+    ]
+
+
+def test_a_group_of_one_is_refused():
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=["rollout.group_size=1"])
+    assert str(info.value).startswith("rollout.group_size=1: GSPO, GRPO and GSPO-token are "
+                                      "group-relative")  # fmt: skip
+    assert load_config(overrides=["rollout.group_size=2"]).rollout.group_size == 2
+
+
+def test_output_dir_has_help_text():
+    from gspo.cli import build_parser
+
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    for command in ("train", "compare"):
+        (action,) = [a for a in commands[command]._actions if "--output-dir" in a.option_strings]
+        assert action.help and "default" in action.help
+
+
 def test_malformed_override():
     with pytest.raises(ConfigError, match="key.sub=value"):
         parse_override("justakey")

@@ -123,6 +123,22 @@ def test_bad_environments_are_one_line_errors(env_file, spec, expected):
     assert "\n" not in str(info.value)
 
 
+def test_a_raising_environment_names_the_raising_line(env_file):
+    lines = env_file.read_text().splitlines()
+    line = lines.index('        raise RuntimeError("no licence server")') + 1
+    with pytest.raises(EnvError) as info:
+        EnvironmentFactory(f"{env_file}:Broken")
+    assert f"(at {env_file}:{line}; GSPO_DEBUG=1 shows the traceback)" in str(info.value)
+
+    class Crashes:
+        def step(self, text: str) -> str:
+            return {}[text]  # raises KeyError here
+
+    here = Crashes.step.__code__.co_firstlineno + 1
+    with pytest.raises(EnvError, match=rf"step\(\) raised KeyError: 'hi' \(at .*:{here};"):
+        EnvironmentFactory(Crashes).episode().respond("hi")
+
+
 def test_bad_environment_stops_the_cli_with_one_line(tmp_path, env_file, capsys):
     code = main(
         ["train", "--output-dir", str(tmp_path / "run"), *FAST,
@@ -529,3 +545,19 @@ def test_async_rollouts_run_episodes_too(tmp_path, env_file):
     lines = [r for r in records if "train/loss" in r]
     assert [r["rollout/staleness"] for r in lines] == [0, 0, 1, 1]
     assert all(r["env/turns_mean"] > 1 for r in lines)
+
+
+def test_turns_all_cut_by_max_new_tokens_warn_once(tmp_path, capsys):
+    """The calculator's tool call is ~45 tokens: at rollout.max_new_tokens=8 every first
+    turn is cut, every episode ends there, and the run says so once (not an error)."""
+    common = [*FAST, "data.task=calculator", "train.cold_start_steps=0", "train.max_steps=2",
+              "algorithm.minibatches=1", "eval.max_prompts=2",
+              "rollout.max_new_tokens=8"]  # fmt: skip
+    capsys.readouterr()
+    Trainer(load_config(None, common), tmp_path / "cut").fit()
+    err = capsys.readouterr().err
+    assert err.count("gspo: warning: every episode ended after its first turn") == 1, err
+    assert "rollout.max_new_tokens=8 cut 4 of those 4 turns" in err  # the first evaluation
+    # one turn per episode on purpose (max_turns=1) is no mistake
+    Trainer(load_config(None, [*common, "rollout.max_turns=1"]), tmp_path / "one").fit()
+    assert "warning" not in capsys.readouterr().err

@@ -72,6 +72,9 @@ def test_example_is_valid_as_written_and_says_what_it_is_for(path):
     header = path.read_text()
     assert "Sized for:" in header and "What matters here:" in header
     assert "model.path=" in header  # the command line to run it
+    # the download line names the hub client's current command (`hf`; huggingface_hub 1.x
+    # no longer installs `huggingface-cli`)
+    assert "hf download " in header and "huggingface-cli" not in header
 
 
 @pytest.mark.slow

@@ -155,6 +155,19 @@ def test_lora_checkpoint_is_peft_format_and_export_merges(tmp_path, varied_rewar
     assert (checkpoint / "adapter_config.json").is_file()
 
 
+def test_export_without_merge_names_a_full_checkpoint_or_asks_for_out(tmp_path, capsys):
+    for name, extra in (("full", "model.lora.r=0"), ("lora", "model.lora.r=4")):
+        config = load_config(None, [*FAST, extra, "train.max_steps=0", "eval.max_prompts=2"])
+        Trainer(config, tmp_path / name).fit()
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "full")]) == 0
+    checkpoint = tmp_path / "full" / "checkpoints" / "step-0000000"
+    assert capsys.readouterr().out.startswith(f"{checkpoint} is a plain HF model")
+    assert main(["export", str(tmp_path / "lora")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds a LoRA adapter" in err and "pass --merge OUT" in err and "\n" not in err
+
+
 def test_export_errors_are_one_line(tmp_path, capsys):
     assert main(["export", str(tmp_path / "nothing"), "--merge", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
@@ -232,6 +245,25 @@ def test_attaching_adapters_prints_no_deprecation_warning(tiny_model):
         warnings.simplefilter("error", FutureWarning)
         model = attach_lora(tiny_model, LoraSettings(r=4), seed=0)
     assert sum(p.requires_grad for p in model.parameters()) > 0
+
+
+def test_adapters_on_a_model_loaded_by_a_relative_path_print_no_rename_warning(
+    tmp_path, tiny_model, tokenizer, monkeypatch
+):
+    """PEFT warned at the start of every LoRA run from a relative model.path that the
+    adapter's base_model_name_or_path "was renamed" (absolute vs as written)."""
+    from gspo.config import LoraSettings
+    from gspo.models import save_pretrained_atomic
+    from gspo.training.lora import attach_lora
+
+    save_pretrained_atomic(tiny_model, tokenizer, tmp_path / "base")
+    monkeypatch.chdir(tmp_path)
+    model, _ = load_model(Path("base"), device=torch.device("cpu"), dtype=torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lora = attach_lora(model, LoraSettings(r=4), seed=0, base_path=Path("base"))
+    assert not [w for w in caught if "was renamed" in str(w.message)]
+    assert lora.peft_config["default"].base_model_name_or_path == str(tmp_path / "base")
 
 
 def test_adapters_on_the_moe_builtin_print_no_pattern_warning(tokenizer):

@@ -46,6 +46,7 @@ CHAIN = [
     "data.terms=4",
     "reward.functions=[numeric_match]",
     "rollout.max_new_tokens=48",
+    "optim.lr=1e-4",  # the config default these tests were written at (chain's own: 2e-5)
 ]
 RECOMPUTE_GRPO = ["algorithm.level=token", "algorithm.old_logprobs=recompute"]
 

@@ -571,6 +571,19 @@ def test_bad_reward_function_results(reward_file: Path, name: str, pattern: str)
     assert re.search(pattern.replace("{spec}", re.escape(spec)), message), message
 
 
+def test_a_raising_reward_function_names_the_raising_line(reward_file: Path) -> None:
+    line = (
+        reward_file.read_text()
+        .splitlines()
+        .index('    raise ZeroDivisionError("division by zero\\nsecond line")')
+    )
+    rf = RewardFunctions.from_specs([f"{reward_file}:boom"])
+    with pytest.raises(RewardError) as info:
+        rf(["p"], ["a"], {})
+    message = str(info.value)
+    assert f"(at {reward_file}:{line + 1}; GSPO_DEBUG=1 shows the traceback)" in message
+
+
 def test_tuple_and_bool_values_are_accepted(reward_file: Path) -> None:
     rf = RewardFunctions.from_specs([f"{reward_file}:as_tuple"])
     assert rf(["p", "p"], ["a", "b"], {}).rewards == [1.0, 1.0]

@@ -238,6 +238,32 @@ def test_fake_wandb_sink_receives_finite_scalars(tmp_path, monkeypatch):
     assert calls == [("init", {"project": "p"}), ("log", {"a": 1.0}, 2), ("finish",)]
 
 
+def test_a_tracker_refusing_its_settings_is_one_line_naming_the_key(tmp_path, monkeypatch):
+    class RetiredStore(Exception):
+        pass
+
+    class FakeMlflow:
+        @staticmethod
+        def set_tracking_uri(uri):
+            raise RetiredStore(f"The filesystem tracking backend ({uri}) is in\nmaintenance mode")
+
+    class FakeWandb:
+        @staticmethod
+        def init(**cfg):
+            raise RuntimeError("project name invalid")
+
+    monkeypatch.setitem(sys.modules, "mlflow", FakeMlflow)
+    monkeypatch.setitem(sys.modules, "wandb", FakeWandb)
+    with pytest.raises(ValueError) as info:
+        MetricsLogger(tmp_path / "a", mlflow={"tracking_uri": "file:/tmp/ml"})
+    assert str(info.value) == (
+        "log.mlflow: MLflow refused these settings (RetiredStore: The filesystem tracking "
+        "backend (file:/tmp/ml) is in maintenance mode)"
+    )
+    with pytest.raises(ValueError, match=r"^log\.wandb: W&B refused these settings \(Runtime"):
+        MetricsLogger(tmp_path / "b", wandb={"project": "?"})
+
+
 # ------------------------------------------------------------------------------ plots
 
 

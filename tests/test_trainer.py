@@ -111,6 +111,18 @@ def test_every_rollout_batch_gives_exactly_minibatches_steps(tmp_path, ones_rewa
     assert [r["step"] for r in train_lines(run_metrics(tmp_path / "run"))] == list(range(1, 9))
 
 
+def test_the_last_progress_line_shows_the_final_evaluation(tmp_path, ones_reward, capsys):
+    overrides = [*FAST, ones_reward, "train.cold_start_steps=0", "train.max_steps=8",
+                 "eval.every=0", "log.progress=true"]  # fmt: skip
+    config = load_config(None, overrides)
+    trainer = Trainer(config, tmp_path / "run")
+    trainer.evaluate = lambda step: {"eval/accuracy": 0.25 + step / 100}  # 0.25, then 0.33
+    capsys.readouterr()
+    trainer.fit()
+    steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert steps[-1].startswith("step 8/8 (100%)") and "eval acc 0.33 " in steps[-1]
+
+
 def test_resume_past_a_damaged_checkpoint_takes_the_newest_complete_one(
     tmp_path, ones_reward, capsys
 ):
@@ -268,6 +280,34 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys, override, expected):
     assert code == 2 and expected in err and "\n" not in err
 
 
+def test_user_data_on_a_random_init_model_without_a_cold_start_warns(tmp_path, capsys):
+    rows = [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(20)]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    data = f"data.train={tmp_path / 'train.jsonl'}"
+    capsys.readouterr()
+    Trainer(load_config(None, [*FAST, data]), tmp_path / "a")  # warned when built
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gspo: warning: data.train with model.path null and no data.sft: ")
+    assert "\n" not in err
+    sft = f"data.sft={tmp_path / 'sft.jsonl'}"  # with a cold start: nothing to say
+    (tmp_path / "sft.jsonl").write_text(json.dumps({"prompt": "1+1=", "completion": "2"}))
+    assert load_config(None, [*FAST, data, sft]).warnings() == []
+    assert (
+        "train.cold_start_steps=0"
+        in load_config(None, [*FAST, data, sft, "train.cold_start_steps=0"]).warnings()[0]
+    )
+    assert load_config(None, FAST).warnings() == []  # the built-in task has its cold start
+
+
+def test_a_run_that_fails_before_writing_anything_leaves_no_directory(tmp_path, capsys):
+    bad = "reward.functions=[nosuch_builtin]"  # refused after the built-in model is saved
+    assert main(["train", "--output-dir", str(tmp_path / "run"), *FAST, bad]) == 2
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "mine").mkdir()  # a directory the user made is left alone
+    assert main(["train", "--output-dir", str(tmp_path / "mine"), *FAST, bad]) == 2
+    assert (tmp_path / "mine").is_dir()
+
+
 def test_existing_run_needs_resume_or_overwrite(tmp_path, capsys):
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     assert main(["train", "--output-dir", str(tmp_path / "run"), *FAST]) == 2
@@ -317,7 +357,9 @@ def test_python_dash_m_gspo_and_console_script():
         [sys.executable, "-m", "gspo", "config", "optim.lrr=1"], capture_output=True, text=True
     )
     assert bad.returncode == 2
-    assert bad.stderr.strip().splitlines() == ["gspo: error: optim.lrr: unknown key"]
+    assert bad.stderr.strip().splitlines() == [
+        "gspo: error: optim.lrr: unknown key; did you mean 'lr'?"
+    ]
 
 
 @pytest.mark.slow

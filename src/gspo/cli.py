@@ -7,7 +7,7 @@
                  [--preset default|stress|long|tools] [--algorithms GSPO,GRPO]
     gspo config [--config FILE.yaml] [key.sub=value ...]     # print the resolved config
     gspo config --doc                                         # print the config reference
-    gspo export RUN_OR_CHECKPOINT --merge OUT                 # one plain HF model (LoRA merged)
+    gspo export RUN_OR_CHECKPOINT [--merge OUT]               # one plain HF model (LoRA merged)
 
 Overrides may stand anywhere on the line, before or after the options; a text key takes
 its value as written (``data.prompt_template=Q: {question} A:``), other values are YAML.
@@ -41,7 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="cold-start SFT then RL (GSPO by default)")
     train.add_argument("--config", type=Path, help="YAML config file")
-    train.add_argument("--output-dir", type=Path, default=Path("runs/gspo"))
+    train.add_argument(
+        "--output-dir",
+        type=Path,
+        default=Path("runs/gspo"),
+        metavar="DIR",
+        help="where the run writes config.yaml, metrics.jsonl, plots/ and checkpoints/ "
+        "(default: runs/gspo)",
+    )
     train.add_argument("--resume", type=Path, metavar="DIR", help="continue the run in DIR")
     train.add_argument(
         "--overwrite", action="store_true", help="delete an existing run in --output-dir first"
@@ -54,7 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="GSPO vs GRPO vs GSPO-token from one cold start, several seeds, one report",
     )
     comp.add_argument("--config", type=Path, help="YAML config file (shared by every run)")
-    comp.add_argument("--output-dir", type=Path, default=Path("runs/compare"))
+    comp.add_argument(
+        "--output-dir",
+        type=Path,
+        default=Path("runs/compare"),
+        metavar="DIR",
+        help="where the shared cold start, the runs and the report go (default: runs/compare)",
+    )
     comp.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per algorithm")
     comp.add_argument("--preset", default="default", help="default | stress | long | tools")
     comp.add_argument(
@@ -72,10 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--merge",
         type=Path,
-        required=True,
         metavar="OUT",
         help="output directory: the base with a LoRA adapter merged in (a full fine-tuning "
-        "checkpoint is written as it is)",
+        "checkpoint is written as it is); needed for LoRA runs only: without it a full "
+        "fine-tuning run's checkpoint is named, already a plain HF model",
     )
 
     show = sub.add_parser("config", help="print the resolved config as YAML")
@@ -109,6 +122,7 @@ def run_train(args: argparse.Namespace) -> int:
             )
     # under torchrun: one process per rank, joined here (a no-op in a single process)
     dist = setup_distributed(config.model.device)
+    new_dir = not output_dir.exists()
     try:
         if args.resume is None and (output_dir / CHECKPOINTS).exists():
             if dist.is_main:
@@ -118,11 +132,27 @@ def run_train(args: argparse.Namespace) -> int:
         with Trainer(config, output_dir, resume=args.resume is not None, dist=dist) as trainer:
             trainer.fit()
             dist.barrier()
+    except BaseException:
+        if new_dir and dist.is_main:
+            remove_unstarted_run(output_dir)
+        raise
     finally:
         teardown_distributed(dist)
     if dist.is_main:
         print(f"run written to {output_dir}")
     return 0
+
+
+def remove_unstarted_run(output_dir: Path) -> None:
+    """Remove the output directory a failed run made, if the run got nowhere: no metric
+    line and no checkpoint (a cold-start progress checkpoint included) to resume from;
+    what it holds then (the built-in model it saved, an empty metrics file) is remade."""
+    from gspo.trainer import CHECKPOINTS
+
+    metrics = output_dir / "metrics.jsonl"
+    if (output_dir / CHECKPOINTS).exists() or (metrics.is_file() and metrics.stat().st_size):
+        return
+    shutil.rmtree(output_dir, ignore_errors=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -164,8 +194,13 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 0
         if args.command == "export":
-            from gspo.export import export_merged
+            from gspo.export import export_merged, plain_checkpoint
 
+            if args.merge is None:
+                checkpoint = plain_checkpoint(args.source)
+                print(f"{checkpoint} is a plain HF model: load it from there (or pass "
+                      "--merge OUT for a copy)")  # fmt: skip
+                return 0
             checkpoint = export_merged(args.source, args.merge)
             print(f"{checkpoint} written to {args.merge} as one model")
             return 0

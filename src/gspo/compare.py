@@ -68,29 +68,9 @@ PRESETS: dict[str, list[str]] = {
         "log.ratio_dump_every=2",
     ],
     # Multi-turn episodes with a tool (docs/environments.md): 5-digit additions that the
-    # small model cannot do by itself, and an add tool the cold start calls unreliably.
-    "tools": [
-        "data.task=calculator",
-        "data.digits=5",
-        "data.label_noise=0.5",
-        "rollout.max_new_tokens=80",
-        "rollout.max_turns=3",
-        "rollout.max_episode_tokens=200",
-        "model.layers=2",
-        "model.hidden=128",
-        "model.heads=4",
-        "model.kv_heads=2",
-        "model.intermediate=384",
-        "train.cold_start_steps=400",
-        "train.cold_start_batch_size=32",
-        "rollout.prompts_per_batch=8",
-        "train.max_steps=192",
-        "algorithm.minibatches=4",
-        "optim.lr=5e-5",
-        "eval.every=48",
-        "eval.max_prompts=64",
-        "log.ratio_dump_every=4",
-    ],
+    # small model cannot do by itself, and an add tool the cold start calls unreliably;
+    # the task brings its own turns, model and schedule (gspo.tasks.TASK_DEFAULTS).
+    "tools": ["data.task=calculator", "log.ratio_dump_every=4"],
 }
 
 #: Episode metrics reported when the runs have an environment (start -> end of training).

@@ -5,15 +5,24 @@ Every batch size is per optimizer step (global), never per process.
 
 from __future__ import annotations
 
+import difflib
 import re
 from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from gspo.data import template_fields
+from gspo.tasks import TASK_DEFAULTS
 
 
 class ConfigError(ValueError):
@@ -209,7 +218,7 @@ class RewardConfig(_Section):
     functions: list[str] = Field(
         default_factory=lambda: ["exact_match"],
         description="Built-ins (exact_match, numeric_match, math, format, code) or "
-        "path/to/file.py:function / package.module:function",
+        "path/to/file.py:function / package.module:function; one name alone is a list of one",
     )
     weights: list[float] | None = Field(
         None, description="One weight per function for the weighted sum; null = 1.0 each"
@@ -240,6 +249,11 @@ class RewardConfig(_Section):
         description="Tokens before rollout.max_new_tokens where the overlong penalty "
         "ramps; null = a fifth of max_new_tokens (DAPO: 4096 of 20480)",
     )
+
+    @field_validator("functions", mode="before")
+    @classmethod
+    def _one_function(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
 
 
 #: The ``max_lora_rank`` values vLLM takes (adapter sync uses the smallest >= model.lora.r).
@@ -317,7 +331,7 @@ class RolloutConfig(_Section):
         None,
         description="Multi-turn, tool-using episodes: an environment class, "
         "path/to/env.py:Factory or package.module:Factory (docs/environments.md); null = "
-        "single-turn responses (data.task=calculator uses gspo.environments:Calculator)",
+        "single-turn responses (data.task=calculator's default: gspo.environments:Calculator)",
     )
     max_turns: int = Field(
         4,
@@ -340,6 +354,16 @@ class RolloutConfig(_Section):
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
 
+#: The algorithms' names, accepted for ``algorithm.level`` (as TRL, verl and the papers
+#: name them); each level brings its paper's clip range unless clip_low/high are set.
+ALGORITHM_NAMES = {
+    "gspo": "sequence",
+    "gspo_token": "sequence_token",
+    "gspo-token": "sequence_token",
+    "grpo": "token",
+}
+
+
 class AlgorithmConfig(_Section):
     """The policy-gradient objective: GSPO, GSPO-token or GRPO, and how each batch is used.
 
@@ -349,7 +373,8 @@ class AlgorithmConfig(_Section):
 
     level: Literal["sequence", "sequence_token", "token"] = Field(
         "sequence",
-        description="Importance ratio: sequence (GSPO), sequence_token (GSPO-token), token (GRPO)",
+        description="Importance ratio: sequence (GSPO), sequence_token (GSPO-token), token "
+        "(GRPO); the names gspo, gspo_token and grpo are accepted for them",
     )
     clip_low: float | None = Field(
         None,
@@ -418,6 +443,13 @@ class AlgorithmConfig(_Section):
         description="Upper bound of rho; null = the mode's literature value (token_tis 2.0, "
         "token_mask 5.0, sequence_mask 1.001)",
     )
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def _algorithm_name(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return ALGORITHM_NAMES.get(value.strip().lower(), value)
+        return value
 
 
 class OptimConfig(_Section):
@@ -579,6 +611,12 @@ class Config(_Section):
                     f"model.experts_per_token={model.experts_per_token} exceeds "
                     f"model.experts={model.experts}"
                 )
+        if self.rollout.group_size < 2:
+            raise ValueError(
+                f"rollout.group_size={self.rollout.group_size}: GSPO, GRPO and GSPO-token "
+                "are group-relative (a response's advantage is its reward minus its group's "
+                "mean), so a group of one never learns; use 2 or more (default 8)"
+            )
         batch = self.rollout.group_size * self.rollout.prompts_per_batch
         if self.algorithm.minibatches > batch:
             raise ValueError(
@@ -698,14 +736,24 @@ class Config(_Section):
             )
         return self
 
+    def warnings(self) -> list[str]:
+        """One line per setting that is valid but leaves the run unable to learn."""
+        lines = []
+        data = self.data
+        cold = data.sft is not None and self.train.cold_start_steps > 0
+        if data.train is not None and self.model.path is None and not cold:
+            why = "no data.sft" if data.sft is None else "train.cold_start_steps=0"
+            lines.append(
+                f"data.train with model.path null and {why}: RL starts from the built-in "
+                "model's random initialisation with no cold start, which rarely earns any "
+                "reward (set model.path to a trained model, or data.sft for a cold start)"
+            )
+        return lines
+
     @property
     def environment(self) -> str | None:
-        """``rollout.environment``, or the calculator task's built-in environment."""
-        if self.rollout.environment is not None:
-            return self.rollout.environment
-        if self.data.task == "calculator" and self.data.train is None:
-            return "gspo.environments:Calculator"
-        return None
+        """``rollout.environment`` (the calculator task's default: its built-in one)."""
+        return self.rollout.environment
 
     @property
     def max_episode_tokens(self) -> int:
@@ -807,15 +855,57 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
+def _section_keys(dotted: str) -> list[str]:
+    """The keys of the config section at ``dotted`` ("" = the top level); [] if none."""
+    model: type[BaseModel] = Config
+    for key in filter(None, dotted.split(".")):
+        field = model.model_fields.get(key)
+        annotation = None if field is None else field.annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
+def _did_you_mean(word: Any, choices: list[str]) -> str:
+    """``"; did you mean 'x'?"`` for the choice closest to ``word``, or ``""``."""
+    close = difflib.get_close_matches(str(word), choices, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 def _error_line(exc: ValidationError) -> str:
     err = exc.errors()[0]
     where = ".".join(str(p) for p in err["loc"])
     if err["type"] == "extra_forbidden":
-        return f"{where}: unknown key"
+        parent, _, leaf = where.rpartition(".")
+        return f"{where}: unknown key{_did_you_mean(leaf, _section_keys(parent))}"
     message = err["msg"].removeprefix("Value error, ")
     value = err.get("input")
     shown = "" if isinstance(value, dict) or where == "" else f" (got {value!r})"
+    if err["type"] == "literal_error":
+        shown += _did_you_mean(value, [str(a) for a in get_args(_field_annotation(where))])
     return f"{where}: {message}{shown}" if where else message
+
+
+def _get_dotted(tree: dict[str, Any], dotted: str) -> tuple[bool, Any]:
+    """``(True, tree['a']['b'])`` for ``dotted = 'a.b'``, or ``(False, None)`` if unset."""
+    node: Any = tree
+    for key in dotted.split("."):
+        if not isinstance(node, dict) or key not in node:
+            return False, None
+        node = node[key]
+    return True, node
+
+
+def with_task_defaults(tree: dict[str, Any]) -> None:
+    """Fill in the built-in task's own settings (:data:`gspo.tasks.TASK_DEFAULTS`) for the
+    keys the file and overrides leave unset; a run on ``data.train`` gets none of them."""
+    task = _get_dotted(tree, "data.task")[1] or "addition"
+    if _get_dotted(tree, "data.train")[1] is not None or task not in TASK_DEFAULTS:
+        return  # an unknown task is the validation's to report
+    for key, value in TASK_DEFAULTS[task].items():
+        if not _get_dotted(tree, key)[0]:
+            set_dotted(tree, key, value)
 
 
 def load_config(
@@ -837,6 +927,7 @@ def load_config(
     for text in overrides:
         key, value = parse_override(text)
         set_dotted(tree, key, value)
+    with_task_defaults(tree)
     try:
         return Config.model_validate(tree)
     except ValidationError as exc:

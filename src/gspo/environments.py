@@ -45,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gspo.rewards import load_object, one_line
+from gspo.rewards import load_object, one_line, raised
 
 #: Methods with a meaning of their own: never tools.
 RESERVED = frozenset({"reset", "step", "get_reward", "close"})
@@ -201,8 +201,7 @@ class EnvironmentFactory:
             return self.factory(**accepted(self.factory, row))
         except Exception as e:
             raise EnvError(
-                f"environment {self.name!r}: constructing it raised "
-                f"{type(e).__name__}: {one_line(e, 300)}"
+                f"environment {self.name!r}: constructing it raised {raised(e, 300)}"
             ) from e
 
     def episode(self, row: dict[str, Any] | None = None) -> Episode:
@@ -228,8 +227,7 @@ class Episode:
             out = reset(**accepted(reset, row))
         except Exception as e:
             raise EnvError(
-                f"environment {self.spec.name!r}: reset() raised "
-                f"{type(e).__name__}: {one_line(e, 300)}"
+                f"environment {self.spec.name!r}: reset() raised {raised(e, 300)}"
             ) from e
         return None if out is None else str(out)
 
@@ -239,7 +237,12 @@ class Episode:
         if calls:
             return [self._answer(call) for call in calls]
         if self.spec.has_step:
-            observation = self.env.step(text)
+            try:
+                observation = self.env.step(text)
+            except Exception as e:
+                raise EnvError(
+                    f"environment {self.spec.name!r}: step() raised {raised(e, 300)}"
+                ) from e
             if observation is None:
                 return None
             return [{"role": "user", "content": str(observation)}]
@@ -280,8 +283,8 @@ class Episode:
         if key not in self.spec.warned:
             self.spec.warned.add(key)
             print(
-                f"environment {self.spec.name!r}: tool {tool!r} raised {type(e).__name__}: "
-                f"{one_line(e, 200)} (returned to the model as an error; shown once)",
+                f"environment {self.spec.name!r}: tool {tool!r} raised {raised(e, 200)}; "
+                "returned to the model as an error, shown once",
                 file=sys.stderr,
                 flush=True,
             )

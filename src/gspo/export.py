@@ -1,10 +1,11 @@
-"""``gspo export RUN_OR_CHECKPOINT --merge OUT``: a checkpoint as one plain HF model.
+"""``gspo export RUN_OR_CHECKPOINT [--merge OUT]``: a checkpoint as one plain HF model.
 
 A LoRA checkpoint holds only the adapter (PEFT format) and names its base model; export
 loads the base, loads the adapter onto it with ``PeftModel.from_pretrained`` and writes
 ``merge_and_unload()``'s model with the tokenizer, atomically, so that serving stacks that
 know nothing of adapters (vLLM, transformers, llama.cpp converters) can load it. A full
-fine-tuning checkpoint is already a whole model and is written out as it is.
+fine-tuning checkpoint is already a whole model: it is written out as it is, or, without
+``--merge``, named (:func:`plain_checkpoint`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,18 @@ def check_target(out: Path, source: Path, checkpoint: Path) -> None:
                 f"export: --merge {out} exists and is not an earlier export (a model directory "
                 "with config.json); name a new or empty directory"
             )
+
+
+def plain_checkpoint(source: Path) -> Path:
+    """The checkpoint of ``source`` when it is a whole HF model already (full fine-tuning);
+    a one-line error saying to pass ``--merge OUT`` for a LoRA adapter."""
+    checkpoint = resolve_checkpoint(source)
+    if is_lora_checkpoint(checkpoint):
+        raise ValueError(
+            f"export: {checkpoint} holds a LoRA adapter, not a whole model; pass --merge OUT "
+            "to write the base with the adapter merged in to the directory OUT"
+        )
+    return checkpoint
 
 
 def export_merged(source: Path, out: Path) -> Path:

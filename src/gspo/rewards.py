@@ -26,6 +26,7 @@ This module imports only the standard library; math-verify is imported lazily by
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import hashlib
 import importlib
@@ -40,6 +41,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -85,6 +87,14 @@ def one_line(exc: BaseException, limit: int = 500) -> str:
     """An exception's message on one line, at most ``limit`` characters."""
     text = " ".join(str(exc).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def raised(exc: BaseException, limit: int = 500) -> str:
+    """``Type: message (at file.py:12; GSPO_DEBUG=1 shows the traceback)``: a raising
+    user function's error on one line, with the place of the frame that raised it."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f"at {frames[-1].filename}:{frames[-1].lineno}; " if frames else ""
+    return f"{type(exc).__name__}: {one_line(exc, limit)} ({where}GSPO_DEBUG=1 shows the traceback)"
 
 
 # --------------------------------------------------------------------------------------------
@@ -667,6 +677,12 @@ def load_reward_function(spec: str) -> RewardFunction:
     spec = spec.strip()
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
+    close = difflib.get_close_matches(spec, list(BUILTIN_REWARDS), n=1)
+    if close and ":" not in spec:
+        raise RewardError(
+            f"invalid reward function spec {spec!r}: not a built-in name "
+            f"({_builtin_names()}); did you mean {close[0]!r}?"
+        )
     expected = (
         f"a built-in name ({_builtin_names()}), 'path/to/file.py:function' or "
         "'package.module:function'"
@@ -734,9 +750,7 @@ def _call_one(
     try:
         return function(prompts=prompts, completions=completions, **columns)
     except Exception as e:
-        raise RewardError(
-            f"reward function {name!r} raised {type(e).__name__}: {one_line(e)}"
-        ) from e
+        raise RewardError(f"reward function {name!r} raised {raised(e)}") from e
 
 
 @functools.cache

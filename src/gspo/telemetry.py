@@ -15,13 +15,14 @@ so ``import gspo.telemetry`` stays cheap and never drags in transformers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import statistics
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -175,6 +176,20 @@ def read_metrics(path: str | Path) -> list[dict]:
 # ---------------------------------------------------------------------------- logger
 
 
+@contextlib.contextmanager
+def _tracker_settings(key: str, name: str) -> Iterator[None]:
+    """A tracker that refuses its settings (a retired MLflow store, a bad W&B project)
+    ends the run with one line naming the config key, not the tracker's traceback."""
+    try:
+        yield
+    except Exception as exc:
+        text = " ".join(str(exc).split())
+        text = text if len(text) <= 300 else text[:297] + "..."
+        raise ValueError(
+            f"{key}: {name} refused these settings ({type(exc).__name__}: {text})"
+        ) from exc
+
+
 class MetricsLogger:
     """Log scalar metrics to ``metrics.jsonl``, TensorBoard and optional W&B / MLflow.
 
@@ -241,16 +256,18 @@ class MetricsLogger:
                     purge_step=0 if resume_step is None else resume_step + 1,
                 )
             if wandb_mod is not None:
-                self._wandb_run = wandb_mod.init(**wandb)
+                with _tracker_settings("log.wandb", "W&B"):
+                    self._wandb_run = wandb_mod.init(**wandb)
             if mlflow_mod is not None:
                 cfg = dict(mlflow or {})
                 uri = cfg.pop("tracking_uri", None)
                 experiment = cfg.pop("experiment_name", None)
-                if uri is not None:
-                    mlflow_mod.set_tracking_uri(uri)
-                if experiment is not None:
-                    mlflow_mod.set_experiment(experiment)
-                mlflow_mod.start_run(**cfg)
+                with _tracker_settings("log.mlflow", "MLflow"):
+                    if uri is not None:
+                        mlflow_mod.set_tracking_uri(uri)
+                    if experiment is not None:
+                        mlflow_mod.set_experiment(experiment)
+                    mlflow_mod.start_run(**cfg)
                 self._mlflow = mlflow_mod
         except BaseException:
             self.close()

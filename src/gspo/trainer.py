@@ -20,6 +20,7 @@ uninterrupted run would have done, with only the model and optimizer state to re
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -201,6 +202,9 @@ class Trainer:
             dump_config(config, out / "config.yaml")
         if checkpoint is None:
             self.logger.log(0, summary)
+            if dist.is_main:
+                for line in config.warnings():
+                    print(f"gspo: warning: {line}", file=sys.stderr, flush=True)
         if config.log.progress and dist.is_main:
             print(
                 f"model: {summary['model/trainable_params']:,.0f} of "
@@ -294,12 +298,12 @@ class Trainer:
                 before = self.step
                 for step, line in self.rl_step(rollout_index):
                     self.logger.log(step, line)
-                bar.update(self.step, line)
                 last = rollout_index == cfg.rollout_batches - 1
                 if crossed(before, self.step, cfg.eval.every) or last:
                     metrics = self.evaluate(self.step)
                     self.logger.log(self.step, metrics)
-                    bar.update(self.step, metrics)
+                    line = {**line, **metrics}  # the progress line shows this evaluation
+                bar.update(self.step, line)
                 if crossed(before, self.step, cfg.train.save_every) or last:
                     self.save_checkpoint()
         self.logger.close()

@@ -21,6 +21,7 @@ in GSPO's length normalisation, in clip fractions or in the mismatch metrics.
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -193,6 +194,7 @@ class MultiTurn:
         self.format = TurnFormat(tokenizer, environment.schemas, chat_kwargs)
         self.max_turns = max_turns
         self.max_tokens = max_tokens
+        self.warned = [False]  # shared with the copies made by `using`
 
     def using(self, sampler: Any) -> MultiTurn:
         """The same episodes sampled through another sampler (an async producer's)."""
@@ -218,7 +220,7 @@ class MultiTurn:
         del prompt_ids  # episodes render their own prompts (tools, reset observations)
         states = [self.start(row) for row in rows for _ in range(n)]
         live = list(range(len(states)))
-        sync = 0.0
+        sync, cut = 0.0, 0  # cut: first turns that max_new_tokens cut
         for turn in range(self.max_turns):
             if not live:
                 break
@@ -236,10 +238,30 @@ class MultiTurn:
                 contexts, n=k, params=turn_params, seed=turn_seed
             )
             sync += seconds
+            if turn == 0 and turn_params.max_new_tokens == params.max_new_tokens:
+                cut = sum(reason == "length" for reason in batch.finish_reasons)
             live = [i for j, i in enumerate(live) if self.advance(states[i], batch, j, turn)]
         for i in live:  # still wanting to go on after max_turns
             states[i].finish = "length"
+        if self.max_turns > 1 and all(s.turns == 1 for s in states):
+            self.warn_first_turns_cut(cut, len(states), params.max_new_tokens)
         return self.collect(states, n, sync)
+
+    def warn_first_turns_cut(self, cut: int, episodes: int, max_new_tokens: int) -> None:
+        """One line on stderr (once a run) when no episode got past its first turn and
+        ``rollout.max_new_tokens`` cut some of those turns: the budget, not the model,
+        ends the episodes, and no tool result or observation ever reaches the model."""
+        if cut == 0 or self.warned[0]:
+            return
+        self.warned[0] = True
+        print(
+            f"gspo: warning: every episode ended after its first turn, and "
+            f"rollout.max_new_tokens={max_new_tokens} cut {cut} of those {episodes} turns: "
+            "no tool result reaches the model (raise rollout.max_new_tokens to fit a whole "
+            "turn, tool call included; shown once)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def advance(self, state: _State, batch: RolloutBatch, j: int, turn: int) -> bool:
         """Append row ``j`` of ``batch`` (this turn) to ``state``; whether it goes on."""

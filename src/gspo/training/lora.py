@@ -77,7 +77,6 @@ def attach_lora(
         target_modules=settings.target_modules,
         bias="none",
         task_type="CAUSAL_LM",
-        base_model_name_or_path=str(Path(base_path).resolve()) if base_path else None,
     )
     devices = [model.device] if model.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), quiet_peft():
@@ -89,6 +88,11 @@ def attach_lora(
             raise ValueError(
                 f"model.lora.target_modules={settings.target_modules!r}: {first}"
             ) from None
+    # Set after wrapping: get_peft_model overwrites it with the model's own name_or_path (the
+    # path as the user wrote it) and warns that it "was renamed" if the config held another.
+    peft_model.peft_config["default"].base_model_name_or_path = (
+        str(Path(base_path).resolve()) if base_path else None
+    )
     if base_dtype != torch.float32:
         for param in peft_model.parameters():
             if not param.requires_grad:
