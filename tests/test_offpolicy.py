@@ -69,7 +69,10 @@ def comparable(record):
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        (["algorithm.rollout_correction=token_tis"], "nothing to correct"),
+        (
+            ["algorithm.old_logprobs=sampler", "algorithm.rollout_correction=token_tis"],
+            "nothing to correct",
+        ),
         (
             ["algorithm.old_logprobs=recompute", "algorithm.correction_max=3"],
             "algorithm.correction_max is set but algorithm.rollout_correction=none",
