@@ -233,6 +233,52 @@ def test_kl_penalty_uses_the_cold_start_model_as_reference(tmp_path, ones_reward
     assert lines[-1]["train/kl"] > 1e-6  # it drifts away after updates
 
 
+def test_step_0_names_an_unchanged_model_and_everything_still_reads_it(
+    tmp_path, tokenizer, varied_reward
+):
+    from gspo.models import TinyModelSpec, build_tiny_model
+
+    spec = TinyModelSpec(layers=1, hidden=64, heads=2, kv_heads=1, intermediate=128)
+    mine = tmp_path / "mymodel"
+    save_pretrained_atomic(build_tiny_model(spec, tokenizer, seed=1), tokenizer, mine)
+    common = [*FAST, varied_reward, "model.device=cpu", f"model.path={mine}",
+              "train.cold_start_steps=0", "algorithm.kl_coef=0.1", "optim.lr=1e-3",
+              "algorithm.minibatches=2", "train.max_steps=4", "eval.every=0"]  # fmt: skip
+    assert main(["train", "--output-dir", str(tmp_path / "full"), *common]) == 0
+    # step 0 holds no weights: it names the input model
+    step0 = tmp_path / "full" / "checkpoints" / "step-0000000"
+    assert sorted(p.name for p in step0.iterdir()) == ["model_dir.txt", "trainer_state.pt"]
+    assert (step0 / "model_dir.txt").read_text().strip() == str(mine.resolve())
+    lines = train_lines(run_metrics(tmp_path / "full"))
+    assert lines[0]["train/kl"] == pytest.approx(0.0, abs=1e-9)  # the reference: my model
+    assert lines[-1]["train/kl"] > 1e-6
+    # resumed from that step 0: the same run
+    assert main(["train", "--output-dir", str(tmp_path / "cut"), *common, "train.max_steps=0"]) == 0
+    assert main(["train", "--resume", str(tmp_path / "cut"), "train.max_steps=4"]) == 0
+    full, resumed = run_metrics(tmp_path / "full"), run_metrics(tmp_path / "cut")
+    assert [r["step"] for r in full] == [r["step"] for r in resumed]
+    for a, b in zip(full, resumed, strict=True):
+        assert comparable(a) == pytest.approx(comparable(b), rel=1e-6, abs=1e-7)
+    # exported, and as a model.path, step 0 is the input model
+    assert main(["export", str(step0), "--merge", str(tmp_path / "out")]) == 0
+    from gspo.models import load_model
+
+    cpu = torch.device("cpu")
+    ref, _ = load_model(mine, device=cpu, dtype=torch.float32)
+    for path in (tmp_path / "out", step0):
+        got, _ = load_model(path, device=cpu, dtype=torch.float32)
+        pairs = zip(got.parameters(), ref.parameters(), strict=True)
+        assert all(torch.equal(a, b) for a, b in pairs)
+    # a built-in model: step 0 names the run's base_model relatively (the run may move)
+    built = [*FAST, varied_reward, "model.device=cpu", "train.cold_start_steps=0",
+             "train.max_steps=0"]  # fmt: skip
+    assert main(["train", "--output-dir", str(tmp_path / "builtin"), *built]) == 0
+    step0 = tmp_path / "builtin" / "checkpoints" / "step-0000000"
+    assert (step0 / "model_dir.txt").read_text().strip() == "../../base_model"
+    (tmp_path / "builtin").rename(tmp_path / "moved")
+    assert main(["train", "--resume", str(tmp_path / "moved"), "train.max_steps=2"]) == 0
+
+
 def test_bad_reward_function_is_one_line(tmp_path, capsys):
     (tmp_path / "bad.py").write_text("def f(prompts, completions, **kw):\n    return [1.0]\n")
     code = main(

@@ -122,6 +122,7 @@ class Trainer:
         model, self.tokenizer, model_dir = build_policy_model(
             config, out, device, dist, checkpoint, compute_dtype
         )
+        self.model_dir = model_dir  # the weights the run starts from
         summary = model_summary(model)
         self.policy = Policy(
             model, dist, compute_dtype=compute_dtype, temperature=config.rollout.temperature
@@ -263,13 +264,16 @@ class Trainer:
         cfg = self.config
         if not self.cold_start_done:
             checkpoints = self.output_dir / CHECKPOINTS
-            cold_start(
+            changed = cold_start(
                 cfg, self.policy, self.tokenizer, self.data.sft, self.logger, self.dist,
                 local_batch=self.local_sft_batch, checkpoints=checkpoints,
                 encode=sft_encoder(cfg, self.tokenizer, self.generate),
             )  # fmt: skip
             self.cold_start_done = True
-            self.save_checkpoint()  # step 0: the cold-start model; RL resumes from here
+            # step 0: the cold-start model; RL resumes from here. A model no cold start
+            # changed is named, not copied (a LoRA run's adapters are small: written)
+            unchanged = not changed and not self.policy.adapters
+            self.save_checkpoint(model_dir=self.model_dir if unchanged else None)
             drop_progress(checkpoints, self.dist)
         if self.step == 0 and not self.start_evaluated:
             self.logger.log(0, self.evaluate(self.step))
@@ -300,7 +304,7 @@ class Trainer:
         print_summary(records)
         return records
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, model_dir: Path | None = None) -> Path:
         return save_checkpoint(
             self.output_dir,
             self.step,
@@ -311,6 +315,7 @@ class Trainer:
             keep=self.config.train.keep_checkpoints,
             dist=self.dist,
             extra=self.rollouts.checkpoint_files(),
+            model_dir=model_dir,
         )
 
 

@@ -4,7 +4,11 @@
 (``load_model`` and serving read it; rank 0 writes it from the gathered weights),
 ``sharded/`` (model and optimizer state by ``torch.distributed.checkpoint``, each rank
 its shards; loadable by any number of ranks) and ``trainer_state.pt`` (step, scheduler).
-``checkpoints/latest`` names the newest. Step 0 is the cold-start model.
+``checkpoints/latest`` names the newest. Step 0 is the cold-start model; when no cold
+start changed the model it holds no weights, only ``model_dir.txt`` naming the input model
+(``model.path`` or the built-in ``base_model``: :func:`gspo.models.model_files`), which
+every reader of step 0 (:func:`gspo.models.load_model`, resume, the KL reference, export)
+follows.
 
 A LoRA run's checkpoints hold the adapter in PEFT's format instead of the whole model
 (``adapter_config.json``, which names the base model directory, and
@@ -24,7 +28,7 @@ from typing import Any
 import torch
 
 from gspo.distributed import SHARDED, Distributed, load_sharded, save_sharded
-from gspo.models import save_pretrained
+from gspo.models import MODEL_POINTER, save_pretrained
 from gspo.publish import staged
 from gspo.training.policy import Policy
 
@@ -79,15 +83,24 @@ def save_checkpoint(
     keep: int,
     dist: Distributed,
     extra: Mapping[str, Any] | None = None,
+    model_dir: Path | None = None,
 ) -> Path:
     """Write ``checkpoints/step-NNNNNNN`` atomically: a reader sees all of it or none.
 
     Keeps the ``keep`` newest besides step 0. Every rank calls this at the same step.
     ``extra``: more files, ``{name: object}`` written with ``torch.save`` by rank 0 (the
-    stale weights of async rollouts, :mod:`gspo.training.async_rollout`).
+    stale weights of async rollouts, :mod:`gspo.training.async_rollout`). ``model_dir``:
+    the directory the policy's weights are still exactly (a full fine-tuning run before
+    its first step, no cold start): the checkpoint names it instead of copying it.
     """
     final = checkpoint_dir(output_dir, step)
     root = final.parent
+    if model_dir is not None:
+        if policy.adapters or optimizer.state:
+            raise ValueError(f"checkpoint at step {step}: only an untrained full model is named")
+        model_dir = Path(model_dir).resolve()
+        inside = model_dir.is_relative_to(Path(output_dir).resolve())
+        pointer = os.path.relpath(model_dir, final.resolve()) if inside else str(model_dir)
     finite = all(  # this rank's shards (DTensor.to_local under FSDP)
         bool(torch.isfinite(getattr(p, "to_local", lambda p=p: p)()).all())
         for p in policy.parameters()
@@ -98,10 +111,14 @@ def save_checkpoint(
             f"(the previous checkpoint under {root} is intact)"
         )
     with staged(final, dist) as tmp:  # every rank's shards and rank 0's files, or nothing
-        save_sharded(tmp / SHARDED, policy.forward, optimizer, trainable_only=policy.adapters)
-        replica = policy.replica()
+        if model_dir is None:
+            save_sharded(tmp / SHARDED, policy.forward, optimizer, trainable_only=policy.adapters)
+            replica = policy.replica()
+            if dist.is_main:
+                save_pretrained(replica, tokenizer, tmp)
+        elif dist.is_main:
+            (tmp / MODEL_POINTER).write_text(pointer + "\n")
         if dist.is_main:
-            save_pretrained(replica, tokenizer, tmp)
             for name, obj in (extra or {}).items():
                 torch.save(obj, tmp / name)
             torch.save({"scheduler": scheduler.state_dict(), "step": step}, tmp / TRAINER_STATE)
@@ -122,8 +139,13 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
 ) -> int:
-    """Restore model, optimizer and scheduler state from ``path``; its step."""
-    load_sharded(path / SHARDED, policy.forward, optimizer, trainable_only=policy.adapters)
+    """Restore model, optimizer and scheduler state from ``path``; its step.
+
+    A checkpoint naming its model (``model_dir.txt``) has nothing to restore but the
+    scheduler: the policy was loaded from that model, and the optimizer had not stepped.
+    """
+    if not (path / MODEL_POINTER).is_file():
+        load_sharded(path / SHARDED, policy.forward, optimizer, trainable_only=policy.adapters)
     if policy.adapters:
         policy.stepped()  # the adapters just changed: engines and the replica must resync
     state = torch.load(path / TRAINER_STATE, map_location=policy.device, weights_only=True)
