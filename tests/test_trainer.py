@@ -279,6 +279,30 @@ def test_step_0_names_an_unchanged_model_and_everything_still_reads_it(
     assert main(["train", "--resume", str(tmp_path / "moved"), "train.max_steps=2"]) == 0
 
 
+def test_the_summary_says_what_the_checkpoints_wrote(tmp_path, varied_reward, capsys):
+    from gspo.publish import megabytes
+
+    run = tmp_path / "run"
+    common = [*FAST, varied_reward, "model.device=cpu", "train.cold_start_steps=0",
+              "algorithm.minibatches=2", "train.max_steps=4", "train.save_every=2",
+              "train.keep_checkpoints=5", "eval.every=0"]  # fmt: skip
+    capsys.readouterr()
+    assert main(["train", "--output-dir", str(run), *common]) == 0
+    lines = [r for r in run_metrics(run) if "io/checkpoint_bytes" in r]
+    assert [r["step"] for r in lines] == [0, 2, 4]
+    on_disk = [
+        sum(f.stat().st_size for f in (run / "checkpoints" / f"step-{s:07d}").rglob("*")
+            if f.is_file())
+        for s in (0, 2, 4)
+    ]  # fmt: skip
+    assert [r["io/checkpoint_bytes"] for r in lines] == on_disk
+    assert on_disk[0] < 4096 < on_disk[1] == on_disk[2]  # step 0 names the model
+    assert all(r["time/checkpoint"] > 0 for r in lines)
+    seconds = sum(r["time/checkpoint"] for r in lines)
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"wrote {megabytes(sum(on_disk))} in 3 checkpoints, {seconds:.1f} s writing" in out
+
+
 def test_bad_reward_function_is_one_line(tmp_path, capsys):
     (tmp_path / "bad.py").write_text("def f(prompts, completions, **kw):\n    return [1.0]\n")
     code = main(

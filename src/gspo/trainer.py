@@ -29,6 +29,7 @@ import torch
 from gspo.config import Config, dump_config, load_config
 from gspo.distributed import Distributed, rank_device
 from gspo.models import resolve_dtype
+from gspo.publish import WRITTEN
 from gspo.rewards import RewardFunctions
 from gspo.rollout import SamplingParams
 from gspo.tasks import encode_prompt
@@ -305,7 +306,10 @@ class Trainer:
         return records
 
     def save_checkpoint(self, model_dir: Path | None = None) -> Path:
-        return save_checkpoint(
+        """Write this step's checkpoint; log its bytes (``io/checkpoint_bytes``) and the
+        seconds the run waited for it (``time/checkpoint``), counted where it is written."""
+        before = WRITTEN.bytes, WRITTEN.seconds
+        path = save_checkpoint(
             self.output_dir,
             self.step,
             self.policy,
@@ -317,6 +321,9 @@ class Trainer:
             extra=self.rollouts.checkpoint_files(),
             model_dir=model_dir,
         )
+        size, seconds = WRITTEN.bytes - before[0], WRITTEN.seconds - before[1]
+        self.logger.log(self.step, {"io/checkpoint_bytes": size, "time/checkpoint": seconds})
+        return path
 
 
 def train(config: Config, output_dir: str | Path, *, resume: bool = False) -> list[dict[str, Any]]:

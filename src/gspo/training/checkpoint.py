@@ -30,6 +30,7 @@ import torch
 from gspo.distributed import SHARDED, Distributed, load_sharded, save_sharded
 from gspo.models import MODEL_POINTER, save_pretrained
 from gspo.publish import staged
+from gspo.training.lora import optimizer_state_bytes
 from gspo.training.policy import Policy
 
 CHECKPOINTS = "checkpoints"
@@ -47,6 +48,14 @@ def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def checkpoint_bytes(policy: Policy, optimizer: torch.optim.Optimizer, dist: Distributed) -> int:
+    """About what a checkpoint of the run takes on disk: the trained weights twice (the HF
+    files and the shards; a LoRA run's adapters only) and the optimizer state."""
+    trained = (p for p in policy.parameters() if p.requires_grad or not policy.adapters)
+    weights = sum(p.numel() * p.element_size() for p in trained)  # (DTensor: the whole)
+    return 2 * weights + optimizer_state_bytes(optimizer) * dist.world_size
 
 
 def latest_checkpoint(output_dir: Path) -> Path | None:
@@ -110,7 +119,9 @@ def save_checkpoint(
             f"checkpoint at step {step} not written: the weights hold NaN or inf "
             f"(the previous checkpoint under {root} is intact)"
         )
-    with staged(final, dist) as tmp:  # every rank's shards and rank 0's files, or nothing
+    needs = checkpoint_bytes(policy, optimizer, dist) if model_dir is None else None
+    # every rank's shards and rank 0's files, or nothing; a full disk is one line
+    with staged(final, dist, needs=needs) as tmp:
         if model_dir is None:
             save_sharded(tmp / SHARDED, policy.forward, optimizer, trainable_only=policy.adapters)
             replica = policy.replica()
