@@ -122,15 +122,40 @@ def test_resume_past_a_damaged_checkpoint_takes_the_newest_complete_one(
     (run / "checkpoints" / "step-0000008" / "trainer_state.pt").unlink()  # damaged by hand
     capsys.readouterr()
     assert latest_checkpoint(run).name == "step-0000004"
-    assert "names step-0000008, which is missing or incomplete; using step-0000004" in (
-        capsys.readouterr().err
-    )
+    assert (
+        "names step-0000008, which is incomplete (trainer_state.pt is missing); using step-0000004"
+    ) in capsys.readouterr().err
     (run / "checkpoints" / "latest").write_text("step-0000099")
     assert latest_checkpoint(run).name == "step-0000004"
     # the resume redoes steps 5-8 from step 4, not the whole run from scratch
     assert main(["train", "--resume", str(run), *common]) == 0
     assert [r["step"] for r in train_lines(run_metrics(run))] == list(range(1, 9))
     assert latest_checkpoint(run).name == "step-0000008"
+    # a shard deleted or cut short: that checkpoint is skipped too, said in one line
+    capsys.readouterr()
+    (run / "checkpoints" / "step-0000008" / "sharded" / "__0_0.distcp").unlink()
+    assert latest_checkpoint(run).name == "step-0000004"
+    err = capsys.readouterr().err.strip()
+    assert (
+        err.endswith(
+            "names step-0000008, which is incomplete (sharded/__0_0.distcp is missing); "
+            "using step-0000004"
+        )
+        and "\n" not in err
+    ), err
+    (run / "checkpoints" / "latest").unlink()
+    shard = run / "checkpoints" / "step-0000004" / "sharded" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert latest_checkpoint(run).name == "step-0000000"
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(
+            "is missing; skipping step-0000008, incomplete (sharded/__0_0.distcp is missing); "
+            "skipping step-0000004, incomplete (sharded/__0_0.distcp is cut short); "
+            "using step-0000000"
+        )
+    )
 
 
 @pytest.mark.slow

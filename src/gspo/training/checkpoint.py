@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from gspo.distributed import SHARDED, Distributed, load_sharded, save_sharded
+from gspo.distributed import SHARDED, Distributed, load_sharded, save_sharded, sharded_problem
 from gspo.models import MODEL_POINTER, save_pretrained
 from gspo.publish import staged
 from gspo.training.lora import optimizer_state_bytes
@@ -58,27 +58,49 @@ def checkpoint_bytes(policy: Policy, optimizer: torch.optim.Optimizer, dist: Dis
     return 2 * weights + optimizer_state_bytes(optimizer) * dist.world_size
 
 
+def checkpoint_problem(path: Path) -> str | None:
+    """Why a run cannot resume from the checkpoint ``path``, or None when it is whole: its
+    trainer state, and its shards (:func:`gspo.distributed.sharded_problem`) unless it
+    names its model. Reads no tensors."""
+    if not path.is_dir():
+        return "missing"
+    if not (path / TRAINER_STATE).is_file():
+        return f"incomplete ({TRAINER_STATE} is missing)"
+    if (path / MODEL_POINTER).is_file():
+        return None
+    problem = sharded_problem(path / SHARDED)
+    return None if problem is None else f"incomplete ({problem})"
+
+
 def latest_checkpoint(output_dir: Path) -> Path | None:
     """The checkpoint ``checkpoints/latest`` names, or ``None`` when the run has none.
 
-    If the pointer is missing, or names a checkpoint that is gone or incomplete (no
-    trainer state: damaged by hand, since gspo writes the pointer only after the whole
-    checkpoint), the newest complete ``step-*`` is taken instead, and said on stderr: a
-    resume then loses the steps after it, not the whole run.
+    If the pointer is missing, or names a checkpoint that is gone or incomplete (damaged
+    by hand, since gspo writes the pointer only after the whole checkpoint: a file
+    deleted, a shard cut short), the newest whole ``step-*`` is taken instead, and said in
+    one line on stderr: a resume then loses the steps after it, not the whole run.
     """
     root = Path(output_dir) / CHECKPOINTS
     pointer = root / LATEST
     named = pointer.read_text().strip() if pointer.is_file() else None
-    if named and (root / named / TRAINER_STATE).is_file():
+    problem = checkpoint_problem(root / named) if named else None
+    if named and problem is None:
         return root / named
-    complete = sorted(
-        p for p in root.glob("step-*") if p.is_dir() and (p / TRAINER_STATE).is_file()
-    )
-    if not complete:
-        return None
-    said = f"names {named}, which is missing or incomplete" if named else "is missing"
-    print(f"gspo: {pointer} {said}; using {complete[-1].name}", file=sys.stderr)
-    return complete[-1]
+    found, skipped = None, []
+    for path in sorted((p for p in root.glob("step-*") if p.is_dir()), reverse=True):
+        why = checkpoint_problem(path) if path.name != named else problem
+        if why is None:
+            found = path
+            break
+        if path.name != named:
+            skipped.append(f"{path.name}, {why}")
+    if found is None and not skipped:
+        return None  # no checkpoint at all (a run killed before its step 0)
+    said = f"names {named}, which is {problem}" if named else "is missing"
+    said += "".join(f"; skipping {s}" for s in skipped)
+    using = f"using {found.name}" if found else "no whole checkpoint: starting again"
+    print(f"gspo: {pointer} {said}; {using}", file=sys.stderr)
+    return found
 
 
 def save_checkpoint(
