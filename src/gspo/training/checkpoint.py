@@ -94,7 +94,7 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
             break
         if path.name != named:
             skipped.append(f"{path.name}, {why}")
-    if found is None and not skipped:
+    if found is None and not skipped and not named:
         return None  # no checkpoint at all (a run killed before its step 0)
     said = f"names {named}, which is {problem}" if named else "is missing"
     said += "".join(f"; skipping {s}" for s in skipped)
