@@ -718,7 +718,8 @@ def checkpoint_writes(records: Sequence[Mapping[str, Any]]) -> str | None:
         return None
     size = sum(r["io/checkpoint_bytes"] for r in lines)
     seconds = sum(r.get("time/checkpoint", 0.0) for r in lines)
-    return f"wrote {megabytes(size)} in {len(lines)} checkpoints, {seconds:.1f} s writing"
+    n = len(lines)
+    return f"wrote {megabytes(size)} in {n} checkpoint{'s' * (n != 1)}, {seconds:.1f} s writing"
 
 
 def print_summary(records: Sequence[Mapping[str, Any]], console: Console | None = None) -> None:
