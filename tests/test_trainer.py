@@ -296,6 +296,11 @@ def test_step_0_names_an_unchanged_model_and_everything_still_reads_it(
         got, _ = load_model(path, device=cpu, dtype=torch.float32)
         pairs = zip(got.parameters(), ref.parameters(), strict=True)
         assert all(torch.equal(a, b) for a, b in pairs)
+    # that step 0 as the next run's model.path: its step 0 names my model, not step 0
+    again = [*common, f"model.path={step0}", "train.max_steps=0"]
+    assert main(["train", "--output-dir", str(tmp_path / "again"), *again]) == 0
+    named = tmp_path / "again" / "checkpoints" / "step-0000000" / "model_dir.txt"
+    assert named.read_text().strip() == str(mine.resolve())
     # a built-in model: step 0 names the run's base_model relatively (the run may move)
     built = [*FAST, varied_reward, "model.device=cpu", "train.cold_start_steps=0",
              "train.max_steps=0"]  # fmt: skip

@@ -134,7 +134,8 @@ def build_policy_model(
         model, tokenizer = load_model(model_dir, device=device, dtype=torch.float32)
     else:
         model, tokenizer = build_or_load_model(config, output_dir, device, dist)
-        model_dir = Path(config.model.path or output_dir / "base_model")
+        # (a step 0 naming its model as model.path: that model, so names never chain)
+        model_dir = model_files(config.model.path or output_dir / "base_model")
     set_experts_implementation(model, config.model.experts_implementation)
     if lora.r > 0:
         # on CUDA the frozen base sits in the compute dtype (bf16: 2 bytes a weight)
