@@ -309,7 +309,12 @@ class Trainer:
         """Write this step's checkpoint; log its bytes (``io/checkpoint_bytes``) and the
         seconds the run waited for it (``time/checkpoint``), counted where it is written."""
         before = WRITTEN.bytes, WRITTEN.seconds
-        path = save_checkpoint(
+
+        def written() -> None:  # logged before ``latest`` names it: redone on a resume
+            size, seconds = WRITTEN.bytes - before[0], WRITTEN.seconds - before[1]
+            self.logger.log(self.step, {"io/checkpoint_bytes": size, "time/checkpoint": seconds})
+
+        return save_checkpoint(
             self.output_dir,
             self.step,
             self.policy,
@@ -320,10 +325,8 @@ class Trainer:
             dist=self.dist,
             extra=self.rollouts.checkpoint_files(),
             model_dir=model_dir,
+            written=written,
         )
-        size, seconds = WRITTEN.bytes - before[0], WRITTEN.seconds - before[1]
-        self.logger.log(self.step, {"io/checkpoint_bytes": size, "time/checkpoint": seconds})
-        return path
 
 
 def train(config: Config, output_dir: str | Path, *, resume: bool = False) -> list[dict[str, Any]]:

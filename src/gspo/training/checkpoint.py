@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +115,7 @@ def save_checkpoint(
     dist: Distributed,
     extra: Mapping[str, Any] | None = None,
     model_dir: Path | None = None,
+    written: Callable[[], None] | None = None,
 ) -> Path:
     """Write ``checkpoints/step-NNNNNNN`` atomically: a reader sees all of it or none.
 
@@ -123,6 +124,8 @@ def save_checkpoint(
     stale weights of async rollouts, :mod:`gspo.training.async_rollout`). ``model_dir``:
     the directory the policy's weights are still exactly (a full fine-tuning run before
     its first step, no cold start): the checkpoint names it instead of copying it.
+    ``written()`` is called once the checkpoint is in place, before ``latest`` names it (a
+    run killed in between resumes from the one before, so what it logs is redone).
     """
     final = checkpoint_dir(output_dir, step)
     root = final.parent
@@ -155,6 +158,8 @@ def save_checkpoint(
             for name, obj in (extra or {}).items():
                 torch.save(obj, tmp / name)
             torch.save({"scheduler": scheduler.state_dict(), "step": step}, tmp / TRAINER_STATE)
+    if written is not None:
+        written()
     if dist.is_main:
         write_atomic(root / LATEST, final.name)
         # step 0 (the cold-start model) stays: the KL reference and RL's starting point
