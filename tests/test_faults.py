@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import errno
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -131,8 +133,67 @@ def test_full_disk_is_one_line_and_keeps_the_last_checkpoint(
     run = tmp_path / "run"
     assert main(["train", "--output-dir", str(run), *RUN, varied_reward]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("gspo: error: No space left on device: ") and "step-0000004" in err
+    assert err.startswith("gspo: error: No space left on device writing ") and "step-0000004" in err
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-0000002"
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
     monkeypatch.undo()
     assert main(["train", "--resume", str(run)]) == 0
+
+
+def _enospc(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("where", ["torch.save", "sharded"])
+def test_a_full_disk_says_the_directory_and_the_space_in_one_line(
+    tmp_path, capsys, monkeypatch, varied_reward, where
+):
+    """torch.save's ``enforce fail at inline_container`` and an ENOSPC inside
+    torch.distributed.checkpoint (which wraps it in a BaseException) end the same way."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    import gspo.training.checkpoint as ckpt
+
+    full = "step-0000004"  # steps 0 and 2 fit; step 4 does not
+    if where == "torch.save":
+        real_save = torch.save
+
+        def save(obj, f, *args, **kwargs):
+            if full in str(f):
+                raise RuntimeError(
+                    "[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed "
+                    "writing file data/0: file write failed"
+                )
+            return real_save(obj, f, *args, **kwargs)
+
+        monkeypatch.setattr(torch, "save", save)
+    else:
+        real_sharded = ckpt.save_sharded
+
+        def sharded(path, *args, **kwargs):
+            with monkeypatch.context() as m:
+                if full in str(path):
+                    m.setattr(fs, "_write_item", _enospc)
+                return real_sharded(path, *args, **kwargs)
+
+        monkeypatch.setattr(ckpt, "save_sharded", sharded)
+    run = tmp_path / "run"
+    common = [*FAST, varied_reward, "model.device=cpu", "train.cold_start_steps=0",
+              "algorithm.minibatches=2", "train.max_steps=4", "train.save_every=2",
+              "eval.every=0"]  # fmt: skip
+    capsys.readouterr()
+    assert main(["train", "--output-dir", str(run), *common]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    final = run / "checkpoints" / full
+    assert err.startswith(f"gspo: error: No space left on device writing {final}: it needs about ")
+    needs, free = (float(x.replace(",", "")) for x in re.findall(r"([\d,.]+) MB", err))
+    step2 = run / "checkpoints" / "step-0000002"  # the same model and optimizer state
+    on_disk = sum(f.stat().st_size for f in step2.rglob("*") if f.is_file()) / 2**20
+    assert abs(needs - on_disk) < 0.25 * on_disk + 0.1, (needs, on_disk)
+    assert free == pytest.approx(shutil.disk_usage(run).free / 2**20, rel=0.05)
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-0000002"
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
+    monkeypatch.undo()
+    assert main(["train", "--resume", str(run)]) == 0
+    assert (run / "checkpoints" / "latest").read_text().strip() == full

@@ -62,7 +62,7 @@ def train_lines(records):
 
 
 def comparable(record):
-    return {k: v for k, v in record.items() if not k.startswith("time")}
+    return {k: v for k, v in record.items() if not k.startswith(("time", "io/"))}
 
 
 # ------------------------------------------------------------------ configuration

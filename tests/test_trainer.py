@@ -46,7 +46,9 @@ def train_lines(records):
 
 
 def comparable(record):
-    return {k: v for k, v in record.items() if not k.startswith("time") and k != "time"}
+    """A record less what depends on the machine or the paths: timings, and the bytes
+    written (``io/``: a sharded checkpoint's metadata holds its directory's name)."""
+    return {k: v for k, v in record.items() if not k.startswith(("time", "io/"))}
 
 
 def test_derived_seeds_are_stable_and_distinct():
@@ -134,15 +136,40 @@ def test_resume_past_a_damaged_checkpoint_takes_the_newest_complete_one(
     (run / "checkpoints" / "step-0000008" / "trainer_state.pt").unlink()  # damaged by hand
     capsys.readouterr()
     assert latest_checkpoint(run).name == "step-0000004"
-    assert "names step-0000008, which is missing or incomplete; using step-0000004" in (
-        capsys.readouterr().err
-    )
+    assert (
+        "names step-0000008, which is incomplete (trainer_state.pt is missing); using step-0000004"
+    ) in capsys.readouterr().err
     (run / "checkpoints" / "latest").write_text("step-0000099")
     assert latest_checkpoint(run).name == "step-0000004"
     # the resume redoes steps 5-8 from step 4, not the whole run from scratch
     assert main(["train", "--resume", str(run), *common]) == 0
     assert [r["step"] for r in train_lines(run_metrics(run))] == list(range(1, 9))
     assert latest_checkpoint(run).name == "step-0000008"
+    # a shard deleted or cut short: that checkpoint is skipped too, said in one line
+    capsys.readouterr()
+    (run / "checkpoints" / "step-0000008" / "sharded" / "__0_0.distcp").unlink()
+    assert latest_checkpoint(run).name == "step-0000004"
+    err = capsys.readouterr().err.strip()
+    assert (
+        err.endswith(
+            "names step-0000008, which is incomplete (sharded/__0_0.distcp is missing); "
+            "using step-0000004"
+        )
+        and "\n" not in err
+    ), err
+    (run / "checkpoints" / "latest").unlink()
+    shard = run / "checkpoints" / "step-0000004" / "sharded" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert latest_checkpoint(run).name == "step-0000000"
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(
+            "is missing; skipping step-0000008, incomplete (sharded/__0_0.distcp is missing); "
+            "skipping step-0000004, incomplete (sharded/__0_0.distcp is cut short); "
+            "using step-0000000"
+        )
+    )
 
 
 @pytest.mark.slow
@@ -246,6 +273,81 @@ def test_kl_penalty_uses_the_cold_start_model_as_reference(tmp_path, ones_reward
     lines = train_lines(run_metrics(tmp_path / "run"))
     assert lines[0]["train/kl"] == pytest.approx(0.0, abs=1e-9)  # policy == reference
     assert lines[-1]["train/kl"] > 1e-6  # it drifts away after updates
+
+
+def test_step_0_names_an_unchanged_model_and_everything_still_reads_it(
+    tmp_path, tokenizer, varied_reward
+):
+    from gspo.models import TinyModelSpec, build_tiny_model
+
+    spec = TinyModelSpec(layers=1, hidden=64, heads=2, kv_heads=1, intermediate=128)
+    mine = tmp_path / "mymodel"
+    save_pretrained_atomic(build_tiny_model(spec, tokenizer, seed=1), tokenizer, mine)
+    common = [*FAST, varied_reward, "model.device=cpu", f"model.path={mine}",
+              "train.cold_start_steps=0", "algorithm.kl_coef=0.1", "optim.lr=1e-3",
+              "algorithm.minibatches=2", "train.max_steps=4", "eval.every=0"]  # fmt: skip
+    assert main(["train", "--output-dir", str(tmp_path / "full"), *common]) == 0
+    # step 0 holds no weights: it names the input model
+    step0 = tmp_path / "full" / "checkpoints" / "step-0000000"
+    assert sorted(p.name for p in step0.iterdir()) == ["model_dir.txt", "trainer_state.pt"]
+    assert (step0 / "model_dir.txt").read_text().strip() == str(mine.resolve())
+    lines = train_lines(run_metrics(tmp_path / "full"))
+    assert lines[0]["train/kl"] == pytest.approx(0.0, abs=1e-9)  # the reference: my model
+    assert lines[-1]["train/kl"] > 1e-6
+    # resumed from that step 0: the same run
+    assert main(["train", "--output-dir", str(tmp_path / "cut"), *common, "train.max_steps=0"]) == 0
+    assert main(["train", "--resume", str(tmp_path / "cut"), "train.max_steps=4"]) == 0
+    full, resumed = run_metrics(tmp_path / "full"), run_metrics(tmp_path / "cut")
+    assert [r["step"] for r in full] == [r["step"] for r in resumed]
+    for a, b in zip(full, resumed, strict=True):
+        assert comparable(a) == pytest.approx(comparable(b), rel=1e-6, abs=1e-7)
+    # exported, and as a model.path, step 0 is the input model
+    assert main(["export", str(step0), "--merge", str(tmp_path / "out")]) == 0
+    from gspo.models import load_model
+
+    cpu = torch.device("cpu")
+    ref, _ = load_model(mine, device=cpu, dtype=torch.float32)
+    for path in (tmp_path / "out", step0):
+        got, _ = load_model(path, device=cpu, dtype=torch.float32)
+        pairs = zip(got.parameters(), ref.parameters(), strict=True)
+        assert all(torch.equal(a, b) for a, b in pairs)
+    # that step 0 as the next run's model.path: its step 0 names my model, not step 0
+    again = [*common, f"model.path={step0}", "train.max_steps=0"]
+    assert main(["train", "--output-dir", str(tmp_path / "again"), *again]) == 0
+    named = tmp_path / "again" / "checkpoints" / "step-0000000" / "model_dir.txt"
+    assert named.read_text().strip() == str(mine.resolve())
+    # a built-in model: step 0 names the run's base_model relatively (the run may move)
+    built = [*FAST, varied_reward, "model.device=cpu", "train.cold_start_steps=0",
+             "train.max_steps=0"]  # fmt: skip
+    assert main(["train", "--output-dir", str(tmp_path / "builtin"), *built]) == 0
+    step0 = tmp_path / "builtin" / "checkpoints" / "step-0000000"
+    assert (step0 / "model_dir.txt").read_text().strip() == "../../base_model"
+    (tmp_path / "builtin").rename(tmp_path / "moved")
+    assert main(["train", "--resume", str(tmp_path / "moved"), "train.max_steps=2"]) == 0
+
+
+def test_the_summary_says_what_the_checkpoints_wrote(tmp_path, varied_reward, capsys):
+    from gspo.publish import megabytes
+
+    run = tmp_path / "run"
+    common = [*FAST, varied_reward, "model.device=cpu", "train.cold_start_steps=0",
+              "algorithm.minibatches=2", "train.max_steps=4", "train.save_every=2",
+              "train.keep_checkpoints=5", "eval.every=0"]  # fmt: skip
+    capsys.readouterr()
+    assert main(["train", "--output-dir", str(run), *common]) == 0
+    lines = [r for r in run_metrics(run) if "io/checkpoint_bytes" in r]
+    assert [r["step"] for r in lines] == [0, 2, 4]
+    on_disk = [
+        sum(f.stat().st_size for f in (run / "checkpoints" / f"step-{s:07d}").rglob("*")
+            if f.is_file())
+        for s in (0, 2, 4)
+    ]  # fmt: skip
+    assert [r["io/checkpoint_bytes"] for r in lines] == on_disk
+    assert on_disk[0] < 4096 < on_disk[1] == on_disk[2]  # step 0 names the model
+    assert all(r["time/checkpoint"] > 0 for r in lines)
+    seconds = sum(r["time/checkpoint"] for r in lines)
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"wrote {megabytes(sum(on_disk))} in 3 checkpoints, {seconds:.1f} s writing" in out
 
 
 def test_bad_reward_function_is_one_line(tmp_path, capsys):

@@ -136,10 +136,11 @@ def cold_start_checkpoint(
     base: list[str], config_path: Path | None, out: Path, log: Callable[[str], None]
 ) -> Path:
     """The shared cold start: ``out/cold_start/checkpoints/step-0000000`` (made once)."""
+    from gspo.models import model_files
     from gspo.trainer import CHECKPOINTS
 
     path = out / "cold_start" / CHECKPOINTS / f"step-{0:07d}"
-    if (path / "config.json").is_file():
+    if (model_files(path) / "config.json").is_file():  # (a step 0 may name its model)
         log(f"cold start: reusing {path}")
         return path
     log("cold start")

@@ -241,8 +241,13 @@ def save_sharded(
     state: dict[str, Any] = {"model": get_model_state_dict(model, options=options)}
     if optimizer is not None and optimizer.state:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-    with single_process_quiet():
-        dcp.save(state, checkpoint_id=path, no_dist=not torch.distributed.is_initialized())
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with single_process_quiet():
+            dcp.save(state, checkpoint_id=path, no_dist=not torch.distributed.is_initialized())
+    except CheckpointException as exc:  # (a BaseException): the failure itself, e.g. ENOSPC
+        raise next(iter(exc.failures.values()))[0] from None
 
 
 def load_sharded(

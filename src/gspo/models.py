@@ -178,8 +178,25 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+#: In a checkpoint whose model is another directory's, unchanged (the step 0 of a run that
+#: no cold start changed): that directory, one line, relative to the checkpoint or
+#: absolute. It stands for a copy of the weights and tokenizer (:func:`model_files`).
+MODEL_POINTER = "model_dir.txt"
+
+
+def model_files(path: str | Path) -> Path:
+    """The directory holding the model files of ``path``: the one its :data:`MODEL_POINTER`
+    names, else ``path`` itself. Every reader of a model directory goes through it."""
+    path = Path(path)
+    pointer = path / MODEL_POINTER
+    if pointer.is_file():
+        return path / pointer.read_text().strip()  # (an absolute line replaces ``path``)
+    return path
+
+
 def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype):
-    """Load a local HF causal-LM directory (AutoModelForCausalLM + AutoTokenizer).
+    """Load a local HF causal-LM directory (AutoModelForCausalLM + AutoTokenizer), or the
+    one a checkpoint's :data:`MODEL_POINTER` names.
 
     Raises ``FileNotFoundError``/``ValueError`` with a one-line message naming the path.
     """
@@ -189,6 +206,13 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype):
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model.path: {path} is not a directory")
+    if model_files(path) != path:
+        named, path = path, model_files(path)
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"model.path: {named} is the model {path} (its {MODEL_POINTER}), "
+                "which is not a directory"
+            )
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model.path: {path} has no config.json (not a HF model dir)")
     try:

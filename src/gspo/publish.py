@@ -14,6 +14,10 @@ the directory of a run still writing: each :func:`staged` first removes the left
 beside its target. Two processes publishing the same target at once (two identical runs)
 both finish: the later rename replaces the earlier directory, or, where ``keep`` says the
 existing one will do (a complete cache entry), leaves it and drops its own.
+
+Every directory put in place is counted here (:data:`WRITTEN`: bytes and seconds, rank 0's
+view of the whole directory), and a write that fills the disk ends in one
+:class:`DiskFull` line naming the directory, the space it needs and the space free.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import secrets
 import shutil
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,6 +43,61 @@ MARK = ".gspo-"
 # locked for as long as its writer lives; ``.old`` is a replaced target being removed
 _STATES = (".new", ".tmp", ".old")
 _NEW_GRACE_S = 600.0  # an unlocked ``.new`` younger than this may be a writer's, just made
+
+
+@dataclass
+class Written:
+    """What :func:`staged` has put in place in this process (rank 0 counts for all ranks)."""
+
+    bytes: int = 0
+    seconds: float = 0.0  # from entering :func:`staged` to the directory in place
+    directories: int = 0
+
+
+#: This process's running total; a reader takes the difference over what it measures.
+WRITTEN = Written()
+
+
+class DiskFull(OSError):
+    """A directory that did not fit on its disk (``errno.ENOSPC``), said in one line."""
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (links not followed)."""
+    files = (f for f in Path(path).rglob("*") if f.is_file() and not f.is_symlink())
+    return sum(f.lstat().st_size for f in files)
+
+
+def megabytes(n: float) -> str:
+    return f"{n / 2**20:,.1f} MB"
+
+
+def is_disk_full(exc: BaseException | None) -> bool:
+    """Whether ``exc``, or what caused it, is a full disk: ``ENOSPC``/``EDQUOT``, or how
+    torch (``enforce fail at inline_container``: a failed write) and safetensors say it."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(exc)
+        if "No space left on device" in text or "os error 28" in text:
+            return True
+        if "inline_container" in text and "write" in text:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def disk_full(final: Path, needs: int | None, written: int) -> DiskFull:
+    """The one line for ``final`` not fitting: ``needs`` bytes (estimated by the writer),
+    else more than the ``written`` bytes it reached."""
+    free = shutil.disk_usage(next(p for p in [final, *final.parents] if p.exists())).free
+    what = f"about {megabytes(needs)}" if needs else f"more than {megabytes(written)}"
+    return DiskFull(
+        errno.ENOSPC,
+        f"No space left on device writing {final}: it needs {what}, {megabytes(free)} free",
+    )
 
 
 def temp_path(final: Path, token: str, state: str = ".tmp") -> Path:
@@ -134,6 +194,7 @@ def staged(
     dist: Distributed | None = None,
     *,
     keep: Callable[[Path], bool] | None = None,
+    needs: int | None = None,
 ) -> Iterator[Path]:
     """A temporary directory that every rank writes into; ``final`` once all are done.
 
@@ -142,8 +203,10 @@ def staged(
     whether its part succeeded, and rank 0 publishes it (:func:`publish`, ``keep``
     deciding over an existing ``final``) only if all did. A failure on any rank removes
     the directory and raises on every rank: the rank's own exception, or an ``OSError``
-    naming the rank that failed.
+    naming the rank that failed. A full disk (:func:`is_disk_full`) is a :class:`DiskFull`
+    naming ``final``, the ``needs`` bytes the writer expects it to take, and the space free.
     """
+    start = time.perf_counter()
     final = Path(final)
     main = dist is None or dist.is_main
     made: tuple[Path, str, int] | None = None
@@ -172,14 +235,22 @@ def staged(
         said = None if failure is None else f"{type(failure).__name__}: {failure}"
         failures = [said] if dist is None or not dist.enabled else dist.gather_objects(said)
         if any(failures):
+            reached = tree_bytes(tmp) if main else 0
             if main:
                 shutil.rmtree(tmp, ignore_errors=True)
+            full = is_disk_full(failure) or any(is_disk_full(OSError(f)) for f in failures if f)
+            if full:  # (every rank raises the same line)
+                raise disk_full(final, needs, reached) from failure
             if failure is not None:
                 raise failure
             rank, why = next((r, f) for r, f in enumerate(failures) if f)
             raise OSError(errno.EIO, f"rank {rank} failed writing {final} ({why})")
         if main:
-            publish(tmp, final, token, keep)
+            size = tree_bytes(tmp)
+            if publish(tmp, final, token, keep):
+                WRITTEN.bytes += size
+                WRITTEN.directories += 1
+            WRITTEN.seconds += time.perf_counter() - start
         if dist is not None:
             dist.barrier()  # nobody reads ``final`` before it is in place
     finally:

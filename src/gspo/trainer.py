@@ -30,6 +30,7 @@ import torch
 from gspo.config import Config, dump_config, load_config
 from gspo.distributed import Distributed, rank_device
 from gspo.models import resolve_dtype
+from gspo.publish import WRITTEN
 from gspo.rewards import RewardFunctions
 from gspo.rollout import SamplingParams
 from gspo.tasks import encode_prompt
@@ -124,6 +125,7 @@ class Trainer:
         model, self.tokenizer, model_dir = build_policy_model(
             config, out, device, dist, checkpoint, compute_dtype
         )
+        self.model_dir = model_dir  # the weights the run starts from
         summary = model_summary(model)
         self.policy = Policy(
             model, dist, compute_dtype=compute_dtype, temperature=config.rollout.temperature
@@ -278,13 +280,16 @@ class Trainer:
         if not self.cold_start_done:
             checkpoints = self.output_dir / CHECKPOINTS
             with out_of_memory("cold_start", cfg):
-                cold_start(
+                changed = cold_start(
                     cfg, self.policy, self.tokenizer, self.data.sft, self.logger, self.dist,
                     local_batch=self.local_sft_batch, checkpoints=checkpoints,
                     encode=sft_encoder(cfg, self.tokenizer, self.generate),
                 )  # fmt: skip
             self.cold_start_done = True
-            self.save_checkpoint()  # step 0: the cold-start model; RL resumes from here
+            # step 0: the cold-start model; RL resumes from here. A model no cold start
+            # changed is named, not copied (a LoRA run's adapters are small: written)
+            unchanged = not changed and not self.policy.adapters
+            self.save_checkpoint(model_dir=self.model_dir if unchanged else None)
             drop_progress(checkpoints, self.dist)
         if self.step == 0 and not self.start_evaluated:
             self.logger.log(0, self.evaluate(self.step))
@@ -315,7 +320,15 @@ class Trainer:
         print_summary(records)
         return records
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, model_dir: Path | None = None) -> Path:
+        """Write this step's checkpoint; log its bytes (``io/checkpoint_bytes``) and the
+        seconds the run waited for it (``time/checkpoint``), counted where it is written."""
+        before = WRITTEN.bytes, WRITTEN.seconds
+
+        def written() -> None:  # logged before ``latest`` names it: redone on a resume
+            size, seconds = WRITTEN.bytes - before[0], WRITTEN.seconds - before[1]
+            self.logger.log(self.step, {"io/checkpoint_bytes": size, "time/checkpoint": seconds})
+
         return save_checkpoint(
             self.output_dir,
             self.step,
@@ -326,6 +339,8 @@ class Trainer:
             keep=self.config.train.keep_checkpoints,
             dist=self.dist,
             extra=self.rollouts.checkpoint_files(),
+            model_dir=model_dir,
+            written=written,
         )
 
 

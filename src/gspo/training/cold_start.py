@@ -31,6 +31,7 @@ import gspo
 from gspo.config import Config
 from gspo.distributed import Distributed, load_sharded, save_sharded, sharded_problem
 from gspo.kernels import onednn_available
+from gspo.models import model_files
 from gspo.publish import staged
 from gspo.rollout import pad_batch
 from gspo.tasks import encode_prompt
@@ -86,7 +87,7 @@ def cold_start_key(config: Config, rows: list[dict[str, Any]], dist: Distributed
     h.update(json.dumps(settings, sort_keys=True).encode())
     h.update(json.dumps(rows, sort_keys=True, default=str).encode())
     if config.model.path is not None:
-        _hash_dir(Path(config.model.path), h)
+        _hash_dir(model_files(config.model.path), h)  # a step 0 naming its model: that one
     for source in sorted(Path(gspo.__file__).parent.rglob("*.py")):
         h.update(source.read_bytes())
     return h.hexdigest()[:32]
@@ -180,17 +181,17 @@ def cold_start(
     local_batch: int,
     checkpoints: Path,
     encode: Callable[[dict[str, Any]], tuple[list[int], list[int], list[bool]]] | None = None,
-) -> None:
+) -> bool:
     """``train.cold_start_steps`` SFT steps of ``train.cold_start_batch_size`` rows each
     (``local_batch`` of them on this rank), resumed from ``checkpoints`` or the cache.
 
     AdamW of its own (``train.cold_start_lr``, cosine decay to 10%), completions end with
     EOS, the loss is the mean token NLL of the completions. Logged at step 0 as ``sft/*``
-    every 100 steps.
+    every 100 steps. Whether it changed the model (False: no steps, or no rows).
     """
     cfg = config.train
     if cfg.cold_start_steps == 0 or not rows:
-        return
+        return False
     show = config.log.progress and dist.is_main
     root = cache_dir(config)
     entry = None if root is None else root / cold_start_key(config, rows, dist)
@@ -202,7 +203,7 @@ def cold_start(
             logger.log(0, json.loads(line))
         if show:
             print(f"cold start: reused {entry} (--no-cache to redo it)", flush=True)
-        return
+        return True
 
     rng = random.Random(rank_seed(cfg.seed, dist, "sft"))
     optimizer = adamw(policy.forward, lr=cfg.cold_start_lr, betas=(0.9, 0.99))
@@ -268,6 +269,7 @@ def cold_start(
             _save_progress(checkpoints, i + 1, policy, optimizer, lines, dist)
     if entry is not None:
         _store_in_cache(entry, policy, lines, dist)
+    return True
 
 
 def single_turn_encoder(config: Config, tokenizer):

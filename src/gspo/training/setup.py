@@ -18,6 +18,7 @@ from gspo.models import (
     build_char_tokenizer,
     build_tiny_model,
     load_model,
+    model_files,
     save_pretrained_atomic,
 )
 from gspo.moe import find_routers, is_moe, set_experts_implementation
@@ -129,11 +130,12 @@ def build_policy_model(
                 f"model.lora.r={lora.r}: the checkpoint {checkpoint} is "
                 f"{'a LoRA adapter' if adapter else 'a full fine-tuning one'}"
             )
-        model_dir = base_model_path(checkpoint) if adapter else checkpoint
+        model_dir = base_model_path(checkpoint) if adapter else model_files(checkpoint)
         model, tokenizer = load_model(model_dir, device=device, dtype=torch.float32)
     else:
         model, tokenizer = build_or_load_model(config, output_dir, device, dist)
-        model_dir = Path(config.model.path or output_dir / "base_model")
+        # (a step 0 naming its model as model.path: that model, so names never chain)
+        model_dir = model_files(config.model.path or output_dir / "base_model")
     set_experts_implementation(model, config.model.experts_implementation)
     if lora.r > 0:
         # on CUDA the frozen base sits in the compute dtype (bf16: 2 bytes a weight)
