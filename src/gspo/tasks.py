@@ -238,6 +238,13 @@ BUILTIN_TASKS = {"addition": addition_task, "chain": chain_task, "calculator": c
 #: config file or an override): its token budget, turns, model size and schedule, so that
 #: ``gspo train data.task=NAME`` learns on a small CPU in minutes. The config's own
 #: defaults (``gspo config``) are addition's. Applied by :func:`gspo.config.load_config`.
+_SMALL_MODEL = {  # the built-in model of the long-response and tool tasks (0.4M parameters)
+    "model.layers": 2,
+    "model.hidden": 128,
+    "model.heads": 4,
+    "model.kv_heads": 2,
+    "model.intermediate": 384,
+}
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "addition": {},
     # The model of `gspo compare --preset long`, with up to 6 terms (responses of ~20-70
@@ -246,11 +253,7 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
         "reward.functions": ["numeric_match"],  # the completion is the chain, not the total
         "data.terms": 6,
         "rollout.max_new_tokens": 80,  # 6 terms of 2 digits: up to ~65 tokens
-        "model.layers": 2,
-        "model.hidden": 128,
-        "model.heads": 4,
-        "model.kv_heads": 2,
-        "model.intermediate": 384,
+        **_SMALL_MODEL,
         "train.cold_start_steps": 400,
         "train.max_steps": 96,
         "optim.lr": 2e-5,
@@ -266,11 +269,7 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
         "rollout.max_turns": 3,
         "rollout.max_episode_tokens": 200,
         "rollout.prompts_per_batch": 8,
-        "model.layers": 2,
-        "model.hidden": 128,
-        "model.heads": 4,
-        "model.kv_heads": 2,
-        "model.intermediate": 384,
+        **_SMALL_MODEL,
         "train.cold_start_steps": 400,
         "train.cold_start_batch_size": 32,
         "train.max_steps": 192,
