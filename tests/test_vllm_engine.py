@@ -76,8 +76,14 @@ def test_import_gspo_does_not_import_vllm():
 
 
 def test_top_p_with_sampler_logprobs_is_refused_for_vllm():
+    sampler = ["rollout.engine=vllm", "rollout.top_p=0.9", "algorithm.old_logprobs=sampler"]
     with pytest.raises(ConfigError, match="algorithm.old_logprobs=recompute"):
-        load_config(overrides=["rollout.engine=vllm", "rollout.top_p=0.9"])
+        load_config(overrides=sampler)
+    # the default (auto) recomputes pi_old for vLLM with top_p < 1
+    from gspo.training.forward import recomputes_old_logprobs
+
+    auto = load_config(overrides=["rollout.engine=vllm", "rollout.top_p=0.9"])
+    assert recomputes_old_logprobs(auto, torch.float32)
     config = load_config(
         overrides=["rollout.engine=vllm", "rollout.top_p=0.9", "algorithm.old_logprobs=recompute"]
     )

@@ -288,7 +288,7 @@ class Trainer:
             self.cold_start_done = True
             # step 0: the cold-start model; RL resumes from here. A model no cold start
             # changed is named, not copied (a LoRA run's adapters are small: written)
-            unchanged = not changed and not self.policy.adapters
+            unchanged = not changed and not self.policy.adapters and self.policy.version == 0
             self.save_checkpoint(model_dir=self.model_dir if unchanged else None)
             drop_progress(checkpoints, self.dist)
         if self.step == 0 and not self.start_evaluated:
