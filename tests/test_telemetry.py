@@ -371,8 +371,8 @@ def test_summary_table_first_last_and_mean_values():
         "reward (train)": ("0.13", "0.7", "0.415", "1 → 20"),
         "accuracy (eval)": ("0.25", "0.4", "0.325", "5 → 20"),
         "accuracy (eval, greedy)": ("0.3", "0.45", "0.375", "5 → 20"),
-        "clip fraction, off-policy minibatches": ("0.04", "0.2", "0.12", "4 → 20"),
-        "clip fraction, on-policy minibatch": ("0.0004", "0.002", "0.0012", "4 → 20"),
+        "clip fraction, off-policy": ("0.04", "0.2", "0.12", "4 → 20"),
+        "clip fraction, on-policy": ("0.0004", "0.002", "0.0012", "4 → 20"),
         "response length": ("299", "280", "289.5", "1 → 20"),
         "seconds / step": ("2.5", "1.5", "2", "1 → 20"),
     }
@@ -493,12 +493,12 @@ def test_clip_fraction_per_rollout_batch_in_metrics_progress_summary_and_plot(
         for cells in [[c.strip() for c in row.split("│")[1:-1]]]
     }
     off = [b[-1][off_key] for b in batches]
-    assert rows["clip fraction, off-policy minibatches"] == [
+    assert rows["clip fraction, off-policy"] == [
         f"{first[off_key]:.4g}",
         f"{final[off_key]:.4g}",
         f"{sum(off) / len(off):.4g}",  # the mean over the rollout batches
     ]
-    assert rows["clip fraction, on-policy minibatch"] == ["0", "0", "0"]
+    assert rows["clip fraction, on-policy"] == ["0", "0", "0"]
     # the progress line: the last rollout batch's clip fractions
     progress = [line for line in out.splitlines() if line.startswith("step 12/12")]
     assert f"clip off-policy {final[off_key]:.4g}, on-policy 0 " in progress[-1]

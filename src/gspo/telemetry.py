@@ -72,8 +72,8 @@ SUMMARY_KEYS: tuple[tuple[str, str], ...] = (
     ("train/reward_mean", "reward (train)"),
     ("eval/accuracy", "accuracy (eval)"),
     ("eval/accuracy_greedy", "accuracy (eval, greedy)"),
-    ("train/clip_fraction_off_policy", "clip fraction, off-policy minibatches"),
-    ("train/clip_fraction_on_policy", "clip fraction, on-policy minibatch"),
+    ("train/clip_fraction_off_policy", "clip fraction, off-policy"),
+    ("train/clip_fraction_on_policy", "clip fraction, on-policy"),
     ("train/response_length_mean", "response length"),
 )
 
@@ -701,7 +701,7 @@ def summary_table(records: Sequence[Mapping[str, Any]], *, title: str = "Run sum
     from rich.table import Table
 
     table = Table(title=title)
-    table.add_column("metric")
+    table.add_column("metric", no_wrap=True)
     table.add_column("first", justify="right")
     table.add_column("last", justify="right")
     table.add_column("mean", justify="right")
