@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gspo import models
 from gspo.kernels import linear_for
 from gspo.models import head_logits, plain_lm_head, position_ids_from_mask
 
@@ -62,29 +63,42 @@ def cached_forward(model: nn.Module, cache, **inputs):
     return out, returned if returned is not None else out.past_key_values
 
 
-def next_token_logits(model: nn.Module, cache, **inputs) -> tuple[Tensor, object]:
+def head_weight(model: nn.Module) -> Tensor | None:
+    """The matrix a plain head (:func:`gspo.models.plain_lm_head`) multiplies by, cast to
+    float32 once per generation for :func:`gspo.models.head_logits` (a bf16 LoRA base's
+    would otherwise be cast at every step); None for any other head."""
+    if not plain_lm_head(model):
+        return None
+    weight = model.get_output_embeddings().weight
+    return weight.float() if models.HEAD_IN_FLOAT32 else weight
+
+
+def next_token_logits(
+    model: nn.Module, cache, head: Tensor | None = None, **inputs
+) -> tuple[Tensor, object]:
     """The model's forward with a KV ``cache`` -> (float32 logits of each row's last
     token ``[R, V]``, the cache).
 
-    A plain head (:func:`gspo.models.plain_lm_head`) is applied to the decoder's last
+    With ``head`` (:func:`head_weight`) the plain head is applied to the decoder's last
     hidden states by :func:`gspo.models.head_logits`, in float32, exactly as the trainer
-    applies it; any other model's logits are its own forward's.
+    applies it; otherwise the logits are the model's own forward's.
     """
-    if plain_lm_head(model):
+    if head is not None:
         out, cache = cached_forward(model.get_decoder(), cache, **inputs)
-        weight = model.get_output_embeddings().weight
-        return head_logits(out.last_hidden_state[:, -1], weight, linear_for(model)), cache
+        return head_logits(out.last_hidden_state[:, -1], head, linear_for(model)), cache
     out, cache = cached_forward(model, cache, **inputs, logits_to_keep=1)
     return out.logits[:, -1, :].float(), cache
 
 
-def prefill_cache(model: nn.Module, ids: Tensor, mask: Tensor):
-    """Run the distinct prompts ``[U, P]`` once; ``(logits of their last token [U, V], cache)``."""
+def prefill_cache(model: nn.Module, ids: Tensor, mask: Tensor, head: Tensor | None = None):
+    """Run the distinct prompts ``[U, P]`` once; ``(logits of their last token [U, V], cache)``
+    (``head``: :func:`head_weight`)."""
     from transformers import DynamicCache
 
     return next_token_logits(
         model,
         DynamicCache(),
+        head,
         input_ids=ids,
         attention_mask=mask,
         position_ids=position_ids_from_mask(mask),
@@ -96,10 +110,11 @@ class ModelDecoder:
 
     def __init__(self, model: nn.Module):
         self.model = model
+        self.head = head_weight(model)
 
     def prefill(self, ids: Tensor, mask: Tensor, n: int, capacity: int) -> Tensor:
         """``[U, P]`` distinct prompts -> logits ``[U * n, V]`` of each response's first token."""
-        logits, self.cache = prefill_cache(self.model, ids, mask)
+        logits, self.cache = prefill_cache(self.model, ids, mask, self.head)
         self.cache.batch_repeat_interleave(n)
         # the mask for every column up to ``capacity``, sliced (not grown) step by step
         rows = ids.shape[0] * n
@@ -114,6 +129,7 @@ class ModelDecoder:
         logits, self.cache = next_token_logits(
             self.model,
             self.cache,
+            self.head,
             input_ids=tokens.unsqueeze(-1),
             attention_mask=self.mask[:, : self.length],
             position_ids=positions.unsqueeze(-1),
@@ -175,7 +191,7 @@ class KVDecoder:
         self.eps = decoder.norm.variance_epsilon
         self.embed = decoder.embed_tokens.weight
         self.final_norm = decoder.norm.weight
-        self.head = model.get_output_embeddings().weight  # applied in float32 (head_logits)
+        self.head = head_weight(model)  # supports(): always a plain head
         self.rotary = decoder.rotary_emb
         self.layers = []
         for layer in decoder.layers:
@@ -265,7 +281,7 @@ class KVDecoder:
         The prompts' keys and values are copied into buffers of ``capacity`` columns,
         ``n`` rows per prompt. The padding mask is kept only if some prompt is padded.
         """
-        logits, cache = prefill_cache(self.model, ids, mask)
+        logits, cache = prefill_cache(self.model, ids, mask, self.head)
         u, p = ids.shape
         rows = u * n
         each = torch.arange(u, device=ids.device).repeat_interleave(n)
