@@ -12,7 +12,7 @@ drift in this machine's speed hits all of them alike; figures are medians in ms.
   trainer draws it, with each group's prompt computed once for its rows
   (``share_prompts``, the trainer's setting) or once per row.
 - drop: one rollout batch (16 prompts x 8, 32 new tokens) against the share of finished
-  rows at which they leave the batch and KV cache (``gspo.rollout.DROP_FRACTION``).
+  rows at which they leave the batch and KV cache (``gspo.engines.torch_engine.DROP_FRACTION``).
 - prefill: one rollout batch (16 prompts x 8, 32 new tokens), each prompt run once and
   its KV cache copied to its 8 responses (``TorchEngine``) vs run once per response (the
   same 128 prompts as distinct prompts, n=1: the same samples), for the workload's
@@ -44,7 +44,7 @@ sys.path.insert(0, str(HERE))
 
 import workload  # noqa: E402
 
-from gspo import rollout  # noqa: E402
+from gspo.engines import torch_engine as rollout  # noqa: E402
 from gspo.models import load_model, packed_completion_logprobs  # noqa: E402
 from gspo.tasks import encode_prompt  # noqa: E402
 
@@ -212,7 +212,7 @@ def main() -> None:
     # decode: one step with a KV cache by batch size
     from transformers import DynamicCache
 
-    from gspo.decoding import cached_forward
+    from gspo.engines.decoding import cached_forward
 
     def decode(size: int) -> Callable[[], object]:
         ids = torch.randint(3, 12, (size, 6))

@@ -56,7 +56,7 @@ def measure(variant: str, n: int, t: int) -> dict:
             hidden, weight, ids, 1.0, LOGPROB_CHUNK, with_entropy=True
         )
     elif variant == "onednn":  # the product on oneDNN, as gspo's trainer on a CPU
-        from gspo.kernels import onednn_linear
+        from gspo.models.kernels import onednn_linear
 
         logprobs = logprobs_from_hidden(
             hidden, weight, ids, 1.0, LOGPROB_CHUNK, linear=onednn_linear

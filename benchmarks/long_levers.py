@@ -20,7 +20,7 @@ vocabulary, so completions run to ``max_new_tokens``), 16 prompts x 8 responses:
   transformers layout) vs ``KVDecoder``'s batched products over transposed keys.
 - check: the fast decoder reading which rows finished every step vs every 8 (default).
 - drop: the fast decoder with finished rows leaving the batch and KV cache at every check
-  where any row has finished (``gspo.rollout.DROP_FRACTION = 0``, the default), once a
+  where any row has finished (``gspo.engines.torch_engine.DROP_FRACTION = 0``, the default), once a
   quarter of the batch has, and never.
 - train: ``gspo train`` on the long workload at 256 new tokens (``vs_trl.py --long``'s
   gspo side, 8 optimizer steps), once with this tree's code and once with the
@@ -28,7 +28,7 @@ vocabulary, so completions run to ``max_new_tokens``), 16 prompts x 8 responses:
   alternating: whole process, ``time/generate`` per rollout batch, ``time/train`` per
   minibatch, from each run's ``metrics.jsonl``.
 - linear: float32 linear layers on torch's default (``F.linear``, MKL) vs oneDNN
-  (``gspo.kernels``, ``model.cpu_linear``): the products of a decoding step and of a
+  (``gspo.models.kernels``, ``model.cpu_linear``): the products of a decoding step and of a
   training minibatch (forward, input gradient, weight gradient), then one rollout batch
   and one minibatch's forward + backward of the model with its layers on either.
 - profile: where one rollout batch's time goes with the linear layers on oneDNN (torch
@@ -74,8 +74,8 @@ from vs_trl import (  # noqa: E402
     run_gspo,
 )
 
-from gspo import rollout  # noqa: E402
-from gspo.decoding import KVDecoder  # noqa: E402
+from gspo.engines import torch_engine as rollout  # noqa: E402
+from gspo.engines.decoding import KVDecoder  # noqa: E402
 from gspo.models import load_model, packed_completion_logprobs  # noqa: E402
 from gspo.tasks import encode_prompt  # noqa: E402
 
@@ -101,11 +101,30 @@ def _module_at(revision: str, path: str, name: str, replace: dict[str, str]):
 
 
 def engine_at(revision: str):
-    """The ``gspo.rollout`` module as of a git revision, imported under another name,
-    with that revision's ``gspo.decoding`` when it has one."""
-    decoding = _module_at(revision, "src/gspo/decoding.py", f"decoding_{revision}", {})
-    replace = {"from gspo.decoding import": f"from {decoding.__name__} import"} if decoding else {}
-    return _module_at(revision, "src/gspo/rollout.py", f"rollout_{revision}", replace)
+    """The torch engine's module as of a git revision, imported under another name, with
+    that revision's decoder when it has one (the layout before and after ``gspo.engines``)."""
+    layouts = (
+        (
+            "src/gspo/engines/torch_engine.py",
+            "src/gspo/engines/decoding.py",
+            "gspo.engines.decoding",
+        ),
+        ("src/gspo/rollout.py", "src/gspo/decoding.py", "gspo.decoding"),
+    )
+    # what an older decoder imports under the names of its day
+    renamed = {
+        "from gspo.kernels import": "from gspo.models.kernels import",
+        "from gspo import models\n": "from gspo.models import logprobs as models\n",
+    }
+    for engine_path, decoding_path, decoding_name in layouts:
+        decoding = _module_at(revision, decoding_path, f"decoding_{revision}", renamed)
+        replace = (
+            {f"from {decoding_name} import": f"from {decoding.__name__} import"} if decoding else {}
+        )
+        engine = _module_at(revision, engine_path, f"rollout_{revision}", replace)
+        if engine is not None:
+            return engine
+    return None
 
 
 def memory_bandwidth(mib: int = 512, reps: int = 5) -> float:
@@ -147,7 +166,7 @@ def onednn_copy(model):
     what ``gspo train`` does on the CPU); ``model`` itself stays on F.linear."""
     import copy
 
-    from gspo.kernels import set_linear_kernel
+    from gspo.models.kernels import set_linear_kernel
 
     other = copy.deepcopy(model)
     assert set_linear_kernel(other) == "onednn"
@@ -264,7 +283,7 @@ def main() -> None:
             print(f"| {name} | {1000 * statistics.median(ts):.2f} |", flush=True)
 
     def by_setting(engine, setting: str, values: dict[str, object], title: str, column: str):
-        """One rollout batch of ``engine`` per value of ``gspo.rollout.<setting>``,
+        """One rollout batch of ``engine`` per value of ``gspo.engines.<setting>``,
         interleaved; the setting is restored after."""
         default = getattr(rollout, setting)
 
@@ -388,7 +407,7 @@ def linear_lever(model, prompts, ids, params, reps: int) -> None:
 
     import torch.nn.functional as F
 
-    from gspo.kernels import onednn_linear
+    from gspo.models.kernels import onednn_linear
 
     gen = torch.Generator().manual_seed(0)
     cases = {  # (rows, in, out): a decoding step's QKV, a minibatch's MLP up and down,

@@ -123,8 +123,8 @@ def measure_generation(workdir: Path, rank: int, repeats: int) -> list[str]:
     from long_levers import setup
 
     from gspo.config import LoraSettings
-    from gspo.kernels import set_linear_kernel
-    from gspo.rollout import SamplingParams, TorchEngine
+    from gspo.engines import SamplingParams, TorchEngine
+    from gspo.models.kernels import set_linear_kernel
     from gspo.training.lora import attach_lora
 
     lines = [
@@ -175,7 +175,7 @@ def memory_child(work: Path, out: Path, rank: int) -> dict:
     import torch
 
     from gspo.config import load_config
-    from gspo.rollout import SamplingParams
+    from gspo.engines import SamplingParams
     from gspo.trainer import Trainer
 
     config = load_config(

@@ -38,6 +38,8 @@ import workload  # noqa: E402
 
 from gspo.config import LoraSettings  # noqa: E402
 from gspo.distributed import Distributed  # noqa: E402
+from gspo.engines import SamplingParams  # noqa: E402
+from gspo.engines.vllm_engine import VLLMEngine  # noqa: E402
 from gspo.models import (  # noqa: E402
     TinyModelSpec,
     build_char_tokenizer,
@@ -45,11 +47,9 @@ from gspo.models import (  # noqa: E402
     load_model,
     save_pretrained_atomic,
 )
-from gspo.rollout import SamplingParams  # noqa: E402
 from gspo.training.lora import attach_lora  # noqa: E402
 from gspo.training.policy import Policy  # noqa: E402
 from gspo.training.sampler import Sampler  # noqa: E402
-from gspo.vllm_engine import VLLMEngine  # noqa: E402
 
 SPECS = {
     "workload": workload.SPEC,

@@ -208,11 +208,11 @@ def completion_flops(work: Path, length: float) -> tuple[float, float]:
 
 def matmul_peak(size: int = 2048, reps: int = 5) -> float:
     """This machine's float32 matmul rate, FLOP/s: median of ``reps`` ``size``^3 products,
-    the faster of torch's own product (MKL) and oneDNN's (``gspo.kernels``, which gspo's
+    the faster of torch's own product (MKL) and oneDNN's (``gspo.models.kernels``, which gspo's
     linear layers use on the CPU; on AMD hosts about twice MKL's rate)."""
     import torch
 
-    from gspo.kernels import onednn_available, onednn_linear
+    from gspo.models.kernels import onednn_available, onednn_linear
 
     a, b = torch.randn(size, size), torch.randn(size, size)
     products = [torch.mm]

@@ -35,11 +35,11 @@ from pathlib import Path
 
 import torch
 
-from gspo import decoding, models
 from gspo.compare import PRESETS, cold_start_checkpoint
 from gspo.config import load_config
+from gspo.engines import SamplingParams, TorchEngine, decoding
 from gspo.models import completion_logprobs, load_model
-from gspo.rollout import SamplingParams, TorchEngine
+from gspo.models import logprobs as models
 from gspo.tasks import encode_prompt
 from gspo.training.setup import derive_seed, load_task_data
 

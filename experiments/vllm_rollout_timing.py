@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from gspo.engines import SamplingParams, TorchEngine
 from gspo.models import (
     TinyModelSpec,
     build_char_tokenizer,
@@ -27,7 +28,6 @@ from gspo.models import (
     load_model,
     save_pretrained_atomic,
 )
-from gspo.rollout import SamplingParams, TorchEngine
 from gspo.tasks import BUILTIN_TASKS, encode_prompt
 
 
@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
-    from gspo.vllm_engine import VLLMEngine
+    from gspo.engines.vllm_engine import VLLMEngine
 
     torch.manual_seed(0)
     tokenizer = build_char_tokenizer()

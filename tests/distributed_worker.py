@@ -25,7 +25,7 @@ import torch
 from gspo.advantages import group_advantages
 from gspo.config import load_config
 from gspo.distributed import full_state_dict, setup_distributed, teardown_distributed
-from gspo.rollout import RolloutBatch, pad_batch
+from gspo.engines import RolloutBatch, pad_batch
 from gspo.trainer import Trainer
 
 GROUPS, GROUP_SIZE, LENGTH = 4, 4, 6

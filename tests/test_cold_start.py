@@ -13,7 +13,7 @@ import gspo.training.cold_start as cs
 from gspo.cli import main
 from gspo.config import load_config
 from gspo.distributed import Distributed, sharded_problem
-from gspo.kernels import onednn_available
+from gspo.models.kernels import onednn_available
 from gspo.telemetry import read_metrics
 from gspo.trainer import Trainer, latest_checkpoint
 

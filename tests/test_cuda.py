@@ -19,9 +19,9 @@ import torch
 from test_environments import COUNTER_ENV
 
 from gspo.config import load_config
+from gspo.engines import SamplingParams, TorchEngine
 from gspo.models import completion_logprobs, packed_completion_logprobs
 from gspo.moe import experts_implementation
-from gspo.rollout import SamplingParams, TorchEngine
 from gspo.trainer import Trainer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

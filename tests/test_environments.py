@@ -8,9 +8,9 @@ import torch
 
 from gspo.cli import main
 from gspo.config import load_config
+from gspo.engines import RolloutBatch, SamplingParams, TorchEngine, pad_batch
 from gspo.environments import Calculator, EnvError, EnvironmentFactory, parse_tool_calls
 from gspo.objectives import policy_loss
-from gspo.rollout import RolloutBatch, SamplingParams, TorchEngine, pad_batch
 from gspo.tasks import calculator_task, tool_call_text
 from gspo.trainer import Trainer
 from gspo.training.episodes import MultiTurn, TurnFormat, encode_conversation

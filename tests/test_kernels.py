@@ -1,4 +1,4 @@
-"""oneDNN linear layers on the CPU (gspo.kernels): same values and gradients as F.linear."""
+"""oneDNN linear layers on the CPU (gspo.models.kernels): same values and gradients as F.linear."""
 
 import copy
 
@@ -6,15 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gspo import kernels
-from gspo.kernels import (
+from gspo.models import kernels, packed_completion_logprobs
+from gspo.models.kernels import (
     linear_for,
     linear_kernel,
     onednn_available,
     onednn_linear,
     set_linear_kernel,
 )
-from gspo.models import packed_completion_logprobs
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
 

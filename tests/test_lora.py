@@ -10,9 +10,9 @@ from test_trainer import FAST as TRAINER_FAST
 
 from gspo.cli import main
 from gspo.config import ConfigError, load_config
-from gspo.kernels import linear_kernel, set_linear_kernel
+from gspo.engines import SamplingParams, TorchEngine
 from gspo.models import load_model
-from gspo.rollout import SamplingParams, TorchEngine
+from gspo.models.kernels import linear_kernel, set_linear_kernel
 from gspo.telemetry import read_metrics
 from gspo.trainer import Trainer
 from gspo.training.lora import merged_copy, optimizer_state_bytes, quiet_peft

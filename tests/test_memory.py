@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_trainer import FAST  # names model.device=cpu
 
-import gspo.rollout
+import gspo.engines
 import gspo.training.cold_start
 import gspo.training.forward
 import gspo.training.update
@@ -39,14 +39,14 @@ def error_line(tmp_path, capsys, *overrides: str) -> str:
 def oom_when_sampling(monkeypatch, n: int) -> None:
     """The engine runs out when it samples ``n`` responses per prompt (rollouts sample
     rollout.group_size=4, the evaluation eval.samples=2 and greedy 1)."""
-    real = gspo.rollout.TorchEngine.generate
+    real = gspo.engines.TorchEngine.generate
 
     def generate(self, prompts, *, n_=n, **kwargs):
         if kwargs["n"] == n_:
             out_of_memory()
         return real(self, prompts, **kwargs)
 
-    monkeypatch.setattr(gspo.rollout.TorchEngine, "generate", generate)
+    monkeypatch.setattr(gspo.engines.TorchEngine, "generate", generate)
 
 
 @pytest.mark.parametrize("staleness", [0, 1], ids=["in-step", "producer-thread"])

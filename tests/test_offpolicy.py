@@ -10,7 +10,7 @@ from conftest import CPU
 
 from gspo.cli import main
 from gspo.config import ConfigError, load_config
-from gspo.rollout import RolloutBatch
+from gspo.engines import RolloutBatch
 from gspo.telemetry import read_metrics
 from gspo.trainer import Trainer, latest_checkpoint
 from gspo.training.dynamic_sampling import (

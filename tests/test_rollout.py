@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from gspo.engines import SamplingParams, TorchEngine, sample_next
 from gspo.models import completion_logprobs
-from gspo.rollout import SamplingParams, TorchEngine, sample_next
 
 
 def engine_for(model, tokenizer):
@@ -140,7 +140,7 @@ def test_logit_noise_changes_the_sampler_distribution_and_its_logprobs(tiny_mode
 
 
 def test_fast_decoder_is_taken_for_qwen3_and_not_for_a_biased_head(tokenizer, tiny_model):
-    from gspo.decoding import KVDecoder, ModelDecoder, make_decoder
+    from gspo.engines.decoding import KVDecoder, ModelDecoder, make_decoder
 
     assert isinstance(make_decoder(tiny_model), KVDecoder)
     old_head = tiny_model.lm_head
@@ -175,9 +175,9 @@ def test_fast_decoder_samples_what_the_reference_samples(
     at different steps and leave the batch, and finished-ness is read every 3 steps.
     ``linear``: the model's linear layers (and so the fast step's) on F.linear or oneDNN.
     """
-    import gspo.rollout as rollout
-    from gspo.decoding import KVDecoder
-    from gspo.kernels import onednn_available, set_linear_kernel
+    import gspo.engines.torch_engine as rollout
+    from gspo.engines.decoding import KVDecoder
+    from gspo.models.kernels import onednn_available, set_linear_kernel
 
     if linear == "onednn" and not onednn_available():
         pytest.skip("this torch has no oneDNN")
@@ -219,7 +219,7 @@ def test_fast_decoder_samples_what_the_reference_samples(
 def test_samples_do_not_depend_on_when_finished_rows_leave(tokenizer, tiny_model, monkeypatch):
     """Every step draws one uniform per response row, live or not: same tokens whatever
     the drop threshold and however often finished-ness is read."""
-    import gspo.rollout as rollout
+    import gspo.engines.torch_engine as rollout
 
     engine = engine_for(tiny_model, tokenizer)
     params = SamplingParams(max_new_tokens=16)
@@ -241,8 +241,8 @@ def test_select_keeps_each_rows_cache_and_reports_its_order(
     """``select`` moves kept rows into leaving rows' slots: the order it returns says which
     old row sits where, and the next step's logits are those of that old row (padded
     prompts, so the padding mask moves with its row), on both decoders."""
-    from gspo.decoding import KVDecoder, ModelDecoder
-    from gspo.rollout import pad_batch
+    from gspo.engines import pad_batch
+    from gspo.engines.decoding import KVDecoder, ModelDecoder
 
     monkeypatch.setattr(KVDecoder, "attention", attention)
     ids, mask = pad_batch(prompts(tokenizer), tokenizer.pad_token_id, torch.device("cpu"))
@@ -275,7 +275,7 @@ def test_inverse_cdf_sampling_follows_the_distribution():
 
 def test_fast_decoder_runs_the_moe_builtin_like_the_reference(tokenizer):
     """MoE blocks are called as the model's own modules: same tokens as the reference."""
-    from gspo.decoding import KVDecoder, make_decoder
+    from gspo.engines.decoding import KVDecoder, make_decoder
     from gspo.models import TinyModelSpec, build_tiny_model
 
     spec = TinyModelSpec("qwen3_moe", layers=2, hidden=64, heads=2, kv_heads=1, intermediate=128)
@@ -316,8 +316,8 @@ def test_fast_decoder_merges_lora_adapters_and_samples_what_peft_samples(
     """A LoRA model decodes on the fast path with its adapters merged for the call: the
     same tokens as PEFT's own forward (the reference decoder), log-probs within 1e-5, the
     base weights untouched, and the adapters' effect kept (tokens differ without them)."""
-    from gspo.decoding import KVDecoder, make_decoder
-    from gspo.kernels import onednn_available, set_linear_kernel
+    from gspo.engines.decoding import KVDecoder, make_decoder
+    from gspo.models.kernels import onednn_available, set_linear_kernel
 
     if linear == "onednn" and not onednn_available():
         pytest.skip("this torch has no oneDNN")
@@ -355,7 +355,7 @@ def test_fast_decoder_merges_lora_adapters_and_samples_what_peft_samples(
 def test_dora_and_bf16_lora_take_the_reference_decoder(tokenizer, tiny_model):
     import copy
 
-    from gspo.decoding import KVDecoder, ModelDecoder, make_decoder
+    from gspo.engines.decoding import KVDecoder, ModelDecoder, make_decoder
 
     dora = lora_model(copy.deepcopy(tiny_model), ["q_proj"], use_dora=True)
     assert isinstance(make_decoder(dora), ModelDecoder)
@@ -370,8 +370,8 @@ def test_bf16_sampler_logprobs_agree_with_the_trainer_forward(tokenizer, tiny_mo
     where each rounds differently: the head's logits rounded to bf16 on each side and the
     decoder's bf16 attention scores. With the head in float32 and SDPA in the decoder (the
     defaults) the gap per token and per sequence mean falls several-fold."""
-    from gspo import models
-    from gspo.decoding import KVDecoder
+    from gspo.engines.decoding import KVDecoder
+    from gspo.models import logprobs as models
 
     with torch.no_grad():
         tiny_model.lm_head.weight.mul_(3.0)  # logits of a trained model's size

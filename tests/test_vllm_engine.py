@@ -17,6 +17,7 @@ from conftest import CPU, device_named_in
 
 from gspo.cli import main
 from gspo.config import ConfigError, load_config
+from gspo.engines import SamplingParams, TorchEngine
 from gspo.models import (
     TinyModelSpec,
     build_char_tokenizer,
@@ -25,7 +26,6 @@ from gspo.models import (
     load_model,
     save_pretrained_atomic,
 )
-from gspo.rollout import SamplingParams, TorchEngine
 
 needs_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make test-vllm)"
@@ -58,7 +58,7 @@ FAST = [
 
 # ---------------------------------------------------------------- without vLLM
 def test_missing_vllm_is_one_line_naming_the_install_route(monkeypatch):
-    from gspo.vllm_engine import import_vllm
+    from gspo.engines.vllm_engine import import_vllm
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
     with pytest.raises(ValueError, match=r"vLLM is not installed") as info:
@@ -114,7 +114,7 @@ def model_dir(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="module")
 def engine(model_dir, tokenizer):
-    from gspo.vllm_engine import VLLMEngine
+    from gspo.engines.vllm_engine import VLLMEngine
 
     return VLLMEngine(
         model_dir,
@@ -321,7 +321,7 @@ def adapter_engine(model_dir, tokenizer, engine):
     """A second engine, started for adapter sync. Module-scoped like ``engine`` (which it
     outlives): a vLLM engine shut down mid-module tears down the process-wide parallel
     state the other one still uses."""
-    from gspo.vllm_engine import VLLMEngine
+    from gspo.engines.vllm_engine import VLLMEngine
 
     return VLLMEngine(
         model_dir,
@@ -491,7 +491,7 @@ def test_async_rollouts_through_vllm_sample_with_the_stale_weights(tmp_path, var
 
 def test_unsupported_cpu_head_size_is_one_line(tmp_path, tokenizer, monkeypatch):
     """Without vLLM installed too: the check reads config.json and the backend's list."""
-    import gspo.vllm_engine as ve
+    import gspo.engines.vllm_engine as ve
 
     small = TinyModelSpec(layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64)
     save_pretrained_atomic(build_tiny_model(small, tokenizer, seed=0), tokenizer, tmp_path / "m")
@@ -503,7 +503,7 @@ def test_unsupported_cpu_head_size_is_one_line(tmp_path, tokenizer, monkeypatch)
 
 @needs_vllm
 def test_vllm_rejects_head_size_16_in_one_line(tmp_path, tokenizer):
-    from gspo.vllm_engine import VLLMEngine
+    from gspo.engines.vllm_engine import VLLMEngine
 
     small = TinyModelSpec(layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64)
     save_pretrained_atomic(build_tiny_model(small, tokenizer, seed=0), tokenizer, tmp_path / "m")
@@ -541,7 +541,7 @@ def test_adapter_sync_on_a_moe_model_is_refused_on_cpu_in_one_line(tmp_path, tok
     the engine says so before vLLM starts. Without vLLM installed too."""
     from dataclasses import replace
 
-    from gspo.vllm_engine import check_cpu_lora
+    from gspo.engines.vllm_engine import check_cpu_lora
 
     dense = build_tiny_model(SPEC, tokenizer, seed=0)
     check_cpu_lora(save_pretrained_atomic(dense, tokenizer, tmp_path / "dense"))

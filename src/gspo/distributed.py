@@ -33,8 +33,6 @@ from typing import Any, Literal
 
 import torch
 
-from gspo.models import resolve_device
-
 Reduction = Literal["sum", "min", "max", "mean"]
 
 
@@ -118,6 +116,18 @@ def setup_distributed(device: str = "auto") -> Distributed:
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("nccl" if resolved.type == "cuda" else "gloo")
     return dist
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"model.device={device}: not a torch device (cpu, cuda, cuda:1)") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"model.device={device}: this torch has no usable CUDA device")
+    return resolved
 
 
 def rank_device(device: str, dist: Distributed) -> torch.device:

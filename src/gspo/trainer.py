@@ -29,10 +29,10 @@ import torch
 
 from gspo.config import Config, dump_config, load_config
 from gspo.distributed import Distributed, rank_device
+from gspo.engines import SamplingParams
 from gspo.models import resolve_dtype
 from gspo.publish import WRITTEN
 from gspo.rewards import RewardFunctions
-from gspo.rollout import SamplingParams
 from gspo.tasks import encode_prompt
 from gspo.telemetry import (
     MetricsLogger,
@@ -270,7 +270,8 @@ class Trainer:
     def close(self) -> None:
         """Release the rollout engine now, after the run's last collective and before its
         process group goes: vLLM's engine shuts down here (see
-        :meth:`gspo.vllm_engine.VLLMEngine.close`); the torch engine holds nothing to release."""
+        :meth:`gspo.engines.vllm_engine.VLLMEngine.close`); the torch engine holds nothing
+        to release."""
         close = getattr(self.sampler.engine, "close", None)
         if close is not None:
             close()

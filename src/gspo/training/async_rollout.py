@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 from gspo.config import Config
-from gspo.rollout import RolloutBatch, SamplingParams, TorchEngine
+from gspo.engines import RolloutBatch, SamplingParams, TorchEngine
 from gspo.training.experience import Experience, RolloutStage, Sampled
 from gspo.training.forward import recomputes_old_logprobs
 from gspo.training.policy import Policy

@@ -30,10 +30,10 @@ import torch
 import gspo
 from gspo.config import Config
 from gspo.distributed import Distributed, load_sharded, save_sharded, sharded_problem
-from gspo.kernels import onednn_available
+from gspo.engines import pad_batch
 from gspo.models import model_files
+from gspo.models.kernels import onednn_available
 from gspo.publish import staged
-from gspo.rollout import pad_batch
 from gspo.tasks import encode_prompt
 from gspo.telemetry import MetricsLogger
 from gspo.training.metrics import combine

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gspo.rollout import RolloutBatch
+from gspo.engines import RolloutBatch
 from gspo.training.setup import derive_seed
 
 

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from gspo.config import Config
+from gspo.engines import RolloutBatch, SamplingParams, pad_batch
 from gspo.environments import EnvError, EnvironmentFactory, Episode
-from gspo.rollout import RolloutBatch, SamplingParams, pad_batch
 from gspo.training.cold_start import single_turn_encoder
 from gspo.training.sampler import Generated, Sampler, SingleTurn
 from gspo.training.setup import derive_seed

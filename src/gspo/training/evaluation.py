@@ -9,7 +9,7 @@ import torch
 
 from gspo.config import Config
 from gspo.distributed import Distributed
-from gspo.rollout import SamplingParams
+from gspo.engines import SamplingParams
 from gspo.training.experience import Scorer
 from gspo.training.memory import out_of_memory
 from gspo.training.sampler import Generator

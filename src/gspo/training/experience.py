@@ -17,8 +17,8 @@ import torch
 from gspo.advantages import group_advantages
 from gspo.config import Config
 from gspo.distributed import Distributed
+from gspo.engines import RolloutBatch, SamplingParams
 from gspo.rewards import RewardFunctions, overlong_penalty
-from gspo.rollout import RolloutBatch, SamplingParams
 from gspo.tasks import as_completion
 from gspo.training.dynamic_sampling import (
     concat_batches,

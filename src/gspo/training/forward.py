@@ -22,6 +22,7 @@ from dataclasses import replace
 import torch
 
 from gspo.config import Config
+from gspo.engines import RolloutBatch
 from gspo.moe import (
     capture_router_logits,
     capture_routing,
@@ -30,7 +31,6 @@ from gspo.moe import (
     replay_routing,
     response_token_mask,
 )
-from gspo.rollout import RolloutBatch
 from gspo.training.policy import Policy
 from gspo.training.setup import moe_settings
 

@@ -18,10 +18,10 @@ import torch
 
 from gspo.config import Config
 from gspo.distributed import Distributed
+from gspo.engines import RolloutBatch
 from gspo.gradient_noise import bucket_cosines, flatten, length_halves
 from gspo.moe import capture_routing, expert_change_fraction, response_token_mask
 from gspo.objectives import response_lengths, sequence_log_ratio, token_log_ratio
-from gspo.rollout import RolloutBatch
 from gspo.training.experience import Experience
 from gspo.training.forward import PlainForward, RoutedForward
 from gspo.training.metrics import logprob_mismatch

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from gspo.config import AlgorithmConfig
+from gspo.engines import RolloutBatch
 from gspo.objectives import rollout_correction
-from gspo.rollout import RolloutBatch
 
 
 @dataclass

@@ -8,8 +8,8 @@ import copy
 import torch
 
 from gspo.distributed import Distributed, full_state_dict, shard_policy
+from gspo.engines import RolloutBatch
 from gspo.models import CompletionLogprobs
-from gspo.rollout import RolloutBatch
 from gspo.training.lora import is_lora
 
 

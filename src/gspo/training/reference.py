@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
-from gspo.kernels import linear_kernel, set_linear_kernel
+from gspo.engines import RolloutBatch
 from gspo.models import load_model
+from gspo.models.kernels import linear_kernel, set_linear_kernel
 from gspo.moe import experts_implementation, set_experts_implementation
-from gspo.rollout import RolloutBatch
 from gspo.training.checkpoint import checkpoint_dir
 from gspo.training.policy import Policy
 

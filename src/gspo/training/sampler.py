@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from gspo.config import Config
-from gspo.rollout import RolloutBatch, RolloutEngine, SamplingParams, TorchEngine
+from gspo.engines import RolloutBatch, RolloutEngine, SamplingParams, TorchEngine
 from gspo.training.lora import is_lora, merged_copy
 from gspo.training.policy import Policy
 from gspo.training.setup import derive_seed
@@ -28,7 +28,7 @@ def build_engine(config: Config, policy: Policy, tokenizer, model_dir: Path) -> 
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     if config.rollout.engine == "torch":
         return TorchEngine(policy.replica(), pad_token_id=pad, eos_token_id=eos)
-    from gspo.vllm_engine import VLLMEngine
+    from gspo.engines.vllm_engine import VLLMEngine
 
     v = config.rollout.vllm
     adapter_sync = v.lora_sync == "adapter" and policy.adapters

@@ -12,7 +12,6 @@ import torch
 from gspo.config import Config, DataConfig
 from gspo.data import load_rows, prepare_rows
 from gspo.distributed import Distributed
-from gspo.kernels import set_linear_kernel
 from gspo.models import (
     TinyModelSpec,
     build_char_tokenizer,
@@ -21,6 +20,7 @@ from gspo.models import (
     model_files,
     save_pretrained_atomic,
 )
+from gspo.models.kernels import set_linear_kernel
 from gspo.moe import find_routers, is_moe, set_experts_implementation
 from gspo.tasks import BUILTIN_TASKS, TaskData
 from gspo.training.lora import (

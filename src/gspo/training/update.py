@@ -11,8 +11,8 @@ import torch
 
 from gspo.config import AlgorithmConfig
 from gspo.distributed import as_float
+from gspo.engines import RolloutBatch
 from gspo.objectives import PolicyLoss, policy_loss
-from gspo.rollout import RolloutBatch
 from gspo.training.experience import Experience
 from gspo.training.forward import PlainForward, RoutedForward
 from gspo.training.policy import Policy

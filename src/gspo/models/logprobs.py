@@ -1,232 +1,21 @@
-"""Models and tokenizers: the tiny built-in ones, loading any local HF causal LM, log-probs.
+"""Log-probs of completions under a model: the training forward.
 
-Everything the trainer and the rollout engines need from a model goes through
-:func:`load_model` and :func:`completion_logprobs`, so a built-in tiny Qwen3 and a
-user's Qwen3-8B directory take the same path.
+Everything the trainer needs from a model's outputs goes through :func:`completion_logprobs`
+(packed sequences, the vocabulary head chunked and in float32), so a built-in tiny Qwen3
+and a user's Qwen3-8B directory take the same path; the rollout engines' decoders use the
+same head (:func:`head_logits`) so that sampler and trainer agree.
 """
 
 from __future__ import annotations
 
-import string
-from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gspo.kernels import linear_for
-from gspo.publish import staged
-
-#: Characters of the built-in tokenizer: printable ASCII (one token per character).
-CHARSET = string.digits + string.ascii_letters + string.punctuation + " \n"
-PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class TinyModelSpec:
-    """Size of a built-in model (a real transformers architecture, random init)."""
-
-    architecture: str = "qwen3"
-    layers: int = 4
-    hidden: int = 256
-    heads: int = 4
-    kv_heads: int = 2
-    intermediate: int = 768
-    max_positions: int = 512
-    # MoE only (architecture "qwen3_moe"):
-    experts: int = 8
-    experts_per_token: int = 2
-    expert_intermediate: int = 256
-    norm_topk_prob: bool = True
-
-
-#: The built-in tokenizer's chat template: compact, with tool support. The tools' names
-#: head the prompt; a user message is its text, an assistant message its text and
-#: ``<eos>``, a tool message ``<tool_response>...</tool_response>``.
-CHAR_CHAT_TEMPLATE = (
-    "{%- if tools %}{{ 'tools: ' }}{%- for t in tools %}"
-    "{{ t.function.name if t.function is defined else t.name }}{{ ' ' if not loop.last }}"
-    "{%- endfor %}{{ '\\n' }}{%- endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'system' %}{{ m.content + '\\n' }}"
-    "{%- elif m.role == 'user' %}{{ m.content }}"
-    "{%- elif m.role == 'assistant' %}{{ m.content + '<eos>' }}"
-    "{%- elif m.role == 'tool' %}{{ '<tool_response>' + m.content + '</tool_response>' }}"
-    "{%- endif %}{%- endfor %}"
-)
-
-
-def build_char_tokenizer(charset: str = CHARSET):
-    """A character-level fast tokenizer (``tokenizers`` WordLevel over single characters).
-
-    No BOS is added automatically: prompts are encoded as plain characters and the
-    model ends a completion with ``<eos>``. Characters outside ``charset`` become ``<unk>``.
-    """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, UNK, *dict.fromkeys(charset)])}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        unk_token=UNK,
-        padding_side="left",
-        clean_up_tokenization_spaces=False,
-        chat_template=CHAR_CHAT_TEMPLATE,
-    )
-
-
-def build_tiny_model(spec: TinyModelSpec, tokenizer, seed: int):
-    """A randomly initialised transformers causal LM of the given architecture."""
-    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
-
-    common = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=spec.hidden,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads,
-        head_dim=spec.hidden // spec.heads,
-        max_position_embeddings=spec.max_positions,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        rope_theta=10000.0,
-    )
-    if spec.architecture == "qwen3":
-        config = Qwen3Config(intermediate_size=spec.intermediate, **common)
-    elif spec.architecture == "qwen3_moe":
-        config = Qwen3MoeConfig(
-            intermediate_size=spec.intermediate,
-            moe_intermediate_size=spec.expert_intermediate,
-            num_experts=spec.experts,
-            num_experts_per_tok=spec.experts_per_token,
-            decoder_sparse_step=1,
-            norm_topk_prob=spec.norm_topk_prob,
-            **common,
-        )
-    else:
-        raise ValueError(
-            f"model.builtin architecture must be 'qwen3' or 'qwen3_moe'; got {spec.architecture!r}"
-        )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return model
-
-
-def quiet_transformers() -> None:
-    """No per-shard progress bars in our logs."""
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()
-
-
-def save_pretrained(model, tokenizer, directory: str | Path) -> None:
-    """``save_pretrained`` model and tokenizer into ``directory`` (made if missing)."""
-    quiet_transformers()
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-
-
-def save_pretrained_atomic(
-    model, tokenizer, directory: str | Path, *, also: Callable[[Path], None] | None = None
-) -> Path:
-    """``save_pretrained`` model and tokenizer into ``directory`` whole or not at all.
-
-    ``also(tmp_dir)`` may write more files (e.g. optimizer state) before it is put in
-    place (:func:`gspo.publish.staged`); an existing ``directory`` is replaced.
-    """
-    directory = Path(directory)
-    with staged(directory) as tmp:
-        save_pretrained(model, tokenizer, tmp)
-        if also is not None:
-            also(tmp)
-    return directory
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"model.device={device}: not a torch device (cpu, cuda, cuda:1)") from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"model.device={device}: this torch has no usable CUDA device")
-    return resolved
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        # bf16 matmuls are hundreds of times slower than fp32 on CPUs without AVX512-BF16.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"model.dtype must be auto or one of {', '.join(DTYPES)}; got {dtype!r}")
-    return DTYPES[dtype]
-
-
-#: In a checkpoint whose model is another directory's, unchanged (the step 0 of a run that
-#: no cold start changed): that directory, one line, relative to the checkpoint or
-#: absolute. It stands for a copy of the weights and tokenizer (:func:`model_files`).
-MODEL_POINTER = "model_dir.txt"
-
-
-def model_files(path: str | Path) -> Path:
-    """The directory holding the model files of ``path``: the one its :data:`MODEL_POINTER`
-    names, else ``path`` itself. Every reader of a model directory goes through it."""
-    path = Path(path)
-    pointer = path / MODEL_POINTER
-    if pointer.is_file():
-        return path / pointer.read_text().strip()  # (an absolute line replaces ``path``)
-    return path
-
-
-def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype):
-    """Load a local HF causal-LM directory (AutoModelForCausalLM + AutoTokenizer), or the
-    one a checkpoint's :data:`MODEL_POINTER` names.
-
-    Raises ``FileNotFoundError``/``ValueError`` with a one-line message naming the path.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    quiet_transformers()
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"model.path: {path} is not a directory")
-    if model_files(path) != path:
-        named, path = path, model_files(path)
-        if not path.is_dir():
-            raise FileNotFoundError(
-                f"model.path: {named} is the model {path} (its {MODEL_POINTER}), "
-                "which is not a directory"
-            )
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model.path: {path} has no config.json (not a HF model dir)")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except (OSError, ValueError, KeyError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"model.path: cannot load {path}: {first_line}") from exc
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
-    model.to(device)
-    model.config.use_cache = True
-    return model, tokenizer
+from gspo.models.kernels import linear_for
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -301,7 +90,7 @@ def head_logits(hidden: Tensor, weight: Tensor, linear=F.linear) -> Tensor:
     """``hidden @ weight.T``, ``[..., H] x [V, H] -> [..., V]`` float32 logits of a plain
     head, computed in float32 whatever autocast is on (:data:`HEAD_IN_FLOAT32`).
 
-    ``linear``: the product (:func:`gspo.kernels.linear_for` of the model).
+    ``linear``: the product (:func:`gspo.models.kernels.linear_for` of the model).
     """
     if not HEAD_IN_FLOAT32:
         return linear(hidden, weight).float()
@@ -572,7 +361,7 @@ def logprobs_from_hidden(
     keeping ``N x T x V`` of them alive: peak memory is one chunk's logits, not all.
     ``with_entropy``: also each position's entropy ``[N, T]``, from the same chunk's
     logits (and through the same checkpoint, so it may carry a gradient). ``linear``: the
-    product ``hidden @ weight.T`` (:func:`gspo.kernels.linear_for` of the model).
+    product ``hidden @ weight.T`` (:func:`gspo.models.kernels.linear_for` of the model).
     """
     from torch.utils.checkpoint import checkpoint
 

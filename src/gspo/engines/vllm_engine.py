@@ -1,9 +1,9 @@
-"""A colocated vLLM rollout engine behind the :class:`~gspo.rollout.RolloutEngine` protocol.
+"""A colocated vLLM rollout engine behind the :class:`~gspo.engines.RolloutEngine` protocol.
 
 :class:`VLLMEngine` runs a vLLM ``LLM`` in the trainer's process, sends prompts as token
-ids, maps :class:`~gspo.rollout.SamplingParams` one to one (``n`` = group size,
+ids, maps :class:`~gspo.engines.SamplingParams` one to one (``n`` = group size,
 temperature, top-p, max tokens, seed, stop tokens) and returns the same
-:class:`~gspo.rollout.RolloutBatch` layout as :class:`~gspo.rollout.TorchEngine`:
+:class:`~gspo.engines.RolloutBatch` layout as :class:`~gspo.engines.TorchEngine`:
 prompts left-padded, completions right-padded with the stop token inside the mask, the
 sampled tokens' float32 log-probs under ``softmax(logits / temperature)``, and
 ``"stop"``/``"length"`` finish reasons, rows of one prompt adjacent.
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from gspo.config import VLLM_LORA_RANKS
-from gspo.rollout import RolloutBatch, SamplingParams, pad_batch
+from gspo.engines import RolloutBatch, SamplingParams, pad_batch
 
 #: How to get vLLM, for the error raised when it cannot be imported.
 INSTALL_HINT = (

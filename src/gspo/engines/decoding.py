@@ -1,4 +1,4 @@
-"""Decoders for :class:`gspo.rollout.TorchEngine`: prefill prompts, then one token per row per step.
+"""Decoders for :class:`gspo.engines.TorchEngine`: prefill prompts, then one token per row per step.
 
 Two implementations of one small interface (``prefill``, ``step``, ``select``):
 
@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gspo import models
-from gspo.kernels import linear_for
 from gspo.models import head_logits, plain_lm_head, position_ids_from_mask
+from gspo.models import logprobs as model_logprobs
+from gspo.models.kernels import linear_for
 
 #: model_type values whose decoder layers :class:`KVDecoder` reimplements (checked
 #: against transformers 5.23's modeling files): RMSNorm before attention and MLP, RoPE
@@ -64,13 +64,13 @@ def cached_forward(model: nn.Module, cache, **inputs):
 
 
 def head_weight(model: nn.Module) -> Tensor | None:
-    """The matrix a plain head (:func:`gspo.models.plain_lm_head`) multiplies by, cast to
-    float32 once per generation for :func:`gspo.models.head_logits` (a bf16 LoRA base's
+    """The matrix a plain head (:func:`gspo.models.logprobs.plain_lm_head`) multiplies by, cast to
+    float32 once per generation for :func:`gspo.models.logprobs.head_logits` (a bf16 LoRA base's
     would otherwise be cast at every step); None for any other head."""
     if not plain_lm_head(model):
         return None
     weight = model.get_output_embeddings().weight
-    return weight.float() if models.HEAD_IN_FLOAT32 else weight
+    return weight.float() if model_logprobs.HEAD_IN_FLOAT32 else weight
 
 
 def next_token_logits(
@@ -80,7 +80,7 @@ def next_token_logits(
     token ``[R, V]``, the cache).
 
     With ``head`` (:func:`head_weight`) the plain head is applied to the decoder's last
-    hidden states by :func:`gspo.models.head_logits`, in float32, exactly as the trainer
+    hidden states by :func:`gspo.models.logprobs.head_logits`, in float32, exactly as the trainer
     applies it; otherwise the logits are the model's own forward's.
     """
     if head is not None:

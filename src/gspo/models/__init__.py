@@ -1,0 +1,25 @@
+"""Models and tokenizers: the tiny built-in ones (:mod:`.builtin`), loading any local HF
+causal LM (:mod:`.loading`), completion log-probs (:mod:`.logprobs`) and the CPU's linear
+kernels (:mod:`.kernels`). A built-in tiny Qwen3 and a user's Qwen3-8B take the same path."""
+
+from gspo.models.builtin import TinyModelSpec, build_char_tokenizer, build_tiny_model
+from gspo.models.loading import (
+    MODEL_POINTER,
+    load_model,
+    model_files,
+    resolve_dtype,
+    save_pretrained,
+    save_pretrained_atomic,
+)
+from gspo.models.logprobs import (
+    LOGPROB_CHUNK,
+    CompletionLogprobs,
+    completion_logprobs,
+    head_logits,
+    layout_cost,
+    logprobs_from_hidden,
+    packed_completion_logprobs,
+    plain_lm_head,
+    position_ids_from_mask,
+    token_logprobs_from_logits,
+)

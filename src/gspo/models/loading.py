@@ -1,0 +1,103 @@
+"""Loading and saving model directories: any local HF causal LM (or the one a
+checkpoint's pointer names), saved whole or not at all, and the compute dtype."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from gspo.publish import staged
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def quiet_transformers() -> None:
+    """No per-shard progress bars in our logs."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+
+
+def save_pretrained(model, tokenizer, directory: str | Path) -> None:
+    """``save_pretrained`` model and tokenizer into ``directory`` (made if missing)."""
+    quiet_transformers()
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+def save_pretrained_atomic(
+    model, tokenizer, directory: str | Path, *, also: Callable[[Path], None] | None = None
+) -> Path:
+    """``save_pretrained`` model and tokenizer into ``directory`` whole or not at all.
+
+    ``also(tmp_dir)`` may write more files (e.g. optimizer state) before it is put in
+    place (:func:`gspo.publish.staged`); an existing ``directory`` is replaced.
+    """
+    directory = Path(directory)
+    with staged(directory) as tmp:
+        save_pretrained(model, tokenizer, tmp)
+        if also is not None:
+            also(tmp)
+    return directory
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # bf16 matmuls are hundreds of times slower than fp32 on CPUs without AVX512-BF16.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"model.dtype must be auto or one of {', '.join(DTYPES)}; got {dtype!r}")
+    return DTYPES[dtype]
+
+
+#: In a checkpoint whose model is another directory's, unchanged (the step 0 of a run that
+#: no cold start changed): that directory, one line, relative to the checkpoint or
+#: absolute. It stands for a copy of the weights and tokenizer (:func:`model_files`).
+MODEL_POINTER = "model_dir.txt"
+
+
+def model_files(path: str | Path) -> Path:
+    """The directory holding the model files of ``path``: the one its :data:`MODEL_POINTER`
+    names, else ``path`` itself. Every reader of a model directory goes through it."""
+    path = Path(path)
+    pointer = path / MODEL_POINTER
+    if pointer.is_file():
+        return path / pointer.read_text().strip()  # (an absolute line replaces ``path``)
+    return path
+
+
+def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype):
+    """Load a local HF causal-LM directory (AutoModelForCausalLM + AutoTokenizer), or the
+    one a checkpoint's :data:`MODEL_POINTER` names.
+
+    Raises ``FileNotFoundError``/``ValueError`` with a one-line message naming the path.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quiet_transformers()
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model.path: {path} is not a directory")
+    if model_files(path) != path:
+        named, path = path, model_files(path)
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"model.path: {named} is the model {path} (its {MODEL_POINTER}), "
+                "which is not a directory"
+            )
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model.path: {path} has no config.json (not a HF model dir)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except (OSError, ValueError, KeyError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"model.path: cannot load {path}: {first_line}") from exc
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    model.to(device)
+    model.config.use_cache = True
+    return model, tokenizer
