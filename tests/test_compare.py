@@ -11,7 +11,8 @@ import torch
 from conftest import CPU
 
 from gspo.cli import main
-from gspo.compare import (
+from gspo.config import load_config
+from gspo.experiments.runs import (
     INCONCLUSIVE,
     NOT_REPRODUCED,
     REPRODUCED,
@@ -29,7 +30,6 @@ from gspo.compare import (
     verdicts,
     with_elapsed,
 )
-from gspo.config import load_config
 from gspo.telemetry import band_lines, plot_histograms
 from gspo.trainer import Trainer
 from gspo.training.setup import load_task_data
