@@ -26,14 +26,14 @@ from pathlib import Path
 
 import torch
 
-from gspo.compare import (
+from gspo.config import load_config
+from gspo.experiments import (
     cold_start_checkpoint,
     final_eval,
     run_or_reuse,
     token_weighted,
     with_elapsed,
 )
-from gspo.config import load_config
 from gspo.telemetry import plot_runs
 
 LEVELS = {"GSPO": "sequence", "GRPO": "token"}

@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from gspo.compare import train_lines
 from gspo.config import load_config
+from gspo.experiments import train_lines
 from gspo.telemetry import plot_runs
 from gspo.trainer import Trainer
 

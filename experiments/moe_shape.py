@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from moe_routing import CHURN, mean, train_run
 
-from gspo.compare import train_lines
+from gspo.experiments import train_lines
 
 #: The paper's figure: share of activated experts that change after one update, Qwen3-30B-A3B.
 PAPER_CHURN = 0.10

@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
-from gspo.compare import PRESETS, cold_start_checkpoint
 from gspo.config import load_config
 from gspo.engines import SamplingParams, TorchEngine, decoding
+from gspo.experiments import PRESETS, cold_start_checkpoint
 from gspo.models import completion_logprobs, load_model
 from gspo.models import logprobs as models
 from gspo.tasks import encode_prompt
@@ -190,7 +190,7 @@ def weighted(lines: list[dict], key: str) -> float:
 
 
 def runs(args) -> list[dict]:
-    from gspo.compare import final_eval, run_or_reuse
+    from gspo.experiments import final_eval, run_or_reuse
 
     overrides = base_overrides(args.preset, args.set)
     checkpoint = cold_start_checkpoint(overrides, None, args.work_dir / args.preset, print)

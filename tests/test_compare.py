@@ -11,25 +11,26 @@ import torch
 from conftest import CPU
 
 from gspo.cli import main
-from gspo.compare import (
+from gspo.config import load_config
+from gspo.experiments import compare, run_configs
+from gspo.experiments.claims import (
     INCONCLUSIVE,
     NOT_REPRODUCED,
     REPRODUCED,
-    Run,
-    compare,
-    cosines_by_length,
     first_divergence,
     gradient_noise_notes,
-    length_buckets,
     notes,
+    verdicts,
+)
+from gspo.experiments.summary import (
+    Run,
+    cosines_by_length,
+    length_buckets,
     per_rollout,
-    run_configs,
     spread_by_length,
     token_weighted,
-    verdicts,
     with_elapsed,
 )
-from gspo.config import load_config
 from gspo.telemetry import band_lines, plot_histograms
 from gspo.trainer import Trainer
 from gspo.training.setup import load_task_data

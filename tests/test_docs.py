@@ -117,8 +117,8 @@ def check_command(command: str) -> None:
     would (its preset, algorithms and seeds), with a stand-in cold-start checkpoint.
     """
     from gspo.cli import parse_args
-    from gspo.compare import ALGORITHMS, PRESETS, run_configs
     from gspo.config import load_config
+    from gspo.experiments import ALGORITHMS, PRESETS, run_configs
 
     try:
         args = parse_args(gspo_arguments(command))

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from gspo.compare import cold_start_checkpoint, run_or_reuse, train_lines
 from gspo.config import load_config
+from gspo.experiments import cold_start_checkpoint, run_or_reuse, train_lines
 
 #: The task and model, cold start included (a smaller version of ``gspo compare --preset
 #: long``: 10 terms, 600 SFT steps).

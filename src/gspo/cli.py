@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             return run_train(args)
         if args.command == "compare":
-            from gspo.compare import compare
+            from gspo.experiments import compare
 
             if args.seeds < 1:
                 raise ValueError(f"--seeds {args.seeds}: at least 1")

@@ -1,0 +1,214 @@
+"""The paper's claims judged on ``gspo compare``'s summaries: a verdict per claim
+(:func:`verdicts` holds the rules) and the statements computed beside them (:func:`notes`,
+:func:`gradient_noise_notes`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gspo.experiments.summary import Run, train_lines
+
+#: Presets on which claim (c) is judged: the levers the paper says break GRPO.
+UNSTABLE_PRESETS = ("stress", "long")
+
+#: Below this mean response length (tokens) claim (b) cannot be told apart from noise:
+#: the spread of a mean of L log-ratios is sqrt(L) times smaller, under the 3x the rule
+#: asks for.
+MIN_MEAN_LENGTH = 9
+
+REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inconclusive"
+
+
+def verdicts(summary: Mapping[str, Mapping[str, Any]], preset: str) -> list[dict[str, str]]:
+    """One verdict per claim, each with the figures behind it.
+
+    (a) GSPO clips far more tokens (>= 10x GRPO's fraction; the paper shows ~100x) yet
+        trains at least as well (final accuracy not below GRPO's by more than two standard
+        errors of the seed mean).
+    (b) Token ratios are noisy, sequence ratios tight (the spread of log w_it at least 3x
+        that of log s_i on GRPO's own runs), and the token noise grows with response length
+        (variance of w_it higher in the longest length bucket than in the shortest). A mean
+        of L independent log-ratios has sqrt(L) times less spread, so below
+        :data:`MIN_MEAN_LENGTH` tokens (3x) or with the longest bucket under twice the
+        shortest, the test cannot tell and the verdict is inconclusive.
+    (c) GRPO unstable where GSPO is not: only judged on the presets that pull the paper's
+        levers (:data:`UNSTABLE_PRESETS`); a collapse is a final accuracy more than 0.1
+        below the start.
+    """
+    gspo, grpo = summary["GSPO"], summary["GRPO"]
+    out = []
+
+    # (a)
+    clip_x = gspo["clip_fraction"] / grpo["clip_fraction"] if grpo["clip_fraction"] else math.inf
+    n = len(gspo["seeds"])
+    noise = 2 * math.hypot(gspo["accuracy_sd"], grpo["accuracy_sd"]) / math.sqrt(max(n, 1))
+    gap = gspo["accuracy"] - grpo["accuracy"]
+    figures = (
+        f"clip fraction GSPO {gspo['clip_fraction']:.4f} vs GRPO {grpo['clip_fraction']:.4f} "
+        f"({clip_x:.0f}x); final accuracy GSPO {gspo['accuracy']:.3f} vs GRPO "
+        f"{grpo['accuracy']:.3f} (difference {gap:+.3f}, two standard errors {noise:.3f}, "
+        f"{n} seeds)"
+    )
+    if any(math.isnan(v) for v in (clip_x, gap)):
+        verdict = INCONCLUSIVE
+    elif clip_x >= 10 and gap >= -noise:
+        verdict = REPRODUCED
+    elif clip_x < 10 or gap < -noise:
+        verdict = NOT_REPRODUCED
+    else:  # pragma: no cover - the two branches above are exhaustive
+        verdict = INCONCLUSIVE
+    out.append({"claim": "(a) GSPO clips far more tokens (paper: ~100x), trains as well",
+                "verdict": verdict, "figures": figures})  # fmt: skip
+
+    # (b)
+    tok_sd, seq_sd = grpo["token_log_ratio_sd"], grpo["sequence_log_ratio_sd"]
+    rows, mean_len = grpo["spread_by_length"], grpo.get("mean_response_length", math.nan)
+    if math.isnan(tok_sd) or math.isnan(seq_sd) or len(rows) < 2:
+        verdict = INCONCLUSIVE
+        figures = (
+            f"sd of log w_it {tok_sd:.2e}, of log s_i {seq_sd:.2e}; not enough ratio dumps "
+            "or response lengths to compare"
+        )
+    else:
+        wide = tok_sd >= 3 * seq_sd
+        grows = rows[-1]["token_ratio_var"] > rows[0]["token_ratio_var"]
+        testable = mean_len >= MIN_MEAN_LENGTH and rows[-1]["lo"] >= 2 * rows[0]["hi"]
+        figures = (
+            f"on GRPO's runs sd of log w_it {tok_sd:.2e} vs log s_i {seq_sd:.2e} "
+            f"({tok_sd / seq_sd if seq_sd else math.inf:.1f}x); variance of w_it "
+            f"{rows[0]['token_ratio_var']:.2e} for lengths {rows[0]['lengths']} vs "
+            f"{rows[-1]['token_ratio_var']:.2e} for {rows[-1]['lengths']}; mean response "
+            f"length {mean_len:.1f} tokens"
+        )
+        if not testable:
+            verdict = INCONCLUSIVE
+            figures += (
+                f" (too short or too uniform to test: needs a mean of {MIN_MEAN_LENGTH}+ "
+                "tokens and a longest length bucket at least twice the shortest)"
+            )
+        else:
+            verdict = REPRODUCED if wide and grows else NOT_REPRODUCED
+    out.append({"claim": "(b) token ratios noisy and length-dependent, sequence ratios tight",
+                "verdict": verdict, "figures": figures})  # fmt: skip
+
+    # (c)
+    def collapsed(s: Mapping[str, Any]) -> bool:
+        return s["accuracy"] < s["accuracy_start"] - 0.1
+
+    if preset not in UNSTABLE_PRESETS:
+        verdict = INCONCLUSIVE
+        figures = f"not tested: run gspo compare --preset {' or '.join(UNSTABLE_PRESETS)}"
+    else:
+        figures = (
+            f"final accuracy GRPO {grpo['accuracy']:.3f} (start {grpo['accuracy_start']:.3f}), "
+            f"GSPO {gspo['accuracy']:.3f} (start {gspo['accuracy_start']:.3f})"
+        )
+        if collapsed(grpo) and not collapsed(gspo):
+            verdict = REPRODUCED
+        elif not collapsed(grpo):
+            verdict = NOT_REPRODUCED
+        else:
+            verdict = INCONCLUSIVE  # both collapsed
+    out.append({"claim": "(c) under stress (off-policy updates, long responses) GRPO "
+                "becomes unstable, GSPO does not",
+                "verdict": verdict, "figures": figures})  # fmt: skip
+    return out
+
+
+def first_divergence(a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, Any]],
+                     key: str = "train/objective", tol: float = 1e-4) -> float | None:  # fmt: skip
+    """The first step at which two runs' ``key`` differ by more than ``tol`` (or None)."""
+    by_step = {r["step"]: r[key] for r in train_lines(b) if key in r}
+    for r in train_lines(a):
+        other = by_step.get(r["step"])
+        if other is not None and key in r and abs(r[key] - other) > tol:
+            return r["step"]
+    return None
+
+
+def gradient_noise_notes(summary: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """GRPO against GSPO on the gradient cosines, shortest vs longest length bucket.
+
+    A change with length counts as different between the two when the difference of
+    their changes exceeds two standard errors (from the spread over dumps).
+    """
+    rows = {n: summary[n]["gradient_cosines_by_length"] for n in ("GRPO", "GSPO") if n in summary}
+    if len(rows) < 2 or any(len(r) < 2 for r in rows.values()):
+        return []
+
+    def trend(name: str, key: str) -> tuple[float, float, str]:
+        first, last = rows[name][0], rows[name][-1]
+        se = math.hypot(first[f"{key}_se"], last[f"{key}_se"])
+        text = (
+            f"{name} {first[key]:.2f} ± {first[f'{key}_se']:.2f} -> {last[key]:.2f} ± "
+            f"{last[f'{key}_se']:.2f}"
+        )
+        return last[key] - first[key], se, text
+
+    lengths = (
+        f"lengths {rows['GRPO'][0]['length_mean']:.0f} -> {rows['GRPO'][-1]['length_mean']:.0f}"
+    )
+    out = []
+    for key, what in (
+        ("halves", "Agreement between the two halves of a length bucket (the noise measure)"),
+        ("to_full", "Agreement of a half-bucket gradient with the full-batch gradient"),
+        ("to_on_policy", "Cosine of a half-bucket gradient to its ratio-1 gradient"),
+    ):
+        grpo_change, grpo_se, grpo_text = trend("GRPO", key)
+        gspo_change, gspo_se, gspo_text = trend("GSPO", key)
+        diff, two_se = grpo_change - gspo_change, 2 * math.hypot(grpo_se, gspo_se)
+        if diff < -two_se:
+            finding = "it falls more with length for GRPO than for GSPO"
+        elif diff > two_se:
+            finding = "it rises more with length for GRPO than for GSPO (or falls less)"
+        else:
+            finding = "the two change alike with length, within two standard errors"
+        out.append(
+            f"{what}, shortest -> longest bucket ({lengths}; mean ± standard error): "
+            f"{grpo_text}; {gspo_text}. GRPO's change minus GSPO's {diff:+.2f} (two "
+            f"standard errors {two_se:.2f}): {finding}."
+        )
+    out.append(
+        "The ratio-1 cosine measures how far the ratios turn the gradient: for GSPO it "
+        "includes whole responses dropped by its clipping, for GRPO the per-token weights."
+    )
+    return out
+
+
+def notes(summary: Mapping[str, Mapping[str, Any]], runs: Sequence[Run] = ()) -> list[str]:
+    """Statements computed from the numbers, beside the verdicts."""
+    out = []
+    gspo, token = summary.get("GSPO"), summary.get("GSPO-token")
+    if gspo and token:
+        same = all(
+            math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+            for key in ("accuracy_per_seed", "clip_fraction_per_seed")
+            for a, b in zip(gspo[key], token[key], strict=True)
+        )
+        if same:
+            out.append(
+                "GSPO-token matched GSPO exactly on every seed (accuracy and clip fraction): "
+                "with one advantage per response the two objectives and gradients are the "
+                "same (docs/algorithm.md), so this checks the implementation, it is not a "
+                "second result."
+            )
+        else:
+            by = {(r.algorithm, r.seed): r.records for r in runs}
+            steps = [
+                first_divergence(by[("GSPO", seed)], by[("GSPO-token", seed)])
+                for seed in gspo["seeds"]
+                if ("GSPO", seed) in by and ("GSPO-token", seed) in by
+            ]
+            where = ", ".join("never" if s is None else f"step {s:g}" for s in steps)
+            out.append(
+                "GSPO-token differed from GSPO (final accuracy "
+                f"{token['accuracy']:.3f} vs {gspo['accuracy']:.3f}). With one advantage per "
+                "response the two have the same objective and gradient in exact arithmetic; "
+                "their float rounding differs (the order of sums), and a chaotic run can grow "
+                "that into different trajectories. First step where their objectives differ "
+                f"by more than 1e-4, per seed: {where}; a late first step means rounding "
+                "drift, a difference at step 1 would be a bug."
+            )
+    return out

@@ -1,0 +1,265 @@
+"""The report of ``gspo compare``: plots, ``report.md``, ``report.html`` (plots embedded)
+and ``summary.json`` under the output directory."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from gspo.experiments.claims import gradient_noise_notes, notes, verdicts
+from gspo.experiments.summary import (
+    EPISODE_METRICS,
+    Run,
+    algorithm_summary,
+    per_rollout,
+    train_lines,
+    with_elapsed,
+)
+from gspo.telemetry import plot_bands, plot_histograms
+
+
+def write_report(
+    runs: Sequence[Run],
+    out: Path,
+    *,
+    preset: str = "default",
+    seconds: float = math.nan,
+    cold_start_seconds: float = math.nan,
+    overrides: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Plots, ``report.md``, ``report.html`` and ``summary.json`` under ``out``."""
+    by_algo: dict[str, list[Run]] = {}
+    for r in runs:
+        by_algo.setdefault(r.algorithm, []).append(r)
+    summary = {name: algorithm_summary(rs) for name, rs in by_algo.items()}
+    groups = {name: [with_elapsed(r.records) for r in rs] for name, rs in by_algo.items()}
+    trains = {name: [train_lines(x) for x in recs] for name, recs in groups.items()}
+    plots = out / "plots"
+    figures = [
+        ("Held-out accuracy vs optimizer steps", plot_bands(
+            groups, "eval/accuracy", plots / "accuracy_steps.png", title="Held-out accuracy")),
+        ("Held-out accuracy vs wall clock", plot_bands(
+            groups, "eval/accuracy", plots / "accuracy_time.png", x="elapsed",
+            title="Held-out accuracy")),
+        ("Training reward vs optimizer steps", plot_bands(
+            trains, "train/reward_mean", plots / "reward_steps.png", title="Training reward")),
+        ("Training reward vs wall clock", plot_bands(
+            trains, "train/reward_mean", plots / "reward_time.png", x="elapsed",
+            title="Training reward")),
+        ("Fraction of clipped tokens per rollout batch (the paper's Figure 2)", plot_bands(
+            {name: [per_rollout(x, "train/clip_fraction") for x in recs]
+             for name, recs in trains.items()},
+            "train/clip_fraction", plots / "clip_fraction.png", logy=True,
+            title="Clipped fraction of tokens (per rollout batch)")),
+        ("Token ratios w_it and sequence ratios s_i, last minibatch of a rollout batch",
+         plot_histograms(
+             {f"{name}: {kind}": s["ratio_dumps"][key]
+              for name, s in summary.items()
+              for kind, key in (("w_it", "token_log_ratio"), ("s_i", "sequence_log_ratio"))
+              if s["ratio_dumps"] and s["ratio_dumps"][key].numel()},
+             plots / "ratios.png", title="log importance ratios (second half of training)")),
+        ("Variance of the ratios by response length", plot_bands(
+            {f"{name}: {label}": [[{"step": row["length_mid"], "variance": row[key]}
+                                   for row in s["spread_by_length"]]]
+             for name, s in summary.items()
+             for label, key in (("w_it", "token_ratio_var"), ("s_i", "sequence_ratio_var"))},
+            "variance", plots / "ratio_variance_by_length.png", logy=True,
+            xlabel="response length (bucket middle)",
+            title="Variance of importance ratios by response length")),
+        ("Gradient noise by response length: cosine between the gradient of half a "
+         "length bucket and the full-batch gradient (to_full), and between the two halves "
+         "(halves); last minibatch's weights", plot_bands(
+            cosine_lines(summary, "to_full", "halves"), "cosine",
+            plots / "gradient_cosine_by_length.png", xlabel="response length (bucket mean)",
+            title="cos(half-bucket gradient, full-batch gradient / other half)")),
+        ("How far the importance ratios turn the gradient: cosine between a half bucket's "
+         "gradient with the run's ratios and with ratios 1", plot_bands(
+            cosine_lines(summary, "to_on_policy"), "cosine",
+            plots / "gradient_ratio_turn_by_length.png",
+            xlabel="response length (bucket mean)",
+            title="cos(gradient with ratios, gradient with ratios 1)")),
+    ]  # fmt: skip
+    claims = verdicts(summary, preset)
+    for s in summary.values():
+        s.pop("ratio_dumps")
+    result = {
+        "preset": preset,
+        "overrides": list(overrides),
+        "seconds": seconds,
+        "cold_start_seconds": cold_start_seconds,
+        "run_seconds": sum(with_elapsed(r.records)[-1]["elapsed"] for r in runs if r.records),
+        "algorithms": summary,
+        "verdicts": claims,
+    }
+    (out / "summary.json").write_text(json.dumps(result, indent=2, default=float) + "\n")
+    md = report_markdown(result, [(t, p) for t, p in figures if p is not None], out, runs)
+    (out / "report.md").write_text(md)
+    (out / "report.html").write_text(report_html(md, out))
+    return result
+
+
+def cosine_lines(summary: Mapping[str, Mapping[str, Any]], *keys: str) -> dict[str, Any]:
+    """``plot_bands`` groups: per algorithm and key, one line against the bucket length."""
+    return {
+        f"{name}: {key}" if len(keys) > 1 else name: [
+            [{"step": row["length_mean"], "cosine": row[key]}
+             for row in s["gradient_cosines_by_length"]]]
+        for name, s in summary.items() if s["gradient_cosines_by_length"]
+        for key in keys
+    }  # fmt: skip
+
+
+def report_markdown(
+    result: Mapping[str, Any],
+    figures: list[tuple[str, Path]],
+    out: Path,
+    runs: Sequence[Run] = (),
+) -> str:
+    summary = result["algorithms"]
+    seeds = next(iter(summary.values()))["seeds"] if summary else []
+    lines = [
+        "# " + " vs ".join(summary),
+        "",
+        f"Produced by `gspo compare` (preset `{result['preset']}`"
+        + "".join(f", override `{o}`" for o in result.get("overrides", []))
+        + ", seeds "
+        f"{', '.join(map(str, seeds))}). Time: the shared cold start "
+        f"{result['cold_start_seconds'] / 60:.1f} min, the {len(result['algorithms']) * len(seeds)}"
+        f" runs {result['run_seconds'] / 60:.1f} min together (first to last record of "
+        f"each); this invocation {result['seconds'] / 60:.1f} min (reused runs cost nothing). "
+        "Every run "
+        "starts from the same cold-start checkpoint with the same config but "
+        "`algorithm.level` (and its paper clip range) and `train.seed`. Figures are means "
+        "over seeds (± one standard deviation in the plots' bands).",
+        "",
+        "## Verdicts",
+        "",
+        "| claim | verdict | figures |",
+        "|---|---|---|",
+        *[f"| {c['claim']} | **{c['verdict']}** | {c['figures']} |" for c in result["verdicts"]],
+        "",
+        "## Final numbers",
+        "",
+        "| algorithm | held-out accuracy (start -> end, ± sd over seeds) | greedy (end) "
+        "| reward, last quarter | clipped tokens | sd log w_it | sd log s_i | run time (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, s in summary.items():
+        lines.append(
+            f"| {name} | {s['accuracy_start']:.3f} -> {s['accuracy']:.3f} ± "
+            f"{s['accuracy_sd']:.3f} | {s['accuracy_greedy']:.3f} | {s['reward_tail']:.3f} | "
+            f"{s['clip_fraction']:.4f} | {s['token_log_ratio_sd']:.2e} | "
+            f"{s['sequence_log_ratio_sd']:.2e} | {s['seconds']:.0f} |"
+        )
+    lines += ["", *[f"- {note}" for note in notes(summary, runs)]]
+    if any(s.get("episodes") for s in summary.values()):
+        lines += [
+            "",
+            "## Episodes",
+            "",
+            "Held-out episodes (sampled), at the first and the last evaluation, means over seeds.",
+            "",
+            "| algorithm | " + " | ".join(EPISODE_METRICS.values()) + " |",
+            "|---|" + "---|" * len(EPISODE_METRICS),
+        ]
+        for name, s in summary.items():
+            cells = [
+                f"{s['episodes'][k][0]:.3f} -> {s['episodes'][k][1]:.3f}"
+                if k in s.get("episodes", {})
+                else "-"
+                for k in EPISODE_METRICS
+            ]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "## Ratio variance by response length", ""]
+    lines += ["| algorithm | lengths | responses | var w_it | var s_i |", "|---|---|---|---|---|"]
+    for name, s in summary.items():
+        for row in s["spread_by_length"]:
+            lines.append(
+                f"| {name} | {row['lengths']} | {row['responses']} | "
+                f"{row['token_ratio_var']:.2e} | {row['sequence_ratio_var']:.2e} |"
+            )
+    if any(s["gradient_cosines_by_length"] for s in summary.values()):
+        lines += [
+            "",
+            "## Gradient noise by response length",
+            "",
+            "On every dumped rollout batch, at the weights its last (most off-policy) "
+            "minibatch sees, the batch is cut into four length buckets (its quartiles) and "
+            "each bucket into two random halves; the gradient of the policy loss over each "
+            "half is compared with the full-batch gradient (*to full*), with the other "
+            "half (*halves*), and with the same half's gradient under ratios 1 (*to ratio "
+            "1*: how far the importance ratios and the clipping turn it). Means over the "
+            "dumps of the second half of training, all seeds, ± their standard error. 1 is "
+            "perfect agreement. "
+            "*Halves* is the noise measure proper (two independent samples of the same "
+            "lengths); *to full* also rises with the bucket's weight in the full-batch "
+            "gradient (a bucket whose gradient is larger pulls the full one toward it).",
+            "",
+            "| algorithm | bucket | mean length | to full | halves | to ratio 1 | dumps |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name, s in summary.items():
+            for row in s["gradient_cosines_by_length"]:
+                lines.append(
+                    f"| {name} | {row['bucket'] + 1} | {row['length_mean']:.0f} | "
+                    f"{row['to_full']:.3f} ± {row['to_full_se']:.3f} | "
+                    f"{row['halves']:.3f} ± {row['halves_se']:.3f} | "
+                    f"{row['to_on_policy']:.3f} ± {row['to_on_policy_se']:.3f} | {row['dumps']} |"
+                )
+        lines += [""] + [
+            f"- {name}: whole-batch gradient with ratios vs with ratios 1, cosine "
+            f"{s['gradient_cosine_full_to_on_policy']:.3f}."
+            for name, s in summary.items()
+            if s["gradient_cosines_by_length"]
+        ]
+        lines += [f"- {note}" for note in gradient_noise_notes(summary)]
+    lines += ["", "## Plots", ""]
+    for title, path in figures:
+        lines += [f"### {title}", "", f"![{title}]({path.relative_to(out).as_posix()})", ""]
+    return "\n".join(lines)
+
+
+def report_html(markdown: str, out: Path) -> str:
+    """A self-contained HTML page of the report: tables as tables, plots embedded."""
+    import html
+
+    body, table = [], []
+
+    def flush_table() -> None:
+        if not table:
+            return
+        rows = [r.strip("|").split(" | ") for r in table if not set(r) <= set("|-: ")]
+        head, *rest = rows
+        body.append("<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in head) + "</tr>")
+        for r in rest:
+            cells = "".join(
+                f"<td>{html.escape(c).replace('**', '')}</td>" for c in (x.strip() for x in r)
+            )
+            body.append(f"<tr>{cells}</tr>")
+        body.append("</table>")
+        table.clear()
+
+    for line in markdown.splitlines():
+        if line.startswith("|"):
+            table.append(line)
+            continue
+        flush_table()
+        if line.startswith("!["):
+            alt, src = line[2:].split("](", 1)
+            data = base64.b64encode((out / src.rstrip(")")).read_bytes()).decode()
+            body.append(f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">')
+        elif line.startswith("#"):
+            level = len(line) - len(line.lstrip("#"))
+            body.append(f"<h{level}>{html.escape(line.lstrip('# '))}</h{level}>")
+        elif line:
+            body.append(f"<p>{html.escape(line)}</p>")
+    flush_table()
+    style = "body{font-family:sans-serif;max-width:980px;margin:auto}td,th{border:1px solid #ccc;padding:4px}table{border-collapse:collapse}img{max-width:100%}"  # noqa: E501
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>gspo compare</title>"
+        f"<style>{style}</style></head><body>{''.join(body)}</body></html>\n"
+    )

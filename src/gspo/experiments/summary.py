@@ -1,0 +1,229 @@
+"""Numbers from finished ``gspo compare`` runs: their records, ratio dumps and gradient
+cosines, reduced to one summary per algorithm (means and spreads over seeds)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gspo.gradient_noise import length_buckets
+from gspo.telemetry import read_metrics
+
+#: Episode metrics reported when the runs have an environment (start -> end of training).
+EPISODE_METRICS = {
+    "eval/turns_mean": "turns per episode",
+    "eval/tool_calls_mean": "tool calls per episode",
+    "eval/tool_call_valid_fraction": "valid tool calls",
+    "eval/env_token_fraction": "environment-token share",
+}
+
+
+@dataclass
+class Run:
+    algorithm: str
+    seed: int
+    path: Path
+    records: list[dict[str, Any]]
+
+
+def train_lines(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    return [r for r in records if "train/loss" in r]
+
+
+def cold_start_seconds(run_dir: Path) -> float:
+    """The cold start's own time, from its metrics: SFT (``time/sft``) plus evaluation."""
+    records = read_metrics(run_dir / "metrics.jsonl") if run_dir.is_dir() else []
+    sft = max((r["time/sft"] for r in records if "time/sft" in r), default=0.0)
+    return sft + sum(r["time/eval"] for r in records if "time/eval" in r)
+
+
+def with_elapsed(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Records with ``elapsed``: wall seconds since the run's first record."""
+    times = [r["time"] for r in records if isinstance(r.get("time"), int | float)]
+    t0 = min(times) if times else 0.0
+    return [{**r, "elapsed": r.get("time", t0) - t0} for r in records]
+
+
+def token_weighted(lines: Sequence[Mapping[str, Any]], key: str) -> float:
+    """Mean of ``key`` over training lines, weighted by their token counts."""
+    pairs = [(r[key], r["train/tokens"]) for r in lines if r.get(key) is not None]
+    total = sum(w for _, w in pairs)
+    return sum(v * w for v, w in pairs) / total if total else math.nan
+
+
+def per_rollout(lines: Sequence[Mapping[str, Any]], key: str) -> list[dict[str, float]]:
+    """``key`` per rollout batch: token-weighted over its minibatches, at its last step.
+
+    The first minibatch of a rollout batch is on-policy and clips nothing, so per-step
+    clip fractions saw-tooth; the paper's figure is per step of a whole batch.
+    """
+    groups: dict[Any, list[Mapping[str, Any]]] = {}
+    for r in lines:
+        groups.setdefault(r.get("train/rollout"), []).append(r)
+    return [
+        {"step": max(r["step"] for r in rs), key: token_weighted(rs, key)}
+        for _, rs in sorted(groups.items(), key=lambda kv: min(r["step"] for r in kv[1]))
+    ]
+
+
+def final_eval(records: Sequence[Mapping[str, Any]], key: str = "eval/accuracy") -> float:
+    values = [r[key] for r in records if r.get(key) is not None]
+    return values[-1] if values else math.nan
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return math.nan, math.nan
+    return statistics.fmean(finite), statistics.stdev(finite) if len(finite) > 1 else 0.0
+
+
+def load_ratio_dumps(run_dir: Path, last_fraction: float = 0.5) -> dict[str, torch.Tensor]:
+    """Token and sequence log-ratios of the run's dumps in the last ``last_fraction``.
+
+    A dump (``ratios/rollout-*.pt``, see ``log.ratio_dump_every``) holds the last
+    minibatch of a rollout batch: ``token_log_ratio`` (counted tokens, flat),
+    ``token_length`` (each token's response length), ``sequence_log_ratio`` and
+    ``length`` per response. Empty tensors when the run has no dumps.
+    """
+    files = sorted((run_dir / "ratios").glob("rollout-*.pt"))
+    files = files[int(len(files) * (1 - last_fraction)) :] if files else []
+    keys = ("token_log_ratio", "token_length", "sequence_log_ratio", "length")
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
+    for f in files:
+        dump = torch.load(f, weights_only=True)
+        for k in keys:
+            parts[k].append(dump[k].float())
+    return {k: torch.cat(v) if v else torch.zeros(0) for k, v in parts.items()}
+
+
+#: Per-bucket gradient cosines in a dump (see :func:`gspo.training.hooks.gradient_cosines`).
+COSINE_KEYS = ("cosine_to_full", "cosine_halves", "cosine_to_on_policy", "cosine_length_mean")
+
+
+def load_gradient_cosines(run_dir: Path, last_fraction: float = 0.5) -> list[dict[str, Any]]:
+    """The gradient cosines of the run's dumps in the last ``last_fraction`` (those that have
+    them): per dump, ``[buckets]`` tensors of :data:`COSINE_KEYS` and the scalar
+    ``cosine_full_to_on_policy``."""
+    files = sorted((run_dir / "ratios").glob("rollout-*.pt"))
+    files = files[int(len(files) * (1 - last_fraction)) :] if files else []
+    out = []
+    for f in files:
+        dump = torch.load(f, weights_only=True)
+        if "cosine_to_full" in dump:
+            keep = (*COSINE_KEYS, "cosine_full_to_on_policy")
+            out.append({k: dump[k] for k in keep})
+    return out
+
+
+def cosines_by_length(dumps: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, float]]:
+    """Per length bucket (shortest first), each cosine's mean over dumps (NaNs skipped)
+    and, as ``<name>_se``, its standard error (sd over dumps / sqrt of their number).
+
+    A dump's buckets are its own rollout batch's length quartiles, so bucket ``b`` is
+    pooled by rank; dumps with fewer buckets than the most common count (ties in length)
+    are left out.
+    """
+    counts = [len(d["cosine_to_full"]) for d in dumps]
+    if not counts:
+        return []
+    n = max(set(counts), key=counts.count)
+    kept = [d for d in dumps if len(d["cosine_to_full"]) == n]
+    rows = []
+    for b in range(n):
+        row: dict[str, float] = {"bucket": b, "dumps": len(kept)}
+        for key in COSINE_KEYS:
+            values = [v for v in (d[key][b].item() for d in kept) if math.isfinite(v)]
+            mean, sd = mean_std(values)
+            name = key.removeprefix("cosine_")
+            row[name] = mean
+            row[f"{name}_se"] = sd / math.sqrt(len(values)) if len(values) > 1 else math.nan
+        rows.append(row)
+    return rows
+
+
+def spread_by_length(dumps: Mapping[str, torch.Tensor]) -> list[dict[str, float]]:
+    """Per length bucket: the variance of token ratios w_it and of sequence ratios s_i."""
+    rows = []
+    for lo, hi in length_buckets(dumps["length"]):
+        seq = (dumps["length"] >= lo) & (dumps["length"] <= hi)
+        tok = (dumps["token_length"] >= lo) & (dumps["token_length"] <= hi)
+        if seq.sum() < 2 or tok.sum() < 2:
+            continue
+        rows.append(
+            {
+                "lengths": f"{lo}-{hi}" if hi > lo else str(lo),
+                "lo": lo,
+                "hi": hi,
+                "length_mid": (lo + hi) / 2,
+                "token_ratio_var": dumps["token_log_ratio"][tok].exp().var().item(),
+                "sequence_ratio_var": dumps["sequence_log_ratio"][seq].exp().var().item(),
+                "responses": int(seq.sum()),
+            }
+        )
+    return rows
+
+
+def algorithm_summary(runs: Sequence[Run]) -> dict[str, Any]:
+    """Across the seeds of one algorithm: final accuracies, clip fraction, time, spreads."""
+    finals = [final_eval(r.records) for r in runs]
+    starts = [next((x["eval/accuracy"] for x in r.records if "eval/accuracy" in x), math.nan)
+              for r in runs]  # fmt: skip
+    clips = [token_weighted(train_lines(r.records), "train/clip_fraction") for r in runs]
+    rewards = []
+    for r in runs:
+        lines = train_lines(r.records)
+        tail = lines[len(lines) * 3 // 4 :]
+        rewards.append(statistics.fmean(x["train/reward_mean"] for x in tail) if tail else math.nan)
+    seconds = [(with_elapsed(r.records)[-1]["elapsed"] if r.records else math.nan) for r in runs]
+    cosine_dumps = [d for r in runs for d in load_gradient_cosines(r.path)]
+    dumps = [load_ratio_dumps(r.path) for r in runs]
+    pooled = {k: torch.cat([d[k] for d in dumps]) for k in dumps[0]} if dumps else {}
+    token_lr, seq_lr = pooled.get("token_log_ratio"), pooled.get("sequence_log_ratio")
+    acc, acc_sd = mean_std(finals)
+    episodes = {}
+    for key in EPISODE_METRICS:
+        evals = [[x[key] for x in r.records if key in x] for r in runs]
+        if all(evals):
+            episodes[key] = (
+                mean_std([e[0] for e in evals])[0],
+                mean_std([e[-1] for e in evals])[0],
+            )
+    return {
+        "episodes": episodes,
+        "seeds": [r.seed for r in runs],
+        "accuracy_start": mean_std(starts)[0],
+        "accuracy": acc,
+        "accuracy_sd": acc_sd,
+        "accuracy_per_seed": finals,
+        "accuracy_greedy": mean_std([final_eval(r.records, "eval/accuracy_greedy") for r in runs])[
+            0
+        ],
+        "reward_tail": mean_std(rewards)[0],
+        "clip_fraction": mean_std(clips)[0],
+        "clip_fraction_per_seed": clips,
+        "seconds": mean_std(seconds)[0],
+        "mean_response_length": (
+            pooled["length"].float().mean().item()
+            if pooled and pooled["length"].numel()
+            else math.nan
+        ),
+        "token_log_ratio_sd": _sd(token_lr),
+        "sequence_log_ratio_sd": _sd(seq_lr),
+        "spread_by_length": spread_by_length(pooled) if pooled else [],
+        "gradient_cosines_by_length": cosines_by_length(cosine_dumps),
+        "gradient_cosine_full_to_on_policy": mean_std(
+            [d["cosine_full_to_on_policy"].item() for d in cosine_dumps]
+        )[0],
+        "ratio_dumps": {k: v for k, v in pooled.items()},
+    }
+
+
+def _sd(values: torch.Tensor | None) -> float:
+    return values.std().item() if values is not None and values.numel() > 1 else math.nan
