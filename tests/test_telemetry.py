@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import io
 import json
 import math
@@ -426,21 +427,28 @@ def test_progress_live_bar_on_terminal_and_disabled():
 
 
 def test_import_is_cheap():
-    # Load the module file on its own (not via the gspo package, whose __init__ pulls in
-    # torch): it must import nothing heavy at import time.
-    import gspo.telemetry
+    # Load the telemetry package on its own (under a bare stand-in for the gspo package,
+    # whose __init__ pulls in torch): it must import nothing heavy at import time, and
+    # nothing of gspo outside itself.
+    import gspo
 
     code = (
-        "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('telemetry', {gspo.telemetry.__file__!r})\n"
-        "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
-        "heavy = ['gspo', 'torch', 'numpy', 'matplotlib', 'rich', 'transformers', 'wandb']\n"
+        "import sys, types\n"
+        f"pkg = types.ModuleType('gspo'); pkg.__path__ = {list(gspo.__path__)!r}\n"
+        "sys.modules['gspo'] = pkg\n"
+        "import gspo.telemetry\n"
+        "heavy = ['torch', 'numpy', 'matplotlib', 'rich', 'transformers', 'wandb']\n"
         "print([m for m in heavy if m in sys.modules])\n"
+        "print(sorted(m for m in sys.modules if m.startswith('gspo.')))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
-    assert out.stdout.strip() == "[]"
+    heavy, loaded = out.stdout.strip().splitlines()
+    assert heavy == "[]"
+    modules = ast.literal_eval(loaded)
+    assert all(m == "gspo.telemetry" or m.startswith("gspo.telemetry.") for m in modules)
+    assert "gspo.telemetry.plots" in modules  # the package's own modules did load
 
 
 def test_nan_in_every_sink_never_breaks_plots(tmp_path):

@@ -1,0 +1,74 @@
+"""Secondary metric sinks: TensorBoard, Weights & Biases and MLflow.
+
+:class:`~gspo.telemetry.logger.MetricsLogger` feeds them the numbers it writes to
+``metrics.jsonl``. Each tracker's package is imported lazily, where used: a missing one
+is one line naming the extra to install, and a tracker refusing its settings is one line
+naming the config key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+#: Sub-directory of a run's output directory that holds TensorBoard event files.
+TENSORBOARD_DIR = "tensorboard"
+
+
+@contextlib.contextmanager
+def tracker_settings(key: str, name: str) -> Iterator[None]:
+    """A tracker that refuses its settings (a retired MLflow store, a bad W&B project)
+    ends the run with one line naming the config key, not the tracker's traceback."""
+    try:
+        yield
+    except Exception as exc:
+        text = " ".join(str(exc).split())
+        text = text if len(text) <= 300 else text[:297] + "..."
+        raise ValueError(
+            f"{key}: {name} refused these settings ({type(exc).__name__}: {text})"
+        ) from exc
+
+
+def start_wandb(wandb_mod: Any, settings: dict) -> Any:
+    """``wandb.init(**settings)``: the W&B run every ``log`` is mirrored to."""
+    with tracker_settings("log.wandb", "W&B"):
+        return wandb_mod.init(**settings)
+
+
+def start_mlflow(mlflow_mod: Any, settings: dict | None) -> None:
+    """Start an MLflow run: ``"tracking_uri"`` and ``"experiment_name"`` are applied
+    first, the rest of ``settings`` is passed to ``mlflow.start_run``."""
+    cfg = dict(settings or {})
+    uri = cfg.pop("tracking_uri", None)
+    experiment = cfg.pop("experiment_name", None)
+    with tracker_settings("log.mlflow", "MLflow"):
+        if uri is not None:
+            mlflow_mod.set_tracking_uri(uri)
+        if experiment is not None:
+            mlflow_mod.set_experiment(experiment)
+        mlflow_mod.start_run(**cfg)
+
+
+def import_optional(module: str, name: str, extra: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise RuntimeError(
+            f"{name} logging was requested but the '{module}' package is not installed; "
+            f"install it with: pip install 'gspo[{extra}]'"
+        ) from None
+
+
+def tensorboard_writer(log_dir: Path, purge_step: int) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise RuntimeError(
+            "TensorBoard logging needs the 'tensorboard' package (pip install tensorboard); "
+            "or pass tensorboard=False"
+        ) from None
+    return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
