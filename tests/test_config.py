@@ -6,7 +6,7 @@ import pytest
 
 from gspo.cli import main
 from gspo.config import ConfigError, dump_config, load_config, parse_override
-from gspo.config_doc import REGENERATE, format_default, keys, render_reference, sections
+from gspo.config.doc import REGENERATE, format_default, keys, render_reference, sections
 
 REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
@@ -164,7 +164,7 @@ def test_cli_config_prints_resolved_yaml(capsys):
 def test_committed_configuration_reference_is_current():
     committed = REFERENCE.read_text() if REFERENCE.is_file() else ""
     assert committed == render_reference(), (
-        f"docs/configuration.md is out of date with src/gspo/config.py; run `{REGENERATE}`"
+        f"docs/configuration.md is out of date with src/gspo/config/; run `{REGENERATE}`"
     )
 
 
