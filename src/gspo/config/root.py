@@ -51,9 +51,8 @@ class Config(Section):
         in one fixed order: the first broken one is the error a user sees. The sections'
         rules run here, not as their own validators, so that this order holds and each
         message reads as written (a section validator's would be prefixed by its name)."""
-        model, data, reward, rollout, algo = (
-            self.model, self.data, self.reward, self.rollout, self.algorithm
-        )  # fmt: skip
+        model, data, reward, rollout = self.model, self.data, self.reward, self.rollout
+        algo = self.algorithm
         model.check_builtin_shape()
         rollout.check_group_size()
         minibatches_fit(rollout, algo)
