@@ -6,7 +6,7 @@ import pytest
 
 from gspo.cli import main
 from gspo.config import ConfigError, dump_config, load_config, parse_override
-from gspo.config_doc import REGENERATE, format_default, keys, render_reference, sections
+from gspo.config.doc import REGENERATE, format_default, keys, render_reference, sections
 
 REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
@@ -124,6 +124,33 @@ def test_a_group_of_one_is_refused():
     assert load_config(overrides=["rollout.group_size=2"]).rollout.group_size == 2
 
 
+@pytest.mark.parametrize(
+    ("overrides", "first"),
+    [
+        # a section's own rule between two rules across sections, and the other way round
+        (["rollout.prompts_per_batch=1", "algorithm.minibatches=9", "reward.weights=[1, 2]"],
+         "algorithm.minibatches=9 exceeds the rollout batch of 8 responses"),
+        (["reward.weights=[1, 2]", "rollout.engine=vllm", "rollout.top_p=0.9",
+          "algorithm.old_logprobs=sampler"], "reward.weights has 2 entries"),
+        (["rollout.engine=vllm", "rollout.top_p=0.9", "algorithm.old_logprobs=sampler",
+          "data.prompt_template={}"], "rollout.top_p < 1 with rollout.engine=vllm"),
+        (["rollout.engine=vllm", "rollout.logit_noise=0.1", "rollout.max_staleness=1",
+          "moe.routing_replay=true"], "moe.routing_replay needs rollout.max_staleness=0"),
+        (["model.lora.r=8", "model.lora.target_modules=[]", "rollout.engine=vllm",
+          "rollout.logit_noise=0.1"], "rollout.logit_noise is for the torch engine"),
+        (["model.lora.r=8", "model.lora.target_modules=[]", "moe.routing_replay=true",
+          "train.cold_start_steps=0"], "model.lora.target_modules: empty list"),
+        # a section's error on a key's own bounds comes before every rule
+        (["model.heads=3", "optim.lr=0"], "optim.lr: Input should be greater than 0"),
+    ],
+)  # fmt: skip
+def test_rules_run_in_a_fixed_order(overrides, first):
+    """Where several rules are broken, the error is the first in Config._consistent's order."""
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=overrides)
+    assert str(info.value).startswith(first), str(info.value)
+
+
 def test_output_dir_has_help_text():
     from gspo.cli import build_parser
 
@@ -164,7 +191,7 @@ def test_cli_config_prints_resolved_yaml(capsys):
 def test_committed_configuration_reference_is_current():
     committed = REFERENCE.read_text() if REFERENCE.is_file() else ""
     assert committed == render_reference(), (
-        f"docs/configuration.md is out of date with src/gspo/config.py; run `{REGENERATE}`"
+        f"docs/configuration.md is out of date with src/gspo/config/; run `{REGENERATE}`"
     )
 
 

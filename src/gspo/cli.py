@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.doc:
             if args.config is not None or args.overrides:
                 raise ValueError("--doc takes no --config or overrides")
-            from gspo.config_doc import render_reference
+            from gspo.config import render_reference
 
             print(render_reference(), end="")
             return 0

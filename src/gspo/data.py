@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import json
 import re
-import string
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gspo.config.data import template_fields
 from gspo.rewards import one_line, reference_answer
 
 if TYPE_CHECKING:
@@ -177,30 +177,6 @@ def load_rows(text: str | Path, *, what: str) -> list[Row]:
 # --------------------------------------------------------------------------------------------
 # Rows to prompts
 # --------------------------------------------------------------------------------------------
-
-
-def template_fields(template: str) -> list[str]:
-    """The column names ``template`` reads (``{question}``, ``{meta[level]}`` -> ``meta``).
-
-    Raises ``ValueError`` (message without the key) for malformed format strings and
-    positional fields such as ``{}``, a common slip for ``\\boxed{}`` (write ``{{}}``).
-    """
-    fields = []
-    try:
-        parsed = list(string.Formatter().parse(template))
-    except ValueError as exc:
-        raise ValueError(f"not a format string ({exc}); write {{{{ and }}}} for braces") from None
-    for _, field, _, _ in parsed:
-        if field is None:
-            continue
-        name = re.split(r"[.\[]", field, maxsplit=1)[0]
-        if not name or name.isdigit():
-            raise ValueError(
-                f"{{{field}}} is a positional field; name a column, or write {{{{}}}} for "
-                "literal braces (\\boxed{{}})"
-            )
-        fields.append(name)
-    return fields
 
 
 def _columns(rows: list[Row]) -> str:

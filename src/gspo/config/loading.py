@@ -1,0 +1,180 @@
+"""Loading a config: a YAML file plus dotted ``key.sub=value`` overrides, typed by each
+key's field, the built-in task's defaults filled in, and one-line :class:`ConfigError`s
+("did you mean" for a misspelt key or choice); dumping the resolved config as YAML."""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from gspo.config.root import Config
+from gspo.tasks import TASK_DEFAULTS
+
+
+class ConfigError(ValueError):
+    """A bad config file, key or value; the message is one line naming it."""
+
+
+def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """``tree['a']['b'] = value`` for ``dotted = 'a.b'``, creating sections as needed."""
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for key in parents:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: {key} is a value, not a section")
+        node = child
+    node[leaf] = value
+
+
+def _is_text(annotation: Any) -> bool:
+    """Whether a field holds text: ``str``, ``str | None`` or a ``Literal`` of strings."""
+    if annotation is str:
+        return True
+    args = get_args(annotation)
+    if get_origin(annotation) is Literal:
+        return all(isinstance(a, str) for a in args)
+    if get_origin(annotation) in (Union, UnionType):
+        others = [a for a in args if a is not type(None)]
+        return len(others) == 1 and _is_text(others[0])
+    return False
+
+
+def _field_annotation(dotted: str) -> Any:
+    """The annotation of the config field at ``dotted``, or None for a section or unknown key."""
+    model: type[BaseModel] = Config
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        field = model.model_fields.get(key)
+        if field is None or not (
+            isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        ):
+            return None
+        model = field.annotation
+    field = model.model_fields.get(leaf)
+    return None if field is None else field.annotation
+
+
+_NULL = {"null", "Null", "NULL", "~", ""}
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``'optim.lr=3e-4' -> ('optim.lr', 3e-4)``: the value typed by the key's field.
+
+    Text keys (``str``, ``str | None``, a choice of strings) take the value as written,
+    colons, braces and quotes included (``data.prompt_template=Q: {question} A:``); for
+    an optional one ``null``, ``~`` or nothing means None. Every other value (numbers,
+    booleans, lists, mappings) is parsed as YAML.
+    """
+    key, sep, raw = text.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r} must look like key.sub=value")
+    annotation = _field_annotation(key)
+    if annotation is not None and _is_text(annotation):
+        if type(None) in get_args(annotation) and raw.strip() in _NULL:
+            return key, None
+        # a choice is a word: spaces around it are not part of it
+        return key, raw.strip() if get_origin(annotation) is Literal else raw
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{key}: cannot parse value {raw!r} as YAML") from exc
+    # YAML 1.1 reads "3e-4" (no dot) as a string; numbers written that way are meant.
+    if isinstance(value, str) and re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+", value):
+        value = float(value)
+    return key, value
+
+
+def _section_keys(dotted: str) -> list[str]:
+    """The keys of the config section at ``dotted`` ("" = the top level); [] if none."""
+    model: type[BaseModel] = Config
+    for key in filter(None, dotted.split(".")):
+        field = model.model_fields.get(key)
+        annotation = None if field is None else field.annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
+def _did_you_mean(word: Any, choices: list[str]) -> str:
+    """``"; did you mean 'x'?"`` for the choice closest to ``word``, or ``""``."""
+    close = difflib.get_close_matches(str(word), choices, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _error_line(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "extra_forbidden":
+        parent, _, leaf = where.rpartition(".")
+        return f"{where}: unknown key{_did_you_mean(leaf, _section_keys(parent))}"
+    message = err["msg"].removeprefix("Value error, ")
+    value = err.get("input")
+    shown = "" if isinstance(value, dict) or where == "" else f" (got {value!r})"
+    if err["type"] == "literal_error":
+        shown += _did_you_mean(value, [str(a) for a in get_args(_field_annotation(where))])
+    return f"{where}: {message}{shown}" if where else message
+
+
+def _get_dotted(tree: dict[str, Any], dotted: str) -> tuple[bool, Any]:
+    """``(True, tree['a']['b'])`` for ``dotted = 'a.b'``, or ``(False, None)`` if unset."""
+    node: Any = tree
+    for key in dotted.split("."):
+        if not isinstance(node, dict) or key not in node:
+            return False, None
+        node = node[key]
+    return True, node
+
+
+def with_task_defaults(tree: dict[str, Any]) -> None:
+    """Fill in the built-in task's own settings (:data:`gspo.tasks.TASK_DEFAULTS`) for the
+    keys the file and overrides leave unset; a run on ``data.train`` gets none of them."""
+    task = _get_dotted(tree, "data.task")[1] or "addition"
+    if _get_dotted(tree, "data.train")[1] is not None or task not in TASK_DEFAULTS:
+        return  # an unknown task is the validation's to report
+    for key, value in TASK_DEFAULTS[task].items():
+        if not _get_dotted(tree, key)[0]:
+            set_dotted(tree, key, value)
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> Config:
+    """The config from an optional YAML file plus overrides; one-line :class:`ConfigError`."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        tree = loaded or {}
+    for text in overrides:
+        key, value = parse_override(text)
+        set_dotted(tree, key, value)
+    with_task_defaults(tree)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_error_line(exc)) from None
+
+
+def dump_config_text(config: Config) -> str:
+    """The resolved config as YAML text (reloadable with :func:`load_config`)."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def dump_config(config: Config, path: str | Path) -> None:
+    """Write the resolved config as YAML to ``path``."""
+    Path(path).write_text(dump_config_text(config))

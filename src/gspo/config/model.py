@@ -1,0 +1,140 @@
+"""The ``model`` section (with ``model.lora``) and the ``moe`` section: the policy network."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from gspo.config.section import Section
+
+
+class LoraSettings(Section):
+    """LoRA adapters (PEFT) on the policy: RL trains only them, the base stays frozen.
+
+    ``r = 0`` trains every weight (full fine-tuning). With ``r > 0`` only the adapters
+    have gradients and optimizer state, the KL reference is the same module with its
+    adapters switched off, and checkpoints hold the adapter in PEFT's format.
+    """
+
+    r: int = Field(0, ge=0, description="LoRA rank; 0 = full fine-tuning (no adapters)")
+    alpha: float = Field(
+        32.0, gt=0.0, description="LoRA alpha: the adapter's update is scaled by alpha / r"
+    )
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input")
+    target_modules: str | list[str] = Field(
+        "all-linear",
+        description="Modules that get adapters: all-linear (every linear layer but the "
+        "output head), a list of module names (q_proj, v_proj, ...) or one regex",
+    )
+
+    def check_targets(self) -> None:
+        """Adapters need at least one target module."""
+        if self.r > 0 and isinstance(self.target_modules, list) and not self.target_modules:
+            raise ValueError("model.lora.target_modules: empty list (use all-linear)")
+
+
+class ModelConfig(Section):
+    """The policy: a local Hugging Face causal LM (``model.path``) or a built-in tiny one.
+
+    The ``layers`` .. ``norm_topk_prob`` keys size the built-in model (a real
+    transformers architecture, random init, character tokenizer) and are ignored when
+    ``model.path`` is set.
+    """
+
+    path: str | None = Field(None, description="Local HF causal-LM directory; None = built-in")
+    builtin: Literal["qwen3", "qwen3_moe"] = Field(
+        "qwen3",
+        description="Built-in architecture when model.path is null: qwen3 (dense) or "
+        "qwen3_moe (Mixture-of-Experts)",
+    )
+    layers: int = Field(4, ge=1, description="Built-in: transformer layers")
+    hidden: int = Field(256, ge=8, description="Built-in: hidden size (head dim = hidden / heads)")
+    heads: int = Field(4, ge=1, description="Built-in: attention heads")
+    kv_heads: int = Field(
+        2, ge=1, description="Built-in: key/value heads (grouped-query attention)"
+    )
+    intermediate: int = Field(
+        768,
+        ge=8,
+        description="Built-in qwen3: MLP width (qwen3_moe's experts use model.expert_intermediate)",
+    )
+    experts: int = Field(8, ge=1, description="Built-in qwen3_moe: experts per layer")
+    experts_per_token: int = Field(
+        2, ge=1, description="Built-in qwen3_moe: experts activated per token (top-k)"
+    )
+    expert_intermediate: int = Field(
+        256,
+        ge=1,
+        description="Built-in qwen3_moe: each expert's MLP width (moe_intermediate_size; "
+        "Qwen3-30B-A3B: 768 at hidden 2048)",
+    )
+    norm_topk_prob: bool = Field(
+        True,
+        description="Built-in qwen3_moe: renormalise the top-k routing weights to sum to 1 "
+        "(Qwen3-MoE's setting); false = the raw softmax probabilities",
+    )
+    experts_implementation: Literal["auto", "eager", "grouped_mm", "batched_mm", "padded"] = Field(
+        "auto",
+        description="How MoE experts compute (any MoE model; the same sums up to "
+        "rounding): auto = as transformers sets the model up (grouped_mm in "
+        "transformers 5.24); eager, grouped_mm, batched_mm = transformers' own (eager: "
+        "its loop over experts); padded = gspo's three batched matmuls (faster than the "
+        "eager loop with many experts on CPU, slower than grouped_mm: "
+        "benchmarks/moe_experts.py)",
+    )
+    cpu_linear: Literal["onednn", "torch"] = Field(
+        "onednn",
+        description="Float32 linear layers on the CPU: onednn = oneDNN's matrix products "
+        "(about 2x torch's default MKL on AMD CPUs; the same sums up to rounding), torch = "
+        "F.linear as shipped. Ignored on CUDA and where this torch has no oneDNN",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Compute dtype of the forward passes (autocast; trained weights and "
+        "optimizer stay float32, a LoRA run's frozen base is held in it on CUDA) and of "
+        "vLLM; auto = bfloat16 on CUDA, float32 on CPU",
+    )
+    device: str = Field(
+        "auto",
+        description="torch device (cpu, cuda, cuda:1); auto = CUDA if available, else CPU. "
+        "Under torchrun, cuda means GPU LOCAL_RANK",
+    )
+    lora: LoraSettings = Field(default_factory=LoraSettings)
+
+    def check_builtin_shape(self) -> None:
+        """The built-in model's sizes fit together (a ``model.path`` brings its own)."""
+        if self.path is None:
+            if self.hidden % self.heads or (self.hidden // self.heads) % 2:
+                raise ValueError(
+                    f"model.hidden={self.hidden} must be model.heads={self.heads} times an "
+                    "even head size (rotary embeddings rotate pairs of dimensions)"
+                )
+            if self.heads % self.kv_heads:
+                raise ValueError(
+                    f"model.kv_heads={self.kv_heads} must divide model.heads={self.heads}"
+                )
+            if self.builtin == "qwen3_moe" and self.experts_per_token > self.experts:
+                raise ValueError(
+                    f"model.experts_per_token={self.experts_per_token} exceeds "
+                    f"model.experts={self.experts}"
+                )
+
+
+class MoEConfig(Section):
+    """Mixture-of-Experts diagnostics and Routing Replay (MoE models only)."""
+
+    routing_replay: bool = Field(
+        False, description="Compute pi_theta for the ratio through the experts pi_old chose"
+    )
+    measure_churn: bool | None = Field(
+        None,
+        description="Log moe/expert_change_fraction after each optimizer step; "
+        "None = on for MoE models",
+    )
+    router_aux_loss_coef: float = Field(
+        0.0,
+        ge=0.0,
+        description="Weight of the routers' load-balancing loss (Switch Transformer, over "
+        "the response tokens) added to the RL loss; 0 = off. Qwen3-MoE configs use 0.001",
+    )

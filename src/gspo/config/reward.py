@@ -1,0 +1,66 @@
+"""The ``reward`` section: the reward functions and what shapes their sum."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, field_validator
+
+from gspo.config.section import Section
+
+
+class RewardConfig(Section):
+    """Reward functions, called on every rollout batch and combined into one scalar reward.
+
+    They follow TRL's convention (``prompts``, ``completions`` and every dataset column as
+    keyword arguments, one float or ``None`` per completion), so TRL reward functions work
+    unchanged; ``None`` is left out of the weighted sum.
+    """
+
+    functions: list[str] = Field(
+        default_factory=lambda: ["exact_match"],
+        description="Built-ins (exact_match, numeric_match, math, format, code) or "
+        "path/to/file.py:function / package.module:function; one name alone is a list of one",
+    )
+    weights: list[float] | None = Field(
+        None, description="One weight per function for the weighted sum; null = 1.0 each"
+    )
+    workers: int = Field(
+        0,
+        ge=0,
+        description="Worker processes that score each rollout batch in parallel chunks; "
+        "0 = in the trainer process",
+    )
+    timeout: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds the reward functions may take per rollout batch before the run "
+        "stops with one line naming the function; null = no limit",
+    )
+    overlong_penalty: float = Field(
+        0.0,
+        ge=0.0,
+        description="DAPO's soft overlong punishment on training rewards (not evaluation): "
+        "0 up to rollout.max_new_tokens (with an environment: max_episode_tokens) - "
+        "overlong_buffer tokens, then falling linearly to "
+        "-overlong_penalty at the limit; 0 = off (DAPO: 1.0)",
+    )
+    overlong_buffer: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens before rollout.max_new_tokens where the overlong penalty "
+        "ramps; null = a fifth of max_new_tokens (DAPO: 4096 of 20480)",
+    )
+
+    @field_validator("functions", mode="before")
+    @classmethod
+    def _one_function(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    def check_weights(self) -> None:
+        """One weight per reward function, if weights are given."""
+        if self.weights is not None and len(self.weights) != len(self.functions):
+            raise ValueError(
+                f"reward.weights has {len(self.weights)} entries for "
+                f"{len(self.functions)} reward.functions"
+            )

@@ -1,0 +1,120 @@
+"""The ``rollout`` section (with ``rollout.vllm``): how rollout batches are sampled."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from gspo.config.section import Section
+
+#: The ``max_lora_rank`` values vLLM takes (adapter sync uses the smallest >= model.lora.r).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class VLLMConfig(Section):
+    """The colocated vLLM engine (``rollout.engine=vllm``); ignored by the torch engine."""
+
+    gpu_memory_utilization: float = Field(
+        0.3, gt=0.0, le=1.0, description="CUDA: share of GPU memory vLLM may take"
+    )
+    cpu_kv_cache_gb: int = Field(
+        1, ge=1, description="CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)"
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="Longest prompt + completion; None = the model's own"
+    )
+    enforce_eager: bool = Field(True, description="No CUDA graphs / compilation (fast start)")
+    lora_sync: Literal["merged", "adapter"] = Field(
+        "merged",
+        description="LoRA runs: what vLLM gets at a weight sync: merged (base + adapters merged "
+        "into a copy, every weight copied in) or adapter (only the adapters, through vLLM's "
+        "LoRA support; the base is loaded once)",
+    )
+
+
+class RolloutConfig(Section):
+    """Sampling the rollout batches: ``prompts_per_batch`` prompts, ``group_size`` each."""
+
+    engine: Literal["torch", "vllm"] = Field(
+        "torch",
+        description="Sampler: torch (built-in PyTorch sampler) or vllm (colocated vLLM, "
+        "see rollout.vllm)",
+    )
+    group_size: int = Field(8, ge=1, description="Responses per prompt (G)")
+    prompts_per_batch: int = Field(
+        16,
+        ge=1,
+        description="Prompts per rollout batch, global (must divide by the number of ranks)",
+    )
+    max_new_tokens: int = Field(
+        8, ge=1, description="Longest response in tokens; longer ones are cut off"
+    )
+    temperature: float = Field(
+        1.0,
+        gt=0.0,
+        description="Sampling temperature; the trainer's log-probs are taken under it too",
+    )
+    top_p: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="Nucleus sampling; below 1 with engine=vllm needs "
+        "algorithm.old_logprobs=recompute",
+    )
+    logit_noise: float = Field(
+        0.0,
+        ge=0.0,
+        description="Testing: noise (sd) on the sampler's logits, emulating an inference "
+        "engine whose probabilities differ from the trainer's (torch engine only)",
+    )
+    filter_groups: bool = Field(
+        False,
+        description="Dynamic sampling (DAPO): drop groups whose rewards are all equal and "
+        "sample more prompts until the rollout batch is full again",
+    )
+    filter_max_rounds: int = Field(
+        3,
+        ge=1,
+        description="filter_groups: most extra sampling rounds per rollout batch (each of "
+        "prompts_per_batch prompts); past it constant groups fill the batch",
+    )
+    environment: str | None = Field(
+        None,
+        description="Multi-turn, tool-using episodes: an environment class, "
+        "path/to/env.py:Factory or package.module:Factory (docs/environments.md); null = "
+        "single-turn responses (data.task=calculator's default: gspo.environments:Calculator)",
+    )
+    max_turns: int = Field(
+        4,
+        ge=1,
+        description="environment: most model turns per episode (each at most max_new_tokens)",
+    )
+    max_episode_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="environment: most tokens after the prompt per episode, the model's and "
+        "the environment's; null = max_turns * max_new_tokens",
+    )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="Async rollouts: rollout batch b is sampled by the weights of b - k rollout "
+        "batches ago (b+1..b+k sampled while b trains, on a copy of the weights, in a "
+        "thread; with vLLM the run's engine, shared with evaluation); 0 = synchronous",
+    )
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+
+    def check_group_size(self) -> None:
+        """Group-relative advantages need groups of two or more."""
+        if self.group_size < 2:
+            raise ValueError(
+                f"rollout.group_size={self.group_size}: GSPO, GRPO and GSPO-token "
+                "are group-relative (a response's advantage is its reward minus its group's "
+                "mean), so a group of one never learns; use 2 or more (default 8)"
+            )
+
+    def check_logit_noise(self) -> None:
+        """Logit noise is the torch engine's."""
+        if self.engine == "vllm" and self.logit_noise > 0:
+            raise ValueError("rollout.logit_noise is for the torch engine (rollout.engine=torch)")

@@ -1,0 +1,121 @@
+"""The whole run configuration, :class:`Config`: its sections, the order their rules run
+in, the warnings and the values derived from several keys.
+
+Every batch size is per optimizer step (global), never per process.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from gspo.config.algorithm import AlgorithmConfig, OptimConfig
+from gspo.config.checks import (
+    chain_reward,
+    environment_reward_workers,
+    lora_cold_start,
+    minibatches_fit,
+    moe_model,
+    overlong_buffer_fits,
+    staleness_routing,
+    vllm_lora_sync,
+    vllm_top_p,
+)
+from gspo.config.data import DataConfig
+from gspo.config.model import ModelConfig, MoEConfig
+from gspo.config.reward import RewardConfig
+from gspo.config.rollout import RolloutConfig
+from gspo.config.run import EvalConfig, LogConfig, TrainConfig
+from gspo.config.section import Section
+
+
+class Config(Section):
+    """The whole run configuration: one YAML file, every section optional.
+
+    Every batch size is per optimizer step (global), never per process.
+    """
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    moe: MoEConfig = Field(default_factory=MoEConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Config:
+        """Each section's own rules and the rules across sections (:mod:`gspo.config.checks`)
+        in one fixed order: the first broken one is the error a user sees. The sections'
+        rules run here, not as their own validators, so that this order holds and each
+        message reads as written (a section validator's would be prefixed by its name)."""
+        model, data, reward, rollout = self.model, self.data, self.reward, self.rollout
+        algo = self.algorithm
+        model.check_builtin_shape()
+        rollout.check_group_size()
+        minibatches_fit(rollout, algo)
+        reward.check_weights()
+        vllm_top_p(rollout, algo)
+        data.check_prompt_template()
+        data.check_chain_terms()
+        chain_reward(data, reward)
+        environment_reward_workers(rollout, reward)
+        overlong_buffer_fits(reward, rollout, self.response_limit)
+        algo.check_rollout_correction()
+        staleness_routing(rollout, self.moe)
+        rollout.check_logit_noise()
+        lora_cold_start(model.lora, self.train, data)
+        vllm_lora_sync(rollout, model.lora)
+        model.lora.check_targets()
+        moe_model(model, self.moe)
+        return self
+
+    def warnings(self) -> list[str]:
+        """One line per setting that is valid but leaves the run unable to learn."""
+        lines = []
+        data = self.data
+        cold = data.sft is not None and self.train.cold_start_steps > 0
+        if data.train is not None and self.model.path is None and not cold:
+            why = "no data.sft" if data.sft is None else "train.cold_start_steps=0"
+            lines.append(
+                f"data.train with model.path null and {why}: RL starts from the built-in "
+                "model's random initialisation with no cold start, which rarely earns any "
+                "reward (set model.path to a trained model, or data.sft for a cold start)"
+            )
+        return lines
+
+    @property
+    def environment(self) -> str | None:
+        """``rollout.environment`` (the calculator task's default: its built-in one)."""
+        return self.rollout.environment
+
+    @property
+    def max_episode_tokens(self) -> int:
+        """``rollout.max_episode_tokens``, or ``max_turns * max_new_tokens``."""
+        r = self.rollout
+        return r.max_episode_tokens or r.max_turns * r.max_new_tokens
+
+    @property
+    def response_limit(self) -> int:
+        """The longest response: ``rollout.max_new_tokens``, or with an environment the
+        episode's ``max_episode_tokens`` (the overlong penalty ramps up to it)."""
+        return self.max_episode_tokens if self.environment else self.rollout.max_new_tokens
+
+    @property
+    def overlong_buffer(self) -> int:
+        """``reward.overlong_buffer``, or a fifth of :attr:`response_limit` (at least 1)."""
+        buffer = self.reward.overlong_buffer
+        return max(self.response_limit // 5, 1) if buffer is None else buffer
+
+    @property
+    def rollout_batches(self) -> int:
+        """Rollout batches needed for ``train.max_steps`` optimizer steps."""
+        return -(-self.train.max_steps // self.algorithm.minibatches)
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps a run takes: ``train.max_steps`` rounded up to whole rollout
+        batches (each gives ``algorithm.minibatches`` steps)."""
+        return self.rollout_batches * self.algorithm.minibatches

@@ -1,0 +1,101 @@
+"""The ``train``, ``eval`` and ``log`` sections: the run's length, cold start, seeding,
+checkpoints, held-out evaluation and what it records."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from gspo.config.section import Section
+
+
+class TrainConfig(Section):
+    """The run's length, the cold-start SFT stage before RL, seeding and checkpoints."""
+
+    max_steps: int = Field(
+        200,
+        ge=0,
+        description="Optimizer steps of RL, rounded up to whole rollout batches "
+        "(algorithm.minibatches steps each)",
+    )
+    cold_start_steps: int = Field(
+        1500,
+        ge=0,
+        description="SFT steps on the cold-start rows before RL (none without rows); 0 = skip",
+    )
+    cold_start_lr: float = Field(
+        2e-3, gt=0.0, description="Cold-start learning rate, cosine-decayed to 10%"
+    )
+    cold_start_batch_size: int = Field(
+        64,
+        ge=1,
+        description="Rows per cold-start step, global (must divide by the number of ranks)",
+    )
+    cold_start_save_every: int = Field(
+        250,
+        ge=0,
+        description="Cold-start steps between its progress checkpoints (a killed cold start "
+        "resumes from the last one); 0 = none",
+    )
+    cold_start_cache: bool = Field(
+        True,
+        description="Reuse an identical earlier cold start (same model, rows, SFT settings, "
+        "seed, ranks and code) from the cache instead of redoing it (CLI: --no-cache = false)",
+    )
+    cold_start_cache_dir: str | None = Field(
+        None,
+        description="Where finished cold starts are kept; None = $XDG_CACHE_HOME/gspo/"
+        "cold-start (~/.cache/gspo/cold-start)",
+    )
+    seed: int = Field(
+        0,
+        description="Seed that every random choice (init, task, samples, minibatches, "
+        "evaluation) derives from",
+    )
+    save_every: int = Field(100, ge=0, description="Optimizer steps; 0 = only at the end")
+    max_skipped: int = Field(
+        3,
+        ge=1,
+        description="Updates with a non-finite loss or gradient are skipped (logged as "
+        "train/skipped_steps); this many in a row stop the run",
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="Newest kept, besides the step-0 one")
+
+
+class EvalConfig(Section):
+    """Held-out evaluation at the start of RL, every ``eval.every`` steps and at the end."""
+
+    every: int = Field(40, ge=0, description="Optimizer steps; 0 = only at start and end")
+    samples: int = Field(4, ge=1, description="Sampled responses per held-out prompt")
+    max_prompts: int = Field(500, ge=1, description="Held-out prompts evaluated (the first N)")
+    greedy: bool = Field(True, description="Also evaluate greedy decoding (eval/accuracy_greedy)")
+    success_threshold: float = Field(
+        1.0, description="A response counts as correct when its reward is at least this"
+    )
+
+
+class LogConfig(Section):
+    """What a run records besides ``metrics.jsonl`` (always written)."""
+
+    tensorboard: bool = Field(True, description="Write TensorBoard scalars to tensorboard/")
+    plots: bool = Field(
+        True, description="Draw plots/*.png (reward, accuracy, clip fraction) at the end"
+    )
+    progress: bool = Field(True, description="Progress bar and cold-start lines on stdout")
+    ratio_dump_every: int = Field(
+        0,
+        ge=0,
+        description="Save the last minibatch's importance ratios every N rollout batches "
+        "(ratios/*.pt, for gspo compare); 0 = never",
+    )
+    wandb: dict[str, Any] | None = Field(
+        None,
+        description="Mirror metrics to W&B: keyword arguments of wandb.init "
+        "(e.g. {project: my-project}); null = off",
+    )
+    mlflow: dict[str, Any] | None = Field(
+        None,
+        description="Mirror metrics to MLflow: tracking_uri and experiment_name, the rest "
+        "to mlflow.start_run; null = off",
+    )
