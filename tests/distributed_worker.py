@@ -8,8 +8,8 @@ they name ``model.device`` (cpu: gloo; cuda: NCCL, one GPU per rank), and the fi
 lives on the policy's device.
 
 Each rank takes its contiguous share of the batch's groups (as the trainer does) and
-takes the step through ``Trainer.policy_update`` (a :class:`gspo.training.update.
-PolicyUpdate`); rank 0 saves the combined metrics and
+takes the step through the trainer's loss and ``Trainer.policy_update`` (a
+:class:`gspo.training.update.PolicyUpdate`); rank 0 saves the combined metrics and
 the whole updated weights to ``OUT_DIR/<level>.pt`` for ``test_distributed.py`` to compare.
 The batch has responses of unequal lengths and two empty ones, all in rank 0's half, so
 the ranks hold different token and response counts: a wrong loss normalisation shows.
@@ -27,6 +27,7 @@ from gspo.config import load_config
 from gspo.distributed import full_state_dict, setup_distributed, teardown_distributed
 from gspo.engines import RolloutBatch, pad_batch
 from gspo.trainer import Trainer
+from gspo.training.experience import Minibatch
 
 GROUPS, GROUP_SIZE, LENGTH = 4, 4, 6
 CONFIG = [
@@ -100,7 +101,9 @@ def main(out: Path, extra: list[str]) -> None:
             mb = batch.select(rows)
             logprobs = trainer.policy.logprobs(mb)
             old = batch.sampler_logprobs[rows][:, : logprobs.shape[1]]
-            metrics = trainer.combine(trainer.policy_update(mb, logprobs, old, advantages[rows]))
+            share = Minibatch(0, rows, mb, old, advantages[rows], mb.action_mask, None, None)
+            loss = trainer.update.objective(share, logprobs)
+            metrics = trainer.combine(trainer.policy_update.apply(loss))
             # a LoRA policy: its adapters (the frozen base cannot move)
             weights = full_state_dict(trainer.model, dist, trainable_only=trainer.policy.adapters)
             if dist.is_main:

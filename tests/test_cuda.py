@@ -213,7 +213,7 @@ def test_multi_turn_episodes_are_token_in_token_out_in_bf16(tmp_path):
     assert (batch.completion_mask & ~batch.action_mask).any()  # environment tokens exist
     assert experience.metrics["env/turns_mean"] > 1
     assert experience.metrics["mismatch/token_abs_mean"] < BF16_TOKEN_TOL
-    line = trainer.update(experience, 0)
+    line = trainer.update.train(experience, 0)
     assert torch.isfinite(torch.tensor(line["train/loss"]))
 
 

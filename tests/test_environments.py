@@ -436,7 +436,7 @@ def test_a_multi_turn_run_trains_and_logs_episode_metrics(tmp_path, env_file):
     assert (batch.completion_mask & ~batch.action_mask).any()  # environment tokens exist
     assert experience.metrics["env/turns_mean"] > 1
     assert experience.metrics["mismatch/token_abs_max"] < 1e-4  # token-in/token-out
-    line = trainer.update(experience, 0)
+    line = trainer.update.train(experience, 0)
     assert torch.isfinite(torch.tensor(line["train/loss"]))
     records = trainer.fit()
     assert any("eval/turns_mean" in r for r in records)

@@ -67,7 +67,7 @@ def test_oom_in_the_evaluation_names_the_batch_sizes_too(tmp_path, capsys, monke
 
 
 def test_oom_in_the_policy_update_names_the_minibatches(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(gspo.training.update.PolicyUpdate, "__call__", out_of_memory)
+    monkeypatch.setattr(gspo.training.update.PolicyUpdate, "apply", out_of_memory)
     err = error_line(tmp_path, capsys)
     assert "in the policy update: raise algorithm.minibatches (2)" in err
     assert "lower rollout.max_new_tokens (4)" in err and "model.lora.r" in err
@@ -90,6 +90,6 @@ def test_other_runtime_errors_are_not_taken_for_oom(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(gspo.training.update.PolicyUpdate, "__call__", broken)
+    monkeypatch.setattr(gspo.training.update.PolicyUpdate, "apply", broken)
     with pytest.raises(RuntimeError, match="illegal memory access"):
         main(["train", "--output-dir", str(tmp_path / "run"), *RUN])

@@ -397,12 +397,12 @@ def test_trainer_replays_the_old_routing_in_every_minibatch(tmp_path, monkeypatc
     used, recorded = [], []
     original = RoutedForward.logprobs
 
-    def spy(self, mb, k):
+    def spy(self, experience, mb):
         with capture_routing(self.policy.module) as recorder:
-            logprobs = original(self, mb, k)
+            out = original(self, experience, mb)
         used.append(recorder.experts)
-        recorded.append(self.old(k).clone())
-        return logprobs
+        recorded.append(experience.routing[mb.k].clone())
+        return out
 
     monkeypatch.setattr(RoutedForward, "logprobs", spy)
     lines = trainer.rl_step(0)

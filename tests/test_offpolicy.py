@@ -155,7 +155,7 @@ def test_ratio_dumps_count_the_tokens_the_correction_kept(tmp_path):
     trainer = Trainer(load_config(None, overrides), tmp_path / "run")
     experience = trainer.rollout(0)
     for k in range(2):
-        trainer.update(experience, k)
+        trainer.update.train(experience, k)
     last = experience.minibatches[-1]
     kept, sampled = experience.loss_mask[last], experience.batch.action_mask[last]
     assert kept.sum() < sampled.sum()  # the correction dropped some tokens

@@ -3,9 +3,9 @@
 One rollout batch flows through :meth:`Trainer.rl_step` in two stages::
 
     prompts --RolloutStage--> Experience --UpdateStage per minibatch--> metrics
-             sample, score,      rewards,      log-probs -> policy_loss
-             advantages,         advantages,   -> optimizer step -> hooks
-             old log-probs       old log-probs
+             sample, score,      rewards, advantages,   log-probs -> loss
+             advantages, the     old and reference       -> optimizer step -> hooks
+             pre-update pass     log-probs, routing
 
 Each stage and everything optional (MoE routing, the KL reference, ratio dumps, expert
 churn, FSDP) lives in :mod:`gspo.training`; this module only builds them and runs them.
@@ -153,8 +153,6 @@ class Trainer:
             self.policy,
             self.optimizer,
             self.scheduler,
-            objective,
-            self.reference,
             config.optim.grad_clip,
             max_skipped=config.train.max_skipped,
         )
@@ -181,14 +179,14 @@ class Trainer:
         scorer = Scorer(self.tokenizer, rewards)
         self.rollout = RolloutStage(
             config, dist, self.data.train, self.train_prompt_ids, self.generate, scorer, forward,
-            sampling, local_prompts=local_prompts,
+            self.reference, sampling, local_prompts=local_prompts,
         )  # fmt: skip
         # rollout.max_staleness: sampled in step, or ahead by a producer thread
         self.rollouts = build_rollouts(
             config, self.rollout, self.policy, self.tokenizer, checkpoint
         )
         hooks = build_hooks(config, out, dist, forward, objective, self.reference)
-        self.update = UpdateStage(forward, self.policy_update, hooks)
+        self.update = UpdateStage(forward, objective, self.policy_update, hooks)
         self.evaluate = Evaluator(
             config, dist, self.data.eval, eval_prompt_ids, self.generate, scorer, sampling
         )
@@ -250,7 +248,7 @@ class Trainer:
         lines = []
         for k in range(len(experience.minibatches)):
             with out_of_memory("update", self.config):
-                line = self.update(experience, k)
+                line = self.update.train(experience, k)
             line = self.combine(line)
             lines.append((self.step, {**line, **experience.metrics}))
         self.rollouts.trained(rollout_index)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from gspo.training.forward import PlainForward, RoutedForward
 from gspo.training.loss_mask import LossMask
 from gspo.training.memory import out_of_memory
 from gspo.training.metrics import combine, logprob_mismatch, timed
+from gspo.training.reference import Reference
 from gspo.training.sampler import Generated, Generator, Sampler
 from gspo.training.setup import derive_seed, rank_seed
 
@@ -134,6 +135,27 @@ class Sampled:
 
 
 @dataclass
+class Minibatch:
+    """Rows of an :class:`Experience`, trimmed to their own columns, as the loss takes them.
+
+    ``k`` is the minibatch's index in its rollout batch (-1: other rows, such as the
+    gradient-noise halves); ``batch`` the rows' :class:`RolloutBatch`; the tensors ``[n, T]``
+    (``advantages`` ``[n]``) line up with its trimmed columns: pi_old's log-probs, the
+    tokens in the loss and their weights (or None), and the KL reference's log-probs (or
+    None when the KL is off).
+    """
+
+    k: int
+    rows: torch.Tensor
+    batch: RolloutBatch
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    weights: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None
+
+
+@dataclass
 class Experience:
     """One scored rollout batch (this rank's share), ready for the update stage.
 
@@ -144,6 +166,11 @@ class Experience:
     ``minibatches`` are the row indices of each update; ``metrics`` describe the whole
     rollout batch over every rank. ``staleness`` (``rollout.max_staleness``) is how many
     rollout batches of updates the weights that sampled the batch lag the trained ones.
+
+    The pass before the first update also puts on it ``ref_logprobs`` ``[N, T]`` (the KL
+    reference's, or None) and ``routing``: per minibatch, the MoE experts pi_old chose
+    (:class:`gspo.training.forward.RoutedForward`; None until recorded, empty when no
+    routing is recorded). :meth:`minibatch` hands out each update's rows.
     """
 
     index: int
@@ -156,10 +183,35 @@ class Experience:
     loss_mask: torch.Tensor
     loss_weights: torch.Tensor | None = None
     staleness: int = 0  # rollout batches of updates between the sampling weights and these
+    ref_logprobs: torch.Tensor | None = None
+    routing: list[torch.Tensor | None] = field(default_factory=list)
 
     @property
     def last_minibatch(self) -> int:
         return len(self.minibatches) - 1
+
+    def minibatch(self, k: int) -> Minibatch:
+        """The rows of update ``k``."""
+        return self.view(self.minibatches[k], k)
+
+    def view(self, rows: torch.Tensor, k: int = -1) -> Minibatch:
+        """The given rows, every per-token tensor cut to their trimmed columns."""
+        batch = self.batch.select(rows)
+        width = batch.completion_ids.shape[1]
+
+        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[rows][:, :width]
+
+        return Minibatch(
+            k,
+            rows,
+            batch,
+            cut(self.old_logprobs),
+            self.advantages[rows],
+            cut(self.loss_mask),
+            cut(self.loss_weights),
+            cut(self.ref_logprobs),
+        )
 
 
 class RolloutStage:
@@ -167,7 +219,8 @@ class RolloutStage:
 
     In two halves: :meth:`sample` (generate, score, dynamic sampling: no collective, so an
     async producer may run it in its own thread with its own sampler) and
-    :meth:`experience` (advantages, minibatches, pi_old, loss mask, metrics over ranks).
+    :meth:`experience` (advantages, minibatches, the pass before the first update: pi_old,
+    MoE routing and the KL reference's log-probs; the loss mask, metrics over ranks).
     """
 
     def __init__(
@@ -179,6 +232,7 @@ class RolloutStage:
         generate: Generator,
         scorer: Scorer,
         forward: PlainForward | RoutedForward,
+        reference: Reference,
         sampling: SamplingParams,
         *,
         local_prompts: int,
@@ -190,6 +244,7 @@ class RolloutStage:
         self.generate = generate
         self.scorer = scorer
         self.forward = forward
+        self.reference = reference
         # evaluation samples without the testing-only logit noise; rollouts with it
         self.sampling = replace(sampling, logit_noise=config.rollout.logit_noise)
         self.local_prompts = local_prompts  # this rank's share of rollout.prompts_per_batch
@@ -277,7 +332,8 @@ class RolloutStage:
         return Sampled(index, picked, scored, local)
 
     def experience(self, sampled: Sampled) -> Experience:
-        """Advantages, the minibatch split, pi_old and the loss mask of a sampled batch."""
+        """Advantages, the minibatch split, the pass before the first update (pi_old, MoE
+        routing, the KL reference's log-probs) and the loss mask of a sampled batch."""
         cfg, dist = self.config, self.dist
         seed, device = cfg.train.seed, self.forward.policy.device
         index, scored, local = sampled.index, sampled.scored, dict(sampled.metrics)
@@ -295,9 +351,14 @@ class RolloutStage:
             # exactly `minibatches` parts (chunk() may give fewer: 6 rows in 4 -> 3 parts)
             parts = order.tensor_split(cfg.algorithm.minibatches)
             minibatches = [rows.to(device) for rows in parts]
-            recomputed = sampled.old_logprobs
+            recomputed, routing = sampled.old_logprobs, []
             if recomputed is None:
-                recomputed = self.forward.old_logprobs(batch, minibatches)
+                recomputed, routing = self.forward.old_logprobs(batch, minibatches)
+        if self.reference.enabled:
+            with timed(local, "time/ref_logprobs"):
+                ref_logprobs = self.reference.per_minibatch(batch, minibatches)
+        else:
+            ref_logprobs = None
         if recomputed is not None:
             local.update(logprob_mismatch(batch.sampler_logprobs, recomputed, batch.action_mask))
         old_logprobs = batch.sampler_logprobs if recomputed is None else recomputed
@@ -318,6 +379,8 @@ class RolloutStage:
             metrics=metrics,
             loss_mask=tokens.mask,
             loss_weights=tokens.weights,
+            ref_logprobs=ref_logprobs,
+            routing=routing,
         )
 
 

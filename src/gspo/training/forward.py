@@ -10,14 +10,20 @@ Two small strategies with one interface, chosen once at setup:
   :class:`gspo.training.hooks.ExpertChurn`, and computes the routers' load-balancing loss
   of pi_theta's forward when ``moe.router_aux_loss_coef > 0``.
 
-Both have ``router_loss()``: the weighted aux loss of the last :meth:`logprobs` call
-(with gradient), or ``None``; the update stage adds it to the policy loss.
+Both have ``old_logprobs(batch, minibatches)``, the pass before the first update: pi_old
+recomputed (or None: the sampler's) and the routing recorded per minibatch (kept on the
+:class:`~gspo.training.experience.Experience`); and ``logprobs(experience, mb)``: pi_theta's
+log-probs and entropies of one minibatch with, for a MoE model with
+``moe.router_aux_loss_coef > 0``, the routers' weighted load-balancing loss (else None),
+which the update stage adds to the policy loss.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +39,12 @@ from gspo.moe import (
 )
 from gspo.training.policy import Policy
 from gspo.training.setup import moe_settings
+
+if TYPE_CHECKING:
+    from gspo.training.experience import Experience, Minibatch
+
+#: pi_theta's log-probs and entropies ``[n, T]`` (with gradient) and the router loss, or None
+ForwardOut = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 def recomputes_old_logprobs(config: Config, compute_dtype: torch.dtype) -> bool:
@@ -62,20 +74,30 @@ def build_forward(config: Config, policy: Policy) -> PlainForward | RoutedForwar
     return PlainForward(policy, recompute)
 
 
+def per_minibatch(
+    logprobs: Callable[[RolloutBatch], torch.Tensor],
+    batch: RolloutBatch,
+    minibatches: list[torch.Tensor],
+) -> torch.Tensor:
+    """``logprobs`` of each minibatch ``[N, T]``, one no-grad forward per minibatch on the
+    layout ``batch.select`` gives the training forward: the same sums in the same order as
+    the update's own forward of those rows."""
+    out = torch.zeros_like(batch.sampler_logprobs)
+    with torch.no_grad():
+        for rows in minibatches:
+            lp = logprobs(batch.select(rows))
+            out[rows, : lp.shape[1]] = lp
+    return out
+
+
 def recompute_per_minibatch(
     policy: Policy, batch: RolloutBatch, minibatches: list[torch.Tensor]
 ) -> torch.Tensor:
-    """pi_old's log-probs ``[N, T]``, one no-grad forward per minibatch on the layout
-    ``batch.select`` gives the training forward: the same sums in the same order, so the
-    first minibatch's ratio is exactly 1 (one forward over the whole batch packs rows
-    differently, and under bf16 that moved a short response's mean log-ratio past GSPO's
-    3e-4 clip on the on-policy step)."""
-    recomputed = torch.zeros_like(batch.sampler_logprobs)
-    with torch.no_grad():
-        for rows in minibatches:
-            lp = policy.logprobs(batch.select(rows))
-            recomputed[rows, : lp.shape[1]] = lp
-    return recomputed
+    """pi_old's log-probs ``[N, T]`` by :func:`per_minibatch`, so the first minibatch's
+    ratio is exactly 1 (one forward over the whole batch packs rows differently, and under
+    bf16 that moved a short response's mean log-ratio past GSPO's 3e-4 clip on the
+    on-policy step)."""
+    return per_minibatch(policy.logprobs, batch, minibatches)
 
 
 class PlainForward:
@@ -83,25 +105,27 @@ class PlainForward:
         self.policy = policy
         self.recompute = recompute
 
-    def old_logprobs(self, batch: RolloutBatch, minibatches: list[torch.Tensor]):
-        """pi_old's log-probs ``[N, T]`` recomputed by the trainer, or ``None`` (sampler's)."""
+    def old_logprobs(
+        self, batch: RolloutBatch, minibatches: list[torch.Tensor]
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        """pi_old's log-probs ``[N, T]`` recomputed by the trainer, or ``None`` (the
+        sampler's); no routing."""
         if not self.recompute:
-            return None
-        return recompute_per_minibatch(self.policy, batch, minibatches)
+            return None, []
+        return recompute_per_minibatch(self.policy, batch, minibatches), []
 
-    def logprobs(self, mb: RolloutBatch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """pi_theta's log-probs of minibatch ``k`` and its entropies (with gradient)."""
-        return self.policy.logprobs(mb, with_entropy=True)
-
-    def router_loss(self) -> torch.Tensor | None:
-        return None
+    def logprobs(self, experience: Experience, mb: Minibatch) -> ForwardOut:
+        """pi_theta's log-probs of minibatch ``mb`` and its entropies (with gradient)."""
+        logprobs, entropy = self.policy.logprobs(mb.batch, with_entropy=True)
+        return logprobs, entropy, None
 
 
 class RoutedForward:
     """Records each minibatch's routing under pi_old; replays it when ``replay``.
 
-    ``old(k)``: experts of minibatch ``k`` under pi_old, ``[layers, tokens, k]``, laid out
-    token for token like the training forward of ``batch.select(rows)``.
+    The routing of minibatch ``k`` under pi_old (``experience.routing[k]``) is the experts
+    ``[layers, tokens, k]``, laid out token for token like the training forward of
+    ``batch.select(rows)``.
     """
 
     def __init__(
@@ -117,15 +141,10 @@ class RoutedForward:
         self.replay = replay
         self.measure_churn = measure_churn
         self.aux_coef = aux_coef
-        self._old: list[torch.Tensor | None] = []
-        self._aux: torch.Tensor | None = None
 
-    def old(self, k: int) -> torch.Tensor:
-        routing = self._old[k]
-        assert routing is not None, "minibatch routing is recorded by its forward"
-        return routing
-
-    def old_logprobs(self, batch: RolloutBatch, minibatches: list[torch.Tensor]):
+    def old_logprobs(
+        self, batch: RolloutBatch, minibatches: list[torch.Tensor]
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
         """Before the first update: each minibatch's routing under pi_old.
 
         The pass runs per minibatch, on the trimmed layout ``batch.select`` gives the
@@ -134,54 +153,54 @@ class RoutedForward:
         recompute (its log-probs are returned, ``[N, T]``, at no extra cost). In sampler
         mode it is an extra no-grad forward over minibatches 1.. (the price of measuring);
         minibatch 0's routing is recorded by its own training forward, which still runs
-        under pi_old, so it is left to :meth:`logprobs`.
+        under pi_old, so it is left to :meth:`logprobs` (None in its place).
         """
-        self._old = []
+        routing: list[torch.Tensor | None] = []
         if not (self.replay or self.measure_churn):  # the aux loss alone needs no old routing
             if not self.recompute:
-                return None
-            return recompute_per_minibatch(self.policy, batch, minibatches)
+                return None, routing
+            return recompute_per_minibatch(self.policy, batch, minibatches), routing
         recomputed = torch.zeros_like(batch.sampler_logprobs) if self.recompute else None
         with torch.no_grad():
             for k, rows in enumerate(minibatches):
                 if k == 0 and not self.recompute:
-                    self._old.append(None)
+                    routing.append(None)
                     continue
                 mb = batch.select(rows)
                 with capture_routing(self.policy.module) as recorder:
                     lp = self.policy.logprobs(mb)
-                self._old.append(recorder.experts)
+                routing.append(recorder.experts)
                 if recomputed is not None:
                     recomputed[rows, : lp.shape[1]] = lp
-        return recomputed
+        return recomputed, routing
 
-    def logprobs(self, mb: RolloutBatch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def logprobs(self, experience: Experience, mb: Minibatch) -> ForwardOut:
         """pi_theta's log-probs of minibatch ``k`` and its entropies (with gradient).
 
         With routing replay the experts recorded under pi_old are forced. A minibatch
         whose old routing is not recorded yet (the first, in sampler mode) runs under
-        pi_old's weights, so its routing is recorded here and is the same either way.
+        pi_old's weights, so its routing is recorded here (on ``experience``) and is the
+        same either way. The router loss is that of this forward, with gradient.
         """
-        self._aux = None
+        routing, k, batch = experience.routing, mb.k, mb.batch
         with contextlib.ExitStack() as stack:
             logits = None
             if self.aux_coef > 0:
                 logits = stack.enter_context(capture_router_logits(self.policy.module))
             if not (self.replay or self.measure_churn):
                 # aux loss only; pi_old may also come from elsewhere (the async producer)
-                out = self.policy.logprobs(mb, with_entropy=True)
-            elif self._old[k] is None:
+                out = self.policy.logprobs(batch, with_entropy=True)
+            elif routing[k] is None:
                 recorder = stack.enter_context(capture_routing(self.policy.module))
-                out = self.policy.logprobs(mb, with_entropy=True)
-                self._old[k] = recorder.experts
+                out = self.policy.logprobs(batch, with_entropy=True)
+                routing[k] = recorder.experts
             elif self.replay:
-                stack.enter_context(replay_routing(self.policy.module, self._old[k]))
-                out = self.policy.logprobs(mb, with_entropy=True)
+                stack.enter_context(replay_routing(self.policy.module, routing[k]))
+                out = self.policy.logprobs(batch, with_entropy=True)
             else:
-                out = self.policy.logprobs(mb, with_entropy=True)
-        if logits is not None:
-            self._aux = self.aux_coef * self._load_balancing(mb, logits)
-        return out
+                out = self.policy.logprobs(batch, with_entropy=True)
+        aux = None if logits is None else self.aux_coef * self._load_balancing(batch, logits)
+        return out[0], out[1], aux
 
     def _load_balancing(self, mb: RolloutBatch, logits: list[list[torch.Tensor]]) -> torch.Tensor:
         """The load-balancing loss of one forward's router logits, over the response tokens."""
@@ -195,7 +214,3 @@ class RoutedForward:
         )
         top_k = find_routers(module)[0].top_k
         return load_balancing_loss([calls[0] for calls in logits], top_k, response)
-
-    def router_loss(self) -> torch.Tensor | None:
-        """``moe.router_aux_loss_coef`` x the load-balancing loss of the last forward."""
-        return self._aux

@@ -22,13 +22,13 @@ from gspo.engines import RolloutBatch
 from gspo.gradient_noise import bucket_cosines, flatten, length_halves
 from gspo.moe import capture_routing, expert_change_fraction, response_token_mask
 from gspo.objectives import response_lengths, sequence_log_ratio, token_log_ratio
-from gspo.training.experience import Experience
+from gspo.training.experience import Experience, Minibatch
 from gspo.training.forward import PlainForward, RoutedForward
 from gspo.training.metrics import logprob_mismatch
 from gspo.training.policy import Policy
 from gspo.training.reference import Reference
 from gspo.training.setup import derive_seed
-from gspo.training.update import Hook, Minibatch, Objective
+from gspo.training.update import Hook, Objective
 
 
 def build_hooks(
@@ -42,7 +42,7 @@ def build_hooks(
     """The instruments the config asks for, in the order their metrics are added."""
     hooks: list[Hook] = [FirstMinibatchMismatch(), OnPolicyClipWarning(dist)]
     if isinstance(forward, RoutedForward) and forward.measure_churn:
-        hooks.append(ExpertChurn(forward))
+        hooks.append(ExpertChurn(forward.policy))
     if config.log.ratio_dump_every > 0:
         hooks.append(
             RatioDumps(
@@ -67,11 +67,16 @@ class FirstMinibatchMismatch(Hook):
     is off-policy.
     """
 
-    def after_update(self, experience: Experience, minibatch: Minibatch) -> dict[str, float]:
-        if minibatch.k != 0 or experience.recomputed or experience.staleness > 0:
+    def after_update(
+        self,
+        experience: Experience,
+        mb: Minibatch,
+        logprobs: torch.Tensor,
+        metrics: dict[str, float],
+    ) -> dict[str, float]:
+        if mb.k != 0 or experience.recomputed or experience.staleness > 0:
             return {}  # (stale weights sampled the batch: not the same policy, no mismatch)
-        mb = minibatch.batch
-        return logprob_mismatch(mb.sampler_logprobs, minibatch.logprobs, mb.action_mask)
+        return logprob_mismatch(mb.batch.sampler_logprobs, logprobs, mb.batch.action_mask)
 
 
 class OnPolicyClipWarning(Hook):
@@ -88,10 +93,16 @@ class OnPolicyClipWarning(Hook):
         self.dist = dist
         self.warned = False
 
-    def after_update(self, experience: Experience, minibatch: Minibatch) -> dict[str, float]:
-        if self.warned or minibatch.k != 0 or experience.recomputed or experience.staleness:
+    def after_update(
+        self,
+        experience: Experience,
+        mb: Minibatch,
+        logprobs: torch.Tensor,
+        metrics: dict[str, float],
+    ) -> dict[str, float]:
+        if self.warned or mb.k != 0 or experience.recomputed or experience.staleness:
             return {}
-        clipped = minibatch.metrics.get("train/clip_fraction", 0.0)
+        clipped = metrics.get("train/clip_fraction", 0.0)
         if clipped > 0:
             self.warned = True
             if self.dist.is_main:
@@ -116,18 +127,26 @@ class ExpertChurn(Hook):
     (completion tokens under the mask); prompt tokens, padding and packing filler are not.
     """
 
-    def __init__(self, forward: RoutedForward):
-        self.forward = forward
+    def __init__(self, policy: Policy):
+        self.policy = policy
 
-    def after_update(self, experience: Experience, minibatch: Minibatch) -> dict[str, float]:
+    def after_update(
+        self,
+        experience: Experience,
+        mb: Minibatch,
+        logprobs: torch.Tensor,
+        metrics: dict[str, float],
+    ) -> dict[str, float]:
         start = time.perf_counter()
-        metrics = self.churn(minibatch.batch, self.forward.old(minibatch.k))
-        metrics["time/moe_churn"] = time.perf_counter() - start
-        return metrics
+        old = experience.routing[mb.k]
+        assert old is not None, "a minibatch's routing is recorded by its forward at the latest"
+        churn = self.churn(mb.batch, old)
+        churn["time/moe_churn"] = time.perf_counter() - start
+        return churn
 
     @torch.no_grad()
     def churn(self, mb: RolloutBatch, old: torch.Tensor) -> dict[str, float]:
-        policy = self.forward.policy
+        policy = self.policy
         with capture_routing(policy.module) as recorder:
             policy.logprobs(mb)
         response = response_token_mask(
@@ -191,13 +210,16 @@ class RatioDumps(Hook):
                 ),
             )
 
-    def after_update(self, experience: Experience, minibatch: Minibatch) -> dict[str, float]:
-        if self.due(experience, minibatch.k):
-            mb = minibatch
-            rows = experience.minibatches[mb.k]
+    def after_update(
+        self,
+        experience: Experience,
+        mb: Minibatch,
+        logprobs: torch.Tensor,
+        metrics: dict[str, float],
+    ) -> dict[str, float]:
+        if self.due(experience, mb.k):
             # the tokens in the loss: the model's, less any the rollout correction dropped
-            mask = experience.loss_mask[rows][:, : mb.logprobs.shape[1]]
-            self.write(experience.index, mb.logprobs, mb.old_logprobs, mask)
+            self.write(experience.index, logprobs, mb.old_logprobs, mb.mask)
         return {}
 
     def write(
@@ -249,22 +271,17 @@ def gradient_cosines(
                 pair_on.append(pair_off[-1])
                 pair_counts.append(0)
                 continue
-            rows = rows_cpu.to(policy.device)
-            mb = batch.select(rows)
-            lp = policy.logprobs(mb)
-            ref = reference.logprobs(mb)
-            width = lp.shape[1]
-            mask = experience.loss_mask[rows][:, :width]  # as the update sees it
-            weights = experience.loss_weights
-            weights = None if weights is None else weights[rows][:, :width]
+            mb = experience.view(rows_cpu.to(policy.device))
+            lp = policy.logprobs(mb.batch)
+            mb = replace(mb, ref_logprobs=reference.logprobs(mb.batch))  # on this layout
             grads = []
-            for old in (experience.old_logprobs[rows][:, :width], lp.detach()):
-                out = objective(lp, old, experience.advantages[rows], mask, ref, weights)
+            for old in (mb.old_logprobs, lp.detach()):
+                out = objective(replace(mb, old_logprobs=old), lp)
                 g = torch.autograd.grad(out.loss, params, retain_graph=True, allow_unused=True)
                 grads.append(flatten(list(g), params))
             pair_off.append(grads[0])
             pair_on.append(grads[1])
-            pair_counts.append(int(mask.any(-1).sum()))
+            pair_counts.append(int(mb.mask.any(-1).sum()))
         off.append(tuple(pair_off))
         on.append(tuple(pair_on))
         counts.append(tuple(pair_counts))

@@ -11,6 +11,7 @@ from gspo.models import load_model
 from gspo.models.kernels import linear_kernel, set_linear_kernel
 from gspo.moe import experts_implementation, set_experts_implementation
 from gspo.training.checkpoint import checkpoint_dir
+from gspo.training.forward import per_minibatch
 from gspo.training.policy import Policy
 
 
@@ -43,3 +44,8 @@ class Reference:
             set_experts_implementation(self.module, experts_implementation(self.policy.module))
         with torch.no_grad():
             return self.policy.logprobs(batch, self.module)
+
+    def per_minibatch(self, batch: RolloutBatch, minibatches: list[torch.Tensor]) -> torch.Tensor:
+        """``[N, T]`` reference log-probs, each minibatch on its training forward's layout
+        (the pass before the first update; the KL must be on)."""
+        return per_minibatch(self.logprobs, batch, minibatches)
