@@ -27,7 +27,7 @@ from gspo.config import load_config
 from gspo.distributed import full_state_dict, setup_distributed, teardown_distributed
 from gspo.engines import RolloutBatch, pad_batch
 from gspo.trainer import Trainer
-from gspo.training.experience import Minibatch
+from gspo.training.records import Minibatch
 
 GROUPS, GROUP_SIZE, LENGTH = 4, 4, 6
 CONFIG = [

@@ -52,13 +52,13 @@ from gspo.training.checkpoint import (
 from gspo.training.cold_start import cold_start, drop_progress
 from gspo.training.episodes import build_generator, sft_encoder
 from gspo.training.evaluation import Evaluator
-from gspo.training.experience import RolloutStage, Scorer
 from gspo.training.forward import build_forward
 from gspo.training.hooks import build_hooks
 from gspo.training.memory import out_of_memory
 from gspo.training.metrics import combine, crossed, metric_reduction, rollout_clip_fractions
 from gspo.training.policy import Policy
 from gspo.training.reference import Reference
+from gspo.training.rollout import RolloutStage, Scorer
 from gspo.training.sampler import Sampler, SingleTurn, build_engine
 from gspo.training.setup import (
     build_policy_model,

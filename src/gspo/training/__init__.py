@@ -3,7 +3,8 @@
 One rollout batch flows through them in this order::
 
     prompts --RolloutStage--> Experience --UpdateStage (per minibatch)--> metrics
-              (sampler + scorer + old log-probs)   (log-probs -> policy_loss -> optimizer)
+       (sample, score, advantages,       (log-probs -> loss -> optimizer step)
+        old and reference log-probs)
 
 ============================  =========================================================
 module                        what lives there
@@ -11,7 +12,8 @@ module                        what lives there
 :mod:`.setup`                 derived seeds, task data, the model, the optimizer
 :mod:`.policy`                :class:`Policy`: the trained weights behind one handle
 :mod:`.sampler`               the rollout engine, kept in step with the policy
-:mod:`.experience`            prompts -> rollout -> scores -> advantages -> old log-probs
+:mod:`.rollout`               prompts -> rollout -> scores -> advantages -> pi_old, reference
+:mod:`.records`               the records a batch becomes; the per-minibatch views
 :mod:`.forward`               how minibatch log-probs are computed (plain, MoE routing)
 :mod:`.update`                the objective and one optimizer step per minibatch
 :mod:`.hooks`                 optional instruments: expert churn, ratio dumps, mismatch

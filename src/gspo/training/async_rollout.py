@@ -52,9 +52,10 @@ import torch
 
 from gspo.config import Config
 from gspo.engines import RolloutBatch, SamplingParams, TorchEngine
-from gspo.training.experience import Experience, RolloutStage, Sampled
 from gspo.training.forward import recomputes_old_logprobs
 from gspo.training.policy import Policy
+from gspo.training.records import Experience, Sampled
+from gspo.training.rollout import RolloutStage
 from gspo.training.sampler import Sampler, push_weights
 
 #: The file in a checkpoint holding the stale weights the next rollout batches need.

@@ -10,8 +10,8 @@ import torch
 from gspo.config import Config
 from gspo.distributed import Distributed
 from gspo.engines import SamplingParams
-from gspo.training.experience import Scorer
 from gspo.training.memory import out_of_memory
+from gspo.training.rollout import Scorer
 from gspo.training.sampler import Generator
 from gspo.training.setup import derive_seed
 

@@ -12,7 +12,7 @@ Two small strategies with one interface, chosen once at setup:
 
 Both have ``old_logprobs(batch, minibatches)``, the pass before the first update: pi_old
 recomputed (or None: the sampler's) and the routing recorded per minibatch (kept on the
-:class:`~gspo.training.experience.Experience`); and ``logprobs(experience, mb)``: pi_theta's
+:class:`~gspo.training.records.Experience`); and ``logprobs(experience, mb)``: pi_theta's
 log-probs and entropies of one minibatch with, for a MoE model with
 ``moe.router_aux_loss_coef > 0``, the routers' weighted load-balancing loss (else None),
 which the update stage adds to the policy loss.
@@ -41,7 +41,7 @@ from gspo.training.policy import Policy
 from gspo.training.setup import moe_settings
 
 if TYPE_CHECKING:
-    from gspo.training.experience import Experience, Minibatch
+    from gspo.training.records import Experience, Minibatch
 
 #: pi_theta's log-probs and entropies ``[n, T]`` (with gradient) and the router loss, or None
 ForwardOut = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]

@@ -2,7 +2,7 @@
 
 Everything the loss needs besides pi_theta (pi_old, advantages, the tokens in the loss and
 their weights, the KL reference's log-probs) is on the minibatch the
-:class:`~gspo.training.experience.Experience` hands out, computed before the first update.
+:class:`~gspo.training.records.Experience` hands out, computed before the first update.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import torch
 from gspo.config import AlgorithmConfig
 from gspo.distributed import as_float
 from gspo.objectives import PolicyLoss, policy_loss
-from gspo.training.experience import Experience, Minibatch
 from gspo.training.forward import PlainForward, RoutedForward
 from gspo.training.policy import Policy
+from gspo.training.records import Experience, Minibatch
 
 
 class Objective:
