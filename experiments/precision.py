@@ -41,7 +41,8 @@ from gspo.experiments import PRESETS, cold_start_checkpoint
 from gspo.models import completion_logprobs, load_model
 from gspo.models import logprobs as models
 from gspo.tasks import encode_prompt
-from gspo.training.setup import derive_seed, load_task_data
+from gspo.training.seeds import derive_seed
+from gspo.training.setup import load_task_data
 
 #: GSPO's clip band on the mean log-ratio: log(1 - 3e-4), log(1 + 4e-4).
 CLIP_LOW, CLIP_HIGH = math.log1p(-3e-4), math.log1p(4e-4)

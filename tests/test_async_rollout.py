@@ -35,13 +35,13 @@ def train(tmp_path, name, *overrides, capture=False):
     trainer = Trainer(load_config(None, [*RUN, *overrides]), tmp_path / name)
     seen = []
     if capture:
-        real = trainer.rollout.experience
+        real = trainer.rollout_stage.experience
 
         def experience(sampled):
             seen.append(out := real(sampled))
             return out
 
-        trainer.rollout.experience = experience
+        trainer.rollout_stage.experience = experience
     trainer.fit()
     return trainer, run_metrics(tmp_path / name), seen
 

@@ -206,14 +206,14 @@ def test_multi_turn_episodes_are_token_in_token_out_in_bf16(tmp_path):
         "algorithm.old_logprobs=recompute", "reward.functions=[numeric_match]",
     ]  # fmt: skip
     trainer = Trainer(load_config(None, overrides), tmp_path / "run")
-    experience = trainer.rollout(0)
+    experience = trainer.rollout_stage.run(0)
     batch = experience.batch
     assert batch.completion_ids.is_cuda
     assert torch.equal(experience.loss_mask, batch.action_mask)
     assert (batch.completion_mask & ~batch.action_mask).any()  # environment tokens exist
     assert experience.metrics["env/turns_mean"] > 1
     assert experience.metrics["mismatch/token_abs_mean"] < BF16_TOKEN_TOL
-    line = trainer.update.train(experience, 0)
+    line = trainer.update_stage.train(experience, 0)
     assert torch.isfinite(torch.tensor(line["train/loss"]))
 
 

@@ -430,13 +430,13 @@ def test_a_multi_turn_run_trains_and_logs_episode_metrics(tmp_path, env_file):
         "reward.functions=[numeric_match]",
     ]  # fmt: skip
     trainer = Trainer(load_config(None, overrides), tmp_path / "run")
-    experience = trainer.rollout(0)
+    experience = trainer.rollout_stage.run(0)
     batch = experience.batch
     assert torch.equal(experience.loss_mask, batch.action_mask)
     assert (batch.completion_mask & ~batch.action_mask).any()  # environment tokens exist
     assert experience.metrics["env/turns_mean"] > 1
     assert experience.metrics["mismatch/token_abs_max"] < 1e-4  # token-in/token-out
-    line = trainer.update.train(experience, 0)
+    line = trainer.update_stage.train(experience, 0)
     assert torch.isfinite(torch.tensor(line["train/loss"]))
     records = trainer.fit()
     assert any("eval/turns_mean" in r for r in records)
@@ -453,8 +453,8 @@ def test_environment_reward_is_the_default_and_workers_are_refused(tmp_path, env
         "rollout.max_new_tokens=8",
     ]  # fmt: skip
     trainer = Trainer(load_config(None, overrides), tmp_path / "run")
-    assert trainer.rollout.scorer.rewards.names == ["environment"]
-    experience = trainer.rollout(0)
+    assert trainer.rollout_stage.scorer.rewards.names == ["environment"]
+    experience = trainer.rollout_stage.run(0)
     # Counter's reward is its total: reset to the row's 'start' (absent: 0), no calls
     assert experience.metrics["train/reward_mean"] == 0.0
 

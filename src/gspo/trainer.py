@@ -32,8 +32,6 @@ from gspo.distributed import Distributed, rank_device
 from gspo.engines import SamplingParams
 from gspo.models import resolve_dtype
 from gspo.publish import WRITTEN
-from gspo.rewards import RewardFunctions
-from gspo.tasks import encode_prompt
 from gspo.telemetry import (
     MetricsLogger,
     TrainingProgress,
@@ -50,8 +48,8 @@ from gspo.training.checkpoint import (
     save_checkpoint,
 )
 from gspo.training.cold_start import cold_start, drop_progress
-from gspo.training.episodes import build_generator, sft_encoder
-from gspo.training.evaluation import Evaluator
+from gspo.training.episodes import build_generator, encode_prompts, sft_encoder
+from gspo.training.evaluation import Evaluator, evaluated_at_start
 from gspo.training.forward import build_forward
 from gspo.training.hooks import build_hooks
 from gspo.training.memory import out_of_memory
@@ -59,12 +57,14 @@ from gspo.training.metrics import combine, crossed, metric_reduction, rollout_cl
 from gspo.training.policy import Policy
 from gspo.training.reference import Reference
 from gspo.training.rollout import RolloutStage, Scorer
-from gspo.training.sampler import Sampler, SingleTurn, build_engine
+from gspo.training.sampler import Sampler, build_engine
+from gspo.training.seeds import derive_seed
 from gspo.training.setup import (
     build_policy_model,
-    derive_seed,
     load_task_data,
+    local_shares,
     model_summary,
+    reward_functions,
     rl_optimizer,
 )
 from gspo.training.update import Objective, PolicyUpdate, UpdateStage
@@ -104,16 +104,7 @@ class Trainer:
         out.mkdir(parents=True, exist_ok=True)
         device = rank_device(config.model.device, dist)
         # batch sizes are global: this rank's shares (one-line errors if they do not divide)
-        local_prompts = dist.shard(config.rollout.prompts_per_batch, "rollout.prompts_per_batch")
-        self.local_sft_batch = dist.shard(
-            config.train.cold_start_batch_size, "train.cold_start_batch_size"
-        )
-        if local_prompts * config.rollout.group_size < config.algorithm.minibatches:
-            raise ValueError(
-                f"algorithm.minibatches={config.algorithm.minibatches} exceeds the "
-                f"{local_prompts * config.rollout.group_size} responses each of the "
-                f"{dist.world_size} ranks holds per rollout batch"
-            )
+        local_prompts, self.local_sft_batch = local_shares(config, dist)
         self.data = load_task_data(config)
         if not self.data.train:
             raise ValueError("data.train: no training prompts")
@@ -135,17 +126,7 @@ class Trainer:
             build_engine(config, self.policy, self.tokenizer, model_dir), self.policy
         )
         self.generate = build_generator(config, self.sampler, self.tokenizer, self.data.train[0])
-        functions = config.reward.functions
-        environment = getattr(self.generate, "environment", None)
-        explicit = "functions" in config.reward.model_fields_set
-        if environment is not None and environment.has_reward and not explicit:
-            functions = ["environment"]  # an environment's own reward, by default
-        rewards = RewardFunctions.from_specs(
-            functions,
-            config.reward.weights,
-            workers=config.reward.workers,
-            timeout=config.reward.timeout,
-        )
+        rewards = reward_functions(config, getattr(self.generate, "environment", None))
         self.optimizer, self.scheduler = rl_optimizer(config, self.policy.forward)
         self.reference = Reference(config.algorithm.kl_coef, out, self.policy)
         objective = Objective(config.algorithm)
@@ -164,29 +145,26 @@ class Trainer:
             self.cold_start_done = True
 
         # the stages, and the hooks attached to the update stage
-        tok, chat = self.tokenizer, config.data.chat_template_kwargs
-        if isinstance(self.generate, SingleTurn):
-            train_ids = [encode_prompt(r["prompt"], tok, **chat) for r in self.data.train]
-            eval_prompt_ids = [encode_prompt(r["prompt"], tok, **chat) for r in self.data.eval]
-        else:  # episodes render their prompts themselves (tools, reset observations)
-            train_ids, eval_prompt_ids = [[]] * len(self.data.train), [[]] * len(self.data.eval)
-        self.train_prompt_ids = train_ids
+        self.train_prompt_ids = encode_prompts(
+            config, self.generate, self.tokenizer, self.data.train
+        )
+        eval_prompt_ids = encode_prompts(config, self.generate, self.tokenizer, self.data.eval)
         sampling = SamplingParams(
             max_new_tokens=config.rollout.max_new_tokens,
             temperature=config.rollout.temperature,
             top_p=config.rollout.top_p,
         )
         scorer = Scorer(self.tokenizer, rewards)
-        self.rollout = RolloutStage(
+        self.rollout_stage = RolloutStage(
             config, dist, self.data.train, self.train_prompt_ids, self.generate, scorer, forward,
             self.reference, sampling, local_prompts=local_prompts,
         )  # fmt: skip
         # rollout.max_staleness: sampled in step, or ahead by a producer thread
         self.rollouts = build_rollouts(
-            config, self.rollout, self.policy, self.tokenizer, checkpoint
+            config, self.rollout_stage, self.policy, self.tokenizer, checkpoint
         )
         hooks = build_hooks(config, out, dist, forward, objective, self.reference)
-        self.update = UpdateStage(forward, objective, self.policy_update, hooks)
+        self.update_stage = UpdateStage(forward, objective, self.policy_update, hooks)
         self.evaluate = Evaluator(
             config, dist, self.data.eval, eval_prompt_ids, self.generate, scorer, sampling
         )
@@ -214,13 +192,8 @@ class Trainer:
                 flush=True,
             )
         # a run resumed from its step-0 checkpoint may already hold the starting evaluation
-        logged = self.step == 0 and checkpoint is not None and dist.is_main
-        logged = logged and (out / "metrics.jsonl").is_file()
-        logged = logged and any(
-            r["step"] == 0 and any(k.startswith("eval/") for k in r)
-            for r in read_metrics(out / "metrics.jsonl")
-        )
-        self.start_evaluated = dist.gather_objects(logged)[0]
+        resumed_at_0 = self.step == 0 and checkpoint is not None
+        self.start_evaluated = evaluated_at_start(out / "metrics.jsonl", resumed_at_0, dist)
 
     @property
     def step(self) -> int:
@@ -248,7 +221,7 @@ class Trainer:
         lines = []
         for k in range(len(experience.minibatches)):
             with out_of_memory("update", self.config):
-                line = self.update.train(experience, k)
+                line = self.update_stage.train(experience, k)
             line = self.combine(line)
             lines.append((self.step, {**line, **experience.metrics}))
         self.rollouts.trained(rollout_index)

@@ -75,7 +75,7 @@ class SyncRollouts:
         yield
 
     def __call__(self, index: int) -> Experience:
-        return self.stage(index)
+        return self.stage.run(index)
 
     def trained(self, index: int) -> None:
         return None

@@ -38,7 +38,8 @@ from gspo.tasks import encode_prompt
 from gspo.telemetry import MetricsLogger
 from gspo.training.metrics import combine
 from gspo.training.policy import Policy
-from gspo.training.setup import adamw, rank_seed
+from gspo.training.seeds import rank_seed
+from gspo.training.setup import adamw
 
 PROGRESS_PREFIX = "cold-start-"
 _STATE = "state.pt"

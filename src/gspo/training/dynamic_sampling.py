@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from gspo.engines import RolloutBatch
-from gspo.training.setup import derive_seed
+from gspo.training.seeds import derive_seed
 
 
 def constant_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -31,9 +31,10 @@ import torch
 from gspo.config import Config
 from gspo.engines import RolloutBatch, SamplingParams, pad_batch
 from gspo.environments import EnvError, EnvironmentFactory, Episode
+from gspo.tasks import encode_prompt
 from gspo.training.cold_start import single_turn_encoder
 from gspo.training.sampler import Generated, Sampler, SingleTurn
-from gspo.training.setup import derive_seed
+from gspo.training.seeds import derive_seed
 
 #: Content of the stand-in assistant message :class:`TurnFormat` renders around.
 _SENTINEL = "GSPO7TURN9SENTINEL"
@@ -361,6 +362,17 @@ def build_generator(
         max_tokens=config.max_episode_tokens,
         chat_kwargs=config.data.chat_template_kwargs,
     )
+
+
+def encode_prompts(
+    config: Config, generate: SingleTurn | MultiTurn, tokenizer, rows: list[dict[str, Any]]
+) -> list[list[int]]:
+    """The rows' prompts as token ids for single turns; episodes render their prompts
+    themselves (tools, reset observations), so theirs are empty."""
+    if not isinstance(generate, SingleTurn):
+        return [[] for _ in rows]
+    chat = config.data.chat_template_kwargs
+    return [encode_prompt(row["prompt"], tokenizer, **chat) for row in rows]
 
 
 def sft_encoder(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -10,10 +11,11 @@ import torch
 from gspo.config import Config
 from gspo.distributed import Distributed
 from gspo.engines import SamplingParams
+from gspo.telemetry import read_metrics
 from gspo.training.memory import out_of_memory
 from gspo.training.rollout import Scorer
 from gspo.training.sampler import Generator
-from gspo.training.setup import derive_seed
+from gspo.training.seeds import derive_seed
 
 
 class Evaluator:
@@ -85,3 +87,13 @@ class Evaluator:
             metrics[f"eval/response_length_mean{suffix}"] = lengths.mean().item()
         metrics["time/eval"] = time.perf_counter() - start
         return metrics
+
+
+def evaluated_at_start(metrics_file: Path, resumed_at_step_0: bool, dist: Distributed) -> bool:
+    """Whether a run resumed from its step-0 checkpoint already logged its starting
+    evaluation (it was killed after it), on every rank as rank 0 found."""
+    logged = resumed_at_step_0 and dist.is_main and metrics_file.is_file()
+    logged = logged and any(
+        r["step"] == 0 and any(k.startswith("eval/") for k in r) for r in read_metrics(metrics_file)
+    )
+    return dist.gather_objects(logged)[0]

@@ -27,7 +27,7 @@ from gspo.training.metrics import logprob_mismatch
 from gspo.training.policy import Policy
 from gspo.training.records import Experience, Minibatch
 from gspo.training.reference import Reference
-from gspo.training.setup import derive_seed
+from gspo.training.seeds import derive_seed
 from gspo.training.update import Hook, Objective
 
 

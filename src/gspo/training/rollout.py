@@ -33,7 +33,7 @@ from gspo.training.metrics import combine, logprob_mismatch, timed
 from gspo.training.records import Experience, Sampled, Scored
 from gspo.training.reference import Reference
 from gspo.training.sampler import Generated, Generator, Sampler
-from gspo.training.setup import derive_seed, rank_seed
+from gspo.training.seeds import derive_seed, rank_seed
 
 
 def column_batch(rows: list[dict[str, Any]], repeat: int) -> dict[str, list[Any]]:
@@ -110,7 +110,7 @@ def prompts_for_batch(index: int, rows: int, per_batch: int, seed: int) -> list[
 
 
 class RolloutStage:
-    """``stage(index) -> Experience``: everything before the first update of a rollout batch.
+    """``stage.run(index) -> Experience``: everything before the first update of a rollout batch.
 
     In two halves: :meth:`sample` (generate, score, dynamic sampling: no collective, so an
     async producer may run it in its own thread with its own sampler) and
@@ -200,7 +200,8 @@ class RolloutStage:
         every_prompt = [i for p in prompts for i in p]
         return merge_groups(rounds, kept.groups), [every_prompt[g] for g in kept.groups]
 
-    def __call__(self, index: int) -> Experience:
+    def run(self, index: int) -> Experience:
+        """Rollout batch ``index``, sampled by the run's own sampler, ready to update."""
         return self.experience(self.sample(index))
 
     def sample(self, index: int, sampler: Sampler | None = None) -> Sampled:

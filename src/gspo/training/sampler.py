@@ -15,7 +15,7 @@ from gspo.config import Config
 from gspo.engines import RolloutBatch, RolloutEngine, SamplingParams, TorchEngine
 from gspo.training.lora import is_lora, merged_copy
 from gspo.training.policy import Policy
-from gspo.training.setup import derive_seed
+from gspo.training.seeds import derive_seed
 
 
 def build_engine(config: Config, policy: Policy, tokenizer, model_dir: Path) -> RolloutEngine:

@@ -1,8 +1,8 @@
-"""What a run is built from: derived seeds, task data, the model and the optimizer."""
+"""What a run is built from: task data, the model, the optimizer, the reward functions and
+each rank's share of the batch sizes."""
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from gspo.models import (
 )
 from gspo.models.kernels import set_linear_kernel
 from gspo.moe import find_routers, is_moe, set_experts_implementation
+from gspo.rewards import RewardFunctions
 from gspo.tasks import BUILTIN_TASKS, TaskData
 from gspo.training.lora import (
     adam_state_bytes,
@@ -30,22 +31,7 @@ from gspo.training.lora import (
     is_lora_checkpoint,
     parameter_counts,
 )
-
-
-def derive_seed(seed: int, *tags: object) -> int:
-    """A 63-bit seed that is a pure function of ``seed`` and ``tags``."""
-    digest = hashlib.sha256(repr((seed, *tags)).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
-def rank_seed(seed: int, dist: Distributed, *tags: object) -> int:
-    """A seed for this rank's own randomness (its samples, its minibatch split).
-
-    In one process it is ``derive_seed(seed, *tags)``; each rank of a torchrun run adds
-    its rank, so ranks draw different samples.
-    """
-    rank = (("rank", dist.rank),) if dist.enabled else ()
-    return derive_seed(seed, *tags, *rank)
+from gspo.training.seeds import derive_seed
 
 
 def load_task_data(config: Config) -> TaskData:
@@ -211,3 +197,33 @@ def moe_settings(config: Config, model: torch.nn.Module) -> tuple[bool, bool]:
     if churn is None:
         churn = is_moe(model) and config.rollout.max_staleness == 0
     return replay, churn
+
+
+def local_shares(config: Config, dist: Distributed) -> tuple[int, int]:
+    """This rank's shares of the global batch sizes (``rollout.prompts_per_batch``,
+    ``train.cold_start_batch_size``); one-line errors if they do not divide, or if a rank
+    holds fewer responses than ``algorithm.minibatches``."""
+    local_prompts = dist.shard(config.rollout.prompts_per_batch, "rollout.prompts_per_batch")
+    local_sft = dist.shard(config.train.cold_start_batch_size, "train.cold_start_batch_size")
+    if local_prompts * config.rollout.group_size < config.algorithm.minibatches:
+        raise ValueError(
+            f"algorithm.minibatches={config.algorithm.minibatches} exceeds the "
+            f"{local_prompts * config.rollout.group_size} responses each of the "
+            f"{dist.world_size} ranks holds per rollout batch"
+        )
+    return local_prompts, local_sft
+
+
+def reward_functions(config: Config, environment: Any | None) -> RewardFunctions:
+    """``reward.functions``; an environment with its own reward (``get_reward``) is the
+    default when the key is not set."""
+    functions = config.reward.functions
+    explicit = "functions" in config.reward.model_fields_set
+    if environment is not None and environment.has_reward and not explicit:
+        functions = ["environment"]
+    return RewardFunctions.from_specs(
+        functions,
+        config.reward.weights,
+        workers=config.reward.workers,
+        timeout=config.reward.timeout,
+    )
