@@ -2,7 +2,8 @@
 the built-in verifiers (:mod:`.verifiers`), a function from its spec (:mod:`.loading`),
 calling them on a batch (:mod:`.runner`), several with weights (:mod:`.functions`), DAPO's
 overlong penalty (:mod:`.penalty`) and the sandbox behind the ``code`` reward
-(:mod:`.sandbox`, imported when that reward runs). Only the standard library is imported.
+(:mod:`.sandbox`, imported when that reward runs). Needs only the standard library and
+:mod:`gspo.plugins`; math-verify is imported when the ``math`` reward runs.
 """
 
 from gspo.rewards.contract import RewardError, RewardFunction
