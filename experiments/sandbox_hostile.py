@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from gspo import sandbox
+from gspo.rewards import sandbox
 
 CASES = {
     "infinite loop": "while True:\n    pass",

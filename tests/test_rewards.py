@@ -600,14 +600,20 @@ def test_call_validates_batch_shapes(reward_file: Path) -> None:
 
 
 def test_import_stays_light() -> None:
+    # gspo.rewards without gspo's own __init__ (which loads torch): it needs only the
+    # standard library, gspo.plugins and its own modules; the sandbox loads on first use
     code = (
-        "import importlib.util, sys\n"
-        "spec = importlib.util.spec_from_file_location('r', sys.argv[1])\n"
-        "m = importlib.util.module_from_spec(spec); sys.modules['r'] = m\n"
-        "spec.loader.exec_module(m)\n"
-        "heavy = {'torch', 'transformers', 'math_verify', 'sympy', 'gspo'} & set(sys.modules)\n"
+        "import sys, types\n"
+        "package = types.ModuleType('gspo'); package.__path__ = [sys.argv[1]]\n"
+        "sys.modules['gspo'] = package\n"
+        "import gspo.rewards\n"
+        "heavy = {'torch', 'transformers', 'math_verify', 'sympy'} & set(sys.modules)\n"
         "assert not heavy, heavy\n"
+        "ours = {m for m in sys.modules if m.startswith('gspo.')}\n"
+        "others = {m for m in ours if m != 'gspo.plugins' and not m.startswith('gspo.rewards')}\n"
+        "assert not others and 'gspo.rewards.sandbox' not in ours, ours\n"
     )
     import gspo.rewards
 
-    subprocess.run([sys.executable, "-c", code, gspo.rewards.__file__], check=True)
+    package = str(Path(gspo.rewards.__file__).parents[1])
+    subprocess.run([sys.executable, "-c", code, package], check=True)

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from gspo import sandbox
-from gspo.rewards import BUILTIN_REWARDS, RewardError, load_reward_function
-from gspo.sandbox import CodeTest, Limits, extract_code, parse_tests, run_python, score_code
+from gspo.rewards import BUILTIN_REWARDS, RewardError, load_reward_function, sandbox
+from gspo.rewards.sandbox import CodeTest, Limits, extract_code, parse_tests, run_python, score_code
 
 FAST = Limits(wall_s=4.0, cpu_s=2, memory_mb=512, max_procs=16)
 HAS_BWRAP = sandbox.isolation()[0] == "bwrap"

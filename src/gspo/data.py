@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gspo.config.data import template_fields
-from gspo.rewards import one_line, reference_answer
+from gspo.plugins import one_line
+from gspo.rewards import reference_answer
 
 if TYPE_CHECKING:
     from gspo.config import DataConfig

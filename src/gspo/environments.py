@@ -45,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gspo.rewards import load_object, one_line, raised
+from gspo.plugins import load_object, one_line, raised
 
 #: Methods with a meaning of their own: never tools.
 RESERVED = frozenset({"reset", "step", "get_reward", "close"})

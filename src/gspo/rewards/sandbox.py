@@ -45,6 +45,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gspo.rewards.contract import RewardError
+from gspo.rewards.parsing import completion_text
+
 __all__ = [
     "CodeTest",
     "Limits",
@@ -428,8 +431,6 @@ def code_reward(
     the forms of :func:`parse_tests`. Every program runs in the sandbox of this module, one
     process per completion (and per input/output test), in parallel over the CPUs.
     """
-    from gspo.rewards import RewardError, completion_text
-
     if tests is None:
         raise RewardError("built-in reward 'code' needs a dataset column named 'tests'")
     if isinstance(tests, str) or len(tests) != len(completions):

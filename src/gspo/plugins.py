@@ -1,0 +1,122 @@
+"""User code named by a spec string, and its errors on one line.
+
+:func:`load_object` loads the object a ``path/to/file.py:name`` or ``package.module:name``
+spec names (reward functions, environments); :func:`one_line` and :func:`raised` put an
+exception that user code (or a user's file) raised into a one-line message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import importlib.util
+import re
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+
+def one_line(exc: BaseException, limit: int = 500) -> str:
+    """An exception's message on one line, at most ``limit`` characters."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def raised(exc: BaseException, limit: int = 500) -> str:
+    """``Type: message (at file.py:12; GSPO_DEBUG=1 shows the traceback)``: a raising
+    user function's error on one line, with the place of the frame that raised it."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f"at {frames[-1].filename}:{frames[-1].lineno}; " if frames else ""
+    return f"{type(exc).__name__}: {one_line(exc, limit)} ({where}GSPO_DEBUG=1 shows the traceback)"
+
+
+def _import_file(path_text: str, spec: str, kind: str, error: type[Exception]) -> Any:
+    path = Path(path_text).expanduser()
+    resolved = path if path.is_absolute() else Path.cwd() / path
+    if not resolved.is_file():
+        raise error(f"{kind} file not found: {path_text!r} (spec {spec!r}, looked for {resolved})")
+    resolved = resolved.resolve()
+    stem = re.sub(r"\W", "_", resolved.stem)
+    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:12]
+    module_name = f"_gspo_{kind.split()[0]}_{stem}_{digest}"
+    import_spec = importlib.util.spec_from_file_location(module_name, resolved)
+    if import_spec is None or import_spec.loader is None:
+        raise error(f"cannot import {kind} file {str(resolved)!r} (spec {spec!r})")
+    module = importlib.util.module_from_spec(import_spec)
+    sys.modules[module_name] = module  # dataclasses, pickling etc. look the module up here
+    directory = str(resolved.parent)
+    sys.path.insert(0, directory)  # so the file can import its sibling modules
+    try:
+        import_spec.loader.exec_module(module)
+    except Exception as e:
+        sys.modules.pop(module_name, None)
+        raise error(
+            f"importing {kind} file {path_text!r} (spec {spec!r}) failed: "
+            f"{type(e).__name__}: {one_line(e)}"
+        ) from e
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(directory)
+    return module
+
+
+def _import_module(module_name: str, spec: str, kind: str, error: type[Exception]) -> Any:
+    try:
+        return importlib.import_module(module_name)
+    except Exception as e:
+        raise error(
+            f"importing module {module_name!r} for {kind} {spec!r} failed: "
+            f"{type(e).__name__}: {one_line(e)}"
+        ) from e
+
+
+def load_object(spec: str, kind: str, error: type[Exception], expected: str) -> Any:
+    """The object a ``source:attribute`` spec names (``attribute`` may be dotted).
+
+    ``source`` is a ``.py`` file (relative to the current directory, or absolute; imported
+    under a unique module name with its directory on ``sys.path`` while it is imported) or
+    a module name. ``kind`` names what is loaded in messages ("reward function"), ``error``
+    is the exception raised, ``expected`` describes the accepted forms for a malformed spec.
+    The object must be callable.
+    """
+
+    def malformed(why: str) -> Exception:
+        return error(f"invalid {kind} spec {spec!r}: {why}; expected {expected}")
+
+    if ":" not in spec:
+        raise malformed("not a built-in name and no ':name' part")
+    source, _, attr_path = spec.rpartition(":")
+    source, attr_path = source.strip(), attr_path.strip()
+    if not source:
+        raise malformed("missing the file or module before ':'")
+    if not attr_path or not all(part.isidentifier() for part in attr_path.split(".")):
+        raise malformed(f"{attr_path!r} after ':' is not a Python name")
+    if source.endswith(".py") or "/" in source or "\\" in source:
+        module = _import_file(source, spec, kind, error)
+        where = f"file {source!r}"
+    else:
+        if not all(part.isidentifier() for part in source.split(".")):
+            raise malformed(f"{source!r} is neither a .py file nor a module name")
+        module = _import_module(source, spec, kind, error)
+        where = f"module {source!r}"
+    obj: Any = module
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            available = sorted(
+                name
+                for name, value in vars(module).items()
+                if callable(value) and not name.startswith("_")
+                and getattr(value, "__module__", None) == module.__name__
+            )  # fmt: skip
+            hint = f" (defined there: {', '.join(available[:20])})" if available else ""
+            raise error(f"{kind} {spec!r}: {where} has no attribute {attr_path!r}{hint}") from None
+    if not callable(obj):
+        raise error(
+            f"{kind} {spec!r}: {attr_path!r} in {where} is not callable "
+            f"(it is a {type(obj).__name__})"
+        )
+    return obj

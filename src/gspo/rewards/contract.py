@@ -1,0 +1,32 @@
+"""What a reward function is, and the error raised when one is at fault.
+
+Reward functions follow TRL's convention, so a TRL reward function works here unchanged.
+A reward function is called with keyword arguments only::
+
+    rewards = f(prompts=prompts, completions=completions, **columns)
+
+* ``prompts``: one prompt per completion (a string, or a list of chat messages).
+* ``completions``: one completion per prompt. A string when prompts are strings; when prompts
+  are chat message lists, a TRL conversational completion ``[{"role": "assistant",
+  "content": text}]`` (use :func:`gspo.rewards.completion_text` to get the text of either
+  form).
+* ``columns``: the dataset's other columns (e.g. ``answer``), each a list aligned with
+  ``completions``.
+
+It returns a list with one ``float`` or ``None`` per completion; ``None`` means "not
+applicable to this sample" and is skipped when rewards are combined (TRL's nansum).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+RewardFunction = Callable[..., Sequence[float | None]]
+"""A TRL-style reward function: ``f(prompts=..., completions=..., **columns) -> list``."""
+
+
+class RewardError(ValueError):
+    """A reward function could not be loaded, called, or returned an invalid result.
+
+    Messages are one line and name the reward function (its spec) at fault.
+    """

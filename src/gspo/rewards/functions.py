@@ -1,0 +1,200 @@
+"""Several reward functions with weights (:class:`RewardFunctions`): loaded from their
+specs, called on a batch, their values checked and combined into one reward each."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gspo.plugins import one_line
+from gspo.rewards.contract import RewardError, RewardFunction
+from gspo.rewards.loading import load_reward_function
+from gspo.rewards.runner import Runner
+
+
+@dataclass
+class RewardResult:
+    """Rewards for one batch of completions.
+
+    ``rewards[i]`` is the combined reward of completion ``i`` (the weighted sum over reward
+    functions, skipping None; 0.0 if every function returned None); ``per_function[name][i]``
+    is what function ``name`` returned for it (as float, or None).
+    """
+
+    rewards: list[float]
+    per_function: dict[str, list[float | None]]
+
+
+def _check_value(name: str, index: int, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not (
+        isinstance(value, numbers.Real) or hasattr(type(value), "__float__")
+    ):
+        raise RewardError(
+            f"reward function {name!r} returned a non-numeric value at index {index}: "
+            f"{one_line(ValueError(repr(value)), 80)}"
+        )
+    try:
+        converted = float(value)
+    except (TypeError, ValueError) as e:
+        raise RewardError(
+            f"reward function {name!r} returned a non-numeric value at index {index}: "
+            f"{type(value).__name__} ({type(e).__name__}: {one_line(e, 120)})"
+        ) from e
+    if not math.isfinite(converted):
+        raise RewardError(
+            f"reward function {name!r} returned a non-finite value at index {index}: "
+            f"{converted} (use None for 'not applicable')"
+        )
+    return converted
+
+
+def _spec_name(spec: str | RewardFunction) -> str:
+    if isinstance(spec, str):
+        return spec.strip()
+    return getattr(spec, "__name__", None) or type(spec).__name__
+
+
+@dataclass
+class RewardFunctions:
+    """Several reward functions with weights, called together on a batch.
+
+    Build with :meth:`from_specs`. ``names`` are the specs as given (a repeated spec gets a
+    ``#2``, ``#3``... suffix), aligned with ``functions`` and ``weights``.
+    """
+
+    names: list[str]
+    functions: list[RewardFunction]
+    weights: list[float]
+    specs: list[str | RewardFunction] = field(default_factory=list)
+    runner: Runner = field(default_factory=lambda: Runner())
+
+    @classmethod
+    def from_specs(
+        cls,
+        specs: Sequence[str | RewardFunction],
+        weights: Sequence[float] | None = None,
+        *,
+        workers: int = 0,
+        timeout: float | None = None,
+    ) -> RewardFunctions:
+        """Load the reward functions named by ``specs`` (see :func:`load_reward_function`).
+
+        A spec may also be a callable, used as is and named by its ``__name__``. ``weights``
+        None means 1.0 each; otherwise it needs one finite number per spec (``reward.weights``).
+        ``workers`` and ``timeout`` choose how they are called (:class:`Runner`).
+        """
+        if isinstance(specs, str):
+            specs = [specs]
+        specs = list(specs)
+        if not specs:
+            raise RewardError("no reward functions given: at least one reward spec is needed")
+        if weights is None:
+            weight_list = [1.0] * len(specs)
+        else:
+            if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence):
+                raise RewardError(
+                    f"reward.weights must be a list of numbers, got {type(weights).__name__}"
+                )
+            if len(weights) != len(specs):
+                raise RewardError(
+                    f"reward.weights has {len(weights)} values but there are {len(specs)} "
+                    f"reward functions ({', '.join(_spec_name(s) for s in specs)})"
+                )
+            weight_list = []
+            for i, w in enumerate(weights):
+                if isinstance(w, bool) or not isinstance(w, numbers.Real):
+                    raise RewardError(f"reward.weights[{i}] is not a number: {w!r}")
+                if not math.isfinite(float(w)):
+                    raise RewardError(f"reward.weights[{i}] is not finite: {w!r}")
+                weight_list.append(float(w))
+
+        names: list[str] = []
+        functions: list[RewardFunction] = []
+        seen: dict[str, int] = {}
+        for spec in specs:
+            if callable(spec) and not isinstance(spec, str):
+                function: RewardFunction = spec
+            else:
+                function = load_reward_function(spec)
+            base = _spec_name(spec)
+            seen[base] = seen.get(base, 0) + 1
+            name = base if seen[base] == 1 else f"{base}#{seen[base]}"
+            while name in names:  # e.g. specs "f" "f" "f#2"
+                seen[base] += 1
+                name = f"{base}#{seen[base]}"
+            names.append(name)
+            functions.append(function)
+        runner = Runner(workers=workers, timeout=timeout)
+        return cls(names, functions, weight_list, specs=specs, runner=runner)
+
+    def __len__(self) -> int:
+        return len(self.functions)
+
+    def close(self) -> None:
+        """Stop the worker processes, if any (also done when the object is collected)."""
+        self.runner.close()
+
+    def __call__(
+        self,
+        prompts: Sequence[Any],
+        completions: Sequence[Any],
+        columns: Mapping[str, Sequence[Any]] | None = None,
+    ) -> RewardResult:
+        """Score ``completions`` with every function and combine the results.
+
+        Each function is called as ``f(prompts=prompts, completions=completions, **columns)``
+        where every column is a list aligned with ``completions``. The combined reward of a
+        completion is ``sum(weight * value)`` over the functions whose value is not None (0.0
+        if all are None). Raises :class:`RewardError`, naming the function, if one raises,
+        returns something other than a list/tuple of the right length, or returns a value
+        that is neither None nor a finite number.
+        """
+        n = len(completions)
+        if len(prompts) != n:
+            raise RewardError(f"got {len(prompts)} prompts for {n} completions")
+        columns = dict(columns or {})
+        for key, values in columns.items():
+            if key in ("prompts", "completions"):
+                raise RewardError(
+                    f"dataset column {key!r} clashes with the reward function argument "
+                    f"of the same name; rename the column"
+                )
+            try:
+                count = len(values)
+            except TypeError:
+                raise RewardError(
+                    f"dataset column {key!r} must be a list aligned with completions, "
+                    f"got {type(values).__name__}"
+                ) from None
+            if isinstance(values, (str, bytes)) or count != n:
+                raise RewardError(f"dataset column {key!r} has {count} values for {n} completions")
+
+        per_function: dict[str, list[float | None]] = {}
+        specs = self.specs or self.functions
+        outputs = self.runner.run(self.names, self.functions, specs, prompts, completions, columns)
+        for name, raw in zip(self.names, outputs, strict=True):
+            if not isinstance(raw, (list, tuple)):
+                raise RewardError(
+                    f"reward function {name!r} returned {type(raw).__name__}, "
+                    f"expected a list of float or None"
+                )
+            if len(raw) != n:
+                raise RewardError(
+                    f"reward function {name!r} returned {len(raw)} values for {n} completions"
+                )
+            per_function[name] = [_check_value(name, i, v) for i, v in enumerate(raw)]
+
+        rewards = []
+        for i in range(n):
+            total = 0.0
+            for name, weight in zip(self.names, self.weights, strict=True):
+                value = per_function[name][i]
+                if value is not None:
+                    total += weight * value
+            rewards.append(total)
+        return RewardResult(rewards=rewards, per_function=per_function)

@@ -1,0 +1,220 @@
+"""How reward functions are called on a batch (:class:`Runner`): in this process, or in
+worker processes; with a deadline."""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import pickle
+import threading
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gspo.plugins import one_line, raised
+from gspo.rewards.contract import RewardError, RewardFunction
+from gspo.rewards.loading import load_reward_function
+
+
+def _call_one(
+    name: str, function: RewardFunction, prompts: Any, completions: Any, columns: Any
+) -> Any:
+    try:
+        return function(prompts=prompts, completions=completions, **columns)
+    except Exception as e:
+        raise RewardError(f"reward function {name!r} raised {raised(e)}") from e
+
+
+@functools.cache
+def _worker_function(spec: str) -> RewardFunction:
+    return load_reward_function(spec)
+
+
+def _worker_call(name: str, spec: str | bytes, prompts: Any, completions: Any, columns: Any) -> Any:
+    """In a worker process: load the function by its spec (or unpickle it) and call it."""
+    function = pickle.loads(spec) if isinstance(spec, bytes) else _worker_function(spec)
+    try:
+        return _call_one(name, function, prompts, completions, columns)
+    except RewardError as e:  # the cause may not pickle; its message is what matters
+        raise RewardError(str(e)) from None
+
+
+def _shippable(name: str, spec: str | RewardFunction) -> str | bytes:
+    """What a worker needs to get the function: its spec string, or the pickled callable."""
+    if isinstance(spec, str):
+        return spec.strip()
+    try:
+        return pickle.dumps(spec)
+    except Exception as e:
+        raise RewardError(
+            f"reward function {name!r} cannot be sent to reward.workers processes "
+            f"({type(e).__name__}: {one_line(e, 120)}); name it by a spec string "
+            f"(path/to/file.py:function) or set reward.workers=0"
+        ) from None
+
+
+def _chunks(n: int, parts: int) -> list[tuple[int, int]]:
+    size, extra = divmod(n, parts)
+    bounds, start = [], 0
+    for k in range(parts):
+        stop = start + size + (k < extra)
+        if stop > start:
+            bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+#: Longest wait for a batch's other tasks after one of them failed (see ``Runner._settle``).
+SETTLE_SECONDS = 10.0
+
+
+class Runner:
+    """How reward functions are called on a batch.
+
+    ``workers=0`` calls them in this process; ``workers=N`` splits each batch into N
+    contiguous chunks scored in parallel by N worker processes (started once, with
+    ``spawn``; each loads the functions from their specs). ``timeout`` (seconds for the
+    whole batch) turns a function that hangs into a :class:`RewardError` naming it; with
+    workers the hung processes are killed, without them the call is abandoned in a daemon
+    thread (the run stops anyway).
+    """
+
+    def __init__(self, workers: int = 0, timeout: float | None = None):
+        if workers < 0:
+            raise RewardError(f"reward.workers={workers}: must be >= 0")
+        if timeout is not None and not timeout > 0:
+            raise RewardError(f"reward.timeout={timeout}: must be > 0 seconds")
+        self.workers = workers
+        self.timeout = timeout
+        self._pool: Any = None
+        self._finalizer: Any = None
+        self._busy = False  # some task sent to the workers may not have finished
+
+    def start(self) -> Any:
+        """Start the worker processes (once) and wait until each is up; the pool."""
+        if self._pool is None:
+            context = multiprocessing.get_context("spawn")
+            self._pool = context.Pool(self.workers)
+            self._finalizer = weakref.finalize(self, self._pool.terminate)
+            self._pool.map(_worker_function, ["format"] * self.workers)  # all started
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the worker processes. Idle workers are told to exit and waited for, not
+        killed: a worker killed just after sending a result, before it releases the result
+        queue's lock, would leave the pool's shutdown waiting on that lock forever. Workers
+        that may still be busy (a function past ``timeout``) are killed."""
+        if self._pool is not None:
+            if self._busy:
+                self._finalizer()  # Pool.terminate
+            else:
+                self._finalizer.detach()
+                self._pool.close()
+                self._pool.join()
+        self._pool = self._finalizer = None
+        self._busy = False
+
+    def _late(self, name: str) -> RewardError:
+        return RewardError(
+            f"reward function {name!r} did not finish within reward.timeout={self.timeout:g} s "
+            f"for one rollout batch; the run stops here (its last checkpoint is intact)"
+        )
+
+    def run(
+        self,
+        names: Sequence[str],
+        functions: Sequence[RewardFunction],
+        specs: Sequence[str | RewardFunction],
+        prompts: Sequence[Any],
+        completions: Sequence[Any],
+        columns: Mapping[str, Sequence[Any]],
+    ) -> list[Any]:
+        """Each function's raw output on the whole batch, in order."""
+        if self.workers > 0:
+            shipped = [_shippable(n, s) for n, s in zip(names, specs, strict=True)]
+            pool = self.start()  # start-up is not part of the deadline
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        if self.workers == 0:
+            return [
+                self._in_thread(name, f, prompts, completions, columns, deadline)
+                for name, f in zip(names, functions, strict=True)
+            ]
+        bounds = _chunks(len(completions), self.workers)
+        pending = [
+            [
+                pool.apply_async(
+                    _worker_call,
+                    (
+                        name,
+                        spec,
+                        prompts[a:b],
+                        completions[a:b],
+                        {k: v[a:b] for k, v in columns.items()},
+                    ),
+                )
+                for a, b in bounds
+            ]
+            for name, spec in zip(names, shipped, strict=True)
+        ]
+        tasks = [part for parts in pending for part in parts]
+        self._busy = True
+        outputs = []
+        for name, parts in zip(names, pending, strict=True):
+            merged: list[Any] = []
+            for part in parts:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    raw = part.get(timeout=left)
+                except multiprocessing.TimeoutError:
+                    self.close()  # kills the hung workers; a new pool is made if needed
+                    raise self._late(name) from None
+                except BaseException:
+                    self._settle(tasks, deadline)
+                    raise
+                if not isinstance(raw, (list, tuple)):
+                    merged = raw  # reported by the caller, like an in-process result
+                    break
+                merged.extend(raw)
+            outputs.append(merged)
+        self._settle(tasks, deadline)
+        return outputs
+
+    def _settle(self, parts: list[Any], deadline: float | None) -> None:
+        """Wait for the batch's tasks (after one failed, the others may still run; until
+        ``deadline``, and at most ``SETTLE_SECONDS``), so that the workers are idle when
+        the pool is closed; a task still running leaves the pool marked busy."""
+        limit = time.monotonic() + SETTLE_SECONDS
+        if deadline is not None:
+            limit = min(limit, deadline)
+        for part in parts:
+            part.wait(max(0.0, limit - time.monotonic()))
+        self._busy = not all(part.ready() for part in parts)
+
+    def _in_thread(
+        self,
+        name: str,
+        function: RewardFunction,
+        prompts: Any,
+        completions: Any,
+        columns: Any,
+        deadline: float | None,
+    ) -> Any:
+        if deadline is None:
+            return _call_one(name, function, prompts, completions, columns)
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["out"] = _call_one(name, function, prompts, completions, columns)
+            except BaseException as e:  # re-raised in the caller's thread
+                box["err"] = e
+
+        thread = threading.Thread(target=target, name=f"reward {name}", daemon=True)
+        thread.start()
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            raise self._late(name)
+        if "err" in box:
+            raise box["err"]
+        return box["out"]

@@ -1,0 +1,267 @@
+"""The built-in reward functions (:data:`BUILTIN_REWARDS`), by spec name.
+
+``exact_match``, ``numeric_match``, ``math`` (math-verify, imported lazily), ``format``,
+``code`` (the sandbox of :mod:`gspo.rewards.sandbox`, imported lazily) and
+``environment`` (a multi-turn environment's own reward).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gspo.rewards.contract import RewardError, RewardFunction
+from gspo.rewards.parsing import (
+    _ANSWER_COLON_WELL_FORMED,
+    _answer_tag_contents,
+    _boxed_contents,
+    _gold_number,
+    _gold_text,
+    _predicted_number,
+    completion_text,
+)
+
+MATH_VERIFY_TIMEOUT_S = 5
+"""Per-parse / per-comparison timeout given to math-verify when it can use one (see math_reward)."""
+
+NUMERIC_REL_TOL = 1e-6
+NUMERIC_ABS_TOL = 1e-12
+
+
+def _require_answer(name: str, answer: Sequence[Any] | None, n: int) -> Sequence[Any]:
+    if answer is None:
+        raise RewardError(f"built-in reward {name!r} needs a dataset column named 'answer'")
+    if isinstance(answer, str) or len(answer) != n:
+        count = "a string" if isinstance(answer, str) else f"{len(answer)} values"
+        raise RewardError(
+            f"built-in reward {name!r}: column 'answer' has {count} for {n} completions"
+        )
+    return answer
+
+
+def exact_match_reward(
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    answer: Sequence[Any] | None = None,
+    **kwargs: Any,
+) -> list[float | None]:
+    """1.0 where the stripped completion text equals ``str(answer).strip()``, else 0.0.
+
+    Called TRL-style as ``f(prompts=..., completions=..., answer=..., **other_columns)``;
+    completions are strings or conversational ``[{"role": "assistant", "content": ...}]``.
+    A sample whose answer is None gets None (not applicable).
+    """
+    answer = _require_answer("exact_match", answer, len(completions))
+    out: list[float | None] = []
+    for completion, gold in zip(completions, answer, strict=True):
+        if gold is None:
+            out.append(None)
+        else:
+            out.append(float(completion_text(completion).strip() == str(gold).strip()))
+    return out
+
+
+def numeric_match_reward(
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    answer: Sequence[Any] | None = None,
+    **kwargs: Any,
+) -> list[float | None]:
+    """1.0 where the completion's final number equals the gold answer numerically, else 0.0.
+
+    Called TRL-style as ``f(prompts=..., completions=..., answer=..., **other_columns)``;
+    completions are strings or conversational ``[{"role": "assistant", "content": ...}]``.
+
+    The predicted answer is the number in the last ``\\boxed{...}``, else in the last
+    ``<answer>...</answer>``, else on the line after the last "answer is"/"Answer:", else the
+    last number in the text (ints, decimals, negatives, ``1,234``, ``3/4``, ``\\frac{3}{4}``).
+    Inside a box or answer tag the part after the last ``=`` is used (``\\boxed{x = 5}``).
+    The gold answer may be a number, a numeric string, a ``\\boxed{}`` or a GSM8K solution
+    ending in ``#### <answer>``. Numbers match within a relative tolerance of 1e-6.
+    A sample whose gold answer is not numeric gets None (not applicable).
+    """
+    answer = _require_answer("numeric_match", answer, len(completions))
+    out: list[float | None] = []
+    for completion, gold in zip(completions, answer, strict=True):
+        gold_value = _gold_number(gold)
+        if gold_value is None:
+            out.append(None)
+            continue
+        predicted = _predicted_number(completion_text(completion))
+        ok = predicted is not None and math.isclose(
+            predicted, gold_value, rel_tol=NUMERIC_REL_TOL, abs_tol=NUMERIC_ABS_TOL
+        )
+        out.append(float(ok))
+    return out
+
+
+def format_reward(
+    prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any
+) -> list[float | None]:
+    """1.0 where the completion states a well-formed final answer, else 0.0.
+
+    Called TRL-style as ``f(prompts=..., completions=..., **columns)`` (no column needed);
+    completions are strings or conversational ``[{"role": "assistant", "content": ...}]``.
+    Well-formed means any of: a brace-balanced non-empty ``\\boxed{...}``, a non-empty
+    ``<answer>...</answer>``, or "Answer:" followed by some text (case-insensitive).
+    """
+    out: list[float | None] = []
+    for completion in completions:
+        text = completion_text(completion)
+        ok = (
+            any(c.strip() for c in _boxed_contents(text))
+            or any(c.strip() for c in _answer_tag_contents(text))
+            or _ANSWER_COLON_WELL_FORMED.search(text) is not None
+        )
+        out.append(float(ok))
+    return out
+
+
+@functools.cache
+def _accepts_keyword(func: Callable[..., Any], name: str) -> bool:
+    try:
+        return name in inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _math_verify_timeout() -> int | None:
+    """The timeout math-verify may use here, or None to disable its timeouts.
+
+    math-verify implements timeouts with ``signal.alarm`` (POSIX) which only works in the main
+    thread (elsewhere it raises ValueError) and cancels any alarm the caller had pending; on
+    other platforms it forks a process per call. So timeouts are used only in the main thread
+    of a POSIX process with no pending ``ITIMER_REAL`` alarm.
+    """
+    if not hasattr(signal, "SIGALRM") or not hasattr(signal, "getitimer"):
+        return None
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getitimer(signal.ITIMER_REAL)[0] > 0:
+        return None
+    return MATH_VERIFY_TIMEOUT_S
+
+
+def _math_gold_text(answer: Any) -> str:
+    s = _gold_text(answer)
+    if not any(marker in s for marker in ("$", "\\boxed", "\\(", "\\[")):
+        s = f"${s}$"
+    return s
+
+
+def math_reward(
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    answer: Sequence[Any] | None = None,
+    **kwargs: Any,
+) -> list[float | None]:
+    """1.0 where math-verify judges the completion equivalent to the gold answer, else 0.0.
+
+    Called TRL-style as ``f(prompts=..., completions=..., answer=..., **other_columns)``;
+    completions are strings or conversational ``[{"role": "assistant", "content": ...}]``.
+
+    The gold answer is parsed with ``math_verify.parse`` (wrapped in ``$...$`` when it has no
+    ``$``/``\\boxed``/``\\(``/``\\[``; a GSM8K ``#### x`` suffix is used if present) and the
+    completion with default extraction; when the completion has ``<answer>...</answer>`` but no
+    ``\\boxed``, only the last tag's content is parsed (math-verify ignores the tags).
+    ``math_verify.verify`` compares them symbolically (``\\frac{1}{2}`` equals ``0.5``).
+    Errors and timeouts inside math-verify give 0.0. A sample whose answer is None, or whose
+    gold answer math-verify cannot parse, gets None.
+    """
+    answer = _require_answer("math", answer, len(completions))
+    from math_verify import parse, verify
+
+    try:
+        from math_verify.errors import TimeoutException
+    except ImportError:  # pragma: no cover - older math-verify
+        TimeoutException = Exception
+
+    timeout = _math_verify_timeout()
+    parse_kwargs: dict[str, Any] = {}
+    verify_kwargs: dict[str, Any] = {}
+    if _accepts_keyword(parse, "parsing_timeout"):
+        parse_kwargs["parsing_timeout"] = timeout
+    if _accepts_keyword(verify, "timeout_seconds"):
+        verify_kwargs["timeout_seconds"] = timeout
+
+    gold_cache: dict[str, list[Any]] = {}
+    out: list[float | None] = []
+    for completion, gold in zip(completions, answer, strict=True):
+        if gold is None:
+            out.append(None)
+            continue
+        gold_str = _math_gold_text(gold)
+        if gold_str not in gold_cache:
+            try:
+                gold_cache[gold_str] = parse(gold_str, **parse_kwargs)
+            except (Exception, TimeoutException):
+                gold_cache[gold_str] = []
+        gold_parsed = gold_cache[gold_str]
+        if not gold_parsed:
+            out.append(None)
+            continue
+        text = completion_text(completion)
+        if "\\boxed" not in text:
+            tags = _answer_tag_contents(text)
+            if tags:
+                text = tags[-1]
+        try:
+            predicted = parse(text, **parse_kwargs)
+            ok = bool(predicted) and bool(verify(gold_parsed, predicted, **verify_kwargs))
+        except (Exception, TimeoutException):
+            ok = False
+        out.append(float(ok))
+    return out
+
+
+def code_reward(
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    tests: Sequence[Any] | None = None,
+    **kwargs: Any,
+) -> list[float | None]:
+    """Pass fraction of the completion's Python program on the row's ``tests`` (sandboxed).
+
+    See :func:`gspo.rewards.sandbox.code_reward`: the program is the last fenced Python
+    block, each runs in its own isolated, resource-limited process.
+    """
+    from gspo.rewards.sandbox import code_reward as run
+
+    return run(prompts=prompts, completions=completions, tests=tests, **kwargs)
+
+
+def environment_reward(
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    environments: Sequence[Any] | None = None,
+    **kwargs: Any,
+) -> list[float | None]:
+    """The environment's own reward: ``get_reward()`` of each episode's environment.
+
+    For multi-turn runs (``rollout.environment``); None for an environment without
+    ``get_reward`` or one that returns None (left out of the weighted sum).
+    """
+    if environments is None:
+        raise ValueError("the 'environment' reward needs rollout.environment (no environments)")
+    out: list[float | None] = []
+    for env in environments:
+        get = getattr(env, "get_reward", None)
+        value = get() if callable(get) else None
+        out.append(None if value is None else float(value))
+    return out
+
+
+BUILTIN_REWARDS: dict[str, RewardFunction] = {
+    "code": code_reward,
+    "environment": environment_reward,
+    "exact_match": exact_match_reward,
+    "numeric_match": numeric_match_reward,
+    "math": math_reward,
+    "format": format_reward,
+}
+"""Built-in reward functions by spec name."""
