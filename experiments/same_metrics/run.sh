@@ -9,7 +9,8 @@
 #   experiments/same_metrics/run.sh src runs/same/after
 #   .venv/bin/python experiments/same_metrics/compare.py runs/same/before runs/same/after
 #
-# About 5 minutes on 2 CPU cores per version.
+# About 5 minutes on 2 CPU cores per version. Give both output directories paths of the same
+# length: a checkpoint holds its own path, so io/checkpoint_bytes differs by the difference.
 set -u
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 SRC=$(cd "$1" && pwd); OUT=$2; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
