@@ -102,7 +102,7 @@ def main(out: Path, extra: list[str]) -> None:
             logprobs = trainer.policy.logprobs(mb)
             old = batch.sampler_logprobs[rows][:, : logprobs.shape[1]]
             share = Minibatch(0, rows, mb, old, advantages[rows], mb.action_mask, None, None)
-            loss = trainer.update_stage.objective(share, logprobs)
+            loss = trainer.update_stage.objective.loss(share, logprobs)
             metrics = trainer.combine(trainer.policy_update.apply(loss))
             # a LoRA policy: its adapters (the frozen base cannot move)
             weights = full_state_dict(trainer.model, dist, trainable_only=trainer.policy.adapters)

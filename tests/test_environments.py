@@ -259,7 +259,7 @@ def test_episodes_are_token_in_token_out_with_environment_tokens_masked(tokenize
         max_turns=4, max_tokens=400, chat_kwargs={},
     )  # fmt: skip
     rows = [{"prompt": "count", "start": 10}]
-    out = runner(rows, [[]], n=3, params=SamplingParams(max_new_tokens=200), seed=0)
+    out = runner.generate(rows, [[]], n=3, params=SamplingParams(max_new_tokens=200), seed=0)
     batch = out.batch
     # turn 0 shares the prompt's prefill: one context, three responses
     assert len(engine.calls[0]) == 3 and engine.calls[0][0] == engine.calls[0][2]
@@ -298,14 +298,18 @@ def test_budgets_cut_episodes_as_length(tokenizer, env_file):
     factory = EnvironmentFactory(f"{env_file}:Counter")
     engine = ScriptedEngine(tokenizer, [[call, call], [call, call]])
     runner = MultiTurn(engine, factory, tokenizer, max_turns=2, max_tokens=500, chat_kwargs={})
-    out = runner([{"prompt": "p"}], [[]], n=2, params=SamplingParams(max_new_tokens=100), seed=0)
+    out = runner.generate(
+        [{"prompt": "p"}], [[]], n=2, params=SamplingParams(max_new_tokens=100), seed=0
+    )
     assert out.batch.finish_reasons == ["length", "length"]  # still calling at max_turns
     # the reply to the last turn is never appended: the episode ends on the model's tokens
     last = out.batch.completion_ids[0][out.batch.completion_lengths[0] - 1]
     assert last == tokenizer.eos_token_id
     engine = ScriptedEngine(tokenizer, [[call, call]])
     runner = MultiTurn(engine, factory, tokenizer, max_turns=4, max_tokens=20, chat_kwargs={})
-    out = runner([{"prompt": "p"}], [[]], n=2, params=SamplingParams(max_new_tokens=100), seed=0)
+    out = runner.generate(
+        [{"prompt": "p"}], [[]], n=2, params=SamplingParams(max_new_tokens=100), seed=0
+    )
     assert out.batch.finish_reasons == ["length", "length"]
     assert out.batch.completion_lengths.tolist() == [20, 20]
 
@@ -340,7 +344,7 @@ def test_the_trainer_recomputes_exactly_what_the_sampler_saw(tokenizer, tiny_mod
     )  # fmt: skip
     rows = [{"prompt": "12+34+56="}, {"prompt": "7+8="}]
     params = SamplingParams(max_new_tokens=120, temperature=0.9)
-    batch = runner(rows, [[]] * 2, n=3, params=params, seed=1).batch
+    batch = runner.generate(rows, [[]] * 2, n=3, params=params, seed=1).batch
     env_tokens = (batch.completion_mask & ~batch.action_mask).sum()
     assert env_tokens > 0 and batch.completion_lengths.max() > 120  # several turns
     from gspo.models import completion_logprobs
@@ -407,7 +411,7 @@ def test_the_loss_mask_starts_from_the_action_mask():
         torch.ones(2, 5, dtype=torch.long), completion, torch.zeros(2, 5),
         ["stop", "length"], 2, action_mask=actions,
     )  # fmt: skip
-    tokens = LossMask(cfg)(batch, torch.zeros(2, 5))
+    tokens = LossMask(cfg).tokens(batch, torch.zeros(2, 5))
     assert tokens.mask.tolist() == [actions[0].tolist(), [False] * 5]
     # and a batch trimmed or selected keeps its action mask aligned
     assert torch.equal(batch.select(torch.tensor([1])).action_mask, actions[1:])

@@ -118,7 +118,7 @@ def test_the_last_progress_line_shows_the_final_evaluation(tmp_path, ones_reward
                  "eval.every=0", "log.progress=true"]  # fmt: skip
     config = load_config(None, overrides)
     trainer = Trainer(config, tmp_path / "run")
-    trainer.evaluate = lambda step: {"eval/accuracy": 0.25 + step / 100}  # 0.25, then 0.33
+    trainer.evaluator.run = lambda step: {"eval/accuracy": 0.25 + step / 100}  # 0.25, then 0.33
     capsys.readouterr()
     trainer.fit()
     steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
@@ -468,7 +468,7 @@ def test_python_dash_m_gspo_and_console_script():
 def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch, varied_reward):
     from gspo.training.update import Objective
 
-    real = Objective.__call__
+    real = Objective.loss
     calls = {"n": 0}
     poisoned = {2, 5, 6, 7}  # update 2 alone, then 5, 6, 7 in a row
 
@@ -479,7 +479,7 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch,
             out.loss = out.loss * float("nan")
         return out
 
-    monkeypatch.setattr(Objective, "__call__", poisoning)
+    monkeypatch.setattr(Objective, "loss", poisoning)
     overrides = [*FAST, varied_reward, "train.cold_start_steps=0", "optim.lr=1e-3"]
     overrides += ["train.max_steps=8", "train.save_every=1", "eval.every=0"]
     overrides += ["algorithm.minibatches=1", "train.keep_checkpoints=10"]

@@ -530,7 +530,9 @@ def test_multi_turn_episodes_through_vllm_are_token_in_token_out(engine, model, 
         chat_kwargs={},
     )  # fmt: skip
     rows = [{"prompt": t} for t in TEXTS]
-    batch = runner(rows, [[]] * 3, n=4, params=SamplingParams(max_new_tokens=80), seed=4).batch
+    batch = runner.generate(
+        rows, [[]] * 3, n=4, params=SamplingParams(max_new_tokens=80), seed=4
+    ).batch
     assert (batch.completion_mask & ~batch.action_mask).any()  # environment tokens
     lp = recompute(model, batch)
     assert (lp - batch.sampler_logprobs).abs()[batch.action_mask].max() < 1e-4

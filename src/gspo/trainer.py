@@ -125,8 +125,8 @@ class Trainer:
         self.sampler = Sampler(
             build_engine(config, self.policy, self.tokenizer, model_dir), self.policy
         )
-        self.generate = build_generator(config, self.sampler, self.tokenizer, self.data.train[0])
-        rewards = reward_functions(config, getattr(self.generate, "environment", None))
+        self.generator = build_generator(config, self.sampler, self.tokenizer, self.data.train[0])
+        rewards = reward_functions(config, getattr(self.generator, "environment", None))
         self.optimizer, self.scheduler = rl_optimizer(config, self.policy.forward)
         self.reference = Reference(config.algorithm.kl_coef, out, self.policy)
         objective = Objective(config.algorithm)
@@ -146,9 +146,9 @@ class Trainer:
 
         # the stages, and the hooks attached to the update stage
         self.train_prompt_ids = encode_prompts(
-            config, self.generate, self.tokenizer, self.data.train
+            config, self.generator, self.tokenizer, self.data.train
         )
-        eval_prompt_ids = encode_prompts(config, self.generate, self.tokenizer, self.data.eval)
+        eval_prompt_ids = encode_prompts(config, self.generator, self.tokenizer, self.data.eval)
         sampling = SamplingParams(
             max_new_tokens=config.rollout.max_new_tokens,
             temperature=config.rollout.temperature,
@@ -156,7 +156,7 @@ class Trainer:
         )
         scorer = Scorer(self.tokenizer, rewards)
         self.rollout_stage = RolloutStage(
-            config, dist, self.data.train, self.train_prompt_ids, self.generate, scorer, forward,
+            config, dist, self.data.train, self.train_prompt_ids, self.generator, scorer, forward,
             self.reference, sampling, local_prompts=local_prompts,
         )  # fmt: skip
         # rollout.max_staleness: sampled in step, or ahead by a producer thread
@@ -165,8 +165,8 @@ class Trainer:
         )
         hooks = build_hooks(config, out, dist, forward, objective, self.reference)
         self.update_stage = UpdateStage(forward, objective, self.policy_update, hooks)
-        self.evaluate = Evaluator(
-            config, dist, self.data.eval, eval_prompt_ids, self.generate, scorer, sampling
+        self.evaluator = Evaluator(
+            config, dist, self.data.eval, eval_prompt_ids, self.generator, scorer, sampling
         )
         self.logger = MetricsLogger(
             out,
@@ -217,7 +217,7 @@ class Trainer:
         start = time.perf_counter()
         # generation names its own settings (RolloutStage.generated); the rest is pi_old
         with out_of_memory("rollout", self.config):
-            experience = self.rollouts(rollout_index)
+            experience = self.rollouts.experience(rollout_index)
         lines = []
         for k in range(len(experience.minibatches)):
             with out_of_memory("update", self.config):
@@ -255,7 +255,7 @@ class Trainer:
                 changed = cold_start(
                     cfg, self.policy, self.tokenizer, self.data.sft, self.logger, self.dist,
                     local_batch=self.local_sft_batch, checkpoints=checkpoints,
-                    encode=sft_encoder(cfg, self.tokenizer, self.generate),
+                    encode=sft_encoder(cfg, self.tokenizer, self.generator),
                 )  # fmt: skip
             self.cold_start_done = True
             # step 0: the cold-start model; RL resumes from here. A model no cold start
@@ -264,7 +264,7 @@ class Trainer:
             self.save_checkpoint(model_dir=self.model_dir if unchanged else None)
             drop_progress(checkpoints, self.dist)
         if self.step == 0 and not self.start_evaluated:
-            self.logger.log(0, self.evaluate(self.step))
+            self.logger.log(0, self.evaluator.run(self.step))
         show = cfg.log.progress and self.dist.is_main
         first = self.step // cfg.algorithm.minibatches
         with (
@@ -277,7 +277,7 @@ class Trainer:
                     self.logger.log(step, line)
                 last = rollout_index == cfg.rollout_batches - 1
                 if crossed(before, self.step, cfg.eval.every) or last:
-                    metrics = self.evaluate(self.step)
+                    metrics = self.evaluator.run(self.step)
                     self.logger.log(self.step, metrics)
                     line = {**line, **metrics}  # the progress line shows this evaluation
                 bar.update(self.step, line)

@@ -1,7 +1,8 @@
 """Rollout batches for the loop: sampled in step (``rollout.max_staleness=0``) or ahead.
 
-The loop asks ``rollouts(index)`` for rollout batch ``index``'s :class:`Experience`, trains
-on it, then tells ``rollouts.trained(index)``. :class:`SyncRollouts` (the default) samples
+The loop asks ``rollouts.experience(index)`` for rollout batch ``index``'s
+:class:`Experience`, trains on it, then tells ``rollouts.trained(index)``.
+:class:`SyncRollouts` (the default) samples
 the batch there and then with the current weights. :class:`AsyncRollouts` (``k =
 rollout.max_staleness > 0``) has a producer thread sample batches ahead, on its own copy
 of the weights, while the trainer trains:
@@ -74,7 +75,7 @@ class SyncRollouts:
     def running(self, first: int, end: int) -> Iterator[None]:
         yield
 
-    def __call__(self, index: int) -> Experience:
+    def experience(self, index: int) -> Experience:
         return self.stage.run(index)
 
     def trained(self, index: int) -> None:
@@ -226,7 +227,7 @@ class AsyncRollouts:
         finally:
             self.close()
 
-    def __call__(self, index: int) -> Experience:
+    def experience(self, index: int) -> Experience:
         start = time.perf_counter()
         item = self.ready.get()
         wait = time.perf_counter() - start

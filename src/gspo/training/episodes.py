@@ -209,7 +209,7 @@ class MultiTurn:
         prompt = self.format.prompt_ids(messages)
         return _State(episode, messages, prompt, [], [], [])
 
-    def __call__(
+    def generate(
         self,
         rows: list[dict[str, Any]],
         prompt_ids: list[list[int]],

@@ -19,7 +19,7 @@ from gspo.training.seeds import derive_seed
 
 
 class Evaluator:
-    """``evaluator(step) -> metrics``: ``eval/accuracy``, ``eval/reward_mean``, lengths.
+    """``evaluator.run(step) -> metrics``: ``eval/accuracy``, ``eval/reward_mean``, lengths.
 
     Accuracy is the mean success (reward >= ``eval.success_threshold``) over
     ``eval.samples`` samples per prompt, and of one greedy response with ``eval.greedy``.
@@ -43,7 +43,7 @@ class Evaluator:
         self.dist = dist
         self.rows = rows[: cfg.max_prompts]
         self.prompt_ids = prompt_ids[: cfg.max_prompts]
-        self.generate = generate
+        self.generator = generate
         self.scorer = scorer
         self.modes = [("", cfg.samples, sampling)]
         if cfg.greedy:
@@ -54,23 +54,23 @@ class Evaluator:
         self.chunk = max(1, rollout.prompts_per_batch * rollout.group_size // cfg.samples)
 
     @torch.no_grad()
-    def __call__(self, step: int) -> dict[str, float]:
+    def run(self, step: int) -> dict[str, float]:
         rows, ids, chunk = self.rows, self.prompt_ids, self.chunk
         if not rows:
             return {}
         metrics: dict[str, float] = {}
         start = time.perf_counter()
-        self.generate.sampler.sync()  # a collective under torchrun: before chunks diverge
+        self.generator.sampler.sync()  # a collective under torchrun: before chunks diverge
         starts = range(0, len(rows), chunk)
         for suffix, n, params in self.modes:
             mine = []
             for c in starts[self.dist.rank :: self.dist.world_size]:
                 seed = derive_seed(self.config.train.seed, "eval", step, suffix, c)
                 with out_of_memory("evaluation", self.config):
-                    generated = self.generate(
+                    generated = self.generator.generate(
                         rows[c : c + chunk], ids[c : c + chunk], n=n, params=params, seed=seed
                     )
-                scored = self.scorer(rows[c : c + chunk], generated)
+                scored = self.scorer.score(rows[c : c + chunk], generated)
                 lengths = generated.batch.completion_lengths.float().cpu()
                 mine.append((c, scored.rewards, lengths, generated.metrics))
             every_rank = self.dist.gather_objects(mine)

@@ -276,7 +276,7 @@ def gradient_cosines(
             mb = replace(mb, ref_logprobs=reference.logprobs(mb.batch))  # on this layout
             grads = []
             for old in (mb.old_logprobs, lp.detach()):
-                out = objective(replace(mb, old_logprobs=old), lp)
+                out = objective.loss(replace(mb, old_logprobs=old), lp)
                 g = torch.autograd.grad(out.loss, params, retain_graph=True, allow_unused=True)
                 grads.append(flatten(list(g), params))
             pair_off.append(grads[0])

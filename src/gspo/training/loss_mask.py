@@ -35,7 +35,7 @@ class LossTokens:
 
 
 class LossMask:
-    """``loss_mask(batch, old_logprobs) -> LossTokens`` for the run's ``algorithm.*``."""
+    """``loss_mask.tokens(batch, old_logprobs) -> LossTokens`` for the run's ``algorithm.*``."""
 
     def __init__(self, algorithm: AlgorithmConfig):
         self.correction = algorithm.rollout_correction
@@ -43,7 +43,7 @@ class LossMask:
         self.high = algorithm.correction_max
         self.mask_truncated = algorithm.mask_truncated
 
-    def __call__(self, batch: RolloutBatch, old_logprobs: torch.Tensor) -> LossTokens:
+    def tokens(self, batch: RolloutBatch, old_logprobs: torch.Tensor) -> LossTokens:
         mask = batch.action_mask.bool()  # the model's own tokens: never environment tokens
         out = LossTokens(mask)
         if self.mask_truncated:

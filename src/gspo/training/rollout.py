@@ -52,11 +52,12 @@ class Scorer:
         # (:mod:`gspo.training.async_rollout`) may score at once
         self.lock = threading.Lock()
 
-    def __call__(self, rows: list[dict[str, Any]], generated: Generated) -> Scored:
-        with self.lock:
-            return self.score(rows, generated)
-
     def score(self, rows: list[dict[str, Any]], generated: Generated) -> Scored:
+        """The rows' completions decoded and scored (one batch at a time)."""
+        with self.lock:
+            return self._score(rows, generated)
+
+    def _score(self, rows: list[dict[str, Any]], generated: Generated) -> Scored:
         batch = generated.batch
         group = batch.group_size
         prompts = [row["prompt"] for row in rows for _ in range(group)]
@@ -136,7 +137,7 @@ class RolloutStage:
         self.dist = dist
         self.rows = rows
         self.prompt_ids = prompt_ids
-        self.generate = generate
+        self.generator = generate
         self.scorer = scorer
         self.forward = forward
         self.reference = reference
@@ -145,10 +146,10 @@ class RolloutStage:
         self.local_prompts = local_prompts  # this rank's share of rollout.prompts_per_batch
         self.loss_mask = LossMask(config.algorithm)
 
-    def generated(self, generate: Generator, picked: list[int], seed: int) -> Generated:
+    def generated(self, generator: Generator, picked: list[int], seed: int) -> Generated:
         """``rollout.group_size`` responses (or episodes) for each of the ``picked`` rows."""
         with out_of_memory("generation", self.config):
-            return generate(
+            return generator.generate(
                 [self.rows[i] for i in picked],
                 [self.prompt_ids[i] for i in picked],
                 n=self.config.rollout.group_size,
@@ -160,7 +161,7 @@ class RolloutStage:
         """The rewards of a training rollout: the reward functions, then the overlong
         penalty (``reward.overlong_penalty``, training only: evaluation scores without)."""
         batch = generated.batch
-        scored = self.scorer([self.rows[i] for i in picked], generated)
+        scored = self.scorer.score([self.rows[i] for i in picked], generated)
         cfg = self.config
         if cfg.reward.overlong_penalty > 0:
             penalty = overlong_penalty(
@@ -177,7 +178,7 @@ class RolloutStage:
         picked: list[int],
         first: Scored,
         local: dict[str, float],
-        generate: Generator,
+        generator: Generator,
     ) -> tuple[Scored, list[int]]:
         """``rollout.filter_groups``: replace constant-reward groups by fresh ones
         (:mod:`gspo.training.dynamic_sampling`); the scored batch and its prompt rows."""
@@ -187,7 +188,7 @@ class RolloutStage:
         def sample_round(r: int) -> torch.Tensor:
             more = extra_prompts(cfg.train.seed, index, r, len(self.rows), len(picked))
             seed = rank_seed(cfg.train.seed, self.dist, "rollout", index, "extra", r)
-            rounds.append(self.score(more, self.generated(generate, more, seed)))
+            rounds.append(self.score(more, self.generated(generator, more, seed)))
             prompts.append(more)
             return rounds[-1].rewards
 
@@ -208,7 +209,7 @@ class RolloutStage:
         """Rollout batch ``index`` sampled (by ``sampler``, the run's own by default) and
         scored, with the extra rounds of ``rollout.filter_groups``."""
         cfg, dist = self.config, self.dist
-        generate = self.generate if sampler is None else self.generate.using(sampler)
+        generator = self.generator if sampler is None else self.generator.using(sampler)
         seed = cfg.train.seed
         local: dict[str, float] = {}
         with timed(local, "time/generate"):
@@ -216,7 +217,7 @@ class RolloutStage:
             share = self.local_prompts
             picked = prompts_for_batch(index, len(self.rows), cfg.rollout.prompts_per_batch, seed)
             picked = picked[dist.rank * share : (dist.rank + 1) * share]
-            generated = self.generated(generate, picked, rank_seed(seed, dist, "rollout", index))
+            generated = self.generated(generator, picked, rank_seed(seed, dist, "rollout", index))
         local["time/weight_sync"] = generated.sync_seconds
         local["time/generate"] -= local["time/weight_sync"]
         local.update(generated.metrics)
@@ -224,7 +225,7 @@ class RolloutStage:
             scored = self.score(picked, generated)
             if cfg.rollout.filter_groups:
                 with timed(local, "time/filter_groups"):  # extra rounds: sampled and scored
-                    scored, picked = self.refill(index, picked, scored, local, generate)
+                    scored, picked = self.refill(index, picked, scored, local, generator)
         return Sampled(index, picked, scored, local)
 
     def experience(self, sampled: Sampled) -> Experience:
@@ -258,7 +259,7 @@ class RolloutStage:
         if recomputed is not None:
             local.update(logprob_mismatch(batch.sampler_logprobs, recomputed, batch.action_mask))
         old_logprobs = batch.sampler_logprobs if recomputed is None else recomputed
-        tokens = self.loss_mask(batch, old_logprobs)
+        tokens = self.loss_mask.tokens(batch, old_logprobs)
         local.update(tokens.metrics)
         # over all ranks: rewards and lengths gathered, times and mismatch combined
         metrics = {

@@ -129,7 +129,7 @@ class Generator(Protocol):
         """The same generator sampling through another sampler (an async producer's)."""
         ...
 
-    def __call__(
+    def generate(
         self,
         rows: list[dict[str, Any]],
         prompt_ids: list[list[int]],
@@ -141,7 +141,8 @@ class Generator(Protocol):
 
 
 class SingleTurn:
-    """``generate(rows, prompt_ids, n=, params=, seed=) -> Generated``: one response each.
+    """``generate(rows, prompt_ids, n=, params=, seed=) -> Generated``: one response per
+    prompt and sample.
 
     The multi-turn counterpart is :class:`gspo.training.episodes.MultiTurn`.
     """
@@ -152,7 +153,7 @@ class SingleTurn:
     def using(self, sampler: Any) -> SingleTurn:
         return SingleTurn(sampler)
 
-    def __call__(
+    def generate(
         self,
         rows: list[dict[str, Any]],
         prompt_ids: list[list[int]],

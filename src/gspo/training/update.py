@@ -27,7 +27,7 @@ class Objective:
     def __init__(self, algorithm: AlgorithmConfig):
         self.algorithm = algorithm
 
-    def __call__(
+    def loss(
         self, mb: Minibatch, logprobs: torch.Tensor, entropy: torch.Tensor | None = None
     ) -> PolicyLoss:
         """``logprobs`` ``[n, T]`` pi_theta's (with gradient), ``entropy`` ``[n, T]`` its
@@ -159,7 +159,7 @@ class UpdateStage:
         start = time.perf_counter()
         mb = experience.minibatch(k)
         logprobs, entropy, router_loss = self.forward.logprobs(experience, mb)
-        line = self.update.apply(self.objective(mb, logprobs, entropy), router_loss)
+        line = self.update.apply(self.objective.loss(mb, logprobs, entropy), router_loss)
         line["train/minibatch"] = k
         line["train/rollout"] = experience.index
         line["time/train"] = time.perf_counter() - start
