@@ -349,8 +349,8 @@ def test_the_summary_says_what_the_checkpoints_wrote(tmp_path, varied_reward, ca
     writing = sum(r["time/checkpoint_write"] for r in lines)
     out = " ".join(capsys.readouterr().out.split())
     assert (
-        f"wrote {megabytes(sum(on_disk))} in 3 checkpoints ({writing:.1f} s of writing); "
-        f"waited {waited:.1f} s for them"
+        f"wrote {megabytes(sum(on_disk))} in 3 checkpoints: {writing:.1f} s writing, "
+        f"{waited:.1f} s waited"
     ) in out
 
 

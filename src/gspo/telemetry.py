@@ -726,8 +726,8 @@ def summary_table(records: Sequence[Mapping[str, Any]], *, title: str = "Run sum
 
 
 def checkpoint_writes(records: Sequence[Mapping[str, Any]]) -> str | None:
-    """``wrote 12.3 MB in 3 checkpoints (0.4 s of writing); waited 0.1 s for them``: the
-    writes' own seconds (``time/checkpoint_write``), and the run's seconds waiting for them
+    """``wrote 12.3 MB in 3 checkpoints: 0.4 s writing, 0.1 s waited``: the writes' own
+    seconds (``time/checkpoint_write``), and the run's seconds waiting for them
     (``time/checkpoint``: taking each, and any wait for a background write); None when
     none are logged."""
     from gspo.publish import megabytes
@@ -740,8 +740,8 @@ def checkpoint_writes(records: Sequence[Mapping[str, Any]]) -> str | None:
     writing = sum(r.get("time/checkpoint_write", r.get("time/checkpoint", 0.0)) for r in lines)
     n = len(lines)
     return (
-        f"wrote {megabytes(size)} in {n} checkpoint{'s' * (n != 1)} ({writing:.1f} s of "
-        f"writing); waited {waited:.1f} s for them"
+        f"wrote {megabytes(size)} in {n} checkpoint{'s' * (n != 1)}: {writing:.1f} s "
+        f"writing, {waited:.1f} s waited"
     )
 
 
