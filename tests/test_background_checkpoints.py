@@ -4,9 +4,11 @@ run and the same files as written at once, a snapshot of the step, errors in one
 from __future__ import annotations
 
 import errno
+import re
 import threading
 import time
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from test_trainer import FAST
@@ -43,6 +45,12 @@ def writer_threads(monkeypatch) -> list[str]:
     return names
 
 
+def untokened(data: bytes) -> bytes:
+    """``data`` less the random token of a temporary directory's name and DCP's save id."""
+    data = re.sub(rb"\.gspo-[0-9a-f]{12}\.", b".gspo-TOKEN.", data)
+    return re.sub(rb"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", b"UUID", data)
+
+
 def files(checkpoint):
     return {
         str(f.relative_to(checkpoint)): f.read_bytes()
@@ -51,20 +59,23 @@ def files(checkpoint):
     }
 
 
+@pytest.mark.parametrize("lora", [0, 4], ids=["full", "lora"])
 def test_background_checkpoints_give_the_same_run_and_the_same_files(
-    tmp_path, monkeypatch, varied_reward
+    tmp_path, monkeypatch, varied_reward, lora
 ):
     names = writer_threads(monkeypatch)
     runs = {}
     for setting in ("true", "false"):
         names.clear()
-        run = tmp_path / setting[0]  # (same-length names: the shards' metadata hold them)
-        args = [*RUN, varied_reward, f"train.background_checkpoints={setting}"]
+        run = tmp_path / "run"  # (the shards' metadata and a LoRA's base name it)
+        args = [*RUN, varied_reward, f"model.lora.r={lora}"]
+        args += ["train.cold_start_steps=0"] if lora else []
+        args.append(f"train.background_checkpoints={setting}")
         assert main(["train", "--output-dir", str(run), *args]) == 0
         background = setting == "true"
         assert len(names) == 4  # steps 0, 2, 4, 6
         assert all((n == "gspo checkpoint writer") == background for n in names), names
-        runs[setting] = run
+        runs[setting] = run.rename(tmp_path / setting)
 
     on, off = (read_metrics(runs[s] / "metrics.jsonl") for s in ("true", "false"))
     assert [sorted(r) for r in on] == [sorted(r) for r in off]  # same lines, same keys, in order
@@ -83,10 +94,10 @@ def test_background_checkpoints_give_the_same_run_and_the_same_files(
     for name in steps:  # the weights, the optimizer state, the scheduler: byte for byte
         got, want = (files(runs[s] / "checkpoints" / name) for s in ("true", "false"))
         assert sorted(got) == sorted(want)
-        assert "sharded/__0_0.distcp" in got and "model.safetensors" in got
-        for path in want:
-            if path != "sharded/.metadata":  # (it holds the directory's name)
-                assert got[path] == want[path], (name, path)
+        weights = "adapter_model.safetensors" if lora else "model.safetensors"
+        assert "sharded/__0_0.distcp" in got and weights in got
+        for path in want:  # (the shards' metadata name the temporary directory, an id)
+            assert untokened(got[path]) == untokened(want[path]), (name, path)
     latest = (runs["true"] / "checkpoints" / "latest").read_text().strip()
     assert latest == "step-0000006"
 
