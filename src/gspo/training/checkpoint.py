@@ -14,6 +14,11 @@ A LoRA run's checkpoints hold the adapter in PEFT's format instead of the whole 
 (``adapter_config.json``, which names the base model directory, and
 ``adapter_model.safetensors``: ``PeftModel.from_pretrained`` loads them), and ``sharded/``
 holds the adapters and their optimizer state only.
+
+A single process writes its checkpoints in a background thread (``train.
+background_checkpoints``, :class:`Checkpoints`): each is copied to CPU memory at its step
+(:func:`take_checkpoint`) and written (:func:`write_checkpoint`) while training goes on,
+one at a time; ``latest`` names it once it is whole (:func:`finish_checkpoint`).
 """
 
 from __future__ import annotations
@@ -120,11 +125,9 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
 
 @dataclass
 class CheckpointState:
-    """What one checkpoint writes, taken at its step (:func:`take_checkpoint`).
-
-    With ``copied`` its tensors are copies in CPU memory: training may change the live
-    weights and optimizer state while :func:`write_checkpoint` writes these.
-    """
+    """What one checkpoint writes, taken at its step (:func:`take_checkpoint`): the live
+    tensors, or copies in CPU memory that :func:`write_checkpoint` may write while
+    training changes the live ones."""
 
     final: Path
     step: int
@@ -135,7 +138,6 @@ class CheckpointState:
     weights: dict[str, Any] | None  # its weights (rank 0)
     tokenizer: Any
     files: dict[str, Any]  # name -> object for ``torch.save`` (rank 0)
-    copied: bool = False
 
 
 def take_checkpoint(
@@ -193,7 +195,6 @@ def take_checkpoint(
         frozen = {p.untyped_storage().data_ptr() for p in policy.parameters()}
         frozen -= {p.untyped_storage().data_ptr() for p in policy.parameters() if p.requires_grad}
         state.sharded, state.weights = snapshot((state.sharded, state.weights), skip=frozen)
-        state.copied = True
     return state
 
 
