@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import sys
 import time
+from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
@@ -208,6 +209,7 @@ class Trainer:
             dist=dist,
             background=config.train.background_checkpoints and not dist.enabled,
         )
+        self.writer_tokenizer = None  # (the tokenizer background writes save)
         if dist.is_main:
             dump_config(config, out / "config.yaml")
         if checkpoint is None:
@@ -346,13 +348,19 @@ class Trainer:
     def save_checkpoint(self, model_dir: Path | None = None) -> Path:
         """Take this step's checkpoint and write it (in the background: :class:`gspo.training.
         checkpoint.Checkpoints`, which logs ``io/checkpoint_bytes``, ``time/checkpoint``, the
-        seconds the run waited for it, and ``time/checkpoint_write``); its directory."""
+        seconds the run waited for it, and ``time/checkpoint_write``; ``self.checkpoints.
+        wait()`` or :meth:`close` waits for it); its directory."""
         step = self.step
 
         def take(copy: bool):
+            tokenizer = self.tokenizer
+            if copy:  # the writer thread's own: a fast tokenizer is not for two threads at once
+                if self.writer_tokenizer is None:
+                    self.writer_tokenizer = deepcopy(self.tokenizer)
+                tokenizer = self.writer_tokenizer
             return take_checkpoint(
                 self.output_dir, step, self.policy, self.optimizer, self.scheduler,
-                self.tokenizer, dist=self.dist, extra=self.rollouts.checkpoint_files(),
+                tokenizer, dist=self.dist, extra=self.rollouts.checkpoint_files(),
                 model_dir=model_dir, copy=copy,
             )  # fmt: skip
 
