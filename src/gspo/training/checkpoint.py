@@ -406,12 +406,13 @@ class Checkpoints:
     def wait(self, *, quiet: bool = False) -> None:
         """Wait for the write in flight, if any, and finish it; its error is raised (with
         ``quiet``, on the way out of another exception: said in one line on stderr)."""
-        write, self.pending = self.pending, None
+        write = self.pending
         if write is None:
             return
         start = time.perf_counter()
         assert write.thread is not None
-        write.thread.join()
+        write.thread.join()  # (interrupted, it stays pending: the exception path waits again)
+        self.pending = None
         try:
             self._finish(write, waited=time.perf_counter() - start)
         except BaseException as exc:
