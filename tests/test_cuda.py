@@ -276,3 +276,22 @@ def test_two_ranks_over_nccl_take_the_one_process_step(tmp_path):
         tmp_path, CUDA, "model.dtype=float32", backend="nccl", metric_abs=1e-5,
         weight_atol=2e-5,
     )  # fmt: skip
+
+
+def test_a_snapshot_of_cuda_tensors_is_a_pinned_cpu_copy():
+    """Background checkpoints copy CUDA weights and optimizer state asynchronously into
+    pinned memory: the copy is complete when :func:`snapshot` returns, tied tensors stay
+    tied, and changing the live tensors afterwards leaves it alone."""
+    from gspo.training.checkpoint import snapshot
+
+    weight = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    live = {"embed": weight, "head": weight, "moment": torch.randn(1 << 20, device="cuda")}
+    want = {k: v.cpu() for k, v in live.items()}
+    copy = snapshot(live)
+    for v in live.values():
+        v.add_(1)  # (queued after the copies on the same stream)
+    torch.cuda.synchronize()
+    for key, tensor in copy.items():
+        assert tensor.device.type == "cpu" and tensor.is_pinned()
+        assert torch.equal(tensor, want[key]), key
+    assert copy["embed"].data_ptr() == copy["head"].data_ptr()

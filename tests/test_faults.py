@@ -1,8 +1,10 @@
 """Fault injection: a run killed (SIGKILL) anywhere resumes to the same metrics.
 
 Each trial starts the run in a subprocess that kills itself with SIGKILL at a chosen
-moment: the N-th gradient clip (a cold-start or an RL step) or the N-th ``os.replace``
-(a checkpoint or metrics file being put in place), picked by a seeded generator. It is then
+moment: the N-th gradient clip (a cold-start or an RL step), the N-th ``os.replace``
+(a checkpoint or metrics file being put in place), picked by a seeded generator, or the
+moment an RL checkpoint's shards are written in the background thread while the run
+trains on (its directory not yet in place). It is then
 resumed with ``gspo train --resume`` and must end with the metrics of an uninterrupted
 run, every checkpoint left loadable. Unwritable output and a full disk are one line.
 """
@@ -57,6 +59,13 @@ if kind == "step":
         maybe_die()
         return real_clip(*args, **kwargs)
     torch.nn.utils.clip_grad_norm_ = clip
+elif kind == "write":
+    import gspo.training.checkpoint as checkpoint
+    real_write = checkpoint.write_sharded
+    def write(*args, **kwargs):
+        real_write(*args, **kwargs)
+        maybe_die()
+    checkpoint.write_sharded = write
 else:
     real_replace = os.replace
     def replace(*args, **kwargs):
@@ -83,7 +92,7 @@ def trials() -> list[tuple[str, int]]:
     cold = [("step", rng.randint(2, COLD_STEPS)) for _ in range(2)]
     rl = [("step", COLD_STEPS + rng.randint(1, RL_STEPS)) for _ in range(2)]
     writes = [("replace", rng.randint(1, 12)) for _ in range(3)]
-    return [*cold, *rl, *writes]
+    return [*cold, *rl, *writes, ("write", 3)]  # step 4's checkpoint, in the background
 
 
 @pytest.mark.slow
@@ -168,7 +177,7 @@ def test_a_full_disk_says_the_directory_and_the_space_in_one_line(
 
         monkeypatch.setattr(torch, "save", save)
     else:
-        real_sharded = ckpt.save_sharded
+        real_sharded = ckpt.write_sharded
 
         def sharded(path, *args, **kwargs):
             with monkeypatch.context() as m:
@@ -176,7 +185,7 @@ def test_a_full_disk_says_the_directory_and_the_space_in_one_line(
                     m.setattr(fs, "_write_item", _enospc)
                 return real_sharded(path, *args, **kwargs)
 
-        monkeypatch.setattr(ckpt, "save_sharded", sharded)
+        monkeypatch.setattr(ckpt, "write_sharded", sharded)
     run = tmp_path / "run"
     common = [*FAST, varied_reward, "model.device=cpu", "train.cold_start_steps=0",
               "algorithm.minibatches=2", "train.max_steps=4", "train.save_every=2",

@@ -344,10 +344,14 @@ def test_the_summary_says_what_the_checkpoints_wrote(tmp_path, varied_reward, ca
     ]  # fmt: skip
     assert [r["io/checkpoint_bytes"] for r in lines] == on_disk
     assert on_disk[0] < 4096 < on_disk[1] == on_disk[2]  # step 0 names the model
-    assert all(r["time/checkpoint"] > 0 for r in lines)
-    seconds = sum(r["time/checkpoint"] for r in lines)
+    assert all(r["time/checkpoint"] > 0 and r["time/checkpoint_write"] > 0 for r in lines)
+    waited = sum(r["time/checkpoint"] for r in lines)
+    writing = sum(r["time/checkpoint_write"] for r in lines)
     out = " ".join(capsys.readouterr().out.split())
-    assert f"wrote {megabytes(sum(on_disk))} in 3 checkpoints, {seconds:.1f} s writing" in out
+    assert (
+        f"wrote {megabytes(sum(on_disk))} in 3 checkpoints: {writing:.1f} s writing, "
+        f"{waited:.1f} s waited"
+    ) in out
 
 
 def test_bad_reward_function_is_one_line(tmp_path, capsys):

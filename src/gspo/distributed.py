@@ -240,7 +240,16 @@ def save_sharded(
     initialise it with a zero-learning-rate step, which counts as Adam's first step and
     changes the bias correction of the real one. ``optimizer=None`` writes the model only.
     """
-    import torch.distributed.checkpoint as dcp
+    write_sharded(path, sharded_state(model, optimizer, trainable_only=trainable_only))
+
+
+def sharded_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    trainable_only: bool = False,
+) -> dict[str, Any]:
+    """What :func:`save_sharded` writes, as live tensors (:func:`write_sharded` writes it)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -251,6 +260,12 @@ def save_sharded(
     state: dict[str, Any] = {"model": get_model_state_dict(model, options=options)}
     if optimizer is not None and optimizer.state:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    return state
+
+
+def write_sharded(path: Path, state: dict[str, Any]) -> None:
+    """Write :func:`sharded_state`'s ``state`` to ``path`` (every rank, together)."""
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:

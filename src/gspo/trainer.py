@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import sys
 import time
+from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,6 @@ from gspo.config import Config, dump_config, load_config
 from gspo.distributed import Distributed, rank_device
 from gspo.engines import SamplingParams
 from gspo.models import resolve_dtype
-from gspo.publish import WRITTEN
 from gspo.telemetry import (
     MetricsLogger,
     TrainingProgress,
@@ -43,9 +43,10 @@ from gspo.training.async_rollout import build_rollouts
 from gspo.training.checkpoint import (
     CHECKPOINTS,
     SHARDED,
+    Checkpoints,
     latest_checkpoint,
     load_checkpoint,
-    save_checkpoint,
+    take_checkpoint,
 )
 from gspo.training.cold_start import cold_start, drop_progress
 from gspo.training.episodes import build_generator, encode_prompts, sft_encoder
@@ -176,6 +177,15 @@ class Trainer:
             wandb=config.log.wandb,
             mlflow=config.log.mlflow,
         )
+        # one process writes its checkpoints in the background (several ranks: at once)
+        self.checkpoints = Checkpoints(
+            out,
+            self.logger,
+            keep=config.train.keep_checkpoints,
+            dist=dist,
+            background=config.train.background_checkpoints and not dist.enabled,
+        )
+        self.writer_tokenizer = None  # (the tokenizer background writes save)
         if dist.is_main:
             dump_config(config, out / "config.yaml")
         if checkpoint is None:
@@ -236,19 +246,29 @@ class Trainer:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        self.close(quiet=exc[0] is not None)
 
-    def close(self) -> None:
-        """Release the rollout engine now, after the run's last collective and before its
-        process group goes: vLLM's engine shuts down here (see
-        :meth:`gspo.engines.vllm_engine.VLLMEngine.close`); the torch engine holds nothing
-        to release."""
+    def close(self, *, quiet: bool = False) -> None:
+        """Finish the checkpoint being written (its error raised; with ``quiet``, on the way
+        out of another exception, said on stderr), then release the rollout engine, after
+        the run's last collective and before its process group goes: vLLM's engine shuts
+        down here (see :meth:`gspo.engines.vllm_engine.VLLMEngine.close`); the torch engine holds
+        nothing to release."""
+        self.checkpoints.wait(quiet=quiet)
         close = getattr(self.sampler.engine, "close", None)
         if close is not None:
             close()
 
     def fit(self) -> list[dict[str, Any]]:
+        try:
+            return self._fit()
+        except BaseException:
+            self.checkpoints.wait(quiet=True)  # the checkpoint in flight is finished first
+            raise
+
+    def _fit(self) -> list[dict[str, Any]]:
         cfg = self.config
+        started = False
         if not self.cold_start_done:
             checkpoints = self.output_dir / CHECKPOINTS
             with out_of_memory("cold_start", cfg):
@@ -262,9 +282,12 @@ class Trainer:
             # changed is named, not copied (a LoRA run's adapters are small: written)
             unchanged = not changed and not self.policy.adapters and self.policy.version == 0
             self.save_checkpoint(model_dir=self.model_dir if unchanged else None)
-            drop_progress(checkpoints, self.dist)
+            started = True
         if self.step == 0 and not self.start_evaluated:
-            self.logger.log(0, self.evaluator.run(self.step))
+            self.checkpoints.log(0, self.evaluator.run(self.step))
+        if started:  # step 0 on disk before RL (the KL reference reads it), then no progress
+            self.checkpoints.wait()
+            drop_progress(self.output_dir / CHECKPOINTS, self.dist)
         show = cfg.log.progress and self.dist.is_main
         first = self.step // cfg.algorithm.minibatches
         with (
@@ -274,15 +297,16 @@ class Trainer:
             for rollout_index in range(first, cfg.rollout_batches):
                 before = self.step
                 for step, line in self.rl_step(rollout_index):
-                    self.logger.log(step, line)
+                    self.checkpoints.log(step, line)
                 last = rollout_index == cfg.rollout_batches - 1
                 if crossed(before, self.step, cfg.eval.every) or last:
                     metrics = self.evaluator.run(self.step)
-                    self.logger.log(self.step, metrics)
+                    self.checkpoints.log(self.step, metrics)
                     line = {**line, **metrics}  # the progress line shows this evaluation
                 bar.update(self.step, line)
                 if crossed(before, self.step, cfg.train.save_every) or last:
                     self.save_checkpoint()
+        self.checkpoints.wait()
         self.logger.close()
         if not self.dist.is_main:
             return []
@@ -293,27 +317,25 @@ class Trainer:
         return records
 
     def save_checkpoint(self, model_dir: Path | None = None) -> Path:
-        """Write this step's checkpoint; log its bytes (``io/checkpoint_bytes``) and the
-        seconds the run waited for it (``time/checkpoint``), counted where it is written."""
-        before = WRITTEN.bytes, WRITTEN.seconds
+        """Take this step's checkpoint and write it (in the background: :class:`gspo.training.
+        checkpoint.Checkpoints`, which logs ``io/checkpoint_bytes``, ``time/checkpoint``, the
+        seconds the run waited for it, and ``time/checkpoint_write``; ``self.checkpoints.
+        wait()`` or :meth:`close` waits for it); its directory."""
+        step = self.step
 
-        def written() -> None:  # logged before ``latest`` names it: redone on a resume
-            size, seconds = WRITTEN.bytes - before[0], WRITTEN.seconds - before[1]
-            self.logger.log(self.step, {"io/checkpoint_bytes": size, "time/checkpoint": seconds})
+        def take(copy: bool):
+            tokenizer = self.tokenizer
+            if copy:  # the writer thread's own: a fast tokenizer is not for two threads at once
+                if self.writer_tokenizer is None:
+                    self.writer_tokenizer = deepcopy(self.tokenizer)
+                tokenizer = self.writer_tokenizer
+            return take_checkpoint(
+                self.output_dir, step, self.policy, self.optimizer, self.scheduler,
+                tokenizer, dist=self.dist, extra=self.rollouts.checkpoint_files(),
+                model_dir=model_dir, copy=copy,
+            )  # fmt: skip
 
-        return save_checkpoint(
-            self.output_dir,
-            self.step,
-            self.policy,
-            self.optimizer,
-            self.scheduler,
-            self.tokenizer,
-            keep=self.config.train.keep_checkpoints,
-            dist=self.dist,
-            extra=self.rollouts.checkpoint_files(),
-            model_dir=model_dir,
-            written=written,
-        )
+        return self.checkpoints.save(take)
 
 
 def train(config: Config, output_dir: str | Path, *, resume: bool = False) -> list[dict[str, Any]]:

@@ -61,6 +61,13 @@ class TrainConfig(Section):
         "train/skipped_steps); this many in a row stop the run",
     )
     keep_checkpoints: int = Field(2, ge=1, description="Newest kept, besides the step-0 one")
+    background_checkpoints: bool = Field(
+        True,
+        description="Write checkpoints in a background thread while training goes on (each "
+        "copied to CPU memory at its step, written whole or not at all, one at a time); a "
+        "single process only: with several ranks the sharded save is a collective, which "
+        "must not run beside the training's own, so it stays synchronous",
+    )
 
 
 class EvalConfig(Section):

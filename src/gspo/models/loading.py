@@ -20,10 +20,13 @@ def quiet_transformers() -> None:
     logging.disable_progress_bar()
 
 
-def save_pretrained(model, tokenizer, directory: str | Path) -> None:
-    """``save_pretrained`` model and tokenizer into ``directory`` (made if missing)."""
+def save_pretrained(model, tokenizer, directory: str | Path, *, state_dict=None) -> None:
+    """``save_pretrained`` model and tokenizer into ``directory`` (made if missing).
+
+    ``state_dict``: the weights to write instead of the model's own (a copy taken earlier).
+    """
     quiet_transformers()
-    model.save_pretrained(directory)
+    model.save_pretrained(directory, state_dict=state_dict)
     tokenizer.save_pretrained(directory)
 
 

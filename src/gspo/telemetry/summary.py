@@ -74,8 +74,7 @@ def summary_table(records: Sequence[Mapping[str, Any]], *, title: str = "Run sum
     seconds per step (from one of :data:`STEP_TIME_KEYS`, else derived from the
     ``"time"`` column). The mean is over the records that have the metric (for the clip
     fractions, one per rollout batch), so what happened between first and last shows.
-    Its caption: what the checkpoints took, bytes and seconds (``io/checkpoint_bytes``,
-    ``time/checkpoint``).
+    Its caption: what the checkpoints took, bytes and seconds (:func:`checkpoint_writes`).
     """
     from rich.table import Table
 
@@ -106,16 +105,23 @@ def summary_table(records: Sequence[Mapping[str, Any]], *, title: str = "Run sum
 
 
 def checkpoint_writes(records: Sequence[Mapping[str, Any]]) -> str | None:
-    """``wrote 12.3 MB in 3 checkpoints, 0.4 s writing``, or None when none are logged."""
+    """``wrote 12.3 MB in 3 checkpoints: 0.4 s writing, 0.1 s waited``: the writes' own
+    seconds (``time/checkpoint_write``), and the run's seconds waiting for them
+    (``time/checkpoint``: taking each, and any wait for a background write); None when
+    none are logged."""
     from gspo.publish import megabytes
 
     lines = [r for r in records if "io/checkpoint_bytes" in r]
     if not lines:
         return None
     size = sum(r["io/checkpoint_bytes"] for r in lines)
-    seconds = sum(r.get("time/checkpoint", 0.0) for r in lines)
+    waited = sum(r.get("time/checkpoint", 0.0) for r in lines)
+    writing = sum(r.get("time/checkpoint_write", r.get("time/checkpoint", 0.0)) for r in lines)
     n = len(lines)
-    return f"wrote {megabytes(size)} in {n} checkpoint{'s' * (n != 1)}, {seconds:.1f} s writing"
+    return (
+        f"wrote {megabytes(size)} in {n} checkpoint{'s' * (n != 1)}: {writing:.1f} s "
+        f"writing, {waited:.1f} s waited"
+    )
 
 
 def print_summary(records: Sequence[Mapping[str, Any]], console: Console | None = None) -> None:

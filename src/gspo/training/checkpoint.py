@@ -14,6 +14,11 @@ A LoRA run's checkpoints hold the adapter in PEFT's format instead of the whole 
 (``adapter_config.json``, which names the base model directory, and
 ``adapter_model.safetensors``: ``PeftModel.from_pretrained`` loads them), and ``sharded/``
 holds the adapters and their optimizer state only.
+
+A single process writes its checkpoints in a background thread (``train.
+background_checkpoints``, :class:`Checkpoints`): each is copied to CPU memory at its step
+(:func:`take_checkpoint`) and written (:func:`write_checkpoint`) while training goes on,
+one at a time; ``latest`` names it once it is whole (:func:`finish_checkpoint`).
 """
 
 from __future__ import annotations
@@ -21,17 +26,32 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from collections.abc import Callable, Mapping
+import threading
+import time
+from collections.abc import Callable, Container, Mapping
+from copy import deepcopy
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy
 import torch
 
-from gspo.distributed import SHARDED, Distributed, load_sharded, save_sharded, sharded_problem
+from gspo.distributed import (
+    SHARDED,
+    Distributed,
+    load_sharded,
+    sharded_problem,
+    sharded_state,
+    write_sharded,
+)
 from gspo.models import MODEL_POINTER, save_pretrained
-from gspo.publish import staged
+from gspo.publish import WRITTEN, staged
 from gspo.training.lora import optimizer_state_bytes
 from gspo.training.policy import Policy
+
+if TYPE_CHECKING:
+    from gspo.telemetry import MetricsLogger
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -103,6 +123,163 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     return found
 
 
+@dataclass
+class CheckpointState:
+    """What one checkpoint writes, taken at its step (:func:`take_checkpoint`): the live
+    tensors, or copies in CPU memory that :func:`write_checkpoint` may write while
+    training changes the live ones."""
+
+    final: Path
+    step: int
+    needs: int | None  # the bytes it is expected to take (None: a pointer only)
+    pointer: str | None  # ``model_dir.txt``'s line, for a checkpoint naming its model
+    sharded: dict[str, Any] | None  # model and optimizer state for ``sharded/``
+    replica: torch.nn.Module | None  # the HF module whose config and class are written
+    weights: dict[str, Any] | None  # its weights (rank 0)
+    tokenizer: Any
+    files: dict[str, Any]  # name -> object for ``torch.save`` (rank 0)
+
+
+def take_checkpoint(
+    output_dir: Path,
+    step: int,
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    tokenizer,
+    *,
+    dist: Distributed,
+    extra: Mapping[str, Any] | None = None,
+    model_dir: Path | None = None,
+    copy: bool = False,
+) -> CheckpointState:
+    """The checkpoint of this step, to be written by :func:`write_checkpoint`.
+
+    Every rank calls it at the same step (a collective under torchrun: the finite check,
+    the gathered replica). ``copy``: the tensors are copied to CPU memory (a snapshot,
+    see :func:`snapshot`), else the live ones are referenced and must be written before
+    training goes on. ``extra`` is taken as it is: the async rollouts' stale weights are
+    CPU copies that nothing changes (:meth:`gspo.training.async_rollout.AsyncRollouts.
+    checkpoint_files`). A non-finite weight is a one-line ``ValueError``.
+    """
+    final = checkpoint_dir(output_dir, step)
+    pointer = None
+    if model_dir is not None:
+        if policy.adapters or optimizer.state:
+            raise ValueError(f"checkpoint at step {step}: only an untrained full model is named")
+        model_dir = Path(model_dir).resolve()
+        inside = model_dir.is_relative_to(Path(output_dir).resolve())
+        pointer = os.path.relpath(model_dir, final.resolve()) if inside else str(model_dir)
+    finite = all(  # this rank's shards (DTensor.to_local under FSDP)
+        bool(torch.isfinite(getattr(p, "to_local", lambda p=p: p)()).all())
+        for p in policy.parameters()
+    )
+    if not all(dist.gather_objects(finite)):
+        raise ValueError(
+            f"checkpoint at step {step} not written: the weights hold NaN or inf "
+            f"(the previous checkpoint under {final.parent} is intact)"
+        )
+    trainer_state = {"scheduler": deepcopy(scheduler.state_dict()), "step": step}
+    files = {**(extra or {}), TRAINER_STATE: trainer_state} if dist.is_main else {}
+    state = CheckpointState(final, step, None, pointer, None, None, None, tokenizer, files)
+    if model_dir is not None:
+        return state
+    state.needs = checkpoint_bytes(policy, optimizer, dist)
+    trainable_only = policy.adapters
+    state.sharded = sharded_state(policy.forward, optimizer, trainable_only=trainable_only)
+    state.replica = policy.replica()
+    if dist.is_main:
+        state.weights = state.replica.state_dict()
+    if copy:
+        # the frozen weights (a LoRA run's base) never change: referenced, not copied
+        frozen = {p.untyped_storage().data_ptr() for p in policy.parameters()}
+        frozen -= {p.untyped_storage().data_ptr() for p in policy.parameters() if p.requires_grad}
+        state.sharded, state.weights = snapshot((state.sharded, state.weights), skip=frozen)
+    return state
+
+
+def snapshot(obj: Any, *, skip: Container[int] = ()) -> Any:
+    """``obj`` (nested dicts, lists and tuples) with every tensor copied to CPU memory.
+
+    Tensors that share memory share it in the copy too (tied weights stay tied, so the
+    files written from it are the ones written from the live tensors). Tensors whose
+    storage's address is in ``skip`` are kept as they are. CPU memory is copied by numpy,
+    one plain copy in this thread (torch's copy wakes its thread pool for every tensor,
+    ~10 ms each on a busy 2-core machine); CUDA memory asynchronously into pinned memory.
+    """
+    memo: dict[tuple[torch.device, int], torch.UntypedStorage] = {}
+    cuda = False
+
+    def as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+    def copied(t: torch.Tensor) -> torch.Tensor:
+        nonlocal cuda
+        storage = t.untyped_storage()
+        if storage.data_ptr() in skip:
+            return t
+        key = (t.device, storage.data_ptr())
+        if key not in memo:
+            source = as_bytes(storage)
+            buffer = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=t.is_cuda)
+            if t.is_cuda:
+                cuda = True
+                buffer.copy_(source, non_blocking=True)
+            else:
+                numpy.copyto(buffer.numpy(), source.numpy())
+            memo[key] = buffer.untyped_storage()
+        view = torch.empty(0, dtype=t.dtype)
+        return view.set_(memo[key], t.storage_offset(), t.size(), t.stride())
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return copied(x.detach())
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, list | tuple):
+            return type(x)(walk(v) for v in x)
+        return deepcopy(x)
+
+    result = walk(obj)
+    if cuda:
+        torch.cuda.synchronize()  # the non-blocking copies are done before anyone reads them
+    return result
+
+
+def write_checkpoint(state: CheckpointState, dist: Distributed) -> tuple[int, float]:
+    """Write ``state`` to ``checkpoints/step-NNNNNNN`` atomically: a reader sees all of it or
+    none; a full disk is one :class:`gspo.publish.DiskFull` line. Every rank calls it
+    together, in any thread (a single process's may be a background one). Its bytes (rank 0's
+    count) and seconds."""
+    start, before = time.perf_counter(), WRITTEN.bytes
+    # every rank's shards and rank 0's files, or nothing
+    with staged(state.final, dist, needs=state.needs) as tmp:
+        if state.sharded is not None:
+            write_sharded(tmp / SHARDED, state.sharded)
+        if dist.is_main:
+            if state.replica is not None:
+                save_pretrained(state.replica, state.tokenizer, tmp, state_dict=state.weights)
+            else:
+                (tmp / MODEL_POINTER).write_text(f"{state.pointer}\n")
+            for name, obj in state.files.items():
+                torch.save(obj, tmp / name)
+    return WRITTEN.bytes - before, time.perf_counter() - start
+
+
+def finish_checkpoint(output_dir: Path, final: Path, *, keep: int, dist: Distributed) -> None:
+    """``checkpoints/latest`` names the checkpoint ``final``, written whole; the ``keep``
+    newest besides step 0 stay. Every rank calls this together."""
+    root = final.parent
+    if dist.is_main:
+        write_atomic(root / LATEST, final.name)
+        # step 0 (the cold-start model) stays: the KL reference and RL's starting point
+        start = checkpoint_dir(output_dir, 0).name
+        older = sorted(p for p in root.glob("step-*") if p.name != start)
+        for stale in older[:-keep]:
+            shutil.rmtree(stale)
+    dist.barrier()
+
+
 def save_checkpoint(
     output_dir: Path,
     step: int,
@@ -117,7 +294,7 @@ def save_checkpoint(
     model_dir: Path | None = None,
     written: Callable[[], None] | None = None,
 ) -> Path:
-    """Write ``checkpoints/step-NNNNNNN`` atomically: a reader sees all of it or none.
+    """Write ``checkpoints/step-NNNNNNN`` atomically, now: a reader sees all of it or none.
 
     Keeps the ``keep`` newest besides step 0. Every rank calls this at the same step.
     ``extra``: more files, ``{name: object}`` written with ``torch.save`` by rank 0 (the
@@ -126,49 +303,140 @@ def save_checkpoint(
     its first step, no cold start): the checkpoint names it instead of copying it.
     ``written()`` is called once the checkpoint is in place, before ``latest`` names it (a
     run killed in between resumes from the one before, so what it logs is redone).
+    :class:`Checkpoints` does the same in a background thread.
     """
-    final = checkpoint_dir(output_dir, step)
-    root = final.parent
-    if model_dir is not None:
-        if policy.adapters or optimizer.state:
-            raise ValueError(f"checkpoint at step {step}: only an untrained full model is named")
-        model_dir = Path(model_dir).resolve()
-        inside = model_dir.is_relative_to(Path(output_dir).resolve())
-        pointer = os.path.relpath(model_dir, final.resolve()) if inside else str(model_dir)
-    finite = all(  # this rank's shards (DTensor.to_local under FSDP)
-        bool(torch.isfinite(getattr(p, "to_local", lambda p=p: p)()).all())
-        for p in policy.parameters()
-    )
-    if not all(dist.gather_objects(finite)):
-        raise ValueError(
-            f"checkpoint at step {step} not written: the weights hold NaN or inf "
-            f"(the previous checkpoint under {root} is intact)"
-        )
-    needs = checkpoint_bytes(policy, optimizer, dist) if model_dir is None else None
-    # every rank's shards and rank 0's files, or nothing; a full disk is one line
-    with staged(final, dist, needs=needs) as tmp:
-        if model_dir is None:
-            save_sharded(tmp / SHARDED, policy.forward, optimizer, trainable_only=policy.adapters)
-            replica = policy.replica()
-            if dist.is_main:
-                save_pretrained(replica, tokenizer, tmp)
-        elif dist.is_main:
-            (tmp / MODEL_POINTER).write_text(pointer + "\n")
-        if dist.is_main:
-            for name, obj in (extra or {}).items():
-                torch.save(obj, tmp / name)
-            torch.save({"scheduler": scheduler.state_dict(), "step": step}, tmp / TRAINER_STATE)
+    state = take_checkpoint(
+        output_dir, step, policy, optimizer, scheduler, tokenizer,
+        dist=dist, extra=extra, model_dir=model_dir,
+    )  # fmt: skip
+    write_checkpoint(state, dist)
     if written is not None:
         written()
-    if dist.is_main:
-        write_atomic(root / LATEST, final.name)
-        # step 0 (the cold-start model) stays: the KL reference and RL's starting point
-        start = checkpoint_dir(output_dir, 0).name
-        older = sorted(p for p in root.glob("step-*") if p.name != start)
-        for stale in older[:-keep]:
-            shutil.rmtree(stale)
-    dist.barrier()
-    return final
+    finish_checkpoint(output_dir, state.final, keep=keep, dist=dist)
+    return state.final
+
+
+class _Write:
+    """One checkpoint being written: its state, its thread, and what came of it."""
+
+    def __init__(self, state: CheckpointState, snapshot_s: float):
+        self.state = state
+        self.snapshot_s = snapshot_s  # the run's seconds taking it
+        self.bytes = 0
+        self.write_s = 0.0
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+
+    def run(self, dist: Distributed) -> None:
+        try:
+            self.bytes, self.write_s = write_checkpoint(self.state, dist)
+        except BaseException as exc:  # raised in the main thread, at its next wait
+            self.error = exc
+
+
+class Checkpoints:
+    """A run's checkpoints, written one at a time, in a background thread when ``background``.
+
+    :meth:`save` takes the checkpoint at the caller's step (copied to CPU memory) and
+    returns while a thread writes it through :func:`write_checkpoint`; once it is whole,
+    the main thread logs its line (``io/checkpoint_bytes``, ``time/checkpoint``: the seconds
+    the run waited for it, ``time/checkpoint_write``: the write's own), ``latest`` names
+    it and the old ones are pruned (:func:`finish_checkpoint`), in that order, as
+    :func:`save_checkpoint` does at once. That happens at the first of: the next
+    :meth:`log` after the write is done, the next :meth:`save`, :meth:`wait` (the end of
+    the run, an exception, :meth:`close`). Metrics logged through :meth:`log` while a write
+    is in flight are held and logged after the checkpoint's line, so ``metrics.jsonl``
+    (and every tracker: W&B takes steps in order only) reads as a synchronous run's, and
+    everything logged is on disk before ``latest`` moves. A run killed meanwhile resumes
+    from the checkpoint before, whose steps it redoes.
+
+    A write's error (a full disk: one :class:`gspo.publish.DiskFull` line) is raised in the
+    main thread at the next :meth:`log`, :meth:`save` or :meth:`wait`.
+
+    Without ``background`` (several ranks: the sharded save is a collective, which must
+    not run beside the training's own) every checkpoint is written in :meth:`save`.
+    """
+
+    def __init__(
+        self,
+        output_dir: Path,
+        logger: MetricsLogger,
+        *,
+        keep: int,
+        dist: Distributed,
+        background: bool,
+    ):
+        if background and dist.enabled:
+            raise ValueError("background checkpoints are for a single process (one rank)")
+        self.output_dir = Path(output_dir)
+        self.logger = logger
+        self.keep = keep
+        self.dist = dist
+        self.background = background
+        self.pending: _Write | None = None
+        self.held: list[tuple[int, Mapping[str, Any]]] = []
+
+    def save(self, take: Callable[[bool], CheckpointState]) -> Path:
+        """Wait for the previous write, then ``take(copy)`` this step's checkpoint and write
+        it (in the background, or now). Its directory."""
+        self.wait()
+        start = time.perf_counter()
+        state = take(self.background)
+        write = _Write(state, time.perf_counter() - start)
+        if not self.background:
+            write.run(self.dist)
+            self._finish(write, waited=write.write_s)
+            return state.final
+        write.thread = threading.Thread(
+            target=write.run, args=(self.dist,), name="gspo checkpoint writer"
+        )
+        self.pending = write
+        write.thread.start()
+        return state.final
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """``logger.log(step, metrics)``, after the checkpoint being written, if one is."""
+        if self.pending is not None and not self.pending.thread.is_alive():
+            self.wait()
+        if self.pending is not None:
+            self.held.append((step, dict(metrics)))
+        else:
+            self.logger.log(step, metrics)
+
+    def wait(self, *, quiet: bool = False) -> None:
+        """Wait for the write in flight, if any, and finish it; its error is raised (with
+        ``quiet``, on the way out of another exception: said in one line on stderr)."""
+        write = self.pending
+        if write is None:
+            return
+        start = time.perf_counter()
+        assert write.thread is not None
+        write.thread.join()  # (interrupted, it stays pending: the exception path waits again)
+        self.pending = None
+        try:
+            self._finish(write, waited=time.perf_counter() - start)
+        except BaseException as exc:
+            if not quiet:
+                raise
+            print(f"gspo: checkpoint {write.state.final} not written: {exc}", file=sys.stderr)
+
+    def _finish(self, write: _Write, waited: float) -> None:
+        held, self.held = self.held, []
+        if write.error is not None:
+            for step, metrics in held:  # what the run did meanwhile: logged, then the error
+                self.logger.log(step, metrics)
+            raise write.error
+        self.logger.log(
+            write.state.step,
+            {
+                "io/checkpoint_bytes": write.bytes,
+                "time/checkpoint": write.snapshot_s + waited,
+                "time/checkpoint_write": write.write_s,
+            },
+        )
+        for step, metrics in held:
+            self.logger.log(step, metrics)
+        finish_checkpoint(self.output_dir, write.state.final, keep=self.keep, dist=self.dist)
 
 
 def load_checkpoint(

@@ -1,0 +1,235 @@
+"""Checkpoints written in a background thread (``train.background_checkpoints``): the same
+run and the same files as written at once, a snapshot of the step, errors in one line."""
+
+from __future__ import annotations
+
+import errno
+import re
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_trainer import FAST
+
+import gspo.training.checkpoint as ckpt
+from gspo.cli import main
+from gspo.config import load_config
+from gspo.telemetry import read_metrics
+from gspo.trainer import Trainer
+
+RUN = [
+    *FAST,
+    "train.cold_start_steps=10",
+    "train.max_steps=6",
+    "algorithm.minibatches=2",
+    "algorithm.kl_coef=0.01",  # the KL reference reads step 0 from disk
+    "train.save_every=1",
+    "train.keep_checkpoints=10",
+    "eval.every=2",
+    "optim.lr=1e-3",
+]
+
+
+def writer_threads(monkeypatch) -> list[str]:
+    """The names of the threads that write checkpoints, in order (filled as they write)."""
+    names: list[str] = []
+    real = ckpt.write_checkpoint
+
+    def write(*args, **kwargs):
+        names.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "write_checkpoint", write)
+    return names
+
+
+def untokened(data: bytes) -> bytes:
+    """``data`` less the random token of a temporary directory's name and DCP's save id."""
+    data = re.sub(rb"\.gspo-[0-9a-f]{12}\.", b".gspo-TOKEN.", data)
+    return re.sub(rb"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", b"UUID", data)
+
+
+def files(checkpoint):
+    return {
+        str(f.relative_to(checkpoint)): f.read_bytes()
+        for f in sorted(checkpoint.rglob("*"))
+        if f.is_file()
+    }
+
+
+@pytest.mark.parametrize("lora", [0, 4], ids=["full", "lora"])
+def test_background_checkpoints_give_the_same_run_and_the_same_files(
+    tmp_path, monkeypatch, varied_reward, lora
+):
+    names = writer_threads(monkeypatch)
+    runs = {}
+    for setting in ("true", "false"):
+        names.clear()
+        run = tmp_path / "run"  # (the shards' metadata and a LoRA's base name it)
+        args = [*RUN, varied_reward, f"model.lora.r={lora}"]
+        args += ["train.cold_start_steps=0"] if lora else []
+        args.append(f"train.background_checkpoints={setting}")
+        assert main(["train", "--output-dir", str(run), *args]) == 0
+        background = setting == "true"
+        assert len(names) == 4  # steps 0, 2, 4, 6
+        assert all((n == "gspo checkpoint writer") == background for n in names), names
+        runs[setting] = run.rename(tmp_path / setting)
+
+    on, off = (read_metrics(runs[s] / "metrics.jsonl") for s in ("true", "false"))
+    assert [sorted(r) for r in on] == [sorted(r) for r in off]  # same lines, same keys, in order
+    for a, b in zip(on, off, strict=True):
+        assert {k: v for k, v in a.items() if not k.startswith("time")} == {
+            k: v for k, v in b.items() if not k.startswith("time")
+        }
+    written = [r for r in on if "io/checkpoint_bytes" in r]
+    assert [r["step"] for r in written] == [0, 2, 4, 6]
+    assert all(r["time/checkpoint_write"] > 0 for r in written)
+    at_once = [r for r in off if "io/checkpoint_bytes" in r]  # the run waited for all of it
+    assert all(r["time/checkpoint"] >= r["time/checkpoint_write"] > 0 for r in at_once)
+
+    steps = sorted(p.name for p in (runs["true"] / "checkpoints").glob("step-*"))
+    assert steps == ["step-0000000", "step-0000002", "step-0000004", "step-0000006"]
+    for name in steps:  # the weights, the optimizer state, the scheduler: byte for byte
+        got, want = (files(runs[s] / "checkpoints" / name) for s in ("true", "false"))
+        assert sorted(got) == sorted(want)
+        weights = "adapter_model.safetensors" if lora else "model.safetensors"
+        assert "sharded/__0_0.distcp" in got and weights in got
+        for path in want:  # (the shards' metadata name the temporary directory, an id)
+            assert untokened(got[path]) == untokened(want[path]), (name, path)
+    latest = (runs["true"] / "checkpoints" / "latest").read_text().strip()
+    assert latest == "step-0000006"
+
+
+def test_a_background_checkpoint_is_the_step_it_was_taken_at(tmp_path, monkeypatch):
+    """Training that changes the weights and the optimizer state while the checkpoint is
+    being written does not change what is written."""
+    release = threading.Event()
+    real = ckpt.write_sharded
+
+    def held(*args, **kwargs):
+        assert release.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "write_sharded", held)
+    config = load_config(None, [*FAST, "train.cold_start_steps=0", "train.keep_checkpoints=5"])
+    trainer = Trainer(config, tmp_path / "run")
+    params = [p for p in trainer.policy.parameters() if p.requires_grad]
+    for p in params:  # one optimizer step: AdamW holds state
+        p.grad = torch.randn_like(p)
+    trainer.optimizer.step()
+    trainer.scheduler.step()
+    trainer.policy_update.step = 3
+    weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    moments = [trainer.optimizer.state[p]["exp_avg"].clone() for p in params]
+    lr = trainer.scheduler.get_last_lr()
+
+    path = trainer.save_checkpoint()
+    assert trainer.checkpoints.pending is not None and not path.exists()  # in flight
+    with torch.no_grad():  # the next steps, while the write waits
+        for p in params:
+            p.add_(1.0)
+            trainer.optimizer.state[p]["exp_avg"].mul_(-2.0)
+    trainer.scheduler.step()
+    trainer.policy_update.step = 4
+    release.set()
+    trainer.close()
+    assert (path.parent / "latest").read_text().strip() == path.name == "step-0000003"
+
+    on_disk = load_file(path / "model.safetensors")
+    assert on_disk and set(on_disk) <= set(weights)
+    for name, tensor in on_disk.items():
+        torch.testing.assert_close(tensor, weights[name], rtol=0, atol=0)
+    assert ckpt.load_checkpoint(path, trainer.policy, trainer.optimizer, trainer.scheduler) == 3
+    for (name, p), moment in zip(trainer.model.named_parameters(), moments, strict=True):
+        torch.testing.assert_close(p.detach(), weights[name], rtol=0, atol=0)
+        torch.testing.assert_close(trainer.optimizer.state[p]["exp_avg"], moment, rtol=0, atol=0)
+    assert trainer.scheduler.get_last_lr() == lr
+
+
+def test_a_failed_background_write_ends_the_run_in_one_line(
+    tmp_path, capsys, monkeypatch, varied_reward
+):
+    """A full disk in the writer thread is raised in the main thread at its next wait:
+    the run stops with the one line, the previous checkpoint stays the latest."""
+    names = writer_threads(monkeypatch)
+    real = ckpt.write_sharded
+
+    def full(path, *args, **kwargs):
+        if "step-0000002" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "write_sharded", full)
+    run = tmp_path / "run"
+    args = [*FAST, varied_reward, "train.cold_start_steps=10", "algorithm.minibatches=2",
+            "train.max_steps=8", "train.save_every=2", "eval.every=0"]  # fmt: skip
+    capsys.readouterr()
+    assert main(["train", "--output-dir", str(run), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    final = run / "checkpoints" / "step-0000002"
+    assert err.startswith(f"gspo: error: No space left on device writing {final}: it needs ")
+    assert names[1:] == ["gspo checkpoint writer"]  # step 2's, after step 0's: none after it
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-0000000"
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
+    monkeypatch.undo()
+    assert main(["train", "--resume", str(run)]) == 0
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-0000008"
+
+
+def test_an_exception_waits_for_the_write_in_flight(tmp_path, monkeypatch, varied_reward):
+    """A run stopped by an exception (here Ctrl-C) while a checkpoint is being written
+    finishes that checkpoint first: ``latest`` names it and its line is logged."""
+    real = Trainer.rl_step
+    calls = [0]
+
+    def interrupted(self, index):
+        calls[0] += 1
+        if calls[0] == 2:  # after step 2's checkpoint was handed to the writer
+            raise KeyboardInterrupt
+        return real(self, index)
+
+    monkeypatch.setattr(Trainer, "rl_step", interrupted)
+    run = tmp_path / "run"
+    args = [*FAST, varied_reward, "train.cold_start_steps=0", "algorithm.minibatches=2",
+            "train.max_steps=8", "train.save_every=2", "eval.every=0"]  # fmt: skip
+    assert main(["train", "--output-dir", str(run), *args]) == 130
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-0000002"
+    lines = [r for r in read_metrics(run / "metrics.jsonl") if "io/checkpoint_bytes" in r]
+    assert [r["step"] for r in lines] == [0, 2]
+
+
+def test_the_run_goes_on_while_a_checkpoint_is_written(tmp_path, monkeypatch, varied_reward):
+    """A write still in flight a whole step later costs the run only its snapshot
+    (``time/checkpoint``; ``time/checkpoint_write`` is the write's own seconds), and the
+    lines logged meanwhile come after the checkpoint's, as in a synchronous run."""
+    release = threading.Event()
+    real_write, real_step = ckpt.write_sharded, Trainer.rl_step
+
+    def slow(path, *args, **kwargs):
+        if "step-0000002" in str(path):
+            assert release.wait(60)
+            time.sleep(0.5)
+        return real_write(path, *args, **kwargs)
+
+    def step(self, index):
+        if index == 3:  # step 3 trained and logged while step 2's checkpoint is written
+            assert self.checkpoints.pending.thread.is_alive()
+            release.set()
+            self.checkpoints.pending.thread.join()
+        return real_step(self, index)
+
+    monkeypatch.setattr(ckpt, "write_sharded", slow)
+    monkeypatch.setattr(Trainer, "rl_step", step)
+    run = tmp_path / "run"
+    args = [*FAST, varied_reward, "train.cold_start_steps=0", "algorithm.minibatches=1",
+            "train.max_steps=4", "train.save_every=2", "eval.every=0"]  # fmt: skip
+    assert main(["train", "--output-dir", str(run), *args]) == 0
+    records = read_metrics(run / "metrics.jsonl")
+    lines = {r["step"]: r for r in records if "io/checkpoint_bytes" in r}
+    assert sorted(lines) == [0, 2, 4]
+    assert lines[2]["time/checkpoint_write"] >= 0.5 > lines[2]["time/checkpoint"]
+    steps = [r["step"] for r in records if "train/loss" in r or "io/checkpoint_bytes" in r]
+    assert steps == [0, 1, 2, 2, 3, 4, 4]
