@@ -316,7 +316,7 @@ def test_cuda_graphs_sample_what_the_eager_static_step_samples(
     tokenizer, tiny_model, monkeypatch, top_p, noise
 ):
     """rollout.cuda_graphs: the captured step replays the eager static step, so for a seed
-    the same tokens and (float32, the same kernels) the same log-probs, through bucket and
+    the same tokens and (float32, the same kernels) log-probs within 1e-5, through bucket and
     span changes; both sample what the per-step loop samples."""
     import gspo.engines.static_decode as static_decode
     import gspo.engines.torch_engine as torch_engine
@@ -333,7 +333,7 @@ def test_cuda_graphs_sample_what_the_eager_static_step_samples(
     b = eager(prompts, n=8, params=params, seed=0)
     c = loop.generate(prompts, n=8, params=params, seed=0)
     assert a.completion_ids.is_cuda and torch.equal(a.completion_ids, b.completion_ids)
-    assert (a.sampler_logprobs - b.sampler_logprobs).abs().max() < 1e-6
+    assert (a.sampler_logprobs - b.sampler_logprobs).abs().max() < 1e-5
     assert torch.equal(a.completion_ids, c.completion_ids)
     assert (a.sampler_logprobs - c.sampler_logprobs).abs().max() < 1e-4
     assert len(set(a.completion_lengths.tolist())) > 5
