@@ -141,6 +141,8 @@ class StaticDecoder:
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
         self.captured: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.warmed: dict[tuple[int, int], int] = defaultdict(int)
+        # one memory pool for every graph: safe, as a graph is never replayed once a later
+        # one is captured (the batch only shrinks, the span only grows)
         self.pool = torch.cuda.graph_pool_handle() if graphs else None
         self.side = torch.cuda.Stream(device=device) if graphs else None
 
