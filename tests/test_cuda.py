@@ -367,6 +367,34 @@ def test_cuda_graphs_in_bf16_stay_near_a_bf16_recompute(tokenizer, tiny_model, m
     assert delta.mean() < BF16_TOKEN_TOL
 
 
+def test_static_step_never_synchronises_with_the_host(tokenizer, tiny_model, monkeypatch):
+    """Between the checks of finished rows (here none: CHECK_EVERY beyond the last step),
+    the eager static step runs without a host synchronisation: any op that synchronises
+    raises under ``torch.cuda.set_sync_debug_mode("error")`` (a step that syncs could not
+    be captured either)."""
+    import gspo.engines.torch_engine as torch_engine
+    from gspo.engines.static_decode import StaticDecoder
+
+    monkeypatch.setattr(torch_engine, "CHECK_EVERY", 1000)
+    monkeypatch.setattr(StaticDecoder, "capture", False)
+    run = StaticDecoder.run
+
+    def strict(decoder, *args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            run(decoder, *args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(StaticDecoder, "run", strict)
+    model = tiny_model.to("cuda")
+    ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    engine = TorchEngine(model, **ids, cuda_graphs=True)
+    params = SamplingParams(12, temperature=0.9, top_p=0.9)
+    batch = engine.generate(encode(tokenizer), n=4, params=params, seed=0)
+    assert batch.completion_mask.sum() > 0
+
+
 def cuda_ms_per_call(fn, calls: int, warmup: int) -> float:
     """Milliseconds per ``fn()`` on CUDA events, after ``warmup`` calls."""
     for _ in range(warmup):
