@@ -11,14 +11,18 @@ workers, else they run one after another). Then, in under 10 minutes (each stage
 time limit taken from what is left of ``--budget``), it runs in turn:
 
 1. ``tests``: the tests that need CUDA (``tests/test_cuda.py``);
-2. ``vllm``: the vLLM engine tests (``tests/test_vllm_engine.py``) when vLLM is installed;
-3. ``train``: ``gspo train`` of the built-in task in bfloat16 on CUDA (the demo's config,
+2. ``decode``: the torch engine's decoding on the ~0.5B Qwen3 of 5. (128 rows, 512 new
+   tokens, bf16 autocast) with ``rollout.cuda_graphs`` off (the per-step loop), the static
+   step uncaptured and the static step as CUDA graphs: tokens/s, ms per step and each
+   one's fraction of the memory-bandwidth floor (``decode_graphs.py``);
+3. ``vllm``: the vLLM engine tests (``tests/test_vllm_engine.py``) when vLLM is installed;
+4. ``train``: ``gspo train`` of the built-in task in bfloat16 on CUDA (the demo's config,
    40 RL steps instead of 200);
-4. ``vs_trl``: gspo vs TRL (when installed) on a random-init Qwen3 of ~0.5B parameters
+5. ``vs_trl``: gspo vs TRL (when installed) on a random-init Qwen3 of ~0.5B parameters
    (28 layers, hidden 1,024, 16/8 heads, vocabulary 151,936 characters, so EOS is rare
    and responses run to 512 tokens), 16 prompts x 8 responses, 8 optimizer steps,
    one run of each side;
-5. ``async``: the gspo side of 4. with ``rollout.max_staleness`` 0 and 1 (one run each):
+6. ``async``: the gspo side of 5. with ``rollout.max_staleness`` 0 and 1 (one run each):
    whole-process time, the time the trainer waited for rollouts, and where it went;
 
 and writes one report, ``DIR/report.md`` (and ``report.json``): each stage's outcome and
@@ -354,6 +358,19 @@ def vs_trl_stage(
     return body
 
 
+def decode_stage(out: Path, sizes: Sizes = FULL) -> Callable[[Stage, float], None]:
+    """Decoding with ``rollout.cuda_graphs`` off and on, against the bandwidth floor."""
+
+    def body(stage: Stage, limit: float) -> None:
+        import decode_graphs
+
+        work, _ = workload_for(out, sizes)
+        figures = decode_graphs.compare(work, device=sizes.device, tokens=sizes.response_tokens)
+        stage.figures.update(figures)
+
+    return body
+
+
 def async_stage(out: Path, sizes: Sizes = FULL) -> Callable[[Stage, float], None]:
     """``rollout.max_staleness`` 0 vs 1 on the ~0.5B Qwen3 (the vs_trl stage's workload)."""
 
@@ -464,6 +481,11 @@ def main() -> int:
     start = time.perf_counter()  # the budget is for the stages after the suite
     stages = [
         (Stage("tests (CUDA)"), pytest_stage(["tests/test_cuda.py"]), 90),
+        (
+            Stage(f"decode, rollout.cuda_graphs off vs on, {model}"),
+            decode_stage(args.out, sizes),
+            90,
+        ),
         (Stage("vLLM engine tests"), None, 150),
         (Stage(f"gspo train, built-in task, {sizes.dtype}"), train_stage(args.out, sizes), 180),
         (Stage(f"gspo vs TRL, {model}"), vs_trl_stage(args.out, peaks, sizes), 300),
@@ -474,7 +496,7 @@ def main() -> int:
         ),
     ]
     if importlib.util.find_spec("vllm") is not None:
-        stages[1] = (stages[1][0], pytest_stage(["tests/test_vllm_engine.py"]), 150)
+        stages[2] = (stages[2][0], pytest_stage(["tests/test_vllm_engine.py"]), 150)
     for stage, body, share in stages:
         left = args.budget - (time.perf_counter() - start)
         if body is None:

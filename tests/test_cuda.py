@@ -13,6 +13,7 @@ that, and against what they must catch.
 """
 
 import json
+from functools import partial
 
 import pytest
 import torch
@@ -295,3 +296,184 @@ def test_a_snapshot_of_cuda_tensors_is_a_pinned_cpu_copy():
         assert tensor.device.type == "cpu" and tensor.is_pinned()
         assert torch.equal(tensor, want[key]), key
     assert copy["embed"].data_ptr() == copy["head"].data_ptr()
+
+
+def eos_likely(model, tokenizer) -> None:
+    """Rows finish at many different steps: the static step's batch moves down buckets."""
+    with torch.no_grad():
+        model.model.norm.weight.mul_(3.0)
+        model.lm_head.weight[tokenizer.eos_token_id] *= 8.0  # tied with the embedding
+
+
+def graph_engines(model, tokenizer, monkeypatch):
+    """The static step captured as CUDA graphs, the same step eager, the per-step loop;
+    each engine's graphs counted as they are captured."""
+    from gspo.engines.static_decode import StaticDecoder
+
+    ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    captured: list[tuple[int, int]] = []
+    advance = StaticDecoder.advance
+
+    def counting(decoder, batch, span):
+        advance(decoder, batch, span)
+        captured[:] = list(decoder.captured)
+
+    monkeypatch.setattr(StaticDecoder, "advance", counting)
+    graphs = TorchEngine(model, **ids, cuda_graphs=True)
+    loop = TorchEngine(model, **ids, cuda_graphs=False)
+
+    def eager(prompts, **kw):
+        with monkeypatch.context() as m:
+            m.setattr(StaticDecoder, "capture", False)
+            return graphs.generate(prompts, **kw)
+
+    return graphs, eager, loop, captured
+
+
+@pytest.mark.parametrize("top_p,noise", [(1.0, 0.0), (0.9, 0.0), (1.0, 0.5)])
+def test_cuda_graphs_sample_what_the_eager_static_step_samples(
+    tokenizer, tiny_model, monkeypatch, top_p, noise
+):
+    """rollout.cuda_graphs: the captured step replays the eager static step, so for a seed
+    the same tokens and (float32, the same kernels) log-probs within 1e-5, through bucket and
+    span changes; both sample what the per-step loop samples."""
+    import gspo.engines.static_decode as static_decode
+    import gspo.engines.torch_engine as torch_engine
+
+    monkeypatch.setattr(torch_engine, "CHECK_EVERY", 3)
+    monkeypatch.setattr(static_decode, "SPAN_CHUNK", 8)
+    model = tiny_model.to("cuda")
+    eos_likely(model, tokenizer)
+    graphs, eager, loop, captured = graph_engines(model, tokenizer, monkeypatch)
+    params = SamplingParams(max_new_tokens=32, temperature=0.9, top_p=top_p, logit_noise=noise)
+    prompts = [*encode(tokenizer), tokenizer("7=")["input_ids"]]  # 32 rows at n=8
+    a = graphs.generate(prompts, n=8, params=params, seed=0)
+    assert len({batch for batch, _ in captured}) >= 2, captured  # several buckets captured
+    b = eager(prompts, n=8, params=params, seed=0)
+    c = loop.generate(prompts, n=8, params=params, seed=0)
+    assert a.completion_ids.is_cuda and torch.equal(a.completion_ids, b.completion_ids)
+    assert (a.sampler_logprobs - b.sampler_logprobs).abs().max() < 1e-5
+    assert torch.equal(a.completion_ids, c.completion_ids)
+    assert (a.sampler_logprobs - c.sampler_logprobs).abs().max() < 1e-4
+    assert len(set(a.completion_lengths.tolist())) > 5
+    if noise == 0:
+        with torch.no_grad():
+            lp = completion_logprobs(
+                model, a.prompt_ids, a.prompt_mask, a.completion_ids, a.completion_mask,
+                temperature=0.9,
+            )  # fmt: skip
+        assert (lp - a.sampler_logprobs).abs()[a.completion_mask].max() < 1e-3
+
+
+def test_cuda_graphs_in_bf16_stay_near_a_bf16_recompute(tokenizer, tiny_model, monkeypatch):
+    """Under bf16 autocast (how the trainer samples on CUDA) the captured step's log-probs
+    are the trainer's to bf16 rounding, as the per-step loop's are; same tokens as the
+    eager static step."""
+    model = tiny_model.to("cuda")
+    graphs, eager, _, captured = graph_engines(model, tokenizer, monkeypatch)
+    params = SamplingParams(24)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        batch = graphs.generate(encode(tokenizer), n=8, params=params, seed=1)
+        assert captured
+        again = eager(encode(tokenizer), n=8, params=params, seed=1)
+        with torch.no_grad():
+            lp = completion_logprobs(
+                model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                batch.completion_mask,
+            )  # fmt: skip
+    assert torch.equal(batch.completion_ids, again.completion_ids)
+    delta = (lp - batch.sampler_logprobs).abs()[batch.completion_mask]
+    assert delta.mean() < BF16_TOKEN_TOL
+
+
+def test_static_step_never_synchronises_with_the_host(tokenizer, tiny_model, monkeypatch):
+    """Between the checks of finished rows (here none: CHECK_EVERY beyond the last step),
+    the eager static step runs without a host synchronisation: any op that synchronises
+    raises under ``torch.cuda.set_sync_debug_mode("error")`` (a step that syncs could not
+    be captured either)."""
+    import gspo.engines.torch_engine as torch_engine
+    from gspo.engines.static_decode import StaticDecoder
+
+    monkeypatch.setattr(torch_engine, "CHECK_EVERY", 1000)
+    monkeypatch.setattr(StaticDecoder, "capture", False)
+    run = StaticDecoder.run
+
+    def strict(decoder, *args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            run(decoder, *args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(StaticDecoder, "run", strict)
+    model = tiny_model.to("cuda")
+    ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    engine = TorchEngine(model, **ids, cuda_graphs=True)
+    params = SamplingParams(12, temperature=0.9, top_p=0.9)
+    batch = engine.generate(encode(tokenizer), n=4, params=params, seed=0)
+    assert batch.completion_mask.sum() > 0
+
+
+def cuda_ms_per_call(fn, calls: int, warmup: int) -> float:
+    """Milliseconds per ``fn()`` on CUDA events, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    begin.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / calls
+
+
+def test_cuda_graphs_step_timing(tokenizer, capsys):
+    """Prints ms per decode step (CUDA events, after warm-up) of the per-step loop, the
+    eager static step and its CUDA graph on a ~40M-parameter Qwen3 at batch 64 in bf16,
+    for the report of a GPU session (``pytest -s``); asserts nothing about speed."""
+    from gspo.engines.decoding import KVDecoder
+    from gspo.engines.static_decode import StaticDecoder
+    from gspo.models import TinyModelSpec, build_tiny_model
+
+    spec = TinyModelSpec(layers=8, hidden=512, heads=8, kv_heads=4, intermediate=1536)
+    model = build_tiny_model(spec, tokenizer, seed=0).to("cuda").eval()
+    rows, prompt, steps, warmup = 64, 16, 64, 8
+    ids = torch.randint(3, len(tokenizer), (rows, prompt), device="cuda")
+    mask = torch.ones_like(ids)
+    params = SamplingParams(max_new_tokens=steps + warmup + 4)
+    stop = torch.tensor([], dtype=torch.long, device="cuda")
+    generator = torch.Generator("cuda").manual_seed(0)
+    timings = {}
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        for way in ("loop", "static eager", "graphs"):
+            decoder = KVDecoder(model)
+            logits = decoder.prefill(ids, mask, 1, prompt + params.max_new_tokens)
+            static = StaticDecoder(
+                decoder, positions=mask.sum(-1), params=params, stop=stop,
+                pad_token_id=tokenizer.pad_token_id, vocab=logits.shape[-1],
+                graphs=way == "graphs",
+            )  # fmt: skip
+            if way == "loop":  # KVDecoder.step, then the sampling and recording of a step
+                step = partial(loop_step, decoder, static, generator)
+            else:  # one span (the whole capacity): one graph
+                step = partial(static_step, static, generator, static.capacity)
+            timings[way] = cuda_ms_per_call(step, steps, warmup)
+    with capsys.disabled():
+        print(
+            f"\ndecode step, {torch.cuda.get_device_name()}, 8 x 512 Qwen3 at batch {rows}, bf16: "
+            + ", ".join(f"{way} {ms:.2f} ms" for way, ms in timings.items())
+        )
+    assert all(ms > 0 for ms in timings.values())
+
+
+def loop_step(decoder, static, generator) -> None:
+    static.draw(generator)
+    logits = decoder.step(static.tokens, static.positions)
+    static.positions += 1
+    static.sample(logits, static.rows)
+
+
+def static_step(static, generator, span: int) -> None:
+    static.draw(generator)
+    static.advance(static.rows, span)

@@ -118,6 +118,12 @@ def test_smoke_runs_every_stage_on_the_cpu_and_writes_the_report(tmp_path):
     # the CUDA tests all skip here: the stage says so instead of passing
     assert stages["tests (CUDA)"]["status"] == "skipped"
     assert "skipped" in stages["tests (CUDA)"]["detail"]
+    decode = stages["decode"]  # the static step runs eagerly here, "graphs" included
+    assert decode["status"] == "passed", decode["detail"]
+    for way in ("loop", "static eager", "graphs"):
+        assert decode["figures"][f"{way}: tokens/s"] > 0
+        assert 0 < decode["figures"][f"{way}: fraction of the floor"] < 1
+    assert decode["figures"]["floor ms per step"] > 0
     train = stages["gspo train"]
     assert train["status"] == "passed" and train["figures"]["RL steps"] == 4
     assert train["figures"]["generation s (all rollout batches)"] > 0

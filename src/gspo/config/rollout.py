@@ -68,6 +68,16 @@ class RolloutConfig(Section):
         description="Testing: noise (sd) on the sampler's logits, emulating an inference "
         "engine whose probabilities differ from the trainer's (torch engine only)",
     )
+    cuda_graphs: bool | Literal["auto"] = Field(
+        False,
+        description="Torch engine, fast decoder (Llama/Qwen families): decode with a "
+        "static-shape step (fixed buffers, no host value changing between steps, "
+        "finished rows read every 8 steps) captured as one CUDA graph per batch-size "
+        "bucket; auto = on CUDA for dense models (not MoE), off elsewhere; true = the "
+        "static step wherever the fast decoder runs (captured on CUDA, eager on the CPU, "
+        "where it only serves tests); false = the per-step Python loop. Off by default "
+        "until the captured step has been run and timed on a GPU",
+    )
     filter_groups: bool = Field(
         False,
         description="Dynamic sampling (DAPO): drop groups whose rewards are all equal and "

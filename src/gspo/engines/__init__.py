@@ -6,4 +6,5 @@ training module itself through :mod:`.decoding`'s KV-cache decoders, and
 """
 
 from gspo.engines.batch import RolloutBatch, RolloutEngine, SamplingParams, pad_batch
-from gspo.engines.torch_engine import TorchEngine, sample_next
+from gspo.engines.sampling import sample_next
+from gspo.engines.torch_engine import TorchEngine

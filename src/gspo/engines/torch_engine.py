@@ -6,55 +6,15 @@ weights are always current and ``sync_weights`` has nothing to do.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import Tensor
 
 from gspo.engines.batch import RolloutBatch, SamplingParams, pad_batch
-from gspo.engines.decoding import ModelDecoder, make_decoder
-
-
-def sample_next(
-    logits: Tensor,
-    params: SamplingParams,
-    generator: torch.Generator | None = None,
-    *,
-    uniforms: Tensor | None = None,
-    noise: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """One decoding step: ``[R, V]`` logits -> (token ids ``[R]``, their log-probs ``[R]``).
-
-    The log-prob is under ``softmax(logits / temperature)`` before top-p truncation (the
-    distribution the trainer recomputes); greedy decoding reports ``temperature = 1``.
-    A token is drawn by inverting the (truncated) CDF at one uniform number per row,
-    ``uniforms`` ``[R]`` in ``[0, 1)``; ``noise`` ``[R, V]`` is the standard normal noise
-    of ``params.logit_noise``. Either is drawn from ``generator`` when not given.
-    """
-    logits = logits.float()
-    if params.logit_noise > 0:
-        if noise is None:
-            noise = torch.randn(logits.shape, generator=generator, device=logits.device)
-        logits = logits + params.logit_noise * noise
-    if params.temperature == 0:
-        logprobs = torch.log_softmax(logits, dim=-1)
-        tokens = logits.argmax(dim=-1)
-        return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
-    probs = logprobs.exp()
-    if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly above each token
-        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    if uniforms is None:
-        uniforms = torch.rand(logits.shape[0], generator=generator, device=logits.device)
-    # float64: a float32 running sum over a large vocabulary drifts by more than the
-    # probability of its rarest tokens
-    cdf = probs.double().cumsum(-1)
-    target = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)
-    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    tokens = tokens.clamp_(max=logits.shape[-1] - 1)
-    return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
+from gspo.engines.decoding import KVDecoder, ModelDecoder, make_decoder
+from gspo.engines.sampling import sample_next
+from gspo.engines.static_decode import StaticDecoder, capturable
 
 #: Finished rows leave the batch and KV cache once this share of the batch has finished
 #: (0: at every check where any row has). The fast decoder only copies the rows that move
@@ -76,6 +36,13 @@ class TorchEngine:
     forces the latter, the reference). Every step draws one uniform number per response
     row from the seeded generator, live or not, so the samples depend on the seed only,
     not on when finished rows are dropped or which decoder runs (up to float rounding).
+
+    ``cuda_graphs`` (``rollout.cuda_graphs``): where the fast decoder applies, decode with
+    :class:`gspo.engines.static_decode.StaticDecoder`'s static-shape step, captured as CUDA
+    graphs. ``"auto"``: on CUDA for models whose step can be captured (dense MLPs), the
+    eager loop elsewhere; True: the static step wherever the fast decoder applies,
+    captured where it can be and run eagerly elsewhere (the CPU: the tested path);
+    False: never.
     """
 
     def __init__(
@@ -85,11 +52,22 @@ class TorchEngine:
         pad_token_id: int,
         eos_token_id: int | None,
         fast: bool = True,
+        cuda_graphs: bool | Literal["auto"] = False,
     ):
         self.model = model
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
         self.fast = fast
+        self.cuda_graphs = cuda_graphs
+
+    def static_step(self, decoder: KVDecoder | ModelDecoder, device: torch.device) -> str | None:
+        """How this call decodes: ``"graphs"`` (the static step captured), ``"eager"`` (the
+        static step run eagerly) or None (the eager loop of :meth:`decode`)."""
+        if self.cuda_graphs is False or not isinstance(decoder, KVDecoder):
+            return None
+        if device.type == "cuda" and capturable(decoder) and StaticDecoder.capture:
+            return "graphs"
+        return "eager" if self.cuda_graphs is True else None
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.model = model  # same module object: nothing to copy
@@ -112,15 +90,59 @@ class TorchEngine:
             stop_ids.add(self.eos_token_id)
         stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
 
+        decoder = make_decoder(model) if self.fast else ModelDecoder(model)
+        logits = decoder.prefill(unique_ids, unique_mask, n, unique_ids.shape[1] + steps)
+        positions = prompt_mask.sum(-1)  # of the token each row feeds next
+        static = self.static_step(decoder, device)
+        if static is None:
+            tokens_out, logprobs_out, lengths = self.decode(
+                decoder, logits, positions, params, generator, stop
+            )
+        else:
+            run = StaticDecoder(
+                decoder,
+                positions=positions,
+                params=params,
+                stop=stop,
+                pad_token_id=self.pad_token_id,
+                vocab=logits.shape[-1],
+                graphs=static == "graphs",
+            )
+            run.run(logits, generator, check_every=CHECK_EVERY, drop_fraction=DROP_FRACTION)
+            tokens_out, logprobs_out, lengths = run.tokens_out, run.logprobs_out, run.lengths
+
+        t = int(lengths.max()) if rows else 0
+        completion_mask = torch.arange(t, device=device).unsqueeze(0) < lengths.unsqueeze(1)
+        last = tokens_out.gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+        stopped = (torch.isin(last, stop) & (lengths > 0)).tolist()
+        model.train(was_training)
+        return RolloutBatch(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=tokens_out[:, :t],
+            completion_mask=completion_mask,
+            sampler_logprobs=logprobs_out[:, :t] * completion_mask,
+            finish_reasons=["stop" if s else "length" for s in stopped],
+            group_size=n,
+        )
+
+    def decode(
+        self,
+        decoder: KVDecoder | ModelDecoder,
+        logits: Tensor,
+        positions: Tensor,
+        params: SamplingParams,
+        generator: torch.Generator,
+        stop: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The eager loop: sample from the prefill's ``logits`` on, one ``decoder.step`` per
+        token; (tokens ``[rows, steps]``, their log-probs, each row's length)."""
+        rows, steps, device = logits.shape[0], params.max_new_tokens, logits.device
         tokens_out = torch.full((rows, steps), self.pad_token_id, dtype=torch.long, device=device)
         logprobs_out = torch.zeros((rows, steps), dtype=torch.float32, device=device)
         lengths = torch.zeros(rows, dtype=torch.long, device=device)
-
-        decoder = make_decoder(model) if self.fast else ModelDecoder(model)
-        logits = decoder.prefill(unique_ids, unique_mask, n, unique_ids.shape[1] + steps)
         active = torch.arange(rows, device=device)  # original row of each live batch row
         alive = torch.ones(rows, dtype=torch.bool, device=device)  # per live batch row
-        positions = prompt_mask.sum(-1)  # of the token each row feeds next
         vocab = logits.shape[-1]
         for k in range(steps):
             # one uniform (and noise row) per original row, whichever rows are live
@@ -151,18 +173,4 @@ class TorchEngine:
                     )
             logits = decoder.step(tokens, positions)
             positions = positions + 1
-
-        t = int(lengths.max()) if rows else 0
-        completion_mask = torch.arange(t, device=device).unsqueeze(0) < lengths.unsqueeze(1)
-        last = tokens_out.gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
-        stopped = (torch.isin(last, stop) & (lengths > 0)).tolist()
-        model.train(was_training)
-        return RolloutBatch(
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            completion_ids=tokens_out[:, :t],
-            completion_mask=completion_mask,
-            sampler_logprobs=logprobs_out[:, :t] * completion_mask,
-            finish_reasons=["stop" if s else "length" for s in stopped],
-            group_size=n,
-        )
+        return tokens_out, logprobs_out, lengths

@@ -173,6 +173,7 @@ class AsyncRollouts:
                 self.module,
                 pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id,
+                cuda_graphs=config.rollout.cuda_graphs,
             )
             self.sampler = FrozenSampler(engine, policy)
         else:  # the run's own engine (vLLM), loaded with the producer's weights when needed

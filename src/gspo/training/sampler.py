@@ -27,7 +27,12 @@ def build_engine(config: Config, policy: Policy, tokenizer, model_dir: Path) -> 
     """
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     if config.rollout.engine == "torch":
-        return TorchEngine(policy.replica(), pad_token_id=pad, eos_token_id=eos)
+        return TorchEngine(
+            policy.replica(),
+            pad_token_id=pad,
+            eos_token_id=eos,
+            cuda_graphs=config.rollout.cuda_graphs,
+        )
     from gspo.engines.vllm_engine import VLLMEngine
 
     v = config.rollout.vllm

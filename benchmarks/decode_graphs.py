@@ -1,0 +1,165 @@
+"""Decode speed of the torch engine with ``rollout.cuda_graphs`` off and on, and how far a
+step is from the memory-bandwidth floor (the ``decode`` stage of ``gpu_check.py``).
+
+    PYTHONPATH=src python benchmarks/decode_graphs.py --work DIR [--tokens 512] [--device cuda]
+
+``DIR`` is a workload folder (``workload.build``: ``model/`` and ``train.jsonl``). Its first
+16 prompts, 8 responses each (128 rows, as ``vs_trl.py``), ``--tokens`` new tokens at
+temperature 1, under bf16 autocast on CUDA (as the trainer samples) and in float32 on the
+CPU, three ways: ``loop`` (``rollout.cuda_graphs=false``: the per-step Python loop),
+``static eager`` (the static-shape step, not captured) and ``graphs`` (the static step
+replayed as CUDA graphs; on the CPU it is the eager static step again). Each is one
+``generate`` call after a short warm-up call, timed with CUDA events: ms per step is the
+whole call (prefill and graph captures included) over its decode steps.
+
+The floor: one step must read every matrix of the step once (in the compute dtype; the
+head in float32, as the sampler computes it) and the keys and values of every row up to
+its current length (at the mean length of the call); over the device's measured copy
+bandwidth, that is the fastest a step can be. The fraction reported is floor / measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+from pathlib import Path
+
+import torch
+
+PROMPTS, GROUP = 16, 8
+
+
+def copy_bandwidth(device: torch.device, megabytes: int = 1024, reps: int = 10) -> float:
+    """Bytes/s a device-to-device copy moves (read + written), after one warm-up copy."""
+    source = torch.empty(megabytes * 2**20, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    elapsed = timed(device, lambda: [target.copy_(source) for _ in range(reps)])
+    return 2 * source.numel() * reps / elapsed
+
+
+def timed(device: torch.device, fn) -> float:
+    """Seconds ``fn()`` takes: CUDA events on a GPU, the wall clock elsewhere."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    begin.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / 1e3
+
+
+def step_bytes(model, dtype: torch.dtype, rows: int, columns: float) -> dict[str, float]:
+    """Bytes one decode step must read: the fast decoder's matrices in ``dtype`` (the
+    head in float32) and the keys and values of ``rows`` rows over ``columns`` columns."""
+    from gspo.engines.decoding import KVDecoder
+
+    with autocast(model, dtype):
+        decoder = KVDecoder(model)
+    size = torch.tensor([], dtype=dtype).element_size()
+    matrices = 0
+    for layer in decoder.layers:
+        matrices += layer.qkv.numel() + layer.o.numel()
+        mlp = layer.mlp_weights or [
+            getattr(layer.mlp, n).weight for n in ("gate_proj", "up_proj", "down_proj")
+        ]
+        matrices += sum(m.numel() for m in mlp)
+    weights = matrices * size + decoder.head.numel() * decoder.head.element_size()
+    kv = 2 * len(decoder.layers) * rows * decoder.kv_heads * decoder.head_dim * columns * size
+    return {"weights": weights, "kv": kv}
+
+
+def autocast(model, dtype: torch.dtype):
+    device = next(model.parameters()).device.type
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device, dtype=dtype)
+
+
+def measure(model, tokenizer, prompts, *, tokens: int, dtype: torch.dtype, way: str) -> dict:
+    """One timed ``generate`` of ``way`` (``loop``, ``static eager``, ``graphs``) after a
+    warm-up call of 16 tokens: seconds, decode steps, completion tokens."""
+    from gspo.engines import SamplingParams, TorchEngine
+    from gspo.engines.static_decode import StaticDecoder
+
+    device = next(model.parameters()).device
+    engine = TorchEngine(
+        model,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        cuda_graphs=way != "loop",
+    )
+    capture = StaticDecoder.capture
+    StaticDecoder.capture = way == "graphs"
+    try:
+        with torch.no_grad(), autocast(model, dtype):
+            params = SamplingParams(max_new_tokens=16, temperature=1.0)
+            engine.generate(prompts, n=GROUP, params=params, seed=0)
+            params = SamplingParams(max_new_tokens=tokens, temperature=1.0)
+            out = {}
+            seconds = timed(
+                device,
+                lambda: out.update(b=engine.generate(prompts, n=GROUP, params=params, seed=1)),
+            )
+    finally:
+        StaticDecoder.capture = capture
+    batch = out["b"]
+    return {
+        "seconds": seconds,
+        "steps": int(batch.completion_lengths.max()),
+        "tokens": int(batch.completion_mask.sum()),
+        "prompt columns": batch.prompt_ids.shape[1],
+    }
+
+
+def compare(work: Path, *, device: str = "cuda", tokens: int = 512) -> dict[str, float | str]:
+    """The figures of the three ways on ``work``'s model (see the module docstring)."""
+    from gspo.models import load_model
+
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model, tokenizer = load_model(work / "model", device=dev, dtype=torch.float32)
+    lines = (work / "train.jsonl").read_text().splitlines()[:PROMPTS]
+    prompts = [tokenizer(json.loads(x)["prompt"])["input_ids"] for x in lines]
+    bandwidth = copy_bandwidth(dev)
+    figures: dict[str, float | str] = {
+        "rows x new tokens": f"{PROMPTS * GROUP} x {tokens}",
+        "copy bandwidth GB/s": round(bandwidth / 1e9, 1),
+    }
+    ms = {}
+    for way in ("loop", "static eager", "graphs"):
+        m = measure(model, tokenizer, prompts, tokens=tokens, dtype=dtype, way=way)
+        ms[way] = 1e3 * m["seconds"] / m["steps"]
+        figures[f"{way}: tokens/s"] = round(m["tokens"] / m["seconds"])
+        figures[f"{way}: ms per step"] = round(ms[way], 2)
+        mean_columns = m["prompt columns"] + m["steps"] / 2
+    need = step_bytes(model, dtype, PROMPTS * GROUP, mean_columns)
+    floor_ms = 1e3 * (need["weights"] + need["kv"]) / bandwidth
+    figures["bytes per step: weights / KV (GB)"] = (
+        f"{need['weights'] / 1e9:.2f} / {need['kv'] / 1e9:.2f}"
+    )
+    figures["floor ms per step"] = float(f"{floor_ms:.3g}")
+    for way, value in ms.items():
+        figures[f"{way}: fraction of the floor"] = float(f"{floor_ms / value:.3g}")
+    figures["graphs vs loop speed-up"] = round(ms["loop"] / ms["graphs"], 2)
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    for key, value in compare(args.work, device=args.device, tokens=args.tokens).items():
+        print(f"{key}: {value}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""The static-shape decode step (gspo.engines.static_decode, ``rollout.cuda_graphs``) on the
+CPU, where it runs eagerly: the same tokens as the per-step loop for a seed, log-probs of
+the trainer's forward. The captured CUDA graphs are checked in tests/test_cuda.py."""
+
+import pytest
+import torch
+
+import gspo.engines.static_decode as static_decode
+import gspo.engines.torch_engine as torch_engine
+from gspo.engines import SamplingParams, TorchEngine
+from gspo.engines.decoding import KVDecoder, ModelDecoder, make_decoder
+from gspo.engines.static_decode import StaticDecoder, buckets, capturable
+from gspo.models import TinyModelSpec, build_tiny_model, completion_logprobs
+
+#: different lengths (left padding in the prompt batch)
+TEXTS = ("12+34=", "5+6=", "123+456=", "7=")
+
+
+def encode(tokenizer, texts=TEXTS):
+    return [tokenizer(t)["input_ids"] for t in texts]
+
+
+def ids(tokenizer):
+    return dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+
+
+def eos_likely(model, tokenizer, scale: float = 8.0) -> None:
+    """EOS's head row scaled up (and the final norm sharpened): rows finish at many
+    different steps, so the batch shrinks through several buckets."""
+    with torch.no_grad():
+        model.model.norm.weight.mul_(3.0)
+        model.lm_head.weight[tokenizer.eos_token_id] *= scale  # tied with the embedding
+
+
+class Spy:
+    """Which (batch, span) shapes the static step ran at and which compactions it made."""
+
+    def __init__(self, monkeypatch):
+        self.shapes: list[tuple[int, int]] = []
+        self.compactions: list[tuple[int, int]] = []
+        advance, compact = StaticDecoder.advance, StaticDecoder.compact
+
+        def spy_advance(decoder, batch, span):
+            self.shapes.append((batch, span))
+            advance(decoder, batch, span)
+
+        def spy_compact(decoder, batch, bucket):
+            self.compactions.append((batch, bucket))
+            compact(decoder, batch, bucket)
+
+        monkeypatch.setattr(StaticDecoder, "advance", spy_advance)
+        monkeypatch.setattr(StaticDecoder, "compact", spy_compact)
+
+
+def test_buckets_are_the_batch_then_powers_of_two_below_it():
+    assert buckets(20) == [20, 16, 8, 4, 2, 1]
+    assert buckets(16) == [16, 8, 4, 2, 1]
+    assert buckets(3) == [3, 2, 1]
+    assert buckets(1) == [1]
+
+
+@pytest.mark.parametrize("attention", ["products", "sdpa"])
+@pytest.mark.parametrize(
+    "temperature,top_p,noise", [(1.0, 1.0, 0.0), (0.7, 0.9, 0.0), (1.0, 1.0, 0.5), (0.0, 1.0, 0.0)]
+)
+def test_static_step_samples_what_the_loop_samples(
+    tokenizer, tiny_model, monkeypatch, attention, temperature, top_p, noise
+):
+    """Same seed -> the same tokens as the per-step loop of the fast decoder, log-probs
+    within 1e-5 (attention over zero-filled, masked columns sums in another order), on a
+    padded prompt batch whose rows finish at different steps; the batch moves down
+    through several buckets and the attention span grows (a chunk of 8 columns here)."""
+    monkeypatch.setattr(torch_engine, "CHECK_EVERY", 3)
+    monkeypatch.setattr(static_decode, "SPAN_CHUNK", 8)
+    monkeypatch.setattr(KVDecoder, "attention", attention)
+    eos_likely(tiny_model, tokenizer)
+    params = SamplingParams(32, temperature=temperature, top_p=top_p, logit_noise=noise)
+    loop = TorchEngine(tiny_model, **ids(tokenizer), cuda_graphs=False)
+    static = TorchEngine(tiny_model, **ids(tokenizer), cuda_graphs=True)
+    spy = Spy(monkeypatch)
+    a = loop.generate(encode(tokenizer), n=8, params=params, seed=3)
+    assert not spy.shapes  # the loop never took the static step
+    b = static.generate(encode(tokenizer), n=8, params=params, seed=3)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert torch.equal(a.completion_mask, b.completion_mask)
+    assert a.finish_reasons == b.finish_reasons
+    assert (a.sampler_logprobs - b.sampler_logprobs).abs().max() < 1e-5
+    assert len({span for _, span in spy.shapes}) >= 3
+    if temperature > 0:
+        assert len(set(b.completion_lengths.tolist())) > 5  # rows finished at many steps
+        assert len(spy.compactions) >= 2, spy.compactions  # 32 -> 16 -> 8 at least
+        assert all(bucket in buckets(32) for _, bucket in spy.compactions)
+    if noise == 0:  # the sampler's log-probs are the trainer's
+        with torch.no_grad():
+            lp = completion_logprobs(
+                tiny_model, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask,
+                temperature=temperature or 1.0,
+            )  # fmt: skip
+        assert (lp - b.sampler_logprobs).abs()[b.completion_mask].max() < 1e-5
+
+
+def test_static_step_drops_nothing_before_its_checks_and_stops_when_all_rows_finish(
+    tokenizer, tiny_model, monkeypatch
+):
+    """Finished rows are read on the host only every CHECK_EVERY steps (the step never
+    synchronises): with checks every 5 steps the batch shrinks only at steps 5, 10, ...,
+    and the loop ends at the first check that finds no live row."""
+    monkeypatch.setattr(torch_engine, "CHECK_EVERY", 5)
+    eos_likely(tiny_model, tokenizer, scale=20.0)
+    spy = Spy(monkeypatch)
+    engine = TorchEngine(tiny_model, **ids(tokenizer), cuda_graphs=True)
+    steps = 60
+    batch = engine.generate(encode(tokenizer), n=4, params=SamplingParams(steps), seed=0)
+    longest = int(batch.completion_lengths.max())
+    assert longest < steps - 5  # every row stopped well before the end...
+    assert len(spy.shapes) == -(-longest // 5) * 5 - 1  # ...and so did the loop, at a check
+    changes = [j for j in range(1, len(spy.shapes)) if spy.shapes[j][0] != spy.shapes[j - 1][0]]
+    assert changes and all((j + 1) % 5 == 0 for j in changes)  # step j + 1 follows check j + 1
+
+
+def test_engine_takes_the_static_step_only_where_it_is_switched_on(tokenizer, tiny_model):
+    """``auto`` on the CPU keeps the per-step loop (the CPU path is unchanged); ``True``
+    takes the eager static step for the fast decoder, never for the reference decoder;
+    MoE blocks cannot be captured."""
+    cpu = torch.device("cpu")
+    fast, reference = make_decoder(tiny_model), ModelDecoder(tiny_model)
+    assert isinstance(fast, KVDecoder) and capturable(fast)
+    engine = TorchEngine(tiny_model, **ids(tokenizer))
+    assert engine.cuda_graphs == "auto" and engine.static_step(fast, cpu) is None
+    engine.cuda_graphs = True
+    assert engine.static_step(fast, cpu) == "eager"
+    assert engine.static_step(reference, cpu) is None
+    engine.cuda_graphs = False
+    assert engine.static_step(fast, cpu) is None
+    spec = TinyModelSpec("qwen3_moe", layers=2, hidden=64, heads=2, kv_heads=1, intermediate=128)
+    moe = make_decoder(build_tiny_model(spec, tokenizer, seed=0))
+    assert isinstance(moe, KVDecoder) and not capturable(moe)
+
+
+def test_static_step_runs_moe_blocks_and_lora_adapters_like_the_loop(tokenizer, tiny_model):
+    """MoE blocks (the model's own modules) and merged LoRA matrices in the static step:
+    the same tokens as the per-step loop."""
+    from test_rollout import lora_model
+
+    spec = TinyModelSpec("qwen3_moe", layers=2, hidden=64, heads=2, kv_heads=1, intermediate=128)
+    models = [
+        build_tiny_model(spec, tokenizer, seed=0),
+        lora_model(tiny_model, "all-linear"),
+    ]
+    params = SamplingParams(16, temperature=0.8)
+    for model in models:
+        a = TorchEngine(model, **ids(tokenizer), cuda_graphs=False).generate(
+            encode(tokenizer), n=3, params=params, seed=1
+        )
+        b = TorchEngine(model, **ids(tokenizer), cuda_graphs=True).generate(
+            encode(tokenizer), n=3, params=params, seed=1
+        )
+        assert torch.equal(a.completion_ids, b.completion_ids)
+        assert (a.sampler_logprobs - b.sampler_logprobs).abs().max() < 1e-5
+
+
+def test_rollout_cuda_graphs_reaches_the_run_s_engine(tmp_path, ones_reward, monkeypatch):
+    """``rollout.cuda_graphs`` is the run's torch engine's switch: ``true`` on the CPU
+    samples a rollout batch through the static step, and the trainer's recompute agrees
+    with its log-probs to float32 rounding."""
+    from conftest import CPU
+
+    from gspo.config import load_config
+    from gspo.trainer import Trainer
+
+    overrides = [
+        CPU, "model.layers=1", "model.hidden=64", "model.heads=2", "model.kv_heads=1",
+        "model.intermediate=128", "data.eval_size=8", "data.sft_size=16",
+        "train.cold_start_steps=0", "rollout.group_size=4", "rollout.prompts_per_batch=4",
+        "rollout.max_new_tokens=8", "eval.every=0", "log.progress=false", "log.plots=false",
+        "log.tensorboard=false", "algorithm.old_logprobs=recompute", ones_reward,
+        "rollout.cuda_graphs=true",
+    ]  # fmt: skip
+    trainer = Trainer(load_config(None, overrides), tmp_path / "run")
+    assert trainer.sampler.engine.cuda_graphs is True
+    spy = Spy(monkeypatch)
+    experience = trainer.rollout_stage.run(0)
+    assert spy.shapes  # sampled by the static step
+    assert experience.metrics["mismatch/token_abs_max"] < 1e-5
