@@ -1,11 +1,12 @@
 """LoRA against full fine-tuning: per-step time, and the memory of the KL reference.
 
     flock /tmp/gspo-timing.lock python benchmarks/lora.py [--repeats 3] [--ranks 8 32]
-    python benchmarks/lora.py --generation [--repeats 3] [--ranks 8]
+    python benchmarks/lora.py --generation [--repeats 3] [--ranks 8] [--dtype bfloat16]
 
 generation (``--generation``, only it): one rollout batch of the full model and of the
 LoRA model, through PEFT's forward and on the fast decoder with the adapters merged for
-the call (:func:`measure_generation`).
+the call (float32) or beside the matrices (``--dtype bfloat16``: under bf16 autocast, as
+a GPU run samples) (:func:`measure_generation`).
 
 time: gspo on the reference workload of ``vs_trl.py`` (``benchmarks/workload.py``: 16
 prompts x 8 responses per rollout batch, 4 optimizer steps per rollout batch, 32 new
@@ -97,25 +98,32 @@ def measure_time(work: Path, ranks: list[int], repeats: int) -> dict[str, list[d
     return results
 
 
-def rollout_batch(engine, prompts: list, params, tokens: list[int]) -> Callable[[], object]:
+def rollout_batch(
+    engine, prompts: list, params, tokens: list[int], dtype=None
+) -> Callable[[], object]:
     """A run of one rollout batch (16 prompts x 8) that appends its completion tokens to
-    ``tokens``; seeds 0, 1, 2, 0, ... in turn."""
+    ``tokens``; seeds 0, 1, 2, 0, ... in turn; under a CPU autocast to ``dtype`` if given."""
+    import torch
 
     def run() -> None:
-        out = engine.generate(prompts, n=8, params=params, seed=len(tokens) % 3)
+        autocast = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
+        with autocast:
+            out = engine.generate(prompts, n=8, params=params, seed=len(tokens) % 3)
         tokens.append(int(out.completion_mask.sum()))
 
     return run
 
 
-def measure_generation(workdir: Path, rank: int, repeats: int) -> list[str]:
+def measure_generation(workdir: Path, rank: int, repeats: int, dtype: str = "float32") -> list[str]:
     """One rollout batch (16 prompts x 8) by ``TorchEngine``: the full model on the fast
     decoder, the LoRA model (rank ``rank``, all-linear, the adapters' B random so that
     they count) through PEFT's forward (the reference decoder, what LoRA runs took before
     the fast decoder merged adapters) and on the fast decoder with its adapters merged;
     at 32 new tokens on the reference workload and 256 on the long one (the 520-token
     vocabulary of ``vs_trl.py --long``). Linear layers on ``model.cpu_linear``'s default,
-    as ``gspo train`` has them; variants interleaved, medians in seconds."""
+    as ``gspo train`` has them; variants interleaved, medians in seconds. With ``dtype``
+    bfloat16 every variant samples under bf16 autocast (float32 parameters, as the
+    trainer holds them), where the fast decoder keeps the adapters beside the matrices."""
     import copy
 
     import torch
@@ -127,10 +135,13 @@ def measure_generation(workdir: Path, rank: int, repeats: int) -> list[str]:
     from gspo.models.kernels import set_linear_kernel
     from gspo.training.lora import attach_lora
 
+    fast = "merged" if dtype == "float32" else "adapters beside"
+    autocast = None if dtype == "float32" else getattr(torch, dtype)
     lines = [
-        f"| workload | full model, fast decoder | LoRA r={rank}, PEFT forward | "
-        f"LoRA r={rank}, fast decoder (merged) | LoRA speed-up | completion tokens |",
-        "|---|---|---|---|---|---|",
+        f"| workload ({dtype}) | full model, fast decoder | LoRA r={rank}, PEFT forward | "
+        f"LoRA r={rank}, fast decoder ({fast}) | LoRA speed-up | fast LoRA / full | "
+        "completion tokens |",
+        "|---|---|---|---|---|---|---|",
     ]
     cases = [("reference, 32 new tokens", workdir / "gen_reference", None, 32)]
     cases.append(("long, 256 new tokens", workdir / "gen_long", workload.LONG_VOCAB, 256))
@@ -152,11 +163,15 @@ def measure_generation(workdir: Path, rank: int, repeats: int) -> list[str]:
             "merged": TorchEngine(lora, **ids),
         }
         tokens: dict[str, list[int]] = {name: [] for name in engines}
-        runs = {k: rollout_batch(e, prompts, params, tokens[k]) for k, e in engines.items()}
+        runs = {
+            k: rollout_batch(e, prompts, params, tokens[k], autocast) for k, e in engines.items()
+        }
         times = interleaved_times(runs, repeats)
         f, p, m = (statistics.median(times[k]) for k in engines)
         counts = " / ".join(f"{statistics.median(tokens[k]):,.0f}" for k in engines)
-        lines.append(f"| {label} | {f:.2f} | {p:.2f} | {m:.2f} | {p / m:.2f}x | {counts} |")
+        lines.append(
+            f"| {label} | {f:.2f} | {p:.2f} | {m:.2f} | {p / m:.2f}x | {m / f:.2f}x | {counts} |"
+        )
         print(lines[-1], flush=True)
     return lines
 
@@ -283,10 +298,12 @@ def main() -> None:
         help="only the generation lever: one rollout batch, full vs LoRA through PEFT vs "
         "LoRA merged on the fast decoder (rank: the first of --ranks)",
     )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     print(f"commit {vs_trl.revision()}", flush=True)
     if args.generation:
-        print("\n".join(measure_generation(args.workdir, args.ranks[0], args.repeats)))
+        lines = measure_generation(args.workdir, args.ranks[0], args.repeats, args.dtype)
+        print("\n".join(lines))
         return
     work = workload.build(args.workdir)
     times = {} if args.skip_time else measure_time(work, args.ranks, args.repeats)

@@ -352,6 +352,53 @@ def test_fast_decoder_merges_lora_adapters_and_samples_what_peft_samples(
     assert not torch.equal(plain.completion_ids, fast.completion_ids)
 
 
+@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj"]])
+def test_bf16_lora_decodes_on_the_fast_path_with_its_adapters_beside_the_matrices(
+    tokenizer, tiny_model, targets
+):
+    """Under bf16 autocast a LoRA model (float32 parameters, as the trainer holds them)
+    takes the fast decoder with its adapters unmerged: the update, small beside W, would
+    mostly round away in a bf16 matrix. Its log-probs are the trainer's forward's (PEFT's)
+    as closely as the plain model's are, and they carry the adapters' effect."""
+    from gspo.engines.decoding import KVDecoder, make_decoder
+
+    texts = ("12+34=", "7+8=", "99+1=", "5+55=")
+    kw = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    with torch.no_grad():
+        tiny_model.lm_head.weight.mul_(3.0)  # logits of a trained model's size
+    model = lora_model(tiny_model, targets)
+    with torch.no_grad():  # an update of a trained adapter's size: about 1% of W
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(0.1)
+
+    def sampled_and_trainer(fast: bool):
+        engine = TorchEngine(model, fast=fast, **kw)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            decoder = make_decoder(model)
+            b = engine.generate(prompts(tokenizer, texts), n=8, params=SamplingParams(24), seed=1)
+            lp = completion_logprobs(
+                model, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask
+            )
+        return decoder, b, lp
+
+    decoder, fast, trainer = sampled_and_trainer(True)
+    assert isinstance(decoder, KVDecoder) and decoder.low_rank
+    mask = fast.completion_mask.bool()
+    gap = float(((trainer - fast.sampler_logprobs) * mask).abs().sum() / mask.sum())
+    _, ref, ref_trainer = sampled_and_trainer(False)  # PEFT's forward with its own cache
+    ref_mask = ref.completion_mask.bool()
+    ref_gap = float(((ref_trainer - ref.sampler_logprobs) * ref_mask).abs().sum() / ref_mask.sum())
+    assert gap < 1.25 * ref_gap, (gap, ref_gap)  # merged into bf16 matrices: 1.8x
+    # the adapters count: the base model finds the LoRA model's tokens less alike
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), model.disable_adapter():
+        base = completion_logprobs(
+            model, fast.prompt_ids, fast.prompt_mask, fast.completion_ids, fast.completion_mask
+        )
+    adapters_effect = float(((base - trainer) * mask).abs().sum() / mask.sum())
+    assert gap < adapters_effect / 5, (gap, adapters_effect)
+
+
 def test_dora_and_bf16_lora_take_the_reference_decoder(tokenizer, tiny_model):
     import copy
 

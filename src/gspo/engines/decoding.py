@@ -8,10 +8,14 @@ Two implementations of one small interface (``prefill``, ``step``, ``select``):
   written as a few fused tensor operations (one QKV matmul, one norm and one rotary
   embedding over queries and keys together, single-query attention on the key/value
   heads). The MLP of each layer is called as the model's own module, so MoE blocks and
-  their routers run unchanged. A LoRA model (PEFT adapters on the linear layers, float32)
-  decodes with each adapted matrix merged for the call, ``W + scale * B @ A`` (what
-  PEFT's merge computes; the base weights are not touched), dense MLPs included, instead
-  of PEFT's extra products and dispatch per layer and step.
+  their routers run unchanged. A LoRA model (PEFT adapters on the linear layers, float32
+  parameters) decodes with each adapted matrix merged for the call, ``W + scale * B @ A``
+  (what PEFT's merge computes; the base weights are not touched), dense MLPs included,
+  instead of PEFT's extra products and dispatch per layer and step. Under a 16-bit
+  autocast the adapters are not merged (the update, small beside ``W``, would mostly
+  round away in a 16-bit matrix): each adapted product adds ``(x A^T) (scale B)^T`` in
+  the compute dtype, as PEFT's forward does, the projections of one fused matrix sharing
+  one pair of low-rank products.
 - :class:`ModelDecoder`, the reference: the transformers forward with a ``DynamicCache``,
   for every other model (and to check the fast path against).
 
@@ -159,6 +163,11 @@ class _Layer:
     #: gate, up and down matrices of a dense MLP whose projections carry LoRA adapters
     #: (merged for the call); None: the MLP is called as its module
     mlp_weights: tuple[Tensor, Tensor, Tensor] | None = None
+    #: unmerged adapters (a 16-bit compute dtype): ``(A, B)`` with ``x @ A.T @ B.T`` the
+    #: update of the matrix beside it, per adapted matrix (None: none on it)
+    qkv_lora: tuple[Tensor, Tensor] | None = None
+    o_lora: tuple[Tensor, Tensor] | None = None
+    mlp_lora: tuple[tuple[Tensor, Tensor] | None, ...] | None = None
 
 
 class KVDecoder:
@@ -193,6 +202,9 @@ class KVDecoder:
         self.final_norm = decoder.norm.weight
         self.head = head_weight(model)  # supports(): always a plain head
         self.rotary = decoder.rotary_emb
+        # adapters merged into the matrices (float32), or kept beside them (16-bit)
+        self.low_rank = dtype != torch.float32 and any(_is_lora(m) for m in decoder.modules())
+        weight = _base_weight if self.low_rank else _weight
         self.layers = []
         for layer in decoder.layers:
             a = layer.self_attn
@@ -208,21 +220,25 @@ class KVDecoder:
                         a.k_norm.weight.expand(self.kv_heads, -1),
                     ]
                 )
-            mlp_weights = None
+            mlp_weights, mlp_lora = None, None
             if _adapted_mlp(layer.mlp):
-                mlp_weights = tuple(
-                    _weight(getattr(layer.mlp, n)).to(dtype) for n in _MLP_PROJECTIONS
-                )
+                mlp_projections = [getattr(layer.mlp, n) for n in _MLP_PROJECTIONS]
+                mlp_weights = tuple(weight(p).to(dtype) for p in mlp_projections)
+                if self.low_rank:
+                    mlp_lora = tuple(_low_rank([p], dtype) for p in mlp_projections)
             self.layers.append(
                 _Layer(
                     input_norm=layer.input_layernorm.weight,
-                    qkv=torch.cat([_weight(p) for p in projections]).to(dtype),
+                    qkv=torch.cat([weight(p) for p in projections]).to(dtype),
                     qkv_bias=bias,
                     qk_norm=qk_norm,
-                    o=_weight(a.o_proj).to(dtype),
+                    o=weight(a.o_proj).to(dtype),
                     post_norm=layer.post_attention_layernorm.weight,
                     mlp=layer.mlp,
                     mlp_weights=mlp_weights,
+                    qkv_lora=_low_rank(projections, dtype) if self.low_rank else None,
+                    o_lora=_low_rank([a.o_proj], dtype) if self.low_rank else None,
+                    mlp_lora=mlp_lora,
                 )
             )
 
@@ -270,10 +286,7 @@ class KVDecoder:
                 return False
             if getattr(a, "sliding_window", None) is not None:
                 return False
-        # merged adapters in a 16-bit compute dtype would round the (small) update away
-        # into the base weight's precision: float32 only
-        adapters = any(_is_lora(m) for m in decoder.modules())
-        return not adapters or _compute_dtype(next(model.parameters())) == torch.float32
+        return True
 
     def prefill(self, ids: Tensor, mask: Tensor, n: int, capacity: int) -> Tensor:
         """``[U, P]`` distinct prompts -> logits ``[U * n, V]`` of each response's first token.
@@ -324,7 +337,8 @@ class KVDecoder:
         h = F.embedding(tokens, self.embed)
         for i, layer in enumerate(self.layers):
             x = F.rms_norm(h, (h.shape[-1],), layer.input_norm, self.eps)
-            qkv = self.linear(x, layer.qkv, layer.qkv_bias).view(rows, heads + 2 * kv, d)
+            qkv = self.project(x, layer.qkv, layer.qkv_lora, layer.qkv_bias)
+            qkv = qkv.view(rows, heads + 2 * kv, d)
             qk, v = qkv[:, : heads + kv], qkv[:, heads + kv :]
             if layer.qk_norm is not None:
                 qk = F.rms_norm(qk, (d,), None, self.eps) * layer.qk_norm
@@ -352,16 +366,31 @@ class KVDecoder:
                     attn_mask=mask,
                     scale=self.scaling,
                 )
-            h = h + self.linear(out.reshape(rows, heads * d), layer.o)
+            h = h + self.project(out.reshape(rows, heads * d), layer.o, layer.o_lora)
             x = F.rms_norm(h, (h.shape[-1],), layer.post_norm, self.eps)
             if layer.mlp_weights is None:
                 h = h + layer.mlp(x.unsqueeze(1)).squeeze(1)
             else:
                 gate, up, down = layer.mlp_weights
-                act = layer.mlp.act_fn(self.linear(x, gate)) * self.linear(x, up)
-                h = h + self.linear(act, down)
+                lora = layer.mlp_lora or (None, None, None)
+                act = layer.mlp.act_fn(self.project(x, gate, lora[0]))
+                act = act * self.project(x, up, lora[1])
+                h = h + self.project(act, down, lora[2])
         h = F.rms_norm(h, (h.shape[-1],), self.final_norm, self.eps)
         return head_logits(h, self.head, self.linear)
+
+    def project(
+        self,
+        x: Tensor,
+        weight: Tensor,
+        lora: tuple[Tensor, Tensor] | None = None,
+        bias: Tensor | None = None,
+    ) -> Tensor:
+        """``x @ weight.T (+ bias)``, plus the unmerged adapters' ``(x @ A.T) @ B.T``."""
+        out = self.linear(x, weight, bias)
+        if lora is not None:
+            out = out + self.linear(self.linear(x, lora[0]), lora[1])
+        return out
 
     def select(self, rows: Tensor) -> Tensor:
         """Keep only the batch rows ``rows`` (increasing; finished rows leave); returns
@@ -436,6 +465,38 @@ def _weight(p: nn.Module) -> Tensor:
         if a in p.lora_A:
             weight = weight + p.get_delta_weight(a)
     return weight
+
+
+def _base_weight(p: nn.Module) -> Tensor:
+    """The matrix of ``p`` without its adapters (they are applied beside it)."""
+    return p.base_layer.weight if _is_lora(p) else p.weight
+
+
+def _low_rank(projections: list[nn.Module] | tuple[nn.Module, ...], dtype: torch.dtype):
+    """The active adapters of ``projections`` (whose outputs are stacked, in this order)
+    as one pair ``(A, B)``, ``x @ A.T @ B.T`` being the stacked update: ``A`` the adapters'
+    down projections one after another, ``B`` their up projections times their scales,
+    block-diagonal. None when no adapter is active on any of them."""
+    downs, ups = [], []
+    for p in projections:
+        pairs = []
+        if _is_lora(p) and not p.disable_adapters:
+            pairs = [
+                (p.lora_A[a].weight, p.lora_B[a].weight * p.scaling[a])
+                for a in p.active_adapters
+                if a in p.lora_A
+            ]
+        out_features = _base_weight(p).shape[0]
+        down = [a for a, _ in pairs]
+        ups.append(
+            torch.cat([b for _, b in pairs], dim=1)
+            if pairs
+            else _base_weight(p).new_zeros((out_features, 0))
+        )
+        downs.extend(down)
+    if not downs:
+        return None
+    return torch.cat(downs).to(dtype), torch.block_diag(*ups).to(dtype)
 
 
 def _bias(p: nn.Module) -> Tensor | None:
