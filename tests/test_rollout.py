@@ -352,14 +352,16 @@ def test_fast_decoder_merges_lora_adapters_and_samples_what_peft_samples(
     assert not torch.equal(plain.completion_ids, fast.completion_ids)
 
 
+@pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj"]])
 def test_bf16_lora_decodes_on_the_fast_path_with_its_adapters_beside_the_matrices(
-    tokenizer, tiny_model, targets
+    tokenizer, tiny_model, targets, static
 ):
     """Under bf16 autocast a LoRA model (float32 parameters, as the trainer holds them)
     takes the fast decoder with its adapters unmerged: the update, small beside W, would
     mostly round away in a bf16 matrix. Its log-probs are the trainer's forward's (PEFT's)
-    as closely as the plain model's are, and they carry the adapters' effect."""
+    as closely as the plain model's are, and they carry the adapters' effect; in the loop
+    and in the static step (``rollout.cuda_graphs``, eager here) alike."""
     from gspo.engines.decoding import KVDecoder, make_decoder
 
     texts = ("12+34=", "7+8=", "99+1=", "5+55=")
@@ -373,7 +375,7 @@ def test_bf16_lora_decodes_on_the_fast_path_with_its_adapters_beside_the_matrice
                 param.mul_(0.1)
 
     def sampled_and_trainer(fast: bool):
-        engine = TorchEngine(model, fast=fast, **kw)
+        engine = TorchEngine(model, fast=fast, cuda_graphs=static and fast, **kw)
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             decoder = make_decoder(model)
             b = engine.generate(prompts(tokenizer, texts), n=8, params=SamplingParams(24), seed=1)

@@ -252,7 +252,8 @@ class StaticDecoder:
         h = F.embedding(self.tokens[:rows], d.embed)
         for i, layer in enumerate(d.layers):
             x = F.rms_norm(h, (h.shape[-1],), layer.input_norm, d.eps)
-            qkv = d.linear(x, layer.qkv, layer.qkv_bias).view(rows, heads + 2 * kv, dim)
+            qkv = d.project(x, layer.qkv, layer.qkv_lora, layer.qkv_bias)
+            qkv = qkv.view(rows, heads + 2 * kv, dim)
             qk, v = qkv[:, : heads + kv], qkv[:, heads + kv :]
             if layer.qk_norm is not None:
                 qk = F.rms_norm(qk, (dim,), None, d.eps) * layer.qk_norm
@@ -260,9 +261,10 @@ class StaticDecoder:
             rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
             qk = qk * cos + rotated * sin
             keys, values = d.keys[i][:rows], d.values[i][:rows]
-            values.index_copy_(2, col, v.unsqueeze(2))
+            # the buffers hold the compute dtype; the rotary product is float32 under autocast
+            values.index_copy_(2, col, v.unsqueeze(2).to(values.dtype))
             if d.transposed:  # keys [R, kv heads, head_dim, columns]
-                keys.index_copy_(3, col, qk[:, heads:].unsqueeze(-1))
+                keys.index_copy_(3, col, qk[:, heads:].unsqueeze(-1).to(keys.dtype))
                 q = qk[:, :heads].reshape(rows * kv, group, dim)
                 k = keys[..., :span].reshape(rows * kv, dim, span)
                 scores = torch.baddbmm(d.no_bias, q, k, beta=0.0, alpha=d.scaling)
@@ -270,7 +272,7 @@ class StaticDecoder:
                 vals = values[:, :, :span].reshape(rows * kv, span, dim)
                 out = torch.bmm(scores.softmax(-1), vals)
             else:
-                keys.index_copy_(2, col, qk[:, heads:].unsqueeze(2))
+                keys.index_copy_(2, col, qk[:, heads:].unsqueeze(2).to(keys.dtype))
                 out = F.scaled_dot_product_attention(
                     qk[:, :heads].reshape(rows, kv, group, dim),
                     keys[:, :, :span],
@@ -278,13 +280,15 @@ class StaticDecoder:
                     attn_mask=mask[:, None],
                     scale=d.scaling,
                 )
-            h = h + d.linear(out.reshape(rows, heads * dim), layer.o)
+            h = h + d.project(out.reshape(rows, heads * dim), layer.o, layer.o_lora)
             x = F.rms_norm(h, (h.shape[-1],), layer.post_norm, d.eps)
             if self.mlps[i] is None:
                 h = h + layer.mlp(x.unsqueeze(1)).squeeze(1)
             else:
                 gate, up, down = self.mlps[i]
-                h = h + d.linear(layer.mlp.act_fn(d.linear(x, gate)) * d.linear(x, up), down)
+                lora = layer.mlp_lora or (None, None, None)  # adapters beside (16-bit)
+                act = layer.mlp.act_fn(d.project(x, gate, lora[0])) * d.project(x, up, lora[1])
+                h = h + d.project(act, down, lora[2])
         h = F.rms_norm(h, (h.shape[-1],), d.final_norm, d.eps)
         return head_logits(h, d.head, d.linear)
 
