@@ -177,7 +177,7 @@ class AsyncRollouts:
             )
             self.sampler = FrozenSampler(engine, policy)
         else:  # the run's own engine (vLLM), loaded with the producer's weights when needed
-            self.sampler = SharedEngineSampler(stage.generate.sampler, self.module)
+            self.sampler = SharedEngineSampler(stage.generator.sampler, self.module)
         # which tensors a snapshot holds: the trained ones (a LoRA run's adapters)
         self.names = [n for n, p in policy.module.named_parameters() if p.requires_grad]
         self.weights: dict[int, Snapshot] = {}  # W_j by j, the last k + 1
