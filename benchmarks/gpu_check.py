@@ -278,6 +278,16 @@ def train_stage(out: Path, sizes: Sizes = FULL) -> Callable[[Stage, float], None
             stage.figures["held-out accuracy, first -> last eval"] = (
                 f"{evals[0]['eval/accuracy']:.3f} -> {evals[-1]['eval/accuracy']:.3f}"
             )
+        # what the checkpoints cost the run (train.background_checkpoints: written by a
+        # thread; the run waits only for the copy)
+        writes = [r for r in records if "io/checkpoint_bytes" in r]
+        if writes:
+            stage.figures["checkpoints, MB written"] = round(
+                sum(r["io/checkpoint_bytes"] for r in writes) / 1e6, 1
+            )
+            waited = sum(r.get("time/checkpoint", 0.0) for r in writes)
+            writing = sum(r.get("time/checkpoint_write", 0.0) for r in writes)
+            stage.figures["checkpoints, s waited / s writing"] = f"{waited:.2f} / {writing:.2f}"
 
     return body
 

@@ -127,6 +127,9 @@ def test_smoke_runs_every_stage_on_the_cpu_and_writes_the_report(tmp_path):
     train = stages["gspo train"]
     assert train["status"] == "passed" and train["figures"]["RL steps"] == 4
     assert train["figures"]["generation s (all rollout batches)"] > 0
+    assert train["figures"]["checkpoints, MB written"] > 0
+    waited, writing = train["figures"]["checkpoints, s waited / s writing"].split(" / ")
+    assert float(waited) >= 0 and float(writing) > 0
     vs = stages["gspo vs TRL"]
     if importlib.util.find_spec("trl") is None:
         assert vs["status"] == "skipped" and "TRL is not installed" in vs["detail"]
