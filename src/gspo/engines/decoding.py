@@ -336,15 +336,7 @@ class KVDecoder:
         sin = self.sin[positions].unsqueeze(1)
         h = F.embedding(tokens, self.embed)
         for i, layer in enumerate(self.layers):
-            x = F.rms_norm(h, (h.shape[-1],), layer.input_norm, self.eps)
-            qkv = self.project(x, layer.qkv, layer.qkv_lora, layer.qkv_bias)
-            qkv = qkv.view(rows, heads + 2 * kv, d)
-            qk, v = qkv[:, : heads + kv], qkv[:, heads + kv :]
-            if layer.qk_norm is not None:
-                qk = F.rms_norm(qk, (d,), None, self.eps) * layer.qk_norm
-            half = d // 2
-            rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
-            qk = qk * cos + rotated * sin
+            qk, v = self.queries_keys_values(layer, h, cos, sin)
             self.values[i][:, :, col] = v
             # one query per row: a key/value head's query heads attend as one group
             if self.transposed:
@@ -366,18 +358,44 @@ class KVDecoder:
                     attn_mask=mask,
                     scale=self.scaling,
                 )
-            h = h + self.project(out.reshape(rows, heads * d), layer.o, layer.o_lora)
-            x = F.rms_norm(h, (h.shape[-1],), layer.post_norm, self.eps)
-            if layer.mlp_weights is None:
-                h = h + layer.mlp(x.unsqueeze(1)).squeeze(1)
-            else:
-                gate, up, down = layer.mlp_weights
-                lora = layer.mlp_lora or (None, None, None)
-                act = layer.mlp.act_fn(self.project(x, gate, lora[0]))
-                act = act * self.project(x, up, lora[1])
-                h = h + self.project(act, down, lora[2])
+            h = self.after_attention(layer, h, out.reshape(rows, heads * d), layer.mlp_weights)
         h = F.rms_norm(h, (h.shape[-1],), self.final_norm, self.eps)
         return head_logits(h, self.head, self.linear)
+
+    def queries_keys_values(
+        self, layer: _Layer, h: Tensor, cos: Tensor, sin: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """A layer's input norm and QKV product of the residual stream ``h`` ``[R, hidden]``:
+        queries and keys ``[R, H + Hkv, D]`` (q/k-normed, rotated) and values ``[R, Hkv, D]``."""
+        heads, kv, d = self.heads, self.kv_heads, self.head_dim
+        x = F.rms_norm(h, (h.shape[-1],), layer.input_norm, self.eps)
+        qkv = self.project(x, layer.qkv, layer.qkv_lora, layer.qkv_bias)
+        qkv = qkv.view(h.shape[0], heads + 2 * kv, d)
+        qk, v = qkv[:, : heads + kv], qkv[:, heads + kv :]
+        if layer.qk_norm is not None:
+            qk = F.rms_norm(qk, (d,), None, self.eps) * layer.qk_norm
+        half = d // 2
+        rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
+        return qk * cos + rotated * sin, v
+
+    def after_attention(
+        self,
+        layer: _Layer,
+        h: Tensor,
+        out: Tensor,
+        mlp_weights: tuple[Tensor, Tensor, Tensor] | None,
+    ) -> Tensor:
+        """The residual stream after a layer whose attention gave ``out`` ``[R, H * D]``: the
+        output projection, the post-attention norm and the MLP (its ``mlp_weights`` gate, up
+        and down matrices, else the module)."""
+        h = h + self.project(out, layer.o, layer.o_lora)
+        x = F.rms_norm(h, (h.shape[-1],), layer.post_norm, self.eps)
+        if mlp_weights is None:
+            return h + layer.mlp(x.unsqueeze(1)).squeeze(1)
+        gate, up, down = mlp_weights
+        lora = layer.mlp_lora or (None, None, None)  # adapters beside (16-bit)
+        act = layer.mlp.act_fn(self.project(x, gate, lora[0])) * self.project(x, up, lora[1])
+        return h + self.project(act, down, lora[2])
 
     def project(
         self,

@@ -251,15 +251,7 @@ class StaticDecoder:
         mask = self.pad_bias[:rows, :, :span].masked_fill(self.columns[:span] > col, float("-inf"))
         h = F.embedding(self.tokens[:rows], d.embed)
         for i, layer in enumerate(d.layers):
-            x = F.rms_norm(h, (h.shape[-1],), layer.input_norm, d.eps)
-            qkv = d.project(x, layer.qkv, layer.qkv_lora, layer.qkv_bias)
-            qkv = qkv.view(rows, heads + 2 * kv, dim)
-            qk, v = qkv[:, : heads + kv], qkv[:, heads + kv :]
-            if layer.qk_norm is not None:
-                qk = F.rms_norm(qk, (dim,), None, d.eps) * layer.qk_norm
-            half = dim // 2
-            rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
-            qk = qk * cos + rotated * sin
+            qk, v = d.queries_keys_values(layer, h, cos, sin)
             keys, values = d.keys[i][:rows], d.values[i][:rows]
             # the buffers hold the compute dtype; the rotary product is float32 under autocast
             values.index_copy_(2, col, v.unsqueeze(2).to(values.dtype))
@@ -280,15 +272,7 @@ class StaticDecoder:
                     attn_mask=mask[:, None],
                     scale=d.scaling,
                 )
-            h = h + d.project(out.reshape(rows, heads * dim), layer.o, layer.o_lora)
-            x = F.rms_norm(h, (h.shape[-1],), layer.post_norm, d.eps)
-            if self.mlps[i] is None:
-                h = h + layer.mlp(x.unsqueeze(1)).squeeze(1)
-            else:
-                gate, up, down = self.mlps[i]
-                lora = layer.mlp_lora or (None, None, None)  # adapters beside (16-bit)
-                act = layer.mlp.act_fn(d.project(x, gate, lora[0])) * d.project(x, up, lora[1])
-                h = h + d.project(act, down, lora[2])
+            h = d.after_attention(layer, h, out.reshape(rows, heads * dim), self.mlps[i])
         h = F.rms_norm(h, (h.shape[-1],), d.final_norm, d.eps)
         return head_logits(h, d.head, d.linear)
 
