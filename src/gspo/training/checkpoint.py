@@ -280,42 +280,6 @@ def finish_checkpoint(output_dir: Path, final: Path, *, keep: int, dist: Distrib
     dist.barrier()
 
 
-def save_checkpoint(
-    output_dir: Path,
-    step: int,
-    policy: Policy,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    tokenizer,
-    *,
-    keep: int,
-    dist: Distributed,
-    extra: Mapping[str, Any] | None = None,
-    model_dir: Path | None = None,
-    written: Callable[[], None] | None = None,
-) -> Path:
-    """Write ``checkpoints/step-NNNNNNN`` atomically, now: a reader sees all of it or none.
-
-    Keeps the ``keep`` newest besides step 0. Every rank calls this at the same step.
-    ``extra``: more files, ``{name: object}`` written with ``torch.save`` by rank 0 (the
-    stale weights of async rollouts, :mod:`gspo.training.async_rollout`). ``model_dir``:
-    the directory the policy's weights are still exactly (a full fine-tuning run before
-    its first step, no cold start): the checkpoint names it instead of copying it.
-    ``written()`` is called once the checkpoint is in place, before ``latest`` names it (a
-    run killed in between resumes from the one before, so what it logs is redone).
-    :class:`Checkpoints` does the same in a background thread.
-    """
-    state = take_checkpoint(
-        output_dir, step, policy, optimizer, scheduler, tokenizer,
-        dist=dist, extra=extra, model_dir=model_dir,
-    )  # fmt: skip
-    write_checkpoint(state, dist)
-    if written is not None:
-        written()
-    finish_checkpoint(output_dir, state.final, keep=keep, dist=dist)
-    return state.final
-
-
 class _Write:
     """One checkpoint being written: its state, its thread, and what came of it."""
 
@@ -341,8 +305,8 @@ class Checkpoints:
     returns while a thread writes it through :func:`write_checkpoint`; once it is whole,
     the main thread logs its line (``io/checkpoint_bytes``, ``time/checkpoint``: the seconds
     the run waited for it, ``time/checkpoint_write``: the write's own), ``latest`` names
-    it and the old ones are pruned (:func:`finish_checkpoint`), in that order, as
-    :func:`save_checkpoint` does at once. That happens at the first of: the next
+    it and the old ones are pruned (:func:`finish_checkpoint`), in that order; without
+    ``background`` all of it at once. That happens at the first of: the next
     :meth:`log` after the write is done, the next :meth:`save`, :meth:`wait` (the end of
     the run, an exception, :meth:`close`). Metrics logged through :meth:`log` while a write
     is in flight are held and logged after the checkpoint's line, so ``metrics.jsonl``
