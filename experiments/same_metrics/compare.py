@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-RUNS = ("dense", "cut", "token", "moe_replay", "moe_recompute", "chain", "ranks")
+RUNS = ("dense", "cut", "token", "moe_replay", "moe_recompute", "chain", "async", "tools", "ranks")
 
 
 def records(run: Path) -> list[dict]:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Eight short runs covering every optional path of the loop (recompute + KL, resume, token
+# Ten short runs covering every optional path of the loop (recompute + KL, resume, token
 # level with logit noise, MoE Routing Replay and churn, MoE recompute + KL, the chain task,
-# two torchrun ranks), with the gspo package taken from SRC. Run it on two versions of the
-# code and compare.py says whether their metrics (times aside) and ratio dumps are equal:
+# async rollouts, multi-turn tool episodes, two torchrun ranks), with the gspo package taken
+# from SRC. Run it on two versions of the code and compare.py says whether their metrics
+# (times aside) and ratio dumps are equal:
 #
 #   git worktree add /tmp/base <commit>
 #   experiments/same_metrics/run.sh /tmp/base/src runs/same/before
@@ -31,6 +32,10 @@ $G train --overwrite --output-dir $OUT/moe_replay $MOE train.max_steps=8 moe.rou
 $G train --overwrite --output-dir $OUT/moe_recompute $MOE train.max_steps=8 algorithm.old_logprobs=recompute algorithm.kl_coef=0.05 optim.lr=3e-2 algorithm.level=sequence_token > $OUT/moe_recompute.log 2>&1
 # chain task, longer responses
 $G train --overwrite --output-dir $OUT/chain $FAST data.task=chain reward.functions=[numeric_match] data.terms=4 rollout.max_new_tokens=40 train.max_steps=8 log.ratio_dump_every=2 > $OUT/chain.log 2>&1
+# async rollouts one batch ahead, recompute (the producer's own sampler and pi_old)
+$G train --overwrite --output-dir $OUT/async $FAST train.max_steps=8 rollout.max_staleness=1 algorithm.old_logprobs=recompute > $OUT/async.log 2>&1
+# multi-turn episodes with the calculator tool
+$G train --overwrite --output-dir $OUT/tools $FAST data.task=calculator data.digits=3 rollout.max_new_tokens=24 rollout.max_turns=2 rollout.max_episode_tokens=64 train.max_steps=4 > $OUT/tools.log 2>&1
 # torchrun, 2 ranks
 PYTHONPATH=$SRC $ROOT/.venv/bin/torchrun --nproc_per_node 2 -m gspo train --overwrite --output-dir $OUT/ranks $FAST train.max_steps=8 train.save_every=4 algorithm.kl_coef=0.05 rollout.prompts_per_batch=4 > $OUT/ranks.log 2>&1
 echo "runs written to $OUT"
