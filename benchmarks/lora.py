@@ -211,7 +211,7 @@ def memory_child(work: Path, out: Path, rank: int) -> dict:
     trainer.save_checkpoint()  # step 0: what full fine-tuning's reference loads
     prompts = trainer.train_prompt_ids[:4]
     params = SamplingParams(max_new_tokens=16, temperature=1.0)
-    batch, _ = trainer.sampler.generate(prompts, n=4, params=params, seed=0)
+    batch = trainer.sampler.generate(prompts, n=4, params=params, seed=0)
     with torch.no_grad():
         trainer.policy.logprobs(batch)
     before = rss_bytes()

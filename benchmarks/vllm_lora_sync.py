@@ -8,7 +8,7 @@ base model: one plain (``lora_sync=merged``: at every sync the policy's adapters
 into a copy and every weight is copied into vLLM) and one started with vLLM's LoRA support
 (``lora_sync=adapter``: only the adapter is handed over). Per repeat the adapters move (as
 an optimizer step would move them), then each engine is synced through the trainer's own
-:class:`~gspo.training.sampler.Sampler` and samples one rollout batch of the reference
+:class:`~gspo.training.sampler.PolicySampler` and samples one rollout batch of the reference
 workload's shape (16 prompts x 8 responses, 32 new tokens); the two engines alternate.
 Reported, medians over the repeats: seconds per sync, seconds per rollout batch, and the
 largest gap between vLLM's sampled log-probs and the trainer's recompute through the
@@ -49,7 +49,7 @@ from gspo.models import (  # noqa: E402
 )
 from gspo.training.lora import attach_lora  # noqa: E402
 from gspo.training.policy import Policy  # noqa: E402
-from gspo.training.sampler import Sampler  # noqa: E402
+from gspo.training.sampler import PolicySampler  # noqa: E402
 
 SPECS = {
     "workload": workload.SPEC,
@@ -82,7 +82,7 @@ def measure(model_dir: Path, rank: int, repeats: int, tokenizer) -> dict[str, di
         ),
     }
     policy = lora_policy(model_dir, rank)
-    samplers = {mode: Sampler(engine, policy) for mode, engine in engines.items()}
+    samplers = {mode: PolicySampler(engine, policy) for mode, engine in engines.items()}
     rng = random.Random(0)
     prompts = [
         tokenizer(f"{rng.randint(10, 99)}+{rng.randint(10, 99)}=")["input_ids"] for _ in range(16)
@@ -96,8 +96,9 @@ def measure(model_dir: Path, rank: int, repeats: int, tokenizer) -> dict[str, di
         move_adapters(policy, noise)
         for mode in engines if i % 2 == 0 else reversed(list(engines)):
             start = time.perf_counter()
-            sync = samplers[mode].sync()
-            batch, _ = samplers[mode].generate(prompts, n=8, params=params, seed=i)
+            samplers[mode].sync()
+            sync = time.perf_counter() - start
+            batch = samplers[mode].generate(prompts, n=8, params=params, seed=i)
             total = time.perf_counter() - start
             with torch.no_grad():
                 lp = policy.logprobs(batch)

@@ -14,7 +14,6 @@ from gspo.trainer import Trainer, latest_checkpoint
 from gspo.training.async_rollout import (
     BEHAVIOUR_WEIGHTS,
     AsyncRollouts,
-    SyncRollouts,
     tensors_in,
 )
 from gspo.training.checkpoint import checkpoint_dir
@@ -35,13 +34,13 @@ def train(tmp_path, name, *overrides, capture=False):
     trainer = Trainer(load_config(None, [*RUN, *overrides]), tmp_path / name)
     seen = []
     if capture:
-        real = trainer.rollout_stage.experience
+        real = trainer.rollout_stage.prepare
 
-        def experience(sampled):
+        def prepare(sampled):
             seen.append(out := real(sampled))
             return out
 
-        trainer.rollout_stage.experience = experience
+        trainer.rollout_stage.prepare = prepare
     trainer.fit()
     return trainer, run_metrics(tmp_path / name), seen
 
@@ -90,7 +89,7 @@ def test_staleness_schedule_and_the_weights_that_sampled_each_batch(tmp_path, va
     """k=1: batch 0 by the start weights, batch b+1 by the weights after batch b-1's updates
     (checked by recomputing log-probs with the checkpoint of each rollout batch)."""
     trainer, sync, _ = train(tmp_path, "sync", varied_reward)
-    assert isinstance(trainer.rollouts, SyncRollouts)
+    assert trainer.rollouts is trainer.rollout_stage  # k=0: the stage itself
     assert staleness(sync) == [None] * 4  # k=0 logs nothing new
     trainer, records, seen = train(
         tmp_path,
@@ -274,8 +273,8 @@ def test_producer_and_evaluation_share_a_vllm_engine_without_mixing_weights():
     (each loads them when the engine holds the other's), and nobody reloads needlessly."""
     from types import SimpleNamespace
 
-    from gspo.training.async_rollout import SharedEngineSampler
-    from gspo.training.sampler import Sampler
+    from gspo.training.async_rollout import StaleSampler
+    from gspo.training.sampler import PolicySampler
 
     class Engine:  # records which module's weights it holds and how often it was loaded
         def __init__(self):
@@ -290,20 +289,23 @@ def test_producer_and_evaluation_share_a_vllm_engine_without_mixing_weights():
     trainer_weights, producer_weights = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
     policy = SimpleNamespace(version=0, replica=lambda: trainer_weights)
     engine = Engine()
-    sampler = Sampler(engine, policy)
+    sampler = PolicySampler(engine, policy)
     sampler.version = None  # the engine starts from the disk model
-    producer = SharedEngineSampler(sampler, producer_weights)
+    producer = StaleSampler(engine, policy, producer_weights, shared=sampler)
 
     def generate(s):
-        return s.generate([[1]], n=1, params=None, seed=0)[0]
+        return s.generate([[1]], n=1, params=None, seed=0)
 
     assert generate(sampler) is trainer_weights and engine.loads == 1
     assert generate(producer) is producer_weights and engine.loads == 2
     assert generate(producer) is producer_weights and engine.loads == 2  # still loaded
     assert generate(sampler) is trainer_weights and engine.loads == 3  # an evaluation
     assert generate(producer) is producer_weights and engine.loads == 4
-    producer.weights_changed()  # the producer copied W_j+1 into its module
+    producer.load({"weight": torch.full((1, 1), 7.0)})  # W_j+1, copied in at its next sync
+    assert producer_weights.weight.item() != 7.0
     assert generate(producer) is producer_weights and engine.loads == 5
+    assert producer_weights.weight.item() == 7.0
     policy.version += 1  # an optimizer step
-    assert sampler.sync() > 0 and engine.holding is trainer_weights and engine.loads == 6
+    sampler.sync()
+    assert engine.holding is trainer_weights and engine.loads == 6
     assert generate(sampler) is trainer_weights and engine.loads == 6

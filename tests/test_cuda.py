@@ -207,7 +207,7 @@ def test_multi_turn_episodes_are_token_in_token_out_in_bf16(tmp_path):
         "algorithm.old_logprobs=recompute", "reward.functions=[numeric_match]",
     ]  # fmt: skip
     trainer = Trainer(load_config(None, overrides), tmp_path / "run")
-    experience = trainer.rollout_stage.run(0)
+    experience = trainer.rollout_stage.experience(0)
     batch = experience.batch
     assert batch.completion_ids.is_cuda
     assert torch.equal(experience.loss_mask, batch.action_mask)

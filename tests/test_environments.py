@@ -225,7 +225,8 @@ def test_cold_start_conversations_train_on_the_assistant_tokens_only(tokenizer):
 
 
 class ScriptedEngine:
-    """Answers turn ``t`` of row ``j`` with ``script[t][j]`` (then EOS); records contexts."""
+    """A sampler that answers turn ``t`` of row ``j`` with ``script[t][j]`` (then EOS) and
+    records the contexts it is given."""
 
     def __init__(self, tokenizer, script):
         self.tokenizer, self.script, self.calls, self.turn = tokenizer, script, [], 0
@@ -241,8 +242,7 @@ class ScriptedEngine:
         cid, cmask = pad_batch(ids, 0, "cpu", side="right")
         lp = torch.where(cmask.bool(), -0.25, 0.0)
         reasons = ["stop" if seq[-1] == 2 else "length" for seq in ids]
-        batch = RolloutBatch(pid, pmask, cid, cmask.bool(), lp, reasons, n)
-        return batch, 0.0
+        return RolloutBatch(pid, pmask, cid, cmask.bool(), lp, reasons, n)
 
 
 def test_episodes_are_token_in_token_out_with_environment_tokens_masked(tokenizer, env_file):
@@ -328,7 +328,8 @@ class Stepper:
 def engine_sampler(engine):
     """A rollout engine with the sampler's interface (no policy, no weight sync)."""
     return SimpleNamespace(
-        generate=lambda p, n, params, seed: (engine.generate(p, n=n, params=params, seed=seed), 0),
+        generate=engine.generate,
+        sync=lambda: None,
         policy=SimpleNamespace(device=torch.device("cpu")),
     )
 
@@ -434,7 +435,7 @@ def test_a_multi_turn_run_trains_and_logs_episode_metrics(tmp_path, env_file):
         "reward.functions=[numeric_match]",
     ]  # fmt: skip
     trainer = Trainer(load_config(None, overrides), tmp_path / "run")
-    experience = trainer.rollout_stage.run(0)
+    experience = trainer.rollout_stage.experience(0)
     batch = experience.batch
     assert torch.equal(experience.loss_mask, batch.action_mask)
     assert (batch.completion_mask & ~batch.action_mask).any()  # environment tokens exist
@@ -458,7 +459,7 @@ def test_environment_reward_is_the_default_and_workers_are_refused(tmp_path, env
     ]  # fmt: skip
     trainer = Trainer(load_config(None, overrides), tmp_path / "run")
     assert trainer.rollout_stage.scorer.rewards.names == ["environment"]
-    experience = trainer.rollout_stage.run(0)
+    experience = trainer.rollout_stage.experience(0)
     # Counter's reward is its total: reset to the row's 'start' (absent: 0), no calls
     assert experience.metrics["train/reward_mean"] == 0.0
 

@@ -153,7 +153,7 @@ def test_ratio_dumps_count_the_tokens_the_correction_kept(tmp_path):
         "eval.every=0", "log.ratio_dump_every=1",
     ]  # fmt: skip
     trainer = Trainer(load_config(None, overrides), tmp_path / "run")
-    experience = trainer.rollout_stage.run(0)
+    experience = trainer.rollout_stage.experience(0)
     for k in range(2):
         trainer.update_stage.train(experience, k)
     last = experience.minibatches[-1]

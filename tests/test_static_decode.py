@@ -182,6 +182,6 @@ def test_rollout_cuda_graphs_reaches_the_run_s_engine(tmp_path, ones_reward, mon
     trainer = Trainer(load_config(None, overrides), tmp_path / "run")
     assert trainer.sampler.engine.cuda_graphs is True
     spy = Spy(monkeypatch)
-    experience = trainer.rollout_stage.run(0)
+    experience = trainer.rollout_stage.experience(0)
     assert spy.shapes  # sampled by the static step
     assert experience.metrics["mismatch/token_abs_max"] < 1e-5

@@ -264,8 +264,9 @@ def check_a_further_update_is_synced(policy, sampler, prompts):
             if "lora_B" in name:
                 p.add_(0.05)
     policy.stepped()
-    again, seconds = sampler.generate(prompts, n=4, params=SamplingParams(10), seed=12)
-    assert seconds > 0
+    assert sampler.version != policy.version
+    again = sampler.generate(prompts, n=4, params=SamplingParams(10), seed=12)
+    assert sampler.version == policy.version  # it synced
     lp = policy.logprobs(again).detach()
     assert (lp - again.sampler_logprobs).abs()[again.completion_mask.bool()].max() < 1e-4
 
@@ -281,16 +282,16 @@ def test_lora_sync_gives_vllm_the_merged_weights(engine, model_dir, tokenizer):
     differ from the base's, so a missed sync would fail this. The adapters and the base
     are bitwise what they were before the sync."""
     from gspo.training.lora import merged_copy
-    from gspo.training.sampler import Sampler
+    from gspo.training.sampler import PolicySampler
 
     policy = lora_policy(model_dir)
     assert any(p.abs().max() > 0 for n, p in policy.module.named_parameters() if "lora_B" in n)
-    sampler = Sampler(engine, policy)
+    sampler = PolicySampler(engine, policy)
     sampler.version = 0  # the engine holds the disk model (the base): behind the policy
     before = lora_tensors(policy)
     prompts = encode(tokenizer)
-    batch, seconds = sampler.generate(prompts, n=4, params=SamplingParams(10), seed=11)
-    assert seconds > 0 and sampler.version == policy.version  # it synced
+    batch = sampler.generate(prompts, n=4, params=SamplingParams(10), seed=11)
+    assert sampler.version == policy.version  # it synced
     after = lora_tensors(policy)
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)  # nothing merged in place
@@ -307,7 +308,7 @@ def test_lora_sync_gives_vllm_the_merged_weights(engine, model_dir, tokenizer):
 
     # greedy: vLLM decodes what the torch engine decodes through the adapters
     greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
-    ours, _ = sampler.generate(prompts, n=1, params=greedy, seed=0)
+    ours = sampler.generate(prompts, n=1, params=greedy, seed=0)
     ref = torch_engine(policy.module, tokenizer).generate(prompts, n=1, params=greedy, seed=0)
     assert torch.equal(ours.completion_ids, ref.completion_ids)
     assert (ours.sampler_logprobs - ref.sampler_logprobs).abs().max() < 1e-4
@@ -339,18 +340,18 @@ def test_adapter_sync_gives_vllm_only_the_adapters(adapter_engine, model_dir, to
     at the float32 level (and differ from the base's, so a missed sync fails), the adapters
     stay bitwise as they were, a later update reaches vLLM too, and the base weights vLLM
     holds are never rewritten (only the adapter is reloaded)."""
-    from gspo.training.sampler import Sampler
+    from gspo.training.sampler import PolicySampler
 
     engine = adapter_engine
     assert engine.takes_adapters
     engine.sync_weights = None  # a whole-weights sync would fail here: it must not happen
     policy = lora_policy(model_dir)
-    sampler = Sampler(engine, policy)
+    sampler = PolicySampler(engine, policy)
     sampler.version = 0  # the engine holds the base: behind the policy
     before = lora_tensors(policy)
     prompts = encode(tokenizer)
-    batch, seconds = sampler.generate(prompts, n=4, params=SamplingParams(10), seed=11)
-    assert seconds > 0 and sampler.version == policy.version
+    batch = sampler.generate(prompts, n=4, params=SamplingParams(10), seed=11)
+    assert sampler.version == policy.version
     after = lora_tensors(policy)
     assert all(torch.equal(before[k], after[k]) for k in before)
     mask = batch.completion_mask.bool()

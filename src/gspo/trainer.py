@@ -58,7 +58,7 @@ from gspo.training.metrics import combine, crossed, metric_reduction, rollout_cl
 from gspo.training.policy import Policy
 from gspo.training.reference import Reference
 from gspo.training.rollout import RolloutStage, Scorer
-from gspo.training.sampler import Sampler, build_engine
+from gspo.training.sampler import PolicySampler, build_engine
 from gspo.training.seeds import derive_seed
 from gspo.training.setup import (
     build_policy_model,
@@ -123,7 +123,7 @@ class Trainer:
             model, dist, compute_dtype=compute_dtype, temperature=config.rollout.temperature
         )
         forward = build_forward(config, self.policy)
-        self.sampler = Sampler(
+        self.sampler = PolicySampler(
             build_engine(config, self.policy, self.tokenizer, model_dir), self.policy
         )
         self.generator = build_generator(config, self.sampler, self.tokenizer, self.data.train[0])

@@ -1,9 +1,9 @@
 """Rollout batches for the loop: sampled in step (``rollout.max_staleness=0``) or ahead.
 
 The loop asks ``rollouts.experience(index)`` for rollout batch ``index``'s
-:class:`Experience`, trains on it, then tells ``rollouts.trained(index)``.
-:class:`SyncRollouts` (the default) samples
-the batch there and then with the current weights. :class:`AsyncRollouts` (``k =
+:class:`Experience`, trains on it, then tells ``rollouts.trained(index)``. By default
+(``k = 0``) the rollouts are the :class:`~gspo.training.rollout.RolloutStage` itself,
+which samples the batch there and then with the current weights. :class:`AsyncRollouts` (``k =
 rollout.max_staleness > 0``) has a producer thread sample batches ahead, on its own copy
 of the weights, while the trainer trains:
 
@@ -32,7 +32,7 @@ of the weights, while the trainer trains:
 Both engines: the torch engine samples the producer's copy itself; a vLLM engine (the
 run's own, one per process) is shared with evaluation, which needs the trainer's current
 weights in it: whoever generates next loads its weights first if the engine holds other
-ones (:class:`SharedEngineSampler`), under the sampler's lock. Under torchrun every rank
+ones (:class:`StaleSampler`), under the sampler's lock. Under torchrun every rank
 runs its own producer over its own share of the prompts. On CUDA the torch engine samples
 on a stream of its own; the trainer marks a batch's tensors as in use on its stream when
 it takes them (``record_stream``), so their memory is not reused early by the producer.
@@ -52,12 +52,12 @@ from pathlib import Path
 import torch
 
 from gspo.config import Config
-from gspo.engines import RolloutBatch, SamplingParams, TorchEngine
+from gspo.engines import RolloutBatch, RolloutEngine, SamplingParams, TorchEngine
 from gspo.training.forward import recomputes_old_logprobs
 from gspo.training.policy import Policy
 from gspo.training.records import Experience, Sampled
 from gspo.training.rollout import RolloutStage
-from gspo.training.sampler import Sampler, push_weights
+from gspo.training.sampler import PolicySampler, engine_dtype, push_weights
 
 #: The file in a checkpoint holding the stale weights the next rollout batches need.
 BEHAVIOUR_WEIGHTS = "behaviour_weights.pt"
@@ -65,77 +65,58 @@ BEHAVIOUR_WEIGHTS = "behaviour_weights.pt"
 Snapshot = dict[str, torch.Tensor]
 
 
-class SyncRollouts:
-    """``rollout.max_staleness=0``: each rollout batch is sampled when the loop asks for it."""
+class StaleSampler:
+    """The producer's sampler: samples ``module``, its own copy of the weights.
 
-    def __init__(self, stage: RolloutStage):
-        self.stage = stage
-
-    @contextlib.contextmanager
-    def running(self, first: int, end: int) -> Iterator[None]:
-        yield
-
-    def experience(self, index: int) -> Experience:
-        return self.stage.run(index)
-
-    def trained(self, index: int) -> None:
-        return None
-
-    def checkpoint_files(self) -> dict[str, object]:
-        return {}
-
-
-class FrozenSampler:
-    """Samples a module that only its owner changes (between batches): no sync of its own.
-
-    Same interface as :class:`gspo.training.sampler.Sampler` (``generate`` returns the
-    batch and the seconds spent syncing, here 0), under the policy's autocast.
+    The producer hands it the snapshot a batch is sampled by (:meth:`load`); the next
+    :meth:`sync` copies it into ``module``. The torch engine samples ``module`` itself
+    (under the policy's autocast). The run's own engine (vLLM, ``shared``: the run's
+    sampler) is shared with evaluation, which needs the trainer's weights in it: this
+    sampler loads ``module``'s weights into it (:func:`push_weights`) whenever they changed
+    or the run's sampler loaded others since (an evaluation), and marks the run's sampler
+    as behind, so that the next evaluation reloads the trainer's. Both hold the run's
+    sampler's lock from the load through the generation.
     """
 
-    def __init__(self, engine: TorchEngine, policy: Policy):
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        policy: Policy,
+        module: torch.nn.Module,
+        shared: PolicySampler | None = None,
+    ):
         self.engine = engine
         self.policy = policy
-
-    def generate(
-        self, prompts: list[list[int]], *, n: int, params: SamplingParams, seed: int
-    ) -> tuple[RolloutBatch, float]:
-        with self.policy.autocast():
-            return self.engine.generate(prompts, n=n, params=params, seed=seed), 0.0
-
-    def weights_changed(self) -> None:
-        """The engine samples the module itself: nothing to load."""
-
-
-class SharedEngineSampler:
-    """The producer's sampler over the run's own engine (vLLM), shared with evaluation.
-
-    Generates with the producer's copy of the weights (``module``): before a generation it
-    loads them into the engine (:func:`push_weights`) if they changed since it last did or
-    if the run's sampler loaded the trainer's weights in between (an evaluation), and marks
-    the run's sampler as behind, so that the next evaluation reloads the trainer's. Both
-    hold the run's sampler's lock from the load through the generation.
-    """
-
-    def __init__(self, sampler: Sampler, module: torch.nn.Module):
-        self.sampler = sampler
         self.module = module
-        self.current = False  # whether the engine holds `module`'s present weights
+        self.shared = shared
+        self.lock = shared.lock if shared is not None else contextlib.nullcontext()
+        self.pending: Snapshot | None = None  # weights to copy into `module` at the next sync
+        self.current = False  # whether a shared engine holds `module`'s present weights
 
-    def weights_changed(self) -> None:
-        self.current = False
+    def load(self, weights: Snapshot) -> None:
+        """Sample with ``weights`` from the next :meth:`sync` on."""
+        self.pending = weights
+
+    def sync(self) -> None:
+        with self.lock:
+            if self.pending is not None:
+                params = dict(self.module.named_parameters())
+                with torch.no_grad():
+                    for name, tensor in self.pending.items():
+                        params[name].copy_(tensor)
+                self.pending, self.current = None, False
+            if self.shared is not None and (not self.current or self.shared.version is not None):
+                push_weights(self.engine, self.module)
+                self.shared.version = None  # the engine no longer holds the policy's
+                self.current = True
 
     def generate(
         self, prompts: list[list[int]], *, n: int, params: SamplingParams, seed: int
-    ) -> tuple[RolloutBatch, float]:
-        with self.sampler.lock:
-            start = time.perf_counter()
-            if not self.current or self.sampler.version is not None:
-                push_weights(self.sampler.engine, self.module)
-                self.sampler.version = None  # the engine no longer holds the policy's
-                self.current = True
-            sync = time.perf_counter() - start
-            batch = self.sampler.engine.generate(prompts, n=n, params=params, seed=seed)
-        return batch, sync
+    ) -> RolloutBatch:
+        with self.lock:
+            self.sync()
+            with engine_dtype(self.engine, self.policy):
+                return self.engine.generate(prompts, n=n, params=params, seed=seed)
 
 
 class _Stopped(Exception):
@@ -167,7 +148,6 @@ class AsyncRollouts:
         self.module = copy.deepcopy(policy.replica()).requires_grad_(False)
         for p in self.module.parameters():
             p.grad = None
-        self.sampler: FrozenSampler | SharedEngineSampler
         if config.rollout.engine == "torch":
             engine = TorchEngine(
                 self.module,
@@ -175,9 +155,11 @@ class AsyncRollouts:
                 eos_token_id=tokenizer.eos_token_id,
                 cuda_graphs=config.rollout.cuda_graphs,
             )
-            self.sampler = FrozenSampler(engine, policy)
+            self.sampler = StaleSampler(engine, policy, self.module)
         else:  # the run's own engine (vLLM), loaded with the producer's weights when needed
-            self.sampler = SharedEngineSampler(stage.generator.sampler, self.module)
+            shared = stage.generator.sampler
+            assert isinstance(shared, PolicySampler)
+            self.sampler = StaleSampler(shared.engine, policy, self.module, shared)
         # which tensors a snapshot holds: the trained ones (a LoRA run's adapters)
         self.names = [n for n, p in policy.module.named_parameters() if p.requires_grad]
         self.weights: dict[int, Snapshot] = {}  # W_j by j, the last k + 1
@@ -242,7 +224,7 @@ class AsyncRollouts:
             for t in tensors_in(item):
                 if t.is_cuda:
                     t.record_stream(torch.cuda.current_stream(t.device))
-        experience = self.stage.experience(item)
+        experience = self.stage.prepare(item)
         experience.staleness = index - self.source(index)
         experience.metrics["rollout/staleness"] = float(experience.staleness)
         experience.metrics["time/rollout_wait"] = wait
@@ -312,18 +294,10 @@ class AsyncRollouts:
 
     def sample(self, index: int) -> Sampled:
         j = self.source(index)
-        start = time.perf_counter()
-        if self.loaded != j:
-            weights = self.wait_for(j)
-            params = dict(self.module.named_parameters())
-            with torch.no_grad():
-                for name, tensor in weights.items():
-                    params[name].copy_(tensor)
-            self.sampler.weights_changed()
+        if self.loaded != j:  # copied into the producer's module by the sampler's sync
+            self.sampler.load(self.wait_for(j))
             self.loaded = j
-        sync = time.perf_counter() - start
         sampled = self.stage.sample(index, self.sampler)
-        sampled.metrics["time/weight_sync"] += sync
         if self.recompute:  # pi_old: the trainer's forward on the weights that sampled
             start = time.perf_counter()
             with torch.no_grad():
@@ -373,8 +347,9 @@ def build_rollouts(
     policy: Policy,
     tokenizer,
     checkpoint: Path | None = None,
-) -> SyncRollouts | AsyncRollouts:
-    """``rollout.max_staleness``: 0 the synchronous loop, above it the producer thread."""
+) -> RolloutStage | AsyncRollouts:
+    """``rollout.max_staleness``: 0 the stage itself (each batch sampled when the loop asks
+    for it), above it the producer thread."""
     if config.rollout.max_staleness == 0:
-        return SyncRollouts(stage)
+        return stage
     return AsyncRollouts(config, stage, policy, tokenizer, checkpoint)

@@ -197,7 +197,7 @@ class MultiTurn:
         self.max_tokens = max_tokens
         self.warned = [False]  # shared with the copies made by `using`
 
-    def using(self, sampler: Any) -> MultiTurn:
+    def using(self, sampler: Sampler) -> MultiTurn:
         """The same episodes sampled through another sampler (an async producer's)."""
         other = copy.copy(self)
         other.sampler = sampler
@@ -221,7 +221,7 @@ class MultiTurn:
         del prompt_ids  # episodes render their own prompts (tools, reset observations)
         states = [self.start(row) for row in rows for _ in range(n)]
         live = list(range(len(states)))
-        sync, cut = 0.0, 0  # cut: first turns that max_new_tokens cut
+        cut = 0  # first turns that max_new_tokens cut
         for turn in range(self.max_turns):
             if not live:
                 break
@@ -235,10 +235,7 @@ class MultiTurn:
                 contexts, k = [states[i].prompt for i in range(0, len(states), n)], n
             else:
                 contexts, k = [states[i].prompt + states[i].ids for i in live], 1
-            batch, seconds = self.sampler.generate(
-                contexts, n=k, params=turn_params, seed=turn_seed
-            )
-            sync += seconds
+            batch = self.sampler.generate(contexts, n=k, params=turn_params, seed=turn_seed)
             if turn == 0 and turn_params.max_new_tokens == params.max_new_tokens:
                 cut = sum(reason == "length" for reason in batch.finish_reasons)
             live = [i for j, i in enumerate(live) if self.advance(states[i], batch, j, turn)]
@@ -246,7 +243,7 @@ class MultiTurn:
             states[i].finish = "length"
         if self.max_turns > 1 and all(s.turns == 1 for s in states):
             self.warn_first_turns_cut(cut, len(states), params.max_new_tokens)
-        return self.collect(states, n, sync)
+        return self.collect(states, n)
 
     def warn_first_turns_cut(self, cut: int, episodes: int, max_new_tokens: int) -> None:
         """One line on stderr (once a run) when no episode got past its first turn and
@@ -299,7 +296,7 @@ class MultiTurn:
         state.logprobs += [0.0] * len(reply_ids)
         return True
 
-    def collect(self, states: list[_State], n: int, sync: float) -> Generated:
+    def collect(self, states: list[_State], n: int) -> Generated:
         """The episodes as one :class:`RolloutBatch`, their messages and their metrics."""
         device = self.sampler.policy.device
         pad = self.tokenizer.pad_token_id
@@ -340,7 +337,7 @@ class MultiTurn:
             "env/model_tokens_mean": model_tokens / episodes,
         }
         columns: dict[str, list[Any]] = {"environments": [s.episode.env for s in states]}
-        return Generated(batch, sync, completions, columns, metrics, [s.episode for s in states])
+        return Generated(batch, completions, columns, metrics, [s.episode for s in states])
 
 
 def build_generator(

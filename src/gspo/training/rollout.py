@@ -7,9 +7,11 @@ first update (old and reference log-probs, MoE routing).
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -111,11 +113,12 @@ def prompts_for_batch(index: int, rows: int, per_batch: int, seed: int) -> list[
 
 
 class RolloutStage:
-    """``stage.run(index) -> Experience``: everything before the first update of a rollout batch.
+    """``stage.experience(index) -> Experience``: everything before the first update of a
+    rollout batch.
 
-    In two halves: :meth:`sample` (generate, score, dynamic sampling: no collective, so an
-    async producer may run it in its own thread with its own sampler) and
-    :meth:`experience` (advantages, minibatches, the pass before the first update: pi_old,
+    In two halves: :meth:`sample` (generate, score, dynamic sampling: no collective but the
+    weight sync, so an async producer may run it in its own thread with its own sampler)
+    and :meth:`prepare` (advantages, minibatches, the pass before the first update: pi_old,
     MoE routing and the KL reference's log-probs; the loss mask, metrics over ranks).
     """
 
@@ -201,9 +204,21 @@ class RolloutStage:
         every_prompt = [i for p in prompts for i in p]
         return merge_groups(rounds, kept.groups), [every_prompt[g] for g in kept.groups]
 
-    def run(self, index: int) -> Experience:
-        """Rollout batch ``index``, sampled by the run's own sampler, ready to update."""
-        return self.experience(self.sample(index))
+    # ``rollout.max_staleness=0``: the stage is the loop's rollouts itself (the async
+    # schedule with the same four methods: gspo.training.async_rollout.AsyncRollouts)
+    def experience(self, index: int) -> Experience:
+        """Rollout batch ``index``, sampled now by the run's own sampler, ready to update."""
+        return self.prepare(self.sample(index))
+
+    def trained(self, index: int) -> None:
+        """Nothing to do once a batch is trained: the next is sampled when asked for."""
+
+    @contextlib.contextmanager
+    def running(self, first: int, end: int) -> Iterator[None]:
+        yield
+
+    def checkpoint_files(self) -> dict[str, object]:
+        return {}
 
     def sample(self, index: int, sampler: Sampler | None = None) -> Sampled:
         """Rollout batch ``index`` sampled (by ``sampler``, the run's own by default) and
@@ -212,14 +227,14 @@ class RolloutStage:
         generator = self.generator if sampler is None else self.generator.using(sampler)
         seed = cfg.train.seed
         local: dict[str, float] = {}
+        with timed(local, "time/weight_sync"):
+            generator.sampler.sync()
         with timed(local, "time/generate"):
             # this rank's share of the rollout batch's prompts (all of them in one process)
             share = self.local_prompts
             picked = prompts_for_batch(index, len(self.rows), cfg.rollout.prompts_per_batch, seed)
             picked = picked[dist.rank * share : (dist.rank + 1) * share]
             generated = self.generated(generator, picked, rank_seed(seed, dist, "rollout", index))
-        local["time/weight_sync"] = generated.sync_seconds
-        local["time/generate"] -= local["time/weight_sync"]
         local.update(generated.metrics)
         with timed(local, "time/reward"):
             scored = self.score(picked, generated)
@@ -228,7 +243,7 @@ class RolloutStage:
                     scored, picked = self.refill(index, picked, scored, local, generator)
         return Sampled(index, picked, scored, local)
 
-    def experience(self, sampled: Sampled) -> Experience:
+    def prepare(self, sampled: Sampled) -> Experience:
         """Advantages, the minibatch split, the pass before the first update (pi_old, MoE
         routing, the KL reference's log-probs) and the loss mask of a sampled batch."""
         cfg, dist = self.config, self.dist

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -66,7 +65,31 @@ def push_weights(engine: RolloutEngine, module: torch.nn.Module) -> None:
         engine.sync_weights(merged_copy(module) if is_lora(module) else module)
 
 
-class Sampler:
+class Sampler(Protocol):
+    """Samples token ids through a rollout engine from the weights it stands for.
+
+    ``sync()`` brings the engine to those weights (nothing when it holds them already; the
+    rollout stage times it as ``time/weight_sync``), ``generate`` samples (syncing first
+    itself if another thread changed the engine in between). Two kinds:
+    :class:`PolicySampler`, the policy's current weights, and the async producer's
+    :class:`gspo.training.async_rollout.StaleSampler`, a stale copy of them.
+    """
+
+    policy: Policy  # whose weights (current or stale) it samples: device and autocast
+
+    def sync(self) -> None: ...
+
+    def generate(
+        self, prompts: list[list[int]], *, n: int, params: SamplingParams, seed: int
+    ) -> RolloutBatch: ...
+
+
+def engine_dtype(engine: RolloutEngine, policy: Policy) -> contextlib.AbstractContextManager:
+    """The torch engine runs under the policy's autocast; vLLM keeps its own dtype."""
+    return policy.autocast() if isinstance(engine, TorchEngine) else contextlib.nullcontext()
+
+
+class PolicySampler:
     """Generates from the policy's current weights through a rollout engine.
 
     The engine is synced to the policy before it generates whenever an optimizer step
@@ -82,29 +105,21 @@ class Sampler:
         self.version: int | None = policy.version  # the policy version the engine holds
         self.lock = threading.RLock()
 
-    def sync(self) -> float:
-        """Give the engine the policy's current weights if it is behind; seconds taken."""
+    def sync(self) -> None:
+        """Give the engine the policy's current weights if it is behind (a collective under
+        torchrun when it is: every rank syncs at the same point)."""
         with self.lock:
-            if self.version == self.policy.version:
-                return 0.0
-            start = time.perf_counter()
-            push_weights(self.engine, self.policy.replica())
-            self.version = self.policy.version
-            return time.perf_counter() - start
+            if self.version != self.policy.version:
+                push_weights(self.engine, self.policy.replica())
+                self.version = self.policy.version
 
     def generate(
         self, prompts: list[list[int]], *, n: int, params: SamplingParams, seed: int
-    ) -> tuple[RolloutBatch, float]:
-        """``(batch, seconds spent syncing weights first)``.
-
-        The torch engine runs under the policy's autocast; vLLM keeps its own dtype.
-        """
+    ) -> RolloutBatch:
         with self.lock:
-            t_sync = self.sync()
-            torch_engine = isinstance(self.engine, TorchEngine)
-            with self.policy.autocast() if torch_engine else contextlib.nullcontext():
-                batch = self.engine.generate(prompts, n=n, params=params, seed=seed)
-        return batch, t_sync
+            self.sync()
+            with engine_dtype(self.engine, self.policy):
+                return self.engine.generate(prompts, n=n, params=params, seed=seed)
 
 
 @dataclass
@@ -117,7 +132,6 @@ class Generated:
     """
 
     batch: RolloutBatch
-    sync_seconds: float
     completions: list[Any] | None = None
     columns: dict[str, list[Any]] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
@@ -130,7 +144,7 @@ class Generator(Protocol):
 
     sampler: Sampler
 
-    def using(self, sampler: Any) -> Generator:
+    def using(self, sampler: Sampler) -> Generator:
         """The same generator sampling through another sampler (an async producer's)."""
         ...
 
@@ -155,7 +169,7 @@ class SingleTurn:
     def __init__(self, sampler: Sampler):
         self.sampler = sampler
 
-    def using(self, sampler: Any) -> SingleTurn:
+    def using(self, sampler: Sampler) -> SingleTurn:
         return SingleTurn(sampler)
 
     def generate(
@@ -167,5 +181,4 @@ class SingleTurn:
         params: SamplingParams,
         seed: int,
     ) -> Generated:
-        batch, seconds = self.sampler.generate(prompt_ids, n=n, params=params, seed=seed)
-        return Generated(batch, seconds)
+        return Generated(self.sampler.generate(prompt_ids, n=n, params=params, seed=seed))
