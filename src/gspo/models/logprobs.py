@@ -23,40 +23,6 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-class CompletionLogprobs(torch.nn.Module):
-    """:func:`completion_logprobs` of ``model`` as a module: the training forward.
-
-    The trainer calls this module, not the HF model, for every log-prob it trains on, so
-    a wrapper around the whole computation (FSDP2's root unit under ``torchrun``) sees
-    the embeddings, the decoder and the LM head used inside one ``forward``.
-    """
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(
-        self,
-        prompt_ids: Tensor,
-        prompt_mask: Tensor,
-        completion_ids: Tensor,
-        completion_mask: Tensor,
-        temperature: float = 1.0,
-        share_prompts: bool | Literal["auto"] = False,
-        with_entropy: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        return completion_logprobs(
-            self.model,
-            prompt_ids,
-            prompt_mask,
-            completion_ids,
-            completion_mask,
-            temperature=temperature,
-            share_prompts=share_prompts,
-            with_entropy=with_entropy,
-        )
-
-
 #: Architectures whose logits are exactly ``lm_head(final hidden state)``: for these the
 #: vocabulary projection is done in chunks from the hidden states (no full logits tensor).
 PLAIN_LM_HEAD = frozenset(
@@ -98,6 +64,54 @@ def head_logits(hidden: Tensor, weight: Tensor, linear=F.linear) -> Tensor:
         return linear(hidden.float(), weight.float())
 
 
+class CompletionLogprobs(torch.nn.Module):
+    """The training forward: log-probs of completions under ``model`` (see
+    :func:`completion_logprobs`) as a module.
+
+    The trainer calls this module, not the HF model, for every log-prob it trains on, so
+    a wrapper around the whole computation (FSDP2's root unit under ``torchrun``) sees
+    the embeddings, the decoder and the LM head used inside one ``forward``.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        completion_ids: Tensor,
+        completion_mask: Tensor,
+        temperature: float = 1.0,
+        share_prompts: bool | Literal["auto"] = False,
+        with_entropy: bool = False,
+        chunk_size: int = LOGPROB_CHUNK,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Packed for architectures in :data:`PLAIN_LM_HEAD`, else the model's own forward."""
+        if plain_lm_head(self.model):
+            return packed_completion_logprobs(
+                self.model,
+                prompt_ids,
+                prompt_mask,
+                completion_ids,
+                completion_mask,
+                temperature=temperature,
+                chunk_size=chunk_size,
+                share_prompts=share_prompts,
+                with_entropy=with_entropy,
+            )
+        return padded_completion_logprobs(
+            self.model,
+            prompt_ids,
+            prompt_mask,
+            completion_ids,
+            completion_mask,
+            temperature=temperature,
+            with_entropy=with_entropy,
+        )
+
+
 def completion_logprobs(
     model,
     prompt_ids: Tensor,
@@ -124,8 +138,33 @@ def completion_logprobs(
     padding) and only counted completion tokens are projected to the vocabulary,
     ``chunk_size`` at a time (:func:`packed_completion_logprobs`, which with
     ``share_prompts`` also computes a prompt repeated over rows once); other models go
-    through their own forward with ``logits_to_keep``.
+    through their own forward with ``logits_to_keep`` (:func:`padded_completion_logprobs`).
+    The trainer's forward is the same computation as a module, :class:`CompletionLogprobs`.
     """
+    return CompletionLogprobs(model)(
+        prompt_ids,
+        prompt_mask,
+        completion_ids,
+        completion_mask,
+        temperature=temperature,
+        share_prompts=share_prompts,
+        with_entropy=with_entropy,
+        chunk_size=chunk_size,
+    )
+
+
+def padded_completion_logprobs(
+    model,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """:func:`completion_logprobs` through the model's own forward (padded rows, the logits
+    of the completion positions only): any architecture."""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
     t = completion_ids.shape[1]
@@ -135,18 +174,6 @@ def completion_logprobs(
         position_ids=position_ids_from_mask(attention_mask),
         use_cache=False,
     )
-    if plain_lm_head(model):
-        return packed_completion_logprobs(
-            model,
-            prompt_ids,
-            prompt_mask,
-            completion_ids,
-            completion_mask,
-            temperature=temperature,
-            chunk_size=chunk_size,
-            share_prompts=share_prompts,
-            with_entropy=with_entropy,
-        )
     logits = model(**inputs, logits_to_keep=t + 1).logits[:, :-1, :]
     result = token_logprobs_from_logits(
         logits, completion_ids, temperature, with_entropy=with_entropy

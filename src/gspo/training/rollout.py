@@ -11,8 +11,9 @@ import contextlib
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -54,31 +55,39 @@ class Scorer:
         # (:mod:`gspo.training.async_rollout`) may score at once
         self.lock = threading.Lock()
 
-    def score(self, rows: list[dict[str, Any]], generated: Generated) -> Scored:
-        """The rows' completions decoded and scored (one batch at a time)."""
+    def score(
+        self,
+        rows: list[dict[str, Any]],
+        generated: Generated,
+        penalty: Callable[[list[int]], list[float]] | None = None,
+    ) -> Scored:
+        """The rows' completions decoded and scored (one batch at a time), plus a training
+        rollout's ``penalty`` of each completion's length (logged as ``overlong_penalty``)."""
         with self.lock:
-            return self._score(rows, generated)
-
-    def _score(self, rows: list[dict[str, Any]], generated: Generated) -> Scored:
-        batch = generated.batch
-        group = batch.group_size
-        prompts = [row["prompt"] for row in rows for _ in range(group)]
-        completions = generated.completions
-        if completions is None:
-            texts = self.tokenizer.batch_decode(
-                [
-                    ids[m].tolist()
-                    for ids, m in zip(batch.completion_ids, batch.completion_mask, strict=True)
-                ],
-                skip_special_tokens=True,
-            )
-            completions = [as_completion(t, p) for t, p in zip(texts, prompts, strict=True)]
-        columns = {**column_batch(rows, group), **generated.columns}
-        result = self.rewards(prompts, completions, columns)
-        for episode in generated.episodes:
-            episode.close()
-        rewards = torch.tensor(result.rewards, dtype=torch.float32)
-        return Scored(batch, completions, rewards, result.per_function)
+            batch = generated.batch
+            group = batch.group_size
+            prompts = [row["prompt"] for row in rows for _ in range(group)]
+            completions = generated.completions
+            if completions is None:
+                texts = self.tokenizer.batch_decode(
+                    [
+                        ids[m].tolist()
+                        for ids, m in zip(batch.completion_ids, batch.completion_mask, strict=True)
+                    ],
+                    skip_special_tokens=True,
+                )
+                completions = [as_completion(t, p) for t, p in zip(texts, prompts, strict=True)]
+            columns = {**column_batch(rows, group), **generated.columns}
+            result = self.rewards(prompts, completions, columns)
+            for episode in generated.episodes:
+                episode.close()
+            rewards = torch.tensor(result.rewards, dtype=torch.float32)
+            per_function = result.per_function
+            if penalty is not None:
+                values = penalty(batch.completion_lengths.tolist())
+                rewards = rewards + torch.tensor(values, dtype=torch.float32)
+                per_function["overlong_penalty"] = values
+            return Scored(batch, completions, rewards, per_function)
 
 
 def merge_groups(rounds: list[Scored], groups: list[int]) -> Scored:
@@ -148,6 +157,13 @@ class RolloutStage:
         self.sampling = replace(sampling, logit_noise=config.rollout.logit_noise)
         self.local_prompts = local_prompts  # this rank's share of rollout.prompts_per_batch
         self.loss_mask = LossMask(config.algorithm)
+        # reward.overlong_penalty: training rollouts only (evaluation scores without)
+        self.penalty = None
+        if config.reward.overlong_penalty > 0:
+            self.penalty = partial(
+                overlong_penalty, max_tokens=config.response_limit,
+                buffer=config.overlong_buffer, penalty=config.reward.overlong_penalty,
+            )  # fmt: skip
 
     def generated(self, generator: Generator, picked: list[int], seed: int) -> Generated:
         """``rollout.group_size`` responses (or episodes) for each of the ``picked`` rows."""
@@ -161,19 +177,8 @@ class RolloutStage:
             )
 
     def score(self, picked: list[int], generated: Generated) -> Scored:
-        """The rewards of a training rollout: the reward functions, then the overlong
-        penalty (``reward.overlong_penalty``, training only: evaluation scores without)."""
-        batch = generated.batch
-        scored = self.scorer.score([self.rows[i] for i in picked], generated)
-        cfg = self.config
-        if cfg.reward.overlong_penalty > 0:
-            penalty = overlong_penalty(
-                batch.completion_lengths.tolist(), cfg.response_limit,
-                cfg.overlong_buffer, cfg.reward.overlong_penalty,
-            )  # fmt: skip
-            scored.rewards = scored.rewards + torch.tensor(penalty, dtype=torch.float32)
-            scored.per_function["overlong_penalty"] = penalty
-        return scored
+        """A training rollout's rewards: the rows' reward functions and the overlong penalty."""
+        return self.scorer.score([self.rows[i] for i in picked], generated, self.penalty)
 
     def refill(
         self,
