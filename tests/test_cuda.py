@@ -365,6 +365,42 @@ def test_cuda_graphs_sample_what_the_eager_static_step_samples(
         assert (lp - a.sampler_logprobs).abs()[a.completion_mask].max() < 1e-3
 
 
+def test_cuda_graphs_are_captured_once_and_replayed_by_the_next_generation(
+    tokenizer, tiny_model, monkeypatch
+):
+    """The engine keeps its static step's buffers and graphs: the next generation of the
+    same shapes (the next rollout batch, after an optimizer step moved the weights, other
+    prompts) replays the graphs the first one captured, none captured again, and samples
+    what the eager static step of a fresh engine samples from the moved weights."""
+    import gspo.engines.static_decode as static_decode
+    import gspo.engines.torch_engine as torch_engine
+
+    monkeypatch.setattr(torch_engine, "CHECK_EVERY", 3)
+    monkeypatch.setattr(static_decode, "SPAN_CHUNK", 16)
+    model = tiny_model.to("cuda")
+    eos_likely(model, tokenizer)
+    graphs = graph_engines(model, tokenizer, monkeypatch)[0]
+    params = SamplingParams(max_new_tokens=40, temperature=0.9)
+    graphs.generate(encode(tokenizer), n=8, params=params, seed=0)
+    run = graphs.static
+    first = dict(run.captured)
+    assert len(first) >= 2, first.keys()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    prompts = [tokenizer(t)["input_ids"] for t in ("9+9=", "40+2=", "1=")]
+    a = graphs.generate(prompts, n=8, params=params, seed=1)
+    assert graphs.static is run
+    assert all(run.captured[shape] is graph for shape, graph in first.items())  # kept
+    fresh = TorchEngine(model, pad_token_id=tokenizer.pad_token_id,
+                        eos_token_id=tokenizer.eos_token_id, cuda_graphs=True)  # fmt: skip
+    with monkeypatch.context() as m:
+        m.setattr(static_decode.StaticDecoder, "capture", False)
+        b = fresh.generate(prompts, n=8, params=params, seed=1)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert (a.sampler_logprobs - b.sampler_logprobs).abs().max() < 1e-5
+
+
 def test_cuda_graphs_in_bf16_stay_near_a_bf16_recompute(tokenizer, tiny_model, monkeypatch):
     """Under bf16 autocast (how the trainer samples on CUDA) the captured step's log-probs
     are the trainer's to bf16 rounding, as the per-step loop's are; same tokens as the

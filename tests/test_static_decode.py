@@ -4,6 +4,8 @@ the trainer's forward. The captured CUDA graphs are checked in tests/test_cuda.p
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import gspo.engines.static_decode as static_decode
 import gspo.engines.torch_engine as torch_engine
@@ -185,3 +187,98 @@ def test_rollout_cuda_graphs_reaches_the_run_s_engine(tmp_path, ones_reward, mon
     experience = trainer.rollout_stage.experience(0)
     assert spy.shapes  # sampled by the static step
     assert experience.metrics["mismatch/token_abs_max"] < 1e-5
+
+
+#: prompts of other lengths than TEXTS, as many: the same rows and (in whole span
+#: chunks) the same capacity
+OTHER_TEXTS = ("9+9=", "40+2=", "1=", "31+11=")
+
+
+class Reads(TorchDispatchMode):
+    """The storages a step's ops read that no earlier op of the step made: what a CUDA
+    graph captured from the step holds the addresses of."""
+
+    def __init__(self):
+        super().__init__()
+        self.read: set[int] = set()
+        self.made: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in tree_leaves((args, kwargs or {})):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.made:
+                self.read.add(t.untyped_storage().data_ptr())
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.made.add(t.untyped_storage().data_ptr())
+        return out
+
+
+def step_reads(monkeypatch) -> dict[tuple[int, int], set[int]]:
+    """Per (batch, span) shape, every storage the static step read from outside itself."""
+    reads: dict[tuple[int, int], set[int]] = {}
+    step = StaticDecoder.step
+
+    def recorded(decoder, batch, span):
+        with Reads() as mode:
+            step(decoder, batch, span)
+        reads.setdefault((batch, span), set()).update(mode.read)
+
+    monkeypatch.setattr(StaticDecoder, "step", recorded)
+    return reads
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "lora", "lora_bfloat16"])
+def test_the_next_generation_reuses_the_static_step_s_buffers_and_weights_in_place(
+    tokenizer, tiny_model, monkeypatch, kind
+):
+    """rollout.cuda_graphs captures the static step once per shape for the whole run: the
+    engine keeps its buffers, and at the next generation of the same shapes (the next
+    rollout batch, after an optimizer step moved the weights) writes the new weights and
+    prompts into them in place. Checked on the CPU as a captured graph would see it: the
+    steps of the second generation read exactly the storages the first one's read (a
+    graph replays on those addresses), and sample what a fresh engine samples from the
+    moved weights; the first batch handed out stays as it was. Other shapes start anew."""
+    from contextlib import nullcontext
+
+    from test_rollout import lora_model
+
+    monkeypatch.setattr(torch_engine, "CHECK_EVERY", 3)
+    monkeypatch.setattr(static_decode, "SPAN_CHUNK", 16)
+    eos_likely(tiny_model, tokenizer)
+    model = lora_model(tiny_model, "all-linear") if "lora" in kind else tiny_model
+    dtype = nullcontext()
+    if "bfloat16" in kind:  # LoRA: adapters beside the bf16 matrices
+        dtype = torch.autocast("cpu", dtype=torch.bfloat16)
+    params = SamplingParams(40, temperature=0.9)
+    engine = TorchEngine(model, **ids(tokenizer), cuda_graphs=True)
+    reads = step_reads(monkeypatch)
+    with dtype:
+        first = engine.generate(encode(tokenizer), n=4, params=params, seed=1)
+    run, handed_out = engine.static, first.completion_ids.clone()
+    before = {shape: set(r) for shape, r in reads.items()}
+    reads.clear()
+    with torch.no_grad():  # an optimizer step: the weights move in place
+        gen = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.02)
+    prompts = encode(tokenizer, OTHER_TEXTS)
+    with dtype:
+        second = engine.generate(prompts, n=4, params=params, seed=2)
+    after = {shape: set(r) for shape, r in reads.items()}
+    with dtype:
+        fresh = TorchEngine(model, **ids(tokenizer), cuda_graphs=True).generate(
+            prompts, n=4, params=params, seed=2
+        )
+    assert engine.static is run  # the same buffers (and graphs, on CUDA)
+    common = set(before) & set(after)
+    assert len(common) >= 3, (before.keys(), after.keys())  # several buckets and spans
+    for shape in common:
+        assert after[shape] == before[shape], shape
+    assert torch.equal(second.completion_ids, fresh.completion_ids)
+    assert torch.equal(second.sampler_logprobs, fresh.sampler_logprobs)
+    assert not torch.equal(second.completion_ids[:, :8], first.completion_ids[:, :8])
+    assert torch.equal(first.completion_ids, handed_out)
+    with dtype:  # other shapes (rows): new buffers
+        engine.generate(prompts, n=2, params=params, seed=3)
+    assert engine.static is not run

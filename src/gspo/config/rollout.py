@@ -73,7 +73,8 @@ class RolloutConfig(Section):
         description="Torch engine, fast decoder (Llama/Qwen families): decode with a "
         "static-shape step (fixed buffers, no host value changing between steps, "
         "finished rows read every 8 steps) captured as one CUDA graph per batch-size "
-        "bucket; auto = on CUDA for dense models (not MoE), off elsewhere; true = the "
+        "bucket, kept with its buffers (the KV cache) for the next rollout batch; "
+        "auto = on CUDA for dense models (not MoE), off elsewhere; true = the "
         "static step wherever the fast decoder runs (captured on CUDA, eager on the CPU, "
         "where it only serves tests); false = the per-step Python loop. Off by default "
         "until the captured step has been run and timed on a GPU",

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -202,6 +203,12 @@ class KVDecoder:
         self.final_norm = decoder.norm.weight
         self.head = head_weight(model)  # supports(): always a plain head
         self.rotary = decoder.rotary_emb
+        # the KV buffers at full size, ([keys], [values]), once prefilled (see prefill)
+        self.buffers: tuple[list[Tensor], list[Tensor]] | None = None
+        self.transposed = False
+        self.cos: Tensor | None = None
+        self.sin: Tensor | None = None
+        self.no_bias = torch.zeros((1, 1, 1), dtype=dtype, device=self.embed.device)
         # adapters merged into the matrices (float32), or kept beside them (16-bit)
         self.low_rank = dtype != torch.float32 and any(_is_lora(m) for m in decoder.modules())
         weight = _base_weight if self.low_rank else _weight
@@ -298,34 +305,60 @@ class KVDecoder:
         u, p = ids.shape
         rows = u * n
         each = torch.arange(u, device=ids.device).repeat_interleave(n)
-        # for "products" keys are kept transposed, [rows, kv heads, head_dim, columns]:
-        # the score product q @ k^T then reads a row-major operand
-        attention = self.attention or ("products" if self.dtype == torch.float32 else "sdpa")
-        self.transposed = attention == "products"
-        self.keys, self.values = [], []
-        for layer in cache.layers:
-            shape = (rows, self.kv_heads, capacity, self.head_dim)
-            keys = layer.keys.new_empty(shape, dtype=self.dtype)
-            values = layer.values.new_empty(shape, dtype=self.dtype)
-            if self.transposed:
-                keys = keys.transpose(-1, -2).contiguous()
+        transposed = self.keys_transposed
+        shape = (rows, self.kv_heads, capacity, self.head_dim)
+        # prefilled again at the same shape, a decoder keeps its buffers and their addresses
+        # (what a captured CUDA graph reads: gspo.engines.static_decode)
+        same = self.buffers is not None and self.buffers[1][0].shape == shape
+        if not (same and self.transposed == transposed):
+            key_shape = (*shape[:2], shape[3], shape[2]) if transposed else shape
+            new = partial(torch.empty, dtype=self.dtype, device=ids.device)
+            self.buffers = (
+                [new(key_shape) for _ in cache.layers],
+                [new(shape) for _ in cache.layers],
+            )
+            self.cos = self.sin = None
+        self.transposed = transposed
+        self.keys, self.values = list(self.buffers[0]), list(self.buffers[1])
+        for layer, keys, values in zip(cache.layers, self.keys, self.values, strict=True):
+            if transposed:
                 keys[..., :p] = layer.keys[each].transpose(-1, -2)
             else:
                 keys[:, :, :p] = layer.keys[each]
             values[:, :, :p] = layer.values[each]
-            self.keys.append(keys)
-            self.values.append(values)
         self.length = p
         self.bias = None  # additive attention mask [rows, 1, capacity]: -inf on padding
         if not bool(mask.bool().all()):
             self.bias = torch.zeros((rows, 1, capacity), dtype=self.dtype, device=ids.device)
             self.bias[:, 0, :p].masked_fill_(~mask.bool()[each], float("-inf"))
-        self.no_bias = torch.zeros((1, 1, 1), dtype=self.dtype, device=ids.device)
         # cos/sin of every position a row can reach, looked up per step
         positions = torch.arange(capacity, device=ids.device).unsqueeze(0)
         cos, sin = self.rotary(self.embed.new_zeros(()), positions)
-        self.cos, self.sin = cos[0], sin[0]
+        if self.cos is None:
+            self.cos, self.sin = cos[0], sin[0]
+        else:
+            self.cos.copy_(cos[0])
+            self.sin.copy_(sin[0])
         return logits[each]
+
+    @property
+    def keys_transposed(self) -> bool:
+        """Whether the key buffers are ``[rows, kv heads, head_dim, columns]`` (for
+        ``"products"``: the score product q @ k^T then reads a row-major operand)."""
+        attention = self.attention or ("products" if self.dtype == torch.float32 else "sdpa")
+        return attention == "products"
+
+    def tensors(self) -> list[Tensor | None]:
+        """Every weight the step reads (the matrices as cast or merged for this decoder),
+        in a fixed order: two decoders of one model list the same shapes in the same
+        places."""
+        out: list[Tensor | None] = [self.embed, self.final_norm, self.head]
+        for layer in self.layers:
+            out += [layer.input_norm, layer.qkv, layer.qkv_bias, layer.qk_norm, layer.o]
+            out += [layer.post_norm, *(layer.mlp_weights or (None,) * 3)]
+            for pair in (layer.qkv_lora, layer.o_lora, *(layer.mlp_lora or (None,) * 3)):
+                out += list(pair or (None, None))
+        return out
 
     def step(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """Tokens ``[R]`` at positions ``[R]`` -> next-token logits ``[R, V]``."""

@@ -22,7 +22,10 @@ one step of fixed shapes whose every changing value lives on the device:
 So one step is a fixed sequence of kernels on fixed addresses: on CUDA it is captured
 once per (bucket, span) as a ``torch.cuda.CUDAGraph`` after :data:`WARMUP_STEPS` real
 steps on a side stream, and replayed; elsewhere (the CPU: what the tests check) it runs
-eagerly. Which rows finished is read on the host every ``check_every`` steps only; when
+eagerly. The buffers and graphs outlive the generation: the engine keeps them, and a
+next generation of the same shapes takes the new weights and prompts into them in place
+(:meth:`StaticDecoder.reuse`, :meth:`StaticDecoder.start`) and replays the same graphs.
+Which rows finished is read on the host every ``check_every`` steps only; when
 the live rows fit a smaller bucket (powers of two below the batch), the KV buffers are
 compacted into it (:meth:`KVDecoder.select`, only moved rows copied), finished rows
 filling the bucket's spare slots as rows computed and ignored.
@@ -38,7 +41,7 @@ from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from gspo.engines.batch import SamplingParams
 from gspo.engines.decoding import _MLP_PROJECTIONS, _MLPS, KVDecoder, _weight
@@ -103,48 +106,94 @@ class StaticDecoder:
         if graphs and (positions.device.type != "cuda" or not capturable(decoder)):
             raise ValueError("CUDA graphs need a CUDA device and dense MLPs")
         self.decoder, self.params, self.graphs = decoder, params, graphs
-        self.pad = pad_token_id
+        self.pad, self.vocab = pad_token_id, vocab
         device = positions.device
         rows, steps = positions.shape[0], params.max_new_tokens
         self.rows, self.steps = rows, steps
         self.capacity = capacity = decoder.values[0].shape[2]
-        self.prompt_width = p = decoder.length
-        # columns past the prompt hold zeros, not what new_empty left (0 * NaN is NaN)
-        for keys, values in zip(decoder.keys, decoder.values, strict=True):
-            (keys[..., p:] if decoder.transposed else keys[:, :, p:]).zero_()
-            values[:, :, p:].zero_()
         # the padding mask, held here (permuted in place, so its address stays)
         self.pad_bias = torch.zeros((rows, 1, capacity), dtype=decoder.dtype, device=device)
-        if decoder.bias is not None:
-            self.pad_bias.copy_(decoder.bias)
-            decoder.bias = None
         self.columns = torch.arange(capacity, device=device)
         # dense MLPs from matrices in the compute dtype (cast once, not at every step)
-        self.mlps = [
-            layer.mlp_weights or _dense_mlp(layer.mlp, decoder.dtype) for layer in decoder.layers
-        ]
+        self.mlps = dense_mlps(decoder)
         # what changes from step to step, on the device
-        self.col = torch.full((1,), p, dtype=torch.long, device=device)
+        self.col = torch.zeros(1, dtype=torch.long, device=device)
         self.k = torch.zeros(1, dtype=torch.long, device=device)
-        self.tokens = torch.full((rows,), pad_token_id, dtype=torch.long, device=device)
-        self.positions = positions.clone()
-        self.alive = torch.ones(rows, dtype=torch.bool, device=device)
-        self.active = torch.arange(rows, device=device)  # original row of each batch row
-        self.stop = stop
+        self.tokens = torch.empty(rows, dtype=torch.long, device=device)
+        self.positions = torch.empty_like(positions)
+        self.alive = torch.empty(rows, dtype=torch.bool, device=device)
+        self.active = torch.empty(rows, dtype=torch.long, device=device)  # original row of each
+        self.stop = stop.clone()
         self.draws = torch.empty(rows, device=device)
         self.noise = None
         if params.logit_noise > 0:
             self.noise = torch.empty((rows, vocab), device=device)
         # the results, in original row order
-        self.tokens_out = torch.full((rows, steps), pad_token_id, dtype=torch.long, device=device)
-        self.logprobs_out = torch.zeros((rows, steps), dtype=torch.float32, device=device)
-        self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
+        self.tokens_out = torch.empty((rows, steps), dtype=torch.long, device=device)
+        self.logprobs_out = torch.empty((rows, steps), dtype=torch.float32, device=device)
+        self.lengths = torch.empty(rows, dtype=torch.long, device=device)
+        self.start(positions)
         self.captured: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.warmed: dict[tuple[int, int], int] = defaultdict(int)
-        # one memory pool for every graph: safe, as a graph is never replayed once a later
-        # one is captured (the batch only shrinks, the span only grows)
+        # one memory pool for every graph: safe, as the graphs never run at once and none
+        # reads what another left in the pool (every value a step hands on lives in the
+        # buffers above), so they may replay in any order, generation after generation
         self.pool = torch.cuda.graph_pool_handle() if graphs else None
         self.side = torch.cuda.Stream(device=device) if graphs else None
+
+    def start(self, positions: Tensor) -> None:
+        """Set every buffer for a generation from the decoder's prefill (in place: the
+        captured graphs read these addresses)."""
+        d, p = self.decoder, self.decoder.length
+        self.prompt_width = p
+        # columns past the prompt hold zeros, not what an earlier generation or
+        # torch.empty left there (masked, but 0 * NaN is NaN)
+        for keys, values in zip(d.keys, d.values, strict=True):
+            (keys[..., p:] if d.transposed else keys[:, :, p:]).zero_()
+            values[:, :, p:].zero_()
+        self.pad_bias.zero_()
+        if d.bias is not None:
+            self.pad_bias.copy_(d.bias)
+            d.bias = None
+        self.col.fill_(p)
+        self.k.zero_()
+        self.tokens.fill_(self.pad)
+        self.positions.copy_(positions)
+        self.alive.fill_(True)
+        torch.arange(self.rows, out=self.active)
+        self.tokens_out.fill_(self.pad)
+        self.logprobs_out.zero_()
+        self.lengths.zero_()
+
+    def reuse(
+        self,
+        decoder: KVDecoder,
+        *,
+        rows: int,
+        capacity: int,
+        params: SamplingParams,
+        stop: Tensor,
+        vocab: int,
+        graphs: bool,
+    ) -> bool:
+        """Whether the next generation (``decoder``, freshly built from the same model after
+        its weights moved, and its shapes and settings) can run on these buffers and graphs.
+        If so its weights are copied into this generation's decoder and MLPs in place, and
+        the caller prefills ``self.decoder``, then calls :meth:`start`; if not, the caller
+        builds a new one (these buffers may hold some of the new weights by then)."""
+        mine = self.decoder
+        if not (
+            decoder.model is mine.model
+            and (rows, capacity, vocab, graphs)
+            == (self.rows, self.capacity, self.vocab, self.graphs)
+            and params == self.params
+            and torch.equal(stop, self.stop)
+            and (decoder.dtype, decoder.low_rank) == (mine.dtype, mine.low_rank)
+            and decoder.keys_transposed == mine.transposed
+        ):
+            return False
+        mlps = (_flat(self.mlps), _flat(dense_mlps(decoder)))
+        return copy_in_place(*mlps) and copy_in_place(mine.tensors(), decoder.tensors())
 
     # ------------------------------------------------------------------ the host loop
     def run(
@@ -275,6 +324,34 @@ class StaticDecoder:
             h = d.after_attention(layer, h, out.reshape(rows, heads * dim), self.mlps[i])
         h = F.rms_norm(h, (h.shape[-1],), d.final_norm, d.eps)
         return head_logits(h, d.head, d.linear)
+
+
+def copy_in_place(mine: list[Tensor | None], theirs: list[Tensor | None]) -> bool:
+    """Copy each of ``theirs`` into the tensor at the same place of ``mine`` (skipped where
+    both are one tensor). False, and nothing copied, when the two lists differ in layout
+    (a None against a tensor, another shape) or when a tensor of ``mine`` is a parameter
+    that ``theirs`` no longer holds: a module's weight would be overwritten."""
+    pairs = list(zip(mine, theirs, strict=True))
+    for a, b in pairs:
+        if a is None or b is None:
+            if a is not b:
+                return False
+        elif a.shape != b.shape or (isinstance(a, nn.Parameter) and a.data_ptr() != b.data_ptr()):
+            return False
+    for a, b in pairs:
+        if a is not None and b is not None and a.data_ptr() != b.data_ptr():
+            a.copy_(b)
+    return True
+
+
+def dense_mlps(decoder: KVDecoder) -> list[tuple[Tensor, Tensor, Tensor] | None]:
+    """Each layer's dense MLP matrices in the compute dtype (a LoRA MLP's merged ones); None
+    for an MoE block."""
+    return [layer.mlp_weights or _dense_mlp(layer.mlp, decoder.dtype) for layer in decoder.layers]
+
+
+def _flat(mlps: list[tuple[Tensor, Tensor, Tensor] | None]) -> list[Tensor | None]:
+    return [t for mlp in mlps for t in (mlp or (None, None, None))]
 
 
 def _dense_mlp(mlp: torch.nn.Module, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor] | None:

@@ -11,6 +11,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from gspo.engines import static_decode
 from gspo.engines.batch import RolloutBatch, SamplingParams, pad_batch
 from gspo.engines.decoding import KVDecoder, ModelDecoder, make_decoder
 from gspo.engines.sampling import sample_next
@@ -24,6 +25,11 @@ DROP_FRACTION = 0.0
 #: Which rows have finished is read on the host every this many steps (a device sync on
 #: a GPU); between reads, finished rows are computed and their tokens ignored.
 CHECK_EVERY = 8
+
+
+def vocab(model: torch.nn.Module) -> int:
+    """The size of ``model``'s output head (the logits' last dimension)."""
+    return model.get_output_embeddings().weight.shape[0]
 
 
 class TorchEngine:
@@ -59,6 +65,9 @@ class TorchEngine:
         self.eos_token_id = eos_token_id
         self.fast = fast
         self.cuda_graphs = cuda_graphs
+        #: the static step's buffers and graphs, kept for the next generation of the same
+        #: shapes (a training run's rollout batches): its graphs are captured once
+        self.static: StaticDecoder | None = None
 
     def static_step(self, decoder: KVDecoder | ModelDecoder, device: torch.device) -> str | None:
         """How this call decodes: ``"graphs"`` (the static step captured), ``"eager"`` (the
@@ -70,6 +79,8 @@ class TorchEngine:
         return "eager" if self.cuda_graphs is True else None
 
     def sync_weights(self, model: torch.nn.Module) -> None:
+        if model is not self.model:
+            self.static = None  # buffers and graphs over another module's weights
         self.model = model  # same module object: nothing to copy
 
     @torch.no_grad()
@@ -91,25 +102,41 @@ class TorchEngine:
         stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
 
         decoder = make_decoder(model) if self.fast else ModelDecoder(model)
-        logits = decoder.prefill(unique_ids, unique_mask, n, unique_ids.shape[1] + steps)
         positions = prompt_mask.sum(-1)  # of the token each row feeds next
         static = self.static_step(decoder, device)
         if static is None:
+            logits = decoder.prefill(unique_ids, unique_mask, n, unique_ids.shape[1] + steps)
             tokens_out, logprobs_out, lengths = self.decode(
                 decoder, logits, positions, params, generator, stop
             )
         else:
-            run = StaticDecoder(
-                decoder,
-                positions=positions,
-                params=params,
-                stop=stop,
-                pad_token_id=self.pad_token_id,
-                vocab=logits.shape[-1],
-                graphs=static == "graphs",
-            )
+            assert isinstance(decoder, KVDecoder)
+            # whole span chunks: a slightly longer or shorter prompt keeps the shapes
+            chunk = static_decode.SPAN_CHUNK
+            capacity = -(-(unique_ids.shape[1] + steps) // chunk) * chunk
+            shapes = dict(rows=rows, capacity=capacity, params=params, stop=stop)
+            graphs = static == "graphs"
+            run = self.static
+            if run is not None and run.reuse(decoder, **shapes, vocab=vocab(model), graphs=graphs):
+                logits = run.decoder.prefill(unique_ids, unique_mask, n, capacity)
+                run.start(positions)
+            else:
+                self.static = None  # its memory back before the new buffers are allocated
+                logits = decoder.prefill(unique_ids, unique_mask, n, capacity)
+                run = self.static = StaticDecoder(
+                    decoder,
+                    positions=positions,
+                    params=params,
+                    stop=stop,
+                    pad_token_id=self.pad_token_id,
+                    vocab=logits.shape[-1],
+                    graphs=graphs,
+                )
             run.run(logits, generator, check_every=CHECK_EVERY, drop_fraction=DROP_FRACTION)
-            tokens_out, logprobs_out, lengths = run.tokens_out, run.logprobs_out, run.lengths
+            # the next generation writes into the same buffers: the tokens handed out are
+            # a copy (the log-probs are, once masked below)
+            tokens_out, logprobs_out = run.tokens_out.clone(), run.logprobs_out
+            lengths = run.lengths
 
         t = int(lengths.max()) if rows else 0
         completion_mask = torch.arange(t, device=device).unsqueeze(0) < lengths.unsqueeze(1)
