@@ -124,6 +124,8 @@ def test_smoke_runs_every_stage_on_the_cpu_and_writes_the_report(tmp_path):
         assert decode["figures"][f"{way}: tokens/s"] > 0
         assert 0 < decode["figures"][f"{way}: fraction of the floor"] < 1
     assert decode["figures"]["floor ms per step"] > 0
+    first, then = decode["figures"]["graphs: first generation s (captures) / next s"].split(" / ")
+    assert float(first) > 0 and float(then) > 0
     train = stages["gspo train"]
     assert train["status"] == "passed" and train["figures"]["RL steps"] == 4
     assert train["figures"]["generation s (all rollout batches)"] > 0
