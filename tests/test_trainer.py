@@ -289,7 +289,7 @@ def test_step_0_names_an_unchanged_model_and_everything_still_reads_it(
     assert main(["train", "--output-dir", str(tmp_path / "full"), *common]) == 0
     # step 0 holds no weights: it names the input model
     step0 = tmp_path / "full" / "checkpoints" / "step-0000000"
-    held = ["model_dir.txt", "model_fingerprint.json", "trainer_state.pt"]
+    held = ["manifest.json", "model_dir.txt", "model_fingerprint.json", "trainer_state.pt"]
     assert sorted(p.name for p in step0.iterdir()) == held
     assert (step0 / "model_dir.txt").read_text().strip() == str(mine.resolve())
     lines = train_lines(run_metrics(tmp_path / "full"))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from gspo.publish import staged
+from gspo.publish import check_manifest, staged
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -145,11 +145,19 @@ def model_files(path: str | Path) -> Path:
     return named
 
 
+def is_model_file(name: str) -> bool:
+    """Whether the file ``name`` (relative to a checkpoint) is one the HF loaders read: the
+    checkpoint's top level, less the ``.pt`` files of ``torch.save`` (trainer state)."""
+    return "/" not in name and not name.endswith(".pt")
+
+
 def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype):
     """Load a local HF causal-LM directory (AutoModelForCausalLM + AutoTokenizer), or the
     one a checkpoint's :data:`MODEL_POINTER` names.
 
-    Raises ``FileNotFoundError``/``ValueError`` with a one-line message naming the path.
+    Raises ``FileNotFoundError``/``ValueError`` with a one-line message naming the path;
+    a checkpoint's model file whose bytes are not those written (its ``manifest.json``)
+    is a :class:`gspo.publish.DamagedFile` naming it.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -166,6 +174,7 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype):
             )
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model.path: {path} has no config.json (not a HF model dir)")
+    check_manifest(path, is_model_file)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)

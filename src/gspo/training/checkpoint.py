@@ -4,6 +4,10 @@
 (``load_model`` and serving read it; rank 0 writes it from the gathered weights),
 ``sharded/`` (model and optimizer state by ``torch.distributed.checkpoint``, each rank
 its shards; loadable by any number of ranks) and ``trainer_state.pt`` (step, scheduler).
+``manifest.json`` records every file's size and CRC-32 (:func:`gspo.publish.
+write_manifest`, in the writer's thread): whoever reads a checkpoint checks the files it
+reads first (:func:`gspo.models.load_model` the model's, :func:`load_checkpoint` the rest),
+so bytes changed after writing are one line naming the file.
 ``checkpoints/latest`` names the newest. Step 0 is the cold-start model; when no cold
 start changed the model it holds no weights, only ``model_dir.txt`` naming the input model
 (``model.path`` or the built-in ``base_model``: :func:`gspo.models.model_files`), which
@@ -47,8 +51,14 @@ from gspo.distributed import (
     sharded_state,
     write_sharded,
 )
-from gspo.models import MODEL_FINGERPRINT, MODEL_POINTER, model_fingerprint, save_pretrained
-from gspo.publish import WRITTEN, staged
+from gspo.models import (
+    MODEL_FINGERPRINT,
+    MODEL_POINTER,
+    is_model_file,
+    model_fingerprint,
+    save_pretrained,
+)
+from gspo.publish import WRITTEN, check_manifest, manifest_changes, staged, write_manifest
 from gspo.training.lora import optimizer_state_bytes
 from gspo.training.policy import Policy
 
@@ -82,15 +92,16 @@ def checkpoint_bytes(policy: Policy, optimizer: torch.optim.Optimizer, dist: Dis
 
 def checkpoint_problem(path: Path) -> str | None:
     """Why a run cannot resume from the checkpoint ``path``, or None when it is whole: its
-    trainer state, and its shards (:func:`gspo.distributed.sharded_problem`) unless it
-    names its model. Reads no tensors."""
+    trainer state, its shards (:func:`gspo.distributed.sharded_problem`) unless it names
+    its model, and every file at the size its manifest records. Reads no tensors (the
+    bytes themselves are checked as they are loaded)."""
     if not path.is_dir():
         return "missing"
     if not (path / TRAINER_STATE).is_file():
         return f"incomplete ({TRAINER_STATE} is missing)"
-    if (path / MODEL_POINTER).is_file():
-        return None
-    problem = sharded_problem(path / SHARDED)
+    problem = None if (path / MODEL_POINTER).is_file() else sharded_problem(path / SHARDED)
+    if problem is None:
+        problem = next((f"{n} {w}" for n, w in manifest_changes(path, contents=False)), None)
     return None if problem is None else f"incomplete ({problem})"
 
 
@@ -270,6 +281,7 @@ def write_checkpoint(state: CheckpointState, dist: Distributed) -> tuple[int, fl
                 (tmp / MODEL_FINGERPRINT).write_text(json.dumps(state.fingerprint) + "\n")
             for name, obj in state.files.items():
                 torch.save(obj, tmp / name)
+            write_manifest(tmp)  # (last: every rank's shards are written, dcp.save waits)
     return WRITTEN.bytes - before, time.perf_counter() - start
 
 
@@ -420,7 +432,10 @@ def load_checkpoint(
 
     A checkpoint naming its model (``model_dir.txt``) has nothing to restore but the
     scheduler: the policy was loaded from that model, and the optimizer had not stepped.
+    Its files are checked against its manifest first (the HF model's were, when it was
+    loaded): a damaged one is a one-line :class:`gspo.publish.DamagedFile`.
     """
+    check_manifest(path, lambda name: not is_model_file(name))
     if not (path / MODEL_POINTER).is_file():
         load_sharded(path / SHARDED, policy.forward, optimizer, trainable_only=policy.adapters)
     if policy.adapters:
