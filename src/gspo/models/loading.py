@@ -157,9 +157,13 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype):
 
     Raises ``FileNotFoundError``/``ValueError`` with a one-line message naming the path;
     a checkpoint's model file whose bytes are not those written (its ``manifest.json``)
-    is a :class:`gspo.publish.DamagedFile` naming it.
+    is a :class:`gspo.publish.DamagedFile` naming it; running out of memory (reading it,
+    moving it to ``device``) an :class:`gspo.training.memory.OutOfMemory` naming the path,
+    the dtype, the device and what lowers it.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gspo.training.memory import OutOfMemory, loading_model
 
     quiet_transformers()
     path = Path(path)
@@ -177,13 +181,17 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype):
     check_manifest(path, is_model_file)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        with loading_model(path, dtype=dtype, device=device):
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError, KeyError) as exc:
+        if isinstance(exc, OutOfMemory):
+            raise
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"model.path: cannot load {path}: {first_line}") from exc
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    model.to(device)
+    with loading_model(path, dtype=dtype, device=device):
+        model.to(device)
     model.config.use_cache = True
     return model, tokenizer
