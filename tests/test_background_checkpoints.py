@@ -4,6 +4,7 @@ run and the same files as written at once, a snapshot of the step, errors in one
 from __future__ import annotations
 
 import errno
+import json
 import re
 import threading
 import time
@@ -16,6 +17,7 @@ from test_trainer import FAST
 import gspo.training.checkpoint as ckpt
 from gspo.cli import main
 from gspo.config import load_config
+from gspo.publish import MANIFEST, check_manifest
 from gspo.telemetry import read_metrics
 from gspo.trainer import Trainer
 
@@ -97,7 +99,15 @@ def test_background_checkpoints_give_the_same_run_and_the_same_files(
         weights = "adapter_model.safetensors" if lora else "model.safetensors"
         assert "sharded/__0_0.distcp" in got and weights in got
         for path in want:  # (the shards' metadata name the temporary directory, an id)
-            assert untokened(got[path]) == untokened(want[path]), (name, path)
+            if path == MANIFEST:  # (and so its CRC-32 differs)
+                got_crcs, want_crcs = (json.loads(f[path])["crc32"] for f in (got, want))
+                assert sorted(got_crcs) == sorted(set(want) - {MANIFEST}) == sorted(want_crcs)
+                got_crcs.pop("sharded/.metadata"), want_crcs.pop("sharded/.metadata")
+                assert got_crcs == want_crcs, name
+            else:
+                assert untokened(got[path]) == untokened(want[path]), (name, path)
+        for s in ("true", "false"):  # every file's bytes are the ones its manifest records
+            check_manifest(runs[s] / "checkpoints" / name)
     latest = (runs["true"] / "checkpoints" / "latest").read_text().strip()
     assert latest == "step-0000006"
 

@@ -206,3 +206,50 @@ def test_a_full_disk_says_the_directory_and_the_space_in_one_line(
     monkeypatch.undo()
     assert main(["train", "--resume", str(run)]) == 0
     assert (run / "checkpoints" / "latest").read_text().strip() == full
+
+
+def test_a_checkpoint_damaged_after_it_was_written_is_one_line_naming_the_file(
+    tmp_path, capsys, varied_reward
+):
+    from gspo.trainer import latest_checkpoint
+
+    run = tmp_path / "run"
+    common = [*FAST, varied_reward, "model.device=cpu", "train.cold_start_steps=0",
+              "algorithm.minibatches=2", "train.max_steps=2", "train.save_every=2",
+              "eval.every=0"]  # fmt: skip
+    assert main(["train", "--output-dir", str(run), *common]) == 0
+    checkpoint = latest_checkpoint(run)
+    assert checkpoint.name == "step-0000002"
+    out = tmp_path / "out"
+
+    def says_damaged(args: list[str], file: Path, wrong: str) -> None:
+        capsys.readouterr()
+        assert main(args) == 2, (args, file)
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "Traceback" not in err, err
+        assert err.startswith(f"gspo: error: {file} {wrong}") and "damaged" in err, err
+
+    resume = ["train", "--resume", str(run), "train.max_steps=4"]
+    for name in ("model.safetensors", "sharded/__0_0.distcp", "trainer_state.pt"):
+        file = checkpoint / name
+        written = file.read_bytes()
+        flipped = bytearray(written)
+        flipped[len(written) // 2] ^= 0xFF  # one byte, the size kept: a disk fault
+        file.write_bytes(bytes(flipped))
+        assert latest_checkpoint(run) == checkpoint  # (it looks whole)
+        says_damaged(resume, file, "holds other bytes (CRC-32 ")
+        if name == "model.safetensors":
+            says_damaged(["export", str(run), "--merge", str(out)], file, "holds other bytes")
+        file.write_bytes(written[: len(written) // 2])  # a partial copy
+        cut = f"is cut short ({len(written) // 2:,} bytes, written as {len(written):,})"
+        if name == "model.safetensors":  # (export reads the model's files only)
+            says_damaged(["export", str(checkpoint), "--merge", str(out)], file, cut)
+        capsys.readouterr()  # the run's own latest: the checkpoint before, said in one line
+        assert latest_checkpoint(run).name == "step-0000000"
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and f"which is incomplete ({name} " in err, err
+        file.write_bytes(written)
+    assert not out.exists()
+    # untouched (the bytes put back), it resumes
+    assert main(resume) == 0
+    assert latest_checkpoint(run).name == "step-0000004"

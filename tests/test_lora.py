@@ -153,6 +153,14 @@ def test_lora_checkpoint_is_peft_format_and_export_merges(tmp_path, varied_rewar
         assert err.startswith("gspo: error: export: --merge") and "\n" not in err, err
     assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
     assert (checkpoint / "adapter_config.json").is_file()
+    # the adapter's bytes changed after writing (a disk fault): one line naming the file
+    adapter = checkpoint / "adapter_model.safetensors"
+    flipped = bytearray(adapter.read_bytes())
+    flipped[len(flipped) // 2] ^= 0xFF
+    adapter.write_bytes(bytes(flipped))
+    assert main(["export", str(checkpoint), "--merge", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"gspo: error: {adapter} holds other bytes (CRC-32 ") and "\n" not in err
 
 
 def test_export_without_merge_names_a_full_checkpoint_or_asks_for_out(tmp_path, capsys):

@@ -1,5 +1,6 @@
 """A CUDA out-of-memory error in any stage of a run ends ``gspo train`` with one line that
-names the stage and the settings to lower (src/gspo/training/memory.py).
+names the stage and the settings to lower (src/gspo/training/memory.py); so does running
+out (on CUDA or the CPU) while loading the model, naming it, its dtype and device.
 
 No CUDA needed: each test raises the error torch raises on CUDA (``torch.OutOfMemoryError``,
 with torch's multi-line message) from inside one stage of a CPU run."""
@@ -91,5 +92,92 @@ def test_other_runtime_errors_are_not_taken_for_oom(tmp_path, monkeypatch):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr(gspo.training.update.PolicyUpdate, "apply", broken)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        main(["train", "--output-dir", str(tmp_path / "run"), *RUN])
+
+
+#: what torch's CPU allocator says (a RuntimeError, not torch.OutOfMemoryError)
+CPU_SAYS = (
+    "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+    "memory: you tried to allocate 274877906944 bytes. Error code 12 (Cannot allocate memory)"
+)
+
+
+def raises(error: BaseException):
+    def fail(*args, **kwargs):
+        raise error
+
+    return fail
+
+
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [
+        (torch.OutOfMemoryError(TORCH_SAYS), "CUDA out of memory (tried to allocate 2.00 GiB)"),
+        (RuntimeError(CPU_SAYS), "out of CPU memory (tried to allocate 256.00 GiB)"),
+        (MemoryError(), "out of CPU memory"),
+    ],
+    ids=["cuda", "cpu-allocator", "MemoryError"],
+)
+def test_oom_loading_the_model_names_it_its_dtype_device_and_what_lowers_it(
+    tmp_path, capsys, monkeypatch, tiny_model, tokenizer, error, said
+):
+    from transformers import AutoModelForCausalLM
+
+    from gspo.models import save_pretrained_atomic
+
+    mine = tmp_path / "mymodel"
+    save_pretrained_atomic(tiny_model, tokenizer, mine)
+    weights = (mine / "model.safetensors").stat().st_size
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", raises(error))
+    code = main(["train", "--output-dir", str(tmp_path / "run"), *RUN, f"model.path={mine}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and "Traceback" not in err, err
+    assert err.startswith(
+        f"gspo: error: {said} loading the model {mine} (float32 on cpu, "
+        f"{weights / 2**20:,.1f} MB of weight files) (gspo loads a model in float32 whatever "
+        "model.dtype, the compute dtype): pick a smaller model (model.path) "
+    ), err
+    assert "LoRA adapters (model.lora.r > 0)" in err
+    assert not (tmp_path / "run").exists()  # a run that got nowhere leaves nothing
+
+
+def test_oom_moving_the_model_or_building_the_policy_is_one_line_too(tmp_path, capsys, monkeypatch):
+    import gspo.trainer
+
+    run = tmp_path / "run"
+    monkeypatch.setattr(torch.nn.Module, "to", raises(torch.OutOfMemoryError(TORCH_SAYS)))
+    assert main(["train", "--output-dir", str(run), *RUN]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(
+        "gspo: error: CUDA out of memory (tried to allocate 2.00 GiB) loading the model "
+        f"{run / 'base_model'} (float32 on cpu, "
+    ), err
+    monkeypatch.undo()
+    monkeypatch.setattr(gspo.trainer, "Policy", raises(MemoryError()))
+    assert main(["train", "--output-dir", str(run), *RUN]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"gspo: error: out of CPU memory loading the model {run / 'base_model'}")
+    assert "\n" not in err
+
+
+def test_oom_loading_for_export_is_one_line(tmp_path, capsys, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    assert main(["train", "--output-dir", str(run), *RUN, "train.max_steps=0"]) == 0
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", raises(MemoryError()))
+    capsys.readouterr()
+    assert main(["export", str(run), "--merge", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"gspo: error: out of CPU memory loading the model {run / 'base_model'}")
+    assert "\n" not in err, err
+
+
+def test_other_runtime_errors_loading_are_not_taken_for_oom(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    broken = RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", raises(broken))
     with pytest.raises(RuntimeError, match="illegal memory access"):
         main(["train", "--output-dir", str(tmp_path / "run"), *RUN])

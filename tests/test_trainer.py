@@ -289,7 +289,8 @@ def test_step_0_names_an_unchanged_model_and_everything_still_reads_it(
     assert main(["train", "--output-dir", str(tmp_path / "full"), *common]) == 0
     # step 0 holds no weights: it names the input model
     step0 = tmp_path / "full" / "checkpoints" / "step-0000000"
-    assert sorted(p.name for p in step0.iterdir()) == ["model_dir.txt", "trainer_state.pt"]
+    held = ["manifest.json", "model_dir.txt", "model_fingerprint.json", "trainer_state.pt"]
+    assert sorted(p.name for p in step0.iterdir()) == held
     assert (step0 / "model_dir.txt").read_text().strip() == str(mine.resolve())
     lines = train_lines(run_metrics(tmp_path / "full"))
     assert lines[0]["train/kl"] == pytest.approx(0.0, abs=1e-9)  # the reference: my model
@@ -324,6 +325,49 @@ def test_step_0_names_an_unchanged_model_and_everything_still_reads_it(
     assert (step0 / "model_dir.txt").read_text().strip() == "../../base_model"
     (tmp_path / "builtin").rename(tmp_path / "moved")
     assert main(["train", "--resume", str(tmp_path / "moved"), "train.max_steps=2"]) == 0
+
+
+def test_step_0_naming_a_model_whose_weights_changed_is_one_line(
+    tmp_path, tokenizer, varied_reward, capsys
+):
+    from gspo.models import TinyModelSpec, build_tiny_model
+
+    spec = TinyModelSpec(layers=1, hidden=64, heads=2, kv_heads=1, intermediate=128)
+    mine = tmp_path / "mymodel"
+    save_pretrained_atomic(build_tiny_model(spec, tokenizer, seed=1), tokenizer, mine)
+    common = [*FAST, varied_reward, "model.device=cpu", f"model.path={mine}",
+              "train.cold_start_steps=0", "eval.every=0"]  # fmt: skip
+    run = tmp_path / "run"
+    assert main(["train", "--output-dir", str(run), *common, "train.max_steps=0"]) == 0
+    step0 = run / "checkpoints" / "step-0000000"
+    # another model saved over mine: the same file names and sizes, other weights
+    save_pretrained_atomic(build_tiny_model(spec, tokenizer, seed=2), tokenizer, mine)
+    assert (mine / "model.safetensors").stat().st_size == json.loads(
+        (step0 / "model_fingerprint.json").read_text()
+    )["model.safetensors"][0]
+    capsys.readouterr()
+    for args in (["train", "--resume", str(run), "train.max_steps=2"],
+                 ["export", str(step0), "--merge", str(tmp_path / "out")]):  # fmt: skip
+        assert main(args) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and f"names the model {mine.resolve()}, whose weights changed" in err
+        assert "(model.safetensors holds other bytes)" in err, err
+    assert not (tmp_path / "out").exists()
+    # a weight file gone or cut short is said as such
+    weights = (mine / "model.safetensors").read_bytes()
+    (mine / "model.safetensors").write_bytes(weights[:1000])
+    assert main(["train", "--resume", str(run), "train.max_steps=2"]) == 2
+    assert f"model.safetensors is 1,000 bytes, was {len(weights):,}" in capsys.readouterr().err
+    (mine / "model.safetensors").rename(mine / "other.safetensors")
+    assert main(["train", "--resume", str(run), "train.max_steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert "(model.safetensors is gone; other.safetensors is new)" in err, err
+    # a step 0 written before fingerprints follows its pointer as it always did
+    (mine / "other.safetensors").rename(mine / "model.safetensors")
+    (mine / "model.safetensors").write_bytes(weights)
+    (step0 / "model_fingerprint.json").unlink()
+    assert main(["train", "--resume", str(run), "train.max_steps=2"]) == 0
+    assert train_lines(run_metrics(run))  # it trained from step 0
 
 
 def test_the_summary_says_what_the_checkpoints_wrote(tmp_path, varied_reward, capsys):

@@ -14,8 +14,8 @@ its value as written (``data.prompt_template=Q: {question} A:``), other values a
 
 Bad input (config keys and values, files, reward functions) ends with one line on
 stderr naming what is wrong, and exit status 2 (set GSPO_DEBUG=1 for the traceback); so
-does running out of CUDA memory, naming the settings to lower
-(:mod:`gspo.training.memory`).
+does running out of memory (CUDA's or the CPU's, loading the model included), naming the
+settings to lower (:mod:`gspo.training.memory`).
 """
 
 from __future__ import annotations

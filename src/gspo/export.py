@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from gspo.models import load_model, save_pretrained_atomic
+from gspo.models import is_model_file, load_model, save_pretrained_atomic
+from gspo.publish import check_manifest
 from gspo.training.checkpoint import TRAINER_STATE, latest_checkpoint
 from gspo.training.lora import base_model_path, is_lora_checkpoint, quiet_peft
 
@@ -86,6 +87,7 @@ def export_merged(source: Path, out: Path) -> Path:
             f"export: the base model {base_dir} named in {checkpoint}/adapter_config.json "
             "is missing"
         )
+    check_manifest(checkpoint, is_model_file)  # the adapter's files
     base, tokenizer = load_model(base_dir, device=cpu, dtype=torch.float32)
     with quiet_peft():
         merged = PeftModel.from_pretrained(base, checkpoint).merge_and_unload()

@@ -53,7 +53,7 @@ from gspo.training.episodes import build_generator, encode_prompts, sft_encoder
 from gspo.training.evaluation import Evaluator, evaluated_at_start
 from gspo.training.forward import build_forward
 from gspo.training.hooks import build_hooks
-from gspo.training.memory import out_of_memory
+from gspo.training.memory import loading_model, out_of_memory
 from gspo.training.metrics import combine, crossed, metric_reduction, rollout_clip_fractions
 from gspo.training.policy import Policy
 from gspo.training.reference import Reference
@@ -114,14 +114,17 @@ class Trainer:
         # own progress checkpoints it finds, or else starts again: deterministically)
         checkpoint = latest_checkpoint(out) if resume else None
         compute_dtype = resolve_dtype(config.model.dtype, device)
-        model, self.tokenizer, model_dir = build_policy_model(
-            config, out, device, dist, checkpoint, compute_dtype
-        )
-        self.model_dir = model_dir  # the weights the run starts from
-        summary = model_summary(model)
-        self.policy = Policy(
-            model, dist, compute_dtype=compute_dtype, temperature=config.rollout.temperature
-        )
+        # (out of memory loading it, attaching adapters, sharding it: one line naming it)
+        named = checkpoint or config.model.path or out / "base_model"
+        with loading_model(named, dtype=torch.float32, device=device):
+            model, self.tokenizer, model_dir = build_policy_model(
+                config, out, device, dist, checkpoint, compute_dtype
+            )
+            self.model_dir = model_dir  # the weights the run starts from
+            summary = model_summary(model)
+            self.policy = Policy(
+                model, dist, compute_dtype=compute_dtype, temperature=config.rollout.temperature
+            )
         forward = build_forward(config, self.policy)
         self.sampler = PolicySampler(
             build_engine(config, self.policy, self.tokenizer, model_dir), self.policy

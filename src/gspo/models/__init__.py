@@ -4,9 +4,12 @@ kernels (:mod:`.kernels`). A built-in tiny Qwen3 and a user's Qwen3-8B take the 
 
 from gspo.models.builtin import TinyModelSpec, build_char_tokenizer, build_tiny_model
 from gspo.models.loading import (
+    MODEL_FINGERPRINT,
     MODEL_POINTER,
+    is_model_file,
     load_model,
     model_files,
+    model_fingerprint,
     resolve_dtype,
     save_pretrained,
     save_pretrained_atomic,

@@ -3,12 +3,15 @@ checkpoint's pointer names), saved whole or not at all, and the compute dtype.""
 
 from __future__ import annotations
 
+import json
+import os
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from gspo.publish import staged
+from gspo.publish import check_manifest, staged
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,23 +64,106 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 MODEL_POINTER = "model_dir.txt"
 
 
+#: Beside a :data:`MODEL_POINTER`: the named model's weight files as they were when the
+#: pointer was written (:func:`model_fingerprint`, as JSON), checked wherever it is followed.
+MODEL_FINGERPRINT = "model_fingerprint.json"
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+_SAMPLES, _SAMPLE_BYTES = 16, 64 * 1024  # at most 1 MiB read a file
+
+
+def model_fingerprint(directory: str | Path) -> dict[str, list[int]]:
+    """The weight files (``*.safetensors``, ``*.bin``) of the model ``directory``: name ->
+    ``[bytes, CRC-32 of 16 blocks of 64 KiB spread evenly over the file]`` (of the whole
+    file when it is smaller).
+
+    It reads at most 1 MiB a file, whatever the model's size, and the bytes, not the
+    times: a model copied elsewhere (``cp -r`` gives new mtimes) still matches, and one
+    saved again over the same directory (another fine-tune: the same names and sizes,
+    other values in every block) does not. A few bytes changed between two samples go
+    unseen; that is a damaged disk's case, not the one this guards against.
+    """
+    found = {}
+    for file in sorted(Path(directory).iterdir()):
+        if file.suffix not in WEIGHT_SUFFIXES or not file.is_file():
+            continue
+        size = file.stat().st_size
+        crc = 0
+        with file.open("rb") as f:
+            if size <= _SAMPLES * _SAMPLE_BYTES:
+                crc = zlib.crc32(f.read(), crc)
+            else:
+                for i in range(_SAMPLES):
+                    f.seek(i * (size - _SAMPLE_BYTES) // (_SAMPLES - 1))
+                    crc = zlib.crc32(f.read(_SAMPLE_BYTES), crc)
+        found[file.name] = [size, crc]
+    return found
+
+
+def fingerprint_change(recorded: dict[str, list[int]], directory: Path) -> str | None:
+    """What changed in ``directory``'s weight files since ``recorded`` was taken, or None."""
+    now = model_fingerprint(directory)
+    changes = []
+    for name in sorted(recorded.keys() | now.keys()):
+        was, got = recorded.get(name), now.get(name)
+        if got is None:
+            changes.append(f"{name} is gone")
+        elif was is None:
+            changes.append(f"{name} is new")
+        elif was[0] != got[0]:
+            changes.append(f"{name} is {got[0]:,} bytes, was {was[0]:,}")
+        elif was[1] != got[1]:
+            changes.append(f"{name} holds other bytes")
+    return "; ".join(changes) or None
+
+
 def model_files(path: str | Path) -> Path:
     """The directory holding the model files of ``path``: the one its :data:`MODEL_POINTER`
-    names, else ``path`` itself. Every reader of a model directory goes through it."""
+    names, else ``path`` itself. Every reader of a model directory goes through it.
+
+    Where the pointer has its :data:`MODEL_FINGERPRINT` beside it, the named model's
+    weights must still be the ones it records: else a one-line ``ValueError`` naming the
+    directory and what changed (a pointer written before fingerprints is followed as it is).
+    """
     path = Path(path)
     pointer = path / MODEL_POINTER
-    if pointer.is_file():
-        return path / pointer.read_text().strip()  # (an absolute line replaces ``path``)
-    return path
+    if not pointer.is_file():
+        return path
+    named = path / pointer.read_text().strip()  # (an absolute line replaces ``path``)
+    fingerprint = path / MODEL_FINGERPRINT
+    if fingerprint.is_file() and named.is_dir():  # (a missing directory: the caller says so)
+        try:
+            recorded = json.loads(fingerprint.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{fingerprint} is unreadable ({type(exc).__name__})") from exc
+        changed = fingerprint_change(recorded, named)
+        if changed:
+            raise ValueError(
+                f"{pointer} names the model {os.path.normpath(named)}, whose weights changed "
+                f"since the checkpoint was written ({changed}); put the original weights "
+                "back, or start the run again (this checkpoint holds no weights of its own)"
+            )
+    return named
+
+
+def is_model_file(name: str) -> bool:
+    """Whether the file ``name`` (relative to a checkpoint) is one the HF loaders read: the
+    checkpoint's top level, less the ``.pt`` files of ``torch.save`` (trainer state)."""
+    return "/" not in name and not name.endswith(".pt")
 
 
 def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype):
     """Load a local HF causal-LM directory (AutoModelForCausalLM + AutoTokenizer), or the
     one a checkpoint's :data:`MODEL_POINTER` names.
 
-    Raises ``FileNotFoundError``/``ValueError`` with a one-line message naming the path.
+    Raises ``FileNotFoundError``/``ValueError`` with a one-line message naming the path;
+    a checkpoint's model file whose bytes are not those written (its ``manifest.json``)
+    is a :class:`gspo.publish.DamagedFile` naming it; running out of memory (reading it,
+    moving it to ``device``) an :class:`gspo.training.memory.OutOfMemory` naming the path,
+    the dtype, the device and what lowers it.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gspo.training.memory import OutOfMemory, loading_model
 
     quiet_transformers()
     path = Path(path)
@@ -92,15 +178,20 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype):
             )
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model.path: {path} has no config.json (not a HF model dir)")
+    check_manifest(path, is_model_file)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        with loading_model(path, dtype=dtype, device=device):
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError, KeyError) as exc:
+        if isinstance(exc, OutOfMemory):
+            raise
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"model.path: cannot load {path}: {first_line}") from exc
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    model.to(device)
+    with loading_model(path, dtype=dtype, device=device):
+        model.to(device)
     model.config.use_cache = True
     return model, tokenizer

@@ -4,11 +4,16 @@
 (``load_model`` and serving read it; rank 0 writes it from the gathered weights),
 ``sharded/`` (model and optimizer state by ``torch.distributed.checkpoint``, each rank
 its shards; loadable by any number of ranks) and ``trainer_state.pt`` (step, scheduler).
+``manifest.json`` records every file's size and CRC-32 (:func:`gspo.publish.
+write_manifest`, in the writer's thread): whoever reads a checkpoint checks the files it
+reads first (:func:`gspo.models.load_model` the model's, :func:`load_checkpoint` the rest),
+so bytes changed after writing are one line naming the file.
 ``checkpoints/latest`` names the newest. Step 0 is the cold-start model; when no cold
 start changed the model it holds no weights, only ``model_dir.txt`` naming the input model
 (``model.path`` or the built-in ``base_model``: :func:`gspo.models.model_files`), which
 every reader of step 0 (:func:`gspo.models.load_model`, resume, the KL reference, export)
-follows.
+follows, and ``model_fingerprint.json``, what that model's weight files were then, which
+they check first (weights changed or gone since: a one-line error, never other weights).
 
 A LoRA run's checkpoints hold the adapter in PEFT's format instead of the whole model
 (``adapter_config.json``, which names the base model directory, and
@@ -23,6 +28,7 @@ one at a time; ``latest`` names it once it is whole (:func:`finish_checkpoint`).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -45,8 +51,14 @@ from gspo.distributed import (
     sharded_state,
     write_sharded,
 )
-from gspo.models import MODEL_POINTER, save_pretrained
-from gspo.publish import WRITTEN, staged
+from gspo.models import (
+    MODEL_FINGERPRINT,
+    MODEL_POINTER,
+    is_model_file,
+    model_fingerprint,
+    save_pretrained,
+)
+from gspo.publish import WRITTEN, check_manifest, manifest_changes, staged, write_manifest
 from gspo.training.lora import optimizer_state_bytes
 from gspo.training.policy import Policy
 
@@ -80,15 +92,16 @@ def checkpoint_bytes(policy: Policy, optimizer: torch.optim.Optimizer, dist: Dis
 
 def checkpoint_problem(path: Path) -> str | None:
     """Why a run cannot resume from the checkpoint ``path``, or None when it is whole: its
-    trainer state, and its shards (:func:`gspo.distributed.sharded_problem`) unless it
-    names its model. Reads no tensors."""
+    trainer state, its shards (:func:`gspo.distributed.sharded_problem`) unless it names
+    its model, and every file at the size its manifest records. Reads no tensors (the
+    bytes themselves are checked as they are loaded)."""
     if not path.is_dir():
         return "missing"
     if not (path / TRAINER_STATE).is_file():
         return f"incomplete ({TRAINER_STATE} is missing)"
-    if (path / MODEL_POINTER).is_file():
-        return None
-    problem = sharded_problem(path / SHARDED)
+    problem = None if (path / MODEL_POINTER).is_file() else sharded_problem(path / SHARDED)
+    if problem is None:
+        problem = next((f"{n} {w}" for n, w in manifest_changes(path, contents=False)), None)
     return None if problem is None else f"incomplete ({problem})"
 
 
@@ -133,6 +146,7 @@ class CheckpointState:
     step: int
     needs: int | None  # the bytes it is expected to take (None: a pointer only)
     pointer: str | None  # ``model_dir.txt``'s line, for a checkpoint naming its model
+    fingerprint: dict[str, Any] | None  # that model's weight files (rank 0)
     sharded: dict[str, Any] | None  # model and optimizer state for ``sharded/``
     replica: torch.nn.Module | None  # the HF module whose config and class are written
     weights: dict[str, Any] | None  # its weights (rank 0)
@@ -163,13 +177,14 @@ def take_checkpoint(
     checkpoint_files`). A non-finite weight is a one-line ``ValueError``.
     """
     final = checkpoint_dir(output_dir, step)
-    pointer = None
+    pointer = fingerprint = None
     if model_dir is not None:
         if policy.adapters or optimizer.state:
             raise ValueError(f"checkpoint at step {step}: only an untrained full model is named")
         model_dir = Path(model_dir).resolve()
         inside = model_dir.is_relative_to(Path(output_dir).resolve())
         pointer = os.path.relpath(model_dir, final.resolve()) if inside else str(model_dir)
+        fingerprint = model_fingerprint(model_dir) if dist.is_main else None
     finite = all(  # this rank's shards (DTensor.to_local under FSDP)
         bool(torch.isfinite(getattr(p, "to_local", lambda p=p: p)()).all())
         for p in policy.parameters()
@@ -181,7 +196,9 @@ def take_checkpoint(
         )
     trainer_state = {"scheduler": deepcopy(scheduler.state_dict()), "step": step}
     files = {**(extra or {}), TRAINER_STATE: trainer_state} if dist.is_main else {}
-    state = CheckpointState(final, step, None, pointer, None, None, None, tokenizer, files)
+    state = CheckpointState(
+        final, step, None, pointer, fingerprint, None, None, None, tokenizer, files
+    )
     if model_dir is not None:
         return state
     state.needs = checkpoint_bytes(policy, optimizer, dist)
@@ -261,8 +278,10 @@ def write_checkpoint(state: CheckpointState, dist: Distributed) -> tuple[int, fl
                 save_pretrained(state.replica, state.tokenizer, tmp, state_dict=state.weights)
             else:
                 (tmp / MODEL_POINTER).write_text(f"{state.pointer}\n")
+                (tmp / MODEL_FINGERPRINT).write_text(json.dumps(state.fingerprint) + "\n")
             for name, obj in state.files.items():
                 torch.save(obj, tmp / name)
+            write_manifest(tmp)  # (last: every rank's shards are written, dcp.save waits)
     return WRITTEN.bytes - before, time.perf_counter() - start
 
 
@@ -413,7 +432,10 @@ def load_checkpoint(
 
     A checkpoint naming its model (``model_dir.txt``) has nothing to restore but the
     scheduler: the policy was loaded from that model, and the optimizer had not stepped.
+    Its files are checked against its manifest first (the HF model's were, when it was
+    loaded): a damaged one is a one-line :class:`gspo.publish.DamagedFile`.
     """
+    check_manifest(path, lambda name: not is_model_file(name))
     if not (path / MODEL_POINTER).is_file():
         load_sharded(path / SHARDED, policy.forward, optimizer, trainable_only=policy.adapters)
     if policy.adapters:
