@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from gspo.publish import check_manifest, staged
+from gspo.models.memory import OutOfMemory, is_out_of_memory, what_ran_out
+from gspo.publish import check_manifest, megabytes, staged
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -151,6 +153,44 @@ def is_model_file(name: str) -> bool:
     return "/" not in name and not name.endswith(".pt")
 
 
+def _weight_bytes(path: Path) -> int:
+    files = path.iterdir() if path.is_dir() else ()
+    return sum(f.stat().st_size for f in files if f.suffix in WEIGHT_SUFFIXES and f.is_file())
+
+
+def loading_message(
+    path: str | Path, dtype: torch.dtype, device: torch.device, error: BaseException
+) -> str:
+    """One line: what ran out loading the model ``path`` in ``dtype`` onto ``device`` (and
+    how large its weight files are), and what lowers the model's memory."""
+    size = _weight_bytes(Path(path))
+    files = f", {megabytes(size)} of weight files" if size else ""
+    name = str(dtype).removeprefix("torch.")
+    why = ""
+    if dtype == torch.float32:
+        why = " (gspo loads a model in float32 whatever model.dtype, the compute dtype)"
+    return (
+        f"{what_ran_out(error)} loading the model {os.path.normpath(path)} "
+        f"({name} on {device}{files}){why}: "
+        "pick a smaller model (model.path) or a device with more memory (model.device); "
+        "full fine-tuning then adds gradients and AdamW's two moments, about 3x the "
+        "weights: LoRA adapters (model.lora.r > 0) train far fewer, their frozen base "
+        "held in model.dtype on CUDA (bfloat16: half of float32)"
+    )
+
+
+@contextmanager
+def loading_model(path: str | Path, *, dtype: torch.dtype, device: torch.device) -> Iterator[None]:
+    """Turn an out-of-memory error inside the block, which loads the model ``path`` in
+    ``dtype`` onto ``device`` (or builds the policy from it), into :class:`OutOfMemory`."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
+        if not is_out_of_memory(exc):
+            raise
+        raise OutOfMemory(loading_message(path, dtype, device, exc)) from exc
+
+
 def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype):
     """Load a local HF causal-LM directory (AutoModelForCausalLM + AutoTokenizer), or the
     one a checkpoint's :data:`MODEL_POINTER` names.
@@ -158,12 +198,10 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype):
     Raises ``FileNotFoundError``/``ValueError`` with a one-line message naming the path;
     a checkpoint's model file whose bytes are not those written (its ``manifest.json``)
     is a :class:`gspo.publish.DamagedFile` naming it; running out of memory (reading it,
-    moving it to ``device``) an :class:`gspo.training.memory.OutOfMemory` naming the path,
+    moving it to ``device``) an :class:`gspo.models.memory.OutOfMemory` naming the path,
     the dtype, the device and what lowers it.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from gspo.training.memory import OutOfMemory, loading_model
 
     quiet_transformers()
     path = Path(path)

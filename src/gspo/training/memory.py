@@ -6,28 +6,23 @@ policy update, the cold start) becomes :class:`OutOfMemory`, whose message says 
 out, in which stage, and which settings to lower there (with their current values); the
 ``gspo`` command prints it as one line, like bad input, instead of a traceback. Loading
 the model (:func:`gspo.models.load_model`, building the policy) says the same way which
-model, in which dtype, onto which device, and what lowers it (:func:`loading_model`).
+model, in which dtype, onto which device, and what lowers it
+(:func:`gspo.models.loading.loading_model`).
 Set ``GSPO_DEBUG=1`` for torch's own error and traceback.
 """
 
 from __future__ import annotations
 
-import os
-import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 
 from gspo.config import Config
-from gspo.publish import megabytes
+from gspo.models.loading import loading_model
+from gspo.models.memory import OutOfMemory, is_out_of_memory, what_ran_out
 
-
-class OutOfMemory(ValueError):
-    """The device ran out of memory in one stage of a run; the message names the settings
-    that lower that stage's memory. A ``ValueError``, so the CLI ends with it as one line
-    (exit status 2)."""
+__all__ = ["OutOfMemory", "is_out_of_memory", "loading_model", "out_of_memory"]
 
 
 def _generation(config: Config) -> str:
@@ -76,32 +71,11 @@ STAGES: dict[str, tuple[str, Callable[[Config], str]]] = {
 }
 
 
-def is_out_of_memory(error: BaseException) -> bool:
-    """Whether ``error`` is running out of memory: torch's ``OutOfMemoryError`` (CUDA), the
-    ``RuntimeError`` of its CPU allocator (``DefaultCPUAllocator: can't allocate memory``)
-    or Python's ``MemoryError``."""
-    if isinstance(error, torch.OutOfMemoryError | MemoryError):
-        return True
-    return isinstance(error, RuntimeError) and "DefaultCPUAllocator" in str(error)
-
-
-def _what_ran_out(error: BaseException) -> str:
-    """torch's first sentence (``CUDA out of memory``) and the allocation it tried."""
-    text = str(error)
-    cpu = re.search(r"tried to allocate (\d+) bytes", text)
-    if isinstance(error, MemoryError) or cpu or "DefaultCPUAllocator" in text:
-        said = "out of CPU memory"
-        return f"{said} (tried to allocate {int(cpu.group(1)) / 2**30:.2f} GiB)" if cpu else said
-    said = text.split(".")[0].strip() or "out of memory"
-    size = re.search(r"Tried to allocate ([\d.]+ ?[KMGTP]?i?B)", text)
-    return f"{said} (tried to allocate {size.group(1)})" if size else said
-
-
 def out_of_memory_message(stage: str, config: Config, error: BaseException) -> str:
     """One line: what ran out (torch's first sentence and the allocation), in which stage,
     and what to lower."""
     what, advice = STAGES[stage]
-    return f"{_what_ran_out(error)} {what}: {advice(config)}"
+    return f"{what_ran_out(error)} {what}: {advice(config)}"
 
 
 @contextmanager
@@ -113,43 +87,3 @@ def out_of_memory(stage: str, config: Config) -> Iterator[None]:
         if not is_out_of_memory(exc):
             raise
         raise OutOfMemory(out_of_memory_message(stage, config, exc)) from exc
-
-
-def _weight_bytes(path: Path) -> int:
-    from gspo.models.loading import WEIGHT_SUFFIXES
-
-    files = path.iterdir() if path.is_dir() else ()
-    return sum(f.stat().st_size for f in files if f.suffix in WEIGHT_SUFFIXES and f.is_file())
-
-
-def loading_message(
-    path: str | Path, dtype: torch.dtype, device: torch.device, error: BaseException
-) -> str:
-    """One line: what ran out loading the model ``path`` in ``dtype`` onto ``device`` (and
-    how large its weight files are), and what lowers the model's memory."""
-    size = _weight_bytes(Path(path))
-    files = f", {megabytes(size)} of weight files" if size else ""
-    name = str(dtype).removeprefix("torch.")
-    why = ""
-    if dtype == torch.float32:
-        why = " (gspo loads a model in float32 whatever model.dtype, the compute dtype)"
-    return (
-        f"{_what_ran_out(error)} loading the model {os.path.normpath(path)} "
-        f"({name} on {device}{files}){why}: "
-        "pick a smaller model (model.path) or a device with more memory (model.device); "
-        "full fine-tuning then adds gradients and AdamW's two moments, about 3x the "
-        "weights: LoRA adapters (model.lora.r > 0) train far fewer, their frozen base "
-        "held in model.dtype on CUDA (bfloat16: half of float32)"
-    )
-
-
-@contextmanager
-def loading_model(path: str | Path, *, dtype: torch.dtype, device: torch.device) -> Iterator[None]:
-    """Turn an out-of-memory error inside the block, which loads the model ``path`` in
-    ``dtype`` onto ``device`` (or builds the policy from it), into :class:`OutOfMemory`."""
-    try:
-        yield
-    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
-        if not is_out_of_memory(exc):
-            raise
-        raise OutOfMemory(loading_message(path, dtype, device, exc)) from exc
