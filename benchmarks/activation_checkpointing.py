@@ -8,9 +8,10 @@ training forward with entropies, the GSPO loss, backward) of a built-in Qwen3 on
 ``--responses`` responses of ``--tokens`` tokens each (a 32-token prompt included), float32
 on the CPU. Each setting runs in a fresh process: one warm-up update on a short batch, then
 the measured one. Memory is the growth of peak RSS over the RSS once the model and the
-batch exist (the peak is reset first, ``/proc/self/clear_refs``). Seconds come from a third
-process that takes ``--repeats`` updates with each setting in turn and keeps each one's
-fastest. The loss and the gradient norm of both settings are printed: they must agree.
+batch exist (the peak is reset first, ``/proc/self/clear_refs``). Seconds: after its
+measured update the second process takes ``--repeats`` more with each setting in turn
+(switched on the same model) and keeps each one's fastest. The loss and the gradient norm
+of both settings are printed: they must agree.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def memory_kb(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def measure(on: bool, args: argparse.Namespace, timing: bool = False) -> dict:
+def measure(on: bool, args: argparse.Namespace) -> dict:
     import torch
 
     from gspo.config import load_config
@@ -81,21 +82,22 @@ def measure(on: bool, args: argparse.Namespace, timing: bool = False) -> dict:
         policy.backward(loss, len(b))
         norm = torch.sqrt(sum((p.grad**2).sum() for p in policy.parameters()))
         policy.module.zero_grad(set_to_none=True)
-        return float(loss), float(norm)
+        return float(loss.detach()), float(norm)
 
     update(batch(2, 32))  # warm-up: one-time costs (kernels, allocator) out of the figures
     measured = batch(args.responses, args.tokens - PROMPT)
-    if timing:
-        return {"seconds": alternate(model, lambda: update(measured), args.repeats)}
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
     base = memory_kb("VmRSS")
     loss, norm = update(measured)
+    peak = (memory_kb("VmHWM") - base) / 1024
+    seconds = alternate(model, lambda: update(measured), args.repeats) if on else None
     return {
         "on": on,
-        "peak_over_base_mb": (memory_kb("VmHWM") - base) / 1024,
+        "peak_over_base_mb": peak,
         "loss": loss,
         "grad_norm": norm,
+        "seconds": seconds,
     }
 
 
@@ -136,14 +138,14 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--intermediate", type=int, default=768)
     parser.add_argument("--repeats", type=int, default=2, help="timed updates per setting")
-    parser.add_argument("--child", choices=["off", "on", "time"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=["off", "on"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.child != "off", args, timing=args.child == "time")))
+        print(json.dumps(measure(args.child == "on", args)))
         return
     argv = sys.argv[1:]
     off, on = run_child("off", argv), run_child("on", argv)
-    seconds = run_child("time", argv)["seconds"]
+    seconds = on["seconds"]
     print(
         f"built-in qwen3 {args.layers} x {args.hidden} (MLP {args.intermediate}), "
         f"{args.responses} responses x {args.tokens} tokens, one update, float32 CPU"
