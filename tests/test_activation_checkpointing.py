@@ -16,8 +16,9 @@ from test_trainer import FAST, comparable
 
 from gspo.cli import main
 from gspo.config import load_config
-from gspo.distributed import Distributed
+from gspo.distributed import Distributed, rank_device
 from gspo.engines import RolloutBatch
+from gspo.models import resolve_dtype
 from gspo.moe import capture_router_logits, find_routers, is_moe, load_balancing_loss
 from gspo.telemetry import read_metrics
 from gspo.trainer import Trainer
@@ -25,8 +26,7 @@ from gspo.training.policy import Policy
 from gspo.training.setup import build_policy_model
 
 ON = "model.activation_checkpointing=true"
-MODEL = [
-    CPU,
+SHAPE = [
     "model.layers=2",
     "model.hidden=64",
     "model.heads=2",
@@ -37,27 +37,33 @@ MODEL = [
 LAYERS = 2
 
 
-def build_policy(out: Path, *overrides: str) -> Policy:
-    config = load_config(None, [*MODEL, *overrides])
-    model, _, _ = build_policy_model(
-        config, out, torch.device("cpu"), Distributed(), None, torch.float32
-    )
-    return Policy(model, Distributed(), compute_dtype=torch.float32, temperature=1.0)
+def build_policy(out: Path, *overrides: str, device: str = CPU) -> Policy:
+    """The policy a run of ``SHAPE`` and ``overrides`` trains, on ``device`` (an override),
+    in the compute dtype its ``model.dtype`` resolves to there."""
+    config = load_config(None, [device, *SHAPE, *overrides])
+    dist = Distributed()
+    at = rank_device(config.model.device, dist)
+    dtype = resolve_dtype(config.model.dtype, at)
+    model, _, _ = build_policy_model(config, out, at, dist, None, dtype)
+    return Policy(model, dist, compute_dtype=dtype, temperature=1.0)
 
 
-def fixed_batch(n: int = 8, prompt: int = 6, length: int = 12) -> RolloutBatch:
-    """Left-padded prompts and responses of unequal lengths (one empty), two per group."""
+def fixed_batch(
+    n: int = 8, prompt: int = 6, length: int = 12, device: str | torch.device = "cpu"
+) -> RolloutBatch:
+    """Left-padded prompts and responses of unequal lengths (one empty), two per group,
+    drawn on the CPU and moved to ``device``."""
     g = torch.Generator().manual_seed(0)
     prompt_mask = torch.ones(n, prompt, dtype=torch.bool)
     prompt_mask[::2, :2] = False
     lengths = torch.randint(1, length + 1, (n, 1), generator=g)
     lengths[3] = 0
     return RolloutBatch(
-        prompt_ids=torch.randint(3, 60, (n, prompt), generator=g),
-        prompt_mask=prompt_mask,
-        completion_ids=torch.randint(3, 60, (n, length), generator=g),
-        completion_mask=torch.arange(length).unsqueeze(0) < lengths,
-        sampler_logprobs=torch.zeros(n, length),
+        prompt_ids=torch.randint(3, 60, (n, prompt), generator=g).to(device),
+        prompt_mask=prompt_mask.to(device),
+        completion_ids=torch.randint(3, 60, (n, length), generator=g).to(device),
+        completion_mask=(torch.arange(length).unsqueeze(0) < lengths).to(device),
+        sampler_logprobs=torch.zeros(n, length, device=device),
         finish_reasons=["stop"] * n,
         group_size=2,
     )
