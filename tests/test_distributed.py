@@ -118,11 +118,12 @@ def test_two_ranks_take_the_one_process_step_with_lora(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_ranks_with_activation_checkpointing_take_the_one_process_step(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["model.lora.r=4"]], ids=["full", "lora"])
+def test_two_ranks_with_activation_checkpointing_take_the_one_process_step(tmp_path, extra):
     """FSDP2 with activation checkpointing on: each block runs again in backward, and the
-    step is the one process's step without it."""
+    step is the one process's step without it (LoRA adapters too)."""
     on = "model.activation_checkpointing=true"
-    runs = check_two_ranks_take_the_one_process_step(tmp_path, CPU, two_ranks_also=(on,))
+    runs = check_two_ranks_take_the_one_process_step(tmp_path, CPU, *extra, two_ranks_also=(on,))
     for level in ("sequence", "token"):
         one, two = runs[level]["layer_runs"]
         assert one == 2 and two == 4  # 2 blocks: each once without, twice with checkpointing
