@@ -14,6 +14,7 @@ from conftest import CPU
 from distributed_worker import count_layer_runs
 from test_trainer import FAST, comparable
 
+import gspo.models.logprobs
 from gspo.cli import main
 from gspo.config import load_config
 from gspo.distributed import Distributed, rank_device
@@ -101,17 +102,24 @@ def perturb_adapters(policy: Policy) -> None:
 
 VARIANTS = {
     "full": [],
+    "padded": [],  # the model's own forward (an architecture the packed path does not take)
     "lora": ["model.lora.r=4"],
     "moe": ["model.builtin=qwen3_moe", "model.experts=4", "model.expert_intermediate=32"],
 }
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_checkpointing_recomputes_each_block_and_keeps_the_loss_and_gradients(tmp_path, variant):
+def test_checkpointing_recomputes_each_block_and_keeps_the_loss_and_gradients(
+    tmp_path, monkeypatch, variant
+):
     extra = VARIANTS[variant]
+    if variant == "padded":
+        monkeypatch.setattr(gspo.models.logprobs, "PLAIN_LM_HEAD", frozenset())
     batch, out = fixed_batch(), []
     for overrides in ([*extra], [*extra, ON]):
         policy = build_policy(tmp_path / str(len(out)), *overrides)
+        packed = gspo.models.logprobs.plain_lm_head(policy.module)
+        assert packed == (variant != "padded"), packed
         if variant == "lora":
             perturb_adapters(policy)
         out.append(one_update(policy, batch))
