@@ -157,9 +157,8 @@ def enable_activation_checkpointing(model) -> None:
             "activation checkpointing (transformers' supports_gradient_checkpointing is False)"
         )
     kwargs = {"use_reentrant": False}
-    if hasattr(
-        model, "activation_checkpointing_enable"
-    ):  # newer transformers; the other is its old name
+    # newer transformers name it activation_checkpointing_enable (the old name warns)
+    if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
