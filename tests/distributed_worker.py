@@ -9,15 +9,18 @@ lives on the policy's device.
 
 Each rank takes its contiguous share of the batch's groups (as the trainer does) and
 takes the step through the trainer's loss and ``Trainer.policy_update`` (a
-:class:`gspo.training.update.PolicyUpdate`); rank 0 saves the combined metrics and
-the whole updated weights to ``OUT_DIR/<level>.pt`` for ``test_distributed.py`` to compare.
+:class:`gspo.training.update.PolicyUpdate`); rank 0 saves the combined metrics,
+the whole updated weights and how many times the blocks ran in the step (forward and
+backward) to ``OUT_DIR/<level>.pt`` for ``test_distributed.py`` to compare.
 The batch has responses of unequal lengths and two empty ones, all in rank 0's half, so
 the ranks hold different token and response counts: a wrong loss normalisation shows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -80,6 +83,25 @@ def fixed_batch(trainer: Trainer) -> tuple[RolloutBatch, torch.Tensor]:
     return batch, advantages
 
 
+@contextlib.contextmanager
+def count_layer_runs(model: torch.nn.Module) -> Iterator[list[int]]:
+    """``[runs]``: how many times the blocks' MLPs started inside the block, in forward
+    and backward: a block under activation checkpointing runs again in backward (a
+    pre-hook: that recompute stops once it has what backward needs, inside the MLP)."""
+    runs = [0]
+
+    def count(*args) -> None:
+        runs[0] += 1
+
+    mlps = [m for name, m in model.named_modules() if name.endswith(".mlp")]
+    handles = [mlp.register_forward_pre_hook(count) for mlp in mlps]
+    try:
+        yield runs
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def main(out: Path, extra: list[str]) -> None:
     # cpu: gloo; cuda: NCCL with GPU LOCAL_RANK per rank (as `gspo train` joins)
     dist = setup_distributed(load_config(None, [*CONFIG, *extra]).model.device)
@@ -99,16 +121,23 @@ def main(out: Path, extra: list[str]) -> None:
                 dist.rank * share, (dist.rank + 1) * share, device=trainer.policy.device
             )
             mb = batch.select(rows)
-            logprobs = trainer.policy.logprobs(mb)
-            old = batch.sampler_logprobs[rows][:, : logprobs.shape[1]]
-            share = Minibatch(0, rows, mb, old, advantages[rows], mb.action_mask, None, None)
-            loss = trainer.update_stage.objective.loss(share, logprobs)
-            metrics = trainer.combine(trainer.policy_update.apply(loss))
+            trainer.policy.train()  # as the update stage does
+            with count_layer_runs(trainer.model) as layer_runs:
+                logprobs = trainer.policy.logprobs(mb)
+                old = batch.sampler_logprobs[rows][:, : logprobs.shape[1]]
+                share = Minibatch(0, rows, mb, old, advantages[rows], mb.action_mask, None, None)
+                loss = trainer.update_stage.objective.loss(share, logprobs)
+                metrics = trainer.combine(trainer.policy_update.apply(loss))
             # a LoRA policy: its adapters (the frozen base cannot move)
             weights = full_state_dict(trainer.model, dist, trainable_only=trainer.policy.adapters)
             if dist.is_main:
                 backend = torch.distributed.get_backend() if dist.enabled else None
-                saved = {"metrics": metrics, "weights": weights, "backend": backend}
+                saved = {
+                    "metrics": metrics,
+                    "weights": weights,
+                    "backend": backend,
+                    "layer_runs": layer_runs[0],
+                }
                 torch.save(saved, out / f"{level}.pt")
             dist.barrier()
     finally:

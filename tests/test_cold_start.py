@@ -116,6 +116,7 @@ def test_cache_key_covers_what_decides_the_cold_start(tmp_path, monkeypatch):
     assert key() == base
     assert key("optim.lr=1e-2", "train.max_steps=7", "algorithm.level=token") == base
     assert key("train.cold_start_save_every=3", "log.plots=false") == base
+    assert key("model.activation_checkpointing=true") == base  # the same sums, recomputed
     for changed in (
         "train.seed=1",
         "train.cold_start_lr=1e-3",

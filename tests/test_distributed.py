@@ -110,27 +110,45 @@ def test_two_ranks_with_half_each_take_the_one_process_step(tmp_path):
 @pytest.mark.slow
 def test_two_ranks_take_the_one_process_step_with_lora(tmp_path):
     """The same with LoRA adapters: only they move, identically on 1 and 2 ranks."""
-    weights = check_two_ranks_take_the_one_process_step(tmp_path, CPU, "model.lora.r=4")
-    moved = [n for n, w in weights["sequence"].items() if "lora_B" in n and w.abs().max() > 0]
+    runs = check_two_ranks_take_the_one_process_step(tmp_path, CPU, "model.lora.r=4")
+    weights = runs["sequence"]["weights"]
+    moved = [n for n, w in weights.items() if "lora_B" in n and w.abs().max() > 0]
     assert moved  # lora_B starts at zero: the step moved it
-    assert all("lora_" in n for n in weights["sequence"])  # the adapters alone were gathered
+    assert all("lora_" in n for n in weights)  # the adapters alone were gathered
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [[], ["model.lora.r=4"]], ids=["full", "lora"])
+def test_two_ranks_with_activation_checkpointing_take_the_one_process_step(tmp_path, extra):
+    """FSDP2 with activation checkpointing on: each block runs again in backward, and the
+    step is the one process's step without it (LoRA adapters too)."""
+    on = "model.activation_checkpointing=true"
+    runs = check_two_ranks_take_the_one_process_step(tmp_path, CPU, *extra, two_ranks_also=(on,))
+    for level in ("sequence", "token"):
+        one, two = runs[level]["layer_runs"]
+        assert one == 2 and two == 4  # 2 blocks: each once without, twice with checkpointing
 
 
 def check_two_ranks_take_the_one_process_step(
     tmp_path,
     *extra: str,
+    two_ranks_also: tuple[str, ...] = (),
     backend: str = "gloo",
     metric_abs: float = 1e-6,
     weight_atol: float = 2e-6,
 ) -> dict:
     """``extra`` overrides name the device (cpu: the ranks join over ``backend`` gloo, on
     a machine with GPUs too); the tolerances are float32 rounding on the CPU (a wrong loss
-    normalisation over ranks moved weights 2e-4 apart when tried)."""
+    normalisation over ranks moved weights 2e-4 apart when tried). ``two_ranks_also``:
+    overrides for the two ranks only (settings that must not change the step).
+
+    Returns, per level, the one process's weights (``"weights"``) and the blocks' runs of
+    the step in each (``"layer_runs"``: one process, rank 0)."""
     worker = str(HERE / "distributed_worker.py")
     device_named_in(extra)
     subprocess.run([sys.executable, worker, str(tmp_path / "one"), *extra], check=True,
                    timeout=300)  # fmt: skip
-    torchrun(worker, str(tmp_path / "two"), *extra)
+    torchrun(worker, str(tmp_path / "two"), *extra, *two_ranks_also)
     out = {}
     for level in ("sequence", "token"):
         one = torch.load(tmp_path / "one" / f"{level}.pt", weights_only=True)
@@ -149,7 +167,10 @@ def check_two_ranks_take_the_one_process_step(
         assert one["weights"].keys() == two["weights"].keys()
         for name, weight in one["weights"].items():
             torch.testing.assert_close(two["weights"][name], weight, rtol=0, atol=weight_atol)
-        out[level] = one["weights"]
+        out[level] = {
+            "weights": one["weights"],
+            "layer_runs": (one["layer_runs"], two["layer_runs"]),
+        }
     return out
 
 

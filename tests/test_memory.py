@@ -72,6 +72,15 @@ def test_oom_in_the_policy_update_names_the_minibatches(tmp_path, capsys, monkey
     err = error_line(tmp_path, capsys)
     assert "in the policy update: raise algorithm.minibatches (2)" in err
     assert "lower rollout.max_new_tokens (4)" in err and "model.lora.r" in err
+    assert err.endswith("; model.activation_checkpointing=true keeps one transformer block's "
+                        "activations instead of all of them")  # fmt: skip
+
+
+def test_oom_with_activation_checkpointing_on_does_not_advise_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(gspo.training.update.PolicyUpdate, "apply", out_of_memory)
+    err = error_line(tmp_path, capsys, "model.activation_checkpointing=true")
+    assert "in the policy update: raise algorithm.minibatches (2)" in err
+    assert "activation_checkpointing" not in err
 
 
 def test_oom_recomputing_pi_old_names_the_minibatches(tmp_path, capsys, monkeypatch):
@@ -84,7 +93,9 @@ def test_oom_recomputing_pi_old_names_the_minibatches(tmp_path, capsys, monkeypa
 def test_oom_in_the_cold_start_names_its_batch_size(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(gspo.training.cold_start, "pad_batch", out_of_memory)
     err = error_line(tmp_path, capsys, "train.cold_start_steps=2", "train.cold_start_cache=false")
-    assert err.endswith("in the cold-start SFT: lower train.cold_start_batch_size (16)")
+    assert "in the cold-start SFT: lower train.cold_start_batch_size (16); " in err
+    assert err.endswith("model.activation_checkpointing=true keeps one transformer block's "
+                        "activations instead of all of them")  # fmt: skip
 
 
 def test_other_runtime_errors_are_not_taken_for_oom(tmp_path, monkeypatch):

@@ -100,6 +100,14 @@ class ModelConfig(Section):
         description="torch device (cpu, cuda, cuda:1); auto = CUDA if available, else CPU. "
         "Under torchrun, cuda means GPU LOCAL_RANK",
     )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Keep only each transformer block's input from the training forward and "
+        "recompute the block in backward (transformers' activation checkpointing): the "
+        "update's activation memory drops from every block's intermediates to one block's, "
+        "for about one more forward per update (docs/training.md, Memory); no effect on "
+        "no-grad forwards (pi_old, the reference, generation). The model must support it",
+    )
     lora: LoraSettings = Field(default_factory=LoraSettings)
 
     def check_builtin_shape(self) -> None:

@@ -11,6 +11,7 @@ from pydantic import Field, model_validator
 from gspo.config.algorithm import AlgorithmConfig, OptimConfig
 from gspo.config.checks import (
     chain_reward,
+    checkpointing_replay,
     environment_reward_workers,
     lora_cold_start,
     minibatches_fit,
@@ -70,6 +71,7 @@ class Config(Section):
         vllm_lora_sync(rollout, model.lora)
         model.lora.check_targets()
         moe_model(model, self.moe)
+        checkpointing_replay(model, self.moe)
         return self
 
     def warnings(self) -> list[str]:

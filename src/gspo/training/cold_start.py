@@ -74,7 +74,8 @@ def cold_start_key(config: Config, rows: list[dict[str, Any]], dist: Distributed
     t = config.train
     h = hashlib.sha256()
     settings = {
-        "model": config.model.model_dump(mode="json"),
+        # (activation checkpointing recomputes the same sums: the same result either way)
+        "model": config.model.model_dump(mode="json", exclude={"activation_checkpointing"}),
         "data": config.data.model_dump(mode="json"),  # templates and chat settings too
         "train": [t.seed, t.cold_start_steps, t.cold_start_lr, t.cold_start_batch_size],
         "temperature": config.rollout.temperature,

@@ -54,8 +54,23 @@ def _per_minibatch(config: Config) -> str:
     return advice
 
 
+def _checkpointing(config: Config) -> str:
+    """The advice for a stage with gradients: activation checkpointing, if it is off."""
+    if config.model.activation_checkpointing:
+        return ""
+    return (
+        "; model.activation_checkpointing=true keeps one transformer block's activations "
+        "instead of all of them"
+    )
+
+
+def _update(config: Config) -> str:
+    return _per_minibatch(config) + _checkpointing(config)
+
+
 def _cold_start(config: Config) -> str:
-    return f"lower train.cold_start_batch_size ({config.train.cold_start_batch_size})"
+    advice = f"lower train.cold_start_batch_size ({config.train.cold_start_batch_size})"
+    return advice + _checkpointing(config)
 
 
 #: stage -> (what it was doing, the settings that lower its memory)
@@ -66,7 +81,7 @@ STAGES: dict[str, tuple[str, Callable[[Config], str]]] = {
         _generation,
     ),
     "rollout": ("while computing the rollout batch's pi_old log-probs", _per_minibatch),
-    "update": ("in the policy update", _per_minibatch),
+    "update": ("in the policy update", _update),
     "cold_start": ("in the cold-start SFT", _cold_start),
 }
 

@@ -123,6 +123,8 @@ def build_policy_model(
         # (a step 0 naming its model as model.path: that model, so names never chain)
         model_dir = model_files(config.model.path or output_dir / "base_model")
     set_experts_implementation(model, config.model.experts_implementation)
+    if config.model.activation_checkpointing:
+        enable_activation_checkpointing(model)
     if lora.r > 0:
         # on CUDA the frozen base sits in the compute dtype (bf16: 2 bytes a weight)
         base_dtype = compute_dtype if device.type == "cuda" else torch.float32
@@ -135,6 +137,32 @@ def build_policy_model(
         )
     set_linear_kernel(model, config.model.cpu_linear)
     return model, tokenizer, model_dir
+
+
+def enable_activation_checkpointing(model) -> None:
+    """``model.activation_checkpointing``: transformers' own, on every decoder layer.
+
+    Each layer (a ``GradientCheckpointingLayer``) then runs under
+    ``torch.utils.checkpoint`` when the module is in training mode and gradients are on:
+    the update's forward keeps each layer's input only and backward runs the layer again.
+    Forwards under ``no_grad`` (pi_old, the reference, generation) are unchanged. The
+    non-reentrant checkpoint needs no input that requires grad, so the hook transformers
+    adds for that (``enable_input_require_grads``, for a frozen LoRA base) is removed: the
+    backward computes the same gradients, no more. A model without support is a one-line
+    ``ValueError``.
+    """
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"model.activation_checkpointing: {type(model).__name__} does not support "
+            "activation checkpointing (transformers' supports_gradient_checkpointing is False)"
+        )
+    kwargs = {"use_reentrant": False}
+    # newer transformers name it activation_checkpointing_enable (the old name warns)
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.disable_input_require_grads()
 
 
 def model_summary(model: torch.nn.Module) -> dict[str, float]:
