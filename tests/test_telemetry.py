@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import io
+import itertools
 import json
 import math
 import subprocess
@@ -408,6 +409,20 @@ def test_progress_plain_lines_when_not_a_terminal():
     assert "eval acc" not in lines[1]  # no eval yet at step 2
     assert "eval acc 0.3" in lines[6]  # step 12: kept from the step-10 eval line
     assert progress.accuracy == pytest.approx(0.6)
+
+
+def test_progress_prints_about_twenty_lines_when_steps_come_several_at_a_time():
+    """The loop reports once per rollout batch, its minibatches' steps at once (4 here):
+    with 384 steps a line every 19 steps would be printed only at multiples of 76. A line
+    comes each time a multiple of 19 is reached or passed, and at the end."""
+    console = Console(file=io.StringIO(), width=200)
+    with TrainingProgress(384, console=console) as progress:
+        for step in range(4, 385, 4):
+            progress.update(step, {"train/reward_mean": 0.5})
+    steps = [int(line.split()[1].split("/")[0]) for line in console.file.getvalue().splitlines()]
+    assert steps[0] == 4 and steps[-1] == 384 and len(steps) == len(set(steps))
+    assert 19 <= len(steps) <= 22, steps
+    assert all(b - a <= 20 for a, b in itertools.pairwise(steps)), steps
 
 
 def test_progress_live_bar_on_terminal_and_disabled():

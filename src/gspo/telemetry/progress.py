@@ -28,7 +28,9 @@ class TrainingProgress:
     few updates).
 
     When the console is not a terminal (CI, pipes, files), a compact plain line is
-    printed every ``max(1, total_steps // 20)`` steps and at the last step instead.
+    printed each time the step count reaches or passes a multiple of
+    ``max(1, total_steps // 20)`` (about 20 lines a run, whatever the steps per rollout
+    batch), and at the last step, instead.
     ``enabled=False`` makes everything a no-op. ``start_step`` is the step a resumed
     run starts from. ``console`` overrides the rich console (default: stdout).
     """
@@ -144,8 +146,10 @@ class TrainingProgress:
         if self._live:
             self._progress.update(self._task, completed=step, stats=self.stats_text())
         elif step != previous and (
-            not self._printed or step % self.every == 0 or step >= self.total_steps
-        ):
+            # a multiple of `every` reached or passed: steps come `minibatches` at a time
+            not self._printed or step // self.every > previous // self.every
+            or step >= self.total_steps
+        ):  # fmt: skip
             self._printed = True
             self._console.file.write(self.plain_line() + "\n")
             self._console.file.flush()
