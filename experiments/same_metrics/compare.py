@@ -18,19 +18,22 @@ import torch
 RUNS = ("dense", "cut", "token", "moe_replay", "moe_recompute", "chain", "async", "tools", "ranks")
 
 
-def records(run: Path) -> list[dict]:
+def records(run: Path, ignore: tuple[str, ...] = ()) -> list[dict]:
+    """The run's metric lines without times (and without the keys in ``ignore``)."""
     lines = (run / "metrics.jsonl").read_text().splitlines()
     parsed = [json.loads(line) for line in lines if line.strip()]
-    return [{k: v for k, v in r.items() if not k.startswith("time")} for r in parsed]
+    return [
+        {k: v for k, v in r.items() if not k.startswith("time") and k not in ignore} for r in parsed
+    ]
 
 
 def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
 
 
-def compare(before: Path, after: Path, name: str) -> str | None:
+def compare(before: Path, after: Path, name: str, ignore: tuple[str, ...] = ()) -> str | None:
     """``None`` when run ``name`` is the same in both, else what differs first."""
-    a, b = records(before / name), records(after / name)
+    a, b = records(before / name, ignore), records(after / name, ignore)
     if len(a) != len(b):
         return f"{len(a)} vs {len(b)} records"
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
@@ -49,10 +52,18 @@ def compare(before: Path, after: Path, name: str) -> str | None:
 
 
 def main(argv: list[str]) -> int:
+    """``compare.py BEFORE AFTER [RUN ...] [--ignore KEY ...]``: ``--ignore`` leaves out
+    metrics a change alters by design (``io/checkpoint_bytes`` when checkpoints hold a
+    new file), said in the output."""
+    ignore: tuple[str, ...] = ()
+    if "--ignore" in argv:
+        at = argv.index("--ignore")
+        argv, ignore = argv[:at], tuple(argv[at + 1 :])
+        print(f"ignoring {', '.join(ignore)}")
     before, after, *names = argv
     failed = False
     for name in names or RUNS:
-        problem = compare(Path(before), Path(after), name)
+        problem = compare(Path(before), Path(after), name, ignore)
         n = len(records(Path(before) / name))
         print(f"{name}: {'same' if problem is None else problem} ({n} records)")
         failed |= problem is not None
