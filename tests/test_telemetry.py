@@ -425,6 +425,19 @@ def test_progress_prints_about_twenty_lines_when_steps_come_several_at_a_time():
     assert all(b - a <= 20 for a, b in itertools.pairwise(steps)), steps
 
 
+def test_progress_shows_the_starting_evaluation_from_the_first_line():
+    """The evaluation before the first step is recorded, not shown: the first line (step 4
+    here) carries its accuracy until the next evaluation."""
+    console = Console(file=io.StringIO(), width=200)
+    with TrainingProgress(8, console=console) as progress:
+        progress.record({"eval/accuracy": 0.533, "step": 0})
+        assert console.file.getvalue() == ""
+        progress.update(4, {"train/reward_mean": 0.6})
+        progress.update(8, {"train/reward_mean": 0.7, "eval/accuracy": 0.9})
+    first, last = console.file.getvalue().splitlines()
+    assert "eval acc 0.533" in first and "eval acc 0.9" in last
+
+
 def test_progress_live_bar_on_terminal_and_disabled():
     console = Console(file=io.StringIO(), force_terminal=True, width=200, color_system=None)
     with TrainingProgress(10, console=console, start_step=5) as progress:

@@ -113,7 +113,7 @@ def test_every_rollout_batch_gives_exactly_minibatches_steps(tmp_path, ones_rewa
     assert [r["step"] for r in train_lines(run_metrics(tmp_path / "run"))] == list(range(1, 9))
 
 
-def test_the_last_progress_line_shows_the_final_evaluation(tmp_path, ones_reward, capsys):
+def test_the_progress_lines_show_the_starting_and_final_evaluations(tmp_path, ones_reward, capsys):
     overrides = [*FAST, ones_reward, "train.cold_start_steps=0", "train.max_steps=8",
                  "eval.every=0", "log.progress=true"]  # fmt: skip
     config = load_config(None, overrides)
@@ -123,6 +123,7 @@ def test_the_last_progress_line_shows_the_final_evaluation(tmp_path, ones_reward
     trainer.fit()
     steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert steps[-1].startswith("step 8/8 (100%)") and "eval acc 0.33 " in steps[-1]
+    assert "eval acc 0.25 " in steps[0]  # the starting evaluation, from the first line on
 
 
 def test_resume_past_a_damaged_checkpoint_takes_the_newest_complete_one(

@@ -286,8 +286,10 @@ class Trainer:
             unchanged = not changed and not self.policy.adapters and self.policy.version == 0
             self.save_checkpoint(model_dir=self.model_dir if unchanged else None)
             started = True
+        start: dict[str, float] = {}
         if self.step == 0 and not self.start_evaluated:
-            self.checkpoints.log(0, self.evaluator.run(self.step))
+            start = self.evaluator.run(self.step)
+            self.checkpoints.log(0, start)
         if started:  # step 0 on disk before RL (the KL reference reads it), then no progress
             self.checkpoints.wait()
             drop_progress(self.output_dir / CHECKPOINTS, self.dist)
@@ -297,6 +299,7 @@ class Trainer:
             TrainingProgress(cfg.total_steps, enabled=show, start_step=self.step) as bar,
             self.rollouts.running(first, cfg.rollout_batches),
         ):
+            bar.record(start)  # the first lines show the starting accuracy
             for rollout_index in range(first, cfg.rollout_batches):
                 before = self.step
                 for step, line in self.rl_step(rollout_index):

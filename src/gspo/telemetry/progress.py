@@ -120,13 +120,9 @@ class TrainingProgress:
         (s0, t0), (s1, t1) = self._times[0], self._times[-1]
         return (t1 - t0) / (s1 - s0) if s1 > s0 else None
 
-    def update(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Record that ``step`` steps are complete, with that step's ``metrics``."""
-        if not self.enabled:
-            return
-        if not self._started:
-            self.start()
-        step = int(step)
+    def record(self, metrics: Mapping[str, Any]) -> None:
+        """Keep the figures the display shows from ``metrics`` (e.g. the evaluation before
+        the first step), without showing anything yet."""
         safe = json_safe(metrics)
         for attr, key in (
             ("reward", "train/reward_mean"),
@@ -138,6 +134,15 @@ class TrainingProgress:
             value = safe.get(key)
             if _is_number(value):
                 setattr(self, attr, float(value))
+
+    def update(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Record that ``step`` steps are complete, with that step's ``metrics``."""
+        if not self.enabled:
+            return
+        if not self._started:
+            self.start()
+        step = int(step)
+        self.record(metrics)
         previous = self.step
         self.step = step
         if step > (self._times[-1][0] if self._times else previous):
