@@ -349,13 +349,13 @@ class KVDecoder:
         return attention == "products"
 
     def tensors(self) -> list[Tensor | None]:
-        """Every weight the step reads (the matrices as cast or merged for this decoder),
-        in a fixed order: two decoders of one model list the same shapes in the same
-        places."""
+        """Every weight a step reads but the MLP matrices (the matrices as cast or merged
+        for this decoder; the static step holds its MLPs' itself), in a fixed order: two
+        decoders of one model list the same shapes in the same places."""
         out: list[Tensor | None] = [self.embed, self.final_norm, self.head]
         for layer in self.layers:
             out += [layer.input_norm, layer.qkv, layer.qkv_bias, layer.qk_norm, layer.o]
-            out += [layer.post_norm, *(layer.mlp_weights or (None,) * 3)]
+            out.append(layer.post_norm)
             for pair in (layer.qkv_lora, layer.o_lora, *(layer.mlp_lora or (None,) * 3)):
                 out += list(pair or (None, None))
         return out

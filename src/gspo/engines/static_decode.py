@@ -179,8 +179,8 @@ class StaticDecoder:
         """Whether the next generation (``decoder``, freshly built from the same model after
         its weights moved, and its shapes and settings) can run on these buffers and graphs.
         If so its weights are copied into this generation's decoder and MLPs in place, and
-        the caller prefills ``self.decoder``, then calls :meth:`start`; if not, the caller
-        builds a new one (these buffers may hold some of the new weights by then)."""
+        the caller prefills ``self.decoder``, then calls :meth:`start`; if not, nothing
+        was copied and the caller builds a new one."""
         mine = self.decoder
         if not (
             decoder.model is mine.model
@@ -192,8 +192,8 @@ class StaticDecoder:
             and decoder.keys_transposed == mine.transposed
         ):
             return False
-        mlps = (_flat(self.mlps), _flat(dense_mlps(decoder)))
-        return copy_in_place(*mlps) and copy_in_place(mine.tensors(), decoder.tensors())
+        theirs = decoder.tensors() + _flat(dense_mlps(decoder))
+        return copy_in_place(mine.tensors() + _flat(self.mlps), theirs)
 
     # ------------------------------------------------------------------ the host loop
     def run(

@@ -27,11 +27,6 @@ DROP_FRACTION = 0.0
 CHECK_EVERY = 8
 
 
-def vocab(model: torch.nn.Module) -> int:
-    """The size of ``model``'s output head (the logits' last dimension)."""
-    return model.get_output_embeddings().weight.shape[0]
-
-
 class TorchEngine:
     """Batched sampling from a HF causal LM with a KV cache; finished rows leave the batch.
 
@@ -117,7 +112,8 @@ class TorchEngine:
             shapes = dict(rows=rows, capacity=capacity, params=params, stop=stop)
             graphs = static == "graphs"
             run = self.static
-            if run is not None and run.reuse(decoder, **shapes, vocab=vocab(model), graphs=graphs):
+            vocab = decoder.head.shape[0]  # of the logits
+            if run is not None and run.reuse(decoder, **shapes, vocab=vocab, graphs=graphs):
                 logits = run.decoder.prefill(unique_ids, unique_mask, n, capacity)
                 run.start(positions)
             else:
@@ -129,7 +125,7 @@ class TorchEngine:
                     params=params,
                     stop=stop,
                     pad_token_id=self.pad_token_id,
-                    vocab=logits.shape[-1],
+                    vocab=vocab,
                     graphs=graphs,
                 )
             run.run(logits, generator, check_every=CHECK_EVERY, drop_fraction=DROP_FRACTION)
