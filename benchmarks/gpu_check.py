@@ -30,6 +30,14 @@ wall time, the device's peak memory in use during it (``nvidia-smi``, every 0.5 
 gspo's generation and training tokens/s and their MFU (model FLOPs, as in
 ``vs_trl.py``, over the GPU's dense bf16 peak and over a measured bf16 matmul rate).
 
+``--stages`` picks and orders the stages (keys ``suite``, ``cuda``, ``decode``, ``vllm``,
+``train``, ``vs_trl``, ``async``; the report is rewritten after each, into
+``--report-dir``, with each pytest stage's output beside it as ``KEY.log``), ``--budget``
+bounds them together. A lent GPU of 15 device-minutes runs ``--lease 1`` and ``--lease
+2`` (:data:`LEASE`) as two calls through ``benchmarks/gpu_lease.sh``: the CUDA tests, the
+suite (the test_cuda.py file left to the CUDA stage, the 25 slowest tests listed) and
+decoding in the first; gspo vs TRL, async and the bf16 demo in the second.
+
 On a machine without CUDA it stops at once with one line and exit status 2.
 
 ``--smoke`` runs the same stages at toy sizes (one small test file for the suite, a
@@ -190,9 +198,19 @@ def run_stage(stage: Stage, body: Callable[[Stage, float], None], limit: float) 
     stage.peak_memory_mib = memory.peak_mib
 
 
-def run(command: list[str], limit: float, stage: Stage) -> str:
-    """A subprocess within ``limit`` seconds; a non-zero exit fails the stage with its tail."""
-    out = subprocess.run(command, capture_output=True, text=True, timeout=limit, cwd=ROOT)
+def run(command: list[str], limit: float, stage: Stage, log: Path | None = None) -> str:
+    """A subprocess within ``limit`` seconds; a non-zero exit fails the stage with its tail.
+    ``log``: a file that gets the last MiB of its output, also when it runs out of time."""
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=limit, cwd=ROOT)
+    except subprocess.TimeoutExpired as timeout:
+        if log is not None:
+            text = [x.decode(errors="replace") if isinstance(x, bytes) else x or ""
+                    for x in (timeout.stdout, timeout.stderr)]  # fmt: skip
+            log.write_text(("".join(text) + f"\n(stopped after {limit:.0f} s)\n")[-(2**20) :])
+        raise
+    if log is not None:
+        log.write_text((out.stdout + out.stderr)[-(2**20) :])
     if out.returncode != 0:
         stage.status = "failed"
         tail = (out.stdout + out.stderr).strip().splitlines()[-5:]
@@ -232,13 +250,21 @@ def xdist_workers() -> int:
 
 
 def pytest_stage(
-    paths: list[str] | tuple[str, ...], *, workers: int = 0, target_s: float | None = None
+    paths: list[str] | tuple[str, ...],
+    *,
+    workers: int = 0,
+    target_s: float | None = None,
+    log: Path | None = None,
 ) -> Callable[[Stage, float], None]:
-    """pytest over ``paths``; with ``target_s`` the report says whether it ran within it."""
+    """pytest over ``paths``; with ``target_s`` the report says whether it ran within it
+    (and pytest lists the slowest tests); ``log``: where its output goes (its last MiB)."""
 
     def body(stage: Stage, limit: float) -> None:
         start = time.perf_counter()
-        out = run(pytest_command(paths, workers), limit, stage)
+        command = pytest_command(paths, workers)
+        if target_s is not None:
+            command.append("--durations=25")
+        out = run(command, limit, stage, log=log)
         seconds = time.perf_counter() - start
         summary, figures = pytest_summary(out)
         stage.figures.update(figures)
@@ -431,11 +457,52 @@ def render(stages: list[Stage], header: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: The stages ``--stages`` picks from, in the order a full check runs them, with the
+#: seconds each may take at most (the suite's is ``--suite-limit``).
+STAGES = ("suite", "cuda", "decode", "vllm", "train", "vs_trl", "async")
+SHARES = {"cuda": 150, "decode": 90, "vllm": 150, "train": 180, "vs_trl": 300, "async": 150}
+
+#: What a GPU lease of 15 device-minutes runs, as two calls (``benchmarks/gpu_lease.sh 1``
+#: then ``2``) beside a machine start of 1-2 minutes: the numerics and the suite first,
+#: then speed. ``budget`` is the call's seconds for its stages, ``suite`` the suite's.
+LEASE = {
+    "1": {"stages": "cuda,suite,decode", "budget": 450.0, "suite": 240.0},
+    "2": {"stages": "vs_trl,async,train", "budget": 250.0, "suite": 0.0},
+}
+
+
+def parse_stages(text: str) -> list[str]:
+    """``--stages``' comma-separated keys, in the order given; one line naming a wrong one."""
+    keys = [k.strip() for k in text.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in STAGES]
+    if unknown or not keys or len(set(keys)) < len(keys):
+        raise argparse.ArgumentTypeError(
+            f"--stages {text!r}: each of {', '.join(STAGES)} at most once"
+            + (f" ({', '.join(unknown)} is not one)" if unknown else "")
+        )
+    return keys
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu_check")
     parser.add_argument(
-        "--budget", type=float, default=570.0, help="seconds for all stages after the suite"
+        "--report-dir",
+        type=Path,
+        default=None,
+        help="where report.md, report.json and the pytest logs go (default: --out)",
+    )
+    parser.add_argument(
+        "--stages",
+        type=parse_stages,
+        default=list(STAGES),
+        help=f"comma-separated, run in the order given (default: {','.join(STAGES)})",
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds for all the stages (default: 570, plus --suite-limit with the suite)",
     )
     parser.add_argument(
         "--suite-limit",
@@ -446,7 +513,16 @@ def main() -> int:
     parser.add_argument(
         "--smoke", action="store_true", help="toy sizes, on the CPU when there is no CUDA"
     )
+    parser.add_argument(
+        "--lease",
+        choices=sorted(LEASE),
+        help="one call of a 15-minute GPU lease: its stages and budget (see LEASE)",
+    )
     args = parser.parse_args()
+    if args.lease:
+        lease = LEASE[args.lease]
+        args.stages, args.budget = parse_stages(lease["stages"]), lease["budget"]
+        args.suite_limit = lease["suite"]
     reason = no_cuda_reason()
     if reason is not None and not (args.smoke and importlib.util.find_spec("torch")):
         print(f"gpu-check: {reason}; nothing run", file=sys.stderr)
@@ -456,8 +532,13 @@ def main() -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
     )
-    args.out.mkdir(parents=True, exist_ok=True)
+    reports = args.report_dir or args.out
+    for folder in (args.out, reports):
+        folder.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
+    budget = args.budget
+    if budget is None:
+        budget = 570.0 + (args.suite_limit if "suite" in args.stages else 0.0)
     sizes = smoke_sizes("cpu" if reason else "cuda") if args.smoke else FULL
     if sizes.device == "cuda":
         name = torch.cuda.get_device_name()
@@ -479,53 +560,69 @@ def main() -> int:
         "torch": torch.__version__,
         "commit": _revision(),
         "measured matmul": rate,
+        "stages": f"{','.join(args.stages)} in {budget:.0f} s",
     }
     if args.smoke:
         header["mode"] = "smoke: toy sizes, a check of the script; the figures mean nothing"
     model = f"{sizes.model_label}, {sizes.response_tokens}-token responses"
-    workers = xdist_workers()
-    suite = Stage("test suite" + (" (smoke: one file)" if args.smoke else ""))
-    run_stage(suite, pytest_stage(sizes.suite, workers=workers, target_s=SUITE_TARGET_S),
-              args.suite_limit)  # fmt: skip
-    print(f"{suite.name}: {suite.status} ({suite.seconds:.0f} s) {suite.detail}", flush=True)
-    start = time.perf_counter()  # the budget is for the stages after the suite
-    stages = [
-        (Stage("tests (CUDA)"), pytest_stage(["tests/test_cuda.py"]), 90),
-        (
+    # the suite leaves test_cuda.py to the cuda stage when that runs too
+    suite = [*sizes.suite, *(["--ignore=tests/test_cuda.py"] if "cuda" in args.stages else [])]
+    stages = {
+        "suite": (
+            Stage("test suite" + (" (smoke: one file)" if args.smoke else "")),
+            pytest_stage(
+                suite, workers=xdist_workers(), target_s=SUITE_TARGET_S, log=reports / "suite.log"
+            ),
+        ),
+        "cuda": (
+            Stage("tests (CUDA)"),
+            pytest_stage(["tests/test_cuda.py"], log=reports / "cuda.log"),
+        ),
+        "decode": (
             Stage(f"decode, rollout.cuda_graphs off vs on, {model}"),
             decode_stage(args.out, sizes),
-            90,
         ),
-        (Stage("vLLM engine tests"), None, 150),
-        (Stage(f"gspo train, built-in task, {sizes.dtype}"), train_stage(args.out, sizes), 180),
-        (Stage(f"gspo vs TRL, {model}"), vs_trl_stage(args.out, peaks, sizes), 300),
-        (
+        "vllm": (
+            Stage("vLLM engine tests"),
+            pytest_stage(["tests/test_vllm_engine.py"], log=reports / "vllm.log")
+            if importlib.util.find_spec("vllm") is not None
+            else None,
+        ),
+        "train": (
+            Stage(f"gspo train, built-in task, {sizes.dtype}"),
+            train_stage(args.out, sizes),
+        ),
+        "vs_trl": (Stage(f"gspo vs TRL, {model}"), vs_trl_stage(args.out, peaks, sizes)),
+        "async": (
             Stage(f"async rollouts, max_staleness 0 vs 1, {sizes.model_label}"),
             async_stage(args.out, sizes),
-            150,
         ),
-    ]
-    if importlib.util.find_spec("vllm") is not None:
-        stages[2] = (stages[2][0], pytest_stage(["tests/test_vllm_engine.py"]), 150)
-    for stage, body, share in stages:
-        left = args.budget - (time.perf_counter() - start)
+    }
+    done: list[Stage] = []
+    for key in args.stages:
+        stage, body = stages[key]
+        share = args.suite_limit if key == "suite" else SHARES[key]
+        left = budget - (time.perf_counter() - start)
         if body is None:
             stage.status, stage.detail = "skipped", "vLLM is not installed"
         elif left < 20:
             stage.status, stage.detail = "not run", "no time left in the budget"
         else:
-            run_stage(stage, body, min(share, left) if stage is not stages[-1][0] else left)
+            run_stage(stage, body, left if key == args.stages[-1] else min(share, left))
         print(f"{stage.name}: {stage.status} ({stage.seconds:.0f} s) {stage.detail}", flush=True)
-        done = [suite, *(s for s, _, _ in stages)]
-        (args.out / "report.md").write_text(render(done, header))
-        (args.out / "report.json").write_text(
+        done.append(stage)
+        (reports / "report.md").write_text(render(done, header))
+        (reports / "report.json").write_text(
             json.dumps({"header": header, "stages": [s.__dict__ for s in done]}, indent=1)
         )
-    print(f"report: {args.out / 'report.md'}")
+    print(f"report: {reports / 'report.md'}")
     return 0 if all(s.status in ("passed", "skipped") for s in done) else 1
 
 
 def _revision() -> str:
+    """The commit checked (``GSPO_COMMIT`` where the tree was copied without its .git)."""
+    if os.environ.get("GSPO_COMMIT"):
+        return os.environ["GSPO_COMMIT"]
     out = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     )

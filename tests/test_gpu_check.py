@@ -1,6 +1,7 @@
 """benchmarks/gpu_check.py on a machine without CUDA: it stops at once, and its CPU-side
 parts (model size, report) are right. It has not run on a GPU from these tests."""
 
+import argparse
 import importlib.util
 import os
 import subprocess
@@ -143,3 +144,47 @@ def test_smoke_runs_every_stage_on_the_cpu_and_writes_the_report(tmp_path):
     assert figures["k=0 whole process s"] > 0 and figures["k=1 whole process s"] > 0
     assert {"k=0 waited for rollouts s", "k=1 waited for rollouts s"} <= set(figures)
     assert (tmp_path / "report.md").read_text().count("| passed |") >= 2
+
+
+def test_stages_are_picked_in_the_order_given_and_a_wrong_key_is_one_line(gpu_check, tmp_path):
+    assert gpu_check.parse_stages("decode, cuda") == ["decode", "cuda"]
+    for wrong in ("decode,bogus", "cuda,cuda", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="--stages"):
+            gpu_check.parse_stages(wrong)
+    for lease in gpu_check.LEASE.values():  # each part of a lease names real stages
+        assert gpu_check.parse_stages(lease["stages"])
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--stages", "suite,bogus"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2 and "bogus is not one" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_a_lease_part_runs_its_stages_in_order_and_reports_into_the_report_dir(tmp_path):
+    """``--lease 1`` (the first call of a GPU lease) at toy sizes on the CPU: the CUDA
+    tests, the suite without test_cuda.py, decoding; the report and each pytest stage's
+    log land in ``--report-dir``, the runs' files in ``--out``."""
+    import json
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "GSPO_COMMIT": "feedbee"}
+    out, reports = tmp_path / "work", tmp_path / "reports"
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--lease", "1", "--out", str(out),
+         "--report-dir", str(reports)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads((reports / "report.json").read_text())
+    assert report["header"]["commit"] == "feedbee"
+    assert report["header"]["stages"] == "cuda,suite,decode in 450 s"
+    names = [s["name"].split(",")[0] for s in report["stages"]]
+    assert names == ["tests (CUDA)", "test suite (smoke: one file)", "decode"]
+    assert [s["status"] for s in report["stages"]] == ["skipped", "passed", "passed"]
+    suite = (reports / "suite.log").read_text()
+    assert "passed" in suite and "slowest" in suite  # --durations lists the slowest tests
+    assert "skipped" in (reports / "cuda.log").read_text()
+    assert sorted(p.name for p in reports.iterdir()) == [
+        "cuda.log", "report.json", "report.md", "suite.log",
+    ]  # fmt: skip
+    assert (out / "toy").is_dir() and not (out / "report.md").exists()
