@@ -14,10 +14,12 @@ whole call (prefill included) over its decode steps. ``graphs`` is timed at its 
 call of the same shapes (graphs kept from the first, as for every rollout batch after a
 run's first); the first call's seconds, captures included, are reported beside it.
 
-The floor: one step must read every matrix of the step once (in the compute dtype; the
-head in float32, as the sampler computes it) and the keys and values of every row up to
-its current length (at the mean length of the call); over the device's measured copy
-bandwidth, that is the fastest a step can be. The fraction reported is floor / measured.
+The model's head precision is what a run's ``model.head_precision=auto`` gives (bf16
+weight on CUDA, float32 on the CPU). The floor: one step must read every matrix of the
+step once (in the compute dtype; the head in the dtype the sampler computes it in) and
+the keys and values of every row up to its current length (at the mean length of the
+call); over the device's measured copy bandwidth, that is the fastest a step can be. The
+fraction reported is floor / measured.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ def timed(device: torch.device, fn) -> float:
 
 def step_bytes(model, dtype: torch.dtype, rows: int, columns: float) -> dict[str, float]:
     """Bytes one decode step must read: the fast decoder's matrices in ``dtype`` (the
-    head in float32) and the keys and values of ``rows`` rows over ``columns`` columns."""
+    head as the decoder holds it) and the keys and values of ``rows`` rows over
+    ``columns`` columns."""
     from gspo.engines.decoding import KVDecoder
 
     with autocast(model, dtype):
@@ -130,16 +133,22 @@ def measure(model, tokenizer, prompts, *, tokens: int, dtype: torch.dtype, way: 
 
 def compare(work: Path, *, device: str = "cuda", tokens: int = 512) -> dict[str, float | str]:
     """The figures of the three ways on ``work``'s model (see the module docstring)."""
+    from gspo.config import load_config
     from gspo.models import load_model
+    from gspo.models.kernels import set_linear_kernel
+    from gspo.training.setup import head_precision
 
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model, tokenizer = load_model(work / "model", device=dev, dtype=torch.float32)
+    head = head_precision(load_config(None, []), dev, dtype)  # as a run's default
+    set_linear_kernel(model, "onednn", head)
     lines = (work / "train.jsonl").read_text().splitlines()[:PROMPTS]
     prompts = [tokenizer(json.loads(x)["prompt"])["input_ids"] for x in lines]
     bandwidth = copy_bandwidth(dev)
     figures: dict[str, float | str] = {
         "rows x new tokens": f"{PROMPTS * GROUP} x {tokens}",
+        "head precision": head,
         "copy bandwidth GB/s": round(bandwidth / 1e9, 1),
     }
     ms = {}

@@ -30,13 +30,14 @@ wall time, the device's peak memory in use during it (``nvidia-smi``, every 0.5 
 gspo's generation and training tokens/s and their MFU (model FLOPs, as in
 ``vs_trl.py``, over the GPU's dense bf16 peak and over a measured bf16 matmul rate).
 
-``--stages`` picks and orders the stages (keys ``suite``, ``cuda``, ``decode``, ``vllm``,
-``train``, ``vs_trl``, ``async``; the report is rewritten after each, into
+``--stages`` picks and orders the stages (keys ``suite``, ``cuda``, ``head`` (the training
+forward's vocabulary projection, forward and backward, at each ``model.head_precision``),
+``decode``, ``vllm``, ``train``, ``vs_trl``, ``async``; the report is rewritten after each, into
 ``--report-dir``, with each pytest stage's output beside it as ``KEY.log``), ``--budget``
 bounds them together. A lent GPU of 15 device-minutes runs ``--lease 1`` and ``--lease
 2`` (:data:`LEASE`) as two calls through ``benchmarks/gpu_lease.sh``: the CUDA tests, the
-suite (the test_cuda.py file left to the CUDA stage, the 25 slowest tests listed) and
-decoding in the first; gspo vs TRL, async and the bf16 demo in the second.
+suite (the test_cuda.py file left to the CUDA stage, the 25 slowest tests listed), the
+head and decoding in the first; gspo vs TRL, async and the bf16 demo in the second.
 
 On a machine without CUDA it stops at once with one line and exit status 2.
 
@@ -407,6 +408,48 @@ def decode_stage(out: Path, sizes: Sizes = FULL) -> Callable[[Stage, float], Non
     return body
 
 
+def head_stage(sizes: Sizes = FULL, tokens: int = 4096) -> Callable[[Stage, float], None]:
+    """The training forward's vocabulary projection and log-softmax, forward and backward
+    (``logprobs_from_hidden``: chunked, each chunk recomputed in backward), for ``tokens``
+    tokens of the vs_trl model's hidden size and vocabulary, at each
+    ``model.head_precision``: ms and TFLOP/s (CUDA events after a warm-up, mean of 3)."""
+
+    def body(stage: Stage, limit: float) -> None:
+        import decode_graphs
+        import torch
+
+        from gspo.models import logprobs
+        from gspo.models.kernels import bf16_weight_linear
+
+        device = torch.device(sizes.device)
+        hidden_size, vocab = sizes.model["hidden"], sizes.vocab or 520
+        n = tokens if sizes is FULL else 256
+        g = torch.Generator(device=device).manual_seed(0)
+        hidden = torch.randn(1, n, hidden_size, device=device, generator=g, requires_grad=True)
+        weight = 0.02 * torch.randn(vocab, hidden_size, device=device, generator=g)
+        weight.requires_grad_()
+        ids = torch.randint(vocab, (1, n), device=device, generator=g)
+        flops = 8 * n * hidden_size * vocab  # forward, its recompute in backward, backward
+        ms = {}
+        kernels = {"float32": torch.nn.functional.linear, "bf16_weight": bf16_weight_linear}
+        for name, linear in kernels.items():
+
+            def step(linear=linear):
+                out = logprobs.logprobs_from_hidden(
+                    hidden, weight, ids, 1.0, logprobs.LOGPROB_CHUNK, linear=linear
+                )
+                out.sum().backward()
+
+            step()  # warm-up
+            seconds = decode_graphs.timed(device, lambda: [step() for _ in range(3)]) / 3
+            ms[name] = 1e3 * seconds
+            stage.figures[f"{name}: ms per {n} tokens"] = round(ms[name], 2)
+            stage.figures[f"{name}: TFLOP/s"] = round(flops / seconds / 1e12, 1)
+        stage.figures["bf16_weight speed-up"] = round(ms["float32"] / ms["bf16_weight"], 2)
+
+    return body
+
+
 def async_stage(out: Path, sizes: Sizes = FULL) -> Callable[[Stage, float], None]:
     """``rollout.max_staleness`` 0 vs 1 on the ~0.5B Qwen3 (the vs_trl stage's workload)."""
 
@@ -459,14 +502,17 @@ def render(stages: list[Stage], header: dict[str, str]) -> str:
 
 #: The stages ``--stages`` picks from, in the order a full check runs them, with the
 #: seconds each may take at most (the suite's is ``--suite-limit``).
-STAGES = ("suite", "cuda", "decode", "vllm", "train", "vs_trl", "async")
-SHARES = {"cuda": 150, "decode": 90, "vllm": 150, "train": 180, "vs_trl": 300, "async": 150}
+STAGES = ("suite", "cuda", "head", "decode", "vllm", "train", "vs_trl", "async")
+SHARES = {
+    "cuda": 150, "head": 30, "decode": 90, "vllm": 150, "train": 180, "vs_trl": 300,
+    "async": 150,
+}  # fmt: skip
 
 #: What a GPU lease of 15 device-minutes runs, as two calls (``benchmarks/gpu_lease.sh 1``
 #: then ``2``) beside a machine start of 1-2 minutes: the numerics and the suite first,
 #: then speed. ``budget`` is the call's seconds for its stages, ``suite`` the suite's.
 LEASE = {
-    "1": {"stages": "cuda,suite,decode", "budget": 450.0, "suite": 240.0},
+    "1": {"stages": "cuda,suite,head,decode", "budget": 450.0, "suite": 240.0},
     "2": {"stages": "vs_trl,async,train", "budget": 250.0, "suite": 0.0},
 }
 
@@ -577,6 +623,10 @@ def main() -> int:
         "cuda": (
             Stage("tests (CUDA)"),
             pytest_stage(["tests/test_cuda.py"], log=reports / "cuda.log"),
+        ),
+        "head": (
+            Stage(f"log-prob head forward+backward, {sizes.model_label} sizes"),
+            head_stage(sizes),
         ),
         "decode": (
             Stage(f"decode, rollout.cuda_graphs off vs on, {model}"),

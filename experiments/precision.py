@@ -38,7 +38,7 @@ import torch
 from gspo.config import load_config
 from gspo.engines import SamplingParams, TorchEngine, decoding
 from gspo.experiments import PRESETS, cold_start_checkpoint
-from gspo.models import completion_logprobs, load_model
+from gspo.models import completion_logprobs, kernels, load_model
 from gspo.models import logprobs as models
 from gspo.tasks import encode_prompt
 from gspo.training.seeds import derive_seed
@@ -47,14 +47,30 @@ from gspo.training.setup import load_task_data
 #: GSPO's clip band on the mean log-ratio: log(1 - 3e-4), log(1 + 4e-4).
 CLIP_LOW, CLIP_HIGH = math.log1p(-3e-4), math.log1p(4e-4)
 
-#: name -> (compute dtype, head in float32, decoder attention)
+#: name -> (compute dtype, head in float32, decoder attention, head precision: float32,
+#: bf16_weight, or "bf16 inputs": bf16_weight with the hidden states rounded to bf16 too)
 SETTINGS = {
-    "float32": (torch.float32, True, None),
-    "bf16, as before (bf16 logits, products attention)": (torch.bfloat16, False, "products"),
-    "bf16, float32 head only": (torch.bfloat16, True, "products"),
-    "bf16, SDPA decode only": (torch.bfloat16, False, "sdpa"),
-    "bf16, both fixes (the default)": (torch.bfloat16, True, None),
-}
+    "float32": (torch.float32, True, None, "float32"),
+    "bf16, as before (bf16 logits, products attention)": (
+        torch.bfloat16, False, "products", "float32",
+    ),
+    "bf16, float32 head only": (torch.bfloat16, True, "products", "float32"),
+    "bf16, SDPA decode only": (torch.bfloat16, False, "sdpa", "float32"),
+    "bf16, both fixes (the CPU's default)": (torch.bfloat16, True, None, "float32"),
+    "bf16, both fixes, bf16_weight head (CUDA's default)": (
+        torch.bfloat16, True, None, "bf16_weight",
+    ),
+    "bf16, both fixes, head inputs rounded to bf16 (not used)": (
+        torch.bfloat16, True, None, "bf16 inputs",
+    ),
+}  # fmt: skip
+
+
+def _hi_only(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernels._split`` without its low term: the hidden states rounded to bf16."""
+    hi = x.reshape(-1, x.shape[-1]).bfloat16()
+    return hi, torch.zeros_like(hi)
+
 
 QUIET = ["log.progress=false", "log.plots=false", "log.tensorboard=false"]
 
@@ -90,9 +106,12 @@ def probe(args) -> dict:
         model, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
     )
     results = {}
-    for name, (dtype, head32, attention) in SETTINGS.items():
+    split = kernels._split
+    for name, (dtype, head32, attention, head) in SETTINGS.items():
         models.HEAD_IN_FLOAT32 = head32
         decoding.KVDecoder.attention = attention
+        kernels.set_linear_kernel(model, "torch", "float32" if head == "float32" else "bf16_weight")
+        kernels._split = _hi_only if head == "bf16 inputs" else split
         token_abs, token_max, seq_abs, outside, lengths = [], 0.0, [], 0, []
         start = time.perf_counter()
         for b in range(args.batches):
@@ -138,6 +157,7 @@ def probe(args) -> dict:
         }
         print(name, json.dumps(results[name]))
     models.HEAD_IN_FLOAT32, decoding.KVDecoder.attention = True, None
+    kernels._split = split
     return results
 
 

@@ -324,6 +324,32 @@ def test_two_ranks_over_nccl_take_the_one_process_step(tmp_path):
     )  # fmt: skip
 
 
+def test_the_bf16_weight_head_takes_the_tensor_cores_and_the_cpus_arithmetic():
+    """``model.head_precision=bf16_weight`` (CUDA's default in bf16): on CUDA the two
+    products go through ``torch.mm``'s float32 ``out_dtype`` (the tensor cores, no float32
+    operands), and give what the CPU's float32-operand arithmetic gives for the same bf16
+    terms, to float32 summation order; the gradients too (torch.mm's out_dtype has no
+    autograd of its own: the kernel's backward is gspo's)."""
+    from gspo.models import kernels
+
+    device = torch.device("cuda")
+    assert kernels._mm_out_dtype(device)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 96, 256, generator=g) * 3
+    w = torch.randn(4096, 256, generator=g) * 0.05
+    grad = torch.randn(2, 96, 4096, generator=g)
+    outs = []
+    for where in ("cpu", "cuda"):
+        xd, wd = (t.to(where).requires_grad_() for t in (x, w))
+        out = kernels.bf16_weight_linear(xd, wd)
+        out.backward(grad.to(where))
+        outs.append([t.detach().cpu() for t in (out, xd.grad, wd.grad)])
+    (out_cpu, gx_cpu, gw_cpu), (out_gpu, gx_gpu, gw_gpu) = outs
+    torch.testing.assert_close(out_gpu, out_cpu, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(gx_gpu, gx_cpu, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(gw_gpu, gw_cpu, rtol=1e-5, atol=1e-3)
+
+
 def test_a_snapshot_of_cuda_tensors_is_a_pinned_cpu_copy():
     """Background checkpoints copy CUDA weights and optimizer state asynchronously into
     pinned memory: the copy is complete when :func:`snapshot` returns, tied tensors stay
@@ -446,11 +472,16 @@ def test_cuda_graphs_are_captured_once_and_replayed_by_the_next_generation(
     assert (a.sampler_logprobs - b.sampler_logprobs).abs().max() < 1e-5
 
 
-def test_cuda_graphs_in_bf16_stay_near_a_bf16_recompute(tokenizer, tiny_model, monkeypatch):
+@pytest.mark.parametrize("head", ["float32", "bf16_weight"])
+def test_cuda_graphs_in_bf16_stay_near_a_bf16_recompute(tokenizer, tiny_model, monkeypatch, head):
     """Under bf16 autocast (how the trainer samples on CUDA) the captured step's log-probs
     are the trainer's to bf16 rounding, as the per-step loop's are; same tokens as the
-    eager static step."""
+    eager static step. With either head precision (bf16_weight, the default on CUDA in
+    bf16, captures torch.mm's out_dtype products)."""
+    from gspo.models.kernels import set_linear_kernel
+
     model = tiny_model.to("cuda")
+    set_linear_kernel(model, "torch", head)
     graphs, eager, _, captured = graph_engines(model, tokenizer, monkeypatch)
     params = SamplingParams(24)
     with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -163,7 +163,7 @@ def test_stages_are_picked_in_the_order_given_and_a_wrong_key_is_one_line(gpu_ch
 
 def test_a_lease_part_runs_its_stages_in_order_and_reports_into_the_report_dir(tmp_path):
     """``--lease 1`` (the first call of a GPU lease) at toy sizes on the CPU: the CUDA
-    tests, the suite without test_cuda.py, decoding; the report and each pytest stage's
+    tests, the suite without test_cuda.py, the log-prob head, decoding; the report and each pytest stage's
     log land in ``--report-dir``, the runs' files in ``--out``."""
     import json
 
@@ -177,10 +177,13 @@ def test_a_lease_part_runs_its_stages_in_order_and_reports_into_the_report_dir(t
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads((reports / "report.json").read_text())
     assert report["header"]["commit"] == "feedbee"
-    assert report["header"]["stages"] == "cuda,suite,decode in 450 s"
+    assert report["header"]["stages"] == "cuda,suite,head,decode in 450 s"
     names = [s["name"].split(",")[0] for s in report["stages"]]
-    assert names == ["tests (CUDA)", "test suite (smoke: one file)", "decode"]
-    assert [s["status"] for s in report["stages"]] == ["skipped", "passed", "passed"]
+    assert names == ["tests (CUDA)", "test suite (smoke: one file)",
+                     "log-prob head forward+backward", "decode"]  # fmt: skip
+    assert [s["status"] for s in report["stages"]] == ["skipped", "passed", "passed", "passed"]
+    head = report["stages"][2]["figures"]
+    assert head["float32: ms per 256 tokens"] > 0 and head["bf16_weight speed-up"] > 0
     suite = (reports / "suite.log").read_text()
     assert "passed" in suite and "slowest" in suite  # --durations lists the slowest tests
     assert "skipped" in (reports / "cuda.log").read_text()

@@ -8,6 +8,9 @@ import torch.nn.functional as F
 
 from gspo.models import kernels, packed_completion_logprobs
 from gspo.models.kernels import (
+    bf16_weight_linear,
+    head_linear_for,
+    head_precision,
     linear_for,
     linear_kernel,
     onednn_available,
@@ -128,3 +131,67 @@ def test_a_run_puts_its_policy_and_kl_reference_on_model_cpu_linear(tmp_path, ke
     assert patched == (linears if kernel == "onednn" else set())
     assert trainer.reference.module is not None  # loaded by the KL term
     assert linear_kernel(trainer.reference.module) == kernel
+    # the head's precision goes with the kernel: float32 on the CPU whatever autocast
+    assert head_precision(module) == head_precision(trainer.reference.module) == "float32"
+
+
+def bf16(t):
+    return t.detach().bfloat16().float()
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_the_bf16_weight_head_rounds_the_weight_only_and_never_its_sums(weight_dtype):
+    """``bf16_weight_linear``: the weight rounded to bf16, the input kept to ~16 bits (two
+    bf16 terms), float32 sums and result (on the CPU through float32 operands, on CUDA
+    torch.mm's out_dtype); its backward rounds the incoming gradient and the input to bf16
+    and gives each input a gradient of its own dtype."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 5, 64, generator=g) * 4).requires_grad_()
+    w = torch.randn(300, 64, generator=g).to(weight_dtype).requires_grad_()
+    grad = torch.randn(3, 5, 300, generator=g)
+    out = bf16_weight_linear(x, w)
+    assert out.dtype == torch.float32 and out.shape == (3, 5, 300)
+    exact_x = F.linear(x.detach(), bf16(w))  # only the weight rounded
+    scale = exact_x.abs().max()  # 144 here
+
+    def off(a, b):
+        return (a - b).abs().max() / scale
+
+    assert off(out, exact_x) < 1e-5  # x to ~16 bits (measured 2.8e-6)
+    # rounding x to bf16 too (1.3e-3 measured), or the sums as autocast does (2.3e-3): far more
+    assert off(F.linear(bf16(x), bf16(w)), exact_x) > 1e-4
+    assert off(out, F.linear(x.bfloat16(), w.bfloat16()).float()) > 1e-4
+    if weight_dtype == torch.float32:  # the weight is rounded (1.7e-3 measured)
+        assert off(out, F.linear(x.detach(), w.detach())) > 1e-4
+    out.backward(grad)
+    assert x.grad.dtype == torch.float32 and w.grad.dtype == weight_dtype
+    torch.testing.assert_close(x.grad, (bf16(grad) @ bf16(w)), rtol=1e-6, atol=1e-5)
+    flat_g, flat_x = bf16(grad).reshape(-1, 300), bf16(x).reshape(-1, 64)
+    torch.testing.assert_close(w.grad.float(), (flat_g.t() @ flat_x).to(weight_dtype).float())
+    with torch.no_grad():  # no graph: the same values
+        assert torch.equal(bf16_weight_linear(x, w), out.detach())
+
+
+def test_head_precision_auto_is_bf16_weight_on_cuda_below_float32_only():
+    from gspo.config import load_config
+    from gspo.training.setup import head_precision as resolve
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    auto = load_config(None, [])
+    assert resolve(auto, cuda, torch.bfloat16) == resolve(auto, cuda, torch.float16)
+    assert resolve(auto, cuda, torch.bfloat16) == "bf16_weight"
+    assert resolve(auto, cuda, torch.float32) == "float32"
+    assert resolve(auto, cpu, torch.bfloat16) == "float32"
+    forced = load_config(None, ["model.head_precision=bf16_weight"])
+    assert resolve(forced, cpu, torch.float32) == "bf16_weight"
+    assert resolve(load_config(None, ["model.head_precision=float32"]), cuda, torch.bfloat16) == (
+        "float32"
+    )
+
+
+def test_the_head_kernel_follows_the_models_mark(tiny_model):
+    assert head_precision(tiny_model) == "float32" and head_linear_for(tiny_model) is F.linear
+    set_linear_kernel(tiny_model, "torch", "bf16_weight")
+    assert head_precision(tiny_model) == "bf16_weight"
+    assert head_linear_for(tiny_model) is bf16_weight_linear
+    assert linear_for(tiny_model) is F.linear  # the other layers keep their kernel

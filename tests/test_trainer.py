@@ -1,6 +1,7 @@
 """The main job end to end: training, resume, bring-your-own model/data/reward, errors."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -600,6 +601,28 @@ def test_bf16_defaults_leave_the_on_policy_minibatch_unclipped(tmp_path, varied_
     first = [r for r in train_lines(run_metrics(tmp_path / "sampler")) if r["train/minibatch"] == 0]
     assert any(r["train/clip_fraction"] > 0 for r in first)
     assert capsys.readouterr().err.count("warning: the on-policy minibatch") == 1
+
+
+def test_a_bf16_weight_head_reaches_the_sampler_the_update_and_the_reference(
+    tmp_path, varied_reward
+):
+    """``model.head_precision=bf16_weight`` (CUDA's default below float32, forced here on
+    the CPU): the policy and the KL reference both carry it, the run trains, and with pi_old
+    recomputed the on-policy ratios are still exactly 1."""
+    from gspo.models.kernels import head_precision
+
+    overrides = [*FAST, varied_reward, "model.device=cpu", "model.dtype=bfloat16",
+                 "model.head_precision=bf16_weight", "algorithm.kl_coef=0.1",
+                 "rollout.max_new_tokens=12", "train.max_steps=4", "eval.every=0"]  # fmt: skip
+    trainer = Trainer(load_config(None, overrides), tmp_path / "run")
+    trainer.fit()
+    assert head_precision(trainer.policy.module) == "bf16_weight"
+    assert head_precision(trainer.reference.module) == "bf16_weight"
+    lines = train_lines(run_metrics(tmp_path / "run"))
+    assert len(lines) == 4 and all(math.isfinite(r["train/loss"]) for r in lines)
+    first = [r for r in lines if r["train/minibatch"] == 0]
+    assert all(r["train/ratio_min"] == 1.0 == r["train/ratio_max"] for r in first)
+    assert all(r["mismatch/token_abs_max"] < 0.1 for r in lines)  # sampler and trainer close
 
 
 def test_a_test_run_left_at_model_device_auto_fails_on_any_machine(tmp_path):

@@ -89,6 +89,16 @@ class ModelConfig(Section):
         "(about 2x torch's default MKL on AMD CPUs; the same sums up to rounding), torch = "
         "F.linear as shipped. Ignored on CUDA and where this torch has no oneDNN",
     )
+    head_precision: Literal["auto", "float32", "bf16_weight"] = Field(
+        "auto",
+        description="The vocabulary projection, in the sampler and the trainer alike (its "
+        "logits are float32 either way): float32 = float32 products (on CUDA outside the "
+        "tensor cores), bf16_weight = the weight rounded to bf16 (the same rounding on both "
+        "sides), the hidden state kept to ~16 bits as two bf16 terms, float32 sums: two "
+        "tensor-core products on CUDA (elsewhere the same arithmetic, no faster); auto = "
+        "bf16_weight on CUDA when model.dtype is below float32, else float32 "
+        "(docs/precision.md)",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="Compute dtype of the forward passes (autocast; trained weights and "

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from gspo.models import head_logits, plain_lm_head, position_ids_from_mask
 from gspo.models import logprobs as model_logprobs
-from gspo.models.kernels import linear_for
+from gspo.models.kernels import bf16_weight_linear, head_linear_for, linear_for
 
 #: model_type values whose decoder layers :class:`KVDecoder` reimplements (checked
 #: against transformers 5.23's modeling files): RMSNorm before attention and MLP, RoPE
@@ -70,12 +70,16 @@ def cached_forward(model: nn.Module, cache, **inputs):
 
 def head_weight(model: nn.Module) -> Tensor | None:
     """The matrix a plain head (:func:`gspo.models.logprobs.plain_lm_head`) multiplies by, cast to
-    float32 once per generation for :func:`gspo.models.logprobs.head_logits` (a bf16 LoRA base's
-    would otherwise be cast at every step); None for any other head."""
+    the dtype the head computes with once per generation for
+    :func:`gspo.models.logprobs.head_logits` (float32, or bf16 at
+    ``model.head_precision=bf16_weight``; otherwise each step would cast it); None for any
+    other head."""
     if not plain_lm_head(model):
         return None
     weight = model.get_output_embeddings().weight
-    return weight.float() if model_logprobs.HEAD_IN_FLOAT32 else weight
+    if not model_logprobs.HEAD_IN_FLOAT32:
+        return weight
+    return weight.bfloat16() if head_linear_for(model) is bf16_weight_linear else weight.float()
 
 
 def next_token_logits(
@@ -90,7 +94,7 @@ def next_token_logits(
     """
     if head is not None:
         out, cache = cached_forward(model.get_decoder(), cache, **inputs)
-        return head_logits(out.last_hidden_state[:, -1], head, linear_for(model)), cache
+        return head_logits(out.last_hidden_state[:, -1], head, head_linear_for(model)), cache
     out, cache = cached_forward(model, cache, **inputs, logits_to_keep=1)
     return out.logits[:, -1, :].float(), cache
 
@@ -189,6 +193,7 @@ class KVDecoder:
     def __init__(self, model: nn.Module):
         self.model = model
         self.linear = linear_for(model)  # the kernel of the model's own linear layers
+        self.head_linear = head_linear_for(model)  # and of its vocabulary projection
         config = model.config
         decoder = model.get_decoder()
         dtype = _compute_dtype(next(model.parameters()))
@@ -393,7 +398,7 @@ class KVDecoder:
                 )
             h = self.after_attention(layer, h, out.reshape(rows, heads * d), layer.mlp_weights)
         h = F.rms_norm(h, (h.shape[-1],), self.final_norm, self.eps)
-        return head_logits(h, self.head, self.linear)
+        return head_logits(h, self.head, self.head_linear)
 
     def queries_keys_values(
         self, layer: _Layer, h: Tensor, cos: Tensor, sin: Tensor

@@ -323,7 +323,7 @@ class StaticDecoder:
                 )
             h = d.after_attention(layer, h, out.reshape(rows, heads * dim), self.mlps[i])
         h = F.rms_norm(h, (h.shape[-1],), d.final_norm, d.eps)
-        return head_logits(h, d.head, d.linear)
+        return head_logits(h, d.head, d.head_linear)
 
 
 def copy_in_place(mine: list[Tensor | None], theirs: list[Tensor | None]) -> bool:

@@ -15,13 +15,28 @@ same up to float rounding (another blocking of the same products); anything the 
 does not take (another dtype or device, tensor subclasses such as FSDP's sharded
 ``DTensor``, autocast) goes to ``F.linear``. Selected by ``model.cpu_linear`` (``onednn``
 by default; ``torch`` keeps MKL).
+
+The vocabulary projection (the head, :func:`gspo.models.logprobs.head_logits`) has a
+precision of its own, recorded beside the kernel (``model.head_precision``): ``float32``
+(exact, but on CUDA outside the tensor cores: about 60 TFLOP/s on an H100, so a
+151,936-token vocabulary's head alone would cap a 0.5B model's training near 60k
+tokens/s) or ``bf16_weight`` (:func:`bf16_weight_linear`: two tensor-core products). What
+made the sampler and the trainer disagree in bf16 was rounding the head's *logits* to
+bf16 (docs/precision.md). Rounding its *inputs* to bf16 would bring part of that back:
+sampler and trainer reach slightly different hidden states, and rounding each to 8 bits
+turns a small difference into whole steps of the last bit (on a tiny model the
+sequence-mean gap grew 2.7x). So ``bf16_weight`` rounds only the weight, the same matrix
+on both sides and so the same rounding, and keeps the hidden state to about 16 bits as
+the sum of two bf16 terms; every product is exact and the sums are float32.
 """
 
 from __future__ import annotations
 
 import platform
 from collections.abc import Callable
+from functools import cache
 from types import MethodType
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +44,10 @@ from torch import Tensor, nn
 
 #: The attribute recording which kernel a model's linear layers use.
 MARK = "_gspo_linear_kernel"
+#: The attribute recording the precision of a model's vocabulary projection.
+HEAD_MARK = "_gspo_head_precision"
+
+HeadPrecision = Literal["float32", "bf16_weight"]
 
 LinearFn = Callable[..., Tensor]
 
@@ -112,10 +131,74 @@ def _forward(self: nn.Linear, x: Tensor) -> Tensor:
     return onednn_linear(x, self.weight, self.bias)
 
 
-def set_linear_kernel(model: nn.Module, kernel: str = "onednn") -> str:
+@cache
+def _mm_out_dtype(device: torch.device) -> bool:
+    """Whether ``torch.mm(..., out_dtype=torch.float32)`` takes bf16 operands on
+    ``device`` (CUDA in torch >= 2.8); elsewhere :func:`_float32_sums` emulates it."""
+    if device.type != "cuda":
+        return False
+    try:
+        one = torch.ones((2, 2), dtype=torch.bfloat16, device=device)
+        return torch.mm(one, one, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def _split(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``x`` as two bf16 terms, ``hi + lo``, about 16 significant bits ([M, K] each)."""
+    flat = x.reshape(-1, x.shape[-1])
+    hi = flat.bfloat16()
+    return hi, (flat.float() - hi.float()).bfloat16()
+
+
+def _float32_sums(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` of bf16 matrices, float32 out: every product exact (8 x 8 significant
+    bits fit float32's 24) and the sums in float32. ``torch.mm``'s ``out_dtype`` on CUDA
+    (the tensor cores); elsewhere the same arithmetic through float32 operands."""
+    if _mm_out_dtype(a.device):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+class _Bf16WeightLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:
+        (hi, lo), w = _split(x), weight.bfloat16()
+        ctx.save_for_backward(hi, w)
+        ctx.dtypes, ctx.shape = (x.dtype, weight.dtype), x.shape
+        out = _float32_sums(hi, w.t()) + _float32_sums(lo, w.t())
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        hi, w = ctx.saved_tensors
+        # gradients at autocast's precision: bf16 operands (the input's first term), float32 sums
+        g = grad.reshape(-1, w.shape[0]).bfloat16()
+        need_x, need_w = ctx.needs_input_grad
+        grad_x = _float32_sums(g, w).view(ctx.shape).to(ctx.dtypes[0]) if need_x else None
+        grad_w = _float32_sums(g.t(), hi).to(ctx.dtypes[1]) if need_w else None
+        return grad_x, grad_w
+
+
+def bf16_weight_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """``x @ weight.T`` (no bias), float32, with ``weight`` rounded to bf16 and ``x`` kept
+    to about 16 bits as two bf16 terms: the head's product at
+    ``model.head_precision=bf16_weight``, two tensor-core products on CUDA. Its backward
+    rounds the incoming gradient and ``x`` to bf16 (autocast's precision) and returns
+    gradients in the inputs' dtypes (a float32 weight gets a float32 gradient)."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _Bf16WeightLinear.apply(x, weight)
+    (hi, lo), w = _split(x), weight.bfloat16().t()
+    return (_float32_sums(hi, w) + _float32_sums(lo, w)).view(*x.shape[:-1], weight.shape[0])
+
+
+def set_linear_kernel(
+    model: nn.Module, kernel: str = "onednn", head: HeadPrecision = "float32"
+) -> str:
     """Point ``model``'s plain ``nn.Linear`` layers at oneDNN when ``kernel`` is
     ``"onednn"``, the model is on the CPU and this torch has oneDNN; returns the kernel in
-    use (``"onednn"`` or ``"torch"``), also recorded on the model for :func:`linear_for`."""
+    use (``"onednn"`` or ``"torch"``), also recorded on the model for :func:`linear_for`.
+    ``head``: the vocabulary projection's precision, recorded for :func:`head_linear_for`."""
     on_cpu = all(p.device.type == "cpu" for p in model.parameters())
     used = "onednn" if kernel == "onednn" and on_cpu and onednn_available() else "torch"
     for module in model.modules():
@@ -125,6 +208,7 @@ def set_linear_kernel(model: nn.Module, kernel: str = "onednn") -> str:
             elif "forward" in module.__dict__:
                 del module.forward
     setattr(model, MARK, used)
+    setattr(model, HEAD_MARK, head)
     return used
 
 
@@ -137,3 +221,14 @@ def linear_for(model: nn.Module) -> LinearFn:
     """The linear function that matches ``model``'s layers: :func:`onednn_linear` or
     ``F.linear``."""
     return onednn_linear if linear_kernel(model) == "onednn" else F.linear
+
+
+def head_precision(model: nn.Module) -> HeadPrecision:
+    """The head precision :func:`set_linear_kernel` recorded (``"float32"`` if never asked)."""
+    return getattr(model, HEAD_MARK, "float32")
+
+
+def head_linear_for(model: nn.Module) -> LinearFn:
+    """The product of ``model``'s vocabulary projection, in the sampler and the trainer
+    alike: :func:`bf16_weight_linear`, or the model's float32 kernel (:func:`linear_for`)."""
+    return bf16_weight_linear if head_precision(model) == "bf16_weight" else linear_for(model)

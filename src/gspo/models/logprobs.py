@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gspo.models.kernels import linear_for
+from gspo.models.kernels import bf16_weight_linear, head_linear_for
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -54,13 +54,16 @@ def plain_lm_head(model) -> bool:
 
 def head_logits(hidden: Tensor, weight: Tensor, linear=F.linear) -> Tensor:
     """``hidden @ weight.T``, ``[..., H] x [V, H] -> [..., V]`` float32 logits of a plain
-    head, computed in float32 whatever autocast is on (:data:`HEAD_IN_FLOAT32`).
+    head, summed in float32 whatever autocast is on (:data:`HEAD_IN_FLOAT32`).
 
-    ``linear``: the product (:func:`gspo.models.kernels.linear_for` of the model).
+    ``linear``: the product (:func:`gspo.models.kernels.head_linear_for` of the model):
+    float32, or ``bf16_weight_linear`` (which casts its inputs itself).
     """
     if not HEAD_IN_FLOAT32:
         return linear(hidden, weight).float()
     with torch.autocast(hidden.device.type, enabled=False):
+        if linear is bf16_weight_linear:
+            return linear(hidden, weight)
         return linear(hidden.float(), weight.float())
 
 
@@ -304,7 +307,7 @@ def packed_completion_logprobs(
         temperature,
         chunk_size,
         with_entropy=with_entropy,
-        linear=linear_for(model),
+        linear=head_linear_for(model),
     )
     outs = []
     for values in picked if with_entropy else (picked,):
@@ -388,14 +391,14 @@ def logprobs_from_hidden(
     keeping ``N x T x V`` of them alive: peak memory is one chunk's logits, not all.
     ``with_entropy``: also each position's entropy ``[N, T]``, from the same chunk's
     logits (and through the same checkpoint, so it may carry a gradient). ``linear``: the
-    product ``hidden @ weight.T`` (:func:`gspo.models.kernels.linear_for` of the model).
+    product ``hidden @ weight.T`` (:func:`gspo.models.kernels.head_linear_for` of the model).
     """
     from torch.utils.checkpoint import checkpoint
 
     n, t, h = hidden.shape
     flat_hidden, flat_ids = hidden.reshape(n * t, h), token_ids.reshape(n * t)
-    if HEAD_IN_FLOAT32:
-        weight = weight.float()  # once, not per chunk (a no-op for float32 weights)
+    if HEAD_IN_FLOAT32:  # once, not per chunk (a no-op where it is that dtype already)
+        weight = weight.bfloat16() if linear is bf16_weight_linear else weight.float()
     keep_graph = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     chunk = _chunk_logprobs_entropy if with_entropy else _chunk_logprobs
     out = []

@@ -8,7 +8,7 @@ import torch
 
 from gspo.engines import RolloutBatch
 from gspo.models import load_model
-from gspo.models.kernels import linear_kernel, set_linear_kernel
+from gspo.models.kernels import head_precision, linear_kernel, set_linear_kernel
 from gspo.moe import experts_implementation, set_experts_implementation
 from gspo.training.checkpoint import checkpoint_dir
 from gspo.training.forward import per_minibatch
@@ -40,7 +40,8 @@ class Reference:
         if self.module is None:
             self.module, _ = load_model(self.path, device=self.policy.device, dtype=torch.float32)
             self.module.eval().requires_grad_(False)
-            set_linear_kernel(self.module, linear_kernel(self.policy.module))
+            policy = self.policy.module
+            set_linear_kernel(self.module, linear_kernel(policy), head_precision(policy))
             set_experts_implementation(self.module, experts_implementation(self.policy.module))
         with torch.no_grad():
             return self.policy.logprobs(batch, self.module)

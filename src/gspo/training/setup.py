@@ -135,8 +135,17 @@ def build_policy_model(
             base_path=model_dir,
             base_dtype=base_dtype,
         )
-    set_linear_kernel(model, config.model.cpu_linear)
+    set_linear_kernel(model, config.model.cpu_linear, head_precision(config, device, compute_dtype))
     return model, tokenizer, model_dir
+
+
+def head_precision(config: Config, device: torch.device, compute_dtype: torch.dtype) -> str:
+    """``model.head_precision``, ``auto`` resolved: ``bf16_weight`` (the tensor cores) on
+    CUDA below float32, where float32 products would run outside them; float32 otherwise."""
+    if config.model.head_precision != "auto":
+        return config.model.head_precision
+    low = device.type == "cuda" and compute_dtype != torch.float32
+    return "bf16_weight" if low else "float32"
 
 
 def enable_activation_checkpointing(model) -> None:
