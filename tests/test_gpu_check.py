@@ -163,8 +163,8 @@ def test_stages_are_picked_in_the_order_given_and_a_wrong_key_is_one_line(gpu_ch
 
 def test_a_lease_part_runs_its_stages_in_order_and_reports_into_the_report_dir(tmp_path):
     """``--lease 1`` (the first call of a GPU lease) at toy sizes on the CPU: the CUDA
-    tests, the suite without test_cuda.py, the log-prob head, decoding; the report and each pytest stage's
-    log land in ``--report-dir``, the runs' files in ``--out``."""
+    tests, the suite without test_cuda.py, the log-prob head, decoding; the report and
+    each pytest stage's log land in ``--report-dir``, the runs' files in ``--out``."""
     import json
 
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "GSPO_COMMIT": "feedbee"}
