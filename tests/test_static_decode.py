@@ -228,7 +228,9 @@ def step_reads(monkeypatch) -> dict[tuple[int, int], set[int]]:
     return reads
 
 
-@pytest.mark.parametrize("kind", ["float32", "bfloat16", "lora", "lora_bfloat16"])
+@pytest.mark.parametrize(
+    "kind", ["float32", "bfloat16", "bfloat16_bf16_weight_head", "lora", "lora_bfloat16"]
+)
 def test_the_next_generation_reuses_the_static_step_s_buffers_and_weights_in_place(
     tokenizer, tiny_model, monkeypatch, kind
 ):
@@ -250,6 +252,10 @@ def test_the_next_generation_reuses_the_static_step_s_buffers_and_weights_in_pla
     dtype = nullcontext()
     if "bfloat16" in kind:  # LoRA: adapters beside the bf16 matrices
         dtype = torch.autocast("cpu", dtype=torch.bfloat16)
+    if "bf16_weight" in kind:  # the head's weight kept as a bf16 copy (CUDA's default)
+        from gspo.models.kernels import set_linear_kernel
+
+        set_linear_kernel(model, "torch", "bf16_weight")
     params = SamplingParams(40, temperature=0.9)
     engine = TorchEngine(model, **ids(tokenizer), cuda_graphs=True)
     reads = step_reads(monkeypatch)

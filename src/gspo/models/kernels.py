@@ -134,14 +134,23 @@ def _forward(self: nn.Linear, x: Tensor) -> Tensor:
 @cache
 def _mm_out_dtype(device: torch.device) -> bool:
     """Whether ``torch.mm(..., out_dtype=torch.float32)`` takes bf16 operands on
-    ``device`` (CUDA in torch >= 2.8); elsewhere :func:`_float32_sums` emulates it."""
+    ``device`` (CUDA in torch >= 2.8) and gives the float32 sums, in each operand layout
+    :class:`_Bf16WeightLinear` uses (plain, the second transposed, the first transposed);
+    where not, :func:`_float32_sums` emulates it with float32 operands (no faster, but
+    never wrong). Asked once per device."""
     if device.type != "cuda":
         return False
+    g = torch.Generator(device=device).manual_seed(0)
+    a, b = (torch.randn(s, device=device, generator=g).bfloat16() for s in ((24, 40), (40, 16)))
     try:
-        one = torch.ones((2, 2), dtype=torch.bfloat16, device=device)
-        return torch.mm(one, one, out_dtype=torch.float32).dtype == torch.float32
+        for x, y in ((a, b), (a, b.t().contiguous().t()), (a.t().contiguous().t(), b)):
+            out = torch.mm(x, y, out_dtype=torch.float32)
+            exact = torch.mm(x.float(), y.float())
+            if out.dtype != torch.float32 or not torch.allclose(out, exact, rtol=1e-4, atol=1e-4):
+                return False
     except (TypeError, RuntimeError, NotImplementedError):
         return False
+    return True
 
 
 def _split(x: Tensor) -> tuple[Tensor, Tensor]:
