@@ -112,6 +112,34 @@ def test_packed_logprobs_on_cuda_equal_the_cpu_ones(tokenizer, tiny_model):
     assert (gpu.cpu() - cpu).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("share", [False, True], ids=["rows", "shared prompts"])
+def test_the_packed_layout_waits_for_the_gpu_once(tokenizer, tiny_model, share):
+    """``pack_layout`` on CUDA: one host synchronisation (the copy of its inputs), however
+    many rows (it was one per row and more), and the layout the CPU builds."""
+    from gspo.models.logprobs import pack_layout
+
+    batch = engines(tiny_model, tokenizer)[0].generate(
+        encode(tokenizer), n=8, params=SamplingParams(10), seed=2
+    )
+    args = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
+    config = tiny_model.config
+    cpu = pack_layout(config, *args, share_prompts=share)
+    cuda_args = [a.cuda() for a in args]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with pytest.warns(UserWarning) as caught:
+            gpu = pack_layout(config, *cuda_args, share_prompts=share)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
+    assert (gpu.mask is not None) == share
+    for name in ("tokens", "positions", "mask", "rows", "cols", "packed_rows", "before", "targets"):
+        a, b = getattr(cpu, name), getattr(gpu, name)
+        assert (a is None and b is None) or (b.is_cuda and torch.equal(a, b.cpu())), name
+
+
 @pytest.mark.slow
 def test_gspo_trains_on_cuda_in_bf16(tmp_path, ones_reward):
     overrides = [

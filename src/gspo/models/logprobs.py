@@ -8,7 +8,7 @@ same head (:func:`head_logits`) so that sampler and trainer agree.
 
 from __future__ import annotations
 
-from functools import partial
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -233,10 +233,83 @@ def packed_completion_logprobs(
     ``"auto"`` shares only when that layout is estimated cheaper (:func:`layout_cost`):
     a shared segment saves the repeated prompt tokens but its attention spans all its
     completions, so it pays for long prompts and short completions, not the reverse.
+
+    The layout is :func:`pack_layout`'s.
+    """
+    n, t = completion_ids.shape
+    layout = pack_layout(
+        model.config, prompt_ids, prompt_mask, completion_ids, completion_mask,
+        pack_tokens=pack_tokens, share_prompts=share_prompts,
+    )  # fmt: skip
+    hidden = model.get_decoder()(
+        input_ids=layout.tokens,
+        attention_mask=layout.mask,
+        position_ids=layout.positions,
+        use_cache=False,
+    ).last_hidden_state
+    picked = logprobs_from_hidden(
+        hidden[layout.packed_rows, layout.before].unsqueeze(0),
+        model.get_output_embeddings().weight,
+        layout.targets.unsqueeze(0),
+        temperature,
+        chunk_size,
+        with_entropy=with_entropy,
+        linear=head_linear_for(model),
+    )
+    outs = []
+    for values in picked if with_entropy else (picked,):
+        out = torch.zeros((n, t), dtype=values.dtype, device=completion_ids.device)
+        outs.append(out.index_put((layout.rows, layout.cols), values[0]))
+    return (outs[0], outs[1]) if with_entropy else outs[0]
+
+
+@dataclass
+class PackedLayout:
+    """Where each sequence's tokens sit in the packed forward (:func:`pack_layout`), on
+    the model's device: ``tokens``/``positions`` ``[R, W]`` (``mask`` ``[R, 1, W, W]`` when
+    prompts are shared, else None), and for each counted completion token ``k`` of row
+    ``i`` (``rows``, ``cols``, in ``completion_mask.nonzero()`` order) the packed row and
+    column of the hidden state that predicts it and the token itself (``targets``)."""
+
+    tokens: Tensor
+    positions: Tensor
+    mask: Tensor | None
+    rows: Tensor
+    cols: Tensor
+    packed_rows: Tensor
+    before: Tensor
+    targets: Tensor
+
+
+def pack_layout(
+    config,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    pack_tokens: int = PACK_TOKENS,
+    share_prompts: bool | Literal["auto"] = False,
+) -> PackedLayout:
+    """The packed layout of :func:`packed_completion_logprobs` (``config``: the model's).
+
+    Worked out on the host from one copy of the inputs and moved to their device in
+    pinned memory without waiting: on CUDA, building it there took a host
+    synchronisation per row (each boolean selection) and a kernel per slice, during which
+    the GPU sat idle. One synchronisation is left, the copy of the inputs to the host.
     """
     device = completion_ids.device
     n, t = completion_ids.shape
-    prompt_mask, completion_mask = prompt_mask.bool(), completion_mask.bool()
+    host = torch.device("cpu")
+    joined = torch.cat(
+        [prompt_ids.long(), prompt_mask.long(), completion_ids.long(), completion_mask.long()], 1
+    ).to(host)  # one copy, one wait
+    p_width = prompt_ids.shape[1]
+    prompt_ids, prompt_mask = joined[:, :p_width], joined[:, p_width : 2 * p_width].bool()
+    completion_ids, completion_mask = (
+        joined[:, 2 * p_width : 2 * p_width + t],
+        joined[:, 2 * p_width + t :].bool(),
+    )
     prompt_len = prompt_mask.sum(-1).tolist()
     prompts = [prompt_ids[i][prompt_mask[i]] for i in range(n)]
     completions = [completion_ids[i][completion_mask[i]] for i in range(n)]
@@ -245,7 +318,7 @@ def packed_completion_logprobs(
     lengths = [prompt_len[i] + len(completions[i]) for i in range(n)]
     place, used = _pack(lengths, pack_tokens)
     shared = False
-    if share_prompts and getattr(model.config, "_attn_implementation", None) == "sdpa":
+    if share_prompts and getattr(config, "_attn_implementation", None) == "sdpa":
         members: dict[tuple[int, ...], list[int]] = {}
         for i in range(n):
             members.setdefault(tuple(prompts[i].tolist()), []).append(i)
@@ -255,65 +328,58 @@ def packed_completion_logprobs(
                 prompt_len[rows[0]] + sum(len(completions[i]) for i in rows) for rows in groups
             ]
             group_place, group_used = _pack(group_lengths, pack_tokens)
-            if share_prompts != "auto" or layout_cost(model.config, group_used) < layout_cost(
-                model.config, used
+            if share_prompts != "auto" or layout_cost(config, group_used) < layout_cost(
+                config, used
             ):
                 segments, lengths, place, used = groups, group_lengths, group_place, group_used
                 shared = True
     width = max(used)
-    tokens = torch.zeros((len(used), width), dtype=torch.long, device=device)  # tail: any id
-    positions = torch.zeros((len(used), width), dtype=torch.long, device=device)
+    tokens = torch.zeros((len(used), width), dtype=torch.long, device=host)  # tail: any id
+    positions = torch.zeros((len(used), width), dtype=torch.long, device=host)
     # per packed token: its segment (tail: one more) and branch (0 prompt, j+1 completion j)
-    segment_of = torch.full((len(used), width), -1, dtype=torch.long, device=device)
-    branch_of = torch.zeros((len(used), width), dtype=torch.long, device=device)
+    segment_of = torch.full((len(used), width), -1, dtype=torch.long, device=host)
+    branch_of = torch.zeros((len(used), width), dtype=torch.long, device=host)
     row_of, prompt_end, completion_start = [0] * n, [0] * n, [0] * n
     for s, rows in enumerate(segments):
         row, offset = place[s]
         p = prompt_len[rows[0]]
         tokens[row, offset : offset + p] = prompts[rows[0]]
-        positions[row, offset : offset + p] = torch.arange(p, device=device)
+        positions[row, offset : offset + p] = torch.arange(p, device=host)
         segment_of[row, offset : offset + lengths[s]] = s
         at = offset + p
         for j, i in enumerate(rows):
             length = len(completions[i])
             tokens[row, at : at + length] = completions[i]
-            positions[row, at : at + length] = torch.arange(p, p + length, device=device)
+            positions[row, at : at + length] = torch.arange(p, p + length, device=host)
             branch_of[row, at : at + length] = j + 1
             row_of[i], prompt_end[i], completion_start[i] = row, offset + p - 1, at
             at += length
     for row, filled in enumerate(used):  # the tail of a row is one more dummy sequence
-        positions[row, filled:] = torch.arange(width - filled, device=device)
+        positions[row, filled:] = torch.arange(width - filled, device=host)
     mask = None
-    if shared:
+    if shared:  # [rows, 1, query, key], built where the model is (it grows as width^2)
         segment_of[segment_of < 0] = len(segments)
+        segment_of, branch_of = _to(segment_of, device), _to(branch_of, device)
         same = segment_of.unsqueeze(2) == segment_of.unsqueeze(1)  # [rows, query, key]
         causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()
         visible = (branch_of.unsqueeze(1) == 0) | (branch_of.unsqueeze(2) == branch_of.unsqueeze(1))
         mask = (same & causal & visible).unsqueeze(1)
-    hidden = model.get_decoder()(
-        input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=False
-    ).last_hidden_state
     # completion token k of row i is predicted by the hidden state just before it: the
     # prompt's last token for k = 0, the completion's token k - 1 after that
     rows, cols = completion_mask.nonzero(as_tuple=True)
-    as_tensor = partial(torch.tensor, device=device)
     before = torch.where(
-        cols == 0, as_tensor(prompt_end)[rows], as_tensor(completion_start)[rows] + cols - 1
+        cols == 0, torch.tensor(prompt_end)[rows], torch.tensor(completion_start)[rows] + cols - 1
     )
-    picked = logprobs_from_hidden(
-        hidden[as_tensor(row_of)[rows], before].unsqueeze(0),
-        model.get_output_embeddings().weight,
-        completion_ids[rows, cols].unsqueeze(0),
-        temperature,
-        chunk_size,
-        with_entropy=with_entropy,
-        linear=head_linear_for(model),
-    )
-    outs = []
-    for values in picked if with_entropy else (picked,):
-        out = torch.zeros((n, t), dtype=values.dtype, device=device)
-        outs.append(out.index_put((rows, cols), values[0]))
-    return (outs[0], outs[1]) if with_entropy else outs[0]
+    packed_rows, targets = torch.tensor(row_of)[rows], completion_ids[rows, cols]
+    moved = [_to(x, device) for x in (tokens, positions, rows, cols, packed_rows, before, targets)]
+    return PackedLayout(moved[0], moved[1], mask, *moved[2:])
+
+
+def _to(x: Tensor, device: torch.device) -> Tensor:
+    """``x`` (on the host) on ``device``: from pinned memory without waiting on CUDA."""
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
 
 
 def _entropy(logits: Tensor, logsumexp: Tensor) -> Tensor:
