@@ -94,7 +94,7 @@ class ModelConfig(Section):
         description="The vocabulary projection, in the sampler and the trainer alike (its "
         "logits are float32 either way): float32 = float32 products (on CUDA outside the "
         "tensor cores), bf16_weight = the weight rounded to bf16 (the same rounding on both "
-        "sides), the hidden state kept to ~16 bits as two bf16 terms, float32 sums: two "
+        "sides), the hidden state kept to ~16 bits as two bf16 terms, float32 sums: "
         "tensor-core products on CUDA (elsewhere the same arithmetic, no faster); auto = "
         "bf16_weight on CUDA when model.dtype is below float32, else float32 "
         "(docs/precision.md)",

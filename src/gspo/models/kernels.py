@@ -20,7 +20,7 @@ The vocabulary projection (the head, :func:`gspo.models.logprobs.head_logits`) h
 precision of its own, recorded beside the kernel (``model.head_precision``): ``float32``
 (exact, but on CUDA outside the tensor cores: about 60 TFLOP/s on an H100, so a
 151,936-token vocabulary's head alone would cap a 0.5B model's training near 60k
-tokens/s) or ``bf16_weight`` (:func:`bf16_weight_linear`: two tensor-core products). What
+tokens/s) or ``bf16_weight`` (:func:`bf16_weight_linear`: tensor-core products). What
 made the sampler and the trainer disagree in bf16 was rounding the head's *logits* to
 bf16 (docs/precision.md). Rounding its *inputs* to bf16 would bring part of that back:
 sampler and trainer reach slightly different hidden states, and rounding each to 8 bits
@@ -160,6 +160,13 @@ def _split(x: Tensor) -> tuple[Tensor, Tensor]:
     return hi, (flat.float() - hi.float()).bfloat16()
 
 
+def _two_terms(hi: Tensor, lo: Tensor, weight_t: Tensor) -> Tensor:
+    """``hi @ weight_t + lo @ weight_t`` as one product over the stacked terms, so the
+    weight is read once (a decode step's head is bound by reading it)."""
+    both = _float32_sums(torch.cat([hi, lo]), weight_t)
+    return both[: hi.shape[0]] + both[hi.shape[0] :]
+
+
 def _float32_sums(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` of bf16 matrices, float32 out: every product exact (8 x 8 significant
     bits fit float32's 24) and the sums in float32. ``torch.mm``'s ``out_dtype`` on CUDA
@@ -175,8 +182,7 @@ class _Bf16WeightLinear(torch.autograd.Function):
         (hi, lo), w = _split(x), weight.bfloat16()
         ctx.save_for_backward(hi, w)
         ctx.dtypes, ctx.shape = (x.dtype, weight.dtype), x.shape
-        out = _float32_sums(hi, w.t()) + _float32_sums(lo, w.t())
-        return out.view(*x.shape[:-1], weight.shape[0])
+        return _two_terms(hi, lo, w.t()).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -192,13 +198,14 @@ class _Bf16WeightLinear(torch.autograd.Function):
 def bf16_weight_linear(x: Tensor, weight: Tensor) -> Tensor:
     """``x @ weight.T`` (no bias), float32, with ``weight`` rounded to bf16 and ``x`` kept
     to about 16 bits as two bf16 terms: the head's product at
-    ``model.head_precision=bf16_weight``, two tensor-core products on CUDA. Its backward
+    ``model.head_precision=bf16_weight``: on CUDA one tensor-core product over the two
+    terms stacked (twice the rows, the weight read once). Its backward
     rounds the incoming gradient and ``x`` to bf16 (autocast's precision) and returns
     gradients in the inputs' dtypes (a float32 weight gets a float32 gradient)."""
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _Bf16WeightLinear.apply(x, weight)
-    (hi, lo), w = _split(x), weight.bfloat16().t()
-    return (_float32_sums(hi, w) + _float32_sums(lo, w)).view(*x.shape[:-1], weight.shape[0])
+    (hi, lo), w = _split(x), weight.bfloat16()
+    return _two_terms(hi, lo, w.t()).view(*x.shape[:-1], weight.shape[0])
 
 
 def set_linear_kernel(
