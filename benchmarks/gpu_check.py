@@ -280,8 +280,11 @@ def pytest_stage(
     return body
 
 
-def train_stage(out: Path, sizes: Sizes = FULL) -> Callable[[Stage, float], None]:
-    """The demo's ``gspo train`` on CUDA in bf16; tokens/s from its metrics."""
+def train_stage(
+    out: Path, sizes: Sizes = FULL, extra: tuple[str, ...] = ()
+) -> Callable[[Stage, float], None]:
+    """The demo's ``gspo train`` on CUDA in bf16 (``extra``: ``--gspo-set``'s overrides);
+    tokens/s from its metrics."""
 
     def body(stage: Stage, limit: float) -> None:
         run_dir = out / "train"
@@ -289,7 +292,7 @@ def train_stage(out: Path, sizes: Sizes = FULL) -> Callable[[Stage, float], None
         command = [sys.executable, "-m", "gspo", "train", "--overwrite", "--output-dir",
                    str(run_dir), f"model.device={sizes.device}", f"model.dtype={sizes.dtype}",
                    *sizes.train, "log.progress=false", "log.plots=false",
-                   "log.tensorboard=false"]  # fmt: skip
+                   "log.tensorboard=false", *extra]  # fmt: skip
         run(command, limit, stage)
         records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         train = [r for r in records if "train/loss" in r]
@@ -358,9 +361,10 @@ def workload_for(out: Path, sizes: Sizes) -> tuple[Path, object]:
 
 
 def vs_trl_stage(
-    out: Path, peaks: dict[str, float], sizes: Sizes = FULL
+    out: Path, peaks: dict[str, float], sizes: Sizes = FULL, extra: tuple[str, ...] = ()
 ) -> Callable[[Stage, float], None]:
-    """gspo vs TRL on the ~0.5B Qwen3 at 512-token responses, one run each."""
+    """gspo vs TRL on the ~0.5B Qwen3 at 512-token responses, one run each (``extra``:
+    ``--gspo-set``'s overrides of the gspo side)."""
 
     def body(stage: Stage, limit: float) -> None:
         import vs_trl
@@ -370,7 +374,7 @@ def vs_trl_stage(
             return
         deadline = time.perf_counter() + limit
         work, schedule = workload_for(out, sizes)
-        gspo_s, gspo_run = vs_trl.run_gspo(work, schedule=schedule)
+        gspo_s, gspo_run = vs_trl.run_gspo(work, schedule=schedule, extra=extra)
         g = vs_trl.gspo_summary(gspo_run)
         stage.figures["gspo whole process s"] = round(gspo_s, 1)
         left = deadline - time.perf_counter()
@@ -450,8 +454,11 @@ def head_stage(sizes: Sizes = FULL, tokens: int = 4096) -> Callable[[Stage, floa
     return body
 
 
-def async_stage(out: Path, sizes: Sizes = FULL) -> Callable[[Stage, float], None]:
-    """``rollout.max_staleness`` 0 vs 1 on the ~0.5B Qwen3 (the vs_trl stage's workload)."""
+def async_stage(
+    out: Path, sizes: Sizes = FULL, extra: tuple[str, ...] = ()
+) -> Callable[[Stage, float], None]:
+    """``rollout.max_staleness`` 0 vs 1 on the ~0.5B Qwen3 (the vs_trl stage's workload;
+    ``extra``: ``--gspo-set``'s overrides)."""
 
     def body(stage: Stage, limit: float) -> None:
         import vs_trl
@@ -462,7 +469,10 @@ def async_stage(out: Path, sizes: Sizes = FULL) -> Callable[[Stage, float], None
             if k and deadline - time.perf_counter() < 30:
                 raise subprocess.TimeoutExpired("gspo train", deadline - time.perf_counter())
             seconds, run_dir = vs_trl.run_gspo(
-                work, name=f"async_k{k}", schedule=schedule, extra=(f"rollout.max_staleness={k}",)
+                work,
+                name=f"async_k{k}",
+                schedule=schedule,
+                extra=(*extra, f"rollout.max_staleness={k}"),
             )
             g = vs_trl.gspo_summary(run_dir)
             records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -560,6 +570,14 @@ def main() -> int:
         "--smoke", action="store_true", help="toy sizes, on the CPU when there is no CUDA"
     )
     parser.add_argument(
+        "--gspo-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for the gspo runs of the train, vs_trl and async stages "
+        "(e.g. rollout.cuda_graphs=true); repeatable",
+    )
+    parser.add_argument(
         "--lease",
         choices=sorted(LEASE),
         help="one call of a 15-minute GPU lease: its stages and budget (see LEASE)",
@@ -608,6 +626,8 @@ def main() -> int:
         "measured matmul": rate,
         "stages": f"{','.join(args.stages)} in {budget:.0f} s",
     }
+    if args.gspo_set:
+        header["gspo overrides"] = " ".join(args.gspo_set)
     if args.smoke:
         header["mode"] = "smoke: toy sizes, a check of the script; the figures mean nothing"
     model = f"{sizes.model_label}, {sizes.response_tokens}-token responses"
@@ -640,12 +660,15 @@ def main() -> int:
         ),
         "train": (
             Stage(f"gspo train, built-in task, {sizes.dtype}"),
-            train_stage(args.out, sizes),
+            train_stage(args.out, sizes, tuple(args.gspo_set)),
         ),
-        "vs_trl": (Stage(f"gspo vs TRL, {model}"), vs_trl_stage(args.out, peaks, sizes)),
+        "vs_trl": (
+            Stage(f"gspo vs TRL, {model}"),
+            vs_trl_stage(args.out, peaks, sizes, tuple(args.gspo_set)),
+        ),
         "async": (
             Stage(f"async rollouts, max_staleness 0 vs 1, {sizes.model_label}"),
-            async_stage(args.out, sizes),
+            async_stage(args.out, sizes, tuple(args.gspo_set)),
         ),
     }
     done: list[Stage] = []

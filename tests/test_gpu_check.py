@@ -191,3 +191,23 @@ def test_a_lease_part_runs_its_stages_in_order_and_reports_into_the_report_dir(t
         "cuda.log", "report.json", "report.md", "suite.log",
     ]  # fmt: skip
     assert (out / "toy").is_dir() and not (out / "report.md").exists()
+
+
+def test_gspo_set_reaches_the_gspo_runs_and_the_report(tmp_path):
+    """``--gspo-set`` (e.g. the CUDA graphs on for the second call of a lease): the train
+    stage's run takes the override, and the report's header names it."""
+    import json
+
+    import yaml
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--stages", "train", "--out", str(tmp_path),
+         "--gspo-set", "rollout.cuda_graphs=true", "--gspo-set", "rollout.temperature=0.7"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["header"]["gspo overrides"] == "rollout.cuda_graphs=true rollout.temperature=0.7"
+    config = yaml.safe_load((tmp_path / "train" / "config.yaml").read_text())
+    assert config["rollout"]["cuda_graphs"] is True and config["rollout"]["temperature"] == 0.7
