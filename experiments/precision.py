@@ -94,6 +94,8 @@ def probe(args) -> dict:
     checkpoint = cold_start_checkpoint(overrides, None, args.work_dir / args.preset, print)
     config = load_config(None, overrides)
     model, tokenizer = load_model(checkpoint, device=torch.device("cpu"), dtype=torch.float32)
+    if args.lora:
+        model = with_lora(model, args.lora)
     model.eval()
     rows = load_task_data(config).train
     rollout, minibatches = config.rollout, config.algorithm.minibatches
@@ -161,6 +163,28 @@ def probe(args) -> dict:
     return results
 
 
+def with_lora(model, r: int):
+    """``model`` with PEFT LoRA adapters of rank ``r`` on every linear layer but the head,
+    their B drawn small and non-zero (fresh adapters add nothing): what the sampler and
+    the trainer of a LoRA run compute in bf16 (the decoder beside the bf16 matrices, the
+    trainer through PEFT's layers)."""
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(
+        model, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear")
+    )
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+    return peft_model
+
+
+def probe_name(args) -> str:
+    return f"probe_{args.preset}" + (f"_lora{args.lora}" if args.lora else "")
+
+
 def probe_report(results: dict, args) -> str:
     lines = [
         "| setting | token mean abs gap | token max | sequence mean gap (abs, mean) | "
@@ -175,6 +199,7 @@ def probe_report(results: dict, args) -> str:
         )
     any_r = next(iter(results.values()))
     extra = f" --set {' '.join(args.set)}" if args.set else ""
+    extra += f" --lora {args.lora}" if args.lora else ""
     command = f"python experiments/precision.py probe --preset {args.preset}"
     machine = platform.processor() or platform.machine()
     head = (
@@ -295,6 +320,9 @@ def main() -> None:
     parser.add_argument("--preset", default="long", choices=sorted(PRESETS))
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--set", nargs="*", default=[], help="more config overrides")
+    parser.add_argument(
+        "--lora", type=int, default=0, help="probe: LoRA adapters of this rank on the model"
+    )
     parser.add_argument("--work-dir", type=Path, default=Path("runs/precision"))
     parser.add_argument("--output-dir", type=Path, default=Path("docs/precision"))
     args = parser.parse_args()
@@ -306,9 +334,9 @@ def main() -> None:
         (args.output_dir / f"runs_{args.preset}.md").write_text(runs_report(rows, args))
         return
     results = probe(args)
-    summary = args.output_dir / f"probe_{args.preset}.json"
+    summary = args.output_dir / f"{probe_name(args)}.json"
     summary.write_text(json.dumps(results, indent=1) + "\n")
-    (args.output_dir / f"probe_{args.preset}.md").write_text(probe_report(results, args))
+    (args.output_dir / f"{probe_name(args)}.md").write_text(probe_report(results, args))
 
 
 if __name__ == "__main__":
