@@ -414,6 +414,37 @@ def test_bf16_lora_decodes_on_the_fast_path_with_its_adapters_beside_the_matrice
     assert gap < adapters_effect / 5, (gap, adapters_effect)
 
 
+def test_the_decoders_lora_update_is_rounded_where_peft_rounds_it(tiny_model):
+    """In bf16 the fast decoder adds an unmerged adapter's update as PEFT's layer does: the
+    low-rank product in bf16, then times the adapter's scale, rounded once more, then
+    added. Folding the scale into B (rounded with it, as before) gives other roundings
+    wherever the scale is not a power of two: here 1.5 (lora_alpha 6, r 4). Bitwise equal
+    on one projection; on the stacked q/k/v, the same per column."""
+    from peft import LoraConfig, get_peft_model
+
+    from gspo.engines.decoding import make_decoder
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    model = get_peft_model(tiny_model, LoraConfig(r=4, lora_alpha=6, target_modules=targets))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    attention = model.base_model.model.model.layers[0].self_attn
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        decoder = make_decoder(model.eval())
+        layer = decoder.layers[0]
+        x = torch.randn(7, attention.o_proj.in_features, generator=gen)
+        ours = decoder.project(x, layer.o, layer.o_lora)
+        assert ours.dtype == torch.bfloat16 and layer.o_lora[2] is not None
+        assert torch.equal(ours, attention.o_proj(x))
+        h = torch.randn(7, attention.q_proj.in_features, generator=gen)
+        qkv = decoder.project(h, layer.qkv, layer.qkv_lora)
+        peft = torch.cat([attention.q_proj(h), attention.k_proj(h), attention.v_proj(h)], -1)
+        assert torch.equal(qkv, peft)
+
+
 def test_dora_and_bf16_lora_take_the_reference_decoder(tokenizer, tiny_model):
     import copy
 

@@ -170,9 +170,9 @@ class _Layer:
     mlp_weights: tuple[Tensor, Tensor, Tensor] | None = None
     #: unmerged adapters (a 16-bit compute dtype): ``(A, B)`` with ``x @ A.T @ B.T`` the
     #: update of the matrix beside it, per adapted matrix (None: none on it)
-    qkv_lora: tuple[Tensor, Tensor] | None = None
-    o_lora: tuple[Tensor, Tensor] | None = None
-    mlp_lora: tuple[tuple[Tensor, Tensor] | None, ...] | None = None
+    qkv_lora: tuple[Tensor, Tensor, Tensor | None] | None = None
+    o_lora: tuple[Tensor, Tensor, Tensor | None] | None = None
+    mlp_lora: tuple[tuple[Tensor, Tensor, Tensor | None] | None, ...] | None = None
 
 
 class KVDecoder:
@@ -361,8 +361,8 @@ class KVDecoder:
         for layer in self.layers:
             out += [layer.input_norm, layer.qkv, layer.qkv_bias, layer.qk_norm, layer.o]
             out.append(layer.post_norm)
-            for pair in (layer.qkv_lora, layer.o_lora, *(layer.mlp_lora or (None,) * 3)):
-                out += list(pair or (None, None))
+            for low_rank in (layer.qkv_lora, layer.o_lora, *(layer.mlp_lora or (None,) * 3)):
+                out += list(low_rank or (None, None, None))
         return out
 
     def step(self, tokens: Tensor, positions: Tensor) -> Tensor:
@@ -439,13 +439,19 @@ class KVDecoder:
         self,
         x: Tensor,
         weight: Tensor,
-        lora: tuple[Tensor, Tensor] | None = None,
+        lora: tuple[Tensor, Tensor, Tensor | None] | None = None,
         bias: Tensor | None = None,
     ) -> Tensor:
-        """``x @ weight.T (+ bias)``, plus the unmerged adapters' ``(x @ A.T) @ B.T``."""
+        """``x @ weight.T (+ bias)``, plus the unmerged adapters' ``(x @ A.T) @ B.T``
+        times their scales (:func:`_low_rank`), rounded to the product's dtype as PEFT's
+        layer rounds it."""
         out = self.linear(x, weight, bias)
         if lora is not None:
-            out = out + self.linear(self.linear(x, lora[0]), lora[1])
+            down, up, scale = lora
+            update = self.linear(self.linear(x, down), up)
+            if scale is not None:
+                update = (update * scale).to(update.dtype)
+            out = out + update
         return out
 
     def select(self, rows: Tensor) -> Tensor:
@@ -530,29 +536,42 @@ def _base_weight(p: nn.Module) -> Tensor:
 
 def _low_rank(projections: list[nn.Module] | tuple[nn.Module, ...], dtype: torch.dtype):
     """The active adapters of ``projections`` (whose outputs are stacked, in this order)
-    as one pair ``(A, B)``, ``x @ A.T @ B.T`` being the stacked update: ``A`` the adapters'
-    down projections one after another, ``B`` their up projections times their scales,
-    block-diagonal. None when no adapter is active on any of them."""
-    downs, ups = [], []
+    as ``(A, B, scale)``, ``(x @ A.T @ B.T) * scale`` being the stacked update: ``A`` the
+    adapters' down projections one after another, ``B`` their up projections,
+    block-diagonal, ``scale`` each output's adapter scale (float32). That is PEFT's order
+    of operations, so in bf16 the rounding is the trainer's: the product in bf16, then
+    the scale, rounded once more. A projection with several active adapters (PEFT adds
+    each one's update in turn) has its scales folded into ``B`` instead (``scale`` None).
+    None when no adapter is active on any of them."""
+    downs, ups, scales = [], [], []
     for p in projections:
         pairs = []
         if _is_lora(p) and not p.disable_adapters:
             pairs = [
-                (p.lora_A[a].weight, p.lora_B[a].weight * p.scaling[a])
+                (p.lora_A[a].weight, p.lora_B[a].weight, float(p.scaling[a]))
                 for a in p.active_adapters
                 if a in p.lora_A
             ]
         out_features = _base_weight(p).shape[0]
-        down = [a for a, _ in pairs]
+        if len(pairs) > 1:  # several adapters on one projection: scales folded in
+            pairs = [(a, b * s, 1.0) for a, b, s in pairs]
+            scales.append(None)
+        else:
+            scales.append(pairs[0][2] if pairs else 1.0)
         ups.append(
-            torch.cat([b for _, b in pairs], dim=1)
+            torch.cat([b for _, b, _ in pairs], dim=1)
             if pairs
             else _base_weight(p).new_zeros((out_features, 0))
         )
-        downs.extend(down)
+        downs.extend(a for a, _, _ in pairs)
     if not downs:
         return None
-    return torch.cat(downs).to(dtype), torch.block_diag(*ups).to(dtype)
+    down, up = torch.cat(downs).to(dtype), torch.block_diag(*ups).to(dtype)
+    if None in scales:
+        return down, up, None
+    columns = [torch.full((u.shape[0],), s) for u, s in zip(ups, scales, strict=True)]
+    scale = torch.cat(columns).to(device=up.device, dtype=torch.float32)
+    return down, up, scale
 
 
 def _bias(p: nn.Module) -> Tensor | None:
