@@ -170,9 +170,11 @@ def with_lora(model, r: int):
     trainer through PEFT's layers)."""
     from peft import LoraConfig, get_peft_model
 
-    peft_model = get_peft_model(
-        model, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear")
-    )
+    with torch.random.fork_rng(devices=[]):  # PEFT draws A from the global generator
+        torch.manual_seed(0)
+        peft_model = get_peft_model(
+            model, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear")
+        )
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
