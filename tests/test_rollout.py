@@ -363,7 +363,7 @@ def test_bf16_lora_decodes_on_the_fast_path_with_its_adapters_beside_the_matrice
     as closely as the plain model's are, and they carry the adapters' effect; in the loop
     and in the static step (``rollout.cuda_graphs``, eager here) alike. Merged into bf16
     matrices instead, they would not be."""
-    from gspo.engines import decoding
+    from gspo.engines import lora_weights
     from gspo.engines.decoding import KVDecoder, make_decoder
 
     texts = ("12+34=", "7+8=", "99+1=", "5+55=")
@@ -398,8 +398,8 @@ def test_bf16_lora_decodes_on_the_fast_path_with_its_adapters_beside_the_matrice
     assert gap < 1.25 * ref_gap, (gap, ref_gap)
     if targets == "all-linear" and not static:  # the adapters merged into bf16 matrices
         with monkeypatch.context() as m:
-            m.setattr(decoding, "_base_weight", decoding._weight)
-            m.setattr(decoding, "_low_rank", lambda *args: None)
+            m.setattr(lora_weights, "base_weight", lora_weights.merged_weight)
+            m.setattr(lora_weights, "low_rank", lambda *args: None)
             _, merged, merged_trainer = sampled_and_trainer(True)
         merged_gap = mean_gap(
             merged_trainer, merged.sampler_logprobs, merged.completion_mask.bool()

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gspo.engines import lora_weights
 from gspo.models import head_logits, plain_lm_head, position_ids_from_mask
 from gspo.models import logprobs as model_logprobs
 from gspo.models.kernels import bf16_weight_linear, head_linear_for, linear_for
@@ -47,11 +48,6 @@ FAST_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe
 _NORMS = frozenset(
     {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm"}
 )
-
-#: Dense MLP classes computing ``down(act(gate(x)) * up(x))`` (transformers 5.24), which
-#: the fast step computes itself when LoRA adapters sit on their projections.
-_MLPS = frozenset({"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Qwen2MoeMLP", "Qwen3MoeMLP"})
-_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def cached_forward(model: nn.Module, cache, **inputs):
@@ -215,15 +211,16 @@ class KVDecoder:
         self.sin: Tensor | None = None
         self.no_bias = torch.zeros((1, 1, 1), dtype=dtype, device=self.embed.device)
         # adapters merged into the matrices (float32), or kept beside them (16-bit)
-        self.low_rank = dtype != torch.float32 and any(_is_lora(m) for m in decoder.modules())
-        weight = _base_weight if self.low_rank else _weight
+        adapted = any(lora_weights.is_lora(m) for m in decoder.modules())
+        self.low_rank = dtype != torch.float32 and adapted
+        weight = lora_weights.base_weight if self.low_rank else lora_weights.merged_weight
         self.layers = []
         for layer in decoder.layers:
             a = layer.self_attn
             projections = (a.q_proj, a.k_proj, a.v_proj)
             bias = None
-            if _bias(a.q_proj) is not None:
-                bias = torch.cat([_bias(p) for p in projections]).to(dtype)
+            if lora_weights.bias_of(a.q_proj) is not None:
+                bias = torch.cat([lora_weights.bias_of(p) for p in projections]).to(dtype)
             qk_norm = None
             if hasattr(a, "q_norm"):
                 qk_norm = torch.cat(
@@ -233,11 +230,11 @@ class KVDecoder:
                     ]
                 )
             mlp_weights, mlp_lora = None, None
-            if _adapted_mlp(layer.mlp):
-                mlp_projections = [getattr(layer.mlp, n) for n in _MLP_PROJECTIONS]
+            if lora_weights.adapted_mlp(layer.mlp):
+                mlp_projections = [getattr(layer.mlp, n) for n in lora_weights.MLP_PROJECTIONS]
                 mlp_weights = tuple(weight(p).to(dtype) for p in mlp_projections)
                 if self.low_rank:
-                    mlp_lora = tuple(_low_rank([p], dtype) for p in mlp_projections)
+                    mlp_lora = tuple(lora_weights.low_rank([p], dtype) for p in mlp_projections)
             self.layers.append(
                 _Layer(
                     input_norm=layer.input_layernorm.weight,
@@ -248,8 +245,8 @@ class KVDecoder:
                     post_norm=layer.post_attention_layernorm.weight,
                     mlp=layer.mlp,
                     mlp_weights=mlp_weights,
-                    qkv_lora=_low_rank(projections, dtype) if self.low_rank else None,
-                    o_lora=_low_rank([a.o_proj], dtype) if self.low_rank else None,
+                    qkv_lora=lora_weights.low_rank(projections, dtype) if self.low_rank else None,
+                    o_lora=lora_weights.low_rank([a.o_proj], dtype) if self.low_rank else None,
                     mlp_lora=mlp_lora,
                 )
             )
@@ -285,11 +282,12 @@ class KVDecoder:
         for layer in decoder.layers:
             a = layer.self_attn
             linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
-            if not all(_mergeable(p) for p in linears) or _bias(a.o_proj) is not None:
+            mergeable = all(lora_weights.mergeable(p) for p in linears)
+            if not mergeable or lora_weights.bias_of(a.o_proj) is not None:
                 return False
-            if len({_bias(p) is None for p in linears[:3]}) != 1:
+            if len({lora_weights.bias_of(p) is None for p in linears[:3]}) != 1:
                 return False
-            if _lora_mlp(layer.mlp) and not _adapted_mlp(layer.mlp):
+            if lora_weights.lora_mlp(layer.mlp) and not lora_weights.adapted_mlp(layer.mlp):
                 return False
             if hasattr(a, "q_norm") and type(a.q_norm).__name__ not in _NORMS:
                 return False
@@ -443,7 +441,7 @@ class KVDecoder:
         bias: Tensor | None = None,
     ) -> Tensor:
         """``x @ weight.T (+ bias)``, plus the unmerged adapters' ``(x @ A.T) @ B.T``
-        times their scales (:func:`_low_rank`), rounded to the product's dtype as PEFT's
+        times their scales (:func:`lora_weights.low_rank`), rounded to the product's dtype as PEFT's
         layer rounds it."""
         out = self.linear(x, weight, bias)
         if lora is not None:
@@ -489,105 +487,3 @@ def _compute_dtype(weight: Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return weight.dtype
-
-
-def _is_lora(module: nn.Module | None) -> bool:
-    """Whether ``module`` is a PEFT LoRA layer (a base layer plus adapters)."""
-    return module is not None and hasattr(module, "base_layer") and hasattr(module, "lora_A")
-
-
-def _mergeable(p: nn.Module) -> bool:
-    """A plain ``nn.Linear``, or a PEFT LoRA layer over one whose active adapters add
-    ``scale * B @ A`` (no DoRA or other variant, no adapter bias, not merged in place),
-    in float32."""
-    if type(p) is nn.Linear:
-        return True
-    if not _is_lora(p) or type(p.base_layer) is not nn.Linear or p.merged:
-        return False
-    active = [a for a in p.active_adapters if a in p.lora_A]
-    for a in active:
-        if a in getattr(p, "lora_variant", {}) or p.use_dora.get(a, False):
-            return False
-        if getattr(p, "lora_bias", {}).get(a, False):
-            return False
-        if p.lora_A[a].weight.dtype != torch.float32 or p.lora_B[a].weight.dtype != torch.float32:
-            return False
-    return p.base_layer.weight.dtype == torch.float32
-
-
-def _weight(p: nn.Module) -> Tensor:
-    """The matrix ``p`` multiplies by: its weight, or a LoRA layer's base weight plus each
-    active adapter's ``scale * B @ A`` (PEFT's own ``get_delta_weight``, as its merge)."""
-    if type(p) is nn.Linear:
-        return p.weight
-    weight = p.base_layer.weight
-    if p.disable_adapters:
-        return weight
-    for a in p.active_adapters:
-        if a in p.lora_A:
-            weight = weight + p.get_delta_weight(a)
-    return weight
-
-
-def _base_weight(p: nn.Module) -> Tensor:
-    """The matrix of ``p`` without its adapters (they are applied beside it)."""
-    return p.base_layer.weight if _is_lora(p) else p.weight
-
-
-def _low_rank(projections: list[nn.Module] | tuple[nn.Module, ...], dtype: torch.dtype):
-    """The active adapters of ``projections`` (whose outputs are stacked, in this order)
-    as ``(A, B, scale)``, ``(x @ A.T @ B.T) * scale`` being the stacked update: ``A`` the
-    adapters' down projections one after another, ``B`` their up projections,
-    block-diagonal, ``scale`` each output's adapter scale (float32). That is PEFT's order
-    of operations, so in bf16 the rounding is the trainer's: the product in bf16, then
-    the scale, rounded once more. A projection with several active adapters (PEFT adds
-    each one's update in turn) has its scales folded into ``B`` instead (``scale`` None).
-    None when no adapter is active on any of them."""
-    downs, ups, scales = [], [], []
-    for p in projections:
-        pairs = []
-        if _is_lora(p) and not p.disable_adapters:
-            pairs = [
-                (p.lora_A[a].weight, p.lora_B[a].weight, float(p.scaling[a]))
-                for a in p.active_adapters
-                if a in p.lora_A
-            ]
-        out_features = _base_weight(p).shape[0]
-        if len(pairs) > 1:  # several adapters on one projection: scales folded in
-            pairs = [(a, b * s, 1.0) for a, b, s in pairs]
-            scales.append(None)
-        else:
-            scales.append(pairs[0][2] if pairs else 1.0)
-        ups.append(
-            torch.cat([b for _, b, _ in pairs], dim=1)
-            if pairs
-            else _base_weight(p).new_zeros((out_features, 0))
-        )
-        downs.extend(a for a, _, _ in pairs)
-    if not downs:
-        return None
-    down, up = torch.cat(downs).to(dtype), torch.block_diag(*ups).to(dtype)
-    if None in scales:
-        return down, up, None
-    columns = [torch.full((u.shape[0],), s) for u, s in zip(ups, scales, strict=True)]
-    scale = torch.cat(columns).to(device=up.device, dtype=torch.float32)
-    return down, up, scale
-
-
-def _bias(p: nn.Module) -> Tensor | None:
-    return (p.base_layer if _is_lora(p) else p).bias
-
-
-def _lora_mlp(mlp: nn.Module) -> bool:
-    """Whether LoRA adapters sit on any of a gated MLP's projections."""
-    return any(_is_lora(getattr(mlp, n, None)) for n in _MLP_PROJECTIONS)
-
-
-def _adapted_mlp(mlp: nn.Module) -> bool:
-    """A dense gated MLP (one of ``_MLPS``: ``down(act(gate(x)) * up(x))``) with LoRA
-    adapters on its projections, each mergeable and without bias: the fast step
-    computes it itself."""
-    if type(mlp).__name__ not in _MLPS or not _lora_mlp(mlp):
-        return False
-    projections = [getattr(mlp, n) for n in _MLP_PROJECTIONS]
-    return all(_mergeable(p) and _bias(p) is None for p in projections)

@@ -44,7 +44,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gspo.engines.batch import SamplingParams
-from gspo.engines.decoding import _MLP_PROJECTIONS, _MLPS, KVDecoder, _weight
+from gspo.engines.decoding import KVDecoder
+from gspo.engines.lora_weights import MLP_PROJECTIONS, MLPS, merged_weight
 from gspo.engines.sampling import sample_next
 from gspo.models import head_logits
 
@@ -73,7 +74,7 @@ def capturable(decoder: KVDecoder) -> bool:
     """Whether a step of ``decoder`` can be captured as a CUDA graph: every MLP dense
     (computed from its matrices; an MoE block's routing reads the device on the host)."""
     return all(
-        layer.mlp_weights is not None or type(layer.mlp).__name__ in _MLPS
+        layer.mlp_weights is not None or type(layer.mlp).__name__ in MLPS
         for layer in decoder.layers
     )
 
@@ -356,9 +357,9 @@ def _flat(mlps: list[tuple[Tensor, Tensor, Tensor] | None]) -> list[Tensor | Non
 
 def _dense_mlp(mlp: torch.nn.Module, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor] | None:
     """A dense gated MLP's gate, up and down matrices in ``dtype``; None for an MoE block."""
-    if type(mlp).__name__ not in _MLPS:
+    if type(mlp).__name__ not in MLPS:
         return None
-    return tuple(_weight(getattr(mlp, n)).to(dtype) for n in _MLP_PROJECTIONS)
+    return tuple(merged_weight(getattr(mlp, n)).to(dtype) for n in MLP_PROJECTIONS)
 
 
 def _no_autocast_cache():
