@@ -32,12 +32,14 @@ gspo's generation and training tokens/s and their MFU (model FLOPs, as in
 
 ``--stages`` picks and orders the stages (keys ``suite``, ``cuda``, ``head`` (the training
 forward's vocabulary projection, forward and backward, at each ``model.head_precision``),
-``decode``, ``vllm``, ``train``, ``vs_trl``, ``async``; the report is rewritten after each, into
-``--report-dir``, with each pytest stage's output beside it as ``KEY.log``), ``--budget``
-bounds them together. A lent GPU of 15 device-minutes runs ``--lease 1`` and ``--lease
-2`` (:data:`LEASE`) as two calls through ``benchmarks/gpu_lease.sh``: the CUDA tests, the
-suite (the test_cuda.py file left to the CUDA stage, the 25 slowest tests listed), the
-head and decoding in the first; gspo vs TRL, async and the bf16 demo in the second.
+``decode``, ``vllm``, ``train``, ``vs_trl``, ``lora`` (one rollout batch of the full model
+and of LoRA r=16 over a bf16 base, the time ratio), ``async``; the report is rewritten
+after each, into ``--report-dir``, with each pytest stage's output beside it as
+``KEY.log``), ``--budget`` bounds them together. A lent GPU of 15 device-minutes runs
+``--lease 1`` and ``--lease 2`` (:data:`LEASE`) as two calls through
+``benchmarks/gpu_lease.sh``: the CUDA tests, the suite (the test_cuda.py file left to the
+CUDA stage, the 25 slowest tests listed), the head and decoding in the first; gspo vs TRL,
+LoRA generation, async and the bf16 demo in the second.
 
 On a machine without CUDA it stops at once with one line and exit status 2.
 
@@ -454,6 +456,56 @@ def head_stage(sizes: Sizes = FULL, tokens: int = 4096) -> Callable[[Stage, floa
     return body
 
 
+def lora_stage(out: Path, sizes: Sizes = FULL, rank: int = 16) -> Callable[[Stage, float], None]:
+    """One rollout batch (16 prompts x 8, the vs_trl workload's responses) of the full model
+    and of the same model with LoRA adapters of rank ``rank`` on every linear layer (B
+    random, so they count), as a run holds them: on CUDA the frozen base in bf16, the
+    adapters float32 beside it, sampled under bf16 autocast by the fast decoder (the per-step
+    loop, ``rollout.cuda_graphs``' default). The target: LoRA within 1.25x of the full
+    model's time."""
+
+    def body(stage: Stage, limit: float) -> None:
+        import copy
+
+        import decode_graphs
+        import torch
+
+        from gspo.config import LoraSettings, load_config
+        from gspo.models import load_model
+        from gspo.models.kernels import set_linear_kernel
+        from gspo.training.lora import attach_lora
+        from gspo.training.setup import head_precision
+
+        work, _ = workload_for(out, sizes)
+        device = torch.device(sizes.device)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        full, tokenizer = load_model(work / "model", device=device, dtype=torch.float32)
+        lora = attach_lora(copy.deepcopy(full), LoraSettings(r=rank), seed=0, base_dtype=dtype)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, param in lora.named_parameters():
+                if "lora_B" in name:
+                    param.copy_(torch.randn(param.shape, generator=gen) * 0.01)
+        head = head_precision(load_config(None, []), device, dtype)
+        lines = (work / "train.jsonl").read_text().splitlines()[: decode_graphs.PROMPTS]
+        prompts = [tokenizer(json.loads(x)["prompt"])["input_ids"] for x in lines]
+        seconds = {}
+        for name, model in (("full", full), (f"LoRA r={rank}", lora)):
+            set_linear_kernel(model, "onednn", head)
+            m = decode_graphs.measure(
+                model.eval(), tokenizer, prompts, tokens=sizes.response_tokens, dtype=dtype,
+                way="loop",
+            )  # fmt: skip
+            seconds[name] = m["seconds"]
+            stage.figures[f"{name}: s / tokens/s"] = (
+                f"{m['seconds']:.2f} / {m['tokens'] / m['seconds']:.0f}"
+            )
+        ratio = seconds[f"LoRA r={rank}"] / seconds["full"]
+        stage.figures["LoRA / full time (target <= 1.25)"] = round(ratio, 2)
+
+    return body
+
+
 def async_stage(
     out: Path, sizes: Sizes = FULL, extra: tuple[str, ...] = ()
 ) -> Callable[[Stage, float], None]:
@@ -512,10 +564,10 @@ def render(stages: list[Stage], header: dict[str, str]) -> str:
 
 #: The stages ``--stages`` picks from, in the order a full check runs them, with the
 #: seconds each may take at most (the suite's is ``--suite-limit``).
-STAGES = ("suite", "cuda", "head", "decode", "vllm", "train", "vs_trl", "async")
+STAGES = ("suite", "cuda", "head", "decode", "vllm", "train", "vs_trl", "lora", "async")
 SHARES = {
     "cuda": 150, "head": 30, "decode": 90, "vllm": 150, "train": 180, "vs_trl": 300,
-    "async": 150,
+    "lora": 60, "async": 150,
 }  # fmt: skip
 
 #: What a GPU lease of 15 device-minutes runs, as two calls (``benchmarks/gpu_lease.sh 1``
@@ -523,7 +575,7 @@ SHARES = {
 #: then speed. ``budget`` is the call's seconds for its stages, ``suite`` the suite's.
 LEASE = {
     "1": {"stages": "cuda,suite,head,decode", "budget": 450.0, "suite": 240.0},
-    "2": {"stages": "vs_trl,async,train", "budget": 250.0, "suite": 0.0},
+    "2": {"stages": "vs_trl,lora,async,train", "budget": 250.0, "suite": 0.0},
 }
 
 
@@ -665,6 +717,10 @@ def main() -> int:
         "vs_trl": (
             Stage(f"gspo vs TRL, {model}"),
             vs_trl_stage(args.out, peaks, sizes, tuple(args.gspo_set)),
+        ),
+        "lora": (
+            Stage(f"LoRA generation vs the full model, {model}"),
+            lora_stage(args.out, sizes),
         ),
         "async": (
             Stage(f"async rollouts, max_staleness 0 vs 1, {sizes.model_label}"),

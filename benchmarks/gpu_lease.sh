@@ -4,8 +4,8 @@
 #
 #   GSPO_COMMIT=<sha> bash benchmarks/gpu_lease.sh 1   # numerics and the suite: the CUDA tests,
 #                                                      # the whole suite on CUDA, decoding (~8 min)
-#   GSPO_COMMIT=<sha> bash benchmarks/gpu_lease.sh 2   # speed: gspo vs TRL at ~0.5B/512,
-#                                                      # async k=0 vs 1, the bf16 demo (~5 min)
+#   GSPO_COMMIT=<sha> bash benchmarks/gpu_lease.sh 2   # speed: gspo vs TRL at ~0.5B/512, LoRA
+#                                                      # generation, async k=0 vs 1, the bf16 demo
 #
 # with `.whl` (from `make gpu-wheels`) carried beside the tree. Part 1 first: the numerics
 # and the suite matter before speed. Each part writes report.md, report.json and the pytest
@@ -17,7 +17,8 @@ set -o pipefail
 part=${1:?usage: gpu_lease.sh 1|2}
 out=${OUT:-runs/gpu_lease}
 mkdir -p "$out"
-if [ -d .whl ]; then
+# the wheels are for the device's Python 3.12 (`make gpu-wheels`); elsewhere they are left out
+if [ -d .whl ] && python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site:src

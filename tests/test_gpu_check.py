@@ -138,6 +138,9 @@ def test_smoke_runs_every_stage_on_the_cpu_and_writes_the_report(tmp_path):
         assert vs["status"] == "skipped" and "TRL is not installed" in vs["detail"]
     else:
         assert vs["status"] == "passed" and vs["figures"]["ratio TRL / gspo"] > 0
+    lora = stages["LoRA generation vs the full model"]
+    assert lora["status"] == "passed", lora["detail"]
+    assert lora["figures"]["LoRA / full time (target <= 1.25)"] > 0
     async_ = stages["async rollouts"]
     assert async_["status"] == "passed"
     figures = async_["figures"]
