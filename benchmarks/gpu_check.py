@@ -635,10 +635,10 @@ def main() -> int:
         help="one call of a 15-minute GPU lease: its stages and budget (see LEASE)",
     )
     args = parser.parse_args()
-    if args.lease:
+    if args.lease:  # its stages and limits; a --budget given beside it (less time left) wins
         lease = LEASE[args.lease]
-        args.stages, args.budget = parse_stages(lease["stages"]), lease["budget"]
-        args.suite_limit = lease["suite"]
+        args.stages, args.suite_limit = parse_stages(lease["stages"]), lease["suite"]
+        args.budget = lease["budget"] if args.budget is None else args.budget
     reason = no_cuda_reason()
     if reason is not None and not (args.smoke and importlib.util.find_spec("torch")):
         print(f"gpu-check: {reason}; nothing run", file=sys.stderr)

@@ -180,7 +180,7 @@ def test_a_lease_part_runs_its_stages_in_order_and_reports_into_the_report_dir(t
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads((reports / "report.json").read_text())
     assert report["header"]["commit"] == "feedbee"
-    assert report["header"]["stages"] == "cuda,suite,head,decode in 450 s"
+    assert report["header"]["stages"] == "cuda,suite,head,decode in 450 s"  # the lease's
     names = [s["name"].split(",")[0] for s in report["stages"]]
     assert names == ["tests (CUDA)", "test suite (smoke: one file)",
                      "log-prob head forward+backward", "decode"]  # fmt: skip
@@ -214,3 +214,20 @@ def test_gspo_set_reaches_the_gspo_runs_and_the_report(tmp_path):
     assert report["header"]["gspo overrides"] == "rollout.cuda_graphs=true rollout.temperature=0.7"
     config = yaml.safe_load((tmp_path / "train" / "config.yaml").read_text())
     assert config["rollout"]["cuda_graphs"] is True and config["rollout"]["temperature"] == 0.7
+
+
+def test_a_budget_beside_a_lease_part_bounds_it(tmp_path):
+    """Less device time left than a part's budget: ``--budget`` beside ``--lease`` wins,
+    and the stages that no longer fit are reported as not run."""
+    import json
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--lease", "2", "--budget", "15", "--out",
+         str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["header"]["stages"] == "vs_trl,lora,async,train in 15 s"
+    assert [s["status"] for s in report["stages"]] == ["not run"] * 4
+    assert run.returncode == 1  # nothing passed: not a green check
