@@ -168,13 +168,10 @@ def with_lora(model, r: int):
     their B drawn small and non-zero (fresh adapters add nothing): what the sampler and
     the trainer of a LoRA run compute in bf16 (the decoder beside the bf16 matrices, the
     trainer through PEFT's layers)."""
-    from peft import LoraConfig, get_peft_model
+    from gspo.config import LoraSettings
+    from gspo.training.lora import attach_lora
 
-    with torch.random.fork_rng(devices=[]):  # PEFT draws A from the global generator
-        torch.manual_seed(0)
-        peft_model = get_peft_model(
-            model, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear")
-        )
+    peft_model = attach_lora(model, LoraSettings(r=r, alpha=2 * r), seed=0)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():

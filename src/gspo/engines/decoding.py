@@ -36,8 +36,8 @@ from torch import Tensor, nn
 
 from gspo.engines import lora_weights
 from gspo.models import head_logits, plain_lm_head, position_ids_from_mask
-from gspo.models import logprobs as model_logprobs
-from gspo.models.kernels import bf16_weight_linear, head_linear_for, linear_for
+from gspo.models.kernels import head_linear_for, linear_for
+from gspo.models.logprobs import head_matrix
 
 #: model_type values whose decoder layers :class:`KVDecoder` reimplements (checked
 #: against transformers 5.23's modeling files): RMSNorm before attention and MLP, RoPE
@@ -72,10 +72,7 @@ def head_weight(model: nn.Module) -> Tensor | None:
     other head."""
     if not plain_lm_head(model):
         return None
-    weight = model.get_output_embeddings().weight
-    if not model_logprobs.HEAD_IN_FLOAT32:
-        return weight
-    return weight.bfloat16() if head_linear_for(model) is bf16_weight_linear else weight.float()
+    return head_matrix(model.get_output_embeddings().weight, head_linear_for(model))
 
 
 def next_token_logits(
@@ -440,17 +437,10 @@ class KVDecoder:
         lora: tuple[Tensor, Tensor, Tensor | None] | None = None,
         bias: Tensor | None = None,
     ) -> Tensor:
-        """``x @ weight.T (+ bias)``, plus the unmerged adapters' ``(x @ A.T) @ B.T``
-        times their scales (:func:`lora_weights.low_rank`), rounded to the product's dtype as PEFT's
-        layer rounds it."""
+        """``x @ weight.T (+ bias)``, plus the unmerged adapters' update
+        (:func:`lora_weights.add_update`)."""
         out = self.linear(x, weight, bias)
-        if lora is not None:
-            down, up, scale = lora
-            update = self.linear(self.linear(x, down), up)
-            if scale is not None:
-                update = (update * scale).to(update.dtype)
-            out = out + update
-        return out
+        return out if lora is None else lora_weights.add_update(out, x, lora, self.linear)
 
     def select(self, rows: Tensor) -> Tensor:
         """Keep only the batch rows ``rows`` (increasing; finished rows leave); returns

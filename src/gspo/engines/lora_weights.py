@@ -118,3 +118,14 @@ def adapted_mlp(mlp: nn.Module) -> bool:
         return False
     projections = [getattr(mlp, n) for n in MLP_PROJECTIONS]
     return all(mergeable(p) and bias_of(p) is None for p in projections)
+
+
+def add_update(out: Tensor, x: Tensor, low_rank: tuple[Tensor, Tensor, Tensor | None], linear):
+    """``out`` plus the unmerged adapters' update of ``x``, ``(x @ A.T) @ B.T`` times their
+    scales (:func:`low_rank`), in PEFT's order: the product in the compute dtype, then the
+    scale, rounded back to that dtype, then added. ``linear``: the decoder's product."""
+    down, up, scale = low_rank
+    update = linear(linear(x, down), up)
+    if scale is not None:
+        update = (update * scale).to(update.dtype)
+    return out + update

@@ -18,16 +18,17 @@ by default; ``torch`` keeps MKL).
 
 The vocabulary projection (the head, :func:`gspo.models.logprobs.head_logits`) has a
 precision of its own, recorded beside the kernel (``model.head_precision``): ``float32``
-(exact, but on CUDA outside the tensor cores: about 60 TFLOP/s on an H100, so a
+(exact, but on CUDA outside the tensor cores: about 60 TFLOP/s on an H100 by its datasheet, so a
 151,936-token vocabulary's head alone would cap a 0.5B model's training near 60k
 tokens/s) or ``bf16_weight`` (:func:`bf16_weight_linear`: tensor-core products). What
 made the sampler and the trainer disagree in bf16 was rounding the head's *logits* to
 bf16 (docs/precision.md). Rounding its *inputs* to bf16 would bring part of that back:
 sampler and trainer reach slightly different hidden states, and rounding each to 8 bits
-turns a small difference into whole steps of the last bit (on a tiny model the
-sequence-mean gap grew 2.7x). So ``bf16_weight`` rounds only the weight, the same matrix
-on both sides and so the same rounding, and keeps the hidden state to about 16 bits as
-the sum of two bf16 terms; every product is exact and the sums are float32.
+turns a small difference into whole steps of the last bit (the probe's "head inputs
+rounded to bf16" rows in docs/precision.md). So ``bf16_weight`` rounds only the weight,
+the same matrix on both sides and so the same rounding, and keeps the hidden state to
+about 16 bits as the sum of two bf16 terms; every product is exact and the sums are
+float32.
 """
 
 from __future__ import annotations
@@ -202,10 +203,7 @@ def bf16_weight_linear(x: Tensor, weight: Tensor) -> Tensor:
     terms stacked (twice the rows, the weight read once). Its backward
     rounds the incoming gradient and ``x`` to bf16 (autocast's precision) and returns
     gradients in the inputs' dtypes (a float32 weight gets a float32 gradient)."""
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _Bf16WeightLinear.apply(x, weight)
-    (hi, lo), w = _split(x), weight.bfloat16()
-    return _two_terms(hi, lo, w.t()).view(*x.shape[:-1], weight.shape[0])
+    return _Bf16WeightLinear.apply(x, weight)
 
 
 def set_linear_kernel(

@@ -67,6 +67,15 @@ def head_logits(hidden: Tensor, weight: Tensor, linear=F.linear) -> Tensor:
         return linear(hidden.float(), weight.float())
 
 
+def head_matrix(weight: Tensor, linear) -> Tensor:
+    """The head's ``weight`` in the dtype ``linear`` (:func:`head_logits`' product)
+    computes with: bf16 for ``bf16_weight_linear``, else float32 (:data:`HEAD_IN_FLOAT32`;
+    as it is when that is off). Cast once, by the caller, not per chunk or per step."""
+    if not HEAD_IN_FLOAT32:
+        return weight
+    return weight.bfloat16() if linear is bf16_weight_linear else weight.float()
+
+
 class CompletionLogprobs(torch.nn.Module):
     """The training forward: log-probs of completions under ``model`` (see
     :func:`completion_logprobs`) as a module.
@@ -463,8 +472,7 @@ def logprobs_from_hidden(
 
     n, t, h = hidden.shape
     flat_hidden, flat_ids = hidden.reshape(n * t, h), token_ids.reshape(n * t)
-    if HEAD_IN_FLOAT32:  # once, not per chunk (a no-op where it is that dtype already)
-        weight = weight.bfloat16() if linear is bf16_weight_linear else weight.float()
+    weight = head_matrix(weight, linear)  # once, not per chunk
     keep_graph = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     chunk = _chunk_logprobs_entropy if with_entropy else _chunk_logprobs
     out = []
