@@ -176,6 +176,7 @@ def check_two_ranks_take_the_one_process_step(
 
 @pytest.mark.slow
 def test_torchrun_run_logs_once_and_resumes_with_one_rank(tmp_path):
+    from safetensors.torch import load_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -192,13 +193,18 @@ def test_torchrun_run_logs_once_and_resumes_with_one_rank(tmp_path):
     assert (checkpoint / "model.safetensors").is_file()  # the HF export
     assert len(list((checkpoint / SHARDED).glob("*.distcp"))) == 2  # one file per rank
 
-    # the sharded state, whole, as the two ranks saved it
+    # the sharded state, whole, as the two ranks saved it: the optimizer's (the weights
+    # are in the HF export alone)
     dcp_to_torch_save(checkpoint / SHARDED, tmp_path / "whole.pt")
     saved = torch.load(tmp_path / "whole.pt", weights_only=False)
+    assert sorted(saved) == ["optimizer"]
     resumed = Trainer(load_config(out / "config.yaml"), out, resume=True)
-    model_state, optim_state = get_state_dict(resumed.policy.forward, resumed.optimizer)
-    for name, value in saved["model"].items():
-        torch.testing.assert_close(model_state[name], value, rtol=0, atol=0)
+    _, optim_state = get_state_dict(resumed.policy.forward, resumed.optimizer)
+    exported = load_file(checkpoint / "model.safetensors")
+    module_state = resumed.policy.module.state_dict()
+    assert exported
+    for name, value in exported.items():
+        torch.testing.assert_close(module_state[name], value, rtol=0, atol=0)
     moments = [(n, s) for n, s in optim_state["state"].items()]
     assert moments
     for name, state in moments:

@@ -248,8 +248,13 @@ def sharded_state(
     optimizer: torch.optim.Optimizer | None,
     *,
     trainable_only: bool = False,
+    weights: bool = True,
 ) -> dict[str, Any]:
-    """What :func:`save_sharded` writes, as live tensors (:func:`write_sharded` writes it)."""
+    """What :func:`save_sharded` writes, as live tensors (:func:`write_sharded` writes it).
+
+    ``weights=False``: the optimizer state only (a training checkpoint whose whole weights
+    are in its HF files, which a resumed run loads first; see
+    :func:`gspo.training.checkpoint.take_checkpoint`)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -257,7 +262,9 @@ def sharded_state(
     )
 
     options = StateDictOptions(ignore_frozen_params=trainable_only)
-    state: dict[str, Any] = {"model": get_model_state_dict(model, options=options)}
+    state: dict[str, Any] = {}
+    if weights:
+        state["model"] = get_model_state_dict(model, options=options)
     if optimizer is not None and optimizer.state:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     return state
@@ -286,7 +293,8 @@ def load_sharded(
 
     ``trainable_only``: the files hold the trainable parameters only (see :func:`save_sharded`).
 
-    The optimizer is left as it is (fresh) when the checkpoint holds no optimizer state.
+    The optimizer is left as it is (fresh) when the checkpoint holds no optimizer state, and
+    the model when it holds no weights (:func:`sharded_state`'s ``weights=False``).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -299,12 +307,15 @@ def load_sharded(
 
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
-    state: dict[str, Any] = {"model": get_model_state_dict(model, options=options)}
+    state: dict[str, Any] = {}
+    if any(key.startswith("model.") for key in saved):
+        state["model"] = get_model_state_dict(model, options=options)
     if optimizer is not None and any(key.startswith("optimizer.") for key in saved):
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     with single_process_quiet():
         dcp.load(state, checkpoint_id=path, no_dist=not torch.distributed.is_initialized())
-    set_model_state_dict(model, state["model"], options=options)
+    if "model" in state:
+        set_model_state_dict(model, state["model"], options=options)
     if "optimizer" in state:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
 

@@ -311,7 +311,7 @@ class Trainer:
                     line = {**line, **metrics}  # the progress line shows this evaluation
                 bar.update(self.step, line)
                 if crossed(before, self.step, cfg.train.save_every) or last:
-                    self.save_checkpoint()
+                    self.save_checkpoint(last=last)
         self.checkpoints.wait()
         self.logger.close()
         if not self.dist.is_main:
@@ -322,11 +322,11 @@ class Trainer:
         print_summary(records)
         return records
 
-    def save_checkpoint(self, model_dir: Path | None = None) -> Path:
+    def save_checkpoint(self, model_dir: Path | None = None, *, last: bool = False) -> Path:
         """Take this step's checkpoint and write it (in the background: :class:`gspo.training.
         checkpoint.Checkpoints`, which logs ``io/checkpoint_bytes``, ``time/checkpoint``, the
         seconds the run waited for it, and ``time/checkpoint_write``; ``self.checkpoints.
-        wait()`` or :meth:`close` waits for it); its directory."""
+        wait()`` or :meth:`close` waits for it; the run's ``last``: at once); its directory."""
         step = self.step
 
         def take(copy: bool):
@@ -341,7 +341,7 @@ class Trainer:
                 model_dir=model_dir, copy=copy,
             )  # fmt: skip
 
-        return self.checkpoints.save(take)
+        return self.checkpoints.save(take, last=last)
 
 
 def train(config: Config, output_dir: str | Path, *, resume: bool = False) -> list[dict[str, Any]]:

@@ -83,11 +83,12 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def checkpoint_bytes(policy: Policy, optimizer: torch.optim.Optimizer, dist: Distributed) -> int:
-    """About what a checkpoint of the run takes on disk: the trained weights twice (the HF
-    files and the shards; a LoRA run's adapters only) and the optimizer state."""
+    """About what a checkpoint of the run takes on disk: the weights once (the HF files; a
+    LoRA run's adapters twice, in the shards too) and the optimizer state."""
     trained = (p for p in policy.parameters() if p.requires_grad or not policy.adapters)
     weights = sum(p.numel() * p.element_size() for p in trained)  # (DTensor: the whole)
-    return 2 * weights + optimizer_state_bytes(optimizer) * dist.world_size
+    copies = 2 if policy.adapters else 1
+    return copies * weights + optimizer_state_bytes(optimizer) * dist.world_size
 
 
 def checkpoint_problem(path: Path) -> str | None:
@@ -185,6 +186,13 @@ def take_checkpoint(
         inside = model_dir.is_relative_to(Path(output_dir).resolve())
         pointer = os.path.relpath(model_dir, final.resolve()) if inside else str(model_dir)
         fingerprint = model_fingerprint(model_dir) if dist.is_main else None
+    trainer_state = {"scheduler": deepcopy(scheduler.state_dict()), "step": step}
+    files = {**(extra or {}), TRAINER_STATE: trainer_state} if dist.is_main else {}
+    state = CheckpointState(
+        final, step, None, pointer, fingerprint, None, None, None, tokenizer, files
+    )
+    if model_dir is not None:  # no weights written: none to check
+        return state
     finite = all(  # this rank's shards (DTensor.to_local under FSDP)
         bool(torch.isfinite(getattr(p, "to_local", lambda p=p: p)()).all())
         for p in policy.parameters()
@@ -194,16 +202,13 @@ def take_checkpoint(
             f"checkpoint at step {step} not written: the weights hold NaN or inf "
             f"(the previous checkpoint under {final.parent} is intact)"
         )
-    trainer_state = {"scheduler": deepcopy(scheduler.state_dict()), "step": step}
-    files = {**(extra or {}), TRAINER_STATE: trainer_state} if dist.is_main else {}
-    state = CheckpointState(
-        final, step, None, pointer, fingerprint, None, None, None, tokenizer, files
-    )
-    if model_dir is not None:
-        return state
     state.needs = checkpoint_bytes(policy, optimizer, dist)
-    trainable_only = policy.adapters
-    state.sharded = sharded_state(policy.forward, optimizer, trainable_only=trainable_only)
+    # the shards: the optimizer state (and a LoRA run's adapters); a full model's weights
+    # are in the HF files alone, which a resumed run loads the model from (whatever ranks)
+    adapters = policy.adapters
+    state.sharded = sharded_state(
+        policy.forward, optimizer, trainable_only=adapters, weights=adapters
+    )
     state.replica = policy.replica()
     if dist.is_main:
         state.weights = state.replica.state_dict()
@@ -359,14 +364,17 @@ class Checkpoints:
         self.pending: _Write | None = None
         self.held: list[tuple[int, Mapping[str, Any]]] = []
 
-    def save(self, take: Callable[[bool], CheckpointState]) -> Path:
+    def save(self, take: Callable[[bool], CheckpointState], *, last: bool = False) -> Path:
         """Wait for the previous write, then ``take(copy)`` this step's checkpoint and write
-        it (in the background, or now). Its directory."""
+        it (in the background, or now). ``last``: nothing trains after it, so it is written
+        now from the live tensors (a copy would only add its own time to the wait). Its
+        directory."""
         self.wait()
+        background = self.background and not last
         start = time.perf_counter()
-        state = take(self.background)
+        state = take(background)
         write = _Write(state, time.perf_counter() - start)
-        if not self.background:
+        if not background:
             write.run(self.dist)
             self._finish(write, waited=write.write_s)
             return state.final
@@ -428,9 +436,12 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
 ) -> int:
-    """Restore model, optimizer and scheduler state from ``path``; its step.
+    """Restore the optimizer and scheduler state (and a LoRA run's adapters) from ``path``
+    into a policy built from it; its step.
 
-    A checkpoint naming its model (``model_dir.txt``) has nothing to restore but the
+    A full model's weights are not restored here: ``policy`` was loaded from the
+    checkpoint's HF files (older checkpoints' shards hold them too, and are loaded). A
+    checkpoint naming its model (``model_dir.txt``) has nothing to restore but the
     scheduler: the policy was loaded from that model, and the optimizer had not stepped.
     Its files are checked against its manifest first (the HF model's were, when it was
     loaded): a damaged one is a one-line :class:`gspo.publish.DamagedFile`.
