@@ -310,18 +310,22 @@ def train_stage(
             stage.figures["held-out accuracy, first -> last eval"] = (
                 f"{evals[0]['eval/accuracy']:.3f} -> {evals[-1]['eval/accuracy']:.3f}"
             )
-        # what the checkpoints cost the run (train.background_checkpoints: written by a
-        # thread; the run waits only for the copy)
-        writes = [r for r in records if "io/checkpoint_bytes" in r]
-        if writes:
-            stage.figures["checkpoints, MB written"] = round(
-                sum(r["io/checkpoint_bytes"] for r in writes) / 1e6, 1
-            )
-            waited = sum(r.get("time/checkpoint", 0.0) for r in writes)
-            writing = sum(r.get("time/checkpoint_write", 0.0) for r in writes)
-            stage.figures["checkpoints, s waited / s writing"] = f"{waited:.2f} / {writing:.2f}"
+        checkpoint_figures(records, stage.figures)
 
     return body
+
+
+def checkpoint_figures(records: list[dict], figures: dict, label: str = "checkpoints") -> None:
+    """What a run's checkpoints cost it (train.background_checkpoints: written by a thread;
+    the run waits for the copy, and for its last one whole): MB written, s waited / writing."""
+    writes = [r for r in records if "io/checkpoint_bytes" in r]
+    if writes:
+        figures[f"{label}, MB written"] = round(
+            sum(r["io/checkpoint_bytes"] for r in writes) / 1e6, 1
+        )
+        waited = sum(r.get("time/checkpoint", 0.0) for r in writes)
+        writing = sum(r.get("time/checkpoint_write", 0.0) for r in writes)
+        figures[f"{label}, s waited / s writing"] = f"{waited:.2f} / {writing:.2f}"
 
 
 def matmul_peak(device: str = "cuda", size: int = 8192, reps: int = 10) -> float:
@@ -379,6 +383,11 @@ def vs_trl_stage(
         gspo_s, gspo_run = vs_trl.run_gspo(work, schedule=schedule, extra=extra)
         g = vs_trl.gspo_summary(gspo_run)
         stage.figures["gspo whole process s"] = round(gspo_s, 1)
+        stage.figures["gspo start-up s / loop s / exit s"] = (
+            f"{g['startup_s']:.1f} / {g['loop_s']:.1f} / {g['exit_s']:.1f}"
+        )
+        records = [json.loads(x) for x in (gspo_run / "metrics.jsonl").read_text().splitlines()]
+        checkpoint_figures(records, stage.figures, "gspo checkpoints")
         left = deadline - time.perf_counter()
         if left < 30:
             raise subprocess.TimeoutExpired("trl_side.py", left)
