@@ -236,14 +236,15 @@ def test_multi_turn_episodes_are_token_in_token_out_in_bf16(tmp_path):
     ]  # fmt: skip
     trainer = Trainer(load_config(None, overrides), tmp_path / "run")
     experience = trainer.rollout_stage.experience(0)
+    # pi_old recomputed: minibatch 0's comes from its update, which settles the batch
+    line = trainer.update_stage.train(experience, 0)
+    assert torch.isfinite(torch.tensor(line["train/loss"]))
     batch = experience.batch
     assert batch.completion_ids.is_cuda
     assert torch.equal(experience.loss_mask, batch.action_mask)
     assert (batch.completion_mask & ~batch.action_mask).any()  # environment tokens exist
     assert experience.metrics["env/turns_mean"] > 1
     assert experience.metrics["mismatch/token_abs_mean"] < BF16_TOKEN_TOL
-    line = trainer.update_stage.train(experience, 0)
-    assert torch.isfinite(torch.tensor(line["train/loss"]))
 
 
 @pytest.mark.slow

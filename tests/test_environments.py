@@ -436,13 +436,15 @@ def test_a_multi_turn_run_trains_and_logs_episode_metrics(tmp_path, env_file):
     ]  # fmt: skip
     trainer = Trainer(load_config(None, overrides), tmp_path / "run")
     experience = trainer.rollout_stage.experience(0)
+    # pi_old recomputed: minibatch 0's comes from its update, which settles the batch
+    assert experience.loss_mask is None and experience.unsettled is not None
+    line = trainer.update_stage.train(experience, 0)
+    assert torch.isfinite(torch.tensor(line["train/loss"]))
     batch = experience.batch
     assert torch.equal(experience.loss_mask, batch.action_mask)
     assert (batch.completion_mask & ~batch.action_mask).any()  # environment tokens exist
     assert experience.metrics["env/turns_mean"] > 1
     assert experience.metrics["mismatch/token_abs_max"] < 1e-4  # token-in/token-out
-    line = trainer.update_stage.train(experience, 0)
-    assert torch.isfinite(torch.tensor(line["train/loss"]))
     records = trainer.fit()
     assert any("eval/turns_mean" in r for r in records)
     assert all(r["env/turns_mean"] > 1 for r in records if "env/turns_mean" in r)

@@ -186,6 +186,7 @@ def test_rollout_cuda_graphs_reaches_the_run_s_engine(tmp_path, ones_reward, mon
     spy = Spy(monkeypatch)
     experience = trainer.rollout_stage.experience(0)
     assert spy.shapes  # sampled by the static step
+    trainer.update_stage.train(experience, 0)  # whose forward is minibatch 0's pi_old
     assert experience.metrics["mismatch/token_abs_max"] < 1e-5
 
 

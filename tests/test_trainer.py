@@ -603,6 +603,39 @@ def test_bf16_defaults_leave_the_on_policy_minibatch_unclipped(tmp_path, varied_
     assert capsys.readouterr().err.count("warning: the on-policy minibatch") == 1
 
 
+def test_a_recomputed_pi_old_takes_minibatch_0_from_its_own_update(tmp_path, varied_reward):
+    """With pi_old recomputed (bf16's default) minibatch 0 gets no no-grad pass: its
+    update's forward runs at pi_old's weights, so its log-probs are pi_old's. Metric for
+    metric (the loss, the rollout correction's weights, the mismatch, the KL) the run is
+    the one whose recompute pass covers minibatch 0 as well, with one forward fewer per
+    rollout batch."""
+    overrides = [*FAST, varied_reward, "model.dtype=bfloat16", "algorithm.minibatches=2",
+                 "algorithm.rollout_correction=token_tis", "algorithm.kl_coef=0.1",
+                 "rollout.max_new_tokens=12", "train.max_steps=4", "eval.every=0"]  # fmt: skip
+    runs, no_grad = {}, {}
+    for reuse in (True, False):
+        trainer = Trainer(load_config(None, overrides), tmp_path / f"reuse_{reuse}")
+        forward = trainer.update_stage.forward
+        assert forward is trainer.rollout_stage.forward and forward.first_from_update
+        forward.first_from_update = reuse  # False: the pass before the update as it was
+        calls, logprobs = [], trainer.policy.logprobs
+
+        def counted(batch, module=None, calls=calls, logprobs=logprobs, **kwargs):
+            if module is None:  # the policy's own (the KL reference passes its module)
+                calls.append(torch.is_grad_enabled())
+            return logprobs(batch, module, **kwargs)
+
+        trainer.policy.logprobs = counted
+        trainer.fit()
+        runs[reuse] = [comparable(r) for r in train_lines(run_metrics(tmp_path / f"reuse_{reuse}"))]
+        no_grad[reuse] = calls.count(False)
+    assert len(runs[True]) == 4 and runs[True] == runs[False]
+    assert no_grad == {True: 2, False: 4}  # 2 rollout batches x (2 minibatches less the first)
+    first = [r for r in runs[True] if r["train/minibatch"] == 0]
+    assert all(r["train/ratio_min"] == 1.0 == r["train/ratio_max"] for r in first)
+    assert all(r["correction/weight_max"] != 1.0 for r in first)  # corrected: weights moved
+
+
 def test_a_bf16_weight_head_reaches_the_sampler_the_update_and_the_reference(
     tmp_path, varied_reward
 ):

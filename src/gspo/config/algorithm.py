@@ -51,7 +51,8 @@ class AlgorithmConfig(Section):
     old_logprobs: Literal["auto", "sampler", "recompute"] = Field(
         "auto",
         description="pi_old's log-probs: sampler (the rollout engine's, no extra pass), "
-        "recompute (a no-grad trainer forward, per minibatch) or auto: the sampler's when "
+        "recompute (a no-grad trainer forward per minibatch; the first minibatch's is its "
+        "update's own forward) or auto: the sampler's when "
         "the forward runs in float32, recomputed in bfloat16/float16 (where the two differ "
         "by more than GSPO's clip range: docs/precision.md), with a rollout_correction, and "
         "for vLLM with top_p < 1",

@@ -12,7 +12,12 @@ Two small strategies with one interface, chosen once at setup:
 
 Both have ``old_logprobs(batch, minibatches)``, the pass before the first update: pi_old
 recomputed (or None: the sampler's) and the routing recorded per minibatch (kept on the
-:class:`~gspo.training.records.Experience`); and ``logprobs(experience, mb)``: pi_theta's
+:class:`~gspo.training.records.Experience`); with ``first_from_update`` (set at setup
+whenever pi_old is recomputed, unless a ratio dump needs all of pi_old before the only
+minibatch's forward) minibatch 0 is left out of that pass: its update's own forward runs
+at pi_old's weights, so its log-probs, detached, are pi_old's (and its routing pi_old's
+routing) without a forward of their own (:meth:`gspo.training.records.Experience.settle`);
+and ``logprobs(experience, mb)``: pi_theta's
 log-probs and entropies of one minibatch with, for a MoE model with
 ``moe.router_aux_loss_coef > 0``, the routers' weighted load-balancing loss (else None),
 which the update stage adds to the policy loss.
@@ -68,10 +73,14 @@ def build_forward(config: Config, policy: Policy) -> PlainForward | RoutedForwar
     churn measurement (``moe.*``) needs it."""
     replay, churn = moe_settings(config, policy.module)
     recompute = recomputes_old_logprobs(config, policy.compute_dtype)
+    # the gradient-noise dump reads all of pi_old before the last minibatch's forward: with
+    # one minibatch that forward is minibatch 0's, so its pi_old is recomputed beforehand
+    dump_first = config.log.ratio_dump_every > 0 and config.algorithm.minibatches == 1
+    first_from_update = recompute and not dump_first
     aux = config.moe.router_aux_loss_coef
     if replay or churn or aux > 0:
-        return RoutedForward(policy, recompute, replay, churn, aux)
-    return PlainForward(policy, recompute)
+        return RoutedForward(policy, recompute, replay, churn, aux, first_from_update)
+    return PlainForward(policy, recompute, first_from_update)
 
 
 def per_minibatch(
@@ -91,28 +100,30 @@ def per_minibatch(
 
 
 def recompute_per_minibatch(
-    policy: Policy, batch: RolloutBatch, minibatches: list[torch.Tensor]
+    policy: Policy, batch: RolloutBatch, minibatches: list[torch.Tensor], first: bool = True
 ) -> torch.Tensor:
-    """pi_old's log-probs ``[N, T]`` by :func:`per_minibatch`, so the first minibatch's
-    ratio is exactly 1 (one forward over the whole batch packs rows differently, and under
-    bf16 that moved a short response's mean log-ratio past GSPO's 3e-4 clip on the
-    on-policy step)."""
-    return per_minibatch(policy.logprobs, batch, minibatches)
+    """pi_old's log-probs ``[N, T]`` by :func:`per_minibatch` (one forward over the whole
+    batch packs rows differently, and under bf16 that moved a short response's mean
+    log-ratio past GSPO's 3e-4 clip on the on-policy step); without ``first`` minibatch
+    0's rows are left at 0, for its update's forward to fill."""
+    return per_minibatch(policy.logprobs, batch, minibatches if first else minibatches[1:])
 
 
 class PlainForward:
-    def __init__(self, policy: Policy, recompute: bool):
+    def __init__(self, policy: Policy, recompute: bool, first_from_update: bool = False):
         self.policy = policy
         self.recompute = recompute
+        self.first_from_update = first_from_update and recompute
 
     def old_logprobs(
         self, batch: RolloutBatch, minibatches: list[torch.Tensor]
     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
-        """pi_old's log-probs ``[N, T]`` recomputed by the trainer, or ``None`` (the
-        sampler's); no routing."""
+        """pi_old's log-probs ``[N, T]`` recomputed by the trainer (minibatch 0's rows left
+        to its update with ``first_from_update``), or ``None`` (the sampler's); no routing."""
         if not self.recompute:
             return None, []
-        return recompute_per_minibatch(self.policy, batch, minibatches), []
+        first = not self.first_from_update
+        return recompute_per_minibatch(self.policy, batch, minibatches, first), []
 
     def logprobs(self, experience: Experience, mb: Minibatch) -> ForwardOut:
         """pi_theta's log-probs of minibatch ``mb`` and its entropies (with gradient)."""
@@ -135,12 +146,14 @@ class RoutedForward:
         replay: bool,
         measure_churn: bool,
         aux_coef: float = 0.0,
+        first_from_update: bool = False,
     ):
         self.policy = policy
         self.recompute = recompute
         self.replay = replay
         self.measure_churn = measure_churn
         self.aux_coef = aux_coef
+        self.first_from_update = first_from_update and recompute
 
     def old_logprobs(
         self, batch: RolloutBatch, minibatches: list[torch.Tensor]
@@ -153,17 +166,19 @@ class RoutedForward:
         recompute (its log-probs are returned, ``[N, T]``, at no extra cost). In sampler
         mode it is an extra no-grad forward over minibatches 1.. (the price of measuring);
         minibatch 0's routing is recorded by its own training forward, which still runs
-        under pi_old, so it is left to :meth:`logprobs` (None in its place).
+        under pi_old, so it is left to :meth:`logprobs` (None in its place), and so are
+        its log-probs with ``first_from_update``.
         """
         routing: list[torch.Tensor | None] = []
+        first = not self.first_from_update
         if not (self.replay or self.measure_churn):  # the aux loss alone needs no old routing
             if not self.recompute:
                 return None, routing
-            return recompute_per_minibatch(self.policy, batch, minibatches), routing
+            return recompute_per_minibatch(self.policy, batch, minibatches, first), routing
         recomputed = torch.zeros_like(batch.sampler_logprobs) if self.recompute else None
         with torch.no_grad():
             for k, rows in enumerate(minibatches):
-                if k == 0 and not self.recompute:
+                if k == 0 and not (self.recompute and first):
                     routing.append(None)
                     continue
                 mb = batch.select(rows)

@@ -6,6 +6,7 @@ MoE routing: ready to update), which hands out each update's :class:`Minibatch`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +50,8 @@ class Minibatch:
     gradient-noise halves); ``batch`` the rows' :class:`RolloutBatch`; the tensors ``[n, T]``
     (``advantages`` ``[n]``) line up with its trimmed columns: pi_old's log-probs, the
     tokens in the loss and their weights (or None), and the KL reference's log-probs (or
-    None when the KL is off).
+    None when the KL is off). ``mask`` is None on a minibatch handed out before its
+    experience was settled (:meth:`Experience.settle`): it is for the forward only.
     """
 
     k: int
@@ -57,7 +59,7 @@ class Minibatch:
     batch: RolloutBatch
     old_logprobs: torch.Tensor
     advantages: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     weights: torch.Tensor | None
     ref_logprobs: torch.Tensor | None
 
@@ -78,6 +80,11 @@ class Experience:
     reference's, or None) and ``routing``: per minibatch, the MoE experts pi_old chose
     (:class:`gspo.training.forward.RoutedForward`; None until recorded, empty when no
     routing is recorded). :meth:`minibatch` hands out each update's rows.
+
+    ``unsettled``: when pi_old is recomputed, minibatch 0's is its own update's forward
+    (at pi_old's weights), so that pass leaves its rows out and what needs all of pi_old
+    (the loss mask, the mismatch metrics: ``unsettled(experience)``) waits for
+    :meth:`settle`; until then ``loss_mask`` is None.
     """
 
     index: int
@@ -87,11 +94,22 @@ class Experience:
     recomputed: bool
     minibatches: list[torch.Tensor]
     metrics: dict[str, float]
-    loss_mask: torch.Tensor
+    loss_mask: torch.Tensor | None
     loss_weights: torch.Tensor | None = None
     staleness: int = 0  # rollout batches of updates between the sampling weights and these
     ref_logprobs: torch.Tensor | None = None
     routing: list[torch.Tensor | None] = field(default_factory=list)
+    unsettled: Callable[[Experience], None] | None = None
+
+    def settle(self, logprobs: torch.Tensor) -> Minibatch:
+        """Minibatch 0's pi_old from its update's forward (``logprobs`` ``[n, T']``,
+        detached), then what waited for all of pi_old; minibatch 0 again, now whole."""
+        assert self.unsettled is not None, "settled once, by minibatch 0's forward"
+        rows = self.minibatches[0]
+        self.old_logprobs[rows, : logprobs.shape[1]] = logprobs
+        finish, self.unsettled = self.unsettled, None
+        finish(self)
+        return self.minibatch(0)
 
     @property
     def last_minibatch(self) -> int:

@@ -128,7 +128,8 @@ class RolloutStage:
     In two halves: :meth:`sample` (generate, score, dynamic sampling: no collective but the
     weight sync, so an async producer may run it in its own thread with its own sampler)
     and :meth:`prepare` (advantages, minibatches, the pass before the first update: pi_old,
-    MoE routing and the KL reference's log-probs; the loss mask, metrics over ranks).
+    MoE routing and the KL reference's log-probs) with :meth:`finish` (the loss mask,
+    metrics over ranks: at once, or when minibatch 0's forward has given its pi_old).
     """
 
     def __init__(
@@ -250,7 +251,8 @@ class RolloutStage:
 
     def prepare(self, sampled: Sampled) -> Experience:
         """Advantages, the minibatch split, the pass before the first update (pi_old, MoE
-        routing, the KL reference's log-probs) and the loss mask of a sampled batch."""
+        routing, the KL reference's log-probs) and the loss mask of a sampled batch (the
+        loss mask once minibatch 0's pi_old is known: see ``Experience.unsettled``)."""
         cfg, dist = self.config, self.dist
         seed, device = cfg.train.seed, self.forward.policy.device
         index, scored, local = sampled.index, sampled.scored, dict(sampled.metrics)
@@ -269,6 +271,8 @@ class RolloutStage:
             parts = order.tensor_split(cfg.algorithm.minibatches)
             minibatches = [rows.to(device) for rows in parts]
             recomputed, routing = sampled.old_logprobs, []
+            # minibatch 0's pi_old from its update's forward (forward.first_from_update)
+            later = recomputed is None and self.forward.first_from_update
             if recomputed is None:
                 recomputed, routing = self.forward.old_logprobs(batch, minibatches)
         if self.reference.enabled:
@@ -276,29 +280,38 @@ class RolloutStage:
                 ref_logprobs = self.reference.per_minibatch(batch, minibatches)
         else:
             ref_logprobs = None
-        if recomputed is not None:
-            local.update(logprob_mismatch(batch.sampler_logprobs, recomputed, batch.action_mask))
-        old_logprobs = batch.sampler_logprobs if recomputed is None else recomputed
-        tokens = self.loss_mask.tokens(batch, old_logprobs)
-        local.update(tokens.metrics)
-        # over all ranks: rewards and lengths gathered, times and mismatch combined
-        metrics = {
-            **rollout_metrics(dist, scored, advantages),
-            **combine(dist, cfg.algorithm.level, local),
-        }
-        return Experience(
+        experience = Experience(
             index=index,
             batch=batch,
             advantages=advantages,
-            old_logprobs=old_logprobs,
+            old_logprobs=batch.sampler_logprobs if recomputed is None else recomputed,
             recomputed=recomputed is not None,
             minibatches=minibatches,
-            metrics=metrics,
-            loss_mask=tokens.mask,
-            loss_weights=tokens.weights,
+            # over all ranks: rewards and lengths gathered (times and mismatch: finish)
+            metrics=rollout_metrics(dist, scored, advantages),
+            loss_mask=None,
             ref_logprobs=ref_logprobs,
             routing=routing,
         )
+        finish = partial(self.finish, local=local)
+        if later:
+            experience.unsettled = finish
+        else:
+            finish(experience)
+        return experience
+
+    def finish(self, experience: Experience, local: dict[str, float]) -> None:
+        """What needs every row's pi_old: the sampler-trainer mismatch (pi_old
+        recomputed), the loss mask, and this rank's metrics combined over all ranks."""
+        batch = experience.batch
+        if experience.recomputed:
+            local.update(
+                logprob_mismatch(batch.sampler_logprobs, experience.old_logprobs, batch.action_mask)
+            )
+        tokens = self.loss_mask.tokens(batch, experience.old_logprobs)
+        local.update(tokens.metrics)
+        experience.loss_mask, experience.loss_weights = tokens.mask, tokens.weights
+        experience.metrics.update(combine(self.dist, self.config.algorithm.level, local))
 
 
 def rollout_metrics(

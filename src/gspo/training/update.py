@@ -159,6 +159,8 @@ class UpdateStage:
         start = time.perf_counter()
         mb = experience.minibatch(k)
         logprobs, entropy, router_loss = self.forward.logprobs(experience, mb)
+        if experience.unsettled is not None:  # minibatch 0: this forward is pi_old's too
+            mb = experience.settle(logprobs.detach())
         line = self.update.apply(self.objective.loss(mb, logprobs, entropy), router_loss)
         line["train/minibatch"] = k
         line["train/rollout"] = experience.index
