@@ -246,10 +246,15 @@ def pytest_command(paths: list[str] | tuple[str, ...], workers: int = 0) -> list
 
 
 def xdist_workers() -> int:
-    """pytest-xdist workers for the suite: 0 (one process) where it is not installed."""
-    if importlib.util.find_spec("xdist") is None:
+    """pytest-xdist workers for the suite, as ``make test`` chooses them (TEST_WORKERS in
+    the Makefile): half the cores, at most 8, from 8 cores up; else 0 (one process), and
+    0 where pytest-xdist is not installed."""
+    # the cores this process may use, as `nproc` counts them
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cores or 1
+    if importlib.util.find_spec("xdist") is None or cores < 8:
         return 0
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
+    return min(8, cores // 2)
 
 
 def pytest_stage(
