@@ -143,24 +143,28 @@ def test_correction_on_the_chain_task_drops_and_weights_what_it_says(tmp_path, m
         assert all(r["correction/masked_sequence_fraction"] > 0.0 for r in lines)
 
 
-def test_ratio_dumps_count_the_tokens_the_correction_kept(tmp_path):
+@pytest.mark.parametrize("minibatches", [2, 1])
+def test_ratio_dumps_count_the_tokens_the_correction_kept(tmp_path, minibatches):
     """The ratio dumps (and gradient cosines) see the loss's tokens: the model's, less the
-    ones the rollout correction dropped."""
+    ones the rollout correction dropped. With one minibatch the gradient cosines need all
+    of pi_old before its forward, so the recompute pass covers minibatch 0 too."""
     overrides = [
         *CHAIN, *RECOMPUTE_GRPO, "rollout.logit_noise=1.0",
         "algorithm.rollout_correction=token_mask", "algorithm.correction_min=0.8",
-        "algorithm.correction_max=1.25", "train.max_steps=2", "algorithm.minibatches=2",
-        "eval.every=0", "log.ratio_dump_every=1",
+        "algorithm.correction_max=1.25", "train.max_steps=2",
+        f"algorithm.minibatches={minibatches}", "eval.every=0", "log.ratio_dump_every=1",
     ]  # fmt: skip
     trainer = Trainer(load_config(None, overrides), tmp_path / "run")
+    assert trainer.update_stage.forward.first_from_update == (minibatches > 1)
     experience = trainer.rollout_stage.experience(0)
-    for k in range(2):
+    for k in range(minibatches):
         trainer.update_stage.train(experience, k)
     last = experience.minibatches[-1]
     kept, sampled = experience.loss_mask[last], experience.batch.action_mask[last]
     assert kept.sum() < sampled.sum()  # the correction dropped some tokens
     dump = torch.load(tmp_path / "run" / "ratios" / "rollout-000000.pt")
     assert dump["token_log_ratio"].numel() == kept.sum()
+    assert dump["cosine_halves"].numel() > 0  # the gradient cosines, at the weights k saw
 
 
 @pytest.mark.slow
