@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from gspo.advantages import group_advantages
+from gspo.cli import quick_exit
 from gspo.config import load_config
 from gspo.distributed import full_state_dict, setup_distributed, teardown_distributed
 from gspo.engines import RolloutBatch, pad_batch
@@ -146,3 +147,4 @@ def main(out: Path, extra: list[str]) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2:])
+    quick_exit(0)  # as `gspo train` leaves (a failure above exits through its traceback)
