@@ -247,9 +247,10 @@ def quick_exit(code: int) -> NoReturn:
     After ``import torch`` and transformers, Python's teardown (freeing every module)
     takes over a second on a small CPU machine (1.2-1.4 s measured here, see
     benchmarks/README.md), longer than many a short run's training, and it runs C++
-    static destructors that a torchrun rank has been seen to abort in ("terminate called
-    without an active exception", after its work was done). So: the ``atexit`` handlers
-    (multiprocessing's child joins, W&B and the like), stdio flushed, then ``os._exit``.
+    static destructors (the suspect, not established, when a test's torchrun rank
+    aborted with "terminate called without an active exception"). So: the ``atexit``
+    handlers (multiprocessing's child joins, W&B and the like), stdio flushed, then
+    ``os._exit``.
     """
     atexit._run_exitfuncs()
     sys.stdout.flush()
