@@ -278,7 +278,7 @@ def pytest_stage(
         stage.figures.update(figures)
         stage.detail = stage.detail or summary
         if target_s is not None:
-            stage.figures["pytest-xdist workers"] = workers or "not installed: one process"
+            stage.figures["pytest-xdist workers"] = workers or "none: one process"
             stage.figures["wall s"] = round(seconds, 1)
             stage.figures[f"under {target_s:.0f} s"] = "yes" if seconds < target_s else "NO"
         if stage.status == "not run" and "passed" not in summary:
