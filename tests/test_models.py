@@ -223,6 +223,39 @@ def test_chunked_entropy_equals_full_logits_in_value_and_gradient(chunk):
     assert torch.equal(plain, lp.detach())
 
 
+def test_a_metric_entropy_is_the_same_values_once_and_without_a_graph(monkeypatch):
+    """with_entropy="metric" (the entropy only logged): the log-probs, their gradients
+    and the entropies of with_entropy=True, bitwise; the entropies carry no graph and
+    each chunk computes them once, in the forward, not again when backward recomputes
+    the checkpointed chunk (True computes them twice per chunk)."""
+    import gspo.models.logprobs as logprobs_module
+
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(3, 7, 16, generator=gen, requires_grad=True)
+    weight = torch.randn(50, 16, generator=gen, requires_grad=True)
+    ids = torch.randint(0, 50, (3, 7), generator=gen)
+    up = torch.randn(3, 7, generator=gen)
+    real, calls = logprobs_module._entropy, []
+
+    def counted(*args):
+        calls.append(torch.is_grad_enabled())
+        return real(*args)
+
+    monkeypatch.setattr(logprobs_module, "_entropy", counted)
+    runs = {}
+    for mode in (True, "metric"):
+        calls.clear()
+        lp, ent = logprobs_from_hidden(hidden, weight, ids, 0.7, 8, with_entropy=mode)
+        (lp * up).sum().backward()
+        runs[mode] = (lp, ent, hidden.grad.clone(), weight.grad.clone(), list(calls))
+        hidden.grad = weight.grad = None
+    chunks = 3  # 21 tokens in chunks of 8
+    assert runs[True][4] == [True] * 2 * chunks and runs["metric"][4] == [False] * chunks
+    assert runs[True][1].requires_grad and not runs["metric"][1].requires_grad
+    for a, b in zip(runs[True][:4], runs["metric"][:4], strict=True):
+        assert torch.equal(a.detach(), b.detach())
+
+
 def test_packed_entropy_equals_the_padded_forward(tokenizer, tiny_model):
     gen = torch.Generator().manual_seed(4)
     n, p, t = 4, 5, 6

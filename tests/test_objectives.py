@@ -946,3 +946,5 @@ def test_entropy_bonus_matches_reference(level):
             torch.testing.assert_close(x.grad, expected, rtol=1e-12, atol=0.0)
     with pytest.raises(ValueError, match="entropy_coef"):
         policy_loss(lp, olp, adv, mask, level=level, entropy_coef=0.1)
+    with pytest.raises(ValueError, match="entropy has no gradient"):  # a metric's entropy
+        policy_loss(lp.requires_grad_(), olp, adv, mask, level=level, entropy=h, entropy_coef=0.1)

@@ -636,6 +636,21 @@ def test_a_recomputed_pi_old_takes_minibatch_0_from_its_own_update(tmp_path, var
     assert all(r["correction/weight_max"] != 1.0 for r in first)  # corrected: weights moved
 
 
+def test_the_entropy_takes_a_graph_only_for_an_entropy_bonus(tmp_path, varied_reward):
+    """The update's entropies are a metric (no graph) unless ``algorithm.entropy_coef`` puts
+    them in the loss; either way ``train/entropy`` is logged, and a bonus run trains (its
+    loss would refuse an entropy without a gradient)."""
+    overrides = [*FAST, varied_reward, "train.cold_start_steps=0", "train.max_steps=2",
+                 "algorithm.minibatches=2", "eval.every=0"]  # fmt: skip
+    for coef, entropy in ((0.0, "metric"), (0.01, True)):
+        run = tmp_path / f"coef_{coef}"
+        trainer = Trainer(load_config(None, [*overrides, f"algorithm.entropy_coef={coef}"]), run)
+        assert trainer.update_stage.forward.entropy == entropy
+        trainer.fit()
+        lines = train_lines(run_metrics(run))
+        assert len(lines) == 2 and all(r["train/entropy"] > 0 for r in lines)
+
+
 def test_a_bf16_weight_head_reaches_the_sampler_the_update_and_the_reference(
     tmp_path, varied_reward
 ):

@@ -372,6 +372,8 @@ def policy_loss(
         raise ValueError("kl_coef is non-zero but ref_logprobs is None")
     if entropy_coef != 0.0 and entropy is None:
         raise ValueError("entropy_coef is non-zero but entropy is None")
+    if entropy_coef != 0.0 and logprobs.requires_grad and not entropy.requires_grad:
+        raise ValueError("entropy_coef is non-zero but entropy has no gradient (a metric's)")
     default_low, default_high = DEFAULT_CLIP[level]
     clip_low = default_low if clip_low is None else float(clip_low)
     clip_high = default_high if clip_high is None else float(clip_high)

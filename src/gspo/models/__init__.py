@@ -17,6 +17,7 @@ from gspo.models.loading import (
 from gspo.models.logprobs import (
     LOGPROB_CHUNK,
     CompletionLogprobs,
+    WithEntropy,
     completion_logprobs,
     head_logits,
     layout_cost,

@@ -8,6 +8,7 @@ same head (:func:`head_logits`) so that sampler and trainer agree.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,6 +29,11 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
 PLAIN_LM_HEAD = frozenset(
     {"qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "llama", "mistral", "mixtral", "olmoe"}
 )
+
+#: ``with_entropy``: no entropy (False), the entropy with its gradient (True: an entropy
+#: bonus in the loss), or ``"metric"``: the same values without a graph, computed once in
+#: the forward and not again when backward recomputes a checkpointed head chunk.
+WithEntropy = bool | Literal["metric"]
 
 #: Tokens per chunk of the vocabulary projection: 256 x 151,936 float32 logits are 156 MB.
 LOGPROB_CHUNK = 256
@@ -97,7 +103,7 @@ class CompletionLogprobs(torch.nn.Module):
         completion_mask: Tensor,
         temperature: float = 1.0,
         share_prompts: bool | Literal["auto"] = False,
-        with_entropy: bool = False,
+        with_entropy: WithEntropy = False,
         chunk_size: int = LOGPROB_CHUNK,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Packed for architectures in :data:`PLAIN_LM_HEAD`, else the model's own forward."""
@@ -134,7 +140,7 @@ def completion_logprobs(
     temperature: float = 1.0,
     chunk_size: int = LOGPROB_CHUNK,
     share_prompts: bool | Literal["auto"] = False,
-    with_entropy: bool = False,
+    with_entropy: WithEntropy = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs of the completion tokens under ``model``, ``[N, T]`` float32.
 
@@ -173,7 +179,7 @@ def padded_completion_logprobs(
     completion_mask: Tensor,
     *,
     temperature: float = 1.0,
-    with_entropy: bool = False,
+    with_entropy: WithEntropy = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`completion_logprobs` through the model's own forward (padded rows, the logits
     of the completion positions only): any architecture."""
@@ -221,7 +227,7 @@ def packed_completion_logprobs(
     chunk_size: int = LOGPROB_CHUNK,
     pack_tokens: int = PACK_TOKENS,
     share_prompts: bool | Literal["auto"] = False,
-    with_entropy: bool = False,
+    with_entropy: WithEntropy = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`completion_logprobs` without computing anything on padding.
 
@@ -448,6 +454,25 @@ def _chunk_logprobs_entropy(
     return picked - lse, _entropy(logits, lse)
 
 
+def _chunk_logprobs_metric_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    ids: Tensor,
+    temperature: float,
+    linear,
+    entropies: list[Tensor],
+) -> Tensor:
+    """:func:`_chunk_logprobs`, and the entropy as a metric: computed without a graph, and
+    only on the chunk's first run (the forward), not when backward recomputes it."""
+    logits = head_logits(hidden, weight, linear) / temperature
+    picked = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    if not entropies:
+        with torch.no_grad():
+            entropies.append(_entropy(logits, lse))
+    return picked - lse
+
+
 def logprobs_from_hidden(
     hidden: Tensor,
     weight: Tensor,
@@ -455,7 +480,7 @@ def logprobs_from_hidden(
     temperature: float,
     chunk_size: int,
     *,
-    with_entropy: bool = False,
+    with_entropy: WithEntropy = False,
     linear=F.linear,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``log softmax(hidden @ weight.T / temperature)[token]`` without full logits.
@@ -465,7 +490,8 @@ def logprobs_from_hidden(
     each chunk is checkpointed, so backward recomputes that chunk's logits instead of
     keeping ``N x T x V`` of them alive: peak memory is one chunk's logits, not all.
     ``with_entropy``: also each position's entropy ``[N, T]``, from the same chunk's
-    logits (and through the same checkpoint, so it may carry a gradient). ``linear``: the
+    logits (True: through the same checkpoint, so it may carry a gradient; ``"metric"``:
+    without a graph, once, see :data:`WithEntropy`). ``linear``: the
     product ``hidden @ weight.T`` (:func:`gspo.models.kernels.head_linear_for` of the model).
     """
     from torch.utils.checkpoint import checkpoint
@@ -482,7 +508,14 @@ def logprobs_from_hidden(
             weight,
             flat_ids[start : start + chunk_size],
         )
-        if keep_graph:
+        if keep_graph and with_entropy == "metric":
+            entropy: list[Tensor] = []
+            lp = checkpoint(
+                _chunk_logprobs_metric_entropy, *args, temperature, linear, entropy,
+                use_reentrant=False,
+            )  # fmt: skip
+            out.append((lp, entropy[0]))
+        elif keep_graph:
             out.append(checkpoint(chunk, *args, temperature, linear, use_reentrant=False))
         else:
             out.append(chunk(*args, temperature, linear))
@@ -498,7 +531,7 @@ def logprobs_from_hidden(
 
 
 def token_logprobs_from_logits(
-    logits: Tensor, token_ids: Tensor, temperature: float, *, with_entropy: bool = False
+    logits: Tensor, token_ids: Tensor, temperature: float, *, with_entropy: WithEntropy = False
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``log softmax(logits / temperature)[token]`` in float32, ``[N, T, V] -> [N, T]``.
 
@@ -512,7 +545,8 @@ def token_logprobs_from_logits(
         lse = torch.logsumexp(scaled, dim=-1)
         rows.append(picked - lse)
         if with_entropy:
-            entropies.append(_entropy(scaled, lse))
+            with torch.no_grad() if with_entropy == "metric" else contextlib.nullcontext():
+                entropies.append(_entropy(scaled, lse))
     if with_entropy:
         return torch.stack(rows), torch.stack(entropies)
     return torch.stack(rows)

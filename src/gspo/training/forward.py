@@ -34,6 +34,7 @@ import torch
 
 from gspo.config import Config
 from gspo.engines import RolloutBatch
+from gspo.models import WithEntropy
 from gspo.moe import (
     capture_router_logits,
     capture_routing,
@@ -77,10 +78,12 @@ def build_forward(config: Config, policy: Policy) -> PlainForward | RoutedForwar
     # one minibatch that forward is minibatch 0's, so its pi_old is recomputed beforehand
     dump_first = config.log.ratio_dump_every > 0 and config.algorithm.minibatches == 1
     first_from_update = recompute and not dump_first
+    # the entropy enters the loss only as a bonus; else it is a metric (no graph)
+    entropy: WithEntropy = True if config.algorithm.entropy_coef != 0 else "metric"
     aux = config.moe.router_aux_loss_coef
     if replay or churn or aux > 0:
-        return RoutedForward(policy, recompute, replay, churn, aux, first_from_update)
-    return PlainForward(policy, recompute, first_from_update)
+        return RoutedForward(policy, recompute, replay, churn, aux, first_from_update, entropy)
+    return PlainForward(policy, recompute, first_from_update, entropy)
 
 
 def per_minibatch(
@@ -110,10 +113,17 @@ def recompute_per_minibatch(
 
 
 class PlainForward:
-    def __init__(self, policy: Policy, recompute: bool, first_from_update: bool = False):
+    def __init__(
+        self,
+        policy: Policy,
+        recompute: bool,
+        first_from_update: bool = False,
+        entropy: WithEntropy = True,
+    ):
         self.policy = policy
         self.recompute = recompute
         self.first_from_update = first_from_update and recompute
+        self.entropy = entropy  # pi_theta's entropies: with a gradient, or as a metric
 
     def old_logprobs(
         self, batch: RolloutBatch, minibatches: list[torch.Tensor]
@@ -127,7 +137,7 @@ class PlainForward:
 
     def logprobs(self, experience: Experience, mb: Minibatch) -> ForwardOut:
         """pi_theta's log-probs of minibatch ``mb`` and its entropies (with gradient)."""
-        logprobs, entropy = self.policy.logprobs(mb.batch, with_entropy=True)
+        logprobs, entropy = self.policy.logprobs(mb.batch, with_entropy=self.entropy)
         return logprobs, entropy, None
 
 
@@ -147,6 +157,7 @@ class RoutedForward:
         measure_churn: bool,
         aux_coef: float = 0.0,
         first_from_update: bool = False,
+        entropy: WithEntropy = True,
     ):
         self.policy = policy
         self.recompute = recompute
@@ -154,6 +165,7 @@ class RoutedForward:
         self.measure_churn = measure_churn
         self.aux_coef = aux_coef
         self.first_from_update = first_from_update and recompute
+        self.entropy = entropy  # pi_theta's entropies: with a gradient, or as a metric
 
     def old_logprobs(
         self, batch: RolloutBatch, minibatches: list[torch.Tensor]
@@ -204,16 +216,16 @@ class RoutedForward:
                 logits = stack.enter_context(capture_router_logits(self.policy.module))
             if not (self.replay or self.measure_churn):
                 # aux loss only; pi_old may also come from elsewhere (the async producer)
-                out = self.policy.logprobs(batch, with_entropy=True)
+                out = self.policy.logprobs(batch, with_entropy=self.entropy)
             elif routing[k] is None:
                 recorder = stack.enter_context(capture_routing(self.policy.module))
-                out = self.policy.logprobs(batch, with_entropy=True)
+                out = self.policy.logprobs(batch, with_entropy=self.entropy)
                 routing[k] = recorder.experts
             elif self.replay:
                 stack.enter_context(replay_routing(self.policy.module, routing[k]))
-                out = self.policy.logprobs(batch, with_entropy=True)
+                out = self.policy.logprobs(batch, with_entropy=self.entropy)
             else:
-                out = self.policy.logprobs(batch, with_entropy=True)
+                out = self.policy.logprobs(batch, with_entropy=self.entropy)
         aux = None if logits is None else self.aux_coef * self._load_balancing(batch, logits)
         return out[0], out[1], aux
 

@@ -9,7 +9,7 @@ import torch
 
 from gspo.distributed import Distributed, full_state_dict, shard_policy
 from gspo.engines import RolloutBatch
-from gspo.models import CompletionLogprobs
+from gspo.models import CompletionLogprobs, WithEntropy
 from gspo.training.lora import is_lora
 
 
@@ -81,7 +81,7 @@ class Policy:
         batch: RolloutBatch,
         module: torch.nn.Module | None = None,
         *,
-        with_entropy: bool = False,
+        with_entropy: WithEntropy = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Completion log-probs ``[N, T]`` of ``batch`` under ``module`` (the policy by default).
 
