@@ -437,21 +437,26 @@ def layout_cost(config, used: list[int]) -> float:
     return layers * (2.0 * weights * rows * width + 4.0 * heads * head_dim * rows * width**2)
 
 
+def _chunk_head(
+    hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float, linear
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A chunk's scaled logits, the log-probs of ``ids`` and the logsumexp."""
+    logits = head_logits(hidden, weight, linear) / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    return logits, logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - lse, lse
+
+
 def _chunk_logprobs(
     hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float, linear=F.linear
 ) -> Tensor:
-    logits = head_logits(hidden, weight, linear) / temperature
-    picked = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    return _chunk_head(hidden, weight, ids, temperature, linear)[1]
 
 
 def _chunk_logprobs_entropy(
     hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float, linear=F.linear
 ) -> tuple[Tensor, Tensor]:
-    logits = head_logits(hidden, weight, linear) / temperature
-    picked = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-    lse = torch.logsumexp(logits, dim=-1)
-    return picked - lse, _entropy(logits, lse)
+    logits, logprobs, lse = _chunk_head(hidden, weight, ids, temperature, linear)
+    return logprobs, _entropy(logits, lse)
 
 
 def _chunk_logprobs_metric_entropy(
@@ -464,13 +469,11 @@ def _chunk_logprobs_metric_entropy(
 ) -> Tensor:
     """:func:`_chunk_logprobs`, and the entropy as a metric: computed without a graph, and
     only on the chunk's first run (the forward), not when backward recomputes it."""
-    logits = head_logits(hidden, weight, linear) / temperature
-    picked = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-    lse = torch.logsumexp(logits, dim=-1)
+    logits, logprobs, lse = _chunk_head(hidden, weight, ids, temperature, linear)
     if not entropies:
         with torch.no_grad():
             entropies.append(_entropy(logits, lse))
-    return picked - lse
+    return logprobs
 
 
 def logprobs_from_hidden(

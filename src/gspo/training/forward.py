@@ -122,7 +122,7 @@ class PlainForward:
     ):
         self.policy = policy
         self.recompute = recompute
-        self.first_from_update = first_from_update and recompute
+        self.first_from_update = first_from_update  # (build_forward: only with recompute)
         self.entropy = entropy  # pi_theta's entropies: with a gradient, or as a metric
 
     def old_logprobs(
@@ -164,7 +164,7 @@ class RoutedForward:
         self.replay = replay
         self.measure_churn = measure_churn
         self.aux_coef = aux_coef
-        self.first_from_update = first_from_update and recompute
+        self.first_from_update = first_from_update  # (build_forward: only with recompute)
         self.entropy = entropy  # pi_theta's entropies: with a gradient, or as a metric
 
     def old_logprobs(
