@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from gspo.cli import main
 from gspo.config import load_config
 from gspo.distributed import Distributed, sharded_problem
 from gspo.models.kernels import onednn_available
+from gspo.publish import tree_bytes
 from gspo.telemetry import read_metrics
 from gspo.trainer import Trainer, latest_checkpoint
 
@@ -204,3 +207,68 @@ def test_two_identical_runs_started_together_share_one_whole_entry(
     entry = only_entry(cold_start_cache)
     assert sharded_problem(entry / "sharded") is None and (entry / cs._LINES).is_file()
     assert records(tmp_path / "one") == records(tmp_path / "two")
+
+
+def fake_entry(root, key: str, size: int, used: float):
+    """A cache entry of ``size`` bytes last used at ``used`` (seconds since the epoch)."""
+    entry = root / key
+    (entry / "sharded").mkdir(parents=True)
+    (entry / "sharded" / "__0_0.distcp").write_bytes(b"x" * size)
+    (entry / "entry.json").write_text(f'{{"key": "{key}"}}')
+    os.utime(entry / "entry.json", (used, used))
+    return entry
+
+
+def test_the_cache_is_trimmed_least_recently_used_first(tmp_path):
+    root = tmp_path / "cache"
+    keys = [f"{i:032x}" for i in range(5)]
+    now = time.time()
+    # entry i last used i hours ago; 1,000 bytes each (plus its record)
+    entries = [fake_entry(root, k, 1000, now - 3600 * i) for i, k in enumerate(keys)]
+    record = len(entries[0].joinpath("entry.json").read_bytes())
+    unrelated = root / "notes"  # not a key: not the cache's to remove
+    unrelated.mkdir()
+    old_temp = root / f".{keys[4]}.4242.tmp"  # an earlier gspo's leftover, a day old
+    old_temp.mkdir()
+    os.utime(old_temp, (now - 86400, now - 86400))
+    young_temp = root / f".{keys[3]}.4243.tmp"  # may still be written
+    young_temp.mkdir()
+    # keep the oldest (the run's own entry); room for it and the two most recent others
+    removed, freed = cs.trim_cache(root, entries[4], 3 * (1000 + record))
+    assert (removed, freed) == (2, 2 * (1000 + record))
+    assert sorted(p.name for p in root.iterdir()) == sorted(
+        [keys[0], keys[1], keys[4], "notes", young_temp.name]
+    )
+    # a kept entry over the limit on its own stays; every other goes
+    assert cs.trim_cache(root, entries[4], 1) == (2, 2 * (1000 + record))
+    assert sorted(p.name for p in root.iterdir()) == sorted([keys[4], "notes", young_temp.name])
+
+
+def test_reuse_marks_an_entry_as_recently_used(tmp_path):
+    root = tmp_path / "cache"
+    now = time.time()
+    old, new = (fake_entry(root, f"{i:032x}", 100, now - 3600 * (2 - i)) for i in range(2))
+    cs._touch(old)  # as a run that reuses it does
+    mine, size = fake_entry(root, f"{9:032x}", 100, now), tree_bytes(new)
+    assert cs.trim_cache(root, mine, 2 * size + 1) == (1, size)  # the newer but unused one
+    assert sorted(p.name for p in root.iterdir()) == sorted([old.name, mine.name])
+
+
+@pytest.mark.slow
+def test_a_run_over_the_cache_limit_removes_older_entries_and_says_so(
+    tmp_path, capsys, varied_reward, cold_start_cache
+):
+    overrides = [*CACHED, varied_reward]
+    assert main(["train", "--output-dir", str(tmp_path / "first"), *overrides]) == 0
+    first = only_entry(cold_start_cache)
+    size = tree_bytes(first)
+    capsys.readouterr()
+    tiny = [*overrides, "train.seed=1", "train.cold_start_cache_max_gb=1e-9"]
+    assert main(["train", "--output-dir", str(tmp_path / "second"), *tiny]) == 0
+    second = only_entry(cold_start_cache)  # its own entry stays, over the limit alone
+    assert second != first
+    said = [line for line in capsys.readouterr().out.splitlines() if "removed" in line]
+    assert said == [
+        "cold start: cache over train.cold_start_cache_max_gb=1e-09: removed 1 least "
+        f"recently used entries ({size / 1e9:.2f} GB) from {cold_start_cache}"
+    ]

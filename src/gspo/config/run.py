@@ -48,6 +48,12 @@ class TrainConfig(Section):
         description="Where finished cold starts are kept; None = $XDG_CACHE_HOME/gspo/"
         "cold-start (~/.cache/gspo/cold-start)",
     )
+    cold_start_cache_max_gb: float | None = Field(
+        20.0,
+        gt=0,
+        description="Most gigabytes the cold-start cache keeps: beyond it the least recently "
+        "used entries are removed (never the one this run made or reused); None = no limit",
+    )
     seed: int = Field(
         0,
         description="Seed that every random choice (init, task, samples, minibatches, "

@@ -9,16 +9,22 @@ A cold start survives being killed and is not redone:
 * when it finishes, the model is kept in a cache (``train.cold_start_cache_dir``, by
   default ``$XDG_CACHE_HOME/gspo/cold-start``) under a content hash of everything that
   decides it (:func:`cold_start_key`); a later run with the same hash loads it instead of
-  training (``train.cold_start_cache=false`` or ``--no-cache`` to skip the cache).
+  training (``train.cold_start_cache=false`` or ``--no-cache`` to skip the cache). The
+  cache holds at most ``train.cold_start_cache_max_gb``: the least recently used entries
+  go first (:func:`trim_cache`), since every change of gspo's code or settings makes a new
+  key and the old entries would otherwise stay forever.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
 import random
+import re
+import secrets
 import shutil
 import time
 from collections.abc import Callable
@@ -33,7 +39,7 @@ from gspo.distributed import Distributed, load_sharded, save_sharded, sharded_pr
 from gspo.engines import pad_batch
 from gspo.models import model_files
 from gspo.models.kernels import onednn_available
-from gspo.publish import staged
+from gspo.publish import remove_leftovers, staged, temp_path, tree_bytes
 from gspo.tasks import encode_prompt
 from gspo.telemetry import MetricsLogger
 from gspo.training.metrics import combine
@@ -103,6 +109,80 @@ def cache_dir(config: Config) -> Path | None:
         return Path(config.train.cold_start_cache_dir).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "gspo" / "cold-start"
+
+
+#: A cache entry's name: its key (:func:`cold_start_key`); earlier gspo versions' temporary
+#: names of one (``.<key>.tmp``, ``.<key>.<pid>.tmp``, ``.<key>.sharded.tmp``).
+_KEY = re.compile(r"[0-9a-f]{32}")
+_OLD_TEMP = re.compile(r"\.[0-9a-f]{32}(\.[0-9]+|\.sharded)?\.tmp")
+_OLD_TEMP_GRACE_S = 600.0  # younger than this, an old-style temporary may be in use
+
+
+def _last_used(entry: Path) -> float:
+    """When ``entry`` was last made or reused: its record's mtime (:func:`_touch`)."""
+    try:
+        return (entry / _ENTRY).stat().st_mtime
+    except OSError:
+        return entry.stat().st_mtime
+
+
+def _touch(entry: Path) -> None:
+    """Mark ``entry`` as just used (the cache trims the least recently used first)."""
+    with contextlib.suppress(OSError):  # a read-only cache is still read
+        os.utime(entry / _ENTRY)
+
+
+def trim_cache(root: Path, keep: Path, max_bytes: float) -> tuple[int, int]:
+    """Remove the least recently used entries of the cache ``root`` until the rest hold at
+    most ``max_bytes`` (``keep``, the entry in use, is never removed), and the temporary
+    directories nobody writes any more; how many entries and bytes went.
+
+    An entry is moved aside first (``.old``: a reader never sees half of one, and a kill
+    midway leaves a leftover that the next write clears).
+    """
+    remove_leftovers(keep)  # gspo's own unlocked temporaries, any key
+    now = time.time()
+    removed, freed = 0, 0
+    for path in root.iterdir():
+        if _OLD_TEMP.fullmatch(path.name) and now - path.stat().st_mtime > _OLD_TEMP_GRACE_S:
+            freed += tree_bytes(path)
+            shutil.rmtree(path, ignore_errors=True)
+    entries = [p for p in root.iterdir() if _KEY.fullmatch(p.name) and p.is_dir()]
+    entries.sort(key=lambda p: (p != keep, -_last_used(p)))  # keep first, then newest
+    total = 0
+    for entry in entries:
+        size = tree_bytes(entry)
+        total += size
+        if entry == keep or total <= max_bytes:
+            continue
+        aside = temp_path(entry, secrets.token_hex(6), ".old")
+        try:
+            entry.rename(aside)
+        except OSError:  # gone already, or not ours to move
+            continue
+        shutil.rmtree(aside, ignore_errors=True)
+        total -= size
+        removed, freed = removed + 1, freed + size
+    return removed, freed
+
+
+def _trimmed(config: Config, entry: Path, dist: Distributed) -> None:
+    """``entry`` marked as used and the cache trimmed to ``train.cold_start_cache_max_gb``
+    (rank 0; a cache it cannot trim is left as it is), said in one line when it removed any."""
+    limit = config.train.cold_start_cache_max_gb
+    if not dist.is_main or not entry.is_dir():
+        return
+    _touch(entry)
+    if limit is None:
+        return
+    try:
+        removed, freed = trim_cache(entry.parent, entry, limit * 1e9)
+    except OSError:
+        return
+    if removed:
+        print(f"cold start: cache over train.cold_start_cache_max_gb={limit:g}: removed "
+              f"{removed} least recently used entries ({freed / 1e9:.2f} GB) from "
+              f"{entry.parent}", flush=True)  # fmt: skip
 
 
 def progress_checkpoints(checkpoints: Path) -> list[Path]:
@@ -205,6 +285,7 @@ def cold_start(
             logger.log(0, json.loads(line))
         if show:
             print(f"cold start: reused {entry} (--no-cache to redo it)", flush=True)
+        _trimmed(config, entry, dist)
         return True
 
     rng = random.Random(rank_seed(cfg.seed, dist, "sft"))
@@ -271,6 +352,7 @@ def cold_start(
             _save_progress(checkpoints, i + 1, policy, optimizer, lines, dist)
     if entry is not None:
         _store_in_cache(entry, policy, lines, dist)
+        _trimmed(config, entry, dist)
     return True
 
 
