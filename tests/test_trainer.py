@@ -464,7 +464,40 @@ def test_existing_run_needs_resume_or_overwrite(tmp_path, capsys):
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     assert main(["train", "--output-dir", str(tmp_path / "run"), *FAST]) == 2
     assert "--resume" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
     assert main(["train", "--resume", str(tmp_path / "empty")]) == 2
+    assert main(["train", "--resume", str(tmp_path / "nowhere")]) == 2
+    assert main(["train", "--resume", str(tmp_path / "run"), "--overwrite"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"gspo: error: --resume {tmp_path / 'empty'}: is not a gspo run (no config.yaml)",
+        f"gspo: error: --resume {tmp_path / 'nowhere'}: does not exist (no config.yaml)",
+        "gspo: error: --overwrite starts a run over, --resume continues one: pick one",
+    ]
+
+
+def test_overwrite_removes_the_old_run_only_once_the_new_one_starts(tmp_path, capsys):
+    old = tmp_path / "run"
+    (old / "checkpoints").mkdir(parents=True)
+    (old / "metrics.jsonl").write_text('{"step": 1}\n')
+    bad = "reward.functions=[nosuch_builtin]"  # refused while the trainer is built
+    assert main(["train", "--output-dir", str(old), "--overwrite", *FAST, bad]) == 2
+    assert (old / "metrics.jsonl").read_text() == '{"step": 1}\n'  # the old run, intact
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing set aside left
+    good = [*FAST, "train.max_steps=1", "eval.every=0", "train.cold_start_steps=0"]
+    assert main(["train", "--output-dir", str(old), "--overwrite", *good]) == 0
+    assert '{"step": 1}' not in (old / "metrics.jsonl").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_output_dir_that_cannot_be_a_run_directory_is_one_line(tmp_path, monkeypatch, capsys):
+    (tmp_path / "afile").write_text("not a directory")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert main(["train", "--output-dir", "~/afile", *FAST]) == 2  # ~ expanded
+    assert main(["train", "--output-dir", str(tmp_path / "afile" / "sub"), *FAST]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"gspo: error: --output-dir {tmp_path / 'afile'}: is a file, not a directory",
+        f"gspo: error: --output-dir {tmp_path / 'afile' / 'sub'}: cannot be made (Not a directory)",
+    ]
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import os
+import secrets
 import shutil
 import sys
 from pathlib import Path
@@ -106,16 +107,24 @@ def build_parser() -> argparse.ArgumentParser:
 def run_train(args: argparse.Namespace) -> int:
     from gspo.config import load_config
     from gspo.distributed import setup_distributed, teardown_distributed
+    from gspo.publish import temp_path
     from gspo.trainer import CHECKPOINTS, Trainer, resume_config
 
     if args.resume is not None:
         if args.config is not None:
             raise ValueError("--resume takes the run's own config.yaml; drop --config")
-        config = resume_config(args.resume, args.overrides)
-        output_dir = args.resume
+        if args.overwrite:
+            raise ValueError("--overwrite starts a run over, --resume continues one: pick one")
+        output_dir = args.resume.expanduser()
+        if not (output_dir / "config.yaml").is_file():
+            what = "does not exist" if not output_dir.exists() else "is not a gspo run"
+            raise ValueError(f"--resume {output_dir}: {what} (no config.yaml)")
+        config = resume_config(output_dir, args.overrides)
     else:
         config = load_config(args.config, args.overrides)
-        output_dir = args.output_dir
+        output_dir = args.output_dir.expanduser()
+        if output_dir.exists() and not output_dir.is_dir():
+            raise ValueError(f"--output-dir {output_dir}: is a file, not a directory")
         if (output_dir / CHECKPOINTS).exists() and not args.overwrite:
             raise ValueError(
                 f"--output-dir {output_dir} already holds a run; "
@@ -124,24 +133,44 @@ def run_train(args: argparse.Namespace) -> int:
     # under torchrun: one process per rank, joined here (a no-op in a single process)
     dist = setup_distributed(config.model.device)
     new_dir = not output_dir.exists()
+    aside: Path | None = None  # --overwrite: the old run, removed once the new one starts
     try:
         if args.resume is None and (output_dir / CHECKPOINTS).exists():
             if dist.is_main:
-                shutil.rmtree(output_dir)
+                aside = temp_path(output_dir, secrets.token_hex(6), ".old")
+                output_dir.rename(aside)
             dist.barrier()
-        # the trainer's engines close before the process group goes (see Trainer.close)
+        if dist.is_main:
+            make_output_dir(output_dir)
+        # the trainer's engines close before the process group goes (see Trainer.close).
+        # Building it checks the model, data and rewards: only then does an old run go
         with Trainer(config, output_dir, resume=args.resume is not None, dist=dist) as trainer:
+            if aside is not None:
+                shutil.rmtree(aside, ignore_errors=True)
+                aside = None
             trainer.fit()
             dist.barrier()
     except BaseException:
-        if new_dir and dist.is_main:
+        if (new_dir or aside is not None) and dist.is_main:
             remove_unstarted_run(output_dir)
+        if aside is not None and not output_dir.exists():  # the new run never started
+            aside.rename(output_dir)
         raise
     finally:
         teardown_distributed(dist)
     if dist.is_main:
         print(f"run written to {output_dir}")
     return 0
+
+
+def make_output_dir(output_dir: Path) -> None:
+    """``output_dir`` made (parents too), or a one-line error naming ``--output-dir``."""
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(
+            f"--output-dir {output_dir}: cannot be made ({exc.strerror or exc})"
+        ) from exc
 
 
 def remove_unstarted_run(output_dir: Path) -> None:
