@@ -340,3 +340,39 @@ def test_unusable_devices_are_one_line_errors(device, tmp_path, capsys):
     assert main([*run, "train.max_steps=1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"gspo: error: model.device={device}:") and "\n" not in err, err
+
+
+def test_a_config_file_with_a_duplicate_key_or_a_syntax_error_names_line_and_column(tmp_path):
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("train:\n  max_steps: 1\n  max_steps: 3\n")  # PyYAML alone keeps the 3
+    with pytest.raises(ConfigError) as err:
+        load_config(dup)
+    assert str(err.value) == f"{dup} line 3 column 3: not valid YAML (duplicate key 'max_steps')"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  max_steps: 1\n   seed: [\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml line 3 column 8: not valid YAML \(mapping"):
+        load_config(bad)
+    fine = tmp_path / "fine.yaml"  # one key per mapping: read as before
+    fine.write_text("train:\n  max_steps: 3\n  seed: 4\nmodel:\n  lora:\n    alpha: 2\n")
+    config = load_config(fine)
+    assert (config.train.max_steps, config.train.seed, config.model.lora.alpha) == (3, 4, 2)
+
+
+@pytest.mark.parametrize(
+    ("override", "said"),
+    [
+        ("optim.lr=.inf", "optim.lr: Input should be a finite number (got inf)"),
+        ("algorithm.clip_low=nan", "algorithm.clip_low: Input should be a finite number"),
+        ("optim.betas=[1.5, 0.99]", "optim.betas.0: Input should be less than 1 (got 1.5)"),
+        ("optim.betas=[0.9, -0.1]", "optim.betas.1: Input should be greater than or equal to 0"),
+    ],
+)
+def test_floats_are_finite_and_betas_in_range(override, said):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert str(err.value).startswith(said)
+
+
+def test_model_path_expands_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert load_config(None, ["model.path=~/models/q"]).model.path == str(tmp_path / "models/q")

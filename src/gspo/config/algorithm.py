@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
 from gspo.config.section import Section
+
+#: An AdamW beta: a decay rate in [0, 1).
+Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
 
 #: The algorithms' names, accepted for ``algorithm.level`` (as TRL, verl and the papers
 #: name them); each level brings its paper's clip range unless clip_low/high are set.
@@ -136,7 +139,7 @@ class OptimConfig(Section):
 
     lr: float = Field(1e-4, gt=0.0, description="RL learning rate")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
-    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas")
+    betas: tuple[Beta, Beta] = Field((0.9, 0.99), description="AdamW betas, each in [0, 1)")
     grad_clip: float = Field(
         1.0, ge=0.0, description="Largest global gradient norm per step; 0 = no clipping"
     )

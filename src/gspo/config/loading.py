@@ -21,6 +21,35 @@ class ConfigError(ValueError):
     """A bad config file, key or value; the message is one line naming it."""
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, with a key written twice in one mapping an error (PyYAML
+    keeps the last value silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(path: Path) -> Any:
+    """The YAML file ``path``; a syntax error or a duplicate key is a one-line
+    :class:`ConfigError` naming the file, line and column."""
+    try:
+        return yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # a SafeLoader
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f" line {mark.line + 1} column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}{where}: not valid YAML ({exc.problem})") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from exc
+
+
 def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     """``tree['a']['b'] = value`` for ``dotted = 'a.b'``, creating sections as needed."""
     *parents, leaf = dotted.split(".")
@@ -153,10 +182,7 @@ def load_config(
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from exc
+        loaded = read_yaml(path)
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         tree = loaded or {}

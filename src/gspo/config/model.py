@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from gspo.config.section import Section
 
@@ -42,7 +43,9 @@ class ModelConfig(Section):
     ``model.path`` is set.
     """
 
-    path: str | None = Field(None, description="Local HF causal-LM directory; None = built-in")
+    path: str | None = Field(
+        None, description="Local HF causal-LM directory (~ expanded); None = built-in"
+    )
     builtin: Literal["qwen3", "qwen3_moe"] = Field(
         "qwen3",
         description="Built-in architecture when model.path is null: qwen3 (dense) or "
@@ -119,6 +122,11 @@ class ModelConfig(Section):
         "no-grad forwards (pi_old, the reference, generation). The model must support it",
     )
     lora: LoraSettings = Field(default_factory=LoraSettings)
+
+    @field_validator("path")
+    @classmethod
+    def _home(cls, value: str | None) -> str | None:
+        return None if value is None else os.path.expanduser(value)
 
     def check_builtin_shape(self) -> None:
         """The built-in model's sizes fit together (a ``model.path`` brings its own)."""
