@@ -258,3 +258,46 @@ def test_cli_trains_on_a_dataset_directory_with_a_template(gsm8k_dir, tmp_path):
     config = load_config(out / "config.yaml")
     assert config.data.prompt_template == "Q: {question} A:"
     assert any("train/loss" in r for r in read_metrics(out / "metrics.jsonl"))
+
+
+@pytest.mark.parametrize(
+    ("rows", "said"),
+    [
+        ([{"prompt": "1+2=", "answer": "3"}, {"prompt": "", "answer": "3"}],
+         "data.train row 1: the prompt is empty (0 tokens): ''"),
+        ([{"prompt": "1+2=", "answer": "3"}, {"prompt": 12, "answer": "3"}],
+         "data.train row 1: prompt must be a string or a list of chat messages; got int"),
+        ([{"prompt": "1+" * 300 + "2=", "answer": "3"}],
+         "data.train row 0: the prompt is 602 tokens, longer than the model's context of 512 "
+         "(max_position_embeddings)"),
+    ],
+)  # fmt: skip
+def test_prompts_the_model_cannot_take_name_their_row(tmp_path, capsys, rows, said):
+    """An empty prompt reached the model as a 0-token sequence (a reshape traceback, or
+    with good rows beside it, sampling from nothing); a too-long one ran past the context."""
+    from conftest import CPU
+
+    from gspo.cli import main
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    overrides = [CPU, "model.layers=1", "model.hidden=32", "model.heads=2", "model.kv_heads=1",
+                 "model.intermediate=64", f"data.train={data}", "train.cold_start_steps=0",
+                 "train.max_steps=1", "reward.functions=[numeric_match]"]  # fmt: skip
+    assert main(["train", "--output-dir", str(tmp_path / "run"), *overrides]) == 2
+    assert capsys.readouterr().err.strip() == f"gspo: error: {said}"
+
+
+def test_a_chat_prompt_that_renders_to_nothing_names_its_row():
+    from gspo.training.episodes import encode_prompts
+    from gspo.training.sampler import SingleTurn
+
+    tok = build_char_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    rows = [{"prompt": [{"role": "user", "content": "1+2="}]}, {"prompt": [{"role": "user"}]}]
+    with pytest.raises(ValueError) as err:
+        encode_prompts(load_config(), SingleTurn(None), tok, rows, name="data.eval")
+    assert str(err.value) == "data.eval row 1: the prompt is empty (0 tokens): [{'role': 'user'}]"
+    assert encode_prompts(load_config(), SingleTurn(None), tok, rows[:1], name="data.eval") == [
+        tok("1+2=")["input_ids"]
+    ]

@@ -314,3 +314,13 @@ def test_auto_layout_shares_long_prompts_and_not_long_completions(tokenizer, tin
 
     assert layout_cost(config, [600]) > layout_cost(config, [150] * 4)  # attention: quadratic
     assert layout_cost(config, [60 + 4 * 3]) < layout_cost(config, [128] * 2)
+
+
+def test_a_model_directory_without_a_tokenizer_is_one_line(tmp_path, tokenizer, tiny_model):
+    """transformers built an empty tokenizer for it, and every prompt encoded to nothing."""
+    tiny_model.save_pretrained(tmp_path / "m")
+    with pytest.raises(FileNotFoundError, match=r"model.path: .*/m has no tokenizer \(none of"):
+        load_model(tmp_path / "m", device=CPU, dtype=torch.float32)
+    tokenizer.save_pretrained(tmp_path / "m")
+    _, loaded = load_model(tmp_path / "m", device=CPU, dtype=torch.float32)
+    assert loaded("12+3=")["input_ids"] == tokenizer("12+3=")["input_ids"]

@@ -149,10 +149,11 @@ class Trainer:
             self.cold_start_done = True
 
         # the stages, and the hooks attached to the update stage
-        self.train_prompt_ids = encode_prompts(
-            config, self.generator, self.tokenizer, self.data.train
+        context = getattr(self.policy.module.config, "max_position_embeddings", None)
+        self.train_prompt_ids, eval_prompt_ids = (
+            encode_prompts(config, self.generator, self.tokenizer, rows, name=name, context=context)
+            for name, rows in (("data.train", self.data.train), ("data.eval", self.data.eval))
         )
-        eval_prompt_ids = encode_prompts(config, self.generator, self.tokenizer, self.data.eval)
         sampling = SamplingParams(
             max_new_tokens=config.rollout.max_new_tokens,
             temperature=config.rollout.temperature,

@@ -191,6 +191,13 @@ def loading_model(path: str | Path, *, dtype: torch.dtype, device: torch.device)
         raise OutOfMemory(loading_message(path, dtype, device, exc)) from exc
 
 
+#: Files of which a Hugging Face tokenizer is loaded (one of them at least).
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+    "spiece.model",
+)  # fmt: skip
+
+
 def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype):
     """Load a local HF causal-LM directory (AutoModelForCausalLM + AutoTokenizer), or the
     one a checkpoint's :data:`MODEL_POINTER` names.
@@ -216,6 +223,11 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype):
             )
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model.path: {path} has no config.json (not a HF model dir)")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"model.path: {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+            "save the model's tokenizer there too (tokenizer.save_pretrained)"
+        )
     check_manifest(path, is_model_file)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)

@@ -362,14 +362,41 @@ def build_generator(
 
 
 def encode_prompts(
-    config: Config, generate: SingleTurn | MultiTurn, tokenizer, rows: list[dict[str, Any]]
+    config: Config,
+    generate: SingleTurn | MultiTurn,
+    tokenizer,
+    rows: list[dict[str, Any]],
+    *,
+    name: str,
+    context: int | None = None,
 ) -> list[list[int]]:
     """The rows' prompts as token ids for single turns; episodes render their prompts
-    themselves (tools, reset observations), so theirs are empty."""
+    themselves (tools, reset observations), so theirs are empty.
+
+    A prompt that is not text or messages, that encodes to no token (an empty string, a
+    message without content) or to more than the model's ``context`` is a one-line error
+    naming ``name`` (``data.train``, ``data.eval``) and the row.
+    """
     if not isinstance(generate, SingleTurn):
         return [[] for _ in rows]
     chat = config.data.chat_template_kwargs
-    return [encode_prompt(row["prompt"], tokenizer, **chat) for row in rows]
+    encoded = []
+    for i, row in enumerate(rows):
+        try:
+            ids = encode_prompt(row["prompt"], tokenizer, **chat)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{name} row {i}: {exc}") from exc
+        if not ids:
+            raise ValueError(
+                f"{name} row {i}: the prompt is empty (0 tokens): {row['prompt']!r}"[:300]
+            )
+        if context is not None and len(ids) > context:
+            raise ValueError(
+                f"{name} row {i}: the prompt is {len(ids)} tokens, longer than the model's "
+                f"context of {context} (max_position_embeddings)"
+            )
+        encoded.append(ids)
+    return encoded
 
 
 def sft_encoder(
