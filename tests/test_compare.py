@@ -330,12 +330,26 @@ def test_compare_writes_the_report_and_reuses_finished_runs(tmp_path, tiny):
     compare(None, tiny, out, seeds=(0,), log=again.append)
     assert not any("training" in m for m in again)
     assert sum("reusing" in m for m in again) == 4
+    # GSPO alone (a KeyError at the report, after every run, before): no verdicts, said
+    alone = compare(None, tiny, out, seeds=(0,), log=again.append, algorithms=("GSPO",))
+    assert set(alone["algorithms"]) == {"GSPO"} and alone["verdicts"] == []
+    md = (out / "report.md").read_text()
+    assert "Every claim compares GSPO with GRPO: run both (`--algorithms GSPO,GRPO`)." in md
 
 
 def test_compare_bad_input_is_one_line(tmp_path, capsys):
     assert main(["compare", "--output-dir", str(tmp_path), "--preset", "wild"]) == 2
     assert "--preset 'wild'" in capsys.readouterr().err
     assert main(["compare", "--output-dir", str(tmp_path), "--seeds", "0"]) == 2
+    capsys.readouterr()
+    for owned in ("algorithm.level=token", "train.seed=3"):  # silently replaced before
+        assert main(["compare", "--output-dir", str(tmp_path), owned]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "gspo: error: algorithm.level=token: gspo compare sets algorithm.level per algorithm "
+        "(choose them with --algorithms); drop it",
+        "gspo: error: train.seed=3: gspo compare sets train.seed per run (choose them with "
+        "--seeds); drop it",
+    ]
 
 
 def test_histogram_needs_values(tmp_path):

@@ -22,7 +22,8 @@ REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inco
 
 
 def verdicts(summary: Mapping[str, Mapping[str, Any]], preset: str) -> list[dict[str, str]]:
-    """One verdict per claim, each with the figures behind it.
+    """One verdict per claim, each with the figures behind it (none without both GSPO and
+    GRPO among the runs).
 
     (a) GSPO clips far more tokens (>= 10x GRPO's fraction; the paper shows ~100x) yet
         trains at least as well (final accuracy not below GRPO's by more than two standard
@@ -37,6 +38,8 @@ def verdicts(summary: Mapping[str, Mapping[str, Any]], preset: str) -> list[dict
         levers (:data:`UNSTABLE_PRESETS`); a collapse is a final accuracy more than 0.1
         below the start.
     """
+    if "GSPO" not in summary or "GRPO" not in summary:
+        return []  # every claim compares the two (the report says so)
     gspo, grpo = summary["GSPO"], summary["GRPO"]
     out = []
 

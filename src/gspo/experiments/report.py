@@ -102,6 +102,14 @@ def write_report(
     return result
 
 
+def verdict_table(claims: list[dict[str, str]]) -> list[str]:
+    """The verdicts as a Markdown table, or the line saying why there are none."""
+    if not claims:
+        return ["Every claim compares GSPO with GRPO: run both (`--algorithms GSPO,GRPO`)."]
+    rows = [f"| {c['claim']} | **{c['verdict']}** | {c['figures']} |" for c in claims]
+    return ["| claim | verdict | figures |", "|---|---|---|", *rows]
+
+
 def cosine_lines(summary: Mapping[str, Mapping[str, Any]], *keys: str) -> dict[str, Any]:
     """``plot_bands`` groups: per algorithm and key, one line against the bucket length."""
     return {
@@ -138,9 +146,7 @@ def report_markdown(
         "",
         "## Verdicts",
         "",
-        "| claim | verdict | figures |",
-        "|---|---|---|",
-        *[f"| {c['claim']} | **{c['verdict']}** | {c['figures']} |" for c in result["verdicts"]],
+        *verdict_table(result["verdicts"]),
         "",
         "## Final numbers",
         "",
