@@ -506,8 +506,28 @@ def test_columns_passed_as_keyword_arguments(reward_file: Path) -> None:
 
 def test_missing_column_is_reported(reward_file: Path) -> None:
     rf = RewardFunctions.from_specs([f"{reward_file}:uses_column"])
-    with pytest.raises(RewardError, match=r"rw\.py:uses_column'.*TypeError.*difficulty"):
+    with pytest.raises(RewardError) as err:
         rf(["p"], ["x"], {"answer": ["x"]})
+    assert str(err.value) == (
+        f"reward function '{reward_file}:uses_column' needs the argument(s) difficulty, which "
+        "no data column gives (the columns: answer)"
+    )
+    with pytest.raises(RewardError, match=r"difficulty, answer, which no data column gives \("
+                       r"the columns: none but the prompt\)"):  # fmt: skip
+        rf(["p"], ["x"], {})
+    # a TypeError raised inside the function is still that function's error
+    boom = RewardFunctions.from_specs([lambda prompts, completions, **kw: [1 + "a"]])
+    with pytest.raises(RewardError, match=r"raised TypeError: unsupported operand"):
+        boom(["p"], ["x"], {})
+
+
+def test_a_comma_separated_string_says_to_write_a_list() -> None:
+    with pytest.raises(RewardError) as err:
+        load_reward_function("exact_match, format")
+    assert str(err.value) == (
+        "invalid reward function spec 'exact_match, format': several functions are a list, "
+        "reward.functions='[exact_match, format]'"
+    )
 
 
 def test_chat_prompts_and_completions(reward_file: Path) -> None:

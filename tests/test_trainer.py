@@ -718,3 +718,20 @@ def test_a_test_run_left_at_model_device_auto_fails_on_any_machine(tmp_path):
         device_named_in(["-m", "gspo", "train", "--output-dir", "out", *auto])
     device_named_in(["-m", "gspo", "train", "--resume", "out"])  # its config.yaml names it
     device_named_in(["-m", "gspo", "train", *FAST])
+
+
+def test_rewards_that_never_apply_are_said_once(tmp_path, capsys):
+    """Every function returning None for every completion gave reward 0 and no signal,
+    with nothing said."""
+    (tmp_path / "rw.py").write_text(
+        "def never(prompts, completions, **kw):\n    return [None] * len(completions)\n"
+    )
+    never = f"reward.functions=[{tmp_path / 'rw.py'}:never]"
+    overrides = [*FAST, never, "train.max_steps=2", "eval.every=0", "train.cold_start_steps=0"]
+    assert main(["train", "--output-dir", str(tmp_path / "run"), *overrides]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if "returned None" in line]
+    assert said == [
+        "gspo: warning: every reward function returned None (does not apply) for all 16 "
+        f"completions of a batch, so every reward is 0 and nothing is learned; check "
+        f"reward.functions ({tmp_path / 'rw.py'}:never) against the data's columns (shown once)"
+    ]

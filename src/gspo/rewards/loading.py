@@ -35,6 +35,12 @@ def load_reward_function(spec: str) -> RewardFunction:
     spec = spec.strip()
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
+    if "," in spec and ":" not in spec:  # reward.functions='a, b': one string, not a list
+        listed = ", ".join(part.strip() for part in spec.split(","))
+        raise RewardError(
+            f"invalid reward function spec {spec!r}: several functions are a list, "
+            f"reward.functions='[{listed}]'"
+        )
     close = difflib.get_close_matches(spec, list(BUILTIN_REWARDS), n=1)
     if close and ":" not in spec:
         raise RewardError(

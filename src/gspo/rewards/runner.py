@@ -4,6 +4,7 @@ worker processes; with a deadline."""
 from __future__ import annotations
 
 import functools
+import inspect
 import multiprocessing
 import pickle
 import threading
@@ -23,7 +24,29 @@ def _call_one(
     try:
         return function(prompts=prompts, completions=completions, **columns)
     except Exception as e:
+        missing = _missing_arguments(function, ["prompts", "completions", *columns])
+        if isinstance(e, TypeError) and missing:
+            have = ", ".join(columns) or "none but the prompt"
+            raise RewardError(
+                f"reward function {name!r} needs the argument(s) {', '.join(missing)}, which "
+                f"no data column gives (the columns: {have})"
+            ) from e
         raise RewardError(f"reward function {name!r} raised {raised(e)}") from e
+
+
+def _missing_arguments(function: RewardFunction, given: list[str]) -> list[str]:
+    """Required parameters of ``function`` that a call with the keywords ``given`` leaves
+    unbound (none when its signature cannot be read, or it takes ``**kwargs`` for them)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    required = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [
+        p.name
+        for p in parameters
+        if p.kind in required and p.default is inspect.Parameter.empty and p.name not in given
+    ]
 
 
 @functools.cache

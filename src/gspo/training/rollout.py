@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -54,6 +55,7 @@ class Scorer:
         # one batch at a time: evaluation (main thread) and an async rollout producer
         # (:mod:`gspo.training.async_rollout`) may score at once
         self.lock = threading.Lock()
+        self.warned = False  # the all-None warning: once a run
 
     def score(
         self,
@@ -83,11 +85,28 @@ class Scorer:
                 episode.close()
             rewards = torch.tensor(result.rewards, dtype=torch.float32)
             per_function = result.per_function
+            self.warn_if_unscored(per_function, len(completions))
             if penalty is not None:
                 values = penalty(batch.completion_lengths.tolist())
                 rewards = rewards + torch.tensor(values, dtype=torch.float32)
                 per_function["overlong_penalty"] = values
             return Scored(batch, completions, rewards, per_function)
+
+    def warn_if_unscored(self, per_function: dict[str, list[float | None]], n: int) -> None:
+        """One line on stderr (once a run) when every function returned None (does not
+        apply) for every completion of a batch: every reward is 0 and nothing is learned."""
+        if self.warned or not per_function or n == 0:
+            return
+        if all(v is None for values in per_function.values() for v in values):
+            self.warned = True
+            print(
+                f"gspo: warning: every reward function returned None (does not apply) for "
+                f"all {n} completions of a batch, so every reward is 0 and nothing is "
+                f"learned; check reward.functions ({', '.join(per_function)}) against the "
+                "data's columns (shown once)",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def merge_groups(rounds: list[Scored], groups: list[int]) -> Scored:
