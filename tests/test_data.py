@@ -301,3 +301,25 @@ def test_a_chat_prompt_that_renders_to_nothing_names_its_row():
     assert encode_prompts(load_config(), SingleTurn(None), tok, rows[:1], name="data.eval") == [
         tok("1+2=")["input_ids"]
     ]
+
+
+def test_a_file_datasets_cannot_read_is_our_one_line_only(tmp_path, capfd):
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"not a parquet file at all")
+    with pytest.raises(ValueError, match=r"data.train: cannot read .*bad.parquet: ArrowInvalid"):
+        load_rows(bad, what="data.train")
+    out, err = capfd.readouterr()
+    assert "Failed to read schema" not in out + err  # datasets' own logged error, before
+    import datasets
+
+    assert datasets.logging.get_verbosity() == datasets.logging.WARNING  # restored
+    model = tmp_path / "model"  # a directory that is no dataset (a model's, say)
+    model.mkdir()
+    (model / "config.yaml").write_text("a: 1\n")
+    (model / "model.safetensors").write_bytes(b"\0" * 64)
+    with pytest.raises(ValueError) as err:
+        load_rows(model, what="data.train")
+    assert str(err.value).endswith(
+        "(a directory must hold a datasets.save_to_disk dataset, or data files of one kind: "
+        ".jsonl, .json, .parquet, .csv)"
+    )

@@ -24,8 +24,10 @@ fills the ``answer`` column the built-in rewards read with that column's final a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -88,6 +90,35 @@ def parse_source(text: str, *, what: str) -> Source:
     return Source("hub", source, config, split)
 
 
+@contextlib.contextmanager
+def _quiet(datasets) -> Iterator[None]:
+    """No progress bars and, inside the block, no log lines from ``datasets``: a file it
+    cannot read is one error line of ours, not its logged error and then ours."""
+    datasets.disable_progress_bars()
+    level = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(level)
+
+
+def _load_dataset(datasets, source: Source) -> Any:
+    """A saved dataset (its split if named) or ``datasets.load_dataset`` of ``source``."""
+    if source.kind != "saved":
+        return datasets.load_dataset(source.location, source.config, split=source.split)
+    if source.config is not None:
+        raise ValueError(f"a saved dataset has no configs (got {source.config!r})")
+    loaded = datasets.load_from_disk(source.location)
+    if source.split is None:
+        return loaded
+    if not isinstance(loaded, datasets.DatasetDict):
+        raise ValueError("it holds one split; drop ':SPLIT'")
+    if source.split not in loaded:
+        raise ValueError(f"no split {source.split!r} (splits: {', '.join(loaded)})")
+    return loaded[source.split]
+
+
 def _read_file(path: Path, *, what: str) -> list[Row]:
     suffix = path.suffix.lower()
     if suffix not in FILE_BUILDERS:
@@ -104,9 +135,10 @@ def _read_file(path: Path, *, what: str) -> list[Row]:
         return rows
     import datasets
 
-    datasets.disable_progress_bars()
     try:
-        table = datasets.load_dataset(FILE_BUILDERS[suffix], data_files=str(path), split="train")
+        with _quiet(datasets):
+            builder, files = FILE_BUILDERS[suffix], str(path)
+            table = datasets.load_dataset(builder, data_files=files, split="train")
     except Exception as exc:  # datasets raises many types for malformed files
         raise ValueError(f"{what}: cannot read {path}: {type(exc).__name__}: {exc}") from exc
     return table.to_list()
@@ -141,20 +173,9 @@ def load_rows(text: str | Path, *, what: str) -> list[Row]:
     else:
         import datasets
 
-        datasets.disable_progress_bars()
         try:
-            if source.kind == "saved":
-                if source.config is not None:
-                    raise ValueError(f"a saved dataset has no configs (got {source.config!r})")
-                loaded = datasets.load_from_disk(source.location)
-                if source.split is not None:
-                    if not isinstance(loaded, datasets.DatasetDict):
-                        raise ValueError("it holds one split; drop ':SPLIT'")
-                    if source.split not in loaded:
-                        raise ValueError(f"no split {source.split!r} (splits: {', '.join(loaded)})")
-                    loaded = loaded[source.split]
-            else:
-                loaded = datasets.load_dataset(source.location, source.config, split=source.split)
+            with _quiet(datasets):
+                loaded = _load_dataset(datasets, source)
         except Exception as exc:  # datasets raises many types: one line, naming the key
             kind = "dataset id" if source.kind == "hub" else "local dataset"
             hint = ""
@@ -162,6 +183,11 @@ def load_rows(text: str | Path, *, what: str) -> list[Row]:
                 hint = (
                     " (offline, the dataset must be in the datasets cache; "
                     "HF_HUB_OFFLINE=1 skips the network)"
+                )
+            if source.kind == "directory":
+                hint = (
+                    " (a directory must hold a datasets.save_to_disk dataset, or data files "
+                    f"of one kind: {', '.join(FILE_BUILDERS)})"
                 )
             raise ValueError(
                 f"{what}: cannot load {kind} {text!r}: "
