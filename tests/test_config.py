@@ -352,6 +352,8 @@ def test_a_config_file_with_a_duplicate_key_or_a_syntax_error_names_line_and_col
     bad.write_text("train:\n  max_steps: 1\n   seed: [\n")
     with pytest.raises(ConfigError, match=r"bad.yaml line 3 column 8: not valid YAML \(mapping"):
         load_config(bad)
+    with pytest.raises(ConfigError, match=r"config file .*: is a directory, not a YAML file"):
+        load_config(tmp_path)
     fine = tmp_path / "fine.yaml"  # one key per mapping: read as before
     fine.write_text("train:\n  max_steps: 3\n  seed: 4\nmodel:\n  lora:\n    alpha: 2\n")
     config = load_config(fine)

@@ -180,6 +180,8 @@ def load_config(
     tree: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"config file {path}: is a directory, not a YAML file")
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         loaded = read_yaml(path)
