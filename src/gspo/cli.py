@@ -151,10 +151,11 @@ def run_train(args: argparse.Namespace) -> int:
             trainer.fit()
             dist.barrier()
     except BaseException:
-        if (new_dir or aside is not None) and dist.is_main:
-            remove_unstarted_run(output_dir)
-        if aside is not None and not output_dir.exists():  # the new run never started
+        if aside is not None:  # the new run never started (its trainer was not built)
+            shutil.rmtree(output_dir, ignore_errors=True)
             aside.rename(output_dir)
+        elif new_dir and dist.is_main:
+            remove_unstarted_run(output_dir)
         raise
     finally:
         teardown_distributed(dist)
