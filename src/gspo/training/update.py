@@ -118,7 +118,10 @@ class PolicyUpdate:
 class Hook:
     """An optional instrument attached to the update stage (see :mod:`gspo.training.hooks`).
 
-    ``before_update`` runs at the weights minibatch ``k`` will see, before its forward;
+    ``before_update`` runs at the weights minibatch ``k`` will see, before its forward
+    (for ``k = 0`` under a recomputed pi_old the experience is not settled yet:
+    ``experience.unsettled`` is set, minibatch 0's pi_old, the loss mask and the mismatch
+    metrics come with its forward);
     ``after_update`` after its optimizer step, with pi_theta's log-probs before the step
     (the ratio's numerator, detached) and the update's log line (this rank's); it returns
     metrics for that line.
