@@ -376,7 +376,7 @@ def test_summary_table_first_last_and_mean_values():
         "clip fraction, off-policy": ("0.04", "0.2", "0.12", "4 → 20"),
         "clip fraction, on-policy": ("0.0004", "0.002", "0.0012", "4 → 20"),
         "response length": ("299", "280", "289.5", "1 → 20"),
-        "seconds / step": ("2.5", "1.5", "2", "1 → 20"),
+        "seconds / step (no eval)": ("2.5", "1.5", "2", "1 → 20"),
     }
     assert table.row_count == 7
 

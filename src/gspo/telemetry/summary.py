@@ -95,7 +95,7 @@ def summary_table(records: Sequence[Mapping[str, Any]], *, title: str = "Run sum
 
     for key, label in SUMMARY_KEYS:
         add(label, _points(records, key))
-    if not any(add("seconds / step", _points(records, key)) for key in STEP_TIME_KEYS):
+    if not any(add("seconds / step (no eval)", _points(records, key)) for key in STEP_TIME_KEYS):
         add("seconds / step (wall)", _wall_step_times(records))
     if not table.rows:
         table.caption = "no metrics recorded"
