@@ -139,6 +139,54 @@ def test_a_raising_environment_names_the_raising_line(env_file):
         EnvironmentFactory(Crashes).episode().respond("hi")
 
 
+def test_what_an_environment_hands_back_is_checked_in_one_line():
+    """Before: a tuple or dict from step() reached the model as its repr, a list from
+    reset() joined the prompt the same way, close() raising was a traceback, a factory
+    returning None read as 'no tools', a *args tool was advertised but never callable."""
+
+    class GymStep:
+        def step(self, text: str):
+            return ("obs", 1.0, True, {})
+
+    class ListReset:
+        def reset(self, **row):
+            return [{"role": "user", "content": "You have 5 coins."}]
+
+        def step(self, text: str):
+            return None
+
+    class BadClose:
+        def step(self, text: str):
+            return None
+
+        def close(self):
+            raise RuntimeError("already closed")
+
+    class VarArgs:
+        def add(self, *nums: int) -> int:
+            """Add numbers.
+
+            Args:
+                nums: the numbers
+            """
+            return sum(nums)
+
+    with pytest.raises(EnvError, match=r"step\(\) returned tuple; expected str \(the obs"):
+        EnvironmentFactory(GymStep).episode().respond("hi")
+    with pytest.raises(EnvError, match=r"reset\(\) returned list; expected str \(text app"):
+        EnvironmentFactory(ListReset).episode().reset({})
+    with pytest.raises(EnvError, match=r"close\(\) raised RuntimeError: already closed"):
+        EnvironmentFactory(BadClose).episode().close()
+
+    def make():
+        return None
+
+    with pytest.raises(EnvError, match=r"make': the factory returned None"):
+        EnvironmentFactory(make)
+    with pytest.raises(EnvError, match=r"tool 'add' takes \*nums/\*\*, which a JSON tool"):
+        EnvironmentFactory(VarArgs)
+
+
 def test_bad_environment_stops_the_cli_with_one_line(tmp_path, env_file, capsys):
     code = main(
         ["train", "--output-dir", str(tmp_path / "run"), *FAST,

@@ -637,3 +637,23 @@ def test_import_stays_light() -> None:
 
     package = str(Path(gspo.rewards.__file__).parents[1])
     subprocess.run([sys.executable, "-c", code, package], check=True)
+
+
+def test_an_environment_reward_that_is_no_number_says_so() -> None:
+    from gspo.rewards.verifiers import environment_reward
+
+    class Env:
+        def __init__(self, value):
+            self.value = value
+
+        def get_reward(self):
+            return self.value
+
+    envs = [Env(1), Env(None), Env(True)]
+    assert environment_reward(["p"] * 3, ["c"] * 3, environments=envs) == [1.0, None, 1.0]
+    with pytest.raises(ValueError) as err:  # was float()'s text, pointing into gspo
+        environment_reward(["p"], ["c"], environments=[Env("correct")])
+    assert (
+        str(err.value) == "the environment's get_reward() returned 'correct' (str), not a "
+        "number or None"
+    )

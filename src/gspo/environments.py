@@ -169,8 +169,18 @@ class EnvironmentFactory:
     def _schema(self, owner: type, name: str) -> dict[str, Any]:
         from transformers.utils import get_json_schema
 
+        method = getattr(owner, name)
+        packed = [
+            p.name for p in inspect.signature(method).parameters.values()
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]  # fmt: skip
+        if packed:
+            raise EnvError(
+                f"environment {self.name!r}: tool {name!r} takes *{packed[0]}/**, which a "
+                "JSON tool call (named arguments only) cannot pass; give it named parameters"
+            )
         try:  # bound to a stand-in, so that `self` leaves the signature
-            return get_json_schema(types.MethodType(getattr(owner, name), object()))
+            return get_json_schema(types.MethodType(method, object()))
         except Exception as e:
             raise EnvError(
                 f"environment {self.name!r}: tool {name!r} has no usable schema "
@@ -195,14 +205,18 @@ class EnvironmentFactory:
         required, takes_all = self._required(), self._takes_all()
         try:
             if not required and not takes_all:
-                return self.factory()
-            if len(required) == 1 and required[0].name not in row and not takes_all:
-                return self.factory(row)
-            return self.factory(**accepted(self.factory, row))
+                made = self.factory()
+            elif len(required) == 1 and required[0].name not in row and not takes_all:
+                made = self.factory(row)
+            else:
+                made = self.factory(**accepted(self.factory, row))
         except Exception as e:
             raise EnvError(
                 f"environment {self.name!r}: constructing it raised {raised(e, 300)}"
             ) from e
+        if made is None:
+            raise EnvError(f"environment {self.name!r}: the factory returned None")
+        return made
 
     def episode(self, row: dict[str, Any] | None = None) -> Episode:
         """A fresh environment for one episode of ``row``."""
@@ -229,7 +243,12 @@ class Episode:
             raise EnvError(
                 f"environment {self.spec.name!r}: reset() raised {raised(e, 300)}"
             ) from e
-        return None if out is None else str(out)
+        if out is not None and not isinstance(out, str):
+            raise EnvError(
+                f"environment {self.spec.name!r}: reset() returned {type(out).__name__}; "
+                "expected str (text appended to the prompt) or None"
+            )
+        return out
 
     def respond(self, text: str) -> list[dict[str, Any]] | None:
         """The environment's reply to the model's turn ``text``: messages, or None (done)."""
@@ -245,7 +264,13 @@ class Episode:
                 ) from e
             if observation is None:
                 return None
-            return [{"role": "user", "content": str(observation)}]
+            if not isinstance(observation, str):
+                raise EnvError(
+                    f"environment {self.spec.name!r}: step() returned "
+                    f"{type(observation).__name__}; expected str (the observation) or None "
+                    "(the episode is over)"
+                )
+            return [{"role": "user", "content": observation}]
         return None
 
     def _answer(self, call: ToolCall) -> dict[str, Any]:
@@ -275,7 +300,12 @@ class Episode:
         """The environment's ``close()``, if it has one (after its episode is scored)."""
         close = getattr(self.env, "close", None)
         if callable(close):
-            close()
+            try:
+                close()
+            except Exception as e:
+                raise EnvError(
+                    f"environment {self.spec.name!r}: close() raised {raised(e, 300)}"
+                ) from e
 
     def _warn(self, tool: str, e: Exception) -> None:
         """One line on stderr the first time a tool raises a given exception type."""

@@ -252,7 +252,13 @@ def environment_reward(
     for env in environments:
         get = getattr(env, "get_reward", None)
         value = get() if callable(get) else None
-        out.append(None if value is None else float(value))
+        try:
+            out.append(None if value is None else float(value))
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"the environment's get_reward() returned {value!r:.80} "
+                f"({type(value).__name__}), not a number or None"
+            ) from None
     return out
 
 
