@@ -475,6 +475,33 @@ def test_existing_run_needs_resume_or_overwrite(tmp_path, capsys):
     ]
 
 
+def test_resume_refuses_another_model_or_another_directory(tmp_path, capsys):
+    """Before, these resumed the checkpoints' model while config.yaml named the other one
+    (or the run went on in place, --output-dir ignored)."""
+    run = tmp_path / "run"
+    good = [*FAST, "train.max_steps=1", "eval.every=0", "train.cold_start_steps=0"]
+    assert main(["train", "--output-dir", str(run), *good]) == 0
+    written = (run / "config.yaml").read_text()
+    capsys.readouterr()
+    for override in ("model.hidden=128", "model.lora.r=4", f"model.path={tmp_path}"):
+        assert main(["train", "--resume", str(run), override]) == 2
+    assert main(["train", "--resume", str(run), "--output-dir", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "gspo: error: model.hidden: --resume continues the checkpoints' model "
+        "(model.hidden=64); start a new run (--output-dir) to change it",
+        "gspo: error: model.lora.r: --resume continues the checkpoints' model "
+        "(model.lora.r=0); start a new run (--output-dir) to change it",
+        "gspo: error: model.path: --resume continues the checkpoints' model "
+        "(model.path=None); start a new run (--output-dir) to change it",
+        f"gspo: error: --output-dir {tmp_path / 'x'}: --resume continues the run where it is "
+        f"({run}); drop --output-dir",
+    ]
+    assert (run / "config.yaml").read_text() == written
+    # what computes the same weights may change: the run goes on
+    on = ["train.max_steps=2", "model.activation_checkpointing=true", "model.cpu_linear=torch"]
+    assert main(["train", "--resume", str(run), *on]) == 0
+
+
 def test_overwrite_removes_the_old_run_only_once_the_new_one_starts(tmp_path, capsys):
     old = tmp_path / "run"
     (old / "checkpoints").mkdir(parents=True)

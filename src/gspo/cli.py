@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--output-dir",
         type=Path,
-        default=Path("runs/gspo"),
+        default=None,
         metavar="DIR",
         help="where the run writes config.yaml, metrics.jsonl, plots/ and checkpoints/ "
         "(default: runs/gspo)",
@@ -115,6 +115,11 @@ def run_train(args: argparse.Namespace) -> int:
             raise ValueError("--resume takes the run's own config.yaml; drop --config")
         if args.overwrite:
             raise ValueError("--overwrite starts a run over, --resume continues one: pick one")
+        if args.output_dir is not None:
+            raise ValueError(
+                f"--output-dir {args.output_dir}: --resume continues the run where it is "
+                f"({args.resume}); drop --output-dir"
+            )
         output_dir = args.resume.expanduser()
         if not (output_dir / "config.yaml").is_file():
             what = "does not exist" if not output_dir.exists() else "is not a gspo run"
@@ -122,7 +127,7 @@ def run_train(args: argparse.Namespace) -> int:
         config = resume_config(output_dir, args.overrides)
     else:
         config = load_config(args.config, args.overrides)
-        output_dir = args.output_dir.expanduser()
+        output_dir = (args.output_dir or Path("runs/gspo")).expanduser()
         if output_dir.exists() and not output_dir.is_dir():
             raise ValueError(f"--output-dir {output_dir}: is a file, not a directory")
         if (output_dir / CHECKPOINTS).exists() and not args.overwrite:

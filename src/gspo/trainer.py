@@ -350,6 +350,37 @@ def train(config: Config, output_dir: str | Path, *, resume: bool = False) -> li
     return Trainer(config, output_dir, resume=resume).fit()
 
 
+def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"lora": {"r": 0}}`` as ``{"lora.r": 0}``."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+#: ``model.*`` keys a resumed run may change: how the same weights are computed, not
+#: which weights they are (the checkpoint holds those).
+RESUME_MAY_CHANGE = frozenset(
+    {"device", "dtype", "cpu_linear", "head_precision", "experts_implementation",
+     "activation_checkpointing"}
+)  # fmt: skip
+
+
 def resume_config(output_dir: str | Path, overrides: list[str]) -> Config:
-    """The config a run was started with (``config.yaml``), plus overrides."""
-    return load_config(Path(output_dir) / "config.yaml", overrides)
+    """The config a run was started with (``config.yaml``), plus overrides; an override
+    that would change the model the checkpoints hold (its path, architecture, sizes,
+    adapters) is a one-line error, not a config.yaml that names another model."""
+    path = Path(output_dir) / "config.yaml"
+    config = load_config(path, overrides)
+    if overrides:
+        started, now = (flat(c.model.model_dump()) for c in (load_config(path), config))
+        for key in started:
+            if key not in RESUME_MAY_CHANGE and started[key] != now[key]:
+                raise ValueError(
+                    f"model.{key}: --resume continues the checkpoints' model "
+                    f"(model.{key}={started[key]}); start a new run (--output-dir) to change it"
+                )
+    return config
