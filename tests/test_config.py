@@ -378,3 +378,22 @@ def test_floats_are_finite_and_betas_in_range(override, said):
 def test_model_path_expands_home(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path))
     assert load_config(None, ["model.path=~/models/q"]).model.path == str(tmp_path / "models/q")
+
+
+def test_settings_that_another_setting_makes_moot_are_warned():
+    """Before: adapter settings with r=0 trained the whole model, and a built-in task named
+    beside data.train (e.g. --preset tools) ran without its environment, both unsaid."""
+    lora = load_config(None, ["model.lora.target_modules=[q_proj]"]).warnings()
+    assert lora == [
+        "model.lora.target_modules is set but model.lora.r=0 (full fine-tuning): the LoRA "
+        "settings do nothing (set model.lora.r > 0 for adapters)"
+    ]
+    with_r = ["model.lora.r=4", "model.lora.target_modules=[q_proj]", "train.cold_start_steps=0"]
+    assert load_config(None, with_r).warnings() == []
+    task = ["data.task=calculator", "data.train=rows.jsonl", "model.path=/m"]
+    assert load_config(None, task).warnings() == [
+        "data.task=calculator is a built-in task, which data.train replaces: its prompts, "
+        "rewards and environment are not used (set rollout.environment and reward.functions "
+        "for your data)"
+    ]
+    assert load_config(None, ["data.train=rows.jsonl", "model.path=/m"]).warnings() == []

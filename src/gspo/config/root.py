@@ -22,11 +22,13 @@ from gspo.config.checks import (
     vllm_top_p,
 )
 from gspo.config.data import DataConfig
-from gspo.config.model import ModelConfig, MoEConfig
+from gspo.config.model import LoraSettings, ModelConfig, MoEConfig
 from gspo.config.reward import RewardConfig
 from gspo.config.rollout import RolloutConfig
 from gspo.config.run import EvalConfig, LogConfig, TrainConfig
 from gspo.config.section import Section
+
+_LORA = LoraSettings().model_dump()  # the defaults: changed ones mean adapters were meant
 
 
 class Config(Section):
@@ -85,6 +87,19 @@ class Config(Section):
                 f"data.train with model.path null and {why}: RL starts from the built-in "
                 "model's random initialisation with no cold start, which rarely earns any "
                 "reward (set model.path to a trained model, or data.sft for a cold start)"
+            )
+        if data.train is not None and data.task != "addition":
+            lines.append(
+                f"data.task={data.task} is a built-in task, which data.train replaces: its "
+                "prompts, rewards and environment are not used (set rollout.environment "
+                "and reward.functions for your data)"
+            )
+        lora = self.model.lora
+        unused = [k for k, v in lora.model_dump().items() if k != "r" and v != _LORA[k]]
+        if lora.r == 0 and unused:
+            lines.append(
+                f"model.lora.{unused[0]} is set but model.lora.r=0 (full fine-tuning): the "
+                "LoRA settings do nothing (set model.lora.r > 0 for adapters)"
             )
         return lines
 
