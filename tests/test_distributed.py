@@ -82,6 +82,19 @@ def test_batch_sizes_must_divide_over_the_ranks(tmp_path):
         Trainer(too_many, tmp_path, dist=Distributed(rank=0, world_size=2))
 
 
+@pytest.mark.slow
+def test_a_setup_error_under_torchrun_is_said_once(tmp_path):
+    """Every rank finds the same bad input while setting up: rank 0 alone says it (each
+    rank printed it before, interleaved)."""
+    for bad in ("rollout.prompts_per_batch=3", "optim.lrr=1"):
+        done = torchrun(
+            "-m", "gspo", "train", "--output-dir", str(tmp_path / "run"), CPU, bad, check=False
+        )
+        said = [line for line in done.stderr.splitlines() if line.startswith("gspo: error:")]
+        assert done.returncode != 0 and len(said) == 1, done.stderr[-2000:]
+        assert bad.split("=")[0] in said[0]
+
+
 def test_fsdp_units_are_the_transformer_blocks(tiny_model):
     blocks = decoder_blocks(tiny_model)
     assert len(blocks) == 2 and {type(b).__name__ for b in blocks} == {"Qwen3DecoderLayer"}

@@ -22,14 +22,19 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import os
 import secrets
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from gspo import __version__
+
+if TYPE_CHECKING:
+    from gspo.config import Config
 
 NO_CACHE_HELP = "redo the cold start even if an identical one is cached (train.cold_start_cache)"
 
@@ -104,11 +109,70 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class SaidByRankZero(Exception):
+    """A setup error on a torchrun rank other than 0: rank 0 says the same line."""
+
+
+@contextlib.contextmanager
+def said_once() -> Iterator[None]:
+    """Bad input found while setting up (config, model, data, rewards) is the same on every
+    torchrun rank: only rank 0 prints its line, the others leave quietly with status 2.
+    (Errors once training runs may be one rank's own: every rank says those.)"""
+    try:
+        yield
+    except (ValueError, FileNotFoundError) as exc:
+        if os.environ.get("RANK", "0") != "0":
+            raise SaidByRankZero from exc
+        raise
+
+
 def run_train(args: argparse.Namespace) -> int:
-    from gspo.config import load_config
     from gspo.distributed import setup_distributed, teardown_distributed
     from gspo.publish import temp_path
-    from gspo.trainer import CHECKPOINTS, Trainer, resume_config
+    from gspo.trainer import CHECKPOINTS, Trainer
+
+    with said_once():
+        config, output_dir = train_config(args)
+        # under torchrun: one process per rank, joined here (a no-op in a single process)
+        dist = setup_distributed(config.model.device)
+    new_dir = not output_dir.exists()
+    aside: Path | None = None  # --overwrite: the old run, removed once the new one starts
+    try:
+        if args.resume is None and (output_dir / CHECKPOINTS).exists():
+            if dist.is_main:
+                aside = temp_path(output_dir, secrets.token_hex(6), ".old")
+                output_dir.rename(aside)
+            dist.barrier()
+        if dist.is_main:
+            make_output_dir(output_dir)
+        # Building the trainer checks the model, data and rewards: only then does an old
+        # run go. Its engines close before the process group goes (see Trainer.close)
+        with said_once():
+            trainer = Trainer(config, output_dir, resume=args.resume is not None, dist=dist)
+        with trainer:
+            if aside is not None:
+                shutil.rmtree(aside, ignore_errors=True)
+                aside = None
+            trainer.fit()
+            dist.barrier()
+    except BaseException:
+        if aside is not None:  # the new run never started (its trainer was not built)
+            shutil.rmtree(output_dir, ignore_errors=True)
+            aside.rename(output_dir)
+        elif new_dir and dist.is_main:
+            remove_unstarted_run(output_dir)
+        raise
+    finally:
+        teardown_distributed(dist)
+    if dist.is_main:
+        print(f"run written to {output_dir}")
+    return 0
+
+
+def train_config(args: argparse.Namespace) -> tuple[Config, Path]:
+    """``gspo train``'s config and output directory, its options checked."""
+    from gspo.config import load_config
+    from gspo.trainer import CHECKPOINTS, resume_config
 
     if args.resume is not None:
         if args.config is not None:
@@ -135,38 +199,7 @@ def run_train(args: argparse.Namespace) -> int:
                 f"--output-dir {output_dir} already holds a run; "
                 "use --resume to continue it or --overwrite to start over"
             )
-    # under torchrun: one process per rank, joined here (a no-op in a single process)
-    dist = setup_distributed(config.model.device)
-    new_dir = not output_dir.exists()
-    aside: Path | None = None  # --overwrite: the old run, removed once the new one starts
-    try:
-        if args.resume is None and (output_dir / CHECKPOINTS).exists():
-            if dist.is_main:
-                aside = temp_path(output_dir, secrets.token_hex(6), ".old")
-                output_dir.rename(aside)
-            dist.barrier()
-        if dist.is_main:
-            make_output_dir(output_dir)
-        # the trainer's engines close before the process group goes (see Trainer.close).
-        # Building it checks the model, data and rewards: only then does an old run go
-        with Trainer(config, output_dir, resume=args.resume is not None, dist=dist) as trainer:
-            if aside is not None:
-                shutil.rmtree(aside, ignore_errors=True)
-                aside = None
-            trainer.fit()
-            dist.barrier()
-    except BaseException:
-        if aside is not None:  # the new run never started (its trainer was not built)
-            shutil.rmtree(output_dir, ignore_errors=True)
-            aside.rename(output_dir)
-        elif new_dir and dist.is_main:
-            remove_unstarted_run(output_dir)
-        raise
-    finally:
-        teardown_distributed(dist)
-    if dist.is_main:
-        print(f"run written to {output_dir}")
-    return 0
+    return config, output_dir
 
 
 def make_output_dir(output_dir: Path) -> None:
@@ -251,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(dump_config_text(load_config(args.config, args.overrides)), end="")
         return 0
+    except SaidByRankZero:
+        return 2
     except (ValueError, FileNotFoundError) as exc:  # ConfigError and RewardError included
         if os.environ.get("GSPO_DEBUG"):
             raise
