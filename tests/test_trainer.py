@@ -500,6 +500,12 @@ def test_resume_refuses_another_model_or_another_directory(tmp_path, capsys):
     # what computes the same weights may change: the run goes on
     on = ["train.max_steps=2", "model.activation_checkpointing=true", "model.cpu_linear=torch"]
     assert main(["train", "--resume", str(run), *on]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run)]) == 0  # finished: nothing to do, said
+    assert (
+        "the run already took its train.max_steps=2 steps; resume it with a larger "
+        "train.max_steps to train on" in capsys.readouterr().out
+    )
 
 
 def test_overwrite_removes_the_old_run_only_once_the_new_one_starts(tmp_path, capsys):

@@ -296,6 +296,12 @@ class Trainer:
             drop_progress(self.output_dir / CHECKPOINTS, self.dist)
         show = cfg.log.progress and self.dist.is_main
         first = self.step // cfg.algorithm.minibatches
+        if first >= cfg.rollout_batches and self.dist.is_main:  # a resumed, finished run
+            print(
+                f"the run already took its train.max_steps={cfg.train.max_steps} steps; "
+                "resume it with a larger train.max_steps to train on",
+                flush=True,
+            )
         with (
             TrainingProgress(cfg.total_steps, enabled=show, start_step=self.step) as bar,
             self.rollouts.running(first, cfg.rollout_batches),
