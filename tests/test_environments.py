@@ -362,6 +362,30 @@ def test_budgets_cut_episodes_as_length(tokenizer, env_file):
     assert out.batch.completion_lengths.tolist() == [20, 20]
 
 
+def test_a_reply_too_long_for_the_episode_is_said_once(tokenizer, capsys):
+    """An environment's long reply ended the episode silently (and only the first-turn
+    warning, which blames max_new_tokens, said anything)."""
+
+    class Loud:
+        def step(self, text: str) -> str:
+            return "x" * 300
+
+    engine = ScriptedEngine(tokenizer, [["hi", "hi"]])
+    runner = MultiTurn(
+        engine, EnvironmentFactory(Loud), tokenizer, max_turns=3, max_tokens=100,
+        chat_kwargs={},
+    )  # fmt: skip
+    for _ in range(2):  # two batches: said once
+        engine.turn = 0
+        out = runner.generate(
+            [{"prompt": "p"}], [[]], n=2, params=SamplingParams(max_new_tokens=50), seed=0
+        )
+    assert out.batch.finish_reasons == ["length", "length"]
+    said = [line for line in capsys.readouterr().err.splitlines() if "did not fit" in line]
+    assert len(said) == 1 and said[0].startswith("gspo: warning: an environment reply of ")
+    assert "rollout.max_episode_tokens=100" in said[0]
+
+
 class Stepper:
     """Not tool-shaped: a new observation after each of the model's first two turns."""
 

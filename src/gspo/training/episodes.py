@@ -195,7 +195,7 @@ class MultiTurn:
         self.format = TurnFormat(tokenizer, environment.schemas, chat_kwargs)
         self.max_turns = max_turns
         self.max_tokens = max_tokens
-        self.warned = [False]  # shared with the copies made by `using`
+        self.warned = [False, False]  # shared with the copies made by `using`
 
     def using(self, sampler: Sampler) -> MultiTurn:
         """The same episodes sampled through another sampler (an async producer's)."""
@@ -261,6 +261,20 @@ class MultiTurn:
             flush=True,
         )
 
+    def warn_reply_too_long(self, reply: int, used: int) -> None:
+        """One line on stderr (once a run) when an environment's reply does not fit the
+        episode's token budget: the episode ends there as ``length``, the reply unseen."""
+        if self.warned[1]:
+            return
+        self.warned[1] = True
+        print(
+            f"gspo: warning: an environment reply of {reply} tokens did not fit the episode "
+            f"({used} tokens so far, rollout.max_episode_tokens={self.max_tokens}): the "
+            "episode ended as length without it (shown once)",
+            file=sys.stderr,
+            flush=True,
+        )
+
     def advance(self, state: _State, batch: RolloutBatch, j: int, turn: int) -> bool:
         """Append row ``j`` of ``batch`` (this turn) to ``state``; whether it goes on."""
         mask = batch.completion_mask[j].bool()
@@ -289,6 +303,7 @@ class MultiTurn:
         reply_ids = self.format.reply_ids(reply)
         if len(state.ids) + len(reply_ids) >= self.max_tokens:
             state.finish = "length"
+            self.warn_reply_too_long(len(reply_ids), len(state.ids))
             return False
         state.messages += reply
         state.ids += reply_ids
