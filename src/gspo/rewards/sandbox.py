@@ -444,7 +444,9 @@ def code_reward(
             jobs.append(None)
             continue
         try:
-            cases = parse_tests(row_tests, where=f"column 'tests', row {k}")
+            prompt = completion_text(prompts[k]) if k < len(prompts) else ""
+            where = f"column 'tests' of the data row whose prompt is {prompt!r:.80}"
+            cases = parse_tests(row_tests, where=where)
         except ValueError as exc:
             raise RewardError(f"built-in reward 'code': {exc}") from None
         jobs.append((extract_code(completion_text(completions[k])), cases))
