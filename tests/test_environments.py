@@ -386,6 +386,27 @@ def test_a_reply_too_long_for_the_episode_is_said_once(tokenizer, capsys):
     assert "rollout.max_episode_tokens=100" in said[0]
 
 
+def test_an_episode_prompt_past_the_context_is_one_line(tokenizer):
+    """reset()'s text joined the prompt unchecked: a 200k-character one ran until killed."""
+
+    class Verbose:
+        def reset(self, **row):
+            return "y" * 600
+
+        def step(self, text: str):
+            return None
+
+    engine = ScriptedEngine(tokenizer, [["hi"]])
+    runner = MultiTurn(
+        engine, EnvironmentFactory(Verbose), tokenizer, max_turns=2, max_tokens=100,
+        chat_kwargs={}, context=512,
+    )  # fmt: skip
+    with pytest.raises(EnvError, match=r"episode's prompt \(the row's and reset\(\)'s text\) "
+                       r"is 6\d\d tokens, longer than the model's context of 512"):  # fmt: skip
+        runner.generate([{"prompt": "p"}], [[]], n=1, params=SamplingParams(), seed=0)
+    assert engine.calls == []  # refused before sampling
+
+
 class Stepper:
     """Not tool-shaped: a new observation after each of the model's first two turns."""
 

@@ -105,7 +105,8 @@ def test_code_reward_builtin() -> None:
     assert reward(prompts=[[]], completions=conversational, tests=tests[:1]) == [1.0]
     with pytest.raises(RewardError, match="column named 'tests'"):
         reward(prompts=["q"], completions=["x"])
-    with pytest.raises(RewardError, match="column 'tests' of the data row whose prompt is 'q': tests do not parse"):
+    bad_row = "column 'tests' of the data row whose prompt is 'q': tests do not parse"
+    with pytest.raises(RewardError, match=bad_row):
         reward(prompts=["q"], completions=["x"], tests=["assert ("])
 
 

@@ -188,8 +188,10 @@ class MultiTurn:
         max_turns: int,
         max_tokens: int,
         chat_kwargs: dict[str, Any],
+        context: int | None = None,
     ):
         self.sampler = sampler
+        self.context = context  # the model's max_position_embeddings, when known
         self.environment = environment
         self.tokenizer = tokenizer
         self.format = TurnFormat(tokenizer, environment.schemas, chat_kwargs)
@@ -207,6 +209,12 @@ class MultiTurn:
         episode = self.environment.episode(dict(row))
         messages = with_observation(as_messages(row["prompt"]), episode.reset(dict(row)))
         prompt = self.format.prompt_ids(messages)
+        if self.context is not None and len(prompt) > self.context:
+            raise EnvError(
+                f"environment {self.environment.name!r}: the episode's prompt (the row's and "
+                f"reset()'s text) is {len(prompt)} tokens, longer than the model's context "
+                f"of {self.context} (max_position_embeddings)"
+            )
         return _State(episode, messages, prompt, [], [], [])
 
     def generate(
@@ -373,6 +381,7 @@ def build_generator(
         max_turns=config.rollout.max_turns,
         max_tokens=config.max_episode_tokens,
         chat_kwargs=config.data.chat_template_kwargs,
+        context=getattr(sampler.policy.module.config, "max_position_embeddings", None),
     )
 
 
