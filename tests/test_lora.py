@@ -169,8 +169,13 @@ def test_export_without_merge_names_a_full_checkpoint_or_asks_for_out(tmp_path, 
         Trainer(config, tmp_path / name).fit()
     capsys.readouterr()
     assert main(["export", str(tmp_path / "full")]) == 0
-    checkpoint = tmp_path / "full" / "checkpoints" / "step-0000000"
-    assert capsys.readouterr().out.startswith(f"{checkpoint} is a plain HF model")
+    # its step 0 (no cold start ran) names its model instead of holding a copy: that one
+    # (before: the step-0 directory, which holds no weights)
+    model = capsys.readouterr().out.split(" is a plain HF model")[0]
+    assert model == str(tmp_path / "full" / "base_model")
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(model).config.model_type == "qwen3"
     assert main(["export", str(tmp_path / "lora")]) == 2
     err = capsys.readouterr().err.strip()
     assert "holds a LoRA adapter" in err and "pass --merge OUT" in err and "\n" not in err

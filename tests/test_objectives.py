@@ -948,3 +948,9 @@ def test_entropy_bonus_matches_reference(level):
         policy_loss(lp, olp, adv, mask, level=level, entropy_coef=0.1)
     with pytest.raises(ValueError, match="entropy has no gradient"):  # a metric's entropy
         policy_loss(lp.requires_grad_(), olp, adv, mask, level=level, entropy=h, entropy_coef=0.1)
+
+
+def test_a_negative_clip_range_is_refused():
+    lp = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match=r"clip_low and clip_high must be >= 0; got -1.0"):
+        policy_loss(lp, lp, torch.ones(2), torch.ones(2, 3, dtype=torch.bool), clip_low=-1.0)

@@ -768,3 +768,26 @@ def test_rewards_that_never_apply_are_said_once(tmp_path, capsys):
         f"completions of a batch, so every reward is 0 and nothing is learned; check "
         f"reward.functions ({tmp_path / 'rw.py'}:never) against the data's columns (shown once)"
     ]
+
+
+def test_the_python_train_refuses_what_the_cli_refuses(tmp_path):
+    """train() replaced a finished run in place (TensorBoard then held both runs' events),
+    and a dict for the config was an AttributeError deep in the trainer."""
+    from gspo.trainer import train
+
+    good = load_config(None, [*FAST, "train.max_steps=1", "eval.every=0",
+                              "train.cold_start_steps=0", "reward.workers=1"])  # fmt: skip
+    records = train(good, tmp_path / "run")
+    assert any("train/loss" in r for r in records)
+    with pytest.raises(ValueError, match=r"already holds a run; resume=True continues it"):
+        train(good, tmp_path / "run")
+    with pytest.raises(TypeError, match=r"config must be a gspo.config.Config .* got dict"):
+        train({"train": {"max_steps": 1}}, tmp_path / "other")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match=r"output_dir .*afile is a file, not a directory"):
+        train(good, tmp_path / "afile")
+    trainer = Trainer(load_config(None, [*FAST, "reward.workers=1"]), tmp_path / "closed")
+    trainer.rewards(["p"], ["1"], {"answer": ["1"]})  # starts the worker process
+    assert trainer.rewards.runner._pool is not None
+    trainer.close()  # stops it (it lived on until the trainer was collected)
+    assert trainer.rewards.runner._pool is None

@@ -10,11 +10,12 @@ fine-tuning checkpoint is already a whole model: it is written out as it is, or,
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 
-from gspo.models import is_model_file, load_model, save_pretrained_atomic
+from gspo.models import is_model_file, load_model, model_files, save_pretrained_atomic
 from gspo.publish import check_manifest
 from gspo.training.checkpoint import TRAINER_STATE, latest_checkpoint
 from gspo.training.lora import base_model_path, is_lora_checkpoint, quiet_peft
@@ -62,6 +63,9 @@ def plain_checkpoint(source: Path) -> Path:
     """The checkpoint of ``source`` when it is a whole HF model already (full fine-tuning);
     a one-line error saying to pass ``--merge OUT`` for a LoRA adapter."""
     checkpoint = resolve_checkpoint(source)
+    model = model_files(checkpoint)
+    if model != checkpoint:  # a step 0 that names its model instead of holding a copy
+        return Path(os.path.normpath(model))
     if is_lora_checkpoint(checkpoint):
         raise ValueError(
             f"export: {checkpoint} holds a LoRA adapter, not a whole model; pass --merge OUT "

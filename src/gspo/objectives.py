@@ -377,6 +377,8 @@ def policy_loss(
     default_low, default_high = DEFAULT_CLIP[level]
     clip_low = default_low if clip_low is None else float(clip_low)
     clip_high = default_high if clip_high is None else float(clip_high)
+    if not (clip_low >= 0 and clip_high >= 0):  # (NaN fails too)
+        raise ValueError(f"clip_low and clip_high must be >= 0; got {clip_low}, {clip_high}")
 
     mask = mask.bool()
     advantages = _as_advantages(advantages, mask, level)

@@ -131,6 +131,7 @@ class Trainer:
         )
         self.generator = build_generator(config, self.sampler, self.tokenizer, self.data.train[0])
         rewards = reward_functions(config, getattr(self.generator, "environment", None))
+        self.rewards = rewards
         self.optimizer, self.scheduler = rl_optimizer(config, self.policy.forward)
         self.reference = Reference(config.algorithm.kl_coef, out, self.policy)
         objective = Objective(config.algorithm)
@@ -259,6 +260,7 @@ class Trainer:
         down here (see :meth:`gspo.engines.vllm_engine.VLLMEngine.close`); the torch engine holds
         nothing to release."""
         self.checkpoints.wait(quiet=quiet)
+        self.rewards.close()  # the reward.workers processes, if any
         close = getattr(self.sampler.engine, "close", None)
         if close is not None:
             close()
@@ -352,8 +354,24 @@ class Trainer:
 
 
 def train(config: Config, output_dir: str | Path, *, resume: bool = False) -> list[dict[str, Any]]:
-    """Run (or resume) a training run; returns the metric records."""
-    return Trainer(config, output_dir, resume=resume).fit()
+    """Run (or, with ``resume``, continue) a training run in ``output_dir``; returns the
+    metric records. A directory that already holds a run is refused unless resumed, as
+    ``gspo train`` does (its ``--overwrite`` aside)."""
+    if not isinstance(config, Config):
+        raise TypeError(
+            f"train: config must be a gspo.config.Config (gspo.config.load_config(path, "
+            f"overrides) makes one), got {type(config).__name__}"
+        )
+    out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"train: output_dir {out} is a file, not a directory")
+    if not resume and (out / CHECKPOINTS).exists():
+        raise ValueError(
+            f"train: {out} already holds a run; resume=True continues it, or choose another "
+            "output_dir"
+        )
+    with Trainer(config, out, resume=resume) as trainer:
+        return trainer.fit()
 
 
 def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
