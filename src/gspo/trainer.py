@@ -130,8 +130,9 @@ class Trainer:
             build_engine(config, self.policy, self.tokenizer, model_dir), self.policy
         )
         self.generator = build_generator(config, self.sampler, self.tokenizer, self.data.train[0])
-        rewards = reward_functions(config, getattr(self.generator, "environment", None))
-        self.rewards = rewards
+        self.rewards = rewards = reward_functions(
+            config, getattr(self.generator, "environment", None)
+        )
         self.optimizer, self.scheduler = rl_optimizer(config, self.policy.forward)
         self.reference = Reference(config.algorithm.kl_coef, out, self.policy)
         objective = Objective(config.algorithm)
@@ -374,12 +375,12 @@ def train(config: Config, output_dir: str | Path, *, resume: bool = False) -> li
         return trainer.fit()
 
 
-def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """``{"lora": {"r": 0}}`` as ``{"lora.r": 0}``."""
     out: dict[str, Any] = {}
     for key, value in tree.items():
         if isinstance(value, dict):
-            out.update(flat(value, f"{prefix}{key}."))
+            out.update(_flat(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
     return out
@@ -400,7 +401,7 @@ def resume_config(output_dir: str | Path, overrides: list[str]) -> Config:
     path = Path(output_dir) / "config.yaml"
     config = load_config(path, overrides)
     if overrides:
-        started, now = (flat(c.model.model_dump()) for c in (load_config(path), config))
+        started, now = (_flat(c.model.model_dump()) for c in (load_config(path), config))
         for key in started:
             if key not in RESUME_MAY_CHANGE and started[key] != now[key]:
                 raise ValueError(

@@ -36,9 +36,13 @@ ALGORITHMS: dict[str, list[str]] = {
 }
 
 #: Keys gspo compare sets itself for every run, and how the user chooses them instead.
-OWNED: dict[str, list[str]] = {
-    "per algorithm (choose them with --algorithms)": [o for a in ALGORITHMS.values() for o in a],
-    "per run (choose them with --seeds)": ["train.seed"],
+OWNED: dict[str, str] = {
+    **{
+        o.split("=", 1)[0]: "per algorithm (choose them with --algorithms)"
+        for overrides in ALGORITHMS.values()
+        for o in overrides
+    },
+    "train.seed": "per run (choose them with --seeds)",
 }
 
 #: Overrides per preset, applied before the user's (which win), cold start included.
@@ -186,11 +190,10 @@ def compare(
         )
     if not seeds:
         raise ValueError("--seeds: at least one seed")
-    owned = {o.split("=", 1)[0]: why for why, keys in OWNED.items() for o in keys}
     for override in overrides:
         key = override.split("=", 1)[0].strip()
-        if key in owned:
-            raise ValueError(f"{override}: gspo compare sets {key} {owned[key]}; drop it")
+        if key in OWNED:
+            raise ValueError(f"{override}: gspo compare sets {key} {OWNED[key]}; drop it")
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     base = [*with_preset(preset, overrides), "log.progress=false", "log.plots=false"]

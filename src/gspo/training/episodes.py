@@ -197,7 +197,7 @@ class MultiTurn:
         self.format = TurnFormat(tokenizer, environment.schemas, chat_kwargs)
         self.max_turns = max_turns
         self.max_tokens = max_tokens
-        self.warned = [False, False]  # shared with the copies made by `using`
+        self.warned: set[str] = set()  # warnings given, shared with `using`'s copies
 
     def using(self, sampler: Sampler) -> MultiTurn:
         """The same episodes sampled through another sampler (an async producer's)."""
@@ -257,9 +257,9 @@ class MultiTurn:
         """One line on stderr (once a run) when no episode got past its first turn and
         ``rollout.max_new_tokens`` cut some of those turns: the budget, not the model,
         ends the episodes, and no tool result or observation ever reaches the model."""
-        if cut == 0 or self.warned[0]:
+        if cut == 0 or "first turns" in self.warned:
             return
-        self.warned[0] = True
+        self.warned.add("first turns")
         print(
             f"gspo: warning: every episode ended after its first turn, and "
             f"rollout.max_new_tokens={max_new_tokens} cut {cut} of those {episodes} turns: "
@@ -272,9 +272,9 @@ class MultiTurn:
     def warn_reply_too_long(self, reply: int, used: int) -> None:
         """One line on stderr (once a run) when an environment's reply does not fit the
         episode's token budget: the episode ends there as ``length``, the reply unseen."""
-        if self.warned[1]:
+        if "long reply" in self.warned:
             return
-        self.warned[1] = True
+        self.warned.add("long reply")
         print(
             f"gspo: warning: an environment reply of {reply} tokens did not fit the episode "
             f"({used} tokens so far, rollout.max_episode_tokens={self.max_tokens}): the "
