@@ -95,6 +95,21 @@ def test_a_setup_error_under_torchrun_is_said_once(tmp_path):
         assert bad.split("=")[0] in said[0]
 
 
+def test_a_rank_other_than_0_waits_for_rank_0_to_say_a_setup_error(tmp_path, monkeypatch, capsys):
+    """torchrun stops every rank once one fails: a rank that left at once could stop rank 0
+    before it printed (seen in CI). Rank 1 waits first, and says the error itself only if
+    rank 0 never did."""
+    import gspo.cli
+
+    waits: list[float] = []
+    monkeypatch.setattr(gspo.cli.time, "sleep", waits.append)
+    monkeypatch.setenv("RANK", "1")
+    code = main(["train", "--output-dir", str(tmp_path / "run"), CPU, "optim.lrr=1"])
+    assert code == 2 and waits == [gspo.cli.RANK_ZERO_GRACE_S] and waits[0] >= 30
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith("gspo: error (rank 1):") and "optim.lrr" in said[0]
+
+
 def test_fsdp_units_are_the_transformer_blocks(tiny_model):
     blocks = decoder_blocks(tiny_model)
     assert len(blocks) == 2 and {type(b).__name__ for b in blocks} == {"Qwen3DecoderLayer"}

@@ -27,6 +27,7 @@ import os
 import secrets
 import shutil
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -111,6 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 class SaidByRankZero(Exception):
     """A setup error on a torchrun rank other than 0: rank 0 says the same line."""
+
+
+# How long a rank other than 0 waits, after a setup error, for rank 0 to say it. torchrun
+# stops every rank as soon as one exits with an error: had this rank left at once, rank 0
+# could be stopped before printing, and nobody would say what was wrong. Rank 0 normally
+# leaves within seconds, and torchrun then stops this rank; the wait only runs out where
+# rank 0 found no error (then this rank's status 2 ends the run).
+RANK_ZERO_GRACE_S = 60.0
 
 
 @contextlib.contextmanager
@@ -284,7 +293,9 @@ def main(argv: list[str] | None = None) -> int:
 
         print(dump_config_text(load_config(args.config, args.overrides)), end="")
         return 0
-    except SaidByRankZero:
+    except SaidByRankZero as said:
+        time.sleep(RANK_ZERO_GRACE_S)
+        print(f"gspo: error (rank {os.environ.get('RANK')}): {said.__cause__}", file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError) as exc:  # ConfigError and RewardError included
         if os.environ.get("GSPO_DEBUG"):
