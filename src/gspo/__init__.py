@@ -1,12 +1,41 @@
 """gspo: Group Sequence Policy Optimization for language models.
 
+A run from Python (docs/python.md)::
+
+    import gspo
+
+    config = gspo.load_config("my.yaml", ["model.path=...", "data.train=train.jsonl"])
+    config.reward.functions = [my_reward, "format"]
+    gspo.train(config, "runs/mine")
+
 The algorithmic core is importable without loading transformers::
 
     from gspo import policy_loss, group_advantages
 """
 
+from typing import Any
+
 from gspo.advantages import group_advantages
 from gspo.objectives import DEFAULT_CLIP, LEVELS, PolicyLoss, policy_loss
 
 __version__ = "0.1.0"
-__all__ = ["DEFAULT_CLIP", "LEVELS", "PolicyLoss", "__version__", "group_advantages", "policy_loss"]
+__all__ = [
+    "DEFAULT_CLIP", "LEVELS", "Config", "PolicyLoss", "Trainer", "__version__",
+    "group_advantages", "load_config", "policy_loss", "train",
+]  # fmt: skip
+
+# imported when first used: the trainer loads transformers
+_LAZY = {
+    "Config": "gspo.config",
+    "load_config": "gspo.config",
+    "Trainer": "gspo.trainer",
+    "train": "gspo.trainer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'gspo' has no attribute {name!r}")

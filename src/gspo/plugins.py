@@ -72,6 +72,10 @@ def _import_module(module_name: str, spec: str, kind: str, error: type[Exception
         ) from e
 
 
+#: How :func:`object_spec` writes an object no spec can load again (``<python object f>``).
+PYTHON_OBJECT = "<python object "
+
+
 def load_object(spec: str, kind: str, error: type[Exception], expected: str) -> Any:
     """The object a ``source:attribute`` spec names (``attribute`` may be dotted).
 
@@ -84,6 +88,13 @@ def load_object(spec: str, kind: str, error: type[Exception], expected: str) -> 
 
     def malformed(why: str) -> Exception:
         return error(f"invalid {kind} spec {spec!r}: {why}; expected {expected}")
+
+    if spec.startswith(PYTHON_OBJECT):  # what a config.yaml records of an object given
+        raise error(
+            f"{kind} {spec}: the run was given it as a Python object, which no spec loads; "
+            "continue the run from Python with it in the config (gspo.train(config, DIR, "
+            "resume=True)), or name it as path/to/file.py:name"
+        )
 
     if ":" not in spec:
         raise malformed("not a built-in name and no ':name' part")
@@ -120,3 +131,25 @@ def load_object(spec: str, kind: str, error: type[Exception], expected: str) -> 
             f"(it is a {type(obj).__name__})"
         )
     return obj
+
+
+def object_spec(obj: Any) -> str:
+    """A spec string for ``obj`` that :func:`load_object` loads back: ``module:qualname``
+    when the object is what that names (a function of an importable module), else
+    ``<python object NAME>`` (a function of the main script, a lambda, a closure, a
+    callable instance), which records what it was but cannot be loaded."""
+    module_name = getattr(obj, "__module__", None)
+    qualname = getattr(obj, "__qualname__", None)
+    if (
+        isinstance(module_name, str) and isinstance(qualname, str)
+        and module_name not in ("__main__", "__mp_main__")
+        and not module_name.startswith("_gspo_")  # a file loaded by path: its path is lost
+        and "<" not in qualname
+    ):  # fmt: skip
+        found: Any = sys.modules.get(module_name)
+        for part in qualname.split("."):
+            found = getattr(found, part, None)
+        if found is obj:
+            return f"{module_name}:{qualname}"
+    name = getattr(obj, "__name__", None) or type(obj).__name__
+    return f"{PYTHON_OBJECT}{name}>"

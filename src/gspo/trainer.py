@@ -29,9 +29,15 @@ from typing import Any
 import torch
 
 from gspo.config import Config, dump_config, load_config
-from gspo.distributed import Distributed, rank_device
+from gspo.distributed import (
+    Distributed,
+    rank_device,
+    setup_distributed,
+    teardown_distributed,
+)
 from gspo.engines import SamplingParams
 from gspo.models import resolve_dtype
+from gspo.rewards.runner import leave_if_starting_a_worker
 from gspo.telemetry import (
     MetricsLogger,
     TrainingProgress,
@@ -99,6 +105,7 @@ class Trainer:
         resume: bool = False,
         dist: Distributed | None = None,
     ):
+        leave_if_starting_a_worker()  # a reward worker importing an unguarded script
         self.config = config
         self.dist = dist = dist or Distributed()
         self.output_dir = out = Path(output_dir)
@@ -357,7 +364,9 @@ class Trainer:
 def train(config: Config, output_dir: str | Path, *, resume: bool = False) -> list[dict[str, Any]]:
     """Run (or, with ``resume``, continue) a training run in ``output_dir``; returns the
     metric records. A directory that already holds a run is refused unless resumed, as
-    ``gspo train`` does (its ``--overwrite`` aside)."""
+    ``gspo train`` does (its ``--overwrite`` aside). Under ``torchrun`` every rank calls it
+    and it joins (and leaves) the process group, as ``gspo train`` does."""
+    leave_if_starting_a_worker()  # a reward worker importing an unguarded script
     if not isinstance(config, Config):
         raise TypeError(
             f"train: config must be a gspo.config.Config (gspo.config.load_config(path, "
@@ -371,8 +380,17 @@ def train(config: Config, output_dir: str | Path, *, resume: bool = False) -> li
             f"train: {out} already holds a run; resume=True continues it, or choose another "
             "output_dir"
         )
-    with Trainer(config, out, resume=resume) as trainer:
-        return trainer.fit()
+    # under torchrun: each rank runs the script, and joins the process group here
+    joined = not torch.distributed.is_initialized()
+    dist = setup_distributed(config.model.device)
+    try:
+        with Trainer(config, out, resume=resume, dist=dist) as trainer:
+            records = trainer.fit()
+            dist.barrier()
+            return records
+    finally:
+        if joined:  # a group the caller made is the caller's to leave
+            teardown_distributed(dist)
 
 
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -14,11 +14,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from gspo.config.root import Config
+from gspo.config.section import ConfigError
 from gspo.tasks import TASK_DEFAULTS
-
-
-class ConfigError(ValueError):
-    """A bad config file, key or value; the message is one line naming it."""
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_serializer, field_validator
 
 from gspo.config.section import Section
+from gspo.plugins import object_spec
 
 
 class RewardConfig(Section):
@@ -17,10 +19,11 @@ class RewardConfig(Section):
     unchanged; ``None`` is left out of the weighted sum.
     """
 
-    functions: list[str] = Field(
+    functions: list[str | Callable[..., Any]] = Field(
         default_factory=lambda: ["exact_match"],
         description="Built-ins (exact_match, numeric_match, math, format, code) or "
-        "path/to/file.py:function / package.module:function; one name alone is a list of one",
+        "path/to/file.py:function / package.module:function; one name alone is a list of one; "
+        "from Python also the functions themselves (docs/python.md)",
     )
     weights: list[float] | None = Field(
         None, description="One weight per function for the weighted sum; null = 1.0 each"
@@ -55,7 +58,19 @@ class RewardConfig(Section):
     @field_validator("functions", mode="before")
     @classmethod
     def _one_function(cls, value: Any) -> Any:
-        return [value] if isinstance(value, str) else value
+        value = [value] if isinstance(value, str) or callable(value) else value
+        for i, item in enumerate(value if isinstance(value, list) else []):
+            if not (isinstance(item, str) or callable(item)):
+                raise ValueError(
+                    f"item {i} is neither a spec string nor a function: {type(item).__name__}"
+                )
+        return value
+
+    @field_serializer("functions")
+    def _as_specs(self, functions: list[str | Callable[..., Any]]) -> list[str]:
+        """Functions given as Python objects are written as the spec that loads them
+        (``module:function``), or as ``<python object NAME>`` where none can."""
+        return [f if isinstance(f, str) else object_spec(f) for f in functions]
 
     def check_weights(self) -> None:
         """One weight per reward function, if weights are given."""

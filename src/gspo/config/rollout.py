@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_serializer
 
 from gspo.config.section import Section
+from gspo.plugins import object_spec
 
 #: The ``max_lora_rank`` values vLLM takes (adapter sync uses the smallest >= model.lora.r).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -90,11 +92,12 @@ class RolloutConfig(Section):
         description="filter_groups: most extra sampling rounds per rollout batch (each of "
         "prompts_per_batch prompts); past it constant groups fill the batch",
     )
-    environment: str | None = Field(
+    environment: str | Callable[..., Any] | None = Field(
         None,
         description="Multi-turn, tool-using episodes: an environment class, "
-        "path/to/env.py:Factory or package.module:Factory (docs/environments.md); null = "
-        "single-turn responses (data.task=calculator's default: gspo.environments:Calculator)",
+        "path/to/env.py:Factory or package.module:Factory (docs/environments.md; from Python "
+        "also the class itself); null = single-turn responses (data.task=calculator's "
+        "default: gspo.environments:Calculator)",
     )
     max_turns: int = Field(
         4,
@@ -115,6 +118,16 @@ class RolloutConfig(Section):
         "thread; with vLLM the run's engine, shared with evaluation); 0 = synchronous",
     )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+
+    @field_serializer("environment")
+    def _as_spec(self, environment: str | Callable[..., Any] | None) -> str | None:
+        """A class given as a Python object is written as the spec that loads it (see
+        ``reward.functions``)."""
+        return (
+            environment
+            if environment is None or isinstance(environment, str)
+            else (object_spec(environment))
+        )
 
     def check_group_size(self) -> None:
         """Group-relative advantages need groups of two or more."""

@@ -136,3 +136,14 @@ class Config(Section):
         """Optimizer steps a run takes: ``train.max_steps`` rounded up to whole rollout
         batches (each gives ``algorithm.minibatches`` steps)."""
         return self.rollout_batches * self.algorithm.minibatches
+
+
+def _name_sections(model: type[Section], prefix: str = "") -> None:
+    """Give every section class its place in the config (``optim.``, ``model.lora.``)."""
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, Section):
+            field.annotation.config_key = f"{prefix}{name}."
+            _name_sections(field.annotation, field.annotation.config_key)
+
+
+_name_sections(Config)

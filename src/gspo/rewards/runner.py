@@ -3,14 +3,18 @@ worker processes; with a deadline."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import multiprocessing
+import os
 import pickle
+import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from gspo.plugins import one_line, raised
@@ -77,6 +81,40 @@ def _shippable(name: str, spec: str | RewardFunction) -> str | bytes:
         ) from None
 
 
+#: In the environment of reward worker processes while they start: a file to create if
+#: starting one ran into a run (see :func:`leave_if_starting_a_worker`).
+WORKER_STARTING = "GSPO_REWARD_WORKER_STARTING"
+
+
+def leave_if_starting_a_worker() -> None:
+    """Called where a run starts (``gspo.train``, ``Trainer``). A reward worker process
+    imports the main script as it starts (``spawn``); a script that calls ``gspo.train``
+    outside ``if __name__ == "__main__":`` would start a whole run in every worker, whose
+    own workers would do the same. Such a worker marks its flag file and leaves at once;
+    the run that started it then stops with one line (:meth:`Runner.start`)."""
+    flag = os.environ.get(WORKER_STARTING)
+    if flag:
+        Path(flag).touch()
+        os._exit(1)
+
+
+@contextlib.contextmanager
+def _starting_workers() -> Iterator[Path]:
+    """The flag file workers started meanwhile create if they run into a run."""
+    with tempfile.TemporaryDirectory(prefix="gspo-reward-workers-") as folder:
+        flag = Path(folder) / "script-not-guarded"
+        os.environ[WORKER_STARTING] = str(flag)
+        try:
+            yield flag
+        finally:
+            os.environ.pop(WORKER_STARTING, None)
+
+
+def _worker_started() -> None:
+    """A worker is up: processes it starts itself are not starting workers."""
+    os.environ.pop(WORKER_STARTING, None)
+
+
 def _chunks(n: int, parts: int) -> list[tuple[int, int]]:
     size, extra = divmod(n, parts)
     bounds, start = [], 0
@@ -118,9 +156,21 @@ class Runner:
         """Start the worker processes (once) and wait until each is up; the pool."""
         if self._pool is None:
             context = multiprocessing.get_context("spawn")
-            self._pool = context.Pool(self.workers)
-            self._finalizer = weakref.finalize(self, self._pool.terminate)
-            self._pool.map(_worker_function, ["format"] * self.workers)  # all started
+            with _starting_workers() as flag:
+                self._pool = context.Pool(self.workers, initializer=_worker_started)
+                self._finalizer = weakref.finalize(self, self._pool.terminate)
+                started = self._pool.map_async(_worker_function, ["format"] * self.workers)
+                while not started.ready():
+                    started.wait(0.2)
+                    if flag.exists():
+                        self._busy = True  # killed, not waited for
+                        self.close()
+                        raise RewardError(
+                            f"reward.workers={self.workers}: the worker processes import "
+                            "the main script as they start, and it started a run again; "
+                            'put the script\'s gspo.train call under if __name__ == "__main__":'
+                        )
+                started.get()
         return self._pool
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -39,6 +40,7 @@ from gspo.distributed import Distributed, load_sharded, save_sharded, sharded_pr
 from gspo.engines import pad_batch
 from gspo.models import model_files
 from gspo.models.kernels import onednn_available
+from gspo.plugins import PYTHON_OBJECT, object_spec
 from gspo.publish import remove_leftovers, staged, temp_path, tree_bytes
 from gspo.tasks import encode_prompt
 from gspo.telemetry import MetricsLogger
@@ -66,6 +68,22 @@ def _hash_dir(path: Path, h: Any) -> None:
             h.update(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
 
 
+def environment_key(environment: Any) -> str | None:
+    """``rollout.environment`` in a cache key: its spec (a class given as a Python object:
+    the spec that loads it), or for a class no spec loads its name and source (two
+    classes of one name in two scripts differ)."""
+    if environment is None or isinstance(environment, str):
+        return environment
+    spec = object_spec(environment)
+    if not spec.startswith(PYTHON_OBJECT):
+        return spec
+    try:
+        source = inspect.getsource(environment)
+    except (OSError, TypeError):
+        source = ""
+    return f"{spec} {hashlib.sha256(source.encode()).hexdigest()}"
+
+
 def cold_start_key(config: Config, rows: list[dict[str, Any]], dist: Distributed) -> str:
     """Content hash of what decides a cold start's result.
 
@@ -85,7 +103,7 @@ def cold_start_key(config: Config, rows: list[dict[str, Any]], dist: Distributed
         "data": config.data.model_dump(mode="json"),  # templates and chat settings too
         "train": [t.seed, t.cold_start_steps, t.cold_start_lr, t.cold_start_batch_size],
         "temperature": config.rollout.temperature,
-        "environment": config.environment,  # its tools enter the prompts
+        "environment": environment_key(config.environment),  # its tools enter the prompts
         "world_size": dist.world_size,
         "versions": [torch.__version__, transformers.__version__],
         # the kernels the CPU takes (oneDNN's linear layers or MKL's, AVX2 or AVX-512)
