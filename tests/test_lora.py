@@ -295,3 +295,33 @@ def test_adapters_on_the_moe_builtin_print_no_pattern_warning(tokenizer):
         model = attach_lora(moe, LoraSettings(r=4), seed=0)
     trained = [n for n, p in model.named_parameters() if p.requires_grad]
     assert any("experts" in n for n in trained)
+
+
+@pytest.mark.parametrize("targets", ["lm_head", ["q_proj", "lm_head"]])
+def test_an_adapter_on_a_tied_embedding_is_refused_in_one_line(tiny_model, targets):
+    """The built-in ties lm_head to embed_tokens (as Qwen3 up to 4B does). An adapter on
+    lm_head merged into the shared weight changes the input embeddings too: the merged
+    model's logits differed from the trained policy's (0.17 for random adapters), so
+    ``gspo export --merge`` and vLLM's merged weights were silently another model."""
+    from gspo.config import LoraSettings
+    from gspo.training.lora import attach_lora, tied_embeddings
+
+    assert tied_embeddings(tiny_model) == ["model.embed_tokens", "lm_head"]
+    with pytest.raises(ValueError, match=r"adapts lm_head, which this model ties") as raised:
+        attach_lora(tiny_model, LoraSettings(r=4, target_modules=targets), seed=0)
+    assert "\n" not in str(raised.value)
+
+
+def test_an_untied_model_may_adapt_its_output_layer(tiny_model):
+    from gspo.config import LoraSettings
+    from gspo.training.lora import attach_lora, merged_copy, tied_embeddings
+
+    model = tiny_model
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    model.config.tie_word_embeddings = False
+    assert tied_embeddings(model) == []
+    lora = attach_lora(model, LoraSettings(r=4, target_modules="lm_head"), seed=0)
+    with torch.no_grad():
+        lora.base_model.model.lm_head.lora_B["default"].weight.normal_(0, 0.05)
+        ids = torch.tensor([[3, 4, 5, 6]])
+        torch.testing.assert_close(merged_copy(lora)(ids).logits, lora(ids).logits)

@@ -79,7 +79,10 @@ def attach_lora(
         task_type="CAUSAL_LM",
     )
     devices = [model.device] if model.device.type == "cuda" else []
+    tied = tied_embeddings(model)
     with torch.random.fork_rng(devices=devices), quiet_peft():
+        # (PEFT warns of a tied layer it adapts: refused below, in one line)
+        warnings.filterwarnings("ignore", ".*tie_word_embeddings.*", UserWarning)
         torch.manual_seed(seed)
         try:
             peft_model = get_peft_model(model, config)
@@ -88,6 +91,15 @@ def attach_lora(
             raise ValueError(
                 f"model.lora.target_modules={settings.target_modules!r}: {first}"
             ) from None
+    wrapped = peft_model.get_base_model()  # the model, its adapted layers replaced
+    adapted = [name for name in tied if hasattr(wrapped.get_submodule(name), "base_layer")]
+    if adapted:
+        raise ValueError(
+            f"model.lora.target_modules={settings.target_modules!r} adapts {adapted[0]}, which "
+            "this model ties to its other embedding (tie_word_embeddings): no merge of such "
+            "an adapter gives the trained policy (gspo export --merge, vLLM's weights), so "
+            "leave it out (the default all-linear does)"
+        )
     # Set after wrapping: get_peft_model overwrites it with the model's own name_or_path (the
     # path as the user wrote it) and warns that it "was renamed" if the config held another.
     peft_model.peft_config["default"].base_model_name_or_path = (
@@ -101,6 +113,16 @@ def attach_lora(
         if param.requires_grad:
             param.data = param.data.float()
     return peft_model
+
+
+def tied_embeddings(model: torch.nn.Module) -> list[str]:
+    """The names of the input and output embeddings when they share one weight
+    (``tie_word_embeddings``: Qwen3 up to 4B, Llama 3.2 1B/3B); none otherwise."""
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    if inputs is None or outputs is None or inputs.weight is not outputs.weight:
+        return []
+    names = {id(module): name for name, module in model.named_modules()}
+    return [names[id(inputs)], names[id(outputs)]]
 
 
 def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
