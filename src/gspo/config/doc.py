@@ -7,6 +7,7 @@ it and a test compares it with the committed copy.
 
 from __future__ import annotations
 
+import collections.abc
 import inspect
 import types
 from collections.abc import Iterator
@@ -106,6 +107,8 @@ def format_type(annotation: Any) -> str:
         return "[" + ", ".join(format_type(a) for a in args) + "]"
     if origin is dict:
         return "mapping"
+    if origin is collections.abc.Callable:
+        return "callable (from Python)"
     return getattr(annotation, "__name__", str(annotation))
 
 
