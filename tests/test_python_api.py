@@ -236,3 +236,60 @@ def test_the_example_script_runs_and_reports_accuracy(tmp_path):
     written = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["reward"]
     assert written["functions"] == ["<python object correct>", "<python object stops>"]
     assert written["weights"] == [1.0, 0.1]
+
+
+class Paid:
+    """One turn, scored by the environment itself."""
+
+    def step(self, text):
+        return None
+
+    def get_reward(self):
+        return 0.5
+
+
+def test_a_resumed_run_keeps_its_environments_reward(tmp_path):
+    """With reward.functions unset the environment's get_reward scores; config.yaml said
+    reward.functions=[exact_match] (the default), so a resumed run was scored by that."""
+    (tmp_path / "data.jsonl").write_text(
+        "\n".join(f'{{"prompt": "{a}+{a}=", "answer": "{2 * a}"}}' for a in range(10, 30))
+    )
+    data = tmp_path / "data.jsonl"
+    config = gspo.load_config(None, [*RUN, f"data.train={data}", f"data.eval={data}"])
+    config.rollout.environment = Paid
+    out = tmp_path / "run"
+    gspo.train(config, out)
+    written = yaml.safe_load((out / "config.yaml").read_text())
+    assert written["reward"]["functions"] == ["environment"]
+    resumed = gspo.load_config(out / "config.yaml", ["train.max_steps=8"])
+    gspo.train(resumed, out, resume=True)
+    rewards = [
+        r["train/reward_mean"]
+        for r in read_metrics(out / "metrics.jsonl")
+        if "train/reward_mean" in r
+    ]
+    assert len(rewards) == 8 and set(rewards) == {0.5}
+
+
+def test_train_refuses_what_gspo_train_refuses_and_overwrites_on_request(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    config = gspo.load_config(None, RUN)
+    with pytest.raises(ValueError, match="resume=True, but .* does not exist"):
+        gspo.train(config, out, resume=True)
+    assert not out.exists()
+    first = gspo.train(config, out)
+    wider = gspo.load_config(None, [*RUN, "model.hidden=32", "train.max_steps=8"])
+    with pytest.raises(ValueError, match=r"model.hidden: resume=True continues the checkpoints'"):
+        gspo.train(wider, out, resume=True)
+    with pytest.raises(ValueError, match="overwrite=True replaces it"):
+        gspo.train(config, out)
+    # a new run that fails to start leaves the old one as it was
+    broken = gspo.load_config(None, [*RUN, f"data.train={tmp_path / 'missing.jsonl'}"])
+    with pytest.raises(FileNotFoundError):
+        gspo.train(broken, out, overwrite=True)
+    assert read_metrics(out / "metrics.jsonl") == first
+    again = gspo.train(gspo.load_config(None, [*RUN, "train.seed=1"]), out, overwrite=True)
+    assert read_metrics(out / "metrics.jsonl") == again != first
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    gspo.train(config, "~/tilde")
+    assert (tmp_path / "home" / "tilde" / "config.yaml").is_file()

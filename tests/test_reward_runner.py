@@ -78,9 +78,29 @@ def test_unpicklable_callable_gets_a_clear_message():
     def local_function(prompts, completions, **kwargs):
         return [0.0] * len(completions)
 
-    pooled = RewardFunctions.from_specs([local_function], workers=2)
+    # found when the functions are built, before a run starts (not at its first batch)
     with pytest.raises(RewardError, match="cannot be sent to reward.workers.*spec string"):
-        pooled(["p"], ["a"])
+        RewardFunctions.from_specs([local_function], workers=2)
+
+
+def test_workers_that_cannot_import_the_main_script_are_found_up_front(monkeypatch):
+    """A script read from stdin (its __main__ file '<stdin>') made every spawned worker
+    fail and respawn, forever; a function defined in python -c / a notebook could not be
+    unpickled by the workers (a raw AttributeError)."""
+    import __main__
+
+    monkeypatch.setattr(__main__, "__file__", "<stdin>", raising=False)
+    with pytest.raises(RewardError, match="'<stdin>' is no file"):
+        RewardFunctions.from_specs(["format"], workers=2)
+    RewardFunctions.from_specs(["format"], workers=0)  # no workers: nothing to import
+    monkeypatch.delattr(__main__, "__file__")
+
+    def typed(prompts, completions, **kwargs):
+        return [0.0] * len(completions)
+
+    typed.__module__ = "__main__"
+    with pytest.raises(RewardError, match="'typed' is defined in an interactive session"):
+        RewardFunctions.from_specs([typed], workers=2)
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -24,8 +24,6 @@ import argparse
 import atexit
 import contextlib
 import os
-import secrets
-import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -137,40 +135,23 @@ def said_once() -> Iterator[None]:
 
 def run_train(args: argparse.Namespace) -> int:
     from gspo.distributed import setup_distributed, teardown_distributed
-    from gspo.publish import temp_path
-    from gspo.trainer import CHECKPOINTS, Trainer
+    from gspo.trainer import RunDirectory, Trainer
 
     with said_once():
         config, output_dir = train_config(args)
         # under torchrun: one process per rank, joined here (a no-op in a single process)
         dist = setup_distributed(config.model.device)
-    new_dir = not output_dir.exists()
-    aside: Path | None = None  # --overwrite: the old run, removed once the new one starts
     try:
-        if args.resume is None and (output_dir / CHECKPOINTS).exists():
-            if dist.is_main:
-                aside = temp_path(output_dir, secrets.token_hex(6), ".old")
-                output_dir.rename(aside)
-            dist.barrier()
-        if dist.is_main:
-            make_output_dir(output_dir)
-        # Building the trainer checks the model, data and rewards: only then does an old
-        # run go. Its engines close before the process group goes (see Trainer.close)
-        with said_once():
-            trainer = Trainer(config, output_dir, resume=args.resume is not None, dist=dist)
-        with trainer:
-            if aside is not None:
-                shutil.rmtree(aside, ignore_errors=True)
-                aside = None
-            trainer.fit()
-            dist.barrier()
-    except BaseException:
-        if aside is not None:  # the new run never started (its trainer was not built)
-            shutil.rmtree(output_dir, ignore_errors=True)
-            aside.rename(output_dir)
-        elif new_dir and dist.is_main:
-            remove_unstarted_run(output_dir)
-        raise
+        # --overwrite: the old run goes once the trainer is built (it checks the model,
+        # data and rewards); its engines close before the process group goes (Trainer.close)
+        replace = args.resume is None
+        with RunDirectory(output_dir, replace=replace, dist=dist, name="--output-dir") as run:
+            with said_once():
+                trainer = Trainer(config, output_dir, resume=args.resume is not None, dist=dist)
+            with trainer:
+                run.started()
+                trainer.fit()
+                dist.barrier()
     finally:
         teardown_distributed(dist)
     if dist.is_main:
@@ -209,28 +190,6 @@ def train_config(args: argparse.Namespace) -> tuple[Config, Path]:
                 "use --resume to continue it or --overwrite to start over"
             )
     return config, output_dir
-
-
-def make_output_dir(output_dir: Path) -> None:
-    """``output_dir`` made (parents too), or a one-line error naming ``--output-dir``."""
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(
-            f"--output-dir {output_dir}: cannot be made ({exc.strerror or exc})"
-        ) from exc
-
-
-def remove_unstarted_run(output_dir: Path) -> None:
-    """Remove the output directory a failed run made, if the run got nowhere: no metric
-    line and no checkpoint (a cold-start progress checkpoint included) to resume from;
-    what it holds then (the built-in model it saved, an empty metrics file) is remade."""
-    from gspo.trainer import CHECKPOINTS
-
-    metrics = output_dir / "metrics.jsonl"
-    if (output_dir / CHECKPOINTS).exists() or (metrics.is_file() and metrics.stat().st_size):
-        return
-    shutil.rmtree(output_dir, ignore_errors=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -130,6 +130,7 @@ class RewardFunctions:
             names.append(name)
             functions.append(function)
         runner = Runner(workers=workers, timeout=timeout)
+        runner.check(names, specs)  # before the run starts, not at its first batch
         return cls(names, functions, weight_list, specs=specs, runner=runner)
 
     def __len__(self) -> int:

@@ -9,6 +9,7 @@ import inspect
 import multiprocessing
 import os
 import pickle
+import sys
 import tempfile
 import threading
 import time
@@ -67,10 +68,22 @@ def _worker_call(name: str, spec: str | bytes, prompts: Any, completions: Any, c
         raise RewardError(str(e)) from None
 
 
+def _main_script() -> str | None:
+    """The file of the ``__main__`` module, which a worker imports as it starts; None when
+    there is none (``python -c``, a notebook, the REPL)."""
+    return getattr(sys.modules.get("__main__"), "__file__", None)
+
+
 def _shippable(name: str, spec: str | RewardFunction) -> str | bytes:
     """What a worker needs to get the function: its spec string, or the pickled callable."""
     if isinstance(spec, str):
         return spec.strip()
+    if getattr(spec, "__module__", None) == "__main__" and _main_script() is None:
+        raise RewardError(
+            f"reward function {name!r} is defined in an interactive session (python -c, a "
+            "notebook, the REPL), which reward.workers processes cannot import; define it "
+            "in a .py file, or set reward.workers=0"
+        )
     try:
         return pickle.dumps(spec)
     except Exception as e:
@@ -151,6 +164,21 @@ class Runner:
         self._pool: Any = None
         self._finalizer: Any = None
         self._busy = False  # some task sent to the workers may not have finished
+
+    def check(self, names: Sequence[str], specs: Sequence[str | RewardFunction]) -> None:
+        """With workers: that they can start (the main script they import is a file) and
+        that each function can be sent to them; one-line :class:`RewardError` if not."""
+        if self.workers == 0:
+            return
+        script = _main_script()
+        if script is not None and not os.path.isfile(script):
+            raise RewardError(
+                f"reward.workers={self.workers}: the worker processes import the main "
+                f"script as they start, and {script!r} is no file (a script read from "
+                "stdin?); run it from a file, or set reward.workers=0"
+            )
+        for name, spec in zip(names, specs, strict=True):
+            _shippable(name, spec)
 
     def start(self) -> Any:
         """Start the worker processes (once) and wait until each is up; the pool."""

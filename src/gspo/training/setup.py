@@ -251,15 +251,21 @@ def local_shares(config: Config, dist: Distributed) -> tuple[int, int]:
     return local_prompts, local_sft
 
 
-def reward_functions(config: Config, environment: Any | None) -> RewardFunctions:
-    """``reward.functions``; an environment with its own reward (``get_reward``) is the
-    default when the key is not set."""
-    functions = config.reward.functions
+def with_environment_reward(config: Config, environment: Any | None) -> Config:
+    """``config``, with ``reward.functions`` the environment's own reward (``get_reward``)
+    when it has one and the key is not set: what the run records in its config.yaml, so a
+    resumed run is scored as it was (it fell back to the default exact_match)."""
     explicit = "functions" in config.reward.model_fields_set
-    if environment is not None and environment.has_reward and not explicit:
-        functions = ["environment"]
+    if environment is None or not environment.has_reward or explicit:
+        return config
+    reward = config.reward.model_copy(update={"functions": ["environment"]})
+    return config.model_copy(update={"reward": reward})
+
+
+def reward_functions(config: Config) -> RewardFunctions:
+    """``reward.functions`` with their weights, called as ``reward.workers`` says."""
     return RewardFunctions.from_specs(
-        functions,
+        config.reward.functions,
         config.reward.weights,
         workers=config.reward.workers,
         timeout=config.reward.timeout,
