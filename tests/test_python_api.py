@@ -31,6 +31,23 @@ def quarter(prompts, completions, **kwargs):
     return [0.25] * len(completions)
 
 
+def test_config_made_in_python_says_a_bad_value_in_one_line():
+    """``gspo.Config(...)`` (TRL's GRPOConfig(...) habit) raised pydantic's multi-line error."""
+    assert gspo.Config(optim={"lr": 1e-3}).optim.lr == 1e-3
+    assert gspo.Config() == gspo.load_config()  # the default task brings no settings
+    for made, said in [
+        (lambda: gspo.Config(optim={"lr": -1}), "optim.lr: Input should be greater than 0"),
+        (lambda: gspo.Config(optim={"lrr": 1}), "optim.lrr: unknown key; did you mean 'lr'?"),
+        (lambda: gspo.Config(model={"lora": {"r": -1}}), "model.lora.r: Input should be"),
+        (lambda: gspo.Config(rolout={}), "rolout: unknown key; did you mean 'rollout'?"),
+    ]:
+        with pytest.raises(ConfigError) as raised:
+            made()
+        assert str(raised.value).startswith(said) and "\n" not in str(raised.value)
+    with pytest.raises(ConfigError, match=r"a list of 'key.sub=value' strings, got str"):
+        gspo.load_config(None, "optim.lr=1e-3")
+
+
 def test_import_gspo_loads_no_trainer_until_train_is_used():
     code = (
         "import sys, gspo; assert 'transformers' not in sys.modules; "
@@ -40,6 +57,7 @@ def test_import_gspo_loads_no_trainer_until_train_is_used():
     subprocess.run([sys.executable, "-c", code], check=True)
     with pytest.raises(AttributeError, match="no attribute 'trian'"):
         gspo.trian  # noqa: B018
+    assert {"train", "load_config", "Trainer", "Config"} <= set(dir(gspo))  # tab completion
 
 
 def test_a_function_is_written_as_the_spec_that_loads_it():
@@ -73,7 +91,7 @@ def test_reward_functions_may_be_functions_and_are_recorded_as_specs():
     [
         ("reward", "functions", [3], "reward.functions: item 0 is neither a spec string nor a"),
         ("optim", "lr", -1.0, "optim.lr: Input should be greater than 0 (got -1.0)"),
-        ("optim", "lrr", 1, "optim.lrr: unknown key (got 1)"),
+        ("optim", "lrr", 1, "optim.lrr: unknown key; did you mean 'lr'?"),
         ("rollout", "engine", "vlm", "rollout.engine: Input should be 'torch' or 'vllm'"),
         ("optim", "lr", float("nan"), "optim.lr: "),
         ("model.lora", "r", -2, "model.lora.r: Input should be greater than or equal to 0"),
@@ -293,3 +311,18 @@ def test_train_refuses_what_gspo_train_refuses_and_overwrites_on_request(tmp_pat
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     gspo.train(config, "~/tilde")
     assert (tmp_path / "home" / "tilde" / "config.yaml").is_file()
+
+
+def test_a_module_spec_is_found_in_the_current_directory(tmp_path, monkeypatch):
+    """A function of a module beside the script is recorded as ``module:function``; the
+    ``gspo`` console script (no current directory on sys.path) could not import it."""
+    (tmp_path / "beside_the_script.py").write_text(
+        "def correct(prompts, completions, **kwargs):\n    return [1.0] * len(completions)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    function = load_reward_function("beside_the_script:correct")
+    assert function(prompts=["p"], completions=["c"]) == [1.0]
+    assert str(tmp_path) not in sys.path  # only while importing
+    with pytest.raises(RewardError, match="No module named 'not_beside'"):
+        load_reward_function("not_beside:correct")

@@ -32,6 +32,22 @@ def slow(prompts, completions, **kwargs):
 
 def raises(prompts, completions, **kwargs):
     raise ValueError("bad row 3")
+
+def as_array(prompts, completions, **kwargs):
+    import numpy
+    return numpy.array([float(len(c)) for c in completions])
+
+def as_tensor(prompts, completions, **kwargs):
+    import torch
+    return torch.tensor([float(len(c)) for c in completions])
+
+async def awaited(prompts, completions, **kwargs):
+    import asyncio
+    await asyncio.sleep(0)
+    return [float(len(c)) for c in completions]
+
+def no_kwargs(prompts, completions):
+    return [0.0] * len(completions)
 '''
 
 
@@ -158,3 +174,25 @@ def test_bad_settings_are_one_line():
         RewardFunctions.from_specs(["format"], workers=-1)
     with pytest.raises(RewardError, match="reward.timeout=0"):
         RewardFunctions.from_specs(["format"], timeout=0)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_trl_style_functions_score_as_lists_do(module, workers):
+    """TRL takes a numpy array or a tensor of rewards, and async functions: so does gspo
+    (they were 'returned ndarray, expected a list' / 'returned coroutine')."""
+    names = ("as_array", "as_tensor", "awaited")
+    functions = RewardFunctions.from_specs(specs(module, *names), workers=workers)
+    try:
+        completions = ["a", "bb", "ccc", "dddd", "eeeee"]
+        result = functions(["p"] * 5, completions)
+        for name in names:
+            assert result.per_function[f"{module}:{name}"] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    finally:
+        functions.close()
+
+
+def test_a_function_without_kwargs_is_told_to_take_them(module):
+    functions = RewardFunctions.from_specs(specs(module, "no_kwargs"))
+    with pytest.raises(RewardError, match=r"takes no argument 'answer'.*add \*\*kwargs"):
+        functions(["p"], ["a"], {"answer": ["1"]})
+    assert functions(["p"], ["a"]).rewards == [0.0]  # no column: nothing it cannot take

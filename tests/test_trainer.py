@@ -502,9 +502,11 @@ def test_resume_refuses_another_model_or_another_directory(tmp_path, capsys):
     assert main(["train", "--resume", str(run), *on]) == 0
     capsys.readouterr()
     assert main(["train", "--resume", str(run)]) == 0  # finished: nothing to do, said
+    said = capsys.readouterr().out
+    steps = read_metrics(run / "metrics.jsonl")[-1]["step"]
     assert (
-        "the run already took its train.max_steps=2 steps; resume it with a larger "
-        "train.max_steps to train on" in capsys.readouterr().out
+        f"the run already took its {steps} steps (train.max_steps=2 in whole rollout batches "
+        f"of 4); resume it with a larger train.max_steps to train on" in said
     )
 
 

@@ -13,8 +13,6 @@ The algorithmic core is importable without loading transformers::
     from gspo import policy_loss, group_advantages
 """
 
-from typing import Any
-
 from gspo.advantages import group_advantages
 from gspo.objectives import DEFAULT_CLIP, LEVELS, PolicyLoss, policy_loss
 
@@ -33,7 +31,11 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __dir__() -> list[str]:
+    return sorted({*__all__, *(name for name in globals() if name.startswith("__"))})
+
+
+def __getattr__(name: str) -> object:
     if name in _LAZY:
         import importlib
 

@@ -63,8 +63,21 @@ def _import_file(path_text: str, spec: str, kind: str, error: type[Exception]) -
 
 
 def _import_module(module_name: str, spec: str, kind: str, error: type[Exception]) -> Any:
+    """``module_name`` imported; from the current directory too, as ``python -m`` would
+    find it (the ``gspo`` console script does not put it on ``sys.path``)."""
     try:
-        return importlib.import_module(module_name)
+        try:
+            return importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            here = str(Path.cwd())
+            if e.name != module_name.split(".")[0] or here in sys.path or "" in sys.path:
+                raise
+            sys.path.insert(0, here)
+            try:
+                return importlib.import_module(module_name)
+            finally:
+                with contextlib.suppress(ValueError):
+                    sys.path.remove(here)
     except Exception as e:
         raise error(
             f"importing module {module_name!r} for {kind} {spec!r} failed: "

@@ -312,8 +312,10 @@ class Trainer:
         first = self.step // cfg.algorithm.minibatches
         if first >= cfg.rollout_batches and self.dist.is_main:  # a resumed, finished run
             print(
-                f"the run already took its train.max_steps={cfg.train.max_steps} steps; "
-                "resume it with a larger train.max_steps to train on",
+                f"the run already took its {self.step} steps (train.max_steps="
+                f"{cfg.train.max_steps} in whole rollout batches of "
+                f"{cfg.algorithm.minibatches}); resume it with a larger train.max_steps to "
+                "train on",
                 flush=True,
             )
         with (

@@ -4,17 +4,16 @@ key's field, the built-in task's defaults filled in, and one-line :class:`Config
 
 from __future__ import annotations
 
-import difflib
 import re
 from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from gspo.config.root import Config
-from gspo.config.section import ConfigError
+from gspo.config.section import ConfigError, error_line, field_annotation
 from gspo.tasks import TASK_DEFAULTS
 
 
@@ -72,21 +71,6 @@ def _is_text(annotation: Any) -> bool:
     return False
 
 
-def _field_annotation(dotted: str) -> Any:
-    """The annotation of the config field at ``dotted``, or None for a section or unknown key."""
-    model: type[BaseModel] = Config
-    *parents, leaf = dotted.split(".")
-    for key in parents:
-        field = model.model_fields.get(key)
-        if field is None or not (
-            isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
-        ):
-            return None
-        model = field.annotation
-    field = model.model_fields.get(leaf)
-    return None if field is None else field.annotation
-
-
 _NULL = {"null", "Null", "NULL", "~", ""}
 
 
@@ -101,7 +85,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r} must look like key.sub=value")
-    annotation = _field_annotation(key)
+    annotation = field_annotation(Config, key)
     if annotation is not None and _is_text(annotation):
         if type(None) in get_args(annotation) and raw.strip() in _NULL:
             return key, None
@@ -115,38 +99,6 @@ def parse_override(text: str) -> tuple[str, Any]:
     if isinstance(value, str) and re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+", value):
         value = float(value)
     return key, value
-
-
-def _section_keys(dotted: str) -> list[str]:
-    """The keys of the config section at ``dotted`` ("" = the top level); [] if none."""
-    model: type[BaseModel] = Config
-    for key in filter(None, dotted.split(".")):
-        field = model.model_fields.get(key)
-        annotation = None if field is None else field.annotation
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return []
-        model = annotation
-    return list(model.model_fields)
-
-
-def _did_you_mean(word: Any, choices: list[str]) -> str:
-    """``"; did you mean 'x'?"`` for the choice closest to ``word``, or ``""``."""
-    close = difflib.get_close_matches(str(word), choices, n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
-
-
-def _error_line(exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    where = ".".join(str(p) for p in err["loc"])
-    if err["type"] == "extra_forbidden":
-        parent, _, leaf = where.rpartition(".")
-        return f"{where}: unknown key{_did_you_mean(leaf, _section_keys(parent))}"
-    message = err["msg"].removeprefix("Value error, ")
-    value = err.get("input")
-    shown = "" if isinstance(value, dict) or where == "" else f" (got {value!r})"
-    if err["type"] == "literal_error":
-        shown += _did_you_mean(value, [str(a) for a in get_args(_field_annotation(where))])
-    return f"{where}: {message}{shown}" if where else message
 
 
 def _get_dotted(tree: dict[str, Any], dotted: str) -> tuple[bool, Any]:
@@ -174,6 +126,11 @@ def load_config(
     path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
 ) -> Config:
     """The config from an optional YAML file plus overrides; one-line :class:`ConfigError`."""
+    if isinstance(overrides, str) or not isinstance(overrides, (list, tuple)):
+        raise ConfigError(
+            f"overrides must be a list of 'key.sub=value' strings, got {type(overrides).__name__}"
+            + (f": [{overrides!r}]?" if isinstance(overrides, str) else "")
+        )
     tree: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -192,7 +149,7 @@ def load_config(
     try:
         return Config.model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError(_error_line(exc)) from None
+        raise ConfigError(error_line(exc, Config)) from None
 
 
 def dump_config_text(config: Config) -> str:

@@ -1,8 +1,10 @@
-"""The base of every config section: unknown keys are errors, assignments are validated."""
+"""The base of every config section: unknown keys are errors, assignments are validated,
+and a validation error is one line naming the key (:func:`error_line`)."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+import difflib
+from typing import Any, ClassVar, get_args
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -15,20 +17,73 @@ class Section(BaseModel):
     """A config section: an unknown key is an error, an assigned value is validated, and a
     float is finite (no inf or NaN).
 
-    A bad assignment from Python (``config.optim.lr = -1``) is a one-line
-    :class:`ConfigError` naming the key, as a bad override is.
+    Made or assigned from Python (``Config(optim={"lr": -1})``, ``config.optim.lr = -1``),
+    a bad value is a one-line :class:`ConfigError` naming the key, as a bad override is.
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
     #: The section's place in the config (``"optim."``), set by :mod:`gspo.config.root`.
     config_key: ClassVar[str] = ""
 
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise ConfigError(error_line(exc, type(self), self.config_key)) from None
+
     def __setattr__(self, name: str, value: Any) -> None:
         try:
             super().__setattr__(name, value)
         except ValidationError as exc:
-            err = exc.errors()[0]
-            message = err["msg"].removeprefix("Value error, ")
-            if err["type"] == "no_such_attribute":
-                message = "unknown key"
-            raise ConfigError(f"{self.config_key}{name}: {message} (got {value!r})") from None
+            if exc.errors()[0]["type"] == "no_such_attribute":
+                close = did_you_mean(name, list(type(self).model_fields))
+                raise ConfigError(f"{self.config_key}{name}: unknown key{close}") from None
+            raise ConfigError(error_line(exc, type(self), self.config_key)) from None
+
+
+def field_annotation(model: type[BaseModel], dotted: str) -> Any:
+    """The annotation of ``model``'s field at ``dotted``, or None for a section or an
+    unknown key."""
+    *parents, leaf = dotted.split(".")
+    model_at = _section(model, ".".join(parents))
+    field = None if model_at is None else model_at.model_fields.get(leaf)
+    return None if field is None else field.annotation
+
+
+def _section(model: type[BaseModel], dotted: str) -> type[BaseModel] | None:
+    """The section of ``model`` at ``dotted`` ("" = ``model``), or None."""
+    for key in filter(None, dotted.split(".")):
+        field = model.model_fields.get(key)
+        annotation = None if field is None else field.annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return model
+
+
+def did_you_mean(word: Any, choices: list[str]) -> str:
+    """``"; did you mean 'x'?"`` for the choice closest to ``word``, or ``""``."""
+    close = difflib.get_close_matches(str(word), choices, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def error_line(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> str:
+    """A validation error of ``model`` (at ``prefix`` in the config) on one line: the
+    first error's key, message and value, with a "did you mean" for a misspelt key or
+    choice."""
+    err = exc.errors()[0]
+    inner = err.get("ctx", {}).get("error")
+    if isinstance(inner, ConfigError):  # a section made inside: its line names the key
+        return str(inner)
+    where = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "extra_forbidden":
+        parent, _, leaf = where.rpartition(".")
+        section = _section(model, parent)
+        keys = [] if section is None else list(section.model_fields)
+        return f"{prefix}{where}: unknown key{did_you_mean(leaf, keys)}"
+    message = err["msg"].removeprefix("Value error, ")
+    value = err.get("input")
+    shown = "" if isinstance(value, dict) or where == "" else f" (got {value!r})"
+    if err["type"] == "literal_error":
+        shown += did_you_mean(value, [str(a) for a in get_args(field_annotation(model, where))])
+    return f"{prefix}{where}: {message}{shown}" if where or prefix else message

@@ -3,6 +3,8 @@ worker processes; with a deadline."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import inspect
@@ -26,17 +28,54 @@ from gspo.rewards.loading import load_reward_function
 def _call_one(
     name: str, function: RewardFunction, prompts: Any, completions: Any, columns: Any
 ) -> Any:
+    given = ["prompts", "completions", *columns]
     try:
-        return function(prompts=prompts, completions=completions, **columns)
+        out = function(prompts=prompts, completions=completions, **columns)
+        if inspect.iscoroutine(out):  # an async def function (TRL takes those too)
+            out = _run_coroutine(out)
     except Exception as e:
-        missing = _missing_arguments(function, ["prompts", "completions", *columns])
+        missing = _missing_arguments(function, given)
         if isinstance(e, TypeError) and missing:
             have = ", ".join(columns) or "none but the prompt"
             raise RewardError(
                 f"reward function {name!r} needs the argument(s) {', '.join(missing)}, which "
                 f"no data column gives (the columns: {have})"
             ) from e
+        unexpected = _unexpected_arguments(function, given)
+        if isinstance(e, TypeError) and unexpected:
+            raise RewardError(
+                f"reward function {name!r} takes no argument {unexpected[0]!r}, which the "
+                "call passes (prompts, completions and every data column, as keywords: "
+                "TRL's convention); add **kwargs to its parameters"
+            ) from e
         raise RewardError(f"reward function {name!r} raised {raised(e)}") from e
+    # a numpy array or a 1-D tensor of rewards as the list it stands for
+    return out.tolist() if hasattr(out, "tolist") and getattr(out, "ndim", 0) == 1 else out
+
+
+def _run_coroutine(coroutine: Any) -> Any:
+    """An async reward function's result: run in a fresh event loop (in a thread of its
+    own where this one runs a loop already, as in a notebook)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(1) as thread:
+        return thread.submit(asyncio.run, coroutine).result()
+
+
+def _unexpected_arguments(function: RewardFunction, given: list[str]) -> list[str]:
+    """Keywords in ``given`` that ``function`` has no parameter for (none when it takes
+    ``**kwargs``, or its signature cannot be read)."""
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return []
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return []
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    accepted = {n for n, p in parameters.items() if p.kind in named}
+    return [key for key in given if key not in accepted]
 
 
 def _missing_arguments(function: RewardFunction, given: list[str]) -> list[str]:
