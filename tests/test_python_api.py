@@ -95,6 +95,7 @@ def test_reward_functions_may_be_functions_and_are_recorded_as_specs():
         ("rollout", "engine", "vlm", "rollout.engine: Input should be 'torch' or 'vllm'"),
         ("optim", "lr", float("nan"), "optim.lr: "),
         ("model.lora", "r", -2, "model.lora.r: Input should be greater than or equal to 0"),
+        ("rollout", "environment", object(), "rollout.environment: a spec string or the class"),
     ],
 )  # fmt: skip
 def test_a_bad_assignment_is_one_line_naming_the_key(section, key, value, said):

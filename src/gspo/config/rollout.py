@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import Field, field_serializer
+from pydantic import Field, field_serializer, field_validator
 
 from gspo.config.section import Section
 from gspo.plugins import object_spec
@@ -118,6 +118,16 @@ class RolloutConfig(Section):
         "thread; with vLLM the run's engine, shared with evaluation); 0 = synchronous",
     )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+
+    @field_validator("environment", mode="before")
+    @classmethod
+    def _a_factory(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str) or callable(value):
+            return value
+        raise ValueError(
+            f"a spec string or the class itself (a factory: one environment per episode), "
+            f"not one {type(value).__name__} object"
+        )
 
     @field_serializer("environment")
     def _as_spec(self, environment: str | Callable[..., Any] | None) -> str | None:

@@ -263,8 +263,8 @@ class MultiTurn:
         print(
             f"gspo: warning: every episode ended after its first turn, and "
             f"rollout.max_new_tokens={max_new_tokens} cut {cut} of those {episodes} turns: "
-            "no tool result reaches the model (raise rollout.max_new_tokens to fit a whole "
-            "turn, tool call included; shown once)",
+            "no tool result or environment reply reaches the model (raise "
+            "rollout.max_new_tokens to fit a whole turn, a tool call included; shown once)",
             file=sys.stderr,
             flush=True,
         )
