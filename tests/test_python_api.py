@@ -52,7 +52,7 @@ def test_import_gspo_loads_no_trainer_until_train_is_used():
     code = (
         "import sys, gspo; assert 'transformers' not in sys.modules; "
         "gspo.load_config(); assert 'gspo.trainer' not in sys.modules; "
-        "assert gspo.train is sys.modules['gspo.trainer'].train"
+        "assert gspo.train is sys.modules['gspo.runs'].train"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
     with pytest.raises(AttributeError, match="no attribute 'trian'"):

@@ -775,7 +775,7 @@ def test_rewards_that_never_apply_are_said_once(tmp_path, capsys):
 def test_the_python_train_refuses_what_the_cli_refuses(tmp_path):
     """train() replaced a finished run in place (TensorBoard then held both runs' events),
     and a dict for the config was an AttributeError deep in the trainer."""
-    from gspo.trainer import train
+    from gspo.runs import train
 
     good = load_config(None, [*FAST, "train.max_steps=1", "eval.every=0",
                               "train.cold_start_steps=0", "reward.workers=1"])  # fmt: skip

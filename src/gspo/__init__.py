@@ -27,7 +27,7 @@ _LAZY = {
     "Config": "gspo.config",
     "load_config": "gspo.config",
     "Trainer": "gspo.trainer",
-    "train": "gspo.trainer",
+    "train": "gspo.runs",
 }
 
 

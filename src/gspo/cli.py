@@ -135,7 +135,8 @@ def said_once() -> Iterator[None]:
 
 def run_train(args: argparse.Namespace) -> int:
     from gspo.distributed import setup_distributed, teardown_distributed
-    from gspo.trainer import RunDirectory, Trainer
+    from gspo.runs import RunDirectory
+    from gspo.trainer import Trainer
 
     with said_once():
         config, output_dir = train_config(args)
@@ -162,7 +163,8 @@ def run_train(args: argparse.Namespace) -> int:
 def train_config(args: argparse.Namespace) -> tuple[Config, Path]:
     """``gspo train``'s config and output directory, its options checked."""
     from gspo.config import load_config
-    from gspo.trainer import CHECKPOINTS, resume_config
+    from gspo.runs import resume_config
+    from gspo.trainer import CHECKPOINTS
 
     if args.resume is not None:
         if args.config is not None:

@@ -1,0 +1,160 @@
+"""A run in its directory: :func:`train` (the Python entry point: ``gspo.train``), what
+may change when a run is resumed (:func:`resume_config`, :func:`check_same_model`), and
+making or replacing the directory around a trainer (:class:`RunDirectory`, which
+``gspo train`` uses too)."""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gspo.config import Config, load_config
+from gspo.distributed import Distributed, setup_distributed, teardown_distributed
+from gspo.publish import temp_path
+from gspo.rewards.runner import leave_if_starting_a_worker
+from gspo.trainer import Trainer
+from gspo.training.checkpoint import CHECKPOINTS
+
+
+def train(
+    config: Config, output_dir: str | Path, *, resume: bool = False, overwrite: bool = False
+) -> list[dict[str, Any]]:
+    """Run (or, with ``resume``, continue) a training run in ``output_dir``; returns the
+    metric records. A directory that already holds a run is refused unless resumed or
+    ``overwrite`` (which removes the old run once the new one has started: a new run that
+    fails to start leaves it as it was), as ``gspo train`` does. Under ``torchrun`` every
+    rank calls it and it joins (and leaves) the process group, as ``gspo train`` does."""
+    leave_if_starting_a_worker()  # a reward worker importing an unguarded script
+    if not isinstance(config, Config):
+        raise TypeError(
+            f"train: config must be a gspo.config.Config (gspo.config.load_config(path, "
+            f"overrides) makes one), got {type(config).__name__}"
+        )
+    out = Path(output_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"train: output_dir {out} is a file, not a directory")
+    if resume and overwrite:
+        raise ValueError("train: overwrite=True starts a run over, resume=True continues one")
+    if not resume and not overwrite and (out / CHECKPOINTS).exists():
+        raise ValueError(
+            f"train: {out} already holds a run; resume=True continues it, overwrite=True "
+            "replaces it, or choose another output_dir"
+        )
+    if resume:
+        if not (out / "config.yaml").is_file():
+            what = "does not exist" if not out.exists() else "holds no run"
+            raise ValueError(f"train: resume=True, but {out} {what} (no config.yaml)")
+        check_same_model(out, config, "resume=True", "another output_dir")
+    # under torchrun: each rank runs the script, and joins the process group here
+    joined = not torch.distributed.is_initialized()
+    dist = setup_distributed(config.model.device)
+    try:
+        with (
+            RunDirectory(out, replace=overwrite, dist=dist, name="train: output_dir") as run,
+            Trainer(config, out, resume=resume, dist=dist) as trainer,
+        ):
+            run.started()
+            records = trainer.fit()
+            dist.barrier()
+    finally:
+        if joined:  # a group the caller made is the caller's to leave
+            teardown_distributed(dist)
+    return records
+
+
+class RunDirectory:
+    """``with RunDirectory(out, replace=, dist=, name=) as run:`` around building and
+    running a trainer in ``out``: made if needed; with ``replace``, a run already there is
+    set aside and removed once the new one has started (``run.started()``, called when the
+    trainer is built: it has checked the model, data and rewards), put back if it never
+    does. A new directory whose run failed before writing anything to resume from goes."""
+
+    def __init__(self, output_dir: Path, *, replace: bool, dist: Distributed, name: str):
+        self.output_dir, self.replace, self.dist, self.name = output_dir, replace, dist, name
+        self.new = not output_dir.exists()
+        self.aside: Path | None = None  # the old run, until the new one starts
+
+    def __enter__(self) -> RunDirectory:
+        out, dist = self.output_dir, self.dist
+        if self.replace and (out / CHECKPOINTS).exists():
+            if dist.is_main:
+                self.aside = temp_path(out, secrets.token_hex(6), ".old")
+                out.rename(self.aside)
+            dist.barrier()
+        if dist.is_main:
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ValueError(
+                    f"{self.name} {out}: cannot be made ({exc.strerror or exc})"
+                ) from exc
+        return self
+
+    def started(self) -> None:
+        if self.aside is not None:
+            shutil.rmtree(self.aside, ignore_errors=True)
+            self.aside = None
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: Any) -> None:
+        if kind is None:
+            return
+        out = self.output_dir
+        if self.aside is not None:  # the new run never started (its trainer was not built)
+            shutil.rmtree(out, ignore_errors=True)
+            self.aside.rename(out)
+        elif self.new and self.dist.is_main:
+            # nothing to resume from (no metric line, no checkpoint, a cold-start progress
+            # checkpoint included): what it holds (a saved built-in, an empty metrics
+            # file) is remade by a new start
+            metrics = out / "metrics.jsonl"
+            if not (out / CHECKPOINTS).exists() and not (
+                metrics.is_file() and metrics.stat().st_size
+            ):
+                shutil.rmtree(out, ignore_errors=True)
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"lora": {"r": 0}}`` as ``{"lora.r": 0}``."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+#: ``model.*`` keys a resumed run may change: how the same weights are computed, not
+#: which weights they are (the checkpoint holds those).
+RESUME_MAY_CHANGE = frozenset(
+    {"device", "dtype", "cpu_linear", "head_precision", "experts_implementation",
+     "activation_checkpointing"}
+)  # fmt: skip
+
+
+def resume_config(output_dir: str | Path, overrides: list[str]) -> Config:
+    """The config a run was started with (``config.yaml``), plus overrides; an override
+    that would change the model the checkpoints hold (its path, architecture, sizes,
+    adapters) is a one-line error, not a config.yaml that names another model."""
+    config = load_config(Path(output_dir) / "config.yaml", overrides)
+    if overrides:
+        check_same_model(output_dir, config, "--resume", "--output-dir")
+    return config
+
+
+def check_same_model(output_dir: str | Path, config: Config, how: str, other: str) -> None:
+    """A resumed run continues the model its checkpoints hold: ``config`` may not name
+    another (path, architecture, sizes, adapters: one line naming the key)."""
+    started, now = (
+        _flat(c.model.model_dump()) for c in (load_config(Path(output_dir) / "config.yaml"), config)
+    )
+    for key in started:
+        if key not in RESUME_MAY_CHANGE and started[key] != now[key]:
+            raise ValueError(
+                f"model.{key}: {how} continues the checkpoints' model "
+                f"(model.{key}={started[key]}); start a new run ({other}) to change it"
+            )
