@@ -178,3 +178,13 @@ def test_rejects_non_finite_and_non_1d_rewards():
         group_advantages(torch.tensor([1.0, float("inf")]), 2)
     with pytest.raises(ValueError):
         group_advantages(torch.zeros(2, 2), 2)
+
+
+def test_batch_scale_takes_the_whole_batchs_std_when_given():
+    """Under torchrun a rank holds a share of the rollout batch: the std is the batch's."""
+    rewards = torch.tensor([0.0, 1.0, 2.0, 2.0, 5.0, 9.0])
+    centered = rewards.view(-1, 3) - rewards.view(-1, 3).mean(dim=1, keepdim=True)
+    given = group_advantages(rewards, 3, scale="batch", batch_std=torch.tensor(4.0))
+    torch.testing.assert_close(given, (centered / 4.0).reshape(-1))
+    own = group_advantages(rewards, 3, scale="batch")
+    torch.testing.assert_close(own, (centered / rewards.std()).reshape(-1))

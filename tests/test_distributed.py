@@ -319,3 +319,49 @@ def test_torchrun_cold_start_cache_holds_every_rank_and_is_reused(tmp_path, cold
         for name in ("first", "again")
     ]
     assert records[0] == records[1] and any("sft/loss" in r for r in records[0])
+
+
+BATCH_ADVANTAGES = """
+import sys
+import torch
+from gspo.cli import quick_exit
+from gspo.config import load_config
+from gspo.distributed import setup_distributed, teardown_distributed
+from gspo.trainer import Trainer
+
+out, overrides = sys.argv[1], sys.argv[2:]
+config = load_config(None, overrides)
+dist = setup_distributed(config.model.device)
+with Trainer(config, f"{out}/run", dist=dist) as trainer:
+    sampled = trainer.rollout_stage.sample(0)
+    advantages = trainer.rollout_stage.prepare(sampled).advantages
+    torch.save(
+        {"rewards": sampled.scored.rewards, "advantages": advantages.cpu()},
+        f"{out}/rank{dist.rank}.pt",
+    )
+teardown_distributed(dist)
+quick_exit(0)
+"""
+
+
+@pytest.mark.slow
+def test_batch_scaled_advantages_use_the_whole_rollout_batch_over_ranks(tmp_path):
+    """``algorithm.advantage_scale=batch`` divides by the std of the whole rollout batch:
+    under torchrun each rank divided by its own share's."""
+    from gspo.advantages import group_advantages
+
+    (tmp_path / "script.py").write_text(BATCH_ADVANTAGES)
+    (tmp_path / "lengths.py").write_text(
+        "def length(prompts, completions, **kwargs):\n"
+        "    return [len(c) / 4 + (i % 3) for i, c in enumerate(completions)]\n"
+    )
+    overrides = [*SMALL_RUN, "algorithm.advantage_scale=batch", "train.cold_start_steps=0",
+                 f"reward.functions=[{tmp_path / 'lengths.py'}:length]",
+                 "rollout.prompts_per_batch=4", "algorithm.minibatches=2"]  # fmt: skip
+    torchrun(str(tmp_path / "script.py"), str(tmp_path), *overrides)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    rewards = torch.cat([r["rewards"] for r in ranks])
+    whole = group_advantages(rewards, 4, scale="batch")
+    own = torch.cat([group_advantages(r["rewards"], 4, scale="batch") for r in ranks])
+    assert not torch.allclose(own, whole)  # the shares' stds differ: the test can fail
+    torch.testing.assert_close(torch.cat([r["advantages"] for r in ranks]), whole)

@@ -19,7 +19,9 @@ SCALES: tuple[str, ...] = get_args(AdvantageScale)
 ZERO_STD = 1e-6
 
 
-def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group") -> Tensor:
+def group_advantages(
+    rewards: Tensor, group_size: int, *, scale: str = "group", batch_std: Tensor | None = None
+) -> Tensor:
     """Group-relative advantages, ``[N] -> [N]`` float32 (``docs/algorithm.md`` Eq. (1)).
 
     Args:
@@ -28,6 +30,8 @@ def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group") 
         scale: ``"group"`` divides by each group's std (the paper's form, default),
             ``"batch"`` by the std of all ``N`` rewards, ``"none"`` does not divide
             (Dr. GRPO). Standard deviations are unbiased (Bessel), as in TRL and verl.
+        batch_std: for ``"batch"``, the std of the whole rollout batch when ``rewards``
+            is one rank's share of it (torchrun); by default that of ``rewards``.
 
     A group whose rewards are all equal gets advantages of exactly 0, never NaN.
     """
@@ -56,8 +60,9 @@ def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group") 
     if scale == "group":
         denominator = group_std
     elif scale == "batch":
-        batch_std = r.std() if r.numel() > 1 else torch.zeros((), dtype=r.dtype)
-        denominator = batch_std.expand_as(group_std)
+        if batch_std is None:
+            batch_std = r.std() if r.numel() > 1 else torch.zeros((), dtype=r.dtype)
+        denominator = batch_std.to(r.dtype).expand_as(group_std)
     else:
         denominator = torch.ones_like(group_std)
     safe = torch.where(constant, torch.ones_like(denominator), denominator)

@@ -276,9 +276,14 @@ class RolloutStage:
         seed, device = cfg.train.seed, self.forward.policy.device
         index, scored, local = sampled.index, sampled.scored, dict(sampled.metrics)
         start = time.perf_counter()
+        batch_std = None
+        if cfg.algorithm.advantage_scale == "batch" and dist.enabled:  # the whole batch's
+            every = torch.cat(dist.gather_objects(scored.rewards.cpu()))
+            batch_std = every.std() if every.numel() > 1 else torch.zeros(())
         advantages = group_advantages(
-            scored.rewards, cfg.rollout.group_size, scale=cfg.algorithm.advantage_scale
-        ).to(device)
+            scored.rewards, cfg.rollout.group_size, scale=cfg.algorithm.advantage_scale,
+            batch_std=batch_std,
+        ).to(device)  # fmt: skip
         local["time/reward"] += time.perf_counter() - start  # scoring and advantages
         batch = scored.batch
         with timed(local, "time/old_logprobs"):
