@@ -196,3 +196,35 @@ def test_a_wrong_command_in_the_docs_fails(command, error):
 def test_an_unknown_option_in_the_docs_fails(capsys):
     with pytest.raises(AssertionError, match="does not parse"):
         check_command("gspo train --outputdir runs/x")
+
+
+# ------------------------------------------------ config keys the docs name in passing
+
+#: Keys the docs name as examples of a mistake (a misspelt key and what gspo says to it).
+WRONG_ON_PURPOSE = {"optim.lrr"}
+FILE_NAME = re.compile(r"\.(jsonl|json|safetensors|py|yaml|md|png|pt|csv|parquet|txt)$")
+
+
+def named_keys(text: str, tops: set[str]) -> set[str]:
+    """Dotted config keys (``rollout.group_size``, ``model.lora.r=4``) in inline code."""
+    sections = "|".join(sorted(tops))
+    key = re.compile(rf"(?<![\w./-])((?:{sections})\.[a-z_][a-z0-9_.]*)")
+    found = {k.rstrip(".") for code in INLINE.findall(text) for k in key.findall(code)}
+    return {k for k in found if not FILE_NAME.search(k) and not k.endswith("_")}
+
+
+def test_every_config_key_the_docs_name_exists():
+    """A renamed or removed key leaves no stale mention (the TRL mapping names ~60)."""
+    from gspo.config import keys, sections
+
+    known = {d for d, _ in sections()}
+    known |= {f"{d}.{name}" for d, model in sections() for name, _ in keys(model)}
+    tops = {d.split(".")[0] for d in known}
+    stale = {
+        str(page.relative_to(ROOT)): sorted(named_keys(page.read_text(), tops) - known)
+        for page in [*PAGES, *sorted((ROOT / "docs").rglob("*/*.md"))]
+    }
+    assert named_keys("`rollout.group_size=8` and `model.lora.r` in train.jsonl", tops) == {
+        "rollout.group_size", "model.lora.r"
+    }  # fmt: skip
+    assert {page: keys for page, keys in stale.items() if set(keys) - WRONG_ON_PURPOSE} == {}
