@@ -188,3 +188,23 @@ def test_batch_scale_takes_the_whole_batchs_std_when_given():
     torch.testing.assert_close(given, (centered / 4.0).reshape(-1))
     own = group_advantages(rewards, 3, scale="batch")
     torch.testing.assert_close(own, (centered / rewards.std()).reshape(-1))
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_unscored_completions_stay_out_of_the_baseline_with_advantage_0(scale):
+    """A completion every reward function returned None for (reward 0, no evidence) was
+    part of its group's mean and std and got an advantage: TRL leaves it out (advantage
+    0), and so does gspo now."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 5.0, 2.0, 2.0, 3.0, 0.0, 7.0, 0.0, 0.0, 0.0])
+    scorable = torch.tensor([1, 1, 0, 1, 1, 0, 1, 1, 1, 0, 0, 0], dtype=torch.bool)
+    got = group_advantages(rewards, 4, scale=scale, scorable=scorable)
+    assert (got[~scorable] == 0).all() and (got[8:] == 0).all()  # group 3: one scored
+    for g, rows in ((0, [0, 1, 3]), (1, [4, 6, 7])):  # each group's scored completions
+        if scale == "batch":  # centred in the group, over the std of every scored reward
+            alone = (rewards[rows] - rewards[rows].mean()) / rewards[scorable].std()
+        else:
+            alone = group_advantages(rewards[rows], 3, scale=scale)
+        torch.testing.assert_close(got[rows], alone, msg=f"group {g}")
+    every = torch.ones(12, dtype=torch.bool)  # all scored: the plain path, bitwise
+    assert torch.equal(group_advantages(rewards, 4, scale=scale, scorable=every),
+                       group_advantages(rewards, 4, scale=scale))  # fmt: skip

@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from test_distributed import torchrun
 from test_trainer import FAST
@@ -327,3 +328,29 @@ def test_a_module_spec_is_found_in_the_current_directory(tmp_path, monkeypatch):
     assert str(tmp_path) not in sys.path  # only while importing
     with pytest.raises(RewardError, match="No module named 'not_beside'"):
         load_reward_function("not_beside:correct")
+
+
+def applies(completion: str) -> bool:
+    return bool(completion) and ord(completion[0]) % 2 == 1
+
+
+def odd_first_only(prompts, completions, **kwargs):
+    """Scores completions whose first character has an odd code by their length; None
+    (does not apply) for the rest."""
+    return [float(len(set(c))) if applies(c) else None for c in completions]
+
+
+def test_completions_no_function_scored_get_advantage_0(tmp_path):
+    from gspo.trainer import Trainer
+
+    config = gspo.load_config(None, [*RUN, "rollout.max_new_tokens=6", "rollout.group_size=8"])
+    config.reward.functions = [odd_first_only]
+    with Trainer(config, tmp_path / "run") as trainer:
+        sampled = trainer.rollout_stage.sample(0)
+        scored = sampled.scored
+        assert scored.scorable is not None and 0 < scored.scorable.sum() < len(scored.rewards)
+        assert scored.scorable.tolist() == [applies(c) for c in scored.completions]
+        advantages = trainer.rollout_stage.prepare(sampled).advantages.cpu()
+    assert (advantages[~scored.scorable] == 0).all()
+    expected = gspo.group_advantages(scored.rewards, 8, scorable=scored.scorable)
+    torch.testing.assert_close(advantages, expected)

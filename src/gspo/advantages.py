@@ -20,7 +20,12 @@ ZERO_STD = 1e-6
 
 
 def group_advantages(
-    rewards: Tensor, group_size: int, *, scale: str = "group", batch_std: Tensor | None = None
+    rewards: Tensor,
+    group_size: int,
+    *,
+    scale: str = "group",
+    batch_std: Tensor | None = None,
+    scorable: Tensor | None = None,
 ) -> Tensor:
     """Group-relative advantages, ``[N] -> [N]`` float32 (``docs/algorithm.md`` Eq. (1)).
 
@@ -32,6 +37,9 @@ def group_advantages(
             (Dr. GRPO). Standard deviations are unbiased (Bessel), as in TRL and verl.
         batch_std: for ``"batch"``, the std of the whole rollout batch when ``rewards``
             is one rank's share of it (torchrun); by default that of ``rewards``.
+        scorable: ``[N]`` bool, False for a completion no reward function scored (all
+            returned None): it stays out of its group's mean and std (and the batch's)
+            and gets advantage 0, as in TRL. None: every completion was scored.
 
     A group whose rewards are all equal gets advantages of exactly 0, never NaN.
     """
@@ -46,6 +54,8 @@ def group_advantages(
     if not torch.isfinite(rewards).all():
         raise ValueError("rewards must be finite (got NaN or inf)")
     r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+    if scorable is not None and not bool(scorable.all()):
+        return _partly_scored(r, group_size, scale, batch_std, scorable.to(torch.bool))
     groups = r.view(-1, group_size)
     centered = groups - groups.mean(dim=1, keepdim=True)
     if group_size > 1:
@@ -67,4 +77,34 @@ def group_advantages(
         denominator = torch.ones_like(group_std)
     safe = torch.where(constant, torch.ones_like(denominator), denominator)
     advantages = torch.where(constant, torch.zeros_like(centered), centered / safe)
+    return advantages.reshape(-1).to(torch.float32)
+
+
+def _partly_scored(
+    r: Tensor, group_size: int, scale: str, batch_std: Tensor | None, scorable: Tensor
+) -> Tensor:
+    """:func:`group_advantages` over the scored completions of each group only (the
+    others: advantage 0). A group with fewer than two scored completions, or whose scored
+    rewards are all equal, gets advantages of 0."""
+    groups, valid = r.view(-1, group_size), scorable.view(-1, group_size)
+    count = valid.sum(dim=1, keepdim=True)
+    zero = torch.zeros_like(groups)
+    mean = torch.where(valid, groups, zero).sum(dim=1, keepdim=True) / count.clamp(min=1)
+    centered = groups - mean
+    squares = torch.where(valid, centered, zero).square().sum(dim=1, keepdim=True)
+    group_std = (squares / (count - 1).clamp(min=1)).sqrt()
+    first = groups.gather(1, valid.to(torch.int64).argmax(dim=1, keepdim=True))  # a scored one
+    all_equal = (torch.where(valid, groups, first) == first).all(dim=1, keepdim=True)
+    constant = all_equal | (count < 2) | (group_std <= ZERO_STD)
+    if scale == "group":
+        denominator = group_std
+    elif scale == "batch":
+        if batch_std is None:
+            scored = r[scorable]
+            batch_std = scored.std() if scored.numel() > 1 else torch.zeros((), dtype=r.dtype)
+        denominator = batch_std.to(r.dtype).expand_as(group_std)
+    else:
+        denominator = torch.ones_like(group_std)
+    safe = torch.where(constant, torch.ones_like(denominator), denominator)
+    advantages = torch.where(constant | ~valid, zero, centered / safe)
     return advantages.reshape(-1).to(torch.float32)

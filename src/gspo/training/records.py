@@ -17,12 +17,18 @@ from gspo.engines import RolloutBatch
 
 @dataclass
 class Scored:
-    """A rollout batch with its decoded completions and rewards."""
+    """A rollout batch with its decoded completions and rewards.
+
+    ``scorable`` ``[N]`` bool: False where every reward function returned None (the
+    completion's reward, 0, is then no evidence: it stays out of its group's baseline and
+    gets advantage 0, as in TRL); None when every completion was scored.
+    """
 
     batch: RolloutBatch
     completions: list[Any]
     rewards: torch.Tensor  # [N] float32
     per_function: dict[str, list[float | None]]
+    scorable: torch.Tensor | None = None
 
 
 @dataclass

@@ -86,11 +86,15 @@ class Scorer:
             rewards = torch.tensor(result.rewards, dtype=torch.float32)
             per_function = result.per_function
             self.warn_if_unscored(per_function, len(completions))
+            scored = [
+                any(v[i] is not None for v in per_function.values()) for i in range(len(rewards))
+            ]
+            scorable = None if all(scored) else torch.tensor(scored)
             if penalty is not None:
                 values = penalty(batch.completion_lengths.tolist())
                 rewards = rewards + torch.tensor(values, dtype=torch.float32)
                 per_function["overlong_penalty"] = values
-            return Scored(batch, completions, rewards, per_function)
+            return Scored(batch, completions, rewards, per_function, scorable)
 
     def warn_if_unscored(self, per_function: dict[str, list[float | None]], n: int) -> None:
         """One line on stderr (once a run) when every function returned None (does not
@@ -101,7 +105,7 @@ class Scorer:
             self.warned = True
             print(
                 f"gspo: warning: every reward function returned None (does not apply) for "
-                f"all {n} completions of a batch, so every reward is 0 and nothing is "
+                f"all {n} completions of a batch, so every advantage is 0 and nothing is "
                 f"learned; check reward.functions ({', '.join(per_function)}) against the "
                 "data's columns (shown once)",
                 file=sys.stderr,
@@ -118,11 +122,19 @@ def merge_groups(rounds: list[Scored], groups: list[int]) -> Scored:
     per_function = {
         name: [v for s in rounds for v in s.per_function[name]] for name in rounds[0].per_function
     }
+    scorable = None
+    if any(s.scorable is not None for s in rounds):
+        every = [
+            s.scorable if s.scorable is not None else torch.ones(len(s.rewards), dtype=torch.bool)
+            for s in rounds
+        ]
+        scorable = torch.cat(every)[rows]
     return Scored(
         batch.select(rows),
         [completions[i] for i in rows.tolist()],
         torch.cat([s.rewards for s in rounds])[rows],
         {name: [values[i] for i in rows.tolist()] for name, values in per_function.items()},
+        None if scorable is None or bool(scorable.all()) else scorable,
     )
 
 
@@ -278,11 +290,12 @@ class RolloutStage:
         start = time.perf_counter()
         batch_std = None
         if cfg.algorithm.advantage_scale == "batch" and dist.enabled:  # the whole batch's
-            every = torch.cat(dist.gather_objects(scored.rewards.cpu()))
+            mine = scored.rewards if scored.scorable is None else scored.rewards[scored.scorable]
+            every = torch.cat(dist.gather_objects(mine.cpu()))
             batch_std = every.std() if every.numel() > 1 else torch.zeros(())
         advantages = group_advantages(
             scored.rewards, cfg.rollout.group_size, scale=cfg.algorithm.advantage_scale,
-            batch_std=batch_std,
+            batch_std=batch_std, scorable=scored.scorable,
         ).to(device)  # fmt: skip
         local["time/reward"] += time.perf_counter() - start  # scoring and advantages
         batch = scored.batch
