@@ -657,3 +657,14 @@ def test_an_environment_reward_that_is_no_number_says_so() -> None:
         str(err.value) == "the environment's get_reward() returned 'correct' (str), not a "
         "number or None"
     )
+
+
+def test_exact_match_reads_a_float_column_as_the_numbers_written() -> None:
+    """One blank cell makes datasets read a CSV's answer column as floats (2.0, nan): every
+    correct '2' scored 0 and the blank row 0, silently."""
+    from gspo.rewards.verifiers import exact_match_reward
+
+    got = exact_match_reward(
+        prompts=["p"] * 4, completions=["2", "2", "2.5", "7"], answer=[2.0, float("nan"), 2.5, "7"]
+    )
+    assert got == [1.0, None, 1.0, 1.0]

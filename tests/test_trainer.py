@@ -514,10 +514,29 @@ def test_overwrite_removes_the_old_run_only_once_the_new_one_starts(tmp_path, ca
     old = tmp_path / "run"
     (old / "checkpoints").mkdir(parents=True)
     (old / "metrics.jsonl").write_text('{"step": 1}\n')
-    bad = "reward.functions=[nosuch_builtin]"  # refused while the trainer is built
-    assert main(["train", "--output-dir", str(old), "--overwrite", *FAST, bad]) == 2
-    assert (old / "metrics.jsonl").read_text() == '{"step": 1}\n'  # the old run, intact
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing set aside left
+    (tmp_path / "noanswer.jsonl").write_text('{"prompt": "1+1="}\n{"prompt": "2+2="}\n')
+    # refused while the trainer is built: a bad spec; a function, built-in or not, needing
+    # a column the data lacks (found at the first reward call before: the old run was gone)
+    (tmp_path / "rw.py").write_text(
+        "def needs_level(prompts, completions, level, **kw):\n    pass\n"
+    )
+    for bad in (
+        ["reward.functions=[nosuch_builtin]"],
+        [f"data.train={tmp_path / 'noanswer.jsonl'}"],  # exact_match needs 'answer'
+        [f"reward.functions=[{tmp_path / 'rw.py'}:needs_level]"],
+    ):
+        assert main(["train", "--output-dir", str(old), "--overwrite", *FAST, *bad]) == 2
+        assert (old / "metrics.jsonl").read_text() == '{"step": 1}\n'  # the old run, intact
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["noanswer.jsonl", "run", "rw.py"]
+    said = capsys.readouterr().err.splitlines()
+    assert said[1:] == [
+        "gspo: error: reward function 'exact_match' needs the column(s) answer, which "
+        f"data.train ({tmp_path / 'noanswer.jsonl'}) lacks (its columns: none but the prompt)",
+        f"gspo: error: reward function '{tmp_path / 'rw.py'}:needs_level' needs the column(s) "
+        "level, which data.train (the built-in addition) lacks (its columns: answer)",
+    ]
+    tmp_path.joinpath("noanswer.jsonl").unlink()
+    tmp_path.joinpath("rw.py").unlink()
     good = [*FAST, "train.max_steps=1", "eval.every=0", "train.cold_start_steps=0"]
     assert main(["train", "--output-dir", str(old), "--overwrite", *good]) == 0
     assert '{"step": 1}' not in (old / "metrics.jsonl").read_text()

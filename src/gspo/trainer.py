@@ -63,6 +63,7 @@ from gspo.training.sampler import PolicySampler, build_engine
 from gspo.training.seeds import derive_seed
 from gspo.training.setup import (
     build_policy_model,
+    check_reward_columns,
     load_task_data,
     local_shares,
     model_summary,
@@ -134,6 +135,7 @@ class Trainer:
         environment = getattr(self.generator, "environment", None)
         self.config = config = with_environment_reward(config, environment)
         self.rewards = rewards = reward_functions(config)
+        check_reward_columns(rewards, self.data, config, environment)
         self.optimizer, self.scheduler = rl_optimizer(config, self.policy.forward)
         self.reference = Reference(config.algorithm.kl_coef, out, self.policy)
         objective = Objective(config.algorithm)

@@ -12,7 +12,7 @@ from typing import Any
 from gspo.plugins import one_line
 from gspo.rewards.contract import RewardError, RewardFunction
 from gspo.rewards.loading import load_reward_function
-from gspo.rewards.runner import Runner
+from gspo.rewards.runner import Runner, missing_arguments
 
 
 @dataclass
@@ -135,6 +135,29 @@ class RewardFunctions:
 
     def __len__(self) -> int:
         return len(self.functions)
+
+    def check_columns(self, columns: Sequence[str], source: str) -> None:
+        """Before a run starts (before anything is written or an old run removed): each
+        function's required arguments, and the columns a built-in needs, are among the
+        data's ``columns``, and none is named like the calls' own arguments. ``source``
+        names the data (``data.train``) in the one-line :class:`RewardError`."""
+        for clash in ("prompts", "completions"):
+            if clash in columns:
+                raise RewardError(
+                    f"{source}: its column {clash!r} clashes with the reward functions' "
+                    "argument of that name; rename the column"
+                )
+        given = ["prompts", "completions", *columns]
+        for name, function in zip(self.names, self.functions, strict=True):
+            needed = missing_arguments(function, given)
+            needed += [c for c in getattr(function, "required_columns", ()) if c not in given]
+            if needed:
+                have = ", ".join(columns) or "none but the prompt"
+                raise RewardError(
+                    f"reward function {name!r} needs the column(s) "
+                    f"{', '.join(dict.fromkeys(needed))}, which {source} lacks (its columns: "
+                    f"{have})"
+                )
 
     def close(self) -> None:
         """Stop the worker processes, if any (also done when the object is collected)."""

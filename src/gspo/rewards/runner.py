@@ -34,7 +34,7 @@ def _call_one(
         if inspect.iscoroutine(out):  # an async def function (TRL takes those too)
             out = _run_coroutine(out)
     except Exception as e:
-        missing = _missing_arguments(function, given)
+        missing = missing_arguments(function, given)
         if isinstance(e, TypeError) and missing:
             have = ", ".join(columns) or "none but the prompt"
             raise RewardError(
@@ -78,7 +78,7 @@ def _unexpected_arguments(function: RewardFunction, given: list[str]) -> list[st
     return [key for key in given if key not in accepted]
 
 
-def _missing_arguments(function: RewardFunction, given: list[str]) -> list[str]:
+def missing_arguments(function: RewardFunction, given: list[str]) -> list[str]:
     """Required parameters of ``function`` that a call with the keywords ``given`` leaves
     unbound (none when its signature cannot be read, or it takes ``**kwargs`` for them)."""
     try:

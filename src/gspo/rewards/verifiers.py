@@ -59,11 +59,20 @@ def exact_match_reward(
     answer = _require_answer("exact_match", answer, len(completions))
     out: list[float | None] = []
     for completion, gold in zip(completions, answer, strict=True):
-        if gold is None:
-            out.append(None)
-        else:
-            out.append(float(completion_text(completion).strip() == str(gold).strip()))
+        text = _gold_as_text(gold)
+        out.append(None if text is None else float(completion_text(completion).strip() == text))
     return out
+
+
+def _gold_as_text(gold: Any) -> str | None:
+    """A reference answer as the text a completion must equal; None when there is none
+    (None, NaN). A whole float is written as an integer: a CSV column with one blank
+    cell is read as floats (``58.0``), which no completion ``58`` would equal."""
+    if gold is None or (isinstance(gold, float) and math.isnan(gold)):
+        return None
+    if isinstance(gold, float) and gold.is_integer():
+        return str(int(gold))
+    return str(gold).strip()
 
 
 def numeric_match_reward(
@@ -261,6 +270,15 @@ def environment_reward(
             ) from None
     return out
 
+
+# the data columns a built-in cannot do without (a run checks them before it starts)
+for _function, _columns in (
+    (exact_match_reward, ("answer",)),
+    (numeric_match_reward, ("answer",)),
+    (math_reward, ("answer",)),
+    (code_reward, ("tests",)),
+):
+    _function.required_columns = _columns  # type: ignore[attr-defined]
 
 BUILTIN_REWARDS: dict[str, RewardFunction] = {
     "code": code_reward,

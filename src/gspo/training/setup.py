@@ -262,6 +262,20 @@ def with_environment_reward(config: Config, environment: Any | None) -> Config:
     return config.model_copy(update={"reward": reward})
 
 
+def check_reward_columns(
+    rewards: RewardFunctions, data: TaskData, config: Config, environment: Any | None
+) -> None:
+    """Before the run writes anything (or ``--overwrite`` removes an old run): the reward
+    functions find the columns they need in the training and the held-out rows (an
+    environment adds ``environments``); one line naming the data that lacks one."""
+    extra = ["environments"] if environment is not None else []
+    for key, rows in (("data.train", data.train), ("data.eval", data.eval)):
+        if rows:
+            where = getattr(config.data, key.split(".")[1]) or f"the built-in {config.data.task}"
+            columns = [*(k for k in rows[0] if k != "prompt"), *extra]
+            rewards.check_columns(columns, f"{key} ({where})")
+
+
 def reward_functions(config: Config) -> RewardFunctions:
     """``reward.functions`` with their weights, called as ``reward.workers`` says."""
     return RewardFunctions.from_specs(
