@@ -1,5 +1,6 @@
 """LoRA (``model.lora``, PEFT): what trains, the reference, sampling, checkpoints, export."""
 
+import json
 import warnings
 from pathlib import Path
 
@@ -147,7 +148,13 @@ def test_lora_checkpoint_is_peft_format_and_export_merges(tmp_path, varied_rewar
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("keep me")
     capsys.readouterr()
-    for target in (tmp_path / "run", tmp_path, checkpoint, tmp_path / "notes"):
+    assert json.loads((out / "gspo_export.json").read_text())["exported_from"] == str(
+        checkpoint.resolve()
+    )
+    # a model directory that is no export (the user's own model, the base a LoRA run
+    # names) was overwritten silently: refused
+    base = tmp_path / "run" / "base_model"
+    for target in (tmp_path / "run", tmp_path, checkpoint, tmp_path / "notes", base):
         assert main(["export", str(tmp_path / "run"), "--merge", str(target)]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("gspo: error: export: --merge") and "\n" not in err, err

@@ -10,6 +10,7 @@ fine-tuning checkpoint is already a whole model: it is written out as it is, or,
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -19,6 +20,10 @@ from gspo.models import is_model_file, load_model, model_files, save_pretrained_
 from gspo.publish import check_manifest
 from gspo.training.checkpoint import TRAINER_STATE, latest_checkpoint
 from gspo.training.lora import base_model_path, is_lora_checkpoint, quiet_peft
+
+#: The file that marks a directory as a ``gspo export --merge`` output (what it came
+#: from): the only non-empty directory an export may replace.
+EXPORT_MARK = "gspo_export.json"
 
 
 def resolve_checkpoint(source: Path) -> Path:
@@ -35,9 +40,10 @@ def resolve_checkpoint(source: Path) -> Path:
 def check_target(out: Path, source: Path, checkpoint: Path) -> None:
     """Refuse an ``out`` whose replacement would lose anything but an earlier export.
 
-    The export replaces ``out`` whole (atomically), so ``out`` may be new, empty, or a plain
-    model directory (``config.json``, no checkpoints, no trainer state); never the run or
-    checkpoint being exported, a directory holding them, nor any other directory or file.
+    The export replaces ``out`` whole (atomically), so ``out`` may be new, empty, or an
+    earlier export (it holds :data:`EXPORT_MARK`); never the run or checkpoint being
+    exported, a directory holding them, nor any other directory or file (a model
+    directory without the mark may be the user's own model, or the base a LoRA run names).
     """
     out = Path(out)
     target = out.resolve()
@@ -47,15 +53,15 @@ def check_target(out: Path, source: Path, checkpoint: Path) -> None:
     if out.exists() and not out.is_dir():
         raise ValueError(f"export: --merge {out} is a file; name a new or empty directory")
     if out.is_dir() and any(out.iterdir()):
-        plain_model = (
-            (out / "config.json").is_file()
+        earlier = (
+            (out / EXPORT_MARK).is_file()
             and not (out / TRAINER_STATE).exists()
             and not (out / "checkpoints").exists()
         )
-        if not plain_model:
+        if not earlier:
             raise ValueError(
-                f"export: --merge {out} exists and is not an earlier export (a model directory "
-                "with config.json); name a new or empty directory"
+                f"export: --merge {out} exists and is not an earlier export (no {EXPORT_MARK}: "
+                "it may be a model of yours); name a new or empty directory"
             )
 
 
@@ -95,5 +101,9 @@ def export_merged(source: Path, out: Path) -> Path:
     base, tokenizer = load_model(base_dir, device=cpu, dtype=torch.float32)
     with quiet_peft():
         merged = PeftModel.from_pretrained(base, checkpoint).merge_and_unload()
-    save_pretrained_atomic(merged, tokenizer, out)
+    mark = {"exported_from": str(checkpoint.resolve()), "base_model": str(base_dir.resolve())}
+    save_pretrained_atomic(
+        merged, tokenizer, out,
+        also=lambda tmp: (tmp / EXPORT_MARK).write_text(json.dumps(mark, indent=1) + "\n"),
+    )  # fmt: skip
     return checkpoint
