@@ -390,10 +390,16 @@ def test_settings_that_another_setting_makes_moot_are_warned():
     ]
     with_r = ["model.lora.r=4", "model.lora.target_modules=[q_proj]", "train.cold_start_steps=0"]
     assert load_config(None, with_r).warnings() == []
-    task = ["data.task=calculator", "data.train=rows.jsonl", "model.path=/m"]
+    task = ["data.task=calculator", "data.train=rows.jsonl", "model.path=/m", "data.eval=e.jsonl"]
     assert load_config(None, task).warnings() == [
         "data.task=calculator is a built-in task, which data.train replaces: its prompts, "
         "rewards and environment are not used (set rollout.environment and reward.functions "
         "for your data)"
     ]
-    assert load_config(None, ["data.train=rows.jsonl", "model.path=/m"]).warnings() == []
+    mine = ["data.train=rows.jsonl", "model.path=/m"]
+    assert load_config(None, [*mine, "data.eval=e.jsonl"]).warnings() == []
+    # eval.* keys set and nothing evaluated, unsaid before
+    assert load_config(None, [*mine, "eval.every=10"]).warnings() == [
+        "data.train without data.eval: no held-out evaluation runs (no eval/* metrics, "
+        "accuracy rows or plot; set data.eval to a held-out file)"
+    ]

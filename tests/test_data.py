@@ -323,3 +323,26 @@ def test_a_file_datasets_cannot_read_is_our_one_line_only(tmp_path, capfd):
         "(a directory must hold a datasets.save_to_disk dataset, or data files of one kind: "
         ".jsonl, .json, .parquet, .csv)"
     )
+
+
+def test_a_template_reading_an_attribute_is_refused():
+    """``{question.upper}`` rendered ``<built-in method upper of str object at 0x...>`` into
+    every prompt, silently."""
+    from gspo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"\{question.upper\} reads an attribute, not a column"):
+        load_config(None, ["data.train=x.jsonl", "data.prompt_template=Q: {question.upper} A:"])
+    kept = load_config(None, ["data.train=x.jsonl", "data.prompt_template={meta[a.b]} {q}"])
+    assert kept.data.prompt_template == "{meta[a.b]} {q}"
+
+
+def test_a_chat_message_without_role_or_content_says_so():
+    """It was 'the prompt is empty (0 tokens)'."""
+    from gspo.models import build_char_tokenizer
+    from gspo.tasks import encode_prompt
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ValueError, match=r"chat message 0 must be a mapping with 'role' and"):
+        encode_prompt([{"content": "0+1="}], tokenizer)
+    assert encode_prompt([{"role": "user", "content": "0+1="}], tokenizer)

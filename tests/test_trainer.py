@@ -435,18 +435,18 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys, override, expected):
 def test_user_data_on_a_random_init_model_without_a_cold_start_warns(tmp_path, capsys):
     rows = [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(20)]
     (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    data = f"data.train={tmp_path / 'train.jsonl'}"
+    data = f"data.train={tmp_path / 'train.jsonl'}", f"data.eval={tmp_path / 'train.jsonl'}"
     capsys.readouterr()
-    Trainer(load_config(None, [*FAST, data]), tmp_path / "a")  # warned when built
+    Trainer(load_config(None, [*FAST, *data]), tmp_path / "a")  # warned when built
     err = capsys.readouterr().err.strip()
     assert err.startswith("gspo: warning: data.train with model.path null and no data.sft: ")
     assert "\n" not in err
     sft = f"data.sft={tmp_path / 'sft.jsonl'}"  # with a cold start: nothing to say
     (tmp_path / "sft.jsonl").write_text(json.dumps({"prompt": "1+1=", "completion": "2"}))
-    assert load_config(None, [*FAST, data, sft]).warnings() == []
+    assert load_config(None, [*FAST, *data, sft]).warnings() == []
     assert (
         "train.cold_start_steps=0"
-        in load_config(None, [*FAST, data, sft, "train.cold_start_steps=0"]).warnings()[0]
+        in load_config(None, [*FAST, *data, sft, "train.cold_start_steps=0"]).warnings()[0]
     )
     assert load_config(None, FAST).warnings() == []  # the built-in task has its cold start
 

@@ -294,6 +294,12 @@ def encode_prompt(
     if isinstance(prompt, str):
         return list(tokenizer(prompt)["input_ids"])
     if isinstance(prompt, list):
+        for i, message in enumerate(prompt):
+            if not isinstance(message, dict) or not {"role", "content"} <= message.keys():
+                raise ValueError(
+                    f"chat message {i} must be a mapping with 'role' and 'content'; got "
+                    f"{message!r:.80}"
+                )
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError(
                 "prompts are chat messages (a message-list prompt column, data.system_prompt "

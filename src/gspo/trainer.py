@@ -302,7 +302,7 @@ class Trainer:
             drop_progress(self.output_dir / CHECKPOINTS, self.dist)
         show = cfg.log.progress and self.dist.is_main
         first = self.step // cfg.algorithm.minibatches
-        if first >= cfg.rollout_batches and self.dist.is_main:  # a resumed, finished run
+        if first >= cfg.rollout_batches and self.step > 0 and self.dist.is_main:  # finished
             print(
                 f"the run already took its {self.step} steps (train.max_steps="
                 f"{cfg.train.max_steps} in whole rollout batches of "

@@ -94,6 +94,11 @@ class Config(Section):
                 "prompts, rewards and environment are not used (set rollout.environment "
                 "and reward.functions for your data)"
             )
+        if data.train is not None and data.eval is None and self.train.max_steps > 0:
+            lines.append(
+                "data.train without data.eval: no held-out evaluation runs (no eval/* "
+                "metrics, accuracy rows or plot; set data.eval to a held-out file)"
+            )
         lora = self.model.lora
         unused = [k for k, v in lora.model_dump().items() if k != "r" and v != _LORA[k]]
         if lora.r == 0 and unused:
