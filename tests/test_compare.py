@@ -267,6 +267,21 @@ def test_verdict_rules():
     assert verdicts(stress, "stress")[2]["verdict"] == REPRODUCED
     assert verdicts(summary(0.15, 0.001, 0.9, 0.9), "stress")[2]["verdict"] == NOT_REPRODUCED
     assert verdicts(stress, "long")[2]["verdict"] == REPRODUCED  # long responses: judged too
+    # neither level clipped anything (a run too short to move): no evidence, not
+    # "reproduced" with "infx" as before; GRPO alone clipping none: far more
+    idle = verdicts(summary(0.0, 0.0, 0.0, 0.0), "default")[0]
+    assert idle["verdict"] == INCONCLUSIVE and "(neither clipped)" in idle["figures"]
+    assert verdicts(summary(0.1, 0.0, 0.9, 0.9), "default")[0]["verdict"] == REPRODUCED
+
+
+def test_figures_not_computed_are_null_in_summary_json():
+    """A figure that could not be computed was written as a bare NaN (not JSON)."""
+    import numpy as np
+
+    from gspo.experiments.report import _finite
+
+    value = {"a": [1.0, math.nan, np.float32("nan"), 3], "b": {"c": math.inf, "d": np.float32(2)}}
+    assert _finite(value) == {"a": [1.0, None, None, 3], "b": {"c": None, "d": 2.0}}
 
 
 def test_trainer_dumps_the_ratios_its_loss_saw(tmp_path, tiny):

@@ -44,13 +44,16 @@ def verdicts(summary: Mapping[str, Mapping[str, Any]], preset: str) -> list[dict
     out = []
 
     # (a)
-    clip_x = gspo["clip_fraction"] / grpo["clip_fraction"] if grpo["clip_fraction"] else math.inf
+    if grpo["clip_fraction"]:
+        clip_x = gspo["clip_fraction"] / grpo["clip_fraction"]
+    else:  # GRPO clipped nothing: far more if GSPO clipped some; neither: nothing to compare
+        clip_x = math.inf if gspo["clip_fraction"] else math.nan
     n = len(gspo["seeds"])
     noise = 2 * math.hypot(gspo["accuracy_sd"], grpo["accuracy_sd"]) / math.sqrt(max(n, 1))
     gap = gspo["accuracy"] - grpo["accuracy"]
     figures = (
         f"clip fraction GSPO {gspo['clip_fraction']:.4f} vs GRPO {grpo['clip_fraction']:.4f} "
-        f"({clip_x:.0f}x); final accuracy GSPO {gspo['accuracy']:.3f} vs GRPO "
+        f"({'neither clipped' if math.isnan(clip_x) else f'{clip_x:.0f}x'}); final accuracy GSPO {gspo['accuracy']:.3f} vs GRPO "
         f"{grpo['accuracy']:.3f} (difference {gap:+.3f}, two standard errors {noise:.3f}, "
         f"{n} seeds)"
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -95,7 +96,9 @@ def write_report(
         "algorithms": summary,
         "verdicts": claims,
     }
-    (out / "summary.json").write_text(json.dumps(result, indent=2, default=float) + "\n")
+    # strict JSON: a figure that could not be computed (NaN) is null
+    text = json.dumps(_finite(result), indent=2, default=float, allow_nan=False)
+    (out / "summary.json").write_text(text + "\n")
     md = report_markdown(result, [(t, p) for t, p in figures if p is not None], out, runs)
     (out / "report.md").write_text(md)
     (out / "report.html").write_text(report_html(md, out))
@@ -269,3 +272,14 @@ def report_html(markdown: str, out: Path) -> str:
         f"<!doctype html><html><head><meta charset='utf-8'><title>gspo compare</title>"
         f"<style>{style}</style></head><body>{''.join(body)}</body></html>\n"
     )
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN or infinite float (nested in dicts and lists) as None."""
+    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
