@@ -325,15 +325,17 @@ def test_a_file_datasets_cannot_read_is_our_one_line_only(tmp_path, capfd):
     )
 
 
-def test_a_template_reading_an_attribute_is_refused():
+def test_a_template_naming_a_method_is_refused(tmp_path):
     """``{question.upper}`` rendered ``<built-in method upper of str object at 0x...>`` into
-    every prompt, silently."""
-    from gspo.config import ConfigError, load_config
+    every prompt, silently; an attribute that is a value (``{n.real}``) renders."""
+    from gspo.data import prepare_rows
 
-    with pytest.raises(ConfigError, match=r"\{question.upper\} reads an attribute, not a column"):
-        load_config(None, ["data.train=x.jsonl", "data.prompt_template=Q: {question.upper} A:"])
-    kept = load_config(None, ["data.train=x.jsonl", "data.prompt_template={meta[a.b]} {q}"])
-    assert kept.data.prompt_template == "{meta[a.b]} {q}"
+    rows = [{"question": "2+2", "n": 3}]
+    bad = load_config(None, ["data.train=x.jsonl", "data.prompt_template=Q: {question.upper} A:"])
+    with pytest.raises(ValueError, match=r"\{question.upper\} is a method of the column's value"):
+        prepare_rows(rows, bad.data, what="data.train")
+    good = load_config(None, ["data.train=x.jsonl", "data.prompt_template={question} {n.real}"])
+    assert prepare_rows(rows, good.data, what="data.train")[0]["prompt"] == "2+2 3"
 
 
 def test_a_chat_message_without_role_or_content_says_so():
@@ -343,6 +345,23 @@ def test_a_chat_message_without_role_or_content_says_so():
 
     tokenizer = build_char_tokenizer()
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    with pytest.raises(ValueError, match=r"chat message 0 must be a mapping with 'role' and"):
+    with pytest.raises(ValueError, match=r"chat message 0 must be a mapping with a 'role'"):
         encode_prompt([{"content": "0+1="}], tokenizer)
     assert encode_prompt([{"role": "user", "content": "0+1="}], tokenizer)
+
+
+def test_prompts_that_leave_no_room_for_a_response_are_warned(capsys):
+    """A prompt that fits the context but not with rollout.max_new_tokens ran past
+    max_position_embeddings, unsaid."""
+    from gspo.training.episodes import encode_prompts
+    from gspo.training.sampler import SingleTurn
+
+    tok = build_char_tokenizer()
+    rows = [{"prompt": "1+2="}, {"prompt": "1" * 30}, {"prompt": "2" * 29}]
+    config = load_config(None, ["rollout.max_new_tokens=8"])
+    encode_prompts(config, SingleTurn(None), tok, rows, name="data.train", context=36)
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gspo: warning: data.train: 2 prompt(s) (the longest 30 tokens) ")
+    assert "\n" not in err
+    encode_prompts(config, SingleTurn(None), tok, rows[:1], name="data.train", context=36)
+    assert capsys.readouterr().err == ""

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import string
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -238,6 +239,8 @@ def prepare_rows(rows: list[Row], data: DataConfig, *, what: str, sft: bool = Fa
         need(data.completion_column, "data.completion_column")
     chat = data.chat_template or data.system_prompt is not None
 
+    if template is not None and rows:
+        _check_template_values(template, rows[0])
     out = []
     for row in rows:
         prompt = template.format_map(row) if template else row[data.prompt_column]
@@ -255,3 +258,17 @@ def prepare_rows(rows: list[Row], data: DataConfig, *, what: str, sft: bool = Fa
             new["completion"] = row[data.completion_column]
         out.append(new)
     return out
+
+
+def _check_template_values(template: str, row: dict[str, Any]) -> None:
+    """A field of ``data.prompt_template`` that names a method (``{question.upper}``)
+    would put its repr (``<built-in method upper ...>``) into every prompt: one line."""
+    formatter = string.Formatter()
+    for _, field, _, _ in formatter.parse(template):
+        if field:
+            value, _ = formatter.get_field(field, (), row)
+            if callable(value):
+                raise ValueError(
+                    f"data.prompt_template: {{{field}}} is a method of the column's value, "
+                    "which would be written into the prompt as its repr; name a value"
+                )

@@ -295,10 +295,10 @@ def encode_prompt(
         return list(tokenizer(prompt)["input_ids"])
     if isinstance(prompt, list):
         for i, message in enumerate(prompt):
-            if not isinstance(message, dict) or not {"role", "content"} <= message.keys():
+            if not isinstance(message, dict) or "role" not in message:
                 raise ValueError(
-                    f"chat message {i} must be a mapping with 'role' and 'content'; got "
-                    f"{message!r:.80}"
+                    f"chat message {i} must be a mapping with a 'role' (and its 'content'); "
+                    f"got {message!r:.80}"
                 )
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError(

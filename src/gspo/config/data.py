@@ -13,8 +13,7 @@ from gspo.config.section import Section
 
 
 def template_fields(template: str) -> list[str]:
-    """The column names ``template`` reads (``{question}``, ``{meta[level]}`` -> ``meta``);
-    an attribute (``{question.upper}``) is refused.
+    """The column names ``template`` reads (``{question}``, ``{meta[level]}`` -> ``meta``).
 
     Raises ``ValueError`` (message without the key) for malformed format strings and
     positional fields such as ``{}``, a common slip for ``\\boxed{}`` (write ``{{}}``).
@@ -32,11 +31,6 @@ def template_fields(template: str) -> list[str]:
             raise ValueError(
                 f"{{{field}}} is a positional field; name a column, or write {{{{}}}} for "
                 "literal braces (\\boxed{{}})"
-            )
-        if "." in re.sub(r"\[[^\]]*\]", "", field):  # {question.upper}: rendered as a repr
-            raise ValueError(
-                f"{{{field}}} reads an attribute, not a column; name a column "
-                "({question}, or an item of one: {meta[level]})"
             )
         fields.append(name)
     return fields

@@ -420,6 +420,17 @@ def encode_prompts(
                 f"context of {context} (max_position_embeddings)"
             )
         encoded.append(ids)
+    room = config.rollout.max_new_tokens
+    over = [len(ids) for ids in encoded if context is not None and len(ids) + room > context]
+    if over:
+        print(
+            f"gspo: warning: {name}: {len(over)} prompt(s) (the longest {max(over)} tokens) "
+            f"leave fewer than rollout.max_new_tokens={room} positions of the model's "
+            f"context of {context} (max_position_embeddings): their responses may run past "
+            "it; shorten them or lower rollout.max_new_tokens",
+            file=sys.stderr,
+            flush=True,
+        )
     return encoded
 
 
