@@ -117,8 +117,11 @@ class MetricsLogger:
         scalars.pop("step", None)
         scalars.pop("time", None)
         if self._tb is not None:
+            # the cold start's lines are all RL step 0: its curves go by their own step
+            sft_step = int(scalars.get("sft/step", step))
             for key, value in scalars.items():
-                self._tb.add_scalar(key, value, global_step=step)
+                at = sft_step if key.startswith("sft/") else step
+                self._tb.add_scalar(key, value, global_step=at)
             self._tb.flush()
         if self._wandb_run is not None:
             self._wandb_run.log(scalars, step=step)
