@@ -200,12 +200,31 @@ def test_resume_regenerates_what_was_sampled_ahead(tmp_path, varied_reward, extr
 
 @pytest.mark.slow
 def test_resume_with_another_staleness_is_one_line(tmp_path, varied_reward, capsys):
+    """Up (the checkpoint lacks the weights) and down (accepted before, silently: the
+    resumed run was then not the uninterrupted one)."""
     common = [*RUN, varied_reward, "train.max_steps=4"]
-    assert main(["train", "--output-dir", str(tmp_path / "run"), *common]) == 0
-    code = main(["train", "--resume", str(tmp_path / "run"), "train.max_steps=8",
-                 "rollout.max_staleness=1"])  # fmt: skip
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and "\n" not in err and BEHAVIOUR_WEIGHTS in err
+    for written, resumed in ((0, 1), (1, 0)):
+        run = tmp_path / f"run{written}"
+        staleness = f"rollout.max_staleness={written}"
+        assert main(["train", "--output-dir", str(run), *common, staleness]) == 0
+        capsys.readouterr()
+        code = main(["train", "--resume", str(run), "train.max_steps=8",
+                     f"rollout.max_staleness={resumed}"])  # fmt: skip
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and "\n" not in err
+        assert err == (
+            f"gspo: error: rollout.max_staleness={resumed}: --resume continues the run as it "
+            f"was sampled (rollout.max_staleness={written}), so that it ends as the "
+            "uninterrupted run would; start a new run (--output-dir) to change it"
+        )
+    # the checkpoint's own check stays for a config.yaml edited by hand
+    (tmp_path / "run0" / "config.yaml").write_text(
+        (tmp_path / "run0" / "config.yaml")
+        .read_text()
+        .replace("max_staleness: 0", "max_staleness: 1")
+    )
+    assert main(["train", "--resume", str(tmp_path / "run0"), "train.max_steps=8"]) == 2
+    assert BEHAVIOUR_WEIGHTS in capsys.readouterr().err
 
 
 @pytest.mark.slow

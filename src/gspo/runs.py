@@ -147,14 +147,21 @@ def resume_config(output_dir: str | Path, overrides: list[str]) -> Config:
 
 
 def check_same_model(output_dir: str | Path, config: Config, how: str, other: str) -> None:
-    """A resumed run continues the model its checkpoints hold: ``config`` may not name
-    another (path, architecture, sizes, adapters: one line naming the key)."""
-    started, now = (
-        _flat(c.model.model_dump()) for c in (load_config(Path(output_dir) / "config.yaml"), config)
-    )
+    """A resumed run continues the model its checkpoints hold and the schedule it was
+    sampled on: ``config`` may not name another model (path, architecture, sizes,
+    adapters) nor another ``rollout.max_staleness``; one line naming the key."""
+    first = load_config(Path(output_dir) / "config.yaml")
+    started, now = (_flat(c.model.model_dump()) for c in (first, config))
     for key in started:
         if key not in RESUME_MAY_CHANGE and started[key] != now[key]:
             raise ValueError(
                 f"model.{key}: {how} continues the checkpoints' model "
                 f"(model.{key}={started[key]}); start a new run ({other}) to change it"
             )
+    was, asked = first.rollout.max_staleness, config.rollout.max_staleness
+    if asked != was:  # (a larger one also lacks the weights its batches were sampled by)
+        raise ValueError(
+            f"rollout.max_staleness={asked}: {how} continues the run as it was sampled "
+            f"(rollout.max_staleness={was}), so that it ends as the uninterrupted run would; "
+            f"start a new run ({other}) to change it"
+        )
