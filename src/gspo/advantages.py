@@ -67,17 +67,7 @@ def group_advantages(
     # would be divided out into advantages of about +-0.8 for an all-equal group.
     all_equal = (groups == groups[:, :1]).all(dim=1, keepdim=True)
     constant = all_equal | (group_std <= ZERO_STD)
-    if scale == "group":
-        denominator = group_std
-    elif scale == "batch":
-        if batch_std is None:
-            batch_std = r.std() if r.numel() > 1 else torch.zeros((), dtype=r.dtype)
-        denominator = batch_std.to(r.dtype).expand_as(group_std)
-    else:
-        denominator = torch.ones_like(group_std)
-    safe = torch.where(constant, torch.ones_like(denominator), denominator)
-    advantages = torch.where(constant, torch.zeros_like(centered), centered / safe)
-    return advantages.reshape(-1).to(torch.float32)
+    return _divided(centered, group_std, constant, scale, batch_std, r)
 
 
 def _partly_scored(
@@ -96,15 +86,27 @@ def _partly_scored(
     first = groups.gather(1, valid.to(torch.int64).argmax(dim=1, keepdim=True))  # a scored one
     all_equal = (torch.where(valid, groups, first) == first).all(dim=1, keepdim=True)
     constant = all_equal | (count < 2) | (group_std <= ZERO_STD)
+    return _divided(centered, group_std, constant | ~valid, scale, batch_std, r[scorable])
+
+
+def _divided(
+    centered: Tensor,
+    group_std: Tensor,
+    zeroed: Tensor,
+    scale: str,
+    batch_std: Tensor | None,
+    batch: Tensor,
+) -> Tensor:
+    """``centered`` ``[groups, G]`` over ``scale``'s denominator (``group_std``, the std of
+    ``batch`` or ``batch_std``, or 1), 0 where ``zeroed``; flat float32."""
     if scale == "group":
         denominator = group_std
     elif scale == "batch":
         if batch_std is None:
-            scored = r[scorable]
-            batch_std = scored.std() if scored.numel() > 1 else torch.zeros((), dtype=r.dtype)
-        denominator = batch_std.to(r.dtype).expand_as(group_std)
+            batch_std = batch.std() if batch.numel() > 1 else torch.zeros((), dtype=batch.dtype)
+        denominator = batch_std.to(centered.dtype).expand_as(group_std)
     else:
         denominator = torch.ones_like(group_std)
-    safe = torch.where(constant, torch.ones_like(denominator), denominator)
-    advantages = torch.where(constant | ~valid, zero, centered / safe)
+    safe = torch.where(zeroed, torch.ones_like(denominator), denominator)
+    advantages = torch.where(zeroed, torch.zeros_like(centered), centered / safe)
     return advantages.reshape(-1).to(torch.float32)

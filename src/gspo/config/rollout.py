@@ -133,11 +133,9 @@ class RolloutConfig(Section):
     def _as_spec(self, environment: str | Callable[..., Any] | None) -> str | None:
         """A class given as a Python object is written as the spec that loads it (see
         ``reward.functions``)."""
-        return (
-            environment
-            if environment is None or isinstance(environment, str)
-            else (object_spec(environment))
-        )
+        if environment is None or isinstance(environment, str):
+            return environment
+        return object_spec(environment)
 
     def check_group_size(self) -> None:
         """Group-relative advantages need groups of two or more."""
