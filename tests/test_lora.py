@@ -308,7 +308,7 @@ def test_adapters_on_the_moe_builtin_print_no_pattern_warning(tokenizer):
 def test_an_adapter_on_a_tied_embedding_is_refused_in_one_line(tiny_model, targets):
     """The built-in ties lm_head to embed_tokens (as Qwen3 up to 4B does). An adapter on
     lm_head merged into the shared weight changes the input embeddings too: the merged
-    model's logits differed from the trained policy's (0.17 for random adapters), so
+    model's logits differed from the trained policy's, so
     ``gspo export --merge`` and vLLM's merged weights were silently another model."""
     from gspo.config import LoraSettings
     from gspo.training.lora import attach_lora, tied_embeddings
