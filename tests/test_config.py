@@ -390,6 +390,13 @@ def test_settings_that_another_setting_makes_moot_are_warned():
     ]
     with_r = ["model.lora.r=4", "model.lora.target_modules=[q_proj]", "train.cold_start_steps=0"]
     assert load_config(None, with_r).warnings() == []
+    rounds = ["rollout.filter_max_rounds=8"]  # ignored without filter_groups, unsaid before
+    assert load_config(None, rounds).warnings() == [
+        "rollout.filter_max_rounds is set but rollout.filter_groups=false: no group is "
+        "filtered, so no extra round is sampled (set rollout.filter_groups=true for dynamic "
+        "sampling)"
+    ]
+    assert load_config(None, [*rounds, "rollout.filter_groups=true"]).warnings() == []
     task = ["data.task=calculator", "data.train=rows.jsonl", "model.path=/m", "data.eval=e.jsonl"]
     assert load_config(None, task).warnings() == [
         "data.task=calculator is a built-in task, which data.train replaces: its prompts, "

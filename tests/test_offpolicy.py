@@ -201,6 +201,36 @@ def test_mask_truncated_leaves_cut_responses_out(tmp_path):
         assert r["train/loss"] == r["train/loss"]  # finite, no NaN
 
 
+@pytest.mark.slow
+def test_a_batch_with_no_token_in_the_loss_is_one_warning(tmp_path, capsys):
+    """Cut at 2 tokens every chain response of the first rollout batch is truncated:
+    mask_truncated leaves nothing in the loss, which is said once, naming why."""
+    overrides = [
+        *CHAIN, "rollout.max_new_tokens=2", "algorithm.mask_truncated=true",
+        "train.max_steps=2", "algorithm.minibatches=1", "eval.every=0",
+    ]  # fmt: skip
+    Trainer(load_config(None, overrides), tmp_path / "run").fit()
+    lines = train_lines(read_metrics(tmp_path / "run" / "metrics.jsonl"))
+    assert lines[0]["train/tokens"] == 0.0
+    warned = [x for x in capsys.readouterr().err.splitlines() if "no token in the loss" in x]
+    assert len(warned) == 1
+    assert "rollout batch 0" in warned[0] and "algorithm.mask_truncated=true" in warned[0]
+
+
+def test_the_empty_loss_warning_names_the_rollout_correction(capsys):
+    from gspo.distributed import Distributed
+    from gspo.training.hooks import EmptyLossWarning
+
+    warning = EmptyLossWarning(Distributed())
+    warning.check(3, [{"train/tokens": 5.0}])  # tokens in the loss: nothing said
+    assert capsys.readouterr().err == ""
+    warning.check(4, [{"train/tokens": 0.0, "correction/masked_token_fraction": 1.0}])
+    err = capsys.readouterr().err
+    assert "rollout batch 4" in err and "algorithm.rollout_correction" in err
+    warning.check(5, [{"train/tokens": 0.0}])  # once per run
+    assert capsys.readouterr().err == ""
+
+
 # ------------------------------------------------------------------ dynamic sampling
 def test_fill_keeps_informative_groups_and_stops_at_the_cap():
     g = 2

@@ -66,6 +66,12 @@ def test_parse_tests_forms() -> None:
         parse_tests("x = 1", where="row 3")
     with pytest.raises(ValueError, match=r"row 1\[0\]: expected"):
         parse_tests([{"in": 1}], where="row 1")
+    # an empty list was "expected ... a list of tests", unequal pairs zip's own message
+    for empty in ([], "[]", {"inputs": [], "outputs": []}):
+        with pytest.raises(ValueError, match="row 2: no tests"):
+            parse_tests(empty, where="row 2")
+    with pytest.raises(ValueError, match="row 4: 2 inputs but 1 outputs"):
+        parse_tests({"inputs": ["a", "b"], "outputs": ["A"]}, where="row 4")
 
 
 # ----------------------------------------------------------------------------------- scoring

@@ -53,7 +53,7 @@ from gspo.training.cold_start import cold_start, drop_progress
 from gspo.training.episodes import build_generator, encode_prompts, sft_encoder
 from gspo.training.evaluation import Evaluator, evaluated_at_start
 from gspo.training.forward import build_forward
-from gspo.training.hooks import build_hooks
+from gspo.training.hooks import EmptyLossWarning, build_hooks
 from gspo.training.memory import loading_model, out_of_memory
 from gspo.training.metrics import combine, crossed, metric_reduction, rollout_clip_fractions
 from gspo.training.policy import Policy
@@ -175,6 +175,7 @@ class Trainer:
         )
         hooks = build_hooks(config, out, dist, forward, objective, self.reference)
         self.update_stage = UpdateStage(forward, objective, self.policy_update, hooks)
+        self.empty_loss = EmptyLossWarning(dist)
         self.evaluator = Evaluator(
             config, dist, self.data.eval, eval_prompt_ids, self.generator, scorer, sampling
         )
@@ -246,6 +247,7 @@ class Trainer:
         self.rollouts.trained(rollout_index)
         clip = rollout_clip_fractions([line for _, line in lines], experience.staleness)
         lines[-1][1].update(clip)
+        self.empty_loss.check(rollout_index, [line for _, line in lines])
         step_time = time.perf_counter() - start
         for _, line in lines:
             line["time/step"] = step_time / len(lines)

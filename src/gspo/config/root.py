@@ -29,6 +29,7 @@ from gspo.config.run import EvalConfig, LogConfig, TrainConfig
 from gspo.config.section import Section
 
 _LORA = LoraSettings().model_dump()  # the defaults: changed ones mean adapters were meant
+_FILTER_MAX_ROUNDS = RolloutConfig.model_fields["filter_max_rounds"].default
 
 
 class Config(Section):
@@ -105,6 +106,13 @@ class Config(Section):
             lines.append(
                 f"model.lora.{unused[0]} is set but model.lora.r=0 (full fine-tuning): the "
                 "LoRA settings do nothing (set model.lora.r > 0 for adapters)"
+            )
+        rollout = self.rollout
+        if not rollout.filter_groups and rollout.filter_max_rounds != _FILTER_MAX_ROUNDS:
+            lines.append(
+                "rollout.filter_max_rounds is set but rollout.filter_groups=false: no group "
+                "is filtered, so no extra round is sampled (set rollout.filter_groups=true "
+                "for dynamic sampling)"
             )
         return lines
 

@@ -354,9 +354,15 @@ def parse_tests(tests: Any, where: str = "tests") -> list[CodeTest]:
                 return parse_tests(json.loads(stripped), where)
         return _assert_cases(tests, where)
     if isinstance(tests, dict) and "inputs" in tests and "outputs" in tests:
-        pairs = zip(tests["inputs"], tests["outputs"], strict=True)
-        return [CodeTest(stdin=str(i), stdout=str(o)) for i, o in pairs]
-    if isinstance(tests, Sequence) and tests:
+        inputs, outputs = tests["inputs"], tests["outputs"]
+        if len(inputs) != len(outputs):
+            raise ValueError(f"{where}: {len(inputs)} inputs but {len(outputs)} outputs")
+        if not inputs:
+            raise ValueError(f"{where}: no tests (empty inputs and outputs)")
+        return [CodeTest(stdin=str(i), stdout=str(o)) for i, o in zip(inputs, outputs, strict=True)]
+    if isinstance(tests, Sequence) and not tests:
+        raise ValueError(f"{where}: no tests (an empty list)")
+    if isinstance(tests, Sequence):
         cases: list[CodeTest] = []
         for k, item in enumerate(tests):
             if isinstance(item, str):

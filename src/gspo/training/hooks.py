@@ -3,6 +3,8 @@
 - :class:`FirstMinibatchMismatch`: sampler vs trainer log-probs, free in sampler mode.
 - :class:`OnPolicyClipWarning`: one line when the sampler's log-probs clip the
   on-policy minibatch.
+- :class:`EmptyLossWarning`: one line when no token of a rollout batch is in the loss
+  (it reads the batch's log lines, combined over ranks, not a minibatch's).
 - :class:`ExpertChurn`: share of activated MoE experts that moved since pi_old.
 - :class:`RatioDumps`: importance ratios (and gradient noise by length) to ``ratios/``.
 """
@@ -116,6 +118,47 @@ class OnPolicyClipWarning(Hook):
                     flush=True,
                 )
         return {}
+
+
+class EmptyLossWarning:
+    """One line on stderr, once per run, when a rollout batch has no token in the loss.
+
+    ``algorithm.mask_truncated`` with every response cut, or a rollout correction that
+    drops every token, leaves ``train/tokens`` at 0: the updates change nothing, and the
+    run goes on as if it trained. ``check`` takes the batch's log lines (combined over
+    ranks, so a rank whose share happens to be all masked does not speak for the batch).
+    """
+
+    def __init__(self, dist: Distributed):
+        self.dist = dist
+        self.warned = False
+
+    def check(self, index: int, lines: list[dict[str, float]]) -> None:
+        if self.warned or sum(line.get("train/tokens", 0.0) for line in lines) > 0:
+            return
+        self.warned = True
+        if not self.dist.is_main:
+            return
+        line = lines[-1]
+        if line.get("train/masked_truncated_fraction") == 1.0:
+            why = (
+                "every response reached rollout.max_new_tokens and "
+                "algorithm.mask_truncated=true leaves cut responses out (raise "
+                "rollout.max_new_tokens or set algorithm.mask_truncated=false)"
+            )
+        elif "correction/masked_token_fraction" in line:
+            why = (
+                "the rollout correction (algorithm.rollout_correction) dropped every token "
+                "(widen algorithm.correction_min/correction_max)"
+            )
+        else:
+            why = "every response was left out of the loss"
+        print(
+            f"gspo: warning: rollout batch {index} has no token in the loss "
+            f"(train/tokens 0), so its updates change nothing: {why} (shown once)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 class ExpertChurn(Hook):
