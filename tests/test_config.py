@@ -191,6 +191,22 @@ def test_missing_and_invalid_files(tmp_path):
         load_config(bad)
 
 
+def test_a_boolean_for_a_number_and_a_short_pair_are_one_line_each():
+    """pydantic took true for 1 (train.max_steps=true trained one step) and said
+    "optim.betas.1: Field required" for one beta."""
+    for override, key in (("train.max_steps=true", "train.max_steps"), ("optim.lr=false", "optim.lr"),
+                          ("algorithm.correction_max=true", "algorithm.correction_max")):  # fmt: skip
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [override])
+        assert str(err.value).startswith(f"{key}: a number, not true or false")
+    with pytest.raises(ConfigError, match=r"^optim.betas: expected 2 values \(got \[0.9\]\)$"):
+        load_config(None, ["optim.betas=[0.9]"])
+    config = load_config(None, ["rollout.cuda_graphs=true", "log.progress=false"])
+    assert config.rollout.cuda_graphs is True and config.log.progress is False  # booleans
+    with pytest.raises(ConfigError, match="^train.max_steps: a number"):
+        config.train.max_steps = True
+
+
 def test_cli_bad_key_is_one_line_exit_2(capsys):
     code = main(["train", "optim.nope=1", "--output-dir", "unused"])
     err = capsys.readouterr().err

@@ -4,9 +4,9 @@ and a validation error is one line naming the key (:func:`error_line`)."""
 from __future__ import annotations
 
 import difflib
-from typing import Any, ClassVar, get_args
+from typing import Any, ClassVar, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 
 
 class ConfigError(ValueError):
@@ -31,6 +31,16 @@ class Section(BaseModel):
         except ValidationError as exc:
             raise ConfigError(error_line(exc, type(self), self.config_key)) from None
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _a_number_is_not_a_boolean(cls, value: Any, info: ValidationInfo) -> Any:
+        """pydantic takes ``true`` for the number 1 (``train.max_steps=true``: one step)."""
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(value, bool) and field is not None and _takes(field.annotation, float):
+            if not _takes(field.annotation, bool):
+                raise ValueError("a number, not true or false")
+        return value
+
     def __setattr__(self, name: str, value: Any) -> None:
         try:
             super().__setattr__(name, value)
@@ -39,6 +49,16 @@ class Section(BaseModel):
                 close = did_you_mean(name, list(type(self).model_fields))
                 raise ConfigError(f"{self.config_key}{name}: unknown key{close}") from None
             raise ConfigError(error_line(exc, type(self), self.config_key)) from None
+
+
+def _takes(annotation: Any, kind: type) -> bool:
+    """Whether ``annotation`` admits values of ``kind`` (``float`` also means int)."""
+    if annotation is kind or annotation is Any or (kind is float and annotation is int):
+        return True
+    args = get_args(annotation)
+    if get_origin(annotation) is Literal:
+        return any(type(a) is kind for a in args)
+    return get_origin(annotation) is not tuple and any(_takes(a, kind) for a in args)
 
 
 def field_annotation(model: type[BaseModel], dotted: str) -> Any:
@@ -59,6 +79,13 @@ def _section(model: type[BaseModel], dotted: str) -> type[BaseModel] | None:
             return None
         model = annotation
     return model
+
+
+def _tuples(annotation: Any) -> list[Any]:
+    """The fixed-length tuple types ``annotation`` admits."""
+    if get_origin(annotation) is tuple:
+        return [annotation]
+    return [t for a in get_args(annotation) for t in _tuples(a)]
 
 
 def did_you_mean(word: Any, choices: list[str]) -> str:
@@ -83,6 +110,10 @@ def error_line(exc: ValidationError, model: type[BaseModel], prefix: str = "") -
         return f"{prefix}{where}: unknown key{did_you_mean(leaf, keys)}"
     message = err["msg"].removeprefix("Value error, ")
     value = err.get("input")
+    if err["type"] == "missing" and isinstance(err["loc"][-1], int):  # a tuple too short
+        where = where.rpartition(".")[0]
+        sizes = [len(get_args(a)) for a in _tuples(field_annotation(model, where))]
+        message = f"expected {' or '.join(map(str, sizes))} values"
     shown = "" if isinstance(value, dict) or where == "" else f" (got {value!r})"
     if err["type"] == "literal_error":
         shown += did_you_mean(value, [str(a) for a in get_args(field_annotation(model, where))])
