@@ -194,10 +194,9 @@ def test_missing_and_invalid_files(tmp_path):
 def test_a_boolean_for_a_number_and_a_short_pair_are_one_line_each():
     """pydantic took true for 1 (train.max_steps=true trained one step) and said
     "optim.betas.1: Field required" for one beta."""
-    for override, key in (("train.max_steps=true", "train.max_steps"), ("optim.lr=false", "optim.lr"),
-                          ("algorithm.correction_max=true", "algorithm.correction_max")):  # fmt: skip
+    for key in ("train.max_steps", "optim.lr", "algorithm.correction_max"):
         with pytest.raises(ConfigError) as err:
-            load_config(None, [override])
+            load_config(None, [f"{key}=true"])
         assert str(err.value).startswith(f"{key}: a number, not true or false")
     with pytest.raises(ConfigError, match=r"^optim.betas: expected 2 values \(got \[0.9\]\)$"):
         load_config(None, ["optim.betas=[0.9]"])
