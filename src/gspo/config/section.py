@@ -36,9 +36,9 @@ class Section(BaseModel):
     def _a_number_is_not_a_boolean(cls, value: Any, info: ValidationInfo) -> Any:
         """pydantic takes ``true`` for the number 1 (``train.max_steps=true``: one step)."""
         field = cls.model_fields.get(info.field_name or "")
-        if isinstance(value, bool) and field is not None and _takes(field.annotation, float):
-            if not _takes(field.annotation, bool):
-                raise ValueError("a number, not true or false")
+        kind = None if field is None else field.annotation
+        if isinstance(value, bool) and _takes(kind, float) and not _takes(kind, bool):
+            raise ValueError("a number, not true or false")
         return value
 
     def __setattr__(self, name: str, value: Any) -> None:
