@@ -230,12 +230,17 @@ def test_missing_optional_sink_gives_one_line_runtime_error(tmp_path, monkeypatc
     assert not out.exists()  # failed before creating any file
 
 
-def test_fake_wandb_sink_receives_finite_scalars(tmp_path, monkeypatch):
+def test_fake_wandb_sink_receives_finite_scalars_by_their_own_step(tmp_path, monkeypatch):
+    """Each line is one W&B row with train/step; the cold start's lines (all RL step 0)
+    are drawn by sft/step: logged with step=0 each, W&B merged them into one point."""
     calls = []
 
     class FakeRun:
-        def log(self, data, step):
-            calls.append(("log", data, step))
+        def define_metric(self, name, **kw):
+            calls.append(("define", name, kw))
+
+        def log(self, data, **kw):
+            calls.append(("log", data, kw))
 
         def finish(self):
             calls.append(("finish",))
@@ -248,8 +253,51 @@ def test_fake_wandb_sink_receives_finite_scalars(tmp_path, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "wandb", FakeWandb)
     with MetricsLogger(tmp_path, tensorboard=False, wandb={"project": "p"}) as logger:
+        logger.log(0, {"sft/step": 10, "sft/loss": 2.0})
+        logger.log(0, {"sft/step": 20, "sft/loss": 1.5})
         logger.log(2, {"a": 1.0, "b": float("nan"), "s": "text"})
-    assert calls == [("init", {"project": "p"}), ("log", {"a": 1.0}, 2), ("finish",)]
+    assert calls[0] == ("init", {"project": "p"}) and calls[-1] == ("finish",)
+    rows = [c[1:] for c in calls if c[0] == "log"]
+    assert rows == [
+        ({"train/step": 0, "sft/step": 10, "sft/loss": 2.0}, {}),
+        ({"train/step": 0, "sft/step": 20, "sft/loss": 1.5}, {}),
+        ({"train/step": 2, "a": 1.0}, {}),
+    ]
+    defined = {c[1]: c[2] for c in calls if c[0] == "define"}
+    assert defined == {
+        "train/step": {"hidden": True},
+        "sft/step": {"hidden": True},
+        "sft/loss": {"step_metric": "sft/step"},
+        "a": {"step_metric": "train/step"},
+    }
+    assert len(defined) == sum(c[0] == "define" for c in calls)  # each declared once
+
+
+def test_fake_mlflow_gets_the_cold_starts_lines_by_sft_step(tmp_path, monkeypatch):
+    logged = []
+
+    class FakeMlflow:
+        @staticmethod
+        def start_run(**cfg):
+            pass
+
+        @staticmethod
+        def log_metrics(metrics, step):
+            logged.append((step, metrics))
+
+        @staticmethod
+        def end_run():
+            pass
+
+    monkeypatch.setitem(sys.modules, "mlflow", FakeMlflow)
+    with MetricsLogger(tmp_path, tensorboard=False, mlflow={}) as logger:
+        logger.log(0, {"sft/step": 10, "sft/loss": 2.0})
+        logger.log(3, {"train/loss": 0.5, "eval/accuracy": 0.25})
+        logger.log(4, {"s": "text"})  # no finite scalar: nothing sent
+    assert logged == [
+        (10, {"sft/step": 10, "sft/loss": 2.0}),
+        (3, {"train/loss": 0.5, "eval/accuracy": 0.25}),
+    ]
 
 
 def test_a_tracker_refusing_its_settings_is_one_line_naming_the_key(tmp_path, monkeypatch):

@@ -18,10 +18,12 @@ from typing import Any
 
 from gspo.telemetry.records import METRICS_FILE, _finite_scalars, _is_number, json_safe
 from gspo.telemetry.trackers import (
+    RL_STEP,
     TENSORBOARD_DIR,
+    WandbSink,
+    axis,
     import_optional,
     start_mlflow,
-    start_wandb,
     tensorboard_writer,
 )
 
@@ -69,7 +71,7 @@ class MetricsLogger:
         self.resume_step = resume_step
         self._file: Any = None
         self._tb: Any = None
-        self._wandb_run: Any = None
+        self._wandb: Any = None
         self._mlflow: Any = None
         self._closed = False
         if not enabled:
@@ -92,7 +94,7 @@ class MetricsLogger:
                     purge_step=0 if resume_step is None else resume_step + 1,
                 )
             if wandb_mod is not None:
-                self._wandb_run = start_wandb(wandb_mod, wandb)
+                self._wandb = WandbSink(wandb_mod, wandb)
             if mlflow_mod is not None:
                 start_mlflow(mlflow_mod, mlflow)
                 self._mlflow = mlflow_mod
@@ -116,17 +118,17 @@ class MetricsLogger:
         scalars = _finite_scalars(safe)
         scalars.pop("step", None)
         scalars.pop("time", None)
+        # the cold start's lines are all RL step 0: its curves go by their own step
+        steps = {RL_STEP: step, "sft/step": int(scalars.get("sft/step", step))}
         if self._tb is not None:
-            # the cold start's lines are all RL step 0: its curves go by their own step
-            sft_step = int(scalars.get("sft/step", step))
             for key, value in scalars.items():
-                at = sft_step if key.startswith("sft/") else step
-                self._tb.add_scalar(key, value, global_step=at)
+                self._tb.add_scalar(key, value, global_step=steps[axis(key)])
             self._tb.flush()
-        if self._wandb_run is not None:
-            self._wandb_run.log(scalars, step=step)
-        if self._mlflow is not None and scalars:
-            self._mlflow.log_metrics(scalars, step=step)
+        if self._wandb is not None:
+            self._wandb.log(step, scalars)
+        if self._mlflow is not None:
+            for at, part in _by_axis(scalars, steps):
+                self._mlflow.log_metrics(part, step=at)
 
     def close(self) -> None:
         """Flush and close every sink. Idempotent."""
@@ -137,8 +139,8 @@ class MetricsLogger:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
-        if self._wandb_run is not None:
-            self._wandb_run.finish()
+        if self._wandb is not None:
+            self._wandb.finish()
         if self._mlflow is not None:
             self._mlflow.end_run()
 
@@ -147,6 +149,16 @@ class MetricsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _by_axis(
+    scalars: dict[str, float], steps: dict[str, int]
+) -> list[tuple[int, dict[str, float]]]:
+    """``scalars`` split by the step each is drawn against (:func:`axis`), none empty."""
+    parts: dict[str, dict[str, float]] = {}
+    for key, value in scalars.items():
+        parts.setdefault(axis(key), {})[key] = value
+    return [(steps[name], part) for name, part in parts.items()]
 
 
 def _truncate_metrics(path: Path, resume_step: int) -> None:

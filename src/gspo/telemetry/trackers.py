@@ -31,10 +31,43 @@ def tracker_settings(key: str, name: str) -> Iterator[None]:
         ) from exc
 
 
-def start_wandb(wandb_mod: Any, settings: dict) -> Any:
-    """``wandb.init(**settings)``: the W&B run every ``log`` is mirrored to."""
-    with tracker_settings("log.wandb", "W&B"):
-        return wandb_mod.init(**settings)
+#: The x-axis of the RL lines in W&B (``metrics.jsonl``'s ``step``); the cold start's
+#: lines (``sft/*``) go by their own ``sft/step``, as in TensorBoard and MLflow.
+RL_STEP = "train/step"
+
+
+def axis(key: str) -> str:
+    """The step a metric is drawn against: the cold start's own for ``sft/*`` (its lines
+    are all RL step 0), the RL step for the rest."""
+    return "sft/step" if key.startswith("sft/") else RL_STEP
+
+
+class WandbSink:
+    """``wandb.init(**settings)``: the W&B run every ``log`` is mirrored to.
+
+    Each line is its own row (no ``step=``: W&B merges rows logged at one step, and the
+    cold start's lines are all RL step 0), carrying ``train/step``; each metric is
+    declared once, on first sight, against its axis (``define_metric``), so the RL curves
+    are drawn by RL step and the cold start's by ``sft/step``.
+    """
+
+    def __init__(self, wandb_mod: Any, settings: dict) -> None:
+        with tracker_settings("log.wandb", "W&B"):
+            self.run = wandb_mod.init(**settings)
+        self.declared: set[str] = set()
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        row = {RL_STEP: step, **scalars}
+        for key in row.keys() - self.declared:
+            if key in ("sft/step", RL_STEP):
+                self.run.define_metric(key, hidden=True)
+            else:
+                self.run.define_metric(key, step_metric=axis(key))
+            self.declared.add(key)
+        self.run.log(row)
+
+    def finish(self) -> None:
+        self.run.finish()
 
 
 def start_mlflow(mlflow_mod: Any, settings: dict | None) -> None:
