@@ -325,6 +325,20 @@ def test_a_file_datasets_cannot_read_is_our_one_line_only(tmp_path, capfd):
     )
 
 
+def test_a_split_written_as_a_config_is_pointed_to_the_split(tmp_path):
+    """``DIR:train`` reads ``train`` as a config name (datasets: "BuilderConfig 'train' not
+    found"); the error now says how to name the split, which then loads."""
+    data = tmp_path / "dd"
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    with pytest.raises(ValueError) as err:
+        load_rows(f"{data}:train", what="data.train")
+    assert str(err.value).endswith(
+        f"; for the split 'train' write {data}::train (SOURCE:CONFIG:SPLIT)"
+    )
+    assert load_rows(f"{data}::train", what="data.train") == [{"prompt": "1+1=", "answer": "2"}]
+
+
 def test_a_template_naming_a_method_is_refused(tmp_path):
     """``{question.upper}`` rendered ``<built-in method upper of str object at 0x...>`` into
     every prompt, silently; an attribute that is a value (``{n.real}``) renders."""

@@ -190,6 +190,9 @@ def load_rows(text: str | Path, *, what: str) -> list[Row]:
                     " (a directory must hold a datasets.save_to_disk dataset, or data files "
                     f"of one kind: {', '.join(FILE_BUILDERS)})"
                 )
+            if source.kind != "hub" and source.config and not source.split:
+                split = f"{text.partition(':')[0]}::{source.config}"
+                hint += f"; for the split {source.config!r} write {split} (SOURCE:CONFIG:SPLIT)"
             raise ValueError(
                 f"{what}: cannot load {kind} {text!r}: "
                 f"{type(exc).__name__}: {one_line(exc, 300)}{hint}"
