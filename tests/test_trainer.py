@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -541,6 +542,17 @@ def test_overwrite_removes_the_old_run_only_once_the_new_one_starts(tmp_path, ca
     assert main(["train", "--output-dir", str(old), "--overwrite", *good]) == 0
     assert '{"step": 1}' not in (old / "metrics.jsonl").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    # a run that never reached a checkpoint: its TensorBoard events went on beside the new
+    # run's (one directory, two runs' curves); a directory that holds no run keeps its files
+    shutil.rmtree(old / "checkpoints")
+    (old / "tensorboard").mkdir(exist_ok=True)
+    (old / "tensorboard" / "events.old").write_text("")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("kept")
+    for out in (old, tmp_path / "mine"):
+        assert main(["train", "--output-dir", str(out), "--overwrite", *good]) == 0
+    assert not (old / "tensorboard" / "events.old").exists()
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "kept"
 
 
 def test_output_dir_that_cannot_be_a_run_directory_is_one_line(tmp_path, monkeypatch, capsys):

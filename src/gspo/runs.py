@@ -16,6 +16,7 @@ from gspo.config import Config, load_config
 from gspo.distributed import Distributed, setup_distributed, teardown_distributed
 from gspo.publish import temp_path
 from gspo.rewards.runner import leave_if_starting_a_worker
+from gspo.telemetry import METRICS_FILE
 from gspo.trainer import Trainer
 from gspo.training.checkpoint import CHECKPOINTS
 
@@ -80,7 +81,9 @@ class RunDirectory:
 
     def __enter__(self) -> RunDirectory:
         out, dist = self.output_dir, self.dist
-        if self.replace and (out / CHECKPOINTS).exists():
+        # a run's checkpoints, or the metrics of one that never reached a checkpoint (its
+        # tensorboard/ events would mix with the new run's); anything else stays beside
+        if self.replace and ((out / CHECKPOINTS).exists() or (out / METRICS_FILE).exists()):
             if dist.is_main:
                 self.aside = temp_path(out, secrets.token_hex(6), ".old")
                 out.rename(self.aside)
@@ -110,7 +113,7 @@ class RunDirectory:
             # nothing to resume from (no metric line, no checkpoint, a cold-start progress
             # checkpoint included): what it holds (a saved built-in, an empty metrics
             # file) is remade by a new start
-            metrics = out / "metrics.jsonl"
+            metrics = out / METRICS_FILE
             if not (out / CHECKPOINTS).exists() and not (
                 metrics.is_file() and metrics.stat().st_size
             ):
