@@ -7,6 +7,7 @@ import io
 import itertools
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -507,6 +508,17 @@ def test_progress_live_bar_on_terminal_and_disabled():
     out = console.file.getvalue()
     assert "10/10" in out and "reward 0.5" in out and "eval acc 0.75" in out
     assert "clip 0.25" in out  # lines without the rollout batch's clip fractions
+    # a 100-column terminal: the counts, times and figures all shown, the figures wrapped
+    # (the step count and times were cut to "…" and the figures' end lost before)
+    narrow = Console(file=io.StringIO(), force_terminal=True, width=100, color_system=None)
+    with TrainingProgress(200, console=narrow, start_step=43) as progress:
+        progress.update(44, {**metrics, "train/clip_fraction_off_policy": 0.3812,
+                             "train/clip_fraction_on_policy": 0.0})  # fmt: skip
+        progress._progress.refresh()
+    last = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", narrow.file.getvalue().split("\r")[-1])
+    words = " ".join(last.split())
+    assert "…" not in last and "44/200" in words and "eta" in words
+    assert "clip off-policy 0.3812, on-policy 0 |" in words and words.endswith("s/step")
 
     quiet = Console(file=io.StringIO())
     with TrainingProgress(10, enabled=False, console=quiet) as progress:

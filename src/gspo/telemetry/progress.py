@@ -81,16 +81,21 @@ class TrainingProgress:
                 TimeElapsedColumn,
                 TimeRemainingColumn,
             )
+            from rich.table import Column
 
+            # a narrow terminal wraps the figures onto a second line: the bar, the step
+            # count and the times keep their width (they were cut to "…" before)
+            bar = max(10, min(40, self._console.width - 110))
             self._progress = Progress(
                 TextColumn("[bold]train"),
-                BarColumn(),
+                BarColumn(bar_width=bar),
                 MofNCompleteColumn(),
                 TimeElapsedColumn(),
                 TextColumn("eta"),
                 TimeRemainingColumn(),
-                TextColumn("{task.fields[stats]}"),
+                TextColumn("{task.fields[stats]}", table_column=Column(no_wrap=False, ratio=1)),
                 console=self._console,
+                expand=True,
             )
             self._task = self._progress.add_task(
                 "train", total=self.total_steps, completed=self.start_step, stats=""
