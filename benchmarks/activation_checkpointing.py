@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from child import run_child
 
 PROMPT = 32
 
@@ -120,16 +122,6 @@ def alternate(model, update, repeats: int) -> dict[str, float]:
     return best
 
 
-def run_child(child: str, argv: list[str]) -> dict:
-    out = subprocess.run(
-        [sys.executable, __file__, "--child", child, *argv],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--responses", type=int, default=4)
@@ -144,7 +136,10 @@ def main() -> None:
         print(json.dumps(measure(args.child == "on", args)))
         return
     argv = sys.argv[1:]
-    off, on = run_child("off", argv), run_child("on", argv)
+    off, on = (
+        run_child(__file__, ["--child", "off", *argv]),
+        run_child(__file__, ["--child", "on", *argv]),
+    )
     seconds = on["seconds"]
     print(
         f"built-in qwen3 {args.layers} x {args.hidden} (MLP {args.intermediate}), "

@@ -17,9 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from child import run_child
 
 V, H = 151_936, 1024
 
@@ -94,16 +97,6 @@ def check_values(n: int = 2, t: int = 256) -> float:
     return max((ours - naive).abs().max().item(), (g_ours - g_naive).abs().max().item())
 
 
-def run_child(variant: str, size: str) -> dict:
-    out = subprocess.run(
-        [sys.executable, __file__, "--child", variant, size],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="8x2048", help="N x T for the chunked path")
@@ -116,12 +109,12 @@ def main() -> None:
         return
     print(f"max |delta| log-prob or gradient, chunked vs naive (2x256): {check_values():.2e}")
     results = [
-        run_child("naive", args.naive_tokens),
-        run_child("chunked", args.naive_tokens),
-        run_child("chunked", args.tokens),
-        run_child("entropy", args.naive_tokens),
-        run_child("entropy", args.tokens),
-        run_child("onednn", args.naive_tokens),
+        run_child(__file__, ["--child", "naive", args.naive_tokens]),
+        run_child(__file__, ["--child", "chunked", args.naive_tokens]),
+        run_child(__file__, ["--child", "chunked", args.tokens]),
+        run_child(__file__, ["--child", "entropy", args.naive_tokens]),
+        run_child(__file__, ["--child", "entropy", args.tokens]),
+        run_child(__file__, ["--child", "onednn", args.naive_tokens]),
     ]
     for r in results:
         peak, seconds = r["peak_over_inputs_mb"], r["seconds"]
