@@ -405,6 +405,11 @@ def test_settings_that_another_setting_makes_moot_are_warned():
     ]
     with_r = ["model.lora.r=4", "model.lora.target_modules=[q_proj]", "train.cold_start_steps=0"]
     assert load_config(None, with_r).warnings() == []
+    assert load_config(None, [*with_r, "model.lora.dropout=0.05"]).warnings() == [
+        "model.lora.dropout=0.05: the update's forward drops adapter inputs the sampler kept, "
+        "so on-policy ratios are not 1 and GSPO's narrow clip range clips responses of the "
+        "on-policy minibatch (0 keeps them 1)"
+    ]
     rounds = ["rollout.filter_max_rounds=8"]  # ignored without filter_groups, unsaid before
     assert load_config(None, rounds).warnings() == [
         "rollout.filter_max_rounds is set but rollout.filter_groups=false: no group is "

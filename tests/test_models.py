@@ -324,3 +324,30 @@ def test_a_model_directory_without_a_tokenizer_is_one_line(tmp_path, tokenizer, 
     tokenizer.save_pretrained(tmp_path / "m")
     _, loaded = load_model(tmp_path / "m", device=CPU, dtype=torch.float32)
     assert loaded("12+3=")["input_ids"] == tokenizer("12+3=")["input_ids"]
+
+
+def test_dropout_is_switched_off_so_training_mode_computes_the_samplers_probabilities(tokenizer):
+    """GPT-2's configs carry dropout 0.1: in the update's training-mode forward it made the
+    on-policy ratios 0.13-0.23 off 1 in log space (70% of sequences clipped, silently)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
+
+    from gspo.models import disable_dropout
+
+    small = {"vocab_size": len(tokenizer), "n_embd": 32, "n_layer": 1, "n_head": 2}
+    gpt2 = GPT2LMHeadModel(GPT2Config(**small, n_positions=64))  # dropout 0.1 throughout
+    qwen = Qwen3ForCausalLM(
+        Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                    head_dim=16, attention_dropout=0.3, attn_implementation="eager")
+    )  # fmt: skip
+    ids = torch.tensor([tokenizer("12+34=46")["input_ids"]])
+    for model, rate in ((gpt2, 0.1), (qwen, 0.3)):
+        model.train()
+        torch.manual_seed(0)
+        with torch.no_grad():
+            assert not torch.equal(model(ids).logits, model.eval()(ids).logits)
+        assert disable_dropout(model) == pytest.approx(rate)
+        with torch.no_grad():
+            assert torch.equal(model.train()(ids).logits, model.eval()(ids).logits)
+        assert disable_dropout(model) == 0.0  # nothing left to switch off
+    assert gpt2.config.attn_pdrop == 0.1  # config.json (an export) keeps the model's own

@@ -107,6 +107,12 @@ class Config(Section):
                 f"model.lora.{unused[0]} is set but model.lora.r=0 (full fine-tuning): the "
                 "LoRA settings do nothing (set model.lora.r > 0 for adapters)"
             )
+        if lora.r > 0 and lora.dropout > 0:
+            lines.append(
+                f"model.lora.dropout={lora.dropout:g}: the update's forward drops adapter "
+                "inputs the sampler kept, so on-policy ratios are not 1 and GSPO's narrow "
+                "clip range clips responses of the on-policy minibatch (0 keeps them 1)"
+            )
         rollout = self.rollout
         if not rollout.filter_groups and rollout.filter_max_rounds != _FILTER_MAX_ROUNDS:
             lines.append(

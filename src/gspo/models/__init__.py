@@ -6,6 +6,7 @@ from gspo.models.builtin import TinyModelSpec, build_char_tokenizer, build_tiny_
 from gspo.models.loading import (
     MODEL_FINGERPRINT,
     MODEL_POINTER,
+    disable_dropout,
     is_model_file,
     load_model,
     model_files,

@@ -191,6 +191,25 @@ def loading_model(path: str | Path, *, dtype: torch.dtype, device: torch.device)
         raise OutOfMemory(loading_message(path, dtype, device, exc)) from exc
 
 
+def disable_dropout(model: torch.nn.Module) -> float:
+    """Switch off every dropout of ``model`` (its ``nn.Dropout`` modules and the attention
+    modules' ``attention_dropout``); the largest probability switched off (0.0: none).
+
+    RL's ratio pi_theta / pi_old needs the trainer's forward to compute the sampler's
+    probabilities: with dropout on in training mode (GPT-2's configs: 0.1) the on-policy
+    ratios are off 1 by the dropped units and GSPO's narrow range clips most sequences.
+    ``config.json`` is left as it was (an export keeps the model's own dropout).
+    """
+    largest = 0.0
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            largest, module.p = max(largest, module.p), 0.0
+        rate = getattr(module, "attention_dropout", None)
+        if isinstance(rate, float) and rate > 0:
+            largest, module.attention_dropout = max(largest, rate), 0.0
+    return largest
+
+
 #: Files of which a Hugging Face tokenizer is loaded (one of them at least).
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",

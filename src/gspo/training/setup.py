@@ -4,6 +4,7 @@ each rank's share of the batch sizes."""
 from __future__ import annotations
 
 import inspect
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from gspo.models import (
     TinyModelSpec,
     build_char_tokenizer,
     build_tiny_model,
+    disable_dropout,
     load_model,
     model_files,
     save_pretrained_atomic,
@@ -122,6 +124,14 @@ def build_policy_model(
         model, tokenizer = build_or_load_model(config, output_dir, device, dist)
         # (a step 0 naming its model as model.path: that model, so names never chain)
         model_dir = model_files(config.model.path or output_dir / "base_model")
+    dropout = disable_dropout(model)
+    if dropout > 0 and dist.is_main:
+        print(
+            f"gspo: note: the model's dropout (up to {dropout:g}) is off for the whole run: "
+            "pi_theta/pi_old must be 1 on the sampled tokens",
+            file=sys.stderr,
+            flush=True,
+        )
     set_experts_implementation(model, config.model.experts_implementation)
     if config.model.activation_checkpointing:
         enable_activation_checkpointing(model)
