@@ -192,6 +192,36 @@ def test_shared_prompts_equal_the_padded_forward_and_feed_each_prompt_once(
     assert torch.allclose(g_shared, g_alone, atol=1e-4)
 
 
+def test_a_sliding_window_model_does_not_share_prompts_past_its_window(tokenizer):
+    """The shared layout's explicit mask let every token see the whole sequence: a Mistral
+    with a window of 4 got log-probs far from its own forward (GSPO then clipped most
+    on-policy sequences). Past the window the rows are packed alone."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen3Config
+
+    from gspo.models.logprobs import sliding_window
+
+    config = MistralConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=4,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = MistralForCausalLM(config).eval()
+    assert sliding_window(model.config) == 4 and sliding_window(Qwen3Config()) is None
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(4, 60, (1, 5), generator=gen).repeat(3, 1)  # one group
+    completion = torch.randint(4, 60, (3, 9), generator=gen)
+    masks = torch.ones_like(prompt), torch.ones_like(completion)
+    args = (model, prompt, masks[0], completion, masks[1])
+    with torch.no_grad():
+        ids = torch.cat([prompt, completion], 1)
+        own = torch.log_softmax(model(ids).logits[:, 4:-1], -1)
+        own = own.gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+        for share in (True, "auto", False):
+            packed = packed_completion_logprobs(*args, share_prompts=share)
+            assert (packed - own).abs().max() < 1e-5
+
+
 def _full_entropy(logits):
     logp = torch.log_softmax(logits, -1)
     return -(logp.exp() * logp).sum(-1)

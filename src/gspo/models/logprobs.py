@@ -333,7 +333,12 @@ def pack_layout(
     lengths = [prompt_len[i] + len(completions[i]) for i in range(n)]
     place, used = _pack(lengths, pack_tokens)
     shared = False
-    if share_prompts and getattr(config, "_attn_implementation", None) == "sdpa":
+    window = sliding_window(config)  # the shared layout's explicit mask would drop it
+    if (
+        share_prompts
+        and getattr(config, "_attn_implementation", None) == "sdpa"
+        and (window is None or max(lengths) <= window)
+    ):
         members: dict[tuple[int, ...], list[int]] = {}
         for i in range(n):
             members.setdefault(tuple(prompts[i].tolist()), []).append(i)
@@ -416,6 +421,19 @@ def _pack(lengths: list[int], pack_tokens: int) -> tuple[list[tuple[int, int]], 
         place[s] = (row, used[row])
         used[row] += lengths[s]
     return place, used
+
+
+def sliding_window(config) -> int | None:
+    """The attention window of a model whose layers (some or all) see only the last
+    ``sliding_window`` tokens (Mistral; Qwen2 with ``use_sliding_window``; Gemma's local
+    layers), or None where every layer sees the whole sequence."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return window if isinstance(window, int) and window > 0 else None
 
 
 def layout_cost(config, used: list[int]) -> float:
