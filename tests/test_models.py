@@ -61,6 +61,37 @@ def test_load_model_errors(tmp_path):
         load_model(tmp_path / "empty", device=CPU, dtype=torch.float32)
 
 
+def test_weights_that_do_not_make_the_model_are_one_line(tmp_path, tokenizer):
+    """A tensor missing from the files trained from its random initialisation (after
+    transformers' multi-line report); a truncated file or a config.json of other shapes
+    ended in a traceback."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    spec = TinyModelSpec(layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64)
+    model = build_tiny_model(spec, tokenizer, seed=0)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    save_pretrained_atomic(model, tokenizer, tmp_path / "m")
+    load_model(tmp_path / "m", device=CPU, dtype=torch.float32)  # whole: loads
+    weights = tmp_path / "m" / "model.safetensors"
+    tensors = load_file(weights)
+    save_file({k: v for k, v in tensors.items() if k != "lm_head.weight"}, weights)
+    with pytest.raises(ValueError, match=r"/m: the weight files lack lm_head.weight, which"):
+        load_model(tmp_path / "m", device=CPU, dtype=torch.float32)
+    save_file(tensors, weights)
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "hidden_size": 16}))
+    with pytest.raises(ValueError) as err:
+        load_model(tmp_path / "m", device=CPU, dtype=torch.float32)
+    assert "] in the weight files but [" in str(err.value) and "\n" not in str(err.value)
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"cannot load .*/m: a truncated or damaged .safetensors"):
+        load_model(tmp_path / "m", device=CPU, dtype=torch.float32)
+
+
 def test_completion_logprobs_match_a_full_forward(tokenizer, tiny_model):
     """Left-padded prompts + right-padded completions give each row's unpadded log-probs."""
     rows = [("12+3=", "15"), ("7+8=", "15!"), ("100+1=", "1")]

@@ -9,8 +9,10 @@ import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from gspo.models.memory import OutOfMemory, is_out_of_memory, what_ran_out
 from gspo.publish import check_manifest, megabytes, staged
@@ -217,6 +219,41 @@ TOKENIZER_FILES = (
 )  # fmt: skip
 
 
+@contextmanager
+def _no_load_report() -> Iterator[None]:
+    """transformers' multi-line load report (missing or mismatched tensors) is left out:
+    :func:`check_loaded_weights` says what matters in one line."""
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+
+
+def check_loaded_weights(path: Path, info: dict[str, Any]) -> None:
+    """A weight the model has and the files lack (it would train from its random
+    initialisation), or one of another shape than ``config.json`` makes, is one line."""
+    mismatched = sorted(info.get("mismatched_keys") or (), key=str)
+    if mismatched:
+        key, stored, made = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+        raise ValueError(
+            f"model.path: {path}: {key} is {list(stored)} in the weight files but "
+            f"{list(made)} in the model its config.json makes{more}; config.json does not "
+            "describe these weights"
+        )
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(
+            f"model.path: {path}: the weight files lack {missing[0]}{more}, which the "
+            "model its config.json makes needs (it would train from random values)"
+        )
+
+
 def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype):
     """Load a local HF causal-LM directory (AutoModelForCausalLM + AutoTokenizer), or the
     one a checkpoint's :data:`MODEL_POINTER` names.
@@ -250,13 +287,18 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype):
     check_manifest(path, is_model_file)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        with loading_model(path, dtype=dtype, device=device):
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except (OSError, ValueError, KeyError) as exc:
+        with loading_model(path, dtype=dtype, device=device), _no_load_report():
+            model, info = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True
+            )
+    except (OSError, ValueError, KeyError, SafetensorError) as exc:
         if isinstance(exc, OutOfMemory):
             raise
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if isinstance(exc, SafetensorError):
+            first_line = f"a truncated or damaged .safetensors file ({first_line})"
         raise ValueError(f"model.path: cannot load {path}: {first_line}") from exc
+    check_loaded_weights(path, info)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
