@@ -93,6 +93,30 @@ def test_a_setup_error_under_torchrun_is_said_once(tmp_path):
         said = [line for line in done.stderr.splitlines() if line.startswith("gspo: error:")]
         assert done.returncode != 0 and len(said) == 1, done.stderr[-2000:]
         assert bad.split("=")[0] in said[0]
+        assert not (tmp_path / "run").exists()  # rank 1 made it again after rank 0 removed it
+
+
+def test_overwrite_under_torchrun_has_every_rank_wait_for_rank_0s_decision(tmp_path):
+    """Each rank looked for the old run itself: a rank looking after rank 0 had set it
+    aside skipped the barrier, the ranks' collectives no longer matched (a gloo error, the
+    old run left hidden beside an empty directory). Rank 0 decides; every rank waits once."""
+    from gspo.runs import RunDirectory
+
+    class Recorded(Distributed):
+        barriers = 0
+
+        def barrier(self) -> None:
+            self.barriers += 1
+
+    old = tmp_path / "run"
+    (old / "checkpoints").mkdir(parents=True)
+    for rank in (1, 0, 1):  # rank 1 before rank 0 sets the old run aside, then after
+        dist = Recorded(rank=rank, world_size=2)
+        with RunDirectory(old, replace=True, dist=dist, name="--output-dir") as run:
+            assert dist.barriers == 1  # the last one: 0 before
+            assert (run.aside is not None) == (rank == 0)
+            run.started()  # rank 0: the old run goes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
 def test_a_rank_other_than_0_waits_for_rank_0_to_say_a_setup_error(tmp_path, monkeypatch, capsys):

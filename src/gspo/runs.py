@@ -83,8 +83,10 @@ class RunDirectory:
         out, dist = self.output_dir, self.dist
         # a run's checkpoints, or the metrics of one that never reached a checkpoint (its
         # tensorboard/ events would mix with the new run's); anything else stays beside
-        if self.replace and ((out / CHECKPOINTS).exists() or (out / METRICS_FILE).exists()):
-            if dist.is_main:
+        # (rank 0 alone looks and decides, every rank waits for it: a rank looking after
+        # the rename skipped the barrier, and the ranks' collectives no longer matched)
+        if self.replace:
+            if dist.is_main and ((out / CHECKPOINTS).exists() or (out / METRICS_FILE).exists()):
                 self.aside = temp_path(out, secrets.token_hex(6), ".old")
                 out.rename(self.aside)
             dist.barrier()

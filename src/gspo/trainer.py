@@ -104,7 +104,8 @@ class Trainer:
         self.config = config
         self.dist = dist = dist or Distributed()
         self.output_dir = out = Path(output_dir)
-        out.mkdir(parents=True, exist_ok=True)
+        if dist.is_main:  # (a rank making it after rank 0 removed a failed start's left it)
+            out.mkdir(parents=True, exist_ok=True)
         device = rank_device(config.model.device, dist)
         # batch sizes are global: this rank's shares (one-line errors if they do not divide)
         local_prompts, self.local_sft_batch = local_shares(config, dist)
