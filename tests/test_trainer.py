@@ -498,15 +498,26 @@ def test_resume_refuses_another_model_or_another_directory(tmp_path, capsys):
         f"({run}); drop --output-dir",
     ]
     assert (run / "config.yaml").read_text() == written
-    # what computes the same weights may change: the run goes on
-    on = ["train.max_steps=2", "model.activation_checkpointing=true", "model.cpu_linear=torch"]
-    assert main(["train", "--resume", str(run), *on]) == 0
+    # another count of steps per rollout batch took rollout batches again (the counter
+    # went back), accepted silently before
+    assert main(["train", "--resume", str(run), "algorithm.minibatches=2"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "gspo: error: algorithm.minibatches=2: --resume continues the run as it was sampled "
+        "(algorithm.minibatches=4), so that it ends as the uninterrupted run would; start a "
+        "new run (--output-dir) to change it"
+    )
+    # what computes the same weights may change: the run goes on; optim.* overrides apply
+    # (the optimizer state loaded put the saved learning rate back: recorded, ignored)
+    on = ["train.max_steps=8", "model.activation_checkpointing=true", "model.cpu_linear=torch"]
+    assert main(["train", "--resume", str(run), *on, "optim.lr=3e-3"]) == 0
+    lrs = [r["train/lr"] for r in read_metrics(run / "metrics.jsonl") if "train/lr" in r]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[-1] == pytest.approx(3e-3)
     capsys.readouterr()
     assert main(["train", "--resume", str(run)]) == 0  # finished: nothing to do, said
     said = capsys.readouterr().out
     steps = read_metrics(run / "metrics.jsonl")[-1]["step"]
     assert (
-        f"the run already took its {steps} steps (train.max_steps=2 in whole rollout batches "
+        f"the run already took its {steps} steps (train.max_steps=8 in whole rollout batches "
         f"of 4); resume it with a larger train.max_steps to train on" in said
     )
 

@@ -151,10 +151,16 @@ def resume_config(output_dir: str | Path, overrides: list[str]) -> Config:
     return config
 
 
+#: What a resumed run keeps: the staleness its batches were sampled at, and the optimizer
+#: steps per rollout batch (which rollout batch a step is: another count took rollout
+#: batches again, the rollout counter going back).
+SAMPLED_AS = ("rollout.max_staleness", "algorithm.minibatches")
+
+
 def check_same_model(output_dir: str | Path, config: Config, how: str, other: str) -> None:
     """A resumed run continues the model its checkpoints hold and the schedule it was
     sampled on: ``config`` may not name another model (path, architecture, sizes,
-    adapters) nor another ``rollout.max_staleness``; one line naming the key."""
+    adapters) nor another :data:`SAMPLED_AS` setting; one line naming the key."""
     first = load_config(Path(output_dir) / "config.yaml")
     started, now = (_flat(c.model.model_dump()) for c in (first, config))
     for key in started:
@@ -163,10 +169,12 @@ def check_same_model(output_dir: str | Path, config: Config, how: str, other: st
                 f"model.{key}: {how} continues the checkpoints' model "
                 f"(model.{key}={started[key]}); start a new run ({other}) to change it"
             )
-    was, asked = first.rollout.max_staleness, config.rollout.max_staleness
-    if asked != was:  # (a larger one also lacks the weights its batches were sampled by)
-        raise ValueError(
-            f"rollout.max_staleness={asked}: {how} continues the run as it was sampled "
-            f"(rollout.max_staleness={was}), so that it ends as the uninterrupted run would; "
-            f"start a new run ({other}) to change it"
-        )
+    for key in SAMPLED_AS:  # (a larger staleness also lacks the weights it sampled by)
+        section, name = key.split(".")
+        was, asked = (getattr(getattr(c, section), name) for c in (first, config))
+        if asked != was:
+            raise ValueError(
+                f"{key}={asked}: {how} continues the run as it was sampled ({key}={was}), "
+                f"so that it ends as the uninterrupted run would; start a new run ({other}) "
+                "to change it"
+            )

@@ -67,6 +67,7 @@ from gspo.training.setup import (
     load_task_data,
     local_shares,
     model_summary,
+    resumed_optim_settings,
     reward_functions,
     rl_optimizer,
     with_environment_reward,
@@ -152,6 +153,7 @@ class Trainer:
             self.policy_update.step = load_checkpoint(
                 checkpoint, self.policy, self.optimizer, self.scheduler
             )
+            resumed_optim_settings(self.optimizer, self.scheduler, config)
             self.cold_start_done = True
 
         # the stages, and the hooks attached to the update stage

@@ -223,6 +223,22 @@ def rl_optimizer(
     return optimizer, scheduler
 
 
+def resumed_optim_settings(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, config: Config
+) -> None:
+    """A resumed run's optimizer with the config's ``optim.*``: loading its state put back
+    the learning rate, betas and weight decay it was saved with, so an override on
+    ``--resume`` was recorded in config.yaml and ignored. The rate is the schedule's at the
+    step reached (unchanged settings: the very values loaded)."""
+    optim = config.optim
+    scheduler.base_lrs = [optim.lr] * len(optimizer.param_groups)
+    for group, rate in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+        group["initial_lr"] = optim.lr
+        group["lr"] = optim.lr * rate(scheduler.last_epoch)
+        group["betas"] = tuple(optim.betas)
+        group["weight_decay"] = optim.weight_decay
+
+
 def moe_settings(config: Config, model: torch.nn.Module) -> tuple[bool, bool]:
     """``(routing_replay, measure_churn)`` for ``model``; the churn is on by default for MoE
     (off by default with ``rollout.max_staleness > 0``: pi_old's routing is not the trainer's).
