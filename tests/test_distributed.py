@@ -36,6 +36,10 @@ def test_combine_weights_fractions_by_their_counts():
     out = combine_metrics(ranks, by_level)
     assert out["train/clip_fraction"] == pytest.approx(15 / 40)  # token-weighted
     assert out["train/tokens"] == 40.0 and out["train/sequences"] == 8.0
+    # the cold start's: its loss by tokens, its tokens added up (averaged before: 14.5)
+    sft = [{"sft/loss": 2.0, "sft/tokens": 12.0}, {"sft/loss": 1.0, "sft/tokens": 17.0}]
+    out = combine_metrics(sft, by_level)
+    assert out == {"sft/loss": pytest.approx(41 / 29), "sft/tokens": 29.0}
 
 
 def test_combine_extremes_ignore_a_rank_with_nothing_measured():

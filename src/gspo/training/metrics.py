@@ -39,6 +39,7 @@ SUMMED = frozenset(
         "mismatch/tokens",
         "mismatch/sequences",
         "rollout/groups_dropped",
+        "sft/tokens",
     }
 )
 TOKEN_WEIGHTED = frozenset(
