@@ -170,7 +170,9 @@ def test_lora_checkpoint_is_peft_format_and_export_merges(tmp_path, varied_rewar
     assert err.startswith(f"gspo: error: {adapter} holds other bytes (CRC-32 ") and "\n" not in err
 
 
-def test_export_without_merge_names_a_full_checkpoint_or_asks_for_out(tmp_path, capsys):
+def test_export_without_merge_names_a_full_checkpoint_or_asks_for_out(
+    tmp_path, capsys, monkeypatch
+):
     for name, extra in (("full", "model.lora.r=0"), ("lora", "model.lora.r=4")):
         config = load_config(None, [*FAST, extra, "train.max_steps=0", "eval.max_prompts=2"])
         Trainer(config, tmp_path / name).fit()
@@ -183,6 +185,26 @@ def test_export_without_merge_names_a_full_checkpoint_or_asks_for_out(tmp_path, 
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(model).config.model_type == "qwen3"
+    # a full model's export is marked as one: exporting again into it replaces it (it was
+    # refused as "not an earlier export", a LoRA merge's alone being marked)
+    for _ in range(2):
+        assert main(["export", str(tmp_path / "full"), "--merge", str(tmp_path / "fx")]) == 0
+    assert (tmp_path / "fx" / "gspo_export.json").is_file()
+    # a place it cannot write: named as given (it named the temporary directory and
+    # advised a `gspo train --resume`)
+    import gspo.export
+
+    def refused(model, tokenizer, out, **kw):
+        raise PermissionError(1, "Operation not permitted", f"{out}.gspo-1.new")
+
+    monkeypatch.setattr(gspo.export, "save_pretrained_atomic", refused)
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "full"), "--merge", str(tmp_path / "ro")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"gspo: error: export: --merge {tmp_path / 'ro'}: cannot be written (Operation not "
+        "permitted)"
+    )
+    monkeypatch.undo()
     assert main(["export", str(tmp_path / "lora")]) == 2
     err = capsys.readouterr().err.strip()
     assert "holds a LoRA adapter" in err and "pass --merge OUT" in err and "\n" not in err

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from gspo.models import is_model_file, load_model, model_files, save_pretrained_atomic
-from gspo.publish import check_manifest
+from gspo.publish import DiskFull, check_manifest
 from gspo.training.checkpoint import TRAINER_STATE, latest_checkpoint
 from gspo.training.lora import base_model_path, is_lora_checkpoint, quiet_peft
 
@@ -87,23 +87,31 @@ def export_merged(source: Path, out: Path) -> Path:
     checkpoint = resolve_checkpoint(source)
     check_target(out, source, checkpoint)
     cpu = torch.device("cpu")
+    mark: dict[str, str] = {"exported_from": str(checkpoint.resolve())}
     if not is_lora_checkpoint(checkpoint):
         model, tokenizer = load_model(checkpoint, device=cpu, dtype=torch.float32)
-        save_pretrained_atomic(model, tokenizer, out)
-        return checkpoint
-    base_dir = base_model_path(checkpoint)
-    if not base_dir.is_dir():
-        raise FileNotFoundError(
-            f"export: the base model {base_dir} named in {checkpoint}/adapter_config.json "
-            "is missing"
-        )
-    check_manifest(checkpoint, is_model_file)  # the adapter's files
-    base, tokenizer = load_model(base_dir, device=cpu, dtype=torch.float32)
-    with quiet_peft():
-        merged = PeftModel.from_pretrained(base, checkpoint).merge_and_unload()
-    mark = {"exported_from": str(checkpoint.resolve()), "base_model": str(base_dir.resolve())}
-    save_pretrained_atomic(
-        merged, tokenizer, out,
-        also=lambda tmp: (tmp / EXPORT_MARK).write_text(json.dumps(mark, indent=1) + "\n"),
-    )  # fmt: skip
+    else:
+        base_dir = base_model_path(checkpoint)
+        if not base_dir.is_dir():
+            raise FileNotFoundError(
+                f"export: the base model {base_dir} named in {checkpoint}/adapter_config.json "
+                "is missing"
+            )
+        check_manifest(checkpoint, is_model_file)  # the adapter's files
+        base, tokenizer = load_model(base_dir, device=cpu, dtype=torch.float32)
+        with quiet_peft():
+            model = PeftModel.from_pretrained(base, checkpoint).merge_and_unload()
+        mark["base_model"] = str(base_dir.resolve())
+    # the mark lets a later export replace this one (and nothing else: check_target)
+    try:
+        save_pretrained_atomic(
+            model, tokenizer, out,
+            also=lambda tmp: (tmp / EXPORT_MARK).write_text(json.dumps(mark, indent=1) + "\n"),
+        )  # fmt: skip
+    except DiskFull:
+        raise
+    except OSError as exc:  # (it named the temporary directory, and advised a resume)
+        raise ValueError(
+            f"export: --merge {out}: cannot be written ({exc.strerror or exc})"
+        ) from exc
     return checkpoint
