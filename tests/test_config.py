@@ -286,6 +286,10 @@ def test_text_keys_take_the_value_as_written():
     assert parse_override("model.path=yes") == ("model.path", "yes")
     assert parse_override("model.path=123") == ("model.path", "123")
     assert parse_override(f"model.path={template}") == ("model.path", template)
+    # nothing after '=': an unset shell variable (model.path=$MODEL trained the built-in)
+    for empty in ("model.path=", "optim.lr= ", "data.eval="):
+        with pytest.raises(ConfigError, match=r"^\w+\.\w+: no value after '=' \(an unset"):
+            parse_override(empty)
     # unknown keys and whole sections fall back to YAML and are then refused by name
     with pytest.raises(ConfigError, match="data.nosuch: unknown key"):
         load_config(overrides=["data.nosuch=Q: {x}"])

@@ -71,7 +71,7 @@ def _is_text(annotation: Any) -> bool:
     return False
 
 
-_NULL = {"null", "Null", "NULL", "~", ""}
+_NULL = {"null", "Null", "NULL", "~"}
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -79,12 +79,15 @@ def parse_override(text: str) -> tuple[str, Any]:
 
     Text keys (``str``, ``str | None``, a choice of strings) take the value as written,
     colons, braces and quotes included (``data.prompt_template=Q: {question} A:``); for
-    an optional one ``null``, ``~`` or nothing means None. Every other value (numbers,
-    booleans, lists, mappings) is parsed as YAML.
+    an optional one ``null`` or ``~`` means None. Every other value (numbers, booleans,
+    lists, mappings) is parsed as YAML. Nothing after ``=`` is refused: it is what an unset
+    shell variable gives (``model.path=$MODEL`` silently trained the built-in model).
     """
     key, sep, raw = text.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r} must look like key.sub=value")
+    if not raw.strip():
+        raise ConfigError(f"{key}: no value after '=' (an unset variable?); {key}=null for none")
     annotation = field_annotation(Config, key)
     if annotation is not None and _is_text(annotation):
         if type(None) in get_args(annotation) and raw.strip() in _NULL:
@@ -92,7 +95,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         # a choice is a word: spaces around it are not part of it
         return key, raw.strip() if get_origin(annotation) is Literal else raw
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = yaml.safe_load(raw)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{key}: cannot parse value {raw!r} as YAML") from exc
     # YAML 1.1 reads "3e-4" (no dot) as a string; numbers written that way are meant.
