@@ -379,3 +379,8 @@ def test_prompts_that_leave_no_room_for_a_response_are_warned(capsys):
     assert "\n" not in err
     encode_prompts(config, SingleTurn(None), tok, rows[:1], name="data.train", context=36)
     assert capsys.readouterr().err == ""
+    # a model whose positions are a table (GPT-2's wpe): past it the lookup failed, after
+    # the cold start ("IndexError: index out of range in self"); refused before the run
+    with pytest.raises(ValueError, match=r"^data.train: 2 prompt\(s\) .* a learned table"):
+        encode_prompts(config, SingleTurn(None), tok, rows, name="data.train", context=36,
+                       learned_positions=True)  # fmt: skip

@@ -412,3 +412,33 @@ def test_dropout_is_switched_off_so_training_mode_computes_the_samplers_probabil
             assert torch.equal(model.train()(ids).logits, model.eval()(ids).logits)
         assert disable_dropout(model) == 0.0  # nothing left to switch off
     assert gpt2.config.attn_pdrop == 0.1  # config.json (an export) keeps the model's own
+
+
+def test_model_context_tells_a_learned_position_table_from_rotary_positions(tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from gspo.models import model_context
+
+    gpt2 = GPT2LMHeadModel(
+        GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2, n_positions=40)
+    )
+    assert model_context(gpt2) == (40, True)
+    spec = TinyModelSpec(layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64)
+    qwen = build_tiny_model(spec, tokenizer, seed=0)
+    assert model_context(qwen) == (qwen.config.max_position_embeddings, False)
+
+
+def test_a_tokenizer_without_eos_is_one_line_before_a_cold_start(tmp_path, tokenizer):
+    """The cold start ends each completion with EOS: it failed inside with "'NoneType'
+    object cannot be interpreted as an integer"."""
+    from gspo.config import load_config
+    from gspo.trainer import Trainer
+
+    spec = TinyModelSpec(layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64)
+    model = build_tiny_model(spec, tokenizer, seed=0)
+    tokenizer.eos_token = None
+    tokenizer.pad_token = None
+    save_pretrained_atomic(model, tokenizer, tmp_path / "m")
+    overrides = [f"model.path={tmp_path / 'm'}", "model.device=cpu", "data.eval_size=8"]
+    with pytest.raises(ValueError, match=r"^model.path: the tokenizer of .*/m has no eos token"):
+        Trainer(load_config(None, overrides), tmp_path / "run")

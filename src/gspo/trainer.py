@@ -31,7 +31,7 @@ import torch
 from gspo.config import Config, dump_config
 from gspo.distributed import Distributed, rank_device
 from gspo.engines import SamplingParams
-from gspo.models import resolve_dtype
+from gspo.models import model_context, resolve_dtype
 from gspo.rewards.runner import leave_if_starting_a_worker
 from gspo.telemetry import (
     MetricsLogger,
@@ -157,9 +157,17 @@ class Trainer:
             self.cold_start_done = True
 
         # the stages, and the hooks attached to the update stage
-        context = getattr(self.policy.module.config, "max_position_embeddings", None)
+        context, learned = model_context(self.policy.module)
         self.train_prompt_ids, eval_prompt_ids = (
-            encode_prompts(config, self.generator, self.tokenizer, rows, name=name, context=context)
+            encode_prompts(
+                config,
+                self.generator,
+                self.tokenizer,
+                rows,
+                name=name,
+                context=context,
+                learned_positions=learned,
+            )
             for name, rows in (("data.train", self.data.train), ("data.eval", self.data.eval))
         )
         sampling = SamplingParams(

@@ -9,6 +9,7 @@ from gspo.models.loading import (
     disable_dropout,
     is_model_file,
     load_model,
+    model_context,
     model_files,
     model_fingerprint,
     resolve_dtype,

@@ -212,6 +212,23 @@ def disable_dropout(model: torch.nn.Module) -> float:
     return largest
 
 
+def model_context(model: torch.nn.Module) -> tuple[int | None, bool]:
+    """``(max_position_embeddings or None, learned)``: ``learned`` when the positions are
+    a table of that many rows (GPT-2's ``wpe``): no sequence may run past it (past a
+    rotary model's context the quality degrades; past a table the lookup fails)."""
+    context = getattr(model.config, "max_position_embeddings", None)
+    if not isinstance(context, int):
+        return None, False
+    words = model.get_input_embeddings()
+    tables = (
+        m
+        for m in model.modules()
+        if isinstance(m, torch.nn.Embedding) and m is not words
+        and m.num_embeddings in (context, context + 2)  # (OPT's table has 2 more rows)
+    )  # fmt: skip
+    return context, next(tables, None) is not None
+
+
 #: Files of which a Hugging Face tokenizer is loaded (one of them at least).
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",

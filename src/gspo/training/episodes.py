@@ -393,13 +393,17 @@ def encode_prompts(
     *,
     name: str,
     context: int | None = None,
+    learned_positions: bool = False,
 ) -> list[list[int]]:
     """The rows' prompts as token ids for single turns; episodes render their prompts
     themselves (tools, reset observations), so theirs are empty.
 
     A prompt that is not text or messages, that encodes to no token (an empty string, a
     message without content) or to more than the model's ``context`` is a one-line error
-    naming ``name`` (``data.train``, ``data.eval``) and the row.
+    naming ``name`` (``data.train``, ``data.eval``) and the row. Prompts leaving fewer
+    than ``rollout.max_new_tokens`` positions are a warning line, or an error for a model
+    with ``learned_positions`` (:func:`gspo.models.model_context`), whose lookup fails
+    past its context.
     """
     if not isinstance(generate, SingleTurn):
         return [[] for _ in rows]
@@ -423,14 +427,17 @@ def encode_prompts(
     room = config.rollout.max_new_tokens
     over = [len(ids) for ids in encoded if context is not None and len(ids) + room > context]
     if over:
-        print(
-            f"gspo: warning: {name}: {len(over)} prompt(s) (the longest {max(over)} tokens) "
-            f"leave fewer than rollout.max_new_tokens={room} positions of the model's "
-            f"context of {context} (max_position_embeddings): their responses may run past "
-            "it; shorten them or lower rollout.max_new_tokens",
-            file=sys.stderr,
-            flush=True,
+        said = (
+            f"{name}: {len(over)} prompt(s) (the longest {max(over)} tokens) leave fewer "
+            f"than rollout.max_new_tokens={room} positions of the model's context of "
+            f"{context} (max_position_embeddings)"
         )
+        fix = "shorten them or lower rollout.max_new_tokens"
+        if learned_positions:
+            raise ValueError(f"{said}, whose positions are a learned table that no token may "
+                             f"run past; {fix}")  # fmt: skip
+        print(f"gspo: warning: {said}: their responses may run past it; {fix}",
+              file=sys.stderr, flush=True)  # fmt: skip
     return encoded
 
 

@@ -124,6 +124,12 @@ def build_policy_model(
         model, tokenizer = build_or_load_model(config, output_dir, device, dist)
         # (a step 0 naming its model as model.path: that model, so names never chain)
         model_dir = model_files(config.model.path or output_dir / "base_model")
+    if tokenizer.eos_token_id is None and checkpoint is None and config.train.cold_start_steps:
+        raise ValueError(
+            f"model.path: the tokenizer of {model_dir} has no eos token, with which the cold "
+            "start ends every completion (set eos_token in its tokenizer_config.json, or "
+            "train.cold_start_steps=0)"
+        )
     dropout = disable_dropout(model)
     if dropout > 0 and dist.is_main:
         print(
