@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from test_trainer import FAST as TRAINER_FAST
 
 from gspo.cli import main
@@ -168,6 +168,20 @@ def test_lora_checkpoint_is_peft_format_and_export_merges(tmp_path, varied_rewar
     assert main(["export", str(checkpoint), "--merge", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"gspo: error: {adapter} holds other bytes (CRC-32 ") and "\n" not in err
+    flipped[len(flipped) // 2] ^= 0xFF  # the adapter whole again
+    adapter.write_bytes(bytes(flipped))
+    # the base model saved over with other weights (another fine-tune in the same place):
+    # a resume or merge went on with the adapter on them, silently
+    weights = load_file(base / "model.safetensors")
+    save_file({k: v + 0.5 if v.is_floating_point() else v for k, v in weights.items()},
+              base / "model.safetensors")  # fmt: skip
+    for argv in (["export", str(checkpoint), "--merge", str(out)],
+                 ["train", "--resume", str(tmp_path / "run"), "train.max_steps=8"]):  # fmt: skip
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"gspo: error: {checkpoint}'s adapter was trained on the base "
+                              f"model {base.resolve()}, whose weights changed since "
+                              "(model.safetensors "), err  # fmt: skip
 
 
 def test_export_without_merge_names_a_full_checkpoint_or_asks_for_out(

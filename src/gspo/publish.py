@@ -172,11 +172,17 @@ def manifest_changes(
 def check_manifest(directory: Path, include: Callable[[str], bool] | None = None) -> None:
     """A :class:`DamagedFile` naming the first file of ``directory`` (of those ``include``
     takes) whose bytes are not the ones its :data:`MANIFEST` records."""
+    directory = Path(directory)
     for name, wrong in manifest_changes(directory, include):
-        raise DamagedFile(
-            f"{Path(directory) / name} {wrong}: {directory} was damaged after it was written "
-            f"(a disk fault or a partial copy); delete {directory} to go back to the "
-            "checkpoint before it"
+        if directory.parent.name == "checkpoints" and directory.name.startswith("step-"):
+            raise DamagedFile(
+                f"{directory / name} {wrong}: {directory} was damaged after it was written "
+                f"(a disk fault or a partial copy); delete {directory} to go back to the "
+                "checkpoint before it"
+            )
+        raise DamagedFile(  # a model directory copied out of a run (a LoRA base, model.path)
+            f"{directory / name} {wrong}: {directory} changed after gspo wrote it (a disk "
+            "fault, a partial copy, or other weights saved over it); put its files back"
         )
 
 

@@ -59,7 +59,7 @@ from gspo.models import (
     save_pretrained,
 )
 from gspo.publish import WRITTEN, check_manifest, manifest_changes, staged, write_manifest
-from gspo.training.lora import optimizer_state_bytes
+from gspo.training.lora import base_path_of, optimizer_state_bytes
 from gspo.training.policy import Policy
 
 if TYPE_CHECKING:
@@ -212,6 +212,8 @@ def take_checkpoint(
     state.replica = policy.replica()
     if dist.is_main:
         state.weights = state.replica.state_dict()
+        if adapters:  # the base the adapters were trained on (checked by base_model_path)
+            state.fingerprint = model_fingerprint(base_path_of(policy.module))
     if copy:
         # the frozen weights (a LoRA run's base) never change: referenced, not copied
         frozen = {p.untyped_storage().data_ptr() for p in policy.parameters()}
@@ -283,6 +285,7 @@ def write_checkpoint(state: CheckpointState, dist: Distributed) -> tuple[int, fl
                 save_pretrained(state.replica, state.tokenizer, tmp, state_dict=state.weights)
             else:
                 (tmp / MODEL_POINTER).write_text(f"{state.pointer}\n")
+            if state.fingerprint is not None:  # the model named, or a LoRA run's base
                 (tmp / MODEL_FINGERPRINT).write_text(json.dumps(state.fingerprint) + "\n")
             for name, obj in state.files.items():
                 torch.save(obj, tmp / name)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from gspo.config import LoraSettings
+from gspo.models.loading import MODEL_FINGERPRINT, fingerprint_change
 
 #: PEFT's file names in a LoRA checkpoint.
 ADAPTER_CONFIG = "adapter_config.json"
@@ -166,10 +167,31 @@ def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model).merge_and_unload()
 
 
+def base_path_of(peft_model) -> Path:
+    """The base model directory a LoRA policy's adapters were attached to."""
+    return Path(peft_model.peft_config["default"].base_model_name_or_path)
+
+
 def base_model_path(checkpoint: Path) -> Path:
-    """The base model a LoRA checkpoint's adapter was trained on (``adapter_config.json``)."""
-    config = json.loads((Path(checkpoint) / ADAPTER_CONFIG).read_text())
-    return Path(config["base_model_name_or_path"])
+    """The base model a LoRA checkpoint's adapter was trained on (``adapter_config.json``).
+
+    Its weights must still be the ones the checkpoint's ``model_fingerprint.json`` records
+    (checkpoints written before it was: not checked): else one line naming the base and
+    what changed. A resume or merge on other base weights is another model, silently.
+    """
+    checkpoint = Path(checkpoint)
+    config = json.loads((checkpoint / ADAPTER_CONFIG).read_text())
+    base = Path(config["base_model_name_or_path"])
+    fingerprint = checkpoint / MODEL_FINGERPRINT
+    if fingerprint.is_file() and base.is_dir():  # (a missing base: the caller says so)
+        changed = fingerprint_change(json.loads(fingerprint.read_text()), base)
+        if changed:
+            raise ValueError(
+                f"{checkpoint}'s adapter was trained on the base model {base}, whose weights "
+                f"changed since ({changed}); put the original weights back (on other base "
+                "weights the adapter is another model)"
+            )
+    return base
 
 
 def is_lora_checkpoint(path: Path) -> bool:
