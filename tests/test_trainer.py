@@ -566,6 +566,34 @@ def test_overwrite_removes_the_old_run_only_once_the_new_one_starts(tmp_path, ca
     assert (tmp_path / "mine" / "notes.txt").read_text() == "kept"
 
 
+def test_a_run_another_process_is_training_is_one_line(tmp_path, capsys):
+    """A resume (or an overwrite) while the run trains: the two processes wrote into one
+    directory (a helper saw "model.path: .../step-0000028 is not a directory", or both
+    finishing, rc 0). The running process holds a lock on the run directory."""
+    import fcntl
+    import os
+
+    run = tmp_path / "run"
+    good = [*FAST, "train.max_steps=1", "eval.every=0", "train.cold_start_steps=0"]
+    assert main(["train", "--output-dir", str(run), *good]) == 0
+    capsys.readouterr()
+    held = os.open(run, os.O_RDONLY)  # as the training process holds it
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        assert main(["train", "--resume", str(run), "train.max_steps=8"]) == 2
+        assert main(["train", "--output-dir", str(run), "--overwrite", *good]) == 2
+    finally:
+        os.close(held)
+    said = capsys.readouterr().err.splitlines()
+    assert said == [
+        f"gspo: error: {flag} {run}: another gspo process is training this run (it holds the "
+        "directory's lock); wait for it to finish or stop it"
+        for flag in ("--resume", "--output-dir")
+    ]
+    assert (run / "checkpoints").is_dir()  # the run, untouched
+    assert main(["train", "--resume", str(run), "train.max_steps=8"]) == 0  # released: goes on
+
+
 def test_output_dir_that_cannot_be_a_run_directory_is_one_line(tmp_path, monkeypatch, capsys):
     (tmp_path / "afile").write_text("not a directory")
     monkeypatch.setenv("HOME", str(tmp_path))

@@ -146,7 +146,8 @@ def run_train(args: argparse.Namespace) -> int:
         # --overwrite: the old run goes once the trainer is built (it checks the model,
         # data and rewards); its engines close before the process group goes (Trainer.close)
         replace = args.resume is None
-        with RunDirectory(output_dir, replace=replace, dist=dist, name="--output-dir") as run:
+        name = "--output-dir" if replace else "--resume"
+        with RunDirectory(output_dir, replace=replace, dist=dist, name=name) as run:
             with said_once():
                 trainer = Trainer(config, output_dir, resume=args.resume is not None, dist=dist)
             with trainer:

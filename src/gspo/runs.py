@@ -5,6 +5,8 @@ making or replacing the directory around a trainer (:class:`RunDirectory`, which
 
 from __future__ import annotations
 
+import fcntl
+import os
 import secrets
 import shutil
 from pathlib import Path
@@ -78,9 +80,11 @@ class RunDirectory:
         self.output_dir, self.replace, self.dist, self.name = output_dir, replace, dist, name
         self.new = not output_dir.exists()
         self.aside: Path | None = None  # the old run, until the new one starts
+        self.lock: int | None = None  # the run directory's lock (rank 0), held to the end
 
     def __enter__(self) -> RunDirectory:
         out, dist = self.output_dir, self.dist
+        old_lock = self.hold(out) if dist.is_main and out.is_dir() else None
         # a run's checkpoints, or the metrics of one that never reached a checkpoint (its
         # tensorboard/ events would mix with the new run's); anything else stays beside
         # (rank 0 alone looks and decides, every rank waits for it: a rank looking after
@@ -97,7 +101,32 @@ class RunDirectory:
                 raise ValueError(
                     f"{self.name} {out}: cannot be made ({exc.strerror or exc})"
                 ) from exc
+            self.lock = self.hold(out) if self.aside is not None or old_lock is None else old_lock
+            if old_lock is not None and self.lock != old_lock:
+                os.close(old_lock)
         return self
+
+    def hold(self, out: Path) -> int | None:
+        """An exclusive lock on the directory ``out`` for as long as this process runs
+        (released at exit, a kill -9 included); a second gspo process training the same
+        run (a resume while it runs, an overwrite) is one line. None where the filesystem
+        cannot lock (the run goes on unguarded)."""
+        try:
+            fd = os.open(out, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ValueError(
+                f"{self.name} {out}: another gspo process is training this run (it holds "
+                "the directory's lock); wait for it to finish or stop it"
+            ) from None
+        except OSError:
+            os.close(fd)
+            return None
+        return fd
 
     def started(self) -> None:
         if self.aside is not None:
@@ -105,6 +134,9 @@ class RunDirectory:
             self.aside = None
 
     def __exit__(self, kind: type[BaseException] | None, *rest: Any) -> None:
+        if self.lock is not None:
+            os.close(self.lock)
+            self.lock = None
         if kind is None:
             return
         out = self.output_dir
