@@ -156,7 +156,8 @@ class MoEConfig(Section):
     measure_churn: bool | None = Field(
         None,
         description="Log moe/expert_change_fraction after each optimizer step; "
-        "None = on for MoE models",
+        "null = on for MoE models, off with rollout.max_staleness > 0 (pi_old's routing is "
+        "not the trainer's)",
     )
     router_aux_loss_coef: float = Field(
         0.0,

@@ -12,6 +12,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, fie
 class ConfigError(ValueError):
     """A bad config file, key or value; the message is one line naming it."""
 
+    __module__ = "gspo.config"  # where it is imported from (a traceback names it so)
+
 
 class Section(BaseModel):
     """A config section: an unknown key is an error, an assigned value is validated, and a
