@@ -428,11 +428,14 @@ def test_model_context_tells_a_learned_position_table_from_rotary_positions(toke
     assert model_context(qwen) == (qwen.config.max_position_embeddings, False)
 
 
-def test_a_tokenizer_without_eos_is_one_line_before_a_cold_start(tmp_path, tokenizer):
+def test_a_tokenizer_without_eos_is_one_line_before_a_cold_start(tmp_path):
     """The cold start ends each completion with EOS: it failed inside with "'NoneType'
     object cannot be interpreted as an integer"."""
     from gspo.config import load_config
+    from gspo.models import build_char_tokenizer
     from gspo.trainer import Trainer
+
+    tokenizer = build_char_tokenizer()  # its own: the fixture is the session's, shared
 
     spec = TinyModelSpec(layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64)
     model = build_tiny_model(spec, tokenizer, seed=0)
