@@ -224,6 +224,32 @@ def test_tool_errors_go_back_to_the_model_and_are_counted(env_file, capsys):
     assert warned.count("raised ZeroDivisionError") == 1  # shown once
 
 
+def test_an_async_tool_is_awaited_and_only_methods_are_tools():
+    """An async def tool was never awaited: the model read "<coroutine object ...>" and the
+    call counted as a success. A class attribute holding a type stopped the run with
+    "no signature found for builtin type" naming nothing; a nested class was a tool."""
+
+    class Wallet:
+        Error = ValueError
+
+        class Settings:
+            pass
+
+        async def deposit(self, amount: int) -> int:
+            """Deposit.
+
+            Args:
+                amount: How much.
+            """
+            return amount + 1
+
+    factory = EnvironmentFactory(Wallet)
+    assert factory.tool_names == ["deposit"]
+    episode = factory.episode()
+    reply = episode.respond(tool_call_text("deposit", {"amount": 41}))
+    assert reply[0]["content"] == "42" and (episode.tool_calls, episode.tool_errors) == (1, 0)
+
+
 def test_a_step_environment_answers_until_it_returns_none(env_file):
     episode = EnvironmentFactory(f"{env_file}:Talker").episode()
     assert episode.respond("hi") == [{"role": "user", "content": "ok"}]
@@ -405,6 +431,27 @@ def test_an_episode_prompt_past_the_context_is_one_line(tokenizer):
                        r"is 6\d\d tokens, longer than the model's context of 512"):  # fmt: skip
         runner.generate([{"prompt": "p"}], [[]], n=1, params=SamplingParams(), seed=0)
     assert engine.calls == []  # refused before sampling
+
+
+def test_episodes_end_where_the_models_context_does(tokenizer, capsys):
+    """An episode ran past max_position_embeddings (a learned position table: an
+    IndexError in the first evaluation); it now ends there, as length, said once."""
+
+    class Chatty:
+        def step(self, text: str):
+            return "more"
+
+    engine = ScriptedEngine(tokenizer, [["a" * 30], ["b" * 30], ["c" * 30]])
+    runner = MultiTurn(
+        engine, EnvironmentFactory(Chatty), tokenizer, max_turns=3, max_tokens=200,
+        chat_kwargs={}, context=64,
+    )  # fmt: skip
+    out = runner.generate([{"prompt": "p"}], [[]], n=1, params=SamplingParams(), seed=0)
+    prompt, used = int(out.batch.prompt_mask[0].sum()), int(out.batch.completion_mask[0].sum())
+    assert out.batch.finish_reasons == ["length"]
+    assert prompt + used == 64  # to the context's end, not past it (200 allowed)
+    warned = capsys.readouterr().err
+    assert "positions in the model's context of 64" in warned and warned.count("\n") == 1
 
 
 class Stepper:

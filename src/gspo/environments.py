@@ -45,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gspo.plugins import load_object, one_line, raised
+from gspo.plugins import load_object, one_line, raised, run_coroutine
 
 #: Methods with a meaning of their own: never tools.
 RESERVED = frozenset({"reset", "step", "get_reward", "close"})
@@ -153,8 +153,8 @@ class EnvironmentFactory:
         self.tool_names = [
             name
             for name, member in inspect.getmembers(owner)
-            if not name.startswith("_") and name not in RESERVED and callable(member)
-            and not isinstance(inspect.getattr_static(owner, name), (staticmethod, classmethod))
+            if not name.startswith("_") and name not in RESERVED
+            and inspect.isfunction(inspect.getattr_static(owner, name))  # a method (def)
         ]  # fmt: skip
         self.schemas = [self._schema(owner, name) for name in self.tool_names]
         self.has_step = callable(getattr(owner, "step", None))
@@ -287,7 +287,10 @@ class Episode:
                 error = f"bad arguments for {call.name}: {e}"
         if error is None:
             try:
-                message["content"] = tool_result_text(tool(**call.arguments))
+                result = tool(**call.arguments)
+                if inspect.iscoroutine(result):  # an async def tool (it was never awaited)
+                    result = run_coroutine(result)
+                message["content"] = tool_result_text(result)
                 return message
             except Exception as e:
                 error = f"{type(e).__name__}: {one_line(e, 200)}"

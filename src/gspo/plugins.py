@@ -18,6 +18,21 @@ from pathlib import Path
 from typing import Any
 
 
+def run_coroutine(coroutine: Any) -> Any:
+    """What an ``async def`` function a user gave (a reward function, a tool) returned:
+    run in a fresh event loop (in a thread of its own where this one runs a loop already,
+    as in a notebook)."""
+    import asyncio
+    import concurrent.futures
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(1) as thread:
+        return thread.submit(asyncio.run, coroutine).result()
+
+
 def one_line(exc: BaseException, limit: int = 500) -> str:
     """An exception's message on one line, at most ``limit`` characters."""
     text = " ".join(str(exc).split())

@@ -3,8 +3,6 @@ worker processes; with a deadline."""
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextlib
 import functools
 import inspect
@@ -20,7 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gspo.plugins import one_line, raised
+from gspo.plugins import one_line, raised, run_coroutine
 from gspo.rewards.contract import RewardError, RewardFunction
 from gspo.rewards.loading import load_reward_function
 
@@ -32,7 +30,7 @@ def _call_one(
     try:
         out = function(prompts=prompts, completions=completions, **columns)
         if inspect.iscoroutine(out):  # an async def function (TRL takes those too)
-            out = _run_coroutine(out)
+            out = run_coroutine(out)
     except Exception as e:
         missing = missing_arguments(function, given)
         if isinstance(e, TypeError) and missing:
@@ -51,17 +49,6 @@ def _call_one(
         raise RewardError(f"reward function {name!r} raised {raised(e)}") from e
     # a numpy array or a 1-D tensor of rewards as the list it stands for
     return out.tolist() if hasattr(out, "tolist") and getattr(out, "ndim", 0) == 1 else out
-
-
-def _run_coroutine(coroutine: Any) -> Any:
-    """An async reward function's result: run in a fresh event loop (in a thread of its
-    own where this one runs a loop already, as in a notebook)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coroutine)
-    with concurrent.futures.ThreadPoolExecutor(1) as thread:
-        return thread.submit(asyncio.run, coroutine).result()
 
 
 def _unexpected_arguments(function: RewardFunction, given: list[str]) -> list[str]:

@@ -163,6 +163,7 @@ class _State:
     ids: list[int]
     actions: list[bool]
     logprobs: list[float]
+    limit: int = 0  # tokens after the prompt: rollout.max_episode_tokens, or the context's
     turns: int = 0
     finish: str | None = None
 
@@ -209,13 +210,17 @@ class MultiTurn:
         episode = self.environment.episode(dict(row))
         messages = with_observation(as_messages(row["prompt"]), episode.reset(dict(row)))
         prompt = self.format.prompt_ids(messages)
-        if self.context is not None and len(prompt) > self.context:
+        if self.context is not None and len(prompt) >= self.context:  # (no room for a turn)
             raise EnvError(
                 f"environment {self.environment.name!r}: the episode's prompt (the row's and "
                 f"reset()'s text) is {len(prompt)} tokens, longer than the model's context "
                 f"of {self.context} (max_position_embeddings)"
             )
-        return _State(episode, messages, prompt, [], [], [])
+        limit = self.max_tokens
+        if self.context is not None and len(prompt) + limit > self.context:
+            limit = self.context - len(prompt)  # (a learned position table fails past it)
+            self.warn_context_cut(len(prompt))
+        return _State(episode, messages, prompt, [], [], [], limit)
 
     def generate(
         self,
@@ -233,7 +238,7 @@ class MultiTurn:
         for turn in range(self.max_turns):
             if not live:
                 break
-            room = max(self.max_tokens - len(states[i].ids) for i in live)
+            room = max(states[i].limit - len(states[i].ids) for i in live)
             turn_params = replace(params, max_new_tokens=min(params.max_new_tokens, room))
             turn_seed = seed if turn == 0 else derive_seed(seed, "turn", turn)
             shared = turn == 0 and all(
@@ -269,6 +274,22 @@ class MultiTurn:
             flush=True,
         )
 
+    def warn_context_cut(self, prompt: int) -> None:
+        """One line on stderr (once a run) when an episode's prompt leaves fewer than
+        ``rollout.max_episode_tokens`` positions of the model's context: its episode ends
+        where the context does, as ``length`` (it ran past it before)."""
+        if "context" in self.warned:
+            return
+        self.warned.add("context")
+        print(
+            f"gspo: warning: environment {self.environment.name!r}: an episode's prompt of "
+            f"{prompt} tokens leaves {self.context - prompt} of rollout.max_episode_tokens="
+            f"{self.max_tokens} positions in the model's context of {self.context} "
+            "(max_position_embeddings): such episodes end there, as length (shown once)",
+            file=sys.stderr,
+            flush=True,
+        )
+
     def warn_reply_too_long(self, reply: int, used: int) -> None:
         """One line on stderr (once a run) when an environment's reply does not fit the
         episode's token budget: the episode ends there as ``length``, the reply unseen."""
@@ -288,7 +309,7 @@ class MultiTurn:
         mask = batch.completion_mask[j].bool()
         ids = batch.completion_ids[j][mask].tolist()
         logprobs = batch.sampler_logprobs[j][mask].tolist()
-        room = self.max_tokens - len(state.ids)
+        room = state.limit - len(state.ids)
         cut = len(ids) > room
         ids, logprobs = ids[:room], logprobs[:room]
         state.ids += ids
@@ -309,7 +330,7 @@ class MultiTurn:
         if turn + 1 == self.max_turns:
             return True  # marked "length" by the caller; the reply is never seen
         reply_ids = self.format.reply_ids(reply)
-        if len(state.ids) + len(reply_ids) >= self.max_tokens:
+        if len(state.ids) + len(reply_ids) >= state.limit:
             state.finish = "length"
             self.warn_reply_too_long(len(reply_ids), len(state.ids))
             return False
