@@ -339,6 +339,22 @@ def test_a_split_written_as_a_config_is_pointed_to_the_split(tmp_path):
     assert load_rows(f"{data}::train", what="data.train") == [{"prompt": "1+1=", "answer": "2"}]
 
 
+def test_structured_tool_calls_in_a_cold_start_conversation_are_refused():
+    """OpenAI's / TRL's assistant message with tool_calls and content null trained the
+    model to end its turn where the call should be (and null would have been "None")."""
+    from gspo.data import prepare_rows
+
+    call = {"type": "function", "function": {"name": "add", "arguments": "{}"}}
+    turns = [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "3"},
+        {"role": "assistant", "content": "done"},
+    ]
+    rows = [{"prompt": "1+2=", "completion": "3"}, {"prompt": "1+2=", "completion": turns}]
+    with pytest.raises(ValueError, match=r"^data.sft row 1: an assistant message with tool_calls"):
+        prepare_rows(rows, load_config().data, what="data.sft", sft=True)
+
+
 def test_a_template_naming_a_method_is_refused(tmp_path):
     """``{question.upper}`` rendered ``<built-in method upper of str object at 0x...>`` into
     every prompt, silently; an attribute that is a value (``{n.real}``) renders."""

@@ -269,6 +269,14 @@ def test_a_template_without_tools_or_no_template_is_refused(tokenizer):
     plain.chat_template = None
     with pytest.raises(EnvError, match="needs a tokenizer with a chat template"):
         TurnFormat(plain, schemas, {})
+    # tools rendered, tool messages dropped: the model never saw a tool's result (replies
+    # of 0 tokens, accepted silently)
+    plain.chat_template = (
+        "{{ tools | tojson }}{% for m in messages %}{% if m.role != 'tool' %}{{ m.content }}"
+        "{% endif %}{% endfor %}"
+    )
+    with pytest.raises(EnvError, match="leaves out `tool` messages"):
+        TurnFormat(plain, schemas, {})
 
 
 def test_replies_follow_the_models_stop_token_without_repeating_it(tokenizer):

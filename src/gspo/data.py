@@ -259,8 +259,24 @@ def prepare_rows(rows: list[Row], data: DataConfig, *, what: str, sft: bool = Fa
             new["answer"] = None if gold is None else reference_answer(gold)
         if sft:
             new["completion"] = row[data.completion_column]
+            _check_tool_calls(new["completion"], f"{what} row {len(out)}")
         out.append(new)
     return out
+
+
+def _check_tool_calls(completion: Any, where: str) -> None:
+    """A cold-start conversation trains on each assistant message's content, token for
+    token, as the model writes it: structured ``tool_calls`` (OpenAI's and TRL's form) are
+    not in it, so the model would learn to end its turn where the call should be."""
+    if not isinstance(completion, list):
+        return
+    for message in completion:
+        if isinstance(message, dict) and message.get("tool_calls"):
+            raise ValueError(
+                f"{where}: an assistant message with tool_calls: write the call into its "
+                'content as the model writes it (e.g. <tool_call>{"name": ..., '
+                '"arguments": {...}}</tool_call>), which the cold start trains on'
+            )
 
 
 def _check_template_values(template: str, row: dict[str, Any]) -> None:

@@ -51,11 +51,14 @@ class TurnFormat:
         self.tokenizer = tokenizer
         self.schemas = schemas or None
         self.chat_kwargs = dict(chat_kwargs)
+        where = "(the model directory's chat_template.jinja or tokenizer_config.json)"
         if getattr(tokenizer, "chat_template", None) is None:
             raise EnvError(
                 "rollout.environment needs a tokenizer with a chat template (none found); "
-                "set data.chat_template to one that renders tools and tool messages"
+                f"give the model one that renders tools and tool messages {where}"
             )
+        stop = tokenizer.eos_token_id
+        self.stop_text = tokenizer.decode([stop]) if stop is not None else ""
         if self.schemas:
             probe = [{"role": "user", "content": "x"}]
             with_tools = self._render(probe, tools=self.schemas)
@@ -63,10 +66,16 @@ class TurnFormat:
                 raise EnvError(
                     "the tokenizer's chat template ignores `tools`: the model would never see "
                     "the environment's tools (rollout.environment); use a template with tool "
-                    "support (data.chat_template)"
+                    f"support {where}"
                 )
-        stop = tokenizer.eos_token_id
-        self.stop_text = tokenizer.decode([stop]) if stop is not None else ""
+            result = {"role": "tool", "name": "probe", "content": _SENTINEL + "R"}
+            turns = [*probe, {"role": "assistant", "content": "a"}, result]
+            if _SENTINEL + "R" not in self._render(turns, tools=self.schemas):
+                raise EnvError(
+                    "the tokenizer's chat template leaves out `tool` messages: the model "
+                    "would never see what its tool calls return (rollout.environment); use a "
+                    f"template that renders tool messages {where}"
+                )
 
     def _render(self, messages: list[dict[str, Any]], *, tools=None, generation=False) -> str:
         try:
@@ -145,7 +154,7 @@ def encode_conversation(
                 ids += reply
                 actions += [False] * len(reply)
                 pending = []
-            turn = [*fmt.encode(str(message.get("content", ""))), eos]
+            turn = [*fmt.encode(str(message.get("content") or "")), eos]  # (null: none)
             ids += turn
             actions += [True] * len(turn)
         else:
