@@ -115,6 +115,8 @@ def test_tools_are_the_public_methods_with_their_schemas(env_file):
         ("{file}:Broken", "constructing it raised RuntimeError: no licence server"),
         ("{file}:Undocumented", "tool 'add' has no usable schema"),
         ("gspo.environments:nothing", "has no attribute 'nothing'"),
+        # (it said "not a built-in name", and environments have none)
+        ("gspo.environments.Calculator", r"no ':name' part \(gspo.environments:Calculator\?\)"),
     ],
 )
 def test_bad_environments_are_one_line_errors(env_file, spec, expected):

@@ -125,7 +125,10 @@ def load_object(spec: str, kind: str, error: type[Exception], expected: str) -> 
         )
 
     if ":" not in spec:
-        raise malformed("not a built-in name and no ':name' part")
+        module, _, name = spec.rpartition(".")
+        dotted = module and name.isidentifier() and not spec.endswith(".py")
+        hint = f" ({module}:{name}?)" if dotted else ""
+        raise malformed(f"no ':name' part{hint}")
     source, _, attr_path = spec.rpartition(":")
     source, attr_path = source.strip(), attr_path.strip()
     if not source:
