@@ -718,3 +718,10 @@ def test_turns_all_cut_by_max_new_tokens_warn_once(tmp_path, capsys):
     # one turn per episode on purpose (max_turns=1) is no mistake
     Trainer(load_config(None, [*common, "rollout.max_turns=1"]), tmp_path / "one").fit()
     assert "warning" not in capsys.readouterr().err
+    # most episodes ended on their own after one turn (by design): 1 cut of 4 is no cause
+    runner = MultiTurn.__new__(MultiTurn)
+    runner.warned = set()
+    runner.warn_first_turns_cut(1, 4, 100)
+    assert capsys.readouterr().err == ""
+    runner.warn_first_turns_cut(3, 4, 100)
+    assert "cut 3 of those 4 turns" in capsys.readouterr().err

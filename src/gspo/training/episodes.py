@@ -269,9 +269,10 @@ class MultiTurn:
 
     def warn_first_turns_cut(self, cut: int, episodes: int, max_new_tokens: int) -> None:
         """One line on stderr (once a run) when no episode got past its first turn and
-        ``rollout.max_new_tokens`` cut some of those turns: the budget, not the model,
+        ``rollout.max_new_tokens`` cut most of those turns: the budget, not the model,
         ends the episodes, and no tool result or observation ever reaches the model."""
-        if cut == 0 or "first turns" in self.warned:
+        # (most ended on their own: an environment ending after one turn by design)
+        if cut * 2 <= episodes or "first turns" in self.warned:
             return
         self.warned.add("first turns")
         print(
