@@ -252,6 +252,30 @@ def test_an_async_tool_is_awaited_and_only_methods_are_tools():
     assert reply[0]["content"] == "42" and (episode.tool_calls, episode.tool_errors) == (1, 0)
 
 
+def test_a_column_reset_or_the_constructor_needs_and_the_data_lacks_is_named():
+    """The call's TypeError was reported "at .../gspo/environments.py:241", gspo's line."""
+
+    class Needs:
+        def __init__(self, level: int):
+            self.level = level
+
+        def reset(self, start: int):
+            return None
+
+        def step(self, text: str):
+            return None
+
+    row = {"prompt": "p", "level": 1}
+    episode = EnvironmentFactory(Needs).episode(row)
+    with pytest.raises(EnvError) as info:
+        episode.reset(row)
+    assert str(info.value).endswith(
+        "Needs': reset() needs start, which no data column gives (the row's columns: prompt, level)"
+    )
+    with pytest.raises(EnvError, match=r"Needs': its constructor needs level, which no data"):
+        EnvironmentFactory(Needs).episode({"prompt": "p", "start": 2})
+
+
 def test_a_step_environment_answers_until_it_returns_none(env_file):
     episode = EnvironmentFactory(f"{env_file}:Talker").episode()
     assert episode.respond("hi") == [{"role": "user", "content": "ok"}]

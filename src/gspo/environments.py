@@ -100,14 +100,28 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     return calls
 
 
-def accepted(function: Callable[..., Any], row: dict[str, Any]) -> dict[str, Any]:
-    """The columns of ``row`` that ``function`` takes by name (all of them with ``**``)."""
+def accepted(function: Callable[..., Any], row: dict[str, Any], what: str = "") -> dict[str, Any]:
+    """The columns of ``row`` that ``function`` takes by name (all of them with ``**``).
+
+    With ``what`` (the call, for messages), a required parameter that no column gives is a
+    one-line :class:`EnvError` naming it and the columns (the ``TypeError`` of the call
+    pointed into gspo, where the call is)."""
     try:
         parameters = inspect.signature(function).parameters
     except (TypeError, ValueError):
         return dict(row)
     if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
         return dict(row)
+    missing = [
+        name for name, p in parameters.items()
+        if p.default is p.empty and name not in row
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]  # fmt: skip
+    if what and missing:
+        raise EnvError(
+            f"{what} needs {', '.join(missing)}, which no data column gives (the row's "
+            f"columns: {', '.join(row) or 'none'})"
+        )
     return {k: v for k, v in row.items() if k in parameters}
 
 
@@ -209,7 +223,10 @@ class EnvironmentFactory:
             elif len(required) == 1 and required[0].name not in row and not takes_all:
                 made = self.factory(row)
             else:
-                made = self.factory(**accepted(self.factory, row))
+                what = f"environment {self.name!r}: its constructor"
+                made = self.factory(**accepted(self.factory, row, what))
+        except EnvError:
+            raise
         except Exception as e:
             raise EnvError(
                 f"environment {self.name!r}: constructing it raised {raised(e, 300)}"
@@ -237,8 +254,9 @@ class Episode:
         reset = getattr(self.env, "reset", None)
         if not callable(reset):
             return None
+        kwargs = accepted(reset, row, f"environment {self.spec.name!r}: reset()")
         try:
-            out = reset(**accepted(reset, row))
+            out = reset(**kwargs)
         except Exception as e:
             raise EnvError(
                 f"environment {self.spec.name!r}: reset() raised {raised(e, 300)}"
