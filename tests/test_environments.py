@@ -256,7 +256,7 @@ def test_a_column_reset_or_the_constructor_needs_and_the_data_lacks_is_named():
     """The call's TypeError was reported "at .../gspo/environments.py:241", gspo's line."""
 
     class Needs:
-        def __init__(self, level: int):
+        def __init__(self, level: int, mode: str):
             self.level = level
 
         def reset(self, start: int):
@@ -265,7 +265,7 @@ def test_a_column_reset_or_the_constructor_needs_and_the_data_lacks_is_named():
         def step(self, text: str):
             return None
 
-    row = {"prompt": "p", "level": 1}
+    row = {"prompt": "p", "level": 1, "mode": "x"}
     episode = EnvironmentFactory(Needs).episode(row)
     with pytest.raises(EnvError) as info:
         episode.reset(row)
