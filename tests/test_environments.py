@@ -270,10 +270,11 @@ def test_a_column_reset_or_the_constructor_needs_and_the_data_lacks_is_named():
     with pytest.raises(EnvError) as info:
         episode.reset(row)
     assert str(info.value).endswith(
-        "Needs': reset() needs start, which no data column gives (the row's columns: prompt, level)"
+        "Needs': reset() needs start, which no data column gives (the row's columns: prompt, "
+        "level, mode)"
     )
-    with pytest.raises(EnvError, match=r"Needs': its constructor needs level, which no data"):
-        EnvironmentFactory(Needs).episode({"prompt": "p", "start": 2})
+    with pytest.raises(EnvError, match=r"Needs': its constructor needs mode, which no data"):
+        EnvironmentFactory(Needs).episode({"prompt": "p", "level": 2})
 
 
 def test_a_step_environment_answers_until_it_returns_none(env_file):
