@@ -45,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gspo.plugins import load_object, one_line, raised, run_coroutine
+from gspo.plugins import load_object, missing_arguments, one_line, raised, run_coroutine
 
 #: Methods with a meaning of their own: never tools.
 RESERVED = frozenset({"reset", "step", "get_reward", "close"})
@@ -112,12 +112,8 @@ def accepted(function: Callable[..., Any], row: dict[str, Any], what: str = "") 
         return dict(row)
     if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
         return dict(row)
-    missing = [
-        name for name, p in parameters.items()
-        if p.default is p.empty and name not in row
-        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-    ]  # fmt: skip
-    if what and missing:
+    missing = missing_arguments(function, list(row)) if what else []
+    if missing:
         raise EnvError(
             f"{what} needs {', '.join(missing)}, which no data column gives (the row's "
             f"columns: {', '.join(row) or 'none'})"

@@ -11,11 +11,29 @@ import contextlib
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import re
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+
+def missing_arguments(function: Callable[..., Any], given: list[str]) -> list[str]:
+    """Required parameters of ``function`` (a user's reward function, environment class or
+    method) that a call with the keywords ``given`` leaves unbound (none when its
+    signature cannot be read, or it takes ``**kwargs`` for them)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    required = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [
+        p.name
+        for p in parameters
+        if p.kind in required and p.default is inspect.Parameter.empty and p.name not in given
+    ]
 
 
 def run_coroutine(coroutine: Any) -> Any:

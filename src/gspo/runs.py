@@ -84,7 +84,8 @@ class RunDirectory:
 
     def __enter__(self) -> RunDirectory:
         out, dist = self.output_dir, self.dist
-        old_lock = self.hold(out) if dist.is_main and out.is_dir() else None
+        if dist.is_main and out.is_dir():  # (refused while another process trains it)
+            self.lock = self.hold(out)
         # a run's checkpoints, or the metrics of one that never reached a checkpoint (its
         # tensorboard/ events would mix with the new run's); anything else stays beside
         # (rank 0 alone looks and decides, every rank waits for it: a rank looking after
@@ -101,10 +102,15 @@ class RunDirectory:
                 raise ValueError(
                     f"{self.name} {out}: cannot be made ({exc.strerror or exc})"
                 ) from exc
-            self.lock = self.hold(out) if self.aside is not None or old_lock is None else old_lock
-            if old_lock is not None and self.lock != old_lock:
-                os.close(old_lock)
+            if self.aside is not None or self.lock is None:  # the directory the run is in
+                self.release()
+                self.lock = self.hold(out)
         return self
+
+    def release(self) -> None:
+        if self.lock is not None:
+            os.close(self.lock)
+            self.lock = None
 
     def hold(self, out: Path) -> int | None:
         """An exclusive lock on the directory ``out`` for as long as this process runs
@@ -134,9 +140,7 @@ class RunDirectory:
             self.aside = None
 
     def __exit__(self, kind: type[BaseException] | None, *rest: Any) -> None:
-        if self.lock is not None:
-            os.close(self.lock)
-            self.lock = None
+        self.release()
         if kind is None:
             return
         out = self.output_dir

@@ -9,10 +9,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gspo.plugins import one_line
+from gspo.plugins import missing_arguments, one_line
 from gspo.rewards.contract import RewardError, RewardFunction
 from gspo.rewards.loading import load_reward_function
-from gspo.rewards.runner import Runner, missing_arguments
+from gspo.rewards.runner import Runner
 
 
 @dataclass

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gspo.plugins import one_line, raised, run_coroutine
+from gspo.plugins import missing_arguments, one_line, raised, run_coroutine
 from gspo.rewards.contract import RewardError, RewardFunction
 from gspo.rewards.loading import load_reward_function
 
@@ -63,21 +63,6 @@ def _unexpected_arguments(function: RewardFunction, given: list[str]) -> list[st
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     accepted = {n for n, p in parameters.items() if p.kind in named}
     return [key for key in given if key not in accepted]
-
-
-def missing_arguments(function: RewardFunction, given: list[str]) -> list[str]:
-    """Required parameters of ``function`` that a call with the keywords ``given`` leaves
-    unbound (none when its signature cannot be read, or it takes ``**kwargs`` for them)."""
-    try:
-        parameters = inspect.signature(function).parameters.values()
-    except (TypeError, ValueError):
-        return []
-    required = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return [
-        p.name
-        for p in parameters
-        if p.kind in required and p.default is inspect.Parameter.empty and p.name not in given
-    ]
 
 
 @functools.cache
