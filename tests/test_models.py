@@ -428,6 +428,47 @@ def test_model_context_tells_a_learned_position_table_from_rotary_positions(toke
     assert model_context(qwen) == (qwen.config.max_position_embeddings, False)
 
 
+def test_cold_start_rows_past_a_learned_position_table_are_cut_there(tmp_path, capsys):
+    """A GPT-2 of 40 positions and a cold-start row of 65 tokens: an IndexError in the
+    cold start before; now the row is cut at 40, said once, and a prompt with no room
+    left for its completion is one line naming the row."""
+    import json
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from gspo.config import load_config
+    from gspo.models import build_char_tokenizer
+    from gspo.trainer import Trainer
+
+    tokenizer = build_char_tokenizer()
+    gpt2 = GPT2LMHeadModel(
+        GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2, n_positions=40)
+    )
+    save_pretrained_atomic(gpt2, tokenizer, tmp_path / "m")
+    rows = [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(8)]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    sft = [{"prompt": "1+1=", "completion": "2"}, {"prompt": "1+1=", "completion": "2" * 60}]
+    (tmp_path / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in sft))
+    overrides = [
+        f"model.path={tmp_path / 'm'}", "model.device=cpu", "train.max_steps=0",
+        f"data.train={tmp_path / 'train.jsonl'}", f"data.eval={tmp_path / 'train.jsonl'}",
+        f"data.sft={tmp_path / 'sft.jsonl'}", "train.cold_start_steps=4",
+        "train.cold_start_batch_size=4", "rollout.max_new_tokens=4", "log.progress=false",
+        "log.plots=false", "log.tensorboard=false", "eval.samples=1",
+    ]  # fmt: skip
+    Trainer(load_config(None, overrides), tmp_path / "run").fit()
+    said = [line for line in capsys.readouterr().err.splitlines() if "data.sft" in line]
+    assert said == [
+        "gspo: warning: data.sft: 1 row(s) (the longest 65 tokens) run past the model's "
+        "context of 40 (max_position_embeddings): cut there, so their completions lose "
+        "their end (EOS included)"
+    ]
+    sft[1] = {"prompt": "1" * 40, "completion": "2"}
+    (tmp_path / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in sft))
+    with pytest.raises(ValueError, match=r"^data.sft row 1: the prompt is 40 tokens, leaving"):
+        Trainer(load_config(None, overrides), tmp_path / "again").fit()
+
+
 def test_a_tokenizer_without_eos_is_one_line_before_a_cold_start(tmp_path):
     """The cold start ends each completion with EOS: it failed inside with "'NoneType'
     object cannot be interpreted as an integer"."""

@@ -27,6 +27,7 @@ import random
 import re
 import secrets
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +39,7 @@ import gspo
 from gspo.config import Config
 from gspo.distributed import Distributed, load_sharded, save_sharded, sharded_problem
 from gspo.engines import pad_batch
-from gspo.models import model_files
+from gspo.models import model_context, model_files
 from gspo.models.kernels import onednn_available
 from gspo.plugins import PYTHON_OBJECT, object_spec
 from gspo.publish import remove_leftovers, staged, temp_path, tree_bytes
@@ -55,6 +56,7 @@ _LINES = "sft_metrics.jsonl"
 _MODEL = "sharded"
 _ENTRY = "entry.json"  # a cache entry's own record: its key
 _INLINE_BYTES = 64 << 20
+Encoded = tuple[list[int], list[int], list[bool]]  # a row: prompt, completion, loss mask
 
 
 def _hash_dir(path: Path, h: Any) -> None:
@@ -280,7 +282,7 @@ def cold_start(
     *,
     local_batch: int,
     checkpoints: Path,
-    encode: Callable[[dict[str, Any]], tuple[list[int], list[int], list[bool]]] | None = None,
+    encode: Callable[[dict[str, Any]], Encoded] | None = None,
 ) -> bool:
     """``train.cold_start_steps`` SFT steps of ``train.cold_start_batch_size`` rows each
     (``local_batch`` of them on this rank), resumed from ``checkpoints`` or the cache.
@@ -310,6 +312,7 @@ def cold_start(
     optimizer = adamw(policy.forward, lr=cfg.cold_start_lr, betas=(0.9, 0.99))
     pad = tokenizer.pad_token_id
     encoded = [(encode or single_turn_encoder(config, tokenizer))(r) for r in rows]
+    encoded = within_context(encoded, model_context(policy.module)[0], config, dist)
     first, lines = 0, []
     saved = progress_checkpoints(checkpoints)
     if saved:
@@ -374,11 +377,44 @@ def cold_start(
     return True
 
 
+def within_context(
+    encoded: list[Encoded], context: int | None, config: Config, dist: Distributed
+) -> list[Encoded]:
+    """The rows cut at the model's ``context`` (max_position_embeddings), as TRL's SFT
+    cuts at ``max_length``: a learned position table has no position past it (an
+    IndexError in the middle of the cold start before) and rotary positions past it are
+    ones the model was not made for. Said in one warning line; a prompt that leaves no
+    room for a completion token is a one-line error naming the row."""
+    if context is None:
+        return encoded
+    name = "data.sft" if config.data.sft else "the cold start's rows"
+    cut = []
+    for i, (prompt, completion, actions) in enumerate(encoded):
+        if len(prompt) >= context:
+            raise ValueError(
+                f"{name} row {i}: the prompt is {len(prompt)} tokens, leaving no room for its "
+                f"completion in the model's context of {context} (max_position_embeddings)"
+            )
+        if len(prompt) + len(completion) > context:
+            cut.append(len(prompt) + len(completion))
+            room = context - len(prompt)
+            encoded[i] = (prompt, completion[:room], actions[:room])
+    if cut and dist.is_main:
+        print(
+            f"gspo: warning: {name}: {len(cut)} row(s) (the longest {max(cut)} tokens) run "
+            f"past the model's context of {context} (max_position_embeddings): cut there, "
+            f"so their completions lose their end (EOS included)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return encoded
+
+
 def single_turn_encoder(config: Config, tokenizer):
     """Encodes a row whose completion is a string: the model's tokens, then EOS."""
     eos, chat = tokenizer.eos_token_id, config.data.chat_template_kwargs
 
-    def encode(row: dict[str, Any]) -> tuple[list[int], list[int], list[bool]]:
+    def encode(row: dict[str, Any]) -> Encoded:
         ids = [*tokenizer(row["completion"], add_special_tokens=False)["input_ids"], eos]
         return encode_prompt(row["prompt"], tokenizer, **chat), ids, [True] * len(ids)
 
