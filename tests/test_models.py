@@ -61,10 +61,10 @@ def test_load_model_errors(tmp_path):
         load_model(tmp_path / "empty", device=CPU, dtype=torch.float32)
 
 
-def test_weights_that_do_not_make_the_model_are_one_line(tmp_path, tokenizer):
+def test_weights_that_do_not_make_the_model_are_one_line(tmp_path, tokenizer, capsys):
     """A tensor missing from the files trained from its random initialisation (after
     transformers' multi-line report); a truncated file or a config.json of other shapes
-    ended in a traceback."""
+    ended in a traceback; tensors the model has no place for were left out unsaid."""
     import json
 
     from safetensors.torch import load_file, save_file
@@ -80,6 +80,16 @@ def test_weights_that_do_not_make_the_model_are_one_line(tmp_path, tokenizer):
     save_file({k: v for k, v in tensors.items() if k != "lm_head.weight"}, weights)
     with pytest.raises(ValueError, match=r"/m: the weight files lack lm_head.weight, which"):
         load_model(tmp_path / "m", device=CPU, dtype=torch.float32)
+    second = {k.replace("layers.0", "layers.1"): v.clone() for k, v in tensors.items()}
+    extra = {**tensors, **second}
+    save_file(extra, weights)  # a second layer config.json does not make: trained without
+    capsys.readouterr()
+    load_model(tmp_path / "m", device=CPU, dtype=torch.float32)
+    err = capsys.readouterr().err
+    assert err.startswith("gspo: warning: model.path: ") and err.count("\n") == 1
+    assert "/m: 11 tensor(s) of the weight files have no place in the model" in err
+    load_model(tmp_path / "m", device=CPU, dtype=torch.float32, warn=False)
+    assert capsys.readouterr().err == ""
     save_file(tensors, weights)
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "hidden_size": 16}))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -250,9 +251,12 @@ def _no_load_report() -> Iterator[None]:
         logging.set_verbosity(level)
 
 
-def check_loaded_weights(path: Path, info: dict[str, Any]) -> None:
+def check_loaded_weights(path: Path, info: dict[str, Any], *, warn: bool = True) -> None:
     """A weight the model has and the files lack (it would train from its random
-    initialisation), or one of another shape than ``config.json`` makes, is one line."""
+    initialisation), or one of another shape than ``config.json`` makes, is one line.
+    Tensors of the files the model has no place for (more layers than ``config.json``
+    makes, another architecture's parts, a value head) are left out, as transformers
+    does, with one warning line when ``warn`` (on rank 0 under torchrun)."""
     mismatched = sorted(info.get("mismatched_keys") or (), key=str)
     if mismatched:
         key, stored, made = mismatched[0]
@@ -269,9 +273,19 @@ def check_loaded_weights(path: Path, info: dict[str, Any]) -> None:
             f"model.path: {path}: the weight files lack {missing[0]}{more}, which the "
             "model its config.json makes needs (it would train from random values)"
         )
+    unexpected = sorted(info.get("unexpected_keys") or ())
+    if unexpected and warn and os.environ.get("RANK", "0") == "0":
+        named = ", ".join(unexpected[:3]) + (", ..." if len(unexpected) > 3 else "")
+        print(
+            f"gspo: warning: model.path: {path}: {len(unexpected)} tensor(s) of the weight "
+            f"files have no place in the model its config.json makes ({named}): left out; "
+            "if they are its own (more layers, another architecture), config.json is wrong",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
-def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype):
+def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype, warn: bool = True):
     """Load a local HF causal-LM directory (AutoModelForCausalLM + AutoTokenizer), or the
     one a checkpoint's :data:`MODEL_POINTER` names.
 
@@ -279,7 +293,8 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype):
     a checkpoint's model file whose bytes are not those written (its ``manifest.json``)
     is a :class:`gspo.publish.DamagedFile` naming it; running out of memory (reading it,
     moving it to ``device``) an :class:`gspo.models.memory.OutOfMemory` naming the path,
-    the dtype, the device and what lowers it.
+    the dtype, the device and what lowers it. Tensors of the files the model does not use
+    are a warning line (:func:`check_loaded_weights`) unless ``warn`` is False.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -315,7 +330,7 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype):
         if isinstance(exc, SafetensorError):
             first_line = f"a truncated or damaged .safetensors file ({first_line})"
         raise ValueError(f"model.path: cannot load {path}: {first_line}") from exc
-    check_loaded_weights(path, info)
+    check_loaded_weights(path, info, warn=warn)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"

@@ -38,7 +38,9 @@ class Reference:
             with torch.no_grad(), self.policy.base():
                 return self.policy.logprobs(batch)
         if self.module is None:
-            self.module, _ = load_model(self.path, device=self.policy.device, dtype=torch.float32)
+            self.module, _ = load_model(  # the policy's load said what its weights lack
+                self.path, device=self.policy.device, dtype=torch.float32, warn=False
+            )
             self.module.eval().requires_grad_(False)
             policy = self.policy.module
             set_linear_kernel(self.module, linear_kernel(policy), head_precision(policy))
