@@ -44,9 +44,9 @@ sys.path.insert(0, str(HERE))
 
 import workload  # noqa: E402
 
+from gspo.chat import encode_prompt  # noqa: E402
 from gspo.engines import torch_engine as rollout  # noqa: E402
 from gspo.models import load_model, packed_completion_logprobs  # noqa: E402
-from gspo.tasks import encode_prompt  # noqa: E402
 
 
 def interleaved_times(

@@ -74,10 +74,10 @@ from vs_trl import (  # noqa: E402
     run_gspo,
 )
 
+from gspo.chat import encode_prompt  # noqa: E402
 from gspo.engines import torch_engine as rollout  # noqa: E402
 from gspo.engines.decoding import KVDecoder  # noqa: E402
 from gspo.models import load_model, packed_completion_logprobs  # noqa: E402
-from gspo.tasks import encode_prompt  # noqa: E402
 
 
 def _module_at(revision: str, path: str, name: str, replace: dict[str, str]):

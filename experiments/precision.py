@@ -35,12 +35,12 @@ from pathlib import Path
 
 import torch
 
+from gspo.chat import encode_prompt
 from gspo.config import load_config
 from gspo.engines import SamplingParams, TorchEngine, decoding
 from gspo.experiments import PRESETS, cold_start_checkpoint
 from gspo.models import completion_logprobs, kernels, load_model
 from gspo.models import logprobs as models
-from gspo.tasks import encode_prompt
 from gspo.training.seeds import derive_seed
 from gspo.training.setup import load_task_data
 

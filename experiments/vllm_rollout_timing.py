@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from gspo.chat import encode_prompt
 from gspo.engines import SamplingParams, TorchEngine
 from gspo.models import (
     TinyModelSpec,
@@ -28,7 +29,7 @@ from gspo.models import (
     load_model,
     save_pretrained_atomic,
 )
-from gspo.tasks import BUILTIN_TASKS, encode_prompt
+from gspo.tasks import BUILTIN_TASKS
 
 
 def timed(fn, repeats: int) -> tuple[float, list[float]]:

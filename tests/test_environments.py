@@ -319,9 +319,7 @@ def test_replies_follow_the_models_stop_token_without_repeating_it(tokenizer):
 def test_cold_start_conversations_train_on_the_assistant_tokens_only(tokenizer):
     fmt = TurnFormat(tokenizer, EnvironmentFactory(Calculator).schemas, {})
     row = calculator_task(digits=3, sft_size=50, label_noise=0.0, train_size=100).sft[0]
-    prompt, ids, actions = encode_conversation(
-        fmt, row["prompt"], row["completion"], tokenizer.eos_token_id
-    )
+    prompt, ids, actions = encode_conversation(fmt, row["prompt"], row["completion"])
     call, tool, answer = row["completion"]
     model_text = tokenizer.decode([t for t, a in zip(ids, actions, strict=True) if a])
     env_text = tokenizer.decode([t for t, a in zip(ids, actions, strict=True) if not a])

@@ -1,4 +1,4 @@
-"""Tasks: the built-in procedurally generated tasks, prompt encoding (user datasets: ``gspo.data``).
+"""Tasks: the built-in procedurally generated tasks (user datasets: ``gspo.data``).
 
 A dataset here is a list of rows (dicts) with a ``prompt`` column (a string or a list of
 chat messages) plus any other columns, which are passed to reward functions by name, as
@@ -281,39 +281,6 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
         "eval.max_prompts": 64,
     },
 }
-
-
-def encode_prompt(
-    prompt: str | list[dict[str, str]], tokenizer, **chat_template_kwargs: Any
-) -> list[int]:
-    """Token ids of a prompt: chat messages go through the tokenizer's chat template.
-
-    ``chat_template_kwargs`` (``data.chat_template_kwargs``, e.g. Qwen3's
-    ``enable_thinking``) reach the template as its variables.
-    """
-    if isinstance(prompt, str):
-        return list(tokenizer(prompt)["input_ids"])
-    if isinstance(prompt, list):
-        for i, message in enumerate(prompt):
-            if not isinstance(message, dict) or "role" not in message:
-                raise ValueError(
-                    f"chat message {i} must be a mapping with a 'role' (and its 'content'); "
-                    f"got {message!r:.80}"
-                )
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError(
-                "prompts are chat messages (a message-list prompt column, data.system_prompt "
-                "or data.chat_template) but the tokenizer has no chat template"
-            )
-        ids = tokenizer.apply_chat_template(
-            prompt, add_generation_prompt=True, tokenize=True, **chat_template_kwargs
-        )
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
-    raise ValueError(
-        f"prompt must be a string or a list of chat messages; got {type(prompt).__name__}"
-    )
 
 
 def as_completion(text: str, prompt: Any) -> Any:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from gspo.chat import stop_token_ids
 from gspo.config import Config, dump_config
 from gspo.distributed import Distributed, rank_device
 from gspo.engines import SamplingParams
@@ -174,6 +175,9 @@ class Trainer:
             max_new_tokens=config.rollout.max_new_tokens,
             temperature=config.rollout.temperature,
             top_p=config.rollout.top_p,
+            stop_token_ids=stop_token_ids(
+                self.tokenizer, self.policy.module, **config.data.chat_template_kwargs
+            ),
         )
         scorer = Scorer(self.tokenizer, rewards)
         self.rollout_stage = RolloutStage(

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 import gspo
+from gspo.chat import encode_prompt, turn_end
 from gspo.config import Config
 from gspo.distributed import Distributed, load_sharded, save_sharded, sharded_problem
 from gspo.engines import pad_batch
@@ -43,7 +44,6 @@ from gspo.models import model_context, model_files
 from gspo.models.kernels import onednn_available
 from gspo.plugins import PYTHON_OBJECT, object_spec
 from gspo.publish import remove_leftovers, staged, temp_path, tree_bytes
-from gspo.tasks import encode_prompt
 from gspo.telemetry import MetricsLogger
 from gspo.training.metrics import combine
 from gspo.training.policy import Policy
@@ -411,11 +411,16 @@ def within_context(
 
 
 def single_turn_encoder(config: Config, tokenizer):
-    """Encodes a row whose completion is a string: the model's tokens, then EOS."""
-    eos, chat = tokenizer.eos_token_id, config.data.chat_template_kwargs
+    """Encodes a row whose completion is a string: the model's tokens, then the end of
+    its turn: the chat template's after a chat prompt (Gemma's ``<end_of_turn>``, where
+    the tokenizer's EOS is ``<eos>``), EOS after a text prompt."""
+    chat = config.data.chat_template_kwargs
+    ends = {False: tokenizer.eos_token_id, True: turn_end(tokenizer, **chat)}
 
     def encode(row: dict[str, Any]) -> Encoded:
-        ids = [*tokenizer(row["completion"], add_special_tokens=False)["input_ids"], eos]
+        text = row["completion"]
+        ids = [*tokenizer(text, add_special_tokens=False)["input_ids"]]
+        ids.append(ends[isinstance(row["prompt"], list)])
         return encode_prompt(row["prompt"], tokenizer, **chat), ids, [True] * len(ids)
 
     return encode

@@ -28,16 +28,13 @@ from typing import Any
 
 import torch
 
+from gspo.chat import SENTINEL, encode_prompt, turn_end
 from gspo.config import Config
 from gspo.engines import RolloutBatch, SamplingParams, pad_batch
 from gspo.environments import EnvError, EnvironmentFactory, Episode
-from gspo.tasks import encode_prompt
 from gspo.training.cold_start import single_turn_encoder
 from gspo.training.sampler import Generated, Sampler, SingleTurn
 from gspo.training.seeds import derive_seed
-
-#: Content of the stand-in assistant message :class:`TurnFormat` renders around.
-_SENTINEL = "GSPO7TURN9SENTINEL"
 
 
 class TurnFormat:
@@ -57,8 +54,9 @@ class TurnFormat:
                 "rollout.environment needs a tokenizer with a chat template (none found); "
                 f"give the model one that renders tools and tool messages {where}"
             )
-        stop = tokenizer.eos_token_id
-        self.stop_text = tokenizer.decode([stop]) if stop is not None else ""
+        # what the model's turn ends with (the template's end of turn, else EOS)
+        self.end = turn_end(tokenizer, **self.chat_kwargs)
+        self.stop_text = tokenizer.decode([self.end]) if self.end is not None else ""
         if self.schemas:
             probe = [{"role": "user", "content": "x"}]
             with_tools = self._render(probe, tools=self.schemas)
@@ -68,9 +66,9 @@ class TurnFormat:
                     "the environment's tools (rollout.environment); use a template with tool "
                     f"support {where}"
                 )
-            result = {"role": "tool", "name": "probe", "content": _SENTINEL + "R"}
+            result = {"role": "tool", "name": "probe", "content": SENTINEL + "R"}
             turns = [*probe, {"role": "assistant", "content": "a"}, result]
-            if _SENTINEL + "R" not in self._render(turns, tools=self.schemas):
+            if SENTINEL + "R" not in self._render(turns, tools=self.schemas):
                 raise EnvError(
                     "the tokenizer's chat template leaves out `tool` messages: the model "
                     "would never see what its tool calls return (rollout.environment); use a "
@@ -108,9 +106,9 @@ class TurnFormat:
         assistant's content is the reply. The model's own end-of-turn (its stop token,
         already in its sampled tokens when ``after_stop``) is not repeated.
         """
-        base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL}]
+        base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": SENTINEL}]
         text = self._render(base + messages, tools=self.schemas, generation=True)
-        tail = text[text.rindex(_SENTINEL) + len(_SENTINEL) :]
+        tail = text[text.rindex(SENTINEL) + len(SENTINEL) :]
         if after_stop and self.stop_text and tail.startswith(self.stop_text):
             tail = tail[len(self.stop_text) :]
         return self.encode(tail)
@@ -136,11 +134,12 @@ def with_observation(messages: list[dict[str, Any]], observation: str | None) ->
 
 
 def encode_conversation(
-    fmt: TurnFormat, prompt: Any, completion: list[dict[str, Any]], eos: int
+    fmt: TurnFormat, prompt: Any, completion: list[dict[str, Any]]
 ) -> tuple[list[int], list[int], list[bool]]:
     """A cold-start row whose completion is a list of messages, as an episode's tokens.
 
-    Assistant messages are the model's tokens (their content, then EOS; in the loss), the
+    Assistant messages are the model's tokens (their content, then the end of its turn,
+    ``fmt.end``; in the loss), the
     other messages the environment's reply tokens (context), exactly as a rollout lays
     them out. Returns ``(prompt_ids, completion_ids, action_mask)``.
     """
@@ -154,7 +153,7 @@ def encode_conversation(
                 ids += reply
                 actions += [False] * len(reply)
                 pending = []
-            turn = [*fmt.encode(str(message.get("content") or "")), eos]  # (null: none)
+            turn = [*fmt.encode(str(message.get("content") or "")), fmt.end]  # (null: none)
             ids += turn
             actions += [True] * len(turn)
         else:
@@ -477,12 +476,12 @@ def sft_encoder(
 ) -> Callable[[dict[str, Any]], tuple[list[int], list[int], list[bool]]]:
     """How the cold start encodes a row: ``(prompt_ids, completion_ids, action_mask)``.
 
-    A string completion is the model's tokens and EOS; a completion that is a list of
+    A string completion is the model's tokens and the end of its turn
+    (:func:`gspo.training.cold_start.single_turn_encoder`); a completion that is a list of
     messages is laid out as an episode (:func:`encode_conversation`), its non-assistant
     messages left out of the loss.
     """
     chat = config.data.chat_template_kwargs
-    eos = tokenizer.eos_token_id
     fmt = generator.format if isinstance(generator, MultiTurn) else None
     single = single_turn_encoder(config, tokenizer)
 
@@ -492,6 +491,6 @@ def sft_encoder(
         if not isinstance(completion, list):
             return single(row)
         fmt = fmt or TurnFormat(tokenizer, [], chat)
-        return encode_conversation(fmt, row["prompt"], completion, eos)
+        return encode_conversation(fmt, row["prompt"], completion)
 
     return encode

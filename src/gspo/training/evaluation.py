@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ class Evaluator:
         self.modes = [("", cfg.samples, sampling)]
         if cfg.greedy:
             self.modes.append(
-                ("_greedy", 1, SamplingParams(sampling.max_new_tokens, temperature=0.0))
+                ("_greedy", 1, replace(sampling, temperature=0.0, top_p=1.0, logit_noise=0.0))
             )
         rollout = config.rollout
         self.chunk = max(1, rollout.prompts_per_batch * rollout.group_size // cfg.samples)

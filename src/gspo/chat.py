@@ -1,0 +1,116 @@
+"""A conversation's tokens: prompts through the chat template, and where a turn ends.
+
+Prompts (:func:`encode_prompt`) are text, tokenized as it is, or chat messages rendered
+by the tokenizer's chat template. The model's turn ends at any of its stop tokens
+(:func:`stop_token_ids`): the tokenizer's EOS, the EOS ids of the model's
+``generation_config.json`` (Gemma's ``[1, 107]``), and the token the chat template puts
+after an assistant message (:func:`end_of_turn`: Llama 3's ``<|eot_id|>``, Qwen's
+``<|im_end|>``, Gemma's ``<end_of_turn>``), which is also what a cold-start completion
+of a chat prompt ends with (:func:`turn_end`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Content of the stand-in assistant message a template is rendered around.
+SENTINEL = "GSPO7TURN9SENTINEL"
+
+
+def render(tokenizer, messages: list[dict[str, Any]], **chat_kwargs: Any) -> list[int]:
+    """The chat template's token ids for ``messages``, ready for the model's turn: the
+    generation prompt after a user (or tool) message; after an assistant message (a
+    prefill such as ``"<think>\\n"``), that message continued, as TRL renders it. A
+    template that fails (Gemma's refuses a system message) is a one-line ``ValueError``."""
+    prefill = bool(messages) and messages[-1].get("role") == "assistant"
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=not prefill,
+            continue_final_message=prefill,
+            tokenize=True,
+            **chat_kwargs,
+        )
+    except Exception as exc:  # jinja's TemplateError (raise_exception) and the like
+        roles = ", ".join(str(m.get("role")) for m in messages)
+        said = " ".join(str(exc).split())[:200]
+        raise ValueError(
+            f"the chat template failed on messages ({roles}): {type(exc).__name__}: {said}"
+        ) from None
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def encode_prompt(
+    prompt: str | list[dict[str, str]], tokenizer, **chat_template_kwargs: Any
+) -> list[int]:
+    """Token ids of a prompt: chat messages go through the tokenizer's chat template.
+
+    ``chat_template_kwargs`` (``data.chat_template_kwargs``, e.g. Qwen3's
+    ``enable_thinking``) reach the template as its variables. A text prompt gets the
+    tokenizer's special tokens (its BOS) unless it already starts with the BOS text (a
+    prompt rendered by the chat template beforehand, TRL's "standard" format): one BOS
+    either way.
+    """
+    if isinstance(prompt, str):
+        bos = getattr(tokenizer, "bos_token", None)
+        special = not (isinstance(bos, str) and bos and prompt.startswith(bos))
+        return list(tokenizer(prompt, add_special_tokens=special)["input_ids"])
+    if isinstance(prompt, list):
+        for i, message in enumerate(prompt):
+            if not isinstance(message, dict) or "role" not in message:
+                raise ValueError(
+                    f"chat message {i} must be a mapping with a 'role' (and its 'content'); "
+                    f"got {message!r:.80}"
+                )
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(
+                "prompts are chat messages (a message-list prompt column, data.system_prompt "
+                "or data.chat_template) but the tokenizer has no chat template"
+            )
+        return render(tokenizer, prompt, **chat_template_kwargs)
+    raise ValueError(
+        f"prompt must be a string or a list of chat messages; got {type(prompt).__name__}"
+    )
+
+
+def _special_ids(tokenizer) -> set[int]:
+    ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return ids | {i for i, token in added.items() if getattr(token, "special", False)}
+
+
+def end_of_turn(tokenizer, **chat_kwargs: Any) -> int | None:
+    """The special token the chat template puts right after an assistant message's
+    content, or None (no template, or one that ends a turn with plain text)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return None
+    turn = [{"role": "user", "content": "u"}, {"role": "assistant", "content": SENTINEL}]
+    try:
+        text = tokenizer.apply_chat_template(turn, tokenize=False, **chat_kwargs)
+    except Exception:  # a template that cannot render a plain exchange: said where it is used
+        return None
+    if not isinstance(text, str) or SENTINEL not in text:
+        return None
+    tail = text[text.rindex(SENTINEL) + len(SENTINEL) :]
+    ids = tokenizer(tail, add_special_tokens=False)["input_ids"] if tail else []
+    return ids[0] if ids and ids[0] in _special_ids(tokenizer) else None
+
+
+def turn_end(tokenizer, **chat_kwargs: Any) -> int | None:
+    """What ends the model's turn after a chat prompt: the template's end of turn, else
+    the tokenizer's EOS."""
+    end = end_of_turn(tokenizer, **chat_kwargs)
+    return tokenizer.eos_token_id if end is None else end
+
+
+def stop_token_ids(tokenizer, model: Any, **chat_kwargs: Any) -> tuple[int, ...]:
+    """The tokens at which a response ends: the tokenizer's EOS, ``model``'s
+    ``generation_config`` EOS ids (what Hugging Face ``generate`` and vLLM stop at) and
+    the chat template's end of turn."""
+    stops = {tokenizer.eos_token_id, end_of_turn(tokenizer, **chat_kwargs)}
+    config = getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None)
+    stops.update(eos if isinstance(eos, list | tuple) else [eos])
+    return tuple(sorted(int(i) for i in stops if i is not None))

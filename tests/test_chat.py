@@ -1,0 +1,128 @@
+"""Chat turns as tokens (gspo.chat): where a turn ends, prompts rendered as TRL renders them."""
+
+from types import SimpleNamespace
+
+import pytest
+from tokenizers.processors import TemplateProcessing
+
+from gspo.chat import encode_prompt, end_of_turn, stop_token_ids
+from gspo.config import load_config
+from gspo.models import build_char_tokenizer
+from gspo.training.cold_start import single_turn_encoder
+
+# Gemma's layout: a turn ends with <end_of_turn>, while the tokenizer's EOS is <eos>
+GEMMA_LIKE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for m in messages %}{{ '<start_of_turn>' + m['role'] + '\\n' + m['content'] }}"
+    "{% if not (continue_final_message and loop.last) %}{{ '<end_of_turn>\\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>assistant\\n' }}{% endif %}"
+)
+
+
+def gemma_like():
+    tok = build_char_tokenizer()  # its own: the fixture is the session's, shared
+    tok.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    tok.chat_template = GEMMA_LIKE
+    return tok
+
+
+def test_a_turn_ends_at_eos_the_generation_configs_eos_and_the_templates_end_of_turn():
+    """Rollouts stopped at the tokenizer's EOS alone: a Gemma-style model (EOS <eos>, turns
+    ending with <end_of_turn>, generation_config.json's eos [1, 107]) ran every response to
+    rollout.max_new_tokens, and its rewards read the text past the turn."""
+    tok = gemma_like()
+    eot = tok.convert_tokens_to_ids("<end_of_turn>")
+    eos = tok.eos_token_id
+    assert end_of_turn(tok) == eot
+    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[eos, 90]))
+    assert stop_token_ids(tok, model) == tuple(sorted({eos, eot, 90}))
+    plain = build_char_tokenizer()  # its template ends a turn with EOS itself
+    assert end_of_turn(plain) == plain.eos_token_id
+    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=plain.eos_token_id))
+    assert stop_token_ids(plain, model) == (plain.eos_token_id,)
+    plain.chat_template = None
+    assert end_of_turn(plain) is None and stop_token_ids(plain, None) == (plain.eos_token_id,)
+
+
+def test_a_cold_start_completion_ends_as_the_template_ends_a_turn():
+    """After a chat prompt the completion ends with <end_of_turn> (with <eos> the model
+    learned a layout the template never renders, and never its end of turn); after a text
+    prompt with EOS."""
+    tok = gemma_like()
+    encode = single_turn_encoder(load_config(), tok)
+    chat = {"prompt": [{"role": "user", "content": "1+1="}], "completion": "2"}
+    prompt, completion, loss = encode(chat)
+    said = "<bos><start_of_turn>user\n1+1=<end_of_turn>\n<start_of_turn>assistant\n"
+    assert tok.decode(prompt) == said
+    assert tok.convert_ids_to_tokens(completion) == ["2", "<end_of_turn>"] and all(loss)
+    _, completion, _ = encode({"prompt": "1+1=", "completion": "2"})
+    assert tok.convert_ids_to_tokens(completion) == ["2", "<eos>"]
+
+
+def test_text_prompts_get_one_bos_and_a_prefill_is_continued():
+    """A prompt already rendered with its BOS got a second one (TRL: one); a prompt whose
+    last message is the assistant's (a prefill) was closed and a new turn opened."""
+    tok = gemma_like()
+    bos = tok.bos_token_id
+    tok._tokenizer.post_processor = TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", bos)]
+    )
+    assert encode_prompt("1+1=", tok)[:2] == [bos, tok.convert_tokens_to_ids("1")]
+    rendered = encode_prompt("<bos>1+1=", tok)
+    assert rendered.count(bos) == 1 and rendered[0] == bos
+    prefill = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "so"}]
+    assert tok.decode(encode_prompt(prefill, tok)).endswith("<start_of_turn>assistant\nso")
+
+
+def test_a_chat_template_that_fails_is_one_line():
+    tok = gemma_like()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1="}]
+    with pytest.raises(ValueError) as err:
+        encode_prompt(messages, tok)
+    assert str(err.value) == (
+        "the chat template failed on messages (system, user): TemplateError: "
+        "System role not supported"
+    )
+
+
+def test_the_trainer_samples_and_evaluates_until_any_stop_token(tmp_path):
+    """The stop tokens reach the rollouts and both evaluation modes: a model directory
+    whose generation_config.json lists a second EOS."""
+    from gspo.models import TinyModelSpec, build_tiny_model, save_pretrained_atomic
+    from gspo.trainer import Trainer
+
+    tok = gemma_like()
+    spec = TinyModelSpec(layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64)
+    model = build_tiny_model(spec, tok, seed=0)
+    model.generation_config.eos_token_id = [tok.eos_token_id, 40]
+    save_pretrained_atomic(model, tok, tmp_path / "m")
+    overrides = [f"model.path={tmp_path / 'm'}", "model.device=cpu", "data.eval_size=8",
+                 "train.cold_start_steps=0", "log.progress=false"]  # fmt: skip
+    trainer = Trainer(load_config(None, overrides), tmp_path / "run")
+    stops = tuple(sorted({tok.eos_token_id, 40, tok.convert_tokens_to_ids("<end_of_turn>")}))
+    assert trainer.rollout_stage.sampling.stop_token_ids == stops
+    assert [params.stop_token_ids for _, _, params in trainer.evaluator.modes] == [stops] * 2
+    trainer.close()
+
+
+def test_an_episodes_turns_end_as_the_template_ends_them():
+    """Multi-turn cold-start rows ended each assistant turn with <eos> and left the
+    template's <end_of_turn> to the environment's reply, out of the loss."""
+    from gspo.training.episodes import TurnFormat, encode_conversation
+
+    tok = gemma_like()
+    fmt = TurnFormat(tok, [], {})
+    completion = [
+        {"role": "assistant", "content": "3"},
+        {"role": "user", "content": "more"},
+        {"role": "assistant", "content": "4"},
+    ]
+    _, ids, loss = encode_conversation(fmt, "1+2=", completion)
+    tokens = tok.convert_ids_to_tokens(ids)
+    assert [t for t, in_loss in zip(tokens, loss, strict=True) if in_loss] == [
+        "3", "<end_of_turn>", "4", "<end_of_turn>"
+    ]  # fmt: skip
+    assert tok.decode([t for t, k in zip(ids, loss, strict=True) if not k]) == (
+        "\n<start_of_turn>user\nmore<end_of_turn>\n<start_of_turn>assistant\n"
+    )
