@@ -5,10 +5,10 @@ import json
 import datasets
 import pytest
 
+from gspo.chat import encode_prompt
 from gspo.config import ConfigError, load_config
 from gspo.data import load_rows, parse_source, prepare_rows, template_fields
 from gspo.models import build_char_tokenizer
-from gspo.tasks import encode_prompt
 
 GSM8K_ROWS = [
     {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3+4=7\n#### 7"},
@@ -195,6 +195,22 @@ def test_sft_rows_need_their_completion_column():
                      sft=True)  # fmt: skip
 
 
+def test_number_cells_are_read_as_the_numbers_written():
+    """A CSV column with a blank cell is read as floats: answer_column made 58 "58.0" (no
+    exact_match ever 1), and a number completion was the tokenizer's error naming no row."""
+    rows = [{"q": "a", "a": 58.0, "c": 5}, {"q": "b", "a": float("nan"), "c": 2.0}]
+    data = data_config("data.prompt_column=q", "data.answer_column=a", "data.completion_column=c")
+    got = prepare_rows(rows, data, what="data.sft", sft=True)
+    assert [(r["answer"], r["completion"]) for r in got] == [("58", "5"), (None, "2")]
+    rows[1]["c"] = None
+    with pytest.raises(ValueError) as err:
+        prepare_rows(rows, data, what="data.sft", sft=True)
+    assert str(err.value) == (
+        "data.sft row 1: the completion (column 'c') is None; a cold-start completion is "
+        "text or a list of messages"
+    )
+
+
 @pytest.mark.parametrize(
     ("template", "expected"),
     [
@@ -370,8 +386,8 @@ def test_a_template_naming_a_method_is_refused(tmp_path):
 
 def test_a_chat_message_without_role_or_content_says_so():
     """It was 'the prompt is empty (0 tokens)'."""
+    from gspo.chat import encode_prompt
     from gspo.models import build_char_tokenizer
-    from gspo.tasks import encode_prompt
 
     tokenizer = build_char_tokenizer()
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"

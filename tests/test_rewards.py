@@ -21,6 +21,7 @@ from gspo.rewards import (
     extract_final_answer,
     load_reward_function,
     parse_number,
+    reference_answer,
 )
 
 
@@ -82,6 +83,9 @@ def test_completion_text_rejects_other_types() -> None:
         ("-3/4", -0.75),
         ("\\frac{3}{4}", 0.75),
         ("-\\dfrac{1}{2}", -0.5),
+        ("\\frac12", 0.5),  # LaTeX's one-digit shorthand (MATH writes it)
+        ("\\dfrac34", 0.75),
+        ("\\frac123", None),  # \frac{1}{2}3: no single number
         ("$1,234", 1234.0),
         ("50\\%", 50.0),
         ("7.", 7.0),
@@ -147,6 +151,11 @@ def test_exact_match_stringifies_gold_and_none_is_not_applicable() -> None:
         ("she pays $18.", "Natalia ... so 72 - 54 = 18.\n#### 18", 1.0),
         ("\\boxed{18}", 18, 1.0),
         ("\\boxed{0.5}", 0.5, 1.0),
+        ("\\boxed{\\frac12}", "0.5", 1.0),  # was read as 12
+        ("\\boxed{\\frac12}", "12", 0.0),
+        ("The answer is \\dfrac34.", "0.75", 1.0),
+        ("<think>Maybe the answer is 41</think>\n42", "42", 1.0),  # thinking is not the answer
+        ("<think>so \\boxed{42}", "42", 0.0),  # cut off while thinking: no answer yet
     ],
 )
 def test_numeric_match(completion: str, gold: object, expected: float) -> None:
@@ -212,6 +221,8 @@ def test_math_equivalent_forms() -> None:
         ("nothing to see", "5", 0.0),
         ("", "5", 0.0),
         ("\\boxed{12}", "Natalia sold 48/2 = 24 clips... \n#### 12", 1.0),
+        ("<think>\\boxed{41}</think> so \\boxed{42}", "42", 1.0),
+        ("<think>so \\boxed{42}", "42", 0.0),
     ]
     completions = [c for c, _, _ in cases]
     golds = [g for _, g, _ in cases]
@@ -220,6 +231,14 @@ def test_math_equivalent_forms() -> None:
     assert score("math", [chat(c) for c in completions], golds, prompts=[[]] * len(cases)) == (
         expected
     )
+
+
+def test_math_reads_an_escaped_dollar_in_the_gold_as_a_dollar_sign() -> None:
+    """MATH's "$\\boxed{\\$18.90}$": the gold \\$18.90 was taken as already delimited, not
+    parsed, and every row with a dollar amount scored None."""
+    gold = reference_answer("The total is $\\boxed{\\$18.90}$.")
+    completions = ["\\boxed{18.90}", "\\boxed{\\$18.90}", "\\boxed{17}"]
+    assert score("math", completions, [gold] * 3) == [1.0, 1.0, 0.0]
 
 
 def test_math_none_gold_and_garbage_do_not_crash() -> None:

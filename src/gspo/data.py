@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from gspo.config.data import template_fields
 from gspo.plugins import one_line
 from gspo.rewards import reference_answer
+from gspo.rewards.parsing import cell_text
 
 if TYPE_CHECKING:
     from gspo.config import DataConfig
@@ -255,13 +256,28 @@ def prepare_rows(rows: list[Row], data: DataConfig, *, what: str, sft: bool = Fa
                 prompt = [{"role": "system", "content": data.system_prompt}, *prompt]
         new = {**row, "prompt": prompt}
         if data.answer_column is not None:
-            gold = row[data.answer_column]
+            gold = cell_text(row[data.answer_column])  # (58.0 of a float column: "58")
             new["answer"] = None if gold is None else reference_answer(gold)
         if sft:
-            new["completion"] = row[data.completion_column]
-            _check_tool_calls(new["completion"], f"{what} row {len(out)}")
+            new["completion"] = _completion(row[data.completion_column], data, what, len(out))
         out.append(new)
     return out
+
+
+def _completion(value: Any, data: DataConfig, what: str, index: int) -> Any:
+    """A cold-start row's completion: text (a number of a CSV column as its text) or a
+    conversation; none at all is one line naming the row and the column."""
+    where = f"{what} row {index}"
+    if isinstance(value, list):
+        _check_tool_calls(value, where)
+        return value
+    text = None if isinstance(value, bool) else cell_text(value)
+    if text is None or not isinstance(value, str | int | float):
+        raise ValueError(
+            f"{where}: the completion (column {data.completion_column!r}) is {value!r:.80}; "
+            "a cold-start completion is text or a list of messages"
+        )
+    return value if isinstance(value, str) else text
 
 
 def _check_tool_calls(completion: Any, where: str) -> None:

@@ -126,11 +126,13 @@ def extract_final_answer(text: str) -> str | None:
 
 
 # Numbers: ints, decimals, thousands separators ("1,234"), exponents, a leading minus sign
-# (not when it is a binary minus such as "5-3"), plain fractions "3/4" and LaTeX \frac{3}{4}.
+# (not when it is a binary minus such as "5-3"), plain fractions "3/4" and LaTeX \frac{3}{4}
+# (and \frac34).
 _UNSIGNED = r"(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?"
 _NUMBER = re.compile(
     rf"(?P<sign>(?<![\w)\]}}])[-−])?"
     rf"(?:\\[dt]?frac\s*\{{\s*(?P<fn>-?{_UNSIGNED})\s*\}}\s*\{{\s*(?P<fd>-?{_UNSIGNED})\s*\}}"
+    r"|\\[dt]?frac\s*(?P<sn>\d)\s*(?P<sd>\d)"  # \frac12: one digit each, as LaTeX reads it
     rf"|(?P<n>{_UNSIGNED})(?:\s*/\s*(?P<d>{_UNSIGNED}))?)"
 )
 _LATEX_NOISE = re.compile(r"\\[,;:! ]|\\left|\\right|\\\(|\\\)|\\\[|\\\]|\{,\}|\\?\$|\\?%")
@@ -145,6 +147,8 @@ def _match_value(m: re.Match[str]) -> float | None:
     sign = -1.0 if m.group("sign") else 1.0
     if m.group("fn") is not None:
         num, den = _to_float(m.group("fn")), _to_float(m.group("fd"))
+    elif m.group("sn") is not None:
+        num, den = float(m.group("sn")), float(m.group("sd"))
     else:
         num = _to_float(m.group("n"))
         den = _to_float(m.group("d")) if m.group("d") is not None else 1.0
@@ -203,8 +207,30 @@ def _predicted_number(text: str) -> float | None:
     return found[-1] if found else None
 
 
+def cell_text(value: Any) -> str | None:
+    """A data cell as text; None when there is none (None, NaN). A whole float is written
+    as an integer: a CSV column with one blank cell is read as floats (``58.0``), which
+    no completion ``58`` would equal."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value).strip()
+
+
+def answer_text(completion: Any) -> str:
+    """The part of a completion that holds its answer: after the last ``</think>`` (a
+    reasoning model's thinking is not its answer); nothing while a ``<think>`` is still
+    open (cut off before it answered)."""
+    text = completion_text(completion)
+    _, closed, tail = text.rpartition("</think>")
+    if closed:
+        return tail
+    return "" if "<think>" in text else text
+
+
 def _gold_text(answer: Any) -> str:
-    s = str(answer).strip()
+    s = cell_text(answer) or ""
     if "####" in s:  # GSM8K-style solutions end with "#### <answer>"
         s = s.rsplit("####", 1)[1].strip()
     return s

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import re
 import signal
 import threading
 from collections.abc import Callable, Sequence
@@ -23,6 +24,8 @@ from gspo.rewards.parsing import (
     _gold_number,
     _gold_text,
     _predicted_number,
+    answer_text,
+    cell_text,
     completion_text,
 )
 
@@ -59,20 +62,9 @@ def exact_match_reward(
     answer = _require_answer("exact_match", answer, len(completions))
     out: list[float | None] = []
     for completion, gold in zip(completions, answer, strict=True):
-        text = _gold_as_text(gold)
+        text = cell_text(gold)
         out.append(None if text is None else float(completion_text(completion).strip() == text))
     return out
-
-
-def _gold_as_text(gold: Any) -> str | None:
-    """A reference answer as the text a completion must equal; None when there is none
-    (None, NaN). A whole float is written as an integer: a CSV column with one blank
-    cell is read as floats (``58.0``), which no completion ``58`` would equal."""
-    if gold is None or (isinstance(gold, float) and math.isnan(gold)):
-        return None
-    if isinstance(gold, float) and gold.is_integer():
-        return str(int(gold))
-    return str(gold).strip()
 
 
 def numeric_match_reward(
@@ -101,7 +93,7 @@ def numeric_match_reward(
         if gold_value is None:
             out.append(None)
             continue
-        predicted = _predicted_number(completion_text(completion))
+        predicted = _predicted_number(answer_text(completion))
         ok = predicted is not None and math.isclose(
             predicted, gold_value, rel_tol=NUMERIC_REL_TOL, abs_tol=NUMERIC_ABS_TOL
         )
@@ -156,9 +148,13 @@ def _math_verify_timeout() -> int | None:
     return MATH_VERIFY_TIMEOUT_S
 
 
+_MATH_DELIMITER = re.compile(r"(?<!\\)\$")
+
+
 def _math_gold_text(answer: Any) -> str:
     s = _gold_text(answer)
-    if not any(marker in s for marker in ("$", "\\boxed", "\\(", "\\[")):
+    # (an escaped \$, as in MATH's "\$18.90", is a dollar sign, not a delimiter)
+    if not (_MATH_DELIMITER.search(s) or any(m in s for m in ("\\boxed", "\\(", "\\["))):
         s = f"${s}$"
     return s
 
@@ -214,7 +210,7 @@ def math_reward(
         if not gold_parsed:
             out.append(None)
             continue
-        text = completion_text(completion)
+        text = answer_text(completion)
         if "\\boxed" not in text:
             tags = _answer_tag_contents(text)
             if tags:
