@@ -195,6 +195,20 @@ def test_sft_rows_need_their_completion_column():
                      sft=True)  # fmt: skip
 
 
+def test_sft_rows_of_messages_split_before_the_first_assistant_message():
+    """TRL's conversational SFT rows (a `messages` column) were "no column 'prompt'"."""
+    system, user = {"role": "system", "content": "s"}, {"role": "user", "content": "1+1="}
+    answer, more = {"role": "assistant", "content": "2"}, {"role": "user", "content": "and?"}
+    rows = [{"messages": [system, user, answer, more, answer]}]
+    got = prepare_rows(rows, data_config(), what="data.sft", sft=True)
+    assert got[0]["prompt"] == [system, user] and got[0]["completion"] == [answer, more, answer]
+    for bad, said in (([user], "no assistant message"), ([answer], "no message before")):
+        with pytest.raises(ValueError, match=f"^data.sft row 1: messages has {said}"):
+            prepare_rows([*rows, {"messages": bad}], data_config(), what="data.sft", sft=True)
+    with pytest.raises(ValueError, match="data.prompt_column: no column 'prompt'"):
+        prepare_rows(rows, data_config(), what="data.train")  # RL prompts: as before
+
+
 def test_number_cells_are_read_as_the_numbers_written():
     """A CSV column with a blank cell is read as floats: answer_column made 58 "58.0" (no
     exact_match ever 1), and a number completion was the tokenizer's error naming no row."""

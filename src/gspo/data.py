@@ -19,7 +19,9 @@ filled from the row's columns, else the ``data.prompt_column`` column; with
 (after the system message) for the tokenizer's chat template. ``data.answer_column``
 fills the ``answer`` column the built-in rewards read with that column's final answer
 (:func:`gspo.rewards.reference_answer`), ``data.completion_column`` the cold start's
-``completion``. Every other column reaches the reward functions by name, as in TRL.
+``completion``; cold-start rows with a ``messages`` column and neither (TRL's
+conversational SFT form) are split before the first assistant message. Every other
+column reaches the reward functions by name, as in TRL.
 """
 
 from __future__ import annotations
@@ -224,6 +226,8 @@ def prepare_rows(rows: list[Row], data: DataConfig, *, what: str, sft: bool = Fa
         return rows
     source = getattr(data, what.removeprefix("data."), None) or "the built-in task"
     where = f"{what} ({source}; columns: {_columns(rows)})"
+    if sft and data.prompt_template is None and _messages_only(rows, data):
+        rows = [_split_messages(row, data, f"{what} row {i}") for i, row in enumerate(rows)]
 
     def need(column: str, key: str) -> None:
         missing = next((i for i, row in enumerate(rows) if column not in row), None)
@@ -262,6 +266,37 @@ def prepare_rows(rows: list[Row], data: DataConfig, *, what: str, sft: bool = Fa
             new["completion"] = _completion(row[data.completion_column], data, what, len(out))
         out.append(new)
     return out
+
+
+def _messages_only(rows: list[Row], data: DataConfig) -> bool:
+    """Cold-start rows in TRL's conversational SFT form: a ``messages`` column, and
+    neither ``data.prompt_column`` nor ``data.completion_column``."""
+    first = rows[0]
+    return (
+        "messages" in first
+        and data.prompt_column not in first
+        and data.completion_column not in first
+    )
+
+
+def _split_messages(row: Row, data: DataConfig, where: str) -> Row:
+    """A ``messages`` conversation as a prompt (the messages before the first assistant
+    message) and a completion (that message and all after it)."""
+    messages = row.get("messages")
+    if not isinstance(messages, list):
+        raise ValueError(f"{where}: messages is {messages!r:.80}, not a list of messages")
+    first = next(
+        (i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"),
+        None,
+    )
+    if not first:  # none, or the conversation opens with the model's turn: no prompt
+        said = "no assistant message" if first is None else "no message before the assistant's"
+        raise ValueError(f"{where}: messages has {said}, so nothing to learn or no prompt")
+    return {
+        **row,
+        data.prompt_column: messages[:first],
+        data.completion_column: messages[first:],
+    }
 
 
 def _completion(value: Any, data: DataConfig, what: str, index: int) -> Any:
