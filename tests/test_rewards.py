@@ -241,6 +241,12 @@ def test_math_reads_an_escaped_dollar_in_the_gold_as_a_dollar_sign() -> None:
     assert score("math", completions, [gold] * 3) == [1.0, 1.0, 0.0]
 
 
+def test_math_reads_thin_spaces_and_escaped_dollars_in_numbers() -> None:
+    """math-verify read 1\\,000 as 0: a gold 1\\,000 took a completion 0 as right."""
+    completions = ["\\boxed{0}", "\\boxed{1000}", "\\boxed{1\\,000}", "The answer is \\$5.00"]
+    assert score("math", completions, ["1\\,000", "1\\,000", "1000", "5"]) == [0.0, 1.0, 1.0, 1.0]
+
+
 def test_math_none_gold_and_garbage_do_not_crash() -> None:
     completions = ["\\boxed{1}", "\\boxed{" * 50 + "}", "$\\frac{$", "\\boxed{1}"]
     assert score("math", completions, [None, "1", "1", 1]) == [None, 0.0, 0.0, 1.0]

@@ -149,10 +149,17 @@ def _math_verify_timeout() -> int | None:
 
 
 _MATH_DELIMITER = re.compile(r"(?<!\\)\$")
+_DIGIT_SPACE = re.compile(r"(?<=\d)\\,(?=\d)")
+
+
+def _plain_math(text: str) -> str:
+    """``1\\,000`` as ``1000`` and ``\\$5`` as ``5``: math-verify reads the first as 0 (a
+    gold answer of 1\\,000 then took a completion 0 as right) and misses the second."""
+    return _DIGIT_SPACE.sub("", text).replace("\\$", "")
 
 
 def _math_gold_text(answer: Any) -> str:
-    s = _gold_text(answer)
+    s = _plain_math(_gold_text(answer))
     # (an escaped \$, as in MATH's "\$18.90", is a dollar sign, not a delimiter)
     if not (_MATH_DELIMITER.search(s) or any(m in s for m in ("\\boxed", "\\(", "\\["))):
         s = f"${s}$"
@@ -175,6 +182,8 @@ def math_reward(
     completion with default extraction; when the completion has ``<answer>...</answer>`` but no
     ``\\boxed``, only the last tag's content is parsed (math-verify ignores the tags).
     ``math_verify.verify`` compares them symbolically (``\\frac{1}{2}`` equals ``0.5``).
+    Both are read after :func:`_plain_math`: a thin space between digits (``1\\,000``,
+    which math-verify reads as 0) and an escaped dollar sign are dropped first.
     Errors and timeouts inside math-verify give 0.0. A sample whose answer is None, or whose
     gold answer math-verify cannot parse, gets None.
     """
@@ -210,7 +219,7 @@ def math_reward(
         if not gold_parsed:
             out.append(None)
             continue
-        text = answer_text(completion)
+        text = _plain_math(answer_text(completion))
         if "\\boxed" not in text:
             tags = _answer_tag_contents(text)
             if tags:
