@@ -84,6 +84,22 @@ def test_tensors_in_finds_every_tensor_a_sampled_batch_hands_over():
     assert found == {id(x) for x in [*t, batch.action_mask, rewards, old, extra]}
 
 
+def test_a_producers_pi_old_in_bf16_is_the_updates_own(tmp_path, varied_reward, capsys):
+    """The producer recomputed pi_old in one forward over the whole batch, packed otherwise
+    than the update's minibatches: in bf16 that alone moved ratios past GSPO's clip range,
+    the on-policy minibatch's included, and nothing was said. With weights that do not
+    move (lr 1e-30) every ratio, stale batches' too, must be exactly 1."""
+    run = [*FAST, varied_reward, "model.dtype=bfloat16", "rollout.max_staleness=1",
+           "algorithm.minibatches=2", "rollout.max_new_tokens=12", "optim.lr=1e-30",
+           "train.max_steps=6", "eval.every=0"]  # fmt: skip
+    Trainer(load_config(None, run), tmp_path / "run").fit()
+    lines = train_lines(run_metrics(tmp_path / "run"))
+    assert [r.get("rollout/staleness") for r in lines[::2]] == [0.0, 1.0, 1.0]
+    assert all(r["train/ratio_min"] == 1.0 == r["train/ratio_max"] for r in lines)
+    assert lines[1]["train/clip_fraction_on_policy"] == 0.0
+    assert "on-policy minibatch" not in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_staleness_schedule_and_the_weights_that_sampled_each_batch(tmp_path, varied_reward):
     """k=1: batch 0 by the start weights, batch b+1 by the weights after batch b-1's updates

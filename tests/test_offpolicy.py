@@ -231,6 +231,33 @@ def test_the_empty_loss_warning_names_the_rollout_correction(capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_the_on_policy_clip_warning_reads_the_whole_batchs_clip_fraction(capsys):
+    """It read the update's own line, this rank's share alone: under torchrun a clip in
+    rank 1's share was never said, and what rank 0 said was its share's figure."""
+    from gspo.distributed import Distributed
+    from gspo.training.hooks import OnPolicyClipWarning
+    from gspo.training.metrics import CLIP_ON_POLICY, rollout_clip_fractions
+
+    lines = [  # two ranks' minibatch-0 lines, rank 0's unclipped, as combined they read
+        {"train/minibatch": 0, "train/tokens": 10.0, "train/clip_fraction": 0.0},
+        {"train/minibatch": 0, "train/tokens": 30.0, "train/clip_fraction": 0.2},
+    ]
+    clip = rollout_clip_fractions(lines)
+    assert clip[CLIP_ON_POLICY] == pytest.approx(0.15)
+    warning = OnPolicyClipWarning(Distributed())
+    warning.check(2, {CLIP_ON_POLICY: 0.0}, recomputed=False)
+    assert capsys.readouterr().err == ""
+    warning.check(3, clip, recomputed=False)
+    err = capsys.readouterr().err
+    assert err.startswith("warning: the on-policy minibatch of rollout batch 3 clipped 15.0%")
+    assert "algorithm.old_logprobs=sampler" in err and err.count("\n") == 1
+    warning.check(4, clip, recomputed=False)  # once per run
+    assert capsys.readouterr().err == ""
+    recomputed = OnPolicyClipWarning(Distributed())
+    recomputed.check(5, clip, recomputed=True)
+    assert "recomputed by the trainer, differs from its update's forward" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------ dynamic sampling
 def test_fill_keeps_informative_groups_and_stops_at_the_cap():
     g = 2

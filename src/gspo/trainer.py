@@ -54,7 +54,7 @@ from gspo.training.cold_start import cold_start, drop_progress
 from gspo.training.episodes import build_generator, encode_prompts, sft_encoder
 from gspo.training.evaluation import Evaluator, evaluated_at_start
 from gspo.training.forward import build_forward
-from gspo.training.hooks import EmptyLossWarning, build_hooks
+from gspo.training.hooks import EmptyLossWarning, OnPolicyClipWarning, build_hooks
 from gspo.training.memory import loading_model, out_of_memory
 from gspo.training.metrics import combine, crossed, metric_reduction, rollout_clip_fractions
 from gspo.training.policy import Policy
@@ -191,6 +191,7 @@ class Trainer:
         hooks = build_hooks(config, out, dist, forward, objective, self.reference)
         self.update_stage = UpdateStage(forward, objective, self.policy_update, hooks)
         self.empty_loss = EmptyLossWarning(dist)
+        self.on_policy_clip = OnPolicyClipWarning(dist)
         self.evaluator = Evaluator(
             config, dist, self.data.eval, eval_prompt_ids, self.generator, scorer, sampling
         )
@@ -263,6 +264,7 @@ class Trainer:
         clip = rollout_clip_fractions([line for _, line in lines], experience.staleness)
         lines[-1][1].update(clip)
         self.empty_loss.check(rollout_index, [line for _, line in lines])
+        self.on_policy_clip.check(rollout_index, clip, experience.recomputed)
         step_time = time.perf_counter() - start
         for _, line in lines:
             line["time/step"] = step_time / len(lines)

@@ -53,7 +53,7 @@ import torch
 
 from gspo.config import Config
 from gspo.engines import RolloutBatch, RolloutEngine, SamplingParams, TorchEngine
-from gspo.training.forward import recomputes_old_logprobs
+from gspo.training.forward import per_minibatch, recomputes_old_logprobs
 from gspo.training.policy import Policy
 from gspo.training.records import Experience, Sampled
 from gspo.training.rollout import RolloutStage
@@ -300,10 +300,14 @@ class AsyncRollouts:
         sampled = self.stage.sample(index, self.sampler)
         if self.recompute:  # pi_old: the trainer's forward on the weights that sampled
             start = time.perf_counter()
-            with torch.no_grad():
-                lp = self.policy.logprobs(sampled.scored.batch, self.module)
-            assert isinstance(lp, torch.Tensor)
-            sampled.old_logprobs = lp
+            batch = sampled.scored.batch
+            # on the update's layout, minibatch by minibatch: one forward over the whole
+            # batch packs rows otherwise, and in bf16 that alone moved ratios past GSPO's
+            # clip range, the on-policy minibatch's included
+            rows = self.stage.minibatch_rows(index, len(batch))
+            sampled.old_logprobs = per_minibatch(
+                lambda part: self.policy.logprobs(part, self.module), batch, rows
+            )
             sampled.metrics["time/old_logprobs_producer"] = time.perf_counter() - start
         if self.stream is not None:
             self.stream.synchronize()

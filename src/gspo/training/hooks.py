@@ -1,10 +1,9 @@
 """Optional instruments on the update stage, each a :class:`~gspo.training.update.Hook`.
 
 - :class:`FirstMinibatchMismatch`: sampler vs trainer log-probs, free in sampler mode.
-- :class:`OnPolicyClipWarning`: one line when the sampler's log-probs clip the
-  on-policy minibatch.
-- :class:`EmptyLossWarning`: one line when no token of a rollout batch is in the loss
-  (it reads the batch's log lines, combined over ranks, not a minibatch's).
+- :class:`OnPolicyClipWarning`: one line when the on-policy minibatch clips, and
+  :class:`EmptyLossWarning`: one line when no token of a rollout batch is in the loss
+  (both read the batch's log lines, combined over ranks, not a minibatch's).
 - :class:`ExpertChurn`: share of activated MoE experts that moved since pi_old.
 - :class:`RatioDumps`: importance ratios (and gradient noise by length) to ``ratios/``.
 """
@@ -25,7 +24,7 @@ from gspo.gradient_noise import bucket_cosines, flatten, length_halves
 from gspo.moe import capture_routing, expert_change_fraction, response_token_mask
 from gspo.objectives import response_lengths, sequence_log_ratio, token_log_ratio
 from gspo.training.forward import PlainForward, RoutedForward
-from gspo.training.metrics import logprob_mismatch
+from gspo.training.metrics import CLIP_ON_POLICY, logprob_mismatch
 from gspo.training.policy import Policy
 from gspo.training.records import Experience, Minibatch
 from gspo.training.reference import Reference
@@ -42,7 +41,7 @@ def build_hooks(
     reference: Reference,
 ) -> list[Hook]:
     """The instruments the config asks for, in the order their metrics are added."""
-    hooks: list[Hook] = [FirstMinibatchMismatch(), OnPolicyClipWarning(dist)]
+    hooks: list[Hook] = [FirstMinibatchMismatch()]
     if isinstance(forward, RoutedForward) and forward.measure_churn:
         hooks.append(ExpertChurn(forward.policy))
     if config.log.ratio_dump_every > 0:
@@ -81,43 +80,48 @@ class FirstMinibatchMismatch(Hook):
         return logprob_mismatch(mb.batch.sampler_logprobs, logprobs, mb.batch.action_mask)
 
 
-class OnPolicyClipWarning(Hook):
+class OnPolicyClipWarning:
     """One line on stderr, once per run, when the on-policy minibatch clips.
 
-    With pi_old from the sampler (``algorithm.old_logprobs=sampler``) the first minibatch
-    of a batch the current weights sampled has pi_theta = pi_old, so every ratio should
-    be 1 and nothing should clip; what does clip there is the sampler's and the
+    The first minibatch of a batch the current weights sampled has pi_theta = pi_old, so
+    every ratio should be 1 and nothing should clip. With pi_old from the sampler
+    (``algorithm.old_logprobs=sampler``) what does clip there is the sampler's and the
     trainer's numerics disagreeing (bf16: docs/precision.md), and those responses get no
-    gradient. The clip fraction of that minibatch is in the run summary either way.
+    gradient; a recomputed pi_old equals the update's forward by construction, so a clip
+    there is not expected at all. ``check`` takes the batch's on-policy clip fraction
+    over every rank (:func:`gspo.training.metrics.rollout_clip_fractions` of the combined
+    lines), so what it says is the batch's, whichever rank's share clipped. The clip
+    fraction of that minibatch is in the run summary either way.
     """
 
     def __init__(self, dist: Distributed):
         self.dist = dist
         self.warned = False
 
-    def after_update(
-        self,
-        experience: Experience,
-        mb: Minibatch,
-        logprobs: torch.Tensor,
-        metrics: dict[str, float],
-    ) -> dict[str, float]:
-        if self.warned or mb.k != 0 or experience.recomputed or experience.staleness:
-            return {}
-        clipped = metrics.get("train/clip_fraction", 0.0)
-        if clipped > 0:
-            self.warned = True
-            if self.dist.is_main:
-                print(
-                    f"warning: the on-policy minibatch of rollout batch {experience.index} "
-                    f"clipped {clipped:.1%} of its tokens: the sampler's log-probs "
-                    "(algorithm.old_logprobs=sampler) differ from the trainer's by more than "
-                    "the clip range; algorithm.old_logprobs=auto or recompute avoids it "
-                    "(shown once)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        return {}
+    def check(self, index: int, clip: dict[str, float], recomputed: bool) -> None:
+        clipped = clip.get(CLIP_ON_POLICY, 0.0)
+        if self.warned or not clipped > 0:
+            return
+        self.warned = True
+        if not self.dist.is_main:
+            return
+        if recomputed:
+            why = (
+                "pi_old, recomputed by the trainer, differs from its update's forward of the "
+                "same weights, which is not expected: please report it with the run's config"
+            )
+        else:
+            why = (
+                "the sampler's log-probs (algorithm.old_logprobs=sampler) differ from the "
+                "trainer's by more than the clip range; algorithm.old_logprobs=auto or "
+                "recompute avoids it"
+            )
+        print(
+            f"warning: the on-policy minibatch of rollout batch {index} clipped "
+            f"{clipped:.1%} of its tokens: {why} (shown once)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 class EmptyLossWarning:

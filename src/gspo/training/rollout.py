@@ -280,12 +280,22 @@ class RolloutStage:
                     scored, picked = self.refill(index, picked, scored, local, generator)
         return Sampled(index, picked, scored, local)
 
+    def minibatch_rows(self, index: int, rows: int) -> list[torch.Tensor]:
+        """Rollout batch ``index``'s split of its ``rows`` into ``algorithm.minibatches``
+        parts (row indices on the policy's device), seeded by the batch's index: the same
+        wherever it is asked (the update; an async producer's pi_old on the same layout)."""
+        seed = rank_seed(self.config.train.seed, self.dist, "minibatch", index)
+        order = torch.randperm(rows, generator=torch.Generator().manual_seed(seed))
+        # exactly `minibatches` parts (chunk() may give fewer: 6 rows in 4 -> 3 parts)
+        parts = order.tensor_split(self.config.algorithm.minibatches)
+        return [part.to(self.forward.policy.device) for part in parts]
+
     def prepare(self, sampled: Sampled) -> Experience:
         """Advantages, the minibatch split, the pass before the first update (pi_old, MoE
         routing, the KL reference's log-probs) and the loss mask of a sampled batch (the
         loss mask once minibatch 0's pi_old is known: see ``Experience.unsettled``)."""
         cfg, dist = self.config, self.dist
-        seed, device = cfg.train.seed, self.forward.policy.device
+        device = self.forward.policy.device
         index, scored, local = sampled.index, sampled.scored, dict(sampled.metrics)
         start = time.perf_counter()
         batch_std = None
@@ -300,13 +310,7 @@ class RolloutStage:
         local["time/reward"] += time.perf_counter() - start  # scoring and advantages
         batch = scored.batch
         with timed(local, "time/old_logprobs"):
-            order = torch.randperm(
-                len(batch),
-                generator=torch.Generator().manual_seed(rank_seed(seed, dist, "minibatch", index)),
-            )
-            # exactly `minibatches` parts (chunk() may give fewer: 6 rows in 4 -> 3 parts)
-            parts = order.tensor_split(cfg.algorithm.minibatches)
-            minibatches = [rows.to(device) for rows in parts]
+            minibatches = self.minibatch_rows(index, len(batch))
             recomputed, routing = sampled.old_logprobs, []
             # minibatch 0's pi_old from its update's forward (forward.first_from_update)
             later = recomputed is None and self.forward.first_from_update
