@@ -42,6 +42,16 @@ def test_combine_weights_fractions_by_their_counts():
     assert out == {"sft/loss": pytest.approx(41 / 29), "sft/tokens": 29.0}
 
 
+def test_combine_keeps_the_integers_every_rank_logs_as_integers():
+    """train/minibatch and train/rollout read 0.0, 1.0 under torchrun, 0, 1 in one process."""
+    ranks = [{"train/minibatch": 1, "train/rollout": 3, "train/tokens": 10.0}] * 2
+    out = combine_metrics(ranks, by_level)
+    assert out == {"train/minibatch": 1, "train/rollout": 3, "train/tokens": 20.0}
+    assert isinstance(out["train/minibatch"], int) and isinstance(out["train/tokens"], float)
+    mixed = combine_metrics([{"x": 1}, {"x": 2}], lambda key: ("mean", None))
+    assert mixed == {"x": 1.5}  # not whole: a float
+
+
 def test_combine_extremes_ignore_a_rank_with_nothing_measured():
     ranks = [
         {"train/ratio_min": 0.9, "train/ratio_max": 1.2, "train/sequences": 4.0},

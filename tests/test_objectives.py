@@ -24,6 +24,7 @@ from gspo.objectives import (
     LEVELS,
     MAX_LOG_RATIO,
     PolicyLoss,
+    k3_kl,
     policy_loss,
     rollout_correction,
     sequence_log_ratio,
@@ -954,3 +955,13 @@ def test_a_negative_clip_range_is_refused():
     lp = torch.zeros(2, 3)
     with pytest.raises(ValueError, match=r"clip_low and clip_high must be >= 0; got -1.0"):
         policy_loss(lp, lp, torch.ones(2), torch.ones(2, 3, dtype=torch.bool), clip_low=-1.0)
+
+
+def test_k3_keeps_its_value_at_the_small_log_ratios_it_is_measured_at():
+    """exp(d) - d - 1 in float32 lost the value to rounding at |d| ~ 1e-4 (0, or below 0,
+    which k3 never is: mismatch/k3_kl was logged at -2e-8); expm1(d) - d keeps it."""
+    d = torch.tensor([[1e-3, -2e-4, 3e-5, -1e-5, 0.0, 2.0]])
+    got = k3_kl(torch.zeros_like(d), d, torch.ones_like(d, dtype=torch.bool))
+    exact = torch.exp(d.double()) - d.double() - 1
+    assert got.dtype == torch.float32 and (got >= 0).all()
+    assert torch.allclose(got.double(), exact, rtol=1e-2, atol=0)  # exp(d) - d - 1: 5% to 100% off

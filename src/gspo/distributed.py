@@ -367,6 +367,8 @@ def combine_metrics(
     weights). A rank missing a key, or whose value is NaN with weight 0, is left out of it;
     a key whose every weight is 0 keeps its plain mean (NaN stays NaN). Weights are read
     before anything is combined, so a weight key may itself be summed.
+    A key every rank logs as an integer stays one where the result is whole (a step or
+    minibatch index reads as in one process).
     """
     keys = list(dict.fromkeys(k for metrics in per_rank for k in metrics))
     out: dict[str, float] = {}
@@ -388,4 +390,7 @@ def combine_metrics(
                 out[key] = math.fsum(v * w for v, w in pairs) / total
             else:
                 out[key] = math.fsum(values) / len(values)
+        counts = all(isinstance(m[key], int) and not isinstance(m[key], bool) for m in present)
+        if counts and float(out[key]).is_integer():  # (train/minibatch 0, not 0.0)
+            out[key] = int(out[key])
     return out
