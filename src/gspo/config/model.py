@@ -94,12 +94,13 @@ class ModelConfig(Section):
     )
     head_precision: Literal["auto", "float32", "bf16_weight"] = Field(
         "auto",
-        description="The vocabulary projection, in the sampler and the trainer alike (its "
-        "logits are float32 either way): float32 = float32 products (on CUDA outside the "
-        "tensor cores), bf16_weight = the weight rounded to bf16 (the same rounding on both "
-        "sides), the hidden state kept to ~16 bits as two bf16 terms, float32 sums: "
-        "tensor-core products on CUDA (elsewhere the same arithmetic, no faster); auto = "
-        "bf16_weight on CUDA when model.dtype is below float32, else float32 "
+        description="The vocabulary projection, in the torch engine's sampler and the "
+        "trainer alike (vLLM keeps its own: with bf16_weight, old_logprobs=auto recomputes "
+        "pi_old; its logits are float32 either way): float32 = float32 products (on CUDA "
+        "outside the tensor cores), bf16_weight = the weight rounded to bf16 (the same "
+        "rounding on both sides), the hidden state kept to ~16 bits as two bf16 terms, "
+        "float32 sums: tensor-core products on CUDA (elsewhere the same arithmetic, no "
+        "faster); auto = bf16_weight on CUDA when model.dtype is below float32, else float32 "
         "(docs/precision.md)",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(

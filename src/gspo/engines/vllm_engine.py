@@ -110,15 +110,18 @@ def check_cpu_head_size(model_dir: str | Path) -> None:
         raise ValueError(_head_size_message(model_dir, supported))
 
 
-def check_cpu_lora(model_dir: str | Path) -> None:
-    """A one-line error before vLLM starts: its CPU build has no LoRA kernel for MoE layers
-    (a LoRA-enabled MoE model fails at its first forward, in Triton code)."""
+def check_cpu_moe(model_dir: str | Path) -> None:
+    """A one-line error before vLLM starts: its CPU build cannot keep a MoE model's weights
+    in step with the trainer's. A whole-weights sync reloads the experts it prepacked for
+    its CPU kernel and then computes with other weights (log-probs 0.2 off the trainer's
+    after a sync of unchanged weights: ``test_vllm_cpu_still_reloads_moe_experts_wrong``),
+    and it has no LoRA kernel for MoE layers for an adapter sync (Triton code, GPUs only)."""
     config = _model_config(model_dir)
     if config.get("num_experts") or config.get("num_local_experts"):
         raise ValueError(
-            "rollout.vllm.lora_sync=adapter: vLLM's CPU build cannot run LoRA on a MoE "
-            "model (its MoE LoRA kernels need Triton on a GPU); use "
-            "rollout.vllm.lora_sync=merged on this machine"
+            "rollout.engine=vllm: vLLM's CPU build cannot follow a MoE model's training (a "
+            "weight sync leaves its experts on other weights; it has no MoE LoRA kernel); "
+            "use rollout.engine=torch on this machine"
         )
 
 
@@ -176,8 +179,7 @@ class VLLMEngine:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         else:
             check_cpu_head_size(model_dir)
-            if lora_rank > 0:
-                check_cpu_lora(model_dir)
+            check_cpu_moe(model_dir)
         try:
             self.llm = self._vllm.LLM(
                 model=str(model_dir),

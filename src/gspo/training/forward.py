@@ -60,13 +60,22 @@ def recomputes_old_logprobs(config: Config, compute_dtype: torch.dtype) -> bool:
     a float32 forward with nothing to correct. In bf16 (or float16) the sampler's and
     the trainer's log-probs differ by more than GSPO's clip range on a sequence's mean
     even with the float32 head (docs/precision.md), so the on-policy minibatch would
-    clip; vLLM with ``top_p < 1`` reports the truncated distribution's log-probs.
+    clip; vLLM with ``top_p < 1`` reports the truncated distribution's log-probs, and
+    vLLM does not round the head's weight to bf16 (``model.head_precision=bf16_weight``:
+    the trainer's head alone does, and the on-policy minibatch clipped in float32).
     """
     algorithm, source = config.algorithm, config.algorithm.old_logprobs
     if source != "auto":
         return source == "recompute"
-    truncated = config.rollout.engine == "vllm" and config.rollout.top_p < 1.0
-    return compute_dtype != torch.float32 or algorithm.rollout_correction != "none" or truncated
+    vllm = config.rollout.engine == "vllm"
+    other_head = vllm and config.model.head_precision == "bf16_weight"
+    truncated = vllm and config.rollout.top_p < 1.0
+    return (
+        compute_dtype != torch.float32
+        or algorithm.rollout_correction != "none"
+        or truncated
+        or other_head
+    )
 
 
 def build_forward(config: Config, policy: Policy) -> PlainForward | RoutedForward:
