@@ -591,3 +591,46 @@ def test_vllm_cpu_still_reloads_moe_experts_wrong(tmp_path, tokenizer, monkeypat
         assert gap() > 1e-2
     finally:
         engine.close()
+
+
+def test_vllm_context_and_start_up_failures_name_gspos_settings(tmp_path, tokenizer):
+    """rollout.vllm.max_model_len bounds prompts and episodes as the model's context does
+    (responses were cut there unsaid; a longer prompt or episode was vLLM's traceback);
+    above the model's context, an unknown architecture or a KV cache that does not fit
+    were vLLM's multi-line errors naming its own flags. Without vLLM too."""
+    from gspo.engines.vllm_engine import check_max_model_len, start_failure
+    from gspo.training.episodes import encode_prompts
+    from gspo.training.sampler import SingleTurn, rollout_context
+
+    model = build_tiny_model(SPEC, tokenizer, seed=0)  # 512 positions
+    vllm = ["rollout.engine=vllm", "rollout.vllm.max_model_len=8", "rollout.max_new_tokens=4"]
+    config = load_config(overrides=vllm)
+    assert rollout_context(config, model) == (8, "rollout.vllm.max_model_len")
+    assert rollout_context(load_config(overrides=vllm[1:]), model) == (
+        512, "max_position_embeddings"
+    )  # fmt: skip
+    rows = [{"prompt": "12+34="}, {"prompt": "123+456=78"}]
+    with pytest.raises(ValueError) as err:
+        encode_prompts(config, SingleTurn(None), tokenizer, rows, name="data.train",
+                       context=8, context_key="rollout.vllm.max_model_len")  # fmt: skip
+    assert str(err.value) == (
+        "data.train row 1: the prompt is 10 tokens, longer than vLLM's context of 8 "
+        "(rollout.vllm.max_model_len)"
+    )
+    model_dir = save_pretrained_atomic(model, tokenizer, tmp_path / "m")
+    check_max_model_len(model_dir, 512)
+    with pytest.raises(ValueError, match=r"^rollout.vllm.max_model_len=600 is above the model"):
+        check_max_model_len(model_dir, 600)
+    arch = ["1 validation error\n  Value error, Model architectures ['CodeGenForCausalLM'] "
+            "are not supported for now. Supported architectures: dict_keys([...])"]  # fmt: skip
+    assert start_failure(arch, "/m") == (
+        "rollout.engine=vllm: vLLM cannot run CodeGenForCausalLM (/m); use rollout.engine=torch"
+    )
+    kv = ["To serve at least one request with the model's max seq len (8388608), (4.0 GiB KV "
+          "cache is needed, which is larger than the available KV cache memory (1.0 GiB). "
+          "Try increasing `gpu_memory_utilization`"]  # fmt: skip
+    said = start_failure(kv, "/m")
+    assert said.startswith("rollout.engine=vllm: vLLM's KV cache does not fit (To serve")
+    assert "rollout.vllm.max_model_len" in said and "gpu_memory_utilization`" not in said
+    failed = start_failure(["boom\nline two"], "/m")
+    assert failed == "rollout.engine=vllm: vLLM failed to start: boom"

@@ -60,7 +60,7 @@ from gspo.training.metrics import combine, crossed, metric_reduction, rollout_cl
 from gspo.training.policy import Policy
 from gspo.training.reference import Reference
 from gspo.training.rollout import RolloutStage, Scorer
-from gspo.training.sampler import PolicySampler, build_engine
+from gspo.training.sampler import PolicySampler, build_engine, rollout_context
 from gspo.training.seeds import derive_seed
 from gspo.training.setup import (
     build_policy_model,
@@ -158,7 +158,8 @@ class Trainer:
             self.cold_start_done = True
 
         # the stages, and the hooks attached to the update stage
-        context, learned = model_context(self.policy.module)
+        _, learned = model_context(self.policy.module)
+        context, context_key = rollout_context(config, self.policy.module)
         self.train_prompt_ids, eval_prompt_ids = (
             encode_prompts(
                 config,
@@ -168,6 +169,7 @@ class Trainer:
                 name=name,
                 context=context,
                 learned_positions=learned,
+                context_key=context_key,
             )
             for name, rows in (("data.train", self.data.train), ("data.eval", self.data.eval))
         )

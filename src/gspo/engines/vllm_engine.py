@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -34,6 +35,7 @@ import torch
 
 from gspo.config import VLLM_LORA_RANKS
 from gspo.engines import RolloutBatch, SamplingParams, pad_batch
+from gspo.models.memory import is_out_of_memory
 
 #: How to get vLLM, for the error raised when it cannot be imported.
 INSTALL_HINT = (
@@ -125,6 +127,49 @@ def check_cpu_moe(model_dir: str | Path) -> None:
         )
 
 
+def check_max_model_len(model_dir: str | Path, max_model_len: int | None) -> None:
+    """``rollout.vllm.max_model_len`` above the model's context is one line (vLLM's own
+    error is a pydantic dump naming an environment variable)."""
+    context = _model_config(model_dir).get("max_position_embeddings")
+    if max_model_len is not None and context and max_model_len > int(context):
+        raise ValueError(
+            f"rollout.vllm.max_model_len={max_model_len} is above the model's context of "
+            f"{int(context)} (max_position_embeddings in {model_dir}/config.json)"
+        )
+
+
+def start_failure(chain: list[str], model_dir: str | Path) -> str:
+    """vLLM's start-up error (``chain``: the messages of an exception and its causes) as one
+    line naming gspo's settings where they are the remedy: an architecture vLLM does not
+    run (its message lists every one it does: thousands of characters), a KV cache that
+    does not fit (its advice names vLLM's own flags), anything else's first line."""
+    text = "\n".join(chain)
+    arch = re.search(r"architectures \['([\w.]+)'\] are not supported", text)
+    if arch or "are not supported for now" in text:
+        named = arch.group(1) if arch else "this architecture"
+        return (
+            f"rollout.engine=vllm: vLLM cannot run {named} ({model_dir}); use rollout.engine=torch"
+        )
+    if re.search(r"kv.?cache", text, re.IGNORECASE) and re.search(
+        r"memory|is needed|larger than", text
+    ):
+        said = _first_line(text, 300).split(". ")[0].rstrip(".")  # (not vLLM's own advice)
+        if "less than requested" in text:
+            fix = "lower rollout.vllm.cpu_kv_cache_gb (GiB)"
+        elif torch.cuda.is_available():
+            fix = "raise rollout.vllm.gpu_memory_utilization or lower rollout.vllm.max_model_len"
+        else:
+            fix = "raise rollout.vllm.cpu_kv_cache_gb (GiB) or lower rollout.vllm.max_model_len"
+        return f"rollout.engine=vllm: vLLM's KV cache does not fit ({said}); {fix}"
+    return f"rollout.engine=vllm: vLLM failed to start: {_first_line(text, 300)}"
+
+
+def _first_line(text: str, most: int) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    first = lines[0] if lines else "no message"
+    return first if len(first) <= most else first[: most - 3] + "..."
+
+
 class VLLMEngine:
     """Sampling with a colocated vLLM ``LLM`` loaded from a HF model directory.
 
@@ -180,6 +225,7 @@ class VLLMEngine:
         else:
             check_cpu_head_size(model_dir)
             check_cpu_moe(model_dir)
+        check_max_model_len(model_dir, max_model_len)
         try:
             self.llm = self._vllm.LLM(
                 model=str(model_dir),
@@ -193,13 +239,15 @@ class VLLMEngine:
                 **kwargs,
             )
         except Exception as exc:
+            if is_out_of_memory(exc):  # said by the caller's out_of_memory, with its remedies
+                raise
             chain = []
             while exc is not None and len(chain) < 20:
                 chain.append(str(exc))
                 exc = exc.__cause__ or exc.__context__
             if any("Unsupported CPU attention" in text for text in chain):
                 raise ValueError(_head_size_message(model_dir, None)) from None
-            raise
+            raise ValueError(start_failure(chain, model_dir)) from None
 
     def close(self) -> None:
         """Shut vLLM's engine down now (a second call does nothing).

@@ -33,7 +33,14 @@ from gspo.config import Config
 from gspo.engines import RolloutBatch, SamplingParams, pad_batch
 from gspo.environments import EnvError, EnvironmentFactory, Episode
 from gspo.training.cold_start import single_turn_encoder
-from gspo.training.sampler import Generated, Sampler, SingleTurn
+from gspo.training.sampler import (
+    MODEL_CONTEXT,
+    Generated,
+    Sampler,
+    SingleTurn,
+    rollout_context,
+    said_context,
+)
 from gspo.training.seeds import derive_seed
 
 
@@ -198,9 +205,11 @@ class MultiTurn:
         max_tokens: int,
         chat_kwargs: dict[str, Any],
         context: int | None = None,
+        context_key: str = MODEL_CONTEXT,
     ):
         self.sampler = sampler
-        self.context = context  # the model's max_position_embeddings, when known
+        self.context = context  # the positions an episode may take, when known
+        self.context_key = context_key  # the setting that bounds them (rollout_context)
         self.environment = environment
         self.tokenizer = tokenizer
         self.format = TurnFormat(tokenizer, environment.schemas, chat_kwargs)
@@ -221,8 +230,8 @@ class MultiTurn:
         if self.context is not None and len(prompt) >= self.context:  # (no room for a turn)
             raise EnvError(
                 f"environment {self.environment.name!r}: the episode's prompt (the row's and "
-                f"reset()'s text) is {len(prompt)} tokens, longer than the model's context "
-                f"of {self.context} (max_position_embeddings)"
+                f"reset()'s text) is {len(prompt)} tokens, longer than "
+                f"{said_context(self.context, self.context_key)}"
             )
         limit = self.max_tokens
         if self.context is not None and len(prompt) + limit > self.context:
@@ -293,8 +302,8 @@ class MultiTurn:
         print(
             f"gspo: warning: environment {self.environment.name!r}: an episode's prompt of "
             f"{prompt} tokens leaves {self.context - prompt} of rollout.max_episode_tokens="
-            f"{self.max_tokens} positions in the model's context of {self.context} "
-            "(max_position_embeddings): such episodes end there, as length (shown once)",
+            f"{self.max_tokens} positions in {said_context(self.context, self.context_key)}: "
+            "such episodes end there, as length (shown once)",
             file=sys.stderr,
             flush=True,
         )
@@ -404,6 +413,7 @@ def build_generator(
     spec = config.environment
     if spec is None:
         return SingleTurn(sampler)
+    context, key = rollout_context(config, sampler.policy.module)
     return MultiTurn(
         sampler,
         EnvironmentFactory(spec, sample_row),
@@ -411,7 +421,8 @@ def build_generator(
         max_turns=config.rollout.max_turns,
         max_tokens=config.max_episode_tokens,
         chat_kwargs=config.data.chat_template_kwargs,
-        context=getattr(sampler.policy.module.config, "max_position_embeddings", None),
+        context=context,
+        context_key=key,
     )
 
 
@@ -424,17 +435,20 @@ def encode_prompts(
     name: str,
     context: int | None = None,
     learned_positions: bool = False,
+    context_key: str = MODEL_CONTEXT,
 ) -> list[list[int]]:
     """The rows' prompts as token ids for single turns; episodes render their prompts
     themselves (tools, reset observations), so theirs are empty.
 
     A prompt that is not text or messages, that encodes to no token (an empty string, a
-    message without content) or to more than the model's ``context`` is a one-line error
+    message without content) or to more than ``context`` positions (the setting
+    ``context_key``: :func:`gspo.training.sampler.rollout_context`) is a one-line error
     naming ``name`` (``data.train``, ``data.eval``) and the row. Prompts leaving fewer
     than ``rollout.max_new_tokens`` positions are a warning line, or an error for a model
     with ``learned_positions`` (:func:`gspo.models.model_context`), whose lookup fails
     past its context.
     """
+    whose = said_context(context, context_key)
     if not isinstance(generate, SingleTurn):
         return [[] for _ in rows]
     chat = config.data.chat_template_kwargs
@@ -450,8 +464,7 @@ def encode_prompts(
             )
         if context is not None and len(ids) > context:
             raise ValueError(
-                f"{name} row {i}: the prompt is {len(ids)} tokens, longer than the model's "
-                f"context of {context} (max_position_embeddings)"
+                f"{name} row {i}: the prompt is {len(ids)} tokens, longer than {whose}"
             )
         encoded.append(ids)
     room = config.rollout.max_new_tokens
@@ -459,14 +472,14 @@ def encode_prompts(
     if over:
         said = (
             f"{name}: {len(over)} prompt(s) (the longest {max(over)} tokens) leave fewer "
-            f"than rollout.max_new_tokens={room} positions of the model's context of "
-            f"{context} (max_position_embeddings)"
+            f"than rollout.max_new_tokens={room} positions of {whose}"
         )
         fix = "shorten them or lower rollout.max_new_tokens"
-        if learned_positions:
+        if learned_positions and context_key == MODEL_CONTEXT:
             raise ValueError(f"{said}, whose positions are a learned table that no token may "
                              f"run past; {fix}")  # fmt: skip
-        print(f"gspo: warning: {said}: their responses may run past it; {fix}",
+        what = "may run past it" if context_key == MODEL_CONTEXT else "are cut there"
+        print(f"gspo: warning: {said}: their responses {what}; {fix}",
               file=sys.stderr, flush=True)  # fmt: skip
     return encoded
 

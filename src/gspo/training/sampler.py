@@ -12,6 +12,7 @@ import torch
 
 from gspo.config import Config
 from gspo.engines import RolloutBatch, RolloutEngine, SamplingParams, TorchEngine
+from gspo.models import model_context
 from gspo.training.lora import is_lora, merged_copy
 from gspo.training.policy import Policy
 from gspo.training.seeds import derive_seed
@@ -50,6 +51,29 @@ def build_engine(config: Config, policy: Policy, tokenizer, model_dir: Path) -> 
         lora_rank=config.model.lora.r if adapter_sync else 0,
         ranks=policy.dist.world_size,
     )
+
+
+#: What bounds a rollout's positions by default: the model's own context.
+MODEL_CONTEXT = "max_position_embeddings"
+
+
+def rollout_context(config: Config, module: torch.nn.Module) -> tuple[int | None, str]:
+    """``(positions, key)``: the most positions a prompt and its response may take, and
+    the setting that says so: the model's ``max_position_embeddings``, or
+    ``rollout.vllm.max_model_len`` where vLLM is given fewer (it cut responses there, and
+    failed on longer prompts and episodes, unsaid)."""
+    context, _ = model_context(module)
+    limit = config.rollout.vllm.max_model_len
+    vllm = config.rollout.engine == "vllm" and limit is not None
+    if vllm and (context is None or limit < context):
+        return limit, "rollout.vllm.max_model_len"
+    return context, MODEL_CONTEXT
+
+
+def said_context(tokens: int | None, key: str) -> str:
+    """``the model's context of 512 (max_position_embeddings)``, or vLLM's."""
+    whose = "the model's" if key == MODEL_CONTEXT else "vLLM's"
+    return f"{whose} context of {tokens} ({key})"
 
 
 def push_weights(engine: RolloutEngine, module: torch.nn.Module) -> None:
