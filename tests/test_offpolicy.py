@@ -249,7 +249,7 @@ def test_the_on_policy_clip_warning_reads_the_whole_batchs_clip_fraction(capsys)
     assert capsys.readouterr().err == ""
     warning.check(3, clip, recomputed=False)
     err = capsys.readouterr().err
-    assert err.startswith("warning: the on-policy minibatch of rollout batch 3 clipped 15.0%")
+    assert err.startswith("gspo: warning: the on-policy minibatch of rollout batch 3 clipped 15.0%")
     assert "algorithm.old_logprobs=sampler" in err and err.count("\n") == 1
     warning.check(4, clip, recomputed=False)  # once per run
     assert capsys.readouterr().err == ""

@@ -469,10 +469,14 @@ def test_existing_run_needs_resume_or_overwrite(tmp_path, capsys):
     assert main(["train", "--resume", str(tmp_path / "empty")]) == 2
     assert main(["train", "--resume", str(tmp_path / "nowhere")]) == 2
     assert main(["train", "--resume", str(tmp_path / "run"), "--overwrite"]) == 2
+    # --resume as a flag: the next word, a setting, was taken for the run's directory
+    assert main(["train", "--output-dir", "x", "--resume", "model.device=cpu"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"gspo: error: --resume {tmp_path / 'empty'}: is not a gspo run (no config.yaml)",
         f"gspo: error: --resume {tmp_path / 'nowhere'}: does not exist (no config.yaml)",
         "gspo: error: --overwrite starts a run over, --resume continues one: pick one",
+        "gspo: error: --resume takes the run's directory, not 'model.device=cpu' (a setting): "
+        "gspo train --resume DIR [key=value ...]",
     ]
 
 

@@ -168,6 +168,12 @@ def train_config(args: argparse.Namespace) -> tuple[Config, Path]:
     from gspo.trainer import CHECKPOINTS
 
     if args.resume is not None:
+        named = str(args.resume)
+        if "=" in named and not args.resume.exists():  # `--resume` as a flag, a setting after
+            raise ValueError(
+                f"--resume takes the run's directory, not {named!r} (a setting): "
+                "gspo train --resume DIR [key=value ...]"
+            )
         if args.config is not None:
             raise ValueError("--resume takes the run's own config.yaml; drop --config")
         if args.overwrite:

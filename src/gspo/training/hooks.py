@@ -117,7 +117,7 @@ class OnPolicyClipWarning:
                 "recompute avoids it"
             )
         print(
-            f"warning: the on-policy minibatch of rollout batch {index} clipped "
+            f"gspo: warning: the on-policy minibatch of rollout batch {index} clipped "
             f"{clipped:.1%} of its tokens: {why} (shown once)",
             file=sys.stderr,
             flush=True,
