@@ -308,16 +308,19 @@ class MultiTurn:
             flush=True,
         )
 
-    def warn_reply_too_long(self, reply: int, used: int) -> None:
+    def warn_reply_too_long(self, reply: int, used: int, limit: int) -> None:
         """One line on stderr (once a run) when an environment's reply does not fit the
         episode's token budget: the episode ends there as ``length``, the reply unseen."""
         if "long reply" in self.warned:
             return
         self.warned.add("long reply")
+        bound = f"rollout.max_episode_tokens={self.max_tokens}"
+        if limit < self.max_tokens:  # the context's end came first
+            bound = said_context(self.context, self.context_key)
         print(
             f"gspo: warning: an environment reply of {reply} tokens did not fit the episode "
-            f"({used} tokens so far, rollout.max_episode_tokens={self.max_tokens}): the "
-            "episode ended as length without it (shown once)",
+            f"({used} tokens so far of {limit}: {bound}): the episode ended as length "
+            "without it (shown once)",
             file=sys.stderr,
             flush=True,
         )
@@ -350,7 +353,7 @@ class MultiTurn:
         reply_ids = self.format.reply_ids(reply)
         if len(state.ids) + len(reply_ids) >= state.limit:
             state.finish = "length"
-            self.warn_reply_too_long(len(reply_ids), len(state.ids))
+            self.warn_reply_too_long(len(reply_ids), len(state.ids), state.limit)
             return False
         state.messages += reply
         state.ids += reply_ids
