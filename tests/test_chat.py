@@ -126,3 +126,45 @@ def test_an_episodes_turns_end_as_the_template_ends_them():
     assert tok.decode([t for t, k in zip(ids, loss, strict=True) if not k]) == (
         "\n<start_of_turn>user\nmore<end_of_turn>\n<start_of_turn>assistant\n"
     )
+
+
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
+    "{{ END }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        (CHATML.replace("{{ END }}", "{{ '<|im_end|>\\n' }}"), "<|im_end|>"),
+        (CHATML.replace("{{ END }}", "{{ '\\n<|im_end|>\\n' }}"), "<|im_end|>"),  # after a newline
+        # no end marker, and the generation prompt whatever is asked: the opener is no end
+        (CHATML.replace("{{ END }}", "").replace("{% if add_generation_prompt %}", "{% if 1 %}"),
+         None),
+        # a template that needs a system message first
+        ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('system first') }}"
+         "{% endif %}" + CHATML.replace("{{ END }}", "{{ '<|im_end|>\\n' }}"), "<|im_end|>"),
+    ],
+)  # fmt: skip
+def test_the_end_of_turn_is_the_token_after_the_content_and_not_an_opener(template, expected):
+    tok = build_char_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = template
+    found = end_of_turn(tok)
+    assert (None if found is None else tok.convert_ids_to_tokens(found)) == expected
+
+
+def test_an_episodes_prefill_is_continued_and_a_failing_sft_row_is_named():
+    from gspo.training.cold_start import encode_rows
+    from gspo.training.episodes import TurnFormat
+
+    tok = gemma_like()
+    prefill = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "so"}]
+    assert tok.decode(TurnFormat(tok, [], {}).prompt_ids(prefill)).endswith("assistant\nso")
+    encode = single_turn_encoder(load_config(), tok)
+    rows = [{"prompt": "1+1=", "completion": "2"},
+            {"prompt": [{"role": "system", "content": "s"}], "completion": "2"}]  # fmt: skip
+    with pytest.raises(ValueError, match=r"^the built-in task's SFT data row 1: the chat template"):
+        encode_rows(rows, encode, load_config())

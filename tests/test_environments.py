@@ -308,9 +308,13 @@ def test_a_template_without_tools_or_no_template_is_refused(tokenizer):
 
 def test_replies_follow_the_models_stop_token_without_repeating_it(tokenizer):
     fmt = TurnFormat(tokenizer, EnvironmentFactory(Calculator).schemas, {})
-    reply = fmt.reply_ids([{"role": "tool", "name": "add", "content": "46"}])
+    result = [{"role": "tool", "name": "add", "content": "46"}]
+    reply = fmt.reply_ids(result, stopped_with=tokenizer.eos_token_id)
     assert tokenizer.decode(reply) == "<tool_response>46</tool_response>"
     assert tokenizer.eos_token_id not in reply
+    # a turn ended by another stop token: the template's end of turn still follows it
+    other = fmt.reply_ids(result, stopped_with=tokenizer.pad_token_id)
+    assert tokenizer.decode(other) == "<eos><tool_response>46</tool_response>"
     assert tokenizer.decode(fmt.prompt_ids([{"role": "user", "content": "1+2="}])) == (
         "tools: add\n1+2="
     )

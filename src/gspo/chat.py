@@ -81,21 +81,37 @@ def _special_ids(tokenizer) -> set[int]:
     return ids | {i for i, token in added.items() if getattr(token, "special", False)}
 
 
+_ROLES = ("user", "assistant", "system", "model", "tool")
+
+
 def end_of_turn(tokenizer, **chat_kwargs: Any) -> int | None:
-    """The special token the chat template puts right after an assistant message's
-    content, or None (no template, or one that ends a turn with plain text)."""
+    """The special token the chat template puts after an assistant message's content
+    (whitespace before it aside), or None: no template, one that ends a turn with plain
+    text, or one whose token there opens the next message (``<|im_start|>assistant``
+    from a template without an end marker: a role name in or right after the token). A
+    template that needs a system message is asked with one."""
     if getattr(tokenizer, "chat_template", None) is None:
         return None
     turn = [{"role": "user", "content": "u"}, {"role": "assistant", "content": SENTINEL}]
-    try:
-        text = tokenizer.apply_chat_template(turn, tokenize=False, **chat_kwargs)
-    except Exception:  # a template that cannot render a plain exchange: said where it is used
+    for system in ([], [{"role": "system", "content": "s"}]):
+        try:
+            text = tokenizer.apply_chat_template([*system, *turn], tokenize=False, **chat_kwargs)
+            break
+        except Exception:  # a template that cannot render this exchange: try the next
+            continue
+    else:
         return None
     if not isinstance(text, str) or SENTINEL not in text:
         return None
-    tail = text[text.rindex(SENTINEL) + len(SENTINEL) :]
+    tail = text[text.rindex(SENTINEL) + len(SENTINEL) :].lstrip()
     ids = tokenizer(tail, add_special_tokens=False)["input_ids"] if tail else []
-    return ids[0] if ids and ids[0] in _special_ids(tokenizer) else None
+    if not ids or ids[0] not in _special_ids(tokenizer):
+        return None
+    name = str(tokenizer.convert_ids_to_tokens(ids[0]))
+    after = tail[len(name) :].lstrip().lower() if tail.startswith(name) else ""
+    if any(role in name.lower() for role in _ROLES) or after.startswith(_ROLES):
+        return None
+    return ids[0]
 
 
 def turn_end(tokenizer, **chat_kwargs: Any) -> int | None:

@@ -220,13 +220,12 @@ def cell_text(value: Any) -> str | None:
 
 def answer_text(completion: Any) -> str:
     """The part of a completion that holds its answer: after the last ``</think>`` (a
-    reasoning model's thinking is not its answer); nothing while a ``<think>`` is still
-    open (cut off before it answered)."""
+    reasoning model's thinking is not its answer), and before a ``<think>`` opened and
+    not closed (cut off while thinking: nothing of it is an answer)."""
     text = completion_text(completion)
     _, closed, tail = text.rpartition("</think>")
-    if closed:
-        return tail
-    return "" if "<think>" in text else text
+    answer = tail if closed else text
+    return answer.split("<think>", 1)[0]  # (a think block opened again and not closed)
 
 
 def _gold_text(answer: Any) -> str:

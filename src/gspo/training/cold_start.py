@@ -311,7 +311,7 @@ def cold_start(
     rng = random.Random(rank_seed(cfg.seed, dist, "sft"))
     optimizer = adamw(policy.forward, lr=cfg.cold_start_lr, betas=(0.9, 0.99))
     pad = tokenizer.pad_token_id
-    encoded = [(encode or single_turn_encoder(config, tokenizer))(r) for r in rows]
+    encoded = encode_rows(rows, encode or single_turn_encoder(config, tokenizer), config)
     encoded = within_context(encoded, model_context(policy.module)[0], config, dist)
     first, lines = 0, []
     saved = progress_checkpoints(checkpoints)
@@ -377,6 +377,24 @@ def cold_start(
     return True
 
 
+def rows_name(config: Config) -> str:
+    return "data.sft" if config.data.sft else "the built-in task's SFT data"
+
+
+def encode_rows(
+    rows: list[dict[str, Any]], encode: Callable[[dict[str, Any]], Encoded], config: Config
+) -> list[Encoded]:
+    """Each row encoded; one that cannot be (a chat template failing on its messages) is a
+    one-line error naming it."""
+    encoded = []
+    for i, row in enumerate(rows):
+        try:
+            encoded.append(encode(row))
+        except ValueError as exc:  # (EnvError included)
+            raise ValueError(f"{rows_name(config)} row {i}: {exc}") from exc
+    return encoded
+
+
 def within_context(
     encoded: list[Encoded], context: int | None, config: Config, dist: Distributed
 ) -> list[Encoded]:
@@ -387,7 +405,7 @@ def within_context(
     room for a completion token is a one-line error naming the row."""
     if context is None:
         return encoded
-    name = "data.sft" if config.data.sft else "the cold start's rows"
+    name = rows_name(config)
     cut = []
     for i, (prompt, completion, actions) in enumerate(encoded):
         if len(prompt) >= context:

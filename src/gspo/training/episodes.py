@@ -61,9 +61,8 @@ class TurnFormat:
                 "rollout.environment needs a tokenizer with a chat template (none found); "
                 f"give the model one that renders tools and tool messages {where}"
             )
-        # what the model's turn ends with (the template's end of turn, else EOS)
+        # what a cold-start turn ends with (the template's end of turn, else EOS)
         self.end = turn_end(tokenizer, **self.chat_kwargs)
-        self.stop_text = tokenizer.decode([self.end]) if self.end is not None else ""
         if self.schemas:
             probe = [{"role": "user", "content": "x"}]
             with_tools = self._render(probe, tools=self.schemas)
@@ -82,12 +81,15 @@ class TurnFormat:
                     f"template that renders tool messages {where}"
                 )
 
-    def _render(self, messages: list[dict[str, Any]], *, tools=None, generation=False) -> str:
+    def _render(
+        self, messages: list[dict[str, Any]], *, tools=None, generation=False, prefill=False
+    ) -> str:
         try:
             return self.tokenizer.apply_chat_template(
                 messages,
                 tools=tools,
                 add_generation_prompt=generation,
+                continue_final_message=prefill,
                 tokenize=False,
                 **self.chat_kwargs,
             )
@@ -102,22 +104,28 @@ class TurnFormat:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The prompt, tools included, up to the model's first turn."""
-        return self.encode(self._render(messages, tools=self.schemas, generation=True))
+        """The prompt, tools included, up to the model's first turn: a last message of the
+        assistant's (a prefill) continued, as :func:`gspo.chat.render` does."""
+        prefill = bool(messages) and messages[-1].get("role") == "assistant"
+        text = self._render(messages, tools=self.schemas, generation=not prefill, prefill=prefill)
+        return self.encode(text)
 
-    def reply_ids(self, messages: list[dict[str, Any]], *, after_stop: bool = True) -> list[int]:
+    def reply_ids(self, messages: list[dict[str, Any]], *, stopped_with: int | None) -> list[int]:
         """What follows the model's turn when the environment answers with ``messages``.
 
         The template renders a stand-in conversation (a user message, an assistant
         message, then ``messages`` and the generation prompt); the text after the
-        assistant's content is the reply. The model's own end-of-turn (its stop token,
-        already in its sampled tokens when ``after_stop``) is not repeated.
+        assistant's content is the reply. Its first token is left out when it is the one
+        the model's turn ended with (``stopped_with``: already among its sampled tokens),
+        not otherwise: a Gemma turn ended by ``<eos>`` is still followed by the template's
+        ``<end_of_turn>``.
         """
         base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": SENTINEL}]
         text = self._render(base + messages, tools=self.schemas, generation=True)
         tail = text[text.rindex(SENTINEL) + len(SENTINEL) :]
-        if after_stop and self.stop_text and tail.startswith(self.stop_text):
-            tail = tail[len(self.stop_text) :]
+        ended = self.encode(tail.lstrip())  # ("content\n<|im_end|>": the newline with it)
+        if ended and stopped_with is not None and ended[0] == stopped_with:
+            return ended[1:]
         return self.encode(tail)
 
 
@@ -156,7 +164,7 @@ def encode_conversation(
     for message in completion:
         if message.get("role") == "assistant":
             if pending:
-                reply = fmt.reply_ids(pending)
+                reply = fmt.reply_ids(pending, stopped_with=fmt.end)
                 ids += reply
                 actions += [False] * len(reply)
                 pending = []
@@ -350,7 +358,7 @@ class MultiTurn:
             return False
         if turn + 1 == self.max_turns:
             return True  # marked "length" by the caller; the reply is never seen
-        reply_ids = self.format.reply_ids(reply)
+        reply_ids = self.format.reply_ids(reply, stopped_with=ids[-1])  # (its stop token)
         if len(state.ids) + len(reply_ids) >= state.limit:
             state.finish = "length"
             self.warn_reply_too_long(len(reply_ids), len(state.ids), state.limit)
