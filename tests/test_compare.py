@@ -73,7 +73,7 @@ def test_band_lines_average_the_runs_at_shared_steps():
     assert name == "GSPO" and xs == [0.0, 2.0]
     assert means == pytest.approx([0.3, 0.8]) and sds == pytest.approx([0.1, 0.2])
     ((_, xs, _, _),) = band_lines({"GSPO": runs[:2]}, "acc", x="elapsed")
-    assert xs == [0.0, 12.0]  # the runs' mean wall clock at each step
+    assert xs == [0.0, 12.0]  # the runs' mean elapsed seconds at each step
     ((_, xs, means, _),) = band_lines({"x": runs}, "acc")
     assert xs == [0.0] and means == pytest.approx([0.3])
     ((_, _, _, sds),) = band_lines({"one": runs[:1]}, "acc")
@@ -82,8 +82,13 @@ def test_band_lines_average_the_runs_at_shared_steps():
 
 
 def test_elapsed_and_token_weighted_means():
-    recs = with_elapsed([{"step": 0, "time": 100.0}, {"step": 1, "time": 103.5}])
-    assert [r["elapsed"] for r in recs] == [0.0, 3.5]
+    # the run's own seconds: a day between a kill and its resume is not the run's
+    recs = with_elapsed([
+        {"step": 0, "time": 100.0, "time/eval": 1.0},
+        {"step": 1, "time": 103.5, "time/step": 2.5},
+        {"step": 2, "time": 86_503.5, "time/step": 2.0, "time/checkpoint": 0.5},
+    ])  # fmt: skip
+    assert [r["elapsed"] for r in recs] == [1.0, 3.5, 6.0]
     lines = [
         {"train/clip_fraction": 0.5, "train/tokens": 30},
         {"train/clip_fraction": 0.0, "train/tokens": 10},
@@ -274,6 +279,28 @@ def test_verdict_rules():
     assert verdicts(summary(0.1, 0.0, 0.9, 0.9), "default")[0]["verdict"] == REPRODUCED
 
 
+def test_verdicts_on_runs_that_cannot_show_the_claim_are_inconclusive():
+    """One seed (no error bar: one held-out answer decided (a)), a policy that never moved
+    (flat rewards: (b) judged on 1e-14 variances, (c) on 0.000 -> 0.000), no held-out
+    accuracy or a start under 0.1 ((c) 'not reproduced' before anything ran)."""
+    one = summary(0.15, 0.001, 0.44, 0.50)
+    for algo in one.values():
+        algo["seeds"] = [0]
+    a = verdicts(one, "default")[0]
+    assert a["verdict"] == INCONCLUSIVE and "one seed" in a["figures"]
+    assert verdicts(summary(0.02, 0.01, 0.9, 0.9), "default")[0]["verdict"] == NOT_REPRODUCED
+    still = verdicts(summary(0.0, 0.0, 0.0, 0.0, tok=3e-7, seq=1e-7), "stress")
+    assert [v["verdict"] for v in still] == [INCONCLUSIVE] * 3
+    assert "did not move" in still[1]["figures"] and "did not move" in still[2]["figures"]
+    blind = verdicts(summary(0.15, 0.001, math.nan, math.nan, start=math.nan), "stress")[2]
+    assert blind["verdict"] == INCONCLUSIVE and "no held-out accuracy" in blind["figures"]
+    low = verdicts(summary(0.15, 0.001, 0.02, 0.0, start=0.05), "stress")[2]
+    assert low["verdict"] == INCONCLUSIVE and "start under 0.1" in low["figures"]
+    # no ratio dumps (nothing known about the spread): (c) still judged
+    undumped = summary(0.15, 0.001, 0.9, 0.2, start=0.5, tok=math.nan, spread=())
+    assert verdicts(undumped, "stress")[2]["verdict"] == REPRODUCED
+
+
 def test_figures_not_computed_are_null_in_summary_json():
     """A figure that could not be computed was written as a bare NaN (not JSON)."""
     import numpy as np
@@ -357,14 +384,39 @@ def test_compare_bad_input_is_one_line(tmp_path, capsys):
     assert "--preset 'wild'" in capsys.readouterr().err
     assert main(["compare", "--output-dir", str(tmp_path), "--seeds", "0"]) == 2
     capsys.readouterr()
-    for owned in ("algorithm.level=token", "train.seed=3"):  # silently replaced before
-        assert main(["compare", "--output-dir", str(tmp_path), owned]) == 2
+    for owned in ("algorithm.level=token", "train.seed=3", "algorithm.clip_low=0.2"):
+        assert main(["compare", "--output-dir", str(tmp_path), owned]) == 2  # (replaced before)
+    assert main(["compare", "--output-dir", str(tmp_path), "model.lora.r=4"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "gspo: error: algorithm.level=token: gspo compare sets algorithm.level per algorithm "
         "(choose them with --algorithms); drop it",
         "gspo: error: train.seed=3: gspo compare sets train.seed per run (choose them with "
         "--seeds); drop it",
+        "gspo: error: algorithm.clip_low=0.2: gspo compare sets algorithm.clip_low per "
+        "algorithm (each level's paper clip range); drop it",
+        "gspo: error: model.lora.r=4: gspo compare runs full fine-tuning only (its shared cold "
+        "start and runs take whole weights); compare LoRA runs with gspo train",
     ]
+
+
+def test_a_run_made_with_other_settings_is_not_reused_or_resumed(tmp_path):
+    """A rerun into the same directory with other overrides (or another preset) reused every
+    finished run and resumed an interrupted one under the new settings, while the report
+    named the new ones."""
+    from gspo.experiments.runs import REQUEST, same_request
+
+    run = tmp_path / "runs" / "gspo-seed0"
+    same_request(load_config(None, ["optim.lr=1e-4"]), run)  # recorded
+    assert (run / REQUEST).is_file()
+    same_request(load_config(None, ["optim.lr=1e-4", "log.plots=false"]), run)  # log.*: fine
+    same_request(load_config(None, ["optim.lr=1e-4", "train.max_steps=500"]), run)  # longer
+    with pytest.raises(ValueError) as err:
+        same_request(load_config(None, ["optim.lr=0.5", "model.hidden=128"]), run)
+    assert str(err.value) == (
+        f"gspo compare: {run} was made with other settings (model.hidden 256 -> 128; optim.lr "
+        "0.0001 -> 0.5; train.max_steps 500 -> 200): use another --output-dir, or delete it "
+        "to redo it"
+    )
 
 
 def test_histogram_needs_values(tmp_path):

@@ -281,7 +281,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     except KeyboardInterrupt:
-        print("gspo: interrupted; resume with gspo train --resume DIR", file=sys.stderr)
+        if args.command == "compare":  # its runs are reused and resumed by the same command
+            hint = "run the same gspo compare again: finished runs are reused, the rest resumed"
+        else:
+            run = getattr(args, "resume", None) or getattr(args, "output_dir", None) or "DIR"
+            hint = f"resume with gspo train --resume {run}"
+        print(f"gspo: interrupted; {hint}", file=sys.stderr)
         return 130
 
 

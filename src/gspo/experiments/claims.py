@@ -20,6 +20,10 @@ MIN_MEAN_LENGTH = 9
 
 REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inconclusive"
 
+#: A spread of log-ratios below this is float rounding: the policy never moved (flat
+#: rewards: every advantage 0), so no claim about ratios or stability can be judged.
+MOVED_SD = 1e-5
+
 
 def verdicts(summary: Mapping[str, Mapping[str, Any]], preset: str) -> list[dict[str, str]]:
     """One verdict per claim, each with the figures behind it (none without both GSPO and
@@ -60,6 +64,9 @@ def verdicts(summary: Mapping[str, Mapping[str, Any]], preset: str) -> list[dict
     )
     if any(math.isnan(v) for v in (clip_x, gap)):
         verdict = INCONCLUSIVE
+    elif n < 2 and clip_x >= 10:  # one seed: the accuracies have no error bar
+        verdict = INCONCLUSIVE
+        figures += "; one seed gives the accuracy no error bar (--seeds 2 or more)"
     elif clip_x >= 10 and gap >= -noise:
         verdict = REPRODUCED
     elif clip_x < 10 or gap < -noise:
@@ -72,11 +79,18 @@ def verdicts(summary: Mapping[str, Mapping[str, Any]], preset: str) -> list[dict
     # (b)
     tok_sd, seq_sd = grpo["token_log_ratio_sd"], grpo["sequence_log_ratio_sd"]
     rows, mean_len = grpo["spread_by_length"], grpo.get("mean_response_length", math.nan)
+    still = tok_sd < MOVED_SD  # (NaN: no dumps, nothing known)
     if math.isnan(tok_sd) or math.isnan(seq_sd) or len(rows) < 2:
         verdict = INCONCLUSIVE
         figures = (
             f"sd of log w_it {tok_sd:.2e}, of log s_i {seq_sd:.2e}; not enough ratio dumps "
             "or response lengths to compare"
+        )
+    elif still:
+        verdict = INCONCLUSIVE
+        figures = (
+            f"sd of log w_it {tok_sd:.2e} on GRPO's runs: the ratios are 1 to float rounding, "
+            "the policy did not move (flat rewards?)"
         )
     else:
         wide = tok_sd >= 3 * seq_sd
@@ -104,6 +118,7 @@ def verdicts(summary: Mapping[str, Mapping[str, Any]], preset: str) -> list[dict
     def collapsed(s: Mapping[str, Any]) -> bool:
         return s["accuracy"] < s["accuracy_start"] - 0.1
 
+    accuracies = [s[k] for s in (grpo, gspo) for k in ("accuracy", "accuracy_start")]
     if preset not in UNSTABLE_PRESETS:
         verdict = INCONCLUSIVE
         figures = f"not tested: run gspo compare --preset {' or '.join(UNSTABLE_PRESETS)}"
@@ -112,7 +127,17 @@ def verdicts(summary: Mapping[str, Mapping[str, Any]], preset: str) -> list[dict
             f"final accuracy GRPO {grpo['accuracy']:.3f} (start {grpo['accuracy_start']:.3f}), "
             f"GSPO {gspo['accuracy']:.3f} (start {gspo['accuracy_start']:.3f})"
         )
-        if collapsed(grpo) and not collapsed(gspo):
+        cannot = (
+            "no held-out accuracy" if any(math.isnan(a) for a in accuracies)
+            else "the policy did not move" if still
+            else "a start under 0.1, below which no collapse shows"
+            if min(grpo["accuracy_start"], gspo["accuracy_start"]) < 0.1
+            else None
+        )  # fmt: skip
+        if cannot:
+            verdict = INCONCLUSIVE
+            figures += f" ({cannot})"
+        elif collapsed(grpo) and not collapsed(gspo):
             verdict = REPRODUCED
         elif not collapsed(grpo):
             verdict = NOT_REPRODUCED
@@ -190,7 +215,7 @@ def notes(summary: Mapping[str, Mapping[str, Any]], runs: Sequence[Run] = ()) ->
     gspo, token = summary.get("GSPO"), summary.get("GSPO-token")
     if gspo and token:
         same = all(
-            math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+            (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
             for key in ("accuracy_per_seed", "clip_fraction_per_seed")
             for a, b in zip(gspo[key], token[key], strict=True)
         )

@@ -43,12 +43,12 @@ def write_report(
     figures = [
         ("Held-out accuracy vs optimizer steps", plot_bands(
             groups, "eval/accuracy", plots / "accuracy_steps.png", title="Held-out accuracy")),
-        ("Held-out accuracy vs wall clock", plot_bands(
+        ("Held-out accuracy vs run time", plot_bands(
             groups, "eval/accuracy", plots / "accuracy_time.png", x="elapsed",
             title="Held-out accuracy")),
         ("Training reward vs optimizer steps", plot_bands(
             trains, "train/reward_mean", plots / "reward_steps.png", title="Training reward")),
-        ("Training reward vs wall clock", plot_bands(
+        ("Training reward vs run time", plot_bands(
             trains, "train/reward_mean", plots / "reward_time.png", x="elapsed",
             title="Training reward")),
         ("Fraction of clipped tokens per rollout batch (the paper's Figure 2)", plot_bands(
@@ -140,8 +140,9 @@ def report_markdown(
         + ", seeds "
         f"{', '.join(map(str, seeds))}). Time: the shared cold start "
         f"{result['cold_start_seconds'] / 60:.1f} min, the {len(result['algorithms']) * len(seeds)}"
-        f" runs {result['run_seconds'] / 60:.1f} min together (first to last record of "
-        f"each); this invocation {result['seconds'] / 60:.1f} min (reused runs cost nothing). "
+        f" runs {result['run_seconds'] / 60:.1f} min together (each run's steps, "
+        f"evaluations and checkpoints); this invocation {result['seconds'] / 60:.1f} min "
+        "(reused runs cost nothing). "
         "Every run "
         "starts from the same cold-start checkpoint with the same config but "
         "`algorithm.level` (and its paper clip range) and `train.seed`. Figures are means "

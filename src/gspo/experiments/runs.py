@@ -23,7 +23,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from gspo.config import Config, load_config
+from gspo.config.loading import dump_config_text
 from gspo.experiments.report import write_report
 from gspo.experiments.summary import Run, cold_start_seconds, train_lines
 from gspo.telemetry import read_metrics
@@ -43,7 +46,16 @@ OWNED: dict[str, str] = {
         for o in overrides
     },
     "train.seed": "per run (choose them with --seeds)",
+    # one range for all three would compare GRPO at GSPO's band or the other way round
+    "algorithm.clip_low": "per algorithm (each level's paper clip range)",
+    "algorithm.clip_high": "per algorithm (each level's paper clip range)",
 }
+
+#: Why LoRA settings are refused (the shared cold start's step 0 would be an adapter).
+NO_LORA = (
+    "gspo compare runs full fine-tuning only (its shared cold start and runs take whole "
+    "weights); compare LoRA runs with gspo train"
+)
 
 #: Overrides per preset, applied before the user's (which win), cold start included.
 #: "stress" is where the paper predicts GRPO trouble: more off-policy minibatches per
@@ -97,10 +109,53 @@ def finished(run_dir: Path, max_steps: int) -> bool:
     return bool(steps) and max(steps) >= max_steps
 
 
+#: What compare asked of a run (or of the cold start), kept beside it: a later compare into
+#: the same directory reuses or resumes it only when it asks the same.
+REQUEST = "compare_request.yaml"
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_flat(value, f"{prefix}{key}."))
+    return {k.rstrip("."): v for k, v in out.items()}
+
+
+def same_request(config: Config, run_dir: Path) -> None:
+    """Refuse, in one line, to reuse or resume ``run_dir`` made with other settings (a
+    rerun with other overrides or another preset reused every run, and resumed an
+    interrupted one under the new settings, while the report named the new ones); else
+    record what is asked. ``log.*`` may change, and ``train.max_steps`` may grow (a
+    finished run is then resumed to it)."""
+    path = run_dir / REQUEST
+    asked = _flat(yaml.safe_load(dump_config_text(config)))
+    if path.is_file():
+        before = _flat(yaml.safe_load(path.read_text()))
+        changed = [
+            f"{key} {before.get(key)!r} -> {asked.get(key)!r}"
+            for key in sorted(asked.keys() | before.keys())
+            if not key.startswith("log.")
+            and asked.get(key) != before.get(key)
+            and not (key == "train.max_steps" and asked[key] >= before.get(key, 0))
+        ]
+        if changed:
+            more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
+            raise ValueError(
+                f"gspo compare: {run_dir} was made with other settings ({'; '.join(changed[:3])}"
+                f"{more}): use another --output-dir, or delete it to redo it"
+            )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(dump_config_text(config))
+
+
 def run_or_reuse(config: Config, run_dir: Path, log: Callable[[str], None]) -> list[dict[str, Any]]:
-    """Train ``config`` into ``run_dir``; reuse a finished run, resume an interrupted one."""
+    """Train ``config`` into ``run_dir``; reuse a finished run, resume an interrupted one,
+    each only when it was made with the same settings (:func:`same_request`)."""
     from gspo.trainer import Trainer, latest_checkpoint
 
+    same_request(config, run_dir)
     if finished(run_dir, config.train.max_steps):
         log(f"  reusing {run_dir}")
         return read_metrics(run_dir / "metrics.jsonl")
@@ -118,11 +173,14 @@ def cold_start_checkpoint(
     from gspo.trainer import CHECKPOINTS
 
     path = out / "cold_start" / CHECKPOINTS / f"step-{0:07d}"
+    config = load_config(config_path, [*base, "train.max_steps=0"])
+    if config.model.lora.r > 0:
+        raise ValueError(f"model.lora.r={config.model.lora.r}: {NO_LORA}")
+    same_request(config, out / "cold_start")
     if (model_files(path) / "config.json").is_file():  # (a step 0 may name its model)
         log(f"cold start: reusing {path}")
         return path
     log("cold start")
-    config = load_config(config_path, [*base, "train.max_steps=0"])
     from gspo.trainer import Trainer
 
     with Trainer(config, out / "cold_start") as trainer:
@@ -194,6 +252,8 @@ def compare(
         key = override.split("=", 1)[0].strip()
         if key in OWNED:
             raise ValueError(f"{override}: gspo compare sets {key} {OWNED[key]}; drop it")
+        if key.startswith("model.lora."):
+            raise ValueError(f"{override}: {NO_LORA}")
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     base = [*with_preset(preset, overrides), "log.progress=false", "log.plots=false"]

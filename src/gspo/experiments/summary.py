@@ -43,11 +43,19 @@ def cold_start_seconds(run_dir: Path) -> float:
     return sft + sum(r["time/eval"] for r in records if "time/eval" in r)
 
 
+#: The seconds a record accounts for: its training step, its evaluation, its checkpoint.
+RUN_SECONDS = ("time/step", "time/eval", "time/checkpoint")
+
+
 def with_elapsed(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Records with ``elapsed``: wall seconds since the run's first record."""
-    times = [r["time"] for r in records if isinstance(r.get("time"), int | float)]
-    t0 = min(times) if times else 0.0
-    return [{**r, "elapsed": r.get("time", t0) - t0} for r in records]
+    """Records with ``elapsed``: the run's own seconds up to each one, its steps,
+    evaluations and checkpoint waits added up (:data:`RUN_SECONDS`). Wall time since the
+    first record counted the time between a kill and its resume as the run's."""
+    total, out = 0.0, []
+    for r in records:
+        total += sum(float(r.get(key) or 0.0) for key in RUN_SECONDS)
+        out.append({**r, "elapsed": total})
+    return out
 
 
 def token_weighted(lines: Sequence[Mapping[str, Any]], key: str) -> float:

@@ -231,7 +231,7 @@ def plot_bands(
     lines = band_lines(groups, key, x)
     if not lines:
         return None
-    label = xlabel or ("wall-clock seconds" if x == "elapsed" else x)
+    label = xlabel or ("run seconds (steps, evaluations, checkpoints)" if x == "elapsed" else x)
     return _draw(lines, path, title=title or key, xlabel=label, ylabel=key, logy=logy)
 
 
