@@ -400,6 +400,7 @@ def test_episodes_are_token_in_token_out_with_environment_tokens_masked(tokenize
     assert m["env/turns_mean"] == pytest.approx((3 + 1 + 2) / 3)
     assert m["env/tool_calls_mean"] == pytest.approx(3 / 3)  # 2 + 0 + 1 parsed calls
     assert m["env/tool_errors_mean"] == pytest.approx(0.0)
+    assert m["env/tool_call_valid_fraction"] == 1.0
     assert 0 < m["env/env_token_fraction"] < 1
     assert [e.total for e in out.columns["environments"]] == [17, 10, 11]
 
@@ -752,3 +753,17 @@ def test_turns_all_cut_by_max_new_tokens_warn_once(tmp_path, capsys):
     assert capsys.readouterr().err == ""
     runner.warn_first_turns_cut(3, 4, 100)
     assert "cut 3 of those 4 turns" in capsys.readouterr().err
+
+
+def test_a_batch_without_tool_calls_has_no_valid_call_fraction(tokenizer, env_file):
+    """It logged 1.0 ("every call valid") for no call at all."""
+    engine = ScriptedEngine(tokenizer, [["done", "done"]])
+    runner = MultiTurn(
+        engine, EnvironmentFactory(f"{env_file}:Counter"), tokenizer, max_turns=2,
+        max_tokens=100, chat_kwargs={},
+    )  # fmt: skip
+    out = runner.generate(
+        [{"prompt": "p"}], [[]], n=2, params=SamplingParams(max_new_tokens=20), seed=0
+    )
+    assert out.metrics["env/tool_calls_mean"] == 0.0
+    assert "env/tool_call_valid_fraction" not in out.metrics

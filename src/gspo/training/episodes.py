@@ -404,11 +404,12 @@ class MultiTurn:
             "env/turns_mean": sum(s.turns for s in states) / episodes,
             "env/tool_calls_mean": calls / episodes,
             "env/tool_errors_mean": errors / episodes,
-            "env/tool_call_valid_fraction": (calls - errors) / calls if calls else 1.0,
             "env/env_token_fraction": (tokens - model_tokens) / tokens if tokens else 0.0,
             "env/episode_length_mean": tokens / episodes,
             "env/model_tokens_mean": model_tokens / episodes,
         }
+        if calls:  # (none made: no share of them valid, not 1.0)
+            metrics["env/tool_call_valid_fraction"] = (calls - errors) / calls
         columns: dict[str, list[Any]] = {"environments": [s.episode.env for s in states]}
         return Generated(batch, completions, columns, metrics, [s.episode for s in states])
 
