@@ -767,3 +767,19 @@ def test_a_batch_without_tool_calls_has_no_valid_call_fraction(tokenizer, env_fi
     )
     assert out.metrics["env/tool_calls_mean"] == 0.0
     assert "env/tool_call_valid_fraction" not in out.metrics
+
+
+def test_sys_exit_in_an_environment_is_an_error(tokenizer):
+    """An environment's step() calling sys.exit(0) ended the run with status 0, unsaid."""
+    import sys
+
+    class Quits:
+        def step(self, text: str):
+            sys.exit(0)
+
+    runner = MultiTurn(
+        ScriptedEngine(tokenizer, [["a"]]), EnvironmentFactory(Quits), tokenizer, max_turns=2,
+        max_tokens=100, chat_kwargs={},
+    )  # fmt: skip
+    with pytest.raises(EnvError, match=r"step\(\) raised SystemExit: 0"):
+        runner.generate([{"prompt": "p"}], [[]], n=1, params=SamplingParams(), seed=0)

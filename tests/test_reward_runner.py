@@ -48,6 +48,13 @@ async def awaited(prompts, completions, **kwargs):
 
 def no_kwargs(prompts, completions):
     return [0.0] * len(completions)
+
+def exits(prompts, completions, **kwargs):
+    import sys
+    sys.exit(0)
+
+def dies(prompts, completions, **kwargs):
+    os._exit(3)
 '''
 
 
@@ -88,6 +95,37 @@ def test_worker_errors_name_the_function(module):
             pooled(["p"] * 4, ["a"] * 4)
     finally:
         pooled.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_sys_exit_in_a_reward_is_an_error_not_a_finished_run(module, workers):
+    """sys.exit(0) in a reward ended `gspo train` with status 0 and no word (in this
+    process); in a worker it killed the worker and the run waited forever."""
+    functions = RewardFunctions.from_specs(specs(module, "exits"), workers=workers)
+    try:
+        with pytest.raises(RewardError) as err:
+            functions(["p"] * 4, ["a"] * 4)
+    finally:
+        functions.close()
+    assert "exits' raised SystemExit: 0" in str(err.value)
+
+
+def test_a_worker_that_dies_stops_the_run_with_one_line(module):
+    """os._exit (a segfault alike) in a worker: multiprocessing.Pool replaces the process
+    and drops its task, and the run waited for it forever (no reward.timeout)."""
+    functions = RewardFunctions.from_specs(specs(module, "dies"), workers=2)
+    start = time.monotonic()
+    try:
+        with pytest.raises(RewardError) as err:
+            functions(["p"] * 4, ["a"] * 4)
+    finally:
+        functions.close()
+    assert time.monotonic() - start < 30
+    assert str(err.value) == (
+        f"reward function '{module}:dies': a reward.workers process died while it scored "
+        "(exit code 3: a crash, os._exit or sys.exit); the run stops here (its last "
+        "checkpoint is intact)"
+    )
 
 
 def test_unpicklable_callable_gets_a_clear_message():

@@ -223,7 +223,7 @@ class EnvironmentFactory:
                 made = self.factory(**accepted(self.factory, row, what))
         except EnvError:
             raise
-        except Exception as e:
+        except (Exception, SystemExit) as e:  # (sys.exit in user code: an error)
             raise EnvError(
                 f"environment {self.name!r}: constructing it raised {raised(e, 300)}"
             ) from e
@@ -253,7 +253,7 @@ class Episode:
         kwargs = accepted(reset, row, f"environment {self.spec.name!r}: reset()")
         try:
             out = reset(**kwargs)
-        except Exception as e:
+        except (Exception, SystemExit) as e:  # (sys.exit in user code: an error)
             raise EnvError(
                 f"environment {self.spec.name!r}: reset() raised {raised(e, 300)}"
             ) from e
@@ -272,7 +272,7 @@ class Episode:
         if self.spec.has_step:
             try:
                 observation = self.env.step(text)
-            except Exception as e:
+            except (Exception, SystemExit) as e:  # (sys.exit in user code: an error)
                 raise EnvError(
                     f"environment {self.spec.name!r}: step() raised {raised(e, 300)}"
                 ) from e
@@ -306,7 +306,7 @@ class Episode:
                     result = run_coroutine(result)
                 message["content"] = tool_result_text(result)
                 return message
-            except Exception as e:
+            except (Exception, SystemExit) as e:  # (sys.exit in user code: an error)
                 error = f"{type(e).__name__}: {one_line(e, 200)}"
                 self._warn(call.name, e)
         self.tool_errors += 1
@@ -319,7 +319,7 @@ class Episode:
         if callable(close):
             try:
                 close()
-            except Exception as e:
+            except (Exception, SystemExit) as e:  # (sys.exit in user code: an error)
                 raise EnvError(
                     f"environment {self.spec.name!r}: close() raised {raised(e, 300)}"
                 ) from e

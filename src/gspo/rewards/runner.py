@@ -31,7 +31,7 @@ def _call_one(
         out = function(prompts=prompts, completions=completions, **columns)
         if inspect.iscoroutine(out):  # an async def function (TRL takes those too)
             out = run_coroutine(out)
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # sys.exit in a reward ended the run as a success
         missing = missing_arguments(function, given)
         if isinstance(e, TypeError) and missing:
             have = ", ".join(columns) or "none but the prompt"
@@ -153,6 +153,14 @@ def _chunks(n: int, parts: int) -> list[tuple[int, int]]:
 #: Longest wait for a batch's other tasks after one of them failed (see ``Runner._settle``).
 SETTLE_SECONDS = 10.0
 
+#: How often a wait for a worker's result looks whether a worker process died.
+WATCH_SECONDS = 0.5
+
+
+class _WorkerDied(RewardError):
+    """A worker process ended while the batch was scored: its task will never finish
+    (``multiprocessing.Pool`` replaces the process and drops the task)."""
+
 
 class Runner:
     """How reward functions are called on a batch.
@@ -173,6 +181,7 @@ class Runner:
         self.workers = workers
         self.timeout = timeout
         self._pool: Any = None
+        self._processes: list[Any] = []
         self._finalizer: Any = None
         self._busy = False  # some task sent to the workers may not have finished
 
@@ -197,6 +206,7 @@ class Runner:
             context = multiprocessing.get_context("spawn")
             with _starting_workers() as flag:
                 self._pool = context.Pool(self.workers, initializer=_worker_started)
+                self._processes = list(self._pool._pool)  # to see one die (Pool hides it)
                 self._finalizer = weakref.finalize(self, self._pool.terminate)
                 started = self._pool.map_async(_worker_function, ["format"] * self.workers)
                 while not started.ready():
@@ -225,6 +235,7 @@ class Runner:
                 self._pool.close()
                 self._pool.join()
         self._pool = self._finalizer = None
+        self._processes = []
         self._busy = False
 
     def _late(self, name: str) -> RewardError:
@@ -277,10 +288,12 @@ class Runner:
             for part in parts:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
-                    raw = part.get(timeout=left)
+                    raw = self._result(part, left, name)
                 except multiprocessing.TimeoutError:
                     self.close()  # kills the hung workers; a new pool is made if needed
                     raise self._late(name) from None
+                except _WorkerDied:
+                    raise
                 except BaseException:
                     self._settle(tasks, deadline)
                     raise
@@ -291,6 +304,31 @@ class Runner:
             outputs.append(merged)
         self._settle(tasks, deadline)
         return outputs
+
+    def _result(self, part: Any, left: float | None, name: str) -> Any:
+        """``part``'s result within ``left`` seconds (None: no limit), looking every
+        :data:`WATCH_SECONDS` whether a worker process died (a segfault, ``os._exit``, a
+        ``sys.exit`` outside the function): the wait would never end otherwise."""
+        end = None if left is None else time.monotonic() + left
+        while True:
+            wait = WATCH_SECONDS
+            if end is not None:
+                wait = max(0.0, min(wait, end - time.monotonic()))
+            try:
+                return part.get(timeout=wait)
+            except multiprocessing.TimeoutError:
+                dead = next((p for p in self._processes if p.exitcode is not None), None)
+                if dead is not None:
+                    code = dead.exitcode
+                    self.close()  # the others may be busy: killed
+                    how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                    raise _WorkerDied(
+                        f"reward function {name!r}: a reward.workers process died while it "
+                        f"scored ({how}: a crash, os._exit or sys.exit); the run stops here "
+                        "(its last checkpoint is intact)"
+                    ) from None
+                if end is not None and time.monotonic() >= end:
+                    raise
 
     def _settle(self, parts: list[Any], deadline: float | None) -> None:
         """Wait for the batch's tasks (after one failed, the others may still run; until
