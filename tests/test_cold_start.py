@@ -51,6 +51,19 @@ def kill_at(monkeypatch, step: int) -> None:
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
 
 
+def test_a_resumed_run_drops_the_cold_starts_progress_left_behind(tmp_path):
+    """A run stopped in its step-0 evaluation kept its cold-start progress checkpoints
+    (model and AdamW state) for good: only the process that ran the cold start dropped
+    them."""
+    overrides = [*FAST, "train.cold_start_steps=10", "train.max_steps=2", "eval.every=0"]
+    assert main(["train", "--output-dir", str(tmp_path / "run"), *overrides]) == 0
+    left = tmp_path / "run" / "checkpoints" / f"{cs.PROGRESS_PREFIX}0000005"
+    left.mkdir()  # as a stop between step 0 and its removal leaves it
+    (left / "state.pt").write_bytes(b"x")
+    assert main(["train", "--resume", str(tmp_path / "run"), "train.max_steps=4"]) == 0
+    assert not left.exists()
+
+
 @pytest.mark.slow
 def test_cold_start_resumes_exactly_after_a_kill(tmp_path, monkeypatch, varied_reward):
     overrides = [*COMMON, varied_reward, "train.cold_start_cache=false"]

@@ -318,9 +318,10 @@ class Trainer:
         if self.step == 0 and not self.start_evaluated:
             start = self.evaluator.run(self.step)
             self.checkpoints.log(0, start)
-        if started:  # step 0 on disk before RL (the KL reference reads it), then no progress
+        if started:  # step 0 on disk before RL (the KL reference reads it)
             self.checkpoints.wait()
-            drop_progress(self.output_dir / CHECKPOINTS, self.dist)
+        # then no cold-start progress: also what a run stopped in its step-0 evaluation left
+        drop_progress(self.output_dir / CHECKPOINTS, self.dist)
         show = cfg.log.progress and self.dist.is_main
         first = self.step // cfg.algorithm.minibatches
         if first >= cfg.rollout_batches and self.step > 0 and self.dist.is_main:  # finished

@@ -9,6 +9,7 @@ import inspect
 import multiprocessing
 import os
 import pickle
+import signal
 import sys
 import tempfile
 import threading
@@ -135,8 +136,11 @@ def _starting_workers() -> Iterator[Path]:
 
 
 def _worker_started() -> None:
-    """A worker is up: processes it starts itself are not starting workers."""
+    """A worker is up: processes it starts itself are not starting workers. Ctrl-C is the
+    run's to answer (it stops the workers): a worker ignores it, which printed its
+    KeyboardInterrupt traceback beside the run's one line."""
     os.environ.pop(WORKER_STARTING, None)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _chunks(n: int, parts: int) -> list[tuple[int, int]]:
