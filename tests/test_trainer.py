@@ -173,6 +173,12 @@ def test_resume_past_a_damaged_checkpoint_takes_the_newest_complete_one(
             "using step-0000000"
         )
     )
+    # a pointer out of the run (another run's checkpoint), or not text: not followed
+    other = "../../elsewhere/checkpoints/step-0000012"
+    for pointer in (other.encode(), b"\xff\xfe"):
+        (run / "checkpoints" / "latest").write_bytes(pointer)
+        assert latest_checkpoint(run).name == "step-0000000"
+    assert f"names {other}, which is not a checkpoint of this run" in capsys.readouterr().err
 
 
 @pytest.mark.slow

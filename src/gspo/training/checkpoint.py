@@ -116,8 +116,11 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     """
     root = Path(output_dir) / CHECKPOINTS
     pointer = root / LATEST
-    named = pointer.read_text().strip() if pointer.is_file() else None
-    problem = checkpoint_problem(root / named) if named else None
+    named = pointer.read_text(errors="replace").strip() if pointer.is_file() else None
+    if named is not None and (Path(named).name != named or not named.startswith("step-")):
+        problem = "not a checkpoint of this run"  # ("../../other/checkpoints/step-12")
+    else:
+        problem = checkpoint_problem(root / named) if named else None
     if named and problem is None:
         return root / named
     found, skipped = None, []
