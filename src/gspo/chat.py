@@ -17,18 +17,25 @@ from typing import Any
 SENTINEL = "GSPO7TURN9SENTINEL"
 
 
-def render(tokenizer, messages: list[dict[str, Any]], **chat_kwargs: Any) -> list[int]:
-    """The chat template's token ids for ``messages``, ready for the model's turn: the
-    generation prompt after a user (or tool) message; after an assistant message (a
-    prefill such as ``"<think>\\n"``), that message continued, as TRL renders it. A
-    template that fails (Gemma's refuses a system message) is a one-line ``ValueError``."""
-    prefill = bool(messages) and messages[-1].get("role") == "assistant"
+def template_text(
+    tokenizer,
+    messages: list[dict[str, Any]],
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    generation: bool = False,
+    prefill: bool = False,
+    **chat_kwargs: Any,
+) -> str:
+    """The chat template's text for ``messages`` (with ``tools``; the generation prompt
+    after them, or their last message continued with ``prefill``). A template that fails
+    (Gemma's refuses a system message) is a one-line ``ValueError``."""
     try:
-        ids = tokenizer.apply_chat_template(
+        return tokenizer.apply_chat_template(
             messages,
-            add_generation_prompt=not prefill,
+            tools=tools,
+            add_generation_prompt=generation,
             continue_final_message=prefill,
-            tokenize=True,
+            tokenize=False,
             **chat_kwargs,
         )
     except Exception as exc:  # jinja's TemplateError (raise_exception) and the like
@@ -37,9 +44,23 @@ def render(tokenizer, messages: list[dict[str, Any]], **chat_kwargs: Any) -> lis
         raise ValueError(
             f"the chat template failed on messages ({roles}): {type(exc).__name__}: {said}"
         ) from None
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return list(ids)
+
+
+def render(
+    tokenizer,
+    messages: list[dict[str, Any]],
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    **chat_kwargs: Any,
+) -> list[int]:
+    """The token ids of ``messages`` ready for the model's turn: the generation prompt
+    after a user (or tool) message; after an assistant message (a prefill such as
+    ``"Let me check:"``), that message continued, as TRL renders it."""
+    prefill = bool(messages) and messages[-1].get("role") == "assistant"
+    text = template_text(
+        tokenizer, messages, tools=tools, generation=not prefill, prefill=prefill, **chat_kwargs
+    )
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def encode_prompt(

@@ -306,13 +306,16 @@ def _completion(value: Any, data: DataConfig, what: str, index: int) -> Any:
     if isinstance(value, list):
         _check_tool_calls(value, where)
         return value
-    text = None if isinstance(value, bool) else cell_text(value)
-    if text is None or not isinstance(value, str | int | float):
+    if isinstance(value, str):
+        return value
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    text = cell_text(value) if number else None  # (None for NaN: a blank cell)
+    if text is None:
         raise ValueError(
             f"{where}: the completion (column {data.completion_column!r}) is {value!r:.80}; "
             "a cold-start completion is text or a list of messages"
         )
-    return value if isinstance(value, str) else text
+    return text
 
 
 def _check_tool_calls(completion: Any, where: str) -> None:

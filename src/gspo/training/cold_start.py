@@ -47,6 +47,7 @@ from gspo.publish import remove_leftovers, staged, temp_path, tree_bytes
 from gspo.telemetry import MetricsLogger
 from gspo.training.metrics import combine
 from gspo.training.policy import Policy
+from gspo.training.sampler import MODEL_CONTEXT, said_context
 from gspo.training.seeds import rank_seed
 from gspo.training.setup import adamw
 
@@ -411,7 +412,7 @@ def within_context(
         if len(prompt) >= context:
             raise ValueError(
                 f"{name} row {i}: the prompt is {len(prompt)} tokens, leaving no room for its "
-                f"completion in the model's context of {context} (max_position_embeddings)"
+                f"completion in {said_context(context, MODEL_CONTEXT)}"
             )
         if len(prompt) + len(completion) > context:
             cut.append(len(prompt) + len(completion))
@@ -420,8 +421,8 @@ def within_context(
     if cut and dist.is_main:
         print(
             f"gspo: warning: {name}: {len(cut)} row(s) (the longest {max(cut)} tokens) run "
-            f"past the model's context of {context} (max_position_embeddings): cut there, "
-            f"so their completions lose their end (EOS included)",
+            f"past {said_context(context, MODEL_CONTEXT)}: cut there, so their completions "
+            "lose their end (EOS included)",
             file=sys.stderr,
             flush=True,
         )
@@ -436,9 +437,8 @@ def single_turn_encoder(config: Config, tokenizer):
     ends = {False: tokenizer.eos_token_id, True: turn_end(tokenizer, **chat)}
 
     def encode(row: dict[str, Any]) -> Encoded:
-        text = row["completion"]
-        ids = [*tokenizer(text, add_special_tokens=False)["input_ids"]]
-        ids.append(ends[isinstance(row["prompt"], list)])
+        ids = tokenizer(row["completion"], add_special_tokens=False)["input_ids"]
+        ids = [*ids, ends[isinstance(row["prompt"], list)]]
         return encode_prompt(row["prompt"], tokenizer, **chat), ids, [True] * len(ids)
 
     return encode

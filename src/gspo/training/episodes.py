@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from gspo.chat import SENTINEL, encode_prompt, turn_end
+from gspo.chat import SENTINEL, encode_prompt, render, template_text, turn_end
 from gspo.config import Config
 from gspo.engines import RolloutBatch, SamplingParams, pad_batch
 from gspo.environments import EnvError, EnvironmentFactory, Episode
@@ -81,34 +81,18 @@ class TurnFormat:
                     f"template that renders tool messages {where}"
                 )
 
-    def _render(
-        self, messages: list[dict[str, Any]], *, tools=None, generation=False, prefill=False
-    ) -> str:
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages,
-                tools=tools,
-                add_generation_prompt=generation,
-                continue_final_message=prefill,
-                tokenize=False,
-                **self.chat_kwargs,
-            )
-        except Exception as e:
-            roles = ", ".join(m.get("role", "?") for m in messages)
-            raise EnvError(
-                f"the chat template failed on messages ({roles}): {type(e).__name__}: "
-                f"{' '.join(str(e).split())[:200]}"
-            ) from e
+    def _render(self, messages: list[dict[str, Any]], *, tools=None, generation=False) -> str:
+        return template_text(
+            self.tokenizer, messages, tools=tools, generation=generation, **self.chat_kwargs
+        )
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The prompt, tools included, up to the model's first turn: a last message of the
-        assistant's (a prefill) continued, as :func:`gspo.chat.render` does."""
-        prefill = bool(messages) and messages[-1].get("role") == "assistant"
-        text = self._render(messages, tools=self.schemas, generation=not prefill, prefill=prefill)
-        return self.encode(text)
+        """The prompt, tools included, up to the model's first turn (a prefill continued:
+        :func:`gspo.chat.render`)."""
+        return render(self.tokenizer, messages, tools=self.schemas, **self.chat_kwargs)
 
     def reply_ids(self, messages: list[dict[str, Any]], *, stopped_with: int | None) -> list[int]:
         """What follows the model's turn when the environment answers with ``messages``.
