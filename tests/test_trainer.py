@@ -298,7 +298,8 @@ def test_step_0_names_an_unchanged_model_and_everything_still_reads_it(
     assert main(["train", "--output-dir", str(tmp_path / "full"), *common]) == 0
     # step 0 holds no weights: it names the input model
     step0 = tmp_path / "full" / "checkpoints" / "step-0000000"
-    held = ["manifest.json", "model_dir.txt", "model_fingerprint.json", "trainer_state.pt"]
+    held = ["config.yaml", "manifest.json", "model_dir.txt", "model_fingerprint.json"]
+    held += ["trainer_state.pt"]
     assert sorted(p.name for p in step0.iterdir()) == held
     assert (step0 / "model_dir.txt").read_text().strip() == str(mine.resolve())
     lines = train_lines(run_metrics(tmp_path / "full"))
@@ -498,16 +499,26 @@ def test_resume_refuses_another_model_or_another_directory(tmp_path, capsys):
         assert main(["train", "--resume", str(run), override]) == 2
     assert main(["train", "--resume", str(run), "--output-dir", str(tmp_path / "x")]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        "gspo: error: model.hidden: --resume continues the checkpoints' model "
+        "gspo: error: model.hidden=128: --resume continues the checkpoints' model "
         "(model.hidden=64); start a new run (--output-dir) to change it",
-        "gspo: error: model.lora.r: --resume continues the checkpoints' model "
+        "gspo: error: model.lora.r=4: --resume continues the checkpoints' model "
         "(model.lora.r=0); start a new run (--output-dir) to change it",
-        "gspo: error: model.path: --resume continues the checkpoints' model "
+        f"gspo: error: model.path={tmp_path}: --resume continues the checkpoints' model "
         "(model.path=None); start a new run (--output-dir) to change it",
         f"gspo: error: --output-dir {tmp_path / 'x'}: --resume continues the run where it is "
         f"({run}); drop --output-dir",
     ]
     assert (run / "config.yaml").read_text() == written
+    # the same settings edited into config.yaml by hand (between a kill and --resume):
+    # checked against the checkpoint's own config.yaml (before, resumed and recorded)
+    for was, edit in (("hidden: 64", "hidden: 128"), ("minibatches: 4", "minibatches: 2")):
+        (run / "config.yaml").write_text(written.replace(f"  {was}\n", f"  {edit}\n", 1))
+        assert main(["train", "--resume", str(run)]) == 2
+    assert [line.split(":")[2] for line in capsys.readouterr().err.splitlines()] == [
+        " model.hidden=128",
+        " algorithm.minibatches=2",
+    ]
+    (run / "config.yaml").write_text(written)
     # another count of steps per rollout batch took rollout batches again (the counter
     # went back), accepted silently before
     assert main(["train", "--resume", str(run), "algorithm.minibatches=2"]) == 2

@@ -20,7 +20,7 @@ from gspo.publish import temp_path
 from gspo.rewards.runner import leave_if_starting_a_worker
 from gspo.telemetry import METRICS_FILE
 from gspo.trainer import Trainer
-from gspo.training.checkpoint import CHECKPOINTS
+from gspo.training.checkpoint import CHECKPOINTS, CONFIG
 
 
 def train(
@@ -179,11 +179,11 @@ RESUME_MAY_CHANGE = frozenset(
 
 def resume_config(output_dir: str | Path, overrides: list[str]) -> Config:
     """The config a run was started with (``config.yaml``), plus overrides; an override
-    that would change the model the checkpoints hold (its path, architecture, sizes,
-    adapters) is a one-line error, not a config.yaml that names another model."""
+    (or an edit of config.yaml) that would change the model the checkpoints hold (its
+    path, architecture, sizes, adapters) is a one-line error, not a config.yaml that
+    names another model."""
     config = load_config(Path(output_dir) / "config.yaml", overrides)
-    if overrides:
-        check_same_model(output_dir, config, "--resume", "--output-dir")
+    check_same_model(output_dir, config, "--resume", "--output-dir")
     return config
 
 
@@ -193,16 +193,28 @@ def resume_config(output_dir: str | Path, overrides: list[str]) -> Config:
 SAMPLED_AS = ("rollout.max_staleness", "algorithm.minibatches")
 
 
+def _trained_config(out: Path) -> Path:
+    """The config.yaml of the newest checkpoint that holds one, else the run's."""
+    held = sorted((out / CHECKPOINTS).glob(f"step-*/{CONFIG}"), reverse=True)
+    return held[0] if held else out / "config.yaml"
+
+
 def check_same_model(output_dir: str | Path, config: Config, how: str, other: str) -> None:
     """A resumed run continues the model its checkpoints hold and the schedule it was
     sampled on: ``config`` may not name another model (path, architecture, sizes,
-    adapters) nor another :data:`SAMPLED_AS` setting; one line naming the key."""
-    first = load_config(Path(output_dir) / "config.yaml")
+    adapters) nor another :data:`SAMPLED_AS` setting; one line naming the key.
+
+    The settings the checkpoints were trained with are the newest checkpoint's own
+    ``config.yaml`` (:data:`gspo.training.checkpoint.CONFIG`; the run's config.yaml for
+    checkpoints from before they held one): the run's config.yaml edited by hand since
+    is checked as an override is. (Every checkpoint of a run holds the same values of
+    these keys.)"""
+    first = load_config(_trained_config(Path(output_dir)))
     started, now = (_flat(c.model.model_dump()) for c in (first, config))
     for key in started:
         if key not in RESUME_MAY_CHANGE and started[key] != now[key]:
             raise ValueError(
-                f"model.{key}: {how} continues the checkpoints' model "
+                f"model.{key}={now[key]}: {how} continues the checkpoints' model "
                 f"(model.{key}={started[key]}); start a new run ({other}) to change it"
             )
     for key in SAMPLED_AS:  # (a larger staleness also lacks the weights it sampled by)

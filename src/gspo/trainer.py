@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from gspo.chat import stop_token_ids
-from gspo.config import Config, dump_config
+from gspo.config import Config, dump_config, dump_config_text
 from gspo.distributed import Distributed, rank_device
 from gspo.engines import SamplingParams
 from gspo.models import model_context, resolve_dtype
@@ -375,7 +375,7 @@ class Trainer:
             return take_checkpoint(
                 self.output_dir, step, self.policy, self.optimizer, self.scheduler,
                 tokenizer, dist=self.dist, extra=self.rollouts.checkpoint_files(),
-                model_dir=model_dir, copy=copy,
+                model_dir=model_dir, copy=copy, config=dump_config_text(self.config),
             )  # fmt: skip
 
         return self.checkpoints.save(take, last=last)

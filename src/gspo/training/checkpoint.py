@@ -4,7 +4,9 @@
 (``load_model`` and serving read it; rank 0 writes it from the gathered weights),
 ``sharded/`` (model and optimizer state by ``torch.distributed.checkpoint``, each rank
 its shards; loadable by any number of ranks) and ``trainer_state.pt`` (step, scheduler).
-``manifest.json`` records every file's size and CRC-32 (:func:`gspo.publish.
+``config.yaml`` is the run's config as it trained up to that step (a resume compares its
+settings with it, whatever the run's own ``config.yaml`` says since: :func:`gspo.runs.
+check_same_model`). ``manifest.json`` records every file's size and CRC-32 (:func:`gspo.publish.
 write_manifest`, in the writer's thread): whoever reads a checkpoint checks the files it
 reads first (:func:`gspo.models.load_model` the model's, :func:`load_checkpoint` the rest),
 so bytes changed after writing are one line naming the file.
@@ -68,6 +70,7 @@ if TYPE_CHECKING:
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.pt"
+CONFIG = "config.yaml"
 
 __all__ = ["CHECKPOINTS", "LATEST", "SHARDED", "TRAINER_STATE"]
 
@@ -156,6 +159,7 @@ class CheckpointState:
     weights: dict[str, Any] | None  # its weights (rank 0)
     tokenizer: Any
     files: dict[str, Any]  # name -> object for ``torch.save`` (rank 0)
+    config: str = ""  # the run's config as YAML text (:data:`CONFIG`; rank 0)
 
 
 def take_checkpoint(
@@ -170,6 +174,7 @@ def take_checkpoint(
     extra: Mapping[str, Any] | None = None,
     model_dir: Path | None = None,
     copy: bool = False,
+    config: str = "",
 ) -> CheckpointState:
     """The checkpoint of this step, to be written by :func:`write_checkpoint`.
 
@@ -178,7 +183,8 @@ def take_checkpoint(
     see :func:`snapshot`), else the live ones are referenced and must be written before
     training goes on. ``extra`` is taken as it is: the async rollouts' stale weights are
     CPU copies that nothing changes (:meth:`gspo.training.async_rollout.AsyncRollouts.
-    checkpoint_files`). A non-finite weight is a one-line ``ValueError``.
+    checkpoint_files`). ``config``: the run's config as YAML text, written as
+    :data:`CONFIG`. A non-finite weight is a one-line ``ValueError``.
     """
     final = checkpoint_dir(output_dir, step)
     pointer = fingerprint = None
@@ -192,7 +198,7 @@ def take_checkpoint(
     trainer_state = {"scheduler": deepcopy(scheduler.state_dict()), "step": step}
     files = {**(extra or {}), TRAINER_STATE: trainer_state} if dist.is_main else {}
     state = CheckpointState(
-        final, step, None, pointer, fingerprint, None, None, None, tokenizer, files
+        final, step, None, pointer, fingerprint, None, None, None, tokenizer, files, config
     )
     if model_dir is not None:  # no weights written: none to check
         return state
@@ -292,6 +298,8 @@ def write_checkpoint(state: CheckpointState, dist: Distributed) -> tuple[int, fl
                 (tmp / MODEL_FINGERPRINT).write_text(json.dumps(state.fingerprint) + "\n")
             for name, obj in state.files.items():
                 torch.save(obj, tmp / name)
+            if state.config:
+                (tmp / CONFIG).write_text(state.config)
             write_manifest(tmp)  # (last: every rank's shards are written, dcp.save waits)
     return WRITTEN.bytes - before, time.perf_counter() - start
 
