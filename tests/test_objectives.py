@@ -396,6 +396,21 @@ def test_gspo_token_equals_gspo_with_response_advantages(adv_form, seed, dtype):
     torch.testing.assert_close(tok_grad, gspo_grad, rtol=rtol, atol=1e-7)
 
 
+def test_gspo_token_passes_no_gradient_where_gspos_clamp_holds_the_ratio():
+    """Rows whose mean log-ratio is past the clamp (+-20), or -inf from one token's
+    log-prob: GSPO's gradient there is 0, and GSPO-token's is too (before: an e^20-scaled
+    gradient, and NaN from the -inf token)."""
+    inf = float("inf")
+    lp = torch.tensor([[1e4, 0.0], [-1e4, 0.0], [-inf, -1.0], [-0.5, -1.0]], dtype=F64)
+    olp = torch.tensor([[0.0, 0.0], [0.0, 0.0], [-2.0, -1.0], [-0.4, -1.0]], dtype=F64)
+    adv, mask = torch.tensor([-1.0, 1.0, 1.0, 1.0], dtype=F64), torch.ones(4, 2, dtype=torch.bool)
+    gspo, gspo_grad = run(lp, olp, adv, mask, level="sequence")
+    tok, tok_grad = run(lp, olp, adv, mask, level="sequence_token")
+    assert torch.isfinite(tok.loss) and tok.loss.item() == pytest.approx(gspo.loss.item())
+    assert (gspo_grad[:3] == 0).all() and (gspo_grad[3] != 0).all()
+    torch.testing.assert_close(tok_grad, gspo_grad, rtol=1e-12, atol=0)
+
+
 def test_sequence_level_rejects_token_advantages():
     """level='sequence' takes one advantage per response: [B, T] advantages raise."""
     lp, olp, adv, mask = make_batch(3, 4, "sequence", 0)

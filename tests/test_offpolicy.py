@@ -270,18 +270,26 @@ def test_fill_keeps_informative_groups_and_stops_at_the_cap():
 
     def sample_round(r):
         calls.append(r)
-        return rounds[r]
+        return constant_groups(rounds[r], g)
 
-    out = fill_with_informative_groups(first, g, 2, max_rounds=3, sample_round=sample_round)
+    first = constant_groups(first, g)
+    out = fill_with_informative_groups(first, 2, max_rounds=3, sample_round=sample_round)
     assert calls == [1] and out.groups == [1, 3] and out.rounds == 1 and out.dropped == 2
     calls.clear()
-    out = fill_with_informative_groups(first, g, 2, max_rounds=0, sample_round=sample_round)
+    out = fill_with_informative_groups(first, 2, max_rounds=0, sample_round=sample_round)
     assert calls == [] and out.groups == [0, 1] and out.dropped == 0  # topped up
 
 
 def test_constant_groups_and_extra_prompts_are_deterministic():
     rewards = torch.tensor([1.0, 1.0, 1.0, 0.5, 0.0, 0.0])
     assert constant_groups(rewards, 2).tolist() == [True, False, True]
+    # what the advantages zero too (before, these counted as informative): one scored
+    # completion, the scored ones equal, a spread of float32 rounding only
+    rewards = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0 + 1e-7])
+    scorable = torch.tensor([True, True, False, True, False, False, True, True, True])
+    assert constant_groups(rewards, 3, scorable).tolist() == [True, True, True]
+    scorable[2] = True
+    assert constant_groups(rewards, 3, scorable).tolist() == [False, True, True]
     assert extra_prompts(0, 3, 1, 100, 8) == extra_prompts(0, 3, 1, 100, 8)
     assert extra_prompts(0, 3, 1, 100, 8) != extra_prompts(0, 3, 2, 100, 8)
 

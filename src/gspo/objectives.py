@@ -131,13 +131,18 @@ def sequence_token_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -
     """GSPO-token's ``s_{i,t} = sg[s_i] * exp(lp_{i,t} - sg[lp_{i,t}])``, ``[B, T] -> [B, T]``.
 
     ``docs/algorithm.md`` Eq. (4). Its value equals ``s_i`` at every token; its gradient
-    flows through each token's own log-prob, with weight ``s_i``.
+    flows through each token's own log-prob, with weight ``s_i``, except in a row whose
+    mean log-ratio is past ``MAX_LOG_RATIO`` (or not finite: a -inf log-prob), where
+    GSPO's clamp passes no gradient and neither does this.
     """
-    s = sequence_ratio(logprobs, old_logprobs, mask).detach()
+    mean = mean_over_tokens(token_log_ratio(logprobs, old_logprobs, mask), mask)
+    s = mean.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp().detach()
     lp = logprobs.to(_accumulation_dtype(logprobs))
     # Masked positions may hold -inf/NaN: exp(lp - lp) would be NaN there, and its NaN
-    # gradient would leak through the later masking `where` (0 * NaN). Replace them first.
-    lp = torch.where(mask.bool(), lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
+    # gradient would leak through the later masking `where` (0 * NaN). Replace them first,
+    # and the tokens of a row the clamp holds (whose lp may be -inf too).
+    live = mask.bool() & (mean.abs() <= MAX_LOG_RATIO).unsqueeze(-1)
+    lp = torch.where(live, lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
     return s.unsqueeze(-1) * torch.exp(lp - lp.detach())
 
 

@@ -1,7 +1,7 @@
 """Dynamic sampling (DAPO): groups whose rewards are all equal are replaced by fresh ones.
 
 A group whose responses all got the same reward has zero advantage everywhere and
-teaches nothing. With ``rollout.filter_groups=true`` such groups are dropped and more
+teaches nothing (so does one with fewer than two scored responses: :func:`constant_groups`). With ``rollout.filter_groups=true`` such groups are dropped and more
 prompts are sampled, in extra rounds of ``rollout.prompts_per_batch`` prompts (this
 rank's share), until the rollout batch is full of informative groups again or
 ``rollout.filter_max_rounds`` extra rounds are spent. If the cap is hit the batch is
@@ -21,14 +21,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from gspo.advantages import group_advantages
 from gspo.engines import RolloutBatch
 from gspo.training.seeds import derive_seed
 
 
-def constant_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``[groups]`` bool: the groups whose rewards are all equal."""
-    per_group = rewards.view(-1, group_size)
-    return (per_group == per_group[:, :1]).all(dim=1)
+def constant_groups(
+    rewards: torch.Tensor, group_size: int, scorable: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[groups]`` bool: the groups that teach nothing, by the advantages' own test
+    (:func:`gspo.advantages.group_advantages` gives them exactly 0): rewards all equal,
+    a spread of rounding noise only, fewer than two completions a reward function scored
+    (``scorable``), or the scored ones all equal."""
+    advantages = group_advantages(rewards, group_size, scale="none", scorable=scorable)
+    return (advantages.view(-1, group_size) == 0).all(dim=1)
 
 
 def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
@@ -70,24 +76,23 @@ def extra_prompts(seed: int, index: int, round_: int, rows: int, count: int) -> 
 
 
 def fill_with_informative_groups(
-    first_rewards: torch.Tensor,
-    group_size: int,
+    first: torch.Tensor,
     wanted: int,
     max_rounds: int,
     sample_round: Callable[[int], torch.Tensor],
 ) -> Filtered:
     """Which groups make the rollout batch: informative ones first, in sampling order.
 
-    ``first_rewards`` are round 0's rewards; ``sample_round(r)`` samples extra round
-    ``r`` (1-based) and returns its rewards. Rounds stop once ``wanted`` informative
+    ``first`` is round 0's :func:`constant_groups`; ``sample_round(r)`` samples extra
+    round ``r`` (1-based) and returns its own. Rounds stop once ``wanted`` informative
     groups are in hand or after ``max_rounds`` extra rounds; groups are numbered across
     rounds in order. If too few are informative, constant groups fill the rest.
     """
-    constant = [constant_groups(first_rewards, group_size)]
+    constant = [first]
     rounds = 0
     while int(sum((~c).sum() for c in constant)) < wanted and rounds < max_rounds:
         rounds += 1
-        constant.append(constant_groups(sample_round(rounds), group_size))
+        constant.append(sample_round(rounds))
     flags = torch.cat(constant).tolist()
     informative = [g for g, c in enumerate(flags) if not c]
     kept = informative[:wanted]

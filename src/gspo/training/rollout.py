@@ -28,6 +28,7 @@ from gspo.tasks import as_completion
 from gspo.training.dynamic_sampling import (
     concat_batches,
     extra_prompts,
+    constant_groups,
     fill_with_informative_groups,
 )
 from gspo.training.forward import PlainForward, RoutedForward
@@ -225,17 +226,19 @@ class RolloutStage:
         cfg = self.config
         rounds, prompts = [first], [list(picked)]
 
+        def constant(scored: Scored) -> torch.Tensor:
+            return constant_groups(scored.rewards, cfg.rollout.group_size, scored.scorable)
+
         def sample_round(r: int) -> torch.Tensor:
             more = extra_prompts(cfg.train.seed, index, r, len(self.rows), len(picked))
             seed = rank_seed(cfg.train.seed, self.dist, "rollout", index, "extra", r)
             rounds.append(self.score(more, self.generated(generator, more, seed)))
             prompts.append(more)
-            return rounds[-1].rewards
+            return constant(rounds[-1])
 
         kept = fill_with_informative_groups(
-            first.rewards, cfg.rollout.group_size, len(picked), cfg.rollout.filter_max_rounds,
-            sample_round,
-        )  # fmt: skip
+            constant(first), len(picked), cfg.rollout.filter_max_rounds, sample_round
+        )
         local["rollout/groups_dropped"] = float(kept.dropped)
         local["rollout/extra_rounds"] = float(kept.rounds)
         every_prompt = [i for p in prompts for i in p]
@@ -377,12 +380,12 @@ def rollout_metrics(
     lengths = torch.cat([p[2] for p in parts])
     finish_reasons = [r for p in parts for r in p[3]]
     per_function = {name: [v for p in parts for v in p[4][name]] for name in parts[0][4]}
-    # group_advantages zeroes exactly the groups whose rewards are all equal
-    constant_groups = (advantages.view(-1, batch.group_size) == 0).all(dim=1)
+    # group_advantages zeroes exactly the groups that teach nothing (constant_groups)
+    flat = (advantages.view(-1, batch.group_size) == 0).all(dim=1)
     metrics = {
         "train/reward_mean": rewards.mean().item(),
         "train/reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
-        "train/zero_std_fraction": constant_groups.float().mean().item(),
+        "train/zero_std_fraction": flat.float().mean().item(),
         "train/advantage_abs_mean": advantages.abs().mean().item(),
         "train/response_length_mean": lengths.mean().item(),
         "train/response_length_max": lengths.max().item(),
