@@ -87,6 +87,24 @@ def test_single_process_combines_nothing():
     assert single.mean_scale(7) == 1.0
 
 
+def test_a_ranks_router_loss_is_averaged_over_ranks_whatever_it_counted(tiny_model):
+    """The policy loss is scaled by the rank's share of the counted responses; a MoE
+    router loss (over the rank's own tokens) is not: a rank that counted no response this
+    minibatch still balances its experts (before: its router loss was scaled to 0)."""
+    from types import SimpleNamespace
+
+    from gspo.training.policy import Policy
+
+    policy = Policy(tiny_model, Distributed(), compute_dtype=torch.float32, temperature=1.0)
+    policy.dist = SimpleNamespace(enabled=True, mean_scale=lambda n: 2 * n / (n + 3))
+    weight = next(p for p in tiny_model.parameters() if p.dim() == 2)
+    policy.backward(weight.sum() * 0.0, 0, own=weight.square().sum())
+    torch.testing.assert_close(weight.grad, 2 * weight.detach())
+    weight.grad = None
+    policy.backward(weight.sum(), 3, own=weight.square().sum())
+    torch.testing.assert_close(weight.grad, 1 + 2 * weight.detach())
+
+
 def test_batch_sizes_must_divide_over_the_ranks(tmp_path):
     config = load_config(None, SMALL_RUN)
     with pytest.raises(ValueError, match=r"rollout\.prompts_per_batch=4 is not divisible by the 3"):

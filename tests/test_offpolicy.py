@@ -4,6 +4,8 @@ Trainer runs use the long-response ``chain`` task (as well as a binary toy rewar
 groups with constant rewards must occur) with a tiny model.
 """
 
+import re
+
 import pytest
 import torch
 from conftest import CPU
@@ -92,13 +94,31 @@ def comparable(record):
                 "algorithm.correction_min=2",
                 "algorithm.correction_max=1",
             ],
-            "correction_min must be below",
+            "correction_min (2.0) must be below algorithm.correction_max (1.0;",
+        ),
+        # one bound set past the mode's other, default, bound: every token dropped
+        (
+            [
+                "algorithm.old_logprobs=recompute",
+                "algorithm.rollout_correction=token_mask",
+                "algorithm.correction_max=0.4",
+            ],
+            "correction_min (0.5) must be below algorithm.correction_max (0.4; null: "
+            "token_mask's own bound)",
+        ),
+        (
+            [
+                "algorithm.old_logprobs=recompute",
+                "algorithm.rollout_correction=sequence_mask",
+                "algorithm.correction_min=1.5",
+            ],
+            "correction_min (1.5) must be below algorithm.correction_max (1.001;",
         ),
         (["rollout.filter_max_rounds=0"], "rollout.filter_max_rounds"),
     ],
 )
 def test_bad_offpolicy_keys_are_one_line_errors(overrides, expected, tmp_path, capsys):
-    with pytest.raises(ConfigError, match=expected):
+    with pytest.raises(ConfigError, match=re.escape(expected)):
         load_config(None, overrides)
     code = main(["train", "--output-dir", str(tmp_path / "run"), *TINY, *overrides])
     err = capsys.readouterr().err.strip()

@@ -126,12 +126,17 @@ class AlgorithmConfig(Section):
                 "algorithm.correction_min: token_tis only truncates from above "
                 "(use token_mask to drop tokens below a bound)"
             )
-        if (
-            self.correction_min is not None
-            and self.correction_max is not None
-            and self.correction_min >= self.correction_max
-        ):
-            raise ValueError("algorithm.correction_min must be below algorithm.correction_max")
+        if self.rollout_correction in ("token_mask", "sequence_mask"):
+            from gspo.objectives import DEFAULT_CORRECTION_BOUNDS
+
+            low, high = DEFAULT_CORRECTION_BOUNDS[self.rollout_correction]
+            low = low if self.correction_min is None else self.correction_min
+            high = high if self.correction_max is None else self.correction_max
+            if low >= high:  # (every token or response dropped: nothing learned)
+                raise ValueError(
+                    f"algorithm.correction_min ({low}) must be below algorithm.correction_max "
+                    f"({high}; null: {self.rollout_correction}'s own bound)"
+                )
 
 
 class OptimConfig(Section):

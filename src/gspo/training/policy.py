@@ -102,15 +102,19 @@ class Policy:
                 with_entropy=with_entropy,
             )
 
-    def backward(self, loss: torch.Tensor, local_count: float) -> None:
+    def backward(
+        self, loss: torch.Tensor, local_count: float, own: torch.Tensor | None = None
+    ) -> None:
         """``loss.backward()`` for a mean over ``local_count`` items of this rank's share.
 
         Under torchrun the loss is scaled (:meth:`Distributed.mean_scale`) so that FSDP's
         average over ranks is the gradient of the mean over the whole global batch.
+        ``own``: a loss each rank computes over its whole share whatever was counted (a
+        MoE model's load balancing), added unscaled: FSDP averages it over ranks.
         """
         if self.dist.enabled:
             loss = loss * self.dist.mean_scale(local_count)
-        loss.backward()
+        (loss if own is None else loss + own).backward()
 
     def replica(self) -> torch.nn.Module:
         """The whole weights as a plain HF module, brought up to the current version.

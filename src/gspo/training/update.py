@@ -79,11 +79,13 @@ class PolicyUpdate:
         ``router_loss`` is a MoE model's weighted load-balancing loss (with gradient), added
         to the policy loss and logged as ``moe/router_aux_loss`` (weighted: ``train/loss`` is
         the sum). The backward is scaled so that N ranks holding a share each take the step
-        one process with the whole minibatch would. Metrics are this rank's (see
-        :func:`gspo.training.metrics.combine`) but the gradient norm, which is global.
+        one process with the whole minibatch would (the router loss, over each rank's
+        tokens, is averaged over ranks, whatever their counted responses). Metrics are
+        this rank's (see :func:`gspo.training.metrics.combine`) but the gradient norm,
+        which is global.
         """
         total = out.loss if router_loss is None else out.loss + router_loss
-        self.policy.backward(total, out.metrics["sequences"])
+        self.policy.backward(out.loss, out.metrics["sequences"], own=router_loss)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.grad_clip)
         loss, norm = total.item(), as_float(grad_norm)  # the norm is global under FSDP
         finite = math.isfinite(loss) and math.isfinite(norm)
