@@ -1,7 +1,8 @@
 """Dynamic sampling (DAPO): groups whose rewards are all equal are replaced by fresh ones.
 
 A group whose responses all got the same reward has zero advantage everywhere and
-teaches nothing (so does one with fewer than two scored responses: :func:`constant_groups`). With ``rollout.filter_groups=true`` such groups are dropped and more
+teaches nothing (so does one with fewer than two scored responses:
+:func:`constant_groups`). With ``rollout.filter_groups=true`` such groups are dropped and more
 prompts are sampled, in extra rounds of ``rollout.prompts_per_batch`` prompts (this
 rank's share), until the rollout batch is full of informative groups again or
 ``rollout.filter_max_rounds`` extra rounds are spent. If the cap is hit the batch is

@@ -27,8 +27,8 @@ from gspo.rewards import RewardFunctions, overlong_penalty
 from gspo.tasks import as_completion
 from gspo.training.dynamic_sampling import (
     concat_batches,
-    extra_prompts,
     constant_groups,
+    extra_prompts,
     fill_with_informative_groups,
 )
 from gspo.training.forward import PlainForward, RoutedForward
