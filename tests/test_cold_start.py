@@ -198,6 +198,18 @@ def test_damaged_cache_entry_is_said_once_and_rebuilt(
     assert trained == [1]  # trained again, not loaded
     assert only_entry(cold_start_cache) == entry and shard.is_file()  # rebuilt whole
     assert records(tmp_path / "first") == records(tmp_path / "again")
+    # a byte changed in place (same size): its manifest's CRC-32 (before: loaded as it was)
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["train", "--output-dir", str(tmp_path / "third"), *overrides]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if "cold start" in line]
+    assert len(said) == 1 and said[0].startswith(
+        f"cold start: ignoring the damaged cache entry {entry} (sharded/__0_0.distcp holds "
+        "other bytes (CRC-32 "
+    )
+    assert trained == [1, 1] and records(tmp_path / "third") == records(tmp_path / "first")
 
 
 @pytest.mark.slow

@@ -43,7 +43,15 @@ from gspo.engines import pad_batch
 from gspo.models import model_context, model_files
 from gspo.models.kernels import onednn_available
 from gspo.plugins import PYTHON_OBJECT, object_spec
-from gspo.publish import remove_leftovers, staged, temp_path, tree_bytes
+from gspo.publish import (
+    MANIFEST,
+    manifest_changes,
+    remove_leftovers,
+    staged,
+    temp_path,
+    tree_bytes,
+    write_manifest,
+)
 from gspo.telemetry import MetricsLogger
 from gspo.training.metrics import combine
 from gspo.training.policy import Policy
@@ -225,12 +233,15 @@ def _save_progress(
     dist.barrier()
 
 
-def _entry_problem(entry: Path, model: torch.nn.Module | None) -> str | None:
+def _entry_problem(
+    entry: Path, model: torch.nn.Module | None, *, contents: bool = False
+) -> str | None:
     """Why the cache entry ``entry`` cannot be trusted, or None when it is whole.
 
     Its own record must name its key (the directory's name), its metric lines must read,
-    and its sharded checkpoint must hold every file its metadata names, and every tensor
-    of ``model`` (if given) at its shape.
+    its sharded checkpoint must hold every file its metadata names, and every tensor of
+    ``model`` (if given) at its shape, and every file must be at the size its manifest
+    records and, with ``contents``, hold the bytes it records (CRC-32s: a flipped byte).
     """
     try:
         made = json.loads((entry / _ENTRY).read_text())
@@ -241,7 +252,11 @@ def _entry_problem(entry: Path, model: torch.nn.Module | None) -> str | None:
         return f"unreadable ({exc})"
     if not isinstance(made, dict) or made.get("key") != entry.name:
         return f"{_ENTRY} names another key"
-    return sharded_problem(entry / _MODEL, model)
+    if not (entry / MANIFEST).is_file():
+        return f"{MANIFEST} is missing"
+    problem = sharded_problem(entry / _MODEL, model)
+    wrong = next(manifest_changes(entry, contents=contents), None)
+    return problem or (None if wrong is None else " ".join(wrong))
 
 
 def _store_in_cache(entry: Path, policy: Policy, lines: list[dict], dist: Distributed) -> None:
@@ -254,6 +269,7 @@ def _store_in_cache(entry: Path, policy: Policy, lines: list[dict], dist: Distri
             if dist.is_main:
                 (tmp / _LINES).write_text("".join(json.dumps(line) + "\n" for line in lines))
                 (tmp / _ENTRY).write_text(json.dumps({"key": entry.name, "ranks": dist.world_size}))
+                write_manifest(tmp)  # (last: every rank's shards are written, dcp.save waits)
     except OSError as exc:  # a read-only or full cache never stops a run
         if dist.is_main:
             print(f"cold start: not cached ({entry.parent}: {exc.strerror or exc})", flush=True)
@@ -264,7 +280,9 @@ def _cached(entry: Path | None, policy: Policy, dist: Distributed) -> bool:
     """Whether every rank sees a whole cache entry; a damaged one is said once and redone."""
     if entry is None:
         return False
-    problem = _entry_problem(entry, policy.forward) if entry.exists() else "missing"
+    # (rank 0 reads the bytes, every rank the sizes and its shapes)
+    found = entry.exists()
+    problem = _entry_problem(entry, policy.forward, contents=dist.is_main) if found else "missing"
     problems = dist.gather_objects(problem)
     damaged = next((p for p in problems if p not in (None, "missing")), None)
     if damaged is not None and dist.is_main:
