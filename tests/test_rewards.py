@@ -486,6 +486,12 @@ def reward_file(tmp_path: Path) -> Path:
         def an_inf(prompts, completions, **kwargs):
             return [-math.inf, 1.0]
 
+        def too_big(prompts, completions, **kwargs):
+            return [1.0, 1e39]
+
+        def big(prompts, completions, **kwargs):
+            return [3e38, 1.0]
+
         def as_tuple(prompts, completions, **kwargs):
             return tuple(True for _ in completions)
         """,
@@ -591,6 +597,12 @@ def test_weights_mismatch_and_invalid() -> None:
         RewardFunctions.from_specs([])
 
 
+def test_a_weighted_sum_beyond_float32_names_the_functions(reward_file: Path) -> None:
+    rf = RewardFunctions.from_specs([f"{reward_file}:big"] * 2)
+    with pytest.raises(RewardError, match=r"weighted sum of .* at index 0 is 6e\+38: beyond"):
+        rf(["p", "p"], ["a", "b"], {})
+
+
 def test_loading_error_propagates_from_from_specs(tmp_path: Path) -> None:
     with pytest.raises(RewardError, match=r"nope\.py"):
         RewardFunctions.from_specs(["format", f"{tmp_path / 'nope.py'}:f"])
@@ -606,6 +618,8 @@ def test_loading_error_propagates_from_from_specs(tmp_path: Path) -> None:
         ("a_string", r"'{spec}' returned a non-numeric value at index 1: 'high'"),
         ("a_nan", r"'{spec}' returned a non-finite value at index 1: nan"),
         ("an_inf", r"'{spec}' returned a non-finite value at index 0: -inf"),
+        # inf once a float32 tensor: "rewards must be finite", naming nothing, before
+        ("too_big", r"'{spec}' returned 1e\+39 at index 1: beyond float32's range"),
     ],
 )
 def test_bad_reward_function_results(reward_file: Path, name: str, pattern: str) -> None:
@@ -678,6 +692,8 @@ def test_an_environment_reward_that_is_no_number_says_so() -> None:
 
     envs = [Env(1), Env(None), Env(True)]
     assert environment_reward(["p"] * 3, ["c"] * 3, environments=envs) == [1.0, None, 1.0]
+    with pytest.raises(ValueError, match=r"returned '1' \(str\), not a number"):
+        environment_reward(["p"], ["c"], environments=[Env("1")])  # (taken as 1.0 before)
     with pytest.raises(ValueError) as err:  # was float()'s text, pointing into gspo
         environment_reward(["p"], ["c"], environments=[Env("correct")])
     assert (

@@ -28,6 +28,10 @@ class RewardResult:
     per_function: dict[str, list[float | None]]
 
 
+#: The largest float32: rewards (and their weighted sums) are float32 tensors.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _check_value(name: str, index: int, value: Any) -> float | None:
     if value is None:
         return None
@@ -49,6 +53,11 @@ def _check_value(name: str, index: int, value: Any) -> float | None:
         raise RewardError(
             f"reward function {name!r} returned a non-finite value at index {index}: "
             f"{converted} (use None for 'not applicable')"
+        )
+    if abs(converted) > FLOAT32_MAX:
+        raise RewardError(
+            f"reward function {name!r} returned {converted:g} at index {index}: beyond "
+            f"float32's range (±{FLOAT32_MAX:.2g}), which rewards are held in; scale it down"
         )
     return converted
 
@@ -220,5 +229,11 @@ class RewardFunctions:
                 value = per_function[name][i]
                 if value is not None:
                     total += weight * value
+            if not abs(total) <= FLOAT32_MAX:
+                raise RewardError(
+                    f"the weighted sum of {', '.join(map(repr, self.names))} at index {i} is "
+                    f"{total:g}: beyond float32's range (±{FLOAT32_MAX:.2g}); lower "
+                    "reward.weights or the values"
+                )
             rewards.append(total)
         return RewardResult(rewards=rewards, per_function=per_function)

@@ -266,7 +266,9 @@ def environment_reward(
     for env in environments:
         get = getattr(env, "get_reward", None)
         value = get() if callable(get) else None
-        try:
+        try:  # a number, as a reward function's values (a string "1" is not one)
+            if isinstance(value, (str, bytes)):
+                raise TypeError
             out.append(None if value is None else float(value))
         except (TypeError, ValueError):
             raise ValueError(
