@@ -250,6 +250,15 @@ def test_a_checkpoint_damaged_after_it_was_written_is_one_line_naming_the_file(
         assert "\n" not in err and f"which is incomplete ({name} " in err, err
         file.write_bytes(written)
     assert not out.exists()
+    # the manifest removed too: nothing to check against, and still one line
+    manifest = (checkpoint / "manifest.json").read_bytes()
+    (checkpoint / "manifest.json").unlink()
+    state = checkpoint / "trainer_state.pt"
+    written = state.read_bytes()
+    state.write_bytes(written[: len(written) // 2])
+    says_damaged(resume, state, "is unreadable (")
+    state.write_bytes(written)
+    (checkpoint / "manifest.json").write_bytes(manifest)
     # untouched (the bytes put back), it resumes
     assert main(resume) == 0
     assert latest_checkpoint(run).name == "step-0000004"

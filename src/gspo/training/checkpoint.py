@@ -60,7 +60,14 @@ from gspo.models import (
     model_fingerprint,
     save_pretrained,
 )
-from gspo.publish import WRITTEN, check_manifest, manifest_changes, staged, write_manifest
+from gspo.publish import (
+    WRITTEN,
+    DamagedFile,
+    check_manifest,
+    manifest_changes,
+    staged,
+    write_manifest,
+)
 from gspo.training.lora import base_path_of, optimizer_state_bytes
 from gspo.training.policy import Policy
 
@@ -465,6 +472,13 @@ def load_checkpoint(
         load_sharded(path / SHARDED, policy.forward, optimizer, trainable_only=policy.adapters)
     if policy.adapters:
         policy.stepped()  # the adapters just changed: engines and the replica must resync
-    state = torch.load(path / TRAINER_STATE, map_location=policy.device, weights_only=True)
+    try:  # (checked above unless its manifest was removed too)
+        state = torch.load(path / TRAINER_STATE, map_location=policy.device, weights_only=True)
+        step = int(state["step"])
+    except Exception as exc:  # any unpickling failure: one line
+        raise DamagedFile(
+            f"{path / TRAINER_STATE} is unreadable ({type(exc).__name__}): {path} was damaged "
+            "after it was written; delete it to go back to the checkpoint before it"
+        ) from None
     scheduler.load_state_dict(state["scheduler"])
-    return int(state["step"])
+    return step
