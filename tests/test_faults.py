@@ -149,6 +149,29 @@ def test_full_disk_is_one_line_and_keeps_the_last_checkpoint(
     assert main(["train", "--resume", str(run)]) == 0
 
 
+def test_a_file_size_limit_is_one_line(tmp_path, varied_reward):
+    """``ulimit -f`` (EFBIG): the base model's safetensors write fails; before, a
+    SafetensorError traceback."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (40 * 1024, resource.RLIM_INFINITY))
+
+    run = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "gspo", "train", "--output-dir", str(run), "--no-cache", *FAST,
+         varied_reward, "train.cold_start_steps=2", "train.max_steps=2", "eval.every=0"],
+        capture_output=True, text=True, preexec_fn=limit, timeout=300,
+    )  # fmt: skip
+    err = done.stderr.strip()
+    assert done.returncode == 2 and "\n" not in err and "Traceback" not in err, err
+    assert err.startswith(
+        f"gspo: error: File too large writing {run / 'base_model'}: a limit on one file's "
+        "size stopped it (ulimit -f, or the filesystem's largest file)"
+    )
+    assert not run.exists()  # nothing half-written left (the run had not started)
+
+
 def _enospc(*args, **kwargs):
     raise OSError(errno.ENOSPC, "No space left on device")
 

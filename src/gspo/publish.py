@@ -83,15 +83,25 @@ def megabytes(n: float) -> str:
 def is_disk_full(exc: BaseException | None) -> bool:
     """Whether ``exc``, or what caused it, is a full disk: ``ENOSPC``/``EDQUOT``, or how
     torch (``enforce fail at inline_container``: a failed write) and safetensors say it."""
+    return _caused_by(exc, (errno.ENOSPC, errno.EDQUOT), ("No space left", "os error 28"))
+
+
+def is_file_too_large(exc: BaseException | None) -> bool:
+    """Whether ``exc``, or what caused it, is ``EFBIG``: a limit on one file's size (``ulimit
+    -f``, or the filesystem's largest file), as Python, torch or safetensors say it."""
+    return _caused_by(exc, (errno.EFBIG,), ("File too large", "os error 27"))
+
+
+def _caused_by(exc: BaseException | None, numbers: tuple[int, ...], texts: tuple[str, ...]) -> bool:
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        if isinstance(exc, OSError) and exc.errno in numbers:
             return True
         text = str(exc)
-        if "No space left on device" in text or "os error 28" in text:
+        if any(t in text for t in texts):
             return True
-        if "inline_container" in text and "write" in text:
+        if errno.ENOSPC in numbers and "inline_container" in text and "write" in text:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
@@ -327,6 +337,14 @@ def staged(
             full = is_disk_full(failure) or any(is_disk_full(OSError(f)) for f in failures if f)
             if full:  # (every rank raises the same line)
                 raise disk_full(final, needs, reached) from failure
+            if is_file_too_large(failure) or any(
+                is_file_too_large(OSError(f)) for f in failures if f
+            ):
+                raise OSError(
+                    errno.EFBIG,
+                    f"File too large writing {final}: a limit on one file's size stopped it "
+                    "(ulimit -f, or the filesystem's largest file)",
+                ) from failure
             if failure is not None:
                 raise failure
             rank, why = next((r, f) for r, f in enumerate(failures) if f)
