@@ -311,6 +311,14 @@ def test_figures_not_computed_are_null_in_summary_json():
     assert _finite(value) == {"a": [1.0, None, None, 3], "b": {"c": None, "d": 2.0}}
 
 
+def test_report_cells_never_print_nan():
+    from gspo.experiments.report import pm
+
+    assert pm(0.5, 0.01) == "0.500 ± 0.010"
+    assert pm(0.5, math.nan) == "0.500"  # one seed, one dump: no error to give
+    assert pm(math.nan, math.nan) == "n/a"  # before: nan ± nan
+
+
 def test_trainer_dumps_the_ratios_its_loss_saw(tmp_path, tiny):
     config = load_config(None, [*tiny, "log.plots=false", "log.progress=false",
                                 "log.ratio_dump_every=1"])  # fmt: skip
@@ -358,6 +366,10 @@ def test_compare_writes_the_report_and_reuses_finished_runs(tmp_path, tiny):
         assert f"plots/{png}.png" in md and (out / "plots" / f"{png}.png").is_file()
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64,") == md.count("![")
+    # markdown rendered, not shown as text (backticks, emphasis, list dashes, before)
+    body = html.split("<body>", 1)[1]
+    assert "<table>" in body and "<code>rollout.group_size=4</code>" in body and "<li>" in body
+    assert "`" not in body and "**" not in body and "nan ± nan" not in md
     saved = json.loads((out / "summary.json").read_text())
     assert saved["cold_start_seconds"] > 0 and saved["run_seconds"] > 0
     gspo, grpo = saved["algorithms"]["GSPO"], saved["algorithms"]["GRPO"]

@@ -160,8 +160,8 @@ def report_markdown(
     ]
     for name, s in summary.items():
         lines.append(
-            f"| {name} | {s['accuracy_start']:.3f} -> {s['accuracy']:.3f} ± "
-            f"{s['accuracy_sd']:.3f} | {s['accuracy_greedy']:.3f} | {s['reward_tail']:.3f} | "
+            f"| {name} | {s['accuracy_start']:.3f} -> {pm(s['accuracy'], s['accuracy_sd'])} | "
+            f"{s['accuracy_greedy']:.3f} | {s['reward_tail']:.3f} | "
             f"{s['clip_fraction']:.4f} | {s['token_log_ratio_sd']:.2e} | "
             f"{s['sequence_log_ratio_sd']:.2e} | {s['seconds']:.0f} |"
         )
@@ -216,9 +216,9 @@ def report_markdown(
             for row in s["gradient_cosines_by_length"]:
                 lines.append(
                     f"| {name} | {row['bucket'] + 1} | {row['length_mean']:.0f} | "
-                    f"{row['to_full']:.3f} ± {row['to_full_se']:.3f} | "
-                    f"{row['halves']:.3f} ± {row['halves_se']:.3f} | "
-                    f"{row['to_on_policy']:.3f} ± {row['to_on_policy_se']:.3f} | {row['dumps']} |"
+                    f"{pm(row['to_full'], row['to_full_se'])} | "
+                    f"{pm(row['halves'], row['halves_se'])} | "
+                    f"{pm(row['to_on_policy'], row['to_on_policy_se'])} | {row['dumps']} |"
                 )
         lines += [""] + [
             f"- {name}: whole-batch gradient with ratios vs with ratios 1, cosine "
@@ -234,45 +234,32 @@ def report_markdown(
 
 
 def report_html(markdown: str, out: Path) -> str:
-    """A self-contained HTML page of the report: tables as tables, plots embedded."""
-    import html
+    """A self-contained HTML page of the report (CommonMark with tables, by markdown-it):
+    the plots embedded as data URIs."""
+    from markdown_it import MarkdownIt
 
-    body, table = [], []
-
-    def flush_table() -> None:
-        if not table:
-            return
-        rows = [r.strip("|").split(" | ") for r in table if not set(r) <= set("|-: ")]
-        head, *rest = rows
-        body.append("<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in head) + "</tr>")
-        for r in rest:
-            cells = "".join(
-                f"<td>{html.escape(c).replace('**', '')}</td>" for c in (x.strip() for x in r)
-            )
-            body.append(f"<tr>{cells}</tr>")
-        body.append("</table>")
-        table.clear()
-
-    for line in markdown.splitlines():
-        if line.startswith("|"):
-            table.append(line)
-            continue
-        flush_table()
-        if line.startswith("!["):
-            alt, src = line[2:].split("](", 1)
-            data = base64.b64encode((out / src.rstrip(")")).read_bytes()).decode()
-            body.append(f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">')
-        elif line.startswith("#"):
-            level = len(line) - len(line.lstrip("#"))
-            body.append(f"<h{level}>{html.escape(line.lstrip('# '))}</h{level}>")
-        elif line:
-            body.append(f"<p>{html.escape(line)}</p>")
-    flush_table()
-    style = "body{font-family:sans-serif;max-width:980px;margin:auto}td,th{border:1px solid #ccc;padding:4px}table{border-collapse:collapse}img{max-width:100%}"  # noqa: E501
+    parser = MarkdownIt("commonmark", {"html": False}).enable("table")
+    tokens = parser.parse(markdown)
+    for token in tokens:
+        for child in token.children or ():
+            src = child.attrGet("src") if child.type == "image" else None
+            if isinstance(src, str) and (out / src).is_file():
+                data = base64.b64encode((out / src).read_bytes()).decode()
+                child.attrSet("src", f"data:image/png;base64,{data}")
+    body = parser.renderer.render(tokens, parser.options, {})
+    style = "body{font-family:sans-serif;max-width:980px;margin:auto}td,th{border:1px solid #ccc;padding:4px}table{border-collapse:collapse}img{max-width:100%}code{background:#f4f4f4}"  # noqa: E501
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>gspo compare</title>"
-        f"<style>{style}</style></head><body>{''.join(body)}</body></html>\n"
+        f"<style>{style}</style></head><body>{body}</body></html>\n"
     )
+
+
+def pm(value: float, error: float) -> str:
+    """``value ± error`` to 3 decimals; ``value`` alone without an error (one seed or one
+    dump), ``n/a`` without a value (e.g. a zero gradient's cosine), never ``nan ± nan``."""
+    if not math.isfinite(value):
+        return "n/a"
+    return f"{value:.3f}" if not math.isfinite(error) else f"{value:.3f} ± {error:.3f}"
 
 
 def _finite(value: Any) -> Any:
