@@ -135,13 +135,14 @@ def cosines_by_length(dumps: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[
     and, as ``<name>_se``, its standard error (sd over dumps / sqrt of their number).
 
     A dump's buckets are its own rollout batch's length quartiles, so bucket ``b`` is
-    pooled by rank; dumps with fewer buckets than the most common count (ties in length)
-    are left out.
+    pooled by rank; dumps with another count of buckets than the most common (fewer: ties
+    in length) are left out; of two counts as common, the larger is kept (the same
+    choice whatever the order of the dumps).
     """
     counts = [len(d["cosine_to_full"]) for d in dumps]
     if not counts:
         return []
-    n = max(set(counts), key=counts.count)
+    n = max(set(counts), key=lambda c: (counts.count(c), c))
     kept = [d for d in dumps if len(d["cosine_to_full"]) == n]
     rows = []
     for b in range(n):
