@@ -333,6 +333,24 @@ def test_a_chat_prompt_that_renders_to_nothing_names_its_row():
     ]
 
 
+def test_prompts_with_text_the_tokenizer_lacks_are_a_warning(capsys):
+    """The built-in character tokenizer maps characters it lacks (emoji, CJK) to <unk>:
+    said (before: silently)."""
+    from gspo.training.episodes import encode_prompts
+    from gspo.training.sampler import SingleTurn
+
+    tok = build_char_tokenizer()
+    rows = [{"prompt": "1+2="}, {"prompt": "1+2=😀"}, {"prompt": "二+2="}]
+    ids = encode_prompts(load_config(), SingleTurn(None), tok, rows, name="data.train")
+    assert ids[1][-1] == tok.unk_token_id
+    assert capsys.readouterr().err.strip() == (
+        "gspo: warning: data.train: 2 prompt(s) (row 1 first) hold text the tokenizer does "
+        "not have, which it encodes as <unk>: the model never sees it"
+    )
+    encode_prompts(load_config(), SingleTurn(None), tok, rows[:1], name="data.train")
+    assert capsys.readouterr().err == ""
+
+
 def test_a_file_datasets_cannot_read_is_our_one_line_only(tmp_path, capfd):
     bad = tmp_path / "bad.parquet"
     bad.write_bytes(b"not a parquet file at all")

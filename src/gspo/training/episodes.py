@@ -463,6 +463,11 @@ def encode_prompts(
                 f"{name} row {i}: the prompt is {len(ids)} tokens, longer than {whose}"
             )
         encoded.append(ids)
+    unknown = [i for i, ids in enumerate(encoded) if tokenizer.unk_token_id in ids]
+    if tokenizer.unk_token_id is not None and unknown:  # (the built-in character tokenizer)
+        print(f"gspo: warning: {name}: {len(unknown)} prompt(s) (row {unknown[0]} first) hold "
+              f"text the tokenizer does not have, which it encodes as {tokenizer.unk_token}: "
+              "the model never sees it", file=sys.stderr, flush=True)  # fmt: skip
     room = config.rollout.max_new_tokens
     over = [len(ids) for ids in encoded if context is not None and len(ids) + room > context]
     if over:
