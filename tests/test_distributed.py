@@ -80,6 +80,23 @@ def test_token_level_ratio_mean_is_token_weighted():
     assert metric_reduction("train/loss", "token") == ("mean", "train/sequences")
 
 
+def test_expert_churn_is_weighted_by_each_ranks_counted_tokens():
+    """(8 tokens, 0.25) and (5, 0.10) are 0.192 over the 13 tokens, not the plain 0.175;
+    a rank with no token (its fraction 0.0) has no say (before: it pulled toward 0)."""
+    ranks = [
+        {"moe/expert_change_fraction": 0.25, "moe/expert_change_fraction/layer_0": 0.5,
+         "moe/churn_tokens": 8},
+        {"moe/expert_change_fraction": 0.10, "moe/expert_change_fraction/layer_0": 0.1,
+         "moe/churn_tokens": 5},
+        {"moe/expert_change_fraction": 0.0, "moe/expert_change_fraction/layer_0": 0.0,
+         "moe/churn_tokens": 0},
+    ]  # fmt: skip
+    out = combine_metrics(ranks, by_level)
+    assert out["moe/expert_change_fraction"] == pytest.approx((8 * 0.25 + 5 * 0.10) / 13)
+    assert out["moe/expert_change_fraction/layer_0"] == pytest.approx((8 * 0.5 + 5 * 0.1) / 13)
+    assert out["moe/churn_tokens"] == 13
+
+
 def test_single_process_combines_nothing():
     single = Distributed()
     assert not single.enabled and single.is_main

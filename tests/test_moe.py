@@ -379,6 +379,8 @@ def test_trainer_with_routing_replay_logs_expert_change(
         assert 0.0 <= line["moe/expert_change_fraction"] <= 1.0
         per_layer = [line[f"moe/expert_change_fraction/layer_{i}"] for i in range(2)]
         assert line["moe/expert_change_fraction"] == pytest.approx(sum(per_layer) / 2)
+        # the response tokens counted: at most the minibatch's, at least its loss tokens
+        assert line["train/tokens"] <= line["moe/churn_tokens"] <= 16  # 4 responses of <= 4
     assert max(line["moe/expert_change_fraction"] for line in lines) > 0  # lr 3e-2 moves it
 
 

@@ -204,7 +204,8 @@ class ExpertChurn(Hook):
             mb.action_mask,
         )
         overall, per_layer = expert_change_fraction(old, recorder.experts, response)
-        metrics = {"moe/expert_change_fraction": overall}
+        # the tokens counted: the weight of this rank's fractions across ranks
+        metrics = {"moe/expert_change_fraction": overall, "moe/churn_tokens": int(response.sum())}
         for i, fraction in enumerate(per_layer):
             metrics[f"moe/expert_change_fraction/layer_{i}"] = fraction
         return metrics

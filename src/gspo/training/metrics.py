@@ -40,6 +40,7 @@ SUMMED = frozenset(
         "mismatch/sequences",
         "rollout/groups_dropped",
         "sft/tokens",
+        "moe/churn_tokens",
     }
 )
 TOKEN_WEIGHTED = frozenset(
@@ -117,6 +118,8 @@ def metric_reduction(key: str, level: str) -> tuple[Reduction, str | None]:
         return "mean", "mismatch/sequences"
     if key == "sft/loss":
         return "mean", "sft/tokens"
+    if key.startswith("moe/expert_change_fraction"):  # (and its per-layer values)
+        return "mean", "moe/churn_tokens"
     return "mean", None
 
 
