@@ -97,6 +97,24 @@ def test_expert_churn_is_weighted_by_each_ranks_counted_tokens():
     assert out["moe/churn_tokens"] == 13
 
 
+def test_minibatch_parts_have_one_process_sizes_over_the_ranks():
+    """6 rows a rank, 2 ranks, 4 minibatches: 3 + 3 + 3 + 3 as one process splits 12
+    (before: each rank split its own 6, 2 + 2 + 1 + 1, so 4, 4, 2, 2 rows a minibatch)."""
+    for local, world, parts in [(6, 2, 4), (6, 2, 3), (8, 2, 4), (5, 3, 4), (4, 4, 4)]:
+        shares = [Distributed(r, world).part_shares(local, parts) for r in range(world)]
+        for mine in shares:  # each rank's parts cover its rows in order, none empty
+            assert mine[0][0] == 0 and mine[-1][1] == local
+            assert all(a[1] == b[0] for a, b in zip(mine, mine[1:], strict=False))
+            assert all(end > start for start, end in mine)
+        sizes = [sum(end - start for start, end in part) for part in zip(*shares, strict=True)]
+        assert sizes == [len(p) for p in torch.arange(local * world).tensor_split(parts)]
+    for rows in range(1, 12):  # one process: tensor_split's own parts
+        for parts in range(1, rows + 1):
+            got = [torch.arange(rows)[a:b] for a, b in Distributed().part_shares(rows, parts)]
+            want = torch.arange(rows).tensor_split(parts)
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
 def test_single_process_combines_nothing():
     single = Distributed()
     assert not single.enabled and single.is_main

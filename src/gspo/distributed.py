@@ -94,6 +94,19 @@ class Distributed:
             )
         return sizes // self.world_size
 
+    def part_shares(self, local: int, parts: int) -> list[tuple[int, int]]:
+        """``(start, end)`` of this rank's rows in each of ``parts`` parts of a batch of
+        which every rank holds ``local`` rows: the parts are those one process splits the
+        whole batch into (``tensor_split``'s sizes), over the ranks' rows interleaved (row
+        ``i`` of rank ``r`` is row ``i * world_size + r`` of the whole), so each part's
+        size is the one-process size whether or not ``local`` divides by ``parts``.
+        In one process: ``tensor_split``'s own bounds."""
+        whole, world = local * self.world_size, self.world_size
+        size, extra = divmod(whole, parts)
+        bounds = [k * size + min(k, extra) for k in range(parts + 1)]
+        mine = [max(0, -(-(b - self.rank) // world)) for b in bounds]  # ceil((b - rank) / W)
+        return list(zip(mine[:-1], mine[1:], strict=True))
+
 
 def setup_distributed(device: str = "auto") -> Distributed:
     """Join the ``torchrun`` process group if there is one.

@@ -286,12 +286,14 @@ class RolloutStage:
     def minibatch_rows(self, index: int, rows: int) -> list[torch.Tensor]:
         """Rollout batch ``index``'s split of its ``rows`` into ``algorithm.minibatches``
         parts (row indices on the policy's device), seeded by the batch's index: the same
-        wherever it is asked (the update; an async producer's pi_old on the same layout)."""
+        wherever it is asked (the update; an async producer's pi_old on the same layout).
+        Under torchrun each part's rows over all ranks are as many as one process's part
+        of the whole batch (:meth:`gspo.distributed.Distributed.part_shares`)."""
         seed = rank_seed(self.config.train.seed, self.dist, "minibatch", index)
         order = torch.randperm(rows, generator=torch.Generator().manual_seed(seed))
         # exactly `minibatches` parts (chunk() may give fewer: 6 rows in 4 -> 3 parts)
-        parts = order.tensor_split(self.config.algorithm.minibatches)
-        return [part.to(self.forward.policy.device) for part in parts]
+        shares = self.dist.part_shares(rows, self.config.algorithm.minibatches)
+        return [order[start:end].to(self.forward.policy.device) for start, end in shares]
 
     def prepare(self, sampled: Sampled) -> Experience:
         """Advantages, the minibatch split, the pass before the first update (pi_old, MoE
