@@ -3,6 +3,7 @@
 The runs name ``model.device=cpu`` (SMALL_RUN, :data:`conftest.CPU`): on a machine with
 GPUs they stay on the CPU and gloo too; tests/test_cuda.py has the NCCL run."""
 
+import itertools
 import math
 import os
 import subprocess
@@ -104,7 +105,7 @@ def test_minibatch_parts_have_one_process_sizes_over_the_ranks():
         shares = [Distributed(r, world).part_shares(local, parts) for r in range(world)]
         for mine in shares:  # each rank's parts cover its rows in order, none empty
             assert mine[0][0] == 0 and mine[-1][1] == local
-            assert all(a[1] == b[0] for a, b in zip(mine, mine[1:], strict=False))
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(mine))
             assert all(end > start for start, end in mine)
         sizes = [sum(end - start for start, end in part) for part in zip(*shares, strict=True)]
         assert sizes == [len(p) for p in torch.arange(local * world).tensor_split(parts)]

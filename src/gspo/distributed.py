@@ -23,6 +23,7 @@ Rules that make N ranks equal to one process with the whole batch:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import warnings
@@ -105,7 +106,7 @@ class Distributed:
         size, extra = divmod(whole, parts)
         bounds = [k * size + min(k, extra) for k in range(parts + 1)]
         mine = [max(0, -(-(b - self.rank) // world)) for b in bounds]  # ceil((b - rank) / W)
-        return list(zip(mine[:-1], mine[1:], strict=True))
+        return list(itertools.pairwise(mine))
 
 
 def setup_distributed(device: str = "auto") -> Distributed:
