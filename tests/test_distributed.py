@@ -164,6 +164,35 @@ def test_a_setup_error_under_torchrun_is_said_once(tmp_path):
         assert not (tmp_path / "run").exists()  # rank 1 made it again after rank 0 removed it
 
 
+def test_a_collective_broken_by_another_rank_is_one_line(tmp_path, monkeypatch, capsys):
+    """Another rank failed or was killed: this rank's collective breaks (gloo: "Connection
+    reset by peer"). The other rank says why; this one says so in one line with the resume
+    command (a 60-line gloo traceback before). Outside torchrun the error is not hidden."""
+    import gspo.cli
+
+    gloo = (
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+        "[127.0.0.1]:29500: Connection reset by peer"
+    )
+
+    def broken(args):
+        raise RuntimeError(gloo)
+
+    monkeypatch.setattr(gspo.cli, "run_train", broken)
+    args = ["train", "--output-dir", str(tmp_path / "run"), CPU]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert main(args) == 2
+    assert capsys.readouterr().err == (
+        f"gspo: error (rank 0): another rank stopped (the process group broke: {gloo}); its "
+        f"own line says why; gspo train --resume {tmp_path / 'run'} continues from the last "
+        "checkpoint\n"
+    )
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(RuntimeError, match="Connection reset"):
+        main(args)
+
+
 def test_overwrite_under_torchrun_has_every_rank_wait_for_rank_0s_decision(tmp_path):
     """Each rank looked for the old run itself: a rank looking after rank 0 had set it
     aside skipped the barrier, the ranks' collectives no longer matched (a gloo error, the

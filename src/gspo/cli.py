@@ -280,6 +280,17 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    except RuntimeError as exc:
+        if os.environ.get("GSPO_DEBUG") or not peer_gone(exc):
+            raise
+        run = getattr(args, "resume", None) or getattr(args, "output_dir", None) or "DIR"
+        print(
+            f"gspo: error (rank {os.environ.get('RANK')}): another rank stopped (the process "
+            f"group broke: {str(exc).strip().splitlines()[0][:160]}); its own line says why; "
+            f"gspo train --resume {run} continues from the last checkpoint",
+            file=sys.stderr,
+        )
+        return 2
     except KeyboardInterrupt:
         if args.command == "compare":  # its runs are reused and resumed by the same command
             hint = "run the same gspo compare again: finished runs are reused, the rest resumed"
@@ -288,6 +299,18 @@ def main(argv: list[str] | None = None) -> int:
             hint = f"resume with gspo train --resume {run}"
         print(f"gspo: interrupted; {hint}", file=sys.stderr)
         return 130
+
+
+def peer_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` is a torchrun collective failing because another rank left (gloo's
+    broken connections, torch's ``DistError``s): that rank says its own error."""
+    if os.environ.get("WORLD_SIZE", "1") == "1":
+        return False
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc)
+    return "gloo" in text or "Connection reset by peer" in text or "Connection closed" in text
 
 
 def entry() -> None:
