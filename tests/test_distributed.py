@@ -116,6 +116,22 @@ def test_minibatch_parts_have_one_process_sizes_over_the_ranks():
             assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
+def test_a_warning_about_one_ranks_share_names_the_rank(monkeypatch, capsys):
+    """Said by each rank that saw it, so two identical lines read as two ranks' (before:
+    the same line twice, each with one rank's counts)."""
+    from gspo.distributed import rank_said
+    from gspo.training.rollout import Scorer
+
+    assert rank_said() == ""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert rank_said() == " (rank 1 of 2)"
+    Scorer(None, None).warn_if_unscored({"f": [None, None]}, 2)
+    assert capsys.readouterr().err.startswith(
+        "gspo: warning (rank 1 of 2): every reward function returned None"
+    )
+
+
 def test_single_process_combines_nothing():
     single = Distributed()
     assert not single.enabled and single.is_main

@@ -109,6 +109,13 @@ class Distributed:
         return list(itertools.pairwise(mine))
 
 
+def rank_said() -> str:
+    """``" (rank R)"`` under torchrun, ``""`` in one process: a warning about what one
+    rank saw in its own share of a batch, which the other ranks may not have seen."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    return "" if world == "1" else f" (rank {os.environ.get('RANK', '0')} of {world})"
+
+
 def setup_distributed(device: str = "auto") -> Distributed:
     """Join the ``torchrun`` process group if there is one.
 

@@ -170,6 +170,7 @@ class Trainer:
                 context=context,
                 learned_positions=learned,
                 context_key=context_key,
+                say=dist.is_main,
             )
             for name, rows in (("data.train", self.data.train), ("data.eval", self.data.eval))
         )

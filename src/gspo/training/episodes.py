@@ -30,6 +30,7 @@ import torch
 
 from gspo.chat import SENTINEL, encode_prompt, render, template_text, turn_end
 from gspo.config import Config
+from gspo.distributed import rank_said
 from gspo.engines import RolloutBatch, SamplingParams, pad_batch
 from gspo.environments import EnvError, EnvironmentFactory, Episode
 from gspo.training.cold_start import single_turn_encoder
@@ -276,7 +277,7 @@ class MultiTurn:
             return
         self.warned.add("first turns")
         print(
-            f"gspo: warning: every episode ended after its first turn, and "
+            f"gspo: warning{rank_said()}: every episode ended after its first turn, and "
             f"rollout.max_new_tokens={max_new_tokens} cut {cut} of those {episodes} turns: "
             "no tool result or environment reply reaches the model (raise "
             "rollout.max_new_tokens to fit a whole turn, a tool call included; shown once)",
@@ -292,10 +293,11 @@ class MultiTurn:
             return
         self.warned.add("context")
         print(
-            f"gspo: warning: environment {self.environment.name!r}: an episode's prompt of "
-            f"{prompt} tokens leaves {self.context - prompt} of rollout.max_episode_tokens="
-            f"{self.max_tokens} positions in {said_context(self.context, self.context_key)}: "
-            "such episodes end there, as length (shown once)",
+            f"gspo: warning{rank_said()}: environment {self.environment.name!r}: an episode's "
+            f"prompt of {prompt} tokens leaves {self.context - prompt} of "
+            f"rollout.max_episode_tokens={self.max_tokens} positions in "
+            f"{said_context(self.context, self.context_key)}: such episodes end there, as "
+            "length (shown once)",
             file=sys.stderr,
             flush=True,
         )
@@ -310,8 +312,8 @@ class MultiTurn:
         if limit < self.max_tokens:  # the context's end came first
             bound = said_context(self.context, self.context_key)
         print(
-            f"gspo: warning: an environment reply of {reply} tokens did not fit the episode "
-            f"({used} tokens so far of {limit}: {bound}): the episode ended as length "
+            f"gspo: warning{rank_said()}: an environment reply of {reply} tokens did not fit the "
+            f"episode ({used} tokens so far of {limit}: {bound}): the episode ended as length "
             "without it (shown once)",
             file=sys.stderr,
             flush=True,
@@ -432,6 +434,7 @@ def encode_prompts(
     context: int | None = None,
     learned_positions: bool = False,
     context_key: str = MODEL_CONTEXT,
+    say: bool = True,
 ) -> list[list[int]]:
     """The rows' prompts as token ids for single turns; episodes render their prompts
     themselves (tools, reset observations), so theirs are empty.
@@ -442,7 +445,8 @@ def encode_prompts(
     naming ``name`` (``data.train``, ``data.eval``) and the row. Prompts leaving fewer
     than ``rollout.max_new_tokens`` positions are a warning line, or an error for a model
     with ``learned_positions`` (:func:`gspo.models.model_context`), whose lookup fails
-    past its context.
+    past its context. ``say``: print the warnings (every torchrun rank reads the same
+    rows: rank 0 says them).
     """
     whose = said_context(context, context_key)
     if not isinstance(generate, SingleTurn):
@@ -464,7 +468,7 @@ def encode_prompts(
             )
         encoded.append(ids)
     unknown = [i for i, ids in enumerate(encoded) if tokenizer.unk_token_id in ids]
-    if tokenizer.unk_token_id is not None and unknown:  # (the built-in character tokenizer)
+    if tokenizer.unk_token_id is not None and unknown and say:  # (the built-in char tokenizer)
         print(f"gspo: warning: {name}: {len(unknown)} prompt(s) (row {unknown[0]} first) hold "
               f"text the tokenizer does not have, which it encodes as {tokenizer.unk_token}: "
               "the model never sees it", file=sys.stderr, flush=True)  # fmt: skip
@@ -480,8 +484,9 @@ def encode_prompts(
             raise ValueError(f"{said}, whose positions are a learned table that no token may "
                              f"run past; {fix}")  # fmt: skip
         what = "may run past it" if context_key == MODEL_CONTEXT else "are cut there"
-        print(f"gspo: warning: {said}: their responses {what}; {fix}",
-              file=sys.stderr, flush=True)  # fmt: skip
+        if say:
+            print(f"gspo: warning: {said}: their responses {what}; {fix}",
+                  file=sys.stderr, flush=True)  # fmt: skip
     return encoded
 
 

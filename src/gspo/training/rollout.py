@@ -21,7 +21,7 @@ import torch
 
 from gspo.advantages import group_advantages
 from gspo.config import Config
-from gspo.distributed import Distributed
+from gspo.distributed import Distributed, rank_said
 from gspo.engines import SamplingParams
 from gspo.rewards import RewardFunctions, overlong_penalty
 from gspo.tasks import as_completion
@@ -105,10 +105,10 @@ class Scorer:
         if all(v is None for values in per_function.values() for v in values):
             self.warned = True
             print(
-                f"gspo: warning: every reward function returned None (does not apply) for "
-                f"all {n} completions of a batch, so every advantage is 0 and nothing is "
-                f"learned; check reward.functions ({', '.join(per_function)}) against the "
-                "data's columns (shown once)",
+                f"gspo: warning{rank_said()}: every reward function returned None (does not "
+                f"apply) for all {n} completions of a batch, so every advantage is 0 and "
+                f"nothing is learned; check reward.functions ({', '.join(per_function)}) "
+                "against the data's columns (shown once)",
                 file=sys.stderr,
                 flush=True,
             )
