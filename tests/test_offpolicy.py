@@ -276,6 +276,12 @@ def test_the_on_policy_clip_warning_reads_the_whole_batchs_clip_fraction(capsys)
     recomputed = OnPolicyClipWarning(Distributed())
     recomputed.check(5, clip, recomputed=True)
     assert "recomputed by the trainer, differs from its update's forward" in capsys.readouterr().err
+    # auto already in use: recompute is the way out (before: "auto or recompute avoids it")
+    OnPolicyClipWarning(Distributed(), "auto").check(6, clip, recomputed=False)
+    err = capsys.readouterr().err
+    assert "(algorithm.old_logprobs=auto)" in err and "old_logprobs=recompute avoids it" in err
+    OnPolicyClipWarning(Distributed(), "auto", 0.3).check(7, clip, recomputed=False)
+    assert "perturbed by rollout.logit_noise=0.3, by design" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ dynamic sampling

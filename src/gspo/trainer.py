@@ -194,7 +194,9 @@ class Trainer:
         hooks = build_hooks(config, out, dist, forward, objective, self.reference)
         self.update_stage = UpdateStage(forward, objective, self.policy_update, hooks)
         self.empty_loss = EmptyLossWarning(dist)
-        self.on_policy_clip = OnPolicyClipWarning(dist)
+        self.on_policy_clip = OnPolicyClipWarning(
+            dist, config.algorithm.old_logprobs, config.rollout.logit_noise
+        )
         self.evaluator = Evaluator(
             config, dist, self.data.eval, eval_prompt_ids, self.generator, scorer, sampling
         )

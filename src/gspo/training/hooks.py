@@ -94,8 +94,10 @@ class OnPolicyClipWarning:
     fraction of that minibatch is in the run summary either way.
     """
 
-    def __init__(self, dist: Distributed):
+    def __init__(self, dist: Distributed, old_logprobs: str = "sampler", logit_noise: float = 0.0):
         self.dist = dist
+        self.old_logprobs = old_logprobs  # the setting (auto: what it chose is not said)
+        self.logit_noise = logit_noise
         self.warned = False
 
     def check(self, index: int, clip: dict[str, float], recomputed: bool) -> None:
@@ -110,11 +112,18 @@ class OnPolicyClipWarning:
                 "pi_old, recomputed by the trainer, differs from its update's forward of the "
                 "same weights, which is not expected: please report it with the run's config"
             )
-        else:
+        elif self.logit_noise > 0:
             why = (
-                "the sampler's log-probs (algorithm.old_logprobs=sampler) differ from the "
-                "trainer's by more than the clip range; algorithm.old_logprobs=auto or "
-                "recompute avoids it"
+                f"the sampler's log-probs (algorithm.old_logprobs={self.old_logprobs}) are "
+                f"of logits perturbed by rollout.logit_noise={self.logit_noise:g}, by design; "
+                "algorithm.old_logprobs=recompute takes pi_old from the trainer"
+            )
+        else:
+            also = "auto or " if self.old_logprobs == "sampler" else ""
+            why = (
+                f"the sampler's log-probs (algorithm.old_logprobs={self.old_logprobs}) differ "
+                f"from the trainer's by more than the clip range; algorithm.old_logprobs="
+                f"{also}recompute avoids it"
             )
         print(
             f"gspo: warning: the on-policy minibatch of rollout batch {index} clipped "
