@@ -111,6 +111,19 @@ def test_merged_copy_equals_the_adapter_model_and_leaves_it_untouched(tmp_path, 
                               atol=1e-5)  # fmt: skip
 
 
+def test_a_moved_lora_run_finds_its_own_base_model(tmp_path, varied_reward):
+    """The built-in model's LoRA run records its base_model/ by its absolute path: once
+    the run was moved, resume and export named the old place (and `model.path`)."""
+    import shutil
+
+    lora_run(tmp_path, varied_reward, name="first")
+    moved = tmp_path / "moved"
+    shutil.move(tmp_path / "first", moved)
+    assert main(["export", str(moved), "--merge", str(tmp_path / "merged")]) == 0
+    assert main(["train", "--resume", str(moved), "train.max_steps=6"]) == 0
+    assert (moved / "checkpoints" / "latest").read_text().strip() == "step-0000006"
+
+
 def test_lora_checkpoint_is_peft_format_and_export_merges(tmp_path, varied_reward, capsys):
     from peft import PeftModel
 

@@ -178,10 +178,15 @@ def base_model_path(checkpoint: Path) -> Path:
     Its weights must still be the ones the checkpoint's ``model_fingerprint.json`` records
     (checkpoints written before it was: not checked): else one line naming the base and
     what changed. A resume or merge on other base weights is another model, silently.
+    A run's own ``base_model/`` (the built-in model's) is found beside the checkpoints
+    when the run was moved since.
     """
     checkpoint = Path(checkpoint)
     config = json.loads((checkpoint / ADAPTER_CONFIG).read_text())
     base = Path(config["base_model_name_or_path"])
+    own = checkpoint.parent.parent / base.name  # a run's own base_model/, the run moved
+    if not base.is_dir() and base.name == "base_model" and own.is_dir():
+        base = own  # (the fingerprint below still checks it is the same weights)
     fingerprint = checkpoint / MODEL_FINGERPRINT
     if fingerprint.is_file() and base.is_dir():  # (a missing base: the caller says so)
         changed = fingerprint_change(json.loads(fingerprint.read_text()), base)
