@@ -111,6 +111,19 @@ def test_merged_copy_equals_the_adapter_model_and_leaves_it_untouched(tmp_path, 
                               atol=1e-5)  # fmt: skip
 
 
+def test_lora_dropout_draws_are_seeded(tmp_path, varied_reward):
+    """PEFT's dropout draws from torch's global generator, which nothing seeded: two runs
+    of one config differed, and a resumed run from the uninterrupted one."""
+    for name in "ab":
+        lora_run(tmp_path, varied_reward, "model.lora.dropout=0.1", name=name)
+    norms = [
+        [r["train/grad_norm"] for r in read_metrics(tmp_path / n / "metrics.jsonl")
+         if "train/grad_norm" in r]
+        for n in "ab"
+    ]  # fmt: skip
+    assert len(norms[0]) == 4 and norms[0] == norms[1]
+
+
 def test_a_moved_lora_run_finds_its_own_base_model(tmp_path, varied_reward):
     """The built-in model's LoRA run records its base_model/ by its absolute path: once
     the run was moved, resume and export named the old place (and `model.path`)."""

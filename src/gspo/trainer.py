@@ -61,7 +61,7 @@ from gspo.training.policy import Policy
 from gspo.training.reference import Reference
 from gspo.training.rollout import RolloutStage, Scorer
 from gspo.training.sampler import PolicySampler, build_engine, rollout_context
-from gspo.training.seeds import derive_seed
+from gspo.training.seeds import derive_seed, rank_seed
 from gspo.training.setup import (
     build_policy_model,
     check_reward_columns,
@@ -256,6 +256,10 @@ class Trainer:
         The last line also carries the batch's on- and off-policy clip fractions.
         """
         start = time.perf_counter()
+        if self.config.model.lora.dropout > 0:  # PEFT's dropout draws from torch's own
+            torch.manual_seed(
+                rank_seed(self.config.train.seed, self.dist, "dropout", rollout_index)
+            )
         # generation names its own settings (RolloutStage.generated); the rest is pi_old
         with out_of_memory("rollout", self.config):
             experience = self.rollouts.experience(rollout_index)
