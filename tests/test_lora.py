@@ -313,6 +313,16 @@ def test_target_modules_matching_nothing_is_one_line(tmp_path, capsys):
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert "model.lora.target_modules" in err and "\n" not in err
+    # a module that is no layer: its class and what LoRA adapts (before: "Target module
+    # Qwen3Attention(", the first line of the module's print-out)
+    code = main(["train", "--output-dir", str(tmp_path / "r"), *FAST,
+                 "model.lora.target_modules=[self_attn]", "train.max_steps=1"])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and err.startswith(
+        "gspo: error: model.lora.target_modules=['self_attn']: matches a Qwen3Attention, which "
+        "is not a layer LoRA adapts (name its linear layers, e.g. q_proj, or all-linear): "
+        "Currently, only the following modules are supported: `torch.nn.Linear`"
+    ), err
 
 
 def test_attaching_adapters_prints_no_deprecation_warning(tiny_model):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import re
 import sys
 import warnings
 from collections.abc import Iterator
@@ -88,9 +89,17 @@ def attach_lora(
         try:
             peft_model = get_peft_model(model, config)
         except ValueError as exc:
-            first = str(exc).strip().splitlines()[0]
+            said = str(exc).strip()
+            # "Target module Qwen3Attention(\n  (q_proj): ...\n) is not supported. ...":
+            # the module's class and PEFT's list, not the module's print-out
+            module = re.match(r"Target module (\w+)\(.*\) is not supported\.(.*)", said, re.S)
+            if module:
+                said = (
+                    f"matches a {module[1]}, which is not a layer LoRA adapts (name its "
+                    f"linear layers, e.g. q_proj, or all-linear):{module[2]}"
+                )
             raise ValueError(
-                f"model.lora.target_modules={settings.target_modules!r}: {first}"
+                f"model.lora.target_modules={settings.target_modules!r}: {said.splitlines()[0]}"
             ) from None
     wrapped = peft_model.get_base_model()  # the model, its adapted layers replaced
     adapted = [name for name in tied if hasattr(wrapped.get_submodule(name), "base_layer")]
