@@ -361,6 +361,27 @@ def test_unusable_devices_are_one_line_errors(device, tmp_path, capsys):
     assert err.startswith(f"gspo: error: model.device={device}:") and "\n" not in err, err
 
 
+def test_config_files_read_as_yaml_and_overrides_do(tmp_path, capsys):
+    """Merge keys and anchors (refused before), 1e3 as a number (an override's reading,
+    a string in a file before), a dotted key in a file as nested, a section override
+    merged into the file's section (it replaced it, dropping weight_decay), a second
+    --config (silently replaced the first), a file that is not UTF-8 (named now)."""
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "optim:\n  lr: &lr 0.5\n  <<: {weight_decay: 0.1}\ntrain:\n  max_steps: 1e3\n"
+        "  cold_start_lr: *lr\noptim.grad_clip: 2.0\n"
+    )
+    config = load_config(path, ["optim={lr: 0.25}"])
+    assert (config.optim.lr, config.optim.weight_decay, config.optim.grad_clip) == (0.25, 0.1, 2)
+    assert (config.train.max_steps, config.train.cold_start_lr) == (1000, 0.5)
+    with pytest.raises(SystemExit):
+        main(["config", "--config", str(path), "--config", str(path)])
+    assert "--config given twice" in capsys.readouterr().err
+    path.write_bytes(b"optim:\n  lr: \xff\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: not UTF-8 text \(invalid start byte"):
+        load_config(path)
+
+
 def test_a_config_file_with_a_duplicate_key_or_a_syntax_error_names_line_and_column(tmp_path):
     dup = tmp_path / "dup.yaml"
     dup.write_text("train:\n  max_steps: 1\n  max_steps: 3\n")  # PyYAML alone keeps the 3

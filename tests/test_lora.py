@@ -318,10 +318,14 @@ def test_target_modules_matching_nothing_is_one_line(tmp_path, capsys):
     code = main(["train", "--output-dir", str(tmp_path / "r"), *FAST,
                  "model.lora.target_modules=[self_attn]", "train.max_steps=1"])  # fmt: skip
     err = capsys.readouterr().err.strip()
-    assert code == 2 and "\n" not in err and err.startswith(
-        "gspo: error: model.lora.target_modules=['self_attn']: matches a Qwen3Attention, which "
-        "is not a layer LoRA adapts (name its linear layers, e.g. q_proj, or all-linear): "
-        "Currently, only the following modules are supported: `torch.nn.Linear`"
+    assert (
+        code == 2
+        and "\n" not in err
+        and err.startswith(
+            "gspo: error: model.lora.target_modules=['self_attn']: matches a Qwen3Attention, which "
+            "is not a layer LoRA adapts (name its linear layers, e.g. q_proj, or all-linear): "
+            "Currently, only the following modules are supported: `torch.nn.Linear`"
+        )
     ), err
 
 

@@ -534,8 +534,10 @@ def test_resume_refuses_another_model_or_another_directory(tmp_path, capsys):
     lrs = [r["train/lr"] for r in read_metrics(run / "metrics.jsonl") if "train/lr" in r]
     assert lrs[0] == pytest.approx(1e-4) and lrs[-1] == pytest.approx(3e-3)
     capsys.readouterr()
-    assert main(["train", "--resume", str(run)]) == 0  # finished: nothing to do, said
-    said = capsys.readouterr().out
+    written = (run / "config.yaml").read_text()
+    assert main(["train", "--resume", str(run), "optim.lr=0.5"]) == 0  # finished: nothing
+    said = capsys.readouterr().out  # to do, said, and its config.yaml kept (lr 0.5 before)
+    assert (run / "config.yaml").read_text() == written
     steps = read_metrics(run / "metrics.jsonl")[-1]["step"]
     assert (
         f"the run already took its {steps} steps (train.max_steps=8 in whole rollout batches "

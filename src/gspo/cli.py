@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="cold-start SFT then RL (GSPO by default)")
-    train.add_argument("--config", type=Path, help="YAML config file")
+    train.add_argument("--config", type=Path, action=Once, help="YAML config file")
     train.add_argument(
         "--output-dir",
         type=Path,
@@ -66,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
         "compare",
         help="GSPO vs GRPO vs GSPO-token from one cold start, several seeds, one report",
     )
-    comp.add_argument("--config", type=Path, help="YAML config file (shared by every run)")
+    comp.add_argument(
+        "--config", type=Path, action=Once, help="YAML config file (shared by every run)"
+    )
     comp.add_argument(
         "--output-dir",
         type=Path,
@@ -98,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     show = sub.add_parser("config", help="print the resolved config as YAML")
-    show.add_argument("--config", type=Path)
+    show.add_argument("--config", type=Path, action=Once)
     show.add_argument(
         "--doc",
         action="store_true",
@@ -106,6 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     show.add_argument("overrides", nargs="*", metavar="key.sub=value")
     return parser
+
+
+class Once(argparse.Action):
+    """An option given at most once (a second ``--config`` silently replaced the first)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if getattr(namespace, self.dest) is not None:
+            parser.error(f"{option_string} given twice: put the settings in one file")
+        setattr(namespace, self.dest, values)
 
 
 class SaidByRankZero(Exception):

@@ -217,7 +217,10 @@ class Trainer:
             background=config.train.background_checkpoints and not dist.enabled,
         )
         self.writer_tokenizer = None  # (the tokenizer background writes save)
-        if dist.is_main:
+        # a resumed run that has nothing left to do keeps the config.yaml it trained with
+        finished = checkpoint is not None and self.step > 0
+        finished &= self.step // config.algorithm.minibatches >= config.rollout_batches
+        if dist.is_main and not finished:
             dump_config(config, out / "config.yaml")
         if checkpoint is None:
             self.logger.log(0, summary)

@@ -19,9 +19,11 @@ from gspo.tasks import TASK_DEFAULTS
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """PyYAML's safe loader, with a key written twice in one mapping an error (PyYAML
-    keeps the last value silently)."""
+    keeps the last value silently), merge keys (``<<: *base``) taken as YAML defines them,
+    and ``1e3`` read as the number it is (YAML 1.1 wants ``1.0e+3``), as overrides are."""
 
     def construct_mapping(self, node, deep=False):
+        self.flatten_mapping(node)  # ("<<" keys merged first, as SafeLoader itself does)
         seen: set[Any] = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
@@ -33,11 +35,20 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+    list("-+0123456789."),
+)
+
+
 def read_yaml(path: Path) -> Any:
     """The YAML file ``path``; a syntax error or a duplicate key is a one-line
     :class:`ConfigError` naming the file, line and column."""
     try:
-        return yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # a SafeLoader
+        return yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark
         where = f" line {mark.line + 1} column {mark.column + 1}" if mark else ""
@@ -47,7 +58,9 @@ def read_yaml(path: Path) -> Any:
 
 
 def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    """``tree['a']['b'] = value`` for ``dotted = 'a.b'``, creating sections as needed."""
+    """``tree['a']['b'] = value`` for ``dotted = 'a.b'``, creating sections as needed; a
+    mapping set on a section merges into it (``optim={lr: 0.5}`` keeps the file's other
+    ``optim`` keys), key by key, as dotted overrides of each would."""
     *parents, leaf = dotted.split(".")
     node = tree
     for key in parents:
@@ -55,6 +68,10 @@ def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"{dotted}: {key} is a value, not a section")
         node = child
+    if isinstance(value, dict) and isinstance(node.get(leaf), dict):
+        for key, inner in value.items():
+            set_dotted(node[leaf], str(key), inner)
+        return
     node[leaf] = value
 
 
@@ -144,7 +161,9 @@ def load_config(
         loaded = read_yaml(path)
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
-        tree = loaded or {}
+        tree = {}
+        for key, value in (loaded or {}).items():  # (a dotted key, optim.lr: 0.5, as nested)
+            set_dotted(tree, str(key), value)
     for text in overrides:
         key, value = parse_override(text)
         set_dotted(tree, key, value)
