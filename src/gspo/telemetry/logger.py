@@ -51,7 +51,7 @@ class MetricsLogger:
             ``mlflow.set_experiment``); the rest are passed to ``mlflow.start_run``.
 
     Raises:
-        RuntimeError: W&B or MLflow was requested but its package is not installed
+        ValueError: W&B or MLflow was requested but its package is not installed
             (checked before any file is created).
     """
 

@@ -89,10 +89,10 @@ def import_optional(module: str, name: str, extra: str) -> Any:
 
     try:
         return importlib.import_module(module)
-    except ImportError:
-        raise RuntimeError(
-            f"{name} logging was requested but the '{module}' package is not installed; "
-            f"install it with: pip install 'gspo[{extra}]'"
+    except ImportError:  # (a setting asked for it: a ValueError, said in one line)
+        raise ValueError(
+            f"log.{extra}: {name} logging was requested but the '{module}' package is not "
+            f"installed; install it with: pip install 'gspo[{extra}]'"
         ) from None
 
 
@@ -100,8 +100,8 @@ def tensorboard_writer(log_dir: Path, purge_step: int) -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        raise RuntimeError(
-            "TensorBoard logging needs the 'tensorboard' package (pip install tensorboard); "
-            "or pass tensorboard=False"
+        raise ValueError(
+            "log.tensorboard: TensorBoard logging needs the 'tensorboard' package (pip "
+            "install tensorboard); or set log.tensorboard=false"
         ) from None
     return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
