@@ -280,6 +280,10 @@ def test_verdict_rules():
     idle = verdicts(summary(0.0, 0.0, 0.0, 0.0), "default")[0]
     assert idle["verdict"] == INCONCLUSIVE and "(neither clipped)" in idle["figures"]
     assert verdicts(summary(0.1, 0.0, 0.9, 0.9), "default")[0]["verdict"] == REPRODUCED
+    # both at 0.000 -> 0.000 on every seed: "trains as well" of runs that learned nothing
+    # (reproduced before: a gap of 0 within an error bar of 0)
+    flat = verdicts(summary(0.15, 0.001, 0.0, 0.0, start=0.0, sd=0.0), "default")[0]
+    assert flat["verdict"] == INCONCLUSIVE and "accuracy moved from its start" in flat["figures"]
 
 
 def test_verdicts_on_runs_that_cannot_show_the_claim_are_inconclusive():

@@ -62,8 +62,15 @@ def verdicts(summary: Mapping[str, Mapping[str, Any]], preset: str) -> list[dict
         f"{grpo['accuracy']:.3f} (difference {gap:+.3f}, two standard errors {noise:.3f}, "
         f"{n} seeds)"
     )
+    moved = max(abs(s["accuracy"] - s["accuracy_start"]) for s in (gspo, grpo))
     if any(math.isnan(v) for v in (clip_x, gap)):
         verdict = INCONCLUSIVE
+    elif not moved > 0:  # "trains as well" of runs that learned nothing says nothing
+        verdict = INCONCLUSIVE
+        figures += (
+            "; neither algorithm's held-out accuracy moved from its start (train longer or "
+            "on an easier task)"
+        )
     elif n < 2 and clip_x >= 10:  # one seed: the accuracies have no error bar
         verdict = INCONCLUSIVE
         figures += "; one seed gives the accuracy no error bar (--seeds 2 or more)"
