@@ -487,6 +487,24 @@ def test_existing_run_needs_resume_or_overwrite(tmp_path, capsys):
     ]
 
 
+def test_a_run_records_the_files_it_was_given_by_absolute_path(tmp_path, monkeypatch):
+    """reward.functions=[varied.py:varied] given in one directory, resumed from another:
+    the file was looked for beside the second (or another varied.py there used)."""
+    from conftest import VARIED_REWARD
+
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "varied.py").write_text(VARIED_REWARD)
+    monkeypatch.chdir(here)
+    steps = ["train.max_steps=1", "eval.every=0", "train.cold_start_steps=0"]
+    assert main(["train", "--output-dir", "run", *FAST, *steps,
+                 "reward.functions=[varied.py:varied]"]) == 0  # fmt: skip
+    recorded = load_config(here / "run" / "config.yaml")
+    assert recorded.reward.functions == [f"{here / 'varied.py'}:varied"]
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--resume", str(here / "run"), "train.max_steps=2"]) == 0
+
+
 def test_resume_refuses_another_model_or_another_directory(tmp_path, capsys):
     """Before, these resumed the checkpoints' model while config.yaml named the other one
     (or the run went on in place, --output-dir ignored)."""

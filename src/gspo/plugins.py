@@ -182,6 +182,19 @@ def load_object(spec: str, kind: str, error: type[Exception], expected: str) -> 
     return obj
 
 
+def absolute_spec(spec: Any) -> Any:
+    """A ``path/to/file.py:name`` spec with its file made absolute (an existing file
+    named relative to the current directory), so a run resumed from elsewhere loads the
+    same file; anything else (``module:name``, objects, a file not there) as it is."""
+    if not isinstance(spec, str) or ":" not in spec or spec.startswith(PYTHON_OBJECT):
+        return spec
+    source, _, name = spec.rpartition(":")
+    path = Path(source.strip()).expanduser()
+    if not (source.strip().endswith(".py") or "/" in source) or not path.is_file():
+        return spec
+    return f"{path.resolve()}:{name}"
+
+
 def object_spec(obj: Any) -> str:
     """A spec string for ``obj`` that :func:`load_object` loads back: ``module:qualname``
     when the object is what that names (a function of an importable module), else

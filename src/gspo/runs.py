@@ -21,6 +21,7 @@ from gspo.rewards.runner import leave_if_starting_a_worker
 from gspo.telemetry import METRICS_FILE
 from gspo.trainer import Trainer
 from gspo.training.checkpoint import CHECKPOINTS, CONFIG
+from gspo.training.setup import with_absolute_paths
 
 
 def train(
@@ -210,6 +211,7 @@ def check_same_model(output_dir: str | Path, config: Config, how: str, other: st
     is checked as an override is. (Every checkpoint of a run holds the same values of
     these keys.)"""
     first = load_config(_trained_config(Path(output_dir)))
+    first, config = with_absolute_paths(first), with_absolute_paths(config)  # (as recorded)
     started, now = (_flat(c.model.model_dump()) for c in (first, config))
     for key in started:
         if key not in RESUME_MAY_CHANGE and started[key] != now[key]:

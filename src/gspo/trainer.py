@@ -71,6 +71,7 @@ from gspo.training.setup import (
     resumed_optim_settings,
     reward_functions,
     rl_optimizer,
+    with_absolute_paths,
     with_environment_reward,
 )
 from gspo.training.update import Objective, PolicyUpdate, UpdateStage
@@ -103,7 +104,7 @@ class Trainer:
         dist: Distributed | None = None,
     ):
         leave_if_starting_a_worker()  # a reward worker importing an unguarded script
-        self.config = config
+        self.config = config = with_absolute_paths(config)
         self.dist = dist = dist or Distributed()
         self.output_dir = out = Path(output_dir)
         if dist.is_main:  # (a rank making it after rank 0 removed a failed start's left it)

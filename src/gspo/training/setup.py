@@ -24,6 +24,7 @@ from gspo.models import (
 )
 from gspo.models.kernels import set_linear_kernel
 from gspo.moe import find_routers, is_moe, set_experts_implementation
+from gspo.plugins import absolute_spec
 from gspo.rewards import RewardFunctions
 from gspo.tasks import BUILTIN_TASKS, TaskData
 from gspo.training.lora import (
@@ -281,6 +282,36 @@ def local_shares(config: Config, dist: Distributed) -> tuple[int, int]:
             f"{dist.world_size} ranks holds per rollout batch"
         )
     return local_prompts, local_sft
+
+
+def with_absolute_paths(config: Config) -> Config:
+    """``config`` with the files and directories it names relative to the current
+    directory made absolute (``model.path``, ``data.train/eval/sft``, ``reward.functions``
+    and ``rollout.environment`` files, ``train.cold_start_cache_dir``): what the run
+    records in its config.yaml, so a resume from another directory reads the same files
+    (it failed, or read another ``varied.py`` there). A hub id or module name stays, and
+    a key left at its default stays unset."""
+
+    def local(value: Any) -> Any:
+        if not isinstance(value, str) or not Path(value).expanduser().exists():
+            return value
+        return str(Path(value).expanduser().resolve())
+
+    keys = {
+        "model": {"path": local},
+        "data": {"train": local, "eval": local, "sft": local},
+        "reward": {"functions": lambda specs: [absolute_spec(f) for f in specs]},
+        "rollout": {"environment": absolute_spec},
+        "train": {"cold_start_cache_dir": local},
+    }
+    sections = {}
+    for name, fields in keys.items():
+        section = getattr(config, name)
+        changed = {key: how(getattr(section, key)) for key, how in fields.items()}
+        changed = {k: v for k, v in changed.items() if v != getattr(section, k)}
+        if changed:  # (only what changed: model_copy marks a key it updates as set)
+            sections[name] = section.model_copy(update=changed)
+    return config.model_copy(update=sections) if sections else config
 
 
 def with_environment_reward(config: Config, environment: Any | None) -> Config:
