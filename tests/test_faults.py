@@ -219,7 +219,7 @@ def test_a_full_disk_says_the_directory_and_the_space_in_one_line(
     assert "\n" not in err and "Traceback" not in err, err
     final = run / "checkpoints" / full
     assert err.startswith(f"gspo: error: No space left on device writing {final}: it needs about ")
-    needs, free = (float(x.replace(",", "")) for x in re.findall(r"([\d,.]+) MB", err))
+    needs, free = (float(x.replace(",", "")) for x in re.findall(r"([\d,.]+) MiB", err))
     step2 = run / "checkpoints" / "step-0000002"  # the same model and optimizer state
     on_disk = sum(f.stat().st_size for f in step2.rglob("*") if f.is_file()) / 2**20
     assert abs(needs - on_disk) < 0.25 * on_disk + 0.1, (needs, on_disk)

@@ -146,7 +146,7 @@ def test_oom_loading_the_model_names_it_its_dtype_device_and_what_lowers_it(
     assert code == 2 and "\n" not in err and "Traceback" not in err, err
     assert err.startswith(
         f"gspo: error: {said} loading the model {mine} (float32 on cpu, "
-        f"{weights / 2**20:,.1f} MB of weight files) (gspo loads a model in float32 whatever "
+        f"{weights / 2**20:,.1f} MiB of weight files) (gspo loads a model in float32 whatever "
         "model.dtype, the compute dtype): pick a smaller model (model.path) "
     ), err
     assert "LoRA adapters (model.lora.r > 0)" in err

@@ -77,7 +77,7 @@ def tree_bytes(path: Path) -> int:
 
 
 def megabytes(n: float) -> str:
-    return f"{n / 2**20:,.1f} MB"
+    return f"{n / 2**20:,.1f} MiB"
 
 
 def is_disk_full(exc: BaseException | None) -> bool:

@@ -105,7 +105,7 @@ def summary_table(records: Sequence[Mapping[str, Any]], *, title: str = "Run sum
 
 
 def checkpoint_writes(records: Sequence[Mapping[str, Any]]) -> str | None:
-    """``wrote 12.3 MB in 3 checkpoints: 0.4 s writing, 0.1 s waited``: the writes' own
+    """``wrote 12.3 MiB in 3 checkpoints: 0.4 s writing, 0.1 s waited``: the writes' own
     seconds (``time/checkpoint_write``), and the run's seconds waiting for them
     (``time/checkpoint``: taking each, and any wait for a background write); None when
     none are logged."""
