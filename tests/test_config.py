@@ -442,6 +442,22 @@ def test_settings_that_another_setting_makes_moot_are_warned():
         "sampling)"
     ]
     assert load_config(None, [*rounds, "rollout.filter_groups=true"]).warnings() == []
+    # settings that do nothing beside others, unsaid before (a built-in size with
+    # model.path, experts on the dense built-in, turns without an environment, a buffer
+    # without a penalty); a task's own model sizes with model.path are not set at all
+    inert = {
+        "model.layers=8": "model.layers is set but model.path names a model",
+        "model.experts=64": "model.experts is set but model.builtin=qwen3 has no experts",
+        "rollout.max_turns=9": "rollout.max_turns is set but there is no rollout.environment",
+        "reward.overlong_buffer=2": "reward.overlong_buffer is set but reward.overlong_penalty=0",
+    }
+    for override, said in inert.items():
+        extra = ["model.path=/m"] if override == "model.layers=8" else []
+        lines = load_config(None, [override, *extra]).warnings()
+        assert len(lines) == 1 and lines[0].startswith(said), lines
+    chain = load_config(None, ["data.task=chain", "model.path=/m"])
+    assert chain.warnings() == [] and "layers" not in chain.model.model_fields_set
+    assert load_config(None, ["data.task=calculator", "rollout.max_turns=2"]).warnings() == []
     task = ["data.task=calculator", "data.train=rows.jsonl", "model.path=/m", "data.eval=e.jsonl"]
     assert load_config(None, task).warnings() == [
         "data.task=calculator is a built-in task, which data.train replaces: its prompts, "

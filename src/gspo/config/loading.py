@@ -137,7 +137,10 @@ def with_task_defaults(tree: dict[str, Any]) -> None:
     task = _get_dotted(tree, "data.task")[1] or "addition"
     if _get_dotted(tree, "data.train")[1] is not None or task not in TASK_DEFAULTS:
         return  # an unknown task is the validation's to report
+    own_model = _get_dotted(tree, "model.path")[1] is not None
     for key, value in TASK_DEFAULTS[task].items():
+        if own_model and key.startswith("model."):
+            continue  # the built-in model's sizes: a model.path brings its own
         if not _get_dotted(tree, key)[0]:
             set_dotted(tree, key, value)
 

@@ -78,7 +78,8 @@ class Config(Section):
         return self
 
     def warnings(self) -> list[str]:
-        """One line per setting that is valid but leaves the run unable to learn."""
+        """One line per setting that is valid but does nothing, or leaves the run unable to
+        learn."""
         lines = []
         data = self.data
         cold = data.sft is not None and self.train.cold_start_steps > 0
@@ -113,7 +114,39 @@ class Config(Section):
                 "inputs the sampler kept, so on-policy ratios are not 1 and GSPO's narrow "
                 "clip range clips responses of the on-policy minibatch (0 keeps them 1)"
             )
+
+        def changed(section: Section, keys: tuple[str, ...]) -> list[str]:
+            """The keys of ``section`` off their defaults (a run's own config.yaml, given
+            back as --config, holds every key: set, but not changed)."""
+            fields = type(section).model_fields
+            return [k for k in keys if getattr(section, k) != fields[k].default]
+
+        model = self.model
+        moe_only = ("experts", "experts_per_token", "expert_intermediate", "norm_topk_prob")
+        builtin_only = ("builtin", "layers", "hidden", "heads", "kv_heads", "intermediate")
+        if model.path is not None and (set_ := changed(model, builtin_only + moe_only)):
+            lines.append(
+                f"model.{set_[0]} is set but model.path names a model, which has its own "
+                "architecture and sizes: the built-in model's settings do nothing"
+            )
+        dense = model.path is None and model.builtin == "qwen3"
+        if dense and (set_ := changed(model, moe_only)):
+            lines.append(
+                f"model.{set_[0]} is set but model.builtin=qwen3 has no experts (set "
+                "model.builtin=qwen3_moe for a MoE model)"
+            )
         rollout = self.rollout
+        turns = changed(rollout, ("max_turns", "max_episode_tokens"))
+        if self.environment is None and turns:
+            lines.append(
+                f"rollout.{turns[0]} is set but there is no rollout.environment: every "
+                "response is one turn (set rollout.environment for multi-turn episodes)"
+            )
+        if self.reward.overlong_buffer is not None and self.reward.overlong_penalty == 0:
+            lines.append(
+                "reward.overlong_buffer is set but reward.overlong_penalty=0: no overlong "
+                "penalty applies (set reward.overlong_penalty > 0, DAPO's 1.0)"
+            )
         if not rollout.filter_groups and rollout.filter_max_rounds != _FILTER_MAX_ROUNDS:
             lines.append(
                 "rollout.filter_max_rounds is set but rollout.filter_groups=false: no group "
