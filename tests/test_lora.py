@@ -124,7 +124,7 @@ def test_lora_dropout_draws_are_seeded(tmp_path, varied_reward):
     assert len(norms[0]) == 4 and norms[0] == norms[1]
 
 
-def test_a_moved_lora_run_finds_its_own_base_model(tmp_path, varied_reward):
+def test_a_moved_lora_run_finds_its_own_base_model(tmp_path, varied_reward, capsys):
     """The built-in model's LoRA run records its base_model/ by its absolute path: once
     the run was moved, resume and export named the old place (and `model.path`)."""
     import shutil
@@ -135,6 +135,14 @@ def test_a_moved_lora_run_finds_its_own_base_model(tmp_path, varied_reward):
     assert main(["export", str(moved), "--merge", str(tmp_path / "merged")]) == 0
     assert main(["train", "--resume", str(moved), "train.max_steps=6"]) == 0
     assert (moved / "checkpoints" / "latest").read_text().strip() == "step-0000006"
+    # an adapter as model.path: said so, with the way to a whole model
+    adapter = moved / "checkpoints" / "step-0000006"
+    capsys.readouterr()
+    assert main(["train", "--output-dir", str(tmp_path / "x"), *FAST, f"model.path={adapter}"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"gspo: error: model.path: {adapter} is a LoRA adapter, not a whole model: gspo "
+        f"export {adapter} --merge OUT makes one (or gspo train --resume its run)"
+    )
 
 
 def test_lora_checkpoint_is_peft_format_and_export_merges(tmp_path, varied_reward, capsys):

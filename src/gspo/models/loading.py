@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -32,9 +33,13 @@ def save_pretrained(model, tokenizer, directory: str | Path, *, state_dict=None)
     """``save_pretrained`` model and tokenizer into ``directory`` (made if missing).
 
     ``state_dict``: the weights to write instead of the model's own (a copy taken earlier).
+    A LoRA adapter on the embeddings is saved with them, as PEFT does by default, without
+    its warning that it does so at every checkpoint.
     """
     quiet_transformers()
-    model.save_pretrained(directory, state_dict=state_dict)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Setting `save_embedding_layers` to `True`")
+        model.save_pretrained(directory, state_dict=state_dict)
     tokenizer.save_pretrained(directory)
 
 
@@ -310,6 +315,11 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype, wa
                 "which is not a directory"
             )
     if not (path / "config.json").is_file():
+        if (path / "adapter_config.json").is_file():  # a LoRA run's checkpoint
+            raise FileNotFoundError(
+                f"model.path: {path} is a LoRA adapter, not a whole model: gspo export "
+                f"{path} --merge OUT makes one (or gspo train --resume its run)"
+            )
         raise FileNotFoundError(f"model.path: {path} has no config.json (not a HF model dir)")
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise FileNotFoundError(

@@ -35,13 +35,16 @@ def quiet_peft() -> Iterator[None]:
     PEFT's wrapper reads transformers' deprecated ``is_gradient_checkpointing`` (a
     FutureWarning since transformers 5.24), and on MoE models PEFT adds rank/alpha
     patterns of its own for fused experts' ``gate_up_proj``, then warns that they matched
-    nothing when the experts are modules (gspo sets no pattern).
+    nothing when the experts are modules (gspo sets no pattern); on Conv1D layers (GPT-2)
+    it corrects ``fan_in_fan_out`` itself, and warns.
     """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
         warnings.filterwarnings(
             "ignore", "The following (rank|alpha)_pattern keys did not match", RuntimeWarning
         )
+        # GPT-2's Conv1D layers: PEFT sets fan_in_fan_out itself, and says so
+        warnings.filterwarnings("ignore", "fan_in_fan_out is set to False", UserWarning)
         yield
 
 
