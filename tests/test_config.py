@@ -361,6 +361,24 @@ def test_unusable_devices_are_one_line_errors(device, tmp_path, capsys):
     assert err.startswith(f"gspo: error: model.device={device}:") and "\n" not in err, err
 
 
+@pytest.mark.parametrize(
+    ("override", "said"),
+    [  # before: ".bool: ... a valid boolean", ".str: ... (got ['q_proj', 5])", no aliases
+        ("rollout.cuda_graphs=AUTO",
+         "rollout.cuda_graphs: Input should be a valid boolean or 'auto' (got 'AUTO')"),
+        ("model.lora.target_modules=[q_proj, 5]",
+         "model.lora.target_modules.1: Input should be a valid string (got 5)"),
+        ("algorithm.level=gpso",
+         "algorithm.level: one of sequence (gspo), sequence_token (gspo_token), token (grpo) "
+         "(got 'gpso'); did you mean 'gspo'?"),
+    ],
+)  # fmt: skip
+def test_a_union_or_an_alias_is_said_as_the_user_wrote_it(override, said):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert str(err.value) == said
+
+
 def test_config_files_read_as_yaml_and_overrides_do(tmp_path, capsys):
     """Merge keys and anchors (refused before), 1e3 as a number (an override's reading,
     a string in a file before), a dotted key in a file as nested, a section override

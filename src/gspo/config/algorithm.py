@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, field_validator
 
-from gspo.config.section import Section
+from gspo.config.section import Section, did_you_mean
 
 #: An AdamW beta: a decay rate in [0, 1).
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
@@ -105,8 +105,14 @@ class AlgorithmConfig(Section):
     @field_validator("level", mode="before")
     @classmethod
     def _algorithm_name(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return ALGORITHM_NAMES.get(value.strip().lower(), value)
+        if not isinstance(value, str):
+            return value
+        value = ALGORITHM_NAMES.get(value.strip().lower(), value)
+        levels = get_args(cls.model_fields["level"].annotation)
+        if value not in levels:  # the levels and the algorithms' names, with a close one
+            named = ", ".join(f"{a} ({n})" for n, a in ALGORITHM_NAMES.items() if "-" not in n)
+            close = did_you_mean(value, [*levels, *ALGORITHM_NAMES])
+            raise ValueError(f"one of {named} (got {value!r}){close}")
         return value
 
     def check_rollout_correction(self) -> None:

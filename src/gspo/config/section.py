@@ -4,6 +4,7 @@ and a validation error is one line naming the key (:func:`error_line`)."""
 from __future__ import annotations
 
 import difflib
+import re
 from typing import Any, ClassVar, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
@@ -96,14 +97,44 @@ def did_you_mean(word: Any, choices: list[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
+#: How pydantic names a member of a union in an error's location ("str", "list[str]",
+#: "literal['auto']"): not a key.
+_UNION_MEMBER = re.compile(
+    r"(str|bool|int|float|none|callable|(list|dict|tuple|literal|nullable|function-\w+|"
+    r"is-instance|json-or-python)\[.*\])"
+)
+
+
+def _union_error(err: dict[str, Any], errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first error with a union's member names out of its location: one member's error
+    about an element (``target_modules=[q_proj, 5]``: item 1, 5) if there is one, else the
+    members' messages as one ("a valid boolean or 'auto'")."""
+
+    def key(e: dict[str, Any]) -> tuple:
+        return tuple(p for p in e["loc"] if not (isinstance(p, str) and _UNION_MEMBER.fullmatch(p)))
+
+    field = key(err)
+    if field == tuple(err["loc"]):
+        return err
+    same = [e for e in errors if key(e)[: len(field)] == field]
+    deeper = [e for e in same if len(key(e)) > len(field)]
+    if deeper:
+        return {**deeper[0], "loc": key(deeper[0])}
+    wants = [e["msg"].removeprefix("Input should be ").split(", unable")[0] for e in same]
+    message = "Input should be " + " or ".join(dict.fromkeys(wants))
+    return {**err, "loc": field, "msg": message}
+
+
 def error_line(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> str:
     """A validation error of ``model`` (at ``prefix`` in the config) on one line: the
     first error's key, message and value, with a "did you mean" for a misspelt key or
     choice."""
-    err = exc.errors()[0]
+    errors = exc.errors()
+    err = errors[0]
     inner = err.get("ctx", {}).get("error")
     if isinstance(inner, ConfigError):  # a section made inside: its line names the key
         return str(inner)
+    err = _union_error(err, errors)
     where = ".".join(str(p) for p in err["loc"])
     if err["type"] == "extra_forbidden":
         parent, _, leaf = where.rpartition(".")
@@ -116,7 +147,8 @@ def error_line(exc: ValidationError, model: type[BaseModel], prefix: str = "") -
         where = where.rpartition(".")[0]
         sizes = [len(get_args(a)) for a in _tuples(field_annotation(model, where))]
         message = f"expected {' or '.join(map(str, sizes))} values"
-    shown = "" if isinstance(value, dict) or where == "" else f" (got {value!r})"
+    said = isinstance(value, dict) or where == "" or "(got " in message  # (by a validator)
+    shown = "" if said else f" (got {value!r})"
     if err["type"] == "literal_error":
         shown += did_you_mean(value, [str(a) for a in get_args(field_annotation(model, where))])
     return f"{prefix}{where}: {message}{shown}" if where or prefix else message
