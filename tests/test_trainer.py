@@ -527,6 +527,16 @@ def test_resume_refuses_another_model_or_another_directory(tmp_path, capsys):
         f"({run}); drop --output-dir",
     ]
     assert (run / "config.yaml").read_text() == written
+    # a checkpoint's directory (which holds a config.yaml too): a new run was trained
+    # into it, over the checkpoint, before
+    step = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    held = sorted(p.name for p in step.iterdir())
+    assert main(["train", "--resume", str(step), "train.max_steps=2"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"gspo: error: --resume {step}: is a checkpoint of the run {run}: --resume takes the "
+        f"run's directory ({run}), and continues from its newest checkpoint"
+    )
+    assert sorted(p.name for p in step.iterdir()) == held
     # the same settings edited into config.yaml by hand (between a kill and --resume):
     # checked against the checkpoint's own config.yaml (before, resumed and recorded)
     for was, edit in (("hidden: 64", "hidden: 128"), ("minibatches: 4", "minibatches: 2")):

@@ -175,7 +175,7 @@ def run_train(args: argparse.Namespace) -> int:
 def train_config(args: argparse.Namespace) -> tuple[Config, Path]:
     """``gspo train``'s config and output directory, its options checked."""
     from gspo.config import load_config
-    from gspo.runs import resume_config
+    from gspo.runs import not_a_run, resume_config
     from gspo.trainer import CHECKPOINTS
 
     if args.resume is not None:
@@ -195,9 +195,8 @@ def train_config(args: argparse.Namespace) -> tuple[Config, Path]:
                 f"({args.resume}); drop --output-dir"
             )
         output_dir = args.resume.expanduser()
-        if not (output_dir / "config.yaml").is_file():
-            what = "does not exist" if not output_dir.exists() else "is not a gspo run"
-            raise ValueError(f"--resume {output_dir}: {what} (no config.yaml)")
+        if (problem := not_a_run(output_dir, "--resume")) is not None:
+            raise ValueError(f"--resume {output_dir}: {problem}")
         config = resume_config(output_dir, args.overrides)
     else:
         config = load_config(args.config, args.overrides)

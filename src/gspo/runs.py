@@ -20,7 +20,7 @@ from gspo.publish import temp_path
 from gspo.rewards.runner import leave_if_starting_a_worker
 from gspo.telemetry import METRICS_FILE
 from gspo.trainer import Trainer
-from gspo.training.checkpoint import CHECKPOINTS, CONFIG
+from gspo.training.checkpoint import CHECKPOINTS, CONFIG, TRAINER_STATE
 from gspo.training.setup import with_absolute_paths
 
 
@@ -49,9 +49,8 @@ def train(
             "replaces it, or choose another output_dir"
         )
     if resume:
-        if not (out / "config.yaml").is_file():
-            what = "does not exist" if not out.exists() else "holds no run"
-            raise ValueError(f"train: resume=True, but {out} {what} (no config.yaml)")
+        if (problem := not_a_run(out, "resume=True")) is not None:
+            raise ValueError(f"train: resume=True, but {out} {problem}")
         check_same_model(out, config, "resume=True", "another output_dir")
     # under torchrun: each rank runs the script, and joins the process group here
     joined = not torch.distributed.is_initialized()
@@ -157,6 +156,25 @@ class RunDirectory:
                 metrics.is_file() and metrics.stat().st_size
             ):
                 shutil.rmtree(out, ignore_errors=True)
+
+
+def not_a_run(out: Path, how: str) -> str | None:
+    """Why ``out`` is no run to resume (``how``: ``--resume``), or None. A checkpoint
+    directory holds a config.yaml too, but resuming "into" it would start a new run there,
+    over the checkpoint: it is said to be one, with its run."""
+    if (out / TRAINER_STATE).is_file() and out.parent.name == CHECKPOINTS:
+        run = out.parent.parent
+        return (
+            f"is a checkpoint of the run {run}: {how} takes the run's directory ({run}), "
+            "and continues from its newest checkpoint"
+        )
+    if not (out / "config.yaml").is_file():
+        return (
+            "does not exist (no config.yaml)"
+            if not out.exists()
+            else ("is not a gspo run (no config.yaml)")
+        )
+    return None
 
 
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
