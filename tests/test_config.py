@@ -438,6 +438,16 @@ def test_model_path_expands_home(monkeypatch, tmp_path):
     assert load_config(None, ["model.path=~/models/q"]).model.path == str(tmp_path / "models/q")
 
 
+def test_built_in_sizes_that_match_model_paths_model_are_not_warned(tmp_path):
+    """gspo compare names its cold start (made from the preset's sizes) as model.path, with
+    those sizes still set: no warning that they do nothing (three per seed before)."""
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3", "num_hidden_layers": 2}')
+    same = ["model.builtin=qwen3", "model.layers=2", f"model.path={tmp_path}"]
+    assert load_config(None, same).warnings() == []
+    other = load_config(None, ["model.layers=3", f"model.path={tmp_path}"]).warnings()
+    assert len(other) == 1 and other[0].startswith("model.layers is set but model.path")
+
+
 def test_settings_that_another_setting_makes_moot_are_warned():
     """Before: adapter settings with r=0 trained the whole model, and a built-in task named
     beside data.train (e.g. --preset tools) ran without its environment, both unsaid."""

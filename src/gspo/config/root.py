@@ -6,6 +6,9 @@ Every batch size is per optimizer step (global), never per process.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from pydantic import Field, model_validator
 
 from gspo.config.algorithm import AlgorithmConfig, OptimConfig
@@ -124,7 +127,9 @@ class Config(Section):
         model = self.model
         moe_only = ("experts", "experts_per_token", "expert_intermediate", "norm_topk_prob")
         builtin_only = ("builtin", "layers", "hidden", "heads", "kv_heads", "intermediate")
-        if model.path is not None and (set_ := changed(model, builtin_only + moe_only)):
+        if model.path is not None and (
+            set_ := _unlike(model, changed(model, builtin_only + moe_only))
+        ):
             lines.append(
                 f"model.{set_[0]} is set but model.path names a model, which has its own "
                 "architecture and sizes: the built-in model's settings do nothing"
@@ -199,3 +204,24 @@ def _name_sections(model: type[Section], prefix: str = "") -> None:
 
 
 _name_sections(Config)
+
+
+#: The transformers config key of each built-in size (``model.layers`` ...).
+_HF_KEYS = {
+    "builtin": "model_type", "layers": "num_hidden_layers", "hidden": "hidden_size",
+    "heads": "num_attention_heads", "kv_heads": "num_key_value_heads",
+    "intermediate": "intermediate_size", "experts": "num_experts",
+    "experts_per_token": "num_experts_per_tok", "expert_intermediate": "moe_intermediate_size",
+    "norm_topk_prob": "norm_topk_prob",
+}  # fmt: skip
+
+
+def _unlike(model: ModelConfig, keys: list[str]) -> list[str]:
+    """Of the built-in ``keys`` set beside ``model.path``, those its model does not share
+    (its config.json; all of them when it cannot be read): sizes that equal the model's
+    (``gspo compare`` names its cold start, made from them) are not said to do nothing."""
+    try:
+        actual = json.loads((Path(str(model.path)) / "config.json").read_text())
+    except (OSError, ValueError):
+        return keys
+    return [k for k in keys if actual.get(_HF_KEYS[k], object()) != getattr(model, k)]
