@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from gspo.cli import main
-from gspo.config import ConfigError, dump_config, load_config, parse_override
+from gspo.config import ConfigError, dump_config, dump_config_text, load_config, parse_override
 from gspo.config.doc import REGENERATE, format_default, keys, render_reference, sections
 
 REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
@@ -395,6 +395,17 @@ def test_config_files_read_as_yaml_and_overrides_do(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["config", "--config", str(path), "--config", str(path)])
     assert "--config given twice" in capsys.readouterr().err
+    # a key beside a merge overrides what the merge brings (a "duplicate key" before)
+    path.write_text("optim: {<<: {lr: 0.001, weight_decay: 0.1}, lr: 0.002}\n")
+    assert (load_config(path).optim.lr, load_config(path).optim.weight_decay) == (0.002, 0.1)
+    # a setting whose value is a mapping is replaced, not merged (only sections merge)
+    path.write_text("data:\n  chat_template_kwargs: {enable_thinking: true, foo: 1}\n")
+    kwargs = load_config(path, ["data.chat_template_kwargs={enable_thinking: false}"])
+    assert kwargs.data.chat_template_kwargs == {"enable_thinking": False}
+    # a text that reads as a number in a file is written back quoted: config.yaml reloads
+    text = load_config(None, ["data.system_prompt=1e3"])
+    path.write_text(dump_config_text(text))
+    assert load_config(path).data.system_prompt == "1e3"
     path.write_bytes(b"optim:\n  lr: \xff\n")
     with pytest.raises(ConfigError, match=r"c.yaml: not UTF-8 text \(invalid start byte"):
         load_config(path)

@@ -13,7 +13,7 @@ import yaml
 from pydantic import ValidationError
 
 from gspo.config.root import Config
-from gspo.config.section import ConfigError, error_line, field_annotation
+from gspo.config.section import ConfigError, Section, error_line, field_annotation
 from gspo.tasks import TASK_DEFAULTS
 
 
@@ -23,9 +23,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     and ``1e3`` read as the number it is (YAML 1.1 wants ``1.0e+3``), as overrides are."""
 
     def construct_mapping(self, node, deep=False):
-        self.flatten_mapping(node)  # ("<<" keys merged first, as SafeLoader itself does)
         seen: set[Any] = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # "<<": merged below, and a key
+                continue  # written beside it overrides what it brings, as YAML says
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
@@ -35,11 +36,17 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-_UniqueKeyLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
-    list("-+0123456789."),
-)
+class _Dumper(yaml.SafeDumper):
+    """PyYAML's safe dumper that quotes what :class:`_UniqueKeyLoader` reads as a number
+    (a string ``1e3`` written bare would come back as 1000.0)."""
+
+
+for _cls in (_UniqueKeyLoader, _Dumper):
+    _cls.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+        list("-+0123456789."),
+    )
 
 
 def read_yaml(path: Path) -> Any:
@@ -60,7 +67,8 @@ def read_yaml(path: Path) -> Any:
 def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     """``tree['a']['b'] = value`` for ``dotted = 'a.b'``, creating sections as needed; a
     mapping set on a section merges into it (``optim={lr: 0.5}`` keeps the file's other
-    ``optim`` keys), key by key, as dotted overrides of each would."""
+    ``optim`` keys), key by key, as dotted overrides of each would; a setting whose value
+    is a mapping (``data.chat_template_kwargs``) is replaced."""
     *parents, leaf = dotted.split(".")
     node = tree
     for key in parents:
@@ -68,11 +76,16 @@ def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"{dotted}: {key} is a value, not a section")
         node = child
-    if isinstance(value, dict) and isinstance(node.get(leaf), dict):
+    section = field_annotation(Config, dotted)
+    if isinstance(value, dict) and isinstance(node.get(leaf), dict) and _is_section(section):
         for key, inner in value.items():
-            set_dotted(node[leaf], str(key), inner)
+            set_dotted(tree, f"{dotted}.{key}", inner)
         return
-    node[leaf] = value
+    node[leaf] = value  # (a setting that is a mapping, log.wandb: replaced whole)
+
+
+def _is_section(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, Section)
 
 
 def _is_text(annotation: Any) -> bool:
@@ -111,13 +124,10 @@ def parse_override(text: str) -> tuple[str, Any]:
             return key, None
         # a choice is a word: spaces around it are not part of it
         return key, raw.strip() if get_origin(annotation) is Literal else raw
-    try:
-        value = yaml.safe_load(raw)
+    try:  # (as a file is read: "3e-4" is a number, YAML 1.1 wanting a dot aside)
+        value = yaml.load(raw, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{key}: cannot parse value {raw!r} as YAML") from exc
-    # YAML 1.1 reads "3e-4" (no dot) as a string; numbers written that way are meant.
-    if isinstance(value, str) and re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+", value):
-        value = float(value)
     return key, value
 
 
@@ -179,7 +189,7 @@ def load_config(
 
 def dump_config_text(config: Config) -> str:
     """The resolved config as YAML text (reloadable with :func:`load_config`)."""
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    return yaml.dump(config.model_dump(mode="json"), Dumper=_Dumper, sort_keys=False)
 
 
 def dump_config(config: Config, path: str | Path) -> None:
