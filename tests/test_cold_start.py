@@ -210,6 +210,11 @@ def test_damaged_cache_entry_is_said_once_and_rebuilt(
         "other bytes (CRC-32 "
     )
     assert trained == [1, 1] and records(tmp_path / "third") == records(tmp_path / "first")
+    # an entry from before entries had a manifest: trained again quietly, not "damaged"
+    (entry / "manifest.json").unlink()
+    assert main(["train", "--output-dir", str(tmp_path / "fourth"), *overrides]) == 0
+    assert "ignoring the damaged" not in capsys.readouterr().out and trained == [1, 1, 1]
+    assert (entry / "manifest.json").is_file()  # replaced by a whole one
 
 
 @pytest.mark.slow

@@ -252,8 +252,8 @@ def _entry_problem(
         return f"unreadable ({exc})"
     if not isinstance(made, dict) or made.get("key") != entry.name:
         return f"{_ENTRY} names another key"
-    if not (entry / MANIFEST).is_file():
-        return f"{MANIFEST} is missing"
+    if not (entry / MANIFEST).is_file():  # an entry written before entries had one:
+        return "missing"  # trained again and replaced, quietly, as a missing entry is
     problem = sharded_problem(entry / _MODEL, model)
     wrong = next(manifest_changes(entry, contents=contents), None)
     return problem or (None if wrong is None else " ".join(wrong))
