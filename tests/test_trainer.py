@@ -503,6 +503,12 @@ def test_a_run_records_the_files_it_was_given_by_absolute_path(tmp_path, monkeyp
     assert recorded.reward.functions == [f"{here / 'varied.py'}:varied"]
     monkeypatch.chdir(tmp_path)
     assert main(["train", "--resume", str(here / "run"), "train.max_steps=2"]) == 0
+    # a local directory with a split, and a hub id (no such local path): as they were
+    from gspo.training.setup import with_absolute_paths
+
+    paths = ["data.train=here::train", "data.eval=openai/gsm8k:main:test"]
+    given = with_absolute_paths(load_config(None, paths)).data
+    assert (given.train, given.eval) == (f"{here}::train", "openai/gsm8k:main:test")
 
 
 def test_resume_refuses_another_model_or_another_directory(tmp_path, capsys):

@@ -255,6 +255,7 @@ def compare(
         if key.startswith("model.lora."):
             raise ValueError(f"{override}: {NO_LORA}")
     out.mkdir(parents=True, exist_ok=True)
+    out = out.resolve()  # (the runs name the cold start by it: the same from any directory)
     start = time.perf_counter()
     base = [*with_preset(preset, overrides), "log.progress=false", "log.plots=false"]
     checkpoint = cold_start_checkpoint(base, config_path, out, log)

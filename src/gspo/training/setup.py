@@ -297,9 +297,15 @@ def with_absolute_paths(config: Config) -> Config:
             return value
         return str(Path(value).expanduser().resolve())
 
+    def data(value: Any) -> Any:  # a file or directory, or a local DIR:CONFIG:SPLIT
+        source, sep, rest = value.partition(":") if isinstance(value, str) else ("", "", "")
+        if local(value) != value or not sep or not Path(source).expanduser().is_dir():
+            return local(value)
+        return f"{local(source)}:{rest}"
+
     keys = {
         "model": {"path": local},
-        "data": {"train": local, "eval": local, "sft": local},
+        "data": {"train": data, "eval": data, "sft": data},
         "reward": {"functions": lambda specs: [absolute_spec(f) for f in specs]},
         "rollout": {"environment": absolute_spec},
         "train": {"cold_start_cache_dir": local},
