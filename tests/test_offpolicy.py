@@ -94,7 +94,8 @@ def comparable(record):
                 "algorithm.correction_min=2",
                 "algorithm.correction_max=1",
             ],
-            "correction_min (2.0) must be below algorithm.correction_max (1.0;",
+            "algorithm.correction_min (2.0) must be below algorithm.correction_max (1.0): "
+            "every token would be dropped",
         ),
         # one bound set past the mode's other, default, bound: every token dropped
         (
@@ -103,8 +104,8 @@ def comparable(record):
                 "algorithm.rollout_correction=token_mask",
                 "algorithm.correction_max=0.4",
             ],
-            "correction_min (0.5) must be below algorithm.correction_max (0.4; null: "
-            "token_mask's own bound)",
+            "algorithm.correction_min (0.5, token_mask's own bound) must be below "
+            "algorithm.correction_max (0.4)",
         ),
         (
             [
@@ -112,7 +113,8 @@ def comparable(record):
                 "algorithm.rollout_correction=sequence_mask",
                 "algorithm.correction_min=1.5",
             ],
-            "correction_min (1.5) must be below algorithm.correction_max (1.001;",
+            "algorithm.correction_min (1.5) must be below algorithm.correction_max (1.001, "
+            "sequence_mask's own bound): every response would be dropped",
         ),
         (["rollout.filter_max_rounds=0"], "rollout.filter_max_rounds"),
     ],

@@ -139,9 +139,16 @@ class AlgorithmConfig(Section):
             low = low if self.correction_min is None else self.correction_min
             high = high if self.correction_max is None else self.correction_max
             if low >= high:  # (every token or response dropped: nothing learned)
+                mode = self.rollout_correction
+
+                def said(key: str, value: float, given: float | None) -> str:
+                    own = f", {mode}'s own bound" if given is None else ""
+                    return f"algorithm.{key} ({value}{own})"
+
                 raise ValueError(
-                    f"algorithm.correction_min ({low}) must be below algorithm.correction_max "
-                    f"({high}; null: {self.rollout_correction}'s own bound)"
+                    f"{said('correction_min', low, self.correction_min)} must be below "
+                    f"{said('correction_max', high, self.correction_max)}: every "
+                    f"{'token' if mode == 'token_mask' else 'response'} would be dropped"
                 )
 
 

@@ -28,8 +28,10 @@ class RewardResult:
     per_function: dict[str, list[float | None]]
 
 
-#: The largest float32: rewards (and their weighted sums) are float32 tensors.
-FLOAT32_MAX = 3.4028234663852886e38
+#: The largest reward magnitude: rewards are float32 tensors, and a group's standard
+#: deviation squares them (float32 holds 3.4e38: past ~1e19 the squares overflow and
+#: every advantage of the group is silently 0).
+REWARD_MAX = 1e18
 
 
 def _check_value(name: str, index: int, value: Any) -> float | None:
@@ -54,10 +56,11 @@ def _check_value(name: str, index: int, value: Any) -> float | None:
             f"reward function {name!r} returned a non-finite value at index {index}: "
             f"{converted} (use None for 'not applicable')"
         )
-    if abs(converted) > FLOAT32_MAX:
+    if abs(converted) > REWARD_MAX:
         raise RewardError(
             f"reward function {name!r} returned {converted:g} at index {index}: beyond "
-            f"float32's range (±{FLOAT32_MAX:.2g}), which rewards are held in; scale it down"
+            f"±{REWARD_MAX:g}, past which float32 statistics of the rewards overflow; "
+            "scale it down"
         )
     return converted
 
@@ -229,11 +232,11 @@ class RewardFunctions:
                 value = per_function[name][i]
                 if value is not None:
                     total += weight * value
-            if not abs(total) <= FLOAT32_MAX:
+            if not abs(total) <= REWARD_MAX:
                 raise RewardError(
                     f"the weighted sum of {', '.join(map(repr, self.names))} at index {i} is "
-                    f"{total:g}: beyond float32's range (±{FLOAT32_MAX:.2g}); lower "
-                    "reward.weights or the values"
+                    f"{total:g}: beyond ±{REWARD_MAX:g}, past which float32 statistics of "
+                    "the rewards overflow; lower reward.weights or the values"
                 )
             rewards.append(total)
         return RewardResult(rewards=rewards, per_function=per_function)
