@@ -283,7 +283,9 @@ def test_verdict_rules():
     # both at 0.000 -> 0.000 on every seed: "trains as well" of runs that learned nothing
     # (reproduced before: a gap of 0 within an error bar of 0)
     flat = verdicts(summary(0.15, 0.001, 0.0, 0.0, start=0.0, sd=0.0), "default")[0]
-    assert flat["verdict"] == INCONCLUSIVE and "accuracy moved from its start" in flat["figures"]
+    assert flat["verdict"] == INCONCLUSIVE and "from its start (train longer)" in flat["figures"]
+    top = verdicts(summary(0.15, 0.001, 1.0, 1.0, start=1.0, sd=0.0), "default")[0]
+    assert "(a harder task: both start at the ceiling)" in top["figures"]
 
 
 def test_verdicts_on_runs_that_cannot_show_the_claim_are_inconclusive():
@@ -324,6 +326,10 @@ def test_report_cells_never_print_nan():
     assert pm(0.5, 0.01) == "0.500 ± 0.010"
     assert pm(0.5, math.nan) == "0.500"  # one seed, one dump: no error to give
     assert pm(math.nan, math.nan) == "n/a"  # before: nan ± nan
+    from gspo.experiments.report import spread
+
+    assert math.isnan(spread({"accuracy_sd": 0.0, "seeds": [0]}))  # one seed: "± 0.000" before
+    assert spread({"accuracy_sd": 0.1, "seeds": [0, 1]}) == 0.1
 
 
 def test_trainer_dumps_the_ratios_its_loss_saw(tmp_path, tiny):

@@ -204,6 +204,8 @@ def test_a_collective_broken_by_another_rank_is_one_line(tmp_path, monkeypatch, 
         f"own line says why; gspo train --resume {tmp_path / 'run'} continues from the last "
         "checkpoint\n"
     )
+    assert main(["train", CPU]) == 2  # the default run directory, not "DIR"
+    assert "gspo train --resume runs/gspo continues" in capsys.readouterr().err
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(RuntimeError, match="Connection reset"):
         main(args)

@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+DEFAULT_RUN = Path("runs/gspo")  # gspo train's --output-dir by default
+
+
 class Once(argparse.Action):
     """An option given at most once (a second ``--config`` silently replaced the first)."""
 
@@ -200,7 +203,7 @@ def train_config(args: argparse.Namespace) -> tuple[Config, Path]:
         config = resume_config(output_dir, args.overrides)
     else:
         config = load_config(args.config, args.overrides)
-        output_dir = (args.output_dir or Path("runs/gspo")).expanduser()
+        output_dir = run_directory(args).expanduser()
         if output_dir.exists() and not output_dir.is_dir():
             raise ValueError(f"--output-dir {output_dir}: is a file, not a directory")
         if (output_dir / CHECKPOINTS).exists() and not args.overwrite:
@@ -293,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         if os.environ.get("GSPO_DEBUG") or not peer_gone(exc):
             raise
-        run = getattr(args, "resume", None) or getattr(args, "output_dir", None) or "DIR"
+        run = run_directory(args)
         print(
             f"gspo: error (rank {os.environ.get('RANK')}): another rank stopped (the process "
             f"group broke: {str(exc).strip().splitlines()[0][:160]}); its own line says why; "
@@ -305,10 +308,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "compare":  # its runs are reused and resumed by the same command
             hint = "run the same gspo compare again: finished runs are reused, the rest resumed"
         else:
-            run = getattr(args, "resume", None) or getattr(args, "output_dir", None) or "DIR"
+            run = run_directory(args)
             hint = f"resume with gspo train --resume {run}"
         print(f"gspo: interrupted; {hint}", file=sys.stderr)
         return 130
+
+
+def run_directory(args: argparse.Namespace) -> Path:
+    """The run ``gspo train`` works on: ``--resume DIR``, ``--output-dir DIR``, or the
+    default ``runs/gspo``."""
+    return getattr(args, "resume", None) or getattr(args, "output_dir", None) or DEFAULT_RUN
 
 
 def peer_gone(exc: BaseException) -> bool:

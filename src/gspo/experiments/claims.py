@@ -67,10 +67,9 @@ def verdicts(summary: Mapping[str, Mapping[str, Any]], preset: str) -> list[dict
         verdict = INCONCLUSIVE
     elif not moved > 0:  # "trains as well" of runs that learned nothing says nothing
         verdict = INCONCLUSIVE
-        figures += (
-            "; neither algorithm's held-out accuracy moved from its start (train longer or "
-            "on an easier task)"
-        )
+        ceiling = min(s["accuracy_start"] for s in (gspo, grpo)) >= 0.99
+        how = "a harder task: both start at the ceiling" if ceiling else "train longer"
+        figures += f"; neither algorithm's held-out accuracy moved from its start ({how})"
     elif n < 2 and clip_x >= 10:  # one seed: the accuracies have no error bar
         verdict = INCONCLUSIVE
         figures += "; one seed gives the accuracy no error bar (--seeds 2 or more)"

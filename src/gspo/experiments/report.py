@@ -160,7 +160,7 @@ def report_markdown(
     ]
     for name, s in summary.items():
         lines.append(
-            f"| {name} | {s['accuracy_start']:.3f} -> {pm(s['accuracy'], s['accuracy_sd'])} | "
+            f"| {name} | {s['accuracy_start']:.3f} -> {pm(s['accuracy'], spread(s))} | "
             f"{s['accuracy_greedy']:.3f} | {s['reward_tail']:.3f} | "
             f"{s['clip_fraction']:.4f} | {s['token_log_ratio_sd']:.2e} | "
             f"{s['sequence_log_ratio_sd']:.2e} | {s['seconds']:.0f} |"
@@ -252,6 +252,11 @@ def report_html(markdown: str, out: Path) -> str:
         f"<!doctype html><html><head><meta charset='utf-8'><title>gspo compare</title>"
         f"<style>{style}</style></head><body>{body}</body></html>\n"
     )
+
+
+def spread(s: Mapping[str, Any]) -> float:
+    """The accuracy's sd over seeds; none (NaN) from one seed."""
+    return s["accuracy_sd"] if len(s.get("seeds", ())) > 1 else math.nan
 
 
 def pm(value: float, error: float) -> str:
