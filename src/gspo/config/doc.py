@@ -36,7 +36,7 @@ sections below, plus dotted `key.sub=value` overrides anywhere on the command li
 (`data.prompt_template='Q: {{question}} A:'`; `null` for None where the key allows it);
 every other value is parsed as YAML, as the file is (`1e3` and `3e-4` are numbers; anchors,
 `<<` merges and dotted keys such as `optim.lr: 3e-4` work there). A mapping given to a
-section (`optim='{lr: 3e-4}'`) sets those keys and keeps the file's others; a key whose
+section (`optim='{{lr: 3e-4}}'`) sets those keys and keeps the file's others; a key whose
 value is a mapping (`data.chat_template_kwargs`) is replaced whole. Every key is optional;
 unknown keys and bad values stop with one line naming the key. `gspo config [--config
 FILE.yaml] [key.sub=value ...]` prints the resolved configuration, and every run saves it
