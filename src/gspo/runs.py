@@ -169,11 +169,8 @@ def not_a_run(out: Path, how: str) -> str | None:
             "and continues from its newest checkpoint"
         )
     if not (out / "config.yaml").is_file():
-        return (
-            "does not exist (no config.yaml)"
-            if not out.exists()
-            else ("is not a gspo run (no config.yaml)")
-        )
+        what = "is not a gspo run" if out.exists() else "does not exist"
+        return f"{what} (no config.yaml)"
     return None
 
 
