@@ -131,6 +131,13 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
+def _leaves(dotted: str, value: Any) -> list[str]:
+    """The dotted keys of every value under ``dotted`` (``value`` a tree of mappings)."""
+    if not isinstance(value, dict) or not value:
+        return [dotted]
+    return [leaf for k, v in value.items() for leaf in _leaves(f"{dotted}.{k}", v)]
+
+
 def _get_dotted(tree: dict[str, Any], dotted: str) -> tuple[bool, Any]:
     """``(True, tree['a']['b'])`` for ``dotted = 'a.b'``, or ``(False, None)`` if unset."""
     node: Any = tree
@@ -176,6 +183,9 @@ def load_config(
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         tree = {}
         for key, value in (loaded or {}).items():  # (a dotted key, optim.lr: 0.5, as nested)
+            twice = next((k for k in _leaves(str(key), value) if _get_dotted(tree, k)[0]), None)
+            if twice is not None:  # optim.lr: and optim: {lr:} in one file
+                raise ConfigError(f"{path}: {twice} is written twice (once as {key})")
             set_dotted(tree, str(key), value)
     for text in overrides:
         key, value = parse_override(text)
