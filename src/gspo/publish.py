@@ -83,25 +83,30 @@ def megabytes(n: float) -> str:
 def is_disk_full(exc: BaseException | None) -> bool:
     """Whether ``exc``, or what caused it, is a full disk: ``ENOSPC``/``EDQUOT``, or how
     torch (``enforce fail at inline_container``: a failed write) and safetensors say it."""
-    return _caused_by(exc, (errno.ENOSPC, errno.EDQUOT), ("No space left", "os error 28"))
+
+    def says(text: str) -> bool:
+        return any(t in text for t in ("No space left", "os error 28")) or (
+            "inline_container" in text and "write" in text
+        )
+
+    return _caused_by(exc, (errno.ENOSPC, errno.EDQUOT), says)
 
 
 def is_file_too_large(exc: BaseException | None) -> bool:
     """Whether ``exc``, or what caused it, is ``EFBIG``: a limit on one file's size (``ulimit
     -f``, or the filesystem's largest file), as Python, torch or safetensors say it."""
-    return _caused_by(exc, (errno.EFBIG,), ("File too large", "os error 27"))
+    return _caused_by(exc, (errno.EFBIG,), lambda t: "File too large" in t or "os error 27" in t)
 
 
-def _caused_by(exc: BaseException | None, numbers: tuple[int, ...], texts: tuple[str, ...]) -> bool:
+def _caused_by(
+    exc: BaseException | None, numbers: tuple[int, ...], says: Callable[[str], bool]
+) -> bool:
+    """Whether ``exc`` or an exception in its chain is an ``OSError`` of one of the
+    ``numbers``, or its text ``says`` so (torch and safetensors wrap the error in text)."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in numbers:
-            return True
-        text = str(exc)
-        if any(t in text for t in texts):
-            return True
-        if errno.ENOSPC in numbers and "inline_container" in text and "write" in text:
+        if (isinstance(exc, OSError) and exc.errno in numbers) or says(str(exc)):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
@@ -334,12 +339,13 @@ def staged(
             reached = tree_bytes(tmp) if main else 0
             if main:
                 shutil.rmtree(tmp, ignore_errors=True)
-            full = is_disk_full(failure) or any(is_disk_full(OSError(f)) for f in failures if f)
-            if full:  # (every rank raises the same line)
+
+            def anywhere(test: Callable[[BaseException | None], bool]) -> bool:
+                return test(failure) or any(test(OSError(f)) for f in failures if f)
+
+            if anywhere(is_disk_full):  # (every rank raises the same line)
                 raise disk_full(final, needs, reached) from failure
-            if is_file_too_large(failure) or any(
-                is_file_too_large(OSError(f)) for f in failures if f
-            ):
+            if anywhere(is_file_too_large):
                 raise OSError(
                     errno.EFBIG,
                     f"File too large writing {final}: a limit on one file's size stopped it "

@@ -32,7 +32,7 @@ from gspo.chat import stop_token_ids
 from gspo.config import Config, dump_config, dump_config_text
 from gspo.distributed import Distributed, rank_device
 from gspo.engines import SamplingParams
-from gspo.models import model_context, resolve_dtype
+from gspo.models import resolve_dtype
 from gspo.rewards.runner import leave_if_starting_a_worker
 from gspo.telemetry import (
     MetricsLogger,
@@ -51,17 +51,18 @@ from gspo.training.checkpoint import (
     take_checkpoint,
 )
 from gspo.training.cold_start import cold_start, drop_progress
-from gspo.training.episodes import build_generator, encode_prompts, sft_encoder
+from gspo.training.episodes import build_generator, sft_encoder, task_prompt_ids
 from gspo.training.evaluation import Evaluator, evaluated_at_start
 from gspo.training.forward import build_forward
 from gspo.training.hooks import EmptyLossWarning, OnPolicyClipWarning, build_hooks
+from gspo.training.lora import seed_adapter_dropout
 from gspo.training.memory import loading_model, out_of_memory
 from gspo.training.metrics import combine, crossed, metric_reduction, rollout_clip_fractions
 from gspo.training.policy import Policy
 from gspo.training.reference import Reference
 from gspo.training.rollout import RolloutStage, Scorer
-from gspo.training.sampler import PolicySampler, build_engine, rollout_context
-from gspo.training.seeds import derive_seed, rank_seed
+from gspo.training.sampler import PolicySampler, build_engine
+from gspo.training.seeds import derive_seed
 from gspo.training.setup import (
     build_policy_model,
     check_reward_columns,
@@ -159,21 +160,8 @@ class Trainer:
             self.cold_start_done = True
 
         # the stages, and the hooks attached to the update stage
-        _, learned = model_context(self.policy.module)
-        context, context_key = rollout_context(config, self.policy.module)
-        self.train_prompt_ids, eval_prompt_ids = (
-            encode_prompts(
-                config,
-                self.generator,
-                self.tokenizer,
-                rows,
-                name=name,
-                context=context,
-                learned_positions=learned,
-                context_key=context_key,
-                say=dist.is_main,
-            )
-            for name, rows in (("data.train", self.data.train), ("data.eval", self.data.eval))
+        self.train_prompt_ids, eval_prompt_ids = task_prompt_ids(
+            config, self.generator, self.tokenizer, self.policy.module, self.data, say=dist.is_main
         )
         sampling = SamplingParams(
             max_new_tokens=config.rollout.max_new_tokens,
@@ -218,10 +206,7 @@ class Trainer:
             background=config.train.background_checkpoints and not dist.enabled,
         )
         self.writer_tokenizer = None  # (the tokenizer background writes save)
-        # a resumed run that has nothing left to do keeps the config.yaml it trained with
-        finished = checkpoint is not None and self.step > 0
-        finished &= self.step // config.algorithm.minibatches >= config.rollout_batches
-        if dist.is_main and not finished:
+        if dist.is_main and not self.finished:  # (a finished run keeps what it trained with)
             dump_config(config, out / "config.yaml")
         if checkpoint is None:
             self.logger.log(0, summary)
@@ -254,16 +239,19 @@ class Trainer:
         return combine(self.dist, self.config.algorithm.level, metrics)
 
     # ------------------------------------------------------------------ the loop
+    @property
+    def finished(self) -> bool:
+        """Whether a resumed run already took its ``train.max_steps`` (nothing to do)."""
+        cfg = self.config
+        return self.step > 0 and self.step // cfg.algorithm.minibatches >= cfg.rollout_batches
+
     def rl_step(self, rollout_index: int) -> list[tuple[int, dict[str, float]]]:
         """One rollout batch: sample, score, ``algorithm.minibatches`` updates; log lines.
 
         The last line also carries the batch's on- and off-policy clip fractions.
         """
         start = time.perf_counter()
-        if self.config.model.lora.dropout > 0:  # PEFT's dropout draws from torch's own
-            torch.manual_seed(
-                rank_seed(self.config.train.seed, self.dist, "dropout", rollout_index)
-            )
+        seed_adapter_dropout(self.config, self.dist, rollout_index)
         # generation names its own settings (RolloutStage.generated); the rest is pi_old
         with out_of_memory("rollout", self.config):
             experience = self.rollouts.experience(rollout_index)
@@ -335,7 +323,7 @@ class Trainer:
         drop_progress(self.output_dir / CHECKPOINTS, self.dist)
         show = cfg.log.progress and self.dist.is_main
         first = self.step // cfg.algorithm.minibatches
-        if first >= cfg.rollout_batches and self.step > 0 and self.dist.is_main:  # finished
+        if self.finished and self.dist.is_main:
             print(
                 f"the run already took its {self.step} steps (train.max_steps="
                 f"{cfg.train.max_steps} in whole rollout batches of "

@@ -33,6 +33,8 @@ from gspo.config import Config
 from gspo.distributed import rank_said
 from gspo.engines import RolloutBatch, SamplingParams, pad_batch
 from gspo.environments import EnvError, EnvironmentFactory, Episode
+from gspo.models import model_context
+from gspo.tasks import TaskData
 from gspo.training.cold_start import single_turn_encoder
 from gspo.training.sampler import (
     MODEL_CONTEXT,
@@ -488,6 +490,30 @@ def encode_prompts(
             print(f"gspo: warning: {said}: their responses {what}; {fix}",
                   file=sys.stderr, flush=True)  # fmt: skip
     return encoded
+
+
+def task_prompt_ids(
+    config: Config,
+    generate: SingleTurn | MultiTurn,
+    tokenizer,
+    module: torch.nn.Module,
+    data: TaskData,
+    *,
+    say: bool = True,
+) -> tuple[list[list[int]], list[list[int]]]:
+    """``data.train``'s and ``data.eval``'s prompts as token ids (:func:`encode_prompts`),
+    checked against the context the rollouts have on ``module``
+    (:func:`gspo.training.sampler.rollout_context`)."""
+    _, learned = model_context(module)
+    context, context_key = rollout_context(config, module)
+    train, held_out = (
+        encode_prompts(
+            config, generate, tokenizer, rows, name=name, context=context,
+            learned_positions=learned, context_key=context_key, say=say,
+        )
+        for name, rows in (("data.train", data.train), ("data.eval", data.eval))
+    )  # fmt: skip
+    return train, held_out
 
 
 def sft_encoder(

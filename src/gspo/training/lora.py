@@ -20,8 +20,10 @@ from pathlib import Path
 
 import torch
 
-from gspo.config import LoraSettings
+from gspo.config import Config, LoraSettings
+from gspo.distributed import Distributed
 from gspo.models.loading import MODEL_FINGERPRINT, fingerprint_change
+from gspo.training.seeds import rank_seed
 
 #: PEFT's file names in a LoRA checkpoint.
 ADAPTER_CONFIG = "adapter_config.json"
@@ -46,6 +48,14 @@ def quiet_peft() -> Iterator[None]:
         # GPT-2's Conv1D layers: PEFT sets fan_in_fan_out itself, and says so
         warnings.filterwarnings("ignore", "fan_in_fan_out is set to False", UserWarning)
         yield
+
+
+def seed_adapter_dropout(config: Config, dist: Distributed, rollout_index: int) -> None:
+    """With ``model.lora.dropout > 0``: torch's global generator, which PEFT's dropout
+    draws from, seeded for rollout batch ``rollout_index`` from ``train.seed``, so a run
+    and its resume drop the same inputs (unseeded, each run drew its own)."""
+    if config.model.lora.dropout > 0:
+        torch.manual_seed(rank_seed(config.train.seed, dist, "dropout", rollout_index))
 
 
 def is_lora(model: torch.nn.Module) -> bool:

@@ -298,10 +298,10 @@ def with_absolute_paths(config: Config) -> Config:
         return str(Path(value).expanduser().resolve())
 
     def data(value: Any) -> Any:  # a file or directory, or a local DIR:CONFIG:SPLIT
-        source, sep, rest = value.partition(":") if isinstance(value, str) else ("", "", "")
-        if local(value) != value or not sep or not Path(source).expanduser().is_dir():
+        if not isinstance(value, str) or Path(value).expanduser().exists():
             return local(value)
-        return f"{local(source)}:{rest}"
+        source, sep, rest = value.partition(":")
+        return f"{local(source)}:{rest}" if sep and Path(source).expanduser().is_dir() else value
 
     keys = {
         "model": {"path": local},
