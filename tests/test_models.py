@@ -294,6 +294,24 @@ def test_chunked_entropy_equals_full_logits_in_value_and_gradient(chunk):
     assert torch.equal(plain, lp.detach())
 
 
+def test_a_ruled_out_token_leaves_the_entropy_finite_and_its_gradient_too():
+    """A logit of -inf (a token the model rules out) has probability 0 and adds nothing to
+    the entropy: the value and gradient are those of the other tokens alone, not NaN."""
+    gen = torch.Generator().manual_seed(4)
+    finite = torch.randn(2, 3, 6, generator=gen)
+    logits = torch.cat([finite, torch.full((2, 3, 2), -math.inf)], -1).requires_grad_()
+    ids = torch.randint(0, 6, (2, 3), generator=gen)
+    lp, ent = token_logprobs_from_logits(logits, ids, 0.7, with_entropy=True)
+    ent.sum().backward()
+    ref = finite.clone().requires_grad_()
+    ref_ent = _full_entropy(ref / 0.7)
+    ref_ent.sum().backward()
+    ref_lp = torch.log_softmax(finite / 0.7, -1).gather(-1, ids[..., None]).squeeze(-1)
+    assert torch.allclose(lp, ref_lp, atol=1e-6) and torch.allclose(ent, ref_ent, atol=1e-6)
+    assert torch.allclose(logits.grad[..., :6], ref.grad, atol=1e-6)
+    assert torch.equal(logits.grad[..., 6:], torch.zeros(2, 3, 2))
+
+
 def test_a_metric_entropy_is_the_same_values_once_and_without_a_graph(monkeypatch):
     """with_entropy="metric" (the entropy only logged): the log-probs, their gradients
     and the entropies of with_entropy=True, bitwise; the entropies carry no graph and

@@ -403,8 +403,12 @@ def _to(x: Tensor, device: torch.device) -> Tensor:
 
 
 def _entropy(logits: Tensor, logsumexp: Tensor) -> Tensor:
-    """Entropy of ``softmax(logits)`` along the last dimension, given its logsumexp."""
-    return logsumexp - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    """Entropy of ``softmax(logits)`` along the last dimension, given its logsumexp.
+
+    A token a model rules out (logit -inf, probability 0) adds nothing: ``0 * -inf`` would
+    make the entropy NaN, so such logits count at the dtype's lowest finite value."""
+    low = torch.finfo(logits.dtype).min
+    return logsumexp - (torch.softmax(logits, dim=-1) * logits.clamp_min(low)).sum(-1)
 
 
 def _pack(lengths: list[int], pack_tokens: int) -> tuple[list[tuple[int, int]], list[int]]:
