@@ -129,6 +129,20 @@ class ModelConfig(Section):
     def _home(cls, value: str | None) -> str | None:
         return None if value is None else os.path.expanduser(value)
 
+    @field_validator("device")
+    @classmethod
+    def _torch_device(cls, value: str) -> str:
+        """A device torch can name (``gpu`` is not one); whether this machine has it is
+        checked when a run starts."""
+        if value != "auto":
+            import torch
+
+            try:
+                torch.device(value)
+            except RuntimeError:
+                raise ValueError("not a torch device (auto, cpu, cuda, cuda:1)") from None
+        return value
+
     def check_builtin_shape(self) -> None:
         """The built-in model's sizes fit together (a ``model.path`` brings its own)."""
         if self.path is None:
