@@ -475,11 +475,19 @@ def test_settings_that_another_setting_makes_moot_are_warned():
     ]
     with_r = ["model.lora.r=4", "model.lora.target_modules=[q_proj]", "train.cold_start_steps=0"]
     assert load_config(None, with_r).warnings() == []
-    assert load_config(None, [*with_r, "model.lora.dropout=0.05"]).warnings() == [
-        "model.lora.dropout=0.05: the update's forward drops adapter inputs the sampler kept, "
-        "so on-policy ratios are not 1 and GSPO's narrow clip range clips responses of the "
-        "on-policy minibatch (0 keeps them 1)"
+    # dropout: pi_old recomputed under the update's masks (auto), unless it cannot be
+    dropout = [*with_r, "model.lora.dropout=0.05"]
+    assert load_config(None, dropout).warnings() == []
+    assert load_config(None, [*dropout, "algorithm.old_logprobs=sampler"]).warnings() == [
+        "model.lora.dropout=0.05: the update's forward drops adapter inputs that the "
+        "sampler's log-probs (algorithm.old_logprobs=sampler) kept, so on-policy ratios are "
+        "not 1 and GSPO's narrow clip range clips responses of the on-policy minibatch (0 "
+        "keeps them 1)"
     ]
+    assert (
+        "the async producer's pi_old (rollout.max_staleness > 0)"
+        in load_config(None, [*dropout, "rollout.max_staleness=1"]).warnings()[0]
+    )
     rounds = ["rollout.filter_max_rounds=8"]  # ignored without filter_groups, unsaid before
     assert load_config(None, rounds).warnings() == [
         "rollout.filter_max_rounds is set but rollout.filter_groups=false: no group is "

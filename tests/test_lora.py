@@ -111,17 +111,55 @@ def test_merged_copy_equals_the_adapter_model_and_leaves_it_untouched(tmp_path, 
                               atol=1e-5)  # fmt: skip
 
 
-def test_lora_dropout_draws_are_seeded(tmp_path, varied_reward):
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_lora_dropout_draws_are_seeded(tmp_path, varied_reward, ahead):
     """PEFT's dropout draws from torch's global generator, which nothing seeded: two runs
-    of one config differed, and a resumed run from the uninterrupted one."""
+    of one config differed, and a resumed run from the uninterrupted one. An async
+    producer's recompute, in a thread of its own, drew from it too."""
     for name in "ab":
-        lora_run(tmp_path, varied_reward, "model.lora.dropout=0.1", name=name)
+        staleness = f"rollout.max_staleness={ahead}"
+        lora_run(tmp_path, varied_reward, "model.lora.dropout=0.1", staleness, name=name)
     norms = [
         [r["train/grad_norm"] for r in read_metrics(tmp_path / n / "metrics.jsonl")
          if "train/grad_norm" in r]
         for n in "ab"
     ]  # fmt: skip
     assert len(norms[0]) == 4 and norms[0] == norms[1]
+
+
+@pytest.mark.parametrize("old_logprobs", ["auto", "recompute", "sampler"])
+def test_with_lora_dropout_pi_old_is_recomputed_under_the_updates_own_masks(
+    tmp_path, varied_reward, monkeypatch, old_logprobs
+):
+    """With dropout the update's forward drops adapter inputs the sampler kept. auto
+    recomputes pi_old, each minibatch under the masks its update's forward then draws:
+    on unchanged weights (lr 1e-30, random lora_B so that dropout matters) every ratio of
+    every minibatch is exactly 1. The sampler's log-probs (no dropout) clip instead; so
+    did the recompute under masks of its own."""
+    import gspo.training.setup as setup
+
+    attach = setup.attach_lora
+
+    def random_b(*args, **kwargs):
+        model = attach(*args, **kwargs)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        return model
+
+    monkeypatch.setattr(setup, "attach_lora", random_b)
+    lora_run(tmp_path, varied_reward, "model.lora.dropout=0.3", "optim.lr=1e-30",
+             f"algorithm.old_logprobs={old_logprobs}", "rollout.max_new_tokens=8")  # fmt: skip
+    lines = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "train/ratio_max" in r]
+    assert len(lines) == 4 and {r["train/minibatch"] for r in lines} == {0, 1}
+    ratios = [(r["train/ratio_min"], r["train/ratio_max"]) for r in lines]
+    if old_logprobs != "sampler":
+        assert all(r == (1.0, 1.0) and "mismatch/token_abs_max" in line
+                   for r, line in zip(ratios, lines, strict=True))  # fmt: skip
+    else:
+        assert max(hi - lo for lo, hi in ratios) > 1e-3
 
 
 def test_a_moved_lora_run_finds_its_own_base_model(tmp_path, varied_reward, capsys):

@@ -55,7 +55,7 @@ from gspo.training.episodes import build_generator, sft_encoder, task_prompt_ids
 from gspo.training.evaluation import Evaluator, evaluated_at_start
 from gspo.training.forward import build_forward
 from gspo.training.hooks import EmptyLossWarning, OnPolicyClipWarning, build_hooks
-from gspo.training.lora import seed_adapter_dropout
+from gspo.training.lora import adapter_dropout_seed
 from gspo.training.memory import loading_model, out_of_memory
 from gspo.training.metrics import combine, crossed, metric_reduction, rollout_clip_fractions
 from gspo.training.policy import Policy
@@ -251,7 +251,7 @@ class Trainer:
         The last line also carries the batch's on- and off-policy clip fractions.
         """
         start = time.perf_counter()
-        seed_adapter_dropout(self.config, self.dist, rollout_index)
+        self.policy.dropout_seed = adapter_dropout_seed(self.config, self.dist, rollout_index)
         # generation names its own settings (RolloutStage.generated); the rest is pi_old
         with out_of_memory("rollout", self.config):
             experience = self.rollouts.experience(rollout_index)

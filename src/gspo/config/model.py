@@ -22,7 +22,13 @@ class LoraSettings(Section):
     alpha: float = Field(
         32.0, gt=0.0, description="LoRA alpha: the adapter's update is scaled by alpha / r"
     )
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input")
+    dropout: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Dropout on the adapters' input; pi_old is then recomputed under each "
+        "minibatch's own masks (algorithm.old_logprobs=auto), so on-policy ratios stay 1",
+    )
     target_modules: str | list[str] = Field(
         "all-linear",
         description="Modules that get adapters: all-linear (every linear layer but the "

@@ -111,10 +111,16 @@ class Config(Section):
                 f"model.lora.{unused[0]} is set but model.lora.r=0 (full fine-tuning): the "
                 "LoRA settings do nothing (set model.lora.r > 0 for adapters)"
             )
-        if lora.r > 0 and lora.dropout > 0:
+        unmatched = self.algorithm.old_logprobs == "sampler" or self.rollout.max_staleness > 0
+        if lora.r > 0 and lora.dropout > 0 and unmatched:
+            pi_old = (
+                "the sampler's log-probs (algorithm.old_logprobs=sampler)"
+                if self.algorithm.old_logprobs == "sampler"
+                else "the async producer's pi_old (rollout.max_staleness > 0)"
+            )
             lines.append(
                 f"model.lora.dropout={lora.dropout:g}: the update's forward drops adapter "
-                "inputs the sampler kept, so on-policy ratios are not 1 and GSPO's narrow "
+                f"inputs that {pi_old} kept, so on-policy ratios are not 1 and GSPO's narrow "
                 "clip range clips responses of the on-policy minibatch (0 keeps them 1)"
             )
 

@@ -145,7 +145,9 @@ class AsyncRollouts:
         self.policy = policy
         self.checkpoint = checkpoint
         # the producer's own copy of the whole weights (a plain HF module)
-        self.module = copy.deepcopy(policy.replica()).requires_grad_(False)
+        # in eval mode: its pi_old recompute, in a thread of its own, draws no dropout
+        # masks from torch's global generator, which the update's forward seeds and uses
+        self.module = copy.deepcopy(policy.replica()).requires_grad_(False).eval()
         for p in self.module.parameters():
             p.grad = None
         if config.rollout.engine == "torch":

@@ -62,7 +62,9 @@ def recomputes_old_logprobs(config: Config, compute_dtype: torch.dtype) -> bool:
     even with the float32 head (docs/precision.md), so the on-policy minibatch would
     clip; vLLM with ``top_p < 1`` reports the truncated distribution's log-probs, and
     vLLM does not round the head's weight to bf16 (``model.head_precision=bf16_weight``:
-    the trainer's head alone does, and the on-policy minibatch clipped in float32).
+    the trainer's head alone does, and the on-policy minibatch clipped in float32). With
+    LoRA dropout the sampler keeps every input and the update drops some: the recompute
+    drops the update's own (:meth:`Policy.same_dropout`).
     """
     algorithm, source = config.algorithm, config.algorithm.old_logprobs
     if source != "auto":
@@ -70,11 +72,13 @@ def recomputes_old_logprobs(config: Config, compute_dtype: torch.dtype) -> bool:
     vllm = config.rollout.engine == "vllm"
     other_head = vllm and config.model.head_precision == "bf16_weight"
     truncated = vllm and config.rollout.top_p < 1.0
+    dropout = config.model.lora.r > 0 and config.model.lora.dropout > 0
     return (
         compute_dtype != torch.float32
         or algorithm.rollout_correction != "none"
         or truncated
         or other_head
+        or dropout
     )
 
 
@@ -99,13 +103,21 @@ def per_minibatch(
     logprobs: Callable[[RolloutBatch], torch.Tensor],
     batch: RolloutBatch,
     minibatches: list[torch.Tensor],
+    *,
+    first: bool = True,
+    before: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
     """``logprobs`` of each minibatch ``[N, T]``, one no-grad forward per minibatch on the
     layout ``batch.select`` gives the training forward: the same sums in the same order as
-    the update's own forward of those rows."""
+    the update's own forward of those rows. Without ``first`` minibatch 0's rows are left
+    at 0; ``before(k)`` runs before minibatch ``k``'s forward."""
     out = torch.zeros_like(batch.sampler_logprobs)
     with torch.no_grad():
-        for rows in minibatches:
+        for k, rows in enumerate(minibatches):
+            if k == 0 and not first:
+                continue
+            if before is not None:
+                before(k)
             lp = logprobs(batch.select(rows))
             out[rows, : lp.shape[1]] = lp
     return out
@@ -116,9 +128,12 @@ def recompute_per_minibatch(
 ) -> torch.Tensor:
     """pi_old's log-probs ``[N, T]`` by :func:`per_minibatch` (one forward over the whole
     batch packs rows differently, and under bf16 that moved a short response's mean
-    log-ratio past GSPO's 3e-4 clip on the on-policy step); without ``first`` minibatch
-    0's rows are left at 0, for its update's forward to fill."""
-    return per_minibatch(policy.logprobs, batch, minibatches if first else minibatches[1:])
+    log-ratio past GSPO's 3e-4 clip on the on-policy step), each minibatch under the
+    dropout masks of its update's forward; without ``first`` minibatch 0's rows are left
+    at 0, for its update's forward to fill."""
+    return per_minibatch(
+        policy.logprobs, batch, minibatches, first=first, before=policy.same_dropout
+    )
 
 
 class PlainForward:
@@ -203,6 +218,7 @@ class RoutedForward:
                     routing.append(None)
                     continue
                 mb = batch.select(rows)
+                self.policy.same_dropout(k)
                 with capture_routing(self.policy.module) as recorder:
                     lp = self.policy.logprobs(mb)
                 routing.append(recorder.experts)

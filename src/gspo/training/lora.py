@@ -50,12 +50,13 @@ def quiet_peft() -> Iterator[None]:
         yield
 
 
-def seed_adapter_dropout(config: Config, dist: Distributed, rollout_index: int) -> None:
-    """With ``model.lora.dropout > 0``: torch's global generator, which PEFT's dropout
-    draws from, seeded for rollout batch ``rollout_index`` from ``train.seed``, so a run
-    and its resume drop the same inputs (unseeded, each run drew its own)."""
-    if config.model.lora.dropout > 0:
-        torch.manual_seed(rank_seed(config.train.seed, dist, "dropout", rollout_index))
+def adapter_dropout_seed(config: Config, dist: Distributed, rollout_index: int) -> int | None:
+    """With ``model.lora.dropout > 0``: the seed of rollout batch ``rollout_index``'s
+    dropout masks (:meth:`Policy.same_dropout`), from ``train.seed``, so a run and its
+    resume drop the same inputs; None without dropout."""
+    if config.model.lora.r == 0 or config.model.lora.dropout == 0:
+        return None
+    return rank_seed(config.train.seed, dist, "dropout", rollout_index)
 
 
 def is_lora(model: torch.nn.Module) -> bool:

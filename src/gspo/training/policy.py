@@ -11,6 +11,7 @@ from gspo.distributed import Distributed, full_state_dict, shard_policy
 from gspo.engines import RolloutBatch
 from gspo.models import CompletionLogprobs, WithEntropy
 from gspo.training.lora import is_lora
+from gspo.training.seeds import derive_seed
 
 
 class Policy:
@@ -51,12 +52,22 @@ class Policy:
             shard_policy(self.forward, module, dist.world_size)
         self.version = 0
         self._replica_version = 0
+        #: the current rollout batch's dropout seed (LoRA dropout), None = no dropout
+        self.dropout_seed: int | None = None
 
     def parameters(self):
         return self.forward.parameters()
 
     def train(self) -> None:
         self.forward.train()
+
+    def same_dropout(self, k: int) -> None:
+        """Before a forward of minibatch ``k``: torch's global generator, which PEFT's
+        dropout draws from, seeded for that minibatch, so pi_old's recompute and the
+        update's forward of one minibatch drop the same inputs and the ratio is 1 on the
+        same weights (a no-op while ``dropout_seed`` is None)."""
+        if self.dropout_seed is not None:
+            torch.manual_seed(derive_seed(self.dropout_seed, k))
 
     def stepped(self) -> None:
         """Record that an optimizer step (or a checkpoint load) changed the weights."""

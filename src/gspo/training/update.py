@@ -163,6 +163,7 @@ class UpdateStage:
             hook.before_update(experience, k)
         start = time.perf_counter()
         mb = experience.minibatch(k)
+        self.update.policy.same_dropout(k)  # the masks of pi_old's recompute of these rows
         logprobs, entropy, router_loss = self.forward.logprobs(experience, mb)
         if experience.unsettled is not None:  # minibatch 0: this forward is pi_old's too
             mb = experience.settle(logprobs.detach())
