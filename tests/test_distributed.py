@@ -269,6 +269,61 @@ def torchrun(*args: str, timeout: int = 300, check: bool = True) -> subprocess.C
 
 
 @pytest.mark.slow
+def test_ranks_stop_once_their_launcher_is_killed(tmp_path):
+    """A torchrun launcher killed with SIGKILL cannot stop its ranks: they trained on to the
+    end as orphans, holding the run's lock. Each rank now sees its parent go and stops
+    within seconds, with one line."""
+    import contextlib
+    import signal
+    import time
+
+    out, log = tmp_path / "run", (tmp_path / "stderr").open("w")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", "-m", "gspo", "train", "--output-dir", str(out),
+               *SMALL_RUN, "train.max_steps=100000"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=env,
+                                start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not any("train/loss" in r for r in _lines(out / "metrics.jsonl")):
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+        assert len(children) == 2
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 30
+        while any(_alive(int(pid)) for pid in children):
+            assert time.monotonic() < deadline, "the ranks trained on without their launcher"
+            time.sleep(0.2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # whatever is left of the session
+            os.killpg(launcher.pid, signal.SIGKILL)
+        log.close()
+    # each rank one line: its launcher gone, or (if the other rank left first) the group
+    said = [line for line in (tmp_path / "stderr").read_text().splitlines()
+            if line.startswith("gspo: error (rank ")]  # fmt: skip
+    assert len(said) == 2 and any("the launcher (pid" in line for line in said), said
+    assert all("is gone" in line or "another rank stopped" in line for line in said), said
+
+
+def _lines(path: Path) -> list[dict]:
+    try:
+        return read_metrics(path)
+    except (FileNotFoundError, ValueError):
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow
 def test_two_ranks_with_half_each_take_the_one_process_step(tmp_path):
     """One optimizer step on a fixed batch: same loss, metrics and weights as one process."""
     check_two_ranks_take_the_one_process_step(tmp_path, CPU)

@@ -26,6 +26,9 @@ import contextlib
 import itertools
 import math
 import os
+import sys
+import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -136,7 +139,40 @@ def setup_distributed(device: str = "auto") -> Distributed:
         torch.cuda.set_device(resolved)
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("nccl" if resolved.type == "cuda" else "gloo")
+    watch_launcher(dist)
     return dist
+
+
+#: how often a rank looks whether its launcher is still there (seconds)
+LAUNCHER_POLL_S = 1.0
+
+
+def watch_launcher(dist: Distributed) -> None:
+    """Stop this rank once the process that started it (torchrun) is gone.
+
+    A torchrun launcher killed with SIGKILL cannot stop its ranks: they trained on to the
+    end as orphans, holding the run's lock, so ``--resume`` was refused meanwhile. A
+    daemon thread sees the parent change (the rank was adopted) and ends the process with
+    one line, as a kill would: checkpoints are never half-written. Started once a process.
+    """
+    parent = os.getppid()
+    name = "gspo-launcher-watch"
+    if parent == 1 or any(t.name == name for t in threading.enumerate()):
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(LAUNCHER_POLL_S)
+        print(
+            f"gspo: error (rank {dist.rank}): the launcher (pid {parent}) is gone, so this "
+            "rank stops; checkpoints already written are intact, and gspo train --resume "
+            "continues from the last",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+    threading.Thread(target=watch, name=name, daemon=True).start()
 
 
 def resolve_device(device: str) -> torch.device:
