@@ -497,6 +497,25 @@ def test_cold_start_rows_past_a_learned_position_table_are_cut_there(tmp_path, c
         Trainer(load_config(None, overrides), tmp_path / "again").fit()
 
 
+def test_a_tokenizer_without_a_pad_token_pads_with_eos_and_is_saved_without_one(tmp_path):
+    """gspo pads with EOS where a tokenizer has no pad token; its checkpoints and exports
+    saved that stand-in (pad = EOS: common SFT collators then mask every EOS label)."""
+    from transformers import AutoTokenizer
+
+    from gspo.models import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()  # its own: the fixture is the session's, shared
+    model = build_tiny_model(TinyModelSpec(layers=1, hidden=32, heads=2, kv_heads=1,
+                                           intermediate=64), tokenizer, seed=0)  # fmt: skip
+    tokenizer.pad_token = None
+    save_pretrained_atomic(model, tokenizer, tmp_path / "m")
+    model, loaded = load_model(tmp_path / "m", device=torch.device("cpu"), dtype=torch.float32)
+    assert loaded.pad_token_id == loaded.eos_token_id is not None
+    save_pretrained_atomic(model, loaded, tmp_path / "saved")
+    assert AutoTokenizer.from_pretrained(tmp_path / "saved").pad_token is None
+    assert loaded.pad_token_id == loaded.eos_token_id  # the run's own still pads with EOS
+
+
 def test_a_tokenizer_without_eos_is_one_line_before_a_cold_start(tmp_path):
     """The cold start ends each completion with EOS: it failed inside with "'NoneType'
     object cannot be interpreted as an integer"."""

@@ -3,6 +3,7 @@ checkpoint's pointer names), saved whole or not at all, and the compute dtype.""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -29,6 +30,12 @@ def quiet_transformers() -> None:
     logging.disable_progress_bar()
 
 
+#: Set on a tokenizer that had no pad token and pads with EOS in gspo: checkpoints and
+#: exports save it without one, as it came (a pad token equal to EOS makes common SFT
+#: collators mask every EOS label, so a model fine-tuned on the export never stops).
+PAD_FROM_EOS = "gspo_pads_with_eos"
+
+
 def save_pretrained(model, tokenizer, directory: str | Path, *, state_dict=None) -> None:
     """``save_pretrained`` model and tokenizer into ``directory`` (made if missing).
 
@@ -40,6 +47,9 @@ def save_pretrained(model, tokenizer, directory: str | Path, *, state_dict=None)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Setting `save_embedding_layers` to `True`")
         model.save_pretrained(directory, state_dict=state_dict)
+    if getattr(tokenizer, PAD_FROM_EOS, False):  # saved as it came, without the stand-in
+        tokenizer = copy.deepcopy(tokenizer)  # (a checkpoint is written beside the run)
+        tokenizer.pad_token = None
     tokenizer.save_pretrained(directory)
 
 
@@ -343,6 +353,7 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype, wa
     check_loaded_weights(path, info, warn=warn)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+        setattr(tokenizer, PAD_FROM_EOS, True)
     tokenizer.padding_side = "left"
     with loading_model(path, dtype=dtype, device=device):
         model.to(device)
