@@ -628,6 +628,45 @@ def test_a_multi_turn_run_trains_and_logs_episode_metrics(tmp_path, env_file):
     assert all(r["env/turns_mean"] > 1 for r in records if "env/turns_mean" in r)
 
 
+def test_an_environment_call_past_env_timeout_stops_the_run_in_one_line(tmp_path):
+    """An environment's step() that never returns hung the run for good, unsaid. With
+    rollout.env_timeout the run stops with one line naming the call; a call within the
+    limit (the constructor, reset) goes on as before."""
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "env.py").write_text(
+        "import time\n"
+        "class Sleeper:\n"
+        "    def reset(self, **row):\n"
+        "        return None\n"
+        "    def step(self, text):\n"
+        "        time.sleep(600)\n"
+    )
+    (tmp_path / "data.jsonl").write_text(
+        "\n".join(f'{{"prompt": "{a}+{a}=", "answer": "{2 * a}"}}' for a in range(10, 30))
+    )
+    overrides = [
+        *FAST, f"data.train={tmp_path / 'data.jsonl'}", f"data.eval={tmp_path / 'data.jsonl'}",
+        "train.cold_start_steps=0", f"rollout.environment={tmp_path / 'env.py'}:Sleeper",
+        "rollout.env_timeout=2", "train.max_steps=2", "reward.functions=[numeric_match]",
+    ]  # fmt: skip
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "gspo", "train", "--output-dir", str(tmp_path / "run"),
+         *overrides],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2 and time.monotonic() - start < 120
+    said = [line for line in done.stderr.splitlines() if line.startswith("gspo: error")]
+    assert said == [
+        f"gspo: error: environment '{tmp_path / 'env.py'}:Sleeper': step() did not return "
+        "within rollout.env_timeout=2 s; the run stops here (checkpoints already written "
+        "are intact; gspo train --resume continues from the last)"
+    ], done.stderr[-2000:]
+
+
 def test_environment_reward_is_the_default_and_workers_are_refused(tmp_path, env_file):
     from gspo.config import ConfigError
 

@@ -36,12 +36,15 @@ constructed, a ``reset`` that raises or a tool without a schema stops it with on
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
+import os
 import re
 import sys
+import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +52,38 @@ from gspo.plugins import load_object, missing_arguments, one_line, raised, run_c
 
 #: Methods with a meaning of their own: never tools.
 RESERVED = frozenset({"reset", "step", "get_reward", "close"})
+
+
+@contextlib.contextmanager
+def deadline(seconds: float | None, what: str) -> Iterator[None]:
+    """``what``, a call into an environment, must return within ``seconds`` (None: no
+    limit). It runs in the trainer's own process, where nothing can interrupt it, so past
+    the limit the process ends with one line, as a kill would: checkpoints are never
+    half-written, and ``--resume`` continues from the last."""
+    if seconds is None:
+        yield
+        return
+
+    def overran() -> None:
+        from gspo.distributed import rank_said
+
+        print(
+            f"gspo: error{rank_said()}: {what} did not return within "
+            f"rollout.env_timeout={seconds:g} s; the run stops here (checkpoints already "
+            "written are intact; gspo train --resume continues from the last)",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(2)
+
+    timer = threading.Timer(seconds, overran)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
 
 _CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 
@@ -138,7 +173,13 @@ class EnvironmentFactory:
     read the tools (and to fail early, with one line, if construction fails).
     """
 
-    def __init__(self, factory: str | Callable[..., Any], sample_row: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        factory: str | Callable[..., Any],
+        sample_row: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ):
+        self.timeout = timeout  # rollout.env_timeout: seconds each call may take
         if isinstance(factory, str):
             expected = "'path/to/env.py:Factory' or 'package.module:Factory'"
             self.name = factory
@@ -214,13 +255,8 @@ class EnvironmentFactory:
         parameter that is not a column, else ``Factory(**columns it names)``."""
         required, takes_all = self._required(), self._takes_all()
         try:
-            if not required and not takes_all:
-                made = self.factory()
-            elif len(required) == 1 and required[0].name not in row and not takes_all:
-                made = self.factory(row)
-            else:
-                what = f"environment {self.name!r}: its constructor"
-                made = self.factory(**accepted(self.factory, row, what))
+            with deadline(self.timeout, f"environment {self.name!r}: its constructor"):
+                made = self._construct(row, required, takes_all)
         except EnvError:
             raise
         except (Exception, SystemExit) as e:  # (sys.exit in user code: an error)
@@ -230,6 +266,18 @@ class EnvironmentFactory:
         if made is None:
             raise EnvError(f"environment {self.name!r}: the factory returned None")
         return made
+
+    def _construct(self, row: dict[str, Any], required: list, takes_all: bool) -> Any:
+        if not required and not takes_all:
+            return self.factory()
+        if len(required) == 1 and required[0].name not in row and not takes_all:
+            return self.factory(row)
+        what = f"environment {self.name!r}: its constructor"
+        return self.factory(**accepted(self.factory, row, what))
+
+    def deadline(self, call: str):
+        """:func:`deadline` for this environment's ``call`` (``step()``, a tool, ...)."""
+        return deadline(self.timeout, f"environment {self.name!r}: {call}")
 
     def episode(self, row: dict[str, Any] | None = None) -> Episode:
         """A fresh environment for one episode of ``row``."""
@@ -252,7 +300,8 @@ class Episode:
             return None
         kwargs = accepted(reset, row, f"environment {self.spec.name!r}: reset()")
         try:
-            out = reset(**kwargs)
+            with self.spec.deadline("reset()"):
+                out = reset(**kwargs)
         except (Exception, SystemExit) as e:  # (sys.exit in user code: an error)
             raise EnvError(
                 f"environment {self.spec.name!r}: reset() raised {raised(e, 300)}"
@@ -271,7 +320,8 @@ class Episode:
             return [self._answer(call) for call in calls]
         if self.spec.has_step:
             try:
-                observation = self.env.step(text)
+                with self.spec.deadline("step()"):
+                    observation = self.env.step(text)
             except (Exception, SystemExit) as e:  # (sys.exit in user code: an error)
                 raise EnvError(
                     f"environment {self.spec.name!r}: step() raised {raised(e, 300)}"
@@ -301,9 +351,10 @@ class Episode:
                 error = f"bad arguments for {call.name}: {e}"
         if error is None:
             try:
-                result = tool(**call.arguments)
-                if inspect.iscoroutine(result):  # an async def tool (it was never awaited)
-                    result = run_coroutine(result)
+                with self.spec.deadline(f"tool {call.name}()"):
+                    result = tool(**call.arguments)
+                    if inspect.iscoroutine(result):  # an async def tool (never awaited)
+                        result = run_coroutine(result)
                 message["content"] = tool_result_text(result)
                 return message
             except (Exception, SystemExit) as e:  # (sys.exit in user code: an error)
@@ -318,7 +369,8 @@ class Episode:
         close = getattr(self.env, "close", None)
         if callable(close):
             try:
-                close()
+                with self.spec.deadline("close()"):
+                    close()
             except (Exception, SystemExit) as e:  # (sys.exit in user code: an error)
                 raise EnvError(
                     f"environment {self.spec.name!r}: close() raised {raised(e, 300)}"

@@ -110,6 +110,14 @@ class RolloutConfig(Section):
         description="environment: most tokens after the prompt per episode, the model's and "
         "the environment's; null = max_turns * max_new_tokens",
     )
+    env_timeout: float | None = Field(
+        None,
+        gt=0,
+        description="environment: seconds one call into it (constructor, reset, step, a "
+        "tool, close) may take; past it the run stops with one line naming the call (it "
+        "runs in the trainer's process, where nothing can interrupt it: the process exits, "
+        "checkpoints intact); null = no limit",
+    )
     max_staleness: int = Field(
         0,
         ge=0,

@@ -147,7 +147,7 @@ class Config(Section):
                 "model.builtin=qwen3_moe for a MoE model)"
             )
         rollout = self.rollout
-        turns = changed(rollout, ("max_turns", "max_episode_tokens"))
+        turns = changed(rollout, ("max_turns", "max_episode_tokens", "env_timeout"))
         if self.environment is None and turns:
             lines.append(
                 f"rollout.{turns[0]} is set but there is no rollout.environment: every "

@@ -416,7 +416,7 @@ def build_generator(
     context, key = rollout_context(config, sampler.policy.module)
     return MultiTurn(
         sampler,
-        EnvironmentFactory(spec, sample_row),
+        EnvironmentFactory(spec, sample_row, timeout=config.rollout.env_timeout),
         tokenizer,
         max_turns=config.rollout.max_turns,
         max_tokens=config.max_episode_tokens,
