@@ -81,6 +81,19 @@ def test_token_level_ratio_mean_is_token_weighted():
     assert metric_reduction("train/loss", "token") == ("mean", "train/sequences")
 
 
+def test_the_correction_weight_mean_is_weighted_by_what_it_averages():
+    """10 tokens at weight 1.0 and 2 at 0.5 are 0.917 over the 12 tokens (the ranks' plain
+    mean, 0.75, before); sequence_mask's weight is per response."""
+    ranks = [
+        {"correction/weight_mean": 1.0, "mismatch/tokens": 10, "mismatch/sequences": 1},
+        {"correction/weight_mean": 0.5, "mismatch/tokens": 2, "mismatch/sequences": 3},
+    ]
+    for mode, expected in (("token_tis", 11 / 12), ("token_mask", 11 / 12),
+                           ("sequence_mask", 2.5 / 4)):  # fmt: skip
+        out = combine_metrics(ranks, lambda key, mode=mode: metric_reduction(key, "sequence", mode))
+        assert out["correction/weight_mean"] == pytest.approx(expected)
+
+
 def test_expert_churn_is_weighted_by_each_ranks_counted_tokens():
     """(8 tokens, 0.25) and (5, 0.10) are 0.192 over the 13 tokens, not the plain 0.175;
     a rank with no token (its fraction 0.0) has no say (before: it pulled toward 0)."""

@@ -831,6 +831,24 @@ def test_a_recomputed_pi_old_takes_minibatch_0_from_its_own_update(tmp_path, var
     assert all(r["correction/weight_max"] != 1.0 for r in first)  # corrected: weights moved
 
 
+def test_train_lr_is_the_rate_each_step_took(tmp_path, varied_reward, monkeypatch):
+    """train/lr was read after the scheduler moved on: the next step's rate, so warm-up
+    looked a step shorter (5e-5, 7.5e-5, 1e-4, 1e-4 logged for 2.5e-5 .. 1e-4 taken)."""
+    taken: list[float] = []
+    step = torch.optim.AdamW.step
+
+    def recorded(self, *args, **kwargs):
+        taken.append(self.param_groups[0]["lr"])
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", recorded)
+    overrides = [*FAST, varied_reward, "train.cold_start_steps=0", "train.max_steps=4",
+                 "eval.every=0", "optim.lr=1e-4", "optim.warmup_steps=4"]  # fmt: skip
+    Trainer(load_config(None, overrides), tmp_path / "run").fit()
+    logged = [r["train/lr"] for r in train_lines(run_metrics(tmp_path / "run"))]
+    assert taken == pytest.approx([2.5e-5, 5e-5, 7.5e-5, 1e-4]) and logged == taken
+
+
 def test_the_entropy_takes_a_graph_only_for_an_entropy_bonus(tmp_path, varied_reward):
     """The update's entropies are a metric (no graph) unless ``algorithm.entropy_coef`` puts
     them in the loss; either way ``train/entropy`` is logged, and a bonus run trains (its

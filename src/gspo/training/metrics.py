@@ -87,8 +87,11 @@ def rollout_clip_fractions(
     return out
 
 
-def metric_reduction(key: str, level: str) -> tuple[Reduction, str | None]:
-    """``(reduction, weight key)`` of a logged metric for :func:`combine_metrics`."""
+def metric_reduction(
+    key: str, level: str, correction: str = "none"
+) -> tuple[Reduction, str | None]:
+    """``(reduction, weight key)`` of a logged metric for :func:`combine_metrics`;
+    ``level`` and ``correction`` are ``algorithm.level`` and ``algorithm.rollout_correction``."""
     if key in SUMMED:
         return "sum", None
     if key == "train/ratio_min":
@@ -110,6 +113,9 @@ def metric_reduction(key: str, level: str) -> tuple[Reduction, str | None]:
         return "mean", "train/sequences"
     if key in ("mismatch/token_abs_mean", "mismatch/k3_kl", "correction/masked_token_fraction"):
         return "mean", "mismatch/tokens"
+    if key == "correction/weight_mean":  # over tokens for the token modes, else responses
+        token_mode = correction in ("token_tis", "token_mask")
+        return "mean", "mismatch/tokens" if token_mode else "mismatch/sequences"
     if key in (
         "mismatch/sequence_mean_delta_abs_mean",
         "mismatch/log_ppl_gap",
@@ -123,11 +129,14 @@ def metric_reduction(key: str, level: str) -> tuple[Reduction, str | None]:
     return "mean", None
 
 
-def combine(dist: Distributed, level: str, metrics: dict[str, float]) -> dict[str, float]:
+def combine(
+    dist: Distributed, level: str, metrics: dict[str, float], correction: str = "none"
+) -> dict[str, float]:
     """This rank's metrics combined with every other rank's (the identity in one process)."""
     if not dist.enabled:
         return metrics
-    return combine_metrics(dist.gather_objects(metrics), lambda key: metric_reduction(key, level))
+    gathered = dist.gather_objects(metrics)
+    return combine_metrics(gathered, lambda key: metric_reduction(key, level, correction))
 
 
 def logprob_mismatch(

@@ -278,9 +278,9 @@ class RolloutStage:
         local.update(generated.metrics)
         with timed(local, "time/reward"):
             scored = self.score(picked, generated)
-            if cfg.rollout.filter_groups:
-                with timed(local, "time/filter_groups"):  # extra rounds: sampled and scored
-                    scored, picked = self.refill(index, picked, scored, local, generator)
+        if cfg.rollout.filter_groups:
+            with timed(local, "time/filter_groups"):  # extra rounds: sampled and scored
+                scored, picked = self.refill(index, picked, scored, local, generator)
         return Sampled(index, picked, scored, local)
 
     def minibatch_rows(self, index: int, rows: int) -> list[torch.Tensor]:
@@ -357,7 +357,10 @@ class RolloutStage:
         tokens = self.loss_mask.tokens(batch, experience.old_logprobs)
         local.update(tokens.metrics)
         experience.loss_mask, experience.loss_weights = tokens.mask, tokens.weights
-        experience.metrics.update(combine(self.dist, self.config.algorithm.level, local))
+        algorithm = self.config.algorithm
+        experience.metrics.update(
+            combine(self.dist, algorithm.level, local, algorithm.rollout_correction)
+        )
 
 
 def rollout_metrics(

@@ -89,6 +89,7 @@ class PolicyUpdate:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.grad_clip)
         loss, norm = total.item(), as_float(grad_norm)  # the norm is global under FSDP
         finite = math.isfinite(loss) and math.isfinite(norm)
+        lr = self.scheduler.get_last_lr()[0]  # this step's (the scheduler then moves on)
         if finite:
             self.optimizer.step()
             self.skipped_in_a_row = 0
@@ -110,7 +111,7 @@ class PolicyUpdate:
         line = {f"train/{key}": value for key, value in out.metrics.items()}
         line["train/loss"] = loss
         line["train/grad_norm"] = norm
-        line["train/lr"] = self.scheduler.get_last_lr()[0]
+        line["train/lr"] = lr
         line["train/skipped_steps"] = float(self.skipped)
         if router_loss is not None:
             line["moe/router_aux_loss"] = router_loss.item()
