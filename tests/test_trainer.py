@@ -831,6 +831,27 @@ def test_a_recomputed_pi_old_takes_minibatch_0_from_its_own_update(tmp_path, var
     assert all(r["correction/weight_max"] != 1.0 for r in first)  # corrected: weights moved
 
 
+def test_evaluation_leaves_out_what_no_reward_function_scored(tmp_path):
+    """Held-out rows whose reward is None (a blank answer) counted as failures: 2 of 4 rows
+    scored 1.0 read as accuracy 0.5. Now 1.0 over the scored, and the unscored share said."""
+    (tmp_path / "ev.jsonl").write_text(
+        '{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n'
+        '{"prompt": "3+3=", "answer": null}\n{"prompt": "4+4=", "answer": null}\n'
+    )
+    (tmp_path / "rw.py").write_text(
+        "def one_or_none(prompts, completions, answer=None, **kw):\n"
+        "    return [None if a is None else 1.0 for a in answer]\n"
+    )
+    overrides = [*FAST, "train.cold_start_steps=0", "train.max_steps=0",
+                 f"data.eval={tmp_path / 'ev.jsonl'}",
+                 f"reward.functions=[{tmp_path / 'rw.py'}:one_or_none]"]  # fmt: skip
+    Trainer(load_config(None, overrides), tmp_path / "run").fit()
+    line = next(r for r in run_metrics(tmp_path / "run") if "eval/accuracy" in r)
+    for suffix in ("", "_greedy"):
+        assert line[f"eval/accuracy{suffix}"] == line[f"eval/reward_mean{suffix}"] == 1.0
+        assert line[f"eval/unscored_fraction{suffix}"] == 0.5
+
+
 def test_train_lr_is_the_rate_each_step_took(tmp_path, varied_reward, monkeypatch):
     """train/lr was read after the scheduler moved on: the next step's rate, so warm-up
     looked a step shorter (5e-5, 7.5e-5, 1e-4, 1e-4 logged for 2.5e-5 .. 1e-4 taken)."""

@@ -73,7 +73,10 @@ class Evaluator:
                     )
                 scored = self.scorer.score(rows[c : c + chunk], generated)
                 lengths = generated.batch.completion_lengths.float().cpu()
-                mine.append((c, scored.rewards, lengths, generated.metrics))
+                scorable = scored.scorable
+                if scorable is None:
+                    scorable = torch.ones_like(scored.rewards, dtype=torch.bool)
+                mine.append((c, scored.rewards, lengths, generated.metrics, scorable.cpu()))
             every_rank = self.dist.gather_objects(mine)
             done = sorted((part for parts in every_rank for part in parts), key=lambda p: p[0])
             r = torch.cat([part[1] for part in done])
@@ -82,9 +85,16 @@ class Evaluator:
                 weights = [len(part[1]) for part in done]
                 total = sum(part[3][key] * w for part, w in zip(done, weights, strict=True))
                 metrics[f"eval/{key.removeprefix('env/')}{suffix}"] = total / sum(weights)
-            threshold = self.config.eval.success_threshold
-            metrics[f"eval/accuracy{suffix}"] = (r >= threshold).float().mean().item()
-            metrics[f"eval/reward_mean{suffix}"] = r.mean().item()
+            # a completion no reward function scored (each returned None) is no evidence:
+            # left out of the accuracy and the mean reward, as it is out of training's
+            scorable = torch.cat([part[4] for part in done]).to(r.device)
+            threshold, kept = self.config.eval.success_threshold, r[scorable]
+            if len(kept):
+                metrics[f"eval/accuracy{suffix}"] = (kept >= threshold).float().mean().item()
+                metrics[f"eval/reward_mean{suffix}"] = kept.mean().item()
+            if not bool(scorable.all()):
+                unscored = 1.0 - scorable.float().mean().item()
+                metrics[f"eval/unscored_fraction{suffix}"] = unscored
             metrics[f"eval/response_length_mean{suffix}"] = lengths.mean().item()
         metrics["time/eval"] = time.perf_counter() - start
         return metrics
