@@ -296,6 +296,44 @@ def test_export_without_merge_names_a_full_checkpoint_or_asks_for_out(
     assert "holds a LoRA adapter" in err and "pass --merge OUT" in err and "\n" not in err
 
 
+def test_export_keeps_what_runs_read_and_names_damaged_checkpoints(tmp_path, varied_reward, capsys):
+    """An export could overwrite the base a LoRA run trained on (an earlier export), or land
+    inside a run's checkpoints/; without --merge it named a checkpoint whose bytes changed,
+    and a run whose latest checkpoint was damaged exported an older one with status 0. A
+    LoRA merge of a bf16 base was written in float32 (twice the bytes)."""
+    from gspo.models import save_pretrained_atomic
+
+    full = tmp_path / "full"
+    config = load_config(None, [*TRAINER_FAST, varied_reward, "train.max_steps=4"])
+    Trainer(config, full).fit()
+    model, tokenizer = load_model(full / "checkpoints" / "step-0000004",
+                                  device=torch.device("cpu"), dtype=torch.bfloat16)  # fmt: skip
+    save_pretrained_atomic(model, tokenizer, tmp_path / "bf16")
+    lora_run(tmp_path, varied_reward, f"model.path={tmp_path / 'bf16'}", name="lora")
+    capsys.readouterr()
+    for out, said in ((tmp_path / "bf16", "the model the checkpoints of"),
+                      (full / "checkpoints" / "x", f"is inside the run {full}")):  # fmt: skip
+        assert main(["export", str(tmp_path / "lora"), "--merge", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"gspo: error: export: --merge {out}") and said in err, err
+    assert main(["export", str(tmp_path / "lora"), "--merge", str(tmp_path / "merged")]) == 0
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["dtype"] == "bfloat16"
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    assert {t.dtype for t in merged.values()} == {torch.bfloat16}
+    # without --merge: the files named are checked as --merge checks them
+    weights = full / "checkpoints" / "step-0000004" / "model.safetensors"
+    flipped = bytearray(weights.read_bytes())
+    flipped[5000] ^= 0xFF
+    weights.write_bytes(bytes(flipped))
+    capsys.readouterr()
+    assert main(["export", str(full)]) == 2
+    assert capsys.readouterr().err.startswith(f"gspo: error: {weights} holds other bytes")
+    weights.unlink()  # the latest checkpoint cut short: refused, not the one before it
+    assert main(["export", str(full)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"gspo: error: export: the latest checkpoint of {full}, step-0000004")
+
+
 def test_export_errors_are_one_line(tmp_path, capsys):
     assert main(["export", str(tmp_path / "nothing"), "--merge", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()

@@ -38,6 +38,13 @@ if TYPE_CHECKING:
 NO_CACHE_HELP = "redo the cold start even if an identical one is cached (train.cold_start_cache)"
 
 
+def a_path(text: str) -> Path:
+    """A path argument; an empty one (``--merge ''``) would be the working directory."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path")
+    return Path(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gspo", description="GSPO / GRPO reinforcement learning for language models."
@@ -46,16 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="cold-start SFT then RL (GSPO by default)")
-    train.add_argument("--config", type=Path, action=Once, help="YAML config file")
+    train.add_argument("--config", type=a_path, action=Once, help="YAML config file")
     train.add_argument(
         "--output-dir",
-        type=Path,
+        type=a_path,
         default=None,
         metavar="DIR",
         help="where the run writes config.yaml, metrics.jsonl, plots/ and checkpoints/ "
         "(default: runs/gspo)",
     )
-    train.add_argument("--resume", type=Path, metavar="DIR", help="continue the run in DIR")
+    train.add_argument("--resume", type=a_path, metavar="DIR", help="continue the run in DIR")
     train.add_argument(
         "--overwrite", action="store_true", help="delete an existing run in --output-dir first"
     )
@@ -67,11 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="GSPO vs GRPO vs GSPO-token from one cold start, several seeds, one report",
     )
     comp.add_argument(
-        "--config", type=Path, action=Once, help="YAML config file (shared by every run)"
+        "--config", type=a_path, action=Once, help="YAML config file (shared by every run)"
     )
     comp.add_argument(
         "--output-dir",
-        type=Path,
+        type=a_path,
         default=Path("runs/compare"),
         metavar="DIR",
         help="where the shared cold start, the runs and the report go (default: runs/compare)",
@@ -89,10 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser(
         "export", help="write a run's latest (or a given) checkpoint as one plain HF model"
     )
-    export.add_argument("source", type=Path, metavar="RUN_OR_CHECKPOINT")
+    export.add_argument("source", type=a_path, metavar="RUN_OR_CHECKPOINT")
     export.add_argument(
         "--merge",
-        type=Path,
+        type=a_path,
         metavar="OUT",
         help="output directory: the base with a LoRA adapter merged in (a full fine-tuning "
         "checkpoint is written as it is); needed for LoRA runs only: without it a full "
@@ -100,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     show = sub.add_parser("config", help="print the resolved config as YAML")
-    show.add_argument("--config", type=Path, action=Once)
+    show.add_argument("--config", type=a_path, action=Once)
     show.add_argument(
         "--doc",
         action="store_true",

@@ -10,16 +10,29 @@ fine-tuning checkpoint is already a whole model: it is written out as it is, or,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
 
 import torch
 
-from gspo.models import is_model_file, load_model, model_files, save_pretrained_atomic
+from gspo.models import (
+    MODEL_POINTER,
+    is_model_file,
+    load_model,
+    model_files,
+    save_pretrained_atomic,
+)
 from gspo.publish import DiskFull, check_manifest
-from gspo.training.checkpoint import TRAINER_STATE, latest_checkpoint
-from gspo.training.lora import base_model_path, is_lora_checkpoint, quiet_peft
+from gspo.training.checkpoint import (
+    CHECKPOINTS,
+    LATEST,
+    TRAINER_STATE,
+    checkpoint_problem,
+    latest_checkpoint,
+)
+from gspo.training.lora import ADAPTER_CONFIG, base_model_path, is_lora_checkpoint, quiet_peft
 
 #: The file that marks a directory as a ``gspo export --merge`` output (what it came
 #: from): the only non-empty directory an export may replace.
@@ -27,14 +40,48 @@ EXPORT_MARK = "gspo_export.json"
 
 
 def resolve_checkpoint(source: Path) -> Path:
-    """``source`` itself if it is a checkpoint, else the latest checkpoint of the run in it."""
+    """``source`` itself if it is a checkpoint, else the latest checkpoint of the run in it.
+
+    A run whose ``latest`` names a damaged checkpoint is refused: a run resumes from the
+    newest whole one instead, but an export of an older model, said on stderr with
+    status 0, would be deployed as the run's."""
     source = Path(source)
     if (source / TRAINER_STATE).is_file():
         return source
+    pointer = source / CHECKPOINTS / LATEST
+    named = pointer.read_text(errors="replace").strip() if pointer.is_file() else ""
+    if named.startswith("step-") and Path(named).name == named:
+        problem = checkpoint_problem(source / CHECKPOINTS / named)
+        if problem is not None:
+            raise ValueError(
+                f"export: the latest checkpoint of {source}, {named}, is {problem}; export a "
+                f"whole one by its path (gspo export {source / CHECKPOINTS}/step-N)"
+            )
     checkpoint = latest_checkpoint(source)
     if checkpoint is None:
         raise FileNotFoundError(f"export: {source} is neither a checkpoint nor a run with one")
     return checkpoint
+
+
+def models_read(checkpoint: Path) -> list[Path]:
+    """The model directories that the checkpoints of ``checkpoint``'s run read their
+    weights from: a LoRA adapter's base, a step 0's :data:`MODEL_POINTER` target."""
+    run = checkpoint.parent.parent if checkpoint.parent.name == CHECKPOINTS else None
+    steps = sorted(run.joinpath(CHECKPOINTS).glob("step-*")) if run else [checkpoint]
+    found = []
+    for step in steps:
+        pointer, adapter = step / MODEL_POINTER, step / ADAPTER_CONFIG
+        if pointer.is_file():
+            found.append(step / pointer.read_text().strip())
+        if adapter.is_file():  # (a damaged adapter says so when it is read)
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                found.append(Path(json.loads(adapter.read_text())["base_model_name_or_path"]))
+    return [path.resolve() for path in found]
+
+
+def is_run(path: Path) -> bool:
+    """Whether ``path`` is a gspo run's directory (its config and checkpoints)."""
+    return (path / "config.yaml").is_file() and (path / CHECKPOINTS).is_dir()
 
 
 def check_target(out: Path, source: Path, checkpoint: Path) -> None:
@@ -42,14 +89,27 @@ def check_target(out: Path, source: Path, checkpoint: Path) -> None:
 
     The export replaces ``out`` whole (atomically), so ``out`` may be new, empty, or an
     earlier export (it holds :data:`EXPORT_MARK`); never the run or checkpoint being
-    exported, a directory holding them, nor any other directory or file (a model
-    directory without the mark may be the user's own model, or the base a LoRA run names).
+    exported, a directory holding them, a model its checkpoints read (an earlier export
+    may be the base a LoRA run trained on), a place inside a run, nor any other directory
+    or file (a model directory without the mark may be the user's own model).
     """
     out = Path(out)
     target = out.resolve()
     for kept in (Path(source).resolve(), checkpoint.resolve()):
         if kept == target or kept.is_relative_to(target):
             raise ValueError(f"export: --merge {out} would overwrite {kept}, which is exported")
+    for model in models_read(checkpoint):
+        if model == target or model.is_relative_to(target):
+            raise ValueError(
+                f"export: --merge {out} would overwrite {model}, the model the checkpoints of "
+                f"{source} are built on; name a new or empty directory"
+            )
+    run = next((p for p in target.parents if is_run(p)), None)
+    if run is not None:
+        raise ValueError(
+            f"export: --merge {out} is inside the run {run}, whose checkpoints it would mix "
+            "with; name a directory outside it"
+        )
     if out.exists() and not out.is_dir():
         raise ValueError(f"export: --merge {out} is a file; name a new or empty directory")
     if out.is_dir() and any(out.iterdir()):
@@ -77,7 +137,20 @@ def plain_checkpoint(source: Path) -> Path:
             f"export: {checkpoint} holds a LoRA adapter, not a whole model; pass --merge OUT "
             "to write the base with the adapter merged in to the directory OUT"
         )
+    check_manifest(checkpoint, is_model_file)  # the files named are the files written
     return checkpoint
+
+
+def stored_dtype(model_dir: Path) -> torch.dtype:
+    """The dtype ``model_dir``'s ``config.json`` says its weights are stored in (float32
+    where it says none)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return torch.float32
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(name), None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
 
 
 def export_merged(source: Path, out: Path) -> Path:
@@ -101,6 +174,8 @@ def export_merged(source: Path, out: Path) -> Path:
         base, tokenizer = load_model(base_dir, device=cpu, dtype=torch.float32)
         with quiet_peft():
             model = PeftModel.from_pretrained(base, checkpoint).merge_and_unload()
+        # merged in float32, written in the base's own dtype (a bf16 base: half the bytes)
+        model.to(stored_dtype(model_files(base_dir)))
         mark["base_model"] = str(base_dir.resolve())
     # the mark lets a later export replace this one (and nothing else: check_target)
     try:
