@@ -59,7 +59,12 @@ class TrainConfig(Section):
         description="Seed that every random choice (init, task, samples, minibatches, "
         "evaluation) derives from",
     )
-    save_every: int = Field(100, ge=0, description="Optimizer steps; 0 = only at the end")
+    save_every: int = Field(
+        100,
+        ge=0,
+        description="Optimizer steps, taken at the end of the rollout batch that crosses "
+        "each multiple; 0 = only at the end",
+    )
     max_skipped: int = Field(
         3,
         ge=1,
@@ -79,7 +84,12 @@ class TrainConfig(Section):
 class EvalConfig(Section):
     """Held-out evaluation at the start of RL, every ``eval.every`` steps and at the end."""
 
-    every: int = Field(40, ge=0, description="Optimizer steps; 0 = only at start and end")
+    every: int = Field(
+        40,
+        ge=0,
+        description="Optimizer steps, taken at the end of the rollout batch that crosses "
+        "each multiple; 0 = only at start and end",
+    )
     samples: int = Field(4, ge=1, description="Sampled responses per held-out prompt")
     max_prompts: int = Field(500, ge=1, description="Held-out prompts evaluated (the first N)")
     greedy: bool = Field(True, description="Also evaluate greedy decoding (eval/accuracy_greedy)")
