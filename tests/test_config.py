@@ -410,7 +410,11 @@ def test_config_files_read_as_yaml_and_overrides_do(tmp_path, capsys):
     path.write_text(dump_config_text(text))
     assert load_config(path).data.system_prompt == "1e3"
     path.write_text("optim.lr: 0.5\noptim: {lr: 0.25, weight_decay: 0.1}\n")  # (last won)
-    with pytest.raises(ConfigError, match=r"c.yaml: optim.lr is written twice \(once as optim\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"c.yaml: optim.lr is written twice \(the second time under the top-level "
+        r"key 'optim:'\); keep one",
+    ):
         load_config(path)
     path.write_bytes(b"optim:\n  lr: \xff\n")
     with pytest.raises(ConfigError, match=r"c.yaml: not UTF-8 text \(invalid start byte"):

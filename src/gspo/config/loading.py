@@ -185,7 +185,10 @@ def load_config(
         for key, value in (loaded or {}).items():  # (a dotted key, optim.lr: 0.5, as nested)
             twice = next((k for k in _leaves(str(key), value) if _get_dotted(tree, k)[0]), None)
             if twice is not None:  # optim.lr: and optim: {lr:} in one file
-                raise ConfigError(f"{path}: {twice} is written twice (once as {key})")
+                raise ConfigError(
+                    f"{path}: {twice} is written twice (the second time under the top-level "
+                    f"key '{key}:'); keep one"
+                )
             set_dotted(tree, str(key), value)
     for text in overrides:
         key, value = parse_override(text)
