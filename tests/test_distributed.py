@@ -295,8 +295,8 @@ def test_ranks_stop_once_their_launcher_is_killed(tmp_path):
                "--nproc-per-node", "2", "-m", "gspo", "train", "--output-dir", str(out),
                *SMALL_RUN, "train.max_steps=100000"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launcher = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=env,
-                                start_new_session=True)  # fmt: skip
+    launcher = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=env)
+    children: list[str] = []
     try:
         deadline = time.monotonic() + 240
         while not any("train/loss" in r for r in _lines(out / "metrics.jsonl")):
@@ -310,9 +310,10 @@ def test_ranks_stop_once_their_launcher_is_killed(tmp_path):
         while any(_alive(int(pid)) for pid in children):
             assert time.monotonic() < deadline, "the ranks trained on without their launcher"
             time.sleep(0.2)
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # whatever is left of the session
-            os.killpg(launcher.pid, signal.SIGKILL)
+    finally:  # whatever is left (torchrun starts its ranks in sessions of their own)
+        for pid in [launcher.pid, *map(int, children)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         log.close()
     # each rank one line: its launcher gone, or (if the other rank left first) the group
     said = [line for line in (tmp_path / "stderr").read_text().splitlines()

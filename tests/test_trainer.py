@@ -511,6 +511,42 @@ def test_a_run_records_the_files_it_was_given_by_absolute_path(tmp_path, monkeyp
     assert (given.train, given.eval) == (f"{here}::train", "openai/gsm8k:main:test")
 
 
+def test_a_project_moved_whole_resumes_and_exports(tmp_path, monkeypatch):
+    """A project holding a LoRA run, its base model (model.path) and its reward file,
+    moved whole (mv proj proj2): the absolute paths the run recorded named the old place,
+    and neither --resume (nor model.path= the new place: another model) nor export ran.
+    The run's config.yaml records where the run was; a path missing now is found where
+    it lies relative to the run."""
+    from conftest import VARIED_REWARD
+
+    from gspo.models import TinyModelSpec, build_char_tokenizer, build_tiny_model
+
+    project = tmp_path / "proj"
+    project.mkdir()
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(TinyModelSpec(layers=1, hidden=32, heads=2, kv_heads=1,
+                                           intermediate=64), tokenizer, seed=0)  # fmt: skip
+    save_pretrained_atomic(model, tokenizer, project / "base")
+    (project / "rew.py").write_text(VARIED_REWARD)
+    monkeypatch.chdir(project)
+    run = ["train.cold_start_steps=0", "eval.every=0", "model.lora.r=4", "model.path=base",
+           "reward.functions=[rew.py:varied]"]  # fmt: skip
+    assert main(["train", "--output-dir", "a", *FAST, *run, "train.max_steps=4"]) == 0
+    moved = shutil.move(project, tmp_path / "proj2")
+    monkeypatch.chdir(moved)
+    assert main(["train", "--resume", "a", "train.max_steps=8"]) == 0
+    assert main(["export", "a", "--merge", "merged"]) == 0
+    recorded = load_config(moved / "a" / "config.yaml")
+    assert recorded.model.path == str(moved / "base")
+    assert recorded.reward.functions == [f"{moved / 'rew.py'}:varied"]
+    assert (
+        (moved / "a" / "config.yaml")
+        .read_text()
+        .startswith(f"# gspo run directory: {moved / 'a'}\n")
+    )
+    assert [r["step"] for r in train_lines(run_metrics(moved / "a"))] == list(range(1, 9))
+
+
 def test_resume_refuses_another_model_or_another_directory(tmp_path, capsys):
     """Before, these resumed the checkpoints' model while config.yaml named the other one
     (or the run went on in place, --output-dir ignored)."""
@@ -543,6 +579,16 @@ def test_resume_refuses_another_model_or_another_directory(tmp_path, capsys):
         f"run's directory ({run}), and continues from its newest checkpoint"
     )
     assert sorted(p.name for p in step.iterdir()) == held
+    # the same checkpoint copied out of its run (cp -r): a new run was trained into it
+    import shutil
+
+    copied = shutil.copytree(step, tmp_path / "best")
+    assert main(["train", "--resume", str(copied), "train.max_steps=2"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"gspo: error: --resume {copied}: is a checkpoint (trainer_state.pt), not a run: "
+        "--resume takes a run's directory; start a new run from its model with model.path"
+    )
+    assert sorted(p.name for p in copied.iterdir()) == held
     # the same settings edited into config.yaml by hand (between a kill and --resume):
     # checked against the checkpoint's own config.yaml (before, resumed and recorded)
     for was, edit in (("hidden: 64", "hidden: 128"), ("minibatches: 4", "minibatches: 2")):

@@ -182,17 +182,19 @@ def load_object(spec: str, kind: str, error: type[Exception], expected: str) -> 
     return obj
 
 
-def absolute_spec(spec: Any) -> Any:
+def absolute_spec(spec: Any, find: Callable[[str], Path | None] | None = None) -> Any:
     """A ``path/to/file.py:name`` spec with its file made absolute (an existing file
     named relative to the current directory), so a run resumed from elsewhere loads the
-    same file; anything else (``module:name``, objects, a file not there) as it is."""
+    same file; anything else (``module:name``, objects, a file not there) as it is.
+    ``find(source)``: the file's absolute place, or None (default: where it exists)."""
     if not isinstance(spec, str) or ":" not in spec or spec.startswith(PYTHON_OBJECT):
         return spec
     source, _, name = spec.rpartition(":")
-    path = Path(source.strip()).expanduser()
-    if not (source.strip().endswith(".py") or "/" in source) or not path.is_file():
+    if not (source.strip().endswith(".py") or "/" in source):
         return spec
-    return f"{path.resolve()}:{name}"
+    path = Path(source.strip()).expanduser()
+    where = (path.resolve() if path.exists() else None) if find is None else find(source.strip())
+    return spec if where is None or not where.is_file() else f"{where}:{name}"
 
 
 def object_spec(obj: Any) -> str:

@@ -21,6 +21,7 @@ from gspo.rewards.runner import leave_if_starting_a_worker
 from gspo.telemetry import METRICS_FILE
 from gspo.trainer import Trainer
 from gspo.training.checkpoint import CHECKPOINTS, CONFIG, TRAINER_STATE
+from gspo.training.moved import moved_path
 from gspo.training.setup import with_absolute_paths
 
 
@@ -168,6 +169,11 @@ def not_a_run(out: Path, how: str) -> str | None:
             f"is a checkpoint of the run {run}: {how} takes the run's directory ({run}), "
             "and continues from its newest checkpoint"
         )
+    if (out / TRAINER_STATE).is_file():  # a checkpoint copied out of its run
+        return (
+            f"is a checkpoint ({TRAINER_STATE}), not a run: {how} takes a run's directory; "
+            "start a new run from its model with model.path"
+        )
     if not (out / "config.yaml").is_file():
         what = "is not a gspo run" if out.exists() else "does not exist"
         return f"{what} (no config.yaml)"
@@ -225,8 +231,9 @@ def check_same_model(output_dir: str | Path, config: Config, how: str, other: st
     checkpoints from before they held one): the run's config.yaml edited by hand since
     is checked as an override is. (Every checkpoint of a run holds the same values of
     these keys.)"""
-    first = load_config(_trained_config(Path(output_dir)))
-    first, config = with_absolute_paths(first), with_absolute_paths(config)  # (as recorded)
+    out, trained = Path(output_dir), _trained_config(Path(output_dir))
+    first = with_absolute_paths(load_config(trained), lambda p: moved_path(p, out, trained))
+    config = with_absolute_paths(config, lambda p: moved_path(p, out))  # (as recorded)
     started, now = (_flat(c.model.model_dump()) for c in (first, config))
     for key in started:
         if key not in RESUME_MAY_CHANGE and started[key] != now[key]:

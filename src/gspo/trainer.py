@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from gspo.chat import stop_token_ids
-from gspo.config import Config, dump_config, dump_config_text
+from gspo.config import Config, dump_config_text
 from gspo.distributed import Distributed, rank_device
 from gspo.engines import SamplingParams
 from gspo.models import resolve_dtype
@@ -58,6 +58,7 @@ from gspo.training.hooks import EmptyLossWarning, OnPolicyClipWarning, build_hoo
 from gspo.training.lora import adapter_dropout_seed
 from gspo.training.memory import loading_model, out_of_memory
 from gspo.training.metrics import combine, crossed, metric_reduction, rollout_clip_fractions
+from gspo.training.moved import moved_path, with_run_dir
 from gspo.training.policy import Policy
 from gspo.training.reference import Reference
 from gspo.training.rollout import RolloutStage, Scorer
@@ -105,9 +106,11 @@ class Trainer:
         dist: Distributed | None = None,
     ):
         leave_if_starting_a_worker()  # a reward worker importing an unguarded script
-        self.config = config = with_absolute_paths(config)
-        self.dist = dist = dist or Distributed()
         self.output_dir = out = Path(output_dir)
+        # (a resumed run moved with the files it names finds them where they are now)
+        moved = (lambda path: moved_path(path, out)) if resume else None
+        self.config = config = with_absolute_paths(config, moved)
+        self.dist = dist = dist or Distributed()
         if dist.is_main:  # (a rank making it after rank 0 removed a failed start's left it)
             out.mkdir(parents=True, exist_ok=True)
         device = rank_device(config.model.device, dist)
@@ -207,7 +210,7 @@ class Trainer:
         )
         self.writer_tokenizer = None  # (the tokenizer background writes save)
         if dist.is_main and not self.finished:  # (a finished run keeps what it trained with)
-            dump_config(config, out / "config.yaml")
+            (out / "config.yaml").write_text(with_run_dir(dump_config_text(config), out))
         if checkpoint is None:
             self.logger.log(0, summary)
             if dist.is_main:
@@ -374,7 +377,8 @@ class Trainer:
             return take_checkpoint(
                 self.output_dir, step, self.policy, self.optimizer, self.scheduler,
                 tokenizer, dist=self.dist, extra=self.rollouts.checkpoint_files(),
-                model_dir=model_dir, copy=copy, config=dump_config_text(self.config),
+                model_dir=model_dir, copy=copy,
+                config=with_run_dir(dump_config_text(self.config), self.output_dir),
             )  # fmt: skip
 
         return self.checkpoints.save(take, last=last)

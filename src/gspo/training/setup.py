@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -284,31 +285,48 @@ def local_shares(config: Config, dist: Distributed) -> tuple[int, int]:
     return local_prompts, local_sft
 
 
-def with_absolute_paths(config: Config) -> Config:
+def with_absolute_paths(
+    config: Config, moved: Callable[[Path], Path | None] | None = None
+) -> Config:
     """``config`` with the files and directories it names relative to the current
     directory made absolute (``model.path``, ``data.train/eval/sft``, ``reward.functions``
     and ``rollout.environment`` files, ``train.cold_start_cache_dir``): what the run
     records in its config.yaml, so a resume from another directory reads the same files
     (it failed, or read another ``varied.py`` there). A hub id or module name stays, and
-    a key left at its default stays unset."""
+    a key left at its default stays unset. ``moved(path)``: where a recorded path that
+    is missing lies now, the run having moved with it (:func:`gspo.training.moved.moved_path`).
+    """
+
+    def found(value: str) -> Path | None:
+        path = Path(value).expanduser()
+        if path.exists():
+            return path.resolve()
+        return None if moved is None else moved(path)
 
     def local(value: Any) -> Any:
-        if not isinstance(value, str) or not Path(value).expanduser().exists():
-            return value
-        return str(Path(value).expanduser().resolve())
+        where = found(value) if isinstance(value, str) else None
+        return value if where is None else str(where)
 
     def data(value: Any) -> Any:  # a file or directory, or a local DIR:CONFIG:SPLIT
-        if not isinstance(value, str) or Path(value).expanduser().exists():
+        if not isinstance(value, str) or found(value) is not None:
             return local(value)
         source, sep, rest = value.partition(":")
-        return f"{local(source)}:{rest}" if sep and Path(source).expanduser().is_dir() else value
+        where = found(source) if sep else None
+        return f"{where}:{rest}" if where is not None and where.is_dir() else value
+
+    def cache(value: Any) -> Any:  # made by the run: absolute whether or not it exists yet
+        where = local(value)
+        return where if not isinstance(where, str) else str(Path(where).expanduser().resolve())
+
+    def spec(value: Any) -> Any:
+        return absolute_spec(value, found)
 
     keys = {
         "model": {"path": local},
         "data": {"train": data, "eval": data, "sft": data},
-        "reward": {"functions": lambda specs: [absolute_spec(f) for f in specs]},
-        "rollout": {"environment": absolute_spec},
-        "train": {"cold_start_cache_dir": local},
+        "reward": {"functions": lambda specs: [spec(f) for f in specs]},
+        "rollout": {"environment": spec},
+        "train": {"cold_start_cache_dir": cache},
     }
     sections = {}
     for name, fields in keys.items():
