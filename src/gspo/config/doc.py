@@ -35,7 +35,9 @@ sections below, plus dotted `key.sub=value` overrides anywhere on the command li
 (`str`, a choice of words) is taken as written, colons and braces included
 (`data.prompt_template='Q: {{question}} A:'`; `null` for None where the key allows it);
 every other value is parsed as YAML, as the file is (`1e3` and `3e-4` are numbers; anchors,
-`<<` merges and dotted keys such as `optim.lr: 3e-4` work there). A mapping given to a
+`<<` merges and dotted keys such as `optim.lr: 3e-4` work there; an anchor is set where
+the value is first written, since every top-level key must be a section (a key holding
+only anchors is refused as unknown)). A mapping given to a
 section (`optim='{{lr: 3e-4}}'`) sets those keys and keeps the file's others; a key whose
 value is a mapping (`data.chat_template_kwargs`) is replaced whole. Every key is optional;
 unknown keys and bad values stop with one line naming the key. `gspo config [--config
