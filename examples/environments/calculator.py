@@ -8,6 +8,7 @@ One environment per episode; its public method ``calculate`` is the tool the mod
 from __future__ import annotations
 
 import ast
+import math
 import operator
 
 _BINARY = {
@@ -22,14 +23,30 @@ _BINARY = {
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
+#: The largest magnitude of any number along the way (a power is refused before it is
+#: computed: ((10**64)**64)**64 took seconds, and one more **64 a long time).
+LIMIT = 1e100
+
+
+def _checked(value: float | int) -> float | int:
+    if isinstance(value, complex):
+        raise ValueError("not a real number")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("not a finite number")
+    if abs(value) > LIMIT:
+        raise ValueError("result too large")
+    return value
+
+
 def _evaluate(node: ast.AST) -> float | int:
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
+        return _checked(node.value)
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         left, right = _evaluate(node.left), _evaluate(node.right)
-        if isinstance(node.op, ast.Pow) and abs(right) > 64:
-            raise ValueError("exponent too large")
-        return _BINARY[type(node.op)](left, right)
+        power = isinstance(node.op, ast.Pow) and left != 0
+        if power and right * math.log10(abs(left)) > math.log10(LIMIT):
+            raise ValueError("result too large")
+        return _checked(_BINARY[type(node.op)](left, right))
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_evaluate(node.operand))
     raise ValueError(f"not arithmetic: {ast.dump(node)[:60]}")
