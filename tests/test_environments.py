@@ -225,6 +225,22 @@ def test_tool_errors_go_back_to_the_model_and_are_counted(env_file, capsys):
     warned = capsys.readouterr().err
     assert warned.count("raised ZeroDivisionError") == 1  # shown once
 
+    class Opaque:
+        def add(self, x: int) -> object:
+            """Add.
+
+            Args:
+                x: How much.
+            """
+            return object()  # its str() held its address: other tokens in every run
+
+    message = EnvironmentFactory(Opaque).episode().respond(call("add", {"x": 1}))[0]
+    assert message["content"] == (
+        "error: TypeError: the tool returned a object, which has no text of its own; return "
+        "a str, a number, or lists and dicts of them"
+    )
+    assert "raised TypeError" in capsys.readouterr().err
+
 
 def test_an_async_tool_is_awaited_and_only_methods_are_tools():
     """An async def tool was never awaited: the model read "<coroutine object ...>" and the
@@ -729,8 +745,16 @@ def test_the_recipes_calculator_answers_arithmetic_and_refuses_the_rest():
     )
     assert reply[0]["content"] == "6"
     assert reply[1]["content"].startswith("error: ValueError: not arithmetic")
-    assert reply[2]["content"] == "error: ValueError: exponent too large"
+    assert reply[2]["content"] == "error: ValueError: result too large"
     assert (episode.tool_calls, episode.tool_errors, episode.env.calls) == (3, 2, 3)
+    # refused before any work: ((10**64)**64)**64 took seconds and a further **64 hung the
+    # run; (-1)**0.5 answered a complex number and 1e308*10 inf
+    calculator = episode.env
+    assert calculator.calculate("2**-2000") == "0" and calculator.calculate("2**10") == "1024"
+    large = ["((((10**64)**64)**64)**64)**64", "9**9**9", "0.5**-1000", "1e308*10"]
+    for expression, said in [*((e, "result too large") for e in large), ("(-1)**0.5", "real")]:
+        with pytest.raises(ValueError, match=said):
+            calculator.calculate(expression)
 
 
 def test_reset_gets_the_columns_it_takes():

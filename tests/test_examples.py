@@ -131,23 +131,3 @@ def test_example_runs_one_step_on_stand_ins(path, stand_ins, tmp_path):
     if config.rollout.environment is not None:  # episodes: the environment was loaded
         assert "env/turns_mean" in lines[0]
         assert any("eval/turns_mean" in r for r in records)
-
-
-def test_the_example_calculator_refuses_what_is_no_finite_real_number_of_sane_size():
-    """Tool errors the model reads, before any work: ((10**64)**64)**64 took seconds to
-    compute and a further **64 hung the run; (-1)**0.5 answered a complex number and
-    1e308*10 answered inf."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "calculator", Path(__file__).parent.parent / "examples/environments/calculator.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    calculator = module.Calculator()
-    assert calculator.calculate("(12 + 30) / 7") == "6"
-    assert calculator.calculate("2**-2000") == "0" and calculator.calculate("2**10") == "1024"
-    large = ["((((10**64)**64)**64)**64)**64", "9**9**9", "0.5**-1000", "1e308*10"]
-    for expression, said in [*((e, "result too large") for e in large), ("(-1)**0.5", "real")]:
-        with pytest.raises(ValueError, match=said):
-            calculator.calculate(expression)

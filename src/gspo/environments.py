@@ -163,6 +163,13 @@ def tool_result_text(value: Any) -> str:
     try:
         return json.dumps(value)
     except (TypeError, ValueError):
+        kind = type(value)
+        if kind.__str__ is object.__str__ and kind.__repr__ is object.__repr__:
+            # "<Result object at 0x7f...>": an address, other in every run
+            raise TypeError(
+                f"the tool returned a {kind.__name__}, which has no text of its own; return "
+                "a str, a number, or lists and dicts of them"
+            ) from None
         return str(value)
 
 
