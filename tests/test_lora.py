@@ -1,6 +1,7 @@
 """LoRA (``model.lora``, PEFT): what trains, the reference, sampling, checkpoints, export."""
 
 import json
+import shutil
 import warnings
 from pathlib import Path
 
@@ -332,6 +333,10 @@ def test_export_keeps_what_runs_read_and_names_damaged_checkpoints(tmp_path, var
     assert main(["export", str(full)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"gspo: error: export: the latest checkpoint of {full}, step-0000004")
+    # deleted (as a resume's advice says): the one before it, as a resume takes
+    shutil.rmtree(weights.parent)
+    assert main(["export", str(full)]) == 0
+    assert "step-0000000" in capsys.readouterr().out
 
 
 def test_export_errors_are_one_line(tmp_path, capsys):

@@ -532,10 +532,15 @@ def test_a_project_moved_whole_resumes_and_exports(tmp_path, monkeypatch):
     run = ["train.cold_start_steps=0", "eval.every=0", "model.lora.r=4", "model.path=base",
            "reward.functions=[rew.py:varied]"]  # fmt: skip
     assert main(["train", "--output-dir", "a", *FAST, *run, "train.max_steps=4"]) == 0
+    # full fine-tuning with a KL reference: its step 0 names the model (model_dir.txt)
+    full = [*run[:2], *run[3:], "algorithm.kl_coef=0.05", "train.max_steps=4"]
+    assert main(["train", "--output-dir", "b", *FAST, *full]) == 0
     moved = shutil.move(project, tmp_path / "proj2")
     monkeypatch.chdir(moved)
     assert main(["train", "--resume", "a", "train.max_steps=8"]) == 0
+    assert main(["train", "--resume", "b", "train.max_steps=8"]) == 0
     assert main(["export", "a", "--merge", "merged"]) == 0
+    assert main(["export", "a", "--merge", "base"]) == 2  # the base, where it is now
     recorded = load_config(moved / "a" / "config.yaml")
     assert recorded.model.path == str(moved / "base")
     assert recorded.reward.functions == [f"{moved / 'rew.py'}:varied"]

@@ -24,6 +24,7 @@ from gspo.models import (
     model_files,
     save_pretrained_atomic,
 )
+from gspo.moved import moved_path
 from gspo.publish import DiskFull, check_manifest
 from gspo.training.checkpoint import (
     CHECKPOINTS,
@@ -52,7 +53,7 @@ def resolve_checkpoint(source: Path) -> Path:
     named = pointer.read_text(errors="replace").strip() if pointer.is_file() else ""
     if named.startswith("step-") and Path(named).name == named:
         problem = checkpoint_problem(source / CHECKPOINTS / named)
-        if problem is not None:
+        if problem not in (None, "missing"):  # (deleted: the one before it, as a resume)
             raise ValueError(
                 f"export: the latest checkpoint of {source}, {named}, is {problem}; export a "
                 f"whole one by its path (gspo export {source / CHECKPOINTS}/step-N)"
@@ -72,11 +73,16 @@ def models_read(checkpoint: Path) -> list[Path]:
     for step in steps:
         pointer, adapter = step / MODEL_POINTER, step / ADAPTER_CONFIG
         if pointer.is_file():
-            found.append(step / pointer.read_text().strip())
+            found.append((step, step / pointer.read_text().strip()))
         if adapter.is_file():  # (a damaged adapter says so when it is read)
             with contextlib.suppress(OSError, ValueError, KeyError):
-                found.append(Path(json.loads(adapter.read_text())["base_model_name_or_path"]))
-    return [path.resolve() for path in found]
+                base = json.loads(adapter.read_text())["base_model_name_or_path"]
+                found.append((step, Path(base)))
+    # as the run reads them: where they are now, if the run moved together with them
+    return [
+        (moved_path(path, step.parent.parent, step / "config.yaml") or path).resolve()
+        for step, path in found
+    ]
 
 
 def is_run(path: Path) -> bool:

@@ -16,12 +16,12 @@ import torch
 
 from gspo.config import Config, load_config
 from gspo.distributed import Distributed, setup_distributed, teardown_distributed
+from gspo.moved import moved_path
 from gspo.publish import temp_path
 from gspo.rewards.runner import leave_if_starting_a_worker
 from gspo.telemetry import METRICS_FILE
 from gspo.trainer import Trainer
 from gspo.training.checkpoint import CHECKPOINTS, CONFIG, TRAINER_STATE
-from gspo.training.moved import moved_path
 from gspo.training.setup import with_absolute_paths
 
 

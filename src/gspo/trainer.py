@@ -33,6 +33,7 @@ from gspo.config import Config, dump_config_text
 from gspo.distributed import Distributed, rank_device
 from gspo.engines import SamplingParams
 from gspo.models import resolve_dtype
+from gspo.moved import moved_path, with_run_dir
 from gspo.rewards.runner import leave_if_starting_a_worker
 from gspo.telemetry import (
     MetricsLogger,
@@ -58,7 +59,6 @@ from gspo.training.hooks import EmptyLossWarning, OnPolicyClipWarning, build_hoo
 from gspo.training.lora import adapter_dropout_seed
 from gspo.training.memory import loading_model, out_of_memory
 from gspo.training.metrics import combine, crossed, metric_reduction, rollout_clip_fractions
-from gspo.training.moved import moved_path, with_run_dir
 from gspo.training.policy import Policy
 from gspo.training.reference import Reference
 from gspo.training.rollout import RolloutStage, Scorer

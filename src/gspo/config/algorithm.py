@@ -58,8 +58,8 @@ class AlgorithmConfig(Section):
         "update's own forward) or auto: the sampler's when "
         "the forward runs in float32, recomputed in bfloat16/float16 (where the two differ "
         "by more than GSPO's clip range: docs/precision.md), with a rollout_correction, "
-        "for vLLM with top_p < 1, and with LoRA dropout (recomputed under the update's own "
-        "dropout masks)",
+        "for vLLM with top_p < 1, and with LoRA dropout in synchronous runs (recomputed "
+        "under the update's own dropout masks)",
     )
     advantage_scale: Literal["group", "batch", "none"] = Field(
         "group",

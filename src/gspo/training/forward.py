@@ -72,7 +72,9 @@ def recomputes_old_logprobs(config: Config, compute_dtype: torch.dtype) -> bool:
     vllm = config.rollout.engine == "vllm"
     other_head = vllm and config.model.head_precision == "bf16_weight"
     truncated = vllm and config.rollout.top_p < 1.0
-    dropout = config.model.lora.r > 0 and config.model.lora.dropout > 0
+    # (an async producer recomputes without dropout: the sampler's own log-probs again)
+    lora = config.model.lora
+    dropout = lora.r > 0 and lora.dropout > 0 and config.rollout.max_staleness == 0
     return (
         compute_dtype != torch.float32
         or algorithm.rollout_correction != "none"

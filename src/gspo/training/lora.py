@@ -23,7 +23,7 @@ import torch
 from gspo.config import Config, LoraSettings
 from gspo.distributed import Distributed
 from gspo.models.loading import MODEL_FINGERPRINT, fingerprint_change
-from gspo.training.moved import moved_path
+from gspo.moved import moved_path
 from gspo.training.seeds import rank_seed
 
 #: PEFT's file names in a LoRA checkpoint.

@@ -294,7 +294,7 @@ def with_absolute_paths(
     records in its config.yaml, so a resume from another directory reads the same files
     (it failed, or read another ``varied.py`` there). A hub id or module name stays, and
     a key left at its default stays unset. ``moved(path)``: where a recorded path that
-    is missing lies now, the run having moved with it (:func:`gspo.training.moved.moved_path`).
+    is missing lies now, the run having moved with it (:func:`gspo.moved.moved_path`).
     """
 
     def found(value: str) -> Path | None:
