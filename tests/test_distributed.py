@@ -411,6 +411,20 @@ def check_two_ranks_take_the_one_process_step(
 
 
 @pytest.mark.slow
+def test_a_moe_run_under_torchrun_writes_checkpoints_between_rollout_batches(tmp_path):
+    """The churn measurement's no-grad forward, the last thing of a MoE rollout batch,
+    left the FSDP root's weights gathered: the first checkpoint before the run's end died
+    with KeyError: 0 in get_optimizer_state_dict (the OLMoE recipe, save_every 100)."""
+    out = tmp_path / "run"
+    moe = ["model.builtin=qwen3_moe", "model.experts=4", "train.max_steps=8", "train.save_every=4"]
+    torchrun("-m", "gspo", "train", "--output-dir", str(out), *SMALL_RUN, *moe)
+    held = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
+    assert held == ["step-0000000", "step-0000004", "step-0000008"]
+    lines = [r for r in read_metrics(out / "metrics.jsonl") if "moe/expert_change_fraction" in r]
+    assert len(lines) == 8
+
+
+@pytest.mark.slow
 def test_torchrun_run_logs_once_and_resumes_with_one_rank(tmp_path):
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save

@@ -317,7 +317,15 @@ def sharded_state(
         get_model_state_dict,
         get_optimizer_state_dict,
     )
+    from torch.distributed.fsdp import FSDPModule
 
+    # FSDP keeps the root's weights gathered after a forward, for the backward that
+    # follows; after a no-grad forward (a MoE run's churn measurement, the last thing of
+    # a rollout batch) none follows, the module's parameters were the gathered ones, not
+    # the optimizer's shards, and the first checkpoint failed (KeyError: 0)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
     options = StateDictOptions(ignore_frozen_params=trainable_only)
     state: dict[str, Any] = {}
     if weights:

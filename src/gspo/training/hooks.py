@@ -205,9 +205,14 @@ class ExpertChurn(Hook):
         policy = self.policy
         with capture_routing(policy.module) as recorder:
             policy.logprobs(mb)
+        # the probe stops the forward at the input embedding by raising: through the FSDP
+        # root that left its weights gathered, and the first checkpoint of a torchrun MoE
+        # run failed (KeyError: 0); the bare module lays the tokens out the same way
         response = response_token_mask(
             policy.module,
-            lambda p, c: policy.logprobs(replace(mb, prompt_ids=p, completion_ids=c)),
+            lambda p, c: policy.logprobs(
+                replace(mb, prompt_ids=p, completion_ids=c), policy.module
+            ),
             mb.prompt_ids,
             mb.prompt_mask,
             mb.action_mask,
