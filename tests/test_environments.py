@@ -93,6 +93,13 @@ def test_tool_calls_parse_in_order_and_bad_ones_carry_an_error():
     assert "must be an object" in errors[2]
     assert "unterminated" in errors[3]
     assert parse_tool_calls("no call here") == []
+    # JSON that Python's reader refuses otherwise than as a syntax error ended the run
+    huge = '<tool_call>{"name": "add", "arguments": {"a": 1' + "0" * 5000 + "}}</tool_call>"
+    deep = "<tool_call>" + "[" * 100_000 + "</tool_call>"
+    nested = '<tool_call>{"name": "add", "arguments": "' + "[" * 100_000 + '"}</tool_call>'
+    too = "tool call JSON too large or too deeply nested"
+    for text, said in ((huge, too), (deep, too), (nested, "tool call arguments must be an object")):
+        assert [call.error for call in parse_tool_calls(text)] == [said]
 
 
 # ---------------------------------------------------------------------------- the factory
@@ -846,3 +853,25 @@ def test_sys_exit_in_an_environment_is_an_error(tokenizer):
     )  # fmt: skip
     with pytest.raises(EnvError, match=r"step\(\) raised SystemExit: 0"):
         runner.generate([{"prompt": "p"}], [[]], n=1, params=SamplingParams(), seed=0)
+
+
+def test_episode_metrics_of_several_parts_are_those_of_all_their_episodes():
+    """Evaluation chunks (and torchrun ranks) combined: a chunk without tool calls has no
+    valid share (evaluation died with KeyError when the first chunk had one and a later
+    none), and the shares are over calls and tokens, not episodes (1 valid call of 1 and
+    0 of 10 read 0.5, not 1/11)."""
+    from gspo.distributed import combine_metrics
+    from gspo.training.metrics import episode_metrics, metric_reduction
+
+    few = {"env/turns_mean": 2.0, "env/tool_calls_mean": 0.25, "env/episode_length_mean": 10,
+           "env/tool_call_valid_fraction": 1.0, "env/env_token_fraction": 0.5}  # fmt: skip
+    many = {"env/turns_mean": 1.0, "env/tool_calls_mean": 2.5, "env/episode_length_mean": 30,
+            "env/tool_call_valid_fraction": 0.0, "env/env_token_fraction": 0.0}  # fmt: skip
+    none = {"env/turns_mean": 1.0, "env/tool_calls_mean": 0.0, "env/episode_length_mean": 5,
+            "env/env_token_fraction": 0.0}  # fmt: skip
+    out = episode_metrics([(4, few), (4, many), (2, none)])
+    assert out["env/turns_mean"] == pytest.approx(14 / 10)
+    assert out["env/tool_call_valid_fraction"] == pytest.approx(1 / 11)
+    assert out["env/env_token_fraction"] == pytest.approx(20 / 170)
+    ranks = combine_metrics([few, many], lambda key: metric_reduction(key, "sequence"))
+    assert ranks["env/tool_call_valid_fraction"] == pytest.approx(1 / 11)

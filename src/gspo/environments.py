@@ -119,6 +119,9 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
         except json.JSONDecodeError as e:
             calls.append(ToolCall("", error=f"tool call is not valid JSON ({e.msg})"))
             continue
+        except (ValueError, RecursionError):  # an integer past 4300 digits, deep nesting
+            calls.append(ToolCall("", error="tool call JSON too large or too deeply nested"))
+            continue
         if not isinstance(data, dict) or not isinstance(data.get("name"), str):
             calls.append(ToolCall("", error='tool call needs {"name": ..., "arguments": {...}}'))
             continue
@@ -126,7 +129,7 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # (JSONDecodeError is a ValueError)
                 arguments = None
         if not isinstance(arguments, dict):
             calls.append(ToolCall(data["name"], error="tool call arguments must be an object"))

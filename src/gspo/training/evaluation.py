@@ -14,6 +14,7 @@ from gspo.distributed import Distributed
 from gspo.engines import SamplingParams
 from gspo.telemetry import read_metrics
 from gspo.training.memory import out_of_memory
+from gspo.training.metrics import episode_metrics
 from gspo.training.rollout import Scorer
 from gspo.training.sampler import Generator
 from gspo.training.seeds import derive_seed
@@ -81,10 +82,10 @@ class Evaluator:
             done = sorted((part for parts in every_rank for part in parts), key=lambda p: p[0])
             r = torch.cat([part[1] for part in done])
             lengths = torch.cat([part[2] for part in done])
-            for key in done[0][3] if done else ():  # environment metrics: mean over chunks
-                weights = [len(part[1]) for part in done]
-                total = sum(part[3][key] * w for part, w in zip(done, weights, strict=True))
-                metrics[f"eval/{key.removeprefix('env/')}{suffix}"] = total / sum(weights)
+            # environment metrics: those of all the chunks' episodes together
+            together = episode_metrics([(len(part[1]), part[3]) for part in done])
+            for key, value in together.items():
+                metrics[f"eval/{key.removeprefix('env/')}{suffix}"] = value
             # a completion no reward function scored (each returned None) is no evidence:
             # left out of the accuracy and the mean reward, as it is out of training's
             scorable = torch.cat([part[4] for part in done]).to(r.device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
@@ -87,6 +88,30 @@ def rollout_clip_fractions(
     return out
 
 
+#: Episode metrics (:class:`gspo.training.episodes.MultiTurn`) that are shares of
+#: something other than episodes, and the per-episode mean that counts it: the share of
+#: valid tool calls is over the calls, the environment's share of tokens over the tokens.
+#: (Left out where it has no denominator: a batch without calls logs no valid share.)
+EPISODE_SHARES = {
+    "env/tool_call_valid_fraction": "env/tool_calls_mean",
+    "env/env_token_fraction": "env/episode_length_mean",
+}
+
+
+def episode_metrics(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """The episode metrics of several parts of ``(episodes, metrics)`` as those of all
+    their episodes together: each a mean weighted by the episodes, or for
+    :data:`EPISODE_SHARES` by what the share is of, over the parts that hold it."""
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for _, metrics in parts for k in metrics):
+        per = EPISODE_SHARES.get(key)
+        pairs = [(m[key], n * (m[per] if per else 1.0)) for n, m in parts if key in m]
+        total = math.fsum(w for _, w in pairs)
+        if total > 0:
+            out[key] = math.fsum(v * w for v, w in pairs) / total
+    return out
+
+
 def metric_reduction(
     key: str, level: str, correction: str = "none"
 ) -> tuple[Reduction, str | None]:
@@ -126,6 +151,8 @@ def metric_reduction(
         return "mean", "sft/tokens"
     if key.startswith("moe/expert_change_fraction"):  # (and its per-layer values)
         return "mean", "moe/churn_tokens"
+    if key in EPISODE_SHARES:  # (every rank holds as many episodes)
+        return "mean", EPISODE_SHARES[key]
     return "mean", None
 
 
