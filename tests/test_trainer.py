@@ -397,7 +397,7 @@ def test_the_summary_says_what_the_checkpoints_wrote(tmp_path, varied_reward, ca
         for s in (0, 2, 4)
     ]  # fmt: skip
     assert [r["io/checkpoint_bytes"] for r in lines] == on_disk
-    assert on_disk[0] < 4096 < on_disk[1] == on_disk[2]  # step 0 names the model
+    assert on_disk[0] < 16_384 < on_disk[1] == on_disk[2]  # step 0 names the model
     assert all(r["time/checkpoint"] > 0 and r["time/checkpoint_write"] > 0 for r in lines)
     waited = sum(r["time/checkpoint"] for r in lines)
     writing = sum(r["time/checkpoint_write"] for r in lines)
