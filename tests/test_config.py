@@ -506,6 +506,7 @@ def test_settings_that_another_setting_makes_moot_are_warned():
         "model.layers=8": "model.layers is set but model.path names a model",
         "model.experts=64": "model.experts is set but model.builtin=qwen3 has no experts",
         "rollout.max_turns=9": "rollout.max_turns is set but there is no rollout.environment",
+        "rollout.env_timeout=5": "rollout.env_timeout is set but there is no rollout.environment",
         "reward.overlong_buffer=2": "reward.overlong_buffer is set but reward.overlong_penalty=0",
     }
     for override, said in inert.items():

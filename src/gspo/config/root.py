@@ -150,8 +150,9 @@ class Config(Section):
         turns = changed(rollout, ("max_turns", "max_episode_tokens", "env_timeout"))
         if self.environment is None and turns:
             lines.append(
-                f"rollout.{turns[0]} is set but there is no rollout.environment: every "
-                "response is one turn (set rollout.environment for multi-turn episodes)"
+                f"rollout.{turns[0]} is set but there is no rollout.environment: it applies "
+                "to multi-turn episodes, and every response here is one turn (set "
+                "rollout.environment for them)"
             )
         if self.reward.overlong_buffer is not None and self.reward.overlong_penalty == 0:
             lines.append(
