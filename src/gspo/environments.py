@@ -265,8 +265,14 @@ class EnvironmentFactory:
         parameter that is not a column, else ``Factory(**columns it names)``."""
         required, takes_all = self._required(), self._takes_all()
         try:
-            with deadline(self.timeout, f"environment {self.name!r}: its constructor"):
-                made = self._construct(row, required, takes_all)
+            with self.deadline("its constructor"):
+                if not required and not takes_all:
+                    made = self.factory()
+                elif len(required) == 1 and required[0].name not in row and not takes_all:
+                    made = self.factory(row)
+                else:
+                    what = f"environment {self.name!r}: its constructor"
+                    made = self.factory(**accepted(self.factory, row, what))
         except EnvError:
             raise
         except (Exception, SystemExit) as e:  # (sys.exit in user code: an error)
@@ -276,14 +282,6 @@ class EnvironmentFactory:
         if made is None:
             raise EnvError(f"environment {self.name!r}: the factory returned None")
         return made
-
-    def _construct(self, row: dict[str, Any], required: list, takes_all: bool) -> Any:
-        if not required and not takes_all:
-            return self.factory()
-        if len(required) == 1 and required[0].name not in row and not takes_all:
-            return self.factory(row)
-        what = f"environment {self.name!r}: its constructor"
-        return self.factory(**accepted(self.factory, row, what))
 
     def deadline(self, call: str):
         """:func:`deadline` for this environment's ``call`` (``step()``, a tool, ...)."""

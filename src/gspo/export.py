@@ -24,7 +24,7 @@ from gspo.models import (
     model_files,
     save_pretrained_atomic,
 )
-from gspo.moved import moved_path
+from gspo.moved import in_checkpoint
 from gspo.publish import DiskFull, check_manifest
 from gspo.training.checkpoint import (
     CHECKPOINTS,
@@ -79,10 +79,7 @@ def models_read(checkpoint: Path) -> list[Path]:
                 base = json.loads(adapter.read_text())["base_model_name_or_path"]
                 found.append((step, Path(base)))
     # as the run reads them: where they are now, if the run moved together with them
-    return [
-        (moved_path(path, step.parent.parent, step / "config.yaml") or path).resolve()
-        for step, path in found
-    ]
+    return [in_checkpoint(path, step).resolve() for step, path in found]
 
 
 def is_run(path: Path) -> bool:

@@ -49,3 +49,12 @@ def moved_path(path: str | Path, run_dir: Path, config_file: Path | None = None)
         return None
     candidate = here / os.path.relpath(path, recorded)
     return candidate.resolve() if candidate.exists() else None
+
+
+def in_checkpoint(path: str | Path, checkpoint: Path) -> Path:
+    """``path``, as ``checkpoint`` (``RUN/checkpoints/step-N``) recorded it (a LoRA
+    adapter's base, a step 0's model), where it lies now: itself, or where it moved with
+    the run (:func:`moved_path`, from the checkpoint's own config.yaml)."""
+    checkpoint = Path(checkpoint)
+    moved = moved_path(path, checkpoint.parent.parent, checkpoint / "config.yaml")
+    return Path(path) if moved is None else moved

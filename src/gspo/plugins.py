@@ -192,8 +192,11 @@ def absolute_spec(spec: Any, find: Callable[[str], Path | None] | None = None) -
     source, _, name = spec.rpartition(":")
     if not (source.strip().endswith(".py") or "/" in source):
         return spec
-    path = Path(source.strip()).expanduser()
-    where = (path.resolve() if path.exists() else None) if find is None else find(source.strip())
+    if find is None:
+        path = Path(source.strip()).expanduser()
+        where = path.resolve() if path.exists() else None
+    else:
+        where = find(source.strip())
     return spec if where is None or not where.is_file() else f"{where}:{name}"
 
 

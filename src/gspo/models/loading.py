@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError
 
 from gspo.models.memory import OutOfMemory, is_out_of_memory, what_ran_out
-from gspo.moved import moved_path
+from gspo.moved import in_checkpoint
 from gspo.publish import check_manifest, megabytes, staged
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -150,8 +150,7 @@ def model_files(path: str | Path) -> Path:
     if not pointer.is_file():
         return path
     named = path / pointer.read_text().strip()  # (an absolute line replaces ``path``)
-    if not named.is_dir():  # a step 0 of a run moved together with its model
-        named = moved_path(named, path.parent.parent, path / "config.yaml") or named
+    named = in_checkpoint(named, path)  # (a step 0 of a run moved with its model)
     fingerprint = path / MODEL_FINGERPRINT
     if fingerprint.is_file() and named.is_dir():  # (a missing directory: the caller says so)
         try:

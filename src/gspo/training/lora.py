@@ -23,7 +23,7 @@ import torch
 from gspo.config import Config, LoraSettings
 from gspo.distributed import Distributed
 from gspo.models.loading import MODEL_FINGERPRINT, fingerprint_change
-from gspo.moved import moved_path
+from gspo.moved import in_checkpoint
 from gspo.training.seeds import rank_seed
 
 #: PEFT's file names in a LoRA checkpoint.
@@ -208,12 +208,11 @@ def base_model_path(checkpoint: Path) -> Path:
     checkpoint = Path(checkpoint)
     config = json.loads((checkpoint / ADAPTER_CONFIG).read_text())
     base = Path(config["base_model_name_or_path"])
-    run = checkpoint.parent.parent
-    own = run / base.name  # a run's own base_model/, the run moved
+    own = checkpoint.parent.parent / base.name  # a run's own base_model/, the run moved
     if not base.is_dir() and base.name == "base_model" and own.is_dir():
         base = own  # (the fingerprint below still checks it is the same weights)
-    elif not base.is_dir():  # a model.path moved together with the run
-        base = moved_path(base, run, checkpoint / "config.yaml") or base
+    else:  # (a model.path moved together with the run)
+        base = in_checkpoint(base, checkpoint)
     fingerprint = checkpoint / MODEL_FINGERPRINT
     if fingerprint.is_file() and base.is_dir():  # (a missing base: the caller says so)
         changed = fingerprint_change(json.loads(fingerprint.read_text()), base)

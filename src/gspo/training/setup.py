@@ -315,8 +315,9 @@ def with_absolute_paths(
         return f"{where}:{rest}" if where is not None and where.is_dir() else value
 
     def cache(value: Any) -> Any:  # made by the run: absolute whether or not it exists yet
-        where = local(value)
-        return where if not isinstance(where, str) else str(Path(where).expanduser().resolve())
+        if not isinstance(value, str):
+            return value
+        return str(found(value) or Path(value).expanduser().resolve())
 
     def spec(value: Any) -> Any:
         return absolute_spec(value, found)
