@@ -552,6 +552,56 @@ def test_a_project_moved_whole_resumes_and_exports(tmp_path, monkeypatch):
     assert [r["step"] for r in train_lines(run_metrics(moved / "a"))] == list(range(1, 9))
 
 
+def test_a_model_moved_away_from_its_run_is_named_on_resume(tmp_path, monkeypatch, capsys):
+    """The model a LoRA run's adapters and a KL run's step 0 build on, moved elsewhere (not
+    with the run): the runs could neither resume (model.path=<new place> was refused as
+    another model) nor export. A resume may now name its new place, once: its weights
+    must be the ones the checkpoints recorded."""
+    from safetensors.torch import load_file, save_file
+
+    from gspo.models import TinyModelSpec, build_char_tokenizer, build_tiny_model
+
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(TinyModelSpec(layers=1, hidden=32, heads=2, kv_heads=1,
+                                           intermediate=64), tokenizer, seed=0)  # fmt: skip
+    save_pretrained_atomic(model, tokenizer, tmp_path / "base")
+    monkeypatch.chdir(tmp_path)
+    run = ["train.cold_start_steps=0", "eval.every=0", "model.path=base", "train.max_steps=4"]
+    assert main(["train", "--output-dir", "a", *FAST, *run, "model.lora.r=4"]) == 0
+    assert main(["train", "--output-dir", "b", *FAST, *run, "algorithm.kl_coef=0.05"]) == 0
+    shutil.move(tmp_path / "base", tmp_path / "models")
+    capsys.readouterr()
+    assert main(["train", "--resume", "a", "train.max_steps=8"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"gspo: error: model.path: {tmp_path / 'base'}, the model a/checkpoints/step-0000004 builds on, is not a "
+        "directory (nor where it would lie had it moved with the run); if it was moved, "
+        "resume with model.path=ITS_NEW_PLACE"
+    )
+    shutil.copytree(tmp_path / "models", tmp_path / "other")
+    weights = tmp_path / "other" / "model.safetensors"
+    save_file({k: v + 1e-3 for k, v in load_file(weights).items()}, weights)
+    assert main(["train", "--resume", "b", "train.max_steps=8", "model.path=other"]) == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .startswith(
+            f"gspo: error: model.path={tmp_path / 'other'}: not the model {tmp_path / 'base'} that "
+            "b/checkpoints/step-0000000 was built on"
+        )
+    )
+    for name in ("a", "b"):  # b's KL reference reads step 0's model where it is now
+        assert main(["train", "--resume", name, "train.max_steps=8", "model.path=models"]) == 0
+        assert [r["step"] for r in train_lines(run_metrics(tmp_path / name))] == list(range(1, 9))
+        assert load_config(tmp_path / name / "config.yaml").model.path == str(tmp_path / "models")
+    assert main(["export", "b/checkpoints/step-0000000", "--merge", "zero"]) == 0
+    # a finished run records the new place too, so that its export finds the base
+    shutil.move(tmp_path / "models", tmp_path / "models2")
+    assert main(["export", "a", "--merge", "merged"]) == 2
+    assert main(["train", "--resume", "a", "train.max_steps=8", "model.path=models2"]) == 0
+    assert main(["export", "a", "--merge", "merged"]) == 0
+    assert len(train_lines(run_metrics(tmp_path / "a"))) == 8
+
+
 def test_resume_refuses_another_model_or_another_directory(tmp_path, capsys):
     """Before, these resumed the checkpoints' model while config.yaml named the other one
     (or the run went on in place, --output-dir ignored)."""

@@ -171,7 +171,8 @@ def export_merged(source: Path, out: Path) -> Path:
         if not base_dir.is_dir():
             raise FileNotFoundError(
                 f"export: the base model {base_dir} named in {checkpoint}/adapter_config.json "
-                "is missing"
+                "is missing; if it was moved, gspo train --resume RUN model.path=ITS_NEW_PLACE "
+                "records where it is"
             )
         check_manifest(checkpoint, is_model_file)  # the adapter's files
         base, tokenizer = load_model(base_dir, device=cpu, dtype=torch.float32)

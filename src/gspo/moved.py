@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import yaml
+
 #: The first line of a run's ``config.yaml`` (and of its checkpoints' copies).
 RUN_DIR_LINE = "# gspo run directory: "
 
@@ -51,10 +53,42 @@ def moved_path(path: str | Path, run_dir: Path, config_file: Path | None = None)
     return candidate.resolve() if candidate.exists() else None
 
 
-def in_checkpoint(path: str | Path, checkpoint: Path) -> Path:
-    """``path``, as ``checkpoint`` (``RUN/checkpoints/step-N``) recorded it (a LoRA
-    adapter's base, a step 0's model), where it lies now: itself, or where it moved with
-    the run (:func:`moved_path`, from the checkpoint's own config.yaml)."""
-    checkpoint = Path(checkpoint)
+def model_path_of(run_dir: Path) -> Path | None:
+    """Where the model that ``run_dir``'s config.yaml names (``model.path``) lies now: as
+    named, or where it moved with the run; None for the built-in model (or no such file)."""
+    try:
+        text = (Path(run_dir) / "config.yaml").read_text(encoding="utf-8")
+        path = yaml.safe_load(text)["model"]["path"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return None
+    if not isinstance(path, str) or not path:
+        return None
+    return moved_path(path, run_dir) or Path(path)
+
+
+def model_not_found(model_dir: Path, checkpoint: Path) -> FileNotFoundError:
+    """The one-line error for a model that ``checkpoint`` builds on (a LoRA adapter's base,
+    a step 0's model) and that :func:`in_checkpoint` did not find at ``model_dir``."""
+    return FileNotFoundError(
+        f"model.path: {model_dir}, the model {checkpoint} builds on, is not a directory "
+        "(nor where it would lie had it moved with the run); if it was moved, resume with "
+        "model.path=ITS_NEW_PLACE"
+    )
+
+
+def in_checkpoint(path: str | Path, checkpoint: Path, model_path: str | Path | None = None) -> Path:
+    """``path``, the run's model as ``checkpoint`` (``RUN/checkpoints/step-N``) recorded it
+    (a LoRA adapter's base, a step 0's model), where it lies now: itself; where it moved
+    with the run (:func:`moved_path`, from the checkpoint's own config.yaml); else, the
+    model having been moved elsewhere, where the run's ``model.path`` names it now:
+    ``model_path`` (a resume's, ``model.path=NEW``), by default the run's config.yaml's
+    (which that resume recorded). The callers check that its weights are the recorded ones.
+    """
+    checkpoint, path = Path(checkpoint), Path(path)
     moved = moved_path(path, checkpoint.parent.parent, checkpoint / "config.yaml")
-    return Path(path) if moved is None else moved
+    if moved is not None:
+        return moved
+    if path.exists():
+        return path
+    now = model_path_of(checkpoint.parent.parent) if model_path is None else Path(model_path)
+    return now if now is not None and now.is_dir() else path

@@ -6,6 +6,7 @@ making or replacing the directory around a trainer (:class:`RunDirectory`, which
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import secrets
 import shutil
@@ -16,6 +17,7 @@ import torch
 
 from gspo.config import Config, load_config
 from gspo.distributed import Distributed, setup_distributed, teardown_distributed
+from gspo.models.loading import MODEL_FINGERPRINT, fingerprint_change, model_files
 from gspo.moved import moved_path
 from gspo.publish import temp_path
 from gspo.rewards.runner import leave_if_starting_a_worker
@@ -221,6 +223,24 @@ def _trained_config(out: Path) -> Path:
     return held[0] if held else out / "config.yaml"
 
 
+def relocated(out: Path, was: str | None, now: str | None) -> bool:
+    """Whether ``model.path=now`` names where the run's model ``was`` (missing, even where
+    it would lie had it moved with the run) was moved to: a resume may say so. The weights
+    must be those its checkpoints recorded (a LoRA adapter's base, a step 0 naming its
+    model: ``model_fingerprint.json``), else one line; a full fine-tuning run whose
+    checkpoints all hold their own weights does not read it."""
+    if was is None or now is None or Path(was).exists() or not Path(now).is_dir():
+        return False
+    for recorded in sorted((out / CHECKPOINTS).glob(f"step-*/{MODEL_FINGERPRINT}")):
+        change = fingerprint_change(json.loads(recorded.read_text()), model_files(now))
+        if change:
+            raise ValueError(
+                f"model.path={now}: not the model {was} that {recorded.parent} was built on "
+                f"({change})"
+            )
+    return True
+
+
 def check_same_model(output_dir: str | Path, config: Config, how: str, other: str) -> None:
     """A resumed run continues the model its checkpoints hold and the schedule it was
     sampled on: ``config`` may not name another model (path, architecture, sizes,
@@ -235,6 +255,8 @@ def check_same_model(output_dir: str | Path, config: Config, how: str, other: st
     first = with_absolute_paths(load_config(trained), lambda p: moved_path(p, out, trained))
     config = with_absolute_paths(config, lambda p: moved_path(p, out))  # (as recorded)
     started, now = (_flat(c.model.model_dump()) for c in (first, config))
+    if relocated(out, started["path"], now["path"]):
+        started["path"] = now["path"]  # (its weights: checked against the checkpoints' record)
     for key in started:
         if key not in RESUME_MAY_CHANGE and started[key] != now[key]:
             raise ValueError(

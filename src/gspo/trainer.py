@@ -70,6 +70,7 @@ from gspo.training.setup import (
     load_task_data,
     local_shares,
     model_summary,
+    recorded_config,
     resumed_optim_settings,
     reward_functions,
     rl_optimizer,
@@ -145,7 +146,7 @@ class Trainer:
         self.rewards = rewards = reward_functions(config)
         check_reward_columns(rewards, self.data, config, environment)
         self.optimizer, self.scheduler = rl_optimizer(config, self.policy.forward)
-        self.reference = Reference(config.algorithm.kl_coef, out, self.policy)
+        self.reference = Reference(config.algorithm.kl_coef, out, self.policy, config.model.path)
         objective = Objective(config.algorithm)
         self.policy_update = PolicyUpdate(
             self.policy,
@@ -209,8 +210,9 @@ class Trainer:
             background=config.train.background_checkpoints and not dist.enabled,
         )
         self.writer_tokenizer = None  # (the tokenizer background writes save)
-        if dist.is_main and not self.finished:  # (a finished run keeps what it trained with)
-            (out / "config.yaml").write_text(with_run_dir(dump_config_text(config), out))
+        recorded = recorded_config(config, out, self.finished, moved)  # (finished: kept)
+        if dist.is_main and recorded is not None:
+            (out / "config.yaml").write_text(with_run_dir(dump_config_text(recorded), out))
         if checkpoint is None:
             self.logger.log(0, summary)
             if dist.is_main:

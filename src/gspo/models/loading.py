@@ -137,9 +137,10 @@ def fingerprint_change(recorded: dict[str, list[int]], directory: Path) -> str |
     return "; ".join(changes) or None
 
 
-def model_files(path: str | Path) -> Path:
+def model_files(path: str | Path, model_path: str | Path | None = None) -> Path:
     """The directory holding the model files of ``path``: the one its :data:`MODEL_POINTER`
-    names, else ``path`` itself. Every reader of a model directory goes through it.
+    names (where it lies now: :func:`gspo.moved.in_checkpoint`, ``model_path`` a resume's
+    ``model.path``), else ``path`` itself. Every reader of a model directory goes through it.
 
     Where the pointer has its :data:`MODEL_FINGERPRINT` beside it, the named model's
     weights must still be the ones it records: else a one-line ``ValueError`` naming the
@@ -150,7 +151,7 @@ def model_files(path: str | Path) -> Path:
     if not pointer.is_file():
         return path
     named = path / pointer.read_text().strip()  # (an absolute line replaces ``path``)
-    named = in_checkpoint(named, path)  # (a step 0 of a run moved with its model)
+    named = in_checkpoint(named, path, model_path)  # (moved with the run, or elsewhere)
     fingerprint = path / MODEL_FINGERPRINT
     if fingerprint.is_file() and named.is_dir():  # (a missing directory: the caller says so)
         try:

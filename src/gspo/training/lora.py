@@ -196,14 +196,15 @@ def base_path_of(peft_model) -> Path:
     return Path(peft_model.peft_config["default"].base_model_name_or_path)
 
 
-def base_model_path(checkpoint: Path) -> Path:
+def base_model_path(checkpoint: Path, model_path: str | Path | None = None) -> Path:
     """The base model a LoRA checkpoint's adapter was trained on (``adapter_config.json``).
 
     Its weights must still be the ones the checkpoint's ``model_fingerprint.json`` records
     (checkpoints written before it was: not checked): else one line naming the base and
     what changed. A resume or merge on other base weights is another model, silently.
     A run's own ``base_model/`` (the built-in model's) is found beside the checkpoints
-    when the run was moved since.
+    when the run was moved since; a model moved elsewhere, where ``model_path`` (a resume's
+    ``model.path``, by default the run's config.yaml's) names it now.
     """
     checkpoint = Path(checkpoint)
     config = json.loads((checkpoint / ADAPTER_CONFIG).read_text())
@@ -212,7 +213,7 @@ def base_model_path(checkpoint: Path) -> Path:
     if not base.is_dir() and base.name == "base_model" and own.is_dir():
         base = own  # (the fingerprint below still checks it is the same weights)
     else:  # (a model.path moved together with the run)
-        base = in_checkpoint(base, checkpoint)
+        base = in_checkpoint(base, checkpoint, model_path)
     fingerprint = checkpoint / MODEL_FINGERPRINT
     if fingerprint.is_file() and base.is_dir():  # (a missing base: the caller says so)
         changed = fingerprint_change(json.loads(fingerprint.read_text()), base)

@@ -7,9 +7,10 @@ from pathlib import Path
 import torch
 
 from gspo.engines import RolloutBatch
-from gspo.models import load_model
+from gspo.models import load_model, model_files
 from gspo.models.kernels import head_precision, linear_kernel, set_linear_kernel
 from gspo.moe import experts_implementation, set_experts_implementation
+from gspo.moved import model_not_found
 from gspo.training.checkpoint import checkpoint_dir
 from gspo.training.forward import per_minibatch
 from gspo.training.policy import Policy
@@ -24,9 +25,12 @@ class Reference:
     forward with the adapters switched off.
     """
 
-    def __init__(self, kl_coef: float, output_dir: Path, policy: Policy):
+    def __init__(
+        self, kl_coef: float, output_dir: Path, policy: Policy, model_path: str | None = None
+    ):
         self.enabled = kl_coef > 0.0
         self.path = checkpoint_dir(output_dir, 0)
+        self.model_path = model_path  # (``model.path``: where a step 0's model is now)
         self.policy = policy
         self.module: torch.nn.Module | None = None
 
@@ -38,8 +42,14 @@ class Reference:
             with torch.no_grad(), self.policy.base():
                 return self.policy.logprobs(batch)
         if self.module is None:
+            model_dir = model_files(self.path, self.model_path)
+            if not model_dir.is_dir():
+                raise model_not_found(model_dir, self.path)
             self.module, _ = load_model(  # the policy's load said what its weights lack
-                self.path, device=self.policy.device, dtype=torch.float32, warn=False
+                model_dir,
+                device=self.policy.device,
+                dtype=torch.float32,
+                warn=False,
             )
             self.module.eval().requires_grad_(False)
             policy = self.policy.module

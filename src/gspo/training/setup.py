@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from gspo.config import Config, DataConfig
+from gspo.config import Config, DataConfig, load_config
 from gspo.data import load_rows, prepare_rows
 from gspo.distributed import Distributed
 from gspo.models import (
@@ -25,6 +25,7 @@ from gspo.models import (
 )
 from gspo.models.kernels import set_linear_kernel
 from gspo.moe import find_routers, is_moe, set_experts_implementation
+from gspo.moved import model_not_found
 from gspo.plugins import absolute_spec
 from gspo.rewards import RewardFunctions
 from gspo.tasks import BUILTIN_TASKS, TaskData
@@ -120,7 +121,13 @@ def build_policy_model(
                 f"model.lora.r={lora.r}: the checkpoint {checkpoint} is "
                 f"{'a LoRA adapter' if adapter else 'a full fine-tuning one'}"
             )
-        model_dir = base_model_path(checkpoint) if adapter else model_files(checkpoint)
+        # (the model it builds on: a LoRA adapter's base, a step 0's model, where it is now)
+        where = config.model.path
+        model_dir = (
+            base_model_path(checkpoint, where) if adapter else model_files(checkpoint, where)
+        )
+        if not model_dir.is_dir():
+            raise model_not_found(model_dir, checkpoint)
         model, tokenizer = load_model(model_dir, device=device, dtype=torch.float32)
     else:
         model, tokenizer = build_or_load_model(config, output_dir, device, dist)
@@ -337,6 +344,21 @@ def with_absolute_paths(
         if changed:  # (only what changed: model_copy marks a key it updates as set)
             sections[name] = section.model_copy(update=changed)
     return config.model_copy(update=sections) if sections else config
+
+
+def recorded_config(
+    config: Config, output_dir: Path, finished: bool, moved: Callable[[Path], Path | None] | None
+) -> Config | None:
+    """What the run's config.yaml is to record now: ``config``; for a finished run resumed,
+    what it trained with, kept (None), unless its model was moved since (a resume's
+    ``model.path=NEW``, :func:`gspo.runs.relocated`): then that, where the model is now."""
+    if not finished:
+        return config
+    kept = with_absolute_paths(load_config(output_dir / "config.yaml"), moved)
+    if kept.model.path == config.model.path:
+        return None
+    model = kept.model.model_copy(update={"path": config.model.path})
+    return kept.model_copy(update={"model": model})
 
 
 def with_environment_reward(config: Config, environment: Any | None) -> Config:
