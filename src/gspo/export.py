@@ -28,10 +28,9 @@ from gspo.moved import in_checkpoint
 from gspo.publish import DiskFull, check_manifest
 from gspo.training.checkpoint import (
     CHECKPOINTS,
-    LATEST,
     TRAINER_STATE,
-    checkpoint_problem,
     latest_checkpoint,
+    latest_named,
 )
 from gspo.training.lora import ADAPTER_CONFIG, base_model_path, is_lora_checkpoint, quiet_peft
 
@@ -49,15 +48,12 @@ def resolve_checkpoint(source: Path) -> Path:
     source = Path(source)
     if (source / TRAINER_STATE).is_file():
         return source
-    pointer = source / CHECKPOINTS / LATEST
-    named = pointer.read_text(errors="replace").strip() if pointer.is_file() else ""
-    if named.startswith("step-") and Path(named).name == named:
-        problem = checkpoint_problem(source / CHECKPOINTS / named)
-        if problem not in (None, "missing"):  # (deleted: the one before it, as a resume)
-            raise ValueError(
-                f"export: the latest checkpoint of {source}, {named}, is {problem}; export a "
-                f"whole one by its path (gspo export {source / CHECKPOINTS}/step-N)"
-            )
+    named, problem = latest_named(source)
+    if problem not in (None, "missing"):  # (deleted: the one before it, as a resume)
+        raise ValueError(
+            f"export: the latest checkpoint of {source}, {named}, is {problem}; export a "
+            f"whole one by its path (gspo export {source / CHECKPOINTS}/step-N)"
+        )
     checkpoint = latest_checkpoint(source)
     if checkpoint is None:
         raise FileNotFoundError(f"export: {source} is neither a checkpoint nor a run with one")

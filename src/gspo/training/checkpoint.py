@@ -116,6 +116,17 @@ def checkpoint_problem(path: Path) -> str | None:
     return None if problem is None else f"incomplete ({problem})"
 
 
+def latest_named(output_dir: Path) -> tuple[str | None, str | None]:
+    """``(name, problem)``: the checkpoint ``checkpoints/latest`` names (None: no pointer)
+    and what is wrong with it (:func:`checkpoint_problem`; None: it is whole)."""
+    root = Path(output_dir) / CHECKPOINTS
+    pointer = root / LATEST
+    named = pointer.read_text(errors="replace").strip() if pointer.is_file() else None
+    if named is not None and (Path(named).name != named or not named.startswith("step-")):
+        return named, "not a checkpoint of this run"  # ("../../other/checkpoints/step-12")
+    return named, checkpoint_problem(root / named) if named else None
+
+
 def latest_checkpoint(output_dir: Path) -> Path | None:
     """The checkpoint ``checkpoints/latest`` names, or ``None`` when the run has none.
 
@@ -126,11 +137,7 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     """
     root = Path(output_dir) / CHECKPOINTS
     pointer = root / LATEST
-    named = pointer.read_text(errors="replace").strip() if pointer.is_file() else None
-    if named is not None and (Path(named).name != named or not named.startswith("step-")):
-        problem = "not a checkpoint of this run"  # ("../../other/checkpoints/step-12")
-    else:
-        problem = checkpoint_problem(root / named) if named else None
+    named, problem = latest_named(output_dir)
     if named and problem is None:
         return root / named
     found, skipped = None, []
