@@ -573,9 +573,9 @@ def test_a_model_moved_away_from_its_run_is_named_on_resume(tmp_path, monkeypatc
     capsys.readouterr()
     assert main(["train", "--resume", "a", "train.max_steps=8"]) == 2
     assert capsys.readouterr().err.strip() == (
-        f"gspo: error: model.path: {tmp_path / 'base'}, the model a/checkpoints/step-0000004 builds on, is not a "
-        "directory (nor where it would lie had it moved with the run); if it was moved, "
-        "resume with model.path=ITS_NEW_PLACE"
+        f"gspo: error: model.path: {tmp_path / 'base'}, the model a/checkpoints/step-0000004 "
+        "builds on, is not a directory (nor where it would lie had it moved with the run); "
+        "if it was moved, resume with model.path=ITS_NEW_PLACE"
     )
     shutil.copytree(tmp_path / "models", tmp_path / "other")
     weights = tmp_path / "other" / "model.safetensors"
