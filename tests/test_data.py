@@ -60,12 +60,31 @@ def test_saved_dataset_directory_and_its_splits(gsm8k_dir):
     assert load_rows(single, what="data.train") == GSM8K_ROWS
 
 
-def test_directory_of_data_files_goes_through_load_dataset(tmp_path):
+def test_a_directory_of_data_files_is_split_by_their_names_and_leaves_none_out(tmp_path):
+    """datasets splits a directory's files by their names and reads one kind of file: it
+    trained on validation.jsonl alone beside part1.jsonl, on the one .parquet of a .jsonl,
+    a .csv and a .parquet, without a word."""
     folder = tmp_path / "repo"
     folder.mkdir()
     for split, rows in (("train", GSM8K_ROWS), ("test", GSM8K_ROWS[2:])):
         (folder / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     assert load_rows(f"{folder}::test", what="data.eval") == GSM8K_ROWS[2:]
+    (folder / "more.jsonl").write_text(json.dumps(GSM8K_ROWS[0]))
+    with pytest.raises(ValueError) as err:
+        load_rows(f"{folder}::train", what="data.train")
+    assert str(err.value) == (
+        f"data.train: {folder}::train: its files are read as splits by their names (train.jsonl, "
+        "test.jsonl), which leaves out more.jsonl; name each file by its split (train*.jsonl, "
+        "test*.jsonl), or give the files to read a directory of their own"
+    )
+    mixed = tmp_path / "mixed"  # no split names: every file, whatever its kind
+    mixed.mkdir()
+    (mixed / "a.jsonl").write_text(json.dumps({"prompt": "a", "answer": "1"}))
+    (mixed / "b.csv").write_text("prompt,answer\nb,007\n")
+    datasets.Dataset.from_list([{"prompt": "c", "answer": "3"}]).to_parquet(
+        str(mixed / "c.parquet")
+    )
+    assert [r["prompt"] for r in load_rows(mixed, what="data.train")] == ["a", "b", "c"]
 
 
 def test_hub_ids_reach_load_dataset_with_config_and_split(monkeypatch, tmp_path):
@@ -221,8 +240,11 @@ def test_number_cells_are_read_as_the_numbers_written():
         prepare_rows(rows, data, what="data.sft", sft=True)
     assert str(err.value) == (
         "data.sft row 1: the completion (column 'c') is None; a cold-start completion is "
-        "text or a list of messages"
+        "text or a list of chat messages (each a mapping with a 'role' and its 'content')"
     )
+    rows[1]["c"] = ["2"]  # (a list of strings: an AttributeError deep in the cold start)
+    with pytest.raises(ValueError, match=r"data.sft row 1: the completion \(column 'c'\) is"):
+        prepare_rows(rows, data, what="data.sft", sft=True)
 
 
 @pytest.mark.parametrize(
@@ -296,7 +318,8 @@ def test_cli_trains_on_a_dataset_directory_with_a_template(gsm8k_dir, tmp_path):
         ([{"prompt": "1+2=", "answer": "3"}, {"prompt": "", "answer": "3"}],
          "data.train row 1: the prompt is empty (0 tokens): ''"),
         ([{"prompt": "1+2=", "answer": "3"}, {"prompt": 12, "answer": "3"}],
-         "data.train row 1: prompt must be a string or a list of chat messages; got int"),
+         "data.train row 1: the prompt is 12; a prompt is text or a list of chat messages "
+         "(each a mapping with a 'role' and its 'content')"),
         ([{"prompt": "1+" * 300 + "2=", "answer": "3"}],
          "data.train row 0: the prompt is 602 tokens, longer than the model's context of 512 "
          "(max_position_embeddings)"),
@@ -367,9 +390,9 @@ def test_a_file_datasets_cannot_read_is_our_one_line_only(tmp_path, capfd):
     (model / "model.safetensors").write_bytes(b"\0" * 64)
     with pytest.raises(ValueError) as err:
         load_rows(model, what="data.train")
-    assert str(err.value).endswith(
-        "(a directory must hold a datasets.save_to_disk dataset, or data files of one kind: "
-        ".jsonl, .json, .parquet, .csv)"
+    assert str(err.value) == (
+        f"data.train: {model} holds neither a datasets.save_to_disk dataset nor data files "
+        "(.jsonl, .json, .parquet, .csv)"
     )
 
 
@@ -448,3 +471,119 @@ def test_prompts_that_leave_no_room_for_a_response_are_warned(capsys):
     with pytest.raises(ValueError, match=r"^data.train: 2 prompt\(s\) .* a learned table"):
         encode_prompts(config, SingleTurn(None), tok, rows, name="data.train", context=36,
                        learned_positions=True)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "rows"),
+    [
+        ("a.csv", "\ufeffprompt,answer\r\nq1,007\r\nq2,\r\nq3,NA\r\nq4,12345678901234567\r\n",
+         [["q1", "007"], ["q2", None], ["q3", "NA"], ["q4", "12345678901234567"]]),
+        ("a.json", '[{"prompt": "q1", "answer": "007"}, {"prompt": "q2", "answer": 5}]',
+         [["q1", "007"], ["q2", 5]]),
+        ("a.json", '{"prompt": ["q1", "q2"], "answer": ["0.50", null]}',
+         [["q1", "0.50"], ["q2", None]]),
+        ("a.json", '{"prompt": "q1", "answer": "1"}\n{"prompt": "q2"}\n',
+         [["q1", "1"], ["q2", None]]),
+        ("a.jsonl", '\ufeff{"prompt": "q1", "answer": "1"}\n\n{"prompt": "q2"}\n',
+         [["q1", "1"], ["q2", None]]),
+    ],
+)  # fmt: skip
+def test_files_give_their_values_as_written(tmp_path, name, content, rows):
+    """datasets' CSV and JSON readers inferred types: a gold answer 007 became 7, 0.50 0.5,
+    12345678901234567 (beside a blank cell) 12345678901234568, NA None; a byte-order mark
+    failed a .jsonl. A row without a column has it as None, as in a datasets table."""
+    path = tmp_path / name
+    path.write_text(content, encoding="utf-8")
+    assert [[r["prompt"], r["answer"]] for r in load_rows(path, what="data.train")] == rows
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "said"),
+    [
+        ("a.csv", "prompt,answer\nq one,ans one,extra\nq2,2\n",
+         "line 2 has more fields than its header's 2 (prompt, answer); quote fields that hold "
+         "commas"),
+        ("a.csv", "prompt,prompt\nq,2\n", "names the column 'prompt' twice in its header"),
+        ("a.csv", "prompt,answer\n", "has no rows"),
+        ("a.jsonl", '{"prompt": "q", "answer": "1"}\n"q2"\n',
+         "line 2 is str 'q2', not an object of columns"),
+        ("a.json", '[{"prompt": "q"}, null]',
+         "record 2 is NoneType None, not an object of columns"),
+        ("a.json", '{"prompt": "q"}', "holds one object, not records: write an array of objects "
+         "(or JSON Lines)"),
+        ("a.json", "", "has no rows"),
+        ("a.jsonl", b'{"prompt": "caf\xe9"}\n', "is not UTF-8 text (byte 0xe9 on line 1); save "
+         "it as UTF-8"),
+    ],
+)  # fmt: skip
+def test_files_that_do_not_hold_records_are_one_line(tmp_path, name, content, said):
+    """Tracebacks before (a later line that is JSON but no object; an empty .json), a
+    datasets message without its cause (DatasetGenerationError), or rows shifted."""
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ValueError) as err:
+        load_rows(path, what="data.train")
+    assert str(err.value) == f"data.train: {path} {said}"
+
+
+def test_a_file_with_a_config_and_a_missing_local_directory_are_local_errors(tmp_path, monkeypatch):
+    """An existing file with :CONFIG said "file not found"; a missing data/dir (its parent
+    there) was taken for a hub id: half a minute of retries, then an error about the Hub."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.jsonl").write_text('{"prompt": "q"}\n')
+    with pytest.raises(ValueError, match=r"^data.train: data/a.jsonl:x: a file has no configs"):
+        load_rows("data/a.jsonl:x", what="data.train")
+    with pytest.raises(FileNotFoundError, match=r"^data.train: file not found: data/nope$"):
+        load_rows("data/nope", what="data.train")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "row", "said"),
+    [
+        (["data.prompt_template=Q: {q} A:"], {"q": None},
+         "data.prompt_template: row 1 of data.train (the built-in task; columns: q): "
+         "ValueError: {q} is None, which would be written as such"),
+        (["data.prompt_template=L{meta[level]}: {q}"], {"q": "x", "meta": {"lvl": 2}},
+         "data.prompt_template: row 1 of data.train (the built-in task; columns: q, meta): "
+         "KeyError: 'level'"),
+        (["data.system_prompt=Be brief"], {"prompt": ["a", "b"]},
+         "data.train row 1: the prompt is ['a', 'b']; a prompt is text or a list of chat "
+         "messages (each a mapping with a 'role' and its 'content')"),
+        (["data.system_prompt=Be brief"], {"prompt": None},
+         "data.train row 1: the prompt is None; a prompt is text or a list of chat messages "
+         "(each a mapping with a 'role' and its 'content')"),
+    ],
+)  # fmt: skip
+def test_a_later_row_that_cannot_make_a_prompt_names_itself(overrides, row, said):
+    """Each was a traceback (KeyError, TypeError, AttributeError), or for None in a
+    template the prompt "Q: None A:"; only row 0 was checked."""
+    good = {k: ("x" if k != "meta" else {"level": 1}) for k in row}
+    with pytest.raises(ValueError) as err:
+        prepare_rows([good, row], data_config(*overrides), what="data.train")
+    assert str(err.value) == said
+
+
+def test_an_empty_source_in_a_yaml_file_is_refused(tmp_path):
+    """``train: ""`` read the working directory as a dataset (the command line refused it)."""
+    (tmp_path / "c.yaml").write_text('data:\n  sft: ""\n')
+    with pytest.raises(ConfigError, match=r"data.sft: empty; name a file, a directory or a"):
+        load_config(tmp_path / "c.yaml", [])
+
+
+def test_rows_without_the_column_a_reward_needs_are_counted_in_a_warning():
+    """Reward columns were checked against row 0 alone: rows after it without an answer were
+    never scored (and a row 0 without one said that the data lacked the column)."""
+    from gspo.rewards import RewardFunctions
+    from gspo.tasks import TaskData
+    from gspo.training.setup import check_reward_columns
+
+    rows = [{"prompt": "a", "answer": None}, {"prompt": "b", "answer": "1"}]
+    rows += [{"prompt": "c", "answer": None}]
+    rewards = RewardFunctions.from_specs(["exact_match", "format"], None)
+    config = load_config(None, ["data.train=x.jsonl"])
+    warned = check_reward_columns(rewards, TaskData(rows, rows[1:2], []), config, None)
+    assert warned == [
+        "data.train (x.jsonl): 2 of 3 rows (row 0 first) have no 'answer', which reward "
+        "function 'exact_match' needs: their completions are not scored"
+    ]

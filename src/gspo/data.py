@@ -3,12 +3,15 @@
 **Sources** (``data.train``, ``data.eval``, ``data.sft``), decided in this order:
 
 1. the value names an existing file or directory: a local file (``.jsonl``, ``.json``,
-   ``.parquet``, ``.csv``), a directory written by ``datasets``' ``save_to_disk`` (read
-   with ``load_from_disk``) or a directory of data files (read with ``load_dataset``);
+   ``.parquet``, ``.csv``; values as written, a CSV's cells as text), a directory written
+   by ``datasets``' ``save_to_disk`` (read with ``load_from_disk``) or a directory of
+   data files, split by their names as ``datasets`` splits them (a file that no split
+   takes is an error), each read as a file;
 2. otherwise it is read as ``SOURCE[:CONFIG[:SPLIT]]`` (``:SPLIT`` alone is ``::SPLIT``).
    ``SOURCE`` is a local directory as in 1 when one exists by that name; a local path
-   that does not exist when it ends in one of those suffixes or starts with ``/``,
-   ``./``, ``../`` or ``~`` (an error); else a ``datasets`` hub id
+   that does not exist when it ends in one of those suffixes, starts with ``/``,
+   ``./``, ``../`` or ``~``, or its parent directory exists (an error); else a
+   ``datasets`` hub id
    (``openai/gsm8k:main:train``, ``HuggingFaceH4/MATH-500::test``), read with
    ``datasets.load_dataset`` so the user's cache and offline mode (``HF_HUB_OFFLINE=1``)
    apply. A source with several splits and none named is an error listing them.
@@ -27,6 +30,8 @@ column reaches the reward functions by name, as in TRL.
 from __future__ import annotations
 
 import contextlib
+import csv
+import io
 import json
 import re
 import string
@@ -84,7 +89,10 @@ def parse_source(text: str, *, what: str) -> Source:
     path = Path(source).expanduser()
     if path.is_dir():
         return _local(path, config, split)
-    if path.suffix.lower() in FILE_BUILDERS or source.startswith(_LOCAL_PREFIXES):
+    if path.is_file():
+        raise ValueError(f"{what}: {text}: a file has no configs or splits")
+    local = source.startswith(_LOCAL_PREFIXES) or (path.parent.name and path.parent.is_dir())
+    if path.suffix.lower() in FILE_BUILDERS or local:  # (data/missing: not a dataset id)
         raise FileNotFoundError(f"{what}: file not found: {source}")
     if not _HUB_ID.fullmatch(source):
         raise ValueError(
@@ -123,29 +131,150 @@ def _load_dataset(datasets, source: Source) -> Any:
     return loaded[source.split]
 
 
+def _text(path: Path, *, what: str) -> str:
+    """``path`` as text: UTF-8, a byte-order mark dropped; one line naming where it is not."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ValueError(
+            f"{what}: {path} is not UTF-8 text (byte {data[exc.start]:#04x} on line {line}); "
+            "save it as UTF-8"
+        ) from None
+
+
+def _not_a_record(row: Any, where: str) -> ValueError:
+    return ValueError(f"{where} is {type(row).__name__} {row!r:.60}, not an object of columns")
+
+
+def _json_lines(text: str, path: Path, *, what: str) -> list[Row]:
+    rows = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{what}: {path} line {number} is not JSON: {exc}") from exc
+        if not isinstance(row, dict):
+            raise _not_a_record(row, f"{what}: {path} line {number}")
+        rows.append(row)
+    return rows
+
+
+def _json(text: str, path: Path, *, what: str) -> list[Row]:
+    """A ``.json`` file: an array of objects, one object of equal-length column lists, or
+    JSON Lines; values as written (``"007"`` stays text)."""
+    try:
+        whole = json.loads(text) if text.strip() else []
+    except json.JSONDecodeError:
+        return _json_lines(text, path, what=what)  # (JSON Lines in a .json file)
+    if isinstance(whole, dict):
+        lengths = {len(v) if isinstance(v, list) else -1 for v in whole.values()}
+        if len(lengths) != 1 or -1 in lengths:
+            raise ValueError(
+                f"{what}: {path} holds one object, not records: write an array of objects "
+                "(or JSON Lines)"
+            )
+        whole = [dict(zip(whole, row, strict=True)) for row in zip(*whole.values(), strict=True)]
+    if not isinstance(whole, list):
+        raise ValueError(f"{what}: {path} holds {type(whole).__name__}, not an array of objects")
+    for number, row in enumerate(whole, start=1):
+        if not isinstance(row, dict):
+            raise _not_a_record(row, f"{what}: {path} record {number}")
+    return whole
+
+
+def _csv(text: str, path: Path, *, what: str) -> list[Row]:
+    """A ``.csv`` file's rows as text, as written (``007`` and ``0.50`` stay so: a gold
+    answer is compared as text); an empty cell is None."""
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    header = reader.fieldnames or []
+    repeated = next((name for name in header if header.count(name) > 1), None)
+    if repeated is not None:
+        raise ValueError(f"{what}: {path} names the column {repeated!r} twice in its header")
+    rows = []
+    for row in reader:
+        if None in row:  # (the fields past the header's)
+            raise ValueError(
+                f"{what}: {path} line {reader.line_num} has more fields than its header's "
+                f"{len(header)} ({', '.join(header)}); quote fields that hold commas"
+            )
+        rows.append({k: (v if v else None) for k, v in row.items()})
+    return rows
+
+
 def _read_file(path: Path, *, what: str) -> list[Row]:
+    """A data file's rows. JSON Lines, JSON and CSV are read here, values as written
+    (``datasets``' readers infer types: a CSV answer ``007`` became 7); Parquet, which
+    holds its own types, by ``pyarrow``."""
     suffix = path.suffix.lower()
     if suffix not in FILE_BUILDERS:
         raise ValueError(f"{what}: {path} must end in {', '.join(FILE_BUILDERS)}")
-    if suffix == ".jsonl":  # one json.loads per line: no need to start `datasets` for it
-        rows = []
-        for number, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{what}: {path} line {number} is not JSON: {exc}") from exc
-        return rows
-    import datasets
+    if suffix != ".parquet":
+        reader = {".jsonl": _json_lines, ".json": _json, ".csv": _csv}[suffix]
+        return reader(_text(path, what=what), path, what=what)
+    import pyarrow.parquet  # (what datasets reads Parquet with)
 
     try:
-        with _quiet(datasets):
-            builder, files = FILE_BUILDERS[suffix], str(path)
-            table = datasets.load_dataset(builder, data_files=files, split="train")
-    except Exception as exc:  # datasets raises many types for malformed files
-        raise ValueError(f"{what}: cannot read {path}: {type(exc).__name__}: {exc}") from exc
-    return table.to_list()
+        return pyarrow.parquet.read_table(path).to_pylist()
+    except Exception as exc:  # pyarrow raises several types for malformed files
+        raise ValueError(
+            f"{what}: cannot read {path}: {type(exc).__name__}: {one_line(exc, 300)}"
+        ) from None
+
+
+def _directory_rows(source: Source, text: str, *, what: str) -> list[Row]:
+    """The rows of a directory of data files: its split's files, as ``datasets`` names
+    splits by file name (``train.jsonl``, ``data/test-00000.parquet``), each read by
+    :func:`_read_file`. A data file that no split takes is refused: ``datasets`` left it
+    out (``part1.jsonl`` beside ``validation.jsonl``)."""
+    from datasets.data_files import DataFilesDict, EmptyDatasetError, get_data_patterns
+
+    base = Path(source.location).resolve()
+    if source.config is not None:
+        raise ValueError(
+            f"{what}: {text}: a directory of data files has no configs; for the split "
+            f"{source.config!r} write {source.location}::{source.config} (SOURCE:CONFIG:SPLIT)"
+        )
+    data_files = sorted(
+        p for p in base.rglob("*")
+        if p.is_file() and p.suffix.lower() in FILE_BUILDERS
+        and not any(part.startswith(".") for part in p.relative_to(base).parts)
+    )  # fmt: skip
+    try:
+        patterns = get_data_patterns(str(base))
+    except EmptyDatasetError:
+        patterns = {}
+    splits = {
+        str(split): sorted(Path(f) for f in files if Path(f).suffix.lower() in FILE_BUILDERS)
+        for split, files in DataFilesDict.from_patterns(patterns, base_path=str(base)).items()
+    }
+    splits = {split: files for split, files in splits.items() if files}
+    if not splits:
+        raise ValueError(
+            f"{what}: {text} holds neither a datasets.save_to_disk dataset nor data files "
+            f"({', '.join(FILE_BUILDERS)})"
+        )
+    taken = {f.resolve() for files in splits.values() for f in files}
+    left = [str(f.relative_to(base)) for f in data_files if f.resolve() not in taken]
+    if left:
+        named = ", ".join(str(f.relative_to(base)) for files in splits.values() for f in files)
+        raise ValueError(
+            f"{what}: {text}: its files are read as splits by their names ({named}), which "
+            f"leaves out {', '.join(left[:3])}{' ...' if len(left) > 3 else ''}; name each "
+            "file by its split (train*.jsonl, test*.jsonl), or give the files to read a "
+            "directory of their own"
+        )
+    if source.split is not None and source.split not in splits:
+        raise ValueError(f"{what}: {text}: no split {source.split!r} (splits: {', '.join(splits)})")
+    if source.split is None and len(splits) > 1:
+        raise ValueError(
+            f"{what}: {text} has splits {', '.join(splits)}; name one as {source.location}::SPLIT"
+        )
+    files = splits[source.split] if source.split is not None else next(iter(splits.values()))
+    return [row for f in files for row in _read_file(f, what=what)]
 
 
 def _one_split(loaded: Any, text: str, *, what: str) -> Any:
@@ -174,6 +303,8 @@ def load_rows(text: str | Path, *, what: str) -> list[Row]:
         if source.config or source.split:
             raise ValueError(f"{what}: {text}: a file has no configs or splits")
         rows = _read_file(Path(source.location), what=what)
+    elif source.kind == "directory":
+        rows = _directory_rows(source, text, what=what)
     else:
         import datasets
 
@@ -188,11 +319,6 @@ def load_rows(text: str | Path, *, what: str) -> list[Row]:
                     " (offline, the dataset must be in the datasets cache; "
                     "HF_HUB_OFFLINE=1 skips the network)"
                 )
-            if source.kind == "directory":
-                hint = (
-                    " (a directory must hold a datasets.save_to_disk dataset, or data files "
-                    f"of one kind: {', '.join(FILE_BUILDERS)})"
-                )
             if source.kind != "hub" and source.config and not source.split:
                 split = f"{text.partition(':')[0]}::{source.config}"
                 hint += f"; for the split {source.config!r} write {split} (SOURCE:CONFIG:SPLIT)"
@@ -203,9 +329,9 @@ def load_rows(text: str | Path, *, what: str) -> list[Row]:
         rows = _one_split(loaded, text, what=what).to_list()
     if not rows:
         raise ValueError(f"{what}: {text} has no rows")
-    if not isinstance(rows[0], dict):
-        raise ValueError(f"{what}: {text} rows are {type(rows[0]).__name__}, not records")
-    return rows
+    # every row has every column (None where it lacks one), as a datasets table does
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    return [row if len(row) == len(columns) else {k: row.get(k) for k in columns} for row in rows]
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,11 +373,10 @@ def prepare_rows(rows: list[Row], data: DataConfig, *, what: str, sft: bool = Fa
         need(data.completion_column, "data.completion_column")
     chat = data.chat_template or data.system_prompt is not None
 
-    if template is not None and rows:
-        _check_template_values(template, rows[0])
     out = []
-    for row in rows:
-        prompt = template.format_map(row) if template else row[data.prompt_column]
+    for i, row in enumerate(rows):
+        prompt = _filled(template, row, f"row {i} of {where}") if template else None
+        prompt = _prompt(row[data.prompt_column] if template is None else prompt, what, i)
         if chat:
             if isinstance(prompt, str):
                 prompt = [{"role": "user", "content": prompt}]
@@ -303,7 +428,7 @@ def _completion(value: Any, data: DataConfig, what: str, index: int) -> Any:
     """A cold-start row's completion: text (a number of a CSV column as its text) or a
     conversation; none at all is one line naming the row and the column."""
     where = f"{what} row {index}"
-    if isinstance(value, list):
+    if isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value):
         _check_tool_calls(value, where)
         return value
     if isinstance(value, str):
@@ -313,7 +438,8 @@ def _completion(value: Any, data: DataConfig, what: str, index: int) -> Any:
     if text is None:
         raise ValueError(
             f"{where}: the completion (column {data.completion_column!r}) is {value!r:.80}; "
-            "a cold-start completion is text or a list of messages"
+            "a cold-start completion is text or a list of chat messages (each a mapping "
+            "with a 'role' and its 'content')"
         )
     return text
 
@@ -333,15 +459,30 @@ def _check_tool_calls(completion: Any, where: str) -> None:
             )
 
 
-def _check_template_values(template: str, row: dict[str, Any]) -> None:
-    """A field of ``data.prompt_template`` that names a method (``{question.upper}``)
-    would put its repr (``<built-in method upper ...>``) into every prompt: one line."""
+def _prompt(prompt: Any, what: str, index: int) -> Any:
+    """A row's prompt: text or a list of chat messages; else one line naming the row."""
+    if isinstance(prompt, str) or (
+        isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
+    ):
+        return prompt
+    raise ValueError(
+        f"{what} row {index}: the prompt is {prompt!r:.80}; a prompt is text or a list of "
+        "chat messages (each a mapping with a 'role' and its 'content')"
+    )
+
+
+def _filled(template: str, row: dict[str, Any], where: str) -> str:
+    """``data.prompt_template`` filled from ``row``; one line where a field cannot be: a
+    missing key or attribute, a format spec its value does not take, a value that is
+    None (it would read "None") or a method (its repr)."""
     formatter = string.Formatter()
-    for _, field, _, _ in formatter.parse(template):
-        if field:
-            value, _ = formatter.get_field(field, (), row)
-            if callable(value):
-                raise ValueError(
-                    f"data.prompt_template: {{{field}}} is a method of the column's value, "
-                    "which would be written into the prompt as its repr; name a value"
-                )
+    try:
+        for _, field, _, _ in formatter.parse(template):
+            if field:
+                value, _ = formatter.get_field(field, (), row)
+                if value is None or callable(value):
+                    said = "None" if value is None else "a method of the column's value"
+                    raise ValueError(f"{{{field}}} is {said}, which would be written as such")
+        return template.format_map(row)
+    except (KeyError, IndexError, AttributeError, TypeError, ValueError) as exc:
+        raise ValueError(f"data.prompt_template: {where}: {type(exc).__name__}: {exc}") from None

@@ -144,7 +144,7 @@ class Trainer:
         environment = getattr(self.generator, "environment", None)
         self.config = config = with_environment_reward(config, environment)
         self.rewards = rewards = reward_functions(config)
-        check_reward_columns(rewards, self.data, config, environment)
+        unscored = check_reward_columns(rewards, self.data, config, environment)
         self.optimizer, self.scheduler = rl_optimizer(config, self.policy.forward)
         self.reference = Reference(config.algorithm.kl_coef, out, self.policy, config.model.path)
         objective = Objective(config.algorithm)
@@ -216,7 +216,7 @@ class Trainer:
         if checkpoint is None:
             self.logger.log(0, summary)
             if dist.is_main:
-                for line in config.warnings():
+                for line in [*config.warnings(), *unscored]:
                     print(f"gspo: warning: {line}", file=sys.stderr, flush=True)
         if config.log.progress and dist.is_main:
             print(

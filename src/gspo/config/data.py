@@ -130,6 +130,16 @@ class DataConfig(Section):
             except ValueError as exc:
                 raise ValueError(f"data.prompt_template: {exc}") from None
 
+    def check_sources(self) -> None:
+        """``data.train``/``eval``/``sft`` name something: an empty string (``train: ""`` in
+        a YAML file) read the working directory as a dataset."""
+        for key in ("train", "eval", "sft"):
+            value = getattr(self, key)
+            if value is not None and not value.strip():
+                raise ValueError(
+                    f"data.{key}: empty; name a file, a directory or a dataset id (null for none)"
+                )
+
     def check_chain_terms(self) -> None:
         """The built-in chain task's fewest operands are at most its most."""
         if self.task == "chain" and self.train is None and self.min_terms > self.terms:

@@ -66,6 +66,7 @@ class Config(Section):
         reward.check_weights()
         vllm_top_p(rollout, algo)
         data.check_prompt_template()
+        data.check_sources()
         data.check_chain_terms()
         chain_reward(data, reward)
         environment_reward_workers(rollout, reward)

@@ -171,6 +171,17 @@ class RewardFunctions:
                     f"{have})"
                 )
 
+    def required(self, columns: Sequence[str]) -> dict[str, str]:
+        """Of ``columns``, those some function cannot do without (its required arguments, a
+        built-in's columns): column -> the first such function's name."""
+        out: dict[str, str] = {}
+        for name, function in zip(self.names, self.functions, strict=True):
+            needed = missing_arguments(function, ["prompts", "completions"])
+            for column in [*needed, *getattr(function, "required_columns", ())]:
+                if column in columns:
+                    out.setdefault(column, name)
+        return out
+
     def close(self) -> None:
         """Stop the worker processes, if any (also done when the object is collected)."""
         self.runner.close()

@@ -374,16 +374,28 @@ def with_environment_reward(config: Config, environment: Any | None) -> Config:
 
 def check_reward_columns(
     rewards: RewardFunctions, data: TaskData, config: Config, environment: Any | None
-) -> None:
+) -> list[str]:
     """Before the run writes anything (or ``--overwrite`` removes an old run): the reward
     functions find the columns they need in the training and the held-out rows (an
-    environment adds ``environments``); one line naming the data that lacks one."""
+    environment adds ``environments``); one line naming the data that lacks one. Returned:
+    a warning line for each such column that some rows leave empty (None: their
+    completions are not scored, so in training their groups teach nothing)."""
     extra = ["environments"] if environment is not None else []
+    warnings = []
     for key, rows in (("data.train", data.train), ("data.eval", data.eval)):
         if rows:
             where = getattr(config.data, key.split(".")[1]) or f"the built-in {config.data.task}"
             columns = [*(k for k in rows[0] if k != "prompt"), *extra]
             rewards.check_columns(columns, f"{key} ({where})")
+            for column, name in rewards.required(columns).items():
+                empty = [i for i, row in enumerate(rows) if row.get(column) is None]
+                if empty and column not in extra:
+                    warnings.append(
+                        f"{key} ({where}): {len(empty)} of {len(rows)} rows (row {empty[0]} "
+                        f"first) have no {column!r}, which reward function {name!r} needs: "
+                        "their completions are not scored"
+                    )
+    return warnings
 
 
 def reward_functions(config: Config) -> RewardFunctions:
