@@ -120,7 +120,7 @@ def main() -> None:
     parser.add_argument("--spec", choices=sorted(SPECS), default="workload")
     args = parser.parse_args()
     commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = build_char_tokenizer(workload.CHARSET)

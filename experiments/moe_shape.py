@@ -48,6 +48,8 @@ from moe_routing import CHURN, mean, train_run
 
 from gspo.experiments import train_lines
 
+ROOT = Path(__file__).resolve().parent.parent  # (the repository: its commit, wherever run from)
+
 #: The paper's figure: share of activated experts that change after one update, Qwen3-30B-A3B.
 PAPER_CHURN = 0.10
 
@@ -150,10 +152,13 @@ def code_commit() -> str:
     """The commit the code runs on (``+dirty`` with uncommitted changes under src/experiments)."""
     try:
         head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "src", "experiments"],
+            ["git", "-C", str(ROOT), "status", "--porcelain", "src", "experiments"],
             capture_output=True,
             text=True,
             check=True,

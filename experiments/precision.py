@@ -76,8 +76,13 @@ QUIET = ["log.progress=false", "log.plots=false", "log.tensorboard=false"]
 
 
 def _commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "src"], capture_output=True, text=True)
+    """The commit of the repository this script is in (wherever it is run from)."""
+    here = Path(__file__).resolve().parent
+    git = ["git", "-C", str(here)]
+    out = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(
+        [*git, "status", "--porcelain", "../src"], capture_output=True, text=True
+    )
     return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 

@@ -285,3 +285,32 @@ def test_a_checkpoint_damaged_after_it_was_written_is_one_line_naming_the_file(
     # untouched (the bytes put back), it resumes
     assert main(resume) == 0
     assert latest_checkpoint(run).name == "step-0000004"
+
+
+def test_sigterm_stops_the_run_in_one_line_and_it_resumes(tmp_path, varied_reward):
+    """SIGTERM, what SLURM and Kubernetes stop a job with, ended the run at once with status
+    143 and no word; it now stops as Ctrl-C does, saying how to resume, which then works."""
+    import time
+
+    run = tmp_path / "run"
+    args = ["train", "--output-dir", str(run), *FAST, varied_reward, "train.cold_start_steps=0",
+            "train.save_every=4", "train.max_steps=4000", "eval.every=0"]  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gspo", *args], stderr=subprocess.PIPE, text=True
+    )
+    try:
+        end = time.monotonic() + 300
+        while not (run / "checkpoints" / "step-0000004").is_dir():
+            assert proc.poll() is None and time.monotonic() < end
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143
+    assert err.strip().splitlines()[-1] == (
+        f"gspo: terminated (SIGTERM); resume with gspo train --resume {run}"
+    )
+    done = [line["step"] for line in read_metrics(run / "metrics.jsonl") if "train/loss" in line]
+    target = (max(done) // 4 + 2) * 4
+    assert main(["train", "--resume", str(run), f"train.max_steps={target}"]) == 0

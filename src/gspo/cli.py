@@ -24,7 +24,9 @@ import argparse
 import atexit
 import contextlib
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -238,10 +240,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, what a scheduler (SLURM, Kubernetes, ``kill``) stops a job with: raised in
+    the main thread, so the run stops as on Ctrl-C, saying how to resume (it ended at
+    once with status 143 and no word)."""
+
+
+def _terminated(signum: int, frame: object) -> NoReturn:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def sigterm_stops_as_ctrl_c() -> Iterator[None]:
+    """Inside the block, SIGTERM raises :class:`Terminated` (in the main thread only: a
+    handler can be set nowhere else)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if getattr(args, "no_cache", False):
         args.overrides.append("train.cold_start_cache=false")
+    with sigterm_stops_as_ctrl_c():
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         if args.command == "train":
             return run_train(args)
@@ -311,14 +342,15 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         if args.command == "compare":  # its runs are reused and resumed by the same command
             hint = "run the same gspo compare again: finished runs are reused, the rest resumed"
         else:
             run = run_directory(args)
             hint = f"resume with gspo train --resume {run}"
-        print(f"gspo: interrupted; {hint}", file=sys.stderr)
-        return 130
+        how = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted"
+        print(f"gspo: {how}; {hint}", file=sys.stderr)
+        return 143 if isinstance(stop, Terminated) else 130
 
 
 def run_directory(args: argparse.Namespace) -> Path:
