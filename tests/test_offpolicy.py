@@ -97,6 +97,17 @@ def comparable(record):
             "algorithm.correction_min (2.0) must be below algorithm.correction_max (1.0): "
             "every token would be dropped",
         ),
+        # pi_old under the update's dropout masks against a sampler without: the weights
+        # were dropout's noise (a helper's vLLM run masked 87% of a rollout batch)
+        (
+            [
+                "algorithm.rollout_correction=sequence_mask",
+                "model.lora.r=4",
+                "model.lora.dropout=0.1",
+            ],
+            "algorithm.rollout_correction=sequence_mask with model.lora.dropout=0.1: pi_old is "
+            "computed with the update's dropout masks",
+        ),
         # one bound set past the mode's other, default, bound: every token dropped
         (
             [

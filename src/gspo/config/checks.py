@@ -46,6 +46,18 @@ def vllm_top_p(rollout: RolloutConfig, algorithm: AlgorithmConfig) -> None:
         )
 
 
+def correction_lora_dropout(algorithm: AlgorithmConfig, lora: LoraSettings) -> None:
+    """A rollout correction weighs the trainer's pi_old against the sampler's: with LoRA
+    dropout pi_old is computed under the update's masks, so it would weigh the masks."""
+    if algorithm.rollout_correction != "none" and lora.r > 0 and lora.dropout > 0:
+        raise ValueError(
+            f"algorithm.rollout_correction={algorithm.rollout_correction} with "
+            f"model.lora.dropout={lora.dropout:g}: pi_old is computed with the update's "
+            "dropout masks and the sampler without, so the correction would weigh dropout's "
+            "noise, not the engines' mismatch; set one of them off"
+        )
+
+
 # --------------------------------------------------------------------------------------------
 # Rewards
 # --------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from gspo.config.algorithm import AlgorithmConfig, OptimConfig
 from gspo.config.checks import (
     chain_reward,
     checkpointing_replay,
+    correction_lora_dropout,
     environment_reward_workers,
     lora_cold_start,
     minibatches_fit,
@@ -65,6 +66,7 @@ class Config(Section):
         minibatches_fit(rollout, algo)
         reward.check_weights()
         vllm_top_p(rollout, algo)
+        correction_lora_dropout(algo, model.lora)
         data.check_prompt_template()
         data.check_sources()
         data.check_chain_terms()
