@@ -811,8 +811,9 @@ def test_turns_all_cut_by_max_new_tokens_warn_once(tmp_path, capsys):
     capsys.readouterr()
     Trainer(load_config(None, common), tmp_path / "cut").fit()
     err = capsys.readouterr().err
-    assert err.count("gspo: warning: every episode ended after its first turn") == 1, err
-    assert "rollout.max_new_tokens=8 cut 4 of those 4 turns" in err  # the first evaluation
+    assert err.count("gspo: warning: every episode of a batch of ") == 1, err
+    assert "of a batch of 4 (training or evaluation) ended" in err  # the first evaluation
+    assert "rollout.max_new_tokens=8 cut 4 of those turns" in err
     # one turn per episode on purpose (max_turns=1) is no mistake
     Trainer(load_config(None, [*common, "rollout.max_turns=1"]), tmp_path / "one").fit()
     assert "warning" not in capsys.readouterr().err
@@ -822,7 +823,10 @@ def test_turns_all_cut_by_max_new_tokens_warn_once(tmp_path, capsys):
     runner.warn_first_turns_cut(1, 4, 100)
     assert capsys.readouterr().err == ""
     runner.warn_first_turns_cut(3, 4, 100)
-    assert "cut 3 of those 4 turns" in capsys.readouterr().err
+    assert (
+        "batch of 4 (training or evaluation) ended after its first turn, and "
+        "rollout.max_new_tokens=100 cut 3 of those turns"
+    ) in capsys.readouterr().err
 
 
 def test_a_batch_without_tool_calls_has_no_valid_call_fraction(tokenizer, env_file):

@@ -279,8 +279,9 @@ class MultiTurn:
             return
         self.warned.add("first turns")
         print(
-            f"gspo: warning{rank_said()}: every episode ended after its first turn, and "
-            f"rollout.max_new_tokens={max_new_tokens} cut {cut} of those {episodes} turns: "
+            f"gspo: warning{rank_said()}: every episode of a batch of {episodes} (training "
+            f"or evaluation) ended after its first turn, and rollout.max_new_tokens="
+            f"{max_new_tokens} cut {cut} of those turns: "
             "no tool result or environment reply reaches the model (raise "
             "rollout.max_new_tokens to fit a whole turn, a tool call included; shown once)",
             file=sys.stderr,
