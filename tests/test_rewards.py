@@ -711,3 +711,29 @@ def test_exact_match_reads_a_float_column_as_the_numbers_written() -> None:
         prompts=["p"] * 4, completions=["2", "2", "2.5", "7"], answer=[2.0, float("nan"), 2.5, "7"]
     )
     assert got == [1.0, None, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("name", ["exact_match", "numeric_match", "math"])
+def test_an_answer_that_is_a_list_is_right_for_any_of_its_items(name):
+    """A list answer (TriviaQA's aliases) was compared as its repr, "['2', '2.0']", which no
+    completion equals: every completion scored 0 and the rows taught nothing."""
+    from gspo.rewards.verifiers import BUILTIN_REWARDS
+
+    score = BUILTIN_REWARDS[name]
+    got = score(
+        prompts=["p"] * 4,
+        completions=["2", "5", "3", "4"],
+        answer=[["7", "2"], ["7", "2"], "3", []],
+        level=[1, 2, 3, 4],  # another column, spread with the rows
+    )
+    assert got == [1.0, 0.0, 1.0, None]
+    assert score(prompts=["p"], completions=["2"], answer=["2"]) == [1.0]  # unchanged
+
+
+def test_the_answer_column_keeps_a_list_of_answers():
+    from gspo.config import load_config
+    from gspo.data import prepare_rows
+
+    data = load_config(None, ["data.answer_column=gold"]).data
+    rows = [{"prompt": "q", "gold": ["x #### 7", 7.0, None]}]
+    assert prepare_rows(rows, data, what="data.train")[0]["answer"] == ["7", "7"]

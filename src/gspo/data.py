@@ -385,12 +385,20 @@ def prepare_rows(rows: list[Row], data: DataConfig, *, what: str, sft: bool = Fa
                 prompt = [{"role": "system", "content": data.system_prompt}, *prompt]
         new = {**row, "prompt": prompt}
         if data.answer_column is not None:
-            gold = cell_text(row[data.answer_column])  # (58.0 of a float column: "58")
-            new["answer"] = None if gold is None else reference_answer(gold)
+            new["answer"] = _answer(row[data.answer_column])
         if sft:
             new["completion"] = _completion(row[data.completion_column], data, what, len(out))
         out.append(new)
     return out
+
+
+def _answer(value: Any) -> Any:
+    """``data.answer_column``'s cell as the final answer the built-in rewards compare with
+    (58.0 of a float column: "58"); a list of answers (any of them right) item by item."""
+    if isinstance(value, (list, tuple)):
+        return [a for a in map(_answer, value) if a is not None]
+    gold = cell_text(value)
+    return None if gold is None else reference_answer(gold)
 
 
 def _messages_only(rows: list[Row], data: DataConfig) -> bool:

@@ -47,6 +47,46 @@ def _require_answer(name: str, answer: Sequence[Any] | None, n: int) -> Sequence
     return answer
 
 
+def any_of_answers(function: RewardFunction) -> RewardFunction:
+    """``function``, a built-in scored against the ``answer`` column, where an answer may
+    also be a list of answers any of which is right (TriviaQA's aliases): the best score
+    over them, None where none scores (an empty list). It was scored against the list's
+    repr (``"['2']"``), which nothing equals."""
+
+    @functools.wraps(function)
+    def scored(
+        prompts: Sequence[Any], completions: Sequence[Any], answer: Any = None, **columns: Any
+    ) -> list[float | None]:
+        if answer is None or isinstance(answer, str) or not any(
+            isinstance(gold, (list, tuple)) for gold in answer
+        ):
+            return function(prompts=prompts, completions=completions, answer=answer, **columns)
+        n = len(completions)
+        of = [i for i, gold in enumerate(answer) for _ in _golds(gold)]  # row of each gold
+
+        def spread(values: Any) -> Any:  # (a column not aligned with the rows: as it is)
+            aligned = isinstance(values, (list, tuple)) and len(values) == n
+            return [values[i] for i in of] if aligned else values
+
+        flat = function(
+            prompts=spread(prompts),
+            completions=[completions[i] for i in of],
+            answer=[g for gold in answer for g in _golds(gold)],
+            **{key: spread(values) for key, values in columns.items()},
+        )
+        best: list[float | None] = [None] * n
+        for i, value in zip(of, flat, strict=True):
+            if value is not None and (best[i] is None or value > best[i]):
+                best[i] = value
+        return best
+
+    return scored
+
+
+def _golds(gold: Any) -> list[Any]:
+    return list(gold) if isinstance(gold, (list, tuple)) else [gold]
+
+
 def exact_match_reward(
     prompts: Sequence[Any],
     completions: Sequence[Any],
@@ -290,9 +330,9 @@ for _function, _columns in (
 BUILTIN_REWARDS: dict[str, RewardFunction] = {
     "code": code_reward,
     "environment": environment_reward,
-    "exact_match": exact_match_reward,
-    "numeric_match": numeric_match_reward,
-    "math": math_reward,
+    "exact_match": any_of_answers(exact_match_reward),
+    "numeric_match": any_of_answers(numeric_match_reward),
+    "math": any_of_answers(math_reward),
     "format": format_reward,
 }
 """Built-in reward functions by spec name."""
