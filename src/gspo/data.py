@@ -50,8 +50,8 @@ if TYPE_CHECKING:
 
 Row = dict[str, Any]
 
-#: Local file suffixes and the ``datasets`` builder that reads each.
-FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+#: The suffixes of the data files read (:func:`_read_file`).
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 _LOCAL_PREFIXES = ("/", "./", "../", "~")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
@@ -79,7 +79,7 @@ def parse_source(text: str, *, what: str) -> Source:
     whole = Path(text).expanduser()
     if whole.exists():
         return _local(whole)
-    if whole.suffix.lower() in FILE_BUILDERS:
+    if whole.suffix.lower() in DATA_SUFFIXES:
         raise FileNotFoundError(f"{what}: file not found: {text}")
     source, *rest = text.split(":")
     if len(rest) > 2:
@@ -92,7 +92,7 @@ def parse_source(text: str, *, what: str) -> Source:
     if path.is_file():
         raise ValueError(f"{what}: {text}: a file has no configs or splits")
     local = source.startswith(_LOCAL_PREFIXES) or (path.parent.name and path.parent.is_dir())
-    if path.suffix.lower() in FILE_BUILDERS or local:  # (data/missing: not a dataset id)
+    if path.suffix.lower() in DATA_SUFFIXES or local:  # (data/missing: not a dataset id)
         raise FileNotFoundError(f"{what}: file not found: {source}")
     if not _HUB_ID.fullmatch(source):
         raise ValueError(
@@ -210,8 +210,8 @@ def _read_file(path: Path, *, what: str) -> list[Row]:
     (``datasets``' readers infer types: a CSV answer ``007`` became 7); Parquet, which
     holds its own types, by ``pyarrow``."""
     suffix = path.suffix.lower()
-    if suffix not in FILE_BUILDERS:
-        raise ValueError(f"{what}: {path} must end in {', '.join(FILE_BUILDERS)}")
+    if suffix not in DATA_SUFFIXES:
+        raise ValueError(f"{what}: {path} must end in {', '.join(DATA_SUFFIXES)}")
     if suffix != ".parquet":
         reader = {".jsonl": _json_lines, ".json": _json, ".csv": _csv}[suffix]
         return reader(_text(path, what=what), path, what=what)
@@ -240,7 +240,7 @@ def _directory_rows(source: Source, text: str, *, what: str) -> list[Row]:
         )
     data_files = sorted(
         p for p in base.rglob("*")
-        if p.is_file() and p.suffix.lower() in FILE_BUILDERS
+        if p.is_file() and p.suffix.lower() in DATA_SUFFIXES
         and not any(part.startswith(".") for part in p.relative_to(base).parts)
     )  # fmt: skip
     try:
@@ -248,14 +248,14 @@ def _directory_rows(source: Source, text: str, *, what: str) -> list[Row]:
     except EmptyDatasetError:
         patterns = {}
     splits = {
-        str(split): sorted(Path(f) for f in files if Path(f).suffix.lower() in FILE_BUILDERS)
+        str(split): sorted(Path(f) for f in files if Path(f).suffix.lower() in DATA_SUFFIXES)
         for split, files in DataFilesDict.from_patterns(patterns, base_path=str(base)).items()
     }
     splits = {split: files for split, files in splits.items() if files}
     if not splits:
         raise ValueError(
             f"{what}: {text} holds neither a datasets.save_to_disk dataset nor data files "
-            f"({', '.join(FILE_BUILDERS)})"
+            f"({', '.join(DATA_SUFFIXES)})"
         )
     taken = {f.resolve() for files in splits.values() for f in files}
     left = [str(f.relative_to(base)) for f in data_files if f.resolve() not in taken]
