@@ -75,9 +75,15 @@ def test_bad_values_name_the_key(override, expected):
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        ("optim.lrr=1", "optim.lrr: unknown key; did you mean 'lr'?"),
-        ("rollout.groupsize=4", "rollout.groupsize: unknown key; did you mean 'group_size'?"),
+        ("optim.lrr=1", "optim.lrr: unknown key; did you mean 'optim.lr'?"),
+        ("rollout.groupsize=4",
+         "rollout.groupsize: unknown key; did you mean 'rollout.group_size'?"),
         ("modle.path=x", "modle: unknown key; did you mean 'model'?"),
+        # TRL's names, as a user porting a GRPOConfig writes them
+        ("learning_rate=1e-6", "learning_rate: unknown key; TRL's learning_rate is optim.lr here "
+         "(docs/from_trl.md)"),
+        ("algorithm.beta=0.04", "algorithm.beta: unknown key; TRL's beta is algorithm.kl_coef "
+         "here (docs/from_trl.md)"),
         ("data.task=calculater", "(got 'calculater'); did you mean 'calculator'?"),
         ("algorithm.level=sequnce", "(got 'sequnce'); did you mean 'sequence'?"),
         ("reward.functions=[exact_mach]", "numeric_match); did you mean 'exact_match'?"),

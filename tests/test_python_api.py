@@ -38,7 +38,7 @@ def test_config_made_in_python_says_a_bad_value_in_one_line():
     assert gspo.Config() == gspo.load_config()  # the default task brings no settings
     for made, said in [
         (lambda: gspo.Config(optim={"lr": -1}), "optim.lr: Input should be greater than 0"),
-        (lambda: gspo.Config(optim={"lrr": 1}), "optim.lrr: unknown key; did you mean 'lr'?"),
+        (lambda: gspo.Config(optim={"lrr": 1}), "optim.lrr: unknown key; did you mean 'optim.lr'?"),
         (lambda: gspo.Config(model={"lora": {"r": -1}}), "model.lora.r: Input should be"),
         (lambda: gspo.Config(rolout={}), "rolout: unknown key; did you mean 'rollout'?"),
     ]:
@@ -92,7 +92,7 @@ def test_reward_functions_may_be_functions_and_are_recorded_as_specs():
     [
         ("reward", "functions", [3], "reward.functions: item 0 is neither a spec string nor a"),
         ("optim", "lr", -1.0, "optim.lr: Input should be greater than 0 (got -1.0)"),
-        ("optim", "lrr", 1, "optim.lrr: unknown key; did you mean 'lr'?"),
+        ("optim", "lrr", 1, "optim.lrr: unknown key; did you mean 'optim.lr'?"),
         ("rollout", "engine", "vlm", "rollout.engine: Input should be 'torch' or 'vllm'"),
         ("optim", "lr", float("nan"), "optim.lr: "),
         ("model.lora", "r", -2, "model.lora.r: Input should be greater than or equal to 0"),

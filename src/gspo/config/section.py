@@ -49,8 +49,8 @@ class Section(BaseModel):
             super().__setattr__(name, value)
         except ValidationError as exc:
             if exc.errors()[0]["type"] == "no_such_attribute":
-                close = did_you_mean(name, list(type(self).model_fields))
-                raise ConfigError(f"{self.config_key}{name}: unknown key{close}") from None
+                keys = list(type(self).model_fields)
+                raise ConfigError(unknown_key(f"{self.config_key}{name}", keys)) from None
             raise ConfigError(error_line(exc, type(self), self.config_key)) from None
 
 
@@ -91,10 +91,58 @@ def _tuples(annotation: Any) -> list[Any]:
     return [t for a in get_args(annotation) for t in _tuples(a)]
 
 
-def did_you_mean(word: Any, choices: list[str]) -> str:
-    """``"; did you mean 'x'?"`` for the choice closest to ``word``, or ``""``."""
+def did_you_mean(word: Any, choices: list[str], prefix: str = "") -> str:
+    """``"; did you mean 'x'?"`` for the choice closest to ``word`` (``prefix`` + it: the
+    whole dotted key), or ``""``."""
     close = difflib.get_close_matches(str(word), choices, n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    return f"; did you mean {prefix + close[0]!r}?" if close else ""
+
+
+#: TRL ``GRPOConfig`` fields a user porting a config writes, and what gspo calls them
+#: (docs/from_trl.md has the whole table, with how each differs).
+TRL_NAMES = {
+    "learning_rate": "optim.lr",
+    "num_generations": "rollout.group_size",
+    "beta": "algorithm.kl_coef",
+    "epsilon": "algorithm.clip_low",
+    "epsilon_high": "algorithm.clip_high",
+    "importance_sampling_level": "algorithm.level",
+    "scale_rewards": "algorithm.advantage_scale",
+    "max_completion_length": "rollout.max_new_tokens",
+    "per_device_train_batch_size": "rollout.prompts_per_batch (x rollout.group_size)",
+    "generation_batch_size": "rollout.prompts_per_batch (x rollout.group_size)",
+    "gradient_accumulation_steps": "algorithm.minibatches",
+    "steps_per_generation": "algorithm.minibatches",
+    "num_train_epochs": "train.max_steps",
+    "reward_weights": "reward.weights",
+    "reward_funcs": "reward.functions",
+    "mask_truncated_completions": "algorithm.mask_truncated",
+    "max_grad_norm": "optim.grad_clip",
+    "adam_beta1": "optim.betas",
+    "adam_beta2": "optim.betas",
+    "use_vllm": "rollout.engine",
+    "vllm_gpu_memory_utilization": "rollout.vllm.gpu_memory_utilization",
+    "vllm_importance_sampling_correction": "algorithm.rollout_correction",
+    "model_name_or_path": "model.path",
+    "bf16": "model.dtype",
+    "gradient_checkpointing": "model.activation_checkpointing",
+    "lora_r": "model.lora.r",
+    "lora_alpha": "model.lora.alpha",
+    "lora_dropout": "model.lora.dropout",
+    "eval_steps": "eval.every",
+    "save_steps": "train.save_every",
+    "output_dir": "--output-dir",
+    "report_to": "log.wandb / log.mlflow",
+}
+
+
+def unknown_key(key: str, keys: list[str]) -> str:
+    """The line for ``key`` (dotted, in full), unknown where its section holds ``keys``:
+    the closest key of the section, or what gspo calls TRL's field of that name."""
+    parent, _, leaf = key.rpartition(".")
+    if leaf in TRL_NAMES:
+        return f"{key}: unknown key; TRL's {leaf} is {TRL_NAMES[leaf]} here (docs/from_trl.md)"
+    return f"{key}: unknown key{did_you_mean(leaf, keys, f'{parent}.' if parent else '')}"
 
 
 #: How pydantic names a member of a union in an error's location ("str", "list[str]",
@@ -137,10 +185,10 @@ def error_line(exc: ValidationError, model: type[BaseModel], prefix: str = "") -
     err = _union_error(err, errors)
     where = ".".join(str(p) for p in err["loc"])
     if err["type"] == "extra_forbidden":
-        parent, _, leaf = where.rpartition(".")
+        parent = where.rpartition(".")[0]
         section = _section(model, parent)
         keys = [] if section is None else list(section.model_fields)
-        return f"{prefix}{where}: unknown key{did_you_mean(leaf, keys)}"
+        return unknown_key(f"{prefix}{where}", keys)
     message = err["msg"].removeprefix("Value error, ")
     value = err.get("input")
     if err["type"] == "missing" and isinstance(err["loc"][-1], int):  # a tuple too short
