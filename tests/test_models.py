@@ -533,3 +533,24 @@ def test_a_tokenizer_without_eos_is_one_line_before_a_cold_start(tmp_path):
     overrides = [f"model.path={tmp_path / 'm'}", "model.device=cpu", "data.eval_size=8"]
     with pytest.raises(ValueError, match=r"^model.path: the tokenizer of .*/m has no eos token"):
         Trainer(load_config(None, overrides), tmp_path / "run")
+
+
+def test_a_hub_id_or_a_run_as_model_path_says_what_to_give(tmp_path, monkeypatch):
+    """Both said only that the path was no (HF model) directory: a TRL user's hub id, a
+    run's own directory."""
+    from gspo.models import load_model
+
+    monkeypatch.chdir(tmp_path)
+    cpu = torch.device("cpu")
+    with pytest.raises(FileNotFoundError) as err:
+        load_model("Qwen/Qwen3-0.6B", device=cpu, dtype=torch.float32)
+    assert str(err.value) == (
+        "model.path: Qwen/Qwen3-0.6B is not a directory; gspo reads local model directories "
+        "only (nothing is downloaded during a run): download it first (hf download "
+        "Qwen/Qwen3-0.6B --local-dir DIR), then model.path=DIR"
+    )
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("{}\n")
+    with pytest.raises(FileNotFoundError, match=r"is a gspo run, not a model: name one of its"):
+        load_model(run, device=cpu, dtype=torch.float32)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import sys
 import warnings
 import zlib
@@ -319,7 +320,13 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype, wa
     quiet_transformers()
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"model.path: {path} is not a directory")
+        hub = re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)) is not None  # (owner/name)
+        raise FileNotFoundError(
+            f"model.path: {path} is not a directory"
+            + ("; gspo reads local model directories only (nothing is downloaded during a "
+               f"run): download it first (hf download {path} --local-dir DIR), then "
+               "model.path=DIR" if hub else "")
+        )  # fmt: skip
     if model_files(path) != path:
         named, path = path, model_files(path)
         if not path.is_dir():
@@ -332,6 +339,11 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype, wa
             raise FileNotFoundError(
                 f"model.path: {path} is a LoRA adapter, not a whole model: gspo export "
                 f"{path} --merge OUT makes one (or gspo train --resume its run)"
+            )
+        if (path / "checkpoints").is_dir() and (path / "config.yaml").is_file():  # a run
+            raise FileNotFoundError(
+                f"model.path: {path} is a gspo run, not a model: name one of its checkpoints "
+                f"({path}/checkpoints/step-N), or gspo export {path} --merge OUT"
             )
         raise FileNotFoundError(f"model.path: {path} has no config.json (not a HF model dir)")
     if not any((path / name).is_file() for name in TOKENIZER_FILES):

@@ -57,8 +57,10 @@ def any_of_answers(function: RewardFunction) -> RewardFunction:
     def scored(
         prompts: Sequence[Any], completions: Sequence[Any], answer: Any = None, **columns: Any
     ) -> list[float | None]:
-        if answer is None or isinstance(answer, str) or not any(
-            isinstance(gold, (list, tuple)) for gold in answer
+        if (
+            answer is None
+            or isinstance(answer, str)
+            or not any(isinstance(gold, (list, tuple)) for gold in answer)
         ):
             return function(prompts=prompts, completions=completions, answer=answer, **columns)
         n = len(completions)
