@@ -535,3 +535,10 @@ def test_settings_that_another_setting_makes_moot_are_warned():
         "data.train without data.eval: no held-out evaluation runs (no eval/* metrics, "
         "accuracy rows or plot; set data.eval to a held-out file)"
     ]
+
+
+def test_a_tracker_set_to_true_is_on_with_its_own_defaults():
+    """TRL's report_to="wandb" ported as log.wandb=true was refused ("Input should be a
+    valid dictionary")."""
+    config = load_config(overrides=["log.wandb=true", "log.mlflow=false"])
+    assert (config.log.wandb, config.log.mlflow) == ({}, None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from gspo.config.section import Section
 
@@ -115,10 +115,16 @@ class LogConfig(Section):
     wandb: dict[str, Any] | None = Field(
         None,
         description="Mirror metrics to W&B: keyword arguments of wandb.init "
-        "(e.g. {project: my-project}); null = off",
+        "(e.g. {project: my-project}; true = wandb.init's defaults); null = off",
     )
     mlflow: dict[str, Any] | None = Field(
         None,
         description="Mirror metrics to MLflow: tracking_uri and experiment_name, the rest "
-        "to mlflow.start_run; null = off",
+        "to mlflow.start_run (true = MLflow's defaults); null = off",
     )
+
+    @field_validator("wandb", "mlflow", mode="before")
+    @classmethod
+    def _switch(cls, value: Any) -> Any:
+        """``true`` (TRL's ``report_to="wandb"``) is the tracker with its own defaults."""
+        return {} if value is True else None if value is False else value
