@@ -737,3 +737,17 @@ def test_the_answer_column_keeps_a_list_of_answers():
     data = load_config(None, ["data.answer_column=gold"]).data
     rows = [{"prompt": "q", "gold": ["x #### 7", 7.0, None]}]
     assert prepare_rows(rows, data, what="data.train")[0]["answer"] == ["7", "7"]
+
+
+def test_a_function_needing_what_only_trl_passes_is_told_so():
+    """It read as a missing data column ("needs the column(s) completion_ids, which
+    data.train lacks")."""
+    from gspo.rewards import RewardError, RewardFunctions
+
+    def trl_style(prompts, completions, completion_ids, **kwargs):
+        return [0.0] * len(completions)
+
+    rewards = RewardFunctions.from_specs([trl_style], None)
+    with pytest.raises(RewardError) as err:
+        rewards.check_columns(["answer"], "data.train (x.jsonl)")
+    assert "needs 'completion_ids', which TRL passes and gspo does not" in str(err.value)

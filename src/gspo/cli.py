@@ -66,7 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--resume", type=a_path, metavar="DIR", help="continue the run in DIR")
     train.add_argument(
-        "--overwrite", action="store_true", help="delete an existing run in --output-dir first"
+        "--overwrite",
+        action="store_true",
+        help="start over in --output-dir: a run already there is removed once the new one "
+        "has started (kept if it fails to start)",
     )
     train.add_argument("--no-cache", action="store_true", help=NO_CACHE_HELP)
     train.add_argument("overrides", nargs="*", metavar="key.sub=value")

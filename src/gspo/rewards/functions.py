@@ -71,6 +71,10 @@ def _spec_name(spec: str | RewardFunction) -> str:
     return getattr(spec, "__name__", None) or type(spec).__name__
 
 
+#: What TRL passes a reward function and gspo does not.
+TRL_ONLY = ("completion_ids", "trainer_state", "log_extra", "log_metric")
+
+
 @dataclass
 class RewardFunctions:
     """Several reward functions with weights, called together on a batch.
@@ -163,6 +167,13 @@ class RewardFunctions:
         for name, function in zip(self.names, self.functions, strict=True):
             needed = missing_arguments(function, given)
             needed += [c for c in getattr(function, "required_columns", ()) if c not in given]
+            trl = [c for c in needed if c in TRL_ONLY]
+            if trl:
+                raise RewardError(
+                    f"reward function {name!r} needs {trl[0]!r}, which TRL passes and gspo "
+                    "does not (docs/from_trl.md); compute it from the completions, or give "
+                    "the parameter a default"
+                )
             if needed:
                 have = ", ".join(columns) or "none but the prompt"
                 raise RewardError(
