@@ -542,3 +542,12 @@ def test_a_tracker_set_to_true_is_on_with_its_own_defaults():
     valid dictionary")."""
     config = load_config(overrides=["log.wandb=true", "log.mlflow=false"])
     assert (config.log.wandb, config.log.mlflow) == ({}, None)
+
+
+def test_a_path_object_is_taken_where_a_path_string_is():
+    """``config.data.train = Path("x.csv")`` was refused (a valid string expected)."""
+    from pathlib import Path
+
+    config = load_config()
+    config.data.train, config.model.path = Path("x.csv"), Path("/models/m")
+    assert (config.data.train, config.model.path) == ("x.csv", "/models/m")

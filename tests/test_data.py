@@ -75,16 +75,32 @@ def test_a_directory_of_data_files_is_split_by_their_names_and_leaves_none_out(t
     assert str(err.value) == (
         f"data.train: {folder}::train: its files are read as splits by their names (train.jsonl, "
         "test.jsonl), which leaves out more.jsonl; name each file by its split (train*.jsonl, "
-        "test*.jsonl), or give the files to read a directory of their own"
+        "test*.jsonl; files of one kind), or give the files to read a directory of their own"
     )
-    mixed = tmp_path / "mixed"  # no split names: every file, whatever its kind
+    mixed = tmp_path / "mixed"  # datasets reads one kind: the other is left out
     mixed.mkdir()
     (mixed / "a.jsonl").write_text(json.dumps({"prompt": "a", "answer": "1"}))
-    (mixed / "b.csv").write_text("prompt,answer\nb,007\n")
-    datasets.Dataset.from_list([{"prompt": "c", "answer": "3"}]).to_parquet(
-        str(mixed / "c.parquet")
+    (mixed / "b.jsonl").write_text(json.dumps({"prompt": "b", "answer": "2"}))
+    (mixed / "c.csv").write_text("prompt,answer\nc,007\n")
+    with pytest.raises(ValueError, match=r"\(a.jsonl, b.jsonl\), which leaves out c.csv;"):
+        load_rows(mixed, what="data.train")
+    # a hub repository's README names its configs and their files: those, and no others
+    hub = tmp_path / "hub"
+    for config in ("main", "socratic"):
+        (hub / config).mkdir(parents=True)
+        for split in ("train", "test"):
+            row = {"prompt": f"{config} {split}", "answer": "1"}
+            (hub / config / f"{split}-00000.jsonl").write_text(json.dumps(row))
+    configs = "".join(
+        f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}/train-*\n"
+        f"  - split: test\n    path: {c}/test-*\n"
+        for c in ("main", "socratic")
     )
-    assert [r["prompt"] for r in load_rows(mixed, what="data.train")] == ["a", "b", "c"]
+    (hub / "README.md").write_text(f"---\nconfigs:\n{configs}---\n# a dataset\n")
+    rows = load_rows(f"{hub}:main:test", what="data.eval")
+    assert [r["prompt"] for r in rows] == ["main test"]  # (it read main's and socratic's)
+    with pytest.raises(ValueError, match=r"Config name is missing"):
+        load_rows(f"{hub}::train", what="data.train")
 
 
 def test_hub_ids_reach_load_dataset_with_config_and_split(monkeypatch, tmp_path):
@@ -390,9 +406,9 @@ def test_a_file_datasets_cannot_read_is_our_one_line_only(tmp_path, capfd):
     (model / "model.safetensors").write_bytes(b"\0" * 64)
     with pytest.raises(ValueError) as err:
         load_rows(model, what="data.train")
-    assert str(err.value) == (
-        f"data.train: {model} holds neither a datasets.save_to_disk dataset nor data files "
-        "(.jsonl, .json, .parquet, .csv)"
+    assert str(err.value).endswith(
+        "(a directory must hold a datasets.save_to_disk dataset, or data files of one kind: "
+        ".jsonl, .json, .parquet, .csv)"
     )
 
 
@@ -486,6 +502,13 @@ def test_prompts_that_leave_no_room_for_a_response_are_warned(capsys):
          [["q1", "1"], ["q2", None]]),
         ("a.jsonl", '\ufeff{"prompt": "q1", "answer": "1"}\n\n{"prompt": "q2"}\n',
          [["q1", "1"], ["q2", None]]),
+        # a JSON string may hold U+2028 as it is (str.splitlines cut the line there);
+        # NaN and Infinity (Python's, not JSON) are None, as datasets reads them
+        ('a.jsonl', '{"prompt": "a\u2028b", "answer": NaN}\n{"prompt": "c", "answer": Infinity}',
+         [["a\u2028b", None], ["c", None]]),
+        # a spreadsheet's trailing unnamed columns, a cell longer than csv's default limit
+        ("a.csv", "prompt,answer,,\nq1,1,,\n" + "x" * 200_000 + ",2,,\n",
+         [["q1", "1"], ["x" * 200_000, "2"]]),
     ],
 )  # fmt: skip
 def test_files_give_their_values_as_written(tmp_path, name, content, rows):
@@ -514,6 +537,12 @@ def test_files_give_their_values_as_written(tmp_path, name, content, rows):
         ("a.json", "", "has no rows"),
         ("a.jsonl", b'{"prompt": "caf\xe9"}\n', "is not UTF-8 text (byte 0xe9 on line 1); save "
          "it as UTF-8"),
+        # a quote left open took the rest of the file as one field
+        ("a.csv", 'prompt,answer\n"q1,1\nq2,2\n', "is not CSV after line 1: a quote opened and "
+         "never closed"),
+        # an array broken on its line 3 said "line 1" (read again as JSON Lines)
+        ("a.json", '[\n{"prompt": "q"},\n{"prompt": "r" "answer": 1}\n]',
+         "is not JSON: Expecting ',' delimiter: line 3 column 16 (char 34)"),
     ],
 )  # fmt: skip
 def test_files_that_do_not_hold_records_are_one_line(tmp_path, name, content, said):

@@ -751,3 +751,20 @@ def test_a_function_needing_what_only_trl_passes_is_told_so():
     with pytest.raises(RewardError) as err:
         rewards.check_columns(["answer"], "data.train (x.jsonl)")
     assert "needs 'completion_ids', which TRL passes and gspo does not" in str(err.value)
+
+
+def test_gold_answers_as_a_csv_writes_them_still_score():
+    """CSV cells are text as written now ("+5", "1e3", no longer read as numbers): a gold
+    +5 was no number to numeric_match (None), 1e3 no match for \\boxed{1000} under math."""
+    from gspo.rewards.verifiers import BUILTIN_REWARDS
+
+    assert BUILTIN_REWARDS["numeric_match"](prompts=["p"], completions=["5"], answer=["+5"]) == [
+        1.0
+    ]
+    boxed = ["\\boxed{1000}", "\\boxed{0.00015}"]
+    assert BUILTIN_REWARDS["math"](
+        prompts=["p"] * 2, completions=boxed, answer=["1e3", "1.5E-4"]
+    ) == [
+        1.0,
+        1.0,
+    ]

@@ -388,8 +388,11 @@ def quick_exit(code: int) -> NoReturn:
     static destructors (the suspect, not established, when a test's torchrun rank
     aborted with "terminate called without an active exception"). So: the ``atexit``
     handlers (multiprocessing's child joins, W&B and the like), stdio flushed, then
-    ``os._exit``.
+    ``os._exit``. A Ctrl-C or SIGTERM meanwhile (a second one, after the run stopped on
+    the first) leaves at once, quietly: it printed a handler's traceback.
     """
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, lambda *_: os._exit(code))
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -33,12 +33,16 @@ import contextlib
 import csv
 import io
 import json
+import logging
+import os
 import re
 import string
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import yaml
 
 from gspo.config.data import template_fields
 from gspo.plugins import one_line
@@ -104,15 +108,20 @@ def parse_source(text: str, *, what: str) -> Source:
 
 @contextlib.contextmanager
 def _quiet(datasets) -> Iterator[None]:
-    """No progress bars and, inside the block, no log lines from ``datasets``: a file it
-    cannot read is one error line of ours, not its logged error and then ours."""
+    """No progress bars and, inside the block, no log lines from ``datasets`` nor from
+    ``huggingface_hub``: a file it cannot read is one error line of ours, not its logged
+    error and then ours; no network is five "Retrying in Ns" lines before ours."""
     datasets.disable_progress_bars()
     level = datasets.logging.get_verbosity()
+    hub = logging.getLogger("huggingface_hub")
+    hub_level = hub.level
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    hub.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
         datasets.logging.set_verbosity(level)
+        hub.setLevel(hub_level)
 
 
 def _load_dataset(datasets, source: Source) -> Any:
@@ -148,13 +157,21 @@ def _not_a_record(row: Any, where: str) -> ValueError:
     return ValueError(f"{where} is {type(row).__name__} {row!r:.60}, not an object of columns")
 
 
+def _json_value(text: str) -> Any:
+    """``json.loads``, with ``NaN``/``Infinity`` (not JSON, which Python writes) as None,
+    as ``datasets`` reads them: a gold answer ``Infinity`` was the text ``"inf"``."""
+    return json.loads(text, parse_constant=lambda _: None)
+
+
 def _json_lines(text: str, path: Path, *, what: str) -> list[Row]:
     rows = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    # (split at newlines only: str.splitlines also splits at U+2028, which a JSON string
+    # may hold as it is: json.dumps(..., ensure_ascii=False) writes it so)
+    for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = _json_value(line)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{what}: {path} line {number} is not JSON: {exc}") from exc
         if not isinstance(row, dict):
@@ -167,8 +184,10 @@ def _json(text: str, path: Path, *, what: str) -> list[Row]:
     """A ``.json`` file: an array of objects, one object of equal-length column lists, or
     JSON Lines; values as written (``"007"`` stays text)."""
     try:
-        whole = json.loads(text) if text.strip() else []
-    except json.JSONDecodeError:
+        whole = _json_value(text) if text.strip() else []
+    except json.JSONDecodeError as exc:
+        if text.lstrip().startswith("["):  # an array, broken where it says
+            raise ValueError(f"{what}: {path} is not JSON: {exc}") from None
         return _json_lines(text, path, what=what)  # (JSON Lines in a .json file)
     if isinstance(whole, dict):
         lengths = {len(v) if isinstance(v, list) else -1 for v in whole.values()}
@@ -189,13 +208,29 @@ def _json(text: str, path: Path, *, what: str) -> list[Row]:
 def _csv(text: str, path: Path, *, what: str) -> list[Row]:
     """A ``.csv`` file's rows as text, as written (``007`` and ``0.50`` stay so: a gold
     answer is compared as text); an empty cell is None."""
-    reader = csv.DictReader(io.StringIO(text, newline=""))
-    header = reader.fieldnames or []
+    csv.field_size_limit(2**31 - 1)  # (its default, 128 KiB, refused a long cell)
+    reader = csv.DictReader(io.StringIO(text, newline=""), strict=True)
+    try:
+        header = reader.fieldnames or []
+    except csv.Error as exc:
+        raise ValueError(f"{what}: {path} line {reader.line_num} is not CSV: {exc}") from None
+    # an unnamed column (a spreadsheet's trailing empty ones) is named as pandas names it
+    header = reader.fieldnames = [h or f"Unnamed: {i}" for i, h in enumerate(header)]
     repeated = next((name for name in header if header.count(name) > 1), None)
     if repeated is not None:
         raise ValueError(f"{what}: {path} names the column {repeated!r} twice in its header")
     rows = []
-    for row in reader:
+    rows_read = iter(reader)
+    while True:
+        try:
+            row = next(rows_read)
+        except StopIteration:
+            break
+        except csv.Error as exc:  # (a quote left open: the rest of the file one field)
+            said = "a quote opened and never closed" if "end of data" in str(exc) else exc
+            raise ValueError(
+                f"{what}: {path} is not CSV after line {reader.line_num}: {said}"
+            ) from None
         if None in row:  # (the fields past the header's)
             raise ValueError(
                 f"{what}: {path} line {reader.line_num} has more fields than its header's "
@@ -226,55 +261,96 @@ def _read_file(path: Path, *, what: str) -> list[Row]:
 
 
 def _directory_rows(source: Source, text: str, *, what: str) -> list[Row]:
-    """The rows of a directory of data files: its split's files, as ``datasets`` names
-    splits by file name (``train.jsonl``, ``data/test-00000.parquet``), each read by
-    :func:`_read_file`. A data file that no split takes is refused: ``datasets`` left it
-    out (``part1.jsonl`` beside ``validation.jsonl``)."""
-    from datasets.data_files import DataFilesDict, EmptyDatasetError, get_data_patterns
+    """The rows of a directory of data files: the files of its split (and config) as
+    ``datasets.load_dataset`` finds them (a README's ``configs:``, else splits by file
+    name: ``train.jsonl``, ``data/test-00000.parquet``), each read by :func:`_read_file`.
+    Without declared configs a data file that no split takes is refused: ``datasets``
+    left it out (``part1.jsonl`` beside ``validation.jsonl``; the other kind of a
+    directory of two)."""
+    import datasets
+    from datasets.data_files import FILES_TO_IGNORE
 
     base = Path(source.location).resolve()
-    if source.config is not None:
-        raise ValueError(
-            f"{what}: {text}: a directory of data files has no configs; for the split "
-            f"{source.config!r} write {source.location}::{source.config} (SOURCE:CONFIG:SPLIT)"
-        )
-    data_files = sorted(
-        p for p in base.rglob("*")
-        if p.is_file() and p.suffix.lower() in DATA_SUFFIXES
-        and not any(part.startswith(".") for part in p.relative_to(base).parts)
-    )  # fmt: skip
     try:
-        patterns = get_data_patterns(str(base))
-    except EmptyDatasetError:
-        patterns = {}
+        with _quiet(datasets):
+            builder = datasets.load_dataset_builder(str(base), source.config)
+    except Exception as exc:  # datasets raises many types: one line, naming the key
+        raise _load_error(exc, source, text, what) from None
     splits = {
-        str(split): sorted(Path(f) for f in files if Path(f).suffix.lower() in DATA_SUFFIXES)
-        for split, files in DataFilesDict.from_patterns(patterns, base_path=str(base)).items()
+        str(split): sorted(Path(f) for f in files)
+        for split, files in (builder.config.data_files or {}).items()
     }
-    splits = {split: files for split, files in splits.items() if files}
-    if not splits:
+    unread = [
+        f for files in splits.values() for f in files if f.suffix.lower() not in DATA_SUFFIXES
+    ]
+    if unread:
         raise ValueError(
-            f"{what}: {text} holds neither a datasets.save_to_disk dataset nor data files "
-            f"({', '.join(DATA_SUFFIXES)})"
+            f"{what}: {text}: {unread[0].relative_to(base)} is none of the files gspo reads "
+            f"({', '.join(DATA_SUFFIXES)}); convert it"
         )
-    taken = {f.resolve() for files in splits.values() for f in files}
-    left = [str(f.relative_to(base)) for f in data_files if f.resolve() not in taken]
-    if left:
-        named = ", ".join(str(f.relative_to(base)) for files in splits.values() for f in files)
-        raise ValueError(
-            f"{what}: {text}: its files are read as splits by their names ({named}), which "
-            f"leaves out {', '.join(left[:3])}{' ...' if len(left) > 3 else ''}; name each "
-            "file by its split (train*.jsonl, test*.jsonl), or give the files to read a "
-            "directory of their own"
-        )
+    if not _declares_configs(base):
+        taken = {f.resolve() for files in splits.values() for f in files}
+        left = [
+            str(p.relative_to(base)) for p in sorted(base.rglob("*"))
+            if p.is_file() and p.suffix.lower() in DATA_SUFFIXES and p.resolve() not in taken
+            and p.name not in FILES_TO_IGNORE
+            and not any(part.startswith((".", "__")) for part in p.relative_to(base).parts)
+        ]  # fmt: skip
+        if left:
+            named = ", ".join(str(f.relative_to(base)) for files in splits.values() for f in files)
+            raise ValueError(
+                f"{what}: {text}: its files are read as splits by their names ({named}), "
+                f"which leaves out {', '.join(left[:3])}{' ...' if len(left) > 3 else ''}; "
+                "name each file by its split (train*.jsonl, test*.jsonl; files of one kind), "
+                "or give the files to read a directory of their own"
+            )
     if source.split is not None and source.split not in splits:
         raise ValueError(f"{what}: {text}: no split {source.split!r} (splits: {', '.join(splits)})")
     if source.split is None and len(splits) > 1:
+        source_config = f"{source.location}:{source.config or ''}"
         raise ValueError(
-            f"{what}: {text} has splits {', '.join(splits)}; name one as {source.location}::SPLIT"
+            f"{what}: {text} has splits {', '.join(splits)}; name one as {source_config}:SPLIT"
         )
     files = splits[source.split] if source.split is not None else next(iter(splits.values()))
     return [row for f in files for row in _read_file(f, what=what)]
+
+
+def _declares_configs(base: Path) -> bool:
+    """Whether the directory's README.md lists its configs and their files (a hub
+    repository's ``configs:``), which then say what is left out."""
+    readme = base / "README.md"
+    text = readme.read_text(errors="replace") if readme.is_file() else ""
+    if not text.startswith("---"):
+        return False
+    try:
+        meta = yaml.safe_load(text.split("---", 2)[1])
+    except yaml.YAMLError:
+        return False
+    return isinstance(meta, dict) and "configs" in meta
+
+
+def _load_error(exc: Exception, source: Source, text: str, what: str) -> ValueError:
+    """The one line for what ``datasets`` raised loading ``source`` (``text``, the value
+    of the key ``what``)."""
+    kind = "dataset id" if source.kind == "hub" else "local dataset"
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    hint = ""
+    if source.kind == "hub" and isinstance(exc, ConnectionError) and not offline:
+        hint = (
+            " (offline, the dataset must be in the datasets cache; "
+            "HF_HUB_OFFLINE=1 skips the network)"
+        )
+    if source.kind == "directory":
+        hint = (
+            " (a directory must hold a datasets.save_to_disk dataset, or data files "
+            f"of one kind: {', '.join(DATA_SUFFIXES)})"
+        )
+    if source.kind != "hub" and source.config and not source.split:
+        split = f"{text.partition(':')[0]}::{source.config}"
+        hint += f"; for the split {source.config!r} write {split} (SOURCE:CONFIG:SPLIT)"
+    return ValueError(
+        f"{what}: cannot load {kind} {text!r}: {type(exc).__name__}: {one_line(exc, 300)}{hint}"
+    )
 
 
 def _one_split(loaded: Any, text: str, *, what: str) -> Any:
@@ -312,20 +388,7 @@ def load_rows(text: str | Path, *, what: str) -> list[Row]:
             with _quiet(datasets):
                 loaded = _load_dataset(datasets, source)
         except Exception as exc:  # datasets raises many types: one line, naming the key
-            kind = "dataset id" if source.kind == "hub" else "local dataset"
-            hint = ""
-            if source.kind == "hub" and isinstance(exc, ConnectionError):
-                hint = (
-                    " (offline, the dataset must be in the datasets cache; "
-                    "HF_HUB_OFFLINE=1 skips the network)"
-                )
-            if source.kind != "hub" and source.config and not source.split:
-                split = f"{text.partition(':')[0]}::{source.config}"
-                hint += f"; for the split {source.config!r} write {split} (SOURCE:CONFIG:SPLIT)"
-            raise ValueError(
-                f"{what}: cannot load {kind} {text!r}: "
-                f"{type(exc).__name__}: {one_line(exc, 300)}{hint}"
-            ) from None
+            raise _load_error(exc, source, text, what) from None
         rows = _one_split(loaded, text, what=what).to_list()
     if not rows:
         raise ValueError(f"{what}: {text} has no rows")

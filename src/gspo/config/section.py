@@ -4,6 +4,7 @@ and a validation error is one line naming the key (:func:`error_line`)."""
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from typing import Any, ClassVar, Literal, get_args, get_origin
 
@@ -42,6 +43,8 @@ class Section(BaseModel):
         kind = None if field is None else field.annotation
         if isinstance(value, bool) and _takes(kind, float) and not _takes(kind, bool):
             raise ValueError("a number, not true or false")
+        if isinstance(value, os.PathLike) and _takes(kind, str):  # (a pathlib.Path)
+            return os.fspath(value)
         return value
 
     def __setattr__(self, name: str, value: Any) -> None:

@@ -161,12 +161,14 @@ def _match_value(m: re.Match[str]) -> float | None:
 def parse_number(text: str) -> float | None:
     """Parse ``text`` as a single number, or return None.
 
-    Accepts ints, decimals, negatives, thousands separators (``"1,234"``), exponents, fractions
-    (``"3/4"``, ``"\\frac{3}{4}"``), and ignores ``$``, ``%``, whitespace, LaTeX spacing and
-    ``\\(``/``\\)`` delimiters and a trailing period. ``"18 apples"`` is not a number.
+    Accepts ints, decimals, negatives (and a leading ``+``), thousands separators
+    (``"1,234"``), exponents, fractions (``"3/4"``, ``"\\frac{3}{4}"``), and ignores
+    ``$``, ``%``, whitespace, LaTeX spacing and ``\\(``/``\\)`` delimiters and a trailing
+    period. ``"18 apples"`` is not a number.
     """
     s = _LATEX_NOISE.sub("", text)
     s = "".join(s.split()).rstrip(".")
+    s = s[1:] if s.startswith("+") and s[1:2].isdigit() else s  # ("+5", as a CSV may say)
     m = _NUMBER.fullmatch(s)
     return _match_value(m) if m else None
 

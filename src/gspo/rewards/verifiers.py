@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import decimal
 import functools
 import inspect
 import math
@@ -190,6 +191,7 @@ def _math_verify_timeout() -> int | None:
     return MATH_VERIFY_TIMEOUT_S
 
 
+_E_NOTATION = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 _MATH_DELIMITER = re.compile(r"(?<!\\)\$")
 _DIGIT_SPACE = re.compile(r"(?<=\d)\\,(?=\d)")
 
@@ -202,6 +204,8 @@ def _plain_math(text: str) -> str:
 
 def _math_gold_text(answer: Any) -> str:
     s = _plain_math(_gold_text(answer))
+    if _E_NOTATION.fullmatch(s.strip()):  # (1e3, as a CSV may say: math-verify misreads it)
+        s = format(decimal.Decimal(s.strip()), "f")
     # (an escaped \$, as in MATH's "\$18.90", is a dollar sign, not a delimiter)
     if not (_MATH_DELIMITER.search(s) or any(m in s for m in ("\\boxed", "\\(", "\\["))):
         s = f"${s}$"
