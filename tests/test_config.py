@@ -551,3 +551,12 @@ def test_a_path_object_is_taken_where_a_path_string_is():
     config = load_config()
     config.data.train, config.model.path = Path("x.csv"), Path("/models/m")
     assert (config.data.train, config.model.path) == ("x.csv", "/models/m")
+
+
+def test_a_list_the_shell_split_at_a_space_says_to_quote_it():
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=["reward.functions=[exact_match,", "format]"])
+    assert str(info.value) == (
+        "reward.functions: cannot parse value '[exact_match,' as YAML (the shell split it at "
+        "a space: quote it whole, 'reward.functions=[exact_match, ...')"
+    )

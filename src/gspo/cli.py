@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     show = sub.add_parser("config", help="print the resolved config as YAML")
-    show.add_argument("--config", type=a_path, action=Once)
+    show.add_argument("--config", type=a_path, action=Once, help="YAML config file")
     show.add_argument(
         "--doc",
         action="store_true",

@@ -127,7 +127,11 @@ def parse_override(text: str) -> tuple[str, Any]:
     try:  # (as a file is read: "3e-4" is a number, YAML 1.1 wanting a dot aside)
         value = yaml.load(raw, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{key}: cannot parse value {raw!r} as YAML") from exc
+        opened = raw.lstrip()[:1] in ("[", "{") and raw.rstrip()[-1:] not in ("]", "}")
+        split = f" (the shell split it at a space: quote it whole, '{key}={raw} ...')"
+        raise ConfigError(
+            f"{key}: cannot parse value {raw!r} as YAML{split if opened else ''}"
+        ) from exc
     return key, value
 
 
