@@ -256,8 +256,10 @@ def _terminated(signum: int, frame: object) -> NoReturn:
 @contextlib.contextmanager
 def sigterm_stops_as_ctrl_c() -> Iterator[None]:
     """Inside the block, SIGTERM raises :class:`Terminated` (in the main thread only: a
-    handler can be set nowhere else)."""
-    if threading.current_thread() is not threading.main_thread():
+    handler can be set nowhere else). Not under torchrun: a rank waiting in a collective
+    would outlive it, and the launcher stops its ranks itself."""
+    torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if threading.current_thread() is not threading.main_thread() or torchrun:
         yield
         return
     previous = signal.signal(signal.SIGTERM, _terminated)

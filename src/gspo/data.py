@@ -3,15 +3,15 @@
 **Sources** (``data.train``, ``data.eval``, ``data.sft``), decided in this order:
 
 1. the value names an existing file or directory: a local file (``.jsonl``, ``.json``,
-   ``.parquet``, ``.csv``; values as written, a CSV's cells as text), a directory written
-   by ``datasets``' ``save_to_disk`` (read with ``load_from_disk``) or a directory of
-   data files, split by their names as ``datasets`` splits them (a file that no split
-   takes is an error), each read as a file;
+   ``.parquet``, ``.csv``; values as written, a CSV cell a number only where that is
+   exact), a directory written by ``datasets``' ``save_to_disk`` (read with
+   ``load_from_disk``) or a directory of data files, the files of each split (and
+   config) as ``datasets.load_dataset`` finds them, each read as a file (without declared
+   configs, a data file that no split takes is an error);
 2. otherwise it is read as ``SOURCE[:CONFIG[:SPLIT]]`` (``:SPLIT`` alone is ``::SPLIT``).
    ``SOURCE`` is a local directory as in 1 when one exists by that name; a local path
-   that does not exist when it ends in one of those suffixes, starts with ``/``,
-   ``./``, ``../`` or ``~``, or its parent directory exists (an error); else a
-   ``datasets`` hub id
+   that does not exist when it ends in one of those suffixes or starts with ``/``,
+   ``./``, ``../`` or ``~`` (an error); else a ``datasets`` hub id
    (``openai/gsm8k:main:train``, ``HuggingFaceH4/MATH-500::test``), read with
    ``datasets.load_dataset`` so the user's cache and offline mode (``HF_HUB_OFFLINE=1``)
    apply. A source with several splits and none named is an error listing them.
@@ -34,6 +34,7 @@ import csv
 import io
 import json
 import logging
+import math
 import os
 import re
 import string
@@ -95,8 +96,7 @@ def parse_source(text: str, *, what: str) -> Source:
         return _local(path, config, split)
     if path.is_file():
         raise ValueError(f"{what}: {text}: a file has no configs or splits")
-    local = source.startswith(_LOCAL_PREFIXES) or (path.parent.name and path.parent.is_dir())
-    if path.suffix.lower() in DATA_SUFFIXES or local:  # (data/missing: not a dataset id)
+    if path.suffix.lower() in DATA_SUFFIXES or source.startswith(_LOCAL_PREFIXES):
         raise FileNotFoundError(f"{what}: file not found: {source}")
     if not _HUB_ID.fullmatch(source):
         raise ValueError(
@@ -206,8 +206,7 @@ def _json(text: str, path: Path, *, what: str) -> list[Row]:
 
 
 def _csv(text: str, path: Path, *, what: str) -> list[Row]:
-    """A ``.csv`` file's rows as text, as written (``007`` and ``0.50`` stay so: a gold
-    answer is compared as text); an empty cell is None."""
+    """A ``.csv`` file's rows, each cell as :func:`_cell` reads it."""
     csv.field_size_limit(2**31 - 1)  # (its default, 128 KiB, refused a long cell)
     reader = csv.DictReader(io.StringIO(text, newline=""), strict=True)
     try:
@@ -236,8 +235,25 @@ def _csv(text: str, path: Path, *, what: str) -> list[Row]:
                 f"{what}: {path} line {reader.line_num} has more fields than its header's "
                 f"{len(header)} ({', '.join(header)}); quote fields that hold commas"
             )
-        rows.append({k: (v if v else None) for k, v in row.items()})
+        rows.append({k: _cell(v) for k, v in row.items()})
     return rows
+
+
+def _cell(text: str | None) -> Any:
+    """A CSV cell: None when empty; a number where the number's own text is the cell
+    (``7``, ``0.5``, ``12345678901234567``); else the text as written (``007``, ``0.50``,
+    ``1e3``, ``+5``), which reading it as a number would change (a gold answer ``007``
+    was 7, ``12345678901234567`` beside a blank cell ``...568``)."""
+    if not text:
+        return None
+    for kind in (int, float):
+        try:
+            number = kind(text)
+        except ValueError:
+            continue
+        exact = str(number) == text if kind is int else repr(number) == text
+        return number if exact and math.isfinite(number) else text
+    return text
 
 
 def _read_file(path: Path, *, what: str) -> list[Row]:
@@ -340,6 +356,9 @@ def _load_error(exc: Exception, source: Source, text: str, what: str) -> ValueEr
             " (offline, the dataset must be in the datasets cache; "
             "HF_HUB_OFFLINE=1 skips the network)"
         )
+    parent = Path(source.location).parent
+    if source.kind == "hub" and parent.name and parent.is_dir():  # (data/missing: local?)
+        hint += f"; nor is there a local {source.location} (write ./{source.location} for one)"
     if source.kind == "directory":
         hint = (
             " (a directory must hold a datasets.save_to_disk dataset, or data files "
@@ -459,7 +478,8 @@ def _answer(value: Any) -> Any:
     """``data.answer_column``'s cell as the final answer the built-in rewards compare with
     (58.0 of a float column: "58"); a list of answers (any of them right) item by item."""
     if isinstance(value, (list, tuple)):
-        return [a for a in map(_answer, value) if a is not None]
+        answers = [a for a in map(_answer, value) if a is not None]
+        return answers or None  # (none: as a blank cell, counted by the run's warning)
     gold = cell_text(value)
     return None if gold is None else reference_answer(gold)
 

@@ -210,8 +210,8 @@ class Trainer:
             background=config.train.background_checkpoints and not dist.enabled,
         )
         self.writer_tokenizer = None  # (the tokenizer background writes save)
-        recorded = recorded_config(config, out, self.finished, moved)  # (finished: kept)
-        if dist.is_main and recorded is not None:
+        recorded = recorded_config(config, out, self.finished, moved) if dist.is_main else None
+        if recorded is not None:  # (rank 0 alone: a finished run's is read, then written)
             (out / "config.yaml").write_text(with_run_dir(dump_config_text(recorded), out))
         if checkpoint is None:
             self.logger.log(0, summary)

@@ -141,11 +141,12 @@ TRL_NAMES = {
 
 def unknown_key(key: str, keys: list[str]) -> str:
     """The line for ``key`` (dotted, in full), unknown where its section holds ``keys``:
-    the closest key of the section, or what gspo calls TRL's field of that name."""
+    the closest key of the section, else what gspo calls TRL's field of that name."""
     parent, _, leaf = key.rpartition(".")
-    if leaf in TRL_NAMES:
+    close = did_you_mean(leaf, keys, f"{parent}." if parent else "")
+    if leaf in TRL_NAMES and not close:  # (optim.beta: optim.betas, not TRL's beta)
         return f"{key}: unknown key; TRL's {leaf} is {TRL_NAMES[leaf]} here (docs/from_trl.md)"
-    return f"{key}: unknown key{did_you_mean(leaf, keys, f'{parent}.' if parent else '')}"
+    return f"{key}: unknown key{close}"
 
 
 #: How pydantic names a member of a union in an error's location ("str", "list[str]",

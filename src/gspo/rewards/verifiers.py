@@ -191,7 +191,7 @@ def _math_verify_timeout() -> int | None:
     return MATH_VERIFY_TIMEOUT_S
 
 
-_E_NOTATION = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+_E_NOTATION = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d{1,2}")  # (|e| < 100)
 _MATH_DELIMITER = re.compile(r"(?<!\\)\$")
 _DIGIT_SPACE = re.compile(r"(?<=\d)\\,(?=\d)")
 
