@@ -299,10 +299,11 @@ def test_sigterm_stops_the_run_in_one_line_and_it_resumes(tmp_path, varied_rewar
         [sys.executable, "-m", "gspo", *args], stderr=subprocess.PIPE, text=True
     )
     try:
-        end = time.monotonic() + 300
-        while not (run / "checkpoints" / "step-0000004").is_dir():
+        end = time.monotonic() + 600  # (the step-0 checkpoint: RL has begun)
+        while not (run / "checkpoints" / "latest").is_file():
             assert proc.poll() is None and time.monotonic() < end
             time.sleep(0.2)
+        time.sleep(1.0)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:
@@ -312,5 +313,5 @@ def test_sigterm_stops_the_run_in_one_line_and_it_resumes(tmp_path, varied_rewar
         f"gspo: terminated (SIGTERM); resume with gspo train --resume {run}"
     )
     done = [line["step"] for line in read_metrics(run / "metrics.jsonl") if "train/loss" in line]
-    target = (max(done) // 4 + 2) * 4
+    target = (max(done, default=0) // 4 + 2) * 4
     assert main(["train", "--resume", str(run), f"train.max_steps={target}"]) == 0
