@@ -342,7 +342,8 @@ def _main(args: argparse.Namespace) -> int:
         run = run_directory(args)
         print(
             f"gspo: error (rank {os.environ.get('RANK')}): another rank stopped (the process "
-            f"group broke: {str(exc).strip().splitlines()[0][:160]}); its own line says why; "
+            f"group broke: {str(exc).strip().splitlines()[0][:160]}); its own line, if it "
+            "printed one (a signal or a kill prints none), says why; "
             f"gspo train --resume {run} continues from the last checkpoint",
             file=sys.stderr,
         )
