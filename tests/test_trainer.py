@@ -806,7 +806,7 @@ def test_python_dash_m_gspo_and_console_script():
     )
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == [
-        "gspo: error: optim.lrr: unknown key; did you mean 'lr'?"
+        "gspo: error: optim.lrr: unknown key; did you mean 'optim.lr'?"
     ]
 
 
