@@ -209,33 +209,26 @@ def _csv(text: str, path: Path, *, what: str) -> list[Row]:
     """A ``.csv`` file's rows, each cell as :func:`_cell` reads it."""
     csv.field_size_limit(2**31 - 1)  # (its default, 128 KiB, refused a long cell)
     reader = csv.DictReader(io.StringIO(text, newline=""), strict=True)
-    try:
-        header = reader.fieldnames or []
-    except csv.Error as exc:
-        raise ValueError(f"{what}: {path} line {reader.line_num} is not CSV: {exc}") from None
-    # an unnamed column (a spreadsheet's trailing empty ones) is named as pandas names it
-    header = reader.fieldnames = [h or f"Unnamed: {i}" for i, h in enumerate(header)]
-    repeated = next((name for name in header if header.count(name) > 1), None)
-    if repeated is not None:
-        raise ValueError(f"{what}: {path} names the column {repeated!r} twice in its header")
     rows = []
-    rows_read = iter(reader)
-    while True:
-        try:
-            row = next(rows_read)
-        except StopIteration:
-            break
-        except csv.Error as exc:  # (a quote left open: the rest of the file one field)
-            said = "a quote opened and never closed" if "end of data" in str(exc) else exc
-            raise ValueError(
-                f"{what}: {path} is not CSV after line {reader.line_num}: {said}"
-            ) from None
-        if None in row:  # (the fields past the header's)
-            raise ValueError(
-                f"{what}: {path} line {reader.line_num} has more fields than its header's "
-                f"{len(header)} ({', '.join(header)}); quote fields that hold commas"
-            )
-        rows.append({k: _cell(v) for k, v in row.items()})
+    try:
+        # an unnamed column (a spreadsheet's trailing empty ones) is named as pandas names it
+        header = [h or f"Unnamed: {i}" for i, h in enumerate(reader.fieldnames or [])]
+        reader.fieldnames = header
+        repeated = next((name for name in header if header.count(name) > 1), None)
+        if repeated is not None:
+            raise ValueError(f"{what}: {path} names the column {repeated!r} twice in its header")
+        for row in reader:
+            if None in row:  # (the fields past the header's)
+                raise ValueError(
+                    f"{what}: {path} line {reader.line_num} has more fields than its header's "
+                    f"{len(header)} ({', '.join(header)}); quote fields that hold commas"
+                )
+            rows.append({k: _cell(v) for k, v in row.items()})
+    except csv.Error as exc:  # (a quote left open: the rest of the file one field)
+        said = "a quote opened and never closed" if "end of data" in str(exc) else exc
+        raise ValueError(
+            f"{what}: {path} is not CSV after line {reader.line_num}: {said}"
+        ) from None
     return rows
 
 
@@ -334,13 +327,12 @@ def _directory_rows(source: Source, text: str, *, what: str) -> list[Row]:
 def _declares_configs(base: Path) -> bool:
     """Whether the directory's README.md lists its configs and their files (a hub
     repository's ``configs:``), which then say what is left out."""
+    from huggingface_hub.repocard import metadata_load
+
     readme = base / "README.md"
-    text = readme.read_text(errors="replace") if readme.is_file() else ""
-    if not text.startswith("---"):
-        return False
     try:
-        meta = yaml.safe_load(text.split("---", 2)[1])
-    except yaml.YAMLError:
+        meta = metadata_load(readme) if readme.is_file() else None
+    except yaml.YAMLError:  # (datasets has refused it already)
         return False
     return isinstance(meta, dict) and "configs" in meta
 
@@ -457,8 +449,10 @@ def prepare_rows(rows: list[Row], data: DataConfig, *, what: str, sft: bool = Fa
 
     out = []
     for i, row in enumerate(rows):
-        prompt = _filled(template, row, f"row {i} of {where}") if template else None
-        prompt = _prompt(row[data.prompt_column] if template is None else prompt, what, i)
+        given = (
+            _filled(template, row, f"row {i} of {where}") if template else row[data.prompt_column]
+        )
+        prompt = _prompt(given, what, i)
         if chat:
             if isinstance(prompt, str):
                 prompt = [{"role": "user", "content": prompt}]
@@ -519,7 +513,7 @@ def _completion(value: Any, data: DataConfig, what: str, index: int) -> Any:
     """A cold-start row's completion: text (a number of a CSV column as its text) or a
     conversation; none at all is one line naming the row and the column."""
     where = f"{what} row {index}"
-    if isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value):
+    if _is_messages(value):
         _check_tool_calls(value, where)
         return value
     if isinstance(value, str):
@@ -550,11 +544,14 @@ def _check_tool_calls(completion: Any, where: str) -> None:
             )
 
 
+def _is_messages(value: Any) -> bool:
+    """Whether ``value`` is a list of chat messages (mappings with a ``role``)."""
+    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
+
+
 def _prompt(prompt: Any, what: str, index: int) -> Any:
     """A row's prompt: text or a list of chat messages; else one line naming the row."""
-    if isinstance(prompt, str) or (
-        isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
-    ):
+    if isinstance(prompt, str) or _is_messages(prompt):
         return prompt
     raise ValueError(
         f"{what} row {index}: the prompt is {prompt!r:.80}; a prompt is text or a list of "
