@@ -334,7 +334,17 @@ def test_cli_unknown_words_are_argparse_errors(capsys, stray):
     with pytest.raises(SystemExit) as info:
         main(["train", "a.b=1", "--output-dir", "unused", stray])
     assert info.value.code == 2
-    assert f"unrecognized arguments: {stray}" in capsys.readouterr().err
+    assert capsys.readouterr().err == (f"gspo: unrecognized arguments: {stray} (see gspo --help)\n")
+
+
+def test_cli_bad_argument_values_are_one_line(capsys):
+    """argparse printed its usage block (three lines) before the error."""
+    with pytest.raises(SystemExit) as info:
+        main(["compare", "--seeds", "abc"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (
+        "gspo compare: argument --seeds: invalid int value: 'abc' (see gspo compare --help)\n"
+    )
 
 
 @pytest.mark.parametrize(

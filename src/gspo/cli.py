@@ -47,8 +47,16 @@ def a_path(text: str) -> Path:
     return Path(text)
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse, with its errors on one line (its usage block of several lines came first,
+    the error last); the subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrors(
         prog="gspo", description="GSPO / GRPO reinforcement learning for language models."
     )
     parser.add_argument("--version", action="version", version=f"gspo {__version__}")
@@ -234,6 +242,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     appended here in the order written. Anything else unrecognised is argparse's error.
     """
     parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # a bare `gspo`: what it can do
+        parser.print_help(sys.stderr)
+        parser.exit(2)
     args, extra = parser.parse_known_args(argv)
     unknown = [word for word in extra if word.startswith("-") or "=" not in word]
     if unknown or (extra and not hasattr(args, "overrides")):
