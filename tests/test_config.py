@@ -547,6 +547,27 @@ def test_settings_that_another_setting_makes_moot_are_warned():
     ]
 
 
+def test_evaluating_on_the_training_data_is_said(tmp_path, monkeypatch):
+    """data.eval naming data.train's file (or the same hub split) ran without a word, its
+    eval/* then measuring the prompts trained on."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    (tmp_path / "other.jsonl").write_text('{"prompt": "1+2=", "answer": "3"}\n')
+    said = "data.eval is data.train ({}): the held-out evaluation scores the training prompts"
+    for train, eval_ in [
+        ("rows.jsonl", "./rows.jsonl"),
+        ("rows.jsonl", str(tmp_path / "rows.jsonl")),
+        ("openai/gsm8k:main:train", "openai/gsm8k:main:train"),
+    ]:
+        config = load_config(None, [f"data.train={train}", f"data.eval={eval_}", "model.path=/m"])
+        assert [line[: len(said.format(eval_))] for line in config.warnings()] == [
+            said.format(eval_)
+        ]
+    for eval_ in ("other.jsonl", "openai/gsm8k:main:test", "missing.jsonl"):
+        overrides = ["data.train=rows.jsonl", f"data.eval={eval_}", "model.path=/m"]
+        assert load_config(None, overrides).warnings() == []
+
+
 def test_a_tracker_set_to_true_is_on_with_its_own_defaults():
     """TRL's report_to="wandb" ported as log.wandb=true was refused ("Input should be a
     valid dictionary")."""

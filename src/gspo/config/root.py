@@ -107,6 +107,11 @@ class Config(Section):
                 "data.train without data.eval: no held-out evaluation runs (no eval/* "
                 "metrics, accuracy rows or plot; set data.eval to a held-out file)"
             )
+        if data.train is not None and _same_source(data.train, data.eval):
+            lines.append(
+                f"data.eval is data.train ({data.eval}): the held-out evaluation scores the "
+                "training prompts, so eval/* measures memorisation, not generalisation"
+            )
         lora = self.model.lora
         unused = [k for k, v in lora.model_dump().items() if k != "r" and v != _LORA[k]]
         if lora.r == 0 and unused:
@@ -235,3 +240,12 @@ def _unlike(model: ModelConfig, keys: list[str]) -> list[str]:
     except (OSError, ValueError):
         return keys
     return [k for k in keys if actual.get(_HF_KEYS[k], object()) != getattr(model, k)]
+
+
+def _same_source(train: str, eval_: str | None) -> bool:
+    """``data.eval`` names what ``data.train`` does: the same text, or the same local file
+    or directory written two ways."""
+    if eval_ is None or train == eval_:
+        return train == eval_
+    a, b = Path(train).expanduser(), Path(eval_).expanduser()
+    return a.exists() and b.exists() and a.resolve() == b.resolve()
