@@ -620,3 +620,24 @@ def test_rows_without_the_column_a_reward_needs_are_counted_in_a_warning():
         "data.train (x.jsonl): 2 of 3 rows (row 0 first) have no 'answer', which reward "
         "function 'exact_match' needs: their completions are not scored"
     ]
+
+
+def test_cold_start_rows_with_an_empty_completion_are_counted_in_a_warning(tmp_path):
+    """A blank completion trained its prompt to end at once, without a word."""
+    from gspo.training.setup import empty_completions, load_task_data
+
+    path = tmp_path / "sft.jsonl"
+    rows = [
+        {"prompt": "a", "completion": "x"},
+        {"prompt": "b", "completion": "  "},
+        {"prompt": "c", "completion": [{"role": "assistant", "content": ""}]},
+        {"prompt": "d", "completion": [{"role": "assistant", "content": "y"}]},
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = load_config(None, [f"data.sft={path}", "train.cold_start_steps=5"])
+    assert empty_completions(load_task_data(config).sft, config) == [
+        f"data.sft ({path}): 2 of 4 rows (row 1 first) have an empty completion: the cold "
+        "start teaches their prompts to end at once"
+    ]
+    config = load_config(None, [f"data.sft={path}", "train.cold_start_steps=0"])
+    assert empty_completions(load_task_data(config).sft, config) == []

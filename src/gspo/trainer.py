@@ -67,6 +67,7 @@ from gspo.training.seeds import derive_seed
 from gspo.training.setup import (
     build_policy_model,
     check_reward_columns,
+    empty_completions,
     load_task_data,
     local_shares,
     model_summary,
@@ -144,7 +145,10 @@ class Trainer:
         environment = getattr(self.generator, "environment", None)
         self.config = config = with_environment_reward(config, environment)
         self.rewards = rewards = reward_functions(config)
-        unscored = check_reward_columns(rewards, self.data, config, environment)
+        unscored = [
+            *check_reward_columns(rewards, self.data, config, environment),
+            *empty_completions(self.data.sft, config),
+        ]
         self.optimizer, self.scheduler = rl_optimizer(config, self.policy.forward)
         self.reference = Reference(config.algorithm.kl_coef, out, self.policy, config.model.path)
         objective = Objective(config.algorithm)

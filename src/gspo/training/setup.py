@@ -398,6 +398,28 @@ def check_reward_columns(
     return warnings
 
 
+def empty_completions(sft: list[dict], config: Config) -> list[str]:
+    """A warning line when cold-start rows have an empty completion (blank text, or no
+    assistant text in a conversation): the cold start teaches those prompts to end at
+    once. Nothing when no cold start runs."""
+    if config.train.cold_start_steps == 0:
+        return []
+
+    def text(completion: Any) -> str:
+        if isinstance(completion, str):
+            return completion
+        return "".join(str(m.get("content") or "") for m in completion if m.get("role") != "user")
+
+    empty = [i for i, row in enumerate(sft) if not text(row["completion"]).strip()]
+    if not empty:
+        return []
+    where = config.data.sft or f"the built-in {config.data.task}"
+    return [
+        f"data.sft ({where}): {len(empty)} of {len(sft)} rows (row {empty[0]} first) have an "
+        "empty completion: the cold start teaches their prompts to end at once"
+    ]
+
+
 def reward_functions(config: Config) -> RewardFunctions:
     """``reward.functions`` with their weights, called as ``reward.workers`` says."""
     return RewardFunctions.from_specs(
