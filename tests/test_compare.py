@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -279,7 +281,8 @@ def test_verdict_rules():
     # "reproduced" with "infx" as before; GRPO alone clipping none: far more
     idle = verdicts(summary(0.0, 0.0, 0.0, 0.0), "default")[0]
     assert idle["verdict"] == INCONCLUSIVE and "(neither clipped)" in idle["figures"]
-    assert verdicts(summary(0.1, 0.0, 0.9, 0.9), "default")[0]["verdict"] == REPRODUCED
+    alone = verdicts(summary(0.1, 0.0, 0.9, 0.9), "default")[0]
+    assert alone["verdict"] == REPRODUCED and "(GRPO clipped none)" in alone["figures"]
     # both at 0.000 -> 0.000 on every seed: "trains as well" of runs that learned nothing
     # (reproduced before: a gap of 0 within an error bar of 0)
     flat = verdicts(summary(0.15, 0.001, 0.0, 0.0, start=0.0, sd=0.0), "default")[0]
@@ -297,6 +300,7 @@ def test_verdicts_on_runs_that_cannot_show_the_claim_are_inconclusive():
         algo["seeds"] = [0]
     a = verdicts(one, "default")[0]
     assert a["verdict"] == INCONCLUSIVE and "one seed" in a["figures"]
+    assert "1 seed)" in a["figures"]  # ("1 seeds" before)
     assert verdicts(summary(0.02, 0.01, 0.9, 0.9), "default")[0]["verdict"] == NOT_REPRODUCED
     still = verdicts(summary(0.0, 0.0, 0.0, 0.0, tok=3e-7, seq=1e-7), "stress")
     assert [v["verdict"] for v in still] == [INCONCLUSIVE] * 3
@@ -326,6 +330,9 @@ def test_report_cells_never_print_nan():
     assert pm(0.5, 0.01) == "0.500 ± 0.010"
     assert pm(0.5, math.nan) == "0.500"  # one seed, one dump: no error to give
     assert pm(math.nan, math.nan) == "n/a"  # before: nan ± nan
+    from gspo.experiments.report import cell
+
+    assert (cell(0.12345, ".4f"), cell(math.nan), cell(math.inf, ".2e")) == ("0.1235", "n/a", "n/a")
     from gspo.experiments.report import spread
 
     assert math.isnan(spread({"accuracy_sd": 0.0, "seeds": [0]}))  # one seed: "± 0.000" before
@@ -422,6 +429,60 @@ def test_compare_bad_input_is_one_line(tmp_path, capsys):
         "gspo: error: model.lora.r=4: gspo compare runs full fine-tuning only (its shared cold "
         "start and runs take whole weights); compare LoRA runs with gspo train",
     ]
+    # the same set by --config or a section's override (run with them before, the report
+    # still saying "paper clip range"); LoRA in --config got gspo train's advice
+    (tmp_path / "clip.yaml").write_text("algorithm:\n  clip_low: 0.1\n")
+    (tmp_path / "lora.yaml").write_text("model:\n  lora:\n    r: 8\n")
+    out = ["--output-dir", str(tmp_path / "out")]
+    assert main(["compare", *out, "--config", str(tmp_path / "clip.yaml")]) == 2
+    assert main(["compare", *out, "algorithm={clip_high: 0.1}"]) == 2
+    assert main(["compare", *out, "--config", str(tmp_path / "lora.yaml")]) == 2
+    (tmp_path / "afile").write_text("")
+    assert main(["compare", "--output-dir", str(tmp_path / "afile")]) == 2
+    assert main(["compare", "--output-dir", str(tmp_path / "afile" / "sub")]) == 2
+    assert main(["compare", *out, "train.max_steps=0"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "gspo: error: algorithm.clip_low=0.1 (--config or a section): gspo compare sets "
+        "algorithm.clip_low per algorithm (each level's paper clip range); drop it",
+        "gspo: error: algorithm.clip_high=0.1 (--config or a section): gspo compare sets "
+        "algorithm.clip_high per algorithm (each level's paper clip range); drop it",
+        "gspo: error: model.lora.r=8 (--config or a section): gspo compare runs full "
+        "fine-tuning only (its shared cold start and runs take whole weights); compare LoRA "
+        "runs with gspo train",
+        f"gspo: error: --output-dir {tmp_path / 'afile'} is a file, not a directory",
+        f"gspo: error: --output-dir {tmp_path / 'afile' / 'sub'}: cannot be made (Not a directory)",
+        "gspo: error: train.max_steps=0: the runs would train nothing to compare",
+    ]
+
+
+def test_compare_checks_every_run_before_training_and_holds_its_directory(tmp_path, capsys):
+    """Settings changed between two compares into one directory were found one directory
+    at a time, each after the runs before it had trained; two compares at once both
+    trained the same runs."""
+    from gspo.experiments.runs import REQUEST
+    from gspo.runs import hold_lock
+
+    out = tmp_path / "cmp"
+    for name in ("cold_start", "runs/gspo-seed0", "runs/grpo-seed0"):
+        (out / name).mkdir(parents=True)
+        (out / name / REQUEST).write_text("optim:\n  lr: 0.5\n")
+    argv = ["compare", "--output-dir", str(out), "--algorithms", "GSPO,GRPO", "--seeds", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"gspo: error: {out}: cold_start, runs/gspo-seed0, runs/grpo-seed0 were made with "
+        "other settings (cold_start: "
+    ) and err.endswith("use another --output-dir, or delete them to redo them\n")
+    assert sorted(p.name for p in out.iterdir()) == ["cold_start", "runs"]  # nothing trained
+    lock = hold_lock(out, "elsewhere")  # (another process's lock: flock is per descriptor)
+    try:
+        assert main(argv) == 2
+    finally:
+        os.close(lock)
+    assert capsys.readouterr().err == (
+        f"gspo: error: gspo compare: --output-dir {out}: another gspo process is comparing "
+        "in this directory (it holds the directory's lock); wait for it to finish or stop it\n"
+    )
 
 
 def test_a_run_made_with_other_settings_is_not_reused_or_resumed(tmp_path):
@@ -435,13 +496,27 @@ def test_a_run_made_with_other_settings_is_not_reused_or_resumed(tmp_path):
     assert (run / REQUEST).is_file()
     same_request(load_config(None, ["optim.lr=1e-4", "log.plots=false"]), run)  # log.*: fine
     same_request(load_config(None, ["optim.lr=1e-4", "train.max_steps=500"]), run)  # longer
+    # --no-cache is no other setting (every later run without it was refused)
+    uncached = ["optim.lr=1e-4", "train.max_steps=500", "train.cold_start_cache=false"]
+    same_request(load_config(None, uncached), run)
     with pytest.raises(ValueError) as err:
         same_request(load_config(None, ["optim.lr=0.5", "model.hidden=128"]), run)
     assert str(err.value) == (
-        f"gspo compare: {run} was made with other settings (model.hidden 256 -> 128; optim.lr "
+        f"{run} was made with other settings (model.hidden 256 -> 128; optim.lr "
         "0.0001 -> 0.5; train.max_steps 500 -> 200): use another --output-dir, or delete it "
         "to redo it"
     )
+    # the output directory's own paths are recorded relative to it: a copy asks the same
+    # (every run of a copied directory was refused: its model, the cold start, moved)
+    root = tmp_path / "a"
+    at = [f"model.path={root}/cold_start/checkpoints/step-0000000"]
+    same_request(load_config(None, at), root / "runs" / "r", root)
+    shutil.copytree(root, tmp_path / "b")
+    copy = tmp_path / "b"
+    moved = [f"model.path={copy}/cold_start/checkpoints/step-0000000"]
+    same_request(load_config(None, moved), copy / "runs" / "r", copy)
+    with pytest.raises(ValueError, match="model.path '<output-dir>/cold_start/checkpoints/st"):
+        same_request(load_config(None, at), copy / "runs" / "r", copy)
 
 
 def test_histogram_needs_values(tmp_path):

@@ -116,26 +116,7 @@ class RunDirectory:
             self.lock = None
 
     def hold(self, out: Path) -> int | None:
-        """An exclusive lock on the directory ``out`` for as long as this process runs
-        (released at exit, a kill -9 included); a second gspo process training the same
-        run (a resume while it runs, an overwrite) is one line. None where the filesystem
-        cannot lock (the run goes on unguarded)."""
-        try:
-            fd = os.open(out, os.O_RDONLY)
-        except OSError:
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise ValueError(
-                f"{self.name} {out}: another gspo process is training this run (it holds "
-                "the directory's lock); wait for it to finish or stop it"
-            ) from None
-        except OSError:
-            os.close(fd)
-            return None
-        return fd
+        return hold_lock(out, self.name)
 
     def started(self) -> None:
         if self.aside is not None:
@@ -272,3 +253,27 @@ def check_same_model(output_dir: str | Path, config: Config, how: str, other: st
                 f"so that it ends as the uninterrupted run would; start a new run ({other}) "
                 "to change it"
             )
+
+
+def hold_lock(out: Path, name: str, doing: str = "training this run") -> int | None:
+    """An exclusive lock on the directory ``out`` (the file descriptor: closing it
+    releases it) for as long as this process runs (released at exit, a kill -9 included);
+    a second gspo process at work there (a resume while it runs, an overwrite, a second
+    ``gspo compare``) is one line. None where the filesystem cannot lock (the work goes
+    on unguarded)."""
+    try:
+        fd = os.open(out, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ValueError(
+            f"{name} {out}: another gspo process is {doing} (it holds the directory's "
+            "lock); wait for it to finish or stop it"
+        ) from None
+    except OSError:
+        os.close(fd)
+        return None
+    return fd

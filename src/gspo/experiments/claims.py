@@ -55,12 +55,16 @@ def verdicts(summary: Mapping[str, Mapping[str, Any]], preset: str) -> list[dict
     n = len(gspo["seeds"])
     noise = 2 * math.hypot(gspo["accuracy_sd"], grpo["accuracy_sd"]) / math.sqrt(max(n, 1))
     gap = gspo["accuracy"] - grpo["accuracy"]
-    times = "neither clipped" if math.isnan(clip_x) else f"{clip_x:.0f}x"
+    times = (
+        "neither clipped" if math.isnan(clip_x)
+        else "GRPO clipped none" if math.isinf(clip_x)
+        else f"{clip_x:.0f}x"
+    )  # fmt: skip
     figures = (
         f"clip fraction GSPO {gspo['clip_fraction']:.4f} vs GRPO {grpo['clip_fraction']:.4f} "
         f"({times}); final accuracy GSPO {gspo['accuracy']:.3f} vs GRPO "
         f"{grpo['accuracy']:.3f} (difference {gap:+.3f}, two standard errors {noise:.3f}, "
-        f"{n} seeds)"
+        f"{n} seed{'s' if n != 1 else ''})"
     )
     moved = max(abs(s["accuracy"] - s["accuracy_start"]) for s in (gspo, grpo))
     if any(math.isnan(v) for v in (clip_x, gap)):

@@ -160,10 +160,10 @@ def report_markdown(
     ]
     for name, s in summary.items():
         lines.append(
-            f"| {name} | {s['accuracy_start']:.3f} -> {pm(s['accuracy'], spread(s))} | "
-            f"{s['accuracy_greedy']:.3f} | {s['reward_tail']:.3f} | "
-            f"{s['clip_fraction']:.4f} | {s['token_log_ratio_sd']:.2e} | "
-            f"{s['sequence_log_ratio_sd']:.2e} | {s['seconds']:.0f} |"
+            f"| {name} | {cell(s['accuracy_start'])} -> {pm(s['accuracy'], spread(s))} | "
+            f"{cell(s['accuracy_greedy'])} | {cell(s['reward_tail'])} | "
+            f"{cell(s['clip_fraction'], '.4f')} | {cell(s['token_log_ratio_sd'], '.2e')} | "
+            f"{cell(s['sequence_log_ratio_sd'], '.2e')} | {cell(s['seconds'], '.0f')} |"
         )
     lines += ["", *[f"- {note}" for note in notes(summary, runs)]]
     if any(s.get("episodes") for s in summary.values()):
@@ -259,12 +259,17 @@ def spread(s: Mapping[str, Any]) -> float:
     return s["accuracy_sd"] if len(s.get("seeds", ())) > 1 else math.nan
 
 
+def cell(value: float, spec: str = ".3f") -> str:
+    """``value`` formatted, ``n/a`` where there is none (NaN: e.g. no held-out rows)."""
+    return format(value, spec) if math.isfinite(value) else "n/a"
+
+
 def pm(value: float, error: float) -> str:
     """``value ± error`` to 3 decimals; ``value`` alone without an error (one seed or one
     dump), ``n/a`` without a value (e.g. a zero gradient's cosine), never ``nan ± nan``."""
-    if not math.isfinite(value):
-        return "n/a"
-    return f"{value:.3f}" if not math.isfinite(error) else f"{value:.3f} ± {error:.3f}"
+    if not (math.isfinite(value) and math.isfinite(error)):
+        return cell(value)
+    return f"{value:.3f} ± {error:.3f}"
 
 
 def _finite(value: Any) -> Any:

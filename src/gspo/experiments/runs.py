@@ -18,6 +18,7 @@ behind it; :func:`gspo.experiments.claims.verdicts` holds the rules.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -123,39 +124,72 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {k.rstrip("."): v for k, v in out.items()}
 
 
-def same_request(config: Config, run_dir: Path) -> None:
+#: Settings a reused or resumed run may change: what is logged, and whether the cold start
+#: may come from the cache (``--no-cache``).
+FREE = ("log.", "train.cold_start_cache")
+
+#: Stands for the output directory in a recorded request: a copied or moved directory
+#: asks the same of its runs (their model is the directory's own cold start).
+HERE = "<output-dir>"
+
+
+def _request(config: Config, root: Path | None) -> dict[str, Any]:
+    """``config`` as a tree, ``root`` (the output directory) in its paths as :data:`HERE`."""
+    return _relative(yaml.safe_load(dump_config_text(config)), root)
+
+
+def _relative(tree: Any, root: Path | None) -> Any:
+    if isinstance(tree, dict):
+        return {key: _relative(value, root) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [_relative(value, root) for value in tree]
+    if isinstance(tree, str) and root is not None:
+        return tree.replace(str(root), HERE)
+    return tree
+
+
+def changed_request(config: Config, run_dir: Path, root: Path | None = None) -> str | None:
+    """What differs between ``config`` and what ``run_dir`` was made with (None: the same,
+    or nothing made yet). ``log.*`` and the cache may change, and ``train.max_steps`` may
+    grow (a finished run is then resumed to it)."""
+    path = run_dir / REQUEST
+    if not path.is_file():
+        return None
+    asked = _flat(_request(config, root))
+    before = _flat(_relative(yaml.safe_load(path.read_text()), root))  # (older: absolute)
+    changed = [
+        f"{key} {before.get(key)!r} -> {asked.get(key)!r}"
+        for key in sorted(asked.keys() | before.keys())
+        if not key.startswith(FREE)
+        and asked.get(key) != before.get(key)
+        and not (key == "train.max_steps" and asked[key] >= before.get(key, 0))
+    ]
+    more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
+    return f"{'; '.join(changed[:3])}{more}" if changed else None
+
+
+def same_request(config: Config, run_dir: Path, root: Path | None = None) -> None:
     """Refuse, in one line, to reuse or resume ``run_dir`` made with other settings (a
     rerun with other overrides or another preset reused every run, and resumed an
     interrupted one under the new settings, while the report named the new ones); else
-    record what is asked. ``log.*`` may change, and ``train.max_steps`` may grow (a
-    finished run is then resumed to it)."""
-    path = run_dir / REQUEST
-    asked = _flat(yaml.safe_load(dump_config_text(config)))
-    if path.is_file():
-        before = _flat(yaml.safe_load(path.read_text()))
-        changed = [
-            f"{key} {before.get(key)!r} -> {asked.get(key)!r}"
-            for key in sorted(asked.keys() | before.keys())
-            if not key.startswith("log.")
-            and asked.get(key) != before.get(key)
-            and not (key == "train.max_steps" and asked[key] >= before.get(key, 0))
-        ]
-        if changed:
-            more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
-            raise ValueError(
-                f"gspo compare: {run_dir} was made with other settings ({'; '.join(changed[:3])}"
-                f"{more}): use another --output-dir, or delete it to redo it"
-            )
+    record what is asked (``root``, the output directory, as :data:`HERE`)."""
+    if (changed := changed_request(config, run_dir, root)) is not None:
+        raise ValueError(
+            f"{run_dir} was made with other settings ({changed}): use another "
+            "--output-dir, or delete it to redo it"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(dump_config_text(config))
+    (run_dir / REQUEST).write_text(yaml.safe_dump(_request(config, root), sort_keys=False))
 
 
-def run_or_reuse(config: Config, run_dir: Path, log: Callable[[str], None]) -> list[dict[str, Any]]:
+def run_or_reuse(
+    config: Config, run_dir: Path, log: Callable[[str], None], root: Path | None = None
+) -> list[dict[str, Any]]:
     """Train ``config`` into ``run_dir``; reuse a finished run, resume an interrupted one,
     each only when it was made with the same settings (:func:`same_request`)."""
     from gspo.trainer import Trainer, latest_checkpoint
 
-    same_request(config, run_dir)
+    same_request(config, run_dir, root)
     if finished(run_dir, config.train.max_steps):
         log(f"  reusing {run_dir}")
         return read_metrics(run_dir / "metrics.jsonl")
@@ -170,13 +204,10 @@ def cold_start_checkpoint(
 ) -> Path:
     """The shared cold start: ``out/cold_start/checkpoints/step-0000000`` (made once)."""
     from gspo.models import model_files
-    from gspo.trainer import CHECKPOINTS
 
-    path = out / "cold_start" / CHECKPOINTS / f"step-{0:07d}"
-    config = load_config(config_path, [*base, "train.max_steps=0"])
-    if config.model.lora.r > 0:
-        raise ValueError(f"model.lora.r={config.model.lora.r}: {NO_LORA}")
-    same_request(config, out / "cold_start")
+    path = cold_start_path(out)
+    config = cold_start_config(base, config_path)
+    same_request(config, out / "cold_start", out)
     if (model_files(path) / "config.json").is_file():  # (a step 0 may name its model)
         log(f"cold start: reusing {path}")
         return path
@@ -186,6 +217,19 @@ def cold_start_checkpoint(
     with Trainer(config, out / "cold_start") as trainer:
         trainer.fit()
     return path
+
+
+def cold_start_path(out: Path) -> Path:
+    from gspo.training.checkpoint import CHECKPOINTS
+
+    return out / "cold_start" / CHECKPOINTS / f"step-{0:07d}"
+
+
+def cold_start_config(base: list[str], config_path: Path | None) -> Config:
+    config = load_config(config_path, [*base, "train.max_steps=0"])
+    if config.model.lora.r > 0:
+        raise ValueError(f"model.lora.r={config.model.lora.r}: {NO_LORA}")
+    return config
 
 
 def with_preset(preset: str, overrides: Sequence[str]) -> list[str]:
@@ -248,26 +292,101 @@ def compare(
         )
     if not seeds:
         raise ValueError("--seeds: at least one seed")
+    refuse_owned(config_path, preset, overrides)
+    from gspo.runs import hold_lock
+
+    out = output_directory(out)
+    lock = hold_lock(out, "gspo compare: --output-dir", "comparing in this directory")
+    try:
+        return _compare(config_path, overrides, out, seeds, preset, log, algorithms)
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def refuse_owned(config_path: Path | None, preset: str, overrides: Sequence[str]) -> None:
+    """One line for a setting gspo compare owns (:data:`OWNED`) or refuses (LoRA), set by
+    an override, a section's override (``algorithm={clip_low: 0.1}``) or ``--config``."""
     for override in overrides:
         key = override.split("=", 1)[0].strip()
         if key in OWNED:
             raise ValueError(f"{override}: gspo compare sets {key} {OWNED[key]}; drop it")
         if key.startswith("model.lora."):
             raise ValueError(f"{override}: {NO_LORA}")
-    out.mkdir(parents=True, exist_ok=True)
-    out = out.resolve()  # (the runs name the cold start by it: the same from any directory)
+    # (level and seed are set after these for every run; the clip ranges are left unset)
+    given = load_config(config_path, [*with_preset(preset, overrides), "train.cold_start_steps=0"])
+    if given.model.lora.r > 0:
+        raise ValueError(f"model.lora.r={given.model.lora.r} (--config or a section): {NO_LORA}")
+    for key in ("algorithm.clip_low", "algorithm.clip_high"):
+        if (value := getattr(given.algorithm, key.split(".")[1])) is not None:
+            raise ValueError(
+                f"{key}={value:g} (--config or a section): gspo compare sets {key} "
+                f"{OWNED[key]}; drop it"
+            )
+
+
+def output_directory(out: Path) -> Path:
+    """``--output-dir``, made if needed, as an absolute path (the runs name the cold start
+    by it: the same from any working directory)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output-dir {out} is a file, not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--output-dir {out}: cannot be made ({exc.strerror or exc})") from exc
+    return out.resolve()
+
+
+def unchanged_requests(configs: dict[Path, Config], out: Path) -> None:
+    """Before anything trains: one line naming every directory under ``out`` made with
+    other settings (they were found one at a time, each after the runs before it trained)."""
+    changed = {d: c for d, config in configs.items() if (c := changed_request(config, d, out))}
+    if not changed:
+        return
+    first, what = next(iter(changed.items()))
+    if len(changed) == 1:
+        raise ValueError(
+            f"{first} was made with other settings ({what}): use another --output-dir, or "
+            "delete it to redo it"
+        )
+    names = ", ".join(str(d.relative_to(out)) for d in changed)
+    raise ValueError(
+        f"{out}: {names} were made with other settings ({first.relative_to(out)}: {what}): "
+        "use another --output-dir, or delete them to redo them"
+    )
+
+
+def _compare(
+    config_path: Path | None,
+    overrides: Sequence[str],
+    out: Path,
+    seeds: Sequence[int],
+    preset: str,
+    log: Callable[[str], None],
+    algorithms: Sequence[str],
+) -> dict[str, Any]:
     start = time.perf_counter()
     base = [*with_preset(preset, overrides), "log.progress=false", "log.plots=false"]
-    checkpoint = cold_start_checkpoint(base, config_path, out, log)
     configs = run_configs(
-        config_path, overrides, checkpoint=checkpoint, seeds=seeds, preset=preset,
+        config_path, overrides, checkpoint=cold_start_path(out), seeds=seeds, preset=preset,
         algorithms=algorithms,
     )  # fmt: skip
+    if next(iter(configs.values())).train.max_steps == 0:
+        raise ValueError("train.max_steps=0: the runs would train nothing to compare")
+    run_dirs = {key: out / "runs" / f"{slug(key[0])}-seed{key[1]}" for key in configs}
+    unchanged_requests(
+        {
+            out / "cold_start": cold_start_config(base, config_path),
+            **{run_dirs[key]: config for key, config in configs.items()},
+        },
+        out,
+    )
+    cold_start_checkpoint(base, config_path, out, log)
     runs = []
     for (name, seed), config in configs.items():
         log(f"{name}, seed {seed}")
-        run_dir = out / "runs" / f"{slug(name)}-seed{seed}"
-        runs.append(Run(name, seed, run_dir, run_or_reuse(config, run_dir, log)))
+        run_dir = run_dirs[name, seed]
+        runs.append(Run(name, seed, run_dir, run_or_reuse(config, run_dir, log, out)))
     summary = write_report(
         runs,
         out,
