@@ -210,6 +210,9 @@ def test_damaged_cache_entry_is_said_once_and_rebuilt(
         "other bytes (CRC-32 "
     )
     assert trained == [1, 1] and records(tmp_path / "third") == records(tmp_path / "first")
+    # and replaced by the whole one it trained (kept before: every later run trained again)
+    assert main(["train", "--output-dir", str(tmp_path / "loads"), *overrides]) == 0
+    assert "ignoring the damaged" not in capsys.readouterr().out and trained == [1, 1]
     # an entry from before entries had a manifest: trained again quietly, not "damaged"
     (entry / "manifest.json").unlink()
     assert main(["train", "--output-dir", str(tmp_path / "fourth"), *overrides]) == 0

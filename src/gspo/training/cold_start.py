@@ -261,7 +261,8 @@ def _entry_problem(
 
 def _store_in_cache(entry: Path, policy: Policy, lines: list[dict], dist: Distributed) -> None:
     def whole(existing: Path) -> bool:  # an identical run published first: keep its entry
-        return _entry_problem(existing, None) is None  # (rank 0 alone: no model state)
+        # (rank 0 alone: no model state; its bytes too, or a flipped byte stayed for good)
+        return _entry_problem(existing, None, contents=True) is None
 
     try:
         with staged(entry, dist, keep=whole) as tmp:
