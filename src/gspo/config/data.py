@@ -52,8 +52,9 @@ class DataConfig(Section):
     task: Literal["addition", "chain", "calculator"] = Field(
         "addition",
         description="Built-in task: addition (a+b=, 2-4 tokens), chain (step-by-step "
-        "multi-term addition, ~20-130 tokens; score it with reward.functions=[numeric_match]) "
-        "or calculator (a+b= with an add tool, multi-turn; set data.digits=5 or more)",
+        "multi-term addition, ~20-70 tokens with its 6 terms, ~130 at 12; scored by "
+        "numeric_match) "
+        "or calculator (a+b= with an add tool, multi-turn; the task brings data.digits=5)",
     )
     train: str | None = Field(
         None,

@@ -11,7 +11,7 @@ import collections.abc
 import inspect
 import types
 from collections.abc import Iterator
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import annotated_types
 from pydantic import BaseModel
@@ -101,6 +101,8 @@ def format_default(field: FieldInfo) -> str:
 def format_type(annotation: Any) -> str:
     """``int``, ``float or null``, ``one of: a, b``, ``list of str``, ``[float, float]``."""
     origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:  # (a constrained type: its constraints are in the description)
+        return format_type(args[0])
     if origin is Literal:
         return "one of: " + ", ".join(str(a) for a in args)
     if origin in (Union, types.UnionType):

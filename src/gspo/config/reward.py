@@ -21,7 +21,8 @@ class RewardConfig(Section):
 
     functions: list[str | Callable[..., Any]] = Field(
         default_factory=lambda: ["exact_match"],
-        description="Built-ins (exact_match, numeric_match, math, format, code) or "
+        description="Built-ins (exact_match, numeric_match, math, format, code; environment: "
+        "the rollout.environment's get_reward) or "
         "path/to/file.py:function / package.module:function; one name alone is a list of one; "
         "from Python also the functions themselves (docs/python.md)",
     )
