@@ -7,6 +7,7 @@ file); in a venv without it they are skipped, and only the install-message tests
 import importlib.util
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -202,6 +203,19 @@ def test_sampled_logprobs_equal_a_recompute(engine, model, tokenizer):
             assert batch.prompt_ids[row][batch.prompt_mask[row].bool()].tolist() == ids
     assert (batch.sampler_logprobs[~batch.completion_mask.bool()] == 0).all()
     assert max_logprob_delta(model, batch, temperature=0.8) < 1e-4
+
+
+@needs_vllm
+def test_prompts_of_more_than_a_steps_tokens_together_sample_on_cpu(engine, model, tokenizer):
+    """16 prompts of 300 tokens, one sample each (a multi-turn turn: every episode's whole
+    context): vLLM split a prefill over steps and rewound its seeded generator, which a CPU
+    generator cannot do ("CPU Generator does not use offset"; the calculator task on vLLM
+    stopped at its first evaluation)."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(4, len(tokenizer) - 1) for _ in range(300)] for _ in range(16)]
+    batch = engine.generate(prompts, n=1, params=SamplingParams(max_new_tokens=4), seed=3)
+    assert len(batch) == 16 and batch.completion_mask.sum() > 0
+    assert max_logprob_delta(model, batch) < 1e-4
 
 
 @needs_vllm

@@ -225,6 +225,10 @@ class VLLMEngine:
         else:
             check_cpu_head_size(model_dir)
             check_cpu_moe(model_dir)
+            # a prefill split over steps rewinds its request's seeded generator, which a
+            # CPU generator cannot do ("CPU Generator does not use offset": multi-turn
+            # contexts of over 4096 tokens together stopped the run); whole prefills only
+            kwargs["enable_chunked_prefill"] = False
         check_max_model_len(model_dir, max_model_len)
         try:
             self.llm = self._vllm.LLM(
