@@ -71,7 +71,7 @@ def main() -> None:
         args.workdir or Path(default), vocab=workload.LONG_VOCAB if args.long else None
     )
     print(
-        f"gspo at {vs_trl.revision()}; {'long' if args.long else 'reference'} workload, "
+        f"gspo at {vs_trl.code_commit()}; {'long' if args.long else 'reference'} workload, "
         f"{schedule.steps} steps, {schedule.max_new_tokens} new tokens; machine: "
         f"{vs_trl.machine()}",
         flush=True,

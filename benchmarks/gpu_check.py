@@ -662,6 +662,9 @@ def main() -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
     )
+    sys.path.insert(0, str(ROOT / "src"))  # (as the children: the checkout is measured)
+    from gspo.provenance import code_commit
+
     reports = args.report_dir or args.out
     for folder in (args.out, reports):
         folder.mkdir(parents=True, exist_ok=True)
@@ -688,7 +691,7 @@ def main() -> int:
     header = {
         "device": f"{name}, {memory}",
         "torch": torch.__version__,
-        "commit": _revision(),
+        "commit": code_commit(),
         "measured matmul": rate,
         "stages": f"{','.join(args.stages)} in {budget:.0f} s",
     }
@@ -760,16 +763,6 @@ def main() -> int:
         )
     print(f"report: {reports / 'report.md'}")
     return 0 if all(s.status in ("passed", "skipped") for s in done) else 1
-
-
-def _revision() -> str:
-    """The commit checked (``GSPO_COMMIT`` where the tree was copied without its .git)."""
-    if os.environ.get("GSPO_COMMIT"):
-        return os.environ["GSPO_COMMIT"]
-    out = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    )
-    return out.stdout.strip() or "unknown"
 
 
 if __name__ == "__main__":

@@ -300,7 +300,7 @@ def main() -> None:
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
-    print(f"commit {vs_trl.revision()}", flush=True)
+    print(f"commit {vs_trl.code_commit()}", flush=True)
     if args.generation:
         lines = measure_generation(args.workdir, args.ranks[0], args.repeats, args.dtype)
         print("\n".join(lines))

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +46,7 @@ from gspo.models import (  # noqa: E402
     load_model,
     save_pretrained_atomic,
 )
+from gspo.provenance import code_commit  # noqa: E402
 from gspo.training.lora import attach_lora  # noqa: E402
 from gspo.training.policy import Policy  # noqa: E402
 from gspo.training.sampler import PolicySampler  # noqa: E402
@@ -119,9 +119,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--spec", choices=sorted(SPECS), default="workload")
     args = parser.parse_args()
-    commit = subprocess.run(
-        ["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    commit = code_commit()
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = build_char_tokenizer(workload.CHARSET)
         model = build_tiny_model(SPECS[args.spec], tokenizer, seed=0)

@@ -46,6 +46,8 @@ sys.path.insert(0, str(HERE))
 import workload  # noqa: E402
 from workload import LONG_VOCAB  # noqa: E402
 
+from gspo.provenance import code_commit, machine  # noqa: E402
+
 STEPS = 32
 ROLLOUT = 16 * 8
 
@@ -313,21 +315,6 @@ def report(work: Path, rows: list[dict]) -> None:
     )
 
 
-def revision() -> str:
-    """The commit the gspo side runs (``+dirty`` with uncommitted changes)."""
-    git = ["git", "-C", str(HERE)]
-    try:
-        rev = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-        dirty = subprocess.run(
-            [*git, "status", "--porcelain", "--", "src", "benchmarks"],
-            capture_output=True,
-            text=True,
-        )
-    except OSError:
-        return "unknown"
-    return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--long", action="store_true", help="the long-response workload")
@@ -352,7 +339,7 @@ def main() -> None:
         args.workdir or Path(default_dir), vocab=LONG_VOCAB if args.long else None
     )
     print(
-        f"gspo at {revision()}; machine: {machine()}, python {platform.python_version()}",
+        f"gspo at {code_commit()}; machine: {machine()}, python {platform.python_version()}",
         flush=True,
     )
     peak_before = matmul_peak()
@@ -375,31 +362,6 @@ def main() -> None:
     )
     for length in lengths:
         print(length_row(work, results[length], peak))
-
-
-def _cores() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0))
-
-
-def machine() -> str:
-    """The CPU's model name (hosts of one name differ a lot in speed), its cores and
-    the torch build's CPU capability, for the report's first line."""
-    name = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                name = f"{line.split(':', 1)[1].strip()} ({platform.machine()})"
-                break
-    try:
-        import torch
-
-        capability = f", torch {torch.__version__} {torch.backends.cpu.get_cpu_capability()}"
-    except (ImportError, AttributeError):
-        capability = ""
-    return f"{name}, {_cores()} cores{capability}"
 
 
 if __name__ == "__main__":

@@ -48,12 +48,6 @@ sys.exit(code)
 """
 
 
-def commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                         text=True)  # fmt: skip
-    return out.stdout.strip() or "unknown"
-
-
 def env() -> dict[str, str]:
     return {
         **os.environ,
@@ -176,6 +170,13 @@ def smoothed(recs: list[dict], window: int) -> list[dict]:
         recent = [v for _, v in points[max(0, i + 1 - window) : i + 1]]
         out.append({"step": step, "train/reward_mean": statistics.fmean(recent)})
     return out
+
+
+def commit() -> str:
+    sys.path.insert(0, str(ROOT / "src"))  # this checkout's gspo, as the runs use
+    from gspo.provenance import code_commit
+
+    return code_commit()
 
 
 def plot(rows: list[dict], args, out: Path, path: Path) -> Path | None:

@@ -35,9 +35,7 @@ import argparse
 import itertools
 import json
 import math
-import platform
 import statistics
-import subprocess
 import time
 from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
@@ -47,8 +45,7 @@ import torch
 from moe_routing import CHURN, mean, train_run
 
 from gspo.experiments import train_lines
-
-ROOT = Path(__file__).resolve().parent.parent  # (the repository: its commit, wherever run from)
+from gspo.provenance import code_commit, machine
 
 #: The paper's figure: share of activated experts that change after one update, Qwen3-30B-A3B.
 PAPER_CHURN = 0.10
@@ -146,26 +143,6 @@ COMMON = [
     "eval.samples=1",
 ]
 DEFAULT_LR = 1e-4
-
-
-def code_commit() -> str:
-    """The commit the code runs on (``+dirty`` with uncommitted changes under src/experiments)."""
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(ROOT), "status", "--porcelain", "src", "experiments"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
 
 
 def summarize(records: list[dict[str, Any]], shape: Shape) -> dict[str, Any]:
@@ -478,11 +455,8 @@ def churn_sweep(args: argparse.Namespace) -> None:
         # the report after every point: a run stopped early leaves a (partial) report
         minutes = (time.perf_counter() - start) / 60
         missing = [f"{s.experts}/{s.top_k}/{s.layers}@{lr:g}" for s, lr in todo[len(points) :]]
-        machine = (
-            f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch "
-            f"{torch.__version__}, float32"
-        )
-        meta = {"commit": commit, "machine": machine, "minutes": minutes, "missing": missing}
+        where = f"{machine()}, {torch.get_num_threads()} torch threads, float32"
+        meta = {"commit": commit, "machine": where, "minutes": minutes, "missing": missing}
         command = "python experiments/moe_shape.py churn" + (" --quick" if args.quick else "")
         if args.only:
             command += f" --only {args.only}"

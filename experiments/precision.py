@@ -28,8 +28,6 @@ import argparse
 import itertools
 import json
 import math
-import platform
-import subprocess
 import time
 from pathlib import Path
 
@@ -41,6 +39,7 @@ from gspo.engines import SamplingParams, TorchEngine, decoding
 from gspo.experiments import PRESETS, cold_start_checkpoint
 from gspo.models import completion_logprobs, kernels, load_model
 from gspo.models import logprobs as models
+from gspo.provenance import code_commit, machine
 from gspo.training.seeds import derive_seed
 from gspo.training.setup import load_task_data
 
@@ -75,19 +74,8 @@ def _hi_only(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 QUIET = ["log.progress=false", "log.plots=false", "log.tensorboard=false"]
 
 
-def _commit() -> str:
-    """The commit of the repository this script is in (wherever it is run from)."""
-    here = Path(__file__).resolve().parent
-    git = ["git", "-C", str(here)]
-    out = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(
-        [*git, "status", "--porcelain", "../src"], capture_output=True, text=True
-    )
-    return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-
-
 #: the code a report ran on, read when the script starts (not when it writes the report)
-COMMIT = _commit()
+COMMIT = code_commit()
 
 
 def base_overrides(preset: str, extra: list[str]) -> list[str]:
@@ -205,10 +193,9 @@ def probe_report(results: dict, args) -> str:
     extra = f" --set {' '.join(args.set)}" if args.set else ""
     extra += f" --lora {args.lora}" if args.lora else ""
     command = f"python experiments/precision.py probe --preset {args.preset}"
-    machine = platform.processor() or platform.machine()
     head = (
-        f"`{command} --batches {args.batches}{extra}` on {COMMIT}, {machine} "
-        f"({torch.get_num_threads()} threads), torch {torch.__version__}: "
+        f"`{command} --batches {args.batches}{extra}` on {COMMIT}, {machine()} "
+        f"({torch.get_num_threads()} threads): "
         f"{any_r['sequences']} sequences per setting, mean length "
         f"{any_r['mean_length']:.1f} tokens."
     )
@@ -294,10 +281,9 @@ def runs(args) -> list[dict]:
 def runs_report(rows: list[dict], args) -> str:
     extra = f" --set {' '.join(args.set)}" if args.set else ""
     command = f"python experiments/precision.py runs --preset {args.preset}"
-    machine = platform.processor() or platform.machine()
     lines = [
-        f"`{command} --steps {args.steps}{extra}` on {COMMIT}, {machine} "
-        f"({torch.get_num_threads()} threads), torch {torch.__version__}; one seed per run, "
+        f"`{command} --steps {args.steps}{extra}` on {COMMIT}, {machine()} "
+        f"({torch.get_num_threads()} threads); one seed per run, "
         "all from the same float32 cold start.",
         "",
         "| run | on-policy clipped tokens (minibatch 0, per rollout batch) | on-policy ratio "

@@ -380,6 +380,11 @@ def test_compare_writes_the_report_and_reuses_finished_runs(tmp_path, tiny):
     md = (out / "report.md").read_text()
     assert md.count("| (a)") == 1 and md.count("| (b)") == 1 and md.count("| (c)") == 1
     assert "override `rollout.group_size=4`" in md  # the command is in the report
+    from gspo.provenance import code_commit, machine
+
+    # the code and machine the runs were trained on (reports said neither)
+    assert f"Trained at commit {code_commit()} on {machine()}." in md
+    assert (out / "runs" / "grpo-seed0" / "trained_on.jsonl").read_text().count("\n") == 1
     assert "## Gradient noise by response length" in md
     for png in ("accuracy_steps", "accuracy_time", "reward_steps", "clip_fraction", "ratios",
                 "gradient_cosine_by_length", "gradient_ratio_turn_by_length"):  # fmt: skip
@@ -404,6 +409,7 @@ def test_compare_writes_the_report_and_reuses_finished_runs(tmp_path, tiny):
     compare(None, tiny, out, seeds=(0,), log=again.append)
     assert not any("training" in m for m in again)
     assert sum("reusing" in m for m in again) == 4
+    assert (out / "runs" / "grpo-seed0" / "trained_on.jsonl").read_text().count("\n") == 1
     # GSPO alone (a KeyError at the report, after every run, before): no verdicts, said
     alone = compare(None, tiny, out, seeds=(0,), log=again.append, algorithms=("GSPO",))
     assert set(alone["algorithms"]) == {"GSPO"} and alone["verdicts"] == []

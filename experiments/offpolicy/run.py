@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ import torch
 
 from gspo.config import load_config
 from gspo.experiments import cold_start_checkpoint, run_or_reuse, train_lines
+from gspo.provenance import code_commit
 
 #: The task and model, cold start included (a smaller version of ``gspo compare --preset
 #: long``: 10 terms, 600 SFT steps).
@@ -179,12 +179,7 @@ def main() -> None:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-    ).stdout.strip()
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "src"], capture_output=True, text=True, check=False
-    ).stdout.strip()
+    commit = code_commit()
     base = [*BASE, "log.progress=false", "log.plots=false"]
     checkpoint = cold_start_checkpoint(base, None, args.cold_start or out, print)
     torch.set_num_threads(args.threads)
@@ -200,11 +195,11 @@ def main() -> None:
             stamp = run_dir / "commit.txt"  # the commit the run was first started on
             if not stamp.is_file():
                 run_dir.mkdir(parents=True, exist_ok=True)
-                stamp.write_text(commit + (" (src modified)" if dirty else ""))
+                stamp.write_text(commit)
             records = run_or_reuse(load_config(None, overrides), run_dir, print)
             results[name].append({**summarise(records), "commit": stamp.read_text()})
     meta = {
-        "commit": commit + (" (src modified)" if dirty else ""),
+        "commit": commit,
         "seeds": args.seeds,
         "base": BASE,
         "rl": [*RL, *args.set],

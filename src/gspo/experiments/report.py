@@ -31,8 +31,10 @@ def write_report(
     seconds: float = math.nan,
     cold_start_seconds: float = math.nan,
     overrides: Sequence[str] = (),
+    trained_on: str = "unknown",
 ) -> dict[str, Any]:
-    """Plots, ``report.md``, ``report.html`` and ``summary.json`` under ``out``."""
+    """Plots, ``report.md``, ``report.html`` and ``summary.json`` under ``out``;
+    ``trained_on``: the commits and machines the runs were trained with."""
     by_algo: dict[str, list[Run]] = {}
     for r in runs:
         by_algo.setdefault(r.algorithm, []).append(r)
@@ -90,6 +92,7 @@ def write_report(
     result = {
         "preset": preset,
         "overrides": list(overrides),
+        "trained_on": trained_on,
         "seconds": seconds,
         "cold_start_seconds": cold_start_seconds,
         "run_seconds": sum(with_elapsed(r.records)[-1]["elapsed"] for r in runs if r.records),
@@ -146,7 +149,8 @@ def report_markdown(
         "Every run "
         "starts from the same cold-start checkpoint with the same config but "
         "`algorithm.level` (and its paper clip range) and `train.seed`. Figures are means "
-        "over seeds (± one standard deviation in the plots' bands).",
+        "over seeds (± one standard deviation in the plots' bands). Trained at "
+        f"{result.get('trained_on', 'unknown')}.",
         "",
         "## Verdicts",
         "",

@@ -18,6 +18,7 @@ behind it; :func:`gspo.experiments.claims.verdicts` holds the rules.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -182,6 +183,31 @@ def same_request(config: Config, run_dir: Path, root: Path | None = None) -> Non
     (run_dir / REQUEST).write_text(yaml.safe_dump(_request(config, root), sort_keys=False))
 
 
+#: Beside each run and the cold start: the code and machine of each time it was trained
+#: (a resume adds a line); the report names them (runs are reused across commits).
+PROVENANCE = "trained_on.jsonl"
+
+
+def record_provenance(run_dir: Path) -> None:
+    from gspo.provenance import code_commit, machine
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / PROVENANCE, "a") as f:
+        f.write(json.dumps({"commit": code_commit(), "machine": machine()}) + "\n")
+
+
+def provenance(dirs: Sequence[Path]) -> str:
+    """Where the runs in ``dirs`` were trained: each commit and machine once, in order."""
+    seen: dict[str, None] = {}
+    for run_dir in dirs:
+        path = run_dir / PROVENANCE
+        lines = path.read_text().splitlines() if path.is_file() else []
+        for line in lines or ['{"commit": "unknown", "machine": "unknown"}']:
+            made = json.loads(line)
+            seen[f"commit {made['commit']} on {made['machine']}"] = None
+    return "; ".join(seen)
+
+
 def run_or_reuse(
     config: Config, run_dir: Path, log: Callable[[str], None], root: Path | None = None
 ) -> list[dict[str, Any]]:
@@ -195,6 +221,7 @@ def run_or_reuse(
         return read_metrics(run_dir / "metrics.jsonl")
     resume = latest_checkpoint(run_dir) is not None and (run_dir / "metrics.jsonl").is_file()
     log(f"  {'resuming' if resume else 'training'} {run_dir}")
+    record_provenance(run_dir)
     with Trainer(config, run_dir, resume=resume) as trainer:
         return trainer.fit()
 
@@ -214,6 +241,7 @@ def cold_start_checkpoint(
     log("cold start")
     from gspo.trainer import Trainer
 
+    record_provenance(out / "cold_start")
     with Trainer(config, out / "cold_start") as trainer:
         trainer.fit()
     return path
@@ -394,6 +422,7 @@ def _compare(
         seconds=time.perf_counter() - start,
         cold_start_seconds=cold_start_seconds(out / "cold_start"),
         overrides=overrides,
+        trained_on=provenance([out / "cold_start", *run_dirs.values()]),
     )
     log(f"report written to {out / 'report.md'} and {out / 'report.html'}")
     return summary
