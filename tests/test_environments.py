@@ -243,10 +243,15 @@ def test_tool_errors_go_back_to_the_model_and_are_counted(env_file, capsys):
 
     message = EnvironmentFactory(Opaque).episode().respond(call("add", {"x": 1}))[0]
     assert message["content"] == (
-        "error: TypeError: the tool returned a object, which has no text of its own; return "
-        "a str, a number, or lists and dicts of them"
+        "error: the tool returned an object of type object, which has no text of its own; "
+        "return a str, a number, or lists and dicts of them"
     )
-    assert "raised TypeError" in capsys.readouterr().err
+    # returned, not raised: the line said "raised TypeError" at a place inside gspo
+    assert capsys.readouterr().err.split(": ", 1)[1] == (
+        "tool 'add' returned an object of type object, which has no "
+        "text of its own; return a str, a number, or lists and dicts of them; returned to the "
+        "model as an error, shown once\n"
+    )
 
 
 def test_an_async_tool_is_awaited_and_only_methods_are_tools():

@@ -169,11 +169,15 @@ def tool_result_text(value: Any) -> str:
         kind = type(value)
         if kind.__str__ is object.__str__ and kind.__repr__ is object.__repr__:
             # "<Result object at 0x7f...>": an address, other in every run
-            raise TypeError(
-                f"the tool returned a {kind.__name__}, which has no text of its own; return "
-                "a str, a number, or lists and dicts of them"
+            raise NoText(
+                f"an object of type {kind.__name__}, which has no text of its own; return a "
+                "str, a number, or lists and dicts of them"
             ) from None
         return str(value)
+
+
+class NoText(TypeError):
+    """What a tool returned has no text of its own (:func:`tool_result_text`)."""
 
 
 class EnvironmentFactory:
@@ -365,6 +369,9 @@ class Episode:
                         result = run_coroutine(result)
                 message["content"] = tool_result_text(result)
                 return message
+            except NoText as e:  # (returned, not raised: no place in the tool to name)
+                error = f"the tool returned {e}"
+                self._warn(call.name, e, f"returned {e}")
             except (Exception, SystemExit) as e:  # (sys.exit in user code: an error)
                 error = f"{type(e).__name__}: {one_line(e, 200)}"
                 self._warn(call.name, e)
@@ -384,13 +391,15 @@ class Episode:
                     f"environment {self.spec.name!r}: close() raised {raised(e, 300)}"
                 ) from e
 
-    def _warn(self, tool: str, e: Exception) -> None:
-        """One line on stderr the first time a tool raises a given exception type."""
+    def _warn(self, tool: str, e: BaseException, did: str | None = None) -> None:
+        """One line on stderr the first time a tool raises a given exception type (``did``:
+        what it did instead of ``raised ...``)."""
         key = (tool, type(e).__name__)
         if key not in self.spec.warned:
             self.spec.warned.add(key)
+            did = did or f"raised {raised(e, 200)}"
             print(
-                f"environment {self.spec.name!r}: tool {tool!r} raised {raised(e, 200)}; "
+                f"environment {self.spec.name!r}: tool {tool!r} {did}; "
                 "returned to the model as an error, shown once",
                 file=sys.stderr,
                 flush=True,
