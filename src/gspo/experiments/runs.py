@@ -174,11 +174,7 @@ def same_request(config: Config, run_dir: Path, root: Path | None = None) -> Non
     rerun with other overrides or another preset reused every run, and resumed an
     interrupted one under the new settings, while the report named the new ones); else
     record what is asked (``root``, the output directory, as :data:`HERE`)."""
-    if (changed := changed_request(config, run_dir, root)) is not None:
-        raise ValueError(
-            f"{run_dir} was made with other settings ({changed}): use another "
-            "--output-dir, or delete it to redo it"
-        )
+    unchanged_requests({run_dir: config}, root)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / REQUEST).write_text(yaml.safe_dump(_request(config, root), sort_keys=False))
 
@@ -365,9 +361,10 @@ def output_directory(out: Path) -> Path:
     return out.resolve()
 
 
-def unchanged_requests(configs: dict[Path, Config], out: Path) -> None:
-    """Before anything trains: one line naming every directory under ``out`` made with
-    other settings (they were found one at a time, each after the runs before it trained)."""
+def unchanged_requests(configs: dict[Path, Config], out: Path | None) -> None:
+    """One line naming every directory of ``configs`` (under ``out``) made with other
+    settings: checked before anything trains (they were found one at a time, each after
+    the runs before it had trained)."""
     changed = {d: c for d, config in configs.items() if (c := changed_request(config, d, out))}
     if not changed:
         return
@@ -377,6 +374,7 @@ def unchanged_requests(configs: dict[Path, Config], out: Path) -> None:
             f"{first} was made with other settings ({what}): use another --output-dir, or "
             "delete it to redo it"
         )
+    assert out is not None  # (several directories: those of one output directory)
     names = ", ".join(str(d.relative_to(out)) for d in changed)
     raise ValueError(
         f"{out}: {names} were made with other settings ({first.relative_to(out)}: {what}): "
