@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import CPU
 
 from gspo.cli import main
@@ -415,6 +416,7 @@ def test_compare_writes_the_report_and_reuses_finished_runs(tmp_path, tiny):
     assert set(alone["algorithms"]) == {"GSPO"} and alone["verdicts"] == []
     md = (out / "report.md").read_text()
     assert "Every claim compares GSPO with GRPO: run both (`--algorithms GSPO,GRPO`)." in md
+    assert ", the 1 run " in md  # ("the 1 runs" before)
 
 
 def test_compare_bad_input_is_one_line(tmp_path, capsys):
@@ -459,6 +461,7 @@ def test_compare_bad_input_is_one_line(tmp_path, capsys):
         f"gspo: error: --output-dir {tmp_path / 'afile' / 'sub'}: cannot be made (Not a directory)",
         "gspo: error: train.max_steps=0: the runs would train nothing to compare",
     ]
+    assert not (tmp_path / "out").exists()  # refused before it is made
 
 
 def test_compare_checks_every_run_before_training_and_holds_its_directory(tmp_path, capsys):
@@ -523,6 +526,23 @@ def test_a_run_made_with_other_settings_is_not_reused_or_resumed(tmp_path):
     same_request(load_config(None, moved), copy / "runs" / "r", copy)
     with pytest.raises(ValueError, match="model.path '<output-dir>/cold_start/checkpoints/st"):
         same_request(load_config(None, at), copy / "runs" / "r", copy)
+    # a path beside the output directory whose name starts as its does is not under it
+    beside = [*moved, f"data.train={tmp_path}/b2/rows.jsonl"]
+    same_request(load_config(None, beside), copy / "runs" / "s", copy)
+    recorded = yaml.safe_load((copy / "runs" / "s" / "compare_request.yaml").read_text())
+    assert recorded["data"]["train"] == f"{tmp_path}/b2/rows.jsonl"
+    # where the runs were trained: each commit and machine once; a damaged line unknown
+    from gspo.experiments.runs import provenance
+
+    (root / "x").mkdir()
+    (root / "x" / "trained_on.jsonl").write_text(
+        '{"commit": "c1", "machine": "m"}\n\n{"commit": "c1", "machine": "m"}\n{"commit": "c2'
+    )
+    (root / "y").mkdir()
+    (root / "y" / "trained_on.jsonl").write_text('{"commit": "c3"}\n')
+    assert provenance([root / "x", root / "y", root / "none"]) == (
+        "commit c1 on m; commit unknown on unknown"
+    )
 
 
 def test_histogram_needs_values(tmp_path):

@@ -21,22 +21,23 @@ def code_commit() -> str:
     tree was copied without its ``.git`` (a GPU machine); else the installed version."""
     if os.environ.get("GSPO_COMMIT"):
         return os.environ["GSPO_COMMIT"]
-    git = ["git", "-C", str(Path(gspo.__file__).resolve().parent)]
+    package = Path(gspo.__file__).resolve()
+    git = ["git", "-C", str(package.parent)]
     try:
-        head = subprocess.run(
-            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        )
-        root = subprocess.run(
-            [*git, "rev-parse", "--show-toplevel"], capture_output=True, text=True
-        )
+        # gspo's own checkout: a venv inside another project's repository is not one
+        ours = subprocess.run([*git, "ls-files", "--error-unmatch", package.name],
+                              capture_output=True, text=True)  # fmt: skip
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True)  # fmt: skip
+        root = subprocess.run([*git, "rev-parse", "--show-toplevel"],
+                              capture_output=True, text=True)  # fmt: skip
         dirty = subprocess.run(
-            [*git, "-C", root.stdout.strip() or ".", "status", "--porcelain",
-             "--untracked-files=no", "--", *MEASURED],
+            [*git, "-C", root.stdout.strip() or ".", "status", "--porcelain", "--", *MEASURED],
             capture_output=True, text=True,
         )  # fmt: skip
     except OSError:  # no git
-        head = None
-    if head is None or head.returncode != 0 or not head.stdout.strip():
+        ours = None
+    if ours is None or ours.returncode != 0 or not head.stdout.strip():
         return f"gspo {gspo.__version__} (not a git checkout)"
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 

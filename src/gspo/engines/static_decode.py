@@ -239,17 +239,21 @@ class StaticDecoder:
             self.captured[key].replay()
         elif self.warmed[key] < WARMUP_STEPS:
             self.warmed[key] += 1
-            current = torch.cuda.current_stream()
+            current = torch.cuda.current_stream(self.side.device)  # (the model's device)
             self.side.wait_stream(current)
             with torch.cuda.stream(self.side):
                 self.step(batch, span)
             current.wait_stream(self.side)
         else:
             graph = torch.cuda.CUDAGraph()
-            # thread_local: the trainer's thread may run beside an async rollout's capture
+            # thread_local: the trainer's thread may run beside an async rollout's capture,
+            # each on its decoder's own stream (torch's default capture stream is one per
+            # process, on device 0: two captures at once, or a model on cuda:1, broke it)
             with (
                 _no_autocast_cache(),
-                torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"),
+                torch.cuda.graph(
+                    graph, pool=self.pool, stream=self.side, capture_error_mode="thread_local"
+                ),
             ):
                 self.step(batch, span)  # recorded, not run
             self.captured[key] = graph

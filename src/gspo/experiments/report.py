@@ -135,6 +135,7 @@ def report_markdown(
 ) -> str:
     summary = result["algorithms"]
     seeds = next(iter(summary.values()))["seeds"] if summary else []
+    n_runs = len(result["algorithms"]) * len(seeds)
     lines = [
         "# " + " vs ".join(summary),
         "",
@@ -142,8 +143,8 @@ def report_markdown(
         + "".join(f", override `{o}`" for o in result.get("overrides", []))
         + ", seeds "
         f"{', '.join(map(str, seeds))}). Time: the shared cold start "
-        f"{result['cold_start_seconds'] / 60:.1f} min, the {len(result['algorithms']) * len(seeds)}"
-        f" runs {result['run_seconds'] / 60:.1f} min together (each run's steps, "
+        f"{result['cold_start_seconds'] / 60:.1f} min, the {n_runs} run{'s' if n_runs != 1 else ''}"
+        f" {result['run_seconds'] / 60:.1f} min together (each run's steps, "
         f"evaluations and checkpoints); this invocation {result['seconds'] / 60:.1f} min "
         "(reused runs cost nothing). "
         "Every run "

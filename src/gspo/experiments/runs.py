@@ -125,8 +125,8 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {k.rstrip("."): v for k, v in out.items()}
 
 
-#: Settings a reused or resumed run may change: what is logged, and whether the cold start
-#: may come from the cache (``--no-cache``).
+#: Settings a reused or resumed run may change: what is logged, and the cold-start cache's
+#: (``--no-cache``, its directory and size: none changes what is trained).
 FREE = ("log.", "train.cold_start_cache")
 
 #: Stands for the output directory in a recorded request: a copied or moved directory
@@ -144,8 +144,9 @@ def _relative(tree: Any, root: Path | None) -> Any:
         return {key: _relative(value, root) for key, value in tree.items()}
     if isinstance(tree, list):
         return [_relative(value, root) for value in tree]
-    if isinstance(tree, str) and root is not None:
-        return tree.replace(str(root), HERE)
+    under = root is not None and isinstance(tree, str)  # (a path under it, not one like it)
+    if under and (tree == str(root) or tree.startswith(f"{root}{os.sep}")):
+        return HERE + tree[len(str(root)) :]
     return tree
 
 
@@ -197,10 +198,18 @@ def provenance(dirs: Sequence[Path]) -> str:
     seen: dict[str, None] = {}
     for run_dir in dirs:
         path = run_dir / PROVENANCE
-        lines = path.read_text().splitlines() if path.is_file() else []
-        for line in lines or ['{"commit": "unknown", "machine": "unknown"}']:
-            made = json.loads(line)
-            seen[f"commit {made['commit']} on {made['machine']}"] = None
+        lines = (
+            [line for line in path.read_text().splitlines() if line.strip()]
+            if path.is_file()
+            else []
+        )
+        for line in lines or ["{}"]:
+            try:
+                made = json.loads(line)
+                said = f"commit {made['commit']} on {made['machine']}"
+            except (ValueError, TypeError, KeyError):  # (a line cut short, edited by hand)
+                said = "commit unknown on unknown"
+            seen[said] = None
     return "; ".join(seen)
 
 
@@ -217,8 +226,8 @@ def run_or_reuse(
         return read_metrics(run_dir / "metrics.jsonl")
     resume = latest_checkpoint(run_dir) is not None and (run_dir / "metrics.jsonl").is_file()
     log(f"  {'resuming' if resume else 'training'} {run_dir}")
-    record_provenance(run_dir)
     with Trainer(config, run_dir, resume=resume) as trainer:
+        record_provenance(run_dir)  # (once it starts)
         return trainer.fit()
 
 
@@ -237,8 +246,9 @@ def cold_start_checkpoint(
     log("cold start")
     from gspo.trainer import Trainer
 
-    record_provenance(out / "cold_start")
     with Trainer(config, out / "cold_start") as trainer:
+        # (one the cache gives was trained by this code too: its key holds gspo's sources)
+        record_provenance(out / "cold_start")
         trainer.fit()
     return path
 
@@ -339,6 +349,8 @@ def refuse_owned(config_path: Path | None, preset: str, overrides: Sequence[str]
             raise ValueError(f"{override}: {NO_LORA}")
     # (level and seed are set after these for every run; the clip ranges are left unset)
     given = load_config(config_path, [*with_preset(preset, overrides), "train.cold_start_steps=0"])
+    if given.train.max_steps == 0:
+        raise ValueError("train.max_steps=0: the runs would train nothing to compare")
     if given.model.lora.r > 0:
         raise ValueError(f"model.lora.r={given.model.lora.r} (--config or a section): {NO_LORA}")
     for key in ("algorithm.clip_low", "algorithm.clip_high"):
@@ -397,8 +409,6 @@ def _compare(
         config_path, overrides, checkpoint=cold_start_path(out), seeds=seeds, preset=preset,
         algorithms=algorithms,
     )  # fmt: skip
-    if next(iter(configs.values())).train.max_steps == 0:
-        raise ValueError("train.max_steps=0: the runs would train nothing to compare")
     run_dirs = {key: out / "runs" / f"{slug(key[0])}-seed{key[1]}" for key in configs}
     unchanged_requests(
         {
