@@ -84,6 +84,14 @@ def test_bad_values_name_the_key(override, expected):
          "(docs/from_trl.md)"),
         ("algorithm.beta=0.04", "algorithm.beta: unknown key; TRL's beta is algorithm.kl_coef "
          "here (docs/from_trl.md)"),
+        # (a section name was closer: "did you mean 'reward'?")
+        ("scale_rewards=false", "scale_rewards: unknown key; TRL's scale_rewards is "
+         "algorithm.advantage_scale here (docs/from_trl.md)"),
+        # (it named algorithm.minibatches alone: 4x the optimizer steps of TRL's run)
+        ("gradient_accumulation_steps=4", "gradient_accumulation_steps: unknown key; TRL's "
+         "gradient_accumulation_steps is part of what rollout.prompts_per_batch x "
+         "rollout.group_size / algorithm.minibatches gives per optimizer step (no one key) "
+         "here (docs/from_trl.md)"),
         ("data.task=calculater", "(got 'calculater'); did you mean 'calculator'?"),
         ("algorithm.level=sequnce", "(got 'sequnce'); did you mean 'sequence'?"),
         ("reward.functions=[exact_mach]", "numeric_match); did you mean 'exact_match'?"),

@@ -101,6 +101,11 @@ def did_you_mean(word: Any, choices: list[str], prefix: str = "") -> str:
     return f"; did you mean {prefix + close[0]!r}?" if close else ""
 
 
+BATCH_SIZES = (
+    "part of what rollout.prompts_per_batch x rollout.group_size / algorithm.minibatches "
+    "gives per optimizer step (no one key)"
+)
+
 #: TRL ``GRPOConfig`` fields a user porting a config writes, and what gspo calls them
 #: (docs/from_trl.md has the whole table, with how each differs).
 TRL_NAMES = {
@@ -112,10 +117,10 @@ TRL_NAMES = {
     "importance_sampling_level": "algorithm.level",
     "scale_rewards": "algorithm.advantage_scale",
     "max_completion_length": "rollout.max_new_tokens",
-    "per_device_train_batch_size": "rollout.prompts_per_batch (x rollout.group_size)",
-    "generation_batch_size": "rollout.prompts_per_batch (x rollout.group_size)",
-    "gradient_accumulation_steps": "algorithm.minibatches",
-    "steps_per_generation": "algorithm.minibatches",
+    "per_device_train_batch_size": BATCH_SIZES,
+    "generation_batch_size": "rollout.prompts_per_batch x rollout.group_size, over all ranks",
+    "gradient_accumulation_steps": BATCH_SIZES,
+    "steps_per_generation": "algorithm.minibatches (optimizer steps per rollout batch)",
     "num_train_epochs": "train.max_steps",
     "reward_weights": "reward.weights",
     "reward_funcs": "reward.functions",
@@ -144,7 +149,9 @@ def unknown_key(key: str, keys: list[str]) -> str:
     the closest key of the section, else what gspo calls TRL's field of that name."""
     parent, _, leaf = key.rpartition(".")
     close = did_you_mean(leaf, keys, f"{parent}." if parent else "")
-    if leaf in TRL_NAMES and not close:  # (optim.beta: optim.betas, not TRL's beta)
+    # (optim.beta: optim.betas, not TRL's beta; at the top a section's name is always close:
+    # scale_rewards is not "reward")
+    if leaf in TRL_NAMES and (not close or not parent):
         return f"{key}: unknown key; TRL's {leaf} is {TRL_NAMES[leaf]} here (docs/from_trl.md)"
     return f"{key}: unknown key{close}"
 
