@@ -148,9 +148,9 @@ DOCUMENTED = {
     "addition": ([], "README.md", "`make demo` runs `gspo train` with no config"),
     "chain": (["data.task=chain"], "docs/training.md", "gspo train data.task=chain"),
     "calculator": (
-        ["data.task=calculator", "data.digits=5"],
+        ["data.task=calculator"],  # (the task brings data.digits=5)
         "docs/environments.md",
-        "gspo train data.task=calculator data.digits=5",
+        "`gspo train data.task=calculator`",
     ),
 }
 

@@ -442,8 +442,9 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys, override, expected):
 
 def test_user_data_on_a_random_init_model_without_a_cold_start_warns(tmp_path, capsys):
     rows = [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(20)]
-    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    data = f"data.train={tmp_path / 'train.jsonl'}", f"data.eval={tmp_path / 'train.jsonl'}"
+    for name in ("train.jsonl", "eval.jsonl"):  # (the same file twice is a warning of its own)
+        (tmp_path / name).write_text("\n".join(json.dumps(r) for r in rows))
+    data = f"data.train={tmp_path / 'train.jsonl'}", f"data.eval={tmp_path / 'eval.jsonl'}"
     capsys.readouterr()
     Trainer(load_config(None, [*FAST, *data]), tmp_path / "a")  # warned when built
     err = capsys.readouterr().err.strip()
