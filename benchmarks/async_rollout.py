@@ -25,6 +25,8 @@ from pathlib import Path
 import vs_trl
 import workload
 
+from gspo.provenance import code_commit, machine
+
 
 def measure(work: Path, schedule: vs_trl.Schedule, staleness: list[int], repeats: int) -> dict:
     runs: dict[int, list[dict]] = {k: [] for k in staleness}
@@ -71,9 +73,9 @@ def main() -> None:
         args.workdir or Path(default), vocab=workload.LONG_VOCAB if args.long else None
     )
     print(
-        f"gspo at {vs_trl.code_commit()}; {'long' if args.long else 'reference'} workload, "
+        f"gspo at {code_commit()}; {'long' if args.long else 'reference'} workload, "
         f"{schedule.steps} steps, {schedule.max_new_tokens} new tokens; machine: "
-        f"{vs_trl.machine()}",
+        f"{machine()}",
         flush=True,
     )
     runs = measure(work, schedule, args.staleness, args.repeats)

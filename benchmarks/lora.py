@@ -54,6 +54,7 @@ import vs_trl  # noqa: E402
 import workload  # noqa: E402
 
 from gspo.models import TinyModelSpec  # noqa: E402
+from gspo.provenance import code_commit  # noqa: E402
 
 #: The model of the memory measurement: 8 layers, 512 wide (~25M parameters).
 MEMORY_SPEC = TinyModelSpec(layers=8, hidden=512, heads=8, kv_heads=4, intermediate=1536)
@@ -300,7 +301,7 @@ def main() -> None:
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
-    print(f"commit {vs_trl.code_commit()}", flush=True)
+    print(f"commit {code_commit()}", flush=True)
     if args.generation:
         lines = measure_generation(args.workdir, args.ranks[0], args.repeats, args.dtype)
         print("\n".join(lines))

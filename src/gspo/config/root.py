@@ -245,7 +245,9 @@ def _unlike(model: ModelConfig, keys: list[str]) -> list[str]:
 def _same_source(train: str, eval_: str | None) -> bool:
     """``data.eval`` names what ``data.train`` does: the same text, or the same local file
     or directory written two ways."""
-    if eval_ is None or train == eval_:
-        return train == eval_
+    if eval_ is None:
+        return False
+    if train == eval_:
+        return True
     a, b = Path(train).expanduser(), Path(eval_).expanduser()
     return a.exists() and b.exists() and a.resolve() == b.resolve()

@@ -28,6 +28,7 @@ from gspo.moe import find_routers, is_moe, set_experts_implementation
 from gspo.moved import model_not_found
 from gspo.plugins import absolute_spec
 from gspo.rewards import RewardFunctions
+from gspo.rewards.parsing import completion_text
 from gspo.tasks import BUILTIN_TASKS, TaskData
 from gspo.training.lora import (
     adam_state_bytes,
@@ -405,10 +406,10 @@ def empty_completions(sft: list[dict], config: Config) -> list[str]:
     if config.train.cold_start_steps == 0:
         return []
 
-    def text(completion: Any) -> str:
+    def text(completion: Any) -> str:  # (a conversation's assistant messages: not tools')
         if isinstance(completion, str):
             return completion
-        return "".join(str(m.get("content") or "") for m in completion if m.get("role") != "user")
+        return "".join(completion_text(m) for m in completion if m.get("role") == "assistant")
 
     empty = [i for i, row in enumerate(sft) if not text(row["completion"]).strip()]
     if not empty:
