@@ -612,14 +612,17 @@ def test_rows_without_the_column_a_reward_needs_are_counted_in_a_warning():
     from gspo.training.setup import check_reward_columns
 
     rows = [{"prompt": "a", "answer": None}, {"prompt": "b", "answer": "1"}]
-    rows += [{"prompt": "c", "answer": None}]
+    rows += [{"prompt": "c", "answer": None}, {"prompt": "d", "answer": "  "}]
+    rows += [{"prompt": "e", "answer": []}]  # (blank and an empty list: no answer either)
     rewards = RewardFunctions.from_specs(["exact_match", "format"], None)
     config = load_config(None, ["data.train=x.jsonl"])
     warned = check_reward_columns(rewards, TaskData(rows, rows[1:2], []), config, None)
     assert warned == [
-        "data.train (x.jsonl): 2 of 3 rows (row 0 first) have no 'answer', which reward "
+        "data.train (x.jsonl): 4 of 5 rows (row 0 first) have no 'answer', which reward "
         "function 'exact_match' needs: their completions are not scored"
     ]
+    scored = rewards(["p"] * 5, ["", "1", "", "", ""], {"answer": [r["answer"] for r in rows]})
+    assert scored.per_function["exact_match"] == [None, 1.0, None, None, None]
 
 
 def test_cold_start_rows_with_an_empty_completion_are_counted_in_a_warning(tmp_path):

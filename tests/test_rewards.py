@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,13 @@ def test_completion_text_rejects_other_types() -> None:
         ("7.", 7.0),
         (".5", 0.5),
         ("18 apples", None),
+        ("1 1/2", 1.5),
+        ("-1 1/2", -1.5),
+        ("1 3/2", None),  # (no mixed number)
+        ("1 000", None),  # (two numbers, not 1000: whitespace between digits is kept)
+        ("1, 234", None),
+        ("3 / 4", 0.75),
+        ("1e400", None),  # (past a float)
         ("x", None),
         ("1/0", None),
         ("", None),
@@ -118,6 +126,24 @@ def test_exact_match() -> None:
 
 def test_exact_match_stringifies_gold_and_none_is_not_applicable() -> None:
     assert score("exact_match", ["42", "42", "x"], [42, " 42 ", None]) == [1.0, 1.0, None]
+    # a blank answer is none (an empty completion matched it: 1.0)
+    assert score("exact_match", ["", " "], ["", "  "]) == [None, None]
+
+
+def test_exact_match_and_format_read_what_follows_the_thinking() -> None:
+    completions = ["<think>maybe 41</think>42", "<think>\\boxed{42}</think>", "42<think>no"]
+    assert score("exact_match", completions, ["42"] * 3) == [1.0, 0.0, 1.0]
+    formatted = BUILTIN_REWARDS["format"](prompts=["p"] * 2, completions=completions[1:])
+    assert formatted == [0.0, 0.0]  # (a box inside the thinking is no answer)
+
+
+def test_answers_left_open_are_read_in_linear_time() -> None:
+    # each \boxed{ or <answer> left open was a scan to the end: 20,000 of them took minutes
+    text = "\\boxed{" * 20_000 + "<answer>" * 20_000 + " so \\boxed{7}"
+    started = time.monotonic()
+    assert extract_final_answer(text) == "7"
+    assert score("numeric_match", [text], ["7"]) == [1.0]
+    assert time.monotonic() - started < 5
 
 
 # ---------------------------------------------------------------------------- numeric_match
@@ -146,8 +172,32 @@ def test_exact_match_stringifies_gold_and_none_is_not_applicable() -> None:
         ("first 3 then 5 - 2 and finally 8", "8", 1.0),
         ("5-3", "-3", 0.0),
         ("no number at all", "3", 0.0),
-        ("value 2.0000001", "2", 1.0),
+        ("value 2.0000001", "2", 0.0),  # numbers are equal exactly (was within 1e-6)
         ("value 2.0001", "2", 0.0),
+        ("value 2.000", "2", 1.0),
+        ("\\boxed{1000001}", "1,000,000", 0.0),  # (1e-6 of a million: it matched)
+        ("\\boxed{0}", "6.626e-34", 0.0),  # (within 1e-12 of 0: it matched)
+        ("\\boxed{1/3}", 1 / 3, 1.0),  # a float gold: its nearest float
+        ("\\boxed{0.333333}", 1 / 3, 0.0),
+        ("\\boxed{2}", 10**400, 0.0),  # (an int past a float's range: OverflowError)
+        ("\\boxed{" + "9" * 400 + "}", "9" * 400, 1.0),
+        ("\\boxed{1e999999999}", "1", 0.0),  # (an exponent past 4300: no answer, at once)
+        # several numbers as alternatives or a list name no answer (the first one counted)
+        ("\\boxed{1, 2, 3}", "1", 0.0),
+        ("\\boxed{1,5}", "1", 0.0),
+        ("\\boxed{1,500}", "1500", 1.0),
+        ("\\boxed{3 \\text{ or } 4}", "3", 0.0),
+        ("The answer is 18 or 20.", "18", 0.0),
+        ("The answer is 18 or 20.", "20", 0.0),  # (not the text's last number either)
+        ("The answer is 18 apples, 3 more than 15.", "18", 1.0),
+        ("so it is 7 or 8", "8", 0.0),
+        ("\\boxed{5 \\text{ cm}^2}", "5", 1.0),
+        ("\\boxed{1 1/2}", "1.5", 1.0),  # a mixed number (whitespace was dropped: 11/2)
+        ("\\boxed{1 1/2}", "5.5", 0.0),
+        ("The answer is 3 1/2 hours", "7/2", 1.0),
+        ("\\boxed{-2 3/4}", "-2.75", 1.0),
+        ("\\boxed{72}", "Add them.\n#### 72\n", 1.0),
+        ("\\boxed{3}", "#### Step 1\nAdd: \\boxed{3}", 1.0),  # a heading is no GSM8K answer
         ("she pays $18.", "Natalia ... so 72 - 54 = 18.\n#### 18", 1.0),
         ("\\boxed{18}", 18, 1.0),
         ("\\boxed{0.5}", 0.5, 1.0),
@@ -225,6 +275,10 @@ def test_math_equivalent_forms() -> None:
         ("\\boxed{12}", "Natalia sold 48/2 = 24 clips... \n#### 12", 1.0),
         ("<think>\\boxed{41}</think> so \\boxed{42}", "42", 1.0),
         ("<think>so \\boxed{42}", "42", 0.0),
+        ("The answer is 18 or 20", "18", 0.0),  # (math-verify took the first: 1.0)
+        ("\\boxed{1, 2}", "1", 0.0),
+        ("\\boxed{(1, 2)}", "(1, 2)", 1.0),  # (a pair asked: a pair is no hedge)
+        ("\\boxed{1,000}", "1000", 1.0),
     ]
     completions = [c for c, _, _ in cases]
     golds = [g for _, g, _ in cases]
@@ -273,6 +327,30 @@ def test_math_works_outside_the_main_thread() -> None:
     thread.start()
     thread.join()
     assert result == [[1.0, 0.0]]
+
+
+@pytest.mark.skipif(not hasattr(__import__("signal"), "setitimer"), reason="POSIX only")
+def test_math_off_the_main_thread_keeps_its_time_limit() -> None:
+    # math-verify's limits are signal alarms, main thread only: in the rollout thread of
+    # async rollouts (or reward.timeout's thread) 9^{9^{9^9}} ran forever. It runs in a
+    # worker process of its own there, whose limits hold: 0.0, and the other row scored.
+    rewards = RewardFunctions.from_specs(["math"])
+    result: list = []
+    completions = ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{5}"]
+    thread = threading.Thread(
+        target=lambda: result.append(rewards(["p"] * 2, completions, {"answer": ["5", "5"]})),
+        daemon=True,
+    )
+    try:
+        thread.start()
+        thread.join(120)
+        assert not thread.is_alive()
+        assert result[0].per_function["math"] == [0.0, 1.0]
+        timed = RewardFunctions.from_specs(["math"], timeout=60)  # (in the main thread)
+        assert timed(["p"], completions[:1], {"answer": ["5"]}).rewards == [0.0]
+        timed.close()
+    finally:
+        rewards.close()
 
 
 @pytest.mark.skipif(not hasattr(__import__("signal"), "setitimer"), reason="POSIX only")

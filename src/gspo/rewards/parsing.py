@@ -12,6 +12,8 @@ import math
 import numbers
 import re
 from collections.abc import Mapping, Sequence
+from fractions import Fraction
+from itertools import pairwise
 from typing import Any
 
 
@@ -60,42 +62,52 @@ def completion_text(completion: Any) -> str:
 
 
 _BOXED_START = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.IGNORECASE | re.DOTALL)
 _ANSWER_PHRASE = re.compile(r"\banswer\s*(?:is\b\s*:?|:)", re.IGNORECASE)
 _ANSWER_COLON_WELL_FORMED = re.compile(r"\banswer\s*:\s*\S", re.IGNORECASE)
 
 
-def _balanced_group(text: str, start: int) -> str | None:
-    """Content from ``start`` (just after an opening brace) to its matching close, or None."""
-    depth = 1
-    i = start
+def _closing_braces(text: str) -> dict[int, int]:
+    """The index of each brace that is closed -> the index of its closing brace, in one
+    pass (escaped braces such as ``\\{`` skipped)."""
+    opened: list[int] = []
+    closing: dict[int, int] = {}
+    i = 0
     while i < len(text):
         ch = text[i]
         if ch == "\\":
-            i += 2  # skip escaped characters such as \{ and \}
+            i += 2
             continue
         if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start:i]
+            opened.append(i)
+        elif ch == "}" and opened:
+            closing[opened.pop()] = i
         i += 1
-    return None
+    return closing
 
 
 def _boxed_contents(text: str) -> list[str]:
-    """Contents of every well-formed (brace-balanced) ``\\boxed{...}``, in order of appearance."""
-    found = []
-    for m in _BOXED_START.finditer(text):
-        content = _balanced_group(text, m.end())
-        if content is not None:
-            found.append(content)
-    return found
+    """Contents of every well-formed (brace-balanced) ``\\boxed{...}``, in order of appearance.
+    (Linear in the text: many boxes left open were a scan each to its end.)"""
+    starts = list(_BOXED_START.finditer(text))
+    if not starts:
+        return []
+    closing = _closing_braces(text)
+    return [text[m.end() : closing[m.end() - 1]] for m in starts if m.end() - 1 in closing]
 
 
 def _answer_tag_contents(text: str) -> list[str]:
-    return [m.group(1) for m in _ANSWER_TAG.finditer(text)]
+    """Contents of every ``<answer>...</answer>`` (case-insensitive), in order; linear in
+    the text (a regex scanned to the end from each tag left open)."""
+    found = []
+    lower = text.lower()
+    at = lower.find("<answer>")
+    while at >= 0:
+        end = lower.find("</answer>", at + 8)
+        if end < 0:
+            break
+        found.append(text[at + 8 : end])
+        at = lower.find("<answer>", end + 9)
+    return found
 
 
 def _answer_phrase_line(text: str) -> str | None:
@@ -126,74 +138,130 @@ def extract_final_answer(text: str) -> str | None:
 
 
 # Numbers: ints, decimals, thousands separators ("1,234"), exponents, a leading minus sign
-# (not when it is a binary minus such as "5-3"), plain fractions "3/4" and LaTeX \frac{3}{4}
-# (and \frac34).
+# (not when it is a binary minus such as "5-3"), plain fractions "3/4", mixed numbers
+# "1 1/2" and LaTeX \frac{3}{4} (and \frac34). Each is read exactly, as a Fraction.
 _UNSIGNED = r"(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?"
 _NUMBER = re.compile(
     rf"(?P<sign>(?<![\w)\]}}])[-−])?"
     rf"(?:\\[dt]?frac\s*\{{\s*(?P<fn>-?{_UNSIGNED})\s*\}}\s*\{{\s*(?P<fd>-?{_UNSIGNED})\s*\}}"
     r"|\\[dt]?frac\s*(?P<sn>\d)\s*(?P<sd>\d)"  # \frac12: one digit each, as LaTeX reads it
+    r"|(?P<w>\d+)[ \t]+(?P<wn>\d+)\s*/\s*(?P<wd>\d+)(?![\d.,/])"  # 1 1/2
     rf"|(?P<n>{_UNSIGNED})(?:\s*/\s*(?P<d>{_UNSIGNED}))?)"
 )
 _LATEX_NOISE = re.compile(r"\\[,;:! ]|\\left|\\right|\\\(|\\\)|\\\[|\\\]|\{,\}|\\?\$|\\?%")
+_SPACE = re.compile(r"\s+")
 _LEADING_LHS = re.compile(r"^\s*\\?[A-Za-z][\w{}^\\]*\s*=")
+#: What stands between two numbers given as alternatives or a list ("18 or 20", "1, 2",
+#: "3 \text{ and } 4"): such an answer names no one number.
+_LIST_SEPARATOR = re.compile(
+    r"\s*(?:[,;]\s*(?:(?:or|and)\b)?|\b(?:or|and)\b|\\text\s*\{\s*(?:or|and|,)\s*\}"
+    r"|\\(?:q?quad|lor|vee)\b)\s*",
+    re.IGNORECASE,
+)
+#: Exponents past this are no answer (10**4300 is the longest int Python writes as text;
+#: a completion's 1e999999999 would take minutes to expand).
+_MAX_EXPONENT = 4300
 
 
-def _to_float(s: str) -> float:
-    return float(s.replace(",", "").replace("−", "-"))
-
-
-def _match_value(m: re.Match[str]) -> float | None:
-    sign = -1.0 if m.group("sign") else 1.0
-    if m.group("fn") is not None:
-        num, den = _to_float(m.group("fn")), _to_float(m.group("fd"))
-    elif m.group("sn") is not None:
-        num, den = float(m.group("sn")), float(m.group("sd"))
-    else:
-        num = _to_float(m.group("n"))
-        den = _to_float(m.group("d")) if m.group("d") is not None else 1.0
-    if den == 0.0:
+def _exact(s: str) -> Fraction | None:
+    """An unsigned number's text (``_UNSIGNED``) as an exact Fraction; None past the
+    limits of a sensible answer (4300 digits, an exponent past 4300)."""
+    s = s.replace(",", "").replace("−", "-")
+    exponent = s.lower().partition("e")[2]
+    try:
+        if exponent and abs(int(exponent)) > _MAX_EXPONENT:
+            return None
+        return Fraction(s)
+    except ValueError:  # (more digits than Python turns into an int)
         return None
-    value = sign * num / den
-    return value if math.isfinite(value) else None
+
+
+def _match_value(m: re.Match[str]) -> Fraction | None:
+    if m.group("fn") is not None:
+        num, den = _exact(m.group("fn")), _exact(m.group("fd"))
+    elif m.group("sn") is not None:
+        num, den = Fraction(int(m.group("sn"))), Fraction(int(m.group("sd")))
+    elif m.group("w") is not None:
+        whole, num, den = (_exact(m.group(k)) for k in ("w", "wn", "wd"))
+        if whole is None or num is None or den is None or not num < den:
+            return None  # (1 3/2 is no mixed number)
+        num += whole * den
+    else:
+        num = _exact(m.group("n"))
+        den = _exact(m.group("d")) if m.group("d") is not None else Fraction(1)
+    if num is None or den is None or den == 0:
+        return None
+    return -num / den if m.group("sign") else num / den
+
+
+def exact_number(text: str) -> Fraction | None:
+    """``text`` as a single number, exactly (a Fraction), or None: what
+    :func:`parse_number` reads, without rounding to a float."""
+    s = _LATEX_NOISE.sub("", text)
+    # whitespace goes, but not between two numbers' digits ("1 1/2" is not 11/2)
+    s = _SPACE.sub(lambda m: " " if _between_digits(m) else "", s).rstrip(".")
+    s = s[1:] if s.startswith("+") and s[1:2].isdigit() else s  # ("+5", as a CSV may say)
+    m = _NUMBER.fullmatch(s)
+    return _match_value(m) if m else None
+
+
+def _between_digits(m: re.Match[str]) -> bool:
+    s, a, b = m.string, m.start(), m.end()
+    return a > 0 and b < len(s) and s[a - 1] in "0123456789,." and s[b].isdigit()
 
 
 def parse_number(text: str) -> float | None:
     """Parse ``text`` as a single number, or return None.
 
     Accepts ints, decimals, negatives (and a leading ``+``), thousands separators
-    (``"1,234"``), exponents, fractions (``"3/4"``, ``"\\frac{3}{4}"``), and ignores
-    ``$``, ``%``, whitespace, LaTeX spacing and ``\\(``/``\\)`` delimiters and a trailing
-    period. ``"18 apples"`` is not a number.
+    (``"1,234"``), exponents, fractions (``"3/4"``, ``"\\frac{3}{4}"``), mixed numbers
+    (``"1 1/2"``), and ignores ``$``, ``%``, whitespace, LaTeX spacing and ``\\(``/``\\)``
+    delimiters and a trailing period. ``"18 apples"`` and ``"1, 2"`` are not a number.
+    (:func:`exact_number` gives it without rounding.)
     """
-    s = _LATEX_NOISE.sub("", text)
-    s = "".join(s.split()).rstrip(".")
-    s = s[1:] if s.startswith("+") and s[1:2].isdigit() else s  # ("+5", as a CSV may say)
-    m = _NUMBER.fullmatch(s)
-    return _match_value(m) if m else None
+    value = exact_number(text)
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
 
 
-def _numbers_in(text: str) -> list[float]:
-    values = (_match_value(m) for m in _NUMBER.finditer(text))
-    return [v for v in values if v is not None]
+class _Hedged(Exception):
+    """An answer that names several numbers as alternatives or a list ("18 or 20")."""
 
 
-def _segment_number(segment: str, *, after_last_equals: bool) -> float | None:
-    value = parse_number(segment)
+def _numbers_in(text: str) -> list[tuple[Fraction, re.Match[str]]]:
+    found = ((_match_value(m), m) for m in _NUMBER.finditer(text))
+    return [(v, m) for v, m in found if v is not None]
+
+
+def _check_not_hedged(text: str, found: list[tuple[Fraction, re.Match[str]]]) -> None:
+    for (_, a), (_, b) in pairwise(found):
+        if _LIST_SEPARATOR.fullmatch(text[a.end() : b.start()]):
+            raise _Hedged
+
+
+def _segment_number(segment: str, *, after_last_equals: bool) -> Fraction | None:
+    value = exact_number(segment)
     if value is not None:
         return value
     if after_last_equals:
         segment = segment.rsplit("=", 1)[-1]
-        value = parse_number(segment)
+        value = exact_number(segment)
         if value is not None:
             return value
     else:
         segment = _LEADING_LHS.sub("", segment)
     found = _numbers_in(segment)
-    return found[0] if found else None
+    _check_not_hedged(segment, found)
+    return found[0][0] if found else None
 
 
-def _predicted_number(text: str) -> float | None:
+def _answer_number(text: str) -> Fraction | None:
+    """The number ``text`` gives as its answer, or None; :class:`_Hedged` where it gives
+    several as alternatives."""
     boxed = _boxed_contents(text)
     if boxed:
         return _segment_number(boxed[-1], after_last_equals=True)
@@ -206,18 +274,37 @@ def _predicted_number(text: str) -> float | None:
         if value is not None:
             return value
     found = _numbers_in(text)
-    return found[-1] if found else None
+    _check_not_hedged(text, found[-2:])
+    return found[-1][0] if found else None
+
+
+def _predicted_number(text: str) -> Fraction | None:
+    """The number a completion gives as its answer (:func:`numeric_match_reward`); None
+    when it gives none, or several as alternatives."""
+    try:
+        return _answer_number(text)
+    except _Hedged:
+        return None
+
+
+def _hedged(text: str) -> bool:
+    """``text`` answers with several numbers as alternatives or a list (``18 or 20``)."""
+    try:
+        _answer_number(text)
+    except _Hedged:
+        return True
+    return False
 
 
 def cell_text(value: Any) -> str | None:
-    """A data cell as text; None when there is none (None, NaN). A whole float is written
+    """A data cell as text; None when there is none (None, NaN, blank). A whole float is written
     as an integer: a CSV column with one blank cell is read as floats (``58.0``), which
     no completion ``58`` would equal."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return None
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
-    return str(value).strip()
+    return str(value).strip() or None  # (a blank cell: no answer, not the empty one)
 
 
 def answer_text(completion: Any) -> str:
@@ -230,11 +317,15 @@ def answer_text(completion: Any) -> str:
     return answer.split("<think>", 1)[0]  # (a think block opened again and not closed)
 
 
+#: GSM8K's solutions end with a line "#### <answer>" (a Markdown heading "#### Step 1"
+#: with more after it is no answer).
+_GSM8K_ANSWER = re.compile(r"####[ \t]*([^\n]*?)\s*\Z")
+
+
 def _gold_text(answer: Any) -> str:
     s = cell_text(answer) or ""
-    if "####" in s:  # GSM8K-style solutions end with "#### <answer>"
-        s = s.rsplit("####", 1)[1].strip()
-    return s
+    found = _GSM8K_ANSWER.search(s)
+    return found.group(1) if found else s
 
 
 def reference_answer(solution: Any) -> str:
@@ -249,10 +340,26 @@ def reference_answer(solution: Any) -> str:
     return boxed[-1].strip() if boxed else s
 
 
-def _gold_number(answer: Any) -> float | None:
+def _gold_number(answer: Any) -> Fraction | float | None:
+    """A gold answer as a number: exact (a Fraction) from text or an int; a float as it
+    is (a binary float is compared at its own precision: 1/3 is the float 0.333...)."""
     if answer is None or isinstance(answer, bool):
         return None
+    if isinstance(answer, numbers.Integral):
+        return Fraction(int(answer))
     if isinstance(answer, numbers.Real):
         value = float(answer)
         return value if math.isfinite(value) else None
-    return parse_number(reference_answer(answer))
+    return exact_number(reference_answer(answer))
+
+
+def same_number(predicted: Fraction | None, gold: Fraction | float) -> bool:
+    """``predicted`` is ``gold``: exactly, or for a float gold the float nearest to it."""
+    if predicted is None:
+        return False
+    if isinstance(gold, float):
+        try:
+            return float(predicted) == gold
+        except OverflowError:
+            return False
+    return predicted == gold

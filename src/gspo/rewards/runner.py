@@ -175,6 +175,12 @@ class Runner:
     whole batch) turns a function that hangs into a :class:`RewardError` naming it; with
     workers the hung processes are killed, without them the call is abandoned in a daemon
     thread (the run stops anyway).
+
+    A function marked ``main_thread_spec`` (``math``: math-verify's own time limits need a
+    process's main thread) is called, wherever it would run in a thread other than the
+    main one (a daemon thread for ``timeout``, the rollout thread of async rollouts), in
+    one worker process of its own, loaded by that spec: there its time limits hold (an
+    expression such as ``9^{9^{9^9}}`` took forever without them).
     """
 
     def __init__(self, workers: int = 0, timeout: float | None = None):
@@ -188,6 +194,7 @@ class Runner:
         self._processes: list[Any] = []
         self._finalizer: Any = None
         self._busy = False  # some task sent to the workers may not have finished
+        self._aside: Runner | None = None  # (see main_thread_spec)
 
     def check(self, names: Sequence[str], specs: Sequence[str | RewardFunction]) -> None:
         """With workers: that they can start (the main script they import is a file) and
@@ -241,6 +248,8 @@ class Runner:
         self._pool = self._finalizer = None
         self._processes = []
         self._busy = False
+        if self._aside is not None:
+            self._aside.close()
 
     def _late(self, name: str) -> RewardError:
         return RewardError(
@@ -264,7 +273,7 @@ class Runner:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         if self.workers == 0:
             return [
-                self._in_thread(name, f, prompts, completions, columns, deadline)
+                self._in_this_process(name, f, prompts, completions, columns, deadline)
                 for name, f in zip(names, functions, strict=True)
             ]
         bounds = _chunks(len(completions), self.workers)
@@ -344,6 +353,27 @@ class Runner:
         for part in parts:
             part.wait(max(0.0, limit - time.monotonic()))
         self._busy = not all(part.ready() for part in parts)
+
+    def _in_this_process(
+        self,
+        name: str,
+        function: RewardFunction,
+        prompts: Any,
+        completions: Any,
+        columns: Any,
+        deadline: float | None,
+    ) -> Any:
+        spec = getattr(function, "main_thread_spec", None)
+        in_thread = (
+            deadline is not None or threading.current_thread() is not threading.main_thread()
+        )
+        if spec is None or not in_thread:
+            return self._in_thread(name, function, prompts, completions, columns, deadline)
+        if self._aside is None:
+            self._aside = Runner(workers=1, timeout=self.timeout)
+        left = None if deadline is None else max(1e-3, deadline - time.monotonic())
+        self._aside.timeout = left
+        return self._aside.run([name], [function], [spec], prompts, completions, columns)[0]
 
     def _in_thread(
         self,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import decimal
 import functools
 import inspect
-import math
 import re
 import signal
 import threading
@@ -24,17 +23,15 @@ from gspo.rewards.parsing import (
     _boxed_contents,
     _gold_number,
     _gold_text,
+    _hedged,
     _predicted_number,
     answer_text,
     cell_text,
-    completion_text,
+    same_number,
 )
 
 MATH_VERIFY_TIMEOUT_S = 5
 """Per-parse / per-comparison timeout given to math-verify when it can use one (see math_reward)."""
-
-NUMERIC_REL_TOL = 1e-6
-NUMERIC_ABS_TOL = 1e-12
 
 
 def _require_answer(name: str, answer: Sequence[Any] | None, n: int) -> Sequence[Any]:
@@ -100,13 +97,15 @@ def exact_match_reward(
 
     Called TRL-style as ``f(prompts=..., completions=..., answer=..., **other_columns)``;
     completions are strings or conversational ``[{"role": "assistant", "content": ...}]``.
-    A sample whose answer is None gets None (not applicable).
+    The text compared is what follows a reasoning model's ``</think>``
+    (:func:`~gspo.rewards.parsing.answer_text`). A sample whose answer is None or blank
+    gets None (not applicable).
     """
     answer = _require_answer("exact_match", answer, len(completions))
     out: list[float | None] = []
     for completion, gold in zip(completions, answer, strict=True):
         text = cell_text(gold)
-        out.append(None if text is None else float(completion_text(completion).strip() == text))
+        out.append(None if text is None else float(answer_text(completion).strip() == text))
     return out
 
 
@@ -126,8 +125,12 @@ def numeric_match_reward(
     last number in the text (ints, decimals, negatives, ``1,234``, ``3/4``, ``\\frac{3}{4}``).
     Inside a box or answer tag the part after the last ``=`` is used (``\\boxed{x = 5}``).
     The gold answer may be a number, a numeric string, a ``\\boxed{}`` or a GSM8K solution
-    ending in ``#### <answer>``. Numbers match within a relative tolerance of 1e-6.
-    A sample whose gold answer is not numeric gets None (not applicable).
+    ending in ``#### <answer>``. Numbers are compared exactly, as fractions (``0.5`` is
+    ``1/2``; ``1000001`` is not ``1,000,000``); a gold answer stored as a float is matched
+    by the number whose nearest float it is (``1/3`` for ``0.3333333333333333``). An
+    answer that names several numbers as alternatives or a list (``18 or 20``,
+    ``\\boxed{1, 2}``, ``1,5``) gets 0.0. A sample whose gold answer is not numeric gets
+    None (not applicable).
     """
     answer = _require_answer("numeric_match", answer, len(completions))
     out: list[float | None] = []
@@ -137,10 +140,7 @@ def numeric_match_reward(
             out.append(None)
             continue
         predicted = _predicted_number(answer_text(completion))
-        ok = predicted is not None and math.isclose(
-            predicted, gold_value, rel_tol=NUMERIC_REL_TOL, abs_tol=NUMERIC_ABS_TOL
-        )
-        out.append(float(ok))
+        out.append(float(same_number(predicted, gold_value)))
     return out
 
 
@@ -152,11 +152,12 @@ def format_reward(
     Called TRL-style as ``f(prompts=..., completions=..., **columns)`` (no column needed);
     completions are strings or conversational ``[{"role": "assistant", "content": ...}]``.
     Well-formed means any of: a brace-balanced non-empty ``\\boxed{...}``, a non-empty
-    ``<answer>...</answer>``, or "Answer:" followed by some text (case-insensitive).
+    ``<answer>...</answer>``, or "Answer:" followed by some text (case-insensitive), after
+    a reasoning model's ``</think>`` (a box inside the thinking is no answer).
     """
     out: list[float | None] = []
     for completion in completions:
-        text = completion_text(completion)
+        text = answer_text(completion)
         ok = (
             any(c.strip() for c in _boxed_contents(text))
             or any(c.strip() for c in _answer_tag_contents(text))
@@ -230,8 +231,10 @@ def math_reward(
     ``math_verify.verify`` compares them symbolically (``\\frac{1}{2}`` equals ``0.5``).
     Both are read after :func:`_plain_math`: a thin space between digits (``1\\,000``,
     which math-verify reads as 0) and an escaped dollar sign are dropped first.
-    Errors and timeouts inside math-verify give 0.0. A sample whose answer is None, or whose
-    gold answer math-verify cannot parse, gets None.
+    Errors and timeouts inside math-verify give 0.0, and so does a completion that answers
+    a one-number gold answer with several numbers as alternatives or a list (``18 or 20``,
+    which math-verify reads as 18). A sample whose answer is None, or whose gold answer
+    math-verify cannot parse, gets None.
     """
     answer = _require_answer("math", answer, len(completions))
     from math_verify import parse, verify
@@ -266,6 +269,9 @@ def math_reward(
             out.append(None)
             continue
         text = _plain_math(answer_text(completion))
+        if _gold_number(gold) is not None and _hedged(text):  # (math-verify took "18 or 20"
+            out.append(0.0)  # as 18, the first; one number asked, several given)
+            continue
         if "\\boxed" not in text:
             tags = _answer_tag_contents(text)
             if tags:
@@ -332,6 +338,8 @@ for _function, _columns in (
     (code_reward, ("tests",)),
 ):
     _function.required_columns = _columns  # type: ignore[attr-defined]
+# (math-verify's time limits work in a main thread only: see gspo.rewards.runner.Runner)
+math_reward.main_thread_spec = "math"  # type: ignore[attr-defined]
 
 BUILTIN_REWARDS: dict[str, RewardFunction] = {
     "code": code_reward,

@@ -379,8 +379,9 @@ def check_reward_columns(
     """Before the run writes anything (or ``--overwrite`` removes an old run): the reward
     functions find the columns they need in the training and the held-out rows (an
     environment adds ``environments``); one line naming the data that lacks one. Returned:
-    a warning line for each such column that some rows leave empty (None: their
-    completions are not scored, so in training their groups teach nothing)."""
+    a warning line for each such column that some rows leave empty (None, blank text or
+    an empty list: their completions are not scored, so in training their groups teach
+    nothing)."""
     extra = ["environments"] if environment is not None else []
     warnings = []
     for key, rows in (("data.train", data.train), ("data.eval", data.eval)):
@@ -389,7 +390,7 @@ def check_reward_columns(
             columns = [*(k for k in rows[0] if k != "prompt"), *extra]
             rewards.check_columns(columns, f"{key} ({where})")
             for column, name in rewards.required(columns).items():
-                empty = [i for i, row in enumerate(rows) if row.get(column) is None]
+                empty = [i for i, row in enumerate(rows) if _empty(row.get(column))]
                 if empty and column not in extra:
                     warnings.append(
                         f"{key} ({where}): {len(empty)} of {len(rows)} rows (row {empty[0]} "
@@ -397,6 +398,12 @@ def check_reward_columns(
                         "their completions are not scored"
                     )
     return warnings
+
+
+def _empty(value: Any) -> bool:
+    if isinstance(value, str):
+        return not value.strip()
+    return value is None or (isinstance(value, (list, tuple)) and not value)
 
 
 def empty_completions(sft: list[dict], config: Config) -> list[str]:
