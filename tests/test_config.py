@@ -1,5 +1,6 @@
 """Config: YAML + dotted overrides, one-line errors naming the key."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,11 @@ def test_bad_values_name_the_key(override, expected):
          "gradient_accumulation_steps is part of what rollout.prompts_per_batch x "
          "rollout.group_size / algorithm.minibatches gives per optimizer step (no one key) "
          "here (docs/from_trl.md)"),
+        ("temperature=0.7", "temperature: unknown key; TRL's temperature is "
+         "rollout.temperature here (docs/from_trl.md)"),
+        ("loss_type=dapo", "loss_type: unknown key; TRL's loss_type has no equivalent here: "
+         "gspo has one aggregation, TRL's \"grpo\" (the mean of each response's token mean) "
+         "(docs/from_trl.md)"),
         ("data.task=calculater", "(got 'calculater'); did you mean 'calculator'?"),
         ("algorithm.level=sequnce", "(got 'sequnce'); did you mean 'sequence'?"),
         ("reward.functions=[exact_mach]", "numeric_match); did you mean 'exact_match'?"),
@@ -599,3 +605,21 @@ def test_a_list_the_shell_split_at_a_space_says_to_quote_it():
         "reward.functions: cannot parse value '[exact_match,' as YAML (the shell split it at "
         "a space: quote it whole, 'reward.functions=[exact_match, ...')"
     )
+
+
+def test_every_trl_field_named_leads_to_a_gspo_key():
+    """Each TRL field's hint names keys that exist (a hint to a key that is not there
+    would be a second refusal), and each field of either table is refused with its hint."""
+    from gspo.config.section import TRL_NAMES, TRL_WITHOUT
+
+    names = {f"{s}.{k}" for s, model in sections() for k, _ in keys(model)} | {
+        s for s, _ in sections()
+    }
+    for field, where in TRL_NAMES.items():
+        for name in re.findall(r"\b[a-z_]+\.[a-z_.]+\b", where):
+            assert name in names, (field, name)
+        with pytest.raises(ConfigError, match=f"^{field}: unknown key; TRL's {field} is "):
+            load_config(overrides=[f"{field}=1"])
+    for field in TRL_WITHOUT:
+        with pytest.raises(ConfigError, match=f"TRL's {field} has no equivalent here: "):
+            load_config(overrides=[f"{field}=1"])

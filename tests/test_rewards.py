@@ -846,3 +846,17 @@ def test_gold_answers_as_a_csv_writes_them_still_score():
         1.0,
         1.0,
     ]
+
+
+def test_metric_labels_name_each_function_as_trl_does() -> None:
+    from gspo.rewards.functions import metric_labels
+
+    names = ["numeric_match", "/abs/dir/r.py:bonus", "pkg.mod:style", "pkg.mod:style#2"]
+    assert metric_labels(names) == {
+        "numeric_match": "numeric_match",
+        "/abs/dir/r.py:bonus": "bonus",
+        "pkg.mod:style": "style",
+        "pkg.mod:style#2": "style#2",
+    }
+    # two specs of one function name: the whole specs, not one key for both
+    assert metric_labels(["a.py:f", "b.py:f"]) == {"a.py:f": "a.py:f", "b.py:f": "b.py:f"}

@@ -34,7 +34,9 @@ def group_advantages(
         group_size: ``G``; ``N`` must be a multiple of it.
         scale: ``"group"`` divides by each group's std (the paper's form, default),
             ``"batch"`` by the std of all ``N`` rewards, ``"none"`` does not divide
-            (Dr. GRPO). Standard deviations are unbiased (Bessel), as in TRL and verl.
+            (Dr. GRPO's advantages; Dr. GRPO's loss also drops the per-response length
+            mean, which gspo's keeps). Standard deviations are unbiased (Bessel), as in
+            TRL and verl.
         batch_std: for ``"batch"``, the std of the whole rollout batch when ``rewards``
             is one rank's share of it (torchrun); by default that of ``rewards``.
         scorable: ``[N]`` bool, False for a completion no reward function scored (all

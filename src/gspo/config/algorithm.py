@@ -64,7 +64,8 @@ class AlgorithmConfig(Section):
     advantage_scale: Literal["group", "batch", "none"] = Field(
         "group",
         description="Divide group-centred rewards by the group's std (group), the rollout "
-        "batch's (batch) or nothing (none, Dr. GRPO)",
+        "batch's (batch) or nothing (none: Dr. GRPO's advantages; its loss without the "
+        "per-response length mean is not gspo's)",
     )
     kl_coef: float = Field(
         0.0,

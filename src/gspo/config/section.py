@@ -141,6 +141,37 @@ TRL_NAMES = {
     "save_steps": "train.save_every",
     "output_dir": "--output-dir",
     "report_to": "log.wandb / log.mlflow",
+    "temperature": "rollout.temperature",
+    "top_p": "rollout.top_p",
+    "seed": "train.seed",
+    "max_steps": "train.max_steps",
+    "weight_decay": "optim.weight_decay",
+    "warmup_steps": "optim.warmup_steps",
+    "warmup_ratio": "optim.warmup_steps (a number of steps)",
+    "entropy_coef": "algorithm.entropy_coef",
+    "save_total_limit": "train.keep_checkpoints",
+    "peft_config": "model.lora (r, alpha, dropout, target_modules)",
+    "chat_template_kwargs": "data.chat_template_kwargs",
+    "router_aux_loss_coef": "moe.router_aux_loss_coef",
+    "num_generations_eval": "eval.samples",
+    "train_dataset": "data.train",
+    "eval_dataset": "data.eval",
+    "fp16": "model.dtype",
+    "use_cpu": "model.device",
+}
+
+#: TRL ``GRPOConfig`` fields with no gspo setting, and why (docs/from_trl.md).
+TRL_WITHOUT = {
+    "loss_type": "gspo has one aggregation, TRL's \"grpo\" (the mean of each response's "
+    "token mean)",
+    "num_iterations": "each rollout batch is used once, in algorithm.minibatches steps",
+    "max_prompt_length": "prompts are not truncated",
+    "logging_steps": "every optimizer step is logged",
+    "lr_scheduler_type": "the schedule is a linear warm-up, then constant",
+    "adam_epsilon": "AdamW's epsilon is torch's 1e-8",
+    "top_k": "sampling takes rollout.temperature and rollout.top_p only",
+    "min_p": "sampling takes rollout.temperature and rollout.top_p only",
+    "repetition_penalty": "sampling takes rollout.temperature and rollout.top_p only",
 }
 
 
@@ -153,6 +184,11 @@ def unknown_key(key: str, keys: list[str]) -> str:
     # scale_rewards is not "reward")
     if leaf in TRL_NAMES and (not close or not parent):
         return f"{key}: unknown key; TRL's {leaf} is {TRL_NAMES[leaf]} here (docs/from_trl.md)"
+    if leaf in TRL_WITHOUT and (not close or not parent):
+        return (
+            f"{key}: unknown key; TRL's {leaf} has no equivalent here: {TRL_WITHOUT[leaf]} "
+            "(docs/from_trl.md)"
+        )
     return f"{key}: unknown key{close}"
 
 

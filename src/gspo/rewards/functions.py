@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,18 @@ def _spec_name(spec: str | RewardFunction) -> str:
     if isinstance(spec, str):
         return spec.strip()
     return getattr(spec, "__name__", None) or type(spec).__name__
+
+
+def metric_labels(names: Sequence[str]) -> dict[str, str]:
+    """Each reward function's name as its metric calls it (``train/reward/LABEL``): a spec
+    ``path/to/file.py:function`` or ``package.module:function`` by its function, as TRL
+    names it (``#2`` of a repeated spec kept); the whole name where two would be the same."""
+    short = {}
+    for name in names:
+        spec, mark, repeat = name.partition("#")
+        short[name] = spec.rpartition(":")[2].strip() + mark + repeat
+    counts = Counter(short.values())
+    return {name: label if counts[label] == 1 else name for name, label in short.items()}
 
 
 #: What TRL passes a reward function and gspo does not.

@@ -24,6 +24,7 @@ from gspo.config import Config
 from gspo.distributed import Distributed, rank_said
 from gspo.engines import SamplingParams
 from gspo.rewards import RewardFunctions, overlong_penalty
+from gspo.rewards.functions import metric_labels
 from gspo.tasks import as_completion
 from gspo.training.dynamic_sampling import (
     concat_batches,
@@ -397,8 +398,9 @@ def rollout_metrics(
         "train/truncated_fraction": sum(r == "length" for r in finish_reasons)
         / len(finish_reasons),
     }
-    for name, values in per_function.items():
+    labels = metric_labels(list(per_function))
+    for name, values in per_function.items():  # (as TRL's rewards/NAME/mean: the scored ones)
         numbers = [v for v in values if v is not None]
-        if len(per_function) > 1 and numbers:
-            metrics[f"train/reward/{name}"] = sum(numbers) / len(numbers)
+        if numbers:
+            metrics[f"train/reward/{labels[name]}"] = sum(numbers) / len(numbers)
     return metrics
