@@ -830,6 +830,16 @@ def test_a_function_needing_what_only_trl_passes_is_told_so():
         rewards.check_columns(["answer"], "data.train (x.jsonl)")
     assert "needs 'completion_ids', which TRL passes and gspo does not" in str(err.value)
 
+    def from_kwargs(prompts, completions, **kwargs):  # (TRL's examples read them so)
+        return [float(len(ids)) for ids in kwargs["completion_ids"]]
+
+    with pytest.raises(RewardError) as err:  # (it said "raised KeyError: 'completion_ids'")
+        RewardFunctions.from_specs([from_kwargs], None)(["p"], ["c"])
+    assert str(err.value) == (
+        "reward function 'from_kwargs' read 'completion_ids' from its keyword arguments, "
+        "which TRL passes and gspo does not (docs/from_trl.md); compute it from the completions"
+    )
+
 
 def test_gold_answers_as_a_csv_writes_them_still_score():
     """CSV cells are text as written now ("+5", "1e3", no longer read as numbers): a gold

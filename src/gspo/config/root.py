@@ -112,6 +112,15 @@ class Config(Section):
                 f"data.eval is data.train ({data.eval}): the held-out evaluation scores the "
                 "training prompts, so eval/* measures memorisation, not generalisation"
             )
+        batch = self.rollout.group_size * self.rollout.prompts_per_batch
+        parts = self.algorithm.minibatches
+        if batch % parts:
+            lines.append(
+                f"algorithm.minibatches={parts} does not divide the rollout batch of {batch} "
+                f"responses (rollout.prompts_per_batch x rollout.group_size): minibatches of "
+                f"{batch // parts + 1} and {batch // parts}, whose responses weigh unequally in "
+                "their optimizer steps (TRL refuses such a split); use a divisor"
+            )
         lora = self.model.lora
         unused = [k for k, v in lora.model_dump().items() if k != "r" and v != _LORA[k]]
         if lora.r == 0 and unused:

@@ -21,6 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+#: What TRL passes a reward function and gspo does not.
+TRL_ONLY = ("completion_ids", "trainer_state", "log_extra", "log_metric")
+
 RewardFunction = Callable[..., Sequence[float | None]]
 """A TRL-style reward function: ``f(prompts=..., completions=..., **columns) -> list``."""
 

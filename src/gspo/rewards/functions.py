@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gspo.plugins import missing_arguments, one_line
-from gspo.rewards.contract import RewardError, RewardFunction
+from gspo.rewards.contract import TRL_ONLY, RewardError, RewardFunction
 from gspo.rewards.loading import load_reward_function
 from gspo.rewards.runner import Runner
 
@@ -82,10 +82,6 @@ def metric_labels(names: Sequence[str]) -> dict[str, str]:
         short[name] = spec.rpartition(":")[2].strip() + mark + repeat
     counts = Counter(short.values())
     return {name: label if counts[label] == 1 else name for name, label in short.items()}
-
-
-#: What TRL passes a reward function and gspo does not.
-TRL_ONLY = ("completion_ids", "trainer_state", "log_extra", "log_metric")
 
 
 @dataclass

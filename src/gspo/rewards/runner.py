@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gspo.plugins import missing_arguments, one_line, raised, run_coroutine
-from gspo.rewards.contract import RewardError, RewardFunction
+from gspo.rewards.contract import TRL_ONLY, RewardError, RewardFunction
 from gspo.rewards.loading import load_reward_function
 
 
@@ -39,6 +39,12 @@ def _call_one(
             raise RewardError(
                 f"reward function {name!r} needs the argument(s) {', '.join(missing)}, which "
                 f"no data column gives (the columns: {have})"
+            ) from e
+        if isinstance(e, KeyError) and e.args and e.args[0] in TRL_ONLY and e.args[0] not in given:
+            raise RewardError(
+                f"reward function {name!r} read {e.args[0]!r} from its keyword arguments, "
+                "which TRL passes and gspo does not (docs/from_trl.md); compute it from the "
+                "completions"
             ) from e
         unexpected = _unexpected_arguments(function, given)
         if isinstance(e, TypeError) and unexpected:
