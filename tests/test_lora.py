@@ -388,6 +388,9 @@ def test_lora_on_the_moe_builtin_trains(tmp_path, varied_reward):
         (["model.lora.r=8", "train.cold_start_steps=0", "model.lora.target_modules=[]"],
          "model.lora.target_modules"),
         (["model.lora.dropout=1.5"], "model.lora.dropout"),
+        # one string of names is a regex matching no whole module name (PEFT's "not found")
+        (["model.lora.r=8", "train.cold_start_steps=0", "model.lora.target_modules=q_proj,v_proj"],
+         "write a list: model.lora.target_modules='[q_proj, v_proj]'"),
     ],
 )  # fmt: skip
 def test_lora_config_errors_name_the_key(overrides, needle):

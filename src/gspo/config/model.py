@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -36,9 +37,21 @@ class LoraSettings(Section):
     )
 
     def check_targets(self) -> None:
-        """Adapters need at least one target module."""
-        if self.r > 0 and isinstance(self.target_modules, list) and not self.target_modules:
+        """Adapters need at least one target module; one string of names (``q_proj``,
+        ``q_proj,v_proj``) is no regex that matches one (PEFT matches a string against a
+        module's whole name), so it is refused with the list to write."""
+        targets = self.target_modules
+        if self.r > 0 and isinstance(targets, list) and not targets:
             raise ValueError("model.lora.target_modules: empty list (use all-linear)")
+        names = isinstance(targets, str) and re.fullmatch(r"\w+(\s*,\s*\w+)*", targets)
+        if self.r > 0 and names:  # ("all-linear" is no such string)
+            listed = ", ".join(n.strip() for n in targets.split(","))
+            raise ValueError(
+                f"model.lora.target_modules={targets!r}: one string is a regex that must "
+                "match a module's whole name (model.layers.0.self_attn.q_proj), as in "
+                f"PEFT; to name modules by their last part write a list: "
+                f"model.lora.target_modules='[{listed}]'"
+            )
 
 
 class ModelConfig(Section):
