@@ -952,6 +952,15 @@ def test_evaluation_leaves_out_what_no_reward_function_scored(tmp_path):
     for suffix in ("", "_greedy"):
         assert line[f"eval/accuracy{suffix}"] == line[f"eval/reward_mean{suffix}"] == 1.0
         assert line[f"eval/unscored_fraction{suffix}"] == 0.5
+    # training's rewards too (every rollout batch holds the 4 rows: half unscored): they
+    # counted as 0, a mean of 0.5 for rewards all 1.0
+    trained = [*overrides[:-3], "train.max_steps=2", "eval.every=0",
+               f"data.train={tmp_path / 'ev.jsonl'}", overrides[-1]]  # fmt: skip
+    Trainer(load_config(None, trained), tmp_path / "train").fit()
+    lines = [r for r in run_metrics(tmp_path / "train") if "train/reward_mean" in r]
+    assert lines
+    assert all(r["train/reward_mean"] == 1.0 and r["train/reward_std"] == 0.0 for r in lines)
+    assert all(r["train/unscored_fraction"] == 0.5 for r in lines)
 
 
 def test_train_lr_is_the_rate_each_step_took(tmp_path, varied_reward, monkeypatch):
@@ -1038,6 +1047,10 @@ def test_rewards_that_never_apply_are_said_once(tmp_path, capsys):
         f"completions of a batch, so every advantage is 0 and nothing is learned; check "
         f"reward.functions ({tmp_path / 'rw.py'}:never) against the data's columns (shown once)"
     ]
+    lines = train_lines(run_metrics(tmp_path / "run"))  # no reward measured: none logged
+    assert lines and all("train/reward_mean" not in r for r in lines)
+    assert all(r.get("train/unscored_fraction", 1.0) == 1.0 for r in lines)
+    assert any("train/unscored_fraction" in r for r in lines)
 
 
 def test_the_python_train_refuses_what_the_cli_refuses(tmp_path):

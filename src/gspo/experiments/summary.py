@@ -188,8 +188,10 @@ def algorithm_summary(runs: Sequence[Run]) -> dict[str, Any]:
     rewards = []
     for r in runs:
         lines = train_lines(r.records)
-        tail = lines[len(lines) * 3 // 4 :]
-        rewards.append(statistics.fmean(x["train/reward_mean"] for x in tail) if tail else math.nan)
+        tail = [
+            x["train/reward_mean"] for x in lines[len(lines) * 3 // 4 :] if "train/reward_mean" in x
+        ]
+        rewards.append(statistics.fmean(tail) if tail else math.nan)
     seconds = [(with_elapsed(r.records)[-1]["elapsed"] if r.records else math.nan) for r in runs]
     cosine_dumps = [d for r in runs for d in load_gradient_cosines(r.path)]
     dumps = [load_ratio_dumps(r.path) for r in runs]

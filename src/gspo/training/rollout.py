@@ -373,12 +373,16 @@ def rollout_metrics(
     figures are those of the whole rollout batch, standard deviation included.
     """
     batch = scored.batch
+    scorable = scored.scorable
+    if scorable is None:
+        scorable = torch.ones(len(scored.rewards), dtype=torch.bool)
     mine = (
         scored.rewards.cpu(),
         advantages.cpu(),
         batch.completion_lengths.float().cpu(),
         batch.finish_reasons,
         scored.per_function,
+        scorable.cpu(),
     )
     parts = dist.gather_objects(mine)
     rewards = torch.cat([p[0] for p in parts])
@@ -386,11 +390,18 @@ def rollout_metrics(
     lengths = torch.cat([p[2] for p in parts])
     finish_reasons = [r for p in parts for r in p[3]]
     per_function = {name: [v for p in parts for v in p[4][name]] for name in parts[0][4]}
+    # a completion no reward function scored is out of the advantages' means: out of these
+    # too (it was a reward of 0), as in evaluation and TRL; none scored, no reward logged
+    kept = rewards[torch.cat([p[5] for p in parts])]
     # group_advantages zeroes exactly the groups that teach nothing (constant_groups)
     flat = (advantages.view(-1, batch.group_size) == 0).all(dim=1)
-    metrics = {
-        "train/reward_mean": rewards.mean().item(),
-        "train/reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
+    metrics = {}
+    if len(kept):
+        metrics["train/reward_mean"] = kept.mean().item()
+        metrics["train/reward_std"] = kept.std().item() if len(kept) > 1 else 0.0
+    if len(kept) < len(rewards):
+        metrics["train/unscored_fraction"] = 1.0 - len(kept) / len(rewards)
+    metrics |= {
         "train/zero_std_fraction": flat.float().mean().item(),
         "train/advantage_abs_mean": advantages.abs().mean().item(),
         "train/response_length_mean": lengths.mean().item(),
