@@ -201,6 +201,11 @@ def test_gradient_noise_notes_compare_the_length_trend():
         {"GRPO": algo(0.6, 0.3, se=0.1), "GSPO": algo(0.6, 0.5, se=0.1)}
     )
     assert "change alike with length, within two standard errors" in noisy
+    # a bucket of one dump has no standard error (NaN): "alike" was said of any difference
+    (one, *_) = gradient_noise_notes(
+        {"GRPO": algo(0.95, 0.05, se=math.nan), "GSPO": algo(0.95, 0.95)}
+    )
+    assert "cannot tell: a bucket has too few dumps" in one and "alike" not in one
     (rises, *_) = gradient_noise_notes({"GRPO": algo(0.3, 0.6), "GSPO": algo(0.6, 0.5)})
     assert "rises more with length for GRPO" in rises
     assert gradient_noise_notes({"GRPO": algo(0.6, 0.5)}) == []

@@ -153,10 +153,11 @@ def test_cold_start_curves_go_by_their_own_step_in_tensorboard(tmp_path):
     """Every cold-start line is RL step 0: TensorBoard drew all of sft/loss at step 0."""
     with MetricsLogger(tmp_path) as logger:
         for sft_step in (100, 200, 300):
-            logger.log(0, {"sft/step": sft_step, "sft/loss": 1.0 / sft_step})
+            logger.log(0, {"sft/step": sft_step, "sft/loss": 1.0 / sft_step, "time/sft": 1.0})
         logger.log(1, {"train/reward_mean": 0.5})
     tb_dir = tmp_path / "tensorboard"
     assert [s for s, _ in _scalar_events(tb_dir, "sft/loss")] == [100, 200, 300]
+    assert [s for s, _ in _scalar_events(tb_dir, "time/sft")] == [100, 200, 300]  # (all at 0)
     assert [s for s, _ in _scalar_events(tb_dir, "train/reward_mean")] == [1]
     assert [r["step"] for r in read_metrics(tmp_path)] == [0, 0, 0, 1]  # the jsonl as before
 

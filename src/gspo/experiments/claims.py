@@ -201,7 +201,9 @@ def gradient_noise_notes(summary: Mapping[str, Mapping[str, Any]]) -> list[str]:
         grpo_change, grpo_se, grpo_text = trend("GRPO", key)
         gspo_change, gspo_se, gspo_text = trend("GSPO", key)
         diff, two_se = grpo_change - gspo_change, 2 * math.hypot(grpo_se, gspo_se)
-        if diff < -two_se:
+        if not math.isfinite(diff + two_se):  # (a bucket of one dump has no standard error)
+            finding = "cannot tell: a bucket has too few dumps for a standard error"
+        elif diff < -two_se:
             finding = "it falls more with length for GRPO than for GSPO"
         elif diff > two_se:
             finding = "it rises more with length for GRPO than for GSPO (or falls less)"

@@ -37,9 +37,10 @@ RL_STEP = "train/step"
 
 
 def axis(key: str) -> str:
-    """The step a metric is drawn against: the cold start's own for ``sft/*`` (its lines
-    are all RL step 0), the RL step for the rest."""
-    return "sft/step" if key.startswith("sft/") else RL_STEP
+    """The step a metric is drawn against: the cold start's own for ``sft/*`` and its
+    ``time/sft`` (its lines are all RL step 0: its time was drawn as one column at 0), the
+    RL step for the rest."""
+    return "sft/step" if key.startswith("sft/") or key == "time/sft" else RL_STEP
 
 
 class WandbSink:
