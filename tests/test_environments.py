@@ -1,6 +1,7 @@
 """Multi-turn environments: tool calls, token-in/token-out episodes, environment tokens masked."""
 
 import copy
+import signal
 from types import SimpleNamespace
 
 import pytest
@@ -693,6 +694,15 @@ def test_an_environment_call_past_env_timeout_stops_the_run_in_one_line(tmp_path
         "within rollout.env_timeout=2 s; the run stops here (checkpoints already written "
         "are intact; gspo train --resume continues from the last)"
     ], done.stderr[-2000:]
+    # from Python: an EnvError to catch (the process itself ended: a notebook's kernel),
+    # after which the run resumes as any stopped run does
+    from gspo.environments import EnvError
+    from gspo.runs import train
+
+    config = load_config(None, overrides)
+    with pytest.raises(EnvError, match=r"^environment .*: step\(\) did not return within"):
+        train(config, tmp_path / "py")
+    assert signal.getsignal(signal.SIGALRM) is signal.SIG_DFL  # (its handler put back)
 
 
 def test_environment_reward_is_the_default_and_workers_are_refused(tmp_path, env_file):

@@ -41,6 +41,7 @@ import inspect
 import json
 import os
 import re
+import signal
 import sys
 import threading
 import types
@@ -54,34 +55,71 @@ from gspo.plugins import load_object, missing_arguments, one_line, raised, run_c
 RESERVED = frozenset({"reset", "step", "get_reward", "close"})
 
 
+#: Past rollout.env_timeout, how long a call interrupted in the main thread may take to
+#: give up (code that never returns to Python, a C loop, cannot be interrupted).
+ENV_GRACE_SECONDS = 30.0
+
+
+class _Overran(BaseException):
+    """Raised into a call past its deadline: a BaseException, so that the environment's
+    own ``except Exception`` does not take it for one of its errors and go on."""
+
+
 @contextlib.contextmanager
 def deadline(seconds: float | None, what: str) -> Iterator[None]:
     """``what``, a call into an environment, must return within ``seconds`` (None: no
-    limit). It runs in the trainer's own process, where nothing can interrupt it, so past
-    the limit the process ends with one line, as a kill would: checkpoints are never
-    half-written, and ``--resume`` continues from the last."""
+    limit); past it the run stops with one line, checkpoints intact (``--resume``
+    continues from the last). In the main thread (with no timer of another's pending) the
+    call is interrupted by a signal and the line is an :class:`EnvError`, which Python code
+    that called ``gspo.train`` can catch; elsewhere (async rollouts' thread), or when the
+    call does not give up within :data:`ENV_GRACE_SECONDS`, nothing can interrupt it and
+    the process ends with the line, as a kill would."""
     if seconds is None:
         yield
         return
+    said = (
+        f"{what} did not return within rollout.env_timeout={seconds:g} s; the run stops "
+        "here (checkpoints already written are intact; gspo train --resume continues from "
+        "the last)"
+    )
 
     def overran() -> None:
         from gspo.distributed import rank_said
 
-        print(
-            f"gspo: error{rank_said()}: {what} did not return within "
-            f"rollout.env_timeout={seconds:g} s; the run stops here (checkpoints already "
-            "written are intact; gspo train --resume continues from the last)",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(f"gspo: error{rank_said()}: {said}", file=sys.stderr, flush=True)
         os._exit(2)
 
-    timer = threading.Timer(seconds, overran)
+    interrupt = (
+        hasattr(signal, "setitimer")
+        and threading.current_thread() is threading.main_thread()
+        and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+    )
+    timer = threading.Timer(seconds + (ENV_GRACE_SECONDS if interrupt else 0.0), overran)
     timer.daemon = True
     timer.start()
+    if not interrupt:
+        try:
+            yield
+        finally:
+            timer.cancel()
+        return
+
+    returned: list[bool] = []
+
+    def alarm(signum: int, frame: Any) -> None:
+        if not returned:
+            raise _Overran
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         yield
+    except _Overran:
+        raise EnvTimeout(said) from None
     finally:
+        returned.append(True)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
         timer.cancel()
 
 
@@ -90,6 +128,11 @@ _CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 
 class EnvError(ValueError):
     """A bad environment (not found, not constructible, a tool without schema): one line."""
+
+
+class EnvTimeout(EnvError):
+    """A call into an environment past ``rollout.env_timeout`` (:func:`deadline`): the
+    run stops, whatever the call would have made of an error of its own."""
 
 
 @dataclass
@@ -314,6 +357,8 @@ class Episode:
         try:
             with self.spec.deadline("reset()"):
                 out = reset(**kwargs)
+        except EnvTimeout:
+            raise
         except (Exception, SystemExit) as e:  # (sys.exit in user code: an error)
             raise EnvError(
                 f"environment {self.spec.name!r}: reset() raised {raised(e, 300)}"
@@ -334,6 +379,8 @@ class Episode:
             try:
                 with self.spec.deadline("step()"):
                     observation = self.env.step(text)
+            except EnvTimeout:
+                raise
             except (Exception, SystemExit) as e:  # (sys.exit in user code: an error)
                 raise EnvError(
                     f"environment {self.spec.name!r}: step() raised {raised(e, 300)}"
@@ -369,6 +416,8 @@ class Episode:
                         result = run_coroutine(result)
                 message["content"] = tool_result_text(result)
                 return message
+            except EnvTimeout:
+                raise
             except NoText as e:  # (returned, not raised: no place in the tool to name)
                 error = f"the tool returned {e}"
                 self._warn(call.name, e, f"returned {e}")
@@ -386,6 +435,8 @@ class Episode:
             try:
                 with self.spec.deadline("close()"):
                     close()
+            except EnvTimeout:
+                raise
             except (Exception, SystemExit) as e:  # (sys.exit in user code: an error)
                 raise EnvError(
                     f"environment {self.spec.name!r}: close() raised {raised(e, 300)}"

@@ -114,9 +114,9 @@ class RolloutConfig(Section):
         None,
         gt=0,
         description="environment: seconds one call into it (constructor, reset, step, a "
-        "tool, close) may take; past it the run stops with one line naming the call (it "
-        "runs in the trainer's process, where nothing can interrupt it: the process exits, "
-        "checkpoints intact); null = no limit",
+        "tool, close) may take; past it the run stops with one line naming the call, "
+        "checkpoints intact (from Python an EnvError; in async rollouts' thread, where "
+        "nothing can interrupt it, the process exits); null = no limit",
     )
     max_staleness: int = Field(
         0,
