@@ -1074,3 +1074,20 @@ def test_the_python_train_refuses_what_the_cli_refuses(tmp_path):
     assert trainer.rewards.runner._pool is not None
     trainer.close()  # stops it (it lived on until the trainer was collected)
     assert trainer.rewards.runner._pool is None
+
+
+def test_a_trainer_made_over_a_run_is_refused_unless_resumed(tmp_path):
+    """gspo.Trainer(config, dir) over a finished run trained again and replaced its
+    metrics, config and checkpoints, unsaid (gspo.train refuses it)."""
+    config = load_config(None, [*FAST, "train.max_steps=1", "train.cold_start_steps=0"])
+    Trainer(config, tmp_path / "run").fit()
+    before = (tmp_path / "run" / "metrics.jsonl").read_bytes()
+    with pytest.raises(ValueError, match=r"already holds a run \(its checkpoints\): resume=True"):
+        Trainer(config, tmp_path / "run")
+    assert (tmp_path / "run" / "metrics.jsonl").read_bytes() == before
+    with pytest.raises(ValueError, match=r"^output_dir: None is no directory path$"):
+        Trainer(config, None)
+    from gspo.runs import train
+
+    with pytest.raises(ValueError, match=r"^train: output_dir None is no directory path$"):
+        train(config, None)  # (a TypeError from pathlib)

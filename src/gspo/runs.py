@@ -41,6 +41,8 @@ def train(
             f"train: config must be a gspo.config.Config (gspo.config.load_config(path, "
             f"overrides) makes one), got {type(config).__name__}"
         )
+    if not isinstance(output_dir, str | os.PathLike) or not str(output_dir):
+        raise ValueError(f"train: output_dir {output_dir!r} is no directory path")
     out = Path(output_dir).expanduser()
     if out.exists() and not out.is_dir():
         raise ValueError(f"train: output_dir {out} is a file, not a directory")

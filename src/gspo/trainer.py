@@ -49,6 +49,7 @@ from gspo.training.checkpoint import (
     Checkpoints,
     latest_checkpoint,
     load_checkpoint,
+    run_path,
     take_checkpoint,
 )
 from gspo.training.cold_start import cold_start, drop_progress
@@ -108,7 +109,7 @@ class Trainer:
         dist: Distributed | None = None,
     ):
         leave_if_starting_a_worker()  # a reward worker importing an unguarded script
-        self.output_dir = out = Path(output_dir)
+        self.output_dir = out = run_path(output_dir, resume)
         # (a resumed run moved with the files it names finds them where they are now)
         moved = (lambda path: moved_path(path, out)) if resume else None
         self.config = config = with_absolute_paths(config, moved)

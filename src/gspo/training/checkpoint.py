@@ -127,6 +127,22 @@ def latest_named(output_dir: Path) -> tuple[str | None, str | None]:
     return named, checkpoint_problem(root / named) if named else None
 
 
+def run_path(output_dir: Any, resume: bool) -> Path:
+    """``Trainer``'s ``output_dir`` as a Path: one that holds a run's checkpoints is
+    refused unless resumed (a Trainer made there from Python replaced the run's metrics,
+    config and checkpoints, unsaid: ``gspo.train`` refuses it, or with ``overwrite=True``
+    sets the old run aside before the trainer is made)."""
+    if not isinstance(output_dir, str | os.PathLike) or not str(output_dir):
+        raise ValueError(f"output_dir: {output_dir!r} is no directory path")
+    out = Path(output_dir)
+    if not resume and any((out / CHECKPOINTS).glob("step-*")):
+        raise ValueError(
+            f"output_dir {out} already holds a run (its checkpoints): resume=True continues "
+            "it; gspo.train(config, output_dir, overwrite=True) replaces it"
+        )
+    return out
+
+
 def latest_checkpoint(output_dir: Path) -> Path | None:
     """The checkpoint ``checkpoints/latest`` names, or ``None`` when the run has none.
 
