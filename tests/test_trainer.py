@@ -1091,3 +1091,28 @@ def test_a_trainer_made_over_a_run_is_refused_unless_resumed(tmp_path):
 
     with pytest.raises(ValueError, match=r"^train: output_dir None is no directory path$"):
         train(config, None)  # (a TypeError from pathlib)
+
+
+def test_a_failed_run_closes_its_logger(tmp_path):
+    """A run that raised left its metrics file open and, with TensorBoard, its writer's
+    thread running: one more for each failed run of a notebook."""
+    import threading
+
+    (tmp_path / "rw.py").write_text(
+        "calls = []\n"
+        "def breaks(prompts, completions, **kw):\n"
+        "    calls.append(1)\n"
+        "    if len(calls) > 1:\n"
+        "        raise RuntimeError('broken')\n"
+        "    return [0.0] * len(completions)\n"
+    )
+    overrides = [*FAST, "train.cold_start_steps=0", "train.max_steps=4", "eval.every=0",
+                 "log.tensorboard=true", f"reward.functions=[{tmp_path / 'rw.py'}:breaks]"]  # fmt: skip
+    before = {t for t in threading.enumerate() if "Writer" in type(t).__name__}
+    trainer = Trainer(load_config(None, overrides), tmp_path / "run")
+    with pytest.raises(ValueError, match="broken"):
+        trainer.fit()
+    assert trainer.logger._file.closed
+    left = {t for t in threading.enumerate() if "Writer" in type(t).__name__} - before
+    assert not [t for t in left if t.is_alive()]
+    trainer.close()  # (again: nothing left to close)

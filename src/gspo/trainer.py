@@ -289,21 +289,23 @@ class Trainer:
 
     def close(self, *, quiet: bool = False) -> None:
         """Finish the checkpoint being written (its error raised; with ``quiet``, on the way
-        out of another exception, said on stderr), then release the rollout engine, after
-        the run's last collective and before its process group goes: vLLM's engine shuts
-        down here (see :meth:`gspo.engines.vllm_engine.VLLMEngine.close`); the torch engine holds
-        nothing to release."""
-        self.checkpoints.wait(quiet=quiet)
-        self.rewards.close()  # the reward.workers processes, if any
-        close = getattr(self.sampler.engine, "close", None)
-        if close is not None:
-            close()
+        out of another exception, said on stderr), then close the logger, the reward
+        workers and the rollout engine (after the run's last collective, before its process
+        group goes: vLLM's shuts down here; the torch engine holds nothing)."""
+        try:
+            self.checkpoints.wait(quiet=quiet)
+        finally:  # (a failed run left TensorBoard's thread, the metrics file, W&B's run open)
+            self.logger.close()
+            self.rewards.close()  # the reward.workers processes, if any
+            if (close := getattr(self.sampler.engine, "close", None)) is not None:
+                close()
 
     def fit(self) -> list[dict[str, Any]]:
         try:
             return self._fit()
         except BaseException:
             self.checkpoints.wait(quiet=True)  # the checkpoint in flight is finished first
+            self.logger.close()
             raise
 
     def _fit(self) -> list[dict[str, Any]]:
