@@ -1107,7 +1107,8 @@ def test_a_failed_run_closes_its_logger(tmp_path):
         "    return [0.0] * len(completions)\n"
     )
     overrides = [*FAST, "train.cold_start_steps=0", "train.max_steps=4", "eval.every=0",
-                 "log.tensorboard=true", f"reward.functions=[{tmp_path / 'rw.py'}:breaks]"]  # fmt: skip
+                 "log.tensorboard=true",
+                 f"reward.functions=[{tmp_path / 'rw.py'}:breaks]"]  # fmt: skip
     before = {t for t in threading.enumerate() if "Writer" in type(t).__name__}
     trainer = Trainer(load_config(None, overrides), tmp_path / "run")
     with pytest.raises(ValueError, match="broken"):
