@@ -39,7 +39,8 @@ class RewardConfig(Section):
         None,
         gt=0,
         description="Seconds the reward functions may take per rollout batch before the run "
-        "stops with one line naming the function; null = no limit",
+        "stops with one line naming the function (hung workers killed; with workers=0 the "
+        "call is left running in its thread); null = no limit",
     )
     overlong_penalty: float = Field(
         0.0,
