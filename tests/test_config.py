@@ -632,3 +632,15 @@ def test_every_trl_field_named_leads_to_a_gspo_key():
     for field in TRL_WITHOUT:
         with pytest.raises(ConfigError, match=f"TRL's {field} has no equivalent here: "):
             load_config(overrides=[f"{field}=1"])
+
+
+def test_an_in_memory_dataset_as_a_source_is_one_line_saying_what_to_do():
+    """config.data.train = Dataset(...) gave its repr over four lines, and no way on."""
+    import datasets
+
+    config = load_config()
+    with pytest.raises(ConfigError) as info:
+        config.data.train = datasets.Dataset.from_list([{"prompt": "a", "answer": "1"}])
+    said = str(info.value)
+    assert "\n" not in said and said.startswith("data.train: Input should be a valid string")
+    assert said.endswith("save the object first (dataset.save_to_disk(DIR), then the path DIR)")

@@ -220,6 +220,13 @@ def _union_error(err: dict[str, Any], errors: list[dict[str, Any]]) -> dict[str,
     return {**err, "loc": field, "msg": message}
 
 
+def _one_line_repr(value: Any, limit: int = 120) -> str:
+    """``repr(value)`` on one line, at most ``limit`` characters (a Dataset's ran over four
+    lines)."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def error_line(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> str:
     """A validation error of ``model`` (at ``prefix`` in the config) on one line: the
     first error's key, message and value, with a "did you mean" for a misspelt key or
@@ -243,7 +250,12 @@ def error_line(exc: ValidationError, model: type[BaseModel], prefix: str = "") -
         sizes = [len(get_args(a)) for a in _tuples(field_annotation(model, where))]
         message = f"expected {' or '.join(map(str, sizes))} values"
     said = isinstance(value, dict) or where == "" or "(got " in message  # (by a validator)
-    shown = "" if said else f" (got {value!r})"
+    shown = "" if said else f" (got {_one_line_repr(value)})"
+    if type(value).__name__ in ("Dataset", "DatasetDict", "DataFrame", "IterableDataset"):
+        shown += (
+            "; a data source is a path or a hub id: save the object first "
+            "(dataset.save_to_disk(DIR), then the path DIR)"
+        )
     if err["type"] == "literal_error":
         shown += did_you_mean(value, [str(a) for a in get_args(field_annotation(model, where))])
     return f"{prefix}{where}: {message}{shown}" if where or prefix else message
