@@ -485,6 +485,7 @@ def lora_stage(out: Path, sizes: Sizes = FULL, rank: int = 16) -> Callable[[Stag
         import torch
 
         from gspo.config import LoraSettings, load_config
+        from gspo.engines.decoding import KVDecoder
         from gspo.models import load_model
         from gspo.models.kernels import set_linear_kernel
         from gspo.training.lora import attach_lora
@@ -506,6 +507,9 @@ def lora_stage(out: Path, sizes: Sizes = FULL, rank: int = 16) -> Callable[[Stag
         seconds = {}
         for name, model in (("full", full), (f"LoRA r={rank}", lora)):
             set_linear_kernel(model, "onednn", head)
+            # (a bf16 LoRA base took PEFT's forward: the two sides ran different decoders)
+            fast = KVDecoder.supports(model)
+            stage.figures[f"{name}: decoder"] = "fast (KVDecoder)" if fast else "PEFT's forward"
             m = decode_graphs.measure(
                 model.eval(), tokenizer, prompts, tokens=sizes.response_tokens, dtype=dtype,
                 way="loop",

@@ -352,17 +352,19 @@ def test_fast_decoder_merges_lora_adapters_and_samples_what_peft_samples(
     assert not torch.equal(plain.completion_ids, fast.completion_ids)
 
 
+@pytest.mark.parametrize("base", ["float32", "bfloat16"])
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj"]])
 def test_bf16_lora_decodes_on_the_fast_path_with_its_adapters_beside_the_matrices(
-    tokenizer, tiny_model, targets, static, monkeypatch
+    tokenizer, tiny_model, targets, static, base, monkeypatch
 ):
     """Under bf16 autocast a LoRA model (float32 parameters, as the trainer holds them)
     takes the fast decoder with its adapters unmerged: the update, small beside W, would
     mostly round away in a bf16 matrix. Its log-probs are the trainer's forward's (PEFT's)
     as closely as the plain model's are, and they carry the adapters' effect; in the loop
     and in the static step (``rollout.cuda_graphs``, eager here) alike. Merged into bf16
-    matrices instead, they would not be."""
+    matrices instead, they would not be. A frozen base held in bf16 (as a LoRA run holds
+    it on CUDA) takes the same path: it took PEFT's forward, every layer a module call."""
     from gspo.engines import lora_weights
     from gspo.engines.decoding import KVDecoder, make_decoder
 
@@ -375,6 +377,8 @@ def test_bf16_lora_decodes_on_the_fast_path_with_its_adapters_beside_the_matrice
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.mul_(0.1)
+            elif not param.requires_grad:  # (the frozen base: training.lora's cast)
+                param.data = param.data.to(getattr(torch, base))
 
     def sampled_and_trainer(fast: bool):
         engine = TorchEngine(model, fast=fast, cuda_graphs=static and fast, **kw)

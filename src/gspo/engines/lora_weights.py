@@ -26,7 +26,9 @@ def is_lora(module: nn.Module | None) -> bool:
 def mergeable(p: nn.Module) -> bool:
     """A plain ``nn.Linear``, or a PEFT LoRA layer over one whose active adapters add
     ``scale * B @ A`` (no DoRA or other variant, no adapter bias, not merged in place),
-    in float32."""
+    the adapters in float32 and the base in float32 or, frozen in the compute dtype as a
+    LoRA run holds it on CUDA, in 16 bits (then only the 16-bit decoder, which keeps the
+    adapters beside the matrix, runs it: such a base took PEFT's forward)."""
     if type(p) is nn.Linear:
         return True
     if not is_lora(p) or type(p.base_layer) is not nn.Linear or p.merged:
@@ -39,7 +41,7 @@ def mergeable(p: nn.Module) -> bool:
             return False
         if p.lora_A[a].weight.dtype != torch.float32 or p.lora_B[a].weight.dtype != torch.float32:
             return False
-    return p.base_layer.weight.dtype == torch.float32
+    return p.base_layer.weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
 def merged_weight(p: nn.Module) -> Tensor:
