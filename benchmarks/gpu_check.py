@@ -195,7 +195,7 @@ def run_stage(stage: Stage, body: Callable[[Stage, float], None], limit: float) 
             stage.status, stage.detail = "timed out", f"stopped after {limit:.0f} s"
         except Exception as exc:  # any failure goes into the report, and the next stage runs
             stage.status = "failed"
-            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            first = " ".join(str(exc).split())[:1000]
             stage.detail = stage.detail or f"{type(exc).__name__}: {first}"
     stage.seconds = time.perf_counter() - start
     stage.peak_memory_mib = memory.peak_mib
@@ -385,7 +385,9 @@ def vs_trl_stage(
             return
         deadline = time.perf_counter() + limit
         work, schedule = workload_for(out, sizes)
-        gspo_s, gspo_run = vs_trl.run_gspo(work, schedule=schedule, extra=extra)
+        gspo_s, gspo_run = vs_trl.run_gspo(
+            work, schedule=schedule, extra=extra, timeout=deadline - time.perf_counter()
+        )
         g = vs_trl.gspo_summary(gspo_run)
         stage.figures["gspo whole process s"] = round(gspo_s, 1)
         stage.figures["gspo start-up s / loop s / exit s"] = (
@@ -396,7 +398,7 @@ def vs_trl_stage(
         left = deadline - time.perf_counter()
         if left < 30:
             raise subprocess.TimeoutExpired("trl_side.py", left)
-        trl_s, result = vs_trl.run_trl(work, schedule)
+        trl_s, result = vs_trl.run_trl(work, schedule, timeout=left)
         t = vs_trl.trl_summary(result)
         stage.figures["TRL whole process s"] = round(trl_s, 1)
         stage.figures["ratio TRL / gspo"] = round(trl_s / gspo_s, 2)
@@ -543,6 +545,7 @@ def async_stage(
                 name=f"async_k{k}",
                 schedule=schedule,
                 extra=(*extra, f"rollout.max_staleness={k}"),
+                timeout=deadline - time.perf_counter(),
             )
             g = vs_trl.gspo_summary(run_dir)
             records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

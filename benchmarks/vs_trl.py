@@ -75,9 +75,11 @@ def run_gspo(
     name: str = "gspo_run",
     schedule: Schedule = REFERENCE,
     extra: Sequence[str] = (),
+    timeout: float | None = None,
 ) -> tuple[float, Path]:
     """gspo on the workload as a process of its own (``launcher``: e.g. torchrun's argv;
-    ``extra``: more overrides, e.g. ``rollout.max_staleness=1`` or ``model.lora.r=8``)."""
+    ``extra``: more overrides, e.g. ``rollout.max_staleness=1`` or ``model.lora.r=8``;
+    ``timeout``: seconds, past which ``subprocess.TimeoutExpired``)."""
     out = work / name
     command = [
         *(launcher or [sys.executable]), "-m", "gspo", "train", "--overwrite",
@@ -103,18 +105,33 @@ def run_gspo(
         *extra,
     ]  # fmt: skip
     start, wall_start = time.perf_counter(), time.time()
-    subprocess.run(command, check=True, capture_output=True)
+    run_logged(command, out, timeout, "gspo train")
     seconds = time.perf_counter() - start
     (out / "process_wall.json").write_text(json.dumps({"start": wall_start, "end": time.time()}))
     return seconds, out
 
 
-def run_trl(work: Path, schedule: Schedule = REFERENCE) -> tuple[float, dict]:
+def run_logged(command: list[str], out: Path, timeout: float | None, what: str) -> None:
+    """``command`` within ``timeout`` seconds, its output in ``out/process.log``; a failure
+    raised with the output's last lines (the error, not the command line of 30 arguments
+    that ``CalledProcessError`` says)."""
+    out.mkdir(parents=True, exist_ok=True)
+    log = out.parent / f"{out.name}.log"  # (beside: gspo train --overwrite replaces out)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    log.write_text(f"$ {' '.join(command)}\n{done.stdout}\n{done.stderr}")
+    if done.returncode != 0:
+        tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
+        raise RuntimeError(f"{what} exited {done.returncode} ({log}): {tail}")
+
+
+def run_trl(
+    work: Path, schedule: Schedule = REFERENCE, timeout: float | None = None
+) -> tuple[float, dict]:
     out = work / "trl_run"
     out.mkdir(exist_ok=True)
     start = time.perf_counter()
     s = schedule
-    subprocess.run(
+    run_logged(
         [
             sys.executable,
             str(HERE / "trl_side.py"),
@@ -126,8 +143,9 @@ def run_trl(work: Path, schedule: Schedule = REFERENCE) -> tuple[float, dict]:
             s.device,
             str(s.lora),
         ],
-        check=True,
-        capture_output=True,
+        out,
+        timeout,
+        "trl_side.py",
     )
     seconds = time.perf_counter() - start
     return seconds, json.loads((out / "trl_result.json").read_text())
