@@ -594,6 +594,9 @@ SHARES = {
 #: What a GPU lease of 15 device-minutes runs, as two calls (``benchmarks/gpu_lease.sh 1``
 #: then ``2``) beside a machine start of 1-2 minutes: the numerics and the suite first,
 #: then speed. ``budget`` is the call's seconds for its stages, ``suite`` the suite's.
+#: The stages' shares add up to more than the budgets (part 1: 510 s of 450, part 2: 690
+#: of 250): a stage takes at most what is left, in order, so part 2 is the gspo vs TRL
+#: stage first and the others as far as time allows; the rest wait for another lease.
 LEASE = {
     "1": {"stages": "cuda,suite,head,decode", "budget": 450.0, "suite": 240.0},
     "2": {"stages": "vs_trl,lora,async,train", "budget": 250.0, "suite": 0.0},
