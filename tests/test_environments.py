@@ -197,6 +197,21 @@ def test_what_an_environment_hands_back_is_checked_in_one_line():
         EnvironmentFactory(VarArgs)
 
 
+def test_an_empty_observation_is_said_once(capsys):
+    """step() returning "" (an observation forgotten) reached the model as an empty user
+    message, turn after turn, unsaid."""
+
+    class Blank:
+        def step(self, text: str) -> str:
+            return ""
+
+    factory = EnvironmentFactory(Blank)
+    for _ in range(3):
+        assert factory.episode().respond("hi") == [{"role": "user", "content": ""}]
+    said = [line for line in capsys.readouterr().err.splitlines() if "empty" in line]
+    assert len(said) == 1 and "step() returned an empty observation" in said[0]
+
+
 def test_bad_environment_stops_the_cli_with_one_line(tmp_path, env_file, capsys):
     code = main(
         ["train", "--output-dir", str(tmp_path / "run"), *FAST,

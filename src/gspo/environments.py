@@ -272,7 +272,7 @@ class EnvironmentFactory:
                 f"environment {self.name!r} has no tools (public methods) and no step(text): "
                 "the model would have nothing to act on"
             )
-        self.warned: set[tuple[str, str]] = set()
+        self.warned: set[tuple[str, str] | str] = set()  # (what was said once)
 
     def _schema(self, owner: type, name: str) -> dict[str, Any]:
         from transformers.utils import get_json_schema
@@ -392,6 +392,15 @@ class Episode:
                     f"environment {self.spec.name!r}: step() returned "
                     f"{type(observation).__name__}; expected str (the observation) or None "
                     "(the episode is over)"
+                )
+            if not observation.strip() and "empty observation" not in self.spec.warned:
+                self.spec.warned.add("empty observation")
+                print(
+                    f"gspo: warning: environment {self.spec.name!r}: step() returned an empty "
+                    "observation, sent to the model as an empty user message (the episode "
+                    "goes on; None ends it); shown once",
+                    file=sys.stderr,
+                    flush=True,
                 )
             return [{"role": "user", "content": observation}]
         return None
