@@ -830,6 +830,15 @@ def test_a_function_needing_what_only_trl_passes_is_told_so():
         rewards.check_columns(["answer"], "data.train (x.jsonl)")
     assert "needs 'completion_ids', which TRL passes and gspo does not" in str(err.value)
 
+    def optional(prompts, completions, trainer_state=None, **kwargs):
+        return [0.0] * len(completions)
+
+    assert RewardFunctions.from_specs([optional], None).trl_defaults() == [
+        "reward function 'optional' takes 'trainer_state', which TRL passes and gspo does "
+        "not (docs/from_trl.md): it always gets its default (None)"
+    ]  # (it got None at every call, unsaid)
+    assert RewardFunctions.from_specs([trl_style], None).trl_defaults() == []
+
     def from_kwargs(prompts, completions, **kwargs):  # (TRL's examples read them so)
         return [float(len(ids)) for ids in kwargs["completion_ids"]]
 

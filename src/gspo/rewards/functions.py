@@ -3,6 +3,7 @@ specs, called on a batch, their values checked and combined into one reward each
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections import Counter
@@ -190,6 +191,25 @@ class RewardFunctions:
                     f"{', '.join(dict.fromkeys(needed))}, which {source} lacks (its columns: "
                     f"{have})"
                 )
+
+    def trl_defaults(self) -> list[str]:
+        """A warning line for each function with a parameter only TRL passes
+        (``trainer_state``, ``completion_ids``, ...) that has a default: it always gets
+        the default here."""
+        lines = []
+        for name, function in zip(self.names, self.functions, strict=True):
+            try:
+                parameters = inspect.signature(function).parameters
+            except (TypeError, ValueError):
+                continue
+            for key in TRL_ONLY:
+                if key in parameters and parameters[key].default is not inspect.Parameter.empty:
+                    lines.append(
+                        f"reward function {name!r} takes {key!r}, which TRL passes and gspo "
+                        f"does not (docs/from_trl.md): it always gets its default "
+                        f"({parameters[key].default!r:.40})"
+                    )
+        return lines
 
     def required(self, columns: Sequence[str]) -> dict[str, str]:
         """Of ``columns``, those some function cannot do without (its required arguments, a

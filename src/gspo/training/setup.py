@@ -381,9 +381,9 @@ def check_reward_columns(
     environment adds ``environments``); one line naming the data that lacks one. Returned:
     a warning line for each such column that some rows leave empty (None, blank text or
     an empty list: their completions are not scored, so in training their groups teach
-    nothing)."""
+    nothing), and for a function's parameter that only TRL fills."""
     extra = ["environments"] if environment is not None else []
-    warnings = []
+    warnings = rewards.trl_defaults()
     for key, rows in (("data.train", data.train), ("data.eval", data.eval)):
         if rows:
             where = getattr(config.data, key.split(".")[1]) or f"the built-in {config.data.task}"
