@@ -95,7 +95,11 @@ def test_completion_text_rejects_other_types() -> None:
         ("1 1/2", 1.5),
         ("-1 1/2", -1.5),
         ("1 3/2", None),  # (no mixed number)
-        ("1 000", None),  # (two numbers, not 1000: whitespace between digits is kept)
+        ("1 000", 1000.0),  # thousands grouped by spaces, as the whole text
+        ("1\u202f000\u00a0000", 1000000.0),  # (narrow and no-break spaces)
+        ("1 00", None),  # (two numbers, not 100: whitespace between digits is kept)
+        ("3\\frac{1}{2}", 3.5),
+        ("6.02 \\times 10^{23}", 6.02e23),
         ("1, 234", None),
         ("3 / 4", 0.75),
         ("1e400", None),  # (past a float)
@@ -879,3 +883,79 @@ def test_metric_labels_name_each_function_as_trl_does() -> None:
     }
     # two specs of one function name: the whole specs, not one key for both
     assert metric_labels(["a.py:f", "b.py:f"]) == {"a.py:f": "a.py:f", "b.py:f": "b.py:f"}
+
+
+N, M, F = "numeric_match", "math", "format"
+
+
+@pytest.mark.parametrize(
+    ("verifier", "completion", "gold", "expected"),
+    [
+        (N, '\\boxed{\\frac{1}{3}}', '0.3333333333333333', 1.0),  # float 1/3 via data.answer_column
+        (N, '\\boxed{\\frac{14}{3}}', '4.666666666666667', 1.0),  # SVAMP-style Answer=14/3 via answ
+        (N, '\\boxed{0.3}', '0.30000000000000004', 1.0),  # gold computed in Python (0.1*3) via answ
+        (N, 'The answer is 0.3.', 0.30000000000000004, 1.0),  # gold computed in Python (0.1*3), kep
+        (N, 'The answer is 3.3.', 3.3000000000000003, 1.0),  # gold 3.3000000000000003
+        (N, '\\boxed{0.1}', 0.10000000149011612, 1.0),  # float32 Parquet/datasets column: pyarrow g
+        (N, '\\boxed{2.7}', '2.700000047683716', 1.0),  # same float32 cell through data.answer_colu
+        (N, 'Each friend gets 7 cookies.\nThe answer is 7, and 2 are left over.', 7, 1.0),
+        (M, 'Each friend gets 7 cookies.\nThe answer is 7, and 2 are left over.', 7, 1.0),
+        (N, 'The answer is 7 and 2 remaining.', 7, 1.0),  # remainder
+        (N, 'The answer is 72, and 48 + 24 = 72 confirms it.', 72, 1.0),  # check after the answer
+        (M, 'The answer is 72, and 48 + 24 = 72 confirms it.', 72, 1.0),  # same, math
+        (N, 'The answer is 15, 3 more than yesterday.', 15, 1.0),  # apposition
+        (N, 'The answer is 1/2 or 0.5.', '\\frac{1}{2}', 1.0),  # same number twice
+        (M, 'The answer is 1/2 or 0.5.', '\\frac{1}{2}', 1.0),  # same number twice
+        (N, '\\boxed{\\frac{1}{2} \\text{ or } 0.5}', '\\frac{1}{2}', 1.0),  # same number
+        (M, '\\boxed{\\frac{1}{2} \\text{ or } 0.5}', '\\frac{1}{2}', 1.0),  # same number
+        (N, 'The answer is 0.5, or 1/2.', 0.5, 1.0),  # same number
+        (N, 'So the answer is 1/2, or 0.5, or 50%.', 0.5, 1.0),  # same number
+        (N, 'The answer is 1 000 000.', 1000000, 1.0),  # SI/French grouping (math: 1.0)
+        (N, '\\boxed{1 000 000}', 1000000, 1.0),  # read as 1
+        (N, 'The answer is 12 345.', 12345, 1.0),  # read as 12
+        (N, '<answer>1 200</answer>', 1200, 1.0),  # read as 1 (math: 1.0)
+        (N, 'The answer is 1\u202f000\u202f000.', 1000000, 1.0),  # narrow no-break space
+        (N, 'The answer is 1\xa0000.', 1000, 1.0),  # no-break space
+        (N, 'The sequence is 2, 4, 8, 16', 16, 1.0),  # next-term question
+        (M, 'The sequence is 2, 4, 8, 16', 16, 1.0),  # same, math
+        (N, 'The next number is 16.\n\nSequence: 2, 4, 8, 16', 16, 1.0),  # same
+        (N, 'The pattern is +3 each time: 5, 8, 11, 14', 14, 1.0),  # same
+        (N, 'The answer is $18 or $20.', 18, 0.0),  # '$' between defeats _LIST_SEPARATOR
+        (M, 'The answer is $18 or $20.', 18, 0.0),  # same under math
+        (N, '\\boxed{\\$18 or \\$20}', 18, 0.0),  # escaped dollars
+        (N, '\\boxed{18 \\;or\\; 20}', 18, 0.0),  # LaTeX spacing not stripped first
+        (N, 'The answer is 18%, or 20%.', 18, 0.0),  # percent signs
+        (N, 'The answer is 18 (or 20).', 18, 0.0),  # parenthesised alternative
+        (N, 'The answer is 18 to 20.', 18, 0.0),  # range
+        (N, 'The answer is 18-20.', 18, 0.0),  # range
+        (N, '\\boxed{18 \\pm 2}', 18, 0.0),  # range
+        (N, '\\boxed{18} or \\boxed{20}', 20, 0.0),  # two boxes: the last wins
+        (N, '\\boxed{2\\sqrt{3}}', 2, 0.0),  # first number of a non-numeric box
+        (N, 'The answer is 10 + 8 = 18.', 18, 1.0),  # first number of the line (math: 1.0)
+        (N, '**Answer:** 9 × 2 = $18', 18, 1.0),  # same
+        (N, 'Therefore she sold 72 clips.\n\nTo double-check the answer: 24 is half of 48, '
+            'and 48 + 24 = 72.', 72, 1.0),
+        (N, '\\boxed{3\\frac{1}{2}}', 3.5, 1.0),  # read as 3 (math: 1.0)
+        (N, 'He needs 3 1/2 cups. \\boxed{3\\tfrac{1}{2}}', 3.5, 1.0),  # read as 3
+        (N, '\\boxed{2 \\dfrac{1}{4}}', 2.25, 1.0),  # read as 2 (math: 1.0)
+        (N, 'Janet makes $18 every day.\n#### 18\n\nQuestion: A robe takes 2 bolts of blue '
+            'fiber', 18, 1.0),  # a base model's own "####", then the next question
+        (F, 'So Tom is 12.\n\n**Final Answer**: 12', None, 1.0),  # 'Answer**:' is not 'Answer:'
+        (N, '\\boxed{6.02 \\times 10^{23}}', 6.02e+23, 1.0),  # scientific LaTeX read as 6.02
+        (M, '\\boxed{9}', '9 (apples)', 1.0),  # ASDiv gold '9 (apples)': math scores the right answ
+    ],
+)  # fmt: skip
+def test_answers_as_models_write_them(verifier, completion, gold, expected):
+    """A sweep of answers as instruction-tuned models write them (GSM8K, MATH, SVAMP,
+    ASDiv), after numeric_match became exact: float gold answers (a float's digits, a
+    float32 column's) lost their tolerance, the hedge check fired on comments after the
+    answer ("7, and 2 are left over"), on one number said twice ("1/2 or 0.5") and on a
+    sequence's last terms, spaced thousands were cut, and hedges with "$", "%" or "(or"
+    between, ranges, "\\boxed{18} or \\boxed{20}" and "2\\sqrt{3}" passed. Left as they
+    are: "1/4, or 25%" and "$18, or 1800 cents" count as two numbers (0), "either 18 or
+    maybe 20" as one (1.0)."""
+    function = BUILTIN_REWARDS[verifier]
+    if verifier == "format":
+        assert function(prompts=[""], completions=[completion]) == [expected]
+    else:
+        assert function(prompts=[""], completions=[completion], answer=[gold]) == [expected]

@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 import numbers
 import re
+import struct
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
-from itertools import pairwise
 from typing import Any
 
 
@@ -62,8 +62,10 @@ def completion_text(completion: Any) -> str:
 
 
 _BOXED_START = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_ANSWER_PHRASE = re.compile(r"\banswer\s*(?:is\b\s*:?|:)", re.IGNORECASE)
-_ANSWER_COLON_WELL_FORMED = re.compile(r"\banswer\s*:\s*\S", re.IGNORECASE)
+_ANSWER_PHRASE = re.compile(r"\banswer[*_]*\s*(?:is\b[*_]*\s*:?|:)", re.IGNORECASE)
+_ANSWER_COLON_WELL_FORMED = re.compile(r"\banswer[*_]*\s*:\s*\S", re.IGNORECASE)
+#: GSM8K's own marker, as a model trained on its solutions writes it: "#### 72".
+_HASHES = re.compile(r"^[ \t]*####[ \t]*(\S[^\n]*)", re.MULTILINE)
 
 
 def _closing_braces(text: str) -> dict[int, int]:
@@ -85,14 +87,20 @@ def _closing_braces(text: str) -> dict[int, int]:
     return closing
 
 
-def _boxed_contents(text: str) -> list[str]:
-    """Contents of every well-formed (brace-balanced) ``\\boxed{...}``, in order of appearance.
-    (Linear in the text: many boxes left open were a scan each to its end.)"""
+def _boxes(text: str) -> list[tuple[int, int]]:
+    """``(start, end)`` of every well-formed (brace-balanced) ``\\boxed{...}``'s content, in
+    order of appearance. (Linear in the text: many boxes left open were a scan each to its
+    end.)"""
     starts = list(_BOXED_START.finditer(text))
     if not starts:
         return []
     closing = _closing_braces(text)
-    return [text[m.end() : closing[m.end() - 1]] for m in starts if m.end() - 1 in closing]
+    return [(m.end(), closing[m.end() - 1]) for m in starts if m.end() - 1 in closing]
+
+
+def _boxed_contents(text: str) -> list[str]:
+    """Contents of every well-formed (brace-balanced) ``\\boxed{...}``, in order of appearance."""
+    return [text[a:b] for a, b in _boxes(text)]
 
 
 def _answer_tag_contents(text: str) -> list[str]:
@@ -121,12 +129,20 @@ def _answer_phrase_line(text: str) -> str | None:
     return rest.split("\n", 1)[0]
 
 
+def _hashes_line(text: str) -> str | None:
+    """The rest of the first line that starts with GSM8K's ``####``, or None (the first:
+    a base model goes on to write more questions, with answers of their own)."""
+    found = _HASHES.search(text)
+    return found.group(1) if found else None
+
+
 def extract_final_answer(text: str) -> str | None:
     """The final-answer part of ``text``, or None if it has no explicit final-answer marker.
 
     In order of preference: the content of the last well-formed ``\\boxed{...}``; the content
-    of the last ``<answer>...</answer>``; the rest of the line after the last "answer is" /
-    "Answer:" (case-insensitive).
+    of the last ``<answer>...</answer>``; the rest of the first line that starts with
+    GSM8K's ``####``; the rest of the line after the last "answer is" / "Answer:"
+    (case-insensitive, Markdown emphasis allowed: ``**Answer:**``).
     """
     boxed = _boxed_contents(text)
     if boxed:
@@ -134,28 +150,40 @@ def extract_final_answer(text: str) -> str | None:
     tags = _answer_tag_contents(text)
     if tags:
         return tags[-1]
-    return _answer_phrase_line(text)
+    hashes = _hashes_line(text)
+    return hashes if hashes is not None else _answer_phrase_line(text)
 
 
 # Numbers: ints, decimals, thousands separators ("1,234"), exponents, a leading minus sign
 # (not when it is a binary minus such as "5-3"), plain fractions "3/4", mixed numbers
-# "1 1/2" and LaTeX \frac{3}{4} (and \frac34). Each is read exactly, as a Fraction.
+# "1 1/2" and "3\frac{1}{2}", LaTeX \frac{3}{4} (and \frac34) and "6.02 \times 10^{23}".
+# Each is read exactly, as a Fraction.
 _UNSIGNED = r"(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?"
+_FRAC = r"\\[dt]?frac\s*"
 _NUMBER = re.compile(
     rf"(?P<sign>(?<![\w)\]}}])[-−])?"
-    rf"(?:\\[dt]?frac\s*\{{\s*(?P<fn>-?{_UNSIGNED})\s*\}}\s*\{{\s*(?P<fd>-?{_UNSIGNED})\s*\}}"
-    r"|\\[dt]?frac\s*(?P<sn>\d)\s*(?P<sd>\d)"  # \frac12: one digit each, as LaTeX reads it
+    rf"(?:{_FRAC}\{{\s*(?P<fn>-?{_UNSIGNED})\s*\}}\s*\{{\s*(?P<fd>-?{_UNSIGNED})\s*\}}"
+    rf"|{_FRAC}(?P<sn>\d)\s*(?P<sd>\d)"  # \frac12: one digit each, as LaTeX reads it
+    rf"|(?P<lw>\d+)\s*{_FRAC}\{{\s*(?P<ln>\d+)\s*\}}\s*\{{\s*(?P<ld>\d+)\s*\}}"  # 3\frac{1}{2}
+    rf"|(?P<m>{_UNSIGNED})\s*(?:\\times|\\cdot|×)\s*10\s*\^\s*(?:\{{\s*(?P<e>[-+−]?\d+)\s*\}}"
+    r"|(?P<e1>\d))"  # 6.02 \times 10^{23}
     r"|(?P<w>\d+)[ \t]+(?P<wn>\d+)\s*/\s*(?P<wd>\d+)(?![\d.,/])"  # 1 1/2
     rf"|(?P<n>{_UNSIGNED})(?:\s*/\s*(?P<d>{_UNSIGNED}))?)"
 )
 _LATEX_NOISE = re.compile(r"\\[,;:! ]|\\left|\\right|\\\(|\\\)|\\\[|\\\]|\{,\}|\\?\$|\\?%")
 _SPACE = re.compile(r"\s+")
-_LEADING_LHS = re.compile(r"^\s*\\?[A-Za-z][\w{}^\\]*\s*=")
-#: What stands between two numbers given as alternatives or a list ("18 or 20", "1, 2",
-#: "3 \text{ and } 4"): such an answer names no one number.
-_LIST_SEPARATOR = re.compile(
-    r"\s*(?:[,;]\s*(?:(?:or|and)\b)?|\b(?:or|and)\b|\\text\s*\{\s*(?:or|and|,)\s*\}"
-    r"|\\(?:q?quad|lor|vee)\b)\s*",
+#: Thousands grouped by spaces ("1 000 000", also no-break and thin spaces): one number
+#: where it is the whole answer (in running text two numbers may stand so).
+_SPACED_THOUSANDS = re.compile(r"[-−]?\d{1,3}(?: \d{3})+(?:\.\d+)?")
+#: A number that is the first term of an expression, not an answer: 2\sqrt{3}, 3\pi, 2^5.
+_EXPRESSION_AFTER = re.compile(r"\s*(?:\\sqrt|\\pi|\\times|\\cdot|\^|\*|×|·|\+|\\log|\\ln)")
+#: What stands between two numbers given as alternatives ("18 or 20", "18 (or 20)") or as
+#: a range ("18 to 20", "18-20", "18 \pm 2"): such an answer names no one number.
+_ALTERNATIVE = r"[,;]?\s*\(?\s*(?:or|to|\\text\s*\{\s*(?:or|to)\s*\}|\\lor|\\vee|\\pm|±|[-–—])"
+_ALTERNATIVES = re.compile(rf"\s*{_ALTERNATIVE}\s*", re.IGNORECASE)
+#: ... and, inside a box or answer tag (the whole answer), a list: "1, 2", "3 and 4".
+_LISTED = re.compile(
+    rf"\s*(?:{_ALTERNATIVE}|[,;]\s*(?:and\b)?|and|\\text\s*\{{\s*(?:and|,)\s*\}}|\\q?quad)\s*",
     re.IGNORECASE,
 )
 #: Exponents past this are no answer (10**4300 is the longest int Python writes as text;
@@ -177,15 +205,20 @@ def _exact(s: str) -> Fraction | None:
 
 
 def _match_value(m: re.Match[str]) -> Fraction | None:
+    den: Fraction | None = Fraction(1)
     if m.group("fn") is not None:
         num, den = _exact(m.group("fn")), _exact(m.group("fd"))
     elif m.group("sn") is not None:
         num, den = Fraction(int(m.group("sn"))), Fraction(int(m.group("sd")))
-    elif m.group("w") is not None:
-        whole, num, den = (_exact(m.group(k)) for k in ("w", "wn", "wd"))
+    elif m.group("w") is not None or m.group("lw") is not None:
+        keys = ("w", "wn", "wd") if m.group("w") is not None else ("lw", "ln", "ld")
+        whole, num, den = (_exact(m.group(k)) for k in keys)
         if whole is None or num is None or den is None or not num < den:
             return None  # (1 3/2 is no mixed number)
         num += whole * den
+    elif m.group("m") is not None:
+        power = (m.group("e") or m.group("e1")).replace("−", "-")
+        num = _exact(f"{m.group('m')}e{int(power)}")
     else:
         num = _exact(m.group("n"))
         den = _exact(m.group("d")) if m.group("d") is not None else Fraction(1)
@@ -201,6 +234,8 @@ def exact_number(text: str) -> Fraction | None:
     # whitespace goes, but not between two numbers' digits ("1 1/2" is not 11/2)
     s = _SPACE.sub(lambda m: " " if _between_digits(m) else "", s).rstrip(".")
     s = s[1:] if s.startswith("+") and s[1:2].isdigit() else s  # ("+5", as a CSV may say)
+    if _SPACED_THOUSANDS.fullmatch(s):
+        s = s.replace(" ", "")
     m = _NUMBER.fullmatch(s)
     return _match_value(m) if m else None
 
@@ -214,9 +249,10 @@ def parse_number(text: str) -> float | None:
     """Parse ``text`` as a single number, or return None.
 
     Accepts ints, decimals, negatives (and a leading ``+``), thousands separators
-    (``"1,234"``), exponents, fractions (``"3/4"``, ``"\\frac{3}{4}"``), mixed numbers
-    (``"1 1/2"``), and ignores ``$``, ``%``, whitespace, LaTeX spacing and ``\\(``/``\\)``
-    delimiters and a trailing period. ``"18 apples"`` and ``"1, 2"`` are not a number.
+    (``"1,234"``, ``"1 234"``), exponents (``"6.02 \\times 10^{23}"`` too), fractions
+    (``"3/4"``, ``"\\frac{3}{4}"``), mixed numbers (``"1 1/2"``, ``"1\\frac{1}{2}"``),
+    and ignores ``$``, ``%``, whitespace, LaTeX spacing and ``\\(``/``\\)`` delimiters and
+    a trailing period. ``"18 apples"`` and ``"1, 2"`` are not a number.
     (:func:`exact_number` gives it without rounding.)
     """
     value = exact_number(text)
@@ -228,8 +264,9 @@ def parse_number(text: str) -> float | None:
         return None
 
 
-class _Hedged(Exception):
-    """An answer that names several numbers as alternatives or a list ("18 or 20")."""
+class _NoAnswer(Exception):
+    """An answer that names no one number: several as alternatives, a range, a list in
+    a box ("18 or 20", "18-20", "\\boxed{1, 2}"), or an expression (``2\\sqrt{3}``)."""
 
 
 def _numbers_in(text: str) -> list[tuple[Fraction, re.Match[str]]]:
@@ -237,44 +274,65 @@ def _numbers_in(text: str) -> list[tuple[Fraction, re.Match[str]]]:
     return [(v, m) for v, m in found if v is not None]
 
 
-def _check_not_hedged(text: str, found: list[tuple[Fraction, re.Match[str]]]) -> None:
-    for (_, a), (_, b) in pairwise(found):
-        if _LIST_SEPARATOR.fullmatch(text[a.end() : b.start()]):
-            raise _Hedged
+def _check_one(text: str, found: list[tuple[Fraction, re.Match[str]]], joins: re.Pattern) -> None:
+    """:class:`_NoAnswer` where the first of ``found`` (numbers in ``text``) is joined to
+    the next by ``joins`` and they differ ("1/2 or 0.5" is one number, said twice)."""
+    if len(found) > 1:
+        (first, a), (second, b) = found[0], found[1]
+        if joins.fullmatch(text[a.end() : b.start()]) and first != second:
+            raise _NoAnswer
 
 
-def _segment_number(segment: str, *, after_last_equals: bool) -> Fraction | None:
+def _first_sentence(line: str) -> str:
+    """``line`` up to the first full stop ("The answer is 41. Check: 6*7=42." -> its 41)."""
+    return re.split(r"\.(?=\s|$)", line, maxsplit=1)[0]
+
+
+def _segment_number(segment: str, *, whole: bool) -> Fraction | None:
+    """The number ``segment`` answers with: a box's or answer tag's content (``whole``:
+    the answer and nothing else, so a list in it names no one number), or the line after
+    "answer is" (its first sentence: what follows may be comments with numbers of their
+    own). The part after the last ``=`` where there is one (``x = 5``, ``10 + 8 = 18``)."""
+    if not whole:
+        segment = _first_sentence(segment)
     value = exact_number(segment)
     if value is not None:
         return value
-    if after_last_equals:
-        segment = segment.rsplit("=", 1)[-1]
-        value = exact_number(segment)
-        if value is not None:
-            return value
-    else:
-        segment = _LEADING_LHS.sub("", segment)
+    segment = _LATEX_NOISE.sub("", segment.rsplit("=", 1)[-1])  # ("$18 or $20": 18 or 20)
+    value = exact_number(segment)
+    if value is not None:
+        return value
     found = _numbers_in(segment)
-    _check_not_hedged(segment, found)
+    _check_one(segment, found, _LISTED if whole else _ALTERNATIVES)
+    if found and _EXPRESSION_AFTER.match(segment, found[0][1].end()):
+        raise _NoAnswer
     return found[0][0] if found else None
 
 
 def _answer_number(text: str) -> Fraction | None:
-    """The number ``text`` gives as its answer, or None; :class:`_Hedged` where it gives
-    several as alternatives."""
-    boxed = _boxed_contents(text)
-    if boxed:
-        return _segment_number(boxed[-1], after_last_equals=True)
+    """The number ``text`` gives as its answer, or None; :class:`_NoAnswer` where it gives
+    several as alternatives (or a range, or an expression)."""
+    boxes = _boxes(text)
+    if boxes:
+        if len(boxes) > 1:  # \boxed{18} or \boxed{20}
+            end, start = boxes[-2][1] + 1, boxes[-1][0]  # (between: "} or \\boxed{")
+            between = _LATEX_NOISE.sub("", _BOXED_START.sub("", text[end:start]))
+            if _ALTERNATIVES.fullmatch(between):
+                first, last = (_segment_number(text[x:y], whole=True) for x, y in boxes[-2:])
+                if first != last:
+                    raise _NoAnswer
+        return _segment_number(text[slice(*boxes[-1])], whole=True)
     tags = _answer_tag_contents(text)
     if tags:
-        return _segment_number(tags[-1], after_last_equals=True)
-    line = _answer_phrase_line(text)
-    if line is not None:
-        value = _segment_number(line, after_last_equals=False)
-        if value is not None:
-            return value
-    found = _numbers_in(text)
-    _check_not_hedged(text, found[-2:])
+        return _segment_number(tags[-1], whole=True)
+    for line in (_hashes_line(text), _answer_phrase_line(text)):
+        if line is not None:
+            value = _segment_number(line, whole=False)
+            if value is not None:
+                return value
+    cleaned = _LATEX_NOISE.sub("", text)
+    found = _numbers_in(cleaned)[-2:]
+    _check_one(cleaned, found, _ALTERNATIVES)
     return found[-1][0] if found else None
 
 
@@ -283,7 +341,7 @@ def _predicted_number(text: str) -> Fraction | None:
     when it gives none, or several as alternatives."""
     try:
         return _answer_number(text)
-    except _Hedged:
+    except _NoAnswer:
         return None
 
 
@@ -291,7 +349,7 @@ def _hedged(text: str) -> bool:
     """``text`` answers with several numbers as alternatives or a list (``18 or 20``)."""
     try:
         _answer_number(text)
-    except _Hedged:
+    except _NoAnswer:
         return True
     return False
 
@@ -340,26 +398,61 @@ def reference_answer(solution: Any) -> str:
     return boxed[-1].strip() if boxed else s
 
 
+#: A gold answer's trailing unit ("9 (apples)", "10 apples"): not part of its number.
+_UNIT_SUFFIX = re.compile(r"\s*(?:\([A-Za-z][A-Za-z .'/-]*\)|[A-Za-z][A-Za-z .'/-]*)\s*$")
+#: Significant digits from which a decimal is a binary float written out (repr(1/3) has
+#: 16, a float32 cell's double 17): compared to within FLOAT_RELATIVE, not exactly.
+FLOAT_DIGITS = 13
+FLOAT_RELATIVE = 1e-9
+
+
+def _float_written(text: str) -> bool:
+    """A decimal point or an exponent, and a float's many digits (an int has neither)."""
+    text = text.strip().lstrip("+-−")
+    mantissa = re.split(r"[eE]", text, maxsplit=1)[0]
+    digits = len(mantissa.replace(".", "").replace(",", "").lstrip("0"))
+    return digits >= FLOAT_DIGITS and ("." in text or "e" in text.lower())
+
+
 def _gold_number(answer: Any) -> Fraction | float | None:
-    """A gold answer as a number: exact (a Fraction) from text or an int; a float as it
-    is (a binary float is compared at its own precision: 1/3 is the float 0.333...)."""
+    """A gold answer as a number: exact (a Fraction) from an int or a decimal as written
+    (``0.1``, ``1,000``, ``3/4``); a float where it is one (a float, or a decimal written
+    with a float's digits, ``0.30000000000000004``), compared within
+    :data:`FLOAT_RELATIVE`; a trailing unit left out (``9 (apples)``)."""
     if answer is None or isinstance(answer, bool):
         return None
     if isinstance(answer, numbers.Integral):
         return Fraction(int(answer))
     if isinstance(answer, numbers.Real):
         value = float(answer)
-        return value if math.isfinite(value) else None
-    return exact_number(reference_answer(answer))
+        if not math.isfinite(value):
+            return None
+        return float(value) if _float_written(repr(value)) else Fraction(repr(value))
+    text = reference_answer(answer)
+    value = exact_number(text)
+    if value is None and _UNIT_SUFFIX.search(text):
+        text = _UNIT_SUFFIX.sub("", text, count=1)
+        value = exact_number(text) if text.strip() else None
+    if value is not None and _float_written(_LATEX_NOISE.sub("", text)):
+        return float(value)
+    return value
 
 
 def same_number(predicted: Fraction | None, gold: Fraction | float) -> bool:
-    """``predicted`` is ``gold``: exactly, or for a float gold the float nearest to it."""
+    """``predicted`` is ``gold``: exactly; for a float gold (:func:`_gold_number`) within
+    :data:`FLOAT_RELATIVE` of it, or, where the gold is a float32 value written out as a
+    double (a float32 column: 0.10000000149011612), the same float32."""
     if predicted is None:
         return False
-    if isinstance(gold, float):
-        try:
-            return float(predicted) == gold
-        except OverflowError:
-            return False
-    return predicted == gold
+    if not isinstance(gold, float):
+        return predicted == gold
+    try:
+        value = float(predicted)
+    except OverflowError:
+        return False
+    if math.isclose(value, gold, rel_tol=FLOAT_RELATIVE, abs_tol=0.0):
+        return True
+    single = struct.unpack("f", struct.pack("f", gold))[0] if abs(gold) < 3e38 else None
+    if single != gold:
+        return False
+    return abs(value) < 3e38 and struct.unpack("f", struct.pack("f", value))[0] == gold

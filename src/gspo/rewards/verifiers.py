@@ -121,16 +121,17 @@ def numeric_match_reward(
     completions are strings or conversational ``[{"role": "assistant", "content": ...}]``.
 
     The predicted answer is the number in the last ``\\boxed{...}``, else in the last
-    ``<answer>...</answer>``, else on the line after the last "answer is"/"Answer:", else the
-    last number in the text (ints, decimals, negatives, ``1,234``, ``3/4``, ``\\frac{3}{4}``).
-    Inside a box or answer tag the part after the last ``=`` is used (``\\boxed{x = 5}``).
-    The gold answer may be a number, a numeric string, a ``\\boxed{}`` or a GSM8K solution
-    ending in ``#### <answer>``. Numbers are compared exactly, as fractions (``0.5`` is
-    ``1/2``; ``1000001`` is not ``1,000,000``); a gold answer stored as a float is matched
-    by the number whose nearest float it is (``1/3`` for ``0.3333333333333333``). An
-    answer that names several numbers as alternatives or a list (``18 or 20``,
-    ``\\boxed{1, 2}``, ``1,5``) gets 0.0. A sample whose gold answer is not numeric gets
-    None (not applicable).
+    ``<answer>...</answer>``, else on the first line starting with ``####``, else on the
+    line after the last "answer is"/"Answer:" (its first sentence), else the last number in
+    the text (ints, decimals, negatives, ``1,234``, ``3/4``, ``\\frac{3}{4}``, ``1 1/2``).
+    The part after the last ``=`` is used (``\\boxed{x = 5}``). The gold answer may be a
+    number, a numeric string, a ``\\boxed{}`` or a GSM8K solution ending in
+    ``#### <answer>``. Numbers are compared exactly, as fractions (``0.5`` is ``1/2``;
+    ``1000001`` is not ``1,000,000``); a gold answer that is a float written out
+    (``0.30000000000000004``) within a relative 1e-9 (or as the same float32). An answer
+    that names two different numbers as alternatives or a range (``18 or 20``, ``18-20``),
+    a list inside a box (``\\boxed{1, 2}``) or an expression (``2\\sqrt{3}``) gets 0.0. A
+    sample whose gold answer is not numeric gets None (not applicable).
     """
     answer = _require_answer("numeric_match", answer, len(completions))
     out: list[float | None] = []
@@ -203,8 +204,12 @@ def _plain_math(text: str) -> str:
     return _DIGIT_SPACE.sub("", text).replace("\\$", "")
 
 
+_PARENTHESISED_UNIT = re.compile(r"(?<=\S)\s*\([A-Za-z][A-Za-z .'/-]*\)\s*$")
+
+
 def _math_gold_text(answer: Any) -> str:
-    s = _plain_math(_gold_text(answer))
+    # (ASDiv's "9 (apples)": math-verify reads no number in it)
+    s = _PARENTHESISED_UNIT.sub("", _plain_math(_gold_text(answer)))
     if _E_NOTATION.fullmatch(s.strip()):  # (1e3, as a CSV may say: math-verify misreads it)
         s = format(decimal.Decimal(s.strip()), "f")
     # (an escaped \$, as in MATH's "\$18.90", is a dollar sign, not a delimiter)
