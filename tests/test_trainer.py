@@ -1044,7 +1044,8 @@ def test_rewards_that_never_apply_are_said_once(tmp_path, capsys):
     said = [line for line in capsys.readouterr().err.splitlines() if "returned None" in line]
     assert said == [
         "gspo: warning: every reward function returned None (does not apply) for all 16 "
-        f"completions of a batch, so every advantage is 0 and nothing is learned; check "
+        f"completions of a batch, so every advantage is 0 and nothing is learned from it "
+        "(AdamW's momentum and weight decay still move the weights); check "
         f"reward.functions ({tmp_path / 'rw.py'}:never) against the data's columns (shown once)"
     ]
     lines = train_lines(run_metrics(tmp_path / "run"))  # no reward measured: none logged

@@ -137,7 +137,7 @@ class EmptyLossWarning:
     """One line on stderr, once per run, when a rollout batch has no token in the loss.
 
     ``algorithm.mask_truncated`` with every response cut, or a rollout correction that
-    drops every token, leaves ``train/tokens`` at 0: the updates change nothing, and the
+    drops every token, leaves ``train/tokens`` at 0: the updates learn nothing, and the
     run goes on as if it trained. ``check`` takes the batch's log lines (combined over
     ranks, so a rank whose share happens to be all masked does not speak for the batch).
     """
@@ -168,7 +168,8 @@ class EmptyLossWarning:
             why = "every response was left out of the loss"
         print(
             f"gspo: warning: rollout batch {index} has no token in the loss "
-            f"(train/tokens 0), so its updates change nothing: {why} (shown once)",
+            f"(train/tokens 0), so its updates learn nothing from it (AdamW's momentum and "
+            f"weight decay still move the weights): {why} (shown once)",
             file=sys.stderr,
             flush=True,
         )

@@ -100,7 +100,7 @@ class Scorer:
 
     def warn_if_unscored(self, per_function: dict[str, list[float | None]], n: int) -> None:
         """One line on stderr (once a run) when every function returned None (does not
-        apply) for every completion of a batch: every reward is 0 and nothing is learned."""
+        apply) for every completion of a batch: every advantage is 0, nothing is learned."""
         if self.warned or not per_function or n == 0:
             return
         if all(v is None for values in per_function.values() for v in values):
@@ -108,7 +108,8 @@ class Scorer:
             print(
                 f"gspo: warning{rank_said()}: every reward function returned None (does not "
                 f"apply) for all {n} completions of a batch, so every advantage is 0 and "
-                f"nothing is learned; check reward.functions ({', '.join(per_function)}) "
+                f"nothing is learned from it (AdamW's momentum and weight decay still move the "
+                f"weights); check reward.functions ({', '.join(per_function)}) "
                 "against the data's columns (shown once)",
                 file=sys.stderr,
                 flush=True,
