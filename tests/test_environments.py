@@ -2,6 +2,7 @@
 
 import copy
 import signal
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -909,3 +910,42 @@ def test_episode_metrics_of_several_parts_are_those_of_all_their_episodes():
     assert out["env/env_token_fraction"] == pytest.approx(20 / 170)
     ranks = combine_metrics([few, many], lambda key: metric_reduction(key, "sequence"))
     assert ranks["env/tool_call_valid_fraction"] == pytest.approx(1 / 11)
+
+
+def test_env_timeout_interrupts_what_swallows_or_races_it():
+    """A tool's bare except: swallowed the interrupt and the run went on; a call ending as
+    the alarm fired let a raw _Overran out (a traceback, the handler and the os._exit
+    watchdog left behind: the process ended 30 s later); a tool's own alarm (math-verify's)
+    cancelled the deadline's."""
+    import time
+
+    from gspo.environments import EnvTimeout, deadline
+
+    def swallowing():
+        try:
+            time.sleep(5)
+        except BaseException:
+            return "error: could not fetch"
+
+    started = time.monotonic()
+    said = r"^tool fetch\(\) did not return within"
+    with pytest.raises(EnvTimeout, match=said), deadline(0.2, "tool fetch()"):
+        swallowing()
+    assert time.monotonic() - started < 2
+
+    def own_alarm():
+        signal.setitimer(signal.ITIMER_REAL, 0)  # (as math-verify's finally does)
+        time.sleep(5)
+
+    with pytest.raises(EnvTimeout), deadline(0.2, "step()"):
+        own_alarm()
+    for _ in range(3000):  # calls that end about as the interrupt comes
+        try:
+            with deadline(0.001, "step()"):
+                end = time.perf_counter() + 0.001
+                while time.perf_counter() < end:
+                    pass
+        except EnvTimeout:
+            pass
+        assert signal.getsignal(signal.SIGALRM) is signal.SIG_DFL
+    assert not [t for t in threading.enumerate() if isinstance(t, threading.Timer)]

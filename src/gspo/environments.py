@@ -36,7 +36,6 @@ constructed, a ``reset`` that raises or a tool without a schema stops it with on
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
 import os
@@ -44,8 +43,9 @@ import re
 import signal
 import sys
 import threading
+import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,62 +65,104 @@ class _Overran(BaseException):
     own ``except Exception`` does not take it for one of its errors and go on."""
 
 
-@contextlib.contextmanager
-def deadline(seconds: float | None, what: str) -> Iterator[None]:
-    """``what``, a call into an environment, must return within ``seconds`` (None: no
-    limit); past it the run stops with one line, checkpoints intact (``--resume``
-    continues from the last). In the main thread (with no timer of another's pending) the
-    call is interrupted by a signal and the line is an :class:`EnvError`, which Python code
-    that called ``gspo.train`` can catch; elsewhere (async rollouts' thread), or when the
-    call does not give up within :data:`ENV_GRACE_SECONDS`, nothing can interrupt it and
-    the process ends with the line, as a kill would."""
-    if seconds is None:
-        yield
-        return
-    said = (
-        f"{what} did not return within rollout.env_timeout={seconds:g} s; the run stops "
-        "here (checkpoints already written are intact; gspo train --resume continues from "
-        "the last)"
-    )
+class deadline:
+    """``with deadline(seconds, what):`` around ``what``, a call into an environment, which
+    must return within ``seconds`` (None: no limit); past it the run stops with one line,
+    checkpoints intact (``--resume`` continues from the last).
 
-    def overran() -> None:
+    In the main thread a timer thread sends the main thread SIGALRM at the deadline, whose
+    handler raises a BaseException into the call (an environment's ``except Exception``
+    lets it through; no ``setitimer``, so another timer of the process, math-verify's
+    alarm in a tool or pytest-timeout's, neither cancels it nor is cancelled); it leaves
+    the call as :class:`EnvTimeout`, which Python code that called ``gspo.train`` can
+    catch, also where the call swallowed the interrupt (a bare ``except:``) or returned
+    late. Elsewhere (async rollouts' thread), or when the call does not give up within
+    :data:`ENV_GRACE_SECONDS`, nothing can interrupt it and the process ends with the
+    line, as a kill would."""
+
+    def __init__(self, seconds: float | None, what: str):
+        self.seconds, self.what = seconds, what
+        self.said = (
+            f"{what} did not return within rollout.env_timeout={seconds:g} s; the run stops "
+            "here (checkpoints already written are intact; gspo train --resume continues "
+            "from the last)"
+            if seconds is not None
+            else ""
+        )
+        self.fired = self.returned = False
+        self.timers: list[threading.Timer] = []
+        self.previous: Any = None
+        self.installed = False
+
+    def __enter__(self) -> deadline:
+        if self.seconds is None:
+            return self
+        main = threading.current_thread() is threading.main_thread()
+        interrupt = main and hasattr(signal, "pthread_kill")
+        if interrupt:
+            self.previous = signal.signal(signal.SIGALRM, self._alarm)
+            self.installed = True
+            self._start(self.seconds, self._interrupt)
+        self._start(self.seconds + (ENV_GRACE_SECONDS if interrupt else 0.0), self._end)
+        return self
+
+    def _start(self, seconds: float, action: Callable[[], None]) -> None:
+        timer = threading.Timer(seconds, action)
+        timer.daemon = True
+        self.timers.append(timer)
+        timer.start()
+
+    def _interrupt(self) -> None:
+        """At the deadline: SIGALRM to the main thread, again every ``INTERRUPT_EVERY``
+        seconds until the call has returned (one that lands in :meth:`__enter__` or
+        :meth:`__exit__` is let go: raised there, it would leave the ``with`` unhandled)."""
+        self.fired = True
+        main = threading.main_thread().ident
+        while not self.returned:
+            signal.pthread_kill(main, signal.SIGALRM)
+            time.sleep(INTERRUPT_EVERY)
+
+    def _alarm(self, signum: int, frame: Any) -> None:
+        if self.fired and not self.returned and not _inside(frame, _OWN_CODE):
+            raise _Overran
+        if not self.fired and callable(self.previous):  # another's alarm, while the call runs
+            self.previous(signum, frame)
+
+    def _end(self) -> None:
         from gspo.distributed import rank_said
 
-        print(f"gspo: error{rank_said()}: {said}", file=sys.stderr, flush=True)
+        print(f"gspo: error{rank_said()}: {self.said}", file=sys.stderr, flush=True)
         os._exit(2)
 
-    interrupt = (
-        hasattr(signal, "setitimer")
-        and threading.current_thread() is threading.main_thread()
-        and signal.getitimer(signal.ITIMER_REAL)[0] == 0
-    )
-    timer = threading.Timer(seconds + (ENV_GRACE_SECONDS if interrupt else 0.0), overran)
-    timer.daemon = True
-    timer.start()
-    if not interrupt:
-        try:
-            yield
-        finally:
+    def __exit__(self, kind: Any, error: Any, trace: Any) -> bool:
+        self.returned = True  # (first: from here an alarm does nothing)
+        for timer in self.timers:
             timer.cancel()
-        return
+        if self.timers:  # an interrupt being sent is sent (and met by _alarm, a no-op now)
+            self.timers[0].join()  # before the handler goes: the default one would kill
+        if self.installed:  # (None: one not set from Python, which is the default's place)
+            signal.signal(
+                signal.SIGALRM, signal.SIG_DFL if self.previous is None else self.previous
+            )
+        if self.fired:  # interrupted, or the call swallowed the interrupt and went on
+            raise EnvTimeout(self.said) from None
+        return False
 
-    returned: list[bool] = []
 
-    def alarm(signum: int, frame: Any) -> None:
-        if not returned:
-            raise _Overran
+#: How often the interrupt is sent again until a call past its deadline returns.
+INTERRUPT_EVERY = 0.02
+_OWN_CODE = (deadline.__enter__.__code__, deadline.__exit__.__code__)
 
-    previous = signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    except _Overran:
-        raise EnvTimeout(said) from None
-    finally:
-        returned.append(True)
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-        timer.cancel()
+
+def _inside(frame: Any, codes: tuple[Any, ...], depth: int = 16) -> bool:
+    """Whether ``frame`` or one of the ``depth`` frames that called it runs ``codes``."""
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
 
 
 _CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)

@@ -47,8 +47,11 @@ def run_coroutine(coroutine: Any) -> Any:
         asyncio.get_running_loop()
     except RuntimeError:
         return asyncio.run(coroutine)
-    with concurrent.futures.ThreadPoolExecutor(1) as thread:
+    thread = concurrent.futures.ThreadPoolExecutor(1)
+    try:
         return thread.submit(asyncio.run, coroutine).result()
+    finally:  # (not waited for: an interrupted wait, rollout.env_timeout's, returns at once)
+        thread.shutdown(wait=False)
 
 
 def one_line(exc: BaseException, limit: int = 500) -> str:

@@ -113,6 +113,7 @@ class RolloutConfig(Section):
     env_timeout: float | None = Field(
         None,
         gt=0,
+        le=1e7,  # (a timer's longest wait is ~9e9 s: "no limit" is null)
         description="environment: seconds one call into it (constructor, reset, step, a "
         "tool, close) may take; past it the run stops with one line naming the call, "
         "checkpoints intact (from Python an EnvError; in async rollouts' thread, where "
