@@ -65,7 +65,11 @@ _BOXED_START = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _ANSWER_PHRASE = re.compile(r"\banswer[*_]*\s*(?:is\b[*_]*\s*:?|:)", re.IGNORECASE)
 _ANSWER_COLON_WELL_FORMED = re.compile(r"\banswer[*_]*\s*:\s*\S", re.IGNORECASE)
 #: GSM8K's own marker, as a model trained on its solutions writes it: "#### 72".
-_HASHES = re.compile(r"^[ \t]*####[ \t]*(\S[^\n]*)", re.MULTILINE)
+#: (A number, perhaps a unit, and nothing more: "#### 1. Understand it" is a heading.)
+_HASHES = re.compile(
+    r"^[ \t]*####[ \t]*([-−]?\$?[-−]?\d[\d,]*(?:\.\d+)?(?:[ \t]*[A-Za-z%]+)?)[ \t.]*$",
+    re.MULTILINE,
+)
 
 
 def _closing_braces(text: str) -> dict[int, int]:
@@ -167,25 +171,40 @@ _NUMBER = re.compile(
     rf"|(?P<lw>\d+)\s*{_FRAC}\{{\s*(?P<ln>\d+)\s*\}}\s*\{{\s*(?P<ld>\d+)\s*\}}"  # 3\frac{1}{2}
     rf"|(?P<m>{_UNSIGNED})\s*(?:\\times|\\cdot|×)\s*10\s*\^\s*(?:\{{\s*(?P<e>[-+−]?\d+)\s*\}}"
     r"|(?P<e1>\d))"  # 6.02 \times 10^{23}
-    r"|(?P<w>\d+)[ \t]+(?P<wn>\d+)\s*/\s*(?P<wd>\d+)(?![\d.,/])"  # 1 1/2
+    r"|(?P<w>\d+)[ \t]+(?P<wn>\d+)\s*/\s*(?P<wd>\d+)(?![\d/]|[.,]\d)"  # 1 1/2
     rf"|(?P<n>{_UNSIGNED})(?:\s*/\s*(?P<d>{_UNSIGNED}))?)"
 )
-_LATEX_NOISE = re.compile(r"\\[,;:! ]|\\left|\\right|\\\(|\\\)|\\\[|\\\]|\{,\}|\\?\$|\\?%")
+_LATEX_NOISE = re.compile(
+    r"\\[,;:! ]|\\left|\\right|\\\(|\\\)|\\\[|\\\]|\{,\}|\\?\$|\\?%"
+    r"|\^\s*\{?\s*\\circ\s*\}?|°"  # (45^\circ: degrees, no power)
+)
 _SPACE = re.compile(r"\s+")
 #: Thousands grouped by spaces ("1 000 000", also no-break and thin spaces): one number
 #: where it is the whole answer (in running text two numbers may stand so).
 _SPACED_THOUSANDS = re.compile(r"[-−]?\d{1,3}(?: \d{3})+(?:\.\d+)?")
 #: A number that is the first term of an expression, not an answer: 2\sqrt{3}, 3\pi, 2^5.
-_EXPRESSION_AFTER = re.compile(r"\s*(?:\\sqrt|\\pi|\\times|\\cdot|\^|\*|×|·|\+|\\log|\\ln)")
-#: What stands between two numbers given as alternatives ("18 or 20", "18 (or 20)") or as
-#: a range ("18 to 20", "18-20", "18 \pm 2"): such an answer names no one number.
-_ALTERNATIVE = r"[,;]?\s*\(?\s*(?:or|to|\\text\s*\{\s*(?:or|to)\s*\}|\\lor|\\vee|\\pm|±|[-–—])"
-_ALTERNATIVES = re.compile(rf"\s*{_ALTERNATIVE}\s*", re.IGNORECASE)
+_EXPRESSION_AFTER = re.compile(
+    r"\s*(?:\\sqrt|\\pi|\\times|\\cdot|\^|\*\s*[\d(]|×|·|\+\s*[\d(\\]|\\log|\\ln)"
+)
+#: Markdown emphasis around an answer (**18**, *18*): no multiplication.
+_EMPHASIS = re.compile(r"\*\*+|(?<![\w)])\*(?=[-\d$\\])|(?<=[\d.%$}])\*(?!\s*[\d(\\])")
+#: What stands between two numbers given as alternatives ("18 or 20", "18 (or 20)",
+#: "x = 2 or x = 3")...
+_OR = r"[,;]?\s*\(?\s*(?:or(?:\s+[A-Za-z]\s*=)?|\\text\s*\{\s*or\s*\}|\\lor|\\vee)"
+#: ... or as a range ("18 to 20", "18-20", "18 \pm 2"), said where the range ends the
+#: answer (at most a word after it: "18-20 apples"; "18 - 2 more than ...", "3.14 to 2
+#: decimal places" are no range): such an answer names no one number.
+_RANGE = r"[,;]?\s*(?:to|\\text\s*\{\s*to\s*\}|\\pm|±|[-–—])"
+_RANGE_END = re.compile(r"\s*(?:[A-Za-z]+\.?)?\s*[.,;:!)]*\s*")
+_ALTERNATIVES = re.compile(rf"\s*(?:{_OR})\s*", re.IGNORECASE)
+_RANGES = re.compile(rf"\s*(?:{_RANGE})\s*", re.IGNORECASE)
 #: ... and, inside a box or answer tag (the whole answer), a list: "1, 2", "3 and 4".
 _LISTED = re.compile(
-    rf"\s*(?:{_ALTERNATIVE}|[,;]\s*(?:and\b)?|and|\\text\s*\{{\s*(?:and|,)\s*\}}|\\q?quad)\s*",
+    r"\s*(?:[,;]\s*(?:and\b)?|and|\\text\s*\{\s*(?:and|,)\s*\}|\\q?quad)\s*",
     re.IGNORECASE,
 )
+#: A parenthesised aside after an answer ("49 (since 2 x 3 = 6)"), not "(or 20)".
+_ASIDE = re.compile(r"\((?!\s*or\b)[^()]*\)")
 #: Exponents past this are no answer (10**4300 is the longest int Python writes as text;
 #: a completion's 1e999999999 would take minutes to expand).
 _MAX_EXPONENT = 4300
@@ -266,20 +285,45 @@ def parse_number(text: str) -> float | None:
 
 class _NoAnswer(Exception):
     """An answer that names no one number: several as alternatives, a range, a list in
-    a box ("18 or 20", "18-20", "\\boxed{1, 2}"), or an expression (``2\\sqrt{3}``)."""
+    a box ("18 or 20", "18-20", "\\boxed{1, 2}")."""
 
 
-def _numbers_in(text: str) -> list[tuple[Fraction, re.Match[str]]]:
-    found = ((_match_value(m), m) for m in _NUMBER.finditer(text))
-    return [(v, m) for v, m in found if v is not None]
+class _Expression(_NoAnswer):
+    """An answer that is an expression (``2\\sqrt{3}``, ``2+3``), not a number."""
 
 
-def _check_one(text: str, found: list[tuple[Fraction, re.Match[str]]], joins: re.Pattern) -> None:
-    """:class:`_NoAnswer` where the first of ``found`` (numbers in ``text``) is joined to
-    the next by ``joins`` and they differ ("1/2 or 0.5" is one number, said twice)."""
+def _numbers_in(text: str, first: int | None = None) -> list[tuple[Fraction, re.Match[str]]]:
+    """The numbers of ``text`` (the first ``first`` of them), with their matches."""
+    out = []
+    for m in _NUMBER.finditer(text):
+        value = _match_value(m)
+        if value is not None:
+            out.append((value, m))
+            if first is not None and len(out) == first:
+                break
+    return out
+
+
+def _last_numbers(text: str) -> list[tuple[Fraction, re.Match[str]]]:
+    """The last two numbers of ``text`` (each read only once found among the last)."""
+    matches: list[re.Match[str]] = []
+    for m in _NUMBER.finditer(text):
+        matches = [*matches[-3:], m]
+    found = [(v, m) for v, m in ((_match_value(m), m) for m in matches) if v is not None]
+    return found[-2:]
+
+
+def _check_one(text: str, found: list[tuple[Fraction, re.Match[str]]], *, listed: bool) -> None:
+    """:class:`_NoAnswer` where the first two of ``found`` (numbers in ``text``) are
+    joined as alternatives, a range (ending the text) or, ``listed``, a list, and differ
+    ("1/2 or 0.5" is one number, said twice)."""
     if len(found) > 1:
         (first, a), (second, b) = found[0], found[1]
-        if joins.fullmatch(text[a.end() : b.start()]) and first != second:
+        between = text[a.end() : b.start()]
+        joined = _ALTERNATIVES.fullmatch(between) or (listed and _LISTED.fullmatch(between))
+        if _RANGES.fullmatch(between) and _RANGE_END.fullmatch(text, b.end()):
+            joined = True
+        if joined and first != second:
             raise _NoAnswer
 
 
@@ -288,24 +332,44 @@ def _first_sentence(line: str) -> str:
     return re.split(r"\.(?=\s|$)", line, maxsplit=1)[0]
 
 
+def _equation_answer(segment: str) -> str:
+    """Of ``a = b = c``, the part that holds the answer: ``a`` where it is a number
+    (``18 = 20 - 2``), ``b`` where ``a`` is a variable (``x = 49, y = 3``), else the last
+    (``10 + 8 = 18``)."""
+    parts = segment.split("=")
+    if len(parts) == 1:
+        return segment
+    if exact_number(parts[0]) is not None:
+        return parts[0]
+    if not any(c.isdigit() for c in parts[0]):
+        if len(parts) > 2 and re.search(r"\bor\b", parts[1], re.IGNORECASE):
+            raise _NoAnswer  # x = 2 or x = 3
+        return parts[1]
+    return parts[-1]
+
+
 def _segment_number(segment: str, *, whole: bool) -> Fraction | None:
     """The number ``segment`` answers with: a box's or answer tag's content (``whole``:
     the answer and nothing else, so a list in it names no one number), or the line after
-    "answer is" (its first sentence: what follows may be comments with numbers of their
-    own). The part after the last ``=`` where there is one (``x = 5``, ``10 + 8 = 18``)."""
+    "answer is" (its first sentence, asides in parentheses left out: what follows may be
+    comments with numbers of their own). Of an equation, the part that holds the answer
+    (:func:`_equation_answer`)."""
+    segment = _EMPHASIS.sub("", segment)
     if not whole:
-        segment = _first_sentence(segment)
+        segment = _ASIDE.sub("", _first_sentence(segment))
     value = exact_number(segment)
     if value is not None:
         return value
-    segment = _LATEX_NOISE.sub("", segment.rsplit("=", 1)[-1])  # ("$18 or $20": 18 or 20)
+    segment = _LATEX_NOISE.sub("", _equation_answer(segment))  # ("$18 or $20": 18 or 20)
+    if re.match(r"\s*(?:\\pm|±)", segment):
+        raise _NoAnswer  # (\pm 3: two numbers)
     value = exact_number(segment)
     if value is not None:
         return value
-    found = _numbers_in(segment)
-    _check_one(segment, found, _LISTED if whole else _ALTERNATIVES)
+    found = _numbers_in(segment, first=2)
+    _check_one(segment, found, listed=whole)
     if found and _EXPRESSION_AFTER.match(segment, found[0][1].end()):
-        raise _NoAnswer
+        raise _Expression
     return found[0][0] if found else None
 
 
@@ -317,7 +381,7 @@ def _answer_number(text: str) -> Fraction | None:
         if len(boxes) > 1:  # \boxed{18} or \boxed{20}
             end, start = boxes[-2][1] + 1, boxes[-1][0]  # (between: "} or \\boxed{")
             between = _LATEX_NOISE.sub("", _BOXED_START.sub("", text[end:start]))
-            if _ALTERNATIVES.fullmatch(between):
+            if _ALTERNATIVES.fullmatch(between) or _RANGES.fullmatch(between):
                 first, last = (_segment_number(text[x:y], whole=True) for x, y in boxes[-2:])
                 if first != last:
                     raise _NoAnswer
@@ -331,8 +395,8 @@ def _answer_number(text: str) -> Fraction | None:
             if value is not None:
                 return value
     cleaned = _LATEX_NOISE.sub("", text)
-    found = _numbers_in(cleaned)[-2:]
-    _check_one(cleaned, found, _ALTERNATIVES)
+    found = _last_numbers(cleaned)
+    _check_one(cleaned, found, listed=False)
     return found[-1][0] if found else None
 
 
@@ -346,9 +410,12 @@ def _predicted_number(text: str) -> Fraction | None:
 
 
 def _hedged(text: str) -> bool:
-    """``text`` answers with several numbers as alternatives or a list (``18 or 20``)."""
+    """``text`` answers with several numbers as alternatives or a list (``18 or 20``); an
+    expression (``2+3``) is no hedge (math-verify evaluates it)."""
     try:
         _answer_number(text)
+    except _Expression:
+        return False
     except _NoAnswer:
         return True
     return False
@@ -430,20 +497,46 @@ def _gold_number(answer: Any) -> Fraction | float | None:
         return float(value) if _float_written(repr(value)) else Fraction(repr(value))
     text = reference_answer(answer)
     value = exact_number(text)
-    if value is None and _UNIT_SUFFIX.search(text):
+    if value is None and len(text) <= 100 and _UNIT_SUFFIX.search(text):
         text = _UNIT_SUFFIX.sub("", text, count=1)
         value = exact_number(text) if text.strip() else None
-    if value is not None and _float_written(_LATEX_NOISE.sub("", text)):
+    written = _LATEX_NOISE.sub("", text).strip()
+    if value is not None and _float_written(written):
         return float(value)
+    places = re.fullmatch(r"[-−+]?[\d,]*\.(\d{2,})", written)
+    if value is not None and places:  # (8.33: a rounded decimal, which 25/3 rounds to)
+        rounded = _Rounded(value)
+        rounded.places = len(places.group(1))
+        return rounded
     return value
 
 
+class _Rounded(Fraction):
+    """A gold answer written as a decimal of ``places`` places (two or more): a fraction
+    that no decimal writes out (``25/3``) matches it where it rounds to it (``8.33``)."""
+
+    places: int
+
+
+def _terminates(value: Fraction) -> bool:
+    """Whether a decimal writes ``value`` out (its denominator has no prime but 2 and 5)."""
+    den = value.denominator
+    for p in (2, 5):
+        while den % p == 0:
+            den //= p
+    return den == 1
+
+
 def same_number(predicted: Fraction | None, gold: Fraction | float) -> bool:
-    """``predicted`` is ``gold``: exactly; for a float gold (:func:`_gold_number`) within
-    :data:`FLOAT_RELATIVE` of it, or, where the gold is a float32 value written out as a
-    double (a float32 column: 0.10000000149011612), the same float32."""
+    """``predicted`` is ``gold``: exactly (a fraction no decimal writes out, ``25/3``, is
+    a rounded decimal gold, ``8.33``, where it rounds to it); for a float gold
+    (:func:`_gold_number`) within :data:`FLOAT_RELATIVE` of it, or, where the gold is a
+    float32 value written out as a double (a float32 column: 0.10000000149011612), the
+    same float32."""
     if predicted is None:
         return False
+    if isinstance(gold, _Rounded) and not _terminates(predicted):
+        return round(predicted, gold.places) == gold
     if not isinstance(gold, float):
         return predicted == gold
     try:
