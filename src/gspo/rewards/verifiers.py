@@ -124,7 +124,8 @@ def numeric_match_reward(
     ``<answer>...</answer>``, else on the first line starting with ``####``, else on the
     line after the last "answer is"/"Answer:" (its first sentence), else the last number in
     the text (ints, decimals, negatives, ``1,234``, ``3/4``, ``\\frac{3}{4}``, ``1 1/2``).
-    The part after the last ``=`` is used (``\\boxed{x = 5}``). The gold answer may be a
+    Of an equation, the part that holds the answer (``\\boxed{x = 5}``, ``10 + 8 = 18``;
+    docs/training.md has the rules). The gold answer may be a
     number, a numeric string, a ``\\boxed{}`` or a GSM8K solution ending in
     ``#### <answer>``. Numbers are compared exactly, as fractions (``0.5`` is ``1/2``;
     ``1000001`` is not ``1,000,000``); a gold answer that is a float written out
