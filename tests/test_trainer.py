@@ -254,11 +254,11 @@ def test_bring_your_own_model_data_and_reward(tmp_path, tokenizer):
     assert len(lines) == 4
     # reward = exact_match (0 for an untrained model) + 0.5 * bonus, bonus is 1 for odd rows
     assert all(0.0 <= r["train/reward_mean"] <= 1.5 for r in lines)
-    assert any(
-        r["train/reward/my_reward.py:uses_column"] > 0
-        for r in lines
-        if "train/reward/my_reward.py:uses_column" in r
-    ) or any("uses_column" in k for r in lines for k in r)
+    # each function's mean under its function's name (the whole spec was the key, path and
+    # all, and a run of one function logged none)
+    for r in lines:  # (every completion scored by both: the sum of the weighted means)
+        parts = r["train/reward/exact_match"] + 0.5 * r["train/reward/uses_column"]
+        assert r["train/reward_mean"] == pytest.approx(parts, abs=1e-6)
     assert (out / "config.yaml").is_file()
     assert load_config(out / "config.yaml").model.path == str(tmp_path / "mymodel")
     assert (out / "checkpoints" / "step-0000004" / "model.safetensors").is_file()
