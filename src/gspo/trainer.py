@@ -295,17 +295,18 @@ class Trainer:
         try:
             self.checkpoints.wait(quiet=quiet)
         finally:  # (a failed run left TensorBoard's thread, the metrics file, W&B's run open)
-            self.logger.close()
-            self.rewards.close()  # the reward.workers processes, if any
-            if (close := getattr(self.sampler.engine, "close", None)) is not None:
-                close()
+            try:
+                self.logger.close()
+            finally:
+                self.rewards.close()  # the reward.workers processes, if any
+                if (close := getattr(self.sampler.engine, "close", None)) is not None:
+                    close()
 
     def fit(self) -> list[dict[str, Any]]:
         try:
             return self._fit()
         except BaseException:
             self.checkpoints.wait(quiet=True)  # the checkpoint in flight is finished first
-            self.logger.close()
             raise
 
     def _fit(self) -> list[dict[str, Any]]:

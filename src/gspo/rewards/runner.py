@@ -201,6 +201,7 @@ class Runner:
         self._finalizer: Any = None
         self._busy = False  # some task sent to the workers may not have finished
         self._aside: Runner | None = None  # (see main_thread_spec)
+        self._no_aside: str | None = None  # why the aside process cannot start, once it could not
 
     def check(self, names: Sequence[str], specs: Sequence[str | RewardFunction]) -> None:
         """With workers: that they can start (the main script they import is a file) and
@@ -271,12 +272,15 @@ class Runner:
         prompts: Sequence[Any],
         completions: Sequence[Any],
         columns: Mapping[str, Sequence[Any]],
+        deadline: float | None = None,
     ) -> list[Any]:
-        """Each function's raw output on the whole batch, in order."""
+        """Each function's raw output on the whole batch, in order (``deadline``: a
+        ``time.monotonic()`` to finish by, where not ``timeout`` from now)."""
         if self.workers > 0:
             shipped = [_shippable(n, s) for n, s in zip(names, specs, strict=True)]
             pool = self.start()  # start-up is not part of the deadline
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        if deadline is None and self.timeout is not None:
+            deadline = time.monotonic() + self.timeout
         if self.workers == 0:
             return [
                 self._in_this_process(name, f, prompts, completions, columns, deadline)
@@ -373,13 +377,37 @@ class Runner:
         in_thread = (
             deadline is not None or threading.current_thread() is not threading.main_thread()
         )
-        if spec is None or not in_thread:
+        aside = self._aside_runner(name, spec) if spec is not None and in_thread else None
+        if aside is None:
             return self._in_thread(name, function, prompts, completions, columns, deadline)
-        if self._aside is None:
-            self._aside = Runner(workers=1, timeout=self.timeout)
-        left = None if deadline is None else max(1e-3, deadline - time.monotonic())
-        self._aside.timeout = left
-        return self._aside.run([name], [function], [spec], prompts, completions, columns)[0]
+        # (its own columns only: an environment's objects do not pickle)
+        needed = {
+            k: v for k, v in columns.items() if k in getattr(function, "required_columns", ())
+        }
+        return aside.run([name], [function], [spec], prompts, completions, needed, deadline)[0]
+
+    def _aside_runner(self, name: str, spec: str) -> Runner | None:
+        """The one worker process ``main_thread_spec`` functions run in, started on first
+        use; None (said once) where it cannot start: a main script read from stdin, or one
+        that starts a run again as the worker imports it. There the function runs in this
+        process, without its own time limits, as before."""
+        if self._aside is None and self._no_aside is None:
+            aside = Runner(workers=1, timeout=self.timeout)
+            try:
+                aside.check([name], [spec])
+                aside.start()
+                self._aside = aside
+            except RewardError as e:
+                aside.close()
+                self._no_aside = str(e).split(": ", 1)[-1]
+                print(
+                    f"gspo: warning: reward function {name!r} runs without math-verify's "
+                    "time limits, which need a main thread (scored in another here), since "
+                    f"the process it would run in cannot start: {self._no_aside}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        return self._aside
 
     def _in_thread(
         self,
