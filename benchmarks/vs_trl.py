@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -112,16 +114,27 @@ def run_gspo(
 
 
 def run_logged(command: list[str], out: Path, timeout: float | None, what: str) -> None:
-    """``command`` within ``timeout`` seconds, its output in ``out/process.log``; a failure
-    raised with the output's last lines (the error, not the command line of 30 arguments
-    that ``CalledProcessError`` says)."""
+    """``command`` within ``timeout`` seconds, its output in ``OUT.log`` beside ``out``
+    (gspo train --overwrite replaces ``out``); a failure raised with the output's last lines
+    (the error, not the command line of 30 arguments that ``CalledProcessError`` says). Past
+    ``timeout`` its whole process group is killed (torchrun's ranks too) and the output so
+    far logged before ``subprocess.TimeoutExpired``."""
     out.mkdir(parents=True, exist_ok=True)
-    log = out.parent / f"{out.name}.log"  # (beside: gspo train --overwrite replaces out)
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    log.write_text(f"$ {' '.join(command)}\n{done.stdout}\n{done.stderr}")
-    if done.returncode != 0:
-        tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
-        raise RuntimeError(f"{what} exited {done.returncode} ({log}): {tail}")
+    log = out.parent / f"{out.name}.log"
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        log.write_text(f"$ {' '.join(command)}\n{stdout}\n{stderr}")
+        raise subprocess.TimeoutExpired(what, timeout or 0.0) from None
+    log.write_text(f"$ {' '.join(command)}\n{stdout}\n{stderr}")
+    if process.returncode != 0:
+        tail = " | ".join((stderr or stdout).strip().splitlines()[-3:])
+        raise RuntimeError(f"{what} exited {process.returncode} ({log}): {tail}")
 
 
 def run_trl(

@@ -203,6 +203,7 @@ _LISTED = re.compile(
     r"\s*(?:[,;]\s*(?:and\b)?|and|\\text\s*\{\s*(?:and|,)\s*\}|\\q?quad)\s*",
     re.IGNORECASE,
 )
+_BETWEEN = re.compile(r"\bbetween\s*\$?\s*$", re.IGNORECASE)
 #: A parenthesised aside after an answer ("49 (since 2 x 3 = 6)"), not "(or 20)".
 _ASIDE = re.compile(r"\((?!\s*or\b)[^()]*\)")
 #: Exponents past this are no answer (10**4300 is the longest int Python writes as text;
@@ -313,15 +314,19 @@ def _last_numbers(text: str) -> list[tuple[Fraction, re.Match[str]]]:
     return found[-2:]
 
 
-def _check_one(text: str, found: list[tuple[Fraction, re.Match[str]]], *, listed: bool) -> None:
+def _check_one(
+    text: str, found: list[tuple[Fraction, re.Match[str]]], *, listed: bool, ranges: bool = True
+) -> None:
     """:class:`_NoAnswer` where the first two of ``found`` (numbers in ``text``) are
-    joined as alternatives, a range (ending the text) or, ``listed``, a list, and differ
-    ("1/2 or 0.5" is one number, said twice)."""
+    joined as alternatives, a range (``ranges``: ending the text, or "between 18 and 20")
+    or, ``listed``, a list, and differ ("1/2 or 0.5" is one number, said twice)."""
     if len(found) > 1:
         (first, a), (second, b) = found[0], found[1]
         between = text[a.end() : b.start()]
         joined = _ALTERNATIVES.fullmatch(between) or (listed and _LISTED.fullmatch(between))
-        if _RANGES.fullmatch(between) and _RANGE_END.fullmatch(text, b.end()):
+        if ranges and _RANGES.fullmatch(between) and _RANGE_END.fullmatch(text, b.end()):
+            joined = True
+        if ranges and re.fullmatch(r"\s*and\s*", between) and _BETWEEN.search(text, 0, a.start()):
             joined = True
         if joined and first != second:
             raise _NoAnswer
@@ -395,8 +400,8 @@ def _answer_number(text: str) -> Fraction | None:
             if value is not None:
                 return value
     cleaned = _LATEX_NOISE.sub("", text)
-    found = _last_numbers(cleaned)
-    _check_one(cleaned, found, listed=False)
+    found = _last_numbers(cleaned)  # (no range: "rose from $20 to $25" is no hedge)
+    _check_one(cleaned, found, listed=False, ranges=False)
     return found[-1][0] if found else None
 
 
@@ -494,7 +499,9 @@ def _gold_number(answer: Any) -> Fraction | float | None:
         value = float(answer)
         if not math.isfinite(value):
             return None
-        return float(value) if _float_written(repr(value)) else Fraction(repr(value))
+        if _float_written(repr(value)):
+            return value
+        answer = repr(value)  # (a short float, 8.33, as the text it is: as a CSV cell says it)
     text = reference_answer(answer)
     value = exact_number(text)
     if value is None and len(text) <= 100 and _UNIT_SUFFIX.search(text):
@@ -502,9 +509,13 @@ def _gold_number(answer: Any) -> Fraction | float | None:
         value = exact_number(text) if text.strip() else None
     written = _LATEX_NOISE.sub("", text).strip()
     if value is not None and _float_written(written):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # (1.234567890123e400: past a float, compared exactly)
+            return value
     places = re.fullmatch(r"[-−+]?[\d,]*\.(\d{2,})", written)
-    if value is not None and places:  # (8.33: a rounded decimal, which 25/3 rounds to)
+    digits = len(written.replace(".", "").replace(",", "").lstrip("-−+0"))
+    if value is not None and places and digits >= 3:  # (8.33, which 25/3 rounds to)
         rounded = _Rounded(value)
         rounded.places = len(places.group(1))
         return rounded
@@ -512,8 +523,9 @@ def _gold_number(answer: Any) -> Fraction | float | None:
 
 
 class _Rounded(Fraction):
-    """A gold answer written as a decimal of ``places`` places (two or more): a fraction
-    that no decimal writes out (``25/3``) matches it where it rounds to it (``8.33``)."""
+    """A gold answer written as a decimal of ``places`` places (two or more, three or more
+    significant digits): a fraction that no decimal writes out (``25/3``) matches it where
+    it rounds to it (``8.33``) and is within a thousandth of it."""
 
     places: int
 
@@ -536,7 +548,8 @@ def same_number(predicted: Fraction | None, gold: Fraction | float) -> bool:
     if predicted is None:
         return False
     if isinstance(gold, _Rounded) and not _terminates(predicted):
-        return round(predicted, gold.places) == gold
+        close = abs(predicted - gold) <= abs(gold) / 1000  # (0.01 is no 1/150)
+        return close and round(predicted, gold.places) == gold
     if not isinstance(gold, float):
         return predicted == gold
     try:
