@@ -81,7 +81,7 @@ class deadline:
     line, as a kill would."""
 
     def __init__(self, seconds: float | None, what: str):
-        self.seconds, self.what = seconds, what
+        self.seconds = seconds
         self.said = (
             f"{what} did not return within rollout.env_timeout={seconds:g} s; the run stops "
             "here (checkpoints already written are intact; gspo train --resume continues "

@@ -241,7 +241,8 @@ def _match_value(m: re.Match[str]) -> Fraction | None:
         num = _exact(f"{m.group('m')}e{int(power)}")
     else:
         num = _exact(m.group("n"))
-        den = _exact(m.group("d")) if m.group("d") is not None else Fraction(1)
+        if m.group("d") is not None:
+            den = _exact(m.group("d"))
     if num is None or den is None or den == 0:
         return None
     return -num / den if m.group("sign") else num / den
@@ -293,14 +294,14 @@ class _Expression(_NoAnswer):
     """An answer that is an expression (``2\\sqrt{3}``, ``2+3``), not a number."""
 
 
-def _numbers_in(text: str, first: int | None = None) -> list[tuple[Fraction, re.Match[str]]]:
-    """The numbers of ``text`` (the first ``first`` of them), with their matches."""
+def _first_numbers(text: str) -> list[tuple[Fraction, re.Match[str]]]:
+    """The first two numbers of ``text``, with their matches."""
     out = []
     for m in _NUMBER.finditer(text):
         value = _match_value(m)
         if value is not None:
             out.append((value, m))
-            if first is not None and len(out) == first:
+            if len(out) == 2:
                 break
     return out
 
@@ -371,7 +372,7 @@ def _segment_number(segment: str, *, whole: bool) -> Fraction | None:
     value = exact_number(segment)
     if value is not None:
         return value
-    found = _numbers_in(segment, first=2)
+    found = _first_numbers(segment)
     _check_one(segment, found, listed=whole)
     if found and _EXPRESSION_AFTER.match(segment, found[0][1].end()):
         raise _Expression
@@ -471,7 +472,10 @@ def reference_answer(solution: Any) -> str:
 
 
 #: A gold answer's trailing unit ("9 (apples)", "10 apples"): not part of its number.
-_UNIT_SUFFIX = re.compile(r"\s*(?:\([A-Za-z][A-Za-z .'/-]*\)|[A-Za-z][A-Za-z .'/-]*)\s*$")
+_UNIT = r"[A-Za-z][A-Za-z .'/-]*"
+_UNIT_SUFFIX = re.compile(rf"\s*(?:\({_UNIT}\)|{_UNIT})\s*$")
+#: ... in parentheses only (math-verify reads "10 apples", not "9 (apples)").
+PARENTHESISED_UNIT = re.compile(rf"(?<=\S)\s*\({_UNIT}\)\s*$")
 #: Significant digits from which a decimal is a binary float written out (repr(1/3) has
 #: 16, a float32 cell's double 17): compared to within FLOAT_RELATIVE, not exactly.
 FLOAT_DIGITS = 13

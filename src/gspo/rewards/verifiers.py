@@ -19,6 +19,7 @@ from typing import Any
 from gspo.rewards.contract import RewardError, RewardFunction
 from gspo.rewards.parsing import (
     _ANSWER_COLON_WELL_FORMED,
+    PARENTHESISED_UNIT,
     _answer_tag_contents,
     _boxed_contents,
     _gold_number,
@@ -205,12 +206,9 @@ def _plain_math(text: str) -> str:
     return _DIGIT_SPACE.sub("", text).replace("\\$", "")
 
 
-_PARENTHESISED_UNIT = re.compile(r"(?<=\S)\s*\([A-Za-z][A-Za-z .'/-]*\)\s*$")
-
-
 def _math_gold_text(answer: Any) -> str:
     # (ASDiv's "9 (apples)": math-verify reads no number in it)
-    s = _PARENTHESISED_UNIT.sub("", _plain_math(_gold_text(answer)))
+    s = PARENTHESISED_UNIT.sub("", _plain_math(_gold_text(answer)))
     if _E_NOTATION.fullmatch(s.strip()):  # (1e3, as a CSV may say: math-verify misreads it)
         s = format(decimal.Decimal(s.strip()), "f")
     # (an escaped \$, as in MATH's "\$18.90", is a dollar sign, not a delimiter)

@@ -28,7 +28,7 @@ from gspo.moe import find_routers, is_moe, set_experts_implementation
 from gspo.moved import model_not_found
 from gspo.plugins import absolute_spec
 from gspo.rewards import RewardFunctions
-from gspo.rewards.parsing import completion_text
+from gspo.rewards.parsing import cell_text, completion_text
 from gspo.tasks import BUILTIN_TASKS, TaskData
 from gspo.training.lora import (
     adam_state_bytes,
@@ -401,9 +401,11 @@ def check_reward_columns(
 
 
 def _empty(value: Any) -> bool:
-    if isinstance(value, str):
-        return not value.strip()
-    return value is None or (isinstance(value, (list, tuple)) and not value)
+    """No answer: a blank or missing cell (``cell_text``'s None: None, NaN, blank), or an
+    empty list of answers."""
+    if isinstance(value, (list, tuple)):
+        return not value
+    return cell_text(value) is None
 
 
 def empty_completions(sft: list[dict], config: Config) -> list[str]:
