@@ -369,7 +369,9 @@ def test_the_bf16_weight_head_takes_the_tensor_cores_and_the_cpus_arithmetic():
     grad = torch.randn(2, 96, 4096, generator=g)
     outs = []
     for where in ("cpu", "cuda"):
-        xd, wd = (t.to(where).requires_grad_() for t in (x, w))
+        # leaves of their own on each device (x.to('cpu') is x itself: made to require
+        # grad there, its .to('cuda') would be a non-leaf whose .grad stays None)
+        xd, wd = (t.detach().to(where).requires_grad_() for t in (x, w))
         out = kernels.bf16_weight_linear(xd, wd)
         out.backward(grad.to(where))
         outs.append([t.detach().cpu() for t in (out, xd.grad, wd.grad)])
