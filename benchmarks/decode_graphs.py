@@ -171,6 +171,38 @@ def compare(work: Path, *, device: str = "cuda", tokens: int = 512) -> dict[str,
     for way, value in ms.items():
         figures[f"{way}: fraction of the floor"] = float(f"{floor_ms / value:.3g}")
     figures["graphs vs loop speed-up"] = round(ms["loop"] / ms["graphs"], 2)
+    if dev.type == "cuda":
+        figures.update(loop_attention(model, tokenizer, prompts, dtype, min(tokens, 128)))
+    return figures
+
+
+def loop_attention(model, tokenizer, prompts, dtype, tokens: int) -> dict[str, float]:
+    """The loop's ms per step, ``tokens`` new tokens, by its single-query attention: SDPA
+    (the default in bf16, whose key length, hence shape, grows every step), SDPA with
+    torch's cuDNN backend off, and the batched products. On an H200 (02e1dd7) the loop took
+    54.7 ms a step, the same step at fixed shapes 13.9 ms, while on this CPU the two loops
+    of a55081f (products) and 02e1dd7 (SDPA) launch the same operators but for attention's:
+    whether SDPA's per-shape choice of kernel costs the loop that time on CUDA."""
+    from gspo.engines.decoding import KVDecoder
+
+    figures: dict[str, float] = {}
+    ways = {
+        "SDPA": ("sdpa", True),
+        "SDPA, cuDNN off": ("sdpa", False),
+        "products": ("products", True),
+    }
+    for label, (attention, cudnn) in ways.items():
+        kept = KVDecoder.attention, torch.backends.cuda.cudnn_sdp_enabled()
+        KVDecoder.attention = attention
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
+        try:
+            m = measure(model, tokenizer, prompts, tokens=tokens, dtype=dtype, way="loop")
+        finally:
+            KVDecoder.attention = kept[0]
+            torch.backends.cuda.enable_cudnn_sdp(kept[1])
+        figures[f"loop, {tokens} tokens, {label}: ms per step"] = round(
+            1e3 * m["seconds"] / m["steps"], 2
+        )
     return figures
 
 

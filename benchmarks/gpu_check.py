@@ -201,11 +201,19 @@ def run_stage(stage: Stage, body: Callable[[Stage, float], None], limit: float) 
     stage.peak_memory_mib = memory.peak_mib
 
 
-def run(command: list[str], limit: float, stage: Stage, log: Path | None = None) -> str:
+def run(
+    command: list[str],
+    limit: float,
+    stage: Stage,
+    log: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> str:
     """A subprocess within ``limit`` seconds; a non-zero exit fails the stage with its tail.
-    ``log``: a file that gets the last MiB of its output, also when it runs out of time."""
+    ``log``: a file that gets the last MiB of its output, also when it runs out of time;
+    ``env``: variables added to this process's environment for it."""
     try:
-        out = subprocess.run(command, capture_output=True, text=True, timeout=limit, cwd=ROOT)
+        out = subprocess.run(command, capture_output=True, text=True, timeout=limit, cwd=ROOT,
+                             env={**os.environ, **(env or {})})  # fmt: skip
     except subprocess.TimeoutExpired as timeout:
         if log is not None:
             text = [x.decode(errors="replace") if isinstance(x, bytes) else x or ""
@@ -237,6 +245,41 @@ def pytest_summary(out: str) -> tuple[str, dict[str, float | str]]:
     if failing:
         figures["failing tests"] = "; ".join(failing)[:2000]
     return summary, figures
+
+
+def tests_so_far(path: Path, slowest: int = 25) -> dict[str, float | str]:
+    """What a suite wrote to its GSPO_TEST_LOG (tests/conftest.py ``TestLog``) by the time
+    it stopped: the tests that ended (their teardown logged), passed / failed / skipped (a
+    test failed if any of its phases did, skipped if its setup was), the failing ones and
+    the slowest ones (their phases' seconds summed). Empty when the file is absent."""
+    if not path.exists():
+        return {}
+    seconds: dict[str, float] = {}
+    outcome: dict[str, str] = {}
+    ended: set[str] = set()
+    rank = {"passed": 0, "skipped": 1, "failed": 2}
+    for line in path.read_text().splitlines():
+        parts = line.split("\t")
+        if len(parts) != 4:
+            continue  # a line cut off by the stop
+        result, took, phase, test = parts
+        ended.update([test] if phase == "teardown" else [])
+        seconds[test] = seconds.get(test, 0.0) + float(took)
+        if rank.get(result, 2) > rank[outcome.get(test, "passed")]:
+            outcome[test] = result if result in rank else "failed"
+        outcome.setdefault(test, "passed")
+    counts = {k: sum(outcome[t] == k for t in ended) for k in rank}
+    figures: dict[str, float | str] = {
+        "tests ended (passed / failed / skipped)": "{passed} / {failed} / {skipped}".format(
+            **counts
+        )
+    }
+    failing = [t for t, v in outcome.items() if v == "failed"]
+    if failing:
+        figures["failing tests so far"] = "; ".join(failing)[:2000]
+    top = sorted(seconds.items(), key=lambda kv: -kv[1])[:slowest]
+    figures[f"slowest {len(top)} so far (s)"] = "; ".join(f"{t} {s:.1f}" for t, s in top)
+    return figures
 
 
 def pytest_command(paths: list[str] | tuple[str, ...], workers: int = 0) -> list[str]:
@@ -272,7 +315,15 @@ def pytest_stage(
         command = pytest_command(paths, workers)
         if target_s is not None:
             command.append("--durations=25")
-        out = run(command, limit, stage, log=log)
+        tests_log = log.with_suffix(".tests.tsv") if log is not None else None
+        if tests_log is not None:
+            tests_log.unlink(missing_ok=True)
+        try:
+            env = {"GSPO_TEST_LOG": str(tests_log.resolve())} if tests_log else None
+            out = run(command, limit, stage, log=log, env=env)
+        except subprocess.TimeoutExpired:  # what ended before the stop, from the tests' log
+            stage.figures.update(tests_so_far(tests_log) if tests_log else {})
+            raise
         seconds = time.perf_counter() - start
         summary, figures = pytest_summary(out)
         stage.figures.update(figures)
@@ -594,12 +645,23 @@ SHARES = {
 #: What a GPU lease of 15 device-minutes runs, as two calls (``benchmarks/gpu_lease.sh 1``
 #: then ``2``) beside a machine start of 1-2 minutes: the numerics and the suite first,
 #: then speed. ``budget`` is the call's seconds for its stages, ``suite`` the suite's.
-#: The stages' shares add up to more than the budgets (part 1: 510 s of 450, part 2: 690
-#: of 250): a stage takes at most what is left, in order, so part 2 is the gspo vs TRL
-#: stage first and the others as far as time allows; the rest wait for another lease.
-LEASE = {
-    "1": {"stages": "cuda,suite,head,decode", "budget": 450.0, "suite": 240.0},
-    "2": {"stages": "vs_trl,lora,async,train", "budget": 250.0, "suite": 0.0},
+#: The stages' shares add up to more than the budgets (part 2: 780 s of 270): a stage
+#: takes at most what is left, in order, so part 2 is the gspo vs TRL stage first and the
+#: others as far as time allows; the rest wait for another lease. On one H200 (02e1dd7,
+#: benchmarks/gpu_reports/) the CUDA tests took 97 s and the suite ran 41% of its tests in
+#: 240 s (8 workers of 16 threads each on 16 cores), so part 1 is the CUDA tests and the
+#: suite alone, decoding moved to part 2. ``gspo_set``: the part's ``--gspo-set`` overrides
+#: (before any given): part 2's gspo runs decode with the CUDA graphs, which passed their
+#: CUDA tests and decoded 11x faster than the loop there, but are off by default until a
+#: whole run has taken them on a GPU.
+LEASE: dict[str, dict] = {
+    "1": {"stages": "cuda,suite,head", "budget": 480.0, "suite": 360.0},
+    "2": {
+        "stages": "vs_trl,decode,async,train,lora",
+        "budget": 270.0,
+        "suite": 0.0,
+        "gspo_set": ["rollout.cuda_graphs=true"],
+    },
 }
 
 
@@ -663,6 +725,7 @@ def main() -> int:
         lease = LEASE[args.lease]
         args.stages, args.suite_limit = parse_stages(lease["stages"]), lease["suite"]
         args.budget = lease["budget"] if args.budget is None else args.budget
+        args.gspo_set = [*lease.get("gspo_set", ()), *args.gspo_set]
     reason = no_cuda_reason()
     if reason is not None and not (args.smoke and importlib.util.find_spec("torch")):
         print(f"gpu-check: {reason}; nothing run", file=sys.stderr)

@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny Qwen3 model and the character tokenizer; the device guard."""
 
+import os
 from collections.abc import Sequence
 
 import pytest
@@ -14,6 +15,40 @@ SMALL = TinyModelSpec(layers=2, hidden=64, heads=2, kv_heads=1, intermediate=128
 # the tests assume the CPU and float32 (model.dtype=auto is float32 on the CPU), while
 # model.device=auto would take CUDA, and with it bfloat16, on a machine with a GPU.
 CPU = "model.device=cpu"
+
+
+def pytest_configure(config):
+    """Several pytest-xdist workers (``make test`` from 8 cores up) share the machine's
+    cores: each worker's torch takes its share for its threads, and so do its subprocesses
+    (``gspo train``, torchrun) through OMP_NUM_THREADS, rather than every worker taking all
+    of them (8 workers on 16 cores each ran 16 threads). OMP_NUM_THREADS set by the user
+    is left as it is. GSPO_TEST_LOG: see :class:`TestLog`."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers and "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        threads = max(1, (cores or os.cpu_count() or 1) // int(workers))
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+    path = os.environ.pop("GSPO_TEST_LOG", None)  # this suite's, not a pytest a test starts
+    if path and "PYTEST_XDIST_WORKER" not in os.environ:
+        config.pluginmanager.register(TestLog(path), "gspo-test-log")
+
+
+class TestLog:
+    """GSPO_TEST_LOG=FILE: each phase of each test (setup, call, teardown) appended to FILE
+    as it ends, ``outcome<TAB>seconds<TAB>phase<TAB>test id``, by the process that reports
+    (pytest-xdist's controller gets every worker's), so a suite stopped at a time limit
+    still says what ran, what failed and what was slow (``benchmarks/gpu_check.py`` reads
+    it)."""
+
+    __test__ = False  # not a test class
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def pytest_runtest_logreport(self, report) -> None:
+        with open(self.path, "a") as log:
+            log.write(f"{report.outcome}\t{report.duration:.2f}\t{report.when}\t{report.nodeid}\n")
 
 
 @pytest.fixture(autouse=True)

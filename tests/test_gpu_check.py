@@ -88,6 +88,35 @@ def test_the_suite_stage_reads_pytests_counts_time_and_failures(gpu_check):
     assert "-n" not in gpu_check.pytest_command(["tests"])
 
 
+def test_a_suite_stopped_at_its_limit_still_says_what_ended(gpu_check, tmp_path):
+    """GSPO_TEST_LOG (tests/conftest.py TestLog): every phase of every test, written by
+    the controller under pytest-xdist (not also by its workers, nor by a pytest a test
+    starts); gpu_check's tests_so_far reads it when the suite ran out of time."""
+    log = tmp_path / "suite.tests.tsv"
+    quick = "tests/test_gpu_check.py::test_the_suite_stage_reads_pytests_counts_time_and_failures"
+    workers = ["-n", "2"] if importlib.util.find_spec("xdist") else []
+    env = {**os.environ, "GSPO_TEST_LOG": str(log)}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", quick, *workers]
+    subprocess.run(command, env=env, cwd=SCRIPT.parents[1], check=True, capture_output=True)
+    lines = [x.split("\t") for x in log.read_text().splitlines()]
+    assert [(x[0], x[2], x[3]) for x in lines] == [
+        ("passed", phase, quick) for phase in ("setup", "call", "teardown")
+    ]
+    assert gpu_check.tests_so_far(log)["tests ended (passed / failed / skipped)"] == "1 / 0 / 0"
+    log.write_text(
+        "passed\t0.01\tsetup\ttests/a.py::slow\npassed\t30.50\tcall\ttests/a.py::slow\n"
+        "passed\t0.00\tteardown\ttests/a.py::slow\npassed\t0.01\tsetup\ttests/a.py::bad\n"
+        "failed\t2.00\tcall\ttests/a.py::bad\npassed\t0.00\tteardown\ttests/a.py::bad\n"
+        "skipped\t0.00\tsetup\ttests/a.py::cuda\npassed\t0.00\tteardown\ttests/a.py::cuda\n"
+        "passed\t0.01\tsetup\ttests/a.py::slow2\npassed\t4"  # cut off by the stop
+    )
+    figures = gpu_check.tests_so_far(log, slowest=2)
+    assert figures["tests ended (passed / failed / skipped)"] == "1 / 1 / 1"
+    assert figures["failing tests so far"] == "tests/a.py::bad"
+    assert figures["slowest 2 so far (s)"] == "tests/a.py::slow 30.5; tests/a.py::bad 2.0"
+    assert gpu_check.tests_so_far(tmp_path / "absent.tsv") == {}
+
+
 def test_a_failing_stage_is_recorded_not_raised(gpu_check):
     stage = gpu_check.Stage("boom")
 
@@ -164,10 +193,10 @@ def test_stages_are_picked_in_the_order_given_and_a_wrong_key_is_one_line(gpu_ch
     assert "Traceback" not in run.stderr
 
 
-def test_a_lease_part_runs_its_stages_in_order_and_reports_into_the_report_dir(tmp_path):
+def test_a_lease_part_runs_its_stages_in_order_and_reports_into_the_report_dir(gpu_check, tmp_path):
     """``--lease 1`` (the first call of a GPU lease) at toy sizes on the CPU: the CUDA
-    tests, the suite without test_cuda.py, the log-prob head, decoding; the report and
-    each pytest stage's log land in ``--report-dir``, the runs' files in ``--out``."""
+    tests, the suite without test_cuda.py, the log-prob head; the report and each pytest
+    stage's log and tests' log land in ``--report-dir``, not in ``--out``."""
     import json
 
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "GSPO_COMMIT": "feedbee"}
@@ -180,20 +209,23 @@ def test_a_lease_part_runs_its_stages_in_order_and_reports_into_the_report_dir(t
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads((reports / "report.json").read_text())
     assert report["header"]["commit"] == "feedbee"
-    assert report["header"]["stages"] == "cuda,suite,head,decode in 450 s"  # the lease's
+    assert report["header"]["stages"] == "cuda,suite,head in 480 s"  # the lease's
+    assert "gspo overrides" not in report["header"]
     names = [s["name"].split(",")[0] for s in report["stages"]]
     assert names == ["tests (CUDA)", "test suite (smoke: one file)",
-                     "log-prob head forward+backward", "decode"]  # fmt: skip
-    assert [s["status"] for s in report["stages"]] == ["skipped", "passed", "passed", "passed"]
+                     "log-prob head forward+backward"]  # fmt: skip
+    assert [s["status"] for s in report["stages"]] == ["skipped", "passed", "passed"]
     head = report["stages"][2]["figures"]
     assert head["float32: ms per 256 tokens"] > 0 and head["bf16_weight speed-up"] > 0
     suite = (reports / "suite.log").read_text()
     assert "passed" in suite and "slowest" in suite  # --durations lists the slowest tests
     assert "skipped" in (reports / "cuda.log").read_text()
     assert sorted(p.name for p in reports.iterdir()) == [
-        "cuda.log", "report.json", "report.md", "suite.log",
+        "cuda.log", "cuda.tests.tsv", "report.json", "report.md", "suite.log", "suite.tests.tsv",
     ]  # fmt: skip
-    assert (out / "toy").is_dir() and not (out / "report.md").exists()
+    ended = gpu_check.tests_so_far(reports / "suite.tests.tsv")
+    assert ended["tests ended (passed / failed / skipped)"].endswith(" / 0 / 0")
+    assert not (out / "report.md").exists()
 
 
 def test_gspo_set_reaches_the_gspo_runs_and_the_report(tmp_path):
@@ -228,6 +260,7 @@ def test_a_budget_beside_a_lease_part_bounds_it(tmp_path):
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["header"]["stages"] == "vs_trl,lora,async,train in 15 s"
-    assert [s["status"] for s in report["stages"]] == ["not run"] * 4
+    assert report["header"]["stages"] == "vs_trl,decode,async,train,lora in 15 s"
+    assert report["header"]["gspo overrides"] == "rollout.cuda_graphs=true"  # the part's own
+    assert [s["status"] for s in report["stages"]] == ["not run"] * 5
     assert run.returncode == 1  # nothing passed: not a green check
