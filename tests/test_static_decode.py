@@ -164,6 +164,41 @@ def test_static_step_runs_moe_blocks_and_lora_adapters_like_the_loop(tokenizer, 
         assert (a.sampler_logprobs - b.sampler_logprobs).abs().max() < 1e-5
 
 
+def test_an_mlp_with_biases_runs_as_its_module_and_is_not_captured(tokenizer):
+    """Llama's ``mlp_bias``: the static step computed each dense MLP from its three matrices
+    and dropped the biases (other tokens, log-probs 0.46 apart), and ``capturable`` said yes,
+    so ``rollout.cuda_graphs=auto`` would have sampled it wrong on CUDA. Such an MLP runs
+    as its own module, uncaptured: the loop's tokens and log-probs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=128, mlp_bias=True, **ids(tokenizer),
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(layer.mlp, name).bias.normal_(0, 1.0)  # a trained model's biases
+    decoder = make_decoder(model)
+    assert isinstance(decoder, KVDecoder) and not capturable(decoder)
+    params = SamplingParams(16, temperature=1.0)
+    a, b = (
+        TorchEngine(model, **ids(tokenizer), cuda_graphs=graphs).generate(
+            encode(tokenizer), n=3, params=params, seed=1
+        )
+        for graphs in (False, True)
+    )
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert (a.sampler_logprobs - b.sampler_logprobs).abs().max() < 1e-5
+    model.config.mlp_bias = False  # without biases: captured, as before
+    for layer in model.model.layers:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(layer.mlp, name).bias = None
+    assert capturable(make_decoder(model))
+
+
 def test_rollout_cuda_graphs_reaches_the_run_s_engine(tmp_path, ones_reward, monkeypatch):
     """``rollout.cuda_graphs`` is the run's torch engine's switch: ``true`` on the CPU
     samples a rollout batch through the static step, and the trainer's recompute agrees

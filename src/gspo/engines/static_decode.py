@@ -73,9 +73,16 @@ def buckets(rows: int) -> list[int]:
 def capturable(decoder: KVDecoder) -> bool:
     """Whether a step of ``decoder`` can be captured as a CUDA graph: every MLP dense
     (computed from its matrices; an MoE block's routing reads the device on the host)."""
-    return all(
-        layer.mlp_weights is not None or type(layer.mlp).__name__ in MLPS
-        for layer in decoder.layers
+    return all(layer.mlp_weights is not None or _plain_mlp(layer.mlp) for layer in decoder.layers)
+
+
+def _plain_mlp(mlp: torch.nn.Module) -> bool:
+    """A dense gated MLP (one of ``MLPS``) whose projections have no bias (Llama's
+    ``mlp_bias``): one the static step computes from its three matrices alone. Any other
+    MLP runs as its own module there, so it is not captured."""
+    layers = (getattr(mlp, n, None) for n in MLP_PROJECTIONS)
+    return type(mlp).__name__ in MLPS and all(
+        getattr(getattr(x, "base_layer", x), "bias", None) is None for x in layers
     )
 
 
@@ -360,8 +367,9 @@ def _flat(mlps: list[tuple[Tensor, Tensor, Tensor] | None]) -> list[Tensor | Non
 
 
 def _dense_mlp(mlp: torch.nn.Module, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor] | None:
-    """A dense gated MLP's gate, up and down matrices in ``dtype``; None for an MoE block."""
-    if type(mlp).__name__ not in MLPS:
+    """A dense gated MLP's gate, up and down matrices in ``dtype``; None for an MoE block or
+    an MLP with biases (run as its own module)."""
+    if not _plain_mlp(mlp):
         return None
     return tuple(merged_weight(getattr(mlp, n)).to(dtype) for n in MLP_PROJECTIONS)
 
