@@ -76,6 +76,22 @@ def test_oom_in_the_policy_update_names_the_minibatches(tmp_path, capsys, monkey
                         "activations instead of all of them")  # fmt: skip
 
 
+@pytest.mark.parametrize("stage", ["generation", "update"])
+def test_oom_with_cuda_graphs_on_names_the_decode_buffers_they_keep(
+    tmp_path, capsys, monkeypatch, stage
+):
+    """rollout.cuda_graphs keeps a rollout batch's KV cache and graphs from one generation
+    to the next (through the update too): the line says so where they are on, and only
+    there (the other tests run with them off)."""
+    if stage == "generation":
+        oom_when_sampling(monkeypatch, n=4)
+    else:
+        monkeypatch.setattr(gspo.training.update.PolicyUpdate, "apply", out_of_memory)
+    err = error_line(tmp_path, capsys, "rollout.cuda_graphs=true")
+    assert err.endswith("; rollout.cuda_graphs (true) keeps the decode step's KV cache and "
+                        "graphs between rollout batches: false frees them after each")  # fmt: skip
+
+
 def test_oom_with_activation_checkpointing_on_does_not_advise_it(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(gspo.training.update.PolicyUpdate, "apply", out_of_memory)
     err = error_line(tmp_path, capsys, "model.activation_checkpointing=true")

@@ -262,7 +262,14 @@ class StaticDecoder:
                     graph, pool=self.pool, stream=self.side, capture_error_mode="thread_local"
                 ),
             ):
-                self.step(batch, span)  # recorded, not run
+                try:
+                    self.step(batch, span)  # recorded, not run
+                except RuntimeError as exc:  # (an OOM goes on to the stage's one line)
+                    exc.add_note(
+                        "gspo: capturing the decode step as a CUDA graph failed; "
+                        "rollout.cuda_graphs=false decodes without graphs"
+                    )
+                    raise
             self.captured[key] = graph
             graph.replay()
 

@@ -34,7 +34,22 @@ def _generation(config: Config) -> str:
     ]
     if r.environment is not None:
         lower.append(f"rollout.max_episode_tokens ({r.max_episode_tokens or 'unset'})")
-    return f"lower {', '.join(lower[:-1])} or {lower[-1]}: the sampled batch holds them all"
+    advice = f"lower {', '.join(lower[:-1])} or {lower[-1]}: the sampled batch holds them all"
+    return advice + _static_decoder(config)
+
+
+def _static_decoder(config: Config) -> str:
+    """The advice where the torch engine may keep its static decode step's buffers (the
+    KV cache of a whole rollout batch, the graphs' memory) from one rollout batch to the
+    next, the update included: ``rollout.cuda_graphs`` off frees them after each call."""
+    r = config.rollout
+    if r.engine != "torch" or r.cuda_graphs is False:
+        return ""
+    value = str(r.cuda_graphs).lower()
+    return (
+        f"; rollout.cuda_graphs ({value}) keeps the decode step's KV cache and graphs between "
+        "rollout batches: false frees them after each"
+    )
 
 
 def _per_minibatch(config: Config) -> str:
@@ -65,7 +80,7 @@ def _checkpointing(config: Config) -> str:
 
 
 def _update(config: Config) -> str:
-    return _per_minibatch(config) + _checkpointing(config)
+    return _per_minibatch(config) + _checkpointing(config) + _static_decoder(config)
 
 
 def _cold_start(config: Config) -> str:
