@@ -175,12 +175,15 @@ def first_minibatch_records(run) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_async_rollouts_on_cuda_stay_on_policy(tmp_path, varied_reward):
+@pytest.mark.parametrize("graphs", [False, True], ids=["loop", "cuda-graphs"])
+def test_async_rollouts_on_cuda_stay_on_policy(tmp_path, varied_reward, graphs):
     """``rollout.max_staleness=1`` on CUDA: the producer samples on a stream of its own and
     hands its tensors to the trainer's stream. pi_old recomputed on the producer's weights
     equals the sampler's log-probs to float32 rounding, which a race on the batch's or the
-    weights' memory between the two streams would break."""
-    Trainer(load_config(None, async_run_overrides("cuda", varied_reward)), tmp_path / "run").fit()
+    weights' memory between the two streams would break; with ``rollout.cuda_graphs`` the
+    producer's graphs replay over weights copied in place between batches."""
+    overrides = [*async_run_overrides("cuda", varied_reward), f"rollout.cuda_graphs={graphs}"]
+    Trainer(load_config(None, overrides), tmp_path / "run").fit()
     firsts = first_minibatch_records(tmp_path / "run")
     assert [r["rollout/staleness"] for r in firsts] == [0.0, 1.0, 1.0, 1.0]
     assert max(r["mismatch/token_abs_max"] for r in firsts) < 1e-3
@@ -189,15 +192,19 @@ def test_async_rollouts_on_cuda_stay_on_policy(tmp_path, varied_reward):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("task", "level"),
-    [("addition", "sequence"), ("addition", "sequence_token"), ("chain", "sequence")],
-    ids=["addition-GSPO", "addition-GSPO-token", "chain-GSPO"],
-)
+    [("addition", "sequence"), ("addition", "sequence_token"), ("chain", "sequence"),
+     ("chain", "sequence_token"), ("addition-graphs", "sequence")],
+    ids=["addition-GSPO", "addition-GSPO-token", "chain-GSPO", "chain-GSPO-token",
+         "addition-GSPO-cuda-graphs"],
+)  # fmt: skip
 def test_bf16_defaults_leave_the_on_policy_minibatch_unclipped(tmp_path, task, level):
     """Issue 32: with the defaults on CUDA (bf16, the default pi_old), the sampler's and
     the trainer's log-probs disagreed by more than GSPO's clip range, so a sixth to a
     third of the on-policy minibatch's sequences clipped. Minibatch 0 of every rollout
     batch must not clip, and its ratios must be 1 to ON_POLICY_RATIO_TOL. The built-in
-    model at its default size after a short cold start; only the batch is made smaller."""
+    model at its default size after a short cold start; only the batch is made smaller.
+    ``-graphs``: the same with ``rollout.cuda_graphs=true`` (the captured step replayed
+    over weights updated in place, from the second rollout batch on)."""
     # chain: step-by-step sums of up to 6 terms, responses of 20-65 characters
     chain = [
         "data.task=chain", "data.terms=6", "reward.functions=[numeric_match]",
@@ -205,6 +212,7 @@ def test_bf16_defaults_leave_the_on_policy_minibatch_unclipped(tmp_path, task, l
     ]  # fmt: skip
     overrides = [
         *BF16, *(chain if task == "chain" else []), f"algorithm.level={level}",
+        *(["rollout.cuda_graphs=true"] if task.endswith("-graphs") else []),
         "train.cold_start_steps=100", "rollout.prompts_per_batch=8", "algorithm.minibatches=2",
         "train.max_steps=8", "eval.every=0", "eval.max_prompts=16", "eval.samples=1",
         "eval.greedy=false", *QUIET,
@@ -248,14 +256,16 @@ def test_multi_turn_episodes_are_token_in_token_out_in_bf16(tmp_path):
 
 
 @pytest.mark.slow
-def test_lora_trains_in_bf16_over_a_bf16_base(tmp_path, varied_reward):
+@pytest.mark.parametrize("graphs", [False, True], ids=["loop", "cuda-graphs"])
+def test_lora_trains_in_bf16_over_a_bf16_base(tmp_path, varied_reward, graphs):
     """LoRA on CUDA in bf16: the frozen base is held in bf16, the adapters train in
     float32 and move, and the sampler (the same adapted module) agrees with the
-    trainer's recompute to bf16 rounding on the on-policy minibatch."""
+    trainer's recompute to bf16 rounding on the on-policy minibatch; with
+    ``rollout.cuda_graphs``, its merged matrices copied in place under the graphs."""
     overrides = [
         *BF16, *SMALL, varied_reward, "train.cold_start_steps=0", "model.lora.r=4",
         "optim.lr=1e-2", "train.max_steps=4", "algorithm.minibatches=2",
-        "algorithm.old_logprobs=recompute",
+        "algorithm.old_logprobs=recompute", f"rollout.cuda_graphs={graphs}",
     ]  # fmt: skip
     trainer = Trainer(load_config(None, overrides), tmp_path / "run")
     records = trainer.fit()
