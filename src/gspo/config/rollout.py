@@ -79,7 +79,8 @@ class RolloutConfig(Section):
         "auto = on CUDA for dense models (not MoE), off elsewhere; true = the "
         "static step wherever the fast decoder runs (captured on CUDA, eager on the CPU, "
         "where it only serves tests); false = the per-step Python loop. Off by default "
-        "until the captured step has been run and timed on a GPU",
+        "until whole training runs have taken the captured step on a GPU (its tests and "
+        "timing have: docs/engines.md)",
     )
     filter_groups: bool = Field(
         False,
