@@ -234,6 +234,19 @@ def test_cli_bad_key_is_one_line_exit_2(capsys):
     assert err.strip() == "gspo: error: optim.nope: unknown key"
 
 
+def test_an_error_line_under_several_ranks_names_the_rank(capsys, monkeypatch):
+    """Under torchrun every rank prints an error of its own (one found once training runs
+    may be one rank's): the line says which rank; one process's line stays as it was."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert main(["config", "optim.nope=1"]) == 2
+    assert capsys.readouterr().err.strip() == "gspo: error (rank 1): optim.nope: unknown key"
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert main(["config", "optim.nope=1"]) == 2
+    assert capsys.readouterr().err.strip() == "gspo: error: optim.nope: unknown key"
+
+
 def test_cli_config_prints_resolved_yaml(capsys):
     assert main(["config", "optim.lr=0.5"]) == 0
     out = capsys.readouterr().out

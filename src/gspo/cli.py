@@ -330,19 +330,19 @@ def _main(args: argparse.Namespace) -> int:
         return 0
     except SaidByRankZero as said:
         time.sleep(RANK_ZERO_GRACE_S)
-        print(f"gspo: error (rank {os.environ.get('RANK')}): {said.__cause__}", file=sys.stderr)
+        print(f"{error_prefix()}: {said.__cause__}", file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError) as exc:  # ConfigError and RewardError included
         if os.environ.get("GSPO_DEBUG"):
             raise
-        print(f"gspo: error: {exc}", file=sys.stderr)
+        print(f"{error_prefix()}: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # unwritable output directory, full disk, ...
         if os.environ.get("GSPO_DEBUG"):
             raise
         where = f": {exc.filename}" if exc.filename else ""
         print(
-            f"gspo: error: {exc.strerror or exc}{where}; checkpoints already written are "
+            f"{error_prefix()}: {exc.strerror or exc}{where}; checkpoints already written are "
             "intact (gspo train --resume DIR continues from the last one)",
             file=sys.stderr,
         )
@@ -352,7 +352,7 @@ def _main(args: argparse.Namespace) -> int:
             raise
         run = run_directory(args)
         print(
-            f"gspo: error (rank {os.environ.get('RANK')}): another rank stopped (the process "
+            f"{error_prefix()}: another rank stopped (the process "
             f"group broke: {str(exc).strip().splitlines()[0][:160]}); its own line, if it "
             "printed one (a signal or a kill prints none), says why; "
             f"gspo train --resume {run} continues from the last checkpoint",
@@ -368,6 +368,15 @@ def _main(args: argparse.Namespace) -> int:
         how = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted"
         print(f"gspo: {how}; {hint}", file=sys.stderr)
         return 143 if isinstance(stop, Terminated) else 130
+
+
+def error_prefix() -> str:
+    """``gspo: error``, and under torchrun with several ranks ``gspo: error (rank N)``: an
+    error once training runs may be one rank's own (an environment's timeout, a reward
+    function's exception), and every rank prints its line."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return f"gspo: error (rank {os.environ.get('RANK', '?')})"
+    return "gspo: error"
 
 
 def run_directory(args: argparse.Namespace) -> Path:
