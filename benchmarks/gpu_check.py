@@ -371,17 +371,19 @@ def train_stage(
     return body
 
 
-def checkpoint_figures(records: list[dict], figures: dict, label: str = "checkpoints") -> None:
+def checkpoint_figures(records: list[dict], figures: dict, label: str = "checkpoints") -> float:
     """What a run's checkpoints cost it (train.background_checkpoints: written by a thread;
-    the run waits for the copy, and for its last one whole): MB written, s waited / writing."""
+    the run waits for the copy, and for its last one whole): MB written, s waited / writing.
+    The seconds waited."""
     writes = [r for r in records if "io/checkpoint_bytes" in r]
+    waited = sum(r.get("time/checkpoint", 0.0) for r in writes)
     if writes:
         figures[f"{label}, MB written"] = round(
             sum(r["io/checkpoint_bytes"] for r in writes) / 1e6, 1
         )
-        waited = sum(r.get("time/checkpoint", 0.0) for r in writes)
         writing = sum(r.get("time/checkpoint_write", 0.0) for r in writes)
         figures[f"{label}, s waited / s writing"] = f"{waited:.2f} / {writing:.2f}"
+    return waited
 
 
 def matmul_peak(device: str = "cuda", size: int = 8192, reps: int = 10) -> float:
@@ -445,7 +447,7 @@ def vs_trl_stage(
             f"{g['startup_s']:.1f} / {g['loop_s']:.1f} / {g['exit_s']:.1f}"
         )
         records = [json.loads(x) for x in (gspo_run / "metrics.jsonl").read_text().splitlines()]
-        checkpoint_figures(records, stage.figures, "gspo checkpoints")
+        waited = checkpoint_figures(records, stage.figures, "gspo checkpoints")
         left = deadline - time.perf_counter()
         if left < 30:
             raise subprocess.TimeoutExpired("trl_side.py", left)
@@ -453,6 +455,10 @@ def vs_trl_stage(
         t = vs_trl.trl_summary(result)
         stage.figures["TRL whole process s"] = round(trl_s, 1)
         stage.figures["ratio TRL / gspo"] = round(trl_s / gspo_s, 2)
+        # TRL's side saves nothing (save_strategy="no"); gspo ends with a resumable checkpoint
+        stage.figures["ratio TRL / gspo less its checkpoint waits"] = round(
+            trl_s / (gspo_s - waited), 2
+        )
         g_len, t_len = vs_trl.mean_length(g), vs_trl.mean_length(t)
         stage.figures["mean completion length gspo / TRL"] = f"{g_len:.0f} / {t_len:.0f}"
         completions = g["steps"] // 4 * vs_trl.ROLLOUT
