@@ -12,7 +12,8 @@
 # logs into $OUT (what comes back from the machine) after every stage, so a part cut off at
 # its limit still returns what it finished. The stages and budgets: `LEASE` in gpu_check.py.
 # Further arguments go to gpu_check.py (`--smoke`: toy sizes, a check of this script here;
-# `--gspo-set rollout.cuda_graphs=true` for part 2 when part 1's graph tests passed).
+# `--gspo-set KEY=VALUE`: more overrides of the gspo runs; part 2 sets
+# rollout.cuda_graphs=true itself, `LEASE` in gpu_check.py).
 set -o pipefail
 part=${1:?usage: gpu_lease.sh 1|2}
 out=${OUT:-runs/gpu_lease}

@@ -23,14 +23,16 @@ def pytest_configure(config):
     (``gspo train``, torchrun) through OMP_NUM_THREADS, rather than every worker taking all
     of them (8 workers on 16 cores each ran 16 threads). OMP_NUM_THREADS set by the user
     is left as it is. GSPO_TEST_LOG: see :class:`TestLog`."""
-    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
-    if workers and "OMP_NUM_THREADS" not in os.environ:
+    worker = getattr(config, "workerinput", None)  # (set in an xdist worker only)
+    if worker is not None and "OMP_NUM_THREADS" not in os.environ:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-        threads = max(1, (cores or os.cpu_count() or 1) // int(workers))
+        threads = max(1, (cores or os.cpu_count() or 1) // int(worker["workercount"]))
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
-    path = os.environ.pop("GSPO_TEST_LOG", None)  # this suite's, not a pytest a test starts
-    if path and "PYTEST_XDIST_WORKER" not in os.environ:
+    # this suite's: taken out of the environment before the workers start, so neither they
+    # nor a pytest a test starts write to it (such a pytest given its own log does)
+    path = os.environ.pop("GSPO_TEST_LOG", None)
+    if path and worker is None:
         config.pluginmanager.register(TestLog(path), "gspo-test-log")
 
 

@@ -82,7 +82,7 @@ def test_oom_with_cuda_graphs_on_names_the_decode_buffers_they_keep(
 ):
     """rollout.cuda_graphs keeps a rollout batch's KV cache and graphs from one generation
     to the next (through the update too): the line says so where they are on, and only
-    there (the other tests run with them off)."""
+    there (the other tests run with them off; ``auto`` on the CPU is off)."""
     if stage == "generation":
         oom_when_sampling(monkeypatch, n=4)
     else:
@@ -90,6 +90,8 @@ def test_oom_with_cuda_graphs_on_names_the_decode_buffers_they_keep(
     err = error_line(tmp_path, capsys, "rollout.cuda_graphs=true")
     assert err.endswith("; rollout.cuda_graphs (true) keeps the decode step's KV cache and "
                         "graphs between rollout batches: false frees them after each")  # fmt: skip
+    # auto on the CPU is the loop, which keeps nothing
+    assert "cuda_graphs" not in error_line(tmp_path / "auto", capsys, "rollout.cuda_graphs=auto")
 
 
 def test_oom_with_activation_checkpointing_on_does_not_advise_it(tmp_path, capsys, monkeypatch):

@@ -374,9 +374,9 @@ def error_prefix() -> str:
     """``gspo: error``, and under torchrun with several ranks ``gspo: error (rank N)``: an
     error once training runs may be one rank's own (an environment's timeout, a reward
     function's exception), and every rank prints its line."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return f"gspo: error (rank {os.environ.get('RANK', '?')})"
-    return "gspo: error"
+    if os.environ.get("WORLD_SIZE", "1").strip() in ("", "0", "1"):
+        return "gspo: error"
+    return f"gspo: error (rank {os.environ.get('RANK', '?')})"
 
 
 def run_directory(args: argparse.Namespace) -> Path:

@@ -256,20 +256,22 @@ class StaticDecoder:
             # thread_local: the trainer's thread may run beside an async rollout's capture,
             # each on its decoder's own stream (torch's default capture stream is one per
             # process, on device 0: two captures at once, or a model on cuda:1, broke it)
-            with (
-                _no_autocast_cache(),
-                torch.cuda.graph(
-                    graph, pool=self.pool, stream=self.side, capture_error_mode="thread_local"
-                ),
-            ):
-                try:
+            try:
+                with (
+                    _no_autocast_cache(),
+                    torch.cuda.graph(
+                        graph, pool=self.pool, stream=self.side, capture_error_mode="thread_local"
+                    ),
+                ):
                     self.step(batch, span)  # recorded, not run
-                except RuntimeError as exc:  # (an OOM goes on to the stage's one line)
-                    exc.add_note(
-                        "gspo: capturing the decode step as a CUDA graph failed; "
-                        "rollout.cuda_graphs=false decodes without graphs"
-                    )
-                    raise
+            except torch.OutOfMemoryError:
+                raise  # the stage's one out-of-memory line names the setting
+            except RuntimeError as exc:  # (the capture's end included)
+                exc.add_note(
+                    "gspo: capturing the decode step as a CUDA graph failed; "
+                    "rollout.cuda_graphs=false decodes without graphs"
+                )
+                raise
             self.captured[key] = graph
             graph.replay()
 

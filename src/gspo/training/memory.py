@@ -45,9 +45,15 @@ def _static_decoder(config: Config) -> str:
     r = config.rollout
     if r.engine != "torch" or r.cuda_graphs is False:
         return ""
-    value = str(r.cuda_graphs).lower()
+    if r.cuda_graphs == "auto":  # on CUDA only (the loop elsewhere, which keeps nothing)
+        if config.model.device == "cpu" or not torch.cuda.is_available():
+            return ""
+        return (
+            "; rollout.cuda_graphs (auto) keeps the decode step's KV cache and graphs "
+            "between rollout batches for a dense model: false frees them after each"
+        )
     return (
-        f"; rollout.cuda_graphs ({value}) keeps the decode step's KV cache and graphs between "
+        "; rollout.cuda_graphs (true) keeps the decode step's KV cache and graphs between "
         "rollout batches: false frees them after each"
     )
 
