@@ -315,6 +315,8 @@ def pytest_stage(
         command = pytest_command(paths, workers)
         if target_s is not None:
             command.append("--durations=25")
+            # (said before it runs: a suite stopped at its limit reports it too)
+            stage.figures["pytest-xdist workers"] = workers or "none: one process"
         tests_log = log.with_suffix(".tests.tsv") if log is not None else None
         if tests_log is not None:
             tests_log.unlink(missing_ok=True)
@@ -329,7 +331,6 @@ def pytest_stage(
         stage.figures.update(figures)
         stage.detail = stage.detail or summary
         if target_s is not None:
-            stage.figures["pytest-xdist workers"] = workers or "none: one process"
             stage.figures["wall s"] = round(seconds, 1)
             stage.figures[f"under {target_s:.0f} s"] = "yes" if seconds < target_s else "NO"
         if stage.status == "not run" and "passed" not in summary:
