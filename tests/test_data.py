@@ -490,6 +490,68 @@ def test_prompts_that_leave_no_room_for_a_response_are_warned(capsys):
 
 
 @pytest.mark.parametrize(
+    ("rope", "positions"),
+    [({"rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16,
+      "original_max_position_embeddings": 24}, 24),
+     ({"rope_type": "dynamic", "factor": 4.0}, 64),
+     ({"rope_type": "linear", "factor": 4.0}, None)],
+    ids=["longrope", "dynamic", "linear"],
+)  # fmt: skip
+def test_rollouts_past_where_the_rope_rescales_are_warned(capsys, rope, positions):
+    """transformers' dynamic and longrope rotary embeddings rescale their frequencies from
+    the largest position a call sees: past that point the sampler's cached decode and the
+    trainer's forward part (measured here: within float32 rounding while the sequences stay
+    within the length, not past it). Said once, where the rollouts can reach it; a fixed
+    scaling never."""
+    import torch
+    from conftest import SMALL
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gspo.engines import SamplingParams, TorchEngine
+    from gspo.models import build_tiny_model, completion_logprobs, length_dependent_rope
+    from gspo.training.episodes import warn_length_dependent_rope
+    from gspo.training.sampler import SingleTurn
+
+    tok = build_char_tokenizer()
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=64, max_position_embeddings=64,
+        rope_parameters={"rope_theta": 10000.0, **rope},
+    ))  # fmt: skip
+    capsys.readouterr()  # (transformers' own remarks on the config)
+    found = length_dependent_rope(model)
+    assert found == (None if positions is None else (rope["rope_type"], positions))
+    prompts = [[1] * 10, [1] * 12]
+    for new_tokens in (8, 60):
+        config = load_config(None, [f"rollout.max_new_tokens={new_tokens}"])
+        warn_length_dependent_rope(config, SingleTurn(None), model, prompts)
+        err = capsys.readouterr().err
+        if positions is None or 12 + new_tokens <= positions:
+            assert err == ""
+        else:
+            kind, reach = rope["rope_type"], 12 + new_tokens
+            assert err.startswith(
+                f"gspo: warning: the model's rotary embedding ({kind}) rescales its frequencies "
+                f"once a forward sees more than {positions} positions, and rollouts here reach "
+                f"{reach} (prompt 12 + rollout.max_new_tokens)"
+            )
+            assert err.count("\n") == 1
+    assert length_dependent_rope(build_tiny_model(SMALL, tok, seed=0)) is None  # Qwen3's default
+    gaps = []
+    for new_tokens in (8, 72):  # 4 + 8 positions, then 4 + 72: past 24 (longrope) and 64
+        engine = TorchEngine(model.eval(), pad_token_id=tok.pad_token_id, eos_token_id=None)
+        batch = engine.generate(
+            [tok("1+2=")["input_ids"]], n=2, params=SamplingParams(new_tokens), seed=0
+        )
+        with torch.no_grad():
+            trainer = completion_logprobs(model, batch.prompt_ids, batch.prompt_mask,
+                                          batch.completion_ids, batch.completion_mask)  # fmt: skip
+        gaps.append(float((trainer - batch.sampler_logprobs).abs().max()))
+    assert gaps[0] < 1e-5
+    assert (gaps[1] > 1e-4) == (positions is not None), gaps
+
+
+@pytest.mark.parametrize(
     ("name", "content", "rows"),
     [
         ("a.csv", "\ufeffprompt,answer\r\nq1,007\r\nq2,\r\nq3,NA\r\nq4,12345678901234567\r\n",

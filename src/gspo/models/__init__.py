@@ -8,6 +8,7 @@ from gspo.models.loading import (
     MODEL_POINTER,
     disable_dropout,
     is_model_file,
+    length_dependent_rope,
     load_model,
     model_context,
     model_files,

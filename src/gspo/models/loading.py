@@ -232,6 +232,27 @@ def disable_dropout(model: torch.nn.Module) -> float:
     return largest
 
 
+def length_dependent_rope(model: torch.nn.Module) -> tuple[str, int] | None:
+    """``(rope type, positions)`` when the model's rotary frequencies depend on the length
+    a forward call sees: transformers' ``dynamic`` (NTK) and ``longrope`` rescale them from
+    the call's largest position once it passes ``positions`` (``max_position_embeddings``,
+    or longrope's ``original_max_position_embeddings``). Else None."""
+    try:
+        rotary = model.get_decoder().rotary_emb
+    except AttributeError:
+        return None
+    kinds = rotary.rope_type if isinstance(rotary.rope_type, dict) else {None: rotary.rope_type}
+    for layer_type, kind in kinds.items():
+        kind = str(kind)
+        if kind == "longrope":
+            params = model.config.rope_parameters or {}
+            params = params.get(layer_type, params) if layer_type is not None else params
+            return kind, int(params["original_max_position_embeddings"])
+        if "dynamic" in kind:
+            return kind, int(rotary.original_max_seq_len)
+    return None
+
+
 def model_context(model: torch.nn.Module) -> tuple[int | None, bool]:
     """``(max_position_embeddings or None, learned)``: ``learned`` when the positions are
     a table of that many rows (GPT-2's ``wpe``): no sequence may run past it (past a

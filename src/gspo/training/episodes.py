@@ -33,7 +33,7 @@ from gspo.config import Config
 from gspo.distributed import rank_said
 from gspo.engines import RolloutBatch, SamplingParams, pad_batch
 from gspo.environments import EnvError, EnvironmentFactory, Episode
-from gspo.models import model_context
+from gspo.models import length_dependent_rope, model_context
 from gspo.tasks import TaskData
 from gspo.training.cold_start import single_turn_encoder
 from gspo.training.sampler import (
@@ -514,7 +514,40 @@ def task_prompt_ids(
         )
         for name, rows in (("data.train", data.train), ("data.eval", data.eval))
     )  # fmt: skip
+    if say:
+        warn_length_dependent_rope(config, generate, module, [*train, *held_out])
     return train, held_out
+
+
+def warn_length_dependent_rope(
+    config: Config,
+    generate: SingleTurn | MultiTurn,
+    module: torch.nn.Module,
+    prompts: list[list[int]],
+) -> None:
+    """One warning line where the rollouts may run past the positions at which the model's
+    rotary frequencies rescale (:func:`gspo.models.length_dependent_rope`): transformers'
+    cached decode keeps each key at the scaling of the step that wrote it, while the
+    trainer's forward takes one scaling for the whole packed batch (its largest position,
+    so one long sequence rescales those packed beside it), and the two log-probs part."""
+    rope = length_dependent_rope(module)
+    if rope is None:
+        return
+    kind, positions = rope
+    r = config.rollout
+    if isinstance(generate, SingleTurn):
+        longest = max(map(len, prompts), default=0)
+        reach, parts = longest + r.max_new_tokens, f"prompt {longest} + rollout.max_new_tokens"
+    else:
+        reach = r.max_episode_tokens or r.max_turns * r.max_new_tokens
+        parts = "an episode's tokens after its prompt"
+    if reach > positions:
+        print(f"gspo: warning: the model's rotary embedding ({kind}) rescales its frequencies "
+              f"once a forward sees more than {positions} positions, and rollouts here reach "
+              f"{reach} ({parts}): the sampler's cached keys keep the scaling of the step that "
+              "wrote them while the trainer's forward takes one scaling for its whole packed "
+              "batch, so their log-probs part (mismatch/* says by how much); keep sequences "
+              f"within {positions} positions", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def sft_encoder(
