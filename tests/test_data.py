@@ -505,7 +505,7 @@ def test_rollouts_past_where_the_rope_rescales_are_warned(capsys, rope, position
     scaling never."""
     import torch
     from conftest import SMALL
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import GPTJConfig, GPTJForCausalLM, LlamaConfig, LlamaForCausalLM
 
     from gspo.engines import SamplingParams, TorchEngine
     from gspo.models import build_tiny_model, completion_logprobs, length_dependent_rope
@@ -524,7 +524,7 @@ def test_rollouts_past_where_the_rope_rescales_are_warned(capsys, rope, position
     prompts = [[1] * 10, [1] * 12]
     for new_tokens in (8, 60):
         config = load_config(None, [f"rollout.max_new_tokens={new_tokens}"])
-        warn_length_dependent_rope(config, SingleTurn(None), model, prompts)
+        warn_length_dependent_rope(config, SingleTurn(None), model, prompts, context=None)
         err = capsys.readouterr().err
         if positions is None or 12 + new_tokens <= positions:
             assert err == ""
@@ -537,6 +537,23 @@ def test_rollouts_past_where_the_rope_rescales_are_warned(capsys, rope, position
             )
             assert err.count("\n") == 1
     assert length_dependent_rope(build_tiny_model(SMALL, tok, seed=0)) is None  # Qwen3's default
+    gptj = GPTJConfig(vocab_size=len(tok), n_embd=64, n_layer=1, n_head=2, rotary_dim=16)
+    assert length_dependent_rope(GPTJForCausalLM(gptj)) is None  # a rotary without a type
+    capsys.readouterr()  # (transformers' remarks on GPT-J's token ids)
+    # the rollouts cannot pass the model's context; vLLM's longrope parts below the length
+    config = load_config(None, ["rollout.max_new_tokens=60"])
+    warn_length_dependent_rope(config, SingleTurn(None), model, prompts, context=20)
+    assert capsys.readouterr().err == ""
+    for limit, said in (("null", True), (positions or 64, False)):
+        config = load_config(None, ["rollout.engine=vllm", f"rollout.vllm.max_model_len={limit}"])
+        warn_length_dependent_rope(config, SingleTurn(None), model, prompts, context=64)
+        err = capsys.readouterr().err
+        if rope["rope_type"] == "longrope" and said:
+            assert err.startswith("gspo: warning: vLLM takes the long factors of the model's "
+                                  "longrope at every position when its max_model_len (64) "
+                                  "passes 24")  # fmt: skip
+        elif rope["rope_type"] == "longrope":
+            assert err == ""
     gaps = []
     for new_tokens in (8, 72):  # 4 + 8 positions, then 4 + 72: past 24 (longrope) and 64
         engine = TorchEngine(model.eval(), pad_token_id=tok.pad_token_id, eos_token_id=None)

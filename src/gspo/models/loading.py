@@ -236,21 +236,25 @@ def length_dependent_rope(model: torch.nn.Module) -> tuple[str, int] | None:
     """``(rope type, positions)`` when the model's rotary frequencies depend on the length
     a forward call sees: transformers' ``dynamic`` (NTK) and ``longrope`` rescale them from
     the call's largest position once it passes ``positions`` (``max_position_embeddings``,
-    or longrope's ``original_max_position_embeddings``). Else None."""
+    or longrope's ``original_max_position_embeddings``; per layer type, the smallest).
+    Else None (a fixed scaling, no rotary embedding, one transformers does not type)."""
     try:
         rotary = model.get_decoder().rotary_emb
     except AttributeError:
         return None
-    kinds = rotary.rope_type if isinstance(rotary.rope_type, dict) else {None: rotary.rope_type}
+    rope_type = getattr(rotary, "rope_type", None)  # (GPT-J's and CodeGen's have none)
+    kinds = rope_type if isinstance(rope_type, dict) else {None: rope_type}
+    # the config the embedding reads itself (a composite model's is its text config's)
+    params = getattr(getattr(rotary, "config", model.config), "rope_parameters", None) or {}
+    found = []
     for layer_type, kind in kinds.items():
         kind = str(kind)
         if kind == "longrope":
-            params = model.config.rope_parameters or {}
-            params = params.get(layer_type, params) if layer_type is not None else params
-            return kind, int(params["original_max_position_embeddings"])
-        if "dynamic" in kind:
-            return kind, int(rotary.original_max_seq_len)
-    return None
+            own = params.get(layer_type, params) if layer_type is not None else params
+            found.append((kind, int(own["original_max_position_embeddings"])))
+        elif "dynamic" in kind:
+            found.append((kind, int(rotary.original_max_seq_len)))
+    return min(found, key=lambda kind_positions: kind_positions[1], default=None)
 
 
 def model_context(model: torch.nn.Module) -> tuple[int | None, bool]:

@@ -514,8 +514,8 @@ def task_prompt_ids(
         )
         for name, rows in (("data.train", data.train), ("data.eval", data.eval))
     )  # fmt: skip
-    if say:
-        warn_length_dependent_rope(config, generate, module, [*train, *held_out])
+    if say:  # (the trainer's forward sees the training rollouts only)
+        warn_length_dependent_rope(config, generate, module, train, context)
     return train, held_out
 
 
@@ -524,30 +524,44 @@ def warn_length_dependent_rope(
     generate: SingleTurn | MultiTurn,
     module: torch.nn.Module,
     prompts: list[list[int]],
+    context: int | None,
 ) -> None:
-    """One warning line where the rollouts may run past the positions at which the model's
-    rotary frequencies rescale (:func:`gspo.models.length_dependent_rope`): transformers'
-    cached decode keeps each key at the scaling of the step that wrote it, while the
-    trainer's forward takes one scaling for the whole packed batch (its largest position,
-    so one long sequence rescales those packed beside it), and the two log-probs part."""
+    """One warning line where the sampler's and the trainer's log-probs part because the
+    model's rotary frequencies depend on the length (:func:`gspo.models.
+    length_dependent_rope`): the trainer's forward takes one scaling for its whole packed
+    batch (from its largest position, so one long sequence rescales those beside it).
+    The torch engine's cached decode keeps each key at the scaling of the step that wrote
+    it: they part where the rollouts (``context`` at most) pass the rescale length. vLLM
+    takes longrope's long factors at every position when its ``max_model_len`` passes it:
+    they part on the rollouts within it."""
     rope = length_dependent_rope(module)
     if rope is None:
         return
     kind, positions = rope
     r = config.rollout
+    if r.engine == "vllm" and kind == "longrope":
+        room = r.vllm.max_model_len or context
+        if room is None or room > positions:
+            print(f"gspo: warning: vLLM takes the long factors of the model's longrope at "
+                  f"every position when its max_model_len ({room}) passes {positions}, where "
+                  f"the trainer's forward takes the short ones for batches within {positions} "
+                  "positions, so their log-probs part (mismatch/* says by how much); "
+                  f"rollout.vllm.max_model_len={positions} keeps them together",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        return
     if isinstance(generate, SingleTurn):
         longest = max(map(len, prompts), default=0)
         reach, parts = longest + r.max_new_tokens, f"prompt {longest} + rollout.max_new_tokens"
     else:
         reach = r.max_episode_tokens or r.max_turns * r.max_new_tokens
-        parts = "an episode's tokens after its prompt"
+        parts = "an episode's tokens after its prompt, which adds more"
+    reach = reach if context is None else min(reach, context)
     if reach > positions:
         print(f"gspo: warning: the model's rotary embedding ({kind}) rescales its frequencies "
               f"once a forward sees more than {positions} positions, and rollouts here reach "
-              f"{reach} ({parts}): the sampler's cached keys keep the scaling of the step that "
-              "wrote them while the trainer's forward takes one scaling for its whole packed "
-              "batch, so their log-probs part (mismatch/* says by how much); keep sequences "
-              f"within {positions} positions", file=sys.stderr, flush=True)  # fmt: skip
+              f"{reach} ({parts}): the sampler and the trainer's forward then scale them "
+              "differently, so their log-probs part (mismatch/* says by how much); keep "
+              f"sequences within {positions} positions", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def sft_encoder(
