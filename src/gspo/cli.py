@@ -164,6 +164,8 @@ def said_once() -> Iterator[None]:
     except (ValueError, FileNotFoundError) as exc:
         if os.environ.get("RANK", "0") != "0":
             raise SaidByRankZero from exc
+        # rank 0 says it for every rank: its line names no rank (cli's error_prefix)
+        exc.for_every_rank = True  # type: ignore[attr-defined]
         raise
 
 
@@ -330,12 +332,13 @@ def _main(args: argparse.Namespace) -> int:
         return 0
     except SaidByRankZero as said:
         time.sleep(RANK_ZERO_GRACE_S)
-        print(f"{error_prefix()}: {said.__cause__}", file=sys.stderr)
+        print(f"gspo: error (rank {os.environ.get('RANK')}): {said.__cause__}", file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError) as exc:  # ConfigError and RewardError included
         if os.environ.get("GSPO_DEBUG"):
             raise
-        print(f"{error_prefix()}: {exc}", file=sys.stderr)
+        every = getattr(exc, "for_every_rank", False)  # (a setup error, said by rank 0)
+        print(f"{'gspo: error' if every else error_prefix()}: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # unwritable output directory, full disk, ...
         if os.environ.get("GSPO_DEBUG"):
@@ -352,7 +355,7 @@ def _main(args: argparse.Namespace) -> int:
             raise
         run = run_directory(args)
         print(
-            f"{error_prefix()}: another rank stopped (the process "
+            f"gspo: error (rank {os.environ.get('RANK')}): another rank stopped (the process "
             f"group broke: {str(exc).strip().splitlines()[0][:160]}); its own line, if it "
             "printed one (a signal or a kill prints none), says why; "
             f"gspo train --resume {run} continues from the last checkpoint",

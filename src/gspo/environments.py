@@ -138,8 +138,11 @@ class deadline:
         self.returned = True  # (first: from here an alarm does nothing)
         for timer in self.timers:
             timer.cancel()
-        if self.timers:  # an interrupt being sent is sent (and met by _alarm, a no-op now)
-            self.timers[0].join()  # before the handler goes: the default one would kill
+        # an interrupt being sent is sent (and met by _alarm, a no-op now) before the
+        # handler goes (the default one would kill); a cancelled timer's thread ends at
+        # once, joined so that none outlives the call (under load one was still there)
+        for timer in self.timers:
+            timer.join()
         if self.installed:  # (None: one not set from Python, which is the default's place)
             signal.signal(
                 signal.SIGALRM, signal.SIG_DFL if self.previous is None else self.previous
