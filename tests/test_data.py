@@ -122,10 +122,23 @@ def test_hub_ids_reach_load_dataset_with_config_and_split(monkeypatch, tmp_path)
     ]
 
 
-def test_uncached_hub_id_offline_is_one_line(monkeypatch, tmp_path):
-    monkeypatch.chdir(tmp_path)
+def offline(monkeypatch) -> None:
+    """HF_HUB_OFFLINE=1 as a user's shell sets it before the process starts: huggingface_hub
+    and datasets read it when imported, which they were before the test (set only in the
+    environment, each lookup went to the network: 23 s of timeouts without one)."""
+    import datasets
+    import huggingface_hub
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+
+
+def test_uncached_hub_id_offline_is_one_line(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    offline(monkeypatch)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf" / "datasets"))
     with pytest.raises(ValueError) as info:
@@ -645,7 +658,7 @@ def test_a_file_with_a_config_and_a_missing_local_directory_are_local_errors(tmp
     (tmp_path / "data" / "a.jsonl").write_text('{"prompt": "q"}\n')
     with pytest.raises(ValueError, match=r"^data.train: data/a.jsonl:x: a file has no configs"):
         load_rows("data/a.jsonl:x", what="data.train")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # (data/nope is a dataset id's shape)
+    offline(monkeypatch)  # (data/nope is a dataset id's shape)
     with pytest.raises(ValueError, match=r"nor is there a local data/nope \(write ./data/nope"):
         load_rows("data/nope", what="data.train")
 
