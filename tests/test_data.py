@@ -553,6 +553,17 @@ def test_rollouts_past_where_the_rope_rescales_are_warned(capsys, rope, position
     gptj = GPTJConfig(vocab_size=len(tok), n_embd=64, n_layer=1, n_head=2, rotary_dim=16)
     assert length_dependent_rope(GPTJForCausalLM(gptj)) is None  # a rotary without a type
     capsys.readouterr()  # (transformers' remarks on GPT-J's token ids)
+    # through the run's own call: a single turn runs past max_position_embeddings (64),
+    # which bounds nothing for a rotary model (the dynamic embedding's length is that one)
+    from gspo.tasks import TaskData
+    from gspo.training.episodes import task_prompt_ids
+
+    data = TaskData(train=[{"prompt": "1" * 12}], eval=[{"prompt": "1+2="}], sft=[])
+    config = load_config(None, ["rollout.max_new_tokens=60"])
+    task_prompt_ids(config, SingleTurn(None), tok, model, data)
+    err = capsys.readouterr().err
+    said = f"gspo: warning: the model's rotary embedding ({rope['rope_type']}) rescales"
+    assert (said in err) == (positions is not None), err
     # the rollouts cannot pass the model's context; vLLM's longrope parts below the length
     config = load_config(None, ["rollout.max_new_tokens=60"])
     warn_length_dependent_rope(config, SingleTurn(None), model, prompts, context=20)

@@ -515,7 +515,10 @@ def task_prompt_ids(
         for name, rows in (("data.train", data.train), ("data.eval", data.eval))
     )  # fmt: skip
     if say:  # (the trainer's forward sees the training rollouts only)
-        warn_length_dependent_rope(config, generate, module, train, context)
+        # what bounds the rollouts: vLLM's max_model_len, an episode's end at the context;
+        # a single turn may run past max_position_embeddings (a rotary model's is no wall)
+        single = isinstance(generate, SingleTurn) and context_key == MODEL_CONTEXT
+        warn_length_dependent_rope(config, generate, module, train, None if single else context)
     return train, held_out
 
 
@@ -531,7 +534,8 @@ def warn_length_dependent_rope(
     length_dependent_rope`): the trainer's forward takes one scaling for its whole packed
     batch (from its largest position, so one long sequence rescales those beside it).
     The torch engine's cached decode keeps each key at the scaling of the step that wrote
-    it: they part where the rollouts (``context`` at most) pass the rescale length. vLLM
+    it: they part where the rollouts (``context`` at most, where it bounds them: None
+    where nothing does) pass the rescale length. vLLM
     takes longrope's long factors at every position when its ``max_model_len`` passes it:
     they part on the rollouts within it."""
     rope = length_dependent_rope(module)
