@@ -240,7 +240,8 @@ def test_an_error_line_under_several_ranks_names_the_rank(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     assert main(["config", "optim.nope=1"]) == 2
-    assert capsys.readouterr().err.strip() == "gspo: error (rank 1): optim.nope: unknown key"
+    said = capsys.readouterr().err.strip()
+    assert said == "gspo: error (rank 1 of 2): optim.nope: unknown key"
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
     assert main(["config", "optim.nope=1"]) == 2

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from gspo import __version__
+from gspo.distributed import rank_said
 
 if TYPE_CHECKING:
     from gspo.config import Config
@@ -164,7 +165,7 @@ def said_once() -> Iterator[None]:
     except (ValueError, FileNotFoundError) as exc:
         if os.environ.get("RANK", "0") != "0":
             raise SaidByRankZero from exc
-        # rank 0 says it for every rank: its line names no rank (cli's error_prefix)
+        # rank 0 says it for every rank: its line names no rank
         exc.for_every_rank = True  # type: ignore[attr-defined]
         raise
 
@@ -338,15 +339,15 @@ def _main(args: argparse.Namespace) -> int:
         if os.environ.get("GSPO_DEBUG"):
             raise
         every = getattr(exc, "for_every_rank", False)  # (a setup error, said by rank 0)
-        print(f"{'gspo: error' if every else error_prefix()}: {exc}", file=sys.stderr)
+        print(f"gspo: error{'' if every else rank_said()}: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # unwritable output directory, full disk, ...
         if os.environ.get("GSPO_DEBUG"):
             raise
         where = f": {exc.filename}" if exc.filename else ""
         print(
-            f"{error_prefix()}: {exc.strerror or exc}{where}; checkpoints already written are "
-            "intact (gspo train --resume DIR continues from the last one)",
+            f"gspo: error{rank_said()}: {exc.strerror or exc}{where}; checkpoints already "
+            "written are intact (gspo train --resume DIR continues from the last one)",
             file=sys.stderr,
         )
         return 2
@@ -371,15 +372,6 @@ def _main(args: argparse.Namespace) -> int:
         how = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted"
         print(f"gspo: {how}; {hint}", file=sys.stderr)
         return 143 if isinstance(stop, Terminated) else 130
-
-
-def error_prefix() -> str:
-    """``gspo: error``, and under torchrun with several ranks ``gspo: error (rank N)``: an
-    error once training runs may be one rank's own (an environment's timeout, a reward
-    function's exception), and every rank prints its line."""
-    if os.environ.get("WORLD_SIZE", "1").strip() in ("", "0", "1"):
-        return "gspo: error"
-    return f"gspo: error (rank {os.environ.get('RANK', '?')})"
 
 
 def run_directory(args: argparse.Namespace) -> Path:

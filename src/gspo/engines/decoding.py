@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gspo.engines import lora_weights
-from gspo.models import head_logits, plain_lm_head, position_ids_from_mask
+from gspo.models import head_logits, length_dependent_rope, plain_lm_head, position_ids_from_mask
 from gspo.models.kernels import head_linear_for, linear_for
 from gspo.models.logprobs import head_matrix
 
@@ -271,8 +271,8 @@ class KVDecoder:
         decoder = model.get_decoder()
         if type(decoder.embed_tokens) is not nn.Embedding:
             return False
-        rope_type = str(getattr(getattr(decoder, "rotary_emb", None), "rope_type", ""))
-        if not rope_type or "dynamic" in rope_type or "longrope" in rope_type:
+        rope_type = getattr(getattr(decoder, "rotary_emb", None), "rope_type", None)
+        if not rope_type or length_dependent_rope(model) is not None:
             return False
         if type(decoder.norm).__name__ not in _NORMS:
             return False

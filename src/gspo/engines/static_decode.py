@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from gspo.engines.batch import SamplingParams
 from gspo.engines.decoding import KVDecoder
-from gspo.engines.lora_weights import MLP_PROJECTIONS, MLPS, merged_weight
+from gspo.engines.lora_weights import MLP_PROJECTIONS, MLPS, bias_of, merged_weight
 from gspo.engines.sampling import sample_next
 from gspo.models import head_logits
 
@@ -80,9 +80,8 @@ def _plain_mlp(mlp: torch.nn.Module) -> bool:
     """A dense gated MLP (one of ``MLPS``) whose projections have no bias (Llama's
     ``mlp_bias``): one the static step computes from its three matrices alone. Any other
     MLP runs as its own module there, so it is not captured."""
-    layers = (getattr(mlp, n, None) for n in MLP_PROJECTIONS)
     return type(mlp).__name__ in MLPS and all(
-        getattr(getattr(x, "base_layer", x), "bias", None) is None for x in layers
+        bias_of(getattr(mlp, n)) is None for n in MLP_PROJECTIONS
     )
 
 

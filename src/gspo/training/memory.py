@@ -43,18 +43,14 @@ def _static_decoder(config: Config) -> str:
     KV cache of a whole rollout batch, the graphs' memory) from one rollout batch to the
     next, the update included: ``rollout.cuda_graphs`` off frees them after each call."""
     r = config.rollout
-    if r.engine != "torch" or r.cuda_graphs is False:
+    auto = r.cuda_graphs == "auto"  # on CUDA only (the loop elsewhere, which keeps nothing)
+    off = auto and (config.model.device == "cpu" or not torch.cuda.is_available())
+    if r.engine != "torch" or r.cuda_graphs is False or off:
         return ""
-    if r.cuda_graphs == "auto":  # on CUDA only (the loop elsewhere, which keeps nothing)
-        if config.model.device == "cpu" or not torch.cuda.is_available():
-            return ""
-        return (
-            "; rollout.cuda_graphs (auto) keeps the decode step's KV cache and graphs "
-            "between rollout batches for a dense model: false frees them after each"
-        )
     return (
-        "; rollout.cuda_graphs (true) keeps the decode step's KV cache and graphs between "
-        "rollout batches: false frees them after each"
+        f"; rollout.cuda_graphs ({str(r.cuda_graphs).lower()}) keeps the decode step's KV "
+        f"cache and graphs between rollout batches{' for a dense model' if auto else ''}: "
+        "false frees them after each"
     )
 
 
