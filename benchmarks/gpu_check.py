@@ -22,7 +22,10 @@ time limit taken from what is left of ``--budget``), it runs in turn:
    (28 layers, hidden 1,024, 16/8 heads, vocabulary 151,936 characters, so EOS is rare
    and responses run to 512 tokens), 16 prompts x 8 responses, 8 optimizer steps,
    one run of each side;
-6. ``async``: the gspo side of 5. with ``rollout.max_staleness`` 0 and 1 (one run each):
+6. ``profile``: the gspo side of 5., its second rollout batch under ``log.profile_steps``
+   (the device's busy share, the host's waits, the costliest operators: ``profile.md``
+   beside the report);
+7. ``async``: the gspo side of 5. with ``rollout.max_staleness`` 0 and 1 (one run each):
    whole-process time, the time the trainer waited for rollouts, and where it went;
 
 and writes one report, ``DIR/report.md`` (and ``report.json``): each stage's outcome and
@@ -32,14 +35,15 @@ gspo's generation and training tokens/s and their MFU (model FLOPs, as in
 
 ``--stages`` picks and orders the stages (keys ``suite``, ``cuda``, ``head`` (the training
 forward's vocabulary projection, forward and backward, at each ``model.head_precision``),
-``decode``, ``vllm``, ``train``, ``vs_trl``, ``lora`` (one rollout batch of the full model
-and of LoRA r=16 over a bf16 base, the time ratio), ``async``; the report is rewritten
+``decode``, ``vllm``, ``train``, ``vs_trl``, ``profile``, ``lora`` (one rollout batch of
+the full model and of LoRA r=16 over a bf16 base, the time ratio), ``async``; the report is
+rewritten
 after each, into ``--report-dir``, with each pytest stage's output beside it as
 ``KEY.log``), ``--budget`` bounds them together. A lent GPU of 15 device-minutes runs
 ``--lease 1`` and ``--lease 2`` (:data:`LEASE`) as two calls through
 ``benchmarks/gpu_lease.sh``: the CUDA tests, the suite (the test_cuda.py file left to the
-CUDA stage, the 25 slowest tests listed), the head and decoding in the first; gspo vs TRL,
-LoRA generation, async and the bf16 demo in the second.
+CUDA stage, the 25 slowest tests listed) and the head in the first; gspo vs TRL, the
+profile, decoding, async and the bf16 demo in the second.
 
 On a machine without CUDA it stops at once with one line and exit status 2.
 
@@ -475,6 +479,46 @@ def vs_trl_stage(
     return body
 
 
+def profile_stage(
+    out: Path, reports: Path, sizes: Sizes = FULL, extra: tuple[str, ...] = ()
+) -> Callable[[Stage, float], None]:
+    """The second rollout batch (optimizer steps 5-8) of the vs_trl stage's gspo run under
+    ``log.profile_steps``: where its time goes on the device (the first holds the
+    warm-ups: graph capture, the libraries' first calls). Its ``summary.md`` (the
+    costliest operators on the device and the CPU) is copied beside the report as
+    ``profile.md``."""
+
+    def body(stage: Stage, limit: float) -> None:
+        import dataclasses
+
+        import vs_trl
+
+        work, schedule = workload_for(out, sizes)
+        two = dataclasses.replace(schedule, steps=8)
+        _, run = vs_trl.run_gspo(
+            work, name="gspo_profile", schedule=two, timeout=limit,
+            extra=(*extra, "log.profile_steps=8"),
+        )  # fmt: skip
+        summary = (run / "profile" / "steps_5-8" / "summary.md").read_text()
+        (reports / "profile.md").write_text(summary)
+        stage.figures.update(profile_figures(summary))
+
+    return body
+
+
+def profile_figures(summary: str) -> dict[str, str]:
+    """The figures of a ``log.profile_steps`` summary: its bullet lines and stage rows."""
+    figures = {}
+    for line in summary.splitlines():
+        if line.startswith("- ") and ": " in line:
+            key, value = line[2:].split(": ", 1)
+            figures[key] = value
+        elif re.fullmatch(r"\| time/\S+ \| [0-9.]+ \|", line):
+            _, key, value, _ = line.split("|")
+            figures[f"{key.strip()} s"] = value.strip()
+    return figures
+
+
 def decode_stage(out: Path, sizes: Sizes = FULL) -> Callable[[Stage, float], None]:
     """Decoding with ``rollout.cuda_graphs`` off and on, against the bandwidth floor."""
 
@@ -643,10 +687,12 @@ def render(stages: list[Stage], header: dict[str, str]) -> str:
 
 #: The stages ``--stages`` picks from, in the order a full check runs them, with the
 #: seconds each may take at most (the suite's is ``--suite-limit``).
-STAGES = ("suite", "cuda", "head", "decode", "vllm", "train", "vs_trl", "lora", "async")
+STAGES = (
+    "suite", "cuda", "head", "decode", "vllm", "train", "vs_trl", "profile", "lora", "async",
+)  # fmt: skip
 SHARES = {
     "cuda": 150, "head": 30, "decode": 90, "vllm": 150, "train": 180, "vs_trl": 300,
-    "lora": 60, "async": 150,
+    "profile": 75, "lora": 60, "async": 150,
 }  # fmt: skip
 
 #: What a GPU lease of 15 device-minutes runs, as two calls (``benchmarks/gpu_lease.sh 1``
@@ -658,7 +704,9 @@ SHARES = {
 #: benchmarks/gpu_reports/) the CUDA tests took 97 s and the suite ran at least 41% of its
 #: tests in 240 s (8 workers, by xdist_workers' rule for 16 cores, each with torch's default
 #: threads, so presumably 16), so part 1 is the CUDA tests, the suite and the head,
-#: decoding moved to part 2. The whole lease: about 480 s and 270 s of stages (a stage's
+#: decoding moved to part 2. Part 2 then profiles one rollout batch of the vs_trl
+#: workload (where training's 8% MFU goes); LoRA, whose target that lease met (1.23x),
+#: is left to ``--stages``. The whole lease: about 480 s and 270 s of stages (a stage's
 #: own runs may overrun what it was given) and 1-2 minutes of machine start and
 #: transfers, within 900 s. ``gspo_set``: the part's ``--gspo-set`` overrides (before any
 #: given): part 2's gspo runs decode with the CUDA graphs, which passed their CUDA tests
@@ -667,7 +715,7 @@ SHARES = {
 LEASE: dict[str, dict] = {
     "1": {"stages": "cuda,suite,head", "budget": 480.0, "suite": 300.0},
     "2": {
-        "stages": "vs_trl,decode,async,train,lora",
+        "stages": "vs_trl,profile,decode,async,train",
         "budget": 270.0,
         "suite": 0.0,
         "gspo_set": ["rollout.cuda_graphs=true"],
@@ -817,6 +865,10 @@ def main() -> int:
         "vs_trl": (
             Stage(f"gspo vs TRL, {model}"),
             vs_trl_stage(args.out, peaks, sizes, tuple(args.gspo_set)),
+        ),
+        "profile": (
+            Stage(f"one rollout batch profiled, {model}"),
+            profile_stage(args.out, reports, sizes, tuple(args.gspo_set)),
         ),
         "lora": (
             Stage(f"LoRA generation vs the full model, {model}"),

@@ -4,8 +4,9 @@
 #
 #   GSPO_COMMIT=<sha> bash benchmarks/gpu_lease.sh 1   # numerics and the suite: the CUDA tests,
 #                                                      # the whole suite on CUDA, the head (~8 min)
-#   GSPO_COMMIT=<sha> bash benchmarks/gpu_lease.sh 2   # speed: gspo vs TRL at ~0.5B/512, decoding,
-#                                                      # async k=0 vs 1, the bf16 demo, LoRA
+#   GSPO_COMMIT=<sha> bash benchmarks/gpu_lease.sh 2   # speed: gspo vs TRL at ~0.5B/512, one
+#                                                      # batch profiled, decoding, async k=0
+#                                                      # vs 1, the bf16 demo
 #
 # with `.whl` (from `make gpu-wheels`) carried beside the tree. Part 1 first: the numerics
 # and the suite matter before speed. Each part writes report.md, report.json and the pytest

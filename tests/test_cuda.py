@@ -13,6 +13,7 @@ that, and against what they must catch.
 """
 
 import json
+import re
 from functools import partial
 
 import pytest
@@ -154,6 +155,18 @@ def test_gspo_trains_on_cuda_in_bf16(tmp_path, ones_reward):
     train = train_lines(records_of(tmp_path / "run"))
     assert len(train) == 4
     assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in train)
+
+
+def test_a_profiled_batch_on_cuda_says_how_busy_the_device_was(tmp_path, ones_reward):
+    overrides = [*SMALL, CUDA, ones_reward, "train.cold_start_steps=0", "train.max_steps=2",
+                 "algorithm.minibatches=1", "log.profile_steps=2",
+                 "rollout.max_new_tokens=8"]  # fmt: skip
+    Trainer(load_config(None, overrides), tmp_path / "run").fit()
+    summary = (tmp_path / "run" / "profile" / "steps_2-2" / "summary.md").read_text()
+    busy = re.search(r"device busy .*: ([0-9.]+) s, ([0-9.]+)% of the wall time", summary)
+    assert busy is not None and 0 < float(busy[2]) <= 100
+    assert "host waits for the device (*Synchronize calls): " in summary
+    assert "## self device time" in summary
 
 
 def async_run_overrides(device: str, reward: str) -> list[str]:

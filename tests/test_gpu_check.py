@@ -167,6 +167,11 @@ def test_smoke_runs_every_stage_on_the_cpu_and_writes_the_report(tmp_path):
         assert vs["status"] == "skipped" and "TRL is not installed" in vs["detail"]
     else:
         assert vs["status"] == "passed" and vs["figures"]["ratio TRL / gspo"] > 0
+    profile = stages["one rollout batch profiled"]  # the gspo side's second batch
+    assert profile["status"] == "passed", profile["detail"]
+    assert float(profile["figures"]["wall"].split()[0]) > 0
+    assert float(profile["figures"]["time/train s"]) > 0
+    assert (tmp_path / "profile.md").read_text().startswith("# optimizer steps 5-8")
     lora = stages["LoRA generation vs the full model"]
     assert lora["status"] == "passed", lora["detail"]
     assert lora["figures"]["LoRA / full time (target <= 1.25)"] > 0
@@ -260,7 +265,7 @@ def test_a_budget_beside_a_lease_part_bounds_it(tmp_path):
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["header"]["stages"] == "vs_trl,decode,async,train,lora in 15 s"
+    assert report["header"]["stages"] == "vs_trl,profile,decode,async,train in 15 s"
     assert report["header"]["gspo overrides"] == "rollout.cuda_graphs=true"  # the part's own
     assert [s["status"] for s in report["stages"]] == ["not run"] * 5
     assert run.returncode == 1  # nothing passed: not a green check

@@ -37,6 +37,7 @@ from gspo.moved import moved_path, with_run_dir
 from gspo.rewards.runner import leave_if_starting_a_worker
 from gspo.telemetry import (
     MetricsLogger,
+    StepProfiler,
     TrainingProgress,
     plot_metrics,
     print_summary,
@@ -154,12 +155,9 @@ class Trainer:
         self.reference = Reference(config.algorithm.kl_coef, out, self.policy, config.model.path)
         objective = Objective(config.algorithm)
         self.policy_update = PolicyUpdate(
-            self.policy,
-            self.optimizer,
-            self.scheduler,
-            config.optim.grad_clip,
+            self.policy, self.optimizer, self.scheduler, config.optim.grad_clip,
             max_skipped=config.train.max_skipped,
-        )
+        )  # fmt: skip
         self.cold_start_done = False
         if checkpoint is not None:
             self.policy_update.step = load_checkpoint(
@@ -199,13 +197,10 @@ class Trainer:
             config, dist, self.data.eval, eval_prompt_ids, self.generator, scorer, sampling
         )
         self.logger = MetricsLogger(
-            out,
-            enabled=dist.is_main,
-            tensorboard=config.log.tensorboard,
+            out, enabled=dist.is_main, tensorboard=config.log.tensorboard,
             resume_step=self.step if checkpoint is not None else None,
-            wandb=config.log.wandb,
-            mlflow=config.log.mlflow,
-        )
+            wandb=config.log.wandb, mlflow=config.log.mlflow,
+        )  # fmt: skip
         # one process writes its checkpoints in the background (several ranks: at once)
         self.checkpoints = Checkpoints(
             out,
@@ -215,6 +210,10 @@ class Trainer:
             background=config.train.background_checkpoints and not dist.enabled,
         )
         self.writer_tokenizer = None  # (the tokenizer background writes save)
+        self.profiler = StepProfiler(
+            config.log.profile_steps, config.algorithm.minibatches, out,
+            rank=dist.rank, world=dist.world_size,
+        )  # fmt: skip
         recorded = recorded_config(config, out, self.finished, moved) if dist.is_main else None
         if recorded is not None:  # (rank 0 alone: a finished run's is read, then written)
             (out / "config.yaml").write_text(with_run_dir(dump_config_text(recorded), out))
@@ -351,7 +350,9 @@ class Trainer:
             bar.record(start)  # the first lines show the starting accuracy
             for rollout_index in range(first, cfg.rollout_batches):
                 before = self.step
-                for step, line in self.rl_step(rollout_index):
+                with self.profiler.around(rollout_index):  # (log.profile_steps)
+                    lines = self.rl_step(rollout_index)
+                for step, line in lines:
                     self.checkpoints.log(step, line)
                 last = rollout_index == cfg.rollout_batches - 1
                 if crossed(before, self.step, cfg.eval.every) or last:

@@ -121,6 +121,13 @@ class Config(Section):
                 f"{batch // parts + 1} and {batch // parts}, whose responses weigh unequally in "
                 "their optimizer steps (TRL refuses such a split); use a divisor"
             )
+        past = [s for s in self.log.profile_steps if s > self.total_steps]
+        if past:
+            lines.append(
+                f"log.profile_steps: step {past[0]} is past the run's {self.total_steps} "
+                "optimizer steps (train.max_steps in whole rollout batches): nothing is "
+                "profiled there"
+            )
         lora = self.model.lora
         unused = [k for k, v in lora.model_dump().items() if k != "r" and v != _LORA[k]]
         if lora.r == 0 and unused:

@@ -123,6 +123,28 @@ class LogConfig(Section):
         "to mlflow.start_run (true = MLflow's defaults); null = off",
     )
 
+    profile_steps: list[int] = Field(
+        [],
+        description="Profile the rollout batch that takes each of these optimizer steps "
+        "(generation, scoring and its updates) with PyTorch's profiler: "
+        "profile/steps_A-B/summary.md (wall and device-busy seconds, host waits, the "
+        "stages, the costliest operators) and trace.json.gz (Perfetto, chrome://tracing); "
+        "the profiler slows that batch",
+    )
+
+    @field_validator("profile_steps", mode="before")
+    @classmethod
+    def _steps(cls, value: Any) -> Any:
+        """One step as a number (``log.profile_steps=8``) is a list of it."""
+        return [value] if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @field_validator("profile_steps")
+    @classmethod
+    def _positive(cls, value: list[int]) -> list[int]:
+        if any(step < 1 for step in value):
+            raise ValueError("optimizer steps, counted from 1")
+        return value
+
     @field_validator("wandb", "mlflow", mode="before")
     @classmethod
     def _switch(cls, value: Any) -> Any:

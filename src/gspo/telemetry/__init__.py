@@ -9,6 +9,7 @@ module              what lives there
 :mod:`.plots`       PNGs of one run, of several runs, of bands over seeds
 :mod:`.summary`     the run summary table
 :mod:`.progress`    :class:`TrainingProgress`: the live bar or plain progress lines
+:mod:`.profiling`   :class:`StepProfiler`: ``log.profile_steps``' traces and summaries
 ==================  ==================================================================
 
 Each module imports only the standard library at import time; matplotlib, rich,
@@ -25,6 +26,7 @@ from gspo.telemetry.plots import (
     plot_runs,
     plot_series,
 )
+from gspo.telemetry.profiling import StepProfiler
 from gspo.telemetry.progress import TrainingProgress
 from gspo.telemetry.records import METRICS_FILE, json_safe, read_metrics
 from gspo.telemetry.summary import STEP_TIME_KEYS, SUMMARY_KEYS, print_summary, summary_table
@@ -33,7 +35,7 @@ from gspo.telemetry.trackers import TENSORBOARD_DIR
 # fmt: off
 __all__ = [
     "METRICS_FILE", "STEP_TIME_KEYS", "SUMMARY_KEYS", "TENSORBOARD_DIR", "MetricsLogger",
-    "TrainingProgress", "band_lines", "json_safe", "plot_bands", "plot_histograms",
+    "StepProfiler", "TrainingProgress", "band_lines", "json_safe", "plot_bands", "plot_histograms",
     "plot_metrics", "plot_runs", "plot_series", "print_summary", "read_metrics", "summary_table",
 ]
 # fmt: on

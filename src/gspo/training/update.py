@@ -8,7 +8,6 @@ their weights, the KL reference's log-probs) is on the minibatch the
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Sequence
 
 import torch
@@ -17,6 +16,7 @@ from gspo.config import AlgorithmConfig
 from gspo.distributed import as_float
 from gspo.objectives import PolicyLoss, policy_loss
 from gspo.training.forward import PlainForward, RoutedForward
+from gspo.training.metrics import timed
 from gspo.training.policy import Policy
 from gspo.training.records import Experience, Minibatch
 
@@ -162,16 +162,17 @@ class UpdateStage:
         self.update.policy.train()
         for hook in self.hooks:
             hook.before_update(experience, k)
-        start = time.perf_counter()
-        mb = experience.minibatch(k)
-        self.update.policy.same_dropout(k)  # the masks of pi_old's recompute of these rows
-        logprobs, entropy, router_loss = self.forward.logprobs(experience, mb)
-        if experience.unsettled is not None:  # minibatch 0: this forward is pi_old's too
-            mb = experience.settle(logprobs.detach())
-        line = self.update.apply(self.objective.loss(mb, logprobs, entropy), router_loss)
+        took: dict[str, float] = {}
+        with timed(took, "time/train"):
+            mb = experience.minibatch(k)
+            self.update.policy.same_dropout(k)  # the masks of pi_old's recompute of these rows
+            logprobs, entropy, router_loss = self.forward.logprobs(experience, mb)
+            if experience.unsettled is not None:  # minibatch 0: this forward is pi_old's too
+                mb = experience.settle(logprobs.detach())
+            line = self.update.apply(self.objective.loss(mb, logprobs, entropy), router_loss)
         line["train/minibatch"] = k
         line["train/rollout"] = experience.index
-        line["time/train"] = time.perf_counter() - start
+        line.update(took)
         logprobs, metrics = logprobs.detach(), dict(line)
         for hook in self.hooks:
             line.update(hook.after_update(experience, mb, logprobs, metrics))

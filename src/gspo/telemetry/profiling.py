@@ -1,0 +1,182 @@
+"""``log.profile_steps``: where one rollout batch's time goes, from PyTorch's profiler.
+
+The rollout batch that takes each listed optimizer step (generation, scoring, the pass
+before the update and its ``algorithm.minibatches`` updates) runs under
+:class:`torch.profiler.profile` (the CPU, and CUDA's kernels on a GPU). Written beside the
+run, one directory per profiled batch (``profile/steps_A-B/``, a ``rank_R`` level under
+torchrun):
+
+- ``trace.json.gz``: the timeline (Perfetto, ``chrome://tracing``, TensorBoard's
+  profiler plugin), with the loop's stages marked (``time/generate``, ``time/score``,
+  ... as :func:`gspo.training.metrics.timed` names them);
+- ``summary.md``: the batch's wall seconds; on CUDA the share of it some kernel ran (the
+  union of kernel, copy and fill intervals), the host's waits for the device (the
+  runtime's ``*Synchronize`` calls: count and seconds); each stage's seconds; the
+  operators taking the most self time on the device (CUDA) and on the CPU.
+
+One line says where it is. The profiler's own overhead lengthens that batch (its
+``time/*`` metrics included), so profile a batch whose timings you do not compare.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: Rows of each operator table in ``summary.md``.
+TOP_OPS = 20
+
+#: A stage marked in the trace: what :func:`gspo.training.metrics.timed` records.
+STAGE_PREFIX = "time/"
+
+
+def profiled_steps(index: int, minibatches: int, steps: list[int]) -> tuple[int, int] | None:
+    """The optimizer steps (first, last) rollout batch ``index`` takes, if one of them is
+    in ``steps``; else None."""
+    first, last = index * minibatches + 1, (index + 1) * minibatches
+    return (first, last) if any(first <= s <= last for s in steps) else None
+
+
+@dataclass
+class Profile:
+    """What ``summary.md`` says of one profiled rollout batch (seconds; device figures
+    None where no kernel was recorded: the CPU)."""
+
+    wall: float
+    device_busy: float | None
+    host_waits: int | None
+    host_wait_seconds: float | None
+    stages: dict[str, float]
+
+
+def trace_figures(trace: dict[str, Any], wall: float) -> Profile:
+    """:class:`Profile` of a Chrome trace as :meth:`torch.profiler.profile.
+    export_chrome_trace` writes it (times in microseconds)."""
+    spans: list[tuple[float, float]] = []
+    waits, waited = 0, 0.0
+    stages: dict[str, float] = {}
+    for event in trace.get("traceEvents", []):
+        if event.get("ph") != "X":
+            continue
+        cat, name = event.get("cat", ""), event.get("name", "")
+        start, dur = float(event.get("ts", 0.0)), float(event.get("dur", 0.0))
+        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            spans.append((start, start + dur))
+        elif cat == "cuda_runtime" and name.endswith("Synchronize"):
+            waits, waited = waits + 1, waited + dur
+        elif cat == "user_annotation" and name.startswith(STAGE_PREFIX):
+            stages[name] = stages.get(name, 0.0) + dur / 1e6
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted(spans):  # the union of the intervals
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    has_device = bool(spans)
+    return Profile(
+        wall=wall,
+        device_busy=busy / 1e6 if has_device else None,
+        host_waits=waits if has_device else None,
+        host_wait_seconds=waited / 1e6 if has_device else None,
+        stages=stages,
+    )
+
+
+def summary_text(title: str, profile: Profile, tables: list[tuple[str, str]]) -> str:
+    """``summary.md``: the figures, then each ``(heading, table)``."""
+    lines = [f"# {title}", "", f"- wall: {profile.wall:.3f} s"]
+    if profile.device_busy is not None:
+        share = profile.device_busy / profile.wall if profile.wall > 0 else 0.0
+        lines.append(
+            f"- device busy (some kernel, copy or fill running): {profile.device_busy:.3f} s, "
+            f"{share:.1%} of the wall time"
+        )
+        lines.append(
+            f"- host waits for the device (*Synchronize calls): {profile.host_waits}, "
+            f"{profile.host_wait_seconds:.3f} s"
+        )
+    if profile.stages:
+        lines += ["", "| stage | s |", "|---|---|"]
+        lines += [f"| {k} | {v:.3f} |" for k, v in sorted(profile.stages.items())]
+    for heading, table in tables:
+        lines += ["", f"## {heading}", "", "```", table.rstrip(), "```"]
+    return "\n".join(lines) + "\n"
+
+
+class StepProfiler:
+    """Runs the rollout batches that take ``steps`` under the profiler (:meth:`around`);
+    ``out``: the run's directory; ``rank``/``world``: this process's place (every rank
+    profiles its own share; rank 0 says where)."""
+
+    def __init__(
+        self, steps: list[int], minibatches: int, out: Path, *, rank: int = 0, world: int = 1
+    ):
+        self.steps, self.minibatches = sorted(set(steps)), minibatches
+        self.out, self.rank, self.world = out, rank, world
+
+    def directory(self, first: int, last: int) -> Path:
+        where = self.out / "profile" / f"steps_{first}-{last}"
+        return where / f"rank_{self.rank}" if self.world > 1 else where
+
+    @contextlib.contextmanager
+    def around(self, index: int) -> Iterator[None]:
+        """Profile rollout batch ``index`` if it takes one of the steps (else run it as is)."""
+        span = profiled_steps(index, self.minibatches, self.steps) if self.steps else None
+        if span is None:
+            yield
+            return
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            yield
+            if cuda:
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+        self.write(prof, span, wall, cuda)
+
+    def write(self, prof, span: tuple[int, int], wall: float, cuda: bool) -> None:
+        """The batch's ``trace.json.gz`` and ``summary.md``; one line on rank 0."""
+        where = self.directory(*span)
+        where.mkdir(parents=True, exist_ok=True)
+        raw = where / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        with (
+            raw.open("rb") as source,
+            gzip.open(where / "trace.json.gz", "wb", compresslevel=3) as target,  # (9: slow)
+        ):
+            shutil.copyfileobj(source, target)
+        trace = json.loads(raw.read_text())
+        raw.unlink()
+        figures = trace_figures(trace, wall)
+        averages = prof.key_averages()
+        keys = ([("self device time", "self_device_time_total")] if cuda else []) + [
+            ("self CPU time", "self_cpu_time_total")
+        ]
+        tables = [(name, averages.table(sort_by=key, row_limit=TOP_OPS)) for name, key in keys]
+        first, last = span
+        title = f"optimizer steps {first}-{last}"
+        title += f", rank {self.rank}" if self.world > 1 else ""
+        (where / "summary.md").write_text(summary_text(title, figures, tables))
+        if self.rank == 0:
+            busy = (
+                f", the device busy {figures.device_busy / wall:.0%} of it"
+                if figures.device_busy is not None and wall > 0
+                else ""
+            )
+            print(
+                f"gspo: profiled steps {first}-{last}: {wall:.2f} s{busy}; "
+                f"{where / 'summary.md'}, {where / 'trace.json.gz'}",
+                file=sys.stderr,
+                flush=True,
+            )
