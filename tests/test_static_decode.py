@@ -324,3 +324,75 @@ def test_the_next_generation_reuses_the_static_step_s_buffers_and_weights_in_pla
     with dtype:  # other shapes (rows): new buffers
         engine.generate(prompts, n=2, params=params, seed=3)
     assert engine.static is not run
+
+
+class Made(TorchDispatchMode):
+    """The shapes of the new tensors (not views or in-place results) of ``dtype`` made."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype, self.shapes = dtype, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs or {}))
+               if isinstance(t, torch.Tensor)}  # fmt: skip
+        for t in tree_leaves(out):
+            fresh = isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in ins
+            if fresh and t.dtype == self.dtype:
+                self.shapes.append(tuple(t.shape))
+        return out
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "lora", "lora_bfloat16"])
+def test_the_next_generation_casts_its_weights_straight_into_the_static_step_s(
+    tokenizer, tiny_model, monkeypatch, kind
+):
+    """At the next generation no second decoder is built and no copy of the weights in the
+    compute dtype is made beside the static step's (a 7B model's bf16 copy is 14 GB): the
+    moved weights are cast (or merged) into the static step's own matrices, which keep
+    their addresses, and it samples the loop's tokens from the moved weights. (Float32
+    LoRA merges each layer's matrices, transient, before writing them in.)"""
+    from contextlib import nullcontext
+
+    from test_rollout import lora_model
+
+    monkeypatch.setattr(static_decode, "SPAN_CHUNK", 16)
+    model = lora_model(tiny_model, "all-linear") if "lora" in kind else tiny_model
+    bf16 = "bfloat16" in kind
+    dtype = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
+    params = SamplingParams(24, temperature=0.9)
+    engine = TorchEngine(model, **ids(tokenizer), cuda_graphs=True)
+    with dtype:
+        engine.generate(encode(tokenizer), n=4, params=params, seed=1)
+    run = engine.static
+    weights = [t for t in run.decoder.tensors() + [w for m in run.mlps for w in m] if t is not None]
+    layers = run.decoder.layers
+    matrices = {tuple(t.shape) for x in layers for t in (x.qkv, x.o)}
+    matrices |= {tuple(t.shape) for m in run.mlps for t in m}
+    addresses = [t.data_ptr() for t in weights]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02)
+    built = []
+    monkeypatch.setattr(torch_engine, "make_decoder", lambda m: built.append(m) or make_decoder(m))
+    reuse, made = StaticDecoder.reuse, Made(torch.bfloat16 if bf16 else torch.float32)
+
+    def watched(self, *args, **kwargs):
+        with made:
+            return reuse(self, *args, **kwargs)
+
+    monkeypatch.setattr(StaticDecoder, "reuse", watched)
+    with dtype:
+        second = engine.generate(encode(tokenizer, OTHER_TEXTS), n=4, params=params, seed=2)
+    assert engine.static is run and not built
+    assert [t.data_ptr() for t in weights] == addresses
+    copies = [shape for shape in made.shapes if shape in matrices]
+    if kind != "lora":  # (float32 LoRA: transient merges, a layer's at a time)
+        assert not copies, copies
+    with dtype:
+        loop = TorchEngine(model, **ids(tokenizer), cuda_graphs=False).generate(
+            encode(tokenizer, OTHER_TEXTS), n=4, params=params, seed=2
+        )
+    assert torch.equal(second.completion_ids, loop.completion_ids)
+    assert (second.sampler_logprobs - loop.sampler_logprobs).abs().max() < 1e-2 if bf16 else 1e-5

@@ -174,7 +174,7 @@ class StaticDecoder:
 
     def reuse(
         self,
-        decoder: KVDecoder,
+        model: nn.Module,
         *,
         rows: int,
         capacity: int,
@@ -183,24 +183,35 @@ class StaticDecoder:
         vocab: int,
         graphs: bool,
     ) -> bool:
-        """Whether the next generation (``decoder``, freshly built from the same model after
-        its weights moved, and its shapes and settings) can run on these buffers and graphs.
-        If so its weights are copied into this generation's decoder and MLPs in place, and
-        the caller prefills ``self.decoder``, then calls :meth:`start`; if not, nothing
-        was copied and the caller builds a new one."""
+        """Whether the next generation (of ``model``, whose weights moved, at these shapes and
+        settings) can run on these buffers and graphs, decided before any weight is read.
+        If so the new weights are cast or merged straight into this generation's decoder
+        and MLP matrices (:meth:`KVDecoder.reload`; no second copy of them is built), and
+        the caller prefills ``self.decoder``, then calls :meth:`start`; if not, the caller
+        drops this one (whose weights may be partly overwritten) and builds a new one."""
         mine = self.decoder
         if not (
-            decoder.model is mine.model
+            model is mine.model
             and (rows, capacity, vocab, graphs)
             == (self.rows, self.capacity, self.vocab, self.graphs)
             and params == self.params
             and torch.equal(stop, self.stop)
-            and (decoder.dtype, decoder.low_rank) == (mine.dtype, mine.low_rank)
-            and decoder.keys_transposed == mine.transposed
+            and mine.keys_transposed == mine.transposed
         ):
             return False
-        theirs = decoder.tensors() + _flat(dense_mlps(decoder))
-        return copy_in_place(mine.tensors() + _flat(self.mlps), theirs)
+        if not mine.reload():
+            return False
+        for layer, mlp in zip(mine.layers, self.mlps, strict=True):
+            if mlp is not None and layer.mlp_weights is None:
+                if not _plain_mlp(layer.mlp):
+                    return False
+                for into, n in zip(mlp, MLP_PROJECTIONS, strict=True):
+                    weight = merged_weight(getattr(layer.mlp, n))
+                    if weight is not into:
+                        if into.shape != weight.shape or isinstance(into, nn.Parameter):
+                            return False
+                        into.copy_(weight)  # cast in the copy: no cast copy made
+        return True
 
     # ------------------------------------------------------------------ the host loop
     def run(
@@ -346,32 +357,10 @@ class StaticDecoder:
         return head_logits(h, d.head, d.head_linear)
 
 
-def copy_in_place(mine: list[Tensor | None], theirs: list[Tensor | None]) -> bool:
-    """Copy each of ``theirs`` into the tensor at the same place of ``mine`` (skipped where
-    both are one tensor). False, and nothing copied, when the two lists differ in layout
-    (a None against a tensor, another shape) or when a tensor of ``mine`` is a parameter
-    that ``theirs`` no longer holds: a module's weight would be overwritten."""
-    pairs = list(zip(mine, theirs, strict=True))
-    for a, b in pairs:
-        if a is None or b is None:
-            if a is not b:
-                return False
-        elif a.shape != b.shape or (isinstance(a, nn.Parameter) and a.data_ptr() != b.data_ptr()):
-            return False
-    for a, b in pairs:
-        if a is not None and b is not None and a.data_ptr() != b.data_ptr():
-            a.copy_(b)
-    return True
-
-
 def dense_mlps(decoder: KVDecoder) -> list[tuple[Tensor, Tensor, Tensor] | None]:
     """Each layer's dense MLP matrices in the compute dtype (a LoRA MLP's merged ones); None
     for an MoE block."""
     return [layer.mlp_weights or _dense_mlp(layer.mlp, decoder.dtype) for layer in decoder.layers]
-
-
-def _flat(mlps: list[tuple[Tensor, Tensor, Tensor] | None]) -> list[Tensor | None]:
-    return [t for mlp in mlps for t in (mlp or (None, None, None))]
 
 
 def _dense_mlp(mlp: torch.nn.Module, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor] | None:

@@ -96,9 +96,30 @@ class TorchEngine:
             stop_ids.add(self.eos_token_id)
         stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
 
-        decoder = make_decoder(model) if self.fast else ModelDecoder(model)
         positions = prompt_mask.sum(-1)  # of the token each row feeds next
-        static = self.static_step(decoder, device)
+        # whole span chunks: a slightly longer or shorter prompt keeps the shapes
+        chunk = static_decode.SPAN_CHUNK
+        capacity = -(-(unique_ids.shape[1] + steps) // chunk) * chunk
+        shapes = dict(rows=rows, capacity=capacity, params=params, stop=stop)
+        run = self.static
+        static = None
+        if run is not None and self.fast and KVDecoder.supports(model):
+            # the kept static step's settings, its weights read again into its own tensors
+            static = self.static_step(run.decoder, device)
+            vocab = model.get_output_embeddings().weight.shape[0]
+            if static is None:
+                run = None  # the eager loop this time: the static step kept, untouched
+            elif not run.reuse(model, **shapes, vocab=vocab, graphs=static == "graphs"):
+                run = self.static = None  # (weights partly overwritten) memory back first
+        else:
+            run = None
+        if run is not None:
+            decoder = run.decoder
+            logits = decoder.prefill(unique_ids, unique_mask, n, capacity)
+            run.start(positions)
+        else:
+            decoder = make_decoder(model) if self.fast else ModelDecoder(model)
+            static = self.static_step(decoder, device)
         if static is None:
             logits = decoder.prefill(unique_ids, unique_mask, n, unique_ids.shape[1] + steps)
             tokens_out, logprobs_out, lengths = self.decode(
@@ -106,17 +127,7 @@ class TorchEngine:
             )
         else:
             assert isinstance(decoder, KVDecoder)
-            # whole span chunks: a slightly longer or shorter prompt keeps the shapes
-            chunk = static_decode.SPAN_CHUNK
-            capacity = -(-(unique_ids.shape[1] + steps) // chunk) * chunk
-            shapes = dict(rows=rows, capacity=capacity, params=params, stop=stop)
-            graphs = static == "graphs"
-            run = self.static
-            vocab = decoder.head.shape[0]  # of the logits
-            if run is not None and run.reuse(decoder, **shapes, vocab=vocab, graphs=graphs):
-                logits = run.decoder.prefill(unique_ids, unique_mask, n, capacity)
-                run.start(positions)
-            else:
+            if run is None:
                 self.static = None  # its memory back before the new buffers are allocated
                 logits = decoder.prefill(unique_ids, unique_mask, n, capacity)
                 run = self.static = StaticDecoder(
@@ -125,8 +136,8 @@ class TorchEngine:
                     params=params,
                     stop=stop,
                     pad_token_id=self.pad_token_id,
-                    vocab=vocab,
-                    graphs=graphs,
+                    vocab=decoder.head.shape[0],  # of the logits
+                    graphs=static == "graphs",
                 )
             run.run(logits, generator, check_every=CHECK_EVERY, drop_fraction=DROP_FRACTION)
             # the next generation writes into the same buffers: the tokens handed out are
