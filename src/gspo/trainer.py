@@ -50,6 +50,7 @@ from gspo.training.checkpoint import (
     Checkpoints,
     latest_checkpoint,
     load_checkpoint,
+    resume_problem,
     run_path,
     take_checkpoint,
 )
@@ -127,6 +128,8 @@ class Trainer:
         # (a run killed before its step-0 checkpoint resumes inside its cold start, whose
         # own progress checkpoints it finds, or else starts again: deterministically)
         checkpoint = latest_checkpoint(out) if resume else None
+        if checkpoint is not None and (problem := resume_problem(checkpoint)) is not None:
+            raise ValueError(f"resume: {problem}")  # (before the model is loaded)
         compute_dtype = resolve_dtype(config.model.dtype, device)
         # (out of memory loading it, attaching adapters, sharding it: one line naming it)
         named = checkpoint or config.model.path or out / "base_model"
@@ -388,7 +391,7 @@ class Trainer:
             return take_checkpoint(
                 self.output_dir, step, self.policy, self.optimizer, self.scheduler,
                 tokenizer, dist=self.dist, extra=self.rollouts.checkpoint_files(),
-                model_dir=model_dir, copy=copy,
+                model_dir=model_dir, copy=copy, model_only=self.config.train.save_only_model,
                 config=with_run_dir(dump_config_text(self.config), self.output_dir),
             )  # fmt: skip
 

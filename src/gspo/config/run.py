@@ -72,6 +72,14 @@ class TrainConfig(Section):
         "train/skipped_steps); this many in a row stop the run",
     )
     keep_checkpoints: int = Field(2, ge=1, description="Newest kept, besides the step-0 one")
+    save_only_model: bool = Field(
+        False,
+        description="Checkpoints after step 0 hold the weights (a LoRA run: its adapters), "
+        "tokenizer and config, not the optimizer state nor the stale rollout weights (TRL's "
+        "save_only_model): a fraction of the bytes, but a run cannot be resumed from them "
+        "(start a new one with model.path=CHECKPOINT; a LoRA run's: gspo export --merge "
+        "first); gspo export reads them",
+    )
     background_checkpoints: bool = Field(
         True,
         description="Write checkpoints in a background thread while training goes on (each "

@@ -150,6 +150,7 @@ TRL_NAMES = {
     "warmup_ratio": "optim.warmup_steps (a number of steps)",
     "entropy_coef": "algorithm.entropy_coef",
     "save_total_limit": "train.keep_checkpoints",
+    "save_only_model": "train.save_only_model",
     "peft_config": "model.lora (r, alpha, dropout, target_modules)",
     "chat_template_kwargs": "data.chat_template_kwargs",
     "router_aux_loss_coef": "moe.router_aux_loss_coef",

@@ -26,6 +26,12 @@ A single process writes its checkpoints in a background thread (``train.
 background_checkpoints``, :class:`Checkpoints`): each is copied to CPU memory at its step
 (:func:`take_checkpoint`) and written (:func:`write_checkpoint`) while training goes on,
 one at a time; ``latest`` names it once it is whole (:func:`finish_checkpoint`).
+
+With ``train.save_only_model`` a checkpoint taken once the optimizer has state holds no
+``sharded/`` (the optimizer state; a LoRA run's adapters are in the PEFT files) nor the
+async rollouts' stale weights, and :data:`MODEL_ONLY` says so: ``gspo export`` and
+:func:`gspo.models.load_model` read it as any other; a resume from it is refused
+(:func:`resume_problem`). Step 0 has no optimizer state yet and is written whole.
 """
 
 from __future__ import annotations
@@ -78,6 +84,9 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.pt"
 CONFIG = "config.yaml"
+#: In a checkpoint written with ``train.save_only_model``: it holds the model, not the
+#: optimizer state a resume needs.
+MODEL_ONLY = "model_only.txt"
 
 __all__ = ["CHECKPOINTS", "LATEST", "SHARDED", "TRAINER_STATE"]
 
@@ -92,11 +101,16 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def checkpoint_bytes(policy: Policy, optimizer: torch.optim.Optimizer, dist: Distributed) -> int:
+def checkpoint_bytes(
+    policy: Policy, optimizer: torch.optim.Optimizer, dist: Distributed, *, model_only: bool = False
+) -> int:
     """About what a checkpoint of the run takes on disk: the weights once (the HF files; a
-    LoRA run's adapters twice, in the shards too) and the optimizer state."""
+    LoRA run's adapters twice, in the shards too) and the optimizer state; ``model_only``:
+    the HF files alone."""
     trained = (p for p in policy.parameters() if p.requires_grad or not policy.adapters)
     weights = sum(p.numel() * p.element_size() for p in trained)  # (DTensor: the whole)
+    if model_only:
+        return weights
     copies = 2 if policy.adapters else 1
     return copies * weights + optimizer_state_bytes(optimizer) * dist.world_size
 
@@ -110,10 +124,27 @@ def checkpoint_problem(path: Path) -> str | None:
         return "missing"
     if not (path / TRAINER_STATE).is_file():
         return f"incomplete ({TRAINER_STATE} is missing)"
-    problem = None if (path / MODEL_POINTER).is_file() else sharded_problem(path / SHARDED)
+    whole = (path / MODEL_POINTER).is_file() or (path / MODEL_ONLY).is_file()
+    problem = None if whole else sharded_problem(path / SHARDED)
     if problem is None:
         problem = next((f"{n} {w}" for n, w in manifest_changes(path, contents=False)), None)
     return None if problem is None else f"incomplete ({problem})"
+
+
+def resume_problem(path: Path) -> str | None:
+    """Why a run cannot continue from the whole checkpoint ``path`` (one line), or None:
+    it holds only the model (:data:`MODEL_ONLY`, ``train.save_only_model``)."""
+    if not (path / MODEL_ONLY).is_file():
+        return None
+    if (path / "adapter_config.json").is_file():  # (model.path takes no adapter)
+        instead = f"gspo export {path} --merge OUT, then a new run with model.path=OUT"
+    else:
+        instead = f"a new run with model.path={path}"
+    return (
+        f"{path} holds only the model (written with train.save_only_model=true: no optimizer "
+        f"state), so the run cannot be resumed from it; start {instead} (its optimizer "
+        "starts afresh)"
+    )
 
 
 def latest_named(output_dir: Path) -> tuple[str | None, str | None]:
@@ -190,6 +221,7 @@ class CheckpointState:
     tokenizer: Any
     files: dict[str, Any]  # name -> object for ``torch.save`` (rank 0)
     config: str = ""  # the run's config as YAML text (:data:`CONFIG`; rank 0)
+    model_only: bool = False  # no ``sharded/``, no extra files: :data:`MODEL_ONLY`
 
 
 def take_checkpoint(
@@ -205,6 +237,7 @@ def take_checkpoint(
     model_dir: Path | None = None,
     copy: bool = False,
     config: str = "",
+    model_only: bool = False,
 ) -> CheckpointState:
     """The checkpoint of this step, to be written by :func:`write_checkpoint`.
 
@@ -214,7 +247,10 @@ def take_checkpoint(
     training goes on. ``extra`` is taken as it is: the async rollouts' stale weights are
     CPU copies that nothing changes (:meth:`gspo.training.async_rollout.AsyncRollouts.
     checkpoint_files`). ``config``: the run's config as YAML text, written as
-    :data:`CONFIG`. A non-finite weight is a one-line ``ValueError``.
+    :data:`CONFIG`. ``model_only`` (``train.save_only_model``): once the optimizer has
+    state, neither it nor ``extra`` is written, and :data:`MODEL_ONLY` says so (before,
+    there is nothing to leave out: the checkpoint stays resumable). A non-finite weight is
+    a one-line ``ValueError``.
     """
     final = checkpoint_dir(output_dir, step)
     pointer = fingerprint = None
@@ -225,11 +261,14 @@ def take_checkpoint(
         inside = model_dir.is_relative_to(Path(output_dir).resolve())
         pointer = os.path.relpath(model_dir, final.resolve()) if inside else str(model_dir)
         fingerprint = model_fingerprint(model_dir) if dist.is_main else None
+    model_only = model_only and bool(optimizer.state) and model_dir is None
     trainer_state = {"scheduler": deepcopy(scheduler.state_dict()), "step": step}
-    files = {**(extra or {}), TRAINER_STATE: trainer_state} if dist.is_main else {}
+    extra = {} if model_only else extra or {}
+    files = {**extra, TRAINER_STATE: trainer_state} if dist.is_main else {}
     state = CheckpointState(
         final, step, None, pointer, fingerprint, None, None, None, tokenizer, files, config
     )
+    state.model_only = model_only
     if model_dir is not None:  # no weights written: none to check
         return state
     finite = all(  # this rank's shards (DTensor.to_local under FSDP)
@@ -241,13 +280,14 @@ def take_checkpoint(
             f"checkpoint at step {step} not written: the weights hold NaN or inf "
             f"(the previous checkpoint under {final.parent} is intact)"
         )
-    state.needs = checkpoint_bytes(policy, optimizer, dist)
+    state.needs = checkpoint_bytes(policy, optimizer, dist, model_only=model_only)
     # the shards: the optimizer state (and a LoRA run's adapters); a full model's weights
     # are in the HF files alone, which a resumed run loads the model from (whatever ranks)
     adapters = policy.adapters
-    state.sharded = sharded_state(
-        policy.forward, optimizer, trainable_only=adapters, weights=adapters
-    )
+    if not model_only:
+        state.sharded = sharded_state(
+            policy.forward, optimizer, trainable_only=adapters, weights=adapters
+        )
     state.replica = policy.replica()
     if dist.is_main:
         state.weights = state.replica.state_dict()
@@ -330,6 +370,11 @@ def write_checkpoint(state: CheckpointState, dist: Distributed) -> tuple[int, fl
                 torch.save(obj, tmp / name)
             if state.config:
                 (tmp / CONFIG).write_text(state.config)
+            if state.model_only:
+                (tmp / MODEL_ONLY).write_text(
+                    "written with train.save_only_model=true: the model only, no optimizer "
+                    "state; gspo export reads it, a resume cannot continue from it\n"
+                )
             write_manifest(tmp)  # (last: every rank's shards are written, dcp.save waits)
     return WRITTEN.bytes - before, time.perf_counter() - start
 
@@ -490,6 +535,8 @@ def load_checkpoint(
     Its files are checked against its manifest first (the HF model's were, when it was
     loaded): a damaged one is a one-line :class:`gspo.publish.DamagedFile`.
     """
+    if (problem := resume_problem(path)) is not None:
+        raise ValueError(problem)
     check_manifest(path, lambda name: not is_model_file(name))
     if not (path / MODEL_POINTER).is_file():
         load_sharded(path / SHARDED, policy.forward, optimizer, trainable_only=policy.adapters)
