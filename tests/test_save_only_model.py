@@ -137,3 +137,17 @@ def test_turned_on_at_resume_the_run_goes_on_exactly_and_then_writes_model_only(
     assert (checkpoints / "step-0000002" / SHARDED).is_dir()  # written before: whole
     assert (checkpoints / "step-0000004" / MODEL_ONLY).is_file()
     assert not (checkpoints / "step-0000004" / SHARDED).exists()
+
+
+def test_async_rollouts_stale_weights_are_left_out_too(tmp_path, varied_reward):
+    from gspo.training.async_rollout import BEHAVIOUR_WEIGHTS
+
+    for setting in ("false", "true"):
+        run = tmp_path / setting
+        args = [*RUN, varied_reward, "rollout.max_staleness=1"]
+        assert (
+            main(["train", "--output-dir", str(run), *args, f"train.save_only_model={setting}"])
+            == 0
+        )
+        held = (run / "checkpoints" / "step-0000002" / BEHAVIOUR_WEIGHTS).is_file()
+        assert held is (setting == "false")
