@@ -403,7 +403,7 @@ def test_bf16_lora_decodes_on_the_fast_path_with_its_adapters_beside_the_matrice
     if targets == "all-linear" and not static:  # the adapters merged into bf16 matrices
         with monkeypatch.context() as m:
             m.setattr(lora_weights, "base_weight", lora_weights.merged_weight)
-            m.setattr(lora_weights, "low_rank", lambda *args: None)
+            m.setattr(lora_weights, "low_rank", lambda *args, **kwargs: None)
             _, merged, merged_trainer = sampled_and_trainer(True)
         merged_gap = mean_gap(
             merged_trainer, merged.sampler_logprobs, merged.completion_mask.bool()
