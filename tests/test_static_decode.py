@@ -396,3 +396,49 @@ def test_the_next_generation_casts_its_weights_straight_into_the_static_step_s(
         )
     assert torch.equal(second.completion_ids, loop.completion_ids)
     assert (second.sampler_logprobs - loop.sampler_logprobs).abs().max() < 1e-2 if bf16 else 1e-5
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_prefill_leaves_no_cast_of_the_weights_alive(
+    tokenizer, tiny_model, monkeypatch, graphs
+):
+    """Under bf16 autocast the fast decoder's prefill runs the model's own forward, whose
+    casts of every q/k/v/o and MLP weight autocast would keep to the end of the generation
+    (the outer autocast's): a second bf16 copy of the weights beside the decoder's (the
+    static step's MLPs too). None made in the prefill is alive once it returns."""
+    import gc
+    import weakref
+
+    vocab = tiny_model.config.vocab_size
+    shapes = {
+        tuple(m.weight.shape)
+        for m in tiny_model.modules()
+        if isinstance(m, torch.nn.Linear) and m.weight.shape[0] != vocab
+    }
+    alive: dict[int, bool] = {}
+
+    class Casts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                bf16 = isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16
+                if bf16 and tuple(t.shape) in shapes:
+                    storage = t.untyped_storage()
+                    alive[storage.data_ptr()] = True
+                    weakref.finalize(storage, alive.pop, storage.data_ptr(), None)
+            return out
+
+    prefill, after = KVDecoder.prefill, []
+
+    def watched(self, *args, **kwargs):
+        with Casts():
+            logits = prefill(self, *args, **kwargs)
+        gc.collect()
+        after.append(len(alive))
+        return logits
+
+    monkeypatch.setattr(KVDecoder, "prefill", watched)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        engine = TorchEngine(tiny_model, **ids(tokenizer), cuda_graphs=graphs)
+        engine.generate(encode(tokenizer), n=2, params=SamplingParams(8), seed=0)
+    assert after == [0]

@@ -26,6 +26,7 @@ the same cache column; rows only differ by their padding mask and positions.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 from functools import partial
@@ -343,7 +344,10 @@ class KVDecoder:
         The prompts' keys and values are copied into buffers of ``capacity`` columns,
         ``n`` rows per prompt. The padding mask is kept only if some prompt is padded.
         """
-        logits, cache = prefill_cache(self.model, ids, mask, self.head)
+        # (the model's forward: autocast would keep its casts of q/k/v/o and the MLPs to the
+        # end of the generation, a second copy of the weights beside the step's own)
+        with without_cast_cache(ids.device.type):
+            logits, cache = prefill_cache(self.model, ids, mask, self.head)
         u, p = ids.shape
         rows = u * n
         each = torch.arange(u, device=ids.device).repeat_interleave(n)
@@ -553,6 +557,15 @@ def _place_all(
             raise _Mismatch
         out.append(None if t is None else _place(old, [t], dtype))
     return tuple(out)
+
+
+def without_cast_cache(device_type: str):
+    """Autocast as it is on ``device_type`` but without its cache of cast weights, which
+    would keep each cast made inside until the outermost autocast ends."""
+    if not torch.is_autocast_enabled(device_type):
+        return contextlib.nullcontext()
+    dtype = torch.get_autocast_dtype(device_type)
+    return torch.autocast(device_type, dtype=dtype, cache_enabled=False)
 
 
 def make_decoder(model: nn.Module) -> KVDecoder | ModelDecoder:

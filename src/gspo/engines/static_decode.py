@@ -36,7 +36,6 @@ are not captured: such a model runs the static step eagerly.
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
 
 import torch
@@ -44,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gspo.engines.batch import SamplingParams
-from gspo.engines.decoding import KVDecoder
+from gspo.engines.decoding import KVDecoder, without_cast_cache
 from gspo.engines.lora_weights import MLP_PROJECTIONS, MLPS, bias_of, merged_weight
 from gspo.engines.sampling import sample_next
 from gspo.models import head_logits
@@ -268,7 +267,7 @@ class StaticDecoder:
             # process, on device 0: two captures at once, or a model on cuda:1, broke it)
             try:
                 with (
-                    _no_autocast_cache(),
+                    without_cast_cache("cuda"),  # (a capture keeps no cast made outside)
                     torch.cuda.graph(
                         graph, pool=self.pool, stream=self.side, capture_error_mode="thread_local"
                     ),
@@ -370,10 +369,3 @@ def _dense_mlp(mlp: torch.nn.Module, dtype: torch.dtype) -> tuple[Tensor, Tensor
         return None
     return tuple(merged_weight(getattr(mlp, n)).to(dtype) for n in MLP_PROJECTIONS)
 
-
-def _no_autocast_cache():
-    """Autocast without its cast cache (a capture must not keep casts made outside it)."""
-    device = "cuda"
-    if not torch.is_autocast_enabled(device):
-        return contextlib.nullcontext()
-    return torch.autocast(device, dtype=torch.get_autocast_dtype(device), cache_enabled=False)
