@@ -50,7 +50,7 @@ from gspo.training.checkpoint import (
     Checkpoints,
     latest_checkpoint,
     load_checkpoint,
-    resume_problem,
+    resumable_checkpoint,
     run_path,
     take_checkpoint,
 )
@@ -127,9 +127,7 @@ class Trainer:
         # the model: the latest checkpoint, the user's, or a built-in
         # (a run killed before its step-0 checkpoint resumes inside its cold start, whose
         # own progress checkpoints it finds, or else starts again: deterministically)
-        checkpoint = latest_checkpoint(out) if resume else None
-        if checkpoint is not None and (problem := resume_problem(checkpoint)) is not None:
-            raise ValueError(f"resume: {problem}")  # (before the model is loaded)
+        checkpoint = resumable_checkpoint(out) if resume else None
         compute_dtype = resolve_dtype(config.model.dtype, device)
         # (out of memory loading it, attaching adapters, sharding it: one line naming it)
         named = checkpoint or config.model.path or out / "base_model"

@@ -147,6 +147,15 @@ def resume_problem(path: Path) -> str | None:
     )
 
 
+def resumable_checkpoint(output_dir: Path) -> Path | None:
+    """:func:`latest_checkpoint`, a one-line ``ValueError`` where the run cannot continue
+    from it (:func:`resume_problem`), said before any model is loaded."""
+    checkpoint = latest_checkpoint(output_dir)
+    if checkpoint is not None and (problem := resume_problem(checkpoint)) is not None:
+        raise ValueError(f"resume: {problem}")
+    return checkpoint
+
+
 def latest_named(output_dir: Path) -> tuple[str | None, str | None]:
     """``(name, problem)``: the checkpoint ``checkpoints/latest`` names (None: no pointer)
     and what is wrong with it (:func:`checkpoint_problem`; None: it is whole)."""
