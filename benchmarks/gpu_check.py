@@ -482,11 +482,11 @@ def vs_trl_stage(
 def profile_stage(
     out: Path, reports: Path, sizes: Sizes = FULL, extra: tuple[str, ...] = ()
 ) -> Callable[[Stage, float], None]:
-    """The second rollout batch (optimizer steps 5-8) of the vs_trl stage's gspo run under
-    ``log.profile_steps``: where its time goes on the device (the first holds the
-    warm-ups: graph capture, the libraries' first calls). Its ``summary.md`` (the
-    costliest operators on the device and the CPU) is copied beside the report as
-    ``profile.md``."""
+    """The start-up and the second rollout batch (optimizer steps 5-8) of the vs_trl
+    stage's gspo run under ``log.profile_steps=[0,8]``: where their time goes (the first
+    batch holds the warm-ups: graph capture, the libraries' first calls). Their
+    ``summary.md`` (the costliest operators on the device and the CPU) are copied beside
+    the report as ``profile.md`` and ``profile_startup.md``."""
 
     def body(stage: Stage, limit: float) -> None:
         import dataclasses
@@ -497,8 +497,11 @@ def profile_stage(
         two = dataclasses.replace(schedule, steps=8)
         _, run = vs_trl.run_gspo(
             work, name="gspo_profile", schedule=two, timeout=limit,
-            extra=(*extra, "log.profile_steps=8"),
+            extra=(*extra, "log.profile_steps=[0,8]"),
         )  # fmt: skip
+        startup = (run / "profile" / "startup" / "summary.md").read_text()
+        (reports / "profile_startup.md").write_text(startup)
+        stage.figures["start-up (building the trainer) s"] = profile_figures(startup)["wall"]
         summary = (run / "profile" / "steps_5-8" / "summary.md").read_text()
         (reports / "profile.md").write_text(summary)
         stage.figures.update(profile_figures(summary))

@@ -172,6 +172,8 @@ def test_smoke_runs_every_stage_on_the_cpu_and_writes_the_report(tmp_path):
     assert float(profile["figures"]["wall"].split()[0]) > 0
     assert float(profile["figures"]["time/train s"]) > 0
     assert (tmp_path / "profile.md").read_text().startswith("# optimizer steps 5-8")
+    assert (tmp_path / "profile_startup.md").read_text().startswith("# the start-up")
+    assert float(profile["figures"]["start-up (building the trainer) s"].split()[0]) > 0
     lora = stages["LoRA generation vs the full model"]
     assert lora["status"] == "passed", lora["detail"]
     assert lora["figures"]["LoRA / full time (target <= 1.25)"] > 0

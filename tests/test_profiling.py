@@ -70,18 +70,60 @@ def test_a_profiled_run_writes_its_trace_and_summary_and_trains_the_same(
     for stage in ("time/generate", "time/reward", "time/train"):
         assert f"| {stage} |" in summary
     assert "## self CPU time" in summary and "aten::" in summary
+    assert "(rl_step)" in summary.split("## Python functions by cumulative time")[1]
     with gzip.open(where / "steps_3-4" / "trace.json.gz") as f:
         names = {e.get("name") for e in json.load(f)["traceEvents"]}
     assert {"time/generate", "time/train"} <= names
     assert not (where / "steps_3-4" / "trace.json").exists()
     err = capsys.readouterr().err
-    assert err.count("gspo: profiled steps 3-4:") == 1
+    assert err.count("gspo: profiled optimizer steps 3-4:") == 1
 
 
 def test_profile_steps_are_counted_from_one_and_one_past_the_run_is_warned():
     assert load_config(None, ["log.profile_steps=8"]).log.profile_steps == [8]
     with pytest.raises(ConfigError, match="log.profile_steps"):
-        load_config(None, ["log.profile_steps=[0, 2]"])
+        load_config(None, ["log.profile_steps=[-1, 2]"])
     config = load_config(None, ["log.profile_steps=[2, 500]", "train.max_steps=8"])
     assert any("log.profile_steps: step 500 is past" in w for w in config.warnings())
     assert not any("profile" in w for w in load_config(None, ["log.profile_steps=2"]).warnings())
+
+
+def test_step_0_profiles_the_start_up_from_the_command_line_and_from_python(
+    tmp_path, ones_reward, capsys
+):
+    import gspo
+    from gspo.cli import main
+
+    common = [*FAST, ones_reward, "train.cold_start_steps=0", "algorithm.minibatches=2",
+              "train.max_steps=2", "log.profile_steps=[0]"]  # fmt: skip
+    assert main(["train", "--output-dir", str(tmp_path / "cli"), *common]) == 0
+    gspo.train(load_config(None, common), tmp_path / "api")
+    for run in ("cli", "api"):
+        where = tmp_path / run / "profile"
+        assert [p.name for p in where.iterdir()] == ["startup"]  # (no rollout batch)
+        summary = (where / "startup" / "summary.md").read_text()
+        assert summary.startswith("# the start-up: building the trainer")
+        assert "## self CPU time" in summary and "| time/" not in summary  # no stage yet
+        python = summary.split("## Python functions by cumulative time (this thread)")[1]
+        assert "trainer.py" in python and "(__init__)" in python
+    assert capsys.readouterr().err.count("gspo: profiled the start-up") == 2
+
+
+@pytest.mark.slow
+def test_under_torchrun_each_rank_profiles_its_share_and_rank_0_says_so(tmp_path, ones_reward):
+    from test_distributed import torchrun
+
+    done = torchrun(
+        "-m", "gspo", "train", "--output-dir", str(tmp_path / "run"), *FAST, ones_reward,
+        "train.cold_start_steps=0", "algorithm.minibatches=2", "train.max_steps=2",
+        "log.profile_steps=[0,2]",
+    )  # fmt: skip
+    where = tmp_path / "run" / "profile"
+    for name, title in (
+        ("startup", "# the start-up: building the trainer"),
+        ("steps_1-2", "# optimizer steps 1-2"),
+    ):
+        for rank in (0, 1):
+            summary = (where / name / f"rank_{rank}" / "summary.md").read_text()
+            assert summary.startswith(f"{title}, rank {rank}\n")
+    assert done.stderr.count("gspo: profiled ") == 2

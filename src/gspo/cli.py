@@ -173,6 +173,7 @@ def said_once() -> Iterator[None]:
 def run_train(args: argparse.Namespace) -> int:
     from gspo.distributed import setup_distributed, teardown_distributed
     from gspo.runs import RunDirectory
+    from gspo.telemetry import StepProfiler
     from gspo.trainer import Trainer
 
     with said_once():
@@ -185,7 +186,7 @@ def run_train(args: argparse.Namespace) -> int:
         replace = args.resume is None
         name = "--output-dir" if replace else "--resume"
         with RunDirectory(output_dir, replace=replace, dist=dist, name=name) as run:
-            with said_once():
+            with said_once(), StepProfiler.of_run(config, output_dir, dist).startup():
                 trainer = Trainer(config, output_dir, resume=args.resume is not None, dist=dist)
             with trainer:
                 run.started()

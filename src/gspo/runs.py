@@ -21,7 +21,7 @@ from gspo.models.loading import MODEL_FINGERPRINT, fingerprint_change, model_fil
 from gspo.moved import moved_path
 from gspo.publish import temp_path
 from gspo.rewards.runner import leave_if_starting_a_worker
-from gspo.telemetry import METRICS_FILE
+from gspo.telemetry import METRICS_FILE, StepProfiler
 from gspo.trainer import Trainer
 from gspo.training.checkpoint import CHECKPOINTS, CONFIG, TRAINER_STATE
 from gspo.training.setup import with_absolute_paths
@@ -61,13 +61,13 @@ def train(
     joined = not torch.distributed.is_initialized()
     dist = setup_distributed(config.model.device)
     try:
-        with (
-            RunDirectory(out, replace=overwrite, dist=dist, name="train: output_dir") as run,
-            Trainer(config, out, resume=resume, dist=dist) as trainer,
-        ):
-            run.started()
-            records = trainer.fit()
-            dist.barrier()
+        with RunDirectory(out, replace=overwrite, dist=dist, name="train: output_dir") as run:
+            with StepProfiler.of_run(config, out, dist).startup():
+                trainer = Trainer(config, out, resume=resume, dist=dist)
+            with trainer:
+                run.started()
+                records = trainer.fit()
+                dist.barrier()
     finally:
         if joined:  # a group the caller made is the caller's to leave
             teardown_distributed(dist)

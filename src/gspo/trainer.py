@@ -211,10 +211,7 @@ class Trainer:
             background=config.train.background_checkpoints and not dist.enabled,
         )
         self.writer_tokenizer = None  # (the tokenizer background writes save)
-        self.profiler = StepProfiler(
-            config.log.profile_steps, config.algorithm.minibatches, out,
-            rank=dist.rank, world=dist.world_size,
-        )  # fmt: skip
+        self.profiler = StepProfiler.of_run(config, out, dist)
         recorded = recorded_config(config, out, self.finished, moved) if dist.is_main else None
         if recorded is not None:  # (rank 0 alone: a finished run's is read, then written)
             (out / "config.yaml").write_text(with_run_dir(dump_config_text(recorded), out))

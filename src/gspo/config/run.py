@@ -134,10 +134,11 @@ class LogConfig(Section):
     profile_steps: list[int] = Field(
         [],
         description="Profile the rollout batch that takes each of these optimizer steps "
-        "(generation, scoring and its updates) with PyTorch's profiler: "
-        "profile/steps_A-B/summary.md (wall and device-busy seconds, host waits, the "
+        "(generation, scoring and its updates) with PyTorch's profiler, 0 = the start-up "
+        "(building the trainer; gspo train and gspo.train): profile/steps_A-B/ or "
+        "profile/startup/, summary.md (wall and device-busy seconds, host waits, the "
         "stages, the costliest operators) and trace.json.gz (Perfetto, chrome://tracing); "
-        "the profiler slows that batch",
+        "the profiler slows what it records",
     )
 
     @field_validator("profile_steps", mode="before")
@@ -149,8 +150,8 @@ class LogConfig(Section):
     @field_validator("profile_steps")
     @classmethod
     def _positive(cls, value: list[int]) -> list[int]:
-        if any(step < 1 for step in value):
-            raise ValueError("optimizer steps, counted from 1")
+        if any(step < 0 for step in value):
+            raise ValueError("optimizer steps, counted from 1, or 0 for the start-up")
         return value
 
     @field_validator("wandb", "mlflow", mode="before")

@@ -368,4 +368,3 @@ def _dense_mlp(mlp: torch.nn.Module, dtype: torch.dtype) -> tuple[Tensor, Tensor
     if not _plain_mlp(mlp):
         return None
     return tuple(merged_weight(getattr(mlp, n)).to(dtype) for n in MLP_PROJECTIONS)
-

@@ -21,8 +21,11 @@ One line says where it is. The profiler's own overhead lengthens that batch (its
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import gzip
+import io
 import json
+import pstats
 import shutil
 import sys
 import time
@@ -110,44 +113,85 @@ def summary_text(title: str, profile: Profile, tables: list[tuple[str, str]]) ->
     return "\n".join(lines) + "\n"
 
 
+def python_table(python: cProfile.Profile, rows: int = TOP_OPS) -> str:
+    """The ``rows`` functions of ``python`` with the most cumulative time, as
+    :mod:`pstats` prints them (its header lines left out)."""
+    out = io.StringIO()
+    pstats.Stats(python, stream=out).sort_stats("cumulative").print_stats(rows)
+    lines = out.getvalue().splitlines()
+    first = next((i for i, line in enumerate(lines) if "ncalls" in line), 0)
+    return "\n".join(line for line in lines[first:] if line.strip())
+
+
 class StepProfiler:
-    """Runs the rollout batches that take ``steps`` under the profiler (:meth:`around`);
-    ``out``: the run's directory; ``rank``/``world``: this process's place (every rank
-    profiles its own share; rank 0 says where)."""
+    """Runs the rollout batches that take ``steps`` under the profiler (:meth:`around`),
+    and with step 0 the start-up (:meth:`startup`); ``out``: the run's directory;
+    ``device``: ``model.device`` (CUDA's kernels are recorded unless it is the CPU);
+    ``rank``/``world``: this process's place (every rank profiles its own share; rank 0
+    says where)."""
 
     def __init__(
-        self, steps: list[int], minibatches: int, out: Path, *, rank: int = 0, world: int = 1
+        self,
+        steps: list[int],
+        minibatches: int,
+        out: Path,
+        *,
+        device: str = "auto",
+        rank: int = 0,
+        world: int = 1,
     ):
         self.steps, self.minibatches = sorted(set(steps)), minibatches
-        self.out, self.rank, self.world = out, rank, world
+        self.out, self.device, self.rank, self.world = out, device, rank, world
 
-    def directory(self, first: int, last: int) -> Path:
-        where = self.out / "profile" / f"steps_{first}-{last}"
-        return where / f"rank_{self.rank}" if self.world > 1 else where
+    @classmethod
+    def of_run(cls, config, out: Path, dist) -> StepProfiler:
+        """The profiler a run's config (``log.profile_steps``) asks for, on rank ``dist``."""
+        return cls(
+            config.log.profile_steps, config.algorithm.minibatches, Path(out),
+            device=config.model.device, rank=dist.rank, world=dist.world_size,
+        )  # fmt: skip
+
+    def around(self, index: int) -> contextlib.AbstractContextManager[None]:
+        """Profile rollout batch ``index`` if it takes one of the steps (else run it as is)."""
+        span = profiled_steps(index, self.minibatches, self.steps)
+        if span is None:
+            return contextlib.nullcontext()
+        first, last = span
+        return self._profiled(f"steps_{first}-{last}", f"optimizer steps {first}-{last}")
+
+    def startup(self) -> contextlib.AbstractContextManager[None]:
+        """Profile building the trainer (the model loaded and placed, the engine, the data,
+        the rewards) if step 0 is listed."""
+        if 0 not in self.steps:
+            return contextlib.nullcontext()
+        return self._profiled("startup", "the start-up: building the trainer")
 
     @contextlib.contextmanager
-    def around(self, index: int) -> Iterator[None]:
-        """Profile rollout batch ``index`` if it takes one of the steps (else run it as is)."""
-        span = profiled_steps(index, self.minibatches, self.steps) if self.steps else None
-        if span is None:
-            yield
-            return
+    def _profiled(self, name: str, title: str) -> Iterator[None]:
         import torch
         from torch.profiler import ProfilerActivity, profile
 
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        cuda = self.device != "cpu" and torch.cuda.is_available()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        python = cProfile.Profile()  # (where the host's time goes between operators)
         with profile(activities=activities) as prof:
             start = time.perf_counter()
-            yield
+            python.enable()
+            try:
+                yield
+            finally:
+                python.disable()
             if cuda:
                 torch.cuda.synchronize()
             wall = time.perf_counter() - start
-        self.write(prof, span, wall, cuda)
+        self.write(prof, python, name, title, wall, cuda)
 
-    def write(self, prof, span: tuple[int, int], wall: float, cuda: bool) -> None:
-        """The batch's ``trace.json.gz`` and ``summary.md``; one line on rank 0."""
-        where = self.directory(*span)
+    def write(
+        self, prof, python: cProfile.Profile, name: str, title: str, wall: float, cuda: bool
+    ) -> None:
+        """``trace.json.gz`` and ``summary.md`` in ``profile/NAME/``; one line on rank 0."""
+        where = self.out / "profile" / name
+        where = where / f"rank_{self.rank}" if self.world > 1 else where
         where.mkdir(parents=True, exist_ok=True)
         raw = where / "trace.json"
         prof.export_chrome_trace(str(raw))
@@ -163,9 +207,8 @@ class StepProfiler:
         keys = ([("self device time", "self_device_time_total")] if cuda else []) + [
             ("self CPU time", "self_cpu_time_total")
         ]
-        tables = [(name, averages.table(sort_by=key, row_limit=TOP_OPS)) for name, key in keys]
-        first, last = span
-        title = f"optimizer steps {first}-{last}"
+        tables = [(head, averages.table(sort_by=key, row_limit=TOP_OPS)) for head, key in keys]
+        tables.append(("Python functions by cumulative time (this thread)", python_table(python)))
         title += f", rank {self.rank}" if self.world > 1 else ""
         (where / "summary.md").write_text(summary_text(title, figures, tables))
         if self.rank == 0:
@@ -175,7 +218,7 @@ class StepProfiler:
                 else ""
             )
             print(
-                f"gspo: profiled steps {first}-{last}: {wall:.2f} s{busy}; "
+                f"gspo: profiled {title}: {wall:.2f} s{busy}; "
                 f"{where / 'summary.md'}, {where / 'trace.json.gz'}",
                 file=sys.stderr,
                 flush=True,
