@@ -10,7 +10,10 @@ failing tests, the wall time; with pytest-xdist installed the files are spread o
 workers, else they run one after another). Then, in under 10 minutes (each stage has a
 time limit taken from what is left of ``--budget``), it runs in turn:
 
-1. ``tests``: the tests that need CUDA (``tests/test_cuda.py``);
+1. ``tests``: the tests that need CUDA (``tests/test_cuda.py``), then ``precision``:
+   ``experiments/precision.py probe`` on CUDA (the sampler's and the trainer's log-probs
+   per precision setting: float32, bf16 as it was, each agreement fix, the defaults; its
+   report beside this one as ``precision.md``);
 2. ``decode``: the torch engine's decoding on the ~0.5B Qwen3 of 5. (128 rows, 512 new
    tokens, bf16 autocast) with ``rollout.cuda_graphs`` off (the per-step loop), the static
    step uncaptured and the static step as CUDA graphs: tokens/s, ms per step and each
@@ -33,7 +36,8 @@ wall time, the device's peak memory in use during it (``nvidia-smi``, every 0.5 
 gspo's generation and training tokens/s and their MFU (model FLOPs, as in
 ``vs_trl.py``, over the GPU's dense bf16 peak and over a measured bf16 matmul rate).
 
-``--stages`` picks and orders the stages (keys ``suite``, ``cuda``, ``head`` (the training
+``--stages`` picks and orders the stages (keys ``suite``, ``cuda``, ``precision``,
+``head`` (the training
 forward's vocabulary projection, forward and backward, at each ``model.head_precision``),
 ``decode``, ``vllm``, ``train``, ``vs_trl``, ``profile``, ``lora`` (one rollout batch of
 the full model and of LoRA r=16 over a bf16 base, the time ratio), ``async``; the report is
@@ -42,7 +46,7 @@ after each, into ``--report-dir``, with each pytest stage's output beside it as
 ``KEY.log``), ``--budget`` bounds them together. A lent GPU of 15 device-minutes runs
 ``--lease 1`` and ``--lease 2`` (:data:`LEASE`) as two calls through
 ``benchmarks/gpu_lease.sh``: the CUDA tests, the suite (the test_cuda.py file left to the
-CUDA stage, the 25 slowest tests listed) and the head in the first; gspo vs TRL, the
+CUDA stage, the 25 slowest tests listed) and the bf16 probe in the first; gspo vs TRL, the
 profile, decoding, async and the bf16 demo in the second.
 
 On a machine without CUDA it stops at once with one line and exit status 2.
@@ -97,6 +101,7 @@ class Sizes:
     vocab: int | None  # their vocabulary (None: the reference workload's)
     response_tokens: int
     steps: int  # their optimizer steps (4 per rollout batch)
+    precision: tuple[str, ...]  # the precision stage's experiments/precision.py arguments
 
 
 FULL = Sizes(
@@ -109,6 +114,11 @@ FULL = Sizes(
     vocab=HALF_B_VOCAB,
     response_tokens=RESPONSE_TOKENS,
     steps=8,
+    # (the cold start too on CUDA, in float32: on the CPU it takes minutes)
+    precision=(
+        *("--preset", "long", "--batches", "2"),
+        *("--set", "train.cold_start_steps=400", "model.device=cuda"),
+    ),
 )
 
 
@@ -124,6 +134,7 @@ def smoke_sizes(device: str) -> Sizes:
         vocab=520,
         response_tokens=16,
         steps=4,
+        precision=("--preset", "default", "--batches", "1", "--set", "train.cold_start_steps=20"),
     )
 
 
@@ -522,6 +533,34 @@ def profile_figures(summary: str) -> dict[str, str]:
     return figures
 
 
+def precision_stage(
+    out: Path, reports: Path, sizes: Sizes = FULL
+) -> Callable[[Stage, float], None]:
+    """``experiments/precision.py probe`` on the device: one float32 cold start, then per
+    setting (float32, bf16 as it was, each agreement fix, the defaults) a
+    rollout batch sampled by the torch engine and recomputed by the trainer's forward on
+    the device: the sampler-trainer gap per token and per sequence, and the share of
+    sequences outside GSPO's clip band (the report: ``precision.md`` beside this one)."""
+
+    def body(stage: Stage, limit: float) -> None:
+        where = out / "precision"
+        command = [sys.executable, "experiments/precision.py", "probe", *sizes.precision,
+                   "--device", sizes.device, "--work-dir", str(where / "work"),
+                   "--output-dir", str(where)]  # fmt: skip
+        run(command, limit, stage, log=reports / "precision.log")
+        if stage.status == "failed":
+            return
+        name = "probe_" + sizes.precision[sizes.precision.index("--preset") + 1]
+        (reports / "precision.md").write_text((where / f"{name}.md").read_text())
+        results = json.loads((where / f"{name}.json").read_text())
+        for setting, r in results.items():
+            stage.figures[f"{setting}: sequences outside the clip band / token gap"] = (
+                f"{r['sequences_outside_clip_band']:.3f} / {r['token_abs_mean']:.1e}"
+            )
+
+    return body
+
+
 def decode_stage(out: Path, sizes: Sizes = FULL) -> Callable[[Stage, float], None]:
     """Decoding with ``rollout.cuda_graphs`` off and on, against the bandwidth floor."""
 
@@ -691,11 +730,12 @@ def render(stages: list[Stage], header: dict[str, str]) -> str:
 #: The stages ``--stages`` picks from, in the order a full check runs them, with the
 #: seconds each may take at most (the suite's is ``--suite-limit``).
 STAGES = (
-    "suite", "cuda", "head", "decode", "vllm", "train", "vs_trl", "profile", "lora", "async",
+    "suite", "cuda", "precision", "head", "decode", "vllm", "train", "vs_trl", "profile",
+    "lora", "async",
 )  # fmt: skip
 SHARES = {
-    "cuda": 150, "head": 30, "decode": 90, "vllm": 150, "train": 180, "vs_trl": 300,
-    "profile": 75, "lora": 60, "async": 150,
+    "cuda": 150, "precision": 120, "head": 30, "decode": 90, "vllm": 150, "train": 180,
+    "vs_trl": 300, "profile": 75, "lora": 60, "async": 150,
 }  # fmt: skip
 
 #: What a GPU lease of 15 device-minutes runs, as two calls (``benchmarks/gpu_lease.sh 1``
@@ -707,7 +747,10 @@ SHARES = {
 #: benchmarks/gpu_reports/) the CUDA tests took 97 s and the suite ran at least 41% of its
 #: tests in 240 s (8 workers, by xdist_workers' rule for 16 cores, each with torch's default
 #: threads, so presumably 16), so part 1 is the CUDA tests, the suite and the head,
-#: decoding moved to part 2. Part 2 then profiles one rollout batch of the vs_trl
+#: decoding moved to part 2. The head, measured there (bf16_weight 2.8x float32), then
+#: gave its place to the bf16 probe (issue 32's question on CUDA: how far the sampler's
+#: and the trainer's log-probs part, per agreement fix), run before the suite, which
+#: takes what is left. Part 2 profiles one rollout batch of the vs_trl
 #: workload (where training's 8% MFU goes); LoRA, whose target that lease met (1.23x),
 #: is left to ``--stages``. The whole lease: about 480 s and 270 s of stages (a stage's
 #: own runs may overrun what it was given) and 1-2 minutes of machine start and
@@ -716,7 +759,7 @@ SHARES = {
 #: and decoded 11x faster than the loop there, but are off by default until a whole run
 #: has taken them on a GPU.
 LEASE: dict[str, dict] = {
-    "1": {"stages": "cuda,suite,head", "budget": 480.0, "suite": 300.0},
+    "1": {"stages": "cuda,precision,suite", "budget": 480.0, "suite": 300.0},
     "2": {
         "stages": "vs_trl,profile,decode,async,train",
         "budget": 270.0,
@@ -846,6 +889,10 @@ def main() -> int:
         "cuda": (
             Stage("tests (CUDA)"),
             pytest_stage(["tests/test_cuda.py"], log=reports / "cuda.log"),
+        ),
+        "precision": (
+            Stage("sampler vs trainer log-probs per precision setting (the bf16 probe)"),
+            precision_stage(args.out, reports, sizes),
         ),
         "head": (
             Stage(f"log-prob head forward+backward, {sizes.model_label} sizes"),

@@ -3,7 +3,7 @@
 # (each at most 10 minutes), made back to back so the machine stays warm between them:
 #
 #   GSPO_COMMIT=<sha> bash benchmarks/gpu_lease.sh 1   # numerics and the suite: the CUDA tests,
-#                                                      # the whole suite on CUDA, the head (~8 min)
+#                                                      # the bf16 probe, the whole suite (~8 min)
 #   GSPO_COMMIT=<sha> bash benchmarks/gpu_lease.sh 2   # speed: gspo vs TRL at ~0.5B/512, one
 #                                                      # batch profiled, decoding, async k=0
 #                                                      # vs 1, the bf16 demo

@@ -20,6 +20,9 @@ float32: on-policy (minibatch 0) and off-policy clip fractions, ratio spread, ac
     python experiments/precision.py runs [--preset long] [--steps 32]
 
 Writes ``report.md`` and ``summary.json`` into ``--output-dir`` (docs/precision).
+``--device cuda``: the probe's sampling and recompute, and the runs, on CUDA (the cold
+start stays a float32 one on the CPU, the same for every setting); ``make gpu-check``'s
+``precision`` stage runs the probe so.
 """
 
 from __future__ import annotations
@@ -86,7 +89,8 @@ def probe(args) -> dict:
     overrides = base_overrides(args.preset, args.set)
     checkpoint = cold_start_checkpoint(overrides, None, args.work_dir / args.preset, print)
     config = load_config(None, overrides)
-    model, tokenizer = load_model(checkpoint, device=torch.device("cpu"), dtype=torch.float32)
+    device = torch.device(args.device)
+    model, tokenizer = load_model(checkpoint, device=device, dtype=torch.float32)
     if args.lora:
         model = with_lora(model, args.lora)
     model.eval()
@@ -112,7 +116,7 @@ def probe(args) -> dict:
         for b in range(args.batches):
             picked = rows[b * rollout.prompts_per_batch : (b + 1) * rollout.prompts_per_batch]
             prompts = [encode_prompt(r["prompt"], tokenizer) for r in picked]
-            autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
+            autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
             with torch.no_grad(), autocast:
                 seed = derive_seed(config.train.seed, "probe", b)
                 batch = engine.generate(prompts, n=rollout.group_size, params=params, seed=seed)
@@ -192,6 +196,7 @@ def probe_report(results: dict, args) -> str:
     any_r = next(iter(results.values()))
     extra = f" --set {' '.join(args.set)}" if args.set else ""
     extra += f" --lora {args.lora}" if args.lora else ""
+    extra += f" --device {args.device}" if args.device != "cpu" else ""
     command = f"python experiments/precision.py probe --preset {args.preset}"
     head = (
         f"`{command} --batches {args.batches}{extra}` on {COMMIT}, {machine()} "
@@ -247,6 +252,7 @@ def runs(args) -> list[dict]:
                 f"train.max_steps={args.steps}",
                 f"eval.every={args.steps}",
                 f"algorithm.level={level}",
+                f"model.device={args.device}",
             ],
         )
         slug = label.replace(", ", "-").replace(" ", "_").replace("(", "").replace(")", "")
@@ -280,6 +286,7 @@ def runs(args) -> list[dict]:
 
 def runs_report(rows: list[dict], args) -> str:
     extra = f" --set {' '.join(args.set)}" if args.set else ""
+    extra += f" --device {args.device}" if args.device != "cpu" else ""
     command = f"python experiments/precision.py runs --preset {args.preset}"
     lines = [
         f"`{command} --steps {args.steps}{extra}` on {COMMIT}, {machine()} "
@@ -312,6 +319,9 @@ def main() -> None:
     parser.add_argument("--set", nargs="*", default=[], help="more config overrides")
     parser.add_argument(
         "--lora", type=int, default=0, help="probe: LoRA adapters of this rank on the model"
+    )
+    parser.add_argument(
+        "--device", default="cpu", help="where the probe and the runs compute (cpu, cuda)"
     )
     parser.add_argument("--work-dir", type=Path, default=Path("runs/precision"))
     parser.add_argument("--output-dir", type=Path, default=Path("docs/precision"))

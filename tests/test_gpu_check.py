@@ -147,6 +147,8 @@ def test_smoke_runs_every_stage_on_the_cpu_and_writes_the_report(tmp_path):
     assert suite["figures"]["pytest-xdist workers"] in ("none: one process", *range(1, 9))
     # the CUDA tests all skip here: the stage says so instead of passing
     assert stages["tests (CUDA)"]["status"] == "skipped"
+    probe = stages["sampler vs trainer log-probs per precision setting (the bf16 probe)"]
+    assert probe["status"] == "passed", probe["detail"]
     assert "skipped" in stages["tests (CUDA)"]["detail"]
     decode = stages["decode"]  # the static step runs eagerly here, "graphs" included
     assert decode["status"] == "passed", decode["detail"]
@@ -202,8 +204,8 @@ def test_stages_are_picked_in_the_order_given_and_a_wrong_key_is_one_line(gpu_ch
 
 def test_a_lease_part_runs_its_stages_in_order_and_reports_into_the_report_dir(gpu_check, tmp_path):
     """``--lease 1`` (the first call of a GPU lease) at toy sizes on the CPU: the CUDA
-    tests, the suite without test_cuda.py, the log-prob head; the report and each pytest
-    stage's log and tests' log land in ``--report-dir``, not in ``--out``."""
+    tests, the bf16 probe, the suite without test_cuda.py; the report, each pytest stage's
+    log and tests' log and the probe's report land in ``--report-dir``, not in ``--out``."""
     import json
 
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "GSPO_COMMIT": "feedbee"}
@@ -216,19 +218,27 @@ def test_a_lease_part_runs_its_stages_in_order_and_reports_into_the_report_dir(g
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads((reports / "report.json").read_text())
     assert report["header"]["commit"] == "feedbee"
-    assert report["header"]["stages"] == "cuda,suite,head in 480 s"  # the lease's
+    assert report["header"]["stages"] == "cuda,precision,suite in 480 s"  # the lease's
     assert "gspo overrides" not in report["header"]
-    names = [s["name"].split(",")[0] for s in report["stages"]]
-    assert names == ["tests (CUDA)", "test suite (smoke: one file)",
-                     "log-prob head forward+backward"]  # fmt: skip
+    names = [s["name"].split(" (")[0] for s in report["stages"]]
+    assert names == ["tests", "sampler vs trainer log-probs per precision setting",
+                     "test suite"]  # fmt: skip
     assert [s["status"] for s in report["stages"]] == ["skipped", "passed", "passed"]
-    head = report["stages"][2]["figures"]
-    assert head["float32: ms per 256 tokens"] > 0 and head["bf16_weight speed-up"] > 0
+    probe = report["stages"][1]["figures"]
+    outside, gap = probe["float32: sequences outside the clip band / token gap"].split(" / ")
+    assert float(outside) == 0 and 0 < float(gap) < 1e-5  # float32: the two paths agree
+    outside, gap = probe[
+        "bf16, as before (bf16 logits, products attention): sequences outside the clip band "
+        "/ token gap"
+    ].split(" / ")
+    assert float(gap) > 1e-4  # bf16 logits: they do not
+    assert (reports / "precision.md").read_text().startswith("`python experiments/precision.py")
     suite = (reports / "suite.log").read_text()
     assert "passed" in suite and "slowest" in suite  # --durations lists the slowest tests
     assert "skipped" in (reports / "cuda.log").read_text()
     assert sorted(p.name for p in reports.iterdir()) == [
-        "cuda.log", "cuda.tests.tsv", "report.json", "report.md", "suite.log", "suite.tests.tsv",
+        "cuda.log", "cuda.tests.tsv", "precision.log", "precision.md", "report.json",
+        "report.md", "suite.log", "suite.tests.tsv",
     ]  # fmt: skip
     ended = gpu_check.tests_so_far(reports / "suite.tests.tsv")
     assert ended["tests ended (passed / failed / skipped)"].endswith(" / 0 / 0")
