@@ -127,3 +127,20 @@ def test_under_torchrun_each_rank_profiles_its_share_and_rank_0_says_so(tmp_path
             summary = (where / name / f"rank_{rank}" / "summary.md").read_text()
             assert summary.startswith(f"{title}, rank {rank}\n")
     assert done.stderr.count("gspo: profiled ") == 2
+
+
+def test_with_async_rollouts_the_producer_threads_sampling_is_profiled_too(tmp_path, ones_reward):
+    # rollout.max_staleness=1: a producer thread samples (time/generate) while the training
+    # thread updates; the profile records both threads, not the updates alone
+    Trainer(
+        load_config(None, [*FAST, ones_reward, "train.cold_start_steps=0",
+                           "algorithm.minibatches=2", "train.max_steps=6",
+                           "rollout.max_staleness=1", "log.profile_steps=[4]"]),
+        tmp_path / "run",
+    ).fit()  # fmt: skip
+    where = tmp_path / "run" / "profile" / "steps_3-4"
+    assert "| time/generate |" in (where / "summary.md").read_text()
+    with gzip.open(where / "trace.json.gz") as f:
+        events = json.load(f)["traceEvents"]
+    threads = {e.get("tid") for e in events if e.get("name") in ("time/generate", "time/train")}
+    assert len(threads) == 2

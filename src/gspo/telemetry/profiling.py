@@ -14,6 +14,8 @@ torchrun):
   runtime's ``*Synchronize`` calls: count and seconds); each stage's seconds; the
   operators taking the most self time on the device (CUDA) and on the CPU.
 
+Every thread's operators are recorded (:func:`all_threads`): with
+``rollout.max_staleness > 0`` the producer thread's sampling of the batch ahead.
 One line says where it is. The profiler's own overhead lengthens that batch (its
 ``time/*`` metrics included), so profile a batch whose timings you do not compare.
 """
@@ -123,6 +125,18 @@ def python_table(python: cProfile.Profile, rows: int = TOP_OPS) -> str:
     return "\n".join(line for line in lines[first:] if line.strip())
 
 
+def all_threads():
+    """The profiler's setting that records every thread's operators, not only the one that
+    starts it (``rollout.max_staleness > 0``: the producer thread samples and scores while
+    the training thread updates); None where this torch lacks it."""
+    from torch._C._profiler import _ExperimentalConfig
+
+    try:
+        return _ExperimentalConfig(profile_all_threads=True)
+    except TypeError:  # (older torch: the starting thread's operators only)
+        return None
+
+
 class StepProfiler:
     """Runs the rollout batches that take ``steps`` under the profiler (:meth:`around`),
     and with step 0 the start-up (:meth:`startup`); ``out``: the run's directory;
@@ -174,7 +188,7 @@ class StepProfiler:
         cuda = self.device != "cpu" and torch.cuda.is_available()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         python = cProfile.Profile()  # (where the host's time goes between operators)
-        with profile(activities=activities) as prof:
+        with profile(activities=activities, experimental_config=all_threads()) as prof:
             start = time.perf_counter()
             python.enable()
             try:
