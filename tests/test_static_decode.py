@@ -442,3 +442,26 @@ def test_the_prefill_leaves_no_cast_of_the_weights_alive(
         engine = TorchEngine(tiny_model, **ids(tokenizer), cuda_graphs=graphs)
         engine.generate(encode(tokenizer), n=2, params=SamplingParams(8), seed=0)
     assert after == [0]
+
+
+def test_a_parameter_given_new_storage_is_not_read_at_its_old_address(tokenizer, tiny_model):
+    """In float32 the step reads some of the module's own parameters in place (the output
+    projections: already in the compute dtype), and a captured graph reads them at their
+    address. A parameter whose ``.data`` was replaced is the same object with another
+    storage: the next generation builds the static step anew rather than replay graphs
+    over the old address, and samples what the loop samples."""
+    params = SamplingParams(16, temperature=0.9)
+    engine = TorchEngine(tiny_model, **ids(tokenizer), cuda_graphs=True)
+    engine.generate(encode(tokenizer), n=2, params=params, seed=1)
+    run = engine.static
+    o_proj = tiny_model.model.layers[0].self_attn.o_proj.weight
+    assert any(t is o_proj for t, _ in run.addresses)
+    engine.generate(encode(tokenizer), n=2, params=params, seed=1)
+    assert engine.static is run  # nothing moved: reused
+    with torch.no_grad():
+        o_proj.data = o_proj.data * 1.5  # the same parameter, a new storage
+    again = engine.generate(encode(tokenizer), n=2, params=params, seed=2)
+    assert engine.static is not run
+    loop = TorchEngine(tiny_model, **ids(tokenizer), cuda_graphs=False)
+    expected = loop.generate(encode(tokenizer), n=2, params=params, seed=2)
+    assert torch.equal(again.completion_ids, expected.completion_ids)

@@ -122,6 +122,10 @@ class StaticDecoder:
         self.columns = torch.arange(capacity, device=device)
         # dense MLPs from matrices in the compute dtype (cast once, not at every step)
         self.mlps = dense_mlps(decoder)
+        # the module's own parameters the step reads in place (already in the compute
+        # dtype): a captured graph reads their addresses, which a reuse checks are theirs
+        # still (a parameter whose .data was replaced keeps its identity, not its storage)
+        self.addresses = [(t, t.data_ptr()) for t in self.weights() if isinstance(t, nn.Parameter)]
         # what changes from step to step, on the device
         self.col = torch.zeros(1, dtype=torch.long, device=device)
         self.k = torch.zeros(1, dtype=torch.long, device=device)
@@ -196,6 +200,7 @@ class StaticDecoder:
             and params == self.params
             and torch.equal(stop, self.stop)
             and mine.keys_transposed == mine.transposed
+            and all(t.data_ptr() == address for t, address in self.addresses)
         ):
             return False
         if not mine.reload():
@@ -211,6 +216,11 @@ class StaticDecoder:
                             return False
                         into.copy_(weight)  # cast in the copy: no cast copy made
         return True
+
+    def weights(self) -> list[Tensor]:
+        """Every weight the step reads: the decoder's and the dense MLPs' matrices."""
+        mlps = [t for mlp in self.mlps if mlp is not None for t in mlp]
+        return [t for t in self.decoder.tensors() + mlps if t is not None]
 
     # ------------------------------------------------------------------ the host loop
     def run(
