@@ -2,17 +2,19 @@
 
 The rollout batch that takes each listed optimizer step (generation, scoring, the pass
 before the update and its ``algorithm.minibatches`` updates) runs under
-:class:`torch.profiler.profile` (the CPU, and CUDA's kernels on a GPU). Written beside the
-run, one directory per profiled batch (``profile/steps_A-B/``, a ``rank_R`` level under
-torchrun):
+:class:`torch.profiler.profile` (the CPU, and CUDA's kernels on a GPU) and
+:mod:`cProfile`; step 0 is the start-up (building the trainer). Written beside the run,
+one directory per profile (``profile/steps_A-B/``, ``profile/startup/``; a ``rank_R``
+level under torchrun):
 
 - ``trace.json.gz``: the timeline (Perfetto, ``chrome://tracing``, TensorBoard's
-  profiler plugin), with the loop's stages marked (``time/generate``, ``time/score``,
+  profiler plugin), with the loop's stages marked (``time/generate``, ``time/reward``,
   ... as :func:`gspo.training.metrics.timed` names them);
-- ``summary.md``: the batch's wall seconds; on CUDA the share of it some kernel ran (the
-  union of kernel, copy and fill intervals), the host's waits for the device (the
-  runtime's ``*Synchronize`` calls: count and seconds); each stage's seconds; the
-  operators taking the most self time on the device (CUDA) and on the CPU.
+- ``summary.md``: the wall seconds; on CUDA the share of them some kernel ran (the union
+  of kernel, copy and fill intervals), the host's waits for the device (the runtime's
+  ``*Synchronize`` calls: count and seconds); each stage's seconds; the operators taking
+  the most self time on the device (CUDA) and on the CPU, and the Python functions
+  taking the most cumulative time (the thread that trains).
 
 Every thread's operators are recorded (:func:`all_threads`): with
 ``rollout.max_staleness > 0`` the producer thread's sampling of the batch ahead.
