@@ -506,9 +506,10 @@ def profile_stage(
 
         work, schedule = workload_for(out, sizes)
         two = dataclasses.replace(schedule, steps=8)
+        # (its final checkpoint: the weights, not 6 GB with the AdamW state)
         _, run = vs_trl.run_gspo(
             work, name="gspo_profile", schedule=two, timeout=limit,
-            extra=(*extra, "log.profile_steps=[0,8]"),
+            extra=(*extra, "log.profile_steps=[0,8]", "train.save_only_model=true"),
         )  # fmt: skip
         startup = (run / "profile" / "startup" / "summary.md").read_text()
         (reports / "profile_startup.md").write_text(startup)
