@@ -25,9 +25,10 @@ time limit taken from what is left of ``--budget``), it runs in turn:
    (28 layers, hidden 1,024, 16/8 heads, vocabulary 151,936 characters, so EOS is rare
    and responses run to 512 tokens), 16 prompts x 8 responses, 8 optimizer steps,
    one run of each side;
-6. ``profile``: the gspo side of 5., its second rollout batch under ``log.profile_steps``
-   (the device's busy share, the host's waits, the costliest operators: ``profile.md``
-   beside the report);
+6. ``profile``: the gspo side of 5. again, its start-up and second rollout batch under
+   ``log.profile_steps=[0,8]`` (the device's busy share, the host's waits, the costliest
+   operators and Python functions: ``profile.md`` and ``profile_startup.md`` beside the
+   report);
 7. ``async``: the gspo side of 5. with ``rollout.max_staleness`` 0 and 1 (one run each):
    whole-process time, the time the trainer waited for rollouts, and where it went;
 
@@ -41,13 +42,12 @@ gspo's generation and training tokens/s and their MFU (model FLOPs, as in
 forward's vocabulary projection, forward and backward, at each ``model.head_precision``),
 ``decode``, ``vllm``, ``train``, ``vs_trl``, ``profile``, ``lora`` (one rollout batch of
 the full model and of LoRA r=16 over a bf16 base, the time ratio), ``async``; the report is
-rewritten
-after each, into ``--report-dir``, with each pytest stage's output beside it as
+rewritten after each, into ``--report-dir``, with each pytest stage's output beside it as
 ``KEY.log``), ``--budget`` bounds them together. A lent GPU of 15 device-minutes runs
 ``--lease 1`` and ``--lease 2`` (:data:`LEASE`) as two calls through
-``benchmarks/gpu_lease.sh``: the CUDA tests, the suite (the test_cuda.py file left to the
-CUDA stage, the 25 slowest tests listed) and the bf16 probe in the first; gspo vs TRL, the
-profile, decoding, async and the bf16 demo in the second.
+``benchmarks/gpu_lease.sh``: the CUDA tests, the bf16 probe and the suite (the
+test_cuda.py file left to the CUDA stage, the 25 slowest tests listed) in the first; gspo
+vs TRL, the profile, decoding, async and the bf16 demo in the second.
 
 On a machine without CUDA it stops at once with one line and exit status 2.
 
@@ -736,15 +736,17 @@ STAGES = (
 )  # fmt: skip
 SHARES = {
     "cuda": 150, "precision": 120, "head": 30, "decode": 90, "vllm": 150, "train": 180,
-    "vs_trl": 300, "profile": 75, "lora": 60, "async": 150,
+    "vs_trl": 300, "profile": 120, "lora": 60, "async": 150,
 }  # fmt: skip
 
 #: What a GPU lease of 15 device-minutes runs, as two calls (``benchmarks/gpu_lease.sh 1``
 #: then ``2``) beside a machine start of 1-2 minutes: the numerics and the suite first,
 #: then speed. ``budget`` is the call's seconds for its stages, ``suite`` the suite's.
-#: The stages' shares fill part 1's budget (480 s) and exceed part 2's (780 s of 270): a
-#: stage takes at most what is left, in order, so part 2 is the gspo vs TRL stage first and
-#: the others as far as time allows; the rest wait for another lease. On one H200 (02e1dd7,
+#: The stages' shares exceed both budgets (part 1: 570 s of 480, part 2: 840 s of 270): a
+#: stage takes at most its share of what is left, in order, and the last all that is
+#: left, so part 1's suite takes what the CUDA tests and the probe leave, and part 2 is
+#: the gspo vs TRL stage first and the others as far as time allows; the rest wait for
+#: another lease. On one H200 (02e1dd7,
 #: benchmarks/gpu_reports/) the CUDA tests took 97 s and the suite ran at least 41% of its
 #: tests in 240 s (8 workers, by xdist_workers' rule for 16 cores, each with torch's default
 #: threads, so presumably 16), so part 1 is the CUDA tests, the suite and the head,

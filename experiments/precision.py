@@ -21,7 +21,8 @@ float32: on-policy (minibatch 0) and off-policy clip fractions, ratio spread, ac
 
 Writes ``report.md`` and ``summary.json`` into ``--output-dir`` (docs/precision).
 ``--device cuda``: the probe's sampling and recompute, and the runs, on CUDA (the cold
-start stays a float32 one on the CPU, the same for every setting); ``make gpu-check``'s
+start is a float32 one, on the CPU unless ``--set model.device=cuda``, the same for every
+setting); ``make gpu-check``'s
 ``precision`` stage runs the probe so.
 """
 

@@ -137,7 +137,8 @@ class LogConfig(Section):
         "(generation, scoring and its updates) with PyTorch's profiler, 0 = the start-up "
         "(building the trainer; gspo train and gspo.train): profile/steps_A-B/ or "
         "profile/startup/, summary.md (wall and device-busy seconds, host waits, the "
-        "stages, the costliest operators) and trace.json.gz (Perfetto, chrome://tracing); "
+        "stages, the costliest operators and Python functions) and trace.json.gz (Perfetto, "
+        "chrome://tracing); "
         "the profiler slows what it records",
     )
 

@@ -2,8 +2,9 @@
 
 ``checkpoints/step-NNNNNNN`` holds the whole model in HF format with its tokenizer
 (``load_model`` and serving read it; rank 0 writes it from the gathered weights),
-``sharded/`` (model and optimizer state by ``torch.distributed.checkpoint``, each rank
-its shards; loadable by any number of ranks) and ``trainer_state.pt`` (step, scheduler).
+``sharded/`` (the optimizer state, and a LoRA run's adapters, by ``torch.distributed.
+checkpoint``, each rank its shards; loadable by any number of ranks; none in a
+``train.save_only_model`` checkpoint) and ``trainer_state.pt`` (step, scheduler).
 ``config.yaml`` is the run's config as it trained up to that step (a resume compares its
 settings with it, whatever the run's own ``config.yaml`` says since: :func:`gspo.runs.
 check_same_model`). ``manifest.json`` records every file's size and CRC-32 (:func:`gspo.publish.
