@@ -745,16 +745,18 @@ SHARES = {
 #: The stages' shares exceed both budgets (part 1: 570 s of 480, part 2: 840 s of 270): a
 #: stage takes at most its share of what is left, in order, and the last all that is
 #: left, so part 1's suite takes what the CUDA tests and the probe leave, and part 2 is
-#: the gspo vs TRL stage first and the others as far as time allows; the rest wait for
-#: another lease. On one H200 (02e1dd7,
+#: the profile and gspo vs TRL first and the others as far as time allows; the rest wait
+#: for another lease. On one H200 (02e1dd7,
 #: benchmarks/gpu_reports/) the CUDA tests took 97 s and the suite ran at least 41% of its
 #: tests in 240 s (8 workers, by xdist_workers' rule for 16 cores, each with torch's default
 #: threads, so presumably 16), so part 1 is the CUDA tests, the suite and the head,
 #: decoding moved to part 2. The head, measured there (bf16_weight 2.8x float32), then
 #: gave its place to the bf16 probe (issue 32's question on CUDA: how far the sampler's
 #: and the trainer's log-probs part, per agreement fix), run before the suite, which
-#: takes what is left. Part 2 profiles one rollout batch of the vs_trl
-#: workload (where training's 8% MFU goes); LoRA, whose target that lease met (1.23x),
+#: takes what is left. Part 2 first profiles the start-up and one rollout batch of the
+#: vs_trl workload (where training's 8% MFU and the 12.7 s start-up go: about a minute with
+#: graphs, estimated), then gspo vs TRL takes what is left (201 s there with graphs off);
+#: LoRA, whose target that lease met (1.23x),
 #: is left to ``--stages``. The whole lease: about 480 s and 270 s of stages (a stage's
 #: own runs may overrun what it was given) and 1-2 minutes of machine start and
 #: transfers, within 900 s. ``gspo_set``: the part's ``--gspo-set`` overrides (before any
@@ -764,7 +766,7 @@ SHARES = {
 LEASE: dict[str, dict] = {
     "1": {"stages": "cuda,precision,suite", "budget": 480.0, "suite": 300.0},
     "2": {
-        "stages": "vs_trl,profile,decode,async,train",
+        "stages": "profile,vs_trl,decode,async,train",
         "budget": 270.0,
         "suite": 0.0,
         "gspo_set": ["rollout.cuda_graphs=true"],

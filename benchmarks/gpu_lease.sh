@@ -4,9 +4,10 @@
 #
 #   GSPO_COMMIT=<sha> bash benchmarks/gpu_lease.sh 1   # numerics and the suite: the CUDA tests,
 #                                                      # the bf16 probe, the whole suite (~8 min)
-#   GSPO_COMMIT=<sha> bash benchmarks/gpu_lease.sh 2   # speed: gspo vs TRL at ~0.5B/512, one
-#                                                      # batch profiled, decoding, async k=0
-#                                                      # vs 1, the bf16 demo
+#   GSPO_COMMIT=<sha> bash benchmarks/gpu_lease.sh 2   # speed: the ~0.5B/512 workload's start-up
+#                                                      # and one batch profiled, gspo vs TRL
+#                                                      # on it, decoding, async k=0 vs 1, the
+#                                                      # bf16 demo
 #
 # with `.whl` (from `make gpu-wheels`) carried beside the tree. Part 1 first: the numerics
 # and the suite matter before speed. Each part writes report.md, report.json and the pytest

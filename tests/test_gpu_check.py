@@ -277,7 +277,7 @@ def test_a_budget_beside_a_lease_part_bounds_it(tmp_path):
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["header"]["stages"] == "vs_trl,profile,decode,async,train in 15 s"
+    assert report["header"]["stages"] == "profile,vs_trl,decode,async,train in 15 s"
     assert report["header"]["gspo overrides"] == "rollout.cuda_graphs=true"  # the part's own
     assert [s["status"] for s in report["stages"]] == ["not run"] * 5
     assert run.returncode == 1  # nothing passed: not a green check
