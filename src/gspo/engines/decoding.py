@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -36,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gspo.engines import lora_weights
+from gspo.engines.layer_weights import LayerWeights, Mismatch, place, read_layer
 from gspo.models import head_logits, length_dependent_rope, plain_lm_head, position_ids_from_mask
 from gspo.models.kernels import head_linear_for, linear_for
 from gspo.models.logprobs import head_matrix
@@ -147,28 +147,6 @@ class ModelDecoder:
         return rows
 
 
-@dataclass
-class _Layer:
-    """One decoder layer's weights as the fast step uses them: matrices in the compute
-    dtype, norm weights in the parameters' (as the residual stream, as transformers has it)."""
-
-    input_norm: Tensor
-    qkv: Tensor  # [(H + 2 Hkv) * D, hidden]: q, k and v projections stacked
-    qkv_bias: Tensor | None
-    qk_norm: Tensor | None  # [H + Hkv, D]: q_norm's weight for query heads, k_norm's for keys
-    o: Tensor
-    post_norm: Tensor
-    mlp: nn.Module
-    #: gate, up and down matrices of a dense MLP whose projections carry LoRA adapters
-    #: (merged for the call); None: the MLP is called as its module
-    mlp_weights: tuple[Tensor, Tensor, Tensor] | None = None
-    #: unmerged adapters (a 16-bit compute dtype): ``(A, B)`` with ``x @ A.T @ B.T`` the
-    #: update of the matrix beside it, per adapted matrix (None: none on it)
-    qkv_lora: tuple[Tensor, Tensor, Tensor | None] | None = None
-    o_lora: tuple[Tensor, Tensor, Tensor | None] | None = None
-    mlp_lora: tuple[tuple[Tensor, Tensor, Tensor | None] | None, ...] | None = None
-
-
 class KVDecoder:
     """Pre-allocated KV buffers and a lean decoding step (see the module docstring).
 
@@ -210,62 +188,13 @@ class KVDecoder:
         self.no_bias = torch.zeros((1, 1, 1), dtype=dtype, device=self.embed.device)
         # adapters merged into the matrices (float32), or kept beside them (16-bit)
         self.low_rank = dtype != torch.float32 and _adapted(model)
-        self.layers = [self._layer(layer) for layer in decoder.layers]
+        self.layers = [self._read(layer) for layer in decoder.layers]
 
-    def _layer(self, layer: nn.Module, into: _Layer | None = None) -> _Layer:
-        """A decoder layer's weights as the step reads them; with ``into`` (this decoder's
-        own layer) written into its tensors in place (:func:`_place`)."""
-        dtype, a, fresh = self.dtype, layer.self_attn, into is None
-        weight = lora_weights.base_weight if self.low_rank else lora_weights.merged_weight
-
-        def had(name: str):  # the tensor(s) to write into; None: build anew
-            return None if fresh else getattr(into, name)
-
-        def place(name: str, parts: list[Tensor] | None, dtype: torch.dtype | None = dtype):
-            if not fresh and (parts is None) != (had(name) is None):
-                raise _Mismatch
-            return None if parts is None else _place(had(name), parts, dtype)
-
-        def place_all(name: str, tensors, dtype: torch.dtype | None = None):
-            return _place_all(had(name), tensors, dtype, fresh)
-
-        projections = (a.q_proj, a.k_proj, a.v_proj)
-        bias = None
-        if lora_weights.bias_of(a.q_proj) is not None:
-            bias = [lora_weights.bias_of(p) for p in projections]
-        qk_norm = None
-        if hasattr(a, "q_norm"):
-            qk_norm = [
-                a.q_norm.weight.expand(self.heads, -1),
-                a.k_norm.weight.expand(self.kv_heads, -1),
-            ]
-        mlp_weights, mlp_lora = None, None
-        if lora_weights.adapted_mlp(layer.mlp):
-            mlp_projections = [getattr(layer.mlp, n) for n in lora_weights.MLP_PROJECTIONS]
-            mlp_weights = [weight(p) for p in mlp_projections]
-            if self.low_rank:
-                olds = had("mlp_lora") or (None,) * 3
-                mlp_lora = tuple(
-                    _place_all(old, lora_weights.low_rank([p], dtype), None, fresh)
-                    for old, p in zip(olds, mlp_projections, strict=True)
-                )
-        if not fresh and (mlp_lora is None) != (into.mlp_lora is None):
-            raise _Mismatch
-        low_rank = partial(lora_weights.low_rank, dtype=dtype)
-        lora = self.low_rank
-        return _Layer(
-            input_norm=place("input_norm", [layer.input_layernorm.weight], None),
-            qkv=place("qkv", [weight(p) for p in projections]),
-            qkv_bias=place("qkv_bias", bias),
-            qk_norm=place("qk_norm", qk_norm, None),
-            o=place("o", [weight(a.o_proj)]),
-            post_norm=place("post_norm", [layer.post_attention_layernorm.weight], None),
-            mlp=layer.mlp,
-            mlp_weights=place_all("mlp_weights", mlp_weights, dtype),
-            qkv_lora=place_all("qkv_lora", low_rank(projections) if lora else None),
-            o_lora=place_all("o_lora", low_rank([a.o_proj]) if lora else None),
-            mlp_lora=mlp_lora,
-        )
+    def _read(self, layer: nn.Module, into: LayerWeights | None = None) -> LayerWeights:
+        return read_layer(
+            layer, dtype=self.dtype, low_rank=self.low_rank, heads=self.heads,
+            kv_heads=self.kv_heads, into=into,
+        )  # fmt: skip
 
     def reload(self) -> bool:
         """Read the model's weights again, after they moved, into this decoder's tensors in
@@ -281,13 +210,13 @@ class KVDecoder:
         decoder = model.get_decoder()
         try:
             if len(decoder.layers) != len(self.layers):
-                raise _Mismatch
-            _place(self.embed, [decoder.embed_tokens.weight], None)
-            _place(self.final_norm, [decoder.norm.weight], None)
-            _place(self.head, [model.get_output_embeddings().weight], self.head.dtype)
+                raise Mismatch
+            place(self.embed, [decoder.embed_tokens.weight], None)
+            place(self.final_norm, [decoder.norm.weight], None)
+            place(self.head, [model.get_output_embeddings().weight], self.head.dtype)
             for layer, mine in zip(decoder.layers, self.layers, strict=True):
-                self._layer(layer, into=mine)
-        except _Mismatch:
+                self._read(layer, into=mine)
+        except Mismatch:
             return False
         return True
 
@@ -442,7 +371,7 @@ class KVDecoder:
         return head_logits(h, self.head, self.head_linear)
 
     def queries_keys_values(
-        self, layer: _Layer, h: Tensor, cos: Tensor, sin: Tensor
+        self, layer: LayerWeights, h: Tensor, cos: Tensor, sin: Tensor
     ) -> tuple[Tensor, Tensor]:
         """A layer's input norm and QKV product of the residual stream ``h`` ``[R, hidden]``:
         queries and keys ``[R, H + Hkv, D]`` (q/k-normed, rotated) and values ``[R, Hkv, D]``."""
@@ -459,7 +388,7 @@ class KVDecoder:
 
     def after_attention(
         self,
-        layer: _Layer,
+        layer: LayerWeights,
         h: Tensor,
         out: Tensor,
         mlp_weights: tuple[Tensor, Tensor, Tensor] | None,
@@ -511,52 +440,6 @@ class KVDecoder:
         if self.bias is not None:
             self.bias = self.bias[order]
         return order
-
-
-class _Mismatch(Exception):
-    """A weight that no longer fits the tensor it is to be written into."""
-
-
-def _place(into: Tensor | None, parts: list[Tensor], dtype: torch.dtype | None) -> Tensor:
-    """``parts`` stacked along the first dimension, in ``dtype`` (None: theirs): a new
-    tensor (the one part itself when already in that dtype), or, given ``into``, written
-    into it in place (cast part by part by ``copy_``, no stacked or cast copy made).
-    :class:`_Mismatch` where ``into`` has another shape or dtype, or is a parameter that
-    the part no longer is (a module's weight is never overwritten)."""
-    dtype = dtype or parts[0].dtype
-    if into is None:
-        return (parts[0] if len(parts) == 1 else torch.cat(parts)).to(dtype)
-    if len(parts) == 1 and parts[0] is into:
-        return into
-    shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
-    if isinstance(into, nn.Parameter) or into.shape != shape or into.dtype != dtype:
-        raise _Mismatch
-    row = 0
-    for part in parts:
-        into[row : row + part.shape[0]].copy_(part)
-        row += part.shape[0]
-    return into
-
-
-def _place_all(
-    into: tuple | None, tensors: tuple | list | None, dtype: torch.dtype | None, fresh: bool
-) -> tuple | None:
-    """:func:`_place` for a tuple of weights (each of one part; a None kept as None); None
-    where there are none. ``fresh``: a new decoder's (``into`` unused); otherwise
-    :class:`_Mismatch` where only one of ``into`` and ``tensors`` has them."""
-    if not fresh and (into is None) != (tensors is None):
-        raise _Mismatch
-    if tensors is None:
-        return None
-    olds = into if not fresh else (None,) * len(tensors)
-    if len(olds) != len(tensors):
-        raise _Mismatch
-    out = []
-    for old, t in zip(olds, tensors, strict=True):
-        if (old is None) != (t is None) and not fresh:
-            raise _Mismatch
-        out.append(None if t is None else _place(old, [t], dtype))
-    return tuple(out)
 
 
 def without_cast_cache(device_type: str):

@@ -276,9 +276,9 @@ def take_checkpoint(
     extra = {} if model_only else extra or {}
     files = {**extra, TRAINER_STATE: trainer_state} if dist.is_main else {}
     state = CheckpointState(
-        final, step, None, pointer, fingerprint, None, None, None, tokenizer, files, config
-    )
-    state.model_only = model_only
+        final, step, None, pointer, fingerprint, None, None, None, tokenizer, files, config,
+        model_only,
+    )  # fmt: skip
     if model_dir is not None:  # no weights written: none to check
         return state
     finite = all(  # this rank's shards (DTensor.to_local under FSDP)
