@@ -587,3 +587,29 @@ def test_batch_scaled_advantages_use_the_whole_rollout_batch_over_ranks(tmp_path
     own = torch.cat([group_advantages(r["rewards"], 4, scale="batch") for r in ranks])
     assert not torch.allclose(own, whole)  # the shares' stds differ: the test can fail
     torch.testing.assert_close(torch.cat([r["advantages"] for r in ranks]), whole)
+
+
+def test_a_rank_says_one_last_line_when_two_threads_end_it_at_once():
+    """The launcher watch's thread and the main thread's broken collective can each end a
+    rank at the same moment (the other rank left first): each said its line, three lines
+    for two ranks in a full-suite run. ``last_words`` prints the first ender's only."""
+    script = (
+        "import threading\n"
+        "from gspo.distributed import last_words\n"
+        "go = threading.Barrier(2)\n"
+        "def say(by):\n"
+        "    go.wait()\n"
+        "    last_words(f'gspo: error (rank 0): {by}', by)\n"
+        "threads = [threading.Thread(target=say, args=(b,)) for b in ('watch', 'collective')]\n"
+        "[t.start() for t in threads]\n"
+        "[t.join() for t in threads]\n"
+        "print(last_words('gspo: error (rank 0): again', 'watch'),\n"
+        "      last_words('gspo: error (rank 0): again', 'collective'))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert sum(line.endswith(("watch", "collective")) for line in lines) == 1, lines
+    # the one that spoke may again (cli.main called twice in a process), the other not
+    assert sorted(done.stdout.split()) == ["False", "True"] and lines[-1].endswith("again")

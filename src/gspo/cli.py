@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from gspo import __version__
-from gspo.distributed import rank_said
+from gspo.distributed import last_words, rank_said
 
 if TYPE_CHECKING:
     from gspo.config import Config
@@ -356,12 +356,12 @@ def _main(args: argparse.Namespace) -> int:
         if os.environ.get("GSPO_DEBUG") or not peer_gone(exc):
             raise
         run = run_directory(args)
-        print(
+        last_words(
             f"gspo: error (rank {os.environ.get('RANK')}): another rank stopped (the process "
             f"group broke: {str(exc).strip().splitlines()[0][:160]}); its own line, if it "
             "printed one (a signal or a kill prints none), says why; "
             f"gspo train --resume {run} continues from the last checkpoint",
-            file=sys.stderr,
+            by="collective",
         )
         return 2
     except KeyboardInterrupt as stop:

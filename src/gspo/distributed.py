@@ -146,6 +146,24 @@ def setup_distributed(device: str = "auto") -> Distributed:
 #: how often a rank looks whether its launcher is still there (seconds)
 LAUNCHER_POLL_S = 1.0
 
+#: which of this process's two enders said its line (:func:`last_words`)
+_ENDING: dict[str, Any] = {"watch": False, "collective": False, "lock": threading.Lock()}
+
+
+def last_words(line: str, by: Literal["watch", "collective"]) -> bool:
+    """Print ``line`` to stderr as this rank's last, unless the other ender said its own:
+    the launcher watch's thread and the main thread's broken collective can each end a
+    rank at once (the other rank left first), and a rank says one line. Whether it
+    printed. (Each ender may say its line again: ``gspo.cli.main`` called in one process
+    again, as tests do.)"""
+    other = "collective" if by == "watch" else "watch"
+    with _ENDING["lock"]:
+        if _ENDING[other]:
+            return False
+        _ENDING[by] = True
+    print(line, file=sys.stderr, flush=True)
+    return True
+
 
 def watch_launcher(dist: Distributed) -> None:
     """Stop this rank once the process that started it (torchrun) is gone.
@@ -163,12 +181,11 @@ def watch_launcher(dist: Distributed) -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(LAUNCHER_POLL_S)
-        print(
+        last_words(
             f"gspo: error (rank {dist.rank}): the launcher (pid {parent}) is gone, so this "
             "rank stops; checkpoints already written are intact, and gspo train --resume "
             "continues from the last",
-            file=sys.stderr,
-            flush=True,
+            by="watch",
         )
         os._exit(1)
 
