@@ -52,6 +52,35 @@ def test_device_busy_is_the_union_of_the_kernels_and_waits_are_counted():
     assert "device busy" not in summary_text("t", cpu, [])
 
 
+def test_the_tables_take_kernels_by_device_time_and_operators_by_self_time():
+    """``op_tables`` reads the exported trace: kernels summed by name; an operator's self
+    time is its own less the operators it called, on its own thread (a second thread's
+    operator at the same time is not its child)."""
+    from gspo.telemetry.profiling import op_tables
+
+    def op(name, ts, dur, tid=1):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "pid": 0,
+                "tid": tid}  # fmt: skip
+
+    events = [
+        op("aten::linear", 0, 100), op("aten::matmul", 10, 60), op("aten::mm", 20, 40),
+        op("aten::add", 80, 10), op("aten::linear", 200, 50), op("aten::mm", 20, 30, tid=2),
+        kernel(0, 30), kernel(40, 10), {**kernel(60, 5, "gpu_memcpy"), "name": "copy"},
+    ]  # fmt: skip
+    (device_head, device), (host_head, host) = op_tables({"traceEvents": events})
+    assert device_head == "device time by kernel" and host_head == "self CPU time"
+    rows = [line.split() for line in device.splitlines()[1:]]
+    assert rows == [["0.040", "88.9%", "2", "k"], ["0.005", "11.1%", "1", "copy"]]
+    rows = {line.split()[3]: line.split()[:3] for line in host.splitlines()[1:]}
+    # linear: 100 - 60 - 10 + 50; matmul: 60 - 40; mm: 40 + 30 (the other thread's)
+    assert rows == {
+        "aten::linear": ["0.080", "44.4%", "2"], "aten::mm": ["0.070", "38.9%", "2"],
+        "aten::matmul": ["0.020", "11.1%", "1"], "aten::add": ["0.010", "5.6%", "1"],
+    }  # fmt: skip
+    cpu_only = op_tables({"traceEvents": events[:6]})
+    assert [head for head, _ in cpu_only] == ["self CPU time"]
+
+
 def test_a_profiled_run_writes_its_trace_and_summary_and_trains_the_same(
     tmp_path, ones_reward, capsys
 ):

@@ -12,9 +12,9 @@ level under torchrun):
   ... as :func:`gspo.training.metrics.timed` names them);
 - ``summary.md``: the wall seconds; on CUDA the share of them some kernel ran (the union
   of kernel, copy and fill intervals), the host's waits for the device (the runtime's
-  ``*Synchronize`` calls: count and seconds); each stage's seconds; the operators taking
-  the most self time on the device (CUDA) and on the CPU, and the Python functions
-  taking the most cumulative time (the thread that trains).
+  ``*Synchronize`` calls: count and seconds); each stage's seconds; the kernels taking
+  the most device time (CUDA), the operators taking the most self time on the CPU, and
+  the Python functions taking the most cumulative time (the thread that trains).
 
 Every thread's operators are recorded (:func:`all_threads`): with
 ``rollout.max_staleness > 0`` the producer thread's sampling of the batch ahead.
@@ -96,6 +96,60 @@ def trace_figures(trace: dict[str, Any], wall: float) -> Profile:
     )
 
 
+def op_tables(trace: dict[str, Any], rows: int = TOP_OPS) -> list[tuple[str, str]]:
+    """The trace's costliest work as ``(heading, table)``: on a device the kernels (and
+    copies, fills) by their summed device time; on the host the operators by self time
+    (their time less that of the operators they called, per thread). Read from the
+    exported trace rather than from the profiler's Python events, whose building takes
+    minutes for the million events of a GPU batch."""
+    device: dict[str, list[float]] = {}
+    threads: dict[tuple[Any, Any], list[tuple[float, float, str]]] = {}
+    for event in trace.get("traceEvents", []):
+        if event.get("ph") != "X":
+            continue
+        cat, name = event.get("cat", ""), str(event.get("name", ""))
+        dur = float(event.get("dur", 0.0))
+        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            totals = device.setdefault(name, [0, 0.0])
+            totals[0], totals[1] = totals[0] + 1, totals[1] + dur
+        elif cat == "cpu_op":
+            key = (event.get("pid"), event.get("tid"))
+            threads.setdefault(key, []).append((float(event.get("ts", 0.0)), dur, name))
+    host: dict[str, list[float]] = {}
+    for events in threads.values():
+        events.sort(key=lambda e: (e[0], -e[1]))
+        stack: list[list[Any]] = []  # [end, name, self time] of the open operators
+        for start, dur, name in events:
+            while stack and stack[-1][0] <= start:
+                close(stack.pop(), host)
+            if stack:
+                stack[-1][2] -= dur
+            stack.append([start + dur, name, dur])
+        while stack:
+            close(stack.pop(), host)
+    tables = []
+    if device:
+        tables.append(("device time by kernel", table(device, "device ms", rows)))
+    tables.append(("self CPU time", table(host, "self CPU ms", rows)))
+    return tables
+
+
+def close(frame: list[Any], totals: dict[str, list[float]]) -> None:
+    entry = totals.setdefault(frame[1], [0, 0.0])
+    entry[0], entry[1] = entry[0] + 1, entry[1] + max(frame[2], 0.0)
+
+
+def table(totals: dict[str, list[float]], what: str, rows: int) -> str:
+    """The ``rows`` names with the most time (microseconds in ``totals``): calls, ms,
+    share of all of it."""
+    whole = sum(t for _, t in totals.values()) or 1.0
+    lines = [f"{what:>12} {'share':>6} {'calls':>8}  name"]
+    for name, (calls, us) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:rows]:
+        short = name if len(name) <= 100 else name[:97] + "..."
+        lines.append(f"{us / 1e3:12.3f} {us / whole:6.1%} {calls:8d}  {short}")
+    return "\n".join(lines)
+
+
 def summary_text(title: str, profile: Profile, tables: list[tuple[str, str]]) -> str:
     """``summary.md``: the figures, then each ``(heading, table)``."""
     lines = [f"# {title}", "", f"- wall: {profile.wall:.3f} s"]
@@ -130,13 +184,16 @@ def python_table(python: cProfile.Profile, rows: int = TOP_OPS) -> str:
 def all_threads():
     """The profiler's setting that records every thread's operators, not only the one that
     starts it (``rollout.max_staleness > 0``: the producer thread samples and scores while
-    the training thread updates); None where this torch lacks it."""
+    the training thread updates), and builds no Python event per recorded one (the tables
+    are read from the exported trace); None where this torch lacks both."""
     from torch._C._profiler import _ExperimentalConfig
 
-    try:
-        return _ExperimentalConfig(profile_all_threads=True)
-    except TypeError:  # (older torch: the starting thread's operators only)
-        return None
+    for settings in ({"trace_only": True}, {}):
+        try:
+            return _ExperimentalConfig(profile_all_threads=True, **settings)
+        except TypeError:  # (older torch: without trace_only; or the starting thread only)
+            continue
+    return None
 
 
 class StepProfiler:
@@ -219,11 +276,7 @@ class StepProfiler:
         trace = json.loads(raw.read_text())
         raw.unlink()
         figures = trace_figures(trace, wall)
-        averages = prof.key_averages()
-        keys = ([("self device time", "self_device_time_total")] if cuda else []) + [
-            ("self CPU time", "self_cpu_time_total")
-        ]
-        tables = [(head, averages.table(sort_by=key, row_limit=TOP_OPS)) for head, key in keys]
+        tables = op_tables(trace)
         tables.append(("Python functions by cumulative time (this thread)", python_table(python)))
         title += f", rank {self.rank}" if self.world > 1 else ""
         (where / "summary.md").write_text(summary_text(title, figures, tables))
