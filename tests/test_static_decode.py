@@ -121,17 +121,15 @@ def test_static_step_drops_nothing_before_its_checks_and_stops_when_all_rows_fin
 
 
 def test_engine_takes_the_static_step_only_where_it_is_switched_on(tokenizer, tiny_model):
-    """The default (False, until the captured step is measured on a GPU) and ``auto`` on
-    the CPU keep the per-step loop (the CPU path is unchanged); ``True``
+    """The default (``auto``) on the CPU and ``False`` keep the per-step loop (the CPU
+    path is unchanged); ``True``
     takes the eager static step for the fast decoder, never for the reference decoder;
     MoE blocks cannot be captured."""
     cpu = torch.device("cpu")
     fast, reference = make_decoder(tiny_model), ModelDecoder(tiny_model)
     assert isinstance(fast, KVDecoder) and capturable(fast)
     engine = TorchEngine(tiny_model, **ids(tokenizer))
-    assert engine.cuda_graphs is False and engine.static_step(fast, cpu) is None
-    engine.cuda_graphs = "auto"
-    assert engine.static_step(fast, cpu) is None
+    assert engine.cuda_graphs == "auto" and engine.static_step(fast, cpu) is None
     engine.cuda_graphs = True
     assert engine.static_step(fast, cpu) == "eager"
     assert engine.static_step(reference, cpu) is None

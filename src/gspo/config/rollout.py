@@ -71,16 +71,14 @@ class RolloutConfig(Section):
         "engine whose probabilities differ from the trainer's (torch engine only)",
     )
     cuda_graphs: bool | Literal["auto"] = Field(
-        False,
+        "auto",
         description="Torch engine, fast decoder (Llama/Qwen families): decode with a "
         "static-shape step (fixed buffers, no host value changing between steps, "
         "finished rows read every 8 steps) captured as one CUDA graph per batch-size "
         "bucket, kept with its buffers (the KV cache) for the next rollout batch; "
         "auto = on CUDA for dense models (not MoE), off elsewhere; true = the "
         "static step wherever the fast decoder runs (captured on CUDA, eager on the CPU, "
-        "where it only serves tests); false = the per-step Python loop. Off by default "
-        "until whole training runs have taken the captured step on a GPU (its tests and "
-        "timing have: docs/engines.md)",
+        "where it only serves tests); false = the per-step Python loop (docs/engines.md)",
     )
     filter_groups: bool = Field(
         False,

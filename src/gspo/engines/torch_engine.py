@@ -43,7 +43,7 @@ class TorchEngine:
     graphs. ``"auto"``: on CUDA for models whose step can be captured (dense MLPs), the
     eager loop elsewhere; True: the static step wherever the fast decoder applies,
     captured where it can be and run eagerly elsewhere (the CPU: the tested path);
-    False: never.
+    False: never (the per-step loop).
     """
 
     def __init__(
@@ -53,7 +53,7 @@ class TorchEngine:
         pad_token_id: int,
         eos_token_id: int | None,
         fast: bool = True,
-        cuda_graphs: bool | Literal["auto"] = False,
+        cuda_graphs: bool | Literal["auto"] = "auto",
     ):
         self.model = model
         self.pad_token_id = pad_token_id
