@@ -44,6 +44,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Container, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from copy import deepcopy
 from dataclasses import dataclass
 from pathlib import Path
@@ -366,13 +367,19 @@ def write_checkpoint(state: CheckpointState, dist: Distributed) -> tuple[int, fl
     count) and seconds."""
     start, before = time.perf_counter(), WRITTEN.bytes
     # every rank's shards and rank 0's files, or nothing
-    with staged(state.final, dist, needs=state.needs) as tmp:
+    with staged(state.final, dist, needs=state.needs) as tmp, ThreadPoolExecutor(1) as pool:
+        # the HF weights (rank 0) written beside the shards (every rank's collective)
+        weights = None
+        if dist.is_main and state.replica is not None:
+            weights = pool.submit(
+                save_pretrained, state.replica, state.tokenizer, tmp, state_dict=state.weights
+            )
         if state.sharded is not None:
             write_sharded(tmp / SHARDED, state.sharded)
+        if weights is not None:
+            weights.result()
         if dist.is_main:
-            if state.replica is not None:
-                save_pretrained(state.replica, state.tokenizer, tmp, state_dict=state.weights)
-            else:
+            if state.replica is None:
                 (tmp / MODEL_POINTER).write_text(f"{state.pointer}\n")
             if state.fingerprint is not None:  # the model named, or a LoRA run's base
                 (tmp / MODEL_FINGERPRINT).write_text(json.dumps(state.fingerprint) + "\n")
