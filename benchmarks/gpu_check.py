@@ -299,9 +299,11 @@ def tests_so_far(path: Path, slowest: int = 25) -> dict[str, float | str]:
 
 
 def pytest_command(paths: list[str] | tuple[str, ...], workers: int = 0) -> list[str]:
-    """``pytest -q`` over ``paths``; over ``workers`` pytest-xdist workers when > 0."""
+    """``pytest -q`` over ``paths``; over ``workers`` pytest-xdist workers when > 0, an
+    idle worker taking tests queued on a busy one (``worksteal``: the suite's minute-long
+    torchrun tests otherwise end it on one worker while the others wait)."""
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths]
-    return [*command, "-n", str(workers)] if workers else command
+    return [*command, "-n", str(workers), "--dist", "worksteal"] if workers else command
 
 
 def xdist_workers() -> int:

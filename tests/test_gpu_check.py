@@ -84,7 +84,9 @@ def test_the_suite_stage_reads_pytests_counts_time_and_failures(gpu_check):
     assert (
         figures["failing tests"] == "FAILED tests/test_a.py::test_x; ERROR tests/test_b.py::test_y"
     )
-    assert gpu_check.pytest_command(["tests"], workers=4)[-3:] == ["tests", "-n", "4"]
+    assert gpu_check.pytest_command(["tests"], workers=4)[-5:] == [
+        "tests", "-n", "4", "--dist", "worksteal"
+    ]  # fmt: skip
     assert "-n" not in gpu_check.pytest_command(["tests"])
 
 
