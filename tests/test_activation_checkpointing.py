@@ -44,7 +44,7 @@ def build_policy(out: Path, *overrides: str, device: str = CPU) -> Policy:
     config = load_config(None, [device, *SHAPE, *overrides])
     dist = Distributed()
     at = rank_device(config.model.device, dist)
-    dtype = resolve_dtype(config.model.dtype, at)
+    dtype = resolve_dtype(config.model.dtype, at, builtin=not config.model.path)
     model, _, _ = build_policy_model(config, out, at, dist, None, dtype)
     return Policy(model, dist, compute_dtype=dtype, temperature=1.0)
 

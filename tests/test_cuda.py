@@ -335,7 +335,8 @@ def test_activation_checkpointing_in_bf16_keeps_the_update_and_lowers_its_peak(t
     )
 
     shape = ["model.layers=8", "model.hidden=512", "model.heads=8", "model.kv_heads=4",
-             "model.intermediate=1536", *(["model.lora.r=8"] if lora else [])]  # fmt: skip
+             "model.intermediate=1536", "model.dtype=bfloat16",
+             *(["model.lora.r=8"] if lora else [])]  # fmt: skip
     batch = fixed_batch(n=16, prompt=32, length=1024, device="cuda")
     out = []
     for extra in ([], [ON]):

@@ -554,3 +554,17 @@ def test_a_hub_id_or_a_run_as_model_path_says_what_to_give(tmp_path, monkeypatch
     (run / "config.yaml").write_text("{}\n")
     with pytest.raises(FileNotFoundError, match=r"is a gspo run, not a model: name one of its"):
         load_model(run, device=cpu, dtype=torch.float32)
+
+
+def test_auto_dtype_is_bf16_on_cuda_but_for_the_built_in_model():
+    """``model.dtype=auto``: bf16 on CUDA for a model of one's own; float32 on the CPU, and
+    for the built-in model everywhere (a few million parameters: bf16 only cost the demo
+    accuracy); a dtype named is taken as it is."""
+    from gspo.models import resolve_dtype
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_dtype("auto", cuda) == torch.bfloat16
+    assert resolve_dtype("auto", cuda, builtin=True) == torch.float32
+    assert resolve_dtype("auto", cpu) == torch.float32
+    assert resolve_dtype("bfloat16", cuda, builtin=True) == torch.bfloat16
+    assert resolve_dtype("bfloat16", cpu) == torch.bfloat16

@@ -128,7 +128,7 @@ class Trainer:
         # (a run killed before its step-0 checkpoint resumes inside its cold start, whose
         # own progress checkpoints it finds, or else starts again: deterministically)
         checkpoint = resumable_checkpoint(out) if resume else None
-        compute_dtype = resolve_dtype(config.model.dtype, device)
+        compute_dtype = resolve_dtype(config.model.dtype, device, builtin=not config.model.path)
         # (out of memory loading it, attaching adapters, sharding it: one line naming it)
         named = checkpoint or config.model.path or out / "base_model"
         with loading_model(named, dtype=torch.float32, device=device):
