@@ -6,7 +6,7 @@
 #                                                      # the whole suite (~8 min)
 #   GSPO_COMMIT=<sha> bash benchmarks/gpu_lease.sh 2   # speed: the ~0.5B/512 workload's start-up
 #                                                      # and one batch profiled, gspo vs TRL
-#                                                      # on it, decoding, async k=0 vs 1, the
+#                                                      # on it, async k=0 vs 1, decoding, the
 #                                                      # bf16 demo
 #
 # with `.whl` (from `make gpu-wheels`) carried beside the tree. Part 1 first: the numerics
