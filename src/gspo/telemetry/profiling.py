@@ -257,11 +257,9 @@ class StepProfiler:
             if cuda:
                 torch.cuda.synchronize()
             wall = time.perf_counter() - start
-        self.write(prof, python, name, title, wall, cuda)
+        self.write(prof, python, name, title, wall)
 
-    def write(
-        self, prof, python: cProfile.Profile, name: str, title: str, wall: float, cuda: bool
-    ) -> None:
+    def write(self, prof, python: cProfile.Profile, name: str, title: str, wall: float) -> None:
         """``trace.json.gz`` and ``summary.md`` in ``profile/NAME/``; one line on rank 0."""
         where = self.out / "profile" / name
         where = where / f"rank_{self.rank}" if self.world > 1 else where
