@@ -31,6 +31,8 @@ time limit taken from what is left of ``--budget``), it runs in turn:
    report);
 7. ``async``: the gspo side of 5. with ``rollout.max_staleness`` 0 and 1 (one run each):
    whole-process time, the time the trainer waited for rollouts, and where it went;
+8. ``workloads``: gspo vs TRL on issue 33's other workloads (:data:`WORKLOADS`: ~0.4B at
+   128 new tokens, ~0.2B at 256, the CPU benchmark's 3M model at 32), one run each side;
 
 and writes one report, ``DIR/report.md`` (and ``report.json``): each stage's outcome and
 wall time, the device's peak memory in use during it (``nvidia-smi``, every 0.5 s),
@@ -41,7 +43,8 @@ gspo's generation and training tokens/s and their MFU (model FLOPs, as in
 ``head`` (the training
 forward's vocabulary projection, forward and backward, at each ``model.head_precision``),
 ``decode``, ``vllm``, ``train``, ``vs_trl``, ``profile``, ``lora`` (one rollout batch of
-the full model and of LoRA r=16 over a bf16 base, the time ratio), ``async``; the report is
+the full model and of LoRA r=16 over a bf16 base, the time ratio), ``async``,
+``workloads``; the report is
 rewritten after each, into ``--report-dir``, with the stages' logs (``KEY.log``, the
 tests' ``KEY.tests.tsv``) packed beside it as ``logs.tar.gz``), ``--budget`` bounds them
 together. A lent GPU of 15 device-minutes runs ``--lease 1`` and ``--lease 2``
@@ -90,6 +93,37 @@ PYTEST_COUNTS = r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)"
 
 
 @dataclass(frozen=True)
+class Workload:
+    """One of the ``workloads`` stage's gspo-vs-TRL runs: ``model`` the TinyModelSpec sizes
+    (None: ``vs_trl.py``'s 3M reference model, its own vocabulary), ``vocab`` the padded
+    vocabulary, ``tokens`` the most new tokens, ``steps`` optimizer steps (4 per rollout
+    batch of 16 prompts x 8)."""
+
+    key: str
+    label: str
+    model: dict[str, int] | None
+    vocab: int | None
+    tokens: int
+    steps: int
+    lr: float
+
+
+#: Issue 33's other workloads (its table, measured on an H100 at a55081f: 0.90x, 1.59x,
+#: 1.77x; targets >= 2x at the 0.4B and the 3M): random-init Qwen3s of ~0.4B (24 x 1024)
+#: and ~0.2B (12 x 768; 0.13B was its label there, without the embedding's 117M) at
+#: vocabulary 151,936, and the CPU benchmark's 3M reference model at 32 new tokens.
+WORKLOADS = (
+    Workload("w04b", "~0.4B Qwen3, 128-token responses",
+             dict(layers=24, hidden=1024, heads=16, kv_heads=8, intermediate=3072),
+             HALF_B_VOCAB, 128, 8, 1e-5),
+    Workload("w013b", "~0.2B Qwen3 (12 x 768), 256-token responses",
+             dict(layers=12, hidden=768, heads=12, kv_heads=4, intermediate=2304),
+             HALF_B_VOCAB, 256, 8, 1e-5),
+    Workload("w3m", "the 3M reference model, 32-token responses", None, None, 32, 32, 1e-4),
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
 class Sizes:
     """What the stages run: the GPU check's sizes, or ``--smoke``'s toy ones."""
 
@@ -103,6 +137,7 @@ class Sizes:
     response_tokens: int
     steps: int  # their optimizer steps (4 per rollout batch)
     precision: tuple[str, ...]  # the precision stage's experiments/precision.py arguments
+    workloads: tuple[Workload, ...] = WORKLOADS  # the workloads stage's
 
 
 FULL = Sizes(
@@ -123,6 +158,13 @@ FULL = Sizes(
 )
 
 
+SMOKE_WORKLOADS = (
+    Workload("w_toy", "toy 2-layer Qwen3, 8-token responses",
+             dict(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=96), 520, 8, 4, 1e-5),
+    Workload("w3m", "the 3M reference model, 8-token responses", None, None, 8, 4, 1e-4),
+)  # fmt: skip
+
+
 def smoke_sizes(device: str) -> Sizes:
     """Toy sizes on ``device`` (float32 on the CPU, where bf16 matmuls crawl)."""
     return Sizes(
@@ -136,6 +178,7 @@ def smoke_sizes(device: str) -> Sizes:
         response_tokens=16,
         steps=4,
         precision=("--preset", "default", "--batches", "1", "--set", "train.cold_start_steps=20"),
+        workloads=SMOKE_WORKLOADS,
     )
 
 
@@ -493,6 +536,44 @@ def vs_trl_stage(
     return body
 
 
+def workloads_stage(
+    out: Path, sizes: Sizes = FULL, extra: tuple[str, ...] = ()
+) -> Callable[[Stage, float], None]:
+    """gspo vs TRL on :data:`WORKLOADS` (one whole process each side, in turn), the ratio
+    with and without gspo's checkpoint waits (TRL's side saves none)."""
+
+    def body(stage: Stage, limit: float) -> None:
+        import vs_trl
+        import workload
+
+        from gspo.models import TinyModelSpec
+
+        if importlib.util.find_spec("trl") is None:
+            stage.status, stage.detail = "skipped", "TRL is not installed (the `bench` extra)"
+            return
+        deadline = time.perf_counter() + limit
+        for w in sizes.workloads:
+            work = out / w.key
+            if not (work / "model").is_dir():
+                spec = TinyModelSpec(max_positions=1024, **w.model) if w.model else None
+                workload.build(work, vocab=w.vocab, spec=spec)
+            schedule = vs_trl.Schedule(
+                steps=w.steps, lr=w.lr, max_new_tokens=w.tokens, device=sizes.device
+            )
+            gspo_s, run = vs_trl.run_gspo(
+                work, schedule=schedule, extra=extra, timeout=deadline - time.perf_counter()
+            )
+            records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+            waited = checkpoint_figures(records, {}, "")
+            trl_s, _ = vs_trl.run_trl(work, schedule, timeout=deadline - time.perf_counter())
+            stage.figures[f"{w.label}: gspo s / TRL s"] = f"{gspo_s:.1f} / {trl_s:.1f}"
+            stage.figures[f"{w.label}: TRL / gspo (less its checkpoint waits)"] = (
+                f"{trl_s / gspo_s:.2f} ({trl_s / (gspo_s - waited):.2f})"
+            )
+
+    return body
+
+
 def profile_stage(
     out: Path, reports: Path, sizes: Sizes = FULL, extra: tuple[str, ...] = ()
 ) -> Callable[[Stage, float], None]:
@@ -742,11 +823,11 @@ def render(stages: list[Stage], header: dict[str, str]) -> str:
 #: seconds each may take at most (the suite's is ``--suite-limit``).
 STAGES = (
     "suite", "cuda", "precision", "head", "decode", "vllm", "train", "vs_trl", "profile",
-    "lora", "async",
+    "lora", "async", "workloads",
 )  # fmt: skip
 SHARES = {
     "cuda": 190, "precision": 120, "head": 30, "decode": 90, "vllm": 150, "train": 180,
-    "vs_trl": 300, "profile": 120, "lora": 60, "async": 150,
+    "vs_trl": 300, "profile": 120, "lora": 60, "async": 150, "workloads": 300,
 }  # fmt: skip
 
 #: What a GPU lease of 15 device-minutes runs, as two calls (``benchmarks/gpu_lease.sh 1``
@@ -933,6 +1014,10 @@ def main() -> int:
         "vs_trl": (
             Stage(f"gspo vs TRL, {model}"),
             vs_trl_stage(args.out, peaks, sizes, tuple(args.gspo_set)),
+        ),
+        "workloads": (
+            Stage("the other workloads, gspo vs TRL"),
+            workloads_stage(args.out, sizes, tuple(args.gspo_set)),
         ),
         "profile": (
             Stage(f"one rollout batch profiled, {model}"),

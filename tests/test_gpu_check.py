@@ -181,6 +181,16 @@ def test_smoke_runs_every_stage_on_the_cpu_and_writes_the_report(tmp_path):
         assert vs["status"] == "skipped" and "TRL is not installed" in vs["detail"]
     else:
         assert vs["status"] == "passed" and vs["figures"]["ratio TRL / gspo"] > 0
+    others = stages["the other workloads"]  # the 0.4B, 0.2B and 3M runs, at toy sizes here
+    if importlib.util.find_spec("trl") is None:
+        assert others["status"] == "skipped" and "TRL is not installed" in others["detail"]
+    else:
+        assert others["status"] == "passed", others["detail"]
+        for label in ("toy 2-layer Qwen3", "the 3M reference model"):
+            gspo_s, trl_s = others["figures"][f"{label}, 8-token responses: gspo s / TRL s"].split(
+                " / "
+            )
+            assert float(gspo_s) > 0 and float(trl_s) > 0
     profile = stages["one rollout batch profiled"]  # the gspo side's second batch
     assert profile["status"] == "passed", profile["detail"]
     assert float(profile["figures"]["wall"].split()[0]) > 0
