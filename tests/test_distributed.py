@@ -636,3 +636,33 @@ def test_large_shards_are_written_by_several_threads_and_read_back_whole(tmp_pat
     back = {"optimizer": {k: torch.zeros_like(v) for k, v in state["optimizer"].items()}}
     dcp.load(back, checkpoint_id=tmp_path / "large", no_dist=True)
     assert all(torch.equal(back["optimizer"][k], v) for k, v in state["optimizer"].items())
+
+
+def test_a_failing_writer_thread_fails_the_write(tmp_path, monkeypatch):
+    """DCP lets an exception in one of its helper writer threads end that thread alone and
+    writes its metadata without that thread's files: ``write_sharded`` raises it (a full
+    disk stays a full disk, for the one-line ``DiskFull``), and waits for the others."""
+    import errno
+    import threading
+
+    import torch.distributed.checkpoint.filesystem as fs
+
+    from gspo import distributed
+
+    real = fs._write_item
+
+    def full_disk_off_the_main_thread(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fs, "_write_item", full_disk_off_the_main_thread)
+    monkeypatch.setattr(distributed, "BYTES_PER_WRITE_THREAD", 512 << 10)
+    state = {"optimizer": {f"m{i}": torch.ones(64, 1024) for i in range(8)}}
+    with pytest.raises(OSError) as raised:
+        distributed.write_sharded(tmp_path / "s", state)
+    assert raised.value.errno == errno.ENOSPC
+    assert not [t for t in threading.enumerate() if "_write_files_from_queue" in t.name]
+    monkeypatch.setattr(fs, "_write_item", real)  # the same write, all threads well: whole
+    distributed.write_sharded(tmp_path / "t", state)
+    assert distributed.unwritten(fs.FileSystemReader(tmp_path / "t").read_metadata()) == 0

@@ -367,18 +367,67 @@ def write_sharded(path: Path, state: dict[str, Any]) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.utils._pytree import tree_leaves
 
-    nbytes = sum(
-        getattr(t, "to_local", lambda t=t: t)().nbytes
-        for t in tree_leaves(state)
-        if isinstance(t, torch.Tensor)
-    )
-    threads = max(1, min(WRITE_THREADS, nbytes // BYTES_PER_WRITE_THREAD))
+    tensors = [t for t in tree_leaves(state) if isinstance(t, torch.Tensor)]
+    nbytes = sum(getattr(t, "to_local", lambda t=t: t)().nbytes for t in tensors)
+    threads = max(1, min(WRITE_THREADS, len(tensors), nbytes // BYTES_PER_WRITE_THREAD))
     writer = dcp.FileSystemWriter(path, thread_count=threads)
     try:
-        with single_process_quiet():
-            dcp.save(state, storage_writer=writer, no_dist=not torch.distributed.is_initialized())
+        with single_process_quiet(), WriterThreads() as helpers:
+            metadata = dcp.save(
+                state, storage_writer=writer, no_dist=not torch.distributed.is_initialized()
+            )
     except CheckpointException as exc:  # (a BaseException): the failure itself, e.g. ENOSPC
         raise next(iter(exc.failures.values()))[0] from None
+    if helpers.errors:  # (DCP goes on without a helper thread's files)
+        raise helpers.errors[0]
+    if missing := unwritten(metadata):  # (every rank: the metadata is the whole run's)
+        raise OSError(f"{path}: {missing} of the shards were not written (a writer failed)")
+
+
+class WriterThreads:
+    """``with WriterThreads() as helpers:`` around ``dcp.save`` with ``thread_count`` > 1:
+    an exception in one of DCP's helper writer threads only ends that thread, and the save
+    goes on and writes its metadata without that thread's files. Their exceptions are kept
+    in ``helpers.errors`` (the thread's name says its target), and on leaving the block
+    the helpers still running are waited for (when the save raised in its own thread it
+    does not wait, and they would go on writing into a directory being removed)."""
+
+    TARGET = "_write_files_from_queue"
+
+    def __enter__(self) -> WriterThreads:
+        self.errors: list[BaseException] = []
+        self.before = set(threading.enumerate())
+        self.previous = threading.excepthook
+
+        def hook(args: threading.ExceptHookArgs) -> None:
+            if args.thread is not None and self.TARGET in args.thread.name:
+                self.errors.append(args.exc_value or RuntimeError(str(args.exc_type)))
+            else:
+                self.previous(args)
+
+        threading.excepthook = hook
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for thread in set(threading.enumerate()) - self.before:
+            if self.TARGET in thread.name and thread is not threading.current_thread():
+                thread.join()
+        threading.excepthook = self.previous
+
+
+def unwritten(metadata: Any) -> int:
+    """Items of a ``dcp.save``'s ``metadata`` that no file holds (0: all are written)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    if metadata is None:
+        return 0
+    stored, missing = metadata.storage_data or {}, 0
+    for fqn, item in metadata.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            missing += sum(MetadataIndex(fqn, c.offsets) not in stored for c in item.chunks)
+        else:
+            missing += MetadataIndex(fqn) not in stored
+    return missing
 
 
 def load_sharded(
