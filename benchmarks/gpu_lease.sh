@@ -36,3 +36,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
     > /tmp/gpu_check/logs/gpu.txt 2>&1
 python3 benchmarks/gpu_check.py --lease "$part" --out /tmp/gpu_check --report-dir "$out" \
     "${@:2}" 2>&1 | tee /tmp/gpu_check/logs/console.log
+status=$?
+# once more with the whole console (and whatever came after the last stage)
+tar czf "$out/logs.tar.gz" -C /tmp/gpu_check/logs . || true
+exit $status

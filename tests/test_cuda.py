@@ -1,5 +1,5 @@
 """What only a CUDA device can check: the engines, the packed forward and training on it,
-in bfloat16 (``model.dtype=auto`` on CUDA) where users run.
+in bfloat16 (``model.dtype=auto`` on CUDA for a model of one's own) where users run.
 
 Skipped without CUDA; ``make gpu-check`` (benchmarks/gpu_check.py) runs this file first.
 Every run here names ``model.device=cuda`` (the rest of the suite names cpu, conftest.CPU).
@@ -168,7 +168,7 @@ def test_a_profiled_batch_on_cuda_says_how_busy_the_device_was(tmp_path, ones_re
     busy = re.search(r"device busy .*: ([0-9.]+) s, ([0-9.]+)% of the wall time", summary)
     assert busy is not None and 0 < float(busy[2]) <= 100
     assert "host waits for the device (*Synchronize calls): " in summary
-    assert "## self device time" in summary
+    assert "## device time by kernel" in summary
 
 
 def async_run_overrides(device: str, reward: str) -> list[str]:

@@ -185,7 +185,8 @@ def all_threads():
     """The profiler's setting that records every thread's operators, not only the one that
     starts it (``rollout.max_staleness > 0``: the producer thread samples and scores while
     the training thread updates), and builds no Python event per recorded one (the tables
-    are read from the exported trace); None where this torch lacks both."""
+    are read from the exported trace) where it can; None where this torch lacks
+    ``profile_all_threads``."""
     from torch._C._profiler import _ExperimentalConfig
 
     for settings in ({"trace_only": True}, {}):
