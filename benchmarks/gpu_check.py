@@ -414,7 +414,7 @@ def train_stage(
                    *sizes.train, "log.progress=false", "log.plots=false",
                    "log.tensorboard=false", *extra]  # fmt: skip
         run(command, limit, stage)
-        records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        records = read_metrics(run_dir)
         train = [r for r in records if "train/loss" in r]
         firsts = [r for r in train if r["train/minibatch"] == 0]
         evals = [r for r in records if "eval/accuracy" in r]
@@ -433,12 +433,41 @@ def train_stage(
     return body
 
 
+def read_metrics(run: Path) -> list[dict]:
+    """A gspo run's ``metrics.jsonl`` records (the checkout's reader)."""
+    from gspo.telemetry import read_metrics
+
+    return read_metrics(run)
+
+
+def time_left(deadline: float, what: str, least: float = 30.0) -> float:
+    """The seconds to ``deadline``; a ``TimeoutExpired`` for ``what`` under ``least``
+    (a whole process started then would only be killed)."""
+    left = deadline - time.perf_counter()
+    if left < least:
+        raise subprocess.TimeoutExpired(what, left)
+    return left
+
+
+def without_trl(stage: Stage) -> bool:
+    """Whether TRL is missing here (the stage is then marked skipped)."""
+    if importlib.util.find_spec("trl") is not None:
+        return False
+    stage.status, stage.detail = "skipped", "TRL is not installed (the `bench` extra)"
+    return True
+
+
+def checkpoint_waits(records: list[dict]) -> float:
+    """The seconds a run waited for its checkpoints (``time/checkpoint``)."""
+    return sum(r.get("time/checkpoint", 0.0) for r in records if "io/checkpoint_bytes" in r)
+
+
 def checkpoint_figures(records: list[dict], figures: dict, label: str = "checkpoints") -> float:
     """What a run's checkpoints cost it (train.background_checkpoints: written by a thread;
     the run waits for the copy, and for its last one whole): MB written, s waited / writing.
     The seconds waited."""
     writes = [r for r in records if "io/checkpoint_bytes" in r]
-    waited = sum(r.get("time/checkpoint", 0.0) for r in writes)
+    waited = checkpoint_waits(records)
     if writes:
         figures[f"{label}, MB written"] = round(
             sum(r["io/checkpoint_bytes"] for r in writes) / 1e6, 1
@@ -495,8 +524,7 @@ def vs_trl_stage(
     def body(stage: Stage, limit: float) -> None:
         import vs_trl
 
-        if importlib.util.find_spec("trl") is None:
-            stage.status, stage.detail = "skipped", "TRL is not installed (the `bench` extra)"
+        if without_trl(stage):
             return
         deadline = time.perf_counter() + limit
         work, schedule = workload_for(out, sizes)
@@ -508,12 +536,9 @@ def vs_trl_stage(
         stage.figures["gspo start-up s / loop s / exit s"] = (
             f"{g['startup_s']:.1f} / {g['loop_s']:.1f} / {g['exit_s']:.1f}"
         )
-        records = [json.loads(x) for x in (gspo_run / "metrics.jsonl").read_text().splitlines()]
+        records = read_metrics(gspo_run)
         waited = checkpoint_figures(records, stage.figures, "gspo checkpoints")
-        left = deadline - time.perf_counter()
-        if left < 30:
-            raise subprocess.TimeoutExpired("trl_side.py", left)
-        trl_s, result = vs_trl.run_trl(work, schedule, timeout=left)
+        trl_s, result = vs_trl.run_trl(work, schedule, timeout=time_left(deadline, "trl_side.py"))
         t = vs_trl.trl_summary(result)
         stage.figures["TRL whole process s"] = round(trl_s, 1)
         stage.figures["ratio TRL / gspo"] = round(trl_s / gspo_s, 2)
@@ -548,13 +573,11 @@ def workloads_stage(
 
         from gspo.models import TinyModelSpec
 
-        if importlib.util.find_spec("trl") is None:
-            stage.status, stage.detail = "skipped", "TRL is not installed (the `bench` extra)"
+        if without_trl(stage):
             return
         deadline = time.perf_counter() + limit
         for w in sizes.workloads:
-            if deadline - time.perf_counter() < 30:
-                raise subprocess.TimeoutExpired(w.label, deadline - time.perf_counter())
+            left = time_left(deadline, w.label)
             work = out / w.key
             if not (work / "model").is_dir():
                 spec = TinyModelSpec(max_positions=1024, **w.model) if w.model else None
@@ -562,15 +585,10 @@ def workloads_stage(
             schedule = vs_trl.Schedule(
                 steps=w.steps, lr=w.lr, max_new_tokens=w.tokens, device=sizes.device
             )
-            gspo_s, run = vs_trl.run_gspo(
-                work, schedule=schedule, extra=extra, timeout=deadline - time.perf_counter()
-            )
-            records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-            waited = checkpoint_figures(records, {}, "")
+            gspo_s, run = vs_trl.run_gspo(work, schedule=schedule, extra=extra, timeout=left)
+            waited = checkpoint_waits(read_metrics(run))
             stage.figures[f"{w.label}: gspo s"] = round(gspo_s, 1)
-            if deadline - time.perf_counter() < 30:
-                raise subprocess.TimeoutExpired("trl_side.py", deadline - time.perf_counter())
-            trl_s, _ = vs_trl.run_trl(work, schedule, timeout=deadline - time.perf_counter())
+            trl_s, _ = vs_trl.run_trl(work, schedule, timeout=time_left(deadline, "trl_side.py"))
             stage.figures[f"{w.label}: TRL s"] = round(trl_s, 1)
             stage.figures[f"{w.label}: TRL / gspo (less its checkpoint waits)"] = (
                 f"{trl_s / gspo_s:.2f} ({trl_s / (gspo_s - waited):.2f})"
@@ -780,17 +798,15 @@ def async_stage(
         deadline = time.perf_counter() + limit
         work, schedule = workload_for(out, sizes)
         for k in (0, 1):
-            if k and deadline - time.perf_counter() < 30:
-                raise subprocess.TimeoutExpired("gspo train", deadline - time.perf_counter())
             seconds, run_dir = vs_trl.run_gspo(
                 work,
                 name=f"async_k{k}",
                 schedule=schedule,
                 extra=(*extra, f"rollout.max_staleness={k}"),
-                timeout=deadline - time.perf_counter(),
+                timeout=time_left(deadline, "gspo train", least=30.0 if k else 0.0),
             )
             g = vs_trl.gspo_summary(run_dir)
-            records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            records = read_metrics(run_dir)
             firsts = [r for r in records if "train/loss" in r and r["train/minibatch"] == 0]
             stage.figures[f"k={k} whole process s"] = round(seconds, 1)
             stage.figures[f"k={k} training loop s"] = round(g["loop_s"], 1)

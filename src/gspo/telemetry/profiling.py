@@ -16,7 +16,7 @@ level under torchrun):
   the most device time (CUDA), the operators taking the most self time on the CPU, and
   the Python functions taking the most cumulative time (the thread that trains).
 
-Every thread's operators are recorded (:func:`all_threads`): with
+Every thread's operators are recorded (:func:`experimental_config`): with
 ``rollout.max_staleness > 0`` the producer thread's sampling of the batch ahead.
 One line says where it is. The profiler's own overhead lengthens that batch (its
 ``time/*`` metrics included), so profile a batch whose timings you do not compare.
@@ -181,7 +181,7 @@ def python_table(python: cProfile.Profile, rows: int = TOP_OPS) -> str:
     return "\n".join(line for line in lines[first:] if line.strip())
 
 
-def all_threads():
+def experimental_config():
     """The profiler's setting that records every thread's operators, not only the one that
     starts it (``rollout.max_staleness > 0``: the producer thread samples and scores while
     the training thread updates), and builds no Python event per recorded one (the tables
@@ -248,7 +248,7 @@ class StepProfiler:
         cuda = self.device != "cpu" and torch.cuda.is_available()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         python = cProfile.Profile()  # (where the host's time goes between operators)
-        with profile(activities=activities, experimental_config=all_threads()) as prof:
+        with profile(activities=activities, experimental_config=experimental_config()) as prof:
             start = time.perf_counter()
             python.enable()
             try:
