@@ -354,7 +354,7 @@ def sharded_state(
 
 #: The most threads (and files, ``__RANK_I.distcp``) a rank writes its shards with, one
 #: per :data:`BYTES_PER_WRITE_THREAD` of them: DCP's one thread wrote the ~0.5B model's
-#: 4.8 GB of AdamW state, synced, in 8.2 s on a 2-core CPU, 2 threads in 2.5 s, 8 in 2.0
+#: 4.8 GB of AdamW state, synced, in 7.8-8.2 s on a 2-core CPU, 2 threads in 1.9-2.5 s, 8 in 1.7-2.0
 #: (``benchmarks/checkpoint_write.py``; docs/training.md).
 WRITE_THREADS = 8
 BYTES_PER_WRITE_THREAD = 256 << 20
