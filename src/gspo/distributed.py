@@ -380,6 +380,8 @@ def write_sharded(path: Path, state: dict[str, Any]) -> None:
         raise next(iter(exc.failures.values()))[0] from None
     if helpers.errors:  # (DCP goes on without a helper thread's files)
         raise helpers.errors[0]
+    if metadata is not None and metadata.storage_data is None:  # (torch 2.11 returns it bare)
+        metadata = dcp.FileSystemReader(path).read_metadata()
     if missing := unwritten(metadata):  # (every rank: the metadata is the whole run's)
         raise OSError(f"{path}: {missing} of the shards were not written (a writer failed)")
 
