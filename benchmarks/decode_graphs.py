@@ -20,6 +20,12 @@ step once (in the compute dtype; the head in the dtype the sampler computes it i
 the keys and values of every row up to its current length (at the mean length of the
 call); over the device's measured copy bandwidth, that is the fastest a step can be. The
 fraction reported is floor / measured.
+
+On CUDA it then times the single-query attention's other ways (:data:`ATTENTION_WAYS`:
+SDPA as torch picks its kernel, SDPA with cuDNN's backend off, the batched products) in
+the loop at up to 128 tokens and in the graphs, and profiles the static step
+(:func:`step_kernels`): its device time per step by kernel family (attention, matrix
+products, sampling, copies, the rest), to say which lever the step's time waits on.
 """
 
 from __future__ import annotations
@@ -87,11 +93,14 @@ def autocast(model, dtype: torch.dtype):
     return torch.autocast(device, dtype=dtype)
 
 
-def measure(model, tokenizer, prompts, *, tokens: int, dtype: torch.dtype, way: str) -> dict:
+def measure(
+    model, tokenizer, prompts, *, tokens: int, dtype: torch.dtype, way: str, around=None
+) -> dict:
     """One timed ``generate`` of ``way`` (``loop``, ``static eager``, ``graphs``) after a
     warm-up call of 16 tokens: seconds, decode steps, completion tokens. For ``graphs`` the
     timed call is the second of the same shapes (what every rollout batch after the first
-    is: the engine keeps its graphs), and ``first seconds`` is the first, which captures."""
+    is: the engine keeps its graphs), and ``first seconds`` is the first, which captures.
+    ``around``: a context manager the timed call runs in (a profiler)."""
     from gspo.engines import SamplingParams, TorchEngine
     from gspo.engines.static_decode import StaticDecoder
 
@@ -115,10 +124,11 @@ def measure(model, tokenizer, prompts, *, tokens: int, dtype: torch.dtype, way: 
                 first = timed(
                     device, lambda: engine.generate(prompts, n=GROUP, params=params, seed=2)
                 )
-            seconds = timed(
-                device,
-                lambda: out.update(b=engine.generate(prompts, n=GROUP, params=params, seed=1)),
-            )
+            with around or contextlib.nullcontext():
+                seconds = timed(
+                    device,
+                    lambda: out.update(b=engine.generate(prompts, n=GROUP, params=params, seed=1)),
+                )
     finally:
         StaticDecoder.capture = capture
     batch = out["b"]
@@ -172,36 +182,101 @@ def compare(work: Path, *, device: str = "cuda", tokens: int = 512) -> dict[str,
         figures[f"{way}: fraction of the floor"] = float(f"{floor_ms / value:.3g}")
     figures["graphs vs loop speed-up"] = round(ms["loop"] / ms["graphs"], 2)
     if dev.type == "cuda":
-        figures.update(loop_attention(model, tokenizer, prompts, dtype, min(tokens, 128)))
+        short = min(tokens, 128)
+        figures.update(attention_ways(model, tokenizer, prompts, dtype, short, "loop"))
+        figures.update(attention_ways(model, tokenizer, prompts, dtype, tokens, "graphs"))
+        figures.update(step_kernels(model, tokenizer, prompts, dtype, short))
     return figures
 
 
-def loop_attention(model, tokenizer, prompts, dtype, tokens: int) -> dict[str, float]:
-    """The loop's ms per step, ``tokens`` new tokens, by its single-query attention: SDPA
-    (the default in bf16, whose key length, hence shape, grows every step), SDPA with
-    torch's cuDNN backend off, and the batched products. On an H200 (02e1dd7) the loop took
-    54.7 ms a step, the same step at fixed shapes 13.9 ms, while on this CPU the two loops
-    of a55081f (products) and 02e1dd7 (SDPA) launch the same operators but for attention's:
-    whether SDPA's per-shape choice of kernel costs the loop that time on CUDA."""
+#: Single-query attention as a step may run it: (``KVDecoder.attention``, cuDNN's SDPA
+#: backend on), by label.
+ATTENTION_WAYS = {
+    "SDPA": ("sdpa", True),
+    "SDPA, cuDNN off": ("sdpa", False),
+    "products": ("products", True),
+}
+
+
+def attention_ways(model, tokenizer, prompts, dtype, tokens: int, way: str) -> dict[str, float]:
+    """``way``'s ms per step, ``tokens`` new tokens, by its single-query attention
+    (:data:`ATTENTION_WAYS`; for ``graphs`` the first, the default, is timed by
+    :func:`compare`). The loop's key length, hence SDPA's shape, grows every step: on an
+    H200 at 887befd its 128-token step took 65.3 ms with SDPA, 14.3 with cuDNN's backend
+    off, 15.8 with the products; the graphs fix their shapes at capture, and their SDPA
+    (cuDNN's kernel) took 1.5 of their 4.9 ms a step there (:func:`step_kernels`)."""
     from gspo.engines.decoding import KVDecoder
 
     figures: dict[str, float] = {}
-    ways = {
-        "SDPA": ("sdpa", True),
-        "SDPA, cuDNN off": ("sdpa", False),
-        "products": ("products", True),
-    }
-    for label, (attention, cudnn) in ways.items():
+    for label, (attention, cudnn) in ATTENTION_WAYS.items():
+        if way == "graphs" and label == "SDPA":
+            continue
         kept = KVDecoder.attention, torch.backends.cuda.cudnn_sdp_enabled()
         KVDecoder.attention = attention
         torch.backends.cuda.enable_cudnn_sdp(cudnn)
         try:
-            m = measure(model, tokenizer, prompts, tokens=tokens, dtype=dtype, way="loop")
+            m = measure(model, tokenizer, prompts, tokens=tokens, dtype=dtype, way=way)
         finally:
             KVDecoder.attention = kept[0]
             torch.backends.cuda.enable_cudnn_sdp(kept[1])
-        figures[f"loop, {tokens} tokens, {label}: ms per step"] = round(
+        figures[f"{way}, {tokens} tokens, {label}: ms per step"] = round(
             1e3 * m["seconds"] / m["steps"], 2
+        )
+    return figures
+
+
+#: Kernel families of a decoding step, by a piece of the kernel's name (the first that
+#: matches; case-insensitive); the rest are elementwise kernels, reductions and the like.
+KERNEL_FAMILIES = {
+    "attention": ("sdpa", "fmha", "flash", "attention", "attn"),
+    "matrix products": ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk"),
+    "sampling (sort, scan, search)": ("scan", "sort", "search"),
+    "copies, fills": ("memcpy", "memset", "copy_kernel"),
+}
+
+
+def kernel_families(totals: dict[str, list[float]], steps: int) -> dict[str, float]:
+    """``device_totals``' kernels as ms per step by :data:`KERNEL_FAMILIES` (and ``other``)."""
+    ms = dict.fromkeys([*KERNEL_FAMILIES, "other"], 0.0)
+    for name, (_, us) in totals.items():
+        low = name.lower()
+        family = next((f for f, keys in KERNEL_FAMILIES.items() if any(k in low for k in keys)),
+                      "other")  # fmt: skip
+        ms[family] += us / 1e3 / steps
+    return ms
+
+
+def step_kernels(model, tokenizer, prompts, dtype, tokens: int) -> dict[str, float | str]:
+    """Where a graphs step's device time goes: one ``static eager`` call (the captured
+    step's kernels, launched one by one, so the profiler sees each whatever it records of
+    a graph), ``tokens`` new tokens, under the profiler: its kernels' device time as ms
+    per step, all of it, by family and the three costliest by name."""
+    import gzip
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from gspo.telemetry.profiling import device_totals
+
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    m = measure(
+        model, tokenizer, prompts, tokens=tokens, dtype=dtype, way="static eager", around=prof
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json.gz"
+        prof.export_chrome_trace(str(path))
+        totals = device_totals(json.loads(gzip.decompress(path.read_bytes())))
+    steps = m["steps"]
+    figures: dict[str, float | str] = {
+        "graphs step, all kernels: ms": round(sum(us for _, us in totals.values()) / 1e3 / steps, 3)
+    }
+    for family, ms in kernel_families(totals, steps).items():
+        figures[f"graphs step, {family}: ms"] = round(ms, 3)
+    top = sorted(totals.items(), key=lambda kv: -kv[1][1])[:3]
+    for i, (name, (calls, us)) in enumerate(top, 1):
+        short = name if len(name) <= 60 else name[:57] + "..."
+        figures[f"graphs step, kernel {i}: ms, calls"] = (
+            f"{us / 1e3 / steps:.3f}, {calls / steps:.0f}: {short}"
         )
     return figures
 

@@ -242,7 +242,7 @@ def test_a_lease_part_runs_its_stages_in_order_and_reports_into_the_report_dir(g
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads((reports / "report.json").read_text())
     assert report["header"]["commit"] == "feedbee"
-    assert report["header"]["stages"] == "cuda,suite in 480 s"  # the lease's
+    assert report["header"]["stages"] == "cuda,suite in 400 s"  # the lease's
     assert "gspo overrides" not in report["header"]
     names = [s["name"].split(" (")[0] for s in report["stages"]]
     assert names == ["tests", "test suite"]
@@ -293,7 +293,28 @@ def test_a_budget_beside_a_lease_part_bounds_it(tmp_path):
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["header"]["stages"] == "profile,vs_trl,async,decode,train in 15 s"
+    assert report["header"]["stages"] == "profile,vs_trl,decode,async,train in 15 s"
     assert "gspo overrides" not in report["header"]  # (the graphs are the default on CUDA)
     assert [s["status"] for s in report["stages"]] == ["not run"] * 5
     assert run.returncode == 1  # nothing passed: not a green check
+
+
+def test_a_graphs_steps_kernels_are_sorted_into_families(gpu_check):
+    """``decode_graphs.kernel_families``: the H200 profile's kernel names (887befd) by
+    family, as ms per step; what no family names is ``other``."""
+    import decode_graphs
+
+    totals = {
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7": [28, 1400.0],
+        "nvjet_sm90_tst_64x32_64x16_1x2_h_bz_splitK_TNT": [28, 300.0],
+        "void at::native::tensor_kernel_scan_innermost_dim<double, std::plus<double> >": [1, 50],
+        "void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cu"
+        "da(at::TensorIteratorBase&)": [100, 150.0],
+        "Memcpy DtoD (Device -> Device)": [2, 10.0],
+        "void at::native::vectorized_layer_norm_kernel<float, float, true>": [57, 90.0],
+    }
+    ms = decode_graphs.kernel_families(totals, steps=2)
+    assert ms == {
+        "attention": 0.7, "matrix products": 0.15, "sampling (sort, scan, search)": 0.025,
+        "copies, fills": 0.08, "other": 0.045,
+    }  # fmt: skip

@@ -102,17 +102,14 @@ def op_tables(trace: dict[str, Any], rows: int = TOP_OPS) -> list[tuple[str, str
     (their time less that of the operators they called, per thread). Read from the
     exported trace rather than from the profiler's Python events, whose building takes
     minutes for the million events of a GPU batch."""
-    device: dict[str, list[float]] = {}
+    device = device_totals(trace)
     threads: dict[tuple[Any, Any], list[tuple[float, float, str]]] = {}
     for event in trace.get("traceEvents", []):
         if event.get("ph") != "X":
             continue
         cat, name = event.get("cat", ""), str(event.get("name", ""))
         dur = float(event.get("dur", 0.0))
-        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
-            totals = device.setdefault(name, [0, 0.0])
-            totals[0], totals[1] = totals[0] + 1, totals[1] + dur
-        elif cat == "cpu_op":
+        if cat == "cpu_op":
             key = (event.get("pid"), event.get("tid"))
             threads.setdefault(key, []).append((float(event.get("ts", 0.0)), dur, name))
     host: dict[str, list[float]] = {}
@@ -132,6 +129,16 @@ def op_tables(trace: dict[str, Any], rows: int = TOP_OPS) -> list[tuple[str, str
         tables.append(("device time by kernel", table(device, "device ms", rows)))
     tables.append(("self CPU time", table(host, "self CPU ms", rows)))
     return tables
+
+
+def device_totals(trace: dict[str, Any]) -> dict[str, list[float]]:
+    """Each kernel's (and copy's, fill's) name in the trace -> [calls, device microseconds]."""
+    device: dict[str, list[float]] = {}
+    for event in trace.get("traceEvents", []):
+        if event.get("ph") == "X" and event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            totals = device.setdefault(str(event.get("name", "")), [0, 0.0])
+            totals[0], totals[1] = totals[0] + 1, totals[1] + float(event.get("dur", 0.0))
+    return device
 
 
 def close(frame: list[Any], totals: dict[str, list[float]]) -> None:
