@@ -81,6 +81,50 @@ def test_the_tables_take_kernels_by_device_time_and_operators_by_self_time():
     assert [head for head, _ in cpu_only] == ["self CPU time"]
 
 
+def test_each_stage_owns_the_kernels_its_thread_launched_inside_its_mark():
+    """``stage_kernels``: a kernel goes to the innermost ``time/*`` mark holding, on the
+    launching thread, its launch (same ``correlation``), wherever the kernel itself ran
+    (asynchronously, later); unlaunched ones by their own start; others left out. The
+    summary's stage table then says each stage's kernel seconds."""
+    from gspo.telemetry.profiling import stage_kernels
+
+    def mark(name, ts, dur, tid=1):
+        return {"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": dur,
+                "pid": 0, "tid": tid}  # fmt: skip
+
+    def launch(ts, corr, tid=1):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts,
+                "dur": 1, "pid": 0, "tid": tid, "args": {"correlation": corr}}  # fmt: skip
+
+    def ran(name, ts, dur, corr=None):
+        args = {} if corr is None else {"correlation": corr}
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "pid": 1,
+                "tid": 7, "args": args}  # fmt: skip
+
+    events = [
+        mark("time/generate", 0, 100), mark("time/train", 100, 100),
+        mark("time/old_logprobs", 110, 20),  # inside time/train: the innermost wins
+        mark("time/reward", 0, 300, tid=2),  # another thread's: its launches only
+        launch(10, 1), ran("decode", 50, 30, 1), launch(90, 2), ran("decode", 120, 40, 2),
+        launch(115, 3), ran("head", 125, 5, 3), launch(150, 4), ran("mm", 400, 10, 4),
+        launch(20, 5, tid=2), ran("score", 60, 2, 5),
+        ran("fill", 105, 3),  # no launch recorded: by its own start (time/train, tid 1 or 2)
+        launch(250, 6), ran("late", 260, 1, 6),  # launched outside every mark of thread 1
+    ]  # fmt: skip
+    got = stage_kernels({"traceEvents": events})
+    assert got == {
+        "time/generate": {"decode": [2, 70.0]},
+        "time/old_logprobs": {"head": [1, 5.0]},
+        "time/train": {"mm": [1, 10.0], "fill": [1, 3.0]},
+        "time/reward": {"score": [1, 2.0]},
+    }
+    figures = trace_figures({"traceEvents": events}, wall=1.0)
+    figures.stages, figures.stage_device = {"time/generate": 2.5}, {"time/generate": 1.25}
+    assert "| time/generate | 2.500 | 1.250 |" in summary_text("t", figures, [])
+    figures.stage_device = {}  # (the CPU: no kernels)
+    assert "| time/generate | 2.500 |\n" in summary_text("t", figures, [])
+
+
 def test_a_profiled_run_writes_its_trace_and_summary_and_trains_the_same(
     tmp_path, ones_reward, capsys
 ):

@@ -12,9 +12,11 @@ level under torchrun):
   ... as :func:`gspo.training.metrics.timed` names them);
 - ``summary.md``: the wall seconds; on CUDA the share of them some kernel ran (the union
   of kernel, copy and fill intervals), the host's waits for the device (the runtime's
-  ``*Synchronize`` calls: count and seconds); each stage's seconds; the kernels taking
-  the most device time (CUDA), the operators taking the most self time on the CPU, and
-  the Python functions taking the most cumulative time (the thread that trains).
+  ``*Synchronize`` calls: count and seconds); each stage's seconds (on CUDA beside the
+  device seconds of the kernels it launched: a stage whose kernels take far less than
+  its seconds waits on the host); the kernels taking the most device time (CUDA), in
+  all and launched by each stage, the operators taking the most self time on the CPU,
+  and the Python functions taking the most cumulative time (the thread that trains).
 
 Every thread's operators are recorded (:func:`experimental_config`): with
 ``rollout.max_staleness > 0`` the producer thread's sampling of the batch ahead.
@@ -34,12 +36,15 @@ import shutil
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 #: Rows of each operator table in ``summary.md``.
 TOP_OPS = 20
+
+#: Rows of each stage's kernel table.
+STAGE_OPS = 8
 
 #: A stage marked in the trace: what :func:`gspo.training.metrics.timed` records.
 STAGE_PREFIX = "time/"
@@ -62,6 +67,8 @@ class Profile:
     host_waits: int | None
     host_wait_seconds: float | None
     stages: dict[str, float]
+    #: each stage's kernel seconds (:func:`stage_kernels`), where the device recorded any
+    stage_device: dict[str, float] = field(default_factory=dict)
 
 
 def trace_figures(trace: dict[str, Any], wall: float) -> Profile:
@@ -141,6 +148,40 @@ def device_totals(trace: dict[str, Any]) -> dict[str, list[float]]:
     return device
 
 
+def stage_kernels(trace: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
+    """Each stage's kernels (and copies, fills) as :func:`device_totals` sums them: a
+    kernel belongs to the innermost stage mark (``time/*``) that holds, on its thread, the
+    runtime call that launched it (the one with its ``correlation`` id: a launch, a graph's
+    replay); one whose launch was not recorded, to the mark that holds its own start.
+    Kernels of no stage are left out."""
+    marks: dict[tuple[Any, Any], list[tuple[float, float, str]]] = {}
+    launches: dict[Any, tuple[tuple[Any, Any], float]] = {}
+    kernels = []
+    for event in trace.get("traceEvents", []):
+        if event.get("ph") != "X":
+            continue
+        cat, name = event.get("cat", ""), str(event.get("name", ""))
+        start, dur = float(event.get("ts", 0.0)), float(event.get("dur", 0.0))
+        thread = (event.get("pid"), event.get("tid"))
+        if cat == "user_annotation" and name.startswith(STAGE_PREFIX):
+            marks.setdefault(thread, []).append((start, start + dur, name))
+        elif cat == "cuda_runtime" and "correlation" in event.get("args", {}):
+            launches[event["args"]["correlation"]] = (thread, start)
+        elif cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            kernels.append((event.get("args", {}).get("correlation"), start, dur, name))
+    anywhere = [mark for spans in marks.values() for mark in spans]
+    out: dict[str, dict[str, list[float]]] = {}
+    for correlation, start, dur, name in kernels:
+        thread, at = launches.get(correlation, (None, start))
+        holding = [m for m in marks.get(thread, anywhere) if m[0] <= at <= m[1]]
+        if not holding:
+            continue
+        stage = min(holding, key=lambda m: m[1] - m[0])[2]  # the innermost
+        totals = out.setdefault(stage, {}).setdefault(name, [0, 0.0])
+        totals[0], totals[1] = totals[0] + 1, totals[1] + dur
+    return out
+
+
 def close(frame: list[Any], totals: dict[str, list[float]]) -> None:
     entry = totals.setdefault(frame[1], [0, 0.0])
     entry[0], entry[1] = entry[0] + 1, entry[1] + max(frame[2], 0.0)
@@ -170,7 +211,13 @@ def summary_text(title: str, profile: Profile, tables: list[tuple[str, str]]) ->
             f"- host waits for the device (*Synchronize calls): {profile.host_waits}, "
             f"{profile.host_wait_seconds:.3f} s"
         )
-    if profile.stages:
+    if profile.stages and profile.stage_device:
+        lines += ["", "| stage | s | its kernels' device s |", "|---|---|---|"]
+        lines += [
+            f"| {k} | {v:.3f} | {profile.stage_device.get(k, 0.0):.3f} |"
+            for k, v in sorted(profile.stages.items())
+        ]
+    elif profile.stages:
         lines += ["", "| stage | s |", "|---|---|"]
         lines += [f"| {k} | {v:.3f} |" for k, v in sorted(profile.stages.items())]
     for heading, table in tables:
@@ -282,7 +329,15 @@ class StepProfiler:
         trace = json.loads(raw.read_text())
         raw.unlink()
         figures = trace_figures(trace, wall)
+        by_stage = stage_kernels(trace)
+        figures.stage_device = {
+            k: sum(us for _, us in v.values()) / 1e6 for k, v in by_stage.items()
+        }
         tables = op_tables(trace)
+        tables[1:1] = [  # after all the device's kernels, each stage's
+            (f"device time by kernel, {stage}", table(totals, "device ms", STAGE_OPS))
+            for stage, totals in sorted(by_stage.items())
+        ]
         tables.append(("Python functions by cumulative time (this thread)", python_table(python)))
         title += f", rank {self.rank}" if self.world > 1 else ""
         (where / "summary.md").write_text(summary_text(title, figures, tables))
