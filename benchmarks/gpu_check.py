@@ -693,7 +693,10 @@ def head_stage(sizes: Sizes = FULL, tokens: int = 4096) -> Callable[[Stage, floa
     """The training forward's vocabulary projection and log-softmax, forward and backward
     (``logprobs_from_hidden``: chunked, each chunk recomputed in backward), for ``tokens``
     tokens of the vs_trl model's hidden size and vocabulary, at each
-    ``model.head_precision``: ms and TFLOP/s (CUDA events after a warm-up, mean of 3)."""
+    ``model.head_precision``: ms and TFLOP/s (CUDA events after a warm-up, mean of 3);
+    then bf16_weight at larger chunks than ``LOGPROB_CHUNK``'s 256 tokens (at 02e1dd7 on
+    an H200 the head ran at 109 TFLOP/s, a seventh of the matmul rate: its float32
+    elementwise passes over each chunk's logits, or its launches?)."""
 
     def body(stage: Stage, limit: float) -> None:
         import decode_graphs
@@ -713,12 +716,14 @@ def head_stage(sizes: Sizes = FULL, tokens: int = 4096) -> Callable[[Stage, floa
         flops = 8 * n * hidden_size * vocab  # forward, its recompute in backward, backward
         ms = {}
         kernels = {"float32": torch.nn.functional.linear, "bf16_weight": bf16_weight_linear}
+        chunks = {name: logprobs.LOGPROB_CHUNK for name in kernels}
+        for chunk in (1024, 4096):
+            name = f"bf16_weight, {chunk}-token chunks"
+            kernels[name], chunks[name] = bf16_weight_linear, chunk
         for name, linear in kernels.items():
 
-            def step(linear=linear):
-                out = logprobs.logprobs_from_hidden(
-                    hidden, weight, ids, 1.0, logprobs.LOGPROB_CHUNK, linear=linear
-                )
+            def step(linear=linear, chunk=chunks[name]):
+                out = logprobs.logprobs_from_hidden(hidden, weight, ids, 1.0, chunk, linear=linear)
                 out.sum().backward()
 
             step()  # warm-up
@@ -868,15 +873,15 @@ SHARES = {
 #: checkpoint failed there, so part 2 ended early) the CUDA tests took 108 s, the suite
 #: its whole 1,770 tests in 264 s, the profile 68 s, decoding 59 s (now with the graphs'
 #: attention ways and kernel families: ~90 s), and the machine's start with part 1's
-#: transfers 48 s: part 1 gets 400 s, part 2 380 s, decoding (the 30k target) before
-#: async. The head (bf16_weight 2.8x float32 at 02e1dd7) and LoRA (1.23x, target met
-#: there) are left to ``--stages``. The whole lease: about 400 s and 380 s of stages (a
+#: transfers 48 s: part 1 gets 400 s, part 2 380 s, decoding (the 30k target) and the
+#: head (now at larger chunks too: a few seconds) before async. LoRA (1.23x, target met
+#: at 02e1dd7) is left to ``--stages``. The whole lease: about 400 s and 380 s of stages (a
 #: stage's own runs may overrun what it was given) and about a minute of machine start and
 #: transfers, within 900 s.
 LEASE: dict[str, dict] = {
     "1": {"stages": "cuda,suite", "budget": 400.0, "suite": 300.0},
     "2": {
-        "stages": "profile,vs_trl,decode,async,train",
+        "stages": "profile,vs_trl,decode,head,async,train",
         "budget": 380.0,
         "suite": 0.0,
     },
