@@ -25,7 +25,8 @@ On CUDA it then times the single-query attention's other ways (:data:`ATTENTION_
 SDPA as torch picks its kernel, SDPA with cuDNN's backend off, the batched products) in
 the loop at up to 128 tokens and in the graphs, and profiles the static step
 (:func:`step_kernels`): its device time per step by kernel family (attention, matrix
-products, sampling, copies, the rest), to say which lever the step's time waits on.
+products, sampling, copies, the rest), to say which lever the step's time waits on,
+and times the graphs with ``rollout.compile`` (the per-layer work compiled by inductor).
 """
 
 from __future__ import annotations
@@ -94,13 +95,22 @@ def autocast(model, dtype: torch.dtype):
 
 
 def measure(
-    model, tokenizer, prompts, *, tokens: int, dtype: torch.dtype, way: str, around=None
+    model,
+    tokenizer,
+    prompts,
+    *,
+    tokens: int,
+    dtype: torch.dtype,
+    way: str,
+    around=None,
+    compile: bool = False,
 ) -> dict:
     """One timed ``generate`` of ``way`` (``loop``, ``static eager``, ``graphs``) after a
     warm-up call of 16 tokens: seconds, decode steps, completion tokens. For ``graphs`` the
     timed call is the second of the same shapes (what every rollout batch after the first
     is: the engine keeps its graphs), and ``first seconds`` is the first, which captures.
-    ``around``: a context manager the timed call runs in (a profiler)."""
+    ``around``: a context manager the timed call runs in (a profiler); ``compile``:
+    ``rollout.compile`` (compiled at the warm-up and, for new batch sizes, the first call)."""
     from gspo.engines import SamplingParams, TorchEngine
     from gspo.engines.static_decode import StaticDecoder
 
@@ -110,6 +120,7 @@ def measure(
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         cuda_graphs=way != "loop",
+        compile=compile,
     )
     capture = StaticDecoder.capture
     StaticDecoder.capture = way == "graphs"
@@ -186,6 +197,15 @@ def compare(work: Path, *, device: str = "cuda", tokens: int = 512) -> dict[str,
         figures.update(attention_ways(model, tokenizer, prompts, dtype, short, "loop"))
         figures.update(attention_ways(model, tokenizer, prompts, dtype, tokens, "graphs"))
         figures.update(step_kernels(model, tokenizer, prompts, dtype, short))
+        m = measure(model, tokenizer, prompts, tokens=tokens, dtype=dtype, way="graphs",
+                    compile=True)  # fmt: skip
+        figures["graphs, compiled layers (rollout.compile): tokens/s"] = round(
+            m["tokens"] / m["seconds"]
+        )
+        figures["graphs, compiled layers: ms per step"] = round(1e3 * m["seconds"] / m["steps"], 2)
+        figures["graphs, compiled layers: first generation s (compiles, captures) / next s"] = (
+            f"{m['first seconds']:.2f} / {m['seconds']:.2f}"
+        )
     return figures
 
 

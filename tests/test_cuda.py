@@ -556,6 +556,43 @@ def test_cuda_graphs_in_bf16_stay_near_a_bf16_recompute(tokenizer, tiny_model, m
     assert delta.mean() < BF16_TOKEN_TOL
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graphs_of_compiled_layers_sample_what_the_uncompiled_graphs_do(
+    tokenizer, tiny_model, monkeypatch, dtype
+):
+    """``rollout.compile``: the per-layer work compiled by inductor (Triton kernels), the
+    step captured as CUDA graphs around it: in float32 the same tokens as the uncompiled
+    graphs for a seed and log-probs within 1e-4 (fused reductions sum in another order);
+    under bf16 autocast log-probs of the trainer's to bf16 rounding."""
+    from gspo.engines.decoding import KVDecoder
+
+    model = tiny_model.to("cuda")
+    eos_likely(model, tokenizer)
+    graphs, _, _, captured = graph_engines(model, tokenizer, monkeypatch)
+    ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    fused = TorchEngine(model, **ids, cuda_graphs=True, compile=True)
+    params = SamplingParams(max_new_tokens=32, temperature=0.9)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+    with autocast:
+        a = graphs.generate(encode(tokenizer), n=8, params=params, seed=0)
+        captured.clear()
+        b = fused.generate(encode(tokenizer), n=8, params=params, seed=0)
+        assert captured and fused.static.decoder.compiled
+        assert fused.static.decoder.after_attention.__func__ is not KVDecoder.after_attention
+        with torch.no_grad():
+            lp = completion_logprobs(
+                model, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask,
+                temperature=0.9,
+            )  # fmt: skip
+    delta = (lp - b.sampler_logprobs).abs()[b.completion_mask]
+    if dtype == "float32":
+        assert torch.equal(a.completion_ids, b.completion_ids)
+        assert (a.sampler_logprobs - b.sampler_logprobs).abs().max() < 1e-4
+        assert delta.max() < 1e-3
+    else:
+        assert delta.mean() < BF16_TOKEN_TOL
+
+
 def test_static_step_never_synchronises_with_the_host(tokenizer, tiny_model, monkeypatch):
     """Between the checks of finished rows (here none: CHECK_EVERY beyond the last step),
     the eager static step runs without a host synchronisation: any op that synchronises

@@ -373,7 +373,9 @@ def test_the_next_generation_casts_its_weights_straight_into_the_static_step_s(
         for p in model.parameters():
             p.add_(0.02)
     built = []
-    monkeypatch.setattr(torch_engine, "make_decoder", lambda m: built.append(m) or make_decoder(m))
+    monkeypatch.setattr(
+        torch_engine, "make_decoder", lambda m, **kw: built.append(m) or make_decoder(m, **kw)
+    )
     reuse, made = StaticDecoder.reuse, Made(torch.bfloat16 if bf16 else torch.float32)
 
     def watched(self, *args, **kwargs):

@@ -80,6 +80,14 @@ class RolloutConfig(Section):
         "static step wherever the fast decoder runs (captured on CUDA, eager on the CPU, "
         "where it only serves tests); false = the per-step Python loop (docs/engines.md)",
     )
+    compile: bool = Field(
+        False,
+        description="Torch engine, fast decoder, dense models: run each layer's work "
+        "around attention (norms, products, rotary embedding, MLP) through torch.compile, "
+        "which fuses its small elementwise kernels; compiling costs seconds at the first "
+        "rollout batch (and once more at a new batch size); on the CPU only with "
+        "model.cpu_linear=torch (docs/engines.md)",
+    )
     filter_groups: bool = Field(
         False,
         description="Dynamic sampling (DAPO): drop groups whose rewards are all equal and "

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gspo.engines import lora_weights
-from gspo.engines.layer_weights import LayerWeights, Mismatch, place, read_layer
+from gspo.engines.compiled import compile_layers
+from gspo.engines.layer_weights import LayerWeights, Mismatch, dense_layers, place, read_layer
 from gspo.models import head_logits, length_dependent_rope, plain_lm_head, position_ids_from_mask
 from gspo.models.kernels import head_linear_for, linear_for
 from gspo.models.logprobs import head_matrix
@@ -162,7 +163,7 @@ class KVDecoder:
     #: softmax while the trainer's SDPA keeps them in float32 (docs/precision.md).
     attention: str | None = None
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, *, compile: bool = False):
         self.model = model
         self.linear = linear_for(model)  # the kernel of the model's own linear layers
         self.head_linear = head_linear_for(model)  # and of its vocabulary projection
@@ -189,6 +190,11 @@ class KVDecoder:
         # adapters merged into the matrices (float32), or kept beside them (16-bit)
         self.low_rank = dtype != torch.float32 and _adapted(model)
         self.layers = [self._read(layer) for layer in decoder.layers]
+        #: whether the per-layer work runs compiled (``rollout.compile``): dense MLPs only,
+        #: products by ``F.linear`` (inductor cannot lower oneDNN's packed-weight product)
+        self.compiled = compile and dense_layers(self.layers) and self.linear is F.linear
+        if self.compiled:
+            compile_layers(self)
 
     def _read(self, layer: nn.Module, into: LayerWeights | None = None) -> LayerWeights:
         return read_layer(
@@ -451,9 +457,10 @@ def without_cast_cache(device_type: str):
     return torch.autocast(device_type, dtype=dtype, cache_enabled=False)
 
 
-def make_decoder(model: nn.Module) -> KVDecoder | ModelDecoder:
-    """The fast decoder when ``model`` supports it, the reference one otherwise."""
-    return KVDecoder(model) if KVDecoder.supports(model) else ModelDecoder(model)
+def make_decoder(model: nn.Module, *, compile: bool = False) -> KVDecoder | ModelDecoder:
+    """The fast decoder when ``model`` supports it (its per-layer work compiled with
+    ``compile``), the reference one otherwise."""
+    return KVDecoder(model, compile=compile) if KVDecoder.supports(model) else ModelDecoder(model)
 
 
 def _adapted(model: nn.Module) -> bool:

@@ -16,6 +16,21 @@ from torch import Tensor, nn
 from gspo.engines import lora_weights
 
 
+def plain_mlp(mlp: nn.Module) -> bool:
+    """A dense gated MLP (one of ``MLPS``) whose projections have no bias (Llama's
+    ``mlp_bias``): one the static step computes from its three matrices alone. Any other
+    MLP runs as its own module there, so it is not captured."""
+    return type(mlp).__name__ in lora_weights.MLPS and all(
+        lora_weights.bias_of(getattr(mlp, n)) is None for n in lora_weights.MLP_PROJECTIONS
+    )
+
+
+def dense_layers(layers: list[LayerWeights]) -> bool:
+    """Whether every layer's MLP is dense, computed from its matrices (merged LoRA ones, or
+    a :func:`plain_mlp`'s): no MoE block, whose routing reads the device on the host."""
+    return all(layer.mlp_weights is not None or plain_mlp(layer.mlp) for layer in layers)
+
+
 @dataclass
 class LayerWeights:
     """One decoder layer's weights as the fast step uses them: matrices in the compute

@@ -44,7 +44,8 @@ from torch import Tensor, nn
 
 from gspo.engines.batch import SamplingParams
 from gspo.engines.decoding import KVDecoder, without_cast_cache
-from gspo.engines.lora_weights import MLP_PROJECTIONS, MLPS, bias_of, merged_weight
+from gspo.engines.layer_weights import dense_layers, plain_mlp
+from gspo.engines.lora_weights import MLP_PROJECTIONS, merged_weight
 from gspo.engines.sampling import sample_next
 from gspo.models import head_logits
 
@@ -72,16 +73,7 @@ def buckets(rows: int) -> list[int]:
 def capturable(decoder: KVDecoder) -> bool:
     """Whether a step of ``decoder`` can be captured as a CUDA graph: every MLP dense
     (computed from its matrices; an MoE block's routing reads the device on the host)."""
-    return all(layer.mlp_weights is not None or _plain_mlp(layer.mlp) for layer in decoder.layers)
-
-
-def _plain_mlp(mlp: torch.nn.Module) -> bool:
-    """A dense gated MLP (one of ``MLPS``) whose projections have no bias (Llama's
-    ``mlp_bias``): one the static step computes from its three matrices alone. Any other
-    MLP runs as its own module there, so it is not captured."""
-    return type(mlp).__name__ in MLPS and all(
-        bias_of(getattr(mlp, n)) is None for n in MLP_PROJECTIONS
-    )
+    return dense_layers(decoder.layers)
 
 
 class StaticDecoder:
@@ -207,7 +199,7 @@ class StaticDecoder:
             return False
         for layer, mlp in zip(mine.layers, self.mlps, strict=True):
             if mlp is not None and layer.mlp_weights is None:
-                if not _plain_mlp(layer.mlp):
+                if not plain_mlp(layer.mlp):
                     return False
                 for into, n in zip(mlp, MLP_PROJECTIONS, strict=True):
                     weight = merged_weight(getattr(layer.mlp, n))
@@ -375,6 +367,6 @@ def dense_mlps(decoder: KVDecoder) -> list[tuple[Tensor, Tensor, Tensor] | None]
 def _dense_mlp(mlp: torch.nn.Module, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor] | None:
     """A dense gated MLP's gate, up and down matrices in ``dtype``; None for an MoE block or
     an MLP with biases (run as its own module)."""
-    if not _plain_mlp(mlp):
+    if not plain_mlp(mlp):
         return None
     return tuple(merged_weight(getattr(mlp, n)).to(dtype) for n in MLP_PROJECTIONS)

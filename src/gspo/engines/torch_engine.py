@@ -43,7 +43,8 @@ class TorchEngine:
     graphs. ``"auto"``: on CUDA for models whose step can be captured (dense MLPs), the
     eager loop elsewhere; True: the static step wherever the fast decoder applies,
     captured where it can be and run eagerly elsewhere (the CPU: the tested path);
-    False: never (the per-step loop).
+    False: never (the per-step loop). ``compile`` (``rollout.compile``): the fast decoder's
+    per-layer work through ``torch.compile`` (:mod:`gspo.engines.compiled`; dense models).
     """
 
     def __init__(
@@ -54,12 +55,14 @@ class TorchEngine:
         eos_token_id: int | None,
         fast: bool = True,
         cuda_graphs: bool | Literal["auto"] = "auto",
+        compile: bool = False,
     ):
         self.model = model
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
         self.fast = fast
         self.cuda_graphs = cuda_graphs
+        self.compile = compile
         #: the static step's buffers and graphs, kept for the next generation of the same
         #: shapes (a training run's rollout batches): its graphs are captured once
         self.static: StaticDecoder | None = None
@@ -118,7 +121,8 @@ class TorchEngine:
             logits = decoder.prefill(unique_ids, unique_mask, n, capacity)
             run.start(positions)
         else:
-            decoder = make_decoder(model) if self.fast else ModelDecoder(model)
+            fast = self.fast
+            decoder = make_decoder(model, compile=self.compile) if fast else ModelDecoder(model)
             static = self.static_step(decoder, device)
         if static is None:
             logits = decoder.prefill(unique_ids, unique_mask, n, unique_ids.shape[1] + steps)

@@ -156,6 +156,7 @@ class AsyncRollouts:
                 pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id,
                 cuda_graphs=config.rollout.cuda_graphs,
+                compile=config.rollout.compile,
             )
             self.sampler = StaleSampler(engine, policy, self.module)
         else:  # the run's own engine (vLLM), loaded with the producer's weights when needed

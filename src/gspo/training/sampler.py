@@ -32,6 +32,7 @@ def build_engine(config: Config, policy: Policy, tokenizer, model_dir: Path) -> 
             pad_token_id=pad,
             eos_token_id=eos,
             cuda_graphs=config.rollout.cuda_graphs,
+            compile=config.rollout.compile,
         )
     from gspo.engines.vllm_engine import VLLMEngine
 
