@@ -564,6 +564,7 @@ def test_cuda_graphs_of_compiled_layers_sample_what_the_uncompiled_graphs_do(
     step captured as CUDA graphs around it: in float32 the same tokens as the uncompiled
     graphs for a seed and log-probs within 1e-4 (fused reductions sum in another order);
     under bf16 autocast log-probs of the trainer's to bf16 rounding."""
+    pytest.importorskip("triton", reason="torch.compile on CUDA needs Triton")
     from gspo.engines.decoding import KVDecoder
 
     model = tiny_model.to("cuda")
