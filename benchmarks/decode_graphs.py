@@ -244,7 +244,8 @@ def attention_ways(model, tokenizer, prompts, dtype, tokens: int, way: str) -> d
     :func:`compare`). The loop's key length, hence SDPA's shape, grows every step: on an
     H200 at 887befd its 128-token step took 65.3 ms with SDPA, 14.3 with cuDNN's backend
     off, 15.8 with the products; the graphs fix their shapes at capture, and their SDPA
-    (cuDNN's kernel) took 1.5 of their 4.9 ms a step there (:func:`step_kernels`)."""
+    (cuDNN's kernel) took up to 1.5 of their 4.9 ms a step there (by the profiled batch's
+    table, the training forwards' calls of that kernel among them)."""
     from gspo.engines.decoding import KVDecoder
 
     figures: dict[str, float] = {}
