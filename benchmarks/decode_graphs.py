@@ -152,8 +152,12 @@ def measure(
     }
 
 
-def compare(work: Path, *, device: str = "cuda", tokens: int = 512) -> dict[str, float | str]:
-    """The figures of the three ways on ``work``'s model (see the module docstring)."""
+def compare(
+    work: Path, *, device: str = "cuda", tokens: int = 512, limit: float | None = None
+) -> dict[str, float | str]:
+    """The figures of the three ways on ``work``'s model (see the module docstring); the
+    CUDA-only measurements after them only while ``limit`` seconds have not passed."""
+    begin = time.perf_counter()
     from gspo.config import load_config
     from gspo.models import load_model
     from gspo.models.kernels import set_linear_kernel
@@ -194,19 +198,23 @@ def compare(work: Path, *, device: str = "cuda", tokens: int = 512) -> dict[str,
     figures["graphs vs loop speed-up"] = round(ms["loop"] / ms["graphs"], 2)
     if dev.type == "cuda":  # each apart: one failing (no Triton, say) keeps the others
         short = min(tokens, 128)
-        extras = {
-            "loop attention": lambda: attention_ways(
-                model, tokenizer, prompts, dtype, short, "loop"
-            ),
-            "graphs attention": lambda: attention_ways(
-                model, tokenizer, prompts, dtype, tokens, "graphs"
-            ),
-            "graphs step kernels": lambda: step_kernels(model, tokenizer, prompts, dtype, short),
+        extras = {  # the likeliest levers first
             "graphs, compiled layers": lambda: compiled_graphs(
                 model, tokenizer, prompts, dtype, tokens
             ),
+            "graphs step kernels": lambda: step_kernels(model, tokenizer, prompts, dtype, short),
+            "graphs attention": lambda: attention_ways(
+                model, tokenizer, prompts, dtype, tokens, "graphs"
+            ),
+            "loop attention": lambda: attention_ways(
+                model, tokenizer, prompts, dtype, short, "loop"
+            ),
         }
         for label, extra in extras.items():
+            spent = time.perf_counter() - begin
+            if limit is not None and spent > limit:
+                figures[f"{label}: not run"] = f"the stage's {limit:.0f} s were spent"
+                continue
             try:
                 figures.update(extra())
             except Exception as exc:  # (reported in the stage, not raised)
