@@ -299,7 +299,8 @@ def step_kernels(model, tokenizer, prompts, dtype, tokens: int) -> dict[str, flo
     """Where a graphs step's device time goes: one ``static eager`` call (the captured
     step's kernels, launched one by one, so the profiler sees each whatever it records of
     a graph), ``tokens`` new tokens, under the profiler: its kernels' device time as ms
-    per step, all of it, by family and the three costliest by name."""
+    per step, all of it, by family and the three costliest by name (the prefill's and the
+    first token's kernels included, spread over the steps)."""
     import gzip
     import tempfile
 

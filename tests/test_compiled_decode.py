@@ -1,34 +1,39 @@
 """``rollout.compile``: the fast decoder's per-layer work through ``torch.compile``
 (gspo.engines.compiled), on the CPU (inductor's C++ kernels): the same tokens as the
 uncompiled decoder for a seed, in the per-step loop and the static step, log-probs of
-the trainer's forward to float32 rounding; MoE models and oneDNN's products are left
-uncompiled. Its CUDA graphs: tests/test_cuda.py."""
+the trainer's forward to float32 rounding, no graph break; MoE models and oneDNN's
+products are left uncompiled; a dropped compiled decoder is freed at once. Its CUDA
+graphs: tests/test_cuda.py."""
+
+import gc
+import weakref
 
 import pytest
 import torch
 
-from gspo.engines import SamplingParams, TorchEngine, compiled
+from gspo.engines import SamplingParams, TorchEngine
 from gspo.engines.decoding import KVDecoder, make_decoder
 from gspo.models import TinyModelSpec, build_tiny_model, completion_logprobs
-from gspo.models.kernels import set_linear_kernel
+from gspo.models.kernels import onednn_available, set_linear_kernel
 
 TEXTS = ("12+34=", "5+6=", "123+456=", "7=")
+PLAIN = (KVDecoder.queries_keys_values, KVDecoder.after_attention)
 
 
 def ids(tokenizer):
     return dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
 
 
-def counting(monkeypatch) -> list[KVDecoder]:
-    """The decoders :func:`compiled.compile_layers` compiled, in order."""
+def built(monkeypatch) -> list[KVDecoder]:
+    """Every :class:`KVDecoder` made from now on, in order."""
     made: list[KVDecoder] = []
-    real = compiled.compile_layers
+    init = KVDecoder.__init__
 
-    def spy(decoder):
-        made.append(decoder)
-        real(decoder)
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
 
-    monkeypatch.setattr("gspo.engines.decoding.compile_layers", spy)
+    monkeypatch.setattr(KVDecoder, "__init__", spy)
     return made
 
 
@@ -36,17 +41,23 @@ def counting(monkeypatch) -> list[KVDecoder]:
 def test_compiled_layers_sample_what_the_uncompiled_ones_do(
     tokenizer, tiny_model, monkeypatch, cuda_graphs
 ):
-    made = counting(monkeypatch)
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.utils import counters
+
+    made = built(monkeypatch)
     prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
     params = SamplingParams(24, temperature=1.0)
     plain = TorchEngine(tiny_model, **ids(tokenizer), cuda_graphs=cuda_graphs)
     fused = TorchEngine(tiny_model, **ids(tokenizer), cuda_graphs=cuda_graphs, compile=True)
     a = plain.generate(prompts, n=4, params=params, seed=5)
-    assert not made
+    assert [d.compiled for d in made] == [False] and made[0].layer_work == PLAIN
+    counters.clear()
     b = fused.generate(prompts, n=4, params=params, seed=5)
-    assert len(made) == 1 and made[0].compiled
-    # the bound methods are the compiled ones (dynamo's wrapper, not the class's own)
-    assert made[0].queries_keys_values.__func__ is not KVDecoder.queries_keys_values
+    assert [d.compiled for d in made] == [False, True]
+    assert all(f is not p for f, p in zip(made[1].layer_work, PLAIN, strict=True))
+    # dynamo holds compiled code for both (not run uncompiled), made without a graph break
+    assert all(_debug_get_cache_entry_list(f.__code__) for f in PLAIN)
+    assert not counters["graph_break"]
     assert torch.equal(a.completion_ids, b.completion_ids)
     assert (a.sampler_logprobs - b.sampler_logprobs).abs().max() < 1e-5
     with torch.no_grad():
@@ -56,36 +67,53 @@ def test_compiled_layers_sample_what_the_uncompiled_ones_do(
     assert (lp - b.sampler_logprobs).abs()[b.completion_mask].max() < 1e-5
 
 
+def test_a_dropped_compiled_decoder_is_freed_at_once(tiny_model):
+    """Its two functions are held unbound: no reference cycle keeps it (and its KV cache)
+    alive until a cyclic collection."""
+    gc.disable()
+    try:
+        decoder = make_decoder(tiny_model, compile=True)
+        assert decoder.compiled
+        gone = weakref.ref(decoder)
+        del decoder
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
 def test_moe_models_and_onednn_products_stay_uncompiled(tokenizer, monkeypatch):
-    made = counting(monkeypatch)
+    made = built(monkeypatch)
     spec = TinyModelSpec("qwen3_moe", layers=2, hidden=64, heads=2, kv_heads=1, intermediate=128)
     moe = make_decoder(build_tiny_model(spec, tokenizer, seed=0), compile=True)
-    assert isinstance(moe, KVDecoder) and not moe.compiled and not made
-    assert moe.after_attention.__func__ is KVDecoder.after_attention
-    dense = build_tiny_model(TinyModelSpec("qwen3", layers=1, hidden=64, heads=2, kv_heads=1,
-                                           intermediate=128), tokenizer, seed=0)  # fmt: skip
-    set_linear_kernel(dense, "onednn", "float32")  # (the CPU's default in a run)
-    assert not make_decoder(dense, compile=True).compiled and not made
+    assert isinstance(moe, KVDecoder) and not moe.compiled and moe.layer_work == PLAIN
+    if onednn_available():
+        spec = TinyModelSpec("qwen3", layers=1, hidden=64, heads=2, kv_heads=1, intermediate=128)
+        dense = build_tiny_model(spec, tokenizer, seed=0)
+        assert set_linear_kernel(dense, "onednn", "float32") == "onednn"  # (a CPU run's default)
+        assert not make_decoder(dense, compile=True).compiled
+    assert not any(d.compiled for d in made)
 
 
 def test_rollout_compile_reaches_the_run_s_engines(tmp_path, ones_reward, monkeypatch):
-    """``rollout.compile=true`` is the run's torch engine's switch, and the async
-    producer's: both decoders compile."""
+    """``rollout.compile=true`` is the run's torch engine's switch and the async
+    producer's: the producer's decoders (over its own copy of the weights) compile."""
     from conftest import CPU
 
     from gspo.config import load_config
     from gspo.trainer import Trainer
 
-    made = counting(monkeypatch)
+    made = built(monkeypatch)
     overrides = [
         CPU, "model.layers=1", "model.hidden=64", "model.heads=2", "model.kv_heads=1",
         "model.intermediate=128", "data.eval_size=8", "data.sft_size=16",
         "train.cold_start_steps=0", "rollout.group_size=4", "rollout.prompts_per_batch=4",
-        "rollout.max_new_tokens=8", "eval.every=0", "log.progress=false", "log.plots=false",
+        "rollout.max_new_tokens=8", "eval.every=1", "log.progress=false", "log.plots=false",
         "log.tensorboard=false", ones_reward, "rollout.compile=true", "train.max_steps=2",
         "algorithm.minibatches=1", "rollout.max_staleness=1", "model.cpu_linear=torch",
     ]  # fmt: skip
     trainer = Trainer(load_config(None, overrides), tmp_path / "run")
     assert trainer.sampler.engine.compile is True
     trainer.fit()
+    producer = trainer.rollouts.module
     assert made and all(d.compiled for d in made)
+    assert {d.model is producer for d in made} == {True, False}  # the producer's, the main's

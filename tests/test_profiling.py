@@ -83,17 +83,19 @@ def test_the_tables_take_kernels_by_device_time_and_operators_by_self_time():
 
 def test_each_stage_owns_the_kernels_its_thread_launched_inside_its_mark():
     """``stage_kernels``: a kernel goes to the innermost ``time/*`` mark holding, on the
-    launching thread, its launch (same ``correlation``), wherever the kernel itself ran
-    (asynchronously, later); unlaunched ones by their own start; others left out. The
-    summary's stage table then says each stage's kernel seconds."""
+    launching thread, its launch (same ``correlation``; a runtime or a driver call),
+    wherever the kernel itself ran (asynchronously, later); a launch from a thread without
+    marks (autograd's, backward on CUDA) to the training thread's marks, not to a shorter
+    one of another thread (an async producer's); unlaunched ones by their own start;
+    others left out. The summary's stage table then says each stage's kernel seconds."""
     from gspo.telemetry.profiling import stage_kernels
 
     def mark(name, ts, dur, tid=1):
         return {"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": dur,
                 "pid": 0, "tid": tid}  # fmt: skip
 
-    def launch(ts, corr, tid=1):
-        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts,
+    def launch(ts, corr, tid=1, cat="cuda_runtime"):
+        return {"ph": "X", "cat": cat, "name": "cudaLaunchKernel", "ts": ts,
                 "dur": 1, "pid": 0, "tid": tid, "args": {"correlation": corr}}  # fmt: skip
 
     def ran(name, ts, dur, corr=None):
@@ -110,12 +112,20 @@ def test_each_stage_owns_the_kernels_its_thread_launched_inside_its_mark():
         launch(20, 5, tid=2), ran("score", 60, 2, 5),
         ran("fill", 105, 3),  # no launch recorded: by its own start (time/train, tid 1 or 2)
         launch(250, 6), ran("late", 260, 1, 6),  # launched outside every mark of thread 1
+        mark("time/generate", 155, 20, tid=2),  # a producer sampling ahead, meanwhile
+        launch(160, 7, tid=3), ran("backward", 165, 4, 7),  # autograd's thread: no marks
+        launch(170, 8, cat="cuda_driver"), ran("triton_fused", 171, 6, 8),  # (cuLaunchKernel)
     ]  # fmt: skip
     got = stage_kernels({"traceEvents": events})
     assert got == {
         "time/generate": {"decode": [2, 70.0]},
         "time/old_logprobs": {"head": [1, 5.0]},
-        "time/train": {"mm": [1, 10.0], "fill": [1, 3.0]},
+        "time/train": {
+            "mm": [1, 10.0],
+            "fill": [1, 3.0],
+            "backward": [1, 4.0],
+            "triton_fused": [1, 6.0],
+        },
         "time/reward": {"score": [1, 2.0]},
     }
     figures = trace_figures({"traceEvents": events}, wall=1.0)

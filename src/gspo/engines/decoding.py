@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gspo.engines import lora_weights
-from gspo.engines.compiled import compile_layers
+from gspo.engines.compiled import LayerWork, layer_work
 from gspo.engines.layer_weights import LayerWeights, Mismatch, dense_layers, place, read_layer
 from gspo.models import head_logits, length_dependent_rope, plain_lm_head, position_ids_from_mask
 from gspo.models.kernels import head_linear_for, linear_for
@@ -193,8 +193,8 @@ class KVDecoder:
         #: whether the per-layer work runs compiled (``rollout.compile``): dense MLPs only,
         #: products by ``F.linear`` (inductor cannot lower oneDNN's packed-weight product)
         self.compiled = compile and dense_layers(self.layers) and self.linear is F.linear
-        if self.compiled:
-            compile_layers(self)
+        #: (queries_keys_values, after_attention), unbound, as every step calls them
+        self.layer_work: LayerWork = layer_work(KVDecoder, self.compiled)
 
     def _read(self, layer: nn.Module, into: LayerWeights | None = None) -> LayerWeights:
         return read_layer(
@@ -349,8 +349,9 @@ class KVDecoder:
         cos = self.cos[positions].unsqueeze(1)  # [R, 1, D], shared by every head
         sin = self.sin[positions].unsqueeze(1)
         h = F.embedding(tokens, self.embed)
+        before, after = self.layer_work
         for i, layer in enumerate(self.layers):
-            qk, v = self.queries_keys_values(layer, h, cos, sin)
+            qk, v = before(self, layer, h, cos, sin)
             self.values[i][:, :, col] = v
             # one query per row: a key/value head's query heads attend as one group
             if self.transposed:
@@ -372,7 +373,7 @@ class KVDecoder:
                     attn_mask=mask,
                     scale=self.scaling,
                 )
-            h = self.after_attention(layer, h, out.reshape(rows, heads * d), layer.mlp_weights)
+            h = after(self, layer, h, out.reshape(rows, heads * d), layer.mlp_weights)
         h = F.rms_norm(h, (h.shape[-1],), self.final_norm, self.eps)
         return head_logits(h, self.head, self.head_linear)
 

@@ -259,7 +259,9 @@ class StaticDecoder:
             self.warmed[key] += 1
             current = torch.cuda.current_stream(self.side.device)  # (the model's device)
             self.side.wait_stream(current)
-            with torch.cuda.stream(self.side):
+            # as the capture runs it (autocast's cast cache off): compiled layers see the
+            # same autocast state, so the capture finds their code compiled, not compiling
+            with torch.cuda.stream(self.side), without_cast_cache("cuda"):
                 self.step(batch, span)
             current.wait_stream(self.side)
         else:
@@ -331,8 +333,9 @@ class StaticDecoder:
         # -inf on prompt padding and on the columns not written yet
         mask = self.pad_bias[:rows, :, :span].masked_fill(self.columns[:span] > col, float("-inf"))
         h = F.embedding(self.tokens[:rows], d.embed)
+        before, after = d.layer_work
         for i, layer in enumerate(d.layers):
-            qk, v = d.queries_keys_values(layer, h, cos, sin)
+            qk, v = before(d, layer, h, cos, sin)
             keys, values = d.keys[i][:rows], d.values[i][:rows]
             # the buffers hold the compute dtype; the rotary product is float32 under autocast
             values.index_copy_(2, col, v.unsqueeze(2).to(values.dtype))
@@ -353,7 +356,7 @@ class StaticDecoder:
                     attn_mask=mask[:, None],
                     scale=d.scaling,
                 )
-            h = d.after_attention(layer, h, out.reshape(rows, heads * dim), self.mlps[i])
+            h = after(d, layer, h, out.reshape(rows, heads * dim), self.mlps[i])
         h = F.rms_norm(h, (h.shape[-1],), d.final_norm, d.eps)
         return head_logits(h, d.head, d.head_linear)
 

@@ -151,9 +151,12 @@ def device_totals(trace: dict[str, Any]) -> dict[str, list[float]]:
 def stage_kernels(trace: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
     """Each stage's kernels (and copies, fills) as :func:`device_totals` sums them: a
     kernel belongs to the innermost stage mark (``time/*``) that holds, on its thread, the
-    runtime call that launched it (the one with its ``correlation`` id: a launch, a graph's
-    replay); one whose launch was not recorded, to the mark that holds its own start.
-    Kernels of no stage are left out."""
+    runtime or driver call that launched it (the one with its ``correlation`` id: a
+    launch, a graph's replay, a Triton kernel's ``cuLaunchKernel``). A launch from a thread
+    that sets no marks (autograd's device thread, which runs backward on CUDA) is held by
+    the marks of the thread that trains (the one with ``time/train``); a kernel whose launch
+    was not recorded, by the marks that hold its own start. Kernels of no stage are left
+    out."""
     marks: dict[tuple[Any, Any], list[tuple[float, float, str]]] = {}
     launches: dict[Any, tuple[tuple[Any, Any], float]] = {}
     kernels = []
@@ -165,15 +168,21 @@ def stage_kernels(trace: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
         thread = (event.get("pid"), event.get("tid"))
         if cat == "user_annotation" and name.startswith(STAGE_PREFIX):
             marks.setdefault(thread, []).append((start, start + dur, name))
-        elif cat == "cuda_runtime" and "correlation" in event.get("args", {}):
+        elif cat in ("cuda_runtime", "cuda_driver") and "correlation" in event.get("args", {}):
             launches[event["args"]["correlation"]] = (thread, start)
         elif cat in ("kernel", "gpu_memcpy", "gpu_memset"):
             kernels.append((event.get("args", {}).get("correlation"), start, dur, name))
     anywhere = [mark for spans in marks.values() for mark in spans]
+    trains = next((spans for spans in marks.values()
+                   if any(m[2] == f"{STAGE_PREFIX}train" for m in spans)), anywhere)  # fmt: skip
     out: dict[str, dict[str, list[float]]] = {}
     for correlation, start, dur, name in kernels:
-        thread, at = launches.get(correlation, (None, start))
-        holding = [m for m in marks.get(thread, anywhere) if m[0] <= at <= m[1]]
+        if correlation in launches:
+            thread, at = launches[correlation]
+            candidates = marks.get(thread, trains)
+        else:
+            at, candidates = start, anywhere
+        holding = [m for m in candidates if m[0] <= at <= m[1]]
         if not holding:
             continue
         stage = min(holding, key=lambda m: m[1] - m[0])[2]  # the innermost
