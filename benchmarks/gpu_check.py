@@ -604,7 +604,8 @@ def profile_stage(
     stage's gspo run under ``log.profile_steps=[0,8]``: where their time goes (the first
     batch holds the warm-ups: graph capture, the libraries' first calls). Their
     ``summary.md`` (the costliest operators on the device and the CPU) are copied beside
-    the report as ``profile.md`` and ``profile_startup.md``."""
+    the report as ``profile.md`` and ``profile_startup.md``; then the start-up's pieces
+    before the trainer (:data:`STARTUP_PIECES`)."""
 
     def body(stage: Stage, limit: float) -> None:
         import dataclasses
@@ -631,20 +632,46 @@ def profile_stage(
         summary = (run / "profile" / "steps_5-8" / "summary.md").read_text()
         (reports / "profile.md").write_text(summary)
         stage.figures.update(profile_figures(summary))
+        stage.figures.update(startup_pieces(sizes.device))
 
     return body
 
 
+#: What a process pays before gspo's trainer is built, a piece at a time: each a fresh
+#: interpreter (after the profiled run, so the files are cached and compiled as for the
+#: runs that follow it); the vs_trl run's start-up, 12.3 s on an H200 at d819f52, was
+#: 5.75 s of building the trainer by its profile (887befd) and the rest unaccounted for.
+STARTUP_PIECES = {
+    "the interpreter": "pass",
+    "import torch": "import torch",
+    "import torch, the first CUDA tensor": "import torch; torch.zeros(1, device='{device}')",
+    "import gspo.cli, transformers' model code": "import gspo.cli, transformers.modeling_utils",
+}
+
+
+def startup_pieces(device: str) -> dict[str, float]:
+    """Seconds of each of :data:`STARTUP_PIECES`, one process each."""
+    figures = {}
+    for label, code in STARTUP_PIECES.items():
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", code.format(device=device)], check=True,
+                       cwd=ROOT, capture_output=True, timeout=120)  # fmt: skip
+        figures[f"start-up piece, {label}: s"] = round(time.perf_counter() - start, 2)
+    return figures
+
+
 def profile_figures(summary: str) -> dict[str, str]:
-    """The figures of a ``log.profile_steps`` summary: its bullet lines and stage rows."""
+    """The figures of a ``log.profile_steps`` summary: its bullet lines and stage rows
+    (seconds, and on CUDA the device seconds of the kernels the stage launched)."""
     figures = {}
     for line in summary.splitlines():
         if line.startswith("- ") and ": " in line:
             key, value = line[2:].split(": ", 1)
             figures[key] = value
-        elif re.fullmatch(r"\| time/\S+ \| [0-9.]+ \|", line):
-            _, key, value, _ = line.split("|")
-            figures[f"{key.strip()} s"] = value.strip()
+        elif row := re.fullmatch(r"\| (time/\S+) \| ([0-9.]+) \|(?: ([0-9.]+) \|)?", line):
+            figures[f"{row[1]} s"] = row[2]
+            if row[3] is not None:
+                figures[f"{row[1]}: its kernels' device s"] = row[3]
     return figures
 
 

@@ -318,3 +318,19 @@ def test_a_graphs_steps_kernels_are_sorted_into_families(gpu_check):
         "attention": 0.7, "matrix products": 0.15, "sampling (sort, scan, search)": 0.025,
         "copies, fills": 0.08, "other": 0.045,
     }  # fmt: skip
+
+
+def test_the_profile_stage_reads_the_summary_s_figures_and_stage_rows(gpu_check):
+    """``profile_figures``: the bullet lines and each stage's row, with the device seconds
+    of its kernels where the summary has them (CUDA), as ``summary_text`` writes them."""
+    from gspo.telemetry.profiling import Profile, summary_text
+
+    profile = Profile(wall=5.5, device_busy=4.25, host_waits=3, host_wait_seconds=0.5,
+                      stages={"time/generate": 2.5, "time/train": 2.25})  # fmt: skip
+    profile.stage_device = {"time/generate": 2.125, "time/train": 1.5}
+    figures = gpu_check.profile_figures(summary_text("t", profile, []))
+    assert figures["wall"] == "5.500 s" and figures["time/train s"] == "2.250"
+    assert figures["time/generate: its kernels' device s"] == "2.125"
+    profile.stage_device = {}  # (the CPU)
+    figures = gpu_check.profile_figures(summary_text("t", profile, []))
+    assert figures["time/generate s"] == "2.500" and not any("device s" in k for k in figures)
