@@ -155,6 +155,35 @@ def test_chunked_logprobs_equal_full_logits_in_value_and_gradient(chunk):
     assert torch.allclose(grads[1], weight.grad, atol=1e-5)
 
 
+def test_at_temperature_1_the_head_and_the_sampler_divide_nothing():
+    """Dividing by a temperature of 1 changes no value (x / 1 is x) but costs a pass over
+    each chunk's logits (156 MB at a 151,936-token vocabulary), one more in backward, and
+    one over each decoding step's: none is made; at another temperature it is."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from gspo.engines import SamplingParams, sample_next
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 6, 8, generator=gen, requires_grad=True)
+    weight = torch.randn(30, 8, generator=gen, requires_grad=True)
+    ids = torch.randint(0, 30, (2, 6), generator=gen)
+    logits = torch.randn(4, 30, generator=gen)
+    for temperature, divides in ((1.0, False), (0.7, True)):
+        with Ops() as ops:
+            logprobs_from_hidden(hidden, weight, ids, temperature, 4).sum().backward()
+            sample_next(logits, SamplingParams(8, temperature=temperature), gen)
+        assert any(n.startswith("div") for n in ops.names) == divides, ops.names
+
+
 def test_chunked_logprobs_without_grad_and_empty():
     with torch.no_grad():
         out = logprobs_from_hidden(

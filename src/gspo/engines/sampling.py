@@ -35,7 +35,8 @@ def sample_next(
         logprobs = torch.log_softmax(logits, dim=-1)
         tokens = logits.argmax(dim=-1)
         return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
+    scaled = logits / params.temperature if params.temperature != 1.0 else logits  # (x / 1 is x)
+    logprobs = torch.log_softmax(scaled, dim=-1)
     probs = logprobs.exp()
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)

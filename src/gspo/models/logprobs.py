@@ -463,7 +463,9 @@ def _chunk_head(
     hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float, linear
 ) -> tuple[Tensor, Tensor, Tensor]:
     """A chunk's scaled logits, the log-probs of ``ids`` and the logsumexp."""
-    logits = head_logits(hidden, weight, linear) / temperature
+    logits = head_logits(hidden, weight, linear)
+    if temperature != 1.0:  # (x / 1 is x: a pass over the logits, one in backward, saved)
+        logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
     return logits, logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - lse, lse
 
