@@ -6,6 +6,8 @@ products are left uncompiled; a dropped compiled decoder is freed at once. Its C
 graphs: tests/test_cuda.py."""
 
 import gc
+import os
+import shutil
 import weakref
 
 import pytest
@@ -18,6 +20,13 @@ from gspo.models.kernels import onednn_available, set_linear_kernel
 
 TEXTS = ("12+34=", "5+6=", "123+456=", "7=")
 PLAIN = (KVDecoder.queries_keys_values, KVDecoder.after_attention)
+
+#: inductor writes the CPU's kernels in C++ (``$CXX``, else g++): a machine without a
+#: compiler cannot compile them
+needs_cxx = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "g++")) is None,
+    reason="torch.compile on the CPU needs a C++ compiler",
+)
 
 
 def ids(tokenizer):
@@ -37,6 +46,7 @@ def built(monkeypatch) -> list[KVDecoder]:
     return made
 
 
+@needs_cxx
 @pytest.mark.parametrize("cuda_graphs", [False, True], ids=["loop", "static-step"])
 def test_compiled_layers_sample_what_the_uncompiled_ones_do(
     tokenizer, tiny_model, monkeypatch, cuda_graphs
@@ -94,6 +104,7 @@ def test_moe_models_and_onednn_products_stay_uncompiled(tokenizer, monkeypatch):
     assert not any(d.compiled for d in made)
 
 
+@needs_cxx
 def test_rollout_compile_reaches_the_run_s_engines(tmp_path, ones_reward, monkeypatch):
     """``rollout.compile=true`` is the run's torch engine's switch and the async
     producer's: the producer's decoders (over its own copy of the weights) compile."""
