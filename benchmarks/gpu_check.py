@@ -137,6 +137,7 @@ class Sizes:
     response_tokens: int
     steps: int  # their optimizer steps (4 per rollout batch)
     precision: tuple[str, ...]  # the precision stage's experiments/precision.py arguments
+    precision_steps: int  # the precision_runs stage's RL steps per run
     workloads: tuple[Workload, ...] = WORKLOADS  # the workloads stage's
 
 
@@ -155,6 +156,7 @@ FULL = Sizes(
         *("--preset", "long", "--batches", "2"),
         *("--set", "train.cold_start_steps=400", "model.device=cuda"),
     ),
+    precision_steps=16,
 )
 
 
@@ -178,6 +180,7 @@ def smoke_sizes(device: str) -> Sizes:
         response_tokens=16,
         steps=4,
         precision=("--preset", "default", "--batches", "1", "--set", "train.cold_start_steps=20"),
+        precision_steps=2,
         workloads=SMOKE_WORKLOADS,
     )
 
@@ -676,25 +679,39 @@ def profile_figures(summary: str) -> dict[str, str]:
 
 
 def precision_stage(
-    out: Path, reports: Path, sizes: Sizes = FULL
+    out: Path, reports: Path, sizes: Sizes = FULL, what: str = "probe"
 ) -> Callable[[Stage, float], None]:
     """``experiments/precision.py probe`` on the device: one float32 cold start, then per
     setting (float32, bf16 as it was, each agreement fix, the defaults) a
     rollout batch sampled by the torch engine and recomputed by the trainer's forward on
     the device: the sampler-trainer gap per token and per sequence, and the share of
-    sequences outside GSPO's clip band (the report: ``precision.md`` beside this one)."""
+    sequences outside GSPO's clip band (the report: ``precision.md`` beside this one).
+    ``what="runs"`` (the ``precision_runs`` stage): its whole RL runs from that cold
+    start instead, GSPO and GRPO with pi_old from the sampler in bf16 as it was / with
+    the fixes / recomputed / in float32: on- and off-policy clipped tokens, the on-policy
+    ratio range (``precision_runs.md``)."""
 
     def body(stage: Stage, limit: float) -> None:
         where = out / "precision"
-        command = [sys.executable, "experiments/precision.py", "probe", *sizes.precision,
+        steps = ("--steps", str(sizes.precision_steps)) if what == "runs" else ()
+        command = [sys.executable, "experiments/precision.py", what, *sizes.precision, *steps,
                    "--device", sizes.device, "--work-dir", str(where / "work"),
                    "--output-dir", str(where)]  # fmt: skip
-        run(command, limit, stage, log=out / "logs" / "precision.log")
+        run(command, limit, stage, log=out / "logs" / f"precision_{what}.log")
         if stage.status == "failed":
             return
-        name = "probe_" + sizes.precision[sizes.precision.index("--preset") + 1]
-        (reports / "precision.md").write_text((where / f"{name}.md").read_text())
+        name = f"{what}_" + sizes.precision[sizes.precision.index("--preset") + 1]
+        report = "precision.md" if what == "probe" else "precision_runs.md"
+        (reports / report).write_text((where / f"{name}.md").read_text())
         results = json.loads((where / f"{name}.json").read_text())
+        if what == "runs":
+            for r in results:
+                low, high = r["on_policy_ratio_range"]
+                stage.figures[f"{r['run']}: clipped on-policy / off-policy, on-policy ratios"] = (
+                    f"{r['on_policy_clip_fraction']:.3f} / {r['off_policy_clip_fraction']:.3f}, "
+                    f"{low:.5f} - {high:.5f}"
+                )
+            return
         for setting, r in results.items():
             stage.figures[f"{setting}: sequences outside the clip band / token gap"] = (
                 f"{r['sequences_outside_clip_band']:.3f} / {r['token_abs_mean']:.1e}"
@@ -878,12 +895,13 @@ def render(stages: list[Stage], header: dict[str, str]) -> str:
 #: The stages ``--stages`` picks from, in the order a full check runs them, with the
 #: seconds each may take at most (the suite's is ``--suite-limit``).
 STAGES = (
-    "suite", "cuda", "precision", "head", "decode", "vllm", "train", "vs_trl", "profile",
-    "lora", "async", "workloads",
+    "suite", "cuda", "precision", "precision_runs", "head", "decode", "vllm", "train",
+    "vs_trl", "profile", "lora", "async", "workloads",
 )  # fmt: skip
 SHARES = {
-    "cuda": 190, "precision": 120, "head": 30, "decode": 120, "vllm": 150, "train": 180,
-    "vs_trl": 300, "profile": 120, "lora": 60, "async": 150, "workloads": 300,
+    "cuda": 190, "precision": 120, "precision_runs": 420, "head": 30, "decode": 120,
+    "vllm": 150, "train": 180, "vs_trl": 300, "profile": 120, "lora": 60, "async": 150,
+    "workloads": 300,
 }  # fmt: skip
 
 #: What a GPU lease of 15 device-minutes runs, as two calls (``benchmarks/gpu_lease.sh 1``
@@ -1055,6 +1073,10 @@ def main() -> int:
         "precision": (
             Stage("sampler vs trainer log-probs per precision setting (the bf16 probe)"),
             precision_stage(args.out, reports, sizes),
+        ),
+        "precision_runs": (
+            Stage("GSPO's and GRPO's clipping per precision setting, whole runs"),
+            precision_stage(args.out, reports, sizes, what="runs"),
         ),
         "head": (
             Stage(f"log-prob head forward+backward, {sizes.model_label} sizes"),

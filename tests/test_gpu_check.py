@@ -334,3 +334,27 @@ def test_the_profile_stage_reads_the_summary_s_figures_and_stage_rows(gpu_check)
     profile.stage_device = {}  # (the CPU)
     figures = gpu_check.profile_figures(summary_text("t", profile, []))
     assert figures["time/generate s"] == "2.500" and not any("device s" in k for k in figures)
+
+
+def test_the_precision_runs_stage_reports_each_run_s_clipping(tmp_path):
+    """``--stages precision_runs``: experiments/precision.py's whole runs (toy sizes here),
+    GSPO and GRPO per precision setting, their report beside this one; pi_old recomputed
+    or in float32, the on-policy ratios are 1."""
+    import json
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--stages", "precision_runs", "--out",
+         str(tmp_path / "work"), "--report-dir", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    (stage,) = json.loads((tmp_path / "report.json").read_text())["stages"]
+    assert stage["status"] == "passed", stage["detail"]
+    figures = stage["figures"]
+    assert len(figures) == 8  # GSPO and GRPO x four settings
+    for run_name in ("GSPO, bf16, recomputed (default)", "GRPO, float32, sampler (default)"):
+        value = figures[f"{run_name}: clipped on-policy / off-policy, on-policy ratios"]
+        assert value.startswith("0.000 / ") and value.endswith("1.00000 - 1.00000"), value
+    report = (tmp_path / "precision_runs.md").read_text()
+    assert report.startswith("`python experiments/precision.py runs")
