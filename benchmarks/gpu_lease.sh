@@ -2,15 +2,17 @@
 # The GPU check in a lease of 15 device-minutes, as two calls of the lent machine's `run`
 # (each at most 10 minutes), made back to back so the machine stays warm between them:
 #
-#   GSPO_COMMIT=<sha> bash benchmarks/gpu_lease.sh 1   # numerics and the suite: the CUDA tests,
-#                                                      # the whole suite (~8 min)
+#   GSPO_COMMIT=<sha> bash benchmarks/gpu_lease.sh 1   # numerics: the whole suite, the CUDA
+#                                                      # tests in it (~5-7 min)
 #   GSPO_COMMIT=<sha> bash benchmarks/gpu_lease.sh 2   # speed: the ~0.5B/512 workload's start-up
 #                                                      # and one batch profiled, gspo vs TRL
 #                                                      # on it, async k=0 vs 1, decoding, the
 #                                                      # bf16 demo
 #
 # with `.whl` (from `make gpu-wheels`) carried beside the tree. Part 1 first: the numerics
-# and the suite matter before speed. Each part writes report.md, report.json and the logs
+# and the suite matter before speed. Give each call a `timeout_s` 45 s or more beyond its
+# budget (part 1: 490; part 2: what is left, about 360): a call cut at its timeout returns
+# nothing, where a part that stops itself returns what it finished. Each part writes report.md, report.json and the logs
 # (logs.tar.gz) into $OUT (what comes back from the machine) after every stage, so a part
 # cut off at its limit still returns what it finished. The stages and budgets: `LEASE` in
 # gpu_check.py. Further arguments go to gpu_check.py (`--smoke`: toy sizes, a check of this
