@@ -273,6 +273,62 @@ def test_inverse_cdf_sampling_follows_the_distribution():
     assert (freq - probs).abs().max() < 0.01
 
 
+def one_level_inversion(probs, uniforms):
+    """The float64 CDF over the whole vocabulary (the sampler's inversion before blocks)."""
+    cdf = probs.double().cumsum(-1)
+    target = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return tokens.clamp_(max=probs.shape[-1] - 1)
+
+
+@pytest.mark.parametrize(
+    ("rows", "vocab", "block"), [(3000, 1000, 16), (2000, 997, 64), (32, 151_936, 256)]
+)
+def test_the_two_level_inversion_draws_the_tokens_the_whole_vocabulary_cdf_draws(
+    rows, vocab, block
+):
+    """Blocks' sums, then the chosen block's own CDF: the same tokens as one float64 CDF
+    over the whole vocabulary, for peaked and flat rows, rows with zeroed tokens (top-p),
+    a vocabulary that is not a multiple of the block, and uniforms at 0 and just below 1."""
+    from gspo.engines.sampling import invert_cdf
+
+    gen = torch.Generator().manual_seed(0)
+    scale = torch.logspace(-1, 1.5, rows).unsqueeze(-1)  # flat to nearly one-hot
+    probs = torch.softmax(torch.randn(rows, vocab, generator=gen) * scale, dim=-1)
+    zeroed = torch.rand(rows, vocab, generator=gen) < 0.5
+    probs[1::2] = probs[1::2].masked_fill(zeroed[1::2], 0.0)
+    uniforms = torch.rand(rows, generator=gen)
+    uniforms[:4] = torch.tensor([0.0, 1 - 2**-24, 0.5, 1 - 2**-24])
+    tokens = invert_cdf(probs, uniforms, block=block)
+    assert torch.equal(tokens, one_level_inversion(probs, uniforms))
+    assert (probs.gather(-1, tokens[:, None]) > 0).all()
+
+
+def test_the_two_level_inversion_never_draws_a_token_of_probability_zero():
+    """Uniforms at each token's boundary and within a few ulps of each block's, blocks
+    starting and ending in zeros, the vocabulary ending in them: every token drawn has
+    positive probability."""
+    from gspo.engines.sampling import invert_cdf
+
+    block, vocab = 8, 61
+    probs = torch.rand(vocab, generator=torch.Generator().manual_seed(1))
+    probs[0] = 0.0  # the start of the first block
+    probs[block - 3 : block] = 0.0  # its end
+    probs[2 * block : 3 * block + 2] = 0.0  # a whole block and the start of the next
+    probs[vocab - 4 :] = 0.0  # the end of the vocabulary (a short last block)
+    cdf = probs.double().cumsum(0)
+    blocks = torch.nn.functional.pad(probs, (0, 3)).view(-1, block).sum(-1).double().cumsum(0)
+    near = (blocks / blocks[-1]).unsqueeze(-1) + torch.arange(-4, 5) * 2.0**-53
+    edges = torch.tensor([0.0, 1 - 2**-24], dtype=torch.float64)
+    uniforms = torch.cat([cdf / cdf[-1], near.flatten(), edges]).clamp(0.0, 1 - 2**-53)
+    tokens = invert_cdf(probs.expand(len(uniforms), vocab).contiguous(), uniforms, block=block)
+    assert (probs[tokens] > 0).all()
+    # and a uniform at the middle of a token's share of the CDF draws that token
+    middles = ((cdf - probs / 2) / cdf[-1])[probs > 0]
+    drawn = invert_cdf(probs.expand(len(middles), vocab).contiguous(), middles, block=block)
+    assert drawn.tolist() == probs.nonzero().squeeze(-1).tolist()
+
+
 def test_fast_decoder_runs_the_moe_builtin_like_the_reference(tokenizer):
     """MoE blocks are called as the model's own modules: same tokens as the reference."""
     from gspo.engines.decoding import KVDecoder, make_decoder
