@@ -24,8 +24,18 @@ out=${OUT:-runs/gpu_lease}
 mkdir -p "$out"
 # the wheels are for the device's Python 3.12 (`make gpu-wheels`); elsewhere they are left out
 if [ -d .whl ] && python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || exit 1
+    # once per machine: a warm machine's part 2 keeps part 1's install
+    stamp=/tmp/site/.wheels-$(ls .whl | md5sum | cut -c1-12)
+    if [ ! -e "$stamp" ]; then
+        rm -rf /tmp/site
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --target /tmp/site .whl/*.whl || exit 1
+        # byte-compiled on all cores (pip's own compiling is serial), as a user's install is:
+        # else each timed run compiles what it imports (1.1 s of the trainer's build at
+        # 887befd), and TRL's side, which imports more, more
+        python3 -m compileall -q -j 0 /tmp/site > /dev/null || true
+        touch "$stamp"
+    fi
     export PYTHONPATH=/tmp/site:src
 else
     export PYTHONPATH=src
