@@ -934,8 +934,9 @@ SHARES = {
 #: families and the graphs' attention ways: up to 120 s, those extras skipped once it is
 #: spent); gspo vs TRL 130 s at d819f52; async (k=0 vs 1, never measured) may be cut. The
 #: whole lease: 440 s and 320 s of stages (a stage's own runs may overrun what it was
-#: given), the machine's start with part 1's transfers 48 s, the installs about 12 s each,
-#: within 900 s. LoRA (1.23x, target met at 02e1dd7) and the bf16 probe are left to
+#: given), the machine's start with part 1's transfers 48 s, the wheels' install (with
+#: their byte-compiling) about 15 s in part 1 and none in part 2 (``gpu_lease.sh`` keeps
+#: it), within 900 s. LoRA (1.23x, target met at 02e1dd7) and the bf16 probe are left to
 #: ``--stages``.
 LEASE: dict[str, dict] = {
     "1": {"stages": "suite", "budget": 440.0, "suite": 430.0},
