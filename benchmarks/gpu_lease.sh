@@ -11,7 +11,7 @@
 #
 # with `.whl` (from `make gpu-wheels`) carried beside the tree. Part 1 first: the numerics
 # and the suite matter before speed. Give each call a `timeout_s` 45 s or more beyond its
-# budget (part 1: 490; part 2: what is left, about 360): a call cut at its timeout returns
+# budget (part 1: 490; part 2: what is left, 365 or more): a call cut at its timeout returns
 # nothing, where a part that stops itself returns what it finished. Each part writes report.md, report.json and the logs
 # (logs.tar.gz) into $OUT (what comes back from the machine) after every stage, so a part
 # cut off at its limit still returns what it finished. The stages and budgets: `LEASE` in
@@ -25,7 +25,7 @@ mkdir -p "$out"
 # the wheels are for the device's Python 3.12 (`make gpu-wheels`); elsewhere they are left out
 if [ -d .whl ] && python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then
     # once per machine: a warm machine's part 2 keeps part 1's install
-    stamp=/tmp/site/.wheels-$(ls .whl | md5sum | cut -c1-12)
+    stamp=/tmp/site/.wheels-$(md5sum .whl/*.whl | md5sum | cut -c1-12)  # (their contents)
     if [ ! -e "$stamp" ]; then
         rm -rf /tmp/site
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \

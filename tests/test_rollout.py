@@ -323,6 +323,17 @@ def test_the_two_level_inversion_never_draws_a_token_of_probability_zero():
     uniforms = torch.cat([cdf / cdf[-1], near.flatten(), edges]).clamp(0.0, 1 - 2**-53)
     tokens = invert_cdf(probs.expand(len(uniforms), vocab).contiguous(), uniforms, block=block)
     assert (probs[tokens] > 0).all()
+    # a first block of zeros, a uniform of 0 (the first block with mass, not block 0)
+    leading = torch.zeros(1, 12)
+    leading[0, 5] = 1.0
+    assert invert_cdf(leading, torch.zeros(1), block=4).item() == 5
+    # a float64 uniform whose fraction of its block rounds to 1 (the block's last token,
+    # of probability 0, without the clamp below 1)
+    row = [1.7426442233681172e-10, 9.199929013048447e-12, 6.638422589411164e-10, 0.0,
+           0.6868699193000793, 0.0003611780412029475, 0.10444220900535583, 0.0,
+           4.683397225591079e-09, 0.05475963279604912, 0.00567439291626215, 0.0]  # fmt: skip
+    u = torch.tensor([0.9290769762957599], dtype=torch.float64)
+    assert invert_cdf(torch.tensor([row]), u, block=4).item() == 6
     # and a uniform at the middle of a token's share of the CDF draws that token
     middles = ((cdf - probs / 2) / cdf[-1])[probs > 0]
     drawn = invert_cdf(probs.expand(len(middles), vocab).contiguous(), middles, block=block)
