@@ -22,8 +22,9 @@ call); over the device's measured copy bandwidth, that is the fastest a step can
 fraction reported is floor / measured.
 
 On CUDA it then times the single-query attention's other ways (:data:`ATTENTION_WAYS`:
-SDPA as torch picks its kernel, SDPA with cuDNN's backend off, the batched products) in
-the loop at up to 128 tokens and in the graphs, and profiles the static step
+SDPA as torch picks its kernel, over the loop's spans of 64 key columns or over keys
+growing by one a step, SDPA with cuDNN's backend off, the batched products) in the loop
+at up to 128 tokens and in the graphs, and profiles the static step
 (:func:`step_kernels`): its device time per step by kernel family (attention, matrix
 products, sampling, copies, the rest), to say which lever the step's time waits on,
 and times the graphs with ``rollout.compile`` (the per-layer work compiled by inductor).
@@ -243,11 +244,12 @@ def compiled_graphs(model, tokenizer, prompts, dtype, tokens: int) -> dict[str, 
 
 
 #: Single-query attention as a step may run it: (``KVDecoder.attention``, cuDNN's SDPA
-#: backend on), by label.
+#: backend on, ``KVDecoder.key_span``: the loop's, None its default), by label.
 ATTENTION_WAYS = {
-    "SDPA": ("sdpa", True),
-    "SDPA, cuDNN off": ("sdpa", False),
-    "products": ("products", True),
+    "SDPA": ("sdpa", True, None),
+    "SDPA, keys growing by one": ("sdpa", True, 1),
+    "SDPA, cuDNN off": ("sdpa", False, None),
+    "products": ("products", True, None),
 }
 
 
@@ -258,20 +260,22 @@ def attention_ways(model, tokenizer, prompts, dtype, tokens: int, way: str) -> d
     H200 at 887befd its 128-token step took 65.3 ms with SDPA, 14.3 with cuDNN's backend
     off, 15.8 with the products; the graphs fix their shapes at capture, and their SDPA
     (cuDNN's kernel) took up to 1.5 of their 4.9 ms a step there (by the profiled batch's
-    table, the training forwards' calls of that kernel among them)."""
+    table, the training forwards' calls of that kernel among them). The loop's SDPA runs
+    over spans of 64 key columns since (``KVDecoder.key_span``), timed against keys growing
+    by one; the graphs have spans of their own."""
     from gspo.engines.decoding import KVDecoder
 
     figures: dict[str, float] = {}
-    for label, (attention, cudnn) in ATTENTION_WAYS.items():
-        if way == "graphs" and label == "SDPA":
+    for label, (attention, cudnn, span) in ATTENTION_WAYS.items():
+        if way == "graphs" and (label == "SDPA" or span is not None):
             continue
-        kept = KVDecoder.attention, torch.backends.cuda.cudnn_sdp_enabled()
-        KVDecoder.attention = attention
+        kept = KVDecoder.attention, torch.backends.cuda.cudnn_sdp_enabled(), KVDecoder.key_span
+        KVDecoder.attention, KVDecoder.key_span = attention, span
         torch.backends.cuda.enable_cudnn_sdp(cudnn)
         try:
             m = measure(model, tokenizer, prompts, tokens=tokens, dtype=dtype, way=way)
         finally:
-            KVDecoder.attention = kept[0]
+            KVDecoder.attention, KVDecoder.key_span = kept[0], kept[2]
             torch.backends.cuda.enable_cudnn_sdp(kept[1])
         figures[f"{way}, {tokens} tokens, {label}: ms per step"] = round(ms_per_step(m), 2)
     return figures

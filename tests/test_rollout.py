@@ -164,7 +164,7 @@ def test_reference_decoder_uses_the_cache_argument_transformers_names(tokenizer,
 
 
 @pytest.mark.parametrize("linear", ["torch", "onednn"])
-@pytest.mark.parametrize("attention", ["products", "sdpa"])
+@pytest.mark.parametrize("attention", ["products", "sdpa", "sdpa, key spans"])
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)])
 def test_fast_decoder_samples_what_the_reference_samples(
     tokenizer, tiny_model, temperature, top_p, attention, linear, monkeypatch
@@ -174,6 +174,8 @@ def test_fast_decoder_samples_what_the_reference_samples(
     The prompts have different lengths (left padding), EOS is made likely so rows finish
     at different steps and leave the batch, and finished-ness is read every 3 steps.
     ``linear``: the model's linear layers (and so the fast step's) on F.linear or oneDNN.
+    ``key spans``: SDPA over keys in spans of 5 columns, the unwritten ones masked
+    (``KVDecoder.key_span``, what CUDA takes).
     """
     import gspo.engines.torch_engine as rollout
     from gspo.engines.decoding import KVDecoder
@@ -183,7 +185,8 @@ def test_fast_decoder_samples_what_the_reference_samples(
         pytest.skip("this torch has no oneDNN")
     assert set_linear_kernel(tiny_model, linear) == linear
     monkeypatch.setattr(rollout, "CHECK_EVERY", 3)
-    monkeypatch.setattr(KVDecoder, "attention", attention)
+    monkeypatch.setattr(KVDecoder, "attention", attention.split(",")[0])
+    monkeypatch.setattr(KVDecoder, "key_span", 5 if "spans" in attention else None)
     with torch.no_grad():
         tiny_model.lm_head.weight[tokenizer.eos_token_id] *= 0  # shared with the embedding
         tiny_model.model.norm.weight.mul_(3.0)  # sharper distributions

@@ -61,7 +61,7 @@ def test_buckets_are_the_batch_then_powers_of_two_below_it():
     assert buckets(1) == [1]
 
 
-@pytest.mark.parametrize("attention", ["products", "sdpa"])
+@pytest.mark.parametrize("attention", ["products", "sdpa", "sdpa, key spans"])
 @pytest.mark.parametrize(
     "temperature,top_p,noise", [(1.0, 1.0, 0.0), (0.7, 0.9, 0.0), (1.0, 1.0, 0.5), (0.0, 1.0, 0.0)]
 )
@@ -71,10 +71,13 @@ def test_static_step_samples_what_the_loop_samples(
     """Same seed -> the same tokens as the per-step loop of the fast decoder, log-probs
     within 1e-5 (attention over zero-filled, masked columns sums in another order), on a
     padded prompt batch whose rows finish at different steps; the batch moves down
-    through several buckets and the attention span grows (a chunk of 8 columns here)."""
+    through several buckets and the attention span grows (a chunk of 8 columns here).
+    ``key spans``: the loop's SDPA over spans of 5 columns (``KVDecoder.key_span``, CUDA's
+    way), whose mask the static step must not take past the prompts."""
     monkeypatch.setattr(torch_engine, "CHECK_EVERY", 3)
     monkeypatch.setattr(static_decode, "SPAN_CHUNK", 8)
-    monkeypatch.setattr(KVDecoder, "attention", attention)
+    monkeypatch.setattr(KVDecoder, "attention", attention.split(",")[0])
+    monkeypatch.setattr(KVDecoder, "key_span", 5 if "spans" in attention else None)
     eos_likely(tiny_model, tokenizer)
     params = SamplingParams(32, temperature=temperature, top_p=top_p, logit_noise=noise)
     loop = TorchEngine(tiny_model, **ids(tokenizer), cuda_graphs=False)

@@ -154,8 +154,8 @@ class StaticDecoder:
             (keys[..., p:] if d.transposed else keys[:, :, p:]).zero_()
             values[:, :, p:].zero_()
         self.pad_bias.zero_()
-        if d.bias is not None:
-            self.pad_bias.copy_(d.bias)
+        if d.bias is not None:  # the prompts' padding (past them the loop's spans' -inf)
+            self.pad_bias[..., :p].copy_(d.bias[..., :p])
             d.bias = None
         self.col.fill_(p)
         self.k.zero_()
