@@ -23,8 +23,9 @@ fraction reported is floor / measured.
 
 On CUDA it then times the single-query attention's other ways (:data:`ATTENTION_WAYS`:
 SDPA as torch picks its kernel, over the loop's spans of 64 key columns or over keys
-growing by one a step, SDPA with cuDNN's backend off, the batched products) in the loop
-at up to 128 tokens and in the graphs, and profiles the static step
+growing by one a step, SDPA with cuDNN's backend off, the memory-efficient kernel called
+by name (``KVDecoder.sdpa_kernel``), the batched products) in the loop at up to 128
+tokens and in the graphs, and profiles the static step
 (:func:`step_kernels`): its device time per step by kernel family (attention, matrix
 products, sampling, copies, the rest), to say which lever the step's time waits on,
 and times the graphs with ``rollout.compile`` (the per-layer work compiled by inductor).
@@ -244,16 +245,20 @@ def compiled_graphs(model, tokenizer, prompts, dtype, tokens: int) -> dict[str, 
 
 
 #: Single-query attention as a step may run it: (``KVDecoder.attention``, cuDNN's SDPA
-#: backend on, ``KVDecoder.key_span``: the loop's, None its default), by label.
+#: backend on, ``KVDecoder.key_span``: the loop's, None its default,
+#: ``KVDecoder.sdpa_kernel``), by label.
 ATTENTION_WAYS = {
-    "SDPA": ("sdpa", True, None),
-    "SDPA, keys growing by one": ("sdpa", True, 1),
-    "SDPA, cuDNN off": ("sdpa", False, None),
-    "products": ("products", True, None),
+    "SDPA": ("sdpa", True, None, None),
+    "SDPA, keys growing by one": ("sdpa", True, 1, None),
+    "SDPA, cuDNN off": ("sdpa", False, None, None),
+    "efficient kernel by name": ("sdpa", True, None, "efficient"),
+    "products": ("products", True, None, None),
 }
 
 
-def attention_ways(model, tokenizer, prompts, dtype, tokens: int, way: str) -> dict[str, float]:
+def attention_ways(
+    model, tokenizer, prompts, dtype, tokens: int, way: str
+) -> dict[str, float | str]:
     """``way``'s ms per step, ``tokens`` new tokens, by its single-query attention
     (:data:`ATTENTION_WAYS`; for ``graphs`` the first, the default, is timed by
     :func:`compare`). The loop's key length, hence SDPA's shape, grows every step: on an
@@ -265,18 +270,23 @@ def attention_ways(model, tokenizer, prompts, dtype, tokens: int, way: str) -> d
     by one; the graphs have spans of their own."""
     from gspo.engines.decoding import KVDecoder
 
-    figures: dict[str, float] = {}
-    for label, (attention, cudnn, span) in ATTENTION_WAYS.items():
+    figures: dict[str, float | str] = {}
+    for label, (attention, cudnn, span, kernel) in ATTENTION_WAYS.items():
         if way == "graphs" and (label == "SDPA" or span is not None):
             continue
-        kept = KVDecoder.attention, torch.backends.cuda.cudnn_sdp_enabled(), KVDecoder.key_span
-        KVDecoder.attention, KVDecoder.key_span = attention, span
+        kept = (KVDecoder.attention, KVDecoder.key_span, KVDecoder.sdpa_kernel)
+        cudnn_kept = torch.backends.cuda.cudnn_sdp_enabled()
+        KVDecoder.attention, KVDecoder.key_span, KVDecoder.sdpa_kernel = attention, span, kernel
         torch.backends.cuda.enable_cudnn_sdp(cudnn)
         try:
             m = measure(model, tokenizer, prompts, tokens=tokens, dtype=dtype, way=way)
+        except Exception as exc:  # (one way failing, the kernel by name say, keeps the rest)
+            said = f"{type(exc).__name__}: {exc}"[:300]
+            figures[f"{way}, {tokens} tokens, {label}: failed"] = said
+            continue
         finally:
-            KVDecoder.attention, KVDecoder.key_span = kept[0], kept[2]
-            torch.backends.cuda.enable_cudnn_sdp(kept[1])
+            KVDecoder.attention, KVDecoder.key_span, KVDecoder.sdpa_kernel = kept
+            torch.backends.cuda.enable_cudnn_sdp(cudnn_kept)
         figures[f"{way}, {tokens} tokens, {label}: ms per step"] = round(ms_per_step(m), 2)
     return figures
 

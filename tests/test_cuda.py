@@ -494,6 +494,59 @@ def test_cuda_graphs_sample_what_the_eager_static_step_samples(
         assert (lp - a.sampler_logprobs).abs()[a.completion_mask].max() < 1e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_efficient_kernel_by_name_attends_as_sdpa_does(dtype):
+    """``attend(..., "efficient")`` (``KVDecoder.sdpa_kernel``): the memory-efficient
+    kernel called by name gives SDPA's result, for a decoding step's shapes (grouped
+    queries, keys a slice of longer buffers, a mask of 16-column aligned rows with -inf
+    on padding and on unwritten columns), with float32 queries over bf16 keys as autocast
+    leaves them; and torch's backend switches do not reach it."""
+    from gspo.engines.decoding import attend
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    rows, kv, group, dim, length = 5, 2, 3, 64, 37
+    q = torch.randn(rows, kv, group, dim, device="cuda", generator=gen)
+    buffers = torch.randn(2, rows, kv, 80, dim, device="cuda", generator=gen).to(dtype)
+    k, v = buffers[0][:, :, :length], buffers[1][:, :, :length]
+    bias = torch.zeros(rows, 1, 48, device="cuda", dtype=dtype)
+    bias[:, 0, 30:] = float("-inf")  # unwritten columns
+    bias[1, 0, :4] = float("-inf")  # a padded prompt
+    mask = bias[:, None, :, :length]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.to(dtype).double(), k.double(), v.double(), attn_mask=mask.double(), scale=0.125
+    )
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]):  # (torch's switches: not consulted by name)
+        got = attend(q, k, v, mask, 0.125, "efficient")
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.dtype == dtype and (got.double() - want).abs().max() < tol
+    assert (attend(q.to(dtype), k, v, mask, 0.125, None).double() - want).abs().max() < tol
+
+
+def test_decoding_with_the_efficient_kernel_samples_what_torchs_pick_samples(
+    tokenizer, tiny_model, monkeypatch
+):
+    """``KVDecoder.sdpa_kernel = "efficient"``: the loop and the captured graphs (SDPA
+    forced in float32, where both kernels compute the same sums) sample the tokens they
+    sample with torch's pick, log-probs within 1e-4."""
+    from gspo.engines.decoding import KVDecoder
+
+    monkeypatch.setattr(KVDecoder, "attention", "sdpa")
+    model = tiny_model.to("cuda")
+    eos_likely(model, tokenizer)
+    params = SamplingParams(max_new_tokens=24, temperature=0.9)
+    prompts = [*encode(tokenizer), tokenizer("7=")["input_ids"]]
+    out = {}
+    for kernel in (None, "efficient"):
+        monkeypatch.setattr(KVDecoder, "sdpa_kernel", kernel)
+        graphs, _, loop, _ = graph_engines(model, tokenizer, monkeypatch)
+        out[kernel] = [e.generate(prompts, n=4, params=params, seed=0) for e in (loop, graphs)]
+    for a, b in zip(out[None], out["efficient"], strict=True):
+        assert torch.equal(a.completion_ids, b.completion_ids)
+        assert (a.sampler_logprobs - b.sampler_logprobs).abs().max() < 1e-4
+
+
 def test_cuda_graphs_are_captured_once_and_replayed_by_the_next_generation(
     tokenizer, tiny_model, monkeypatch
 ):

@@ -177,6 +177,13 @@ class KVDecoder:
     #: process-wide, and the trainer's forward may run in another thread.)
     key_span: int | None = None
 
+    #: SDPA's kernel (:func:`attend`): None, the one torch picks (cuDNN's on a Hopper GPU
+    #: for bf16); ``"efficient"``, the memory-efficient kernel called by name on CUDA, so
+    #: that decoding alone leaves cuDNN's out, whatever torch's process-wide backend
+    #: switches say (the trainer's forward keeps them). Not the default: measured by the
+    #: GPU check's decode stage first (``benchmarks/decode_graphs.py``).
+    sdpa_kernel: str | None = None
+
     def __init__(self, model: nn.Module, *, compile: bool = False):
         self.model = model
         self.linear = linear_for(model)  # the kernel of the model's own linear layers
@@ -322,15 +329,20 @@ class KVDecoder:
                 keys[:, :, :p] = layer.keys[each]
             values[:, :, :p] = layer.values[each]
         self.length = p
-        self.bias = None  # additive attention mask [rows, 1, capacity]: -inf on padding
+        # additive attention mask [rows, 1, capacity rounded up to 16 columns (the
+        # alignment the memory-efficient kernel wants of a mask's rows)]: -inf on padding
+        self.bias = None
+        zeros = partial(
+            torch.zeros, (rows, 1, -(-capacity // 16) * 16), dtype=self.dtype, device=ids.device
+        )
         if not bool(mask.bool().all()):
-            self.bias = torch.zeros((rows, 1, capacity), dtype=self.dtype, device=ids.device)
+            self.bias = zeros()
             self.bias[:, 0, :p].masked_fill_(~mask.bool()[each], float("-inf"))
         span = self.key_span or (KEY_SPAN if ids.device.type == "cuda" else 1)
         self.span = 1 if transposed else span  # (the products take the key length as it is)
         if self.span > 1:  # the padding's -inf and the columns not written yet's
             if self.bias is None:
-                self.bias = torch.zeros((rows, 1, capacity), dtype=self.dtype, device=ids.device)
+                self.bias = zeros()
             self.bias[:, 0, p:] = float("-inf")  # (each opened as the step writes it)
             for keys, values in zip(self.keys, self.values, strict=True):
                 keys[:, :, p:].zero_()  # masked, but 0 * NaN is NaN: not what torch.empty
@@ -374,7 +386,7 @@ class KVDecoder:
         h = F.embedding(tokens, self.embed)
         span = length
         if self.span > 1:  # SDPA over whole spans (``key_span``), this step's column opened
-            span = min(-(-length // self.span) * self.span, self.bias.shape[-1])
+            span = min(-(-length // self.span) * self.span, self.values[0].shape[2])
             self.bias[:, :, col] = 0.0
         before, after = self.layer_work
         for i, layer in enumerate(self.layers):
@@ -393,12 +405,13 @@ class KVDecoder:
             else:
                 self.keys[i][:, :, col] = qk[:, heads:]
                 mask = None if self.bias is None else self.bias[:, None, :, :span]
-                out = F.scaled_dot_product_attention(
+                out = attend(
                     qk[:, :heads].reshape(rows, kv, group, d),
                     self.keys[i][:, :, :span],
                     self.values[i][:, :, :span],
-                    attn_mask=mask,
-                    scale=self.scaling,
+                    mask,
+                    self.scaling,
+                    self.sdpa_kernel,
                 )
             h = after(self, layer, h, out.reshape(rows, heads * d), layer.mlp_weights)
         h = F.rms_norm(h, (h.shape[-1],), self.final_norm, self.eps)
@@ -474,6 +487,24 @@ class KVDecoder:
         if self.bias is not None:
             self.bias = self.bias[order]
         return order
+
+
+def attend(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, kernel: str | None
+) -> Tensor:
+    """A decoding step's attention: queries ``[R, Hkv, group, D]`` (a key/value head's
+    query heads as one group) over keys and values ``[R, Hkv, L, D]``, ``mask`` additive,
+    broadcastable to ``[R, Hkv, group, L]`` (rows 16-column aligned), or None.
+    ``kernel`` (:attr:`KVDecoder.sdpa_kernel`): None, SDPA as torch picks its kernel;
+    ``"efficient"``, on CUDA, the memory-efficient kernel by name, given what SDPA would
+    give it (the inputs in the keys' dtype, as autocast casts them, the mask expanded)."""
+    if kernel == "efficient" and q.is_cuda:
+        q, bias = q.to(k.dtype), None
+        if mask is not None:
+            bias = mask.to(k.dtype).expand(*q.shape[:3], k.shape[2])
+        efficient = torch.ops.aten._scaled_dot_product_efficient_attention
+        return efficient(q, k, v.to(k.dtype), bias, False, scale=scale)[0]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def without_cast_cache(device_type: str):

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gspo.engines.batch import SamplingParams
-from gspo.engines.decoding import KVDecoder, without_cast_cache
+from gspo.engines.decoding import KVDecoder, attend, without_cast_cache
 from gspo.engines.layer_weights import dense_layers, plain_mlp
 from gspo.engines.lora_weights import MLP_PROJECTIONS, merged_weight
 from gspo.engines.sampling import sample_next
@@ -349,12 +349,13 @@ class StaticDecoder:
                 out = torch.bmm(scores.softmax(-1), vals)
             else:
                 keys.index_copy_(2, col, qk[:, heads:].unsqueeze(2).to(keys.dtype))
-                out = F.scaled_dot_product_attention(
+                out = attend(
                     qk[:, :heads].reshape(rows, kv, group, dim),
                     keys[:, :, :span],
                     values[:, :, :span],
-                    attn_mask=mask[:, None],
-                    scale=d.scaling,
+                    mask[:, None],
+                    d.scaling,
+                    d.sdpa_kernel,
                 )
             h = after(d, layer, h, out.reshape(rows, heads * dim), self.mlps[i])
         h = F.rms_norm(h, (h.shape[-1],), d.final_norm, d.eps)
