@@ -251,6 +251,7 @@ ATTENTION_WAYS = {
     "SDPA": ("sdpa", True, None, None),
     "SDPA, keys growing by one": ("sdpa", True, 1, None),
     "SDPA, cuDNN off": ("sdpa", False, None, None),
+    "SDPA, cuDNN off, keys growing by one": ("sdpa", False, 1, None),
     "efficient kernel by name": ("sdpa", True, None, "efficient"),
     "products": ("products", True, None, None),
 }

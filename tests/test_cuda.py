@@ -494,31 +494,37 @@ def test_cuda_graphs_sample_what_the_eager_static_step_samples(
         assert (lp - a.sampler_logprobs).abs()[a.completion_mask].max() < 1e-3
 
 
+@pytest.mark.parametrize("dim,group", [(64, 3), (128, 2), (128, 8)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_efficient_kernel_by_name_attends_as_sdpa_does(dtype):
+@pytest.mark.parametrize("rows_of", ["a 16-aligned buffer", "its own width"])
+def test_the_efficient_kernel_by_name_attends_as_sdpa_does(dtype, dim, group, rows_of):
     """``attend(..., "efficient")`` (``KVDecoder.sdpa_kernel``): the memory-efficient
     kernel called by name gives SDPA's result, for a decoding step's shapes (grouped
-    queries, keys a slice of longer buffers, a mask of 16-column aligned rows with -inf
-    on padding and on unwritten columns), with float32 queries over bf16 keys as autocast
-    leaves them; and torch's backend switches do not reach it."""
+    queries, keys a slice of longer buffers, an additive mask with -inf on padding and on
+    unwritten columns, its rows a slice of a 16-column-aligned buffer as the loop's, or
+    of 37 columns, which ``aligned`` pads), with float32 queries over bf16 keys as autocast
+    leaves them; and torch's backend switches do not reach it: with flash attention alone
+    enabled, SDPA refuses a mask, the kernel by name does not."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     from gspo.engines.decoding import attend
 
     gen = torch.Generator("cuda").manual_seed(0)
-    rows, kv, group, dim, length = 5, 2, 3, 64, 37
+    rows, kv, length = 5, 2, 37
     q = torch.randn(rows, kv, group, dim, device="cuda", generator=gen)
     buffers = torch.randn(2, rows, kv, 80, dim, device="cuda", generator=gen).to(dtype)
     k, v = buffers[0][:, :, :length], buffers[1][:, :, :length]
-    bias = torch.zeros(rows, 1, 48, device="cuda", dtype=dtype)
+    bias = torch.zeros(rows, 1, 48 if rows_of.startswith("a 16") else length, device="cuda")
     bias[:, 0, 30:] = float("-inf")  # unwritten columns
     bias[1, 0, :4] = float("-inf")  # a padded prompt
-    mask = bias[:, None, :, :length]
+    mask = bias.to(dtype)[:, None, :, :length]
     want = torch.nn.functional.scaled_dot_product_attention(
         q.to(dtype).double(), k.double(), v.double(), attn_mask=mask.double(), scale=0.125
     )
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel([SDPBackend.MATH]):  # (torch's switches: not consulted by name)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         got = attend(q, k, v, mask, 0.125, "efficient")
+        with pytest.raises(RuntimeError):  # (SDPA itself: no kernel for a mask)
+            attend(q.to(dtype), k, v, mask, 0.125, None)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert got.dtype == dtype and (got.double() - want).abs().max() < tol
     assert (attend(q.to(dtype), k, v, mask, 0.125, None).double() - want).abs().max() < tol
@@ -545,6 +551,18 @@ def test_decoding_with_the_efficient_kernel_samples_what_torchs_pick_samples(
     for a, b in zip(out[None], out["efficient"], strict=True):
         assert torch.equal(a.completion_ids, b.completion_ids)
         assert (a.sampler_logprobs - b.sampler_logprobs).abs().max() < 1e-4
+    # in bf16 (cuDNN's kernel the default there, another kernel's rounding): the sampler's
+    # log-probs stay near the trainer's bf16 recompute, on both paths
+    for engine in (loop, graphs):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            batch = engine.generate(prompts, n=4, params=params, seed=1)
+            with torch.no_grad():
+                lp = completion_logprobs(
+                    model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                    batch.completion_mask, temperature=0.9,
+                )  # fmt: skip
+        delta = (lp - batch.sampler_logprobs).abs()[batch.completion_mask]
+        assert delta.mean() < BF16_TOKEN_TOL
 
 
 def test_cuda_graphs_are_captured_once_and_replayed_by_the_next_generation(

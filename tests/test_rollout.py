@@ -237,6 +237,51 @@ def test_samples_do_not_depend_on_when_finished_rows_leave(tokenizer, tiny_model
         assert torch.allclose(other.sampler_logprobs, runs[0].sampler_logprobs, atol=1e-6)
 
 
+def test_key_spans_hide_what_an_earlier_generation_left_in_the_buffers(
+    tokenizer, tiny_model, monkeypatch
+):
+    """SDPA over spans (``KVDecoder.key_span``) reads columns not written yet, masked: a
+    decoder prefilled again at the same shape keeps its buffers, and what they held (NaN
+    here) is zeroed first, as 0 * NaN would poison every row. Logits as without spans."""
+    from gspo.engines import pad_batch
+    from gspo.engines.decoding import KVDecoder
+
+    monkeypatch.setattr(KVDecoder, "attention", "sdpa")
+    ids, mask = pad_batch(prompts(tokenizer), tokenizer.pad_token_id, torch.device("cpu"))
+    n, p = 2, ids.shape[1]
+    positions = mask.sum(-1).repeat_interleave(n)
+    tokens = torch.arange(len(positions)) % 7 + 1
+    logits = {}
+    with torch.no_grad():
+        for span in (1, 5):
+            monkeypatch.setattr(KVDecoder, "key_span", span)
+            decoder = KVDecoder(tiny_model)
+            decoder.prefill(ids, mask, n, p + 9)
+            for buffer in [*decoder.keys, *decoder.values]:
+                buffer.fill_(float("nan"))  # an earlier generation's leftovers, at worst
+            decoder.prefill(ids, mask, n, p + 9)  # (the same shape: the same buffers)
+            logits[span] = [decoder.step(tokens, positions + j) for j in range(7)]
+    for spanned, plain in zip(logits[5], logits[1], strict=True):
+        assert torch.isfinite(spanned).all()
+        assert torch.allclose(spanned, plain, atol=1e-5)
+
+
+def test_a_mask_for_the_efficient_kernel_gets_aligned_rows():
+    """``aligned``: a mask whose rows sit at strides the memory-efficient kernel cannot
+    read (not multiples of 16) is copied into padded rows, the same values; an aligned
+    one (a slice of a 16-column-aligned buffer, a broadcast dimension) is left as it is."""
+    from gspo.engines.decoding import aligned
+
+    mask = torch.randn(3, 1, 1, 37)
+    padded = aligned(mask)
+    assert torch.equal(padded, mask) and padded.stride()[0] % 16 == 0
+    buffer = torch.randn(3, 1, 48)
+    sliced = buffer[:, None, :, :37]
+    assert aligned(sliced) is sliced
+    expanded = sliced.expand(3, 2, 4, 37)  # (broadcast dimensions: stride 0)
+    assert aligned(expanded) is expanded
+
+
 @pytest.mark.parametrize("attention", ["products", "sdpa"])
 def test_select_keeps_each_rows_cache_and_reports_its_order(
     tokenizer, tiny_model, monkeypatch, attention

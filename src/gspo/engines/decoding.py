@@ -172,7 +172,8 @@ class KVDecoder:
     #: kernel for it, a new shape every step (a new plan to build, by all signs): on an
     #: H200 at 887befd the loop's step at 128 tokens took 65.3 ms with it and 14.3 with
     #: that backend off, and the static step, whose spans are fixed, 14.1 at 512 tokens.
-    #: Spans of 64 columns leave it a few shapes per generation (not yet timed there).
+    #: Spans of 64 columns leave it a shape per span and batch size (rows leave the batch
+    #: as they finish) instead of one per step (not yet timed there).
     #: (cuDNN's backend itself cannot be switched off for decoding alone: the switch is
     #: process-wide, and the trainer's forward may run in another thread.)
     key_span: int | None = None
@@ -501,10 +502,20 @@ def attend(
     if kernel == "efficient" and q.is_cuda:
         q, bias = q.to(k.dtype), None
         if mask is not None:
-            bias = mask.to(k.dtype).expand(*q.shape[:3], k.shape[2])
+            bias = aligned(mask.to(k.dtype)).expand(*q.shape[:3], k.shape[2])
         efficient = torch.ops.aten._scaled_dot_product_efficient_attention
         return efficient(q, k, v.to(k.dtype), bias, False, scale=scale)[0]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def aligned(mask: Tensor) -> Tensor:
+    """``mask`` with every dimension of more than one entry at a stride of a multiple of
+    16 (a copy padded past its last column where not): the memory-efficient kernel reads
+    a mask's rows at aligned strides, and SDPA pads a mask so for it too."""
+    strides = zip(mask.stride()[:-1], mask.shape[:-1], strict=True)
+    if not any(stride % 16 for stride, size in strides if size > 1):
+        return mask
+    return F.pad(mask, (0, -mask.shape[-1] % 16))[..., : mask.shape[-1]]
 
 
 def without_cast_cache(device_type: str):
