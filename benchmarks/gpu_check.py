@@ -932,7 +932,8 @@ SHARES = {
 #: report beyond ``budget`` (45 s or more): a call cut there returns nothing. At 887befd the
 #: profile took 68 s and decoding 59 s (now with compiled layers, the step's kernel
 #: families and the graphs' attention ways: up to 120 s, those extras skipped once it is
-#: spent); gspo vs TRL 130 s at d819f52; async (k=0 vs 1, never measured) may be cut. The
+#: spent); gspo vs TRL 130 s at d819f52; the head (seconds) before async (k=0 vs 1, never
+#: measured), which may be cut. The
 #: whole lease: 440 s and 320 s of stages (a stage's own runs may overrun what it was
 #: given), the machine's start with part 1's transfers 48 s, the wheels' install (with
 #: their byte-compiling) about 15 s in part 1 and none in part 2 (``gpu_lease.sh`` keeps
@@ -941,7 +942,7 @@ SHARES = {
 LEASE: dict[str, dict] = {
     "1": {"stages": "suite", "budget": 440.0, "suite": 430.0},
     "2": {
-        "stages": "profile,vs_trl,decode,async,head,train",
+        "stages": "profile,vs_trl,decode,head,async,train",
         "budget": 320.0,
         "suite": 0.0,
     },
