@@ -179,8 +179,9 @@ def _float32_sums(a: Tensor, b: Tensor) -> Tensor:
 
 class _Bf16WeightLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:
-        (hi, lo), w = _split(x), weight.bfloat16()
+    def forward(ctx, x: Tensor, weight: Tensor, weight_bf16: Tensor | None = None) -> Tensor:
+        (hi, lo) = _split(x)
+        w = weight.bfloat16() if weight_bf16 is None else weight_bf16
         ctx.save_for_backward(hi, w)
         ctx.dtypes, ctx.shape = (x.dtype, weight.dtype), x.shape
         return _two_terms(hi, lo, w.t()).view(*x.shape[:-1], weight.shape[0])
@@ -190,20 +191,22 @@ class _Bf16WeightLinear(torch.autograd.Function):
         hi, w = ctx.saved_tensors
         # gradients at autocast's precision: bf16 operands (the input's first term), float32 sums
         g = grad.reshape(-1, w.shape[0]).bfloat16()
-        need_x, need_w = ctx.needs_input_grad
+        need_x, need_w = ctx.needs_input_grad[:2]
         grad_x = _float32_sums(g, w).view(ctx.shape).to(ctx.dtypes[0]) if need_x else None
         grad_w = _float32_sums(g.t(), hi).to(ctx.dtypes[1]) if need_w else None
-        return grad_x, grad_w
+        return grad_x, grad_w, None
 
 
-def bf16_weight_linear(x: Tensor, weight: Tensor) -> Tensor:
+def bf16_weight_linear(x: Tensor, weight: Tensor, weight_bf16: Tensor | None = None) -> Tensor:
     """``x @ weight.T`` (no bias), float32, with ``weight`` rounded to bf16 and ``x`` kept
     to about 16 bits as two bf16 terms: the head's product at
     ``model.head_precision=bf16_weight``: on CUDA one tensor-core product over the two
     terms stacked (twice the rows, the weight read once). Its backward
     rounds the incoming gradient and ``x`` to bf16 (autocast's precision) and returns
-    gradients in the inputs' dtypes (a float32 weight gets a float32 gradient)."""
-    return _Bf16WeightLinear.apply(x, weight)
+    gradients in the inputs' dtypes (a float32 weight gets a float32 gradient).
+    ``weight_bf16``: ``weight`` rounded to bf16 already (the caller's one copy for many
+    products: the chunks of a batch's head), the gradient still ``weight``'s."""
+    return _Bf16WeightLinear.apply(x, weight, weight_bf16)
 
 
 def set_linear_kernel(
