@@ -166,23 +166,14 @@ class KVDecoder:
     #: softmax while the trainer's SDPA keeps them in float32 (docs/precision.md).
     attention: str | None = None
 
-    #: SDPA's key columns per step, rounded up to a multiple of this, the columns not yet
-    #: written masked (``-inf``): None is :data:`KEY_SPAN` on CUDA, 1 (the key length)
-    #: elsewhere. A key length that grows every step gives cuDNN's SDPA, CUDA's default
-    #: kernel for it, a new shape every step (a new plan to build, by all signs): on an
-    #: H200 at 887befd the loop's step at 128 tokens took 65.3 ms with it and 14.3 with
-    #: that backend off, and the static step, whose spans are fixed, 14.1 at 512 tokens.
-    #: Spans of 64 columns leave it a shape per span and batch size (rows leave the batch
-    #: as they finish) instead of one per step (not yet timed there).
-    #: (cuDNN's backend itself cannot be switched off for decoding alone: the switch is
-    #: process-wide, and the trainer's forward may run in another thread.)
+    #: SDPA's key columns per step, rounded up to a multiple of this, the unwritten ones
+    #: masked: None is :data:`KEY_SPAN` on CUDA (cuDNN's kernel builds a plan per shape;
+    #: a length growing by one is a new shape every step: docs/engines.md), 1 elsewhere.
     key_span: int | None = None
 
-    #: SDPA's kernel (:func:`attend`): None, the one torch picks (cuDNN's on a Hopper GPU
-    #: for bf16); ``"efficient"``, the memory-efficient kernel called by name on CUDA, so
-    #: that decoding alone leaves cuDNN's out, whatever torch's process-wide backend
-    #: switches say (the trainer's forward keeps them). Not the default: measured by the
-    #: GPU check's decode stage first (``benchmarks/decode_graphs.py``).
+    #: SDPA's kernel (:func:`attend`): None, torch's pick; ``"efficient"``, on CUDA the
+    #: memory-efficient kernel by name, not the process-wide backend switch (which would
+    #: reach an async trainer's forward). Off until the GPU check's decode stage times it.
     sdpa_kernel: str | None = None
 
     def __init__(self, model: nn.Module, *, compile: bool = False):
@@ -330,24 +321,14 @@ class KVDecoder:
                 keys[:, :, :p] = layer.keys[each]
             values[:, :, :p] = layer.values[each]
         self.length = p
-        # additive attention mask [rows, 1, capacity rounded up to 16 columns (the
-        # alignment the memory-efficient kernel wants of a mask's rows)]: -inf on padding
-        self.bias = None
-        zeros = partial(
-            torch.zeros, (rows, 1, -(-capacity // 16) * 16), dtype=self.dtype, device=ids.device
-        )
-        if not bool(mask.bool().all()):
-            self.bias = zeros()
-            self.bias[:, 0, :p].masked_fill_(~mask.bool()[each], float("-inf"))
+        # columns past the prompt hold zeros, not what torch.empty or an earlier generation
+        # left there: the loop's spans and the static step read them masked (0 * NaN is NaN)
+        for keys, values in zip(self.keys, self.values, strict=True):
+            (keys[..., p:] if transposed else keys[:, :, p:]).zero_()
+            values[:, :, p:].zero_()
         span = self.key_span or (KEY_SPAN if ids.device.type == "cuda" else 1)
         self.span = 1 if transposed else span  # (the products take the key length as it is)
-        if self.span > 1:  # the padding's -inf and the columns not written yet's
-            if self.bias is None:
-                self.bias = zeros()
-            self.bias[:, 0, p:] = float("-inf")  # (each opened as the step writes it)
-            for keys, values in zip(self.keys, self.values, strict=True):
-                keys[:, :, p:].zero_()  # masked, but 0 * NaN is NaN: not what torch.empty
-                values[:, :, p:].zero_()  # or an earlier generation left there
+        self.bias = attention_bias(mask.bool()[each], capacity, self.span > 1, self.dtype)
         # cos/sin of every position a row can reach, looked up per step
         positions = torch.arange(capacity, device=ids.device).unsqueeze(0)
         cos, sin = self.rotary(self.embed.new_zeros(()), positions)
@@ -490,6 +471,22 @@ class KVDecoder:
         return order
 
 
+def attention_bias(real: Tensor, capacity: int, spans: bool, dtype: torch.dtype) -> Tensor | None:
+    """A decoder's additive attention mask ``[rows, 1, capacity rounded up to 16 columns]``
+    (the alignment the memory-efficient kernel wants of a mask's rows): -inf on the
+    prompts' padding (``real`` ``[rows, P]``: True on a prompt's tokens) and, with
+    ``spans``, on every column past the prompts (each opened as a step writes it); None
+    where it would be all zeros."""
+    rows, p = real.shape
+    if not spans and bool(real.all()):
+        return None
+    bias = torch.zeros((rows, 1, -(-capacity // 16) * 16), dtype=dtype, device=real.device)
+    bias[:, 0, :p].masked_fill_(~real, float("-inf"))
+    if spans:
+        bias[:, 0, p:] = float("-inf")
+    return bias
+
+
 def attend(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, kernel: str | None
 ) -> Tensor:
@@ -498,13 +495,13 @@ def attend(
     broadcastable to ``[R, Hkv, group, L]`` (rows 16-column aligned), or None.
     ``kernel`` (:attr:`KVDecoder.sdpa_kernel`): None, SDPA as torch picks its kernel;
     ``"efficient"``, on CUDA, the memory-efficient kernel by name, given what SDPA would
-    give it (the inputs in the keys' dtype, as autocast casts them, the mask expanded)."""
+    give it (the queries in the keys' dtype, as autocast casts them, the mask expanded)."""
     if kernel == "efficient" and q.is_cuda:
         q, bias = q.to(k.dtype), None
         if mask is not None:
             bias = aligned(mask.to(k.dtype)).expand(*q.shape[:3], k.shape[2])
         efficient = torch.ops.aten._scaled_dot_product_efficient_attention
-        return efficient(q, k, v.to(k.dtype), bias, False, scale=scale)[0]
+        return efficient(q, k, v, bias, False, scale=scale)[0]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 

@@ -147,12 +147,7 @@ class StaticDecoder:
         """Set every buffer for a generation from the decoder's prefill (in place: the
         captured graphs read these addresses)."""
         d, p = self.decoder, self.decoder.length
-        self.prompt_width = p
-        # columns past the prompt hold zeros, not what an earlier generation or
-        # torch.empty left there (masked, but 0 * NaN is NaN)
-        for keys, values in zip(d.keys, d.values, strict=True):
-            (keys[..., p:] if d.transposed else keys[:, :, p:]).zero_()
-            values[:, :, p:].zero_()
+        self.prompt_width = p  # (the decoder's prefill zeroed the columns past it)
         self.pad_bias.zero_()
         if d.bias is not None:  # the prompts' padding (past them the loop's spans' -inf)
             self.pad_bias[..., :p].copy_(d.bias[..., :p])
