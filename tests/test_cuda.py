@@ -729,12 +729,16 @@ def test_cuda_graphs_step_timing(tokenizer, capsys):
         for way in ("loop", "static eager", "graphs"):
             decoder = KVDecoder(model)
             logits = decoder.prefill(ids, mask, 1, prompt + params.max_new_tokens)
+            bias = decoder.bias
             static = StaticDecoder(
                 decoder, positions=mask.sum(-1), params=params, stop=stop,
                 pad_token_id=tokenizer.pad_token_id, vocab=logits.shape[-1],
                 graphs=way == "graphs",
             )  # fmt: skip
             if way == "loop":  # KVDecoder.step, then the sampling and recording of a step
+                # (the static step took the decoder's mask over, which the loop's key
+                # spans open a column of at every step: the loop keeps its own)
+                decoder.bias = bias
                 step = partial(loop_step, decoder, static, generator)
             else:  # one span (the whole capacity): one graph
                 step = partial(static_step, static, generator, static.capacity)
