@@ -246,12 +246,12 @@ def compiled_graphs(model, tokenizer, prompts, dtype, tokens: int) -> dict[str, 
 
 #: Single-query attention as a step may run it: (``KVDecoder.attention``, cuDNN's SDPA
 #: backend on, ``KVDecoder.key_span``: the loop's, None its default,
-#: ``KVDecoder.sdpa_kernel``), by label.
+#: ``KVDecoder.sdpa_kernel``: "sdpa" torch's pick), by label.
 ATTENTION_WAYS = {
-    "SDPA": ("sdpa", True, None, None),
-    "SDPA, keys growing by one": ("sdpa", True, 1, None),
-    "SDPA, cuDNN off": ("sdpa", False, None, None),
-    "SDPA, cuDNN off, keys growing by one": ("sdpa", False, 1, None),
+    "SDPA": ("sdpa", True, None, "sdpa"),
+    "SDPA, keys growing by one": ("sdpa", True, 1, "sdpa"),
+    "SDPA, cuDNN off": ("sdpa", False, None, "sdpa"),
+    "SDPA, cuDNN off, keys growing by one": ("sdpa", False, 1, "sdpa"),
     "efficient kernel by name": ("sdpa", True, None, "efficient"),
     "products": ("products", True, None, None),
 }
@@ -262,13 +262,14 @@ def attention_ways(
 ) -> dict[str, float | str]:
     """``way``'s ms per step, ``tokens`` new tokens, by its single-query attention
     (:data:`ATTENTION_WAYS`; for ``graphs`` the first, the default, is timed by
-    :func:`compare`). The loop's key length, hence SDPA's shape, grows every step: on an
-    H200 at 887befd its 128-token step took 65.3 ms with SDPA, 14.3 with cuDNN's backend
-    off, 15.8 with the products; the graphs fix their shapes at capture, and their SDPA
-    (cuDNN's kernel) took up to 1.5 of their 4.9 ms a step there (by the profiled batch's
-    table, the training forwards' calls of that kernel among them). The loop's SDPA runs
-    over spans of 64 key columns since (``KVDecoder.key_span``), timed against keys growing
-    by one; the graphs have spans of their own."""
+    :func:`compare`, as is the loop's default, the kernel by name on CUDA since 9891430's
+    figures: ``gspo.engines.decoding.LOOP_SDPA_KERNEL``). The loop's key length, hence
+    SDPA's shape, grows every step: on an H200 at 887befd its 128-token step took 65.3 ms
+    with SDPA, 14.3 with cuDNN's backend off, 15.8 with the products; the graphs fix their
+    shapes at capture, and their SDPA (cuDNN's kernel) took up to 1.5 of their 4.9 ms a step
+    there (by the profiled batch's table, the training forwards' calls of that kernel among
+    them). The loop's SDPA runs over spans of 64 key columns since (``KVDecoder.key_span``),
+    timed against keys growing by one; the graphs have spans of their own."""
     from gspo.engines.decoding import KVDecoder
 
     figures: dict[str, float | str] = {}

@@ -104,6 +104,42 @@ def test_static_step_samples_what_the_loop_samples(
         assert (lp - b.sampler_logprobs).abs()[b.completion_mask].max() < 1e-5
 
 
+@pytest.mark.parametrize("kernel", [None, "sdpa", "efficient"])
+def test_the_loop_and_the_static_step_ask_attention_for_their_own_kernels(
+    tokenizer, tiny_model, monkeypatch, kernel
+):
+    """``KVDecoder.sdpa_kernel`` None: the loop asks ``attend`` for
+    ``LOOP_SDPA_KERNEL`` (the memory-efficient kernel by name, on CUDA), the static step
+    for torch's pick (None); a kernel set is what both ask for. On the CPU every kernel is
+    SDPA, so the tokens are the same whatever is asked."""
+    import gspo.engines.decoding as decoding
+
+    monkeypatch.setattr(KVDecoder, "attention", "sdpa")
+    monkeypatch.setattr(KVDecoder, "sdpa_kernel", kernel)
+    asked: dict[str, set] = {"loop": set(), "static": set()}
+    attend = decoding.attend
+    for module, way in ((decoding, "loop"), (static_decode, "static")):
+
+        def spy(*args, way=way):
+            asked[way].add(args[-1])
+            return attend(*args)
+
+        monkeypatch.setattr(module, "attend", spy)
+    params = SamplingParams(12)
+    batches = [
+        TorchEngine(tiny_model, **ids(tokenizer), cuda_graphs=graphs).generate(
+            encode(tokenizer), n=2, params=params, seed=1
+        )
+        for graphs in (False, True)
+    ]
+    if kernel is None:
+        assert asked == {"loop": {decoding.LOOP_SDPA_KERNEL}, "static": {None}}
+        assert decoding.LOOP_SDPA_KERNEL == "efficient"
+    else:
+        assert asked == {"loop": {kernel}, "static": {kernel}}
+    assert torch.equal(batches[0].completion_ids, batches[1].completion_ids)
+
+
 def test_static_step_drops_nothing_before_its_checks_and_stops_when_all_rows_finish(
     tokenizer, tiny_model, monkeypatch
 ):

@@ -48,6 +48,13 @@ from gspo.models.logprobs import head_matrix
 #: The loop's SDPA key columns on CUDA are a multiple of this (:attr:`KVDecoder.key_span`).
 KEY_SPAN = 64
 
+#: The per-step loop's SDPA kernel on CUDA (:attr:`KVDecoder.sdpa_kernel` None): the
+#: memory-efficient kernel by name. On an H200 at 9891430 (~0.5B Qwen3, 128 rows, bf16,
+#: a 128-token generation) the loop's step took 22.06 ms with it, 35.37 with torch's pick
+#: (cuDNN's kernel) over the same key spans; the static step's fixed shapes suit cuDNN's
+#: kernel (4.56 ms there vs 4.86 by name), which it keeps (benchmarks/README.md).
+LOOP_SDPA_KERNEL = "efficient"
+
 FAST_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"})
 
 _NORMS = frozenset(
@@ -171,9 +178,10 @@ class KVDecoder:
     #: a length growing by one is a new shape every step: docs/engines.md), 1 elsewhere.
     key_span: int | None = None
 
-    #: SDPA's kernel (:func:`attend`): None, torch's pick; ``"efficient"``, on CUDA the
-    #: memory-efficient kernel by name, not the process-wide backend switch (which would
-    #: reach an async trainer's forward). Off until the GPU check's decode stage times it.
+    #: SDPA's kernel (:func:`attend`): ``"sdpa"``, torch's pick; ``"efficient"``, on CUDA
+    #: the memory-efficient kernel by name, not the process-wide backend switch (which
+    #: would reach an async trainer's forward); None, :data:`LOOP_SDPA_KERNEL` in the
+    #: per-step loop, torch's pick in the static step (gspo.engines.static_decode).
     sdpa_kernel: str | None = None
 
     def __init__(self, model: nn.Module, *, compile: bool = False):
@@ -393,7 +401,7 @@ class KVDecoder:
                     self.values[i][:, :, :span],
                     mask,
                     self.scaling,
-                    self.sdpa_kernel,
+                    self.sdpa_kernel or LOOP_SDPA_KERNEL,
                 )
             h = after(self, layer, h, out.reshape(rows, heads * d), layer.mlp_weights)
         h = F.rms_norm(h, (h.shape[-1],), self.final_norm, self.eps)
@@ -493,9 +501,10 @@ def attend(
     """A decoding step's attention: queries ``[R, Hkv, group, D]`` (a key/value head's
     query heads as one group) over keys and values ``[R, Hkv, L, D]``, ``mask`` additive,
     broadcastable to ``[R, Hkv, group, L]`` (rows 16-column aligned), or None.
-    ``kernel`` (:attr:`KVDecoder.sdpa_kernel`): None, SDPA as torch picks its kernel;
-    ``"efficient"``, on CUDA, the memory-efficient kernel by name, given what SDPA would
-    give it (the queries in the keys' dtype, as autocast casts them, the mask expanded)."""
+    ``kernel`` (:attr:`KVDecoder.sdpa_kernel`): ``"efficient"``, on CUDA, the
+    memory-efficient kernel by name, given what SDPA would give it (the queries in the
+    keys' dtype, as autocast casts them, the mask expanded); anything else (``"sdpa"``,
+    None) and off CUDA, SDPA as torch picks its kernel."""
     if kernel == "efficient" and q.is_cuda:
         q, bias = q.to(k.dtype), None
         if mask is not None:
