@@ -752,10 +752,10 @@ def head_stage(sizes: Sizes = FULL, tokens: int = 4096) -> Callable[[Stage, floa
     """The training forward's vocabulary projection and log-softmax, forward and backward
     (``logprobs_from_hidden``: chunked, each chunk recomputed in backward), for ``tokens``
     tokens of the vs_trl model's hidden size and vocabulary, at each
-    ``model.head_precision``: ms and TFLOP/s (CUDA events after a warm-up, mean of 3);
-    then bf16_weight at larger chunks than ``LOGPROB_CHUNK``'s 256 tokens (at 02e1dd7 on
-    an H200 the head ran at 109 TFLOP/s, a seventh of the matmul rate: its float32
-    elementwise passes over each chunk's logits, or its launches?)."""
+    ``model.head_precision``, in the default chunks (``head_chunk``: 1,024 tokens of this
+    vocabulary on CUDA since 9891430's figures): ms and TFLOP/s (CUDA events after a
+    warm-up, mean of 3); then bf16_weight in chunks of 256 tokens (the default until then,
+    ``LOGPROB_CHUNK``) and of 4,096."""
 
     def body(stage: Stage, limit: float) -> None:
         import decode_graphs
@@ -775,8 +775,9 @@ def head_stage(sizes: Sizes = FULL, tokens: int = 4096) -> Callable[[Stage, floa
         flops = 8 * n * hidden_size * vocab  # forward, its recompute in backward, backward
         ms = {}
         kernels = {"float32": torch.nn.functional.linear, "bf16_weight": bf16_weight_linear}
-        chunks = {name: logprobs.LOGPROB_CHUNK for name in kernels}
-        for chunk in (1024, 4096):
+        chunks: dict[str, int | None] = {name: None for name in kernels}
+        stage.figures["default chunk: tokens"] = logprobs.head_chunk(vocab, device)
+        for chunk in (logprobs.LOGPROB_CHUNK, 4096):
             name = f"bf16_weight, {chunk}-token chunks"
             kernels[name], chunks[name] = bf16_weight_linear, chunk
         for name, linear in kernels.items():

@@ -155,6 +155,37 @@ def test_chunked_logprobs_equal_full_logits_in_value_and_gradient(chunk):
     assert torch.allclose(grads[1], weight.grad, atol=1e-5)
 
 
+def test_the_default_head_chunk_is_256_tokens_off_cuda_and_a_gigabyte_of_logits_on_it(
+    monkeypatch,
+):
+    """``head_chunk``: 256 tokens on the CPU whatever the vocabulary; on CUDA the largest
+    power of two whose float32 logits fit in 1 GiB (1,024 tokens of Qwen's 151,936), never
+    fewer than 256. ``logprobs_from_hidden`` without a chunk size takes it: the products
+    it runs have that many rows."""
+    import gspo.models.logprobs as logprobs
+    from gspo.models import head_chunk
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert head_chunk(151_936, cpu) == head_chunk(50, cpu) == 256
+    assert head_chunk(151_936, cuda) == 1024
+    assert head_chunk(50, cuda) == 2**22  # 4 * 50 * 2**22 bytes = 800 MiB
+    assert head_chunk(4_000_000, cuda) == 256  # (4 GB of logits a chunk: still 256 tokens)
+    rows = []
+
+    def linear(x, w):
+        rows.append(x.shape[0])
+        return x @ w.T
+
+    monkeypatch.setattr(logprobs, "head_chunk", lambda vocab, device: 4 if vocab == 30 else 0)
+    gen = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(2, 6, 8, generator=gen), torch.randn(30, 8, generator=gen)
+    ids = torch.randint(0, 30, (2, 6), generator=gen)
+    out = logprobs_from_hidden(hidden, weight, ids, 1.0, linear=linear)
+    assert rows == [4, 4, 4]
+    ref = torch.log_softmax(hidden @ weight.T, -1).gather(-1, ids[..., None]).squeeze(-1)
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
 def test_at_temperature_1_the_head_and_the_sampler_divide_nothing():
     """Dividing by a temperature of 1 changes no value (x / 1 is x) but costs a pass over
     each chunk's logits (156 MB at a 151,936-token vocabulary), one more in backward, and

@@ -18,10 +18,12 @@ from gspo.models.loading import (
     save_pretrained_atomic,
 )
 from gspo.models.logprobs import (
+    HEAD_CHUNK_BYTES,
     LOGPROB_CHUNK,
     CompletionLogprobs,
     WithEntropy,
     completion_logprobs,
+    head_chunk,
     head_logits,
     layout_cost,
     logprobs_from_hidden,

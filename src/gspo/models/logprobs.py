@@ -36,8 +36,29 @@ PLAIN_LM_HEAD = frozenset(
 #: the forward and not again when backward recomputes a checkpointed head chunk.
 WithEntropy = bool | Literal["metric"]
 
-#: Tokens per chunk of the vocabulary projection: 256 x 151,936 float32 logits are 156 MB.
+#: Tokens per chunk of the vocabulary projection off CUDA: 256 x 151,936 float32 logits
+#: are 156 MB.
 LOGPROB_CHUNK = 256
+
+#: On CUDA a chunk's float32 logits may take up to this many bytes (:func:`head_chunk`):
+#: 1,024 tokens of a 151,936-token vocabulary. On an H200 at 9891430 (the ~0.5B Qwen3's
+#: head, bf16_weight, 4,096 tokens forward and backward) chunks of 256 tokens took 51.17
+#: ms, of 1,024 33.56, of 4,096 31.54 (a chunk's fixed costs, its launches and its
+#: checkpoint, weigh less in a bigger one); past 1,024 tokens the gain is small and the
+#: memory (a few copies of the chunk's logits in backward) is not.
+HEAD_CHUNK_BYTES = 1 << 30
+
+
+def head_chunk(vocab: int, device: torch.device) -> int:
+    """Tokens per chunk of the vocabulary projection: :data:`LOGPROB_CHUNK` off CUDA; on
+    CUDA the largest power of two, at least that, whose float32 logits fit in
+    :data:`HEAD_CHUNK_BYTES`."""
+    tokens = LOGPROB_CHUNK
+    if device.type == "cuda":
+        while 2 * tokens * vocab * 4 <= HEAD_CHUNK_BYTES:
+            tokens *= 2
+    return tokens
+
 
 #: The vocabulary projection of a plain head runs in float32 (autocast off), in the
 #: sampler and in the trainer alike. Under bf16 autocast the logits would otherwise be
@@ -105,7 +126,7 @@ class CompletionLogprobs(torch.nn.Module):
         temperature: float = 1.0,
         share_prompts: bool | Literal["auto"] = False,
         with_entropy: WithEntropy = False,
-        chunk_size: int = LOGPROB_CHUNK,
+        chunk_size: int | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Packed for architectures in :data:`PLAIN_LM_HEAD`, else the model's own forward."""
         if plain_lm_head(self.model):
@@ -139,7 +160,7 @@ def completion_logprobs(
     completion_mask: Tensor,
     *,
     temperature: float = 1.0,
-    chunk_size: int = LOGPROB_CHUNK,
+    chunk_size: int | None = None,
     share_prompts: bool | Literal["auto"] = False,
     with_entropy: WithEntropy = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -155,10 +176,11 @@ def completion_logprobs(
     trainer's pi_theta and the sampler's pi_old are the same distribution. For
     architectures in :data:`PLAIN_LM_HEAD` the sequences are packed (no compute on
     padding) and only counted completion tokens are projected to the vocabulary,
-    ``chunk_size`` at a time (:func:`packed_completion_logprobs`, which with
-    ``share_prompts`` also computes a prompt repeated over rows once); other models go
-    through their own forward with ``logits_to_keep`` (:func:`padded_completion_logprobs`).
-    The trainer's forward is the same computation as a module, :class:`CompletionLogprobs`.
+    ``chunk_size`` at a time (None: :func:`head_chunk`'s;
+    :func:`packed_completion_logprobs`, which with ``share_prompts`` also computes a
+    prompt repeated over rows once); other models go through their own forward with
+    ``logits_to_keep`` (:func:`padded_completion_logprobs`). The trainer's forward is the
+    same computation as a module, :class:`CompletionLogprobs`.
     """
     return CompletionLogprobs(model)(
         prompt_ids,
@@ -225,7 +247,7 @@ def packed_completion_logprobs(
     completion_mask: Tensor,
     *,
     temperature: float = 1.0,
-    chunk_size: int = LOGPROB_CHUNK,
+    chunk_size: int | None = None,
     pack_tokens: int = PACK_TOKENS,
     share_prompts: bool | Literal["auto"] = False,
     with_entropy: WithEntropy = False,
@@ -506,7 +528,7 @@ def logprobs_from_hidden(
     weight: Tensor,
     token_ids: Tensor,
     temperature: float,
-    chunk_size: int,
+    chunk_size: int | None = None,
     *,
     with_entropy: WithEntropy = False,
     linear=F.linear,
@@ -514,7 +536,8 @@ def logprobs_from_hidden(
     """``log softmax(hidden @ weight.T / temperature)[token]`` without full logits.
 
     ``hidden`` ``[N, T, H]``, ``weight`` ``[V, H]``, ``token_ids`` ``[N, T]`` ->
-    ``[N, T]`` float32. Tokens go through in chunks of ``chunk_size``; with gradients on,
+    ``[N, T]`` float32. Tokens go through in chunks of ``chunk_size`` (None:
+    :func:`head_chunk`'s for the vocabulary and device); with gradients on,
     each chunk is checkpointed, so backward recomputes that chunk's logits instead of
     keeping ``N x T x V`` of them alive: peak memory is one chunk's logits, not all.
     ``with_entropy``: also each position's entropy ``[N, T]``, from the same chunk's
@@ -525,6 +548,7 @@ def logprobs_from_hidden(
     from torch.utils.checkpoint import checkpoint
 
     n, t, h = hidden.shape
+    chunk_size = chunk_size or head_chunk(weight.shape[0], hidden.device)
     flat_hidden, flat_ids = hidden.reshape(n * t, h), token_ids.reshape(n * t)
     keep_graph = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if keep_graph and weight.requires_grad and HEAD_IN_FLOAT32 and linear is bf16_weight_linear:
