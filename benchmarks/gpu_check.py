@@ -406,7 +406,10 @@ def pytest_stage(
         stage.figures.update(figures)
         ended = tests_so_far(tests_log) if tests_log else {}  # (the CUDA tests apart)
         stage.figures.update({k: v for k, v in ended.items() if k.startswith("of them")})
-        stage.detail = stage.detail or summary
+        # pytest's own closing line and the failing tests, not its output's last lines
+        # (warnings on stderr, at 9891430)
+        failing = figures.get("failing tests", "")
+        stage.detail = f"{summary}: {failing}" if summary and failing else summary or stage.detail
         if target_s is not None:
             stage.figures["wall s"] = round(seconds, 1)
             stage.figures[f"under {target_s:.0f} s"] = "yes" if seconds < target_s else "NO"

@@ -4,6 +4,7 @@ parts (model size, report) are right. It has not run on a GPU from these tests."
 import argparse
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import time
@@ -88,6 +89,26 @@ def test_the_suite_stage_reads_pytests_counts_time_and_failures(gpu_check):
         "tests", "-n", "4", "--dist", "worksteal"
     ]  # fmt: skip
     assert "-n" not in gpu_check.pytest_command(["tests"])
+
+
+def test_a_failing_suite_is_detailed_by_pytests_closing_line_and_its_failures(
+    gpu_check, tmp_path
+):
+    """The stage's detail: pytest's counts and the failing tests, not the last lines of
+    its output (a warning printed to stderr at the end, say)."""
+    tests = tmp_path / "test_two.py"
+    tests.write_text(
+        "import sys\n\ndef test_good():\n    pass\n\n"
+        "def test_bad():\n    assert 1 == 2\n\n"
+        "def teardown_module():\n    print('a warning on stderr', file=sys.stderr)\n"
+    )
+    stage = gpu_check.Stage("suite")
+    gpu_check.run_stage(stage, gpu_check.pytest_stage([str(tests)]), 120)
+    assert stage.status == "failed"
+    assert re.fullmatch(
+        r"1 failed, 1 passed in [\d.]+s: FAILED \S*test_two\.py::test_bad", stage.detail
+    ), stage.detail
+    assert (stage.figures["failed"], stage.figures["passed"]) == (1, 1)
 
 
 def test_a_suite_stopped_at_its_limit_still_says_what_ended(gpu_check, tmp_path):
