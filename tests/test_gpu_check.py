@@ -91,9 +91,7 @@ def test_the_suite_stage_reads_pytests_counts_time_and_failures(gpu_check):
     assert "-n" not in gpu_check.pytest_command(["tests"])
 
 
-def test_a_failing_suite_is_detailed_by_pytests_closing_line_and_its_failures(
-    gpu_check, tmp_path
-):
+def test_a_failing_suite_is_detailed_by_pytests_closing_line_and_its_failures(gpu_check, tmp_path):
     """The stage's detail: pytest's counts and the failing tests, not the last lines of
     its output (a warning printed to stderr at the end, say)."""
     tests = tmp_path / "test_two.py"
