@@ -4,10 +4,9 @@
 #
 #   GSPO_COMMIT=<sha> bash benchmarks/gpu_lease.sh 1   # numerics: the whole suite, the CUDA
 #                                                      # tests in it (~5-7 min)
-#   GSPO_COMMIT=<sha> bash benchmarks/gpu_lease.sh 2   # speed: the ~0.5B/512 workload's start-up
-#                                                      # and one batch profiled, gspo vs TRL
-#                                                      # on it, async k=0 vs 1, decoding, the
-#                                                      # bf16 demo
+#   GSPO_COMMIT=<sha> bash benchmarks/gpu_lease.sh 2   # speed: gspo vs TRL on the ~0.5B/512
+#                                                      # workload (and compiled) and the
+#                                                      # three others, decoding, the head
 #
 # with `.whl` (from `make gpu-wheels`) carried beside the tree. Part 1 first: the numerics
 # and the suite matter before speed. Give each call a `timeout_s` 45 s or more beyond its
