@@ -158,6 +158,54 @@ class ModelDecoder:
         return rows
 
 
+def fast_decodable(model: nn.Module) -> bool:
+    """Whether ``model``'s layers are exactly those :class:`KVDecoder` reimplements
+    (``KVDecoder.supports``).
+
+    Checked module by module (plain ``nn.Linear`` projections or PEFT LoRA layers over
+    them in float32, no bias on the output projection, the expected RMSNorms, full
+    attention, a RoPE that does not depend on the sequence length), so another
+    adapter (DoRA, a merged or bf16 LoRA layer), another wrapper or another attention
+    takes the reference path.
+    """
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in FAST_MODEL_TYPES:
+        return False
+    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or []):
+        return False
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
+        return False
+    head = model.get_output_embeddings()
+    if type(head) is not nn.Linear or head.bias is not None:
+        return False
+    decoder = model.get_decoder()
+    if type(decoder.embed_tokens) is not nn.Embedding:
+        return False
+    rope_type = getattr(getattr(decoder, "rotary_emb", None), "rope_type", None)
+    if not rope_type or length_dependent_rope(model) is not None:
+        return False
+    if type(decoder.norm).__name__ not in _NORMS:
+        return False
+    for layer in decoder.layers:
+        a = layer.self_attn
+        linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
+        mergeable = all(lora_weights.mergeable(p) for p in linears)
+        if not mergeable or lora_weights.bias_of(a.o_proj) is not None:
+            return False
+        if len({lora_weights.bias_of(p) is None for p in linears[:3]}) != 1:
+            return False
+        if lora_weights.lora_mlp(layer.mlp) and not lora_weights.adapted_mlp(layer.mlp):
+            return False
+        if hasattr(a, "q_norm") and type(a.q_norm).__name__ not in _NORMS:
+            return False
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if any(type(m).__name__ not in _NORMS for m in norms):
+            return False
+        if getattr(a, "sliding_window", None) is not None:
+            return False
+    return True
+
+
 class KVDecoder:
     """Pre-allocated KV buffers and a lean decoding step (see the module docstring).
 
@@ -247,52 +295,8 @@ class KVDecoder:
             return False
         return True
 
-    @staticmethod
-    def supports(model: nn.Module) -> bool:
-        """Whether ``model``'s layers are exactly those :class:`KVDecoder` reimplements.
-
-        Checked module by module (plain ``nn.Linear`` projections or PEFT LoRA layers over
-        them in float32, no bias on the output projection, the expected RMSNorms, full
-        attention, a RoPE that does not depend on the sequence length), so another
-        adapter (DoRA, a merged or bf16 LoRA layer), another wrapper or another attention
-        takes the reference path.
-        """
-        config = getattr(model, "config", None)
-        if getattr(config, "model_type", None) not in FAST_MODEL_TYPES:
-            return False
-        if any(t != "full_attention" for t in getattr(config, "layer_types", None) or []):
-            return False
-        if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
-            return False
-        head = model.get_output_embeddings()
-        if type(head) is not nn.Linear or head.bias is not None:
-            return False
-        decoder = model.get_decoder()
-        if type(decoder.embed_tokens) is not nn.Embedding:
-            return False
-        rope_type = getattr(getattr(decoder, "rotary_emb", None), "rope_type", None)
-        if not rope_type or length_dependent_rope(model) is not None:
-            return False
-        if type(decoder.norm).__name__ not in _NORMS:
-            return False
-        for layer in decoder.layers:
-            a = layer.self_attn
-            linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
-            mergeable = all(lora_weights.mergeable(p) for p in linears)
-            if not mergeable or lora_weights.bias_of(a.o_proj) is not None:
-                return False
-            if len({lora_weights.bias_of(p) is None for p in linears[:3]}) != 1:
-                return False
-            if lora_weights.lora_mlp(layer.mlp) and not lora_weights.adapted_mlp(layer.mlp):
-                return False
-            if hasattr(a, "q_norm") and type(a.q_norm).__name__ not in _NORMS:
-                return False
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if any(type(m).__name__ not in _NORMS for m in norms):
-                return False
-            if getattr(a, "sliding_window", None) is not None:
-                return False
-        return True
+    #: Whether ``model``'s layers are exactly those this class reimplements.
+    supports = staticmethod(fast_decodable)
 
     def prefill(self, ids: Tensor, mask: Tensor, n: int, capacity: int) -> Tensor:
         """``[U, P]`` distinct prompts -> logits ``[U * n, V]`` of each response's first token.
