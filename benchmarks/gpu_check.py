@@ -539,9 +539,10 @@ def vs_trl_stage(
 ) -> Callable[[Stage, float], None]:
     """gspo vs TRL on the ~0.5B Qwen3 at 512-token responses, one run each (``extra``:
     ``--gspo-set``'s overrides of the gspo side); then, time allowing, gspo once more with
-    ``rollout.compile=true`` compiling from empty caches, as a user's first run does (the
-    compiled graphs' step took 3.68 ms against 4.56 in the decode stage at 9891430: does
-    that pay for the compiling within a whole process?)."""
+    each of :data:`COMPILE_SETTINGS`, compiling from empty caches, as a user's first run
+    does (the compiled graphs' step took 3.68 ms against 4.56 in the decode stage at
+    9891430; the training forward's elementwise kernels outweighed its matrix products in
+    the profile there: does compiling pay for itself within a whole process?)."""
 
     def body(stage: Stage, limit: float) -> None:
         import vs_trl
@@ -573,28 +574,38 @@ def vs_trl_stage(
         completions = g["steps"] // 4 * vs_trl.ROLLOUT
         gen_flops, train_flops = (completions * f for f in vs_trl.completion_flops(work, g_len))
         gen_s = g["phases"]["generation"]
-        train_s = g["phases"]["forward/backward/optimizer"]
+        train_s = g["phases"][TRAIN_PHASE]
         stage.figures["gspo generation tokens/s"] = round(g["completion_tokens"] / gen_s)
         stage.figures["gspo training tokens/s"] = round(g["completion_tokens"] / train_s)
         for label, peak in peaks.items():
             stage.figures[f"gspo generation MFU ({label})"] = round(gen_flops / gen_s / peak, 3)
             stage.figures[f"gspo training MFU ({label})"] = round(train_flops / train_s / peak, 3)
-        if deadline - time.perf_counter() > 1.5 * gspo_s:
-            compiled_s, run = compiled_run(work, schedule, extra, deadline)
+        for setting in COMPILE_SETTINGS:
+            if deadline - time.perf_counter() < 1.5 * gspo_s:
+                stage.figures[f"gspo, {setting}"] = "not run: no time left in the stage"
+                continue
+            compiled_s, run = compiled_run(work, schedule, (*extra, setting), deadline)
             c = vs_trl.gspo_summary(run)
-            label = "gspo, rollout.compile=true"
-            stage.figures[f"{label}: whole process s"] = round(compiled_s, 1)
-            stage.figures[f"{label}: ratio TRL / gspo"] = round(trl_s / compiled_s, 2)
-            tokens_per_s = c["completion_tokens"] / c["phases"]["generation"]
-            stage.figures[f"{label}: generation tokens/s"] = round(tokens_per_s)
+            stage.figures[f"gspo, {setting}: whole process s"] = round(compiled_s, 1)
+            stage.figures[f"gspo, {setting}: ratio TRL / gspo"] = round(trl_s / compiled_s, 2)
+            for phase, label in (("generation", "generation"), (TRAIN_PHASE, "training")):
+                tokens_per_s = c["completion_tokens"] / c["phases"][phase]
+                stage.figures[f"gspo, {setting}: {label} tokens/s"] = round(tokens_per_s)
 
     return body
 
 
+#: The vs-TRL stage's gspo runs after the first, each with one of these: the decoder's
+#: layers compiled, the training forward's blocks compiled.
+COMPILE_SETTINGS = ("rollout.compile=true", "model.compile=true")
+TRAIN_PHASE = "forward/backward/optimizer"
+
+
 def compiled_run(work: Path, schedule, extra: tuple[str, ...], deadline: float):
-    """:func:`vs_trl.run_gspo` with ``rollout.compile=true``, its inductor and Triton
+    """:func:`vs_trl.run_gspo` with ``extra`` (a compile setting), its inductor and Triton
     caches empty directories of its own (a user's first run; not what earlier stages of
-    this check compiled)."""
+    this check compiled). On the CPU (``--smoke``) with torch's linear layers, which
+    inductor compiles (oneDNN's it cannot)."""
     import shutil
 
     import vs_trl
@@ -609,7 +620,8 @@ def compiled_run(work: Path, schedule, extra: tuple[str, ...], deadline: float):
         os.environ[key] = str(path)
     try:
         return vs_trl.run_gspo(
-            work, name="gspo_compiled", schedule=schedule, extra=(*extra, "rollout.compile=true"),
+            work, name="gspo_compiled", schedule=schedule,
+            extra=(*extra, *(["model.cpu_linear=torch"] if schedule.device == "cpu" else [])),
             timeout=deadline - time.perf_counter(),
         )  # fmt: skip
     finally:

@@ -208,9 +208,10 @@ def test_async_rollouts_on_cuda_stay_on_policy(tmp_path, varied_reward, graphs):
 @pytest.mark.parametrize(
     ("task", "level"),
     [("addition", "sequence"), ("addition", "sequence_token"), ("chain", "sequence"),
-     ("chain", "sequence_token"), ("addition-loop", "sequence")],
+     ("chain", "sequence_token"), ("addition-loop", "sequence"),
+     ("addition-compiled", "sequence")],
     ids=["addition-GSPO", "addition-GSPO-token", "chain-GSPO", "chain-GSPO-token",
-         "addition-GSPO-loop"],
+         "addition-GSPO-loop", "addition-GSPO-compiled"],
 )  # fmt: skip
 def test_bf16_defaults_leave_the_on_policy_minibatch_unclipped(tmp_path, task, level):
     """Issue 32: with the defaults on CUDA (bf16, the default pi_old), the sampler's and
@@ -220,7 +221,8 @@ def test_bf16_defaults_leave_the_on_policy_minibatch_unclipped(tmp_path, task, l
     model at its default size after a short cold start; only the batch is made smaller.
     The defaults decode with the captured step (``rollout.cuda_graphs=auto``: replayed
     over weights updated in place from the second rollout batch on); ``-loop``: the same
-    with the per-step loop (``rollout.cuda_graphs=false``)."""
+    with the per-step loop (``rollout.cuda_graphs=false``); ``-compiled``: the training
+    forwards through compiled blocks (``model.compile``), pi_old recomputed by them too."""
     # chain: step-by-step sums of up to 6 terms, responses of 20-65 characters
     chain = [
         "data.task=chain", "data.terms=6", "reward.functions=[numeric_match]",
@@ -229,6 +231,7 @@ def test_bf16_defaults_leave_the_on_policy_minibatch_unclipped(tmp_path, task, l
     overrides = [
         *BF16, *(chain if task == "chain" else []), f"algorithm.level={level}",
         *(["rollout.cuda_graphs=false"] if task.endswith("-loop") else []),
+        *(["model.compile=true"] if task.endswith("-compiled") else []),
         "train.cold_start_steps=100", "rollout.prompts_per_batch=8", "algorithm.minibatches=2",
         "train.max_steps=8", "eval.every=0", "eval.max_prompts=16", "eval.samples=1",
         "eval.greedy=false", *QUIET,

@@ -180,7 +180,7 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 #: which weights they are (the checkpoint holds those).
 RESUME_MAY_CHANGE = frozenset(
     {"device", "dtype", "cpu_linear", "head_precision", "experts_implementation",
-     "activation_checkpointing"}
+     "activation_checkpointing", "compile"}
 )  # fmt: skip
 
 

@@ -105,6 +105,16 @@ def staleness_routing(rollout: RolloutConfig, moe: MoEConfig) -> None:
         )
 
 
+def staleness_compile(rollout: RolloutConfig, model: ModelConfig) -> None:
+    """The sampler's prefill runs the blocks eagerly under torch's process-wide compile
+    stance: a producer thread's prefill would switch the trainer's forwards to eager."""
+    if rollout.max_staleness > 0 and model.compile:
+        raise ValueError(
+            "model.compile needs rollout.max_staleness=0 (the producer thread's prefill "
+            "would run the trainer's compiled blocks eagerly meanwhile)"
+        )
+
+
 # --------------------------------------------------------------------------------------------
 # LoRA
 # --------------------------------------------------------------------------------------------

@@ -142,6 +142,15 @@ class ModelConfig(Section):
         "for about one more forward per update (docs/training.md, Memory); no effect on "
         "no-grad forwards (pi_old, the reference, generation). The model must support it",
     )
+    compile: bool = Field(
+        False,
+        description="The policy's training forwards (the update's, pi_old's recompute, the "
+        "cold start's): each transformer block through torch.compile, which fuses its small "
+        "elementwise kernels; compiling costs seconds at the first forward of each kind "
+        "(and once more at the first new shape). Dense models the torch engine's fast "
+        "decoder runs, in one process; on the CPU with model.cpu_linear=torch "
+        "(docs/training.md)",
+    )
     lora: LoraSettings = Field(default_factory=LoraSettings)
 
     @field_validator("path")

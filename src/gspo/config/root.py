@@ -21,6 +21,7 @@ from gspo.config.checks import (
     minibatches_fit,
     moe_model,
     overlong_buffer_fits,
+    staleness_compile,
     staleness_routing,
     vllm_lora_sync,
     vllm_top_p,
@@ -75,6 +76,7 @@ class Config(Section):
         overlong_buffer_fits(reward, rollout, self.response_limit)
         algo.check_rollout_correction()
         staleness_routing(rollout, self.moe)
+        staleness_compile(rollout, model)
         rollout.check_logit_noise()
         lora_cold_start(model.lora, self.train, data)
         vllm_lora_sync(rollout, model.lora)

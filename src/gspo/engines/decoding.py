@@ -106,17 +106,20 @@ def next_token_logits(
 
 def prefill_cache(model: nn.Module, ids: Tensor, mask: Tensor, head: Tensor | None = None):
     """Run the distinct prompts ``[U, P]`` once; ``(logits of their last token [U, V], cache)``
-    (``head``: :func:`head_weight`)."""
+    (``head``: :func:`head_weight`). Eagerly: blocks compiled for the training forwards
+    (``model.compile``) would otherwise be compiled again for a key/value cache, and for
+    each prompt length."""
     from transformers import DynamicCache
 
-    return next_token_logits(
-        model,
-        DynamicCache(),
-        head,
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=position_ids_from_mask(mask),
-    )
+    with torch.compiler.set_stance("force_eager"):
+        return next_token_logits(
+            model,
+            DynamicCache(),
+            head,
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=position_ids_from_mask(mask),
+        )
 
 
 class ModelDecoder:

@@ -162,7 +162,47 @@ def build_policy_model(
             base_dtype=base_dtype,
         )
     set_linear_kernel(model, config.model.cpu_linear, head_precision(config, device, compute_dtype))
+    if config.model.compile:
+        compile_blocks(model, dist)
     return model, tokenizer, model_dir
+
+
+def compile_blocks(model, dist: Distributed) -> None:
+    """``model.compile``: each transformer block's forward through ``torch.compile``, in
+    place (the parameters and their names stay; each block is compiled at its first call,
+    the blocks sharing one compiled code). A model the fast decoder does not run would
+    sample through the compiled blocks with a key/value cache growing every step, and
+    under torchrun FSDP2's hooks on each block would be compiled with it: both one-line
+    errors, as are a MoE model (its routing gives the experts new shapes every batch) and
+    oneDNN's linear layers on the CPU (inductor cannot lower their packed products)."""
+    from gspo.engines.decoding import fast_decodable
+    from gspo.models.kernels import linear_kernel
+
+    if dist.world_size > 1:
+        raise ValueError(
+            "model.compile: one process only for now (under torchrun each block's FSDP2 "
+            "hooks would be compiled with it); set model.compile=false"
+        )
+    name = type(model).__name__
+    if is_moe(model):
+        raise ValueError(
+            f"model.compile: {name} is a mixture-of-experts model, whose blocks are not "
+            "compiled (its routing gives the experts new shapes every batch); set "
+            "model.compile=false"
+        )
+    if not fast_decodable(model):
+        raise ValueError(
+            f"model.compile: the torch engine's fast decoder does not run {name} "
+            "(docs/engines.md), so it would sample through the compiled blocks; set "
+            "model.compile=false"
+        )
+    if linear_kernel(model) == "onednn":
+        raise ValueError(
+            "model.compile: on the CPU it needs model.cpu_linear=torch (inductor cannot "
+            "compile oneDNN's linear layers, the CPU's default)"
+        )
+    for block in model.get_decoder().layers:
+        block.compile()
 
 
 def head_precision(config: Config, device: torch.device, compute_dtype: torch.dtype) -> str:
