@@ -5,8 +5,8 @@
 #   GSPO_COMMIT=<sha> bash benchmarks/gpu_lease.sh 1   # numerics: the whole suite, the CUDA
 #                                                      # tests in it (~5-7 min)
 #   GSPO_COMMIT=<sha> bash benchmarks/gpu_lease.sh 2   # speed: gspo vs TRL on the ~0.5B/512
-#                                                      # workload (and compiled) and the
-#                                                      # three others, decoding, the head
+#                                                      # workload (and compiled), the head,
+#                                                      # the three others, decoding
 #
 # with `.whl` (from `make gpu-wheels`) carried beside the tree. Part 1 first: the numerics
 # and the suite matter before speed. Give each call a `timeout_s` 45 s or more beyond its

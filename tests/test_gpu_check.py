@@ -315,7 +315,7 @@ def test_a_budget_beside_a_lease_part_bounds_it(tmp_path):
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["header"]["stages"] == "vs_trl,workloads,decode,head in 15 s"
+    assert report["header"]["stages"] == "vs_trl,head,workloads,decode in 15 s"
     assert "gspo overrides" not in report["header"]  # (the graphs are the default on CUDA)
     assert [s["status"] for s in report["stages"]] == ["not run"] * 4
     assert run.returncode == 1  # nothing passed: not a green check
