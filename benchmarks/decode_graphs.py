@@ -106,9 +106,10 @@ def measure(
     way: str,
     around=None,
     compile: bool = False,
+    warmup: int = 16,
 ) -> dict:
     """One timed ``generate`` of ``way`` (``loop``, ``static eager``, ``graphs``) after a
-    warm-up call of 16 tokens: seconds, decode steps, completion tokens. For ``graphs`` the
+    warm-up call of ``warmup`` tokens: seconds, decode steps, completion tokens. For ``graphs`` the
     timed call is the second of the same shapes (what every rollout batch after the first
     is: the engine keeps its graphs), and ``first seconds`` is the first, which captures.
     ``around``: a context manager the timed call runs in (a profiler); ``compile``:
@@ -128,7 +129,7 @@ def measure(
     StaticDecoder.capture = way == "graphs"
     try:
         with torch.no_grad(), autocast(model, dtype):
-            params = SamplingParams(max_new_tokens=16, temperature=1.0)
+            params = SamplingParams(max_new_tokens=warmup, temperature=1.0)
             engine.generate(prompts, n=GROUP, params=params, seed=0)
             params = SamplingParams(max_new_tokens=tokens, temperature=1.0)
             out = {}
@@ -262,14 +263,17 @@ def attention_ways(
 ) -> dict[str, float | str]:
     """``way``'s ms per step, ``tokens`` new tokens, by its single-query attention
     (:data:`ATTENTION_WAYS`; for ``graphs`` the first, the default, is timed by
-    :func:`compare`, as is the loop's default, the kernel by name on CUDA since 9891430's
-    figures: ``gspo.engines.decoding.LOOP_SDPA_KERNEL``). The loop's key length, hence
-    SDPA's shape, grows every step: on an H200 at 887befd its 128-token step took 65.3 ms
-    with SDPA, 14.3 with cuDNN's backend off, 15.8 with the products; the graphs fix their
-    shapes at capture, and their SDPA (cuDNN's kernel) took up to 1.5 of their 4.9 ms a step
-    there (by the profiled batch's table, the training forwards' calls of that kernel among
-    them). The loop's SDPA runs over spans of 64 key columns since (``KVDecoder.key_span``),
-    timed against keys growing by one; the graphs have spans of their own."""
+    :func:`compare`, as is the loop's default, ``gspo.engines.decoding.LOOP_SDPA_KERNEL``).
+    The loop's key length, hence SDPA's shape, grows every step: on an H200 at 887befd its
+    128-token step took 65.3 ms with SDPA, 14.3 with cuDNN's backend off, 15.8 with the
+    products; the graphs fix their shapes at capture, and their SDPA (cuDNN's kernel) took
+    up to 1.5 of their 4.9 ms a step there (by the profiled batch's table, the training
+    forwards' calls of that kernel among them). The loop's SDPA runs over spans of 64 key
+    columns since (``KVDecoder.key_span``), timed against keys growing by one; the graphs
+    have spans of their own. Each way is timed after a warm-up of as many tokens, so that
+    the timed call meets shapes already met (at 9891430 the warm-up was 16 tokens, and
+    cuDNN's 35.37 ms a step against 22.06 by name may be its plans for new shapes, built
+    once per process)."""
     from gspo.engines.decoding import KVDecoder
 
     figures: dict[str, float | str] = {}
@@ -281,7 +285,9 @@ def attention_ways(
         KVDecoder.attention, KVDecoder.key_span, KVDecoder.sdpa_kernel = attention, span, kernel
         torch.backends.cuda.enable_cudnn_sdp(cudnn)
         try:
-            m = measure(model, tokenizer, prompts, tokens=tokens, dtype=dtype, way=way)
+            m = measure(
+                model, tokenizer, prompts, tokens=tokens, dtype=dtype, way=way, warmup=tokens
+            )
         except Exception as exc:  # (one way failing, the kernel by name say, keeps the rest)
             said = f"{type(exc).__name__}: {exc}"[:300]
             figures[f"{way}, {tokens} tokens, {label}: failed"] = said

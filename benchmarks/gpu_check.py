@@ -816,7 +816,7 @@ def head_stage(sizes: Sizes = FULL, tokens: int = 4096) -> Callable[[Stage, floa
         import decode_graphs
         import torch
 
-        from gspo.models import logprobs
+        from gspo.models import LOGPROB_CHUNK, head_chunk, logprobs
         from gspo.models.kernels import bf16_weight_linear
 
         device = torch.device(sizes.device)
@@ -831,8 +831,8 @@ def head_stage(sizes: Sizes = FULL, tokens: int = 4096) -> Callable[[Stage, floa
         ms = {}
         kernels = {"float32": torch.nn.functional.linear, "bf16_weight": bf16_weight_linear}
         chunks: dict[str, int | None] = {name: None for name in kernels}
-        stage.figures["default chunk: tokens"] = logprobs.head_chunk(vocab, device)
-        for chunk in (logprobs.LOGPROB_CHUNK, 4096):
+        stage.figures["default chunk: tokens"] = head_chunk(vocab, device)
+        for chunk in (LOGPROB_CHUNK, 4096):
             name = f"bf16_weight, {chunk}-token chunks"
             kernels[name], chunks[name] = bf16_weight_linear, chunk
         for name, linear in kernels.items():

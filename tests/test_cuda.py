@@ -538,7 +538,8 @@ def test_decoding_with_the_efficient_kernel_samples_what_torchs_pick_samples(
 ):
     """``KVDecoder.sdpa_kernel = "efficient"``: the loop and the captured graphs (SDPA
     forced in float32, where both kernels compute the same sums) sample the tokens they
-    sample with torch's pick, log-probs within 1e-4."""
+    sample with torch's pick (``"sdpa"``: None is ``LOOP_SDPA_KERNEL`` in the loop, which
+    could be either), log-probs within 1e-4."""
     from gspo.engines.decoding import KVDecoder
 
     monkeypatch.setattr(KVDecoder, "attention", "sdpa")
@@ -547,11 +548,11 @@ def test_decoding_with_the_efficient_kernel_samples_what_torchs_pick_samples(
     params = SamplingParams(max_new_tokens=24, temperature=0.9)
     prompts = [*encode(tokenizer), tokenizer("7=")["input_ids"]]
     out = {}
-    for kernel in (None, "efficient"):
+    for kernel in ("sdpa", "efficient"):
         monkeypatch.setattr(KVDecoder, "sdpa_kernel", kernel)
         graphs, _, loop, _ = graph_engines(model, tokenizer, monkeypatch)
         out[kernel] = [e.generate(prompts, n=4, params=params, seed=0) for e in (loop, graphs)]
-    for a, b in zip(out[None], out["efficient"], strict=True):
+    for a, b in zip(out["sdpa"], out["efficient"], strict=True):
         assert torch.equal(a.completion_ids, b.completion_ids)
         assert (a.sampler_logprobs - b.sampler_logprobs).abs().max() < 1e-4
     # in bf16 (cuDNN's kernel the default there, another kernel's rounding): the sampler's

@@ -48,12 +48,14 @@ from gspo.models.logprobs import head_matrix
 #: The loop's SDPA key columns on CUDA are a multiple of this (:attr:`KVDecoder.key_span`).
 KEY_SPAN = 64
 
-#: The per-step loop's SDPA kernel on CUDA (:attr:`KVDecoder.sdpa_kernel` None): the
-#: memory-efficient kernel by name. On an H200 at 9891430 (~0.5B Qwen3, 128 rows, bf16,
-#: a 128-token generation) the loop's step took 22.06 ms with it, 35.37 with torch's pick
-#: (cuDNN's kernel) over the same key spans; the static step's fixed shapes suit cuDNN's
-#: kernel (4.56 ms there vs 4.86 by name), which it keeps (benchmarks/README.md).
-LOOP_SDPA_KERNEL = "efficient"
+#: The per-step loop's SDPA kernel (:attr:`KVDecoder.sdpa_kernel` None): torch's pick.
+#: On an H200 at 9891430 (~0.5B Qwen3, 128 rows, bf16, a 128-token generation after a
+#: 16-token warm-up) the loop's step took 22.06 ms with the memory-efficient kernel by
+#: name, 35.37 with torch's pick (cuDNN's) over the same key spans; but that generation
+#: met each span's shape for the first time, and cuDNN builds a plan per new shape, once
+#: per process: a run's later rollout batches would not pay it. Until the decode stage
+#: times the two at shapes already met ("efficient" then), torch's pick stays.
+LOOP_SDPA_KERNEL = "sdpa"
 
 FAST_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"})
 
@@ -106,12 +108,16 @@ def next_token_logits(
 
 def prefill_cache(model: nn.Module, ids: Tensor, mask: Tensor, head: Tensor | None = None):
     """Run the distinct prompts ``[U, P]`` once; ``(logits of their last token [U, V], cache)``
-    (``head``: :func:`head_weight`). Eagerly: blocks compiled for the training forwards
-    (``model.compile``) would otherwise be compiled again for a key/value cache, and for
-    each prompt length."""
+    (``head``: :func:`head_weight`). Eagerly where the blocks were compiled for the
+    training forwards (``model.compile``): they would be compiled again for a key/value
+    cache, and for each prompt length. (Torch's compile stance is process-wide, so it is
+    switched only then: ``model.compile`` refuses the async producer's thread.)"""
     from transformers import DynamicCache
 
-    with torch.compiler.set_stance("force_eager"):
+    blocks = getattr(model.get_decoder(), "layers", ())
+    compiled = any(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
+    eager = torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext()
+    with eager:
         return next_token_logits(
             model,
             DynamicCache(),

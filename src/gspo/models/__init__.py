@@ -3,6 +3,7 @@ causal LM (:mod:`.loading`), completion log-probs (:mod:`.logprobs`) and the CPU
 kernels (:mod:`.kernels`). A built-in tiny Qwen3 and a user's Qwen3-8B take the same path."""
 
 from gspo.models.builtin import TinyModelSpec, build_char_tokenizer, build_tiny_model
+from gspo.models.kernels import HEAD_CHUNK_BYTES, LOGPROB_CHUNK, head_chunk
 from gspo.models.loading import (
     MODEL_FINGERPRINT,
     MODEL_POINTER,
@@ -18,12 +19,9 @@ from gspo.models.loading import (
     save_pretrained_atomic,
 )
 from gspo.models.logprobs import (
-    HEAD_CHUNK_BYTES,
-    LOGPROB_CHUNK,
     CompletionLogprobs,
     WithEntropy,
     completion_logprobs,
-    head_chunk,
     head_logits,
     layout_cost,
     logprobs_from_hidden,

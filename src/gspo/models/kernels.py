@@ -209,6 +209,30 @@ def bf16_weight_linear(x: Tensor, weight: Tensor, weight_bf16: Tensor | None = N
     return _Bf16WeightLinear.apply(x, weight, weight_bf16)
 
 
+#: Tokens per chunk of the vocabulary projection off CUDA: 256 x 151,936 float32 logits
+#: are 156 MB.
+LOGPROB_CHUNK = 256
+
+#: On CUDA a chunk's float32 logits may take up to this many bytes (:func:`head_chunk`):
+#: 1,024 tokens of a 151,936-token vocabulary. On an H200 at 9891430 (the ~0.5B Qwen3's
+#: head, bf16_weight, 4,096 tokens forward and backward) chunks of 256 tokens took 51.17
+#: ms, of 1,024 33.56, of 4,096 31.54 (a chunk's fixed costs, its launches and its
+#: checkpoint, weigh less in a bigger one); past 1,024 tokens the gain is small and the
+#: memory (a few copies of the chunk's logits in backward) is not.
+HEAD_CHUNK_BYTES = 1 << 30
+
+
+def head_chunk(vocab: int, device: torch.device) -> int:
+    """Tokens per chunk of the vocabulary projection: :data:`LOGPROB_CHUNK` off CUDA; on
+    CUDA the largest power of two, at least that, whose float32 logits fit in
+    :data:`HEAD_CHUNK_BYTES`."""
+    tokens = LOGPROB_CHUNK
+    if device.type == "cuda":
+        while 2 * tokens * vocab * 4 <= HEAD_CHUNK_BYTES:
+            tokens *= 2
+    return tokens
+
+
 def set_linear_kernel(
     model: nn.Module, kernel: str = "onednn", head: HeadPrecision = "float32"
 ) -> str:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gspo.models.kernels import bf16_weight_linear, head_linear_for
+from gspo.models.kernels import bf16_weight_linear, head_chunk, head_linear_for
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -35,30 +35,6 @@ PLAIN_LM_HEAD = frozenset(
 #: bonus in the loss), or ``"metric"``: the same values without a graph, computed once in
 #: the forward and not again when backward recomputes a checkpointed head chunk.
 WithEntropy = bool | Literal["metric"]
-
-#: Tokens per chunk of the vocabulary projection off CUDA: 256 x 151,936 float32 logits
-#: are 156 MB.
-LOGPROB_CHUNK = 256
-
-#: On CUDA a chunk's float32 logits may take up to this many bytes (:func:`head_chunk`):
-#: 1,024 tokens of a 151,936-token vocabulary. On an H200 at 9891430 (the ~0.5B Qwen3's
-#: head, bf16_weight, 4,096 tokens forward and backward) chunks of 256 tokens took 51.17
-#: ms, of 1,024 33.56, of 4,096 31.54 (a chunk's fixed costs, its launches and its
-#: checkpoint, weigh less in a bigger one); past 1,024 tokens the gain is small and the
-#: memory (a few copies of the chunk's logits in backward) is not.
-HEAD_CHUNK_BYTES = 1 << 30
-
-
-def head_chunk(vocab: int, device: torch.device) -> int:
-    """Tokens per chunk of the vocabulary projection: :data:`LOGPROB_CHUNK` off CUDA; on
-    CUDA the largest power of two, at least that, whose float32 logits fit in
-    :data:`HEAD_CHUNK_BYTES`."""
-    tokens = LOGPROB_CHUNK
-    if device.type == "cuda":
-        while 2 * tokens * vocab * 4 <= HEAD_CHUNK_BYTES:
-            tokens *= 2
-    return tokens
-
 
 #: The vocabulary projection of a plain head runs in float32 (autocast off), in the
 #: sampler and in the trainer alike. Under bf16 autocast the logits would otherwise be
