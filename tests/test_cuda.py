@@ -368,6 +368,17 @@ def test_activation_checkpointing_in_bf16_keeps_the_update_and_lowers_its_peak(t
     assert peak_on < 0.6 * peak_off
 
 
+def test_compiled_blocks_in_bf16_agree_with_and_without_gradients(tmp_path):
+    """``model.compile`` on CUDA: pi_old recomputed through the compiled blocks (no
+    gradients) and the update's forward through them (gradients) give the same bf16
+    log-probs to the bit, and not the eager blocks' (tests/test_compiled_training.py)."""
+    from test_compiled_training import without_and_with_gradients
+
+    old, new, eager = without_and_with_gradients(tmp_path, CUDA)
+    assert torch.equal(new, old)
+    assert not torch.equal(eager, old)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_two_ranks_over_nccl_take_the_one_process_step(tmp_path):

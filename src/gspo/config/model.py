@@ -147,7 +147,7 @@ class ModelConfig(Section):
         description="The policy's training forwards (the update's, pi_old's recompute, the "
         "cold start's): each transformer block through torch.compile, which fuses its small "
         "elementwise kernels; compiling costs seconds at the first forward of each kind "
-        "(and once more at the first new shape). Dense models the torch engine's fast "
+        "(with and without gradients; shapes symbolic). Dense models the torch engine's fast "
         "decoder runs, in one process; on the CPU with model.cpu_linear=torch "
         "(docs/training.md)",
     )

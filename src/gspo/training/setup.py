@@ -169,8 +169,10 @@ def build_policy_model(
 
 def compile_blocks(model, dist: Distributed) -> None:
     """``model.compile``: each transformer block's forward through ``torch.compile``, in
-    place (the parameters and their names stay; each block is compiled at its first call,
-    the blocks sharing one compiled code). A model the fast decoder does not run would
+    place (the parameters and their names stay; compiled at the first call, the blocks
+    sharing one compiled code, with symbolic shapes from the start: a packed minibatch's
+    token count changes every time, and past 8 graphs dynamo would run new variants
+    eagerly). A model the fast decoder does not run would
     sample through the compiled blocks with a key/value cache growing every step, and
     under torchrun FSDP2's hooks on each block would be compiled with it: both one-line
     errors, as are a MoE model (its routing gives the experts new shapes every batch) and
@@ -202,7 +204,7 @@ def compile_blocks(model, dist: Distributed) -> None:
             "compile oneDNN's linear layers, the CPU's default)"
         )
     for block in model.get_decoder().layers:
-        block.compile()
+        block.compile(dynamic=True)
 
 
 def head_precision(config: Config, device: torch.device, compute_dtype: torch.dtype) -> str:
