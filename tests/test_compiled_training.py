@@ -18,6 +18,7 @@ from test_activation_checkpointing import (
     one_update,
     perturb_adapters,
 )
+from test_compiled_decode import needs_cxx
 from test_trainer import FAST
 
 from gspo.cli import main
@@ -41,6 +42,7 @@ def compiled_frames() -> int:
     return torch._dynamo.utils.counters["frames"]["ok"]
 
 
+@needs_cxx
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_compiled_blocks_keep_the_loss_and_the_gradients(tmp_path, variant):
     torch._dynamo.reset()
@@ -84,6 +86,7 @@ def without_and_with_gradients(tmp_path, device: str = CPU):
     return old, new.detach(), eager
 
 
+@needs_cxx
 def test_in_bf16_a_forward_with_gradients_and_one_without_agree_to_the_bit(tmp_path):
     """pi_old recomputed without gradients (minibatches after the first: the first's is
     its update's own forward) and the update's forward with them go through different
@@ -95,6 +98,7 @@ def test_in_bf16_a_forward_with_gradients_and_one_without_agree_to_the_bit(tmp_p
     assert not torch.equal(eager, old)  # (the check above is not of eager code)
 
 
+@needs_cxx
 def test_a_run_with_compiled_blocks_trains_as_one_without(tmp_path):
     """Generation, pi_old (recomputed: a no-grad forward through the compiled blocks),
     the KL reference (a LoRA run's: the blocks with the adapters off), the updates and the
@@ -157,6 +161,7 @@ def test_several_ranks_and_models_the_fast_decoder_does_not_run_are_refused(tiny
     assert all(b._compiled_call_impl is None for b in tiny_model.get_decoder().layers)
 
 
+@needs_cxx
 def test_async_rollouts_are_refused_and_the_prefill_runs_the_blocks_eagerly(tokenizer, tiny_model):
     """The sampler's prefill runs the blocks eagerly (torch's compile stance, which is
     process-wide: an async producer's prefill would switch the trainer's forwards to
