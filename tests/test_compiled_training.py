@@ -152,11 +152,16 @@ def test_onednn_on_the_cpu_is_a_one_line_error(tmp_path, capsys):
     )
 
 
-def test_several_ranks_and_models_the_fast_decoder_does_not_run_are_refused(tiny_model):
+def test_several_ranks_and_models_the_fast_decoder_does_not_run_are_refused(
+    tiny_model, monkeypatch
+):
     with pytest.raises(ValueError, match=r"^model.compile: one process only for now"):
         compile_blocks(tiny_model, SimpleNamespace(world_size=2))
     tiny_model.config._attn_implementation = "flex_attention"  # (not one it reimplements)
     with pytest.raises(ValueError, match=r"fast decoder does not run Qwen3ForCausalLM"):
+        compile_blocks(tiny_model, SimpleNamespace(world_size=1))
+    monkeypatch.delattr(torch.compiler, "set_stance")  # (a torch before 2.6)
+    with pytest.raises(ValueError, match=r"^model.compile needs torch 2.6 or newer \(this is "):
         compile_blocks(tiny_model, SimpleNamespace(world_size=1))
     assert all(b._compiled_call_impl is None for b in tiny_model.get_decoder().layers)
 

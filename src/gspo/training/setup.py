@@ -180,6 +180,8 @@ def compile_blocks(model, dist: Distributed) -> None:
     from gspo.engines.decoding import fast_decodable
     from gspo.models.kernels import linear_kernel
 
+    if not hasattr(torch.compiler, "set_stance"):  # (the sampler's prefill runs eagerly)
+        raise ValueError(f"model.compile needs torch 2.6 or newer (this is {torch.__version__})")
     if dist.world_size > 1:
         raise ValueError(
             "model.compile: one process only for now (under torchrun each block's FSDP2 "
