@@ -587,16 +587,19 @@ def vs_trl_stage(
                 continue
             try:  # (one failing or running out of time keeps the figures above)
                 compiled_s, run = compiled_run(work, schedule, (*extra, setting), deadline)
-            except (subprocess.TimeoutExpired, RuntimeError) as exc:
+                c = vs_trl.gspo_summary(run)
+                tokens, phases = c["completion_tokens"], c["phases"]
+                figures = {
+                    "whole process s": round(compiled_s, 1),
+                    "ratio TRL / gspo": round(trl_s / compiled_s, 2),
+                    "generation tokens/s": round(tokens / phases["generation"]),
+                    "training tokens/s": round(tokens / phases[TRAIN_PHASE]),
+                }
+            except Exception as exc:  # (reported in the stage, the next setting still runs)
                 text = " ".join(f"{type(exc).__name__}: {exc}".split())
                 stage.figures[f"gspo, {setting}"] = f"failed: {text[:300]}"
                 continue
-            c = vs_trl.gspo_summary(run)
-            stage.figures[f"gspo, {setting}: whole process s"] = round(compiled_s, 1)
-            stage.figures[f"gspo, {setting}: ratio TRL / gspo"] = round(trl_s / compiled_s, 2)
-            for phase, label in (("generation", "generation"), (TRAIN_PHASE, "training")):
-                tokens_per_s = c["completion_tokens"] / c["phases"][phase]
-                stage.figures[f"gspo, {setting}: {label} tokens/s"] = round(tokens_per_s)
+            stage.figures.update({f"gspo, {setting}: {k}": v for k, v in figures.items()})
 
     return body
 

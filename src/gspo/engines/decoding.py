@@ -52,9 +52,10 @@ KEY_SPAN = 64
 #: On an H200 at 9891430 (~0.5B Qwen3, 128 rows, bf16, a 128-token generation after a
 #: 16-token warm-up) the loop's step took 22.06 ms with the memory-efficient kernel by
 #: name, 35.37 with torch's pick (cuDNN's) over the same key spans; but that generation
-#: met each span's shape for the first time, and cuDNN builds a plan per new shape, once
-#: per process: a run's later rollout batches would not pay it. Until the decode stage
-#: times the two at shapes already met ("efficient" then), torch's pick stays.
+#: met each span's shape for the first time, and cuDNN builds (and keeps) a plan per new
+#: shape. How often a run meets new shapes (its batch also shrinks as rows finish) is not
+#: measured; the decode stage now times both at shapes met before, cuDNN's best case.
+#: Torch's pick stays until a measurement says otherwise ("efficient" then).
 LOOP_SDPA_KERNEL = "sdpa"
 
 FAST_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"})
