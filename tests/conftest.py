@@ -92,6 +92,18 @@ def tokenizer():
     return build_char_tokenizer()
 
 
+def recompute(model, batch, temperature: float = 1.0) -> torch.Tensor:
+    """The trainer's log-probs of a sampled ``batch``'s completions, without gradients
+    (what the sampler's log-probs are checked against)."""
+    from gspo.models import completion_logprobs
+
+    with torch.no_grad():
+        return completion_logprobs(
+            model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+            batch.completion_mask, temperature=temperature,
+        )  # fmt: skip
+
+
 @pytest.fixture
 def tiny_model(tokenizer):
     torch.manual_seed(0)

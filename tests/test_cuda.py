@@ -18,11 +18,12 @@ from functools import partial
 
 import pytest
 import torch
+from conftest import recompute
 from test_environments import COUNTER_ENV
 
 from gspo.config import load_config
 from gspo.engines import SamplingParams, TorchEngine
-from gspo.models import completion_logprobs, packed_completion_logprobs
+from gspo.models import packed_completion_logprobs
 from gspo.moe import experts_implementation
 from gspo.trainer import Trainer
 
@@ -81,11 +82,7 @@ def test_fast_decoder_on_cuda_samples_what_the_reference_samples(tokenizer, tiny
     b = ref.generate(encode(tokenizer), n=4, params=params, seed=0)
     assert a.completion_ids.is_cuda and torch.equal(a.completion_ids, b.completion_ids)
     assert (a.sampler_logprobs - b.sampler_logprobs).abs().max() < 1e-4
-    with torch.no_grad():
-        lp = completion_logprobs(
-            model, a.prompt_ids, a.prompt_mask, a.completion_ids, a.completion_mask,
-            temperature=0.9,
-        )  # fmt: skip
+    lp = recompute(model, a, 0.9)
     assert (lp - a.sampler_logprobs).abs()[a.completion_mask].max() < 1e-3
 
 
@@ -94,11 +91,7 @@ def test_bf16_autocast_sampling_stays_near_a_bf16_recompute(tokenizer, tiny_mode
     fast, _ = engines(model, tokenizer)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         batch = fast.generate(encode(tokenizer), n=8, params=SamplingParams(12), seed=1)
-        with torch.no_grad():
-            lp = completion_logprobs(
-                model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
-                batch.completion_mask,
-            )  # fmt: skip
+        lp = recompute(model, batch)
     delta = (lp - batch.sampler_logprobs).abs()[batch.completion_mask]
     assert delta.mean() < BF16_TOKEN_TOL  # bf16 rounding, two different computations
 
@@ -500,11 +493,7 @@ def test_cuda_graphs_sample_what_the_eager_static_step_samples(
     assert (a.sampler_logprobs - c.sampler_logprobs).abs().max() < 1e-4
     assert len(set(a.completion_lengths.tolist())) > 5
     if noise == 0:
-        with torch.no_grad():
-            lp = completion_logprobs(
-                model, a.prompt_ids, a.prompt_mask, a.completion_ids, a.completion_mask,
-                temperature=0.9,
-            )  # fmt: skip
+        lp = recompute(model, a, 0.9)
         assert (lp - a.sampler_logprobs).abs()[a.completion_mask].max() < 1e-3
 
 
@@ -571,11 +560,7 @@ def test_decoding_with_the_efficient_kernel_samples_what_torchs_pick_samples(
     for engine in (loop, graphs):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             batch = engine.generate(prompts, n=4, params=params, seed=1)
-            with torch.no_grad():
-                lp = completion_logprobs(
-                    model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
-                    batch.completion_mask, temperature=0.9,
-                )  # fmt: skip
+            lp = recompute(model, batch, 0.9)
         delta = (lp - batch.sampler_logprobs).abs()[batch.completion_mask]
         assert delta.mean() < BF16_TOKEN_TOL
 
@@ -632,11 +617,7 @@ def test_cuda_graphs_in_bf16_stay_near_a_bf16_recompute(tokenizer, tiny_model, m
         batch = graphs.generate(encode(tokenizer), n=8, params=params, seed=1)
         assert captured
         again = eager(encode(tokenizer), n=8, params=params, seed=1)
-        with torch.no_grad():
-            lp = completion_logprobs(
-                model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
-                batch.completion_mask,
-            )  # fmt: skip
+        lp = recompute(model, batch)
     assert torch.equal(batch.completion_ids, again.completion_ids)
     delta = (lp - batch.sampler_logprobs).abs()[batch.completion_mask]
     assert delta.mean() < BF16_TOKEN_TOL
@@ -667,11 +648,7 @@ def test_cuda_graphs_of_compiled_layers_sample_what_the_uncompiled_graphs_do(
         assert captured and fused.static.decoder.compiled
         plain = (KVDecoder.queries_keys_values, KVDecoder.after_attention)
         assert fused.static.decoder.layer_work != plain
-        with torch.no_grad():
-            lp = completion_logprobs(
-                model, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask,
-                temperature=0.9,
-            )  # fmt: skip
+        lp = recompute(model, b, 0.9)
     delta = (lp - b.sampler_logprobs).abs()[b.completion_mask]
     if dtype == "float32":
         assert torch.equal(a.completion_ids, b.completion_ids)

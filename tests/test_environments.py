@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import recompute
 
 from gspo.cli import main
 from gspo.config import load_config
@@ -571,13 +572,7 @@ def test_the_trainer_recomputes_exactly_what_the_sampler_saw(tokenizer, tiny_mod
     batch = runner.generate(rows, [[]] * 2, n=3, params=params, seed=1).batch
     env_tokens = (batch.completion_mask & ~batch.action_mask).sum()
     assert env_tokens > 0 and batch.completion_lengths.max() > 120  # several turns
-    from gspo.models import completion_logprobs
-
-    with torch.no_grad():
-        lp = completion_logprobs(
-            tiny_model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
-            batch.completion_mask, temperature=0.9,
-        )  # fmt: skip
+    lp = recompute(tiny_model, batch, 0.9)
     delta = (lp - batch.sampler_logprobs).abs()[batch.action_mask]
     assert delta.max() < 1e-4
     mismatch = logprob_mismatch(batch.sampler_logprobs, lp, batch.action_mask)

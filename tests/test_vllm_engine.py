@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CPU, device_named_in
+from conftest import CPU, device_named_in, recompute
 
 from gspo.cli import main
 from gspo.config import ConfigError, load_config
@@ -23,7 +23,6 @@ from gspo.models import (
     TinyModelSpec,
     build_char_tokenizer,
     build_tiny_model,
-    completion_logprobs,
     load_model,
     save_pretrained_atomic,
 )
@@ -148,18 +147,6 @@ def torch_engine(model, tokenizer):
 
 def encode(tokenizer, texts=TEXTS):
     return [tokenizer(t)["input_ids"] for t in texts]
-
-
-def recompute(model, batch, temperature=1.0):
-    with torch.no_grad():
-        return completion_logprobs(
-            model,
-            batch.prompt_ids,
-            batch.prompt_mask,
-            batch.completion_ids,
-            batch.completion_mask,
-            temperature=temperature,
-        )
 
 
 def max_logprob_delta(model, batch, temperature=1.0):
