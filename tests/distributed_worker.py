@@ -25,13 +25,13 @@ from pathlib import Path
 
 import torch
 
-from gspo.advantages import group_advantages
 from gspo.cli import quick_exit
 from gspo.config import load_config
 from gspo.distributed import full_state_dict, setup_distributed, teardown_distributed
 from gspo.engines import RolloutBatch, pad_batch
+from gspo.objectives import group_advantages
 from gspo.trainer import Trainer
-from gspo.training.records import Minibatch
+from gspo.training.update import Minibatch
 
 GROUPS, GROUP_SIZE, LENGTH = 4, 4, 6
 CONFIG = [

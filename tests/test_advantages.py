@@ -1,4 +1,4 @@
-"""Tests of ``gspo.advantages.group_advantages`` against ``docs/algorithm.md`` Eq. (1)
+"""Tests of ``gspo.objectives.group_advantages`` against ``docs/algorithm.md`` Eq. (1)
 ("Group-relative advantage": A_i = (r_i - mean_j r_j) / std_j r_j, 0 for a group of equal
 rewards, batch-std and no-std (Dr. GRPO) variants)."""
 
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gspo.advantages import group_advantages
+from gspo.objectives import group_advantages
 
 
 def reference(rewards, group_size: int, scale: str) -> np.ndarray:

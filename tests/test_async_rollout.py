@@ -64,7 +64,7 @@ def test_tensors_in_finds_every_tensor_a_sampled_batch_hands_over():
     """What the trainer marks as used on its CUDA stream (``record_stream``) when it takes a
     batch the producer sampled on its own: every tensor, however deeply held."""
     from gspo.engines import RolloutBatch
-    from gspo.training.records import Sampled, Scored
+    from gspo.training.rollout import Sampled, Scored
 
     t = [torch.zeros(2, 3) for _ in range(5)]
     batch = RolloutBatch(

@@ -570,7 +570,7 @@ quick_exit(0)
 def test_batch_scaled_advantages_use_the_whole_rollout_batch_over_ranks(tmp_path):
     """``algorithm.advantage_scale=batch`` divides by the std of the whole rollout batch:
     under torchrun each rank divided by its own share's."""
-    from gspo.advantages import group_advantages
+    from gspo.objectives import group_advantages
 
     (tmp_path / "script.py").write_text(BATCH_ADVANTAGES)
     (tmp_path / "lengths.py").write_text(

@@ -17,8 +17,8 @@ from gspo.objectives import policy_loss
 from gspo.tasks import calculator_task, tool_call_text
 from gspo.trainer import Trainer
 from gspo.training.episodes import MultiTurn, TurnFormat, encode_conversation
-from gspo.training.loss_mask import LossMask
 from gspo.training.metrics import logprob_mismatch
+from gspo.training.rollout import LossMask
 from tests.test_trainer import FAST
 
 COUNTER_ENV = '''

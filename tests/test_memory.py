@@ -11,7 +11,7 @@ from test_trainer import FAST  # names model.device=cpu
 
 import gspo.engines
 import gspo.training.cold_start
-import gspo.training.forward
+import gspo.training.policy
 import gspo.training.update
 from gspo.cli import main
 
@@ -102,7 +102,7 @@ def test_oom_with_activation_checkpointing_on_does_not_advise_it(tmp_path, capsy
 
 
 def test_oom_recomputing_pi_old_names_the_minibatches(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(gspo.training.forward, "recompute_per_minibatch", out_of_memory)
+    monkeypatch.setattr(gspo.training.policy, "recompute_per_minibatch", out_of_memory)
     err = error_line(tmp_path, capsys, "algorithm.old_logprobs=recompute")
     assert "while computing the rollout batch's pi_old log-probs: " in err
     assert "raise algorithm.minibatches (2)" in err

@@ -26,7 +26,7 @@ from gspo.moe import (
 )
 from gspo.telemetry import read_metrics
 from gspo.trainer import Trainer
-from gspo.training.forward import RoutedForward
+from gspo.training.policy import RoutedForward
 from gspo.training.setup import build_or_load_model, moe_settings
 
 MOE = TinyModelSpec(
@@ -399,11 +399,11 @@ def test_trainer_replays_the_old_routing_in_every_minibatch(tmp_path, monkeypatc
     used, recorded = [], []
     original = RoutedForward.logprobs
 
-    def spy(self, experience, mb):
+    def spy(self, batch, k, routing):
         with capture_routing(self.policy.module) as recorder:
-            out = original(self, experience, mb)
+            out = original(self, batch, k, routing)
         used.append(recorder.experts)
-        recorded.append(experience.routing[mb.k].clone())
+        recorded.append(routing[k].clone())
         return out
 
     monkeypatch.setattr(RoutedForward, "logprobs", spy)

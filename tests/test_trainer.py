@@ -865,7 +865,7 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch,
 def test_auto_old_logprobs_recompute_below_float32():
     """``algorithm.old_logprobs=auto`` (the default) takes the sampler's log-probs only
     where they are pi_old to rounding: float32 and nothing to correct."""
-    from gspo.training.forward import recomputes_old_logprobs
+    from gspo.training.policy import recomputes_old_logprobs
 
     auto = load_config(None, [])
     assert auto.algorithm.old_logprobs == "auto"

@@ -82,7 +82,7 @@ def test_top_p_with_sampler_logprobs_is_refused_for_vllm():
     with pytest.raises(ConfigError, match="algorithm.old_logprobs=recompute"):
         load_config(overrides=sampler)
     # the default (auto) recomputes pi_old for vLLM with top_p < 1
-    from gspo.training.forward import recomputes_old_logprobs
+    from gspo.training.policy import recomputes_old_logprobs
 
     auto = load_config(overrides=["rollout.engine=vllm", "rollout.top_p=0.9"])
     assert recomputes_old_logprobs(auto, torch.float32)

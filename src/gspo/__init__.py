@@ -13,8 +13,7 @@ The algorithmic core is importable without loading transformers::
     from gspo import policy_loss, group_advantages
 """
 
-from gspo.advantages import group_advantages
-from gspo.objectives import DEFAULT_CLIP, LEVELS, PolicyLoss, policy_loss
+from gspo.objectives import DEFAULT_CLIP, LEVELS, PolicyLoss, group_advantages, policy_loss
 
 __version__ = "0.1.0"
 __all__ = [

@@ -57,12 +57,11 @@ from gspo.training.checkpoint import (
 from gspo.training.cold_start import cold_start, drop_progress
 from gspo.training.episodes import build_generator, sft_encoder, task_prompt_ids
 from gspo.training.evaluation import Evaluator, evaluated_at_start
-from gspo.training.forward import build_forward
 from gspo.training.hooks import EmptyLossWarning, OnPolicyClipWarning, build_hooks
 from gspo.training.lora import adapter_dropout_seed
 from gspo.training.memory import loading_model, out_of_memory
 from gspo.training.metrics import combine, crossed, metric_reduction, rollout_clip_fractions
-from gspo.training.policy import Policy
+from gspo.training.policy import Policy, build_forward
 from gspo.training.reference import Reference
 from gspo.training.rollout import RolloutStage, Scorer
 from gspo.training.sampler import PolicySampler, build_engine

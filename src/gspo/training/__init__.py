@@ -10,12 +10,13 @@ One rollout batch flows through them in this order::
 module                        what lives there
 ============================  =========================================================
 :mod:`.setup`                 derived seeds, task data, the model, the optimizer
-:mod:`.policy`                :class:`Policy`: the trained weights behind one handle
+:mod:`.policy`                :class:`Policy`: the trained weights behind one handle; how
+                              minibatch log-probs are computed (plain, MoE routing)
 :mod:`.sampler`               the rollout engine, kept in step with the policy
-:mod:`.rollout`               prompts -> rollout -> scores -> advantages -> pi_old, reference
-:mod:`.records`               the records a batch becomes; the per-minibatch views
-:mod:`.forward`               how minibatch log-probs are computed (plain, MoE routing)
-:mod:`.update`                the objective and one optimizer step per minibatch
+:mod:`.rollout`               prompts -> rollout -> scores -> advantages -> pi_old,
+                              reference; the loss mask
+:mod:`.update`                the :class:`Experience` and its minibatches; the objective
+                              and one optimizer step per minibatch
 :mod:`.hooks`                 optional instruments: expert churn, ratio dumps, mismatch
 :mod:`.reference`             the frozen KL reference
 :mod:`.cold_start`            supervised fine-tuning before RL

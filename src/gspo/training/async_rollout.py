@@ -53,11 +53,10 @@ import torch
 
 from gspo.config import Config
 from gspo.engines import RolloutBatch, RolloutEngine, SamplingParams, TorchEngine
-from gspo.training.forward import per_minibatch, recomputes_old_logprobs
-from gspo.training.policy import Policy
-from gspo.training.records import Experience, Sampled
-from gspo.training.rollout import RolloutStage
+from gspo.training.policy import Policy, per_minibatch, recomputes_old_logprobs
+from gspo.training.rollout import RolloutStage, Sampled
 from gspo.training.sampler import PolicySampler, engine_dtype, push_weights
+from gspo.training.update import Experience
 
 #: The file in a checkpoint holding the stale weights the next rollout batches need.
 BEHAVIOUR_WEIGHTS = "behaviour_weights.pt"

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gspo.advantages import group_advantages
 from gspo.engines import RolloutBatch
+from gspo.objectives import group_advantages
 from gspo.training.seeds import derive_seed
 
 
@@ -31,7 +31,7 @@ def constant_groups(
     rewards: torch.Tensor, group_size: int, scorable: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``[groups]`` bool: the groups that teach nothing, by the advantages' own test
-    (:func:`gspo.advantages.group_advantages` gives them exactly 0): rewards all equal,
+    (:func:`gspo.objectives.group_advantages` gives them exactly 0): rewards all equal,
     a spread of rounding noise only, fewer than two completions a reward function scored
     (``scorable``), or the scored ones all equal."""
     advantages = group_advantages(rewards, group_size, scale="none", scorable=scorable)

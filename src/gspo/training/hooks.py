@@ -23,13 +23,11 @@ from gspo.engines import RolloutBatch
 from gspo.gradient_noise import bucket_cosines, flatten, length_halves
 from gspo.moe import capture_routing, expert_change_fraction, response_token_mask
 from gspo.objectives import response_lengths, sequence_log_ratio, token_log_ratio
-from gspo.training.forward import PlainForward, RoutedForward
 from gspo.training.metrics import CLIP_ON_POLICY, logprob_mismatch
-from gspo.training.policy import Policy
-from gspo.training.records import Experience, Minibatch
+from gspo.training.policy import PlainForward, Policy, RoutedForward
 from gspo.training.reference import Reference
 from gspo.training.seeds import derive_seed
-from gspo.training.update import Hook, Objective
+from gspo.training.update import Experience, Hook, Minibatch, Objective
 
 
 def build_hooks(

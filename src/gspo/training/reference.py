@@ -12,8 +12,7 @@ from gspo.models.kernels import head_precision, linear_kernel, set_linear_kernel
 from gspo.moe import experts_implementation, set_experts_implementation
 from gspo.moved import model_not_found
 from gspo.training.checkpoint import checkpoint_dir
-from gspo.training.forward import per_minibatch
-from gspo.training.policy import Policy
+from gspo.training.policy import Policy, per_minibatch
 
 
 class Reference:

@@ -2,7 +2,9 @@
 first update (old and reference log-probs, MoE routing).
 
 :class:`RolloutStage` turns a rollout batch index into an
-:class:`~gspo.training.records.Experience`, the one object the update stage consumes.
+:class:`~gspo.training.update.Experience`, the one object the update stage consumes, by
+way of two records of its own: :class:`Scored` (sampled and scored) and :class:`Sampled`
+(with its prompt rows and sampling metrics: what an async producer hands over).
 """
 
 from __future__ import annotations
@@ -13,16 +15,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
 import torch
 
-from gspo.advantages import group_advantages
-from gspo.config import Config
+from gspo.config import AlgorithmConfig, Config
 from gspo.distributed import Distributed, rank_said
-from gspo.engines import SamplingParams
+from gspo.engines import RolloutBatch, SamplingParams
+from gspo.objectives import group_advantages, rollout_correction
 from gspo.rewards import RewardFunctions, overlong_penalty
 from gspo.rewards.functions import metric_labels
 from gspo.tasks import as_completion
@@ -32,20 +34,52 @@ from gspo.training.dynamic_sampling import (
     extra_prompts,
     fill_with_informative_groups,
 )
-from gspo.training.forward import PlainForward, RoutedForward
-from gspo.training.loss_mask import LossMask
 from gspo.training.memory import out_of_memory
 from gspo.training.metrics import combine, logprob_mismatch, timed
-from gspo.training.records import Experience, Sampled, Scored
+from gspo.training.policy import PlainForward, RoutedForward
 from gspo.training.reference import Reference
 from gspo.training.sampler import Generated, Generator, Sampler
 from gspo.training.seeds import derive_seed, rank_seed
+from gspo.training.update import Experience
 
 
 def column_batch(rows: list[dict[str, Any]], repeat: int) -> dict[str, list[Any]]:
     """Dataset columns other than ``prompt``, each repeated ``repeat`` times per row."""
     keys = [k for k in rows[0] if k != "prompt"] if rows else []
     return {k: [row.get(k) for row in rows for _ in range(repeat)] for k in keys}
+
+
+@dataclass
+class Scored:
+    """A rollout batch with its decoded completions and rewards.
+
+    ``scorable`` ``[N]`` bool: False where every reward function returned None (the
+    completion's reward, 0, is then no evidence: it stays out of its group's baseline and
+    gets advantage 0, as in TRL); None when every completion was scored.
+    """
+
+    batch: RolloutBatch
+    completions: list[Any]
+    rewards: torch.Tensor  # [N] float32
+    per_function: dict[str, list[float | None]]
+    scorable: torch.Tensor | None = None
+
+
+@dataclass
+class Sampled:
+    """A rollout batch sampled and scored, before anything that needs the trainer.
+
+    ``picked`` are its prompt rows, ``metrics`` this rank's own (times, dynamic sampling).
+    ``old_logprobs`` ``[N, T]``: pi_old recomputed by whoever held the weights that sampled
+    the batch (an async producer, :mod:`gspo.training.async_rollout`); None = the trainer
+    computes pi_old itself (``algorithm.old_logprobs``).
+    """
+
+    index: int
+    picked: list[int]
+    scored: Scored
+    metrics: dict[str, float]
+    old_logprobs: torch.Tensor | None = None
 
 
 class Scorer:
@@ -114,6 +148,55 @@ class Scorer:
                 file=sys.stderr,
                 flush=True,
             )
+
+
+@dataclass
+class LossTokens:
+    """``mask`` ``[N, T]`` bool: the tokens in the loss; ``weights`` ``[N, T]`` or None."""
+
+    mask: torch.Tensor
+    weights: torch.Tensor | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class LossMask:
+    """``loss_mask.tokens(batch, old_logprobs) -> LossTokens``: which tokens of a rollout
+    batch the loss counts, and with what weight, for the run's ``algorithm.*``; applied
+    once per rollout batch, once pi_old's log-probs are known (:meth:`RolloutStage.finish`).
+
+    It starts from the rollout's ``action_mask`` (the tokens the model sampled; in a
+    multi-turn episode the environment's tokens are left out), then:
+    ``algorithm.rollout_correction`` (:func:`gspo.objectives.rollout_correction`: the
+    trainer's pi_old against the sampler's log-probs, as weights ``c_{i,t}`` and dropped
+    tokens or responses, ``docs/algorithm.md``, "Rollout correction") and
+    ``algorithm.mask_truncated`` (responses cut off by ``rollout.max_new_tokens`` leave the
+    loss: DAPO's overlong filtering). The update hands the result to
+    :func:`gspo.objectives.policy_loss` as its ``mask`` and ``weights``; the rollout's own
+    ``completion_mask`` (what the forward computes) is left alone.
+    """
+
+    def __init__(self, algorithm: AlgorithmConfig):
+        self.correction = algorithm.rollout_correction
+        self.low = algorithm.correction_min
+        self.high = algorithm.correction_max
+        self.mask_truncated = algorithm.mask_truncated
+
+    def tokens(self, batch: RolloutBatch, old_logprobs: torch.Tensor) -> LossTokens:
+        mask = batch.action_mask.bool()  # the model's own tokens: never environment tokens
+        out = LossTokens(mask)
+        if self.mask_truncated:
+            cut = torch.tensor([r == "length" for r in batch.finish_reasons], device=mask.device)
+            out.mask = mask & ~cut.unsqueeze(-1)
+            out.metrics["train/masked_truncated_fraction"] = cut.float().mean().item()
+        if self.correction != "none":
+            corr = rollout_correction(
+                old_logprobs, batch.sampler_logprobs, mask, self.correction,
+                low=self.low, high=self.high,
+            )  # fmt: skip
+            out.mask = out.mask & corr.keep
+            out.weights = corr.weights
+            out.metrics.update({f"correction/{k}": v for k, v in corr.metrics.items()})
+        return out
 
 
 def merge_groups(rounds: list[Scored], groups: list[int]) -> Scored:

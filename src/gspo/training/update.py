@@ -1,24 +1,122 @@
 """The update stage: per minibatch, log-probs -> loss -> backward -> one optimizer step.
 
-Everything the loss needs besides pi_theta (pi_old, advantages, the tokens in the loss and
-their weights, the KL reference's log-probs) is on the minibatch the
-:class:`~gspo.training.records.Experience` hands out, computed before the first update.
+What it consumes is an :class:`Experience`: one rollout batch with everything the loss
+needs besides pi_theta (pi_old, advantages, the tokens in the loss and their weights, the
+KL reference's log-probs, MoE routing), computed before the first update by the rollout
+stage (:mod:`gspo.training.rollout`), which hands out each update's :class:`Minibatch`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from gspo.config import AlgorithmConfig
 from gspo.distributed import as_float
+from gspo.engines import RolloutBatch
 from gspo.objectives import PolicyLoss, policy_loss
-from gspo.training.forward import PlainForward, RoutedForward
 from gspo.training.metrics import timed
-from gspo.training.policy import Policy
-from gspo.training.records import Experience, Minibatch
+from gspo.training.policy import PlainForward, Policy, RoutedForward
+
+
+@dataclass
+class Minibatch:
+    """Rows of an :class:`Experience`, trimmed to their own columns, as the loss takes them.
+
+    ``k`` is the minibatch's index in its rollout batch (-1: other rows, such as the
+    gradient-noise halves); ``batch`` the rows' :class:`RolloutBatch`; the tensors ``[n, T]``
+    (``advantages`` ``[n]``) line up with its trimmed columns: pi_old's log-probs, the
+    tokens in the loss and their weights (or None), and the KL reference's log-probs (or
+    None when the KL is off). ``mask`` is None on a minibatch handed out before its
+    experience was settled (:meth:`Experience.settle`): it is for the forward only.
+    """
+
+    k: int
+    rows: torch.Tensor
+    batch: RolloutBatch
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor | None
+    weights: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None
+
+
+@dataclass
+class Experience:
+    """One scored rollout batch (this rank's share), ready for the update stage.
+
+    ``advantages`` ``[N]`` and ``old_logprobs`` ``[N, T]`` (pi_old, from the sampler or
+    the trainer's recompute; ``recomputed`` says which) line up with ``batch``'s rows;
+    ``loss_mask`` ``[N, T]`` and ``loss_weights`` ``[N, T]`` (or None) are the tokens the
+    loss counts and their weights (:class:`gspo.training.rollout.LossMask`);
+    ``minibatches`` are the row indices of each update; ``metrics`` describe the whole
+    rollout batch over every rank. ``staleness`` (``rollout.max_staleness``) is how many
+    rollout batches of updates the weights that sampled the batch lag the trained ones.
+
+    The pass before the first update also puts on it ``ref_logprobs`` ``[N, T]`` (the KL
+    reference's, or None) and ``routing``: per minibatch, the MoE experts pi_old chose
+    (:class:`gspo.training.policy.RoutedForward`; None until recorded, empty when no
+    routing is recorded). :meth:`minibatch` hands out each update's rows.
+
+    ``unsettled``: when pi_old is recomputed, minibatch 0's is its own update's forward
+    (at pi_old's weights), so that pass leaves its rows out and what needs all of pi_old
+    (the loss mask, the mismatch metrics: ``unsettled(experience)``) waits for
+    :meth:`settle`; until then ``loss_mask`` is None.
+    """
+
+    index: int
+    batch: RolloutBatch
+    advantages: torch.Tensor
+    old_logprobs: torch.Tensor
+    recomputed: bool
+    minibatches: list[torch.Tensor]
+    metrics: dict[str, float]
+    loss_mask: torch.Tensor | None
+    loss_weights: torch.Tensor | None = None
+    staleness: int = 0  # rollout batches of updates between the sampling weights and these
+    ref_logprobs: torch.Tensor | None = None
+    routing: list[torch.Tensor | None] = field(default_factory=list)
+    unsettled: Callable[[Experience], None] | None = None
+
+    def settle(self, logprobs: torch.Tensor) -> Minibatch:
+        """Minibatch 0's pi_old from its update's forward (``logprobs`` ``[n, T']``,
+        detached), then what waited for all of pi_old; minibatch 0 again, now whole."""
+        assert self.unsettled is not None, "settled once, by minibatch 0's forward"
+        rows = self.minibatches[0]
+        self.old_logprobs[rows, : logprobs.shape[1]] = logprobs
+        finish, self.unsettled = self.unsettled, None
+        finish(self)
+        return self.minibatch(0)
+
+    @property
+    def last_minibatch(self) -> int:
+        return len(self.minibatches) - 1
+
+    def minibatch(self, k: int) -> Minibatch:
+        """The rows of update ``k``."""
+        return self.view(self.minibatches[k], k)
+
+    def view(self, rows: torch.Tensor, k: int = -1) -> Minibatch:
+        """The given rows, every per-token tensor cut to their trimmed columns."""
+        batch = self.batch.select(rows)
+        width = batch.completion_ids.shape[1]
+
+        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[rows][:, :width]
+
+        return Minibatch(
+            k,
+            rows,
+            batch,
+            cut(self.old_logprobs),
+            self.advantages[rows],
+            cut(self.loss_mask),
+            cut(self.loss_weights),
+            cut(self.ref_logprobs),
+        )
 
 
 class Objective:
@@ -166,7 +264,7 @@ class UpdateStage:
         with timed(took, "time/train"):
             mb = experience.minibatch(k)
             self.update.policy.same_dropout(k)  # the masks of pi_old's recompute of these rows
-            logprobs, entropy, router_loss = self.forward.logprobs(experience, mb)
+            logprobs, entropy, router_loss = self.forward.logprobs(mb.batch, k, experience.routing)
             if experience.unsettled is not None:  # minibatch 0: this forward is pi_old's too
                 mb = experience.settle(logprobs.detach())
             line = self.update.apply(self.objective.loss(mb, logprobs, entropy), router_loss)
