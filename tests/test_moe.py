@@ -26,8 +26,8 @@ from gspo.moe import (
 )
 from gspo.telemetry import read_metrics
 from gspo.trainer import Trainer
-from gspo.training.policy import RoutedForward
-from gspo.training.setup import build_or_load_model, moe_settings
+from gspo.training.policy import RoutedForward, moe_settings
+from gspo.training.setup import build_or_load_model
 
 MOE = TinyModelSpec(
     architecture="qwen3_moe",

@@ -9,7 +9,8 @@ One rollout batch flows through them in this order::
 ============================  =========================================================
 module                        what lives there
 ============================  =========================================================
-:mod:`.setup`                 derived seeds, task data, the model, the optimizer
+:mod:`.seeds`                 derived seeds: every draw a function of ``train.seed``
+:mod:`.setup`                 task data, the model, the optimizer
 :mod:`.policy`                :class:`Policy`: the trained weights behind one handle; how
                               minibatch log-probs are computed (plain, MoE routing)
 :mod:`.sampler`               the rollout engine, kept in step with the policy

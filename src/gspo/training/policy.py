@@ -18,9 +18,8 @@ minibatch's forward) minibatch 0 is left out of that pass: its update's own forw
 at pi_old's weights, so its log-probs, detached, are pi_old's (and its routing pi_old's
 routing) without a forward of their own (:meth:`gspo.training.update.Experience.settle`);
 and ``logprobs(batch, k, routing)``: pi_theta's log-probs and entropies of minibatch ``k``
-with, for a MoE model with
-``moe.router_aux_loss_coef > 0``, the routers' weighted load-balancing loss (else None),
-which the update stage adds to the policy loss.
+with, for a MoE model with ``moe.router_aux_loss_coef > 0``, the routers' weighted
+load-balancing loss (else None), which the update stage adds to the policy loss.
 """
 
 from __future__ import annotations
@@ -40,13 +39,13 @@ from gspo.moe import (
     capture_router_logits,
     capture_routing,
     find_routers,
+    is_moe,
     load_balancing_loss,
     replay_routing,
     response_token_mask,
 )
 from gspo.training.lora import is_lora
 from gspo.training.seeds import derive_seed
-from gspo.training.setup import moe_settings
 
 
 class Policy:
@@ -214,6 +213,29 @@ def recomputes_old_logprobs(config: Config, compute_dtype: torch.dtype) -> bool:
     )
 
 
+def moe_settings(config: Config, model: torch.nn.Module) -> tuple[bool, bool]:
+    """``(routing_replay, measure_churn)`` for ``model``; the churn is on by default for MoE
+    (off by default with ``rollout.max_staleness > 0``: pi_old's routing is not the trainer's).
+
+    Asking for either on a model without MoE routers is a one-line ``ValueError``.
+    """
+    replay, churn = config.moe.routing_replay, config.moe.measure_churn
+    aux = config.moe.router_aux_loss_coef > 0
+    for key, wanted in (
+        ("moe.routing_replay", replay),
+        ("moe.measure_churn", churn),
+        ("moe.router_aux_loss_coef", aux),
+    ):
+        if wanted:
+            try:
+                find_routers(model)
+            except ValueError as exc:
+                raise ValueError(f"{key}: {exc}") from None
+    if churn is None:
+        churn = is_moe(model) and config.rollout.max_staleness == 0
+    return replay, churn
+
+
 def build_forward(config: Config, policy: Policy) -> PlainForward | RoutedForward:
     """The run's strategy: routing under pi_old is recorded whenever Routing Replay or the
     churn measurement (``moe.*``) needs it."""
@@ -302,8 +324,8 @@ class RoutedForward:
     """Records each minibatch's routing under pi_old; replays it when ``replay``.
 
     The routing of minibatch ``k`` under pi_old (``routing[k]``, kept on the experience)
-    is the experts ``[layers, tokens, k]``, laid out token for token like the training
-    forward of ``batch.select(rows)``.
+    is the experts each token chose, ``[layers, tokens, top_k]``, laid out token for token
+    like the training forward of ``batch.select(rows)``.
     """
 
     def __init__(
@@ -365,7 +387,8 @@ class RoutedForward:
 
         ``routing`` is the rollout batch's, per minibatch (the experience's). With routing
         replay the experts recorded under pi_old are forced. A minibatch whose old routing
-        is not recorded yet (the first, in sampler mode) runs under pi_old's weights, so
+        is not recorded yet (the first, in sampler mode or with ``first_from_update``)
+        runs under pi_old's weights, so
         its routing is recorded here (``routing[k]``) and is the same either way. The
         router loss is that of this forward, with gradient.
         """

@@ -24,7 +24,7 @@ from gspo.models import (
     save_pretrained_atomic,
 )
 from gspo.models.kernels import set_linear_kernel
-from gspo.moe import find_routers, is_moe, set_experts_implementation
+from gspo.moe import is_moe, set_experts_implementation
 from gspo.moved import model_not_found
 from gspo.plugins import absolute_spec
 from gspo.rewards import RewardFunctions
@@ -297,29 +297,6 @@ def resumed_optim_settings(
         group["lr"] = optim.lr * rate(scheduler.last_epoch)
         group["betas"] = tuple(optim.betas)
         group["weight_decay"] = optim.weight_decay
-
-
-def moe_settings(config: Config, model: torch.nn.Module) -> tuple[bool, bool]:
-    """``(routing_replay, measure_churn)`` for ``model``; the churn is on by default for MoE
-    (off by default with ``rollout.max_staleness > 0``: pi_old's routing is not the trainer's).
-
-    Asking for either on a model without MoE routers is a one-line ``ValueError``.
-    """
-    replay, churn = config.moe.routing_replay, config.moe.measure_churn
-    aux = config.moe.router_aux_loss_coef > 0
-    for key, wanted in (
-        ("moe.routing_replay", replay),
-        ("moe.measure_churn", churn),
-        ("moe.router_aux_loss_coef", aux),
-    ):
-        if wanted:
-            try:
-                find_routers(model)
-            except ValueError as exc:
-                raise ValueError(f"{key}: {exc}") from None
-    if churn is None:
-        churn = is_moe(model) and config.rollout.max_staleness == 0
-    return replay, churn
 
 
 def local_shares(config: Config, dist: Distributed) -> tuple[int, int]:

@@ -3,7 +3,8 @@
 What it consumes is an :class:`Experience`: one rollout batch with everything the loss
 needs besides pi_theta (pi_old, advantages, the tokens in the loss and their weights, the
 KL reference's log-probs, MoE routing), computed before the first update by the rollout
-stage (:mod:`gspo.training.rollout`), which hands out each update's :class:`Minibatch`.
+stage (:mod:`gspo.training.rollout`); it hands out each update's :class:`Minibatch` itself
+(:meth:`Experience.minibatch`).
 """
 
 from __future__ import annotations
