@@ -481,10 +481,15 @@ def checkpoint_waits(records: list[dict]) -> float:
     return sum(r.get("time/checkpoint", 0.0) for r in records if "io/checkpoint_bytes" in r)
 
 
+#: A checkpoint write's parts (``time/checkpoint_<part>``: gspo.training.checkpoint)
+PARTS = ("model", "sharded", "manifest")
+
+
 def checkpoint_figures(records: list[dict], figures: dict, label: str = "checkpoints") -> float:
     """What a run's checkpoints cost it (train.background_checkpoints: written by a thread;
-    the run waits for the copy, and for its last one whole): MB written, s waited / writing.
-    The seconds waited."""
+    the run waits for the copy, and for its last one whole): MB written, s waited / writing,
+    and the last one's parts (the HF files, beside the shards; the shards; the manifest's
+    CRC-32s). The seconds waited."""
     writes = [r for r in records if "io/checkpoint_bytes" in r]
     waited = checkpoint_waits(records)
     if writes:
@@ -493,6 +498,9 @@ def checkpoint_figures(records: list[dict], figures: dict, label: str = "checkpo
         )
         writing = sum(r.get("time/checkpoint_write", 0.0) for r in writes)
         figures[f"{label}, s waited / s writing"] = f"{waited:.2f} / {writing:.2f}"
+        last = writes[-1]
+        parts = [f"{last.get(f'time/checkpoint_{p}', float('nan')):.2f}" for p in PARTS]
+        figures[f"{label}, the last one's s {' / '.join(PARTS)}"] = " / ".join(parts)
     return waited
 
 

@@ -198,6 +198,9 @@ def test_smoke_runs_every_stage_on_the_cpu_and_writes_the_report(tmp_path):
     assert train["figures"]["checkpoints, MB written"] > 0
     waited, writing = train["figures"]["checkpoints, s waited / s writing"].split(" / ")
     assert float(waited) >= 0 and float(writing) > 0
+    # the last checkpoint's parts: the HF files, the shards, the CRC-32s (each timed)
+    parts = train["figures"]["checkpoints, the last one's s model / sharded / manifest"]
+    assert all(float(s) > 0 for s in parts.split(" / "))
     vs = stages["gspo vs TRL"]
     if importlib.util.find_spec("trl") is None:
         assert vs["status"] == "skipped" and "TRL is not installed" in vs["detail"]

@@ -399,6 +399,19 @@ def test_the_summary_says_what_the_checkpoints_wrote(tmp_path, varied_reward, ca
     assert [r["io/checkpoint_bytes"] for r in lines] == on_disk
     assert on_disk[0] < 16_384 < on_disk[1] == on_disk[2]  # step 0 names the model
     assert all(r["time/checkpoint"] > 0 and r["time/checkpoint_write"] > 0 for r in lines)
+    # the write's parts: the HF files beside the shards (step 0: neither), then the CRC-32s
+    parts = [
+        sorted(k.removeprefix("time/checkpoint_") for k in r if k.startswith("time/checkpoint_"))
+        for r in lines
+    ]
+    assert parts == [["manifest", "write"]] + [["manifest", "model", "sharded", "write"]] * 2
+    for r in lines[1:]:
+        assert min(r["time/checkpoint_model"], r["time/checkpoint_sharded"]) > 0
+        assert r["time/checkpoint_model"] <= r["time/checkpoint_write"]
+        assert (
+            r["time/checkpoint_sharded"] + r["time/checkpoint_manifest"]
+            <= r["time/checkpoint_write"]
+        )
     waited = sum(r["time/checkpoint"] for r in lines)
     writing = sum(r["time/checkpoint_write"] for r in lines)
     out = " ".join(capsys.readouterr().out.split())

@@ -360,22 +360,34 @@ def snapshot(obj: Any, *, skip: Container[int] = ()) -> Any:
     return result
 
 
-def write_checkpoint(state: CheckpointState, dist: Distributed) -> tuple[int, float]:
+def write_checkpoint(
+    state: CheckpointState, dist: Distributed
+) -> tuple[int, float, dict[str, float]]:
     """Write ``state`` to ``checkpoints/step-NNNNNNN`` atomically: a reader sees all of it or
     none; a full disk is one :class:`gspo.publish.DiskFull` line. Every rank calls it
     together, in any thread (a single process's may be a background one). Its bytes (rank 0's
-    count) and seconds."""
+    count), seconds, and the seconds of its parts (this rank's): ``model`` (the HF files,
+    written beside the shards), ``sharded`` (the shards: the optimizer state, a LoRA run's
+    adapters) and ``manifest`` (the files' CRC-32s, read back), each where there is one."""
     start, before = time.perf_counter(), WRITTEN.bytes
+    parts: dict[str, float] = {}
+
+    def part(name: str, fn: Callable[..., Any], *args, **kwargs) -> None:
+        begin = time.perf_counter()
+        fn(*args, **kwargs)
+        parts[name] = time.perf_counter() - begin
+
     # every rank's shards and rank 0's files, or nothing
     with staged(state.final, dist, needs=state.needs) as tmp, ThreadPoolExecutor(1) as pool:
         # the HF weights (rank 0) written beside the shards (every rank's collective)
         weights = None
         if dist.is_main and state.replica is not None:
             weights = pool.submit(
-                save_pretrained, state.replica, state.tokenizer, tmp, state_dict=state.weights
-            )
+                part, "model", save_pretrained, state.replica, state.tokenizer, tmp,
+                state_dict=state.weights,
+            )  # fmt: skip
         if state.sharded is not None:
-            write_sharded(tmp / SHARDED, state.sharded)
+            part("sharded", write_sharded, tmp / SHARDED, state.sharded)
         if weights is not None:
             weights.result()
         if dist.is_main:
@@ -392,8 +404,9 @@ def write_checkpoint(state: CheckpointState, dist: Distributed) -> tuple[int, fl
                     "written with train.save_only_model=true: the model only, no optimizer "
                     "state; gspo export reads it, a resume cannot continue from it\n"
                 )
-            write_manifest(tmp)  # (last: every rank's shards are written, dcp.save waits)
-    return WRITTEN.bytes - before, time.perf_counter() - start
+            # (last: every rank's shards are written, dcp.save waits)
+            part("manifest", write_manifest, tmp)
+    return WRITTEN.bytes - before, time.perf_counter() - start, parts
 
 
 def finish_checkpoint(output_dir: Path, final: Path, *, keep: int, dist: Distributed) -> None:
@@ -418,12 +431,13 @@ class _Write:
         self.snapshot_s = snapshot_s  # the run's seconds taking it
         self.bytes = 0
         self.write_s = 0.0
+        self.parts: dict[str, float] = {}  # seconds by part (write_checkpoint)
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
 
     def run(self, dist: Distributed) -> None:
         try:
-            self.bytes, self.write_s = write_checkpoint(self.state, dist)
+            self.bytes, self.write_s, self.parts = write_checkpoint(self.state, dist)
         except BaseException as exc:  # raised in the main thread, at its next wait
             self.error = exc
 
@@ -434,7 +448,8 @@ class Checkpoints:
     :meth:`save` takes the checkpoint at the caller's step (copied to CPU memory) and
     returns while a thread writes it through :func:`write_checkpoint`; once it is whole,
     the main thread logs its line (``io/checkpoint_bytes``, ``time/checkpoint``: the seconds
-    the run waited for it, ``time/checkpoint_write``: the write's own), ``latest`` names
+    the run waited for it, ``time/checkpoint_write``: the write's own, and its parts'
+    ``time/checkpoint_model``, ``_sharded``, ``_manifest``), ``latest`` names
     it and the old ones are pruned (:func:`finish_checkpoint`), in that order; without
     ``background`` all of it at once. That happens at the first of: the next
     :meth:`log` after the write is done, the next :meth:`save`, :meth:`wait` (the end of
@@ -529,6 +544,7 @@ class Checkpoints:
                 "io/checkpoint_bytes": write.bytes,
                 "time/checkpoint": write.snapshot_s + waited,
                 "time/checkpoint_write": write.write_s,
+                **{f"time/checkpoint_{name}": s for name, s in write.parts.items()},
             },
         )
         for step, metrics in held:
