@@ -253,3 +253,49 @@ def test_the_run_goes_on_while_a_checkpoint_is_written(tmp_path, monkeypatch, va
     assert lines[2]["time/checkpoint_write"] >= 0.5 > lines[2]["time/checkpoint"]
     steps = [r["step"] for r in records if "train/loss" in r or "io/checkpoint_bytes" in r]
     assert steps == [0, 1, 2, 2, 3, 4, 4]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_all_finite_finds_a_nan_or_an_infinity_anywhere(dtype):
+    """One NaN, +inf or -inf at any place of any tensor, in any float dtype, is found; empty
+    tensors and finite extremes (the dtype's largest and smallest values) are finite."""
+    info = torch.finfo(dtype)
+    extremes = torch.tensor([info.max, info.min, info.tiny, -0.0], dtype=dtype)
+    tensors = [torch.randn(7, 3).to(dtype), torch.empty(0, dtype=dtype), extremes]
+    assert ckpt.all_finite(tensors) and ckpt.all_finite([]) and ckpt.all_finite(tensors[1:2])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for which in (0, 2):
+            for place in range(tensors[which].numel()):
+                spoiled = [t.clone() for t in tensors]
+                spoiled[which].view(-1)[place] = bad
+                assert not ckpt.all_finite(spoiled), (bad, which, place)
+    big = torch.randn(1 << 20).to(dtype)  # (vectorised reductions: a place in every lane)
+    for place in (0, 17, (1 << 19) + 5, (1 << 20) - 1):
+        spoiled = big.clone()
+        spoiled[place] = float("nan")
+        assert not ckpt.all_finite([spoiled])
+
+
+def test_weights_that_are_not_finite_are_not_checkpointed(tmp_path):
+    """A NaN or an infinity in any weight: the checkpoint is refused in one line, and the
+    one before it stays the latest."""
+    config = load_config(None, [*FAST, "train.cold_start_steps=0", "train.keep_checkpoints=5"])
+    trainer = Trainer(config, tmp_path / "run")
+    params = [p for p in trainer.policy.parameters() if p.requires_grad]
+    for p in params:  # one optimizer step: the checkpoint holds the weights, not a pointer
+        p.grad = torch.randn_like(p)
+    trainer.optimizer.step()
+    trainer.policy_update.step = 1
+    good = trainer.save_checkpoint(last=True)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        with torch.no_grad():
+            saved = params[-1].view(-1)[-1].item()
+            params[-1].view(-1)[-1] = bad
+        trainer.policy_update.step += 1
+        with pytest.raises(ValueError, match=r"not written: the weights hold NaN or inf"):
+            trainer.save_checkpoint(last=True)
+        with torch.no_grad():
+            params[-1].view(-1)[-1] = saved
+        assert (good.parent / "latest").read_text().strip() == good.name
+        assert not (good.parent / f"step-{trainer.step:07d}").exists()
+    trainer.close()

@@ -43,7 +43,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from copy import deepcopy
 from dataclasses import dataclass
@@ -282,10 +282,8 @@ def take_checkpoint(
     )  # fmt: skip
     if model_dir is not None:  # no weights written: none to check
         return state
-    finite = all(  # this rank's shards (DTensor.to_local under FSDP)
-        bool(torch.isfinite(getattr(p, "to_local", lambda p=p: p)()).all())
-        for p in policy.parameters()
-    )
+    # this rank's shards (DTensor.to_local under FSDP)
+    finite = all_finite(getattr(p, "to_local", lambda p=p: p)() for p in policy.parameters())
     if not all(dist.gather_objects(finite)):
         raise ValueError(
             f"checkpoint at step {step} not written: the weights hold NaN or inf "
@@ -310,6 +308,15 @@ def take_checkpoint(
         frozen -= {p.untyped_storage().data_ptr() for p in policy.parameters() if p.requires_grad}
         state.sharded, state.weights = snapshot((state.sharded, state.weights), skip=frozen)
     return state
+
+
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every value of ``tensors`` is finite: each one's least and greatest value are
+    (``torch.aminmax`` propagates NaN), read in one pass without a mask the size of the
+    weights (``torch.isfinite(p).all()`` took 1.8 s of a ~0.5B model's checkpoint on a
+    2-core CPU), and waited for once."""
+    ends = [torch.stack(torch.aminmax(t)).float() for t in tensors if t.numel()]
+    return not ends or bool(torch.isfinite(torch.cat(ends)).all())
 
 
 def snapshot(obj: Any, *, skip: Container[int] = ()) -> Any:
