@@ -5,13 +5,14 @@
 A gspo checkpoint of a full fine-tuning run is the model's weights in Hugging Face
 safetensors files (``save_pretrained``) and the optimizer's state (AdamW's two moments,
 twice the weights' bytes) through ``torch.distributed.checkpoint`` (``sharded/``). On one
-H200 the ~0.5B model's final checkpoint (6.1 GB) took 13.9 s to write, a third of the
-whole run. This times each part on float32 tensors of that model's shapes (28 layers,
-hidden 1,024, intermediate 3,072, vocabulary 151,936), from ``--device`` memory as the
-final checkpoint writes them: the safetensors file, and the DCP write as gspo calls it
-(one thread, every file synced) and with its ``thread_count`` and ``sync_files``
-settings, and the bare disk (the same bytes from memory, synced). The writes go under
-``--dir`` (default: a temporary directory beside the runs), each removed after it.
+H200 the ~0.5B model's final checkpoint (6.1 GB) took 13.9 s to write, a third of the whole
+run. This times each part on float32 tensors of that model's shapes (28 layers, hidden
+1,024, intermediate 3,072, vocabulary 151,936), from ``--device`` memory as the final
+checkpoint writes them: the safetensors file, and the DCP write as gspo called it before
+2026-11-27 (one thread, every file synced), with ``thread_count`` and ``sync_files``
+settings, and as gspo calls it now (8 threads, not synced), and the bare disk (the same
+bytes from memory, synced). The writes go under ``--dir`` (default: a temporary directory
+beside the runs), each removed after it.
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ def main() -> None:
             *((f"AdamW state, DCP, {n} threads, synced", {"thread_count": n})
               for n in args.threads),
             ("AdamW state, DCP, 1 thread, not synced", {"sync_files": False}),
+            (f"AdamW state, DCP, {max(args.threads)} threads, not synced (gspo now)",
+             {"thread_count": max(args.threads), "sync_files": False}),
         ):  # fmt: skip
             timed(
                 label,
