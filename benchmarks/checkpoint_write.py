@@ -71,6 +71,8 @@ def main() -> None:
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
+    from gspo.distributed import WRITE_THREADS
+
     generator = torch.Generator().manual_seed(0)
     weights = {
         k: torch.randn(s, generator=generator).to(args.device)
@@ -95,8 +97,8 @@ def main() -> None:
             *((f"AdamW state, DCP, {n} threads, synced", {"thread_count": n})
               for n in args.threads),
             ("AdamW state, DCP, 1 thread, not synced", {"sync_files": False}),
-            (f"AdamW state, DCP, {max(args.threads)} threads, not synced (gspo now)",
-             {"thread_count": max(args.threads), "sync_files": False}),
+            (f"AdamW state, DCP, {WRITE_THREADS} threads, not synced (gspo now)",
+             {"thread_count": WRITE_THREADS, "sync_files": False}),
         ):  # fmt: skip
             timed(
                 label,

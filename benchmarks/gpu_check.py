@@ -499,7 +499,7 @@ def checkpoint_figures(records: list[dict], figures: dict, label: str = "checkpo
         writing = sum(r.get("time/checkpoint_write", 0.0) for r in writes)
         figures[f"{label}, s waited / s writing"] = f"{waited:.2f} / {writing:.2f}"
         last = writes[-1]
-        parts = [f"{last.get(f'time/checkpoint_{p}', float('nan')):.2f}" for p in PARTS]
+        parts = [f"{last.get(f'time/checkpoint_{p}', float('nan')):.3f}" for p in PARTS]
         figures[f"{label}, the last one's s {' / '.join(PARTS)}"] = " / ".join(parts)
     return waited
 

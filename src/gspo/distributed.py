@@ -355,20 +355,17 @@ def sharded_state(
 #: The most threads (and files, ``__RANK_I.distcp``) a rank writes its shards with, one
 #: per :data:`BYTES_PER_WRITE_THREAD` of them: DCP's one thread wrote the ~0.5B model's
 #: 4.8 GB of AdamW state, synced, in 7.8-8.2 s on a 2-core CPU, 2 threads in 1.9-2.5 s, 8 in
-#: 1.7-2.0, 8 not synced 2.0 (``benchmarks/checkpoint_write.py``; docs/training.md).
+#: 1.7-2.0 (``benchmarks/checkpoint_write.py``; docs/training.md).
 WRITE_THREADS = 8
 BYTES_PER_WRITE_THREAD = 256 << 20
 
 
-def write_sharded(path: Path, state: dict[str, Any]) -> None:
+def write_sharded(path: Path, state: dict[str, Any], *, sync: bool = True) -> None:
     """Write :func:`sharded_state`'s ``state`` to ``path`` (every rank, together), each
-    rank's shards in up to :data:`WRITE_THREADS` files written at once, not synced: no file
-    of a checkpoint is (the HF weights beside them never were, nor its directory), so
-    syncing the shards alone bought no durability, only the disk's pace on a machine whose
-    page cache would take the write (DCP syncs by default). A checkpoint outlives the
-    process's crash or kill; a machine's crash may tear the files of the last few seconds'
-    writes, which the manifest's CRC-32s find when they are read (one line, never other
-    weights)."""
+    rank's shards in up to :data:`WRITE_THREADS` files written at once, each synced to the
+    disk unless not ``sync``: an RL checkpoint's are not (no other file of it is, nor its
+    directory, and its manifest's CRC-32s find a file a machine's crash tore when it is
+    read), a cold-start progress checkpoint's are (it has no manifest)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.utils._pytree import tree_leaves
@@ -376,7 +373,7 @@ def write_sharded(path: Path, state: dict[str, Any]) -> None:
     tensors = [t for t in tree_leaves(state) if isinstance(t, torch.Tensor)]
     nbytes = sum(getattr(t, "to_local", lambda t=t: t)().nbytes for t in tensors)
     threads = max(1, min(WRITE_THREADS, len(tensors), nbytes // BYTES_PER_WRITE_THREAD))
-    writer = dcp.FileSystemWriter(path, thread_count=threads, sync_files=False)
+    writer = dcp.FileSystemWriter(path, thread_count=threads, sync_files=sync)
     try:
         with single_process_quiet(), WriterThreads() as helpers:
             metadata = dcp.save(
