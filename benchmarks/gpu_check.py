@@ -572,7 +572,12 @@ def vs_trl_stage(
         trl_s, result = vs_trl.run_trl(work, schedule, timeout=time_left(deadline, "trl_side.py"))
         t = vs_trl.trl_summary(result)
         stage.figures["TRL whole process s"] = round(trl_s, 1)
+        # (what both pay outside the loop: the interpreter, torch, transformers, the model)
+        stage.figures["TRL loop s (trainer.train()) / outside it s"] = (
+            f"{t['loop_s']:.1f} / {trl_s - t['loop_s']:.1f}"
+        )
         stage.figures["ratio TRL / gspo"] = round(trl_s / gspo_s, 2)
+        stage.figures["ratio of the loops TRL / gspo"] = round(t["loop_s"] / g["loop_s"], 2)
         # TRL's side saves nothing (save_strategy="no"); gspo ends with a resumable checkpoint
         stage.figures["ratio TRL / gspo less its checkpoint waits"] = round(
             trl_s / (gspo_s - waited), 2
