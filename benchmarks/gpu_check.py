@@ -629,6 +629,7 @@ def compiled_run(work: Path, schedule, extra: tuple[str, ...], deadline: float):
     this check compiled). On the CPU (``--smoke``) with torch's linear layers, which
     inductor compiles (oneDNN's it cannot)."""
     import shutil
+    from unittest import mock
 
     import vs_trl
 
@@ -636,23 +637,15 @@ def compiled_run(work: Path, schedule, extra: tuple[str, ...], deadline: float):
         "TORCHINDUCTOR_CACHE_DIR": work / "inductor_cache",
         "TRITON_CACHE_DIR": work / "triton_cache",
     }
-    kept = {key: os.environ.get(key) for key in caches}
-    for key, path in caches.items():
+    for path in caches.values():
         shutil.rmtree(path, ignore_errors=True)
-        os.environ[key] = str(path)
-    try:
+    with mock.patch.dict(os.environ, {key: str(path) for key, path in caches.items()}):
         name = "gspo_" + extra[-1].split(".")[0] + "_compiled"  # (its log kept apart)
         return vs_trl.run_gspo(
             work, name=name, schedule=schedule,
             extra=(*extra, *(["model.cpu_linear=torch"] if schedule.device == "cpu" else [])),
             timeout=deadline - time.perf_counter(),
         )  # fmt: skip
-    finally:
-        for key, value in kept.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def workloads_stage(
@@ -890,7 +883,7 @@ def lora_stage(out: Path, sizes: Sizes = FULL, rank: int = 16) -> Callable[[Stag
         import torch
 
         from gspo.config import LoraSettings, load_config
-        from gspo.engines.decoding import KVDecoder
+        from gspo.engines.decoding import fast_decodable
         from gspo.models import load_model
         from gspo.models.kernels import set_linear_kernel
         from gspo.training.lora import attach_lora
@@ -913,7 +906,7 @@ def lora_stage(out: Path, sizes: Sizes = FULL, rank: int = 16) -> Callable[[Stag
         for name, model in (("full", full), (f"LoRA r={rank}", lora)):
             set_linear_kernel(model, "onednn", head)
             # (a bf16 LoRA base took PEFT's forward: the two sides ran different decoders)
-            fast = KVDecoder.supports(model)
+            fast = fast_decodable(model)
             stage.figures[f"{name}: decoder"] = "fast (KVDecoder)" if fast else "PEFT's forward"
             m = decode_graphs.measure(
                 model.eval(), tokenizer, prompts, tokens=sizes.response_tokens, dtype=dtype,

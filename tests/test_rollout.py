@@ -290,7 +290,7 @@ def test_select_keeps_each_rows_cache_and_reports_its_order(
     old row sits where, and the next step's logits are those of that old row (padded
     prompts, so the padding mask moves with its row), on both decoders."""
     from gspo.engines import pad_batch
-    from gspo.engines.decoding import KVDecoder, ModelDecoder
+    from gspo.engines.decoding import KVDecoder, ModelDecoder, fast_decodable
 
     monkeypatch.setattr(KVDecoder, "attention", attention)
     ids, mask = pad_batch(prompts(tokenizer), tokenizer.pad_token_id, torch.device("cpu"))
@@ -310,7 +310,7 @@ def test_select_keeps_each_rows_cache_and_reports_its_order(
             logits = decoder.step(tokens[order], positions[order] + 1)
             for j, i in enumerate(order.tolist()):
                 assert torch.allclose(logits[j], full[i], atol=1e-5), (type(decoder), j, i)
-    assert KVDecoder.supports(tiny_model)
+    assert fast_decodable(tiny_model)
 
 
 def test_inverse_cdf_sampling_follows_the_distribution():

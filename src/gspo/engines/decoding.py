@@ -169,8 +169,7 @@ class ModelDecoder:
 
 
 def fast_decodable(model: nn.Module) -> bool:
-    """Whether ``model``'s layers are exactly those :class:`KVDecoder` reimplements
-    (``KVDecoder.supports``).
+    """Whether ``model``'s layers are exactly those :class:`KVDecoder` reimplements.
 
     Checked module by module (plain ``nn.Linear`` projections or PEFT LoRA layers over
     them in float32, no bias on the output projection, the expected RMSNorms, full
@@ -304,9 +303,6 @@ class KVDecoder:
         except Mismatch:
             return False
         return True
-
-    #: Whether ``model``'s layers are exactly those this class reimplements.
-    supports = staticmethod(fast_decodable)
 
     def prefill(self, ids: Tensor, mask: Tensor, n: int, capacity: int) -> Tensor:
         """``[U, P]`` distinct prompts -> logits ``[U * n, V]`` of each response's first token.
@@ -550,7 +546,7 @@ def without_cast_cache(device_type: str):
 def make_decoder(model: nn.Module, *, compile: bool = False) -> KVDecoder | ModelDecoder:
     """The fast decoder when ``model`` supports it (its per-layer work compiled with
     ``compile``), the reference one otherwise."""
-    return KVDecoder(model, compile=compile) if KVDecoder.supports(model) else ModelDecoder(model)
+    return KVDecoder(model, compile=compile) if fast_decodable(model) else ModelDecoder(model)
 
 
 def _adapted(model: nn.Module) -> bool:

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from gspo.engines import static_decode
 from gspo.engines.batch import RolloutBatch, SamplingParams, pad_batch
-from gspo.engines.decoding import KVDecoder, ModelDecoder, make_decoder
+from gspo.engines.decoding import KVDecoder, ModelDecoder, fast_decodable, make_decoder
 from gspo.engines.sampling import sample_next
 from gspo.engines.static_decode import StaticDecoder, capturable
 
@@ -106,7 +106,7 @@ class TorchEngine:
         shapes = dict(rows=rows, capacity=capacity, params=params, stop=stop)
         run = self.static
         static = None
-        if run is not None and self.fast and KVDecoder.supports(model):
+        if run is not None and self.fast and fast_decodable(model):
             # the kept static step's settings, its weights read again into its own tensors
             static = self.static_step(run.decoder, device)
             vocab = model.get_output_embeddings().weight.shape[0]
