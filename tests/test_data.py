@@ -230,7 +230,7 @@ def test_bad_columns_name_the_key_and_the_columns(overrides, expected):
 
 def test_a_column_missing_from_a_later_row_names_the_row():
     rows = [{"prompt": "a"}, {"prompt": "b"}, {"question": "c"}]
-    with pytest.raises(ValueError, match="no column 'prompt' in row 2 of data.eval"):
+    with pytest.raises(ValueError, match="no column 'prompt' in row 3 of data.eval"):
         prepare_rows(rows, data_config(), what="data.eval")
 
 
@@ -251,7 +251,7 @@ def test_sft_rows_of_messages_split_before_the_first_assistant_message():
     got = prepare_rows(rows, data_config(), what="data.sft", sft=True)
     assert got[0]["prompt"] == [system, user] and got[0]["completion"] == [answer, more, answer]
     for bad, said in (([user], "no assistant message"), ([answer], "no message before")):
-        with pytest.raises(ValueError, match=f"^data.sft row 1: messages has {said}"):
+        with pytest.raises(ValueError, match=f"^data.sft row 2: messages has {said}"):
             prepare_rows([*rows, {"messages": bad}], data_config(), what="data.sft", sft=True)
     with pytest.raises(ValueError, match="data.prompt_column: no column 'prompt'"):
         prepare_rows(rows, data_config(), what="data.train")  # RL prompts: as before
@@ -268,11 +268,11 @@ def test_number_cells_are_read_as_the_numbers_written():
     with pytest.raises(ValueError) as err:
         prepare_rows(rows, data, what="data.sft", sft=True)
     assert str(err.value) == (
-        "data.sft row 1: the completion (column 'c') is None; a cold-start completion is "
+        "data.sft row 2: the completion (column 'c') is None; a cold-start completion is "
         "text or a list of chat messages (each a mapping with a 'role' and its 'content')"
     )
     rows[1]["c"] = ["2"]  # (a list of strings: an AttributeError deep in the cold start)
-    with pytest.raises(ValueError, match=r"data.sft row 1: the completion \(column 'c'\) is"):
+    with pytest.raises(ValueError, match=r"data.sft row 2: the completion \(column 'c'\) is"):
         prepare_rows(rows, data, what="data.sft", sft=True)
 
 
@@ -345,12 +345,12 @@ def test_cli_trains_on_a_dataset_directory_with_a_template(gsm8k_dir, tmp_path):
     ("rows", "said"),
     [
         ([{"prompt": "1+2=", "answer": "3"}, {"prompt": "", "answer": "3"}],
-         "data.train row 1: the prompt is empty (0 tokens): ''"),
+         "data.train row 2: the prompt is empty (0 tokens): ''"),
         ([{"prompt": "1+2=", "answer": "3"}, {"prompt": 12, "answer": "3"}],
-         "data.train row 1: the prompt is 12; a prompt is text or a list of chat messages "
+         "data.train row 2: the prompt is 12; a prompt is text or a list of chat messages "
          "(each a mapping with a 'role' and its 'content')"),
         ([{"prompt": "1+" * 300 + "2=", "answer": "3"}],
-         "data.train row 0: the prompt is 602 tokens, longer than the model's context of 512 "
+         "data.train row 1: the prompt is 602 tokens, longer than the model's context of 512 "
          "(max_position_embeddings)"),
     ],
 )  # fmt: skip
@@ -379,7 +379,7 @@ def test_a_chat_prompt_that_renders_to_nothing_names_its_row():
     rows = [{"prompt": [{"role": "user", "content": "1+2="}]}, {"prompt": [{"role": "user"}]}]
     with pytest.raises(ValueError) as err:
         encode_prompts(load_config(), SingleTurn(None), tok, rows, name="data.eval")
-    assert str(err.value) == "data.eval row 1: the prompt is empty (0 tokens): [{'role': 'user'}]"
+    assert str(err.value) == "data.eval row 2: the prompt is empty (0 tokens): [{'role': 'user'}]"
     assert encode_prompts(load_config(), SingleTurn(None), tok, rows[:1], name="data.eval") == [
         tok("1+2=")["input_ids"]
     ]
@@ -396,7 +396,7 @@ def test_prompts_with_text_the_tokenizer_lacks_are_a_warning(capsys):
     ids = encode_prompts(load_config(), SingleTurn(None), tok, rows, name="data.train")
     assert ids[1][-1] == tok.unk_token_id
     assert capsys.readouterr().err.strip() == (
-        "gspo: warning: data.train: 2 prompt(s) (row 1 first) hold text the tokenizer does "
+        "gspo: warning: data.train: 2 prompt(s) (row 2 first) hold text the tokenizer does "
         "not have, which it encodes as <unk>: the model never sees it"
     )
     encode_prompts(load_config(), SingleTurn(None), tok, rows[:1], name="data.train")
@@ -451,7 +451,7 @@ def test_structured_tool_calls_in_a_cold_start_conversation_are_refused():
         {"role": "assistant", "content": "done"},
     ]
     rows = [{"prompt": "1+2=", "completion": "3"}, {"prompt": "1+2=", "completion": turns}]
-    with pytest.raises(ValueError, match=r"^data.sft row 1: an assistant message with tool_calls"):
+    with pytest.raises(ValueError, match=r"^data.sft row 2: an assistant message with tool_calls"):
         prepare_rows(rows, load_config().data, what="data.sft", sft=True)
 
 
@@ -678,22 +678,22 @@ def test_a_file_with_a_config_and_a_missing_local_directory_are_local_errors(tmp
     ("overrides", "row", "said"),
     [
         (["data.prompt_template=Q: {q} A:"], {"q": None},
-         "data.prompt_template: row 1 of data.train (the built-in task; columns: q): "
+         "data.prompt_template: row 2 of data.train (the built-in task; columns: q): "
          "ValueError: {q} is None, which would be written as such"),
         (["data.prompt_template=L{meta[level]}: {q}"], {"q": "x", "meta": {"lvl": 2}},
-         "data.prompt_template: row 1 of data.train (the built-in task; columns: q, meta): "
+         "data.prompt_template: row 2 of data.train (the built-in task; columns: q, meta): "
          "KeyError: 'level'"),
         (["data.system_prompt=Be brief"], {"prompt": ["a", "b"]},
-         "data.train row 1: the prompt is ['a', 'b']; a prompt is text or a list of chat "
+         "data.train row 2: the prompt is ['a', 'b']; a prompt is text or a list of chat "
          "messages (each a mapping with a 'role' and its 'content')"),
         (["data.system_prompt=Be brief"], {"prompt": None},
-         "data.train row 1: the prompt is None; a prompt is text or a list of chat messages "
+         "data.train row 2: the prompt is None; a prompt is text or a list of chat messages "
          "(each a mapping with a 'role' and its 'content')"),
     ],
 )  # fmt: skip
 def test_a_later_row_that_cannot_make_a_prompt_names_itself(overrides, row, said):
     """Each was a traceback (KeyError, TypeError, AttributeError), or for None in a
-    template the prompt "Q: None A:"; only row 0 was checked."""
+    template the prompt "Q: None A:"; only the first row was checked."""
     good = {k: ("x" if k != "meta" else {"level": 1}) for k in row}
     with pytest.raises(ValueError) as err:
         prepare_rows([good, row], data_config(*overrides), what="data.train")
@@ -708,8 +708,8 @@ def test_an_empty_source_in_a_yaml_file_is_refused(tmp_path):
 
 
 def test_rows_without_the_column_a_reward_needs_are_counted_in_a_warning():
-    """Reward columns were checked against row 0 alone: rows after it without an answer were
-    never scored (and a row 0 without one said that the data lacked the column)."""
+    """Reward columns were checked against the first row alone: rows after it without an
+    answer were never scored (and a first row without one said that the data lacked the column)."""
     from gspo.rewards import RewardFunctions
     from gspo.tasks import TaskData
     from gspo.training.setup import check_reward_columns
@@ -721,7 +721,7 @@ def test_rows_without_the_column_a_reward_needs_are_counted_in_a_warning():
     config = load_config(None, ["data.train=x.jsonl"])
     warned = check_reward_columns(rewards, TaskData(rows, rows[1:2], []), config, None)
     assert warned == [
-        "data.train (x.jsonl): 4 of 5 rows (row 0 first) have no 'answer', which reward "
+        "data.train (x.jsonl): 4 of 5 rows (row 1 first) have no 'answer', which reward "
         "function 'exact_match' needs: their completions are not scored"
     ]
     scored = rewards(["p"] * 5, ["", "1", "", "", ""], {"answer": [r["answer"] for r in rows]})
@@ -742,7 +742,7 @@ def test_cold_start_rows_with_an_empty_completion_are_counted_in_a_warning(tmp_p
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     config = load_config(None, [f"data.sft={path}", "train.cold_start_steps=5"])
     assert empty_completions(load_task_data(config).sft, config) == [
-        f"data.sft ({path}): 2 of 4 rows (row 1 first) have an empty completion: the cold "
+        f"data.sft ({path}): 2 of 4 rows (row 2 first) have an empty completion: the cold "
         "start teaches their prompts to end at once"
     ]
     config = load_config(None, [f"data.sft={path}", "train.cold_start_steps=0"])

@@ -557,7 +557,7 @@ def test_cold_start_rows_past_a_learned_position_table_are_cut_there(tmp_path, c
     ]
     sft[1] = {"prompt": "1" * 40, "completion": "2"}
     (tmp_path / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in sft))
-    with pytest.raises(ValueError, match=r"^data.sft row 1: the prompt is 40 tokens, leaving"):
+    with pytest.raises(ValueError, match=r"^data.sft row 2: the prompt is 40 tokens, leaving"):
         Trainer(load_config(None, overrides), tmp_path / "again").fit()
 
 

@@ -786,7 +786,7 @@ def test_an_environment_reward_that_is_no_number_says_so() -> None:
 
 def test_exact_match_reads_a_float_column_as_the_numbers_written() -> None:
     """One blank cell makes datasets read a CSV's answer column as floats (2.0, nan): every
-    correct '2' scored 0 and the blank row 0, silently."""
+    correct '2' scored 0 and the blank first row, silently."""
     from gspo.rewards.verifiers import exact_match_reward
 
     got = exact_match_reward(

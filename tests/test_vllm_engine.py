@@ -634,7 +634,7 @@ def test_vllm_context_and_start_up_failures_name_gspos_settings(tmp_path, tokeni
         encode_prompts(config, SingleTurn(None), tokenizer, rows, name="data.train",
                        context=8, context_key="rollout.vllm.max_model_len")  # fmt: skip
     assert str(err.value) == (
-        "data.train row 1: the prompt is 10 tokens, longer than vLLM's context of 8 "
+        "data.train row 2: the prompt is 10 tokens, longer than vLLM's context of 8 "
         "(rollout.vllm.max_model_len)"
     )
     model_dir = save_pretrained_atomic(model, tokenizer, tmp_path / "m")

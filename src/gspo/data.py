@@ -427,12 +427,14 @@ def prepare_rows(rows: list[Row], data: DataConfig, *, what: str, sft: bool = Fa
     source = getattr(data, what.removeprefix("data."), None) or "the built-in task"
     where = f"{what} ({source}; columns: {_columns(rows)})"
     if sft and data.prompt_template is None and _messages_only(rows, data):
-        rows = [_split_messages(row, data, f"{what} row {i}") for i, row in enumerate(rows)]
+        rows = [
+            _split_messages(row, data, f"{what} row {i}") for i, row in enumerate(rows, start=1)
+        ]
 
     def need(column: str, key: str) -> None:
-        missing = next((i for i, row in enumerate(rows) if column not in row), None)
+        missing = next((i for i, row in enumerate(rows, start=1) if column not in row), None)
         if missing is not None:
-            row = "" if missing == 0 else f" in row {missing}"
+            row = "" if missing == 1 else f" in row {missing}"
             raise ValueError(f"{key}: no column {column!r}{row} of {where}")
 
     template = data.prompt_template
@@ -448,7 +450,7 @@ def prepare_rows(rows: list[Row], data: DataConfig, *, what: str, sft: bool = Fa
     chat = data.chat_template or data.system_prompt is not None
 
     out = []
-    for i, row in enumerate(rows):
+    for i, row in enumerate(rows, start=1):
         given = (
             _filled(template, row, f"row {i} of {where}") if template else row[data.prompt_column]
         )
@@ -463,7 +465,7 @@ def prepare_rows(rows: list[Row], data: DataConfig, *, what: str, sft: bool = Fa
         if data.answer_column is not None:
             new["answer"] = _answer(row[data.answer_column])
         if sft:
-            new["completion"] = _completion(row[data.completion_column], data, what, len(out))
+            new["completion"] = _completion(row[data.completion_column], data, what, i)
         out.append(new)
     return out
 

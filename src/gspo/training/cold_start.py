@@ -407,7 +407,7 @@ def encode_rows(
     """Each row encoded; one that cannot be (a chat template failing on its messages) is a
     one-line error naming it."""
     encoded = []
-    for i, row in enumerate(rows):
+    for i, row in enumerate(rows, start=1):
         try:
             encoded.append(encode(row))
         except ValueError as exc:  # (EnvError included)
@@ -430,7 +430,7 @@ def within_context(
     for i, (prompt, completion, actions) in enumerate(encoded):
         if len(prompt) >= context:
             raise ValueError(
-                f"{name} row {i}: the prompt is {len(prompt)} tokens, leaving no room for its "
+                f"{name} row {i + 1}: the prompt is {len(prompt)} tokens, leaving no room for its "
                 f"completion in {said_context(context, MODEL_CONTEXT)}"
             )
         if len(prompt) + len(completion) > context:

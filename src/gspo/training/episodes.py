@@ -456,7 +456,7 @@ def encode_prompts(
         return [[] for _ in rows]
     chat = config.data.chat_template_kwargs
     encoded = []
-    for i, row in enumerate(rows):
+    for i, row in enumerate(rows, start=1):
         try:
             ids = encode_prompt(row["prompt"], tokenizer, **chat)
         except (TypeError, ValueError) as exc:
@@ -470,7 +470,7 @@ def encode_prompts(
                 f"{name} row {i}: the prompt is {len(ids)} tokens, longer than {whose}"
             )
         encoded.append(ids)
-    unknown = [i for i, ids in enumerate(encoded) if tokenizer.unk_token_id in ids]
+    unknown = [i for i, ids in enumerate(encoded, start=1) if tokenizer.unk_token_id in ids]
     if tokenizer.unk_token_id is not None and unknown and say:  # (the built-in char tokenizer)
         print(f"gspo: warning: {name}: {len(unknown)} prompt(s) (row {unknown[0]} first) hold "
               f"text the tokenizer does not have, which it encodes as {tokenizer.unk_token}: "

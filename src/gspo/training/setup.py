@@ -411,7 +411,7 @@ def check_reward_columns(
             columns = [*(k for k in rows[0] if k != "prompt"), *extra]
             rewards.check_columns(columns, f"{key} ({where})")
             for column, name in rewards.required(columns).items():
-                empty = [i for i, row in enumerate(rows) if _empty(row.get(column))]
+                empty = [i for i, row in enumerate(rows, start=1) if _empty(row.get(column))]
                 if empty and column not in extra:
                     warnings.append(
                         f"{key} ({where}): {len(empty)} of {len(rows)} rows (row {empty[0]} "
@@ -441,7 +441,7 @@ def empty_completions(sft: list[dict], config: Config) -> list[str]:
             return completion
         return "".join(completion_text(m) for m in completion if m.get("role") == "assistant")
 
-    empty = [i for i, row in enumerate(sft) if not text(row["completion"]).strip()]
+    empty = [i for i, row in enumerate(sft, start=1) if not text(row["completion"]).strip()]
     if not empty:
         return []
     where = config.data.sft or f"the built-in {config.data.task}"
