@@ -234,3 +234,24 @@ def test_a_function_without_kwargs_is_told_to_take_them(module):
     with pytest.raises(RewardError, match=r"takes no argument 'answer'.*add \*\*kwargs"):
         functions(["p"], ["a"], {"answer": ["1"]})
     assert functions(["p"], ["a"]).rewards == [0.0]  # no column: nothing it cannot take
+
+
+def test_a_function_without_kwargs_is_refused_before_the_run_starts(module):
+    """Its first call said so, after the run had started (an --overwrite had removed the
+    run it replaced); the columns are known before: one line then."""
+    functions = RewardFunctions.from_specs(specs(module, "no_kwargs"))
+    with pytest.raises(RewardError) as err:
+        functions.check_columns(["answer", "level"], "data.train (x.jsonl)")
+    assert str(err.value) == (
+        f"reward function '{module}:no_kwargs' takes no argument 'answer', which data.train "
+        "(x.jsonl) gives (the call passes prompts, completions and every data column, as "
+        "keywords: TRL's convention); add **kwargs to its parameters"
+    )
+    functions.check_columns([], "data.train (x.jsonl)")  # nothing it cannot take
+
+    def named(prompts, completions, answer):  # every column by name: taken as it is
+        return [0.0] * len(completions)
+
+    RewardFunctions.from_specs([named], None).check_columns(["answer"], "data.train")
+    with pytest.raises(RewardError, match=r"'named' takes no argument 'level', which data"):
+        RewardFunctions.from_specs([named], None).check_columns(["answer", "level"], "data.train")

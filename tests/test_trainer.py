@@ -713,11 +713,13 @@ def test_overwrite_removes_the_old_run_only_once_the_new_one_starts(tmp_path, ca
         assert (old / "metrics.jsonl").read_text() == '{"step": 1}\n'  # the old run, intact
         assert sorted(p.name for p in tmp_path.iterdir()) == ["noanswer.jsonl", "run", "rw.py"]
     said = capsys.readouterr().err.splitlines()
+    back = f"; the run that was in {old} is back as it was"
     assert said[1:] == [
         "gspo: error: reward function 'exact_match' needs the column(s) answer, which "
-        f"data.train ({tmp_path / 'noanswer.jsonl'}) lacks (its columns: none but the prompt)",
+        f"data.train ({tmp_path / 'noanswer.jsonl'}) lacks (its columns: none but the prompt)"
+        + back,
         f"gspo: error: reward function '{tmp_path / 'rw.py'}:needs_level' needs the column(s) "
-        "level, which data.train (the built-in addition) lacks (its columns: answer)",
+        "level, which data.train (the built-in addition) lacks (its columns: answer)" + back,
     ]
     tmp_path.joinpath("noanswer.jsonl").unlink()
     tmp_path.joinpath("rw.py").unlink()
@@ -736,6 +738,44 @@ def test_overwrite_removes_the_old_run_only_once_the_new_one_starts(tmp_path, ca
         assert main(["train", "--output-dir", str(out), "--overwrite", *good]) == 0
     assert not (old / "tensorboard" / "events.old").exists()
     assert (tmp_path / "mine" / "notes.txt").read_text() == "kept"
+
+
+def test_a_reward_failing_at_its_first_call_leaves_the_directory_as_it_was(tmp_path, capsys):
+    """--overwrite removed the old run once the trainer was built, and a reward function
+    raising at its first call (or returning text) then ended the new one: the old run was
+    gone, and a stub run was left (in a new directory too: the fixed command was refused,
+    "already holds a run"). An interrupt there still keeps the new run, to be resumed."""
+    old, new = tmp_path / "run", tmp_path / "new"
+    good = [*FAST, "train.max_steps=1", "eval.every=0", "train.cold_start_steps=0"]
+    assert main(["train", "--output-dir", str(old), *good]) == 0
+
+    def files(run: Path) -> list[str]:
+        return sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+
+    before = files(old)
+    (tmp_path / "rw.py").write_text(
+        "def raises(prompts, completions, **kw):\n    raise ValueError('no')\n"
+        "def text(prompts, completions, **kw):\n    return ['x'] * len(completions)\n"
+        "def stop(prompts, completions, **kw):\n    raise KeyboardInterrupt\n"
+    )
+    capsys.readouterr()
+    for name in ("raises", "text"):
+        spec = f"reward.functions=[{tmp_path / 'rw.py'}:{name}]"
+        assert main(["train", "--output-dir", str(old), "--overwrite", *good, spec]) == 2
+        assert files(old) == before
+        assert main(["train", "--output-dir", str(new), *good, spec]) == 2
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "rw.py"]
+    said = capsys.readouterr().err.splitlines()
+    assert [line.endswith(f"; the run that was in {old} is back as it was") for line in said] == [
+        True, False, True, False
+    ]  # fmt: skip
+    assert said[0].startswith(f"gspo: error: reward function '{tmp_path / 'rw.py'}:raises' ")
+    spec = f"reward.functions=[{tmp_path / 'rw.py'}:stop]"
+    assert main(["train", "--output-dir", str(old), "--overwrite", *good, spec]) == 130
+    assert files(old) != before and (old / "checkpoints" / "step-0000000").is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "rw.py"]  # (none aside)
+    said = capsys.readouterr().err.strip()
+    assert said == f"gspo: interrupted; resume with gspo train --resume {old}"
 
 
 def test_a_run_another_process_is_training_is_one_line(tmp_path, capsys):

@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--overwrite",
         action="store_true",
         help="start over in --output-dir: a run already there is removed once the new one "
-        "has started (kept if it fails to start)",
+        "has trained its first rollout batch (kept if it fails before)",
     )
     train.add_argument("--no-cache", action="store_true", help=NO_CACHE_HELP)
     train.add_argument("overrides", nargs="*", metavar="key.sub=value")
@@ -181,16 +181,16 @@ def run_train(args: argparse.Namespace) -> int:
         # under torchrun: one process per rank, joined here (a no-op in a single process)
         dist = setup_distributed(config.model.device)
     try:
-        # --overwrite: the old run goes once the trainer is built (it checks the model,
-        # data and rewards); its engines close before the process group goes (Trainer.close)
+        # --overwrite: the old run goes once the new one has trained its first rollout
+        # batch (RunDirectory); its engines close before the process group goes (Trainer.close)
         replace = args.resume is None
         name = "--output-dir" if replace else "--resume"
         with RunDirectory(output_dir, replace=replace, dist=dist, name=name) as run:
             with said_once(), StepProfiler.of_run(config, output_dir, dist).startup():
                 trainer = Trainer(config, output_dir, resume=args.resume is not None, dist=dist)
+            run.built()
             with trainer:
-                run.started()
-                trainer.fit()
+                trainer.fit(started=run.started)
                 dist.barrier()
     finally:
         teardown_distributed(dist)
@@ -340,7 +340,8 @@ def _main(args: argparse.Namespace) -> int:
         if os.environ.get("GSPO_DEBUG"):
             raise
         every = getattr(exc, "for_every_rank", False)  # (a setup error, said by rank 0)
-        print(f"gspo: error{'' if every else rank_said()}: {exc}", file=sys.stderr)
+        said = "; ".join([str(exc), *getattr(exc, "__notes__", ())])  # (RunDirectory's)
+        print(f"gspo: error{'' if every else rank_said()}: {said}", file=sys.stderr)
         return 2
     except OSError as exc:  # unwritable output directory, full disk, ...
         if os.environ.get("GSPO_DEBUG"):

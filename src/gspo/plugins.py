@@ -36,6 +36,20 @@ def missing_arguments(function: Callable[..., Any], given: list[str]) -> list[st
     ]
 
 
+def unexpected_arguments(function: Callable[..., Any], given: list[str]) -> list[str]:
+    """Keywords in ``given`` that ``function`` has no parameter for (none when it takes
+    ``**kwargs``, or its signature cannot be read)."""
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return []
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return []
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    accepted = {n for n, p in parameters.items() if p.kind in named}
+    return [key for key in given if key not in accepted]
+
+
 def run_coroutine(coroutine: Any) -> Any:
     """What an ``async def`` function a user gave (a reward function, a tool) returned:
     run in a fresh event loop (in a thread of its own where this one runs a loop already,

@@ -17,9 +17,11 @@ import torch
 
 from gspo.config import Config, load_config
 from gspo.distributed import Distributed, setup_distributed, teardown_distributed
+from gspo.environments import EnvError
 from gspo.models.loading import MODEL_FINGERPRINT, fingerprint_change, model_files
 from gspo.moved import moved_path
 from gspo.publish import temp_path
+from gspo.rewards.contract import RewardError
 from gspo.rewards.runner import leave_if_starting_a_worker
 from gspo.telemetry import METRICS_FILE, StepProfiler
 from gspo.trainer import Trainer
@@ -32,8 +34,8 @@ def train(
 ) -> list[dict[str, Any]]:
     """Run (or, with ``resume``, continue) a training run in ``output_dir``; returns the
     metric records. A directory that already holds a run is refused unless resumed or
-    ``overwrite`` (which removes the old run once the new one has started: a new run that
-    fails to start leaves it as it was), as ``gspo train`` does. Under ``torchrun`` every
+    ``overwrite`` (which removes the old run once the new one has trained its first
+    rollout batch: :class:`RunDirectory`), as ``gspo train`` does. Under ``torchrun`` every
     rank calls it and it joins (and leaves) the process group, as ``gspo train`` does."""
     leave_if_starting_a_worker()  # a reward worker importing an unguarded script
     if not isinstance(config, Config):
@@ -64,9 +66,9 @@ def train(
         with RunDirectory(out, replace=overwrite, dist=dist, name="train: output_dir") as run:
             with StepProfiler.of_run(config, out, dist).startup():
                 trainer = Trainer(config, out, resume=resume, dist=dist)
+            run.built()
             with trainer:
-                run.started()
-                records = trainer.fit()
+                records = trainer.fit(started=run.started)
                 dist.barrier()
     finally:
         if joined:  # a group the caller made is the caller's to leave
@@ -74,18 +76,33 @@ def train(
     return records
 
 
+#: A run's inputs failing on their first use (a reward function's first call, an
+#: environment's first episode): the run could not have run. Before its first rollout batch
+#: is trained such a failure leaves nothing behind (:class:`RunDirectory`).
+INPUT_ERRORS = (RewardError, EnvError)
+
+
 class RunDirectory:
     """``with RunDirectory(out, replace=, dist=, name=) as run:`` around building and
     running a trainer in ``out``: made if needed; with ``replace``, a run already there is
-    set aside and removed once the new one has started (``run.started()``, called when the
-    trainer is built: it has checked the model, data and rewards), put back if it never
-    does. A new directory whose run failed before writing anything to resume from goes."""
+    set aside. ``run.built()`` once the trainer is built (it has checked the model, the
+    data and the reward functions' signatures); ``run.started()`` once the new run has
+    trained its first rollout batch (its reward functions and environment ran on its data:
+    ``Trainer.fit(started=run.started)``), which removes the old run.
+
+    A run that stops before it is built, or on :data:`INPUT_ERRORS` before it started,
+    leaves nothing: the old run is put back as it was (said in a note on the exception),
+    a new directory goes; the same command runs once the input is fixed (a cold start
+    from its cache). Stopped otherwise (interrupted, out of memory, ...) the new run stays
+    to be resumed, the old one goes, and a new directory whose run wrote nothing to resume
+    from goes."""
 
     def __init__(self, output_dir: Path, *, replace: bool, dist: Distributed, name: str):
         self.output_dir, self.replace, self.dist, self.name = output_dir, replace, dist, name
         self.new = not output_dir.exists()
         self.aside: Path | None = None  # the old run, until the new one starts
         self.lock: int | None = None  # the run directory's lock (rank 0), held to the end
+        self.is_built = self.has_started = False
 
     def __enter__(self) -> RunDirectory:
         out, dist = self.output_dir, self.dist
@@ -120,19 +137,33 @@ class RunDirectory:
     def hold(self, out: Path) -> int | None:
         return hold_lock(out, self.name)
 
+    def built(self) -> None:
+        self.is_built = True
+
     def started(self) -> None:
+        self.has_started = True
         if self.aside is not None:
             shutil.rmtree(self.aside, ignore_errors=True)
             self.aside = None
 
-    def __exit__(self, kind: type[BaseException] | None, *rest: Any) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, *rest: Any
+    ) -> None:
         self.release()
-        if kind is None:
+        if error is None:
+            self.started()
             return
         out = self.output_dir
-        if self.aside is not None:  # the new run never started (its trainer was not built)
-            shutil.rmtree(out, ignore_errors=True)
-            self.aside.rename(out)
+        undone = not self.is_built or (not self.has_started and isinstance(error, INPUT_ERRORS))
+        if self.aside is not None:
+            if undone:
+                shutil.rmtree(out, ignore_errors=True)
+                self.aside.rename(out)
+                error.add_note(f"the run that was in {out} is back as it was")
+            else:  # (interrupted, ...: the new run stays, to be resumed)
+                self.started()
+        elif self.new and self.dist.is_main and undone and self.is_built:
+            shutil.rmtree(out, ignore_errors=True)  # (nothing the fixed input would reuse)
         elif self.new and self.dist.is_main:
             # nothing to resume from (no metric line, no checkpoint, a cold-start progress
             # checkpoint included): what it holds (a saved built-in, an empty metrics

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from copy import deepcopy
 from pathlib import Path
 from typing import Any
@@ -298,14 +299,18 @@ class Trainer:
                 if (close := getattr(self.sampler.engine, "close", None)) is not None:
                     close()
 
-    def fit(self) -> list[dict[str, Any]]:
+    def fit(self, started: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+        """The run to its end: the cold start, evaluations, rollout batches, checkpoints;
+        its metric records. ``started`` is called once the first rollout batch is trained
+        (its reward functions and environment ran on the data: ``gspo train --overwrite``
+        removes the run it replaces then)."""
         try:
-            return self._fit()
+            return self._fit(started)
         except BaseException:
             self.checkpoints.wait(quiet=True)  # the checkpoint in flight is finished first
             raise
 
-    def _fit(self) -> list[dict[str, Any]]:
+    def _fit(self, on_started: Callable[[], None] | None) -> list[dict[str, Any]]:
         cfg = self.config
         started = False
         if not self.cold_start_done:
@@ -349,6 +354,9 @@ class Trainer:
                 before = self.step
                 with self.profiler.around(rollout_index):  # (log.profile_steps)
                     lines = self.rl_step(rollout_index)
+                if on_started is not None:
+                    on_started()
+                    on_started = None
                 for step, line in lines:
                     self.checkpoints.log(step, line)
                 last = rollout_index == cfg.rollout_batches - 1

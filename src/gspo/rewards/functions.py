@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gspo.plugins import missing_arguments, one_line
+from gspo.plugins import missing_arguments, one_line, unexpected_arguments
 from gspo.rewards.contract import TRL_ONLY, RewardError, RewardFunction
 from gspo.rewards.loading import load_reward_function
 from gspo.rewards.runner import Runner
@@ -165,7 +165,10 @@ class RewardFunctions:
     def check_columns(self, columns: Sequence[str], source: str) -> None:
         """Before a run starts (before anything is written or an old run removed): each
         function's required arguments, and the columns a built-in needs, are among the
-        data's ``columns``, and none is named like the calls' own arguments. ``source``
+        data's ``columns``; each function takes every keyword the call passes (the prompts,
+        the completions, every column: by name or ``**kwargs``), as the first call would
+        find out after the run started; and no column is named like the calls' own
+        arguments. ``source``
         names the data (``data.train``) in the one-line :class:`RewardError`."""
         for clash in ("prompts", "completions"):
             if clash in columns:
@@ -190,6 +193,12 @@ class RewardFunctions:
                     f"reward function {name!r} needs the column(s) "
                     f"{', '.join(dict.fromkeys(needed))}, which {source} lacks (its columns: "
                     f"{have})"
+                )
+            if unexpected := unexpected_arguments(function, given):
+                raise RewardError(
+                    f"reward function {name!r} takes no argument {unexpected[0]!r}, which "
+                    f"{source} gives (the call passes prompts, completions and every data "
+                    "column, as keywords: TRL's convention); add **kwargs to its parameters"
                 )
 
     def trl_defaults(self) -> list[str]:

@@ -19,7 +19,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gspo.plugins import missing_arguments, one_line, raised, run_coroutine
+from gspo.plugins import (
+    missing_arguments,
+    one_line,
+    raised,
+    run_coroutine,
+    unexpected_arguments,
+)
 from gspo.rewards.contract import TRL_ONLY, RewardError, RewardFunction
 from gspo.rewards.loading import load_reward_function
 
@@ -46,7 +52,7 @@ def _call_one(
                 "which TRL passes and gspo does not (docs/from_trl.md); compute it from the "
                 "completions"
             ) from e
-        unexpected = _unexpected_arguments(function, given)
+        unexpected = unexpected_arguments(function, given)
         if isinstance(e, TypeError) and unexpected:
             raise RewardError(
                 f"reward function {name!r} takes no argument {unexpected[0]!r}, which the "
@@ -56,20 +62,6 @@ def _call_one(
         raise RewardError(f"reward function {name!r} raised {raised(e)}") from e
     # a numpy array or a 1-D tensor of rewards as the list it stands for
     return out.tolist() if hasattr(out, "tolist") and getattr(out, "ndim", 0) == 1 else out
-
-
-def _unexpected_arguments(function: RewardFunction, given: list[str]) -> list[str]:
-    """Keywords in ``given`` that ``function`` has no parameter for (none when it takes
-    ``**kwargs``, or its signature cannot be read)."""
-    try:
-        parameters = inspect.signature(function).parameters
-    except (TypeError, ValueError):
-        return []
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return []
-    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    accepted = {n for n, p in parameters.items() if p.kind in named}
-    return [key for key in given if key not in accepted]
 
 
 @functools.cache
