@@ -157,6 +157,16 @@ def test_which_values_are_local_and_which_are_ids(tmp_path, monkeypatch):
     for missing in ("train.jsonl", "./gsm8k", "/no/such/dir", "~/nope", "x.parquet:a:b"):
         with pytest.raises(FileNotFoundError, match="k: file not found"):
             parse_source(missing, what="k")
+    # where a relative one was looked for (a config file's paths are the current
+    # directory's, not the file's: it said "file not found: train.jsonl" alone)
+    for missing, said in (
+        ("train.jsonl", f"train.jsonl (looked for {tmp_path / 'train.jsonl'})"),
+        ("./gsm8k", f"./gsm8k (looked for {tmp_path / 'gsm8k'})"),
+        ("/no/such/dir", "/no/such/dir"),
+    ):
+        with pytest.raises(FileNotFoundError) as err:
+            parse_source(missing, what="k")
+        assert str(err.value) == f"k: file not found: {said}"
     with pytest.raises(ValueError, match="more than SOURCE:CONFIG:SPLIT"):
         parse_source("a/b:c:d:e", what="k")
     with pytest.raises(ValueError, match="neither an existing local path nor a dataset id"):
@@ -672,6 +682,13 @@ def test_a_file_with_a_config_and_a_missing_local_directory_are_local_errors(tmp
     offline(monkeypatch)  # (data/nope is a dataset id's shape)
     with pytest.raises(ValueError, match=r"nor is there a local data/nope \(write ./data/nope"):
         load_rows("data/nope", what="data.train")
+    # a typo of a local path, taken for a hub id: the path it is close to (a single word
+    # said nothing local at all)
+    (tmp_path / "mydata").mkdir()
+    for typo, near in (("mydat", "mydata"), ("data/a.jsonI", "data/a.jsonl")):
+        with pytest.raises(ValueError) as err:
+            load_rows(typo, what="data.train")
+        assert str(err.value).endswith(f"; nor is there a local {typo} (did you mean ./{near}?)")
 
 
 @pytest.mark.parametrize(

@@ -79,13 +79,19 @@ def _local(path: Path, config: str | None = None, split: str | None = None) -> S
     return Source("saved" if saved else "directory", str(path), config, split)
 
 
+def _looked_for(path: Path) -> str:
+    """Where a relative ``path`` was looked for (a config file's paths are read from the
+    current directory, not the file's), for an error line; nothing for an absolute one."""
+    return "" if path.is_absolute() else f" (looked for {Path.cwd() / path})"
+
+
 def parse_source(text: str, *, what: str) -> Source:
     """Where ``text`` (the value of the key ``what``) points; the rule in the module doc."""
     whole = Path(text).expanduser()
     if whole.exists():
         return _local(whole)
     if whole.suffix.lower() in DATA_SUFFIXES:
-        raise FileNotFoundError(f"{what}: file not found: {text}")
+        raise FileNotFoundError(f"{what}: file not found: {text}{_looked_for(whole)}")
     source, *rest = text.split(":")
     if len(rest) > 2:
         raise ValueError(f"{what}: {text!r} has more than SOURCE:CONFIG:SPLIT")
@@ -97,7 +103,7 @@ def parse_source(text: str, *, what: str) -> Source:
     if path.is_file():
         raise ValueError(f"{what}: {text}: a file has no configs or splits")
     if path.suffix.lower() in DATA_SUFFIXES or source.startswith(_LOCAL_PREFIXES):
-        raise FileNotFoundError(f"{what}: file not found: {source}")
+        raise FileNotFoundError(f"{what}: file not found: {source}{_looked_for(path)}")
     if not _HUB_ID.fullmatch(source):
         raise ValueError(
             f"{what}: {text!r} is neither an existing local path nor a dataset id "
@@ -337,6 +343,19 @@ def _declares_configs(base: Path) -> bool:
     return isinstance(meta, dict) and "configs" in meta
 
 
+def _near_local(path: Path) -> Path | None:
+    """A file or directory beside where ``path`` would be whose name is close to its name
+    (a typo of a local path, which was then taken for a hub id), or None."""
+    import difflib
+
+    try:
+        names = [p.name for _, p in zip(range(1000), path.parent.iterdir(), strict=False)]
+    except OSError:
+        return None
+    near = difflib.get_close_matches(path.name, names, n=1, cutoff=0.75)
+    return path.parent / near[0] if near else None
+
+
 def _load_error(exc: Exception, source: Source, text: str, what: str) -> ValueError:
     """The one line for what ``datasets`` raised loading ``source`` (``text``, the value
     of the key ``what``)."""
@@ -349,8 +368,12 @@ def _load_error(exc: Exception, source: Source, text: str, what: str) -> ValueEr
             "HF_HUB_OFFLINE=1 skips the network)"
         )
     parent = Path(source.location).parent
-    if source.kind == "hub" and parent.name and parent.is_dir():  # (data/missing: local?)
-        hint += f"; nor is there a local {source.location} (write ./{source.location} for one)"
+    if source.kind == "hub" and parent.is_dir():  # (data/missing, mydat: a local path?)
+        hint += f"; nor is there a local {source.location}"
+        if near := _near_local(Path(source.location)):
+            hint += f" (did you mean ./{near}?)"
+        elif parent.name:
+            hint += f" (write ./{source.location} for one)"
     if source.kind == "directory":
         hint = (
             " (a directory must hold a datasets.save_to_disk dataset, or data files "
