@@ -264,6 +264,52 @@ def test_the_empty_loss_warning_names_the_rollout_correction(capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_rewards_that_never_vary_within_a_group_are_said_once(capsys):
+    """A run whose every group got one reward (a model that never earns it, a reward that
+    misreads the completions) logged train/zero_std_fraction 1 and loss 0 at every step,
+    and said nothing."""
+    from gspo.distributed import Distributed
+    from gspo.training.hooks import FlatRewardWarning
+
+    flat = {"train/zero_std_fraction": 1.0, "train/reward_mean": 0.0}
+    warning = FlatRewardWarning(Distributed(), batches=10)
+    for index, line in enumerate([flat, flat, {"train/zero_std_fraction": 0.5}, flat, flat]):
+        warning.check(index, line)  # a streak of 2, broken; then 2 again
+    assert capsys.readouterr().err == ""
+    warning.check(5, {**flat, "train/reward_mean": 1.0})
+    assert capsys.readouterr().err == (
+        "gspo: warning: in rollout batches 3-5 every group's responses got one reward "
+        "(reward mean 0, 0, 1), so every advantage is 0 and nothing is learned from them; "
+        "check reward.functions on a few completions (their answer format?); a cold start "
+        "(train.cold_start_steps), a larger rollout.group_size or rollout.temperature make "
+        "rewards vary, rollout.filter_groups=true samples other prompts in place of flat "
+        "groups (shown once)\n"
+    )
+    warning.check(6, flat)  # once per run
+    assert capsys.readouterr().err == ""
+    short = FlatRewardWarning(Distributed(), batches=1)  # a run of one batch: at once
+    short.check(0, flat)
+    assert capsys.readouterr().err.startswith("gspo: warning: in rollout batch 0 every group")
+
+
+def test_a_run_whose_rewards_never_vary_says_so(tmp_path, capsys):
+    (tmp_path / "rw.py").write_text(
+        "def same(prompts, completions, **kw):\n    return [1.0] * len(completions)\n"
+        "def length(prompts, completions, **kw):\n    return [float(len(c)) for c in completions]\n"
+    )
+    run = [*TINY, "train.cold_start_steps=0", "train.max_steps=8", "eval.every=0"]
+    capsys.readouterr()
+    for name in ("same", "length"):
+        spec = f"reward.functions=[{tmp_path / 'rw.py'}:{name}]"
+        Trainer(load_config(None, [*run, spec]), tmp_path / name).fit()
+        warned = [x for x in capsys.readouterr().err.splitlines() if "got one reward" in x]
+        if name == "same":  # two batches of 4 minibatches, both flat
+            assert len(warned) == 1 and "in rollout batches 0-1 " in warned[0]
+            assert "(reward mean 1, 1)" in warned[0]
+        else:
+            assert warned == []
+
+
 def test_the_on_policy_clip_warning_reads_the_whole_batchs_clip_fraction(capsys):
     """It read the update's own line, this rank's share alone: under torchrun a clip in
     rank 1's share was never said, and what rank 0 said was its share's figure."""

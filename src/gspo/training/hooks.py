@@ -1,9 +1,10 @@
 """Optional instruments on the update stage, each a :class:`~gspo.training.update.Hook`.
 
 - :class:`FirstMinibatchMismatch`: sampler vs trainer log-probs, free in sampler mode.
-- :class:`OnPolicyClipWarning`: one line when the on-policy minibatch clips, and
-  :class:`EmptyLossWarning`: one line when no token of a rollout batch is in the loss
-  (both read the batch's log lines, combined over ranks, not a minibatch's).
+- :class:`OnPolicyClipWarning`: one line when the on-policy minibatch clips,
+  :class:`EmptyLossWarning`: one line when no token of a rollout batch is in the loss, and
+  :class:`FlatRewardWarning`: one line when rewards never vary within a group (all read
+  the batch's log lines, combined over ranks, not a minibatch's).
 - :class:`ExpertChurn`: share of activated MoE experts that moved since pi_old.
 - :class:`RatioDumps`: importance ratios (and gradient noise by length) to ``ratios/``.
 """
@@ -76,6 +77,49 @@ class FirstMinibatchMismatch(Hook):
         if mb.k != 0 or experience.recomputed or experience.staleness > 0:
             return {}  # (stale weights sampled the batch: not the same policy, no mismatch)
         return logprob_mismatch(mb.batch.sampler_logprobs, logprobs, mb.batch.action_mask)
+
+
+class FlatRewardWarning:
+    """One line on stderr, once per run, when every group of :data:`FLAT_BATCHES` rollout
+    batches in a row (or of every batch of a shorter run) got one reward for all its
+    responses (``train/zero_std_fraction`` 1): every advantage is 0 and those batches teach
+    nothing, while the run goes on as if it trained (a random or untrained model that never
+    earns the reward, a reward that misreads the completions' format)."""
+
+    #: Rollout batches in a row, every group flat, before the warning.
+    FLAT_BATCHES = 3
+
+    def __init__(self, dist: Distributed, batches: int):
+        self.dist = dist
+        self.needed = max(1, min(self.FLAT_BATCHES, batches))
+        self.flat: list[float] = []  # the reward means of the batches of the current streak
+        self.warned = False
+
+    def check(self, index: int, line: dict[str, float]) -> None:
+        if self.warned:
+            return
+        if line.get("train/zero_std_fraction") != 1.0:
+            self.flat = []
+            return
+        self.flat.append(line.get("train/reward_mean", float("nan")))
+        if len(self.flat) < self.needed:
+            return
+        self.warned = True
+        if not self.dist.is_main:
+            return
+        first = index - len(self.flat) + 1
+        batches = f"rollout batch {index}" if first == index else f"rollout batches {first}-{index}"
+        means = ", ".join(f"{m:.3g}" for m in self.flat)
+        print(
+            f"gspo: warning: in {batches} every group's responses got one reward (reward "
+            f"mean {means}), so every advantage is 0 and nothing is learned from them; check "
+            "reward.functions on a few completions (their answer format?); a cold start "
+            "(train.cold_start_steps), a larger rollout.group_size or rollout.temperature make "
+            "rewards vary, rollout.filter_groups=true samples other prompts in place of flat "
+            "groups (shown once)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 class OnPolicyClipWarning:
