@@ -40,6 +40,7 @@ import re
 import string
 from collections.abc import Iterator
 from dataclasses import dataclass
+from difflib import get_close_matches
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -346,13 +347,11 @@ def _declares_configs(base: Path) -> bool:
 def _near_local(path: Path) -> Path | None:
     """A file or directory beside where ``path`` would be whose name is close to its name
     (a typo of a local path, which was then taken for a hub id), or None."""
-    import difflib
-
     try:
         names = [p.name for _, p in zip(range(1000), path.parent.iterdir(), strict=False)]
     except OSError:
         return None
-    near = difflib.get_close_matches(path.name, names, n=1, cutoff=0.75)
+    near = get_close_matches(path.name, names, n=1, cutoff=0.75)
     return path.parent / near[0] if near else None
 
 
