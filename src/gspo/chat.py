@@ -55,7 +55,8 @@ def render(
 ) -> list[int]:
     """The token ids of ``messages`` ready for the model's turn: the generation prompt
     after a user (or tool) message; after an assistant message (a prefill such as
-    ``"Let me check:"``), that message continued, as TRL renders it."""
+    ``"Let me check:"``), that message continued (TRL's ``apply_chat_template`` renders
+    it so; its ``GRPOTrainer`` opens a new assistant turn after it)."""
     prefill = bool(messages) and messages[-1].get("role") == "assistant"
     text = template_text(
         tokenizer, messages, tools=tools, generation=not prefill, prefill=prefill, **chat_kwargs
