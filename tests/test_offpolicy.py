@@ -279,8 +279,9 @@ def test_rewards_that_never_vary_within_a_group_are_said_once(capsys):
     warning.check(5, {**flat, "train/reward_mean": 1.0})
     assert capsys.readouterr().err == (
         "gspo: warning: in rollout batches 3-5 every group's responses got one reward "
-        "(reward mean 0, 0, 1), so every advantage is 0 and nothing is learned from them; "
-        "check reward.functions on a few completions (their answer format?); a cold start "
+        "(reward mean 0, 0, 1), so every advantage is 0 and nothing is learned from them: "
+        "the task is too hard or too easy for the model as it is, or the reward misreads the "
+        "completions (check reward.functions on a few); a cold start "
         "(train.cold_start_steps), a larger rollout.group_size or rollout.temperature make "
         "rewards vary, rollout.filter_groups=true samples other prompts in place of flat "
         "groups (shown once)\n"

@@ -112,8 +112,9 @@ class FlatRewardWarning:
         means = ", ".join(f"{m:.3g}" for m in self.flat)
         print(
             f"gspo: warning: in {batches} every group's responses got one reward (reward "
-            f"mean {means}), so every advantage is 0 and nothing is learned from them; check "
-            "reward.functions on a few completions (their answer format?); a cold start "
+            f"mean {means}), so every advantage is 0 and nothing is learned from them: the task is "
+            "too hard or too easy for the model as it is, or the reward misreads the "
+            "completions (check reward.functions on a few); a cold start "
             "(train.cold_start_steps), a larger rollout.group_size or rollout.temperature make "
             "rewards vary, rollout.filter_groups=true samples other prompts in place of flat "
             "groups (shown once)",
