@@ -138,6 +138,37 @@ def test_a_run_with_compiled_blocks_trains_as_one_without(tmp_path):
                 assert b[key] == pytest.approx(value, rel=1e-3, abs=1e-5), key
 
 
+@needs_cxx
+def test_a_cold_start_through_compiled_blocks_learns_as_one_without(tmp_path, monkeypatch):
+    """The cold start (SFT: padded rows of every length) runs the compiled blocks too, in
+    one graph (symbolic shapes), and its losses are the uncompiled run's to float32
+    rounding."""
+    import gspo.trainer
+
+    graphs = []
+    cold_start = gspo.trainer.cold_start
+
+    def counted(*args, **kwargs):
+        out = cold_start(*args, **kwargs)
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        return out
+
+    monkeypatch.setattr(gspo.trainer, "cold_start", counted)
+    overrides = [*FAST, TORCH_LINEAR, "train.cold_start_steps=20", "train.cold_start_cache=false",
+                 "train.max_steps=1", "algorithm.minibatches=1", "model.layers=2",
+                 "eval.every=0"]  # fmt: skip
+    losses = []
+    for name, extra in (("off", []), ("on", [ON])):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        Trainer(load_config(None, [*overrides, *extra]), tmp_path / name).fit()
+        records = read_metrics(tmp_path / name / "metrics.jsonl")
+        losses.append([r["sft/loss"] for r in records if "sft/loss" in r])
+    assert graphs == [0, 1]
+    assert len(losses[1]) == len(losses[0]) >= 1
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+
+
 def test_a_mixture_of_experts_model_is_a_one_line_error(tmp_path, capsys):
     moe = ["model.builtin=qwen3_moe", "model.experts=4", "model.expert_intermediate=32"]
     code = main(["train", "--output-dir", str(tmp_path / "run"), *FAST, TORCH_LINEAR, *moe, ON])
