@@ -13,7 +13,7 @@ Two implementations of one small interface (``prefill``, ``step``, ``select``):
   (what PEFT's merge computes; the base weights are not touched), dense MLPs included,
   instead of PEFT's extra products and dispatch per layer and step. Under a 16-bit
   autocast the adapters are not merged (the update, small beside ``W``, would mostly
-  round away in a 16-bit matrix): each adapted product adds ``(x A^T) (scale B)^T`` in
+  round away in a 16-bit matrix): each adapted product adds ``((x A^T) B^T) * scale`` in
   the compute dtype, as PEFT's forward does, the projections of one fused matrix sharing
   one pair of low-rank products.
 - :class:`ModelDecoder`, the reference: the transformers forward with a ``DynamicCache``,
