@@ -915,6 +915,24 @@ def test_geometric_mean_survives_length_where_product_collapses():
     assert geo_long < geo_short  # the geometric mean is kept more often the longer it is
 
 
+def test_the_geometric_mean_weight_clamps_after_the_mean():
+    """Each token's log-ratio was clamped to +-20 before the mean: one token at -50 among
+    ten gave e^-2 (kept by [0.1, 1.5]) where the definition's mean is e^-5 (dropped). The
+    clamp comes after the mean, as for GSPO's s_i; the token weights keep theirs."""
+    sampler = torch.zeros((1, 10), dtype=torch.float64)
+    old = sampler.clone()
+    old[0, 3] = -50.0
+    mask = torch.ones((1, 10), dtype=torch.bool)
+    out = rollout_correction(old, sampler, mask, "sequence_mask", low=0.1, high=1.5)
+    assert out.metrics["weight_mean"] == pytest.approx(math.exp(-5.0), rel=1e-12)
+    assert not out.keep.any() and out.metrics["masked_sequence_fraction"] == 1.0
+    out = rollout_correction(old, sampler, mask, "token_mask", low=1e-12, high=2.0)
+    assert out.metrics["weight_min"] == pytest.approx(math.exp(-20.0), rel=1e-12)
+    old[0, 3] = -500.0  # past the clamp after the mean too: e^-20, not 0 or NaN
+    out = rollout_correction(old, sampler, mask, "sequence_mask")
+    assert out.metrics["weight_mean"] == pytest.approx(math.exp(-20.0), rel=1e-12)
+
+
 def test_rollout_correction_bad_input():
     old, sampler, mask = _mismatched()
     with pytest.raises(ValueError, match="mode must be one of"):

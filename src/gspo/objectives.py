@@ -361,12 +361,16 @@ def rollout_correction(
     low = default_low if low is None else float(low)
     high = default_high if high is None else float(high)
     mask = mask.bool()
-    log_rho = token_log_ratio(old_logprobs, sampler_logprobs, mask)
-    log_rho = log_rho.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    rho = log_rho.exp()
+    # each token's rho clamped as GRPO's w is; the geometric mean, as GSPO's s_i, after
+    # the mean (a token's clamp would move it: one log-ratio of -50 in 10 is e^-5, not e^-2)
+    rho = (
+        token_log_ratio(old_logprobs, sampler_logprobs, mask)
+        .clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        .exp()
+    )
     ones = torch.ones_like(rho)
     valid_rows = mask.any(dim=-1)
-    geometric = mean_over_tokens(log_rho, mask).exp()  # [B]
+    geometric = sequence_ratio(old_logprobs, sampler_logprobs, mask)  # [B]
     if mode == "token_tis":
         weights = torch.where(mask, rho.clamp(max=high), ones)
         keep = mask
