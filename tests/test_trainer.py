@@ -757,9 +757,15 @@ def test_a_reward_failing_at_its_first_call_leaves_the_directory_as_it_was(tmp_p
         "def raises(prompts, completions, **kw):\n    raise ValueError('no')\n"
         "def text(prompts, completions, **kw):\n    return ['x'] * len(completions)\n"
         "def stop(prompts, completions, **kw):\n    raise KeyboardInterrupt\n"
+        # another gspo process's staged write beside the run sweeps unlocked leftovers
+        "def swept(prompts, completions, **kw):\n"
+        "    from pathlib import Path\n"
+        "    from gspo.publish import remove_leftovers\n"
+        f"    remove_leftovers(Path({str(tmp_path / 'x')!r}))\n"
+        "    raise ValueError('no')\n"
     )
     capsys.readouterr()
-    for name in ("raises", "text"):
+    for name in ("raises", "text", "swept"):
         spec = f"reward.functions=[{tmp_path / 'rw.py'}:{name}]"
         assert main(["train", "--output-dir", str(old), "--overwrite", *good, spec]) == 2
         assert files(old) == before
@@ -767,7 +773,7 @@ def test_a_reward_failing_at_its_first_call_leaves_the_directory_as_it_was(tmp_p
         assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "rw.py"]
     said = capsys.readouterr().err.splitlines()
     assert [line.endswith(f"; the run that was in {old} is back as it was") for line in said] == [
-        True, False, True, False
+        True, False, True, False, True, False
     ]  # fmt: skip
     assert said[0].startswith(f"gspo: error: reward function '{tmp_path / 'rw.py'}:raises' ")
     spec = f"reward.functions=[{tmp_path / 'rw.py'}:stop]"

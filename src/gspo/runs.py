@@ -102,6 +102,9 @@ class RunDirectory:
         self.new = not output_dir.exists()
         self.aside: Path | None = None  # the old run, until the new one starts
         self.lock: int | None = None  # the run directory's lock (rank 0), held to the end
+        # the old run's lock, kept on it aside: another gspo process sweeping unlocked
+        # ``.old`` leftovers beside it (a staged write in the same parent) leaves it be
+        self.aside_lock: int | None = None
         self.is_built = self.has_started = False
 
     def __enter__(self) -> RunDirectory:
@@ -124,8 +127,9 @@ class RunDirectory:
                 raise ValueError(
                     f"{self.name} {out}: cannot be made ({exc.strerror or exc})"
                 ) from exc
-            if self.aside is not None or self.lock is None:  # the directory the run is in
-                self.release()
+            if self.aside is not None:  # (the lock taken on it went with it)
+                self.aside_lock, self.lock = self.lock, None
+            if self.lock is None:  # the directory the run is in
                 self.lock = self.hold(out)
         return self
 
@@ -133,6 +137,15 @@ class RunDirectory:
         if self.lock is not None:
             os.close(self.lock)
             self.lock = None
+
+    def drop_aside(self) -> None:
+        """The old run set aside goes (its lock with it)."""
+        if self.aside is not None:
+            shutil.rmtree(self.aside, ignore_errors=True)
+            self.aside = None
+        if self.aside_lock is not None:
+            os.close(self.aside_lock)
+            self.aside_lock = None
 
     def hold(self, out: Path) -> int | None:
         return hold_lock(out, self.name)
@@ -142,9 +155,7 @@ class RunDirectory:
 
     def started(self) -> None:
         self.has_started = True
-        if self.aside is not None:
-            shutil.rmtree(self.aside, ignore_errors=True)
-            self.aside = None
+        self.drop_aside()
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, *rest: Any
@@ -156,12 +167,12 @@ class RunDirectory:
         out = self.output_dir
         undone = not self.is_built or (not self.has_started and isinstance(error, INPUT_ERRORS))
         if self.aside is not None:
-            if undone:
+            if undone and self.aside.is_dir():
                 shutil.rmtree(out, ignore_errors=True)
                 self.aside.rename(out)
+                self.aside = None
                 error.add_note(f"the run that was in {out} is back as it was")
-            else:  # (interrupted, ...: the new run stays, to be resumed)
-                self.started()
+            self.drop_aside()  # (else interrupted, ...: the new run stays, to be resumed)
         elif self.new and self.dist.is_main and undone and self.is_built:
             shutil.rmtree(out, ignore_errors=True)  # (nothing the fixed input would reuse)
         elif self.new and self.dist.is_main:
