@@ -253,5 +253,13 @@ def test_a_function_without_kwargs_is_refused_before_the_run_starts(module):
         return [0.0] * len(completions)
 
     RewardFunctions.from_specs([named], None).check_columns(["answer"], "data.train")
+
+    def completions_only(completions):  # what it cannot take is the call's, not the data's
+        return [0.0] * len(completions)
+
+    with pytest.raises(
+        RewardError, match=r"'completions_only' takes no argument 'prompts', which every call gives"
+    ):
+        RewardFunctions.from_specs([completions_only], None).check_columns([], "data.train")
     with pytest.raises(RewardError, match=r"'named' takes no argument 'level', which data"):
         RewardFunctions.from_specs([named], None).check_columns(["answer", "level"], "data.train")

@@ -776,6 +776,24 @@ def test_a_reward_failing_at_its_first_call_leaves_the_directory_as_it_was(tmp_p
         True, False, True, False, True, False
     ]  # fmt: skip
     assert said[0].startswith(f"gspo: error: reward function '{tmp_path / 'rw.py'}:raises' ")
+    # a cold-start row found unusable in the cold start (after the trainer is built)
+    (tmp_path / "sft.jsonl").write_text(json.dumps({"prompt": "1" * 2000 + "=", "completion": "2"}))
+    sft = [f"data.sft={tmp_path / 'sft.jsonl'}", "train.cold_start_steps=2"]
+    assert main(["train", "--output-dir", str(old), "--overwrite", *good, *sft]) == 2
+    assert files(old) == before
+    assert (
+        capsys.readouterr().err.strip().endswith(f"; the run that was in {old} is back as it was")
+    )
+    # a directory that held no run: the run's own files go, the user's stay
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("kept")
+    spec = f"reward.functions=[{tmp_path / 'rw.py'}:raises]"
+    assert main(["train", "--output-dir", str(tmp_path / "mine"), *good, spec]) == 2
+    assert files(tmp_path / "mine") == ["notes.txt"]
+    assert main(["train", "--output-dir", str(tmp_path / "mine"), *good]) == 0  # (no "holds a run")
+    shutil.rmtree(tmp_path / "mine")
+    (tmp_path / "sft.jsonl").unlink()
+    capsys.readouterr()
     spec = f"reward.functions=[{tmp_path / 'rw.py'}:stop]"
     assert main(["train", "--output-dir", str(old), "--overwrite", *good, spec]) == 130
     assert files(old) != before and (old / "checkpoints" / "step-0000000").is_dir()

@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--overwrite",
         action="store_true",
         help="start over in --output-dir: a run already there is removed once the new one "
-        "has trained its first rollout batch (kept if it fails before)",
+        "has trained its first rollout batch (kept if the new one's inputs fail before: a "
+        "reward function, an environment, a data row)",
     )
     train.add_argument("--no-cache", action="store_true", help=NO_CACHE_HELP)
     train.add_argument("overrides", nargs="*", metavar="key.sub=value")
@@ -368,6 +369,8 @@ def _main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as stop:
         if args.command == "compare":  # its runs are reused and resumed by the same command
             hint = "run the same gspo compare again: finished runs are reused, the rest resumed"
+        elif notes := getattr(stop, "__notes__", None):  # (RunDirectory put an old run back)
+            hint = "; ".join(notes)
         else:
             run = run_directory(args)
             hint = f"resume with gspo train --resume {run}"

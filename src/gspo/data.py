@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
+import itertools
 import json
 import logging
 import math
@@ -81,8 +82,7 @@ def _local(path: Path, config: str | None = None, split: str | None = None) -> S
 
 
 def _looked_for(path: Path) -> str:
-    """Where a relative ``path`` was looked for (a config file's paths are read from the
-    current directory, not the file's), for an error line; nothing for an absolute one."""
+    """Where a relative ``path`` was looked for (from the current directory), for errors."""
     return "" if path.is_absolute() else f" (looked for {Path.cwd() / path})"
 
 
@@ -345,14 +345,14 @@ def _declares_configs(base: Path) -> bool:
 
 
 def _near_local(path: Path) -> Path | None:
-    """A file or directory beside where ``path`` would be whose name is close to its name
-    (a typo of a local path, which was then taken for a hub id), or None."""
-    try:
-        names = [p.name for _, p in zip(range(1000), path.parent.iterdir(), strict=False)]
-    except OSError:
-        return None
-    near = get_close_matches(path.name, names, n=1, cutoff=0.75)
-    return path.parent / near[0] if near else None
+    """A data file or directory beside where ``path`` would be, named close to it (a
+    local path's typo, taken for a hub id), or None."""
+    with contextlib.suppress(OSError):
+        places = itertools.islice(path.parent.iterdir(), 1000)
+        data = [p.name for p in places if p.is_dir() or p.suffix.lower() in DATA_SUFFIXES]
+        if near := get_close_matches(path.name, data, n=1, cutoff=0.75):
+            return path.parent / near[0]
+    return None
 
 
 def _load_error(exc: Exception, source: Source, text: str, what: str) -> ValueError:
@@ -360,19 +360,18 @@ def _load_error(exc: Exception, source: Source, text: str, what: str) -> ValueEr
     of the key ``what``)."""
     kind = "dataset id" if source.kind == "hub" else "local dataset"
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-    hint = ""
+    hint, local = "", Path(source.location)
     if source.kind == "hub" and isinstance(exc, ConnectionError) and not offline:
         hint = (
             " (offline, the dataset must be in the datasets cache; "
             "HF_HUB_OFFLINE=1 skips the network)"
         )
-    parent = Path(source.location).parent
-    if source.kind == "hub" and parent.is_dir():  # (data/missing, mydat: a local path?)
-        hint += f"; nor is there a local {source.location}"
-        if near := _near_local(Path(source.location)):
+    if source.kind == "hub" and local.parent.is_dir():  # (data/missing, mydat: local?)
+        hint += f"; nor is there a local {local}"
+        if near := _near_local(local):
             hint += f" (did you mean ./{near}?)"
-        elif parent.name:
-            hint += f" (write ./{source.location} for one)"
+        elif local.parent.name:
+            hint += f" (write ./{local} for one)"
     if source.kind == "directory":
         hint = (
             " (a directory must hold a datasets.save_to_disk dataset, or data files "

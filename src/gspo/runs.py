@@ -26,6 +26,7 @@ from gspo.rewards.runner import leave_if_starting_a_worker
 from gspo.telemetry import METRICS_FILE, StepProfiler
 from gspo.trainer import Trainer
 from gspo.training.checkpoint import CHECKPOINTS, CONFIG, TRAINER_STATE
+from gspo.training.cold_start import DataError
 from gspo.training.setup import with_absolute_paths
 
 
@@ -79,7 +80,7 @@ def train(
 #: A run's inputs failing on their first use (a reward function's first call, an
 #: environment's first episode): the run could not have run. Before its first rollout batch
 #: is trained such a failure leaves nothing behind (:class:`RunDirectory`).
-INPUT_ERRORS = (RewardError, EnvError)
+INPUT_ERRORS = (RewardError, EnvError, DataError)
 
 
 class RunDirectory:
@@ -105,6 +106,7 @@ class RunDirectory:
         # the old run's lock, kept on it aside: another gspo process sweeping unlocked
         # ``.old`` leftovers beside it (a staged write in the same parent) leaves it be
         self.aside_lock: int | None = None
+        self.kept: set[str] = set()  # what the directory held before the run (rank 0)
         self.is_built = self.has_started = False
 
     def __enter__(self) -> RunDirectory:
@@ -131,6 +133,7 @@ class RunDirectory:
                 self.aside_lock, self.lock = self.lock, None
             if self.lock is None:  # the directory the run is in
                 self.lock = self.hold(out)
+            self.kept = {p.name for p in out.iterdir()}  # (a directory that held no run)
         return self
 
     def release(self) -> None:
@@ -150,6 +153,28 @@ class RunDirectory:
     def hold(self, out: Path) -> int | None:
         return hold_lock(out, self.name)
 
+    def put_back(self) -> str:
+        """The old run back in the run directory, the failed one's files gone: swapped by
+        renames first (a stop during the removal leaves a leftover, not half a run); a
+        line saying so, or where the old run is if it could not be put back."""
+        out, aside = self.output_dir, self.aside
+        assert aside is not None
+        failed = temp_path(out, secrets.token_hex(6), ".old")
+        try:
+            out.rename(failed)
+            try:
+                aside.rename(out)
+            except OSError:
+                failed.rename(out)
+                raise
+        except OSError as exc:
+            return (
+                f"the run that was in {out} is in {aside} ({exc.strerror or exc} putting it back)"
+            )
+        self.aside = None
+        shutil.rmtree(failed, ignore_errors=True)
+        return f"the run that was in {out} is back as it was"
+
     def built(self) -> None:
         self.is_built = True
 
@@ -166,16 +191,22 @@ class RunDirectory:
             return
         out = self.output_dir
         undone = not self.is_built or (not self.has_started and isinstance(error, INPUT_ERRORS))
+        if not self.dist.is_main:
+            return
         if self.aside is not None:
-            if undone and self.aside.is_dir():
+            if undone:
+                error.add_note(self.put_back())
+            if self.aside is None or not undone:  # (else where it is, said in the note)
+                self.drop_aside()  # (interrupted, ...: the new run stays, to be resumed)
+        elif undone and self.is_built:  # what the run wrote goes (nothing to reuse)
+            if self.new:
                 shutil.rmtree(out, ignore_errors=True)
-                self.aside.rename(out)
-                self.aside = None
-                error.add_note(f"the run that was in {out} is back as it was")
-            self.drop_aside()  # (else interrupted, ...: the new run stays, to be resumed)
-        elif self.new and self.dist.is_main and undone and self.is_built:
-            shutil.rmtree(out, ignore_errors=True)  # (nothing the fixed input would reuse)
-        elif self.new and self.dist.is_main:
+            for path in out.iterdir() if out.is_dir() else ():
+                if path.name not in self.kept and path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+                elif path.name not in self.kept:
+                    path.unlink(missing_ok=True)
+        elif self.new:
             # nothing to resume from (no metric line, no checkpoint, a cold-start progress
             # checkpoint included): what it holds (a saved built-in, an empty metrics
             # file) is remade by a new start

@@ -195,9 +195,10 @@ class RewardFunctions:
                     f"{have})"
                 )
             if unexpected := unexpected_arguments(function, given):
+                whose = "every call" if unexpected[0] in given[:2] else source
                 raise RewardError(
                     f"reward function {name!r} takes no argument {unexpected[0]!r}, which "
-                    f"{source} gives (the call passes prompts, completions and every data "
+                    f"{whose} gives (the call passes prompts, completions and every data "
                     "column, as keywords: TRL's convention); add **kwargs to its parameters"
                 )
 

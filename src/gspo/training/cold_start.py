@@ -397,6 +397,11 @@ def cold_start(
     return True
 
 
+class DataError(ValueError):
+    """A cold-start row found unusable once the run started (its chat template refuses
+    it, or it leaves no room for its completion): one of the run's inputs."""
+
+
 def rows_name(config: Config) -> str:
     return "data.sft" if config.data.sft else "the built-in task's SFT data"
 
@@ -411,7 +416,7 @@ def encode_rows(
         try:
             encoded.append(encode(row))
         except ValueError as exc:  # (EnvError included)
-            raise ValueError(f"{rows_name(config)} row {i}: {exc}") from exc
+            raise DataError(f"{rows_name(config)} row {i}: {exc}") from exc
     return encoded
 
 
@@ -429,7 +434,7 @@ def within_context(
     cut = []
     for i, (prompt, completion, actions) in enumerate(encoded):
         if len(prompt) >= context:
-            raise ValueError(
+            raise DataError(
                 f"{name} row {i + 1}: the prompt is {len(prompt)} tokens, leaving no room for its "
                 f"completion in {said_context(context, MODEL_CONTEXT)}"
             )
