@@ -802,6 +802,32 @@ def test_a_reward_failing_at_its_first_call_leaves_the_directory_as_it_was(tmp_p
     assert said == f"gspo: interrupted; resume with gspo train --resume {old}"
 
 
+def test_a_failure_making_the_new_run_directory_puts_the_old_run_back(tmp_path, monkeypatch):
+    """The old run was set aside, then making or locking the new directory failed: it was
+    left aside, under a leftover's name that the next staged write beside it sweeps."""
+    from gspo.distributed import Distributed
+    from gspo.runs import RunDirectory, hold_lock
+
+    old = tmp_path / "run"
+    (old / "checkpoints").mkdir(parents=True)
+    (old / "metrics.jsonl").write_text('{"step": 1}\n')
+    calls = []
+
+    def hold(self, out):  # the old run's lock, then the new directory's fails
+        calls.append(out)
+        if len(calls) == 2:
+            raise ValueError("no lock")
+        return hold_lock(out, self.name)
+
+    monkeypatch.setattr(RunDirectory, "hold", hold)
+    run = RunDirectory(old, replace=True, dist=Distributed(), name="--output-dir")
+    with pytest.raises(ValueError, match="no lock") as err:
+        run.__enter__()
+    assert (old / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert err.value.__notes__ == [f"the run that was in {old} is back as it was"]
+
+
 def test_a_run_another_process_is_training_is_one_line(tmp_path, capsys):
     """A resume (or an overwrite) while the run trains: the two processes wrote into one
     directory (a helper saw "model.path: .../step-0000028 is not a directory", or both

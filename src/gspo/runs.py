@@ -117,24 +117,36 @@ class RunDirectory:
         # tensorboard/ events would mix with the new run's); anything else stays beside
         # (rank 0 alone looks and decides, every rank waits for it: a rank looking after
         # the rename skipped the barrier, and the ranks' collectives no longer matched)
-        if self.replace:
-            if dist.is_main and ((out / CHECKPOINTS).exists() or (out / METRICS_FILE).exists()):
-                self.aside = temp_path(out, secrets.token_hex(6), ".old")
-                out.rename(self.aside)
-            dist.barrier()
-        if dist.is_main:
-            try:
-                out.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise ValueError(
-                    f"{self.name} {out}: cannot be made ({exc.strerror or exc})"
-                ) from exc
-            if self.aside is not None:  # (the lock taken on it went with it)
-                self.aside_lock, self.lock = self.lock, None
-            if self.lock is None:  # the directory the run is in
-                self.lock = self.hold(out)
-            self.kept = {p.name for p in out.iterdir()}  # (a directory that held no run)
+        if self.replace and dist.is_main and holds_run(out):
+            self.aside = temp_path(out, secrets.token_hex(6), ".old")
+            out.rename(self.aside)
+        try:  # (a failure here, before any run: the old one back where it was)
+            self.made()
+        except BaseException as error:
+            if self.aside is not None:
+                error.add_note(self.put_back())
+            if self.aside is None:
+                self.drop_aside()
+            self.release()
+            raise
         return self
+
+    def made(self) -> None:
+        """The run directory made (rank 0; every rank waits for its decision) and locked."""
+        out = self.output_dir
+        if self.replace:
+            self.dist.barrier()
+        if not self.dist.is_main:
+            return
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"{self.name} {out}: cannot be made ({exc.strerror or exc})") from exc
+        if self.aside is not None:  # (the lock taken on it went with it)
+            self.aside_lock, self.lock = self.lock, None
+        if self.lock is None:  # the directory the run is in
+            self.lock = self.hold(out)
+        self.kept = {p.name for p in out.iterdir()}  # (a directory that held no run)
 
     def release(self) -> None:
         if self.lock is not None:
@@ -161,7 +173,10 @@ class RunDirectory:
         assert aside is not None
         failed = temp_path(out, secrets.token_hex(6), ".old")
         try:
-            out.rename(failed)
+            if not out.exists():  # (not made yet)
+                failed.mkdir()
+            else:
+                out.rename(failed)
             try:
                 aside.rename(out)
             except OSError:
@@ -215,6 +230,12 @@ class RunDirectory:
                 metrics.is_file() and metrics.stat().st_size
             ):
                 shutil.rmtree(out, ignore_errors=True)
+
+
+def holds_run(out: Path) -> bool:
+    """Whether ``out`` holds a run: its checkpoints, or the metrics of one that never
+    reached a checkpoint."""
+    return (out / CHECKPOINTS).exists() or (out / METRICS_FILE).exists()
 
 
 def not_a_run(out: Path, how: str) -> str | None:
