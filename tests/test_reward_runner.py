@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -253,6 +254,20 @@ def test_a_function_without_kwargs_is_refused_before_the_run_starts(module):
         return [0.0] * len(completions)
 
     RewardFunctions.from_specs([named], None).check_columns(["answer"], "data.train")
+
+    def filtered(function):  # a decorator passing on only what the function names
+        @functools.wraps(function)
+        def wrapper(prompts, completions, **kwargs):
+            return function(prompts, completions)
+
+        return wrapper
+
+    def two(prompts, completions):
+        return [0.0] * len(completions)
+
+    decorated = RewardFunctions.from_specs([filtered(two)], None)
+    decorated.check_columns(["level"], "data.train")  # (refused when read as `two`)
+    assert decorated(["p"], ["c"], {"level": [1]}).rewards == [0.0]
 
     def completions_only(completions):  # what it cannot take is the call's, not the data's
         return [0.0] * len(completions)

@@ -38,9 +38,11 @@ def missing_arguments(function: Callable[..., Any], given: list[str]) -> list[st
 
 def unexpected_arguments(function: Callable[..., Any], given: list[str]) -> list[str]:
     """Keywords in ``given`` that ``function`` has no parameter for (none when it takes
-    ``**kwargs``, or its signature cannot be read)."""
+    ``**kwargs``, or its signature cannot be read). A decorated function is read as its
+    wrapper takes them (``functools.wraps`` names the wrapped one, which a wrapper may
+    call with fewer)."""
     try:
-        parameters = inspect.signature(function).parameters
+        parameters = inspect.signature(function, follow_wrapped=False).parameters
     except (TypeError, ValueError):
         return []
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
