@@ -1,4 +1,4 @@
-"""Where a checkpoint's write goes: the ~0.5B vs-TRL model's weights and AdamW state.
+"""Where a checkpoint's write goes: a Qwen3-0.6B's weights and AdamW state (7.15 GB).
 
     .venv/bin/python benchmarks/checkpoint_write.py [--device cuda] [--layers 28] [--dir DIR]
 
@@ -6,8 +6,9 @@ A gspo checkpoint of a full fine-tuning run is the model's weights in Hugging Fa
 safetensors files (``save_pretrained``) and the optimizer's state (AdamW's two moments,
 twice the weights' bytes) through ``torch.distributed.checkpoint`` (``sharded/``). On one
 H200 the ~0.5B model's final checkpoint (6.1 GB) took 13.9 s to write, a third of the whole
-run. This times each part on float32 tensors of that model's shapes (28 layers, hidden
-1,024, intermediate 3,072, vocabulary 151,936), from ``--device`` memory as the final
+run. This times each part on float32 tensors of Qwen3-0.6B's shapes (28 layers, hidden
+1,024, intermediate 3,072, vocabulary 151,936, heads of 128: 596M parameters, a little more
+than that model's 508M, whose heads are of 64), from ``--device`` memory as the final
 checkpoint writes them: the safetensors file, and the DCP write as gspo called it before
 2026-11-27 (one thread, every file synced), with ``thread_count`` and ``sync_files``
 settings, and as gspo calls it now (8 threads, not synced), and the bare disk (the same

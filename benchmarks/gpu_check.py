@@ -48,9 +48,9 @@ the full model and of LoRA r=16 over a bf16 base, the time ratio), ``async``,
 rewritten after each, into ``--report-dir``, with the stages' logs (``KEY.log``, the
 tests' ``KEY.tests.tsv``) packed beside it as ``logs.tar.gz``), ``--budget`` bounds them
 together. A lent GPU of 15 device-minutes runs ``--lease 1`` and ``--lease 2``
-(:data:`LEASE`) as two calls through ``benchmarks/gpu_lease.sh``: the CUDA tests and the
-suite (the test_cuda.py file left to the CUDA stage, the 25 slowest tests listed) in the
-first; gspo vs TRL on its four workloads, the head and decoding in the second.
+(:data:`LEASE`) as two calls through ``benchmarks/gpu_lease.sh``: the whole suite, the
+CUDA tests in it (the 25 slowest tests listed), in the first; gspo vs TRL on its four
+workloads, the head and decoding in the second.
 
 On a machine without CUDA it stops at once with one line and exit status 2.
 
@@ -871,10 +871,9 @@ def lora_stage(out: Path, sizes: Sizes = FULL, rank: int = 16) -> Callable[[Stag
     """One rollout batch (16 prompts x 8, the vs_trl workload's responses) of the full model
     and of the same model with LoRA adapters of rank ``rank`` on every linear layer (B
     random, so they count), as a run holds them: on CUDA the frozen base in bf16, the
-    adapters float32 beside it, sampled under bf16 autocast by the fast decoder as
-    ``rollout.cuda_graphs``' default has it (the per-step loop until 2026-11-27, the
-    captured step on CUDA since). The target: LoRA within 1.25x of the full model's
-    time."""
+    adapters float32 beside it, sampled under bf16 autocast by the fast decoder's per-step
+    loop, both sides (``decode_graphs.measure(way="loop")``: the stage compares the two
+    models, not the decoders). The target: LoRA within 1.25x of the full model's time."""
 
     def body(stage: Stage, limit: float) -> None:
         import copy
