@@ -125,8 +125,6 @@ class RunDirectory:
         except BaseException as error:
             if self.aside is not None:
                 error.add_note(self.put_back())
-            if self.aside is None:
-                self.drop_aside()
             self.release()
             raise
         return self
@@ -173,20 +171,20 @@ class RunDirectory:
         assert aside is not None
         failed = temp_path(out, secrets.token_hex(6), ".old")
         try:
-            if not out.exists():  # (not made yet)
-                failed.mkdir()
-            else:
+            if out.exists():  # (else not made yet)
                 out.rename(failed)
             try:
                 aside.rename(out)
             except OSError:
-                failed.rename(out)
+                if failed.exists():
+                    failed.rename(out)
                 raise
         except OSError as exc:
             return (
                 f"the run that was in {out} is in {aside} ({exc.strerror or exc} putting it back)"
             )
         self.aside = None
+        self.drop_aside()  # (its lock)
         shutil.rmtree(failed, ignore_errors=True)
         return f"the run that was in {out} is back as it was"
 
@@ -208,11 +206,10 @@ class RunDirectory:
         undone = not self.is_built or (not self.has_started and isinstance(error, INPUT_ERRORS))
         if not self.dist.is_main:
             return
-        if self.aside is not None:
-            if undone:
-                error.add_note(self.put_back())
-            if self.aside is None or not undone:  # (else where it is, said in the note)
-                self.drop_aside()  # (interrupted, ...: the new run stays, to be resumed)
+        if self.aside is not None and undone:
+            error.add_note(self.put_back())  # (put back, or where it is: said in the note)
+        elif self.aside is not None:
+            self.drop_aside()  # (interrupted, ...: the new run stays, to be resumed)
         elif undone and self.is_built:  # what the run wrote goes (nothing to reuse)
             if self.new:
                 shutil.rmtree(out, ignore_errors=True)

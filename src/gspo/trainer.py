@@ -58,12 +58,7 @@ from gspo.training.checkpoint import (
 from gspo.training.cold_start import cold_start, drop_progress
 from gspo.training.episodes import build_generator, sft_encoder, task_prompt_ids
 from gspo.training.evaluation import Evaluator, evaluated_at_start
-from gspo.training.hooks import (
-    EmptyLossWarning,
-    FlatRewardWarning,
-    OnPolicyClipWarning,
-    build_hooks,
-)
+from gspo.training.hooks import BatchWarnings, build_hooks
 from gspo.training.lora import adapter_dropout_seed
 from gspo.training.memory import loading_model, out_of_memory
 from gspo.training.metrics import combine, crossed, metric_reduction, rollout_clip_fractions
@@ -195,11 +190,7 @@ class Trainer:
         )
         hooks = build_hooks(config, out, dist, forward, objective, self.reference)
         self.update_stage = UpdateStage(forward, objective, self.policy_update, hooks)
-        self.empty_loss = EmptyLossWarning(dist)
-        self.flat_rewards = FlatRewardWarning(dist, config.rollout_batches)
-        self.on_policy_clip = OnPolicyClipWarning(
-            dist, config.algorithm.old_logprobs, config.rollout.logit_noise
-        )
+        self.warnings = BatchWarnings(config, dist)
         self.evaluator = Evaluator(
             config, dist, self.data.eval, eval_prompt_ids, self.generator, scorer, sampling
         )
@@ -277,9 +268,7 @@ class Trainer:
         self.rollouts.trained(rollout_index)
         clip = rollout_clip_fractions([line for _, line in lines], experience.staleness)
         lines[-1][1].update(clip)
-        self.empty_loss.check(rollout_index, [line for _, line in lines])
-        self.flat_rewards.check(rollout_index, lines[-1][1])
-        self.on_policy_clip.check(rollout_index, clip, experience.recomputed)
+        self.warnings.check(rollout_index, [line for _, line in lines], clip, experience.recomputed)
         step_time = time.perf_counter() - start
         for _, line in lines:
             line["time/step"] = step_time / len(lines)

@@ -79,6 +79,26 @@ class FirstMinibatchMismatch(Hook):
         return logprob_mismatch(mb.batch.sampler_logprobs, logprobs, mb.batch.action_mask)
 
 
+class BatchWarnings:
+    """The loop's one-line warnings, each once a run, read from a rollout batch's lines
+    (combined over ranks) after its updates: :class:`EmptyLossWarning`,
+    :class:`FlatRewardWarning`, :class:`OnPolicyClipWarning`."""
+
+    def __init__(self, config: Config, dist: Distributed):
+        self.empty_loss = EmptyLossWarning(dist)
+        self.flat_rewards = FlatRewardWarning(dist, config.rollout_batches)
+        self.on_policy_clip = OnPolicyClipWarning(
+            dist, config.algorithm.old_logprobs, config.rollout.logit_noise
+        )
+
+    def check(
+        self, index: int, lines: list[dict[str, float]], clip: dict[str, float], recomputed: bool
+    ) -> None:
+        self.empty_loss.check(index, lines)
+        self.flat_rewards.check(index, lines[-1])
+        self.on_policy_clip.check(index, clip, recomputed)
+
+
 class FlatRewardWarning:
     """One line on stderr, once per run, when every group of :data:`FLAT_BATCHES` rollout
     batches in a row (or of every batch of a shorter run) got one reward for all its
