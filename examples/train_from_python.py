@@ -18,7 +18,7 @@ import gspo
 def correct(prompts: list[str], completions: list[str], answer: list[str], **kwargs) -> list[float]:
     """1 for the right sum. ``answer`` is the data's column of that name; every column
     arrives as a keyword argument (TRL's convention), the rest in ``**kwargs``."""
-    return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer, strict=True)]
+    return [1.0 if c.strip() == str(a) else 0.0 for c, a in zip(completions, answer, strict=True)]
 
 
 def stops(prompts: list[str], completions: list[str], **kwargs) -> list[float | None]:

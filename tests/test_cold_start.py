@@ -51,17 +51,22 @@ def kill_at(monkeypatch, step: int) -> None:
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
 
 
-def test_a_resumed_run_drops_the_cold_starts_progress_left_behind(tmp_path):
+def test_a_resumed_run_drops_the_cold_starts_progress_left_behind(tmp_path, capsys):
     """A run stopped in its step-0 evaluation kept its cold-start progress checkpoints
     (model and AdamW state) for good: only the process that ran the cold start dropped
-    them."""
+    them. The resumed run says where it goes on from (max_steps=2: one whole rollout batch
+    of 4 minibatches)."""
     overrides = [*FAST, "train.cold_start_steps=10", "train.max_steps=2", "eval.every=0"]
     assert main(["train", "--output-dir", str(tmp_path / "run"), *overrides]) == 0
     left = tmp_path / "run" / "checkpoints" / f"{cs.PROGRESS_PREFIX}0000005"
     left.mkdir()  # as a stop between step 0 and its removal leaves it
     (left / "state.pt").write_bytes(b"x")
-    assert main(["train", "--resume", str(tmp_path / "run"), "train.max_steps=4"]) == 0
+    capsys.readouterr()
+    resume = ["train", "--resume", str(tmp_path / "run"), "train.max_steps=4", "log.progress=true"]
+    assert main(resume) == 0
     assert not left.exists()
+    said = capsys.readouterr().out
+    assert f"resumed at step 4 from {tmp_path / 'run' / 'checkpoints' / 'step-0000004'}\n" in said
 
 
 @pytest.mark.slow

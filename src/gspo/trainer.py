@@ -217,12 +217,13 @@ class Trainer:
             if dist.is_main:
                 for line in [*config.warnings(), *unscored]:
                     print(f"gspo: warning: {line}", file=sys.stderr, flush=True)
-        if config.log.progress and dist.is_main:
+        if config.log.progress and dist.is_main:  # (and where a resumed run goes on from)
             print(
                 f"model: {summary['model/trainable_params']:,.0f} of "
                 f"{summary['model/params']:,.0f} parameters train"
                 f"{' (LoRA adapters)' if self.policy.adapters else ''}; AdamW state "
-                f"{summary['optim/state_bytes'] / 2**20:.2f} MiB",
+                f"{summary['optim/state_bytes'] / 2**20:.2f} MiB"
+                + (f"\nresumed at step {self.step} from {checkpoint}" if checkpoint else ""),
                 flush=True,
             )
         # a run resumed from its step-0 checkpoint may already hold the starting evaluation
