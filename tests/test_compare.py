@@ -499,6 +499,23 @@ def test_compare_checks_every_run_before_training_and_holds_its_directory(tmp_pa
     )
 
 
+def test_the_shared_cold_start_is_kept_across_rl_settings(tmp_path):
+    """A compare with another RL learning rate into the same directory refused the cold
+    start too, which takes no RL step: a sweep of optim.lr had to train it again."""
+    from gspo.experiments.runs import same_request
+
+    out = tmp_path / "cmp"
+    same_request(load_config(None, ["optim.lr=1e-4"]), out / "cold_start", out)
+    rl = ["optim.lr=3e-4", "optim.warmup_steps=5", "algorithm.level=token"]
+    same_request(load_config(None, rl), out / "cold_start", out)  # kept
+    same_request(load_config(None, ["optim.lr=1e-4"]), out / "runs" / "gspo-seed0", out)
+    refused = r"gspo-seed0 was made with other settings \(algorithm.level"
+    with pytest.raises(ValueError, match=refused):
+        same_request(load_config(None, rl), out / "runs" / "gspo-seed0", out)  # a run: not
+    with pytest.raises(ValueError, match=r"cold_start was made with other settings \(model"):
+        same_request(load_config(None, ["model.hidden=128"]), out / "cold_start", out)
+
+
 def test_a_run_made_with_other_settings_is_not_reused_or_resumed(tmp_path):
     """A rerun into the same directory with other overrides (or another preset) reused every
     finished run and resumed an interrupted one under the new settings, while the report

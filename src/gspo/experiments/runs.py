@@ -129,6 +129,13 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
 #: (``--no-cache``, its directory and size: none changes what is trained).
 FREE = ("log.", "train.cold_start_cache")
 
+#: And the shared cold start's: RL's optimizer and objective, which it never uses (it takes
+#: no RL step), so that a sweep of ``optim.lr`` in one output directory keeps it.
+COLD_START_FREE = (*FREE, "optim.", "algorithm.")
+
+#: The shared cold start's directory in the output directory.
+COLD_START = "cold_start"
+
 #: Stands for the output directory in a recorded request: a copied or moved directory
 #: asks the same of its runs (their model is the directory's own cold start).
 HERE = "<output-dir>"
@@ -153,16 +160,18 @@ def _relative(tree: Any, root: Path | None) -> Any:
 def changed_request(config: Config, run_dir: Path, root: Path | None = None) -> str | None:
     """What differs between ``config`` and what ``run_dir`` was made with (None: the same,
     or nothing made yet). ``log.*`` and the cache may change, and ``train.max_steps`` may
-    grow (a finished run is then resumed to it)."""
+    grow (a finished run is then resumed to it); the cold start's RL settings may change
+    (:data:`COLD_START_FREE`)."""
     path = run_dir / REQUEST
     if not path.is_file():
         return None
+    free = COLD_START_FREE if root is not None and run_dir == root / COLD_START else FREE
     asked = _flat(_request(config, root))
     before = _flat(_relative(yaml.safe_load(path.read_text()), root))  # (older: absolute)
     changed = [
         f"{key} {before.get(key)!r} -> {asked.get(key)!r}"
         for key in sorted(asked.keys() | before.keys())
-        if not key.startswith(FREE)
+        if not key.startswith(free)
         and asked.get(key) != before.get(key)
         and not (key == "train.max_steps" and asked[key] >= before.get(key, 0))
     ]
@@ -239,16 +248,16 @@ def cold_start_checkpoint(
 
     path = cold_start_path(out)
     config = cold_start_config(base, config_path)
-    same_request(config, out / "cold_start", out)
+    same_request(config, out / COLD_START, out)
     if (model_files(path) / "config.json").is_file():  # (a step 0 may name its model)
         log(f"cold start: reusing {path}")
         return path
     log("cold start")
     from gspo.trainer import Trainer
 
-    with Trainer(config, out / "cold_start") as trainer:
+    with Trainer(config, out / COLD_START) as trainer:
         # (one the cache gives was trained by this code too: its key holds gspo's sources)
-        record_provenance(out / "cold_start")
+        record_provenance(out / COLD_START)
         trainer.fit()
     return path
 
@@ -256,7 +265,7 @@ def cold_start_checkpoint(
 def cold_start_path(out: Path) -> Path:
     from gspo.training.checkpoint import CHECKPOINTS
 
-    return out / "cold_start" / CHECKPOINTS / f"step-{0:07d}"
+    return out / COLD_START / CHECKPOINTS / f"step-{0:07d}"
 
 
 def cold_start_config(base: list[str], config_path: Path | None) -> Config:
@@ -412,7 +421,7 @@ def _compare(
     run_dirs = {key: out / "runs" / f"{slug(key[0])}-seed{key[1]}" for key in configs}
     unchanged_requests(
         {
-            out / "cold_start": cold_start_config(base, config_path),
+            out / COLD_START: cold_start_config(base, config_path),
             **{run_dirs[key]: config for key, config in configs.items()},
         },
         out,
@@ -428,9 +437,9 @@ def _compare(
         out,
         preset=preset,
         seconds=time.perf_counter() - start,
-        cold_start_seconds=cold_start_seconds(out / "cold_start"),
+        cold_start_seconds=cold_start_seconds(out / COLD_START),
         overrides=overrides,
-        trained_on=provenance([out / "cold_start", *run_dirs.values()]),
+        trained_on=provenance([out / COLD_START, *run_dirs.values()]),
     )
     log(f"report written to {out / 'report.md'} and {out / 'report.html'}")
     return summary
