@@ -745,6 +745,41 @@ def test_rows_without_the_column_a_reward_needs_are_counted_in_a_warning():
     assert scored.per_function["exact_match"] == [None, 1.0, None, None, None]
 
 
+def test_a_missing_column_under_an_environment_names_the_datas_columns_and_the_default():
+    """With an environment, the error listed ``environments`` (what the calls pass beside
+    the columns) among the file's columns, and an environment without get_reward left
+    exact_match, the default, needing an answer the data did not have, unsaid."""
+    from types import SimpleNamespace
+
+    from gspo.rewards import RewardError, RewardFunctions
+    from gspo.tasks import TaskData
+    from gspo.training.setup import check_reward_columns
+
+    rows = [{"prompt": "a", "target": 3}]
+    environment = SimpleNamespace(has_reward=False)
+    rewards = RewardFunctions.from_specs(["exact_match"], None)
+    config = load_config(None, ["data.train=x.jsonl"])
+    with pytest.raises(RewardError) as err:
+        check_reward_columns(rewards, TaskData(rows, [], []), config, environment)
+    assert str(err.value) == (
+        "reward function 'exact_match' needs the column(s) answer, which data.train "
+        "(x.jsonl) lacks (its columns: target); the environment has no get_reward, so "
+        "reward.functions scores its episodes, and its default is [exact_match]: set "
+        "reward.functions"
+    )
+    named = load_config(None, ["data.train=x.jsonl", "reward.functions=[exact_match]"])
+    with pytest.raises(RewardError, match=r"lacks \(its columns: target\)$"):  # set: no hint
+        check_reward_columns(rewards, TaskData(rows, [], []), named, environment)
+
+    # a function taking ``environments`` by name finds it, though no column gives it
+    def by_episode(prompts, completions, environments, **kwargs):
+        return [1.0] * len(completions)
+
+    RewardFunctions.from_specs([by_episode], None).check_columns(
+        ["target"], "data.train", passed=["environments"]
+    )
+
+
 def test_cold_start_rows_with_an_empty_completion_are_counted_in_a_warning(tmp_path):
     """A blank completion trained its prompt to end at once, without a word."""
     from gspo.training.setup import empty_completions, load_task_data

@@ -265,7 +265,9 @@ def test_tool_errors_go_back_to_the_model_and_are_counted(env_file, capsys):
         "return a str, a number, or lists and dicts of them"
     )
     # returned, not raised: the line said "raised TypeError" at a place inside gspo
-    assert capsys.readouterr().err.split(": ", 1)[1] == (
+    err = capsys.readouterr().err
+    assert err.startswith("gspo: warning: environment ")  # (a line like every other warning)
+    assert err.split("': ", 1)[1] == (
         "tool 'add' returned an object of type object, which has no "
         "text of its own; return a str, a number, or lists and dicts of them; returned to the "
         "model as an error, shown once\n"

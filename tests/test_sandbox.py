@@ -94,6 +94,18 @@ def test_exiting_early_does_not_forge_a_pass(mode: str) -> None:
     assert score_code(printed, cases, FAST) == 0.0
 
 
+def test_without_bubblewrap_the_reward_says_so_in_one_line_once(monkeypatch, capsys) -> None:
+    """Python's RuntimeWarning printed the file, the line and the calling line of code."""
+    monkeypatch.setattr(sandbox, "isolation", lambda: ("rlimits", "not isolated here"))
+    sandbox._say_once.cache_clear()
+    reward = load_reward_function("code")
+    completions = [fenced("def sq(x):\n    return x * x")]
+    for _ in range(2):
+        assert reward(prompts=["q"], completions=completions, tests=["assert sq(3) == 9"]) == [1.0]
+    assert capsys.readouterr().err == "gspo: warning: not isolated here\n"
+    sandbox._say_once.cache_clear()
+
+
 def test_code_reward_builtin() -> None:
     reward = load_reward_function("code")
     assert reward is BUILTIN_REWARDS["code"]

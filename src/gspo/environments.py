@@ -504,7 +504,7 @@ class Episode:
             self.spec.warned.add(key)
             did = did or f"raised {raised(e, 200)}"
             print(
-                f"environment {self.spec.name!r}: tool {tool!r} {did}; "
+                f"gspo: warning: environment {self.spec.name!r}: tool {tool!r} {did}; "
                 "returned to the model as an error, shown once",
                 file=sys.stderr,
                 flush=True,

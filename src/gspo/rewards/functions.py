@@ -162,21 +162,25 @@ class RewardFunctions:
     def __len__(self) -> int:
         return len(self.functions)
 
-    def check_columns(self, columns: Sequence[str], source: str) -> None:
+    def check_columns(
+        self, columns: Sequence[str], source: str, *, passed: Sequence[str] = (), hint: str = ""
+    ) -> None:
         """Before a run starts (before anything is written or an old run removed): each
         function's required arguments, and the columns a built-in needs, are among the
         data's ``columns``; each function takes every keyword the call passes (the prompts,
         the completions, every column: by name or ``**kwargs``), as the first call would
         find out after the run started; and no column is named like the calls' own
         arguments. ``source``
-        names the data (``data.train``) in the one-line :class:`RewardError`."""
+        names the data (``data.train``) in the one-line :class:`RewardError`; ``passed``: the
+        keywords the calls add beside the columns (an environment's ``environments``);
+        ``hint`` ends the line of a missing column."""
         for clash in ("prompts", "completions"):
             if clash in columns:
                 raise RewardError(
                     f"{source}: its column {clash!r} clashes with the reward functions' "
                     "argument of that name; rename the column"
                 )
-        given = ["prompts", "completions", *columns]
+        given = ["prompts", "completions", *columns, *passed]
         for name, function in zip(self.names, self.functions, strict=True):
             needed = missing_arguments(function, given)
             needed += [c for c in getattr(function, "required_columns", ()) if c not in given]
@@ -192,7 +196,7 @@ class RewardFunctions:
                 raise RewardError(
                     f"reward function {name!r} needs the column(s) "
                     f"{', '.join(dict.fromkeys(needed))}, which {source} lacks (its columns: "
-                    f"{have})"
+                    f"{have}){hint}"
                 )
             if unexpected := unexpected_arguments(function, given):
                 whose = "every call" if unexpected[0] in given[:2] else source

@@ -38,7 +38,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -183,6 +182,13 @@ def isolation() -> tuple[str, str]:
         "from the network, world-writable directories or reading world-readable files "
         "(install bubblewrap, e.g. `apt-get install bubblewrap`)",
     )
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    """``message`` as one warning line on stderr, once per process (Python's warnings
+    print the calling line too)."""
+    print(f"gspo: warning: {message}", file=sys.stderr, flush=True)
 
 
 def _process_count(uid: int) -> int:
@@ -458,7 +464,7 @@ def code_reward(
         jobs.append((extract_code(completion_text(completions[k])), cases))
     mode, message = isolation()
     if mode != "bwrap":
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        _say_once(message)
     workers = max(1, min(len(jobs), os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         futures = [None if job is None else pool.submit(score_code, *job) for job in jobs]

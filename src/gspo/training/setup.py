@@ -404,15 +404,22 @@ def check_reward_columns(
     an empty list: their completions are not scored, so in training their groups teach
     nothing), and for a function's parameter that only TRL fills."""
     extra = ["environments"] if environment is not None else []
+    hint = ""
+    if environment is not None and "functions" not in config.reward.model_fields_set:
+        hint = (  # (one with get_reward is scored by it: with_environment_reward)
+            f"; the environment has no get_reward, so reward.functions scores its "
+            f"episodes, and its default is [{', '.join(map(str, config.reward.functions))}]: "
+            "set reward.functions"
+        )
     warnings = rewards.trl_defaults()
     for key, rows in (("data.train", data.train), ("data.eval", data.eval)):
         if rows:
             where = getattr(config.data, key.split(".")[1]) or f"the built-in {config.data.task}"
-            columns = [*(k for k in rows[0] if k != "prompt"), *extra]
-            rewards.check_columns(columns, f"{key} ({where})")
+            columns = [k for k in rows[0] if k != "prompt"]
+            rewards.check_columns(columns, f"{key} ({where})", passed=extra, hint=hint)
             for column, name in rewards.required(columns).items():
                 empty = [i for i, row in enumerate(rows, start=1) if _empty(row.get(column))]
-                if empty and column not in extra:
+                if empty:
                     warnings.append(
                         f"{key} ({where}): {len(empty)} of {len(rows)} rows (row {empty[0]} "
                         f"first) have no {column!r}, which reward function {name!r} needs: "
