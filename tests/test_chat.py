@@ -126,6 +126,9 @@ def test_an_episodes_turns_end_as_the_template_ends_them():
     assert tok.decode([t for t, k in zip(ids, loss, strict=True) if not k]) == (
         "\n<start_of_turn>user\nmore<end_of_turn>\n<start_of_turn>assistant\n"
     )
+    # TRL's list-of-parts content: its text (the cold start trained on the list's repr)
+    parts = [{"role": "assistant", "content": [{"type": "text", "text": "3"}]}, *completion[1:]]
+    assert encode_conversation(fmt, "1+2=", parts) == encode_conversation(fmt, "1+2=", completion)
 
 
 CHATML = (

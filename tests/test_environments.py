@@ -815,6 +815,23 @@ def test_reset_gets_the_columns_it_takes():
     assert EnvironmentFactory(Picky).episode(row).reset(row) == " (hint: 2 digits)"
 
 
+def test_resets_text_joins_the_last_user_message_in_either_form():
+    """A prompt in TRL's list-of-parts form got the list's repr with the text after it."""
+    from gspo.training.episodes import as_messages, with_observation
+
+    assert with_observation(as_messages("p"), " (hint)") == [
+        {"role": "user", "content": "p (hint)"}
+    ]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "p"}]}]
+    assert with_observation(as_messages(parts), " (hint)") == [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "p"}, {"type": "text", "text": " (hint)"}],
+        }
+    ]
+    assert parts[0]["content"] == [{"type": "text", "text": "p"}]  # the row's own: untouched
+
+
 def test_async_rollouts_run_episodes_too(tmp_path, env_file):
     """rollout.max_staleness=1: the producer thread runs the episodes through its own
     copy of the weights (Generator.using), batch 1 one rollout batch stale."""

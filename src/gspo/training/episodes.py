@@ -34,6 +34,7 @@ from gspo.distributed import rank_said
 from gspo.engines import RolloutBatch, SamplingParams, pad_batch
 from gspo.environments import EnvError, EnvironmentFactory, Episode
 from gspo.models import length_dependent_rope, model_context
+from gspo.rewards.parsing import completion_text
 from gspo.tasks import TaskData
 from gspo.training.cold_start import single_turn_encoder
 from gspo.training.sampler import (
@@ -128,7 +129,11 @@ def with_observation(messages: list[dict[str, Any]], observation: str | None) ->
     if observation:
         for m in reversed(messages):
             if m.get("role") == "user":
-                m["content"] = f"{m.get('content', '')}{observation}"
+                content = m.get("content")
+                if isinstance(content, list):  # TRL's list of parts: one more text part
+                    m["content"] = [*content, {"type": "text", "text": observation}]
+                else:
+                    m["content"] = f"{content or ''}{observation}"
                 break
         else:
             messages.append({"role": "user", "content": observation})
@@ -155,7 +160,9 @@ def encode_conversation(
                 ids += reply
                 actions += [False] * len(reply)
                 pending = []
-            turn = [*fmt.encode(str(message.get("content") or "")), fmt.end]  # (null: none)
+            content = message.get("content")  # (null: none; TRL's list of parts: their text)
+            text = completion_text(message) if isinstance(content, list) else str(content or "")
+            turn = [*fmt.encode(text), fmt.end]
             ids += turn
             actions += [True] * len(turn)
         else:
