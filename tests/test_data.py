@@ -779,6 +779,15 @@ def test_a_missing_column_under_an_environment_names_the_datas_columns_and_the_d
         ["target"], "data.train", passed=["environments"]
     )
 
+    # and one that cannot take it hears that every call passes it, not the data
+    def fixed(prompts, completions, target):
+        return [1.0] * len(completions)
+
+    with pytest.raises(RewardError, match="takes no argument 'environments', which every call"):
+        RewardFunctions.from_specs([fixed], None).check_columns(
+            ["target"], "data.train", passed=["environments"]
+        )
+
 
 def test_cold_start_rows_with_an_empty_completion_are_counted_in_a_warning(tmp_path):
     """A blank completion trained its prompt to end at once, without a word."""

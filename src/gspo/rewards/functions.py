@@ -199,7 +199,7 @@ class RewardFunctions:
                     f"{have}){hint}"
                 )
             if unexpected := unexpected_arguments(function, given):
-                whose = "every call" if unexpected[0] in given[:2] else source
+                whose = source if unexpected[0] in columns else "every call"
                 raise RewardError(
                     f"reward function {name!r} takes no argument {unexpected[0]!r}, which "
                     f"{whose} gives (the call passes prompts, completions and every data "
