@@ -34,6 +34,7 @@ from gspo.experiments.summary import (
     token_weighted,
     with_elapsed,
 )
+from gspo.objectives import DEFAULT_CLIP
 from gspo.telemetry import band_lines, plot_histograms
 from gspo.trainer import Trainer
 from gspo.training.setup import load_task_data
@@ -348,9 +349,20 @@ def test_report_cells_never_print_nan():
 def test_trainer_dumps_the_ratios_its_loss_saw(tmp_path, tiny):
     config = load_config(None, [*tiny, "log.plots=false", "log.progress=false",
                                 "log.ratio_dump_every=1"])  # fmt: skip
-    Trainer(config, tmp_path / "run").fit()
+    records = Trainer(config, tmp_path / "run").fit()
     dumps = sorted((tmp_path / "run" / "ratios").glob("rollout-*.pt"))
     assert [d.name for d in dumps] == ["rollout-000000.pt", "rollout-000001.pt"]
+    # with each response's advantage, the dump alone gives its minibatch's clip test
+    low, high = DEFAULT_CLIP[config.algorithm.level]
+    for index, path in enumerate(dumps):
+        dump = torch.load(path, weights_only=True)
+        s, a = dump["sequence_log_ratio"].exp(), dump["advantage"]
+        assert a.shape == dump["length"].shape and (a != 0).any()
+        clipped = ((s > 1 + high) & (a > 0)) | ((s < 1 - low) & (a < 0))
+        line = [r for r in records if r.get("train/rollout") == index][-1]
+        assert clipped.float().mean().item() == pytest.approx(
+            line["train/clip_fraction_sequences"], abs=1e-6
+        )
     dump = torch.load(dumps[-1], weights_only=True)
     n_tokens = int(dump["length"].sum())
     assert dump["token_log_ratio"].shape == (n_tokens,) == dump["token_length"].shape

@@ -294,8 +294,9 @@ class RatioDumps(Hook):
 
     Holds the ratios the last minibatch's loss saw (pi_theta before its update over
     pi_old): ``token_log_ratio`` (log w_it of every counted token, flat), ``token_length``
-    (its response's length), ``sequence_log_ratio`` (log s_i) and ``length`` per non-empty
-    response, plus the gradient cosines by length of :func:`gradient_cosines` (one
+    (its response's length), ``sequence_log_ratio`` (log s_i), ``length`` and ``advantage``
+    (A_i: with the ratios, which side of the clip counts) per non-empty response, plus the
+    gradient cosines by length of :func:`gradient_cosines` (one
     process only: they take gradients outside FSDP's hooks). ``gspo compare`` draws its
     ratio histograms, length buckets and gradient-noise table from these.
     """
@@ -345,11 +346,16 @@ class RatioDumps(Hook):
     ) -> dict[str, float]:
         if self.due(experience, mb.k):
             # the tokens in the loss: the model's, less any the rollout correction dropped
-            self.write(experience.index, logprobs, mb.old_logprobs, mb.mask)
+            self.write(experience.index, logprobs, mb.old_logprobs, mb.mask, mb.advantages)
         return {}
 
     def write(
-        self, index: int, logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor
+        self,
+        index: int,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        mask: torch.Tensor,
+        advantages: torch.Tensor,
     ) -> Path:
         mask = mask.bool()
         lengths = response_lengths(mask).long()
@@ -359,6 +365,7 @@ class RatioDumps(Hook):
             "token_length": lengths.unsqueeze(1).expand_as(mask)[mask].cpu(),
             "sequence_log_ratio": sequence_log_ratio(logprobs, old_logprobs, mask)[rows].cpu(),
             "length": lengths[rows].cpu(),
+            "advantage": advantages[rows].float().cpu(),
             **self.cosines,
         }
         path = self.directory / f"rollout-{index:06d}.pt"
