@@ -231,6 +231,7 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             overrides = [
                 f"model.path={step0}", "train.cold_start_steps=0", f"train.seed={seed}",
+                "data.seed=0",  # the cold start's data: its held-out prompts, not its rows
                 f"train.max_steps={args.steps}", f"optim.lr={lr}", f"model.lora.r={rank}",
                 "train.save_every=0", "eval.every=0", *QUIET, *args.extra,
             ]  # fmt: skip

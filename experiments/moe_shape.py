@@ -215,6 +215,7 @@ def run_point(work: Path, plan: ChurnPlan, shape: Shape, lr: float, cache: Path)
                 f"model.path={cold / 'checkpoints' / 'step-0000000'}",
                 "train.cold_start_steps=0",
                 f"train.seed={seed}",
+                "data.seed=0",  # the cold start's data: its held-out prompts, not its rows
                 f"train.max_steps={plan.rollouts * 4}",
                 "algorithm.minibatches=4",
                 f"optim.lr={lr}",
@@ -648,6 +649,7 @@ def claim(args: argparse.Namespace) -> None:
                         *common,
                         f"algorithm.minibatches={mb}",
                         f"train.seed={seed}",
+                        "data.seed=0",  # the cold start's data (its held-out prompts)
                         f"model.path={checkpoint}",
                         "train.cold_start_steps=0",
                         f"train.max_steps={plan.rl_steps}",

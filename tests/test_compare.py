@@ -231,6 +231,28 @@ def test_presets_come_before_the_users_overrides():
     assert stress["GSPO", 0].algorithm.minibatches == 16
 
 
+def test_every_seeds_runs_are_evaluated_on_the_cold_starts_held_out_prompts():
+    """A built-in task's split was drawn from each run's train.seed: seed 1's held-out
+    prompts differed from seed 0's, and many of them were rows the shared cold start (made
+    at seed 0) had trained on."""
+    configs = run_configs(None, [], checkpoint=Path("c"), seeds=[0, 1], preset="default")
+    cold = load_task_data(load_config(None, []))  # the cold start's: seed 0
+
+    def prompts(rows):
+        return [str(r["prompt"]) for r in rows]
+
+    for (_, seed), config in configs.items():
+        assert config.train.seed == seed and config.data.seed == 0
+        data = load_task_data(config)
+        assert prompts(data.eval) == prompts(cold.eval)
+        assert not set(prompts(data.eval)) & set(prompts(cold.sft))
+    # without it a seed draws its own split, which overlaps seed 0's training rows
+    own = load_task_data(load_config(None, ["train.seed=1"]))
+    assert set(prompts(own.eval)) & set(prompts(cold.sft))
+    given = run_configs(None, ["data.seed=7"], checkpoint=Path("c"), seeds=[1], preset="default")
+    assert given["GSPO", 1].data.seed == 7  # the user's, which the cold start used too
+
+
 def summary(clip_gspo, clip_grpo, acc_gspo, acc_grpo, *, start=0.5, tok=0.1, seq=0.001,
             spread=((1e-3, "5-9"), (5e-3, "20-40")), sd=0.01, length=20.0):  # fmt: skip
     rows = [

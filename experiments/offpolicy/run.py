@@ -189,6 +189,7 @@ def main() -> None:
             overrides = [
                 *BASE, *RL, *args.set, *ARMS[name],
                 f"model.path={checkpoint}", "train.cold_start_steps=0", f"train.seed={seed}",
+                "data.seed=0",  # the cold start's data: its held-out prompts, not its rows
             ]  # fmt: skip
             print(f"{name}, seed {seed}", flush=True)
             run_dir = out / "runs" / f"{slug(name)}-seed{seed}"

@@ -120,6 +120,14 @@ class DataConfig(Section):
         description="Built-in tasks: probability that a cold-start row is wrong (addition: "
         "a random last digit; chain: one slipped partial sum)",
     )
+    seed: int | None = Field(
+        None,
+        ge=0,
+        description="Built-in tasks: the seed their prompts and train / held-out / SFT split "
+        "are drawn from; null: train.seed's. gspo compare sets the cold start's for every "
+        "run, so that each seed's runs are evaluated on the same held-out prompts, none of "
+        "them the cold start's",
+    )
 
     def check_prompt_template(self) -> None:
         """A template replaces the prompt column and must be a format string over columns."""
