@@ -550,6 +550,28 @@ def test_the_shared_cold_start_is_kept_across_rl_settings(tmp_path):
         same_request(load_config(None, ["model.hidden=128"]), out / "cold_start", out)
 
 
+def test_runs_recorded_before_data_seed_are_kept_where_their_data_is_the_same(tmp_path):
+    """A request recorded before data.seed existed drew its data from train.seed: seed 0's
+    run and a run on the user's own data ask the same now, seed 1's does not."""
+    from gspo.experiments.runs import REQUEST, same_request
+
+    def recorded_before(config, run):
+        same_request(config, run)
+        old = yaml.safe_load((run / REQUEST).read_text())
+        del old["data"]["seed"]
+        (run / REQUEST).write_text(yaml.safe_dump(old))
+
+    configs = run_configs(None, [], checkpoint=Path("c"), seeds=[0, 1], preset="default")
+    for seed in (0, 1):
+        recorded_before(configs["GSPO", seed], tmp_path / f"s{seed}")
+    same_request(configs["GSPO", 0], tmp_path / "s0")
+    with pytest.raises(ValueError, match=r"other settings \(data.seed 1 -> 0\)"):
+        same_request(configs["GSPO", 1], tmp_path / "s1")
+    own = ["data.train=x.jsonl", "train.seed=1"]
+    recorded_before(load_config(None, own), tmp_path / "own")
+    same_request(load_config(None, [*own, "data.seed=0"]), tmp_path / "own")
+
+
 def test_a_run_made_with_other_settings_is_not_reused_or_resumed(tmp_path):
     """A rerun into the same directory with other overrides (or another preset) reused every
     finished run and resumed an interrupted one under the new settings, while the report

@@ -126,7 +126,7 @@ class DataConfig(Section):
         description="Built-in tasks: the seed their prompts and train / held-out / SFT split "
         "are drawn from; null: train.seed's. gspo compare sets the cold start's for every "
         "run, so that each seed's runs are evaluated on the same held-out prompts, none of "
-        "them the cold start's",
+        "them the cold start's SFT rows",
     )
 
     def check_prompt_template(self) -> None:

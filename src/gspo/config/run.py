@@ -57,7 +57,7 @@ class TrainConfig(Section):
     seed: int = Field(
         0,
         description="Seed that every random choice (init, task, samples, minibatches, "
-        "evaluation) derives from",
+        "evaluation) derives from (the built-in task's data: data.seed's, when set)",
     )
     save_every: int = Field(
         100,

@@ -166,8 +166,9 @@ def changed_request(config: Config, run_dir: Path, root: Path | None = None) -> 
     if not path.is_file():
         return None
     free = COLD_START_FREE if root is not None and run_dir == root / COLD_START else FREE
-    asked = _flat(_request(config, root))
-    before = _flat(_relative(yaml.safe_load(path.read_text()), root))  # (older: absolute)
+    asked = _data_seed(_flat(_request(config, root)))
+    # (an older request: absolute paths, no data.seed)
+    before = _data_seed(_flat(_relative(yaml.safe_load(path.read_text()), root)))
     changed = [
         f"{key} {before.get(key)!r} -> {asked.get(key)!r}"
         for key in sorted(asked.keys() | before.keys())
@@ -177,6 +178,16 @@ def changed_request(config: Config, run_dir: Path, root: Path | None = None) -> 
     ]
     more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
     return f"{'; '.join(changed[:3])}{more}" if changed else None
+
+
+def _data_seed(flat: dict[str, Any]) -> dict[str, Any]:
+    """``data.seed`` as the data it draws: none for the user's own data, where it draws
+    nothing; train.seed's where null or unrecorded (runs made before it existed)."""
+    if flat.get("data.train") is not None:
+        flat.pop("data.seed", None)
+    elif flat.get("data.seed") is None and "train.seed" in flat:
+        flat["data.seed"] = flat["train.seed"]
+    return flat
 
 
 def same_request(config: Config, run_dir: Path, root: Path | None = None) -> None:
