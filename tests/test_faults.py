@@ -108,7 +108,9 @@ def test_sigkill_anywhere_then_resume_gives_the_same_run(tmp_path, varied_reward
         resumed = [comparable(r) for r in read_metrics(run / "metrics.jsonl")]
         assert [r["step"] for r in resumed] == [r["step"] for r in full], kill
         for a, b in zip(full, resumed, strict=True):
-            assert a == pytest.approx(b, rel=1e-6, abs=1e-7), kill
+            # (float32 rounding: on an Intel Xeon a cold start resumed at step 26 once logged
+            # sft/loss 1.08e-6 relative off the uninterrupted run's; a wrong resume is far off)
+            assert a == pytest.approx(b, rel=1e-5, abs=1e-7), kill
         for checkpoint in sorted((run / "checkpoints").glob("step-*")):
             model, _ = load_model(checkpoint, device=torch.device("cpu"), dtype=torch.float32)
             assert all(torch.isfinite(p).all() for p in model.parameters())
