@@ -199,6 +199,11 @@ class Config(Section):
         return self.rollout.environment
 
     @property
+    def task_seed(self) -> int:
+        """The seed a built-in task's data is drawn from: ``data.seed``, or ``train.seed``."""
+        return self.train.seed if self.data.seed is None else self.data.seed
+
+    @property
     def max_episode_tokens(self) -> int:
         """``rollout.max_episode_tokens``, or ``max_turns * max_new_tokens``."""
         r = self.rollout

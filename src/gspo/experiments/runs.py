@@ -181,8 +181,9 @@ def changed_request(config: Config, run_dir: Path, root: Path | None = None) -> 
 
 
 def _data_seed(flat: dict[str, Any]) -> dict[str, Any]:
-    """``data.seed`` as the data it draws: none for the user's own data, where it draws
-    nothing; train.seed's where null or unrecorded (runs made before it existed)."""
+    """``data.seed`` as the data it draws (:attr:`Config.task_seed`, on a recorded
+    request's keys): none for the user's own data, where it draws nothing; train.seed's
+    where null or unrecorded (runs made before it existed)."""
     if flat.get("data.train") is not None:
         flat.pop("data.seed", None)
     elif flat.get("data.seed") is None and "train.seed" in flat:
@@ -304,8 +305,7 @@ def run_configs(
     start's (``data.seed``) whatever the run's seed (seed 1's held-out prompts were drawn
     apart from seed 0's, and most were rows the cold start had trained on)."""
     given = load_config(config_path, with_preset(preset, overrides))
-    data_seed = given.train.seed if given.data.seed is None else given.data.seed
-    extra = [f"data.seed={data_seed}"]
+    extra = [f"data.seed={given.task_seed}"]
     if preset == "stress":
         extra.append(f"optim.lr={given.optim.lr * STRESS_LR_FACTOR}")
     configs = {}

@@ -49,8 +49,7 @@ def load_task_data(config: Config) -> TaskData:
         # each task takes the data.* settings named like its keyword arguments
         settings = {k: getattr(data, k) for k in inspect.signature(make).parameters
                     if k in DataConfig.model_fields and k != "seed"}  # fmt: skip
-        seed = config.train.seed if data.seed is None else data.seed
-        task = make(**settings, seed=derive_seed(seed, "task"))
+        task = make(**settings, seed=derive_seed(config.task_seed, "task"))
         if data.eval is not None:
             task.eval = load_rows(data.eval, what="data.eval")
         if data.sft is not None:
