@@ -169,5 +169,7 @@ def test_an_episodes_prefill_is_continued_and_a_failing_sft_row_is_named():
     encode = single_turn_encoder(load_config(), tok)
     rows = [{"prompt": "1+1=", "completion": "2"},
             {"prompt": [{"role": "system", "content": "s"}], "completion": "2"}]  # fmt: skip
-    with pytest.raises(ValueError, match=r"^the built-in task's SFT data row 2: the chat template"):
+    with pytest.raises(
+        ValueError, match=r"^data.sft \(the built-in addition task\) row 2: the chat template"
+    ):
         encode_rows(rows, encode, load_config())

@@ -261,7 +261,10 @@ def test_sft_rows_of_messages_split_before_the_first_assistant_message():
     got = prepare_rows(rows, data_config(), what="data.sft", sft=True)
     assert got[0]["prompt"] == [system, user] and got[0]["completion"] == [answer, more, answer]
     for bad, said in (([user], "no assistant message"), ([answer], "no message before")):
-        with pytest.raises(ValueError, match=f"^data.sft row 2: messages has {said}"):
+        with pytest.raises(
+            ValueError,
+            match=rf"^data.sft \(the built-in addition task\) row 2: messages has {said}",
+        ):
             prepare_rows([*rows, {"messages": bad}], data_config(), what="data.sft", sft=True)
     with pytest.raises(ValueError, match="data.prompt_column: no column 'prompt'"):
         prepare_rows(rows, data_config(), what="data.train")  # RL prompts: as before
@@ -278,11 +281,12 @@ def test_number_cells_are_read_as_the_numbers_written():
     with pytest.raises(ValueError) as err:
         prepare_rows(rows, data, what="data.sft", sft=True)
     assert str(err.value) == (
-        "data.sft row 2: the completion (column 'c') is None; a cold-start completion is "
+        "data.sft (the built-in addition task) row 2: the completion (column 'c') is None; "
+        "a cold-start completion is "
         "text or a list of chat messages (each a mapping with a 'role' and its 'content')"
     )
     rows[1]["c"] = ["2"]  # (a list of strings: an AttributeError deep in the cold start)
-    with pytest.raises(ValueError, match=r"data.sft row 2: the completion \(column 'c'\) is"):
+    with pytest.raises(ValueError, match=r"task\) row 2: the completion \(column 'c'\) is"):
         prepare_rows(rows, data, what="data.sft", sft=True)
 
 
@@ -355,12 +359,14 @@ def test_cli_trains_on_a_dataset_directory_with_a_template(gsm8k_dir, tmp_path):
     ("rows", "said"),
     [
         ([{"prompt": "1+2=", "answer": "3"}, {"prompt": "", "answer": "3"}],
-         "data.train row 2: the prompt is empty (0 tokens): ''"),
+         "data.train (TRAIN) row 2: the prompt is empty (0 tokens): ''"),
         ([{"prompt": "1+2=", "answer": "3"}, {"prompt": 12, "answer": "3"}],
-         "data.train row 2: the prompt is 12; a prompt is text or a list of chat messages "
+         "data.train (TRAIN) row 2: the prompt is 12; a prompt is text or a list of chat "
+         "messages "
          "(each a mapping with a 'role' and its 'content')"),
         ([{"prompt": "1+" * 300 + "2=", "answer": "3"}],
-         "data.train row 1: the prompt is 602 tokens, longer than the model's context of 512 "
+         "data.train (TRAIN) row 1: the prompt is 602 tokens, longer than the model's context "
+         "of 512 "
          "(max_position_embeddings)"),
     ],
 )  # fmt: skip
@@ -377,6 +383,7 @@ def test_prompts_the_model_cannot_take_name_their_row(tmp_path, capsys, rows, sa
                  "model.intermediate=64", f"data.train={data}", "train.cold_start_steps=0",
                  "train.max_steps=1", "reward.functions=[numeric_match]"]  # fmt: skip
     assert main(["train", "--output-dir", str(tmp_path / "run"), *overrides]) == 2
+    said = said.replace("TRAIN", str(data))  # (the file the user opens)
     assert capsys.readouterr().err.strip() == f"gspo: error: {said}"
 
 
@@ -461,7 +468,10 @@ def test_structured_tool_calls_in_a_cold_start_conversation_are_refused():
         {"role": "assistant", "content": "done"},
     ]
     rows = [{"prompt": "1+2=", "completion": "3"}, {"prompt": "1+2=", "completion": turns}]
-    with pytest.raises(ValueError, match=r"^data.sft row 2: an assistant message with tool_calls"):
+    with pytest.raises(
+        ValueError,
+        match=r"^data.sft \(the built-in addition task\) row 2: an assistant message with tool",
+    ):
         prepare_rows(rows, load_config().data, what="data.sft", sft=True)
 
 
@@ -636,6 +646,12 @@ def test_files_give_their_values_as_written(tmp_path, name, content, rows):
     assert [[r["prompt"], r["answer"]] for r in load_rows(path, what="data.train")] == rows
 
 
+TWICE = (
+    "names the key {!r} twice in one object; JSON readers keep one of the two silently: "
+    "write it once"
+)
+
+
 @pytest.mark.parametrize(
     ("name", "content", "said"),
     [
@@ -650,6 +666,12 @@ def test_files_give_their_values_as_written(tmp_path, name, content, rows):
          "record 2 is NoneType None, not an object of columns"),
         ("a.json", '{"prompt": "q"}', "holds one object, not records: write an array of objects "
          "(or JSON Lines)"),
+        # a key written twice: json.loads kept the last, silently (a nested one too)
+        ("a.jsonl", '{"prompt": "q"}\n{"prompt": "r", "answer": 1, "answer": 2}\n',
+         f"line 2 {TWICE.format('answer')}"),
+        ("a.jsonl", '{"prompt": [{"role": "user", "content": "a", "content": "b"}]}',
+         f"line 1 {TWICE.format('content')}"),
+        ("a.json", '[{"prompt": "q", "prompt": "r"}]', TWICE.format("prompt")),
         ("a.json", "", "has no rows"),
         ("a.jsonl", b'{"prompt": "caf\xe9"}\n', "is not UTF-8 text (byte 0xe9 on line 1); save "
          "it as UTF-8"),
@@ -669,6 +691,20 @@ def test_files_that_do_not_hold_records_are_one_line(tmp_path, name, content, sa
     with pytest.raises(ValueError) as err:
         load_rows(path, what="data.train")
     assert str(err.value) == f"data.train: {path} {said}"
+
+
+def test_a_parquet_file_with_two_columns_of_one_name_is_one_line(tmp_path):
+    """pyarrow's own error was "ArrowInvalid: Multiple matches for FieldRef.Name(answer)
+    in prompt: string answer: string ... __fragment_index: int32 ..."."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "a.parquet"
+    columns = [pa.array(["1+1="]), pa.array(["2"]), pa.array(["3"])]
+    pq.write_table(pa.table(columns, names=["prompt", "answer", "answer"]), path)
+    with pytest.raises(ValueError) as err:
+        load_rows(path, what="data.train")
+    assert str(err.value) == f"data.train: {path} has two columns named 'answer'; rename one"
 
 
 def test_a_file_with_a_config_and_a_missing_local_directory_are_local_errors(tmp_path, monkeypatch):
@@ -695,16 +731,19 @@ def test_a_file_with_a_config_and_a_missing_local_directory_are_local_errors(tmp
     ("overrides", "row", "said"),
     [
         (["data.prompt_template=Q: {q} A:"], {"q": None},
-         "data.prompt_template: row 2 of data.train (the built-in task; columns: q): "
+         "data.prompt_template: row 2 of data.train (the built-in addition task; columns: q): "
          "ValueError: {q} is None, which would be written as such"),
         (["data.prompt_template=L{meta[level]}: {q}"], {"q": "x", "meta": {"lvl": 2}},
-         "data.prompt_template: row 2 of data.train (the built-in task; columns: q, meta): "
+         "data.prompt_template: row 2 of data.train (the built-in addition task; columns: q, "
+         "meta): "
          "KeyError: 'level'"),
         (["data.system_prompt=Be brief"], {"prompt": ["a", "b"]},
-         "data.train row 2: the prompt is ['a', 'b']; a prompt is text or a list of chat "
+         "data.train (the built-in addition task) row 2: the prompt is ['a', 'b']; a prompt is "
+         "text or a list of chat "
          "messages (each a mapping with a 'role' and its 'content')"),
         (["data.system_prompt=Be brief"], {"prompt": None},
-         "data.train row 2: the prompt is None; a prompt is text or a list of chat messages "
+         "data.train (the built-in addition task) row 2: the prompt is None; a prompt is text "
+         "or a list of chat messages "
          "(each a mapping with a 'role' and its 'content')"),
     ],
 )  # fmt: skip

@@ -551,13 +551,14 @@ def test_cold_start_rows_past_a_learned_position_table_are_cut_there(tmp_path, c
     Trainer(load_config(None, overrides), tmp_path / "run").fit()
     said = [line for line in capsys.readouterr().err.splitlines() if "data.sft" in line]
     assert said == [
-        "gspo: warning: data.sft: 1 row(s) (the longest 65 tokens) run past the model's "
+        f"gspo: warning: data.sft ({tmp_path / 'sft.jsonl'}): 1 row(s) (the longest 65 tokens) "
+        "run past the model's "
         "context of 40 (max_position_embeddings): cut there, so their completions lose "
         "their end (EOS included)"
     ]
     sft[1] = {"prompt": "1" * 40, "completion": "2"}
     (tmp_path / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in sft))
-    with pytest.raises(ValueError, match=r"^data.sft row 2: the prompt is 40 tokens, leaving"):
+    with pytest.raises(ValueError, match=r"^data.sft \(.*sft.jsonl\) row 2: the prompt is 40 tok"):
         Trainer(load_config(None, overrides), tmp_path / "again").fit()
 
 

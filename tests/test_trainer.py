@@ -719,7 +719,7 @@ def test_overwrite_removes_the_old_run_only_once_the_new_one_starts(tmp_path, ca
         f"data.train ({tmp_path / 'noanswer.jsonl'}) lacks (its columns: none but the prompt)"
         + back,
         f"gspo: error: reward function '{tmp_path / 'rw.py'}:needs_level' needs the column(s) "
-        "level, which data.train (the built-in addition) lacks (its columns: answer)" + back,
+        "level, which data.train (the built-in addition task) lacks (its columns: answer)" + back,
     ]
     tmp_path.joinpath("noanswer.jsonl").unlink()
     tmp_path.joinpath("rw.py").unlink()

@@ -30,12 +30,8 @@ column reaches the reward functions by name, as in TRL.
 from __future__ import annotations
 
 import contextlib
-import csv
-import io
 import itertools
-import json
 import logging
-import math
 import os
 import re
 import string
@@ -48,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from gspo.config.data import template_fields
+from gspo.data_files import DATA_SUFFIXES, Row, read_file
 from gspo.plugins import one_line
 from gspo.rewards import reference_answer
 from gspo.rewards.parsing import cell_text
@@ -55,10 +52,7 @@ from gspo.rewards.parsing import cell_text
 if TYPE_CHECKING:
     from gspo.config import DataConfig
 
-Row = dict[str, Any]
 
-#: The suffixes of the data files read (:func:`_read_file`).
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 _LOCAL_PREFIXES = ("/", "./", "../", "~")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
@@ -147,139 +141,11 @@ def _load_dataset(datasets, source: Source) -> Any:
     return loaded[source.split]
 
 
-def _text(path: Path, *, what: str) -> str:
-    """``path`` as text: UTF-8, a byte-order mark dropped; one line naming where it is not."""
-    data = path.read_bytes()
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise ValueError(
-            f"{what}: {path} is not UTF-8 text (byte {data[exc.start]:#04x} on line {line}); "
-            "save it as UTF-8"
-        ) from None
-
-
-def _not_a_record(row: Any, where: str) -> ValueError:
-    return ValueError(f"{where} is {type(row).__name__} {row!r:.60}, not an object of columns")
-
-
-def _json_value(text: str) -> Any:
-    """``json.loads``, with ``NaN``/``Infinity`` (not JSON, which Python writes) as None,
-    as ``datasets`` reads them: a gold answer ``Infinity`` was the text ``"inf"``."""
-    return json.loads(text, parse_constant=lambda _: None)
-
-
-def _json_lines(text: str, path: Path, *, what: str) -> list[Row]:
-    rows = []
-    # (split at newlines only: str.splitlines also splits at U+2028, which a JSON string
-    # may hold as it is: json.dumps(..., ensure_ascii=False) writes it so)
-    for number, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = _json_value(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{what}: {path} line {number} is not JSON: {exc}") from exc
-        if not isinstance(row, dict):
-            raise _not_a_record(row, f"{what}: {path} line {number}")
-        rows.append(row)
-    return rows
-
-
-def _json(text: str, path: Path, *, what: str) -> list[Row]:
-    """A ``.json`` file: an array of objects, one object of equal-length column lists, or
-    JSON Lines; values as written (``"007"`` stays text)."""
-    try:
-        whole = _json_value(text) if text.strip() else []
-    except json.JSONDecodeError as exc:
-        if text.lstrip().startswith("["):  # an array, broken where it says
-            raise ValueError(f"{what}: {path} is not JSON: {exc}") from None
-        return _json_lines(text, path, what=what)  # (JSON Lines in a .json file)
-    if isinstance(whole, dict):
-        lengths = {len(v) if isinstance(v, list) else -1 for v in whole.values()}
-        if len(lengths) != 1 or -1 in lengths:
-            raise ValueError(
-                f"{what}: {path} holds one object, not records: write an array of objects "
-                "(or JSON Lines)"
-            )
-        whole = [dict(zip(whole, row, strict=True)) for row in zip(*whole.values(), strict=True)]
-    if not isinstance(whole, list):
-        raise ValueError(f"{what}: {path} holds {type(whole).__name__}, not an array of objects")
-    for number, row in enumerate(whole, start=1):
-        if not isinstance(row, dict):
-            raise _not_a_record(row, f"{what}: {path} record {number}")
-    return whole
-
-
-def _csv(text: str, path: Path, *, what: str) -> list[Row]:
-    """A ``.csv`` file's rows, each cell as :func:`_cell` reads it."""
-    csv.field_size_limit(2**31 - 1)  # (its default, 128 KiB, refused a long cell)
-    reader = csv.DictReader(io.StringIO(text, newline=""), strict=True)
-    rows = []
-    try:
-        # an unnamed column (a spreadsheet's trailing empty ones) is named as pandas names it
-        header = [h or f"Unnamed: {i}" for i, h in enumerate(reader.fieldnames or [])]
-        reader.fieldnames = header
-        repeated = next((name for name in header if header.count(name) > 1), None)
-        if repeated is not None:
-            raise ValueError(f"{what}: {path} names the column {repeated!r} twice in its header")
-        for row in reader:
-            if None in row:  # (the fields past the header's)
-                raise ValueError(
-                    f"{what}: {path} line {reader.line_num} has more fields than its header's "
-                    f"{len(header)} ({', '.join(header)}); quote fields that hold commas"
-                )
-            rows.append({k: _cell(v) for k, v in row.items()})
-    except csv.Error as exc:  # (a quote left open: the rest of the file one field)
-        said = "a quote opened and never closed" if "end of data" in str(exc) else exc
-        raise ValueError(
-            f"{what}: {path} is not CSV after line {reader.line_num}: {said}"
-        ) from None
-    return rows
-
-
-def _cell(text: str | None) -> Any:
-    """A CSV cell: None when empty; a number where the number's own text is the cell
-    (``7``, ``0.5``, ``12345678901234567``); else the text as written (``007``, ``0.50``,
-    ``1e3``, ``+5``), which reading it as a number would change (a gold answer ``007``
-    was 7, ``12345678901234567`` beside a blank cell ``...568``)."""
-    if not text:
-        return None
-    for kind in (int, float):
-        try:
-            number = kind(text)
-        except ValueError:
-            continue
-        exact = str(number) == text if kind is int else repr(number) == text
-        return number if exact and math.isfinite(number) else text
-    return text
-
-
-def _read_file(path: Path, *, what: str) -> list[Row]:
-    """A data file's rows. JSON Lines, JSON and CSV are read here, values as written
-    (``datasets``' readers infer types: a CSV answer ``007`` became 7); Parquet, which
-    holds its own types, by ``pyarrow``."""
-    suffix = path.suffix.lower()
-    if suffix not in DATA_SUFFIXES:
-        raise ValueError(f"{what}: {path} must end in {', '.join(DATA_SUFFIXES)}")
-    if suffix != ".parquet":
-        reader = {".jsonl": _json_lines, ".json": _json, ".csv": _csv}[suffix]
-        return reader(_text(path, what=what), path, what=what)
-    import pyarrow.parquet  # (what datasets reads Parquet with)
-
-    try:
-        return pyarrow.parquet.read_table(path).to_pylist()
-    except Exception as exc:  # pyarrow raises several types for malformed files
-        raise ValueError(
-            f"{what}: cannot read {path}: {type(exc).__name__}: {one_line(exc, 300)}"
-        ) from None
-
-
 def _directory_rows(source: Source, text: str, *, what: str) -> list[Row]:
     """The rows of a directory of data files: the files of its split (and config) as
     ``datasets.load_dataset`` finds them (a README's ``configs:``, else splits by file
-    name: ``train.jsonl``, ``data/test-00000.parquet``), each read by :func:`_read_file`.
+    name: ``train.jsonl``, ``data/test-00000.parquet``), each read by
+    :func:`gspo.data_files.read_file`.
     Without declared configs a data file that no split takes is refused: ``datasets``
     left it out (``part1.jsonl`` beside ``validation.jsonl``; the other kind of a
     directory of two)."""
@@ -328,7 +194,7 @@ def _directory_rows(source: Source, text: str, *, what: str) -> list[Row]:
             f"{what}: {text} has splits {', '.join(splits)}; name one as {source_config}:SPLIT"
         )
     files = splits[source.split] if source.split is not None else next(iter(splits.values()))
-    return [row for f in files for row in _read_file(f, what=what)]
+    return [row for f in files for row in read_file(f, what=what)]
 
 
 def _declares_configs(base: Path) -> bool:
@@ -410,7 +276,7 @@ def load_rows(text: str | Path, *, what: str) -> list[Row]:
     if source.kind == "file":
         if source.config or source.split:
             raise ValueError(f"{what}: {text}: a file has no configs or splits")
-        rows = _read_file(Path(source.location), what=what)
+        rows = read_file(Path(source.location), what=what)
     elif source.kind == "directory":
         rows = _directory_rows(source, text, what=what)
     else:
@@ -445,11 +311,12 @@ def prepare_rows(rows: list[Row], data: DataConfig, *, what: str, sft: bool = Fa
     """
     if not rows:
         return rows
-    source = getattr(data, what.removeprefix("data."), None) or "the built-in task"
+    source = data.source_of(what)
     where = f"{what} ({source}; columns: {_columns(rows)})"
+    named = f"{what} ({source})"  # (a row's errors name the file the user opens)
     if sft and data.prompt_template is None and _messages_only(rows, data):
         rows = [
-            _split_messages(row, data, f"{what} row {i}") for i, row in enumerate(rows, start=1)
+            _split_messages(row, data, f"{named} row {i}") for i, row in enumerate(rows, start=1)
         ]
 
     def need(column: str, key: str) -> None:
@@ -475,7 +342,7 @@ def prepare_rows(rows: list[Row], data: DataConfig, *, what: str, sft: bool = Fa
         given = (
             _filled(template, row, f"row {i} of {where}") if template else row[data.prompt_column]
         )
-        prompt = _prompt(given, what, i)
+        prompt = _prompt(given, named, i)
         if chat:
             if isinstance(prompt, str):
                 prompt = [{"role": "user", "content": prompt}]
@@ -486,7 +353,7 @@ def prepare_rows(rows: list[Row], data: DataConfig, *, what: str, sft: bool = Fa
         if data.answer_column is not None:
             new["answer"] = _answer(row[data.answer_column])
         if sft:
-            new["completion"] = _completion(row[data.completion_column], data, what, i)
+            new["completion"] = _completion(row[data.completion_column], data, named, i)
         out.append(new)
     return out
 

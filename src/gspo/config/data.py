@@ -129,6 +129,11 @@ class DataConfig(Section):
         "them the cold start's SFT rows",
     )
 
+    def source_of(self, key: str) -> str:
+        """Where ``key``'s rows (``data.train``, ``data.eval``, ``data.sft``) come from, as
+        messages name it: the key's value, or the built-in task."""
+        return getattr(self, key.removeprefix("data.")) or f"the built-in {self.task} task"
+
     def check_prompt_template(self) -> None:
         """A template replaces the prompt column and must be a format string over columns."""
         if self.prompt_template is not None:

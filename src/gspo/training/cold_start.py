@@ -403,7 +403,7 @@ class DataError(ValueError):
 
 
 def rows_name(config: Config) -> str:
-    return "data.sft" if config.data.sft else "the built-in task's SFT data"
+    return f"data.sft ({config.data.source_of('data.sft')})"
 
 
 def encode_rows(

@@ -516,8 +516,8 @@ def task_prompt_ids(
     context, context_key = rollout_context(config, module)
     train, held_out = (
         encode_prompts(
-            config, generate, tokenizer, rows, name=name, context=context,
-            learned_positions=learned, context_key=context_key, say=say,
+            config, generate, tokenizer, rows, name=f"{name} ({config.data.source_of(name)})",
+            context=context, learned_positions=learned, context_key=context_key, say=say,
         )
         for name, rows in (("data.train", data.train), ("data.eval", data.eval))
     )  # fmt: skip

@@ -414,7 +414,7 @@ def check_reward_columns(
     warnings = rewards.trl_defaults()
     for key, rows in (("data.train", data.train), ("data.eval", data.eval)):
         if rows:
-            where = getattr(config.data, key.split(".")[1]) or f"the built-in {config.data.task}"
+            where = config.data.source_of(key)
             columns = [k for k in rows[0] if k != "prompt"]
             rewards.check_columns(columns, f"{key} ({where})", passed=extra, hint=hint)
             for column, name in rewards.required(columns).items():
@@ -451,7 +451,7 @@ def empty_completions(sft: list[dict], config: Config) -> list[str]:
     empty = [i for i, row in enumerate(sft, start=1) if not text(row["completion"]).strip()]
     if not empty:
         return []
-    where = config.data.sft or f"the built-in {config.data.task}"
+    where = config.data.source_of("data.sft")
     return [
         f"data.sft ({where}): {len(empty)} of {len(sft)} rows (row {empty[0]} first) have an "
         "empty completion: the cold start teaches their prompts to end at once"

@@ -1,0 +1,175 @@
+"""A data file's rows: JSON Lines, JSON and CSV read here, values as written (``datasets``'
+readers infer types: a CSV answer ``007`` became 7); Parquet, which holds its own types, by
+``pyarrow``. Errors are one line naming the config key, the file and where in it."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from gspo.plugins import one_line
+
+Row = dict[str, Any]
+
+#: The suffixes of the data files read (:func:`read_file`).
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+
+
+def _text(path: Path, *, what: str) -> str:
+    """``path`` as text: UTF-8, a byte-order mark dropped; one line naming where it is not."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ValueError(
+            f"{what}: {path} is not UTF-8 text (byte {data[exc.start]:#04x} on line {line}); "
+            "save it as UTF-8"
+        ) from None
+
+
+def _not_a_record(row: Any, where: str) -> ValueError:
+    return ValueError(f"{where} is {type(row).__name__} {row!r:.60}, not an object of columns")
+
+
+class _RepeatedKey(ValueError):
+    """A JSON object that names one key twice (``json.loads`` keeps the last silently)."""
+
+    def said(self, where: str) -> ValueError:
+        return ValueError(
+            f"{where} names the key {self.args[0]!r} twice in one object; JSON readers keep "
+            "one of the two silently: write it once"
+        )
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    row = dict(pairs)
+    if len(row) < len(pairs):
+        keys = [k for k, _ in pairs]
+        raise _RepeatedKey(next(k for k in keys if keys.count(k) > 1))
+    return row
+
+
+def _json_value(text: str) -> Any:
+    """``json.loads``, with ``NaN``/``Infinity`` (not JSON, which Python writes) as None,
+    as ``datasets`` reads them: a gold answer ``Infinity`` was the text ``"inf"``; an
+    object that repeats a key is refused (:class:`_RepeatedKey`)."""
+    return json.loads(text, parse_constant=lambda _: None, object_pairs_hook=_object)
+
+
+def _json_lines(text: str, path: Path, *, what: str) -> list[Row]:
+    rows = []
+    # (split at newlines only: str.splitlines also splits at U+2028, which a JSON string
+    # may hold as it is: json.dumps(..., ensure_ascii=False) writes it so)
+    for number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = _json_value(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{what}: {path} line {number} is not JSON: {exc}") from exc
+        except _RepeatedKey as exc:
+            raise exc.said(f"{what}: {path} line {number}") from None
+        if not isinstance(row, dict):
+            raise _not_a_record(row, f"{what}: {path} line {number}")
+        rows.append(row)
+    return rows
+
+
+def _json(text: str, path: Path, *, what: str) -> list[Row]:
+    """A ``.json`` file: an array of objects, one object of equal-length column lists, or
+    JSON Lines; values as written (``"007"`` stays text)."""
+    try:
+        whole = _json_value(text) if text.strip() else []
+    except json.JSONDecodeError as exc:
+        if text.lstrip().startswith("["):  # an array, broken where it says
+            raise ValueError(f"{what}: {path} is not JSON: {exc}") from None
+        return _json_lines(text, path, what=what)  # (JSON Lines in a .json file)
+    except _RepeatedKey as exc:
+        raise exc.said(f"{what}: {path}") from None
+    if isinstance(whole, dict):
+        lengths = {len(v) if isinstance(v, list) else -1 for v in whole.values()}
+        if len(lengths) != 1 or -1 in lengths:
+            raise ValueError(
+                f"{what}: {path} holds one object, not records: write an array of objects "
+                "(or JSON Lines)"
+            )
+        whole = [dict(zip(whole, row, strict=True)) for row in zip(*whole.values(), strict=True)]
+    if not isinstance(whole, list):
+        raise ValueError(f"{what}: {path} holds {type(whole).__name__}, not an array of objects")
+    for number, row in enumerate(whole, start=1):
+        if not isinstance(row, dict):
+            raise _not_a_record(row, f"{what}: {path} record {number}")
+    return whole
+
+
+def _csv(text: str, path: Path, *, what: str) -> list[Row]:
+    """A ``.csv`` file's rows, each cell as :func:`_cell` reads it."""
+    csv.field_size_limit(2**31 - 1)  # (its default, 128 KiB, refused a long cell)
+    reader = csv.DictReader(io.StringIO(text, newline=""), strict=True)
+    rows = []
+    try:
+        # an unnamed column (a spreadsheet's trailing empty ones) is named as pandas names it
+        header = [h or f"Unnamed: {i}" for i, h in enumerate(reader.fieldnames or [])]
+        reader.fieldnames = header
+        repeated = next((name for name in header if header.count(name) > 1), None)
+        if repeated is not None:
+            raise ValueError(f"{what}: {path} names the column {repeated!r} twice in its header")
+        for row in reader:
+            if None in row:  # (the fields past the header's)
+                raise ValueError(
+                    f"{what}: {path} line {reader.line_num} has more fields than its header's "
+                    f"{len(header)} ({', '.join(header)}); quote fields that hold commas"
+                )
+            rows.append({k: _cell(v) for k, v in row.items()})
+    except csv.Error as exc:  # (a quote left open: the rest of the file one field)
+        said = "a quote opened and never closed" if "end of data" in str(exc) else exc
+        raise ValueError(
+            f"{what}: {path} is not CSV after line {reader.line_num}: {said}"
+        ) from None
+    return rows
+
+
+def _cell(text: str | None) -> Any:
+    """A CSV cell: None when empty; a number where the number's own text is the cell
+    (``7``, ``0.5``, ``12345678901234567``); else the text as written (``007``, ``0.50``,
+    ``1e3``, ``+5``), which reading it as a number would change (a gold answer ``007``
+    was 7, ``12345678901234567`` beside a blank cell ``...568``)."""
+    if not text:
+        return None
+    for kind in (int, float):
+        try:
+            number = kind(text)
+        except ValueError:
+            continue
+        exact = str(number) == text if kind is int else repr(number) == text
+        return number if exact and math.isfinite(number) else text
+    return text
+
+
+def read_file(path: Path, *, what: str) -> list[Row]:
+    """A data file's rows. JSON Lines, JSON and CSV are read here, values as written
+    (``datasets``' readers infer types: a CSV answer ``007`` became 7); Parquet, which
+    holds its own types, by ``pyarrow``."""
+    suffix = path.suffix.lower()
+    if suffix not in DATA_SUFFIXES:
+        raise ValueError(f"{what}: {path} must end in {', '.join(DATA_SUFFIXES)}")
+    if suffix != ".parquet":
+        reader = {".jsonl": _json_lines, ".json": _json, ".csv": _csv}[suffix]
+        return reader(_text(path, what=what), path, what=what)
+    import pyarrow.parquet  # (what datasets reads Parquet with)
+
+    try:
+        names = pyarrow.parquet.read_schema(path).names
+        repeated = next((name for name in names if names.count(name) > 1), None)
+        if repeated is None:
+            return pyarrow.parquet.read_table(path).to_pylist()
+    except Exception as exc:  # pyarrow raises several types for malformed files
+        raise ValueError(
+            f"{what}: cannot read {path}: {type(exc).__name__}: {one_line(exc, 300)}"
+        ) from None
+    raise ValueError(f"{what}: {path} has two columns named {repeated!r}; rename one")
