@@ -822,17 +822,17 @@ def test_the_answer_column_keeps_a_list_of_answers():
 
 
 def test_a_function_needing_what_only_trl_passes_is_told_so():
-    """It read as a missing data column ("needs the column(s) completion_ids, which
+    """It read as a missing data column ("needs the column(s) trainer_state, which
     data.train lacks")."""
     from gspo.rewards import RewardError, RewardFunctions
 
-    def trl_style(prompts, completions, completion_ids, **kwargs):
+    def trl_style(prompts, completions, trainer_state, **kwargs):
         return [0.0] * len(completions)
 
     rewards = RewardFunctions.from_specs([trl_style], None)
     with pytest.raises(RewardError) as err:
         rewards.check_columns(["answer"], "data.train (x.jsonl)")
-    assert "needs 'completion_ids', which TRL passes and gspo does not" in str(err.value)
+    assert "needs 'trainer_state', which TRL passes and gspo does not" in str(err.value)
 
     def optional(prompts, completions, trainer_state=None, **kwargs):
         return [0.0] * len(completions)
@@ -844,14 +844,55 @@ def test_a_function_needing_what_only_trl_passes_is_told_so():
     assert RewardFunctions.from_specs([trl_style], None).trl_defaults() == []
 
     def from_kwargs(prompts, completions, **kwargs):  # (TRL's examples read them so)
-        return [float(len(ids)) for ids in kwargs["completion_ids"]]
+        return [float(kwargs["trainer_state"].global_step)] * len(completions)
 
-    with pytest.raises(RewardError) as err:  # (it said "raised KeyError: 'completion_ids'")
+    with pytest.raises(RewardError) as err:  # (it said "raised KeyError: 'trainer_state'")
         RewardFunctions.from_specs([from_kwargs], None)(["p"], ["c"])
     assert str(err.value) == (
-        "reward function 'from_kwargs' read 'completion_ids' from its keyword arguments, "
+        "reward function 'from_kwargs' read 'trainer_state' from its keyword arguments, "
         "which TRL passes and gspo does not (docs/from_trl.md); compute it from the completions"
     )
+
+
+def test_completion_ids_reach_the_functions_that_take_them(tmp_path):
+    """TRL passes each completion's token ids as ``completion_ids`` (its docs' length
+    reward reads them); gspo refused such a function ("needs 'completion_ids', which TRL
+    passes and gspo does not"). A function without ``**kwargs`` is called as before, and a
+    data column of that name is refused."""
+    import torch
+
+    from gspo.engines.batch import RolloutBatch
+    from gspo.models.builtin import build_char_tokenizer
+    from gspo.rewards import RewardError, RewardFunctions
+    from gspo.training.rollout import Scorer
+    from gspo.training.sampler import Generated
+
+    (tmp_path / "rw.py").write_text(
+        "def reward_len(completion_ids, **kwargs):\n"  # (TRL's docs' example)
+        "    return [float(len(ids)) for ids in completion_ids]\n"
+        "def named(prompts, completions, answer):\n"
+        "    return [0.5] * len(completions)\n"
+    )
+    specs = [f"{tmp_path / 'rw.py'}:reward_len", f"{tmp_path / 'rw.py'}:named"]
+    rewards = RewardFunctions.from_specs(specs, None)
+    rewards.check_columns(["answer"], "data.train (x.jsonl)")  # (refused before)
+    tok = build_char_tokenizer()
+    ids = [[*tok("12")["input_ids"], tok.eos_token_id, 0], [*tok("345")["input_ids"], 0]]
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0]], dtype=torch.bool)  # (the stop token too)
+    batch = RolloutBatch(
+        prompt_ids=torch.ones(2, 1, dtype=torch.long), prompt_mask=torch.ones(2, 1),
+        completion_ids=torch.tensor(ids), completion_mask=mask,
+        sampler_logprobs=torch.zeros(2, 4), finish_reasons=["stop", "length"], group_size=2,
+    )  # fmt: skip
+    scored = Scorer(tok, rewards).score([{"prompt": "1+1=", "answer": "2"}], Generated(batch))
+    length, named = scored.per_function.values()
+    assert length == [3.0, 3.0] and named == [0.5, 0.5]
+    assert scored.completions == ["12", "345"]
+    mask[1, 2] = False
+    scored = Scorer(tok, rewards).score([{"prompt": "1+1=", "answer": "2"}], Generated(batch))
+    assert next(iter(scored.per_function.values())) == [3.0, 2.0]
+    with pytest.raises(RewardError, match="its column 'completion_ids' clashes"):
+        rewards.check_columns(["completion_ids"], "data.train (x.jsonl)")
 
 
 def test_gold_answers_as_a_csv_writes_them_still_score():

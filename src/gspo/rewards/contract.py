@@ -12,6 +12,9 @@ A reward function is called with keyword arguments only::
   form).
 * ``columns``: the dataset's other columns (e.g. ``answer``), each a list aligned with
   ``completions``.
+* ``completion_ids``: each completion's token ids (a list of ints), as TRL passes them; only
+  to a function that takes it (by name or ``**kwargs``), so one written for gspo without
+  ``**kwargs`` is called as before.
 
 It returns a list with one ``float`` or ``None`` per completion; ``None`` means "not
 applicable to this sample" and is skipped when rewards are combined (TRL's nansum).
@@ -21,8 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+#: What a rollout passes a reward function beside the data's columns, to a function that
+#: takes it (by name or ``**kwargs``): TRL's name for it.
+OFFERED = ("completion_ids",)
+
 #: What TRL passes a reward function and gspo does not.
-TRL_ONLY = ("completion_ids", "trainer_state", "log_extra", "log_metric")
+TRL_ONLY = ("trainer_state", "log_extra", "log_metric")
 
 RewardFunction = Callable[..., Sequence[float | None]]
 """A TRL-style reward function: ``f(prompts=..., completions=..., **columns) -> list``."""

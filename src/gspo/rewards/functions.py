@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gspo.plugins import missing_arguments, one_line, unexpected_arguments
-from gspo.rewards.contract import TRL_ONLY, RewardError, RewardFunction
+from gspo.rewards.contract import OFFERED, TRL_ONLY, RewardError, RewardFunction
 from gspo.rewards.loading import load_reward_function
 from gspo.rewards.runner import Runner
 
@@ -174,7 +174,7 @@ class RewardFunctions:
         names the data (``data.train``) in the one-line :class:`RewardError`; ``passed``: the
         keywords the calls add beside the columns (an environment's ``environments``);
         ``hint`` ends the line of a missing column."""
-        for clash in ("prompts", "completions"):
+        for clash in ("prompts", "completions", *OFFERED):
             if clash in columns:
                 raise RewardError(
                     f"{source}: its column {clash!r} clashes with the reward functions' "
@@ -182,7 +182,7 @@ class RewardFunctions:
                 )
         given = ["prompts", "completions", *columns, *passed]
         for name, function in zip(self.names, self.functions, strict=True):
-            needed = missing_arguments(function, given)
+            needed = missing_arguments(function, [*given, *OFFERED])
             needed += [c for c in getattr(function, "required_columns", ()) if c not in given]
             trl = [c for c in needed if c in TRL_ONLY]
             if trl:
@@ -208,7 +208,7 @@ class RewardFunctions:
 
     def trl_defaults(self) -> list[str]:
         """A warning line for each function with a parameter only TRL passes
-        (``trainer_state``, ``completion_ids``, ...) that has a default: it always gets
+        (``trainer_state``, ``log_metric``, ...) that has a default: it always gets
         the default here."""
         lines = []
         for name, function in zip(self.names, self.functions, strict=True):

@@ -26,13 +26,16 @@ from gspo.plugins import (
     run_coroutine,
     unexpected_arguments,
 )
-from gspo.rewards.contract import TRL_ONLY, RewardError, RewardFunction
+from gspo.rewards.contract import OFFERED, TRL_ONLY, RewardError, RewardFunction
 from gspo.rewards.loading import load_reward_function
 
 
 def _call_one(
     name: str, function: RewardFunction, prompts: Any, completions: Any, columns: Any
 ) -> Any:
+    # (what the call offers beside the data, e.g. completion_ids: only to a function taking it)
+    if declined := unexpected_arguments(function, [k for k in OFFERED if k in columns]):
+        columns = {k: v for k, v in columns.items() if k not in declined}
     given = ["prompts", "completions", *columns]
     try:
         out = function(prompts=prompts, completions=completions, **columns)
