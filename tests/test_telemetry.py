@@ -629,3 +629,30 @@ def test_rollout_clip_fractions_of_a_stale_batch_are_all_off_policy():
         "train/clip_fraction_off_policy": pytest.approx(16 / 40)
     }
     assert rollout_clip_fractions(lines[:1]) == {"train/clip_fraction_on_policy": 0.1}
+
+
+def test_a_line_equal_to_an_earlier_one_is_dashed_and_says_so(tmp_path):
+    """gspo compare's GSPO-token line equals GSPO's (one advantage per response) and hid it
+    in every plot: the legend listed GSPO, the figure showed no GSPO line."""
+    from matplotlib.figure import Figure
+
+    from gspo.telemetry import plot_bands
+
+    saved: list[Figure] = []
+    original = Figure.savefig
+
+    def spy(self, *args, **kwargs):
+        saved.append(self)
+        return original(self, *args, **kwargs)
+
+    seeds = [_records(10), [{**r, "train/reward_mean": 0.5} for r in _records(10)]]
+    groups = {"GSPO": seeds, "GRPO": seeds[:1], "GSPO-token": seeds}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Figure, "savefig", spy)
+        _assert_png(plot_bands(groups, "train/reward_mean", tmp_path / "r.png"))
+    (ax,) = saved[0].axes
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert labels == ["GSPO", "GRPO", "GSPO-token (= GSPO)"]
+    styles = [line.get_linestyle() for line in ax.get_lines()]
+    assert styles[:2] == ["-", "-"] and styles[2] != "-"
+    assert len(ax.collections) == 1  # GSPO's band once (GRPO: one seed, no band)

@@ -91,14 +91,23 @@ def _draw(
     ylabel: str | None,
     logy: bool,
 ) -> Path:
-    """Draw ``(label, xs, ys, band_halfwidths | None)`` lines into one PNG at ``path``."""
+    """Draw ``(label, xs, ys, band_halfwidths | None)`` lines into one PNG at ``path``.
+
+    A line equal to one drawn before it (GSPO-token's to GSPO's, with one advantage per
+    response) would hide it: it is dashed over it, labelled ``LABEL (= EARLIER)``."""
     fig, ax = _new_figure()
     all_y: list[float] = []
+    drawn: dict[tuple[tuple[float, ...], tuple[float, ...]], str] = {}
     for label, xs, ys, band in lines:
         marker = "o" if len(xs) <= 30 else None
-        (line,) = ax.plot(xs, ys, label=label, marker=marker, markersize=3, linewidth=1.5)
+        style: dict[str, Any] = {"marker": marker, "markersize": 3, "linewidth": 1.5}
+        same = drawn.setdefault((tuple(xs), tuple(ys)), label)  # (NaN: never equal, drawn)
+        if repeated := same != label:  # (its band is the one drawn: not drawn again)
+            style |= {"linestyle": (0, (4, 3)), "marker": "x" if marker else None}
+            label = f"{label} (= {same})"
+        (line,) = ax.plot(xs, ys, label=label, **style)
         all_y.extend(ys)
-        if band is not None:
+        if band is not None and not repeated:
             lo = [y - b for y, b in zip(ys, band, strict=True)]
             if logy and all(y >= 0 for y in ys):  # a spread of non-negative values stays >= 0
                 lo = [max(v, 0.0) for v in lo]
