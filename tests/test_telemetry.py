@@ -338,6 +338,19 @@ def test_plot_metrics_writes_expected_pngs(tmp_path):
     assert names == ["reward.png", "accuracy.png", "clip_fraction.png"]
     for p in paths:
         _assert_png(p)
+    # the mismatch (on each rollout batch's first minibatch) and a MoE run's expert churn
+    more = [
+        {**r, "mismatch/token_abs_mean": 1e-3, "mismatch/sequence_mean_delta_abs_mean": 2e-4}
+        if r["step"] % 4 == 1
+        else r
+        for r in _records(20)
+    ]
+    more = [{**r, "moe/expert_change_fraction": 0.01 * r["step"]} for r in more]
+    metrics = _write_jsonl(tmp_path / "more.jsonl", more)
+    paths = plot_metrics(metrics, tmp_path / "more")
+    assert [p.name for p in paths][3:] == ["mismatch.png", "expert_change.png"]
+    for p in paths:
+        _assert_png(p)
 
 
 def test_plot_metrics_skips_missing_keys_and_handles_nulls(tmp_path):

@@ -279,9 +279,12 @@ def plot_metrics(metrics_path: str | Path, output_dir: str | Path) -> list[Path]
 
     Writes whichever of these have data: ``reward.png`` (``train/reward_mean`` with a
     ±``train/reward_std`` band), ``accuracy.png`` (``eval/accuracy``,
-    ``eval/accuracy_greedy``) and ``clip_fraction.png`` (per rollout batch,
+    ``eval/accuracy_greedy``), ``clip_fraction.png`` (per rollout batch,
     ``train/clip_fraction_off_policy`` and ``train/clip_fraction_on_policy``, linear
-    y-axis). Returns the paths written.
+    y-axis), ``mismatch.png`` (the sampler's and the trainer's log-probs apart on the
+    on-policy minibatch: ``mismatch/token_abs_mean``,
+    ``mismatch/sequence_mean_delta_abs_mean``, log y-axis) and ``expert_change.png`` (MoE:
+    ``moe/expert_change_fraction``). Returns the paths written.
     """
     records = read_metrics(metrics_path)
     out = Path(output_dir)
@@ -307,6 +310,21 @@ def plot_metrics(metrics_path: str | Path, output_dir: str | Path) -> list[Path]
             out / "clip_fraction.png",
             title="Clipped token fraction per rollout batch",
             ylabel="fraction of tokens clipped",
+        ),
+        plot_series(
+            records,
+            ["mismatch/token_abs_mean", "mismatch/sequence_mean_delta_abs_mean"],
+            out / "mismatch.png",
+            title="Sampler vs trainer log-probs, on-policy minibatch",
+            ylabel="|log-prob difference| (mean)",
+            logy=True,
+        ),
+        plot_series(
+            records,
+            ["moe/expert_change_fraction"],
+            out / "expert_change.png",
+            title="MoE experts changed by each optimizer step",
+            ylabel="fraction of routing choices changed",
         ),
     ]
     return [p for p in written if p is not None]
