@@ -669,3 +669,21 @@ def test_a_line_equal_to_an_earlier_one_is_dashed_and_says_so(tmp_path):
     styles = [line.get_linestyle() for line in ax.get_lines()]
     assert styles[:2] == ["-", "-"] and styles[2] != "-"
     assert len(ax.collections) == 1  # GSPO's band once (GRPO: one seed, no band)
+
+
+def test_step_axes_tick_whole_steps(tmp_path):
+    """A 3-step run's axis read 1.00, 1.25, 1.50, ...: steps are whole."""
+    from matplotlib.figure import Figure
+
+    saved: list[Figure] = []
+    original = Figure.savefig
+
+    def spy(self, *args, **kwargs):
+        saved.append(self)
+        return original(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Figure, "savefig", spy)
+        plot_series(_records(3), ["train/reward_mean"], tmp_path / "r.png", title="t", ylabel="y")
+    ticks = saved[0].axes[0].get_xticks()
+    assert len(ticks) >= 3 and all(t == int(t) for t in ticks)

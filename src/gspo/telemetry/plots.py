@@ -116,6 +116,10 @@ def _draw(
             all_y.extend(lo + hi)
     if logy:
         _set_log_scale(ax, all_y)
+    if xlabel == "step":  # (a short run's axis read 0.5, 1.0, 1.5, ... steps)
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel(xlabel)
     if ylabel:
         ax.set_ylabel(ylabel)
