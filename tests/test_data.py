@@ -646,10 +646,7 @@ def test_files_give_their_values_as_written(tmp_path, name, content, rows):
     assert [[r["prompt"], r["answer"]] for r in load_rows(path, what="data.train")] == rows
 
 
-TWICE = (
-    "names the key {!r} twice in one object; JSON readers keep one of the two silently: "
-    "write it once"
-)
+TWICE = "names the column {!r} twice; JSON readers keep one of the two silently: write it once"
 
 
 @pytest.mark.parametrize(
@@ -666,12 +663,12 @@ TWICE = (
          "record 2 is NoneType None, not an object of columns"),
         ("a.json", '{"prompt": "q"}', "holds one object, not records: write an array of objects "
          "(or JSON Lines)"),
-        # a key written twice: json.loads kept the last, silently (a nested one too)
+        # a column written twice: json.loads kept the last, silently
         ("a.jsonl", '{"prompt": "q"}\n{"prompt": "r", "answer": 1, "answer": 2}\n',
          f"line 2 {TWICE.format('answer')}"),
-        ("a.jsonl", '{"prompt": [{"role": "user", "content": "a", "content": "b"}]}',
-         f"line 1 {TWICE.format('content')}"),
-        ("a.json", '[{"prompt": "q", "prompt": "r"}]', TWICE.format("prompt")),
+        ("a.json", '[{"prompt": "q"}, {"prompt": "q", "prompt": "r"}]',
+         f"record 2 {TWICE.format('prompt')}"),
+        ("a.json", '{"prompt": ["q"], "prompt": ["r"]}', TWICE.format("prompt")),
         ("a.json", "", "has no rows"),
         ("a.jsonl", b'{"prompt": "caf\xe9"}\n', "is not UTF-8 text (byte 0xe9 on line 1); save "
          "it as UTF-8"),
@@ -704,7 +701,20 @@ def test_a_parquet_file_with_two_columns_of_one_name_is_one_line(tmp_path):
     pq.write_table(pa.table(columns, names=["prompt", "answer", "answer"]), path)
     with pytest.raises(ValueError) as err:
         load_rows(path, what="data.train")
-    assert str(err.value) == f"data.train: {path} has two columns named 'answer'; rename one"
+    assert str(err.value) == f"data.train: {path} names the column 'answer' twice; rename one"
+
+
+def test_a_key_written_twice_inside_a_value_is_read_as_json_reads_it(tmp_path):
+    """Only a record's columns are checked: a nested object (a column nothing may read,
+    metadata, a tool schema) keeps the last value, as json and datasets read it; an object
+    dropped that way does not mark another that takes its place in memory."""
+    path = tmp_path / "a.jsonl"
+    rows = ['{"prompt": "q", "meta": {"m": {"x": 1, "x": 2}, "m": 3}}', '{"prompt": "r", "a": 1}']
+    path.write_text("\n".join([*rows, *rows]) + "\n")
+    assert [r["meta"] for r in load_rows(path, what="data.train")] == [{"m": 3}, None] * 2
+    array = tmp_path / "a.json"
+    array.write_text("[" + ", ".join([*rows] * 50) + "]")
+    assert len(load_rows(array, what="data.train")) == 100
 
 
 def test_a_file_with_a_config_and_a_missing_local_directory_are_local_errors(tmp_path, monkeypatch):

@@ -872,8 +872,15 @@ def test_completion_ids_reach_the_functions_that_take_them(tmp_path):
         "    return [float(len(ids)) for ids in completion_ids]\n"
         "def named(prompts, completions, answer):\n"
         "    return [0.5] * len(completions)\n"
+        "import functools\n"
+        "def logged(f):\n"
+        "    @functools.wraps(f)\n"
+        "    def wrapper(*args, **kwargs):\n"
+        "        return f(*args, **kwargs)\n"
+        "    return wrapper\n"
+        "decorated = logged(named)\n"  # (its wrapper takes **kwargs, passed on to named)
     )
-    specs = [f"{tmp_path / 'rw.py'}:reward_len", f"{tmp_path / 'rw.py'}:named"]
+    specs = [f"{tmp_path / 'rw.py'}:{name}" for name in ("reward_len", "named", "decorated")]
     rewards = RewardFunctions.from_specs(specs, None)
     rewards.check_columns(["answer"], "data.train (x.jsonl)")  # (refused before)
     tok = build_char_tokenizer()
@@ -885,14 +892,28 @@ def test_completion_ids_reach_the_functions_that_take_them(tmp_path):
         sampler_logprobs=torch.zeros(2, 4), finish_reasons=["stop", "length"], group_size=2,
     )  # fmt: skip
     scored = Scorer(tok, rewards).score([{"prompt": "1+1=", "answer": "2"}], Generated(batch))
-    length, named = scored.per_function.values()
-    assert length == [3.0, 3.0] and named == [0.5, 0.5]
+    length, named, decorated = scored.per_function.values()
+    assert length == [3.0, 3.0] and named == decorated == [0.5, 0.5]
     assert scored.completions == ["12", "345"]
     mask[1, 2] = False
     scored = Scorer(tok, rewards).score([{"prompt": "1+1=", "answer": "2"}], Generated(batch))
     assert next(iter(scored.per_function.values())) == [3.0, 2.0]
     with pytest.raises(RewardError, match="its column 'completion_ids' clashes"):
         rewards.check_columns(["completion_ids"], "data.train (x.jsonl)")
+    # in worker processes too: each function given only what it takes
+    pooled = RewardFunctions.from_specs(specs, None, workers=1)
+    try:
+        got = pooled(
+            ["p", "p"], ["12", "3"], {"answer": ["2", "2"], "completion_ids": [[5], [7, 8]]}
+        )
+    finally:
+        pooled.close()
+    assert list(got.per_function.values()) == [[1.0, 2.0], [0.5, 0.5], [0.5, 0.5]]
+    # a data column of that name that no function takes stays the data's (as before)
+    named = RewardFunctions.from_specs([f"{tmp_path / 'rw.py'}:named"], None)
+    assert not named.take("completion_ids")
+    with pytest.raises(RewardError, match="takes no argument 'completion_ids', which data"):
+        named.check_columns(["answer", "completion_ids"], "data.train (x.jsonl)")
 
 
 def test_gold_answers_as_a_csv_writes_them_still_score():

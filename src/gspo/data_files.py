@@ -36,29 +36,34 @@ def _not_a_record(row: Any, where: str) -> ValueError:
     return ValueError(f"{where} is {type(row).__name__} {row!r:.60}, not an object of columns")
 
 
-class _RepeatedKey(ValueError):
-    """A JSON object that names one key twice (``json.loads`` keeps the last silently)."""
-
-    def said(self, where: str) -> ValueError:
-        return ValueError(
-            f"{where} names the key {self.args[0]!r} twice in one object; JSON readers keep "
-            "one of the two silently: write it once"
-        )
+def _repeated(names: list[str]) -> str | None:
+    """The first of ``names`` that appears twice, or None."""
+    return next((name for name in names if names.count(name) > 1), None)
 
 
-def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    row = dict(pairs)
-    if len(row) < len(pairs):
-        keys = [k for k, _ in pairs]
-        raise _RepeatedKey(next(k for k in keys if keys.count(k) > 1))
-    return row
+def _twice(where: str, column: str) -> ValueError:
+    return ValueError(
+        f"{where} names the column {column!r} twice; JSON readers keep one of the two "
+        "silently: write it once"
+    )
 
 
-def _json_value(text: str) -> Any:
+def _json_value(text: str) -> tuple[Any, dict[int, tuple[str, Any]]]:
     """``json.loads``, with ``NaN``/``Infinity`` (not JSON, which Python writes) as None,
-    as ``datasets`` reads them: a gold answer ``Infinity`` was the text ``"inf"``; an
-    object that repeats a key is refused (:class:`_RepeatedKey`)."""
-    return json.loads(text, parse_constant=lambda _: None, object_pairs_hook=_object)
+    as ``datasets`` reads them: a gold answer ``Infinity`` was the text ``"inf"``; and, by
+    ``id()``, each object written with a key twice (``json.loads`` keeps the last), with
+    that key (and the object, alive, so that no other object takes its id): a record's
+    columns are checked (:func:`_twice`), nested values kept as JSON reads them."""
+    repeated: dict[int, tuple[str, Any]] = {}
+
+    def checked(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        value = dict(pairs)
+        if len(value) < len(pairs):
+            repeated[id(value)] = (_repeated([k for k, _ in pairs]) or "", value)
+        return value
+
+    value = json.loads(text, parse_constant=lambda _: None, object_pairs_hook=checked)
+    return value, repeated
 
 
 def _json_lines(text: str, path: Path, *, what: str) -> list[Row]:
@@ -69,13 +74,13 @@ def _json_lines(text: str, path: Path, *, what: str) -> list[Row]:
         if not line.strip():
             continue
         try:
-            row = _json_value(line)
+            row, repeated = _json_value(line)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{what}: {path} line {number} is not JSON: {exc}") from exc
-        except _RepeatedKey as exc:
-            raise exc.said(f"{what}: {path} line {number}") from None
         if not isinstance(row, dict):
             raise _not_a_record(row, f"{what}: {path} line {number}")
+        if id(row) in repeated:
+            raise _twice(f"{what}: {path} line {number}", repeated[id(row)][0])
         rows.append(row)
     return rows
 
@@ -84,13 +89,13 @@ def _json(text: str, path: Path, *, what: str) -> list[Row]:
     """A ``.json`` file: an array of objects, one object of equal-length column lists, or
     JSON Lines; values as written (``"007"`` stays text)."""
     try:
-        whole = _json_value(text) if text.strip() else []
+        whole, repeated = _json_value(text) if text.strip() else ([], {})
     except json.JSONDecodeError as exc:
         if text.lstrip().startswith("["):  # an array, broken where it says
             raise ValueError(f"{what}: {path} is not JSON: {exc}") from None
         return _json_lines(text, path, what=what)  # (JSON Lines in a .json file)
-    except _RepeatedKey as exc:
-        raise exc.said(f"{what}: {path}") from None
+    if id(whole) in repeated:  # (one object of column lists)
+        raise _twice(f"{what}: {path}", repeated[id(whole)][0])
     if isinstance(whole, dict):
         lengths = {len(v) if isinstance(v, list) else -1 for v in whole.values()}
         if len(lengths) != 1 or -1 in lengths:
@@ -104,6 +109,8 @@ def _json(text: str, path: Path, *, what: str) -> list[Row]:
     for number, row in enumerate(whole, start=1):
         if not isinstance(row, dict):
             raise _not_a_record(row, f"{what}: {path} record {number}")
+        if id(row) in repeated:
+            raise _twice(f"{what}: {path} record {number}", repeated[id(row)][0])
     return whole
 
 
@@ -116,7 +123,7 @@ def _csv(text: str, path: Path, *, what: str) -> list[Row]:
         # an unnamed column (a spreadsheet's trailing empty ones) is named as pandas names it
         header = [h or f"Unnamed: {i}" for i, h in enumerate(reader.fieldnames or [])]
         reader.fieldnames = header
-        repeated = next((name for name in header if header.count(name) > 1), None)
+        repeated = _repeated(header)
         if repeated is not None:
             raise ValueError(f"{what}: {path} names the column {repeated!r} twice in its header")
         for row in reader:
@@ -164,12 +171,11 @@ def read_file(path: Path, *, what: str) -> list[Row]:
     import pyarrow.parquet  # (what datasets reads Parquet with)
 
     try:
-        names = pyarrow.parquet.read_schema(path).names
-        repeated = next((name for name in names if names.count(name) > 1), None)
+        repeated = _repeated(pyarrow.parquet.read_schema(path).names)
         if repeated is None:
             return pyarrow.parquet.read_table(path).to_pylist()
     except Exception as exc:  # pyarrow raises several types for malformed files
         raise ValueError(
             f"{what}: cannot read {path}: {type(exc).__name__}: {one_line(exc, 300)}"
         ) from None
-    raise ValueError(f"{what}: {path} has two columns named {repeated!r}; rename one")
+    raise ValueError(f"{what}: {path} names the column {repeated!r} twice; rename one")

@@ -36,13 +36,15 @@ def missing_arguments(function: Callable[..., Any], given: list[str]) -> list[st
     ]
 
 
-def unexpected_arguments(function: Callable[..., Any], given: list[str]) -> list[str]:
+def unexpected_arguments(
+    function: Callable[..., Any], given: list[str], *, follow_wrapped: bool = False
+) -> list[str]:
     """Keywords in ``given`` that ``function`` has no parameter for (none when it takes
     ``**kwargs``, or its signature cannot be read). A decorated function is read as its
     wrapper takes them (``functools.wraps`` names the wrapped one, which a wrapper may
-    call with fewer)."""
+    call with fewer); ``follow_wrapped``: as the wrapped one does."""
     try:
-        parameters = inspect.signature(function, follow_wrapped=False).parameters
+        parameters = inspect.signature(function, follow_wrapped=follow_wrapped).parameters
     except (TypeError, ValueError):
         return []
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
@@ -50,6 +52,16 @@ def unexpected_arguments(function: Callable[..., Any], given: list[str]) -> list
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     accepted = {n for n, p in parameters.items() if p.kind in named}
     return [key for key in given if key not in accepted]
+
+
+def takes_keyword(function: Callable[..., Any], key: str) -> bool:
+    """Whether a call may pass ``function`` the keyword ``key``: a parameter of that name
+    or ``**kwargs``, in its own signature and, where it is a decorated function, in the
+    wrapped one's (a wrapper taking ``**kwargs`` passes them on)."""
+    return not (
+        unexpected_arguments(function, [key])
+        or unexpected_arguments(function, [key], follow_wrapped=True)
+    )
 
 
 def run_coroutine(coroutine: Any) -> Any:

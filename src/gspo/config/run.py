@@ -111,7 +111,9 @@ class LogConfig(Section):
 
     tensorboard: bool = Field(True, description="Write TensorBoard scalars to tensorboard/")
     plots: bool = Field(
-        True, description="Draw plots/*.png (reward, accuracy, clip fraction) at the end"
+        True,
+        description="Draw plots/*.png (reward, accuracy, clip fraction, mismatch, MoE expert "
+        "change) at the end",
     )
     progress: bool = Field(True, description="Progress bar and cold-start lines on stdout")
     ratio_dump_every: int = Field(

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gspo.plugins import missing_arguments, one_line, unexpected_arguments
+from gspo.plugins import missing_arguments, one_line, takes_keyword, unexpected_arguments
 from gspo.rewards.contract import OFFERED, TRL_ONLY, RewardError, RewardFunction
 from gspo.rewards.loading import load_reward_function
 from gspo.rewards.runner import Runner
@@ -174,7 +174,8 @@ class RewardFunctions:
         names the data (``data.train``) in the one-line :class:`RewardError`; ``passed``: the
         keywords the calls add beside the columns (an environment's ``environments``);
         ``hint`` ends the line of a missing column."""
-        for clash in ("prompts", "completions", *OFFERED):
+        offered = [key for key in OFFERED if self.take(key)]  # (else the column is theirs)
+        for clash in ("prompts", "completions", *offered):
             if clash in columns:
                 raise RewardError(
                     f"{source}: its column {clash!r} clashes with the reward functions' "
@@ -205,6 +206,12 @@ class RewardFunctions:
                     f"{whose} gives (the call passes prompts, completions and every data "
                     "column, as keywords: TRL's convention); add **kwargs to its parameters"
                 )
+
+    def take(self, key: str) -> bool:
+        """Whether some function takes the keyword ``key`` (by name or ``**kwargs``): what
+        the calls offer beside the data (:data:`gspo.rewards.contract.OFFERED`) is made
+        only then."""
+        return any(takes_keyword(function, key) for function in self.functions)
 
     def trl_defaults(self) -> list[str]:
         """A warning line for each function with a parameter only TRL passes

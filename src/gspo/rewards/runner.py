@@ -24,6 +24,7 @@ from gspo.plugins import (
     one_line,
     raised,
     run_coroutine,
+    takes_keyword,
     unexpected_arguments,
 )
 from gspo.rewards.contract import OFFERED, TRL_ONLY, RewardError, RewardFunction
@@ -33,9 +34,6 @@ from gspo.rewards.loading import load_reward_function
 def _call_one(
     name: str, function: RewardFunction, prompts: Any, completions: Any, columns: Any
 ) -> Any:
-    # (what the call offers beside the data, e.g. completion_ids: only to a function taking it)
-    if declined := unexpected_arguments(function, [k for k in OFFERED if k in columns]):
-        columns = {k: v for k, v in columns.items() if k not in declined}
     given = ["prompts", "completions", *columns]
     try:
         out = function(prompts=prompts, completions=completions, **columns)
@@ -65,6 +63,15 @@ def _call_one(
         raise RewardError(f"reward function {name!r} raised {raised(e)}") from e
     # a numpy array or a 1-D tensor of rewards as the list it stands for
     return out.tolist() if hasattr(out, "tolist") and getattr(out, "ndim", 0) == 1 else out
+
+
+def _offered_to(
+    function: RewardFunction, columns: Mapping[str, Sequence[Any]]
+) -> Mapping[str, Sequence[Any]]:
+    """``columns`` less what the call offers (:data:`OFFERED`) that ``function`` does not
+    take: a function without ``**kwargs`` is called as it was before they were offered."""
+    declined = [k for k in OFFERED if k in columns and not takes_keyword(function, k)]
+    return {k: v for k, v in columns.items() if k not in declined} if declined else columns
 
 
 @functools.cache
@@ -276,10 +283,12 @@ class Runner:
             pool = self.start()  # start-up is not part of the deadline
         if deadline is None and self.timeout is not None:
             deadline = time.monotonic() + self.timeout
+        # (what the call offers beside the data, e.g. completion_ids: to the functions taking it)
+        own = [_offered_to(f, columns) for f in functions]
         if self.workers == 0:
             return [
-                self._in_this_process(name, f, prompts, completions, columns, deadline)
-                for name, f in zip(names, functions, strict=True)
+                self._in_this_process(name, f, prompts, completions, its, deadline)
+                for name, f, its in zip(names, functions, own, strict=True)
             ]
         bounds = _chunks(len(completions), self.workers)
         pending = [
@@ -291,12 +300,12 @@ class Runner:
                         spec,
                         prompts[a:b],
                         completions[a:b],
-                        {k: v[a:b] for k, v in columns.items()},
+                        {k: v[a:b] for k, v in its.items()},
                     ),
                 )
                 for a, b in bounds
             ]
-            for name, spec in zip(names, shipped, strict=True)
+            for name, spec, its in zip(names, shipped, own, strict=True)
         ]
         tasks = [part for parts in pending for part in parts]
         self._busy = True

@@ -1,6 +1,7 @@
 """Plots of metric records: one run's curves, several runs overlaid, bands over seeds.
 
-:func:`plot_metrics` writes a run's standard PNGs (reward, accuracy, clip fraction);
+:func:`plot_metrics` writes a run's standard PNGs (reward, accuracy, clip fraction, the
+sampler-trainer mismatch, a MoE run's expert change);
 :func:`plot_series`, :func:`plot_runs`, :func:`plot_bands` and :func:`plot_histograms`
 are the building blocks the comparisons and experiments use. matplotlib is imported
 lazily and drawn on a bare ``Figure`` (no pyplot state), so plotting is safe headless.
@@ -101,7 +102,7 @@ def _draw(
     for label, xs, ys, band in lines:
         marker = "o" if len(xs) <= 30 else None
         style: dict[str, Any] = {"marker": marker, "markersize": 3, "linewidth": 1.5}
-        same = drawn.setdefault((tuple(xs), tuple(ys)), label)  # (NaN: never equal, drawn)
+        same = drawn.setdefault((tuple(xs), tuple(ys)), label)
         if repeated := same != label:  # (its band is the one drawn: not drawn again)
             style |= {"linestyle": (0, (4, 3)), "marker": "x" if marker else None}
             label = f"{label} (= {same})"
@@ -327,8 +328,8 @@ def plot_metrics(metrics_path: str | Path, output_dir: str | Path) -> list[Path]
             records,
             ["moe/expert_change_fraction"],
             out / "expert_change.png",
-            title="MoE experts changed by each optimizer step",
-            ylabel="fraction of routing choices changed",
+            title="MoE routing changed since the rollout, after each optimizer step",
+            ylabel="fraction of expert choices changed",
         ),
     ]
     return [p for p in written if p is not None]

@@ -106,14 +106,17 @@ class Scorer:
             group = batch.group_size
             prompts = [row["prompt"] for row in rows for _ in range(group)]
             completions = generated.completions
-            # (on the CPU first: one copy from the GPU, not one synchronisation per row)
-            tokens, masks = batch.completion_ids.cpu(), batch.completion_mask.cpu().bool()
-            ids = [row[m].tolist() for row, m in zip(tokens, masks, strict=True)]
+            columns = {**column_batch(rows, group), **generated.columns}
+            offer = self.rewards.take("completion_ids")  # (TRL's keyword)
+            if completions is None or offer:
+                # (on the CPU first: one copy from the GPU, not one synchronisation per row)
+                tokens, masks = batch.completion_ids.cpu(), batch.completion_mask.cpu().bool()
+                ids = [row[m].tolist() for row, m in zip(tokens, masks, strict=True)]
+                if offer:
+                    columns["completion_ids"] = ids
             if completions is None:
                 texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
                 completions = [as_completion(t, p) for t, p in zip(texts, prompts, strict=True)]
-            # (completion_ids: TRL's, to the functions that take it)
-            columns = {**column_batch(rows, group), **generated.columns, "completion_ids": ids}
             result = self.rewards(prompts, completions, columns)
             for episode in generated.episodes:
                 episode.close()
