@@ -291,6 +291,11 @@ def test_rewards_that_never_vary_within_a_group_are_said_once(capsys):
     short = FlatRewardWarning(Distributed(), batches=1)  # a run of one batch: at once
     short.check(0, flat)
     assert capsys.readouterr().err.startswith("gspo: warning: in rollout batch 0 every group")
+    # every reward None (does not apply): the scorer's warning says so, not this one's
+    # ("reward mean nan")
+    unscored = FlatRewardWarning(Distributed(), batches=1)
+    unscored.check(0, {"train/zero_std_fraction": 1.0, "train/unscored_fraction": 1.0})
+    assert capsys.readouterr().err == ""
 
 
 def test_a_run_whose_rewards_never_vary_says_so(tmp_path, capsys):

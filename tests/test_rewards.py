@@ -404,11 +404,20 @@ def test_load_from_file_absolute_and_relative(
 
         def length(prompts, completions, **kwargs):
             return [Cfg().scale * len(c) + BONUS for c in completions]
+
+        def later(prompts, completions, **kwargs):
+            import lazy_helper_for_rewards  # (at call time: it failed, the file's directory gone)
+
+            return [lazy_helper_for_rewards.VALUE] * len(completions)
         """,
     )
+    write(tmp_path / "lazy_helper_for_rewards.py", "VALUE = 7.0\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (this test's additions undone)
     f = load_reward_function(f"{tmp_path / 'my_rewards.py'}:length")
     assert f(prompts=["p", "p"], completions=["ab", "abc"]) == [4.5, 6.5]
-    assert str(tmp_path) not in sys.path
+    assert sys.path[-1] == str(tmp_path) and sys.path.count(str(tmp_path)) == 1  # last only
+    later = load_reward_function(f"{tmp_path / 'my_rewards.py'}:later")
+    assert later(prompts=["p"], completions=["a"]) == [7.0]
 
     monkeypatch.chdir(tmp_path.parent)
     g = load_reward_function(f"{tmp_path.name}/my_rewards.py:length")

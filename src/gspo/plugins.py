@@ -123,6 +123,10 @@ def _import_file(path_text: str, spec: str, kind: str, error: type[Exception]) -
     finally:
         with contextlib.suppress(ValueError):
             sys.path.remove(directory)
+        # ... and after it, last (nothing installed shadowed), for the imports its functions
+        # make when called (a factory's `import my_env` beside it failed at its first call)
+        if directory not in sys.path:
+            sys.path.append(directory)
     return module
 
 
@@ -157,7 +161,8 @@ def load_object(spec: str, kind: str, error: type[Exception], expected: str) -> 
     """The object a ``source:attribute`` spec names (``attribute`` may be dotted).
 
     ``source`` is a ``.py`` file (relative to the current directory, or absolute; imported
-    under a unique module name with its directory on ``sys.path`` while it is imported) or
+    under a unique module name with its directory first on ``sys.path`` while it is
+    imported, last after that) or
     a module name. ``kind`` names what is loaded in messages ("reward function"), ``error``
     is the exception raised, ``expected`` describes the accepted forms for a malformed spec.
     The object must be callable.

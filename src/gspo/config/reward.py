@@ -77,7 +77,9 @@ class RewardConfig(Section):
     def check_weights(self) -> None:
         """One weight per reward function, if weights are given."""
         if self.weights is not None and len(self.weights) != len(self.functions):
+            named = ", ".join(map(str, self._as_specs(list(self.functions))))
             raise ValueError(
                 f"reward.weights has {len(self.weights)} entries for "
-                f"{len(self.functions)} reward.functions"
+                f"{len(self.functions)} reward.functions ({named}): give one weight per "
+                "function, or none (1.0 each)"
             )

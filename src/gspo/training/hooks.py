@@ -118,7 +118,8 @@ class FlatRewardWarning:
     def check(self, index: int, line: dict[str, float]) -> None:
         if self.warned:
             return
-        if line.get("train/zero_std_fraction") != 1.0:
+        # (a batch no function scored, no reward mean: the scorer's own line says so)
+        if line.get("train/zero_std_fraction") != 1.0 or "train/reward_mean" not in line:
             self.flat = []
             return
         self.flat.append(line.get("train/reward_mean", float("nan")))
