@@ -331,6 +331,22 @@ def test_a_tracker_refusing_its_settings_is_one_line_naming_the_key(tmp_path, mo
 # ------------------------------------------------------------------------------ plots
 
 
+@pytest.fixture
+def saved_figures(monkeypatch):
+    """The matplotlib figures saved during the test, in order (drawn as usual too)."""
+    from matplotlib.figure import Figure
+
+    saved = []
+    original = Figure.savefig
+
+    def spy(self, *args, **kwargs):
+        saved.append(self)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", spy)
+    return saved
+
+
 def test_plot_metrics_writes_expected_pngs(tmp_path):
     metrics = _write_jsonl(tmp_path / "metrics.jsonl", _records(20))
     paths = plot_metrics(metrics, tmp_path / "plots")
@@ -380,43 +396,21 @@ def test_plot_series_returns_none_without_data(tmp_path):
     _assert_png(logy)
 
 
-def test_plot_runs_overlays_two_runs(tmp_path):
-    from matplotlib.figure import Figure
-
-    saved: list[Figure] = []
-    original = Figure.savefig
-
-    def spy(self, *args, **kwargs):
-        saved.append(self)
-        return original(self, *args, **kwargs)
-
+def test_plot_runs_overlays_two_runs(tmp_path, saved_figures):
     runs = {"gspo": _records(10), "grpo": _records(8), "other": [{"step": 1, "x": 1.0}]}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Figure, "savefig", spy)
-        path = plot_runs(runs, "train/reward_mean", tmp_path / "cmp.png", title="reward")
+    path = plot_runs(runs, "train/reward_mean", tmp_path / "cmp.png", title="reward")
     _assert_png(path)
-    (ax,) = saved[0].axes
+    (ax,) = saved_figures[0].axes
     assert [line.get_label() for line in ax.get_lines()] == ["gspo", "grpo"]
     assert len(ax.get_lines()[1].get_xdata()) == 8
     assert plot_runs(runs, "missing", tmp_path / "none.png") is None
 
 
-def test_a_long_title_is_wrapped_inside_the_figure(tmp_path):
+def test_a_long_title_is_wrapped_inside_the_figure(tmp_path, saved_figures):
     """A title as long as the command behind a plot stays within the saved figure."""
-    from matplotlib.figure import Figure
-
-    saved = []
-    original = Figure.savefig
-
-    def spy(self, *args, **kwargs):
-        saved.append(self)
-        return original(self, *args, **kwargs)
-
     title = "Expert change (python experiments/moe_shape.py claim --experts 128 " * 2
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Figure, "savefig", spy)
-        plot_runs({"a": _records(6)}, "train/reward_mean", tmp_path / "t.png", title=title)
-    fig = saved[0]
+    plot_runs({"a": _records(6)}, "train/reward_mean", tmp_path / "t.png", title=title)
+    fig = saved_figures[0]
     text = fig.axes[0].title
     assert text.get_text().count("\n") >= 1
     box, frame = text.get_window_extent(), fig.bbox
@@ -644,26 +638,15 @@ def test_rollout_clip_fractions_of_a_stale_batch_are_all_off_policy():
     assert rollout_clip_fractions(lines[:1]) == {"train/clip_fraction_on_policy": 0.1}
 
 
-def test_a_line_equal_to_an_earlier_one_is_dashed_and_says_so(tmp_path):
+def test_a_line_equal_to_an_earlier_one_is_dashed_and_says_so(tmp_path, saved_figures):
     """gspo compare's GSPO-token line equals GSPO's (one advantage per response) and hid it
     in every plot: the legend listed GSPO, the figure showed no GSPO line."""
-    from matplotlib.figure import Figure
-
     from gspo.telemetry import plot_bands
-
-    saved: list[Figure] = []
-    original = Figure.savefig
-
-    def spy(self, *args, **kwargs):
-        saved.append(self)
-        return original(self, *args, **kwargs)
 
     seeds = [_records(10), [{**r, "train/reward_mean": 0.5} for r in _records(10)]]
     groups = {"GSPO": seeds, "GRPO": seeds[:1], "GSPO-token": seeds}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Figure, "savefig", spy)
-        _assert_png(plot_bands(groups, "train/reward_mean", tmp_path / "r.png"))
-    (ax,) = saved[0].axes
+    _assert_png(plot_bands(groups, "train/reward_mean", tmp_path / "r.png"))
+    (ax,) = saved_figures[0].axes
     labels = [line.get_label() for line in ax.get_lines()]
     assert labels == ["GSPO", "GRPO", "GSPO-token (= GSPO)"]
     styles = [line.get_linestyle() for line in ax.get_lines()]
@@ -671,19 +654,8 @@ def test_a_line_equal_to_an_earlier_one_is_dashed_and_says_so(tmp_path):
     assert len(ax.collections) == 1  # GSPO's band once (GRPO: one seed, no band)
 
 
-def test_step_axes_tick_whole_steps(tmp_path):
+def test_step_axes_tick_whole_steps(tmp_path, saved_figures):
     """A 3-step run's axis read 1.00, 1.25, 1.50, ...: steps are whole."""
-    from matplotlib.figure import Figure
-
-    saved: list[Figure] = []
-    original = Figure.savefig
-
-    def spy(self, *args, **kwargs):
-        saved.append(self)
-        return original(self, *args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Figure, "savefig", spy)
-        plot_series(_records(3), ["train/reward_mean"], tmp_path / "r.png", title="t", ylabel="y")
-    ticks = saved[0].axes[0].get_xticks()
+    plot_series(_records(3), ["train/reward_mean"], tmp_path / "r.png", title="t", ylabel="y")
+    ticks = saved_figures[0].axes[0].get_xticks()
     assert len(ticks) >= 3 and all(t == int(t) for t in ticks)
