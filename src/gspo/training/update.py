@@ -188,7 +188,9 @@ class PolicyUpdate:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.grad_clip)
         loss, norm = total.item(), as_float(grad_norm)  # the norm is global under FSDP
         finite = math.isfinite(loss) and math.isfinite(norm)
-        lr = self.scheduler.get_last_lr()[0]  # this step's (the scheduler then moves on)
+        # the rate this step takes (the scheduler then moves on; its get_last_lr() is the
+        # rate loaded with a resumed run's state, where optim.lr was changed on --resume)
+        lr = self.optimizer.param_groups[0]["lr"]
         if finite:
             self.optimizer.step()
             self.skipped_in_a_row = 0
