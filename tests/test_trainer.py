@@ -614,6 +614,12 @@ def test_a_model_moved_away_from_its_run_is_named_on_resume(tmp_path, monkeypatc
     assert main(["train", "--resume", "a", "train.max_steps=8", "model.path=models2"]) == 0
     assert main(["export", "a", "--merge", "merged"]) == 0
     assert len(train_lines(run_metrics(tmp_path / "a"))) == 8
+    # a copy of it, the model still where the run records it: the same weights, taken
+    # (refused before as "another model")
+    shutil.copytree(tmp_path / "models2", tmp_path / "copy")
+    assert main(["train", "--resume", "a", "train.max_steps=12", "model.path=copy"]) == 0
+    assert load_config(tmp_path / "a" / "config.yaml").model.path == str(tmp_path / "copy")
+    assert len(train_lines(run_metrics(tmp_path / "a"))) == 12
 
 
 def test_resume_refuses_another_model_or_another_directory(tmp_path, capsys):

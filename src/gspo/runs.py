@@ -299,13 +299,17 @@ def _trained_config(out: Path) -> Path:
 
 def relocated(out: Path, was: str | None, now: str | None) -> bool:
     """Whether ``model.path=now`` names where the run's model ``was`` (missing, even where
-    it would lie had it moved with the run) was moved to: a resume may say so. The weights
-    must be those its checkpoints recorded (a LoRA adapter's base, a step 0 naming its
-    model: ``model_fingerprint.json``), else one line; a full fine-tuning run whose
-    checkpoints all hold their own weights does not read it."""
-    if was is None or now is None or Path(was).exists() or not Path(now).is_dir():
+    it would lie had it moved with the run) was moved to, or a copy of it: a resume may say
+    so. The weights must be those its checkpoints recorded (a LoRA adapter's base, a step 0
+    naming its model: ``model_fingerprint.json``), else one line; a full fine-tuning run
+    whose checkpoints all hold their own weights does not read it (so a copy, ``was``
+    still there, is taken only where a record says it is one)."""
+    if was is None or now is None or now == was or not Path(now).is_dir():
         return False
-    for recorded in sorted((out / CHECKPOINTS).glob(f"step-*/{MODEL_FINGERPRINT}")):
+    records = sorted((out / CHECKPOINTS).glob(f"step-*/{MODEL_FINGERPRINT}"))
+    if Path(was).exists() and not records:
+        return False
+    for recorded in records:
         change = fingerprint_change(json.loads(recorded.read_text()), model_files(now))
         if change:
             raise ValueError(
