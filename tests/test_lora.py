@@ -264,6 +264,11 @@ def test_export_without_merge_names_a_full_checkpoint_or_asks_for_out(
         config = load_config(None, [*FAST, extra, "train.max_steps=0", "eval.max_prompts=2"])
         Trainer(config, tmp_path / name).fit()
     capsys.readouterr()
+    assert main(["export", str(tmp_path / "nope")]) == 2  # (a typo: "neither a checkpoint")
+    assert (
+        capsys.readouterr().err.strip()
+        == f"gspo: error: export: {tmp_path / 'nope'} does not exist"
+    )
     assert main(["export", str(tmp_path / "full")]) == 0
     # its step 0 (no cold start ran) names its model instead of holding a copy: that one
     # (before: the step-0 directory, which holds no weights)

@@ -56,7 +56,8 @@ def resolve_checkpoint(source: Path) -> Path:
         )
     checkpoint = latest_checkpoint(source)
     if checkpoint is None:
-        raise FileNotFoundError(f"export: {source} is neither a checkpoint nor a run with one")
+        said = "is neither a checkpoint nor a run with one" if source.exists() else "does not exist"
+        raise FileNotFoundError(f"export: {source} {said}")
     return checkpoint
 
 
