@@ -207,6 +207,11 @@ def test_gradient_noise_notes_compare_the_length_trend():
         {"GRPO": algo(0.95, 0.05, se=math.nan), "GSPO": algo(0.95, 0.95)}
     )
     assert "cannot tell: a bucket has too few dumps" in one and "alike" not in one
+    assert "nan" not in one and "GRPO 0.95 -> 0.05; GSPO 0.95 ± " in one  # (it said nan ± nan)
+    (missing, *_) = gradient_noise_notes(  # no halves in a bucket (the table's n/a)
+        {"GRPO": algo(math.nan, 0.05), "GSPO": algo(0.95, 0.95)}
+    )
+    assert "GRPO n/a -> 0.05 ± " in missing and "nan" not in missing
     (rises, *_) = gradient_noise_notes({"GRPO": algo(0.3, 0.6), "GSPO": algo(0.6, 0.5)})
     assert "rises more with length for GRPO" in rises
     assert gradient_noise_notes({"GRPO": algo(0.6, 0.5)}) == []

@@ -180,12 +180,16 @@ def gradient_noise_notes(summary: Mapping[str, Mapping[str, Any]]) -> list[str]:
     if len(rows) < 2 or any(len(r) < 2 for r in rows.values()):
         return []
 
+    def said(value: float, se: float) -> str:  # (none: "n/a", as the table writes it)
+        if not math.isfinite(value):
+            return "n/a"
+        return f"{value:.2f}" + (f" ± {se:.2f}" if math.isfinite(se) else "")
+
     def trend(name: str, key: str) -> tuple[float, float, str]:
         first, last = rows[name][0], rows[name][-1]
         se = math.hypot(first[f"{key}_se"], last[f"{key}_se"])
         text = (
-            f"{name} {first[key]:.2f} ± {first[f'{key}_se']:.2f} -> {last[key]:.2f} ± "
-            f"{last[f'{key}_se']:.2f}"
+            f"{name} {said(first[key], first[f'{key}_se'])} -> {said(last[key], last[f'{key}_se'])}"
         )
         return last[key] - first[key], se, text
 
@@ -203,6 +207,11 @@ def gradient_noise_notes(summary: Mapping[str, Mapping[str, Any]]) -> list[str]:
         diff, two_se = grpo_change - gspo_change, 2 * math.hypot(grpo_se, gspo_se)
         if not math.isfinite(diff + two_se):  # (a bucket of one dump has no standard error)
             finding = "cannot tell: a bucket has too few dumps for a standard error"
+            out.append(
+                f"{what}, shortest -> longest bucket ({lengths}; mean ± standard error): "
+                f"{grpo_text}; {gspo_text}: {finding}."
+            )
+            continue
         elif diff < -two_se:
             finding = "it falls more with length for GRPO than for GSPO"
         elif diff > two_se:
