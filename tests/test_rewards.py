@@ -888,8 +888,16 @@ def test_completion_ids_reach_the_functions_that_take_them(tmp_path):
         "        return f(*args, **kwargs)\n"
         "    return wrapper\n"
         "decorated = logged(named)\n"  # (its wrapper takes **kwargs, passed on to named)
+        "def penalised(f):\n"
+        "    @functools.wraps(f)\n"
+        "    def wrapper(prompts, completions, completion_ids, **kwargs):\n"
+        "        rewards = f(prompts, completions, **kwargs)\n"
+        "        return [r - len(i) for r, i in zip(rewards, completion_ids)]\n"
+        "    return wrapper\n"
+        "shorter = penalised(named)\n"  # (its wrapper names completion_ids: it takes them)
     )
-    specs = [f"{tmp_path / 'rw.py'}:{name}" for name in ("reward_len", "named", "decorated")]
+    names = ("reward_len", "named", "decorated", "shorter")
+    specs = [f"{tmp_path / 'rw.py'}:{name}" for name in names]
     rewards = RewardFunctions.from_specs(specs, None)
     rewards.check_columns(["answer"], "data.train (x.jsonl)")  # (refused before)
     tok = build_char_tokenizer()
@@ -901,8 +909,9 @@ def test_completion_ids_reach_the_functions_that_take_them(tmp_path):
         sampler_logprobs=torch.zeros(2, 4), finish_reasons=["stop", "length"], group_size=2,
     )  # fmt: skip
     scored = Scorer(tok, rewards).score([{"prompt": "1+1=", "answer": "2"}], Generated(batch))
-    length, named, decorated = scored.per_function.values()
+    length, named, decorated, shorter = scored.per_function.values()
     assert length == [3.0, 3.0] and named == decorated == [0.5, 0.5]
+    assert shorter == [-2.5, -2.5]
     assert scored.completions == ["12", "345"]
     mask[1, 2] = False
     scored = Scorer(tok, rewards).score([{"prompt": "1+1=", "answer": "2"}], Generated(batch))
@@ -917,7 +926,7 @@ def test_completion_ids_reach_the_functions_that_take_them(tmp_path):
         )
     finally:
         pooled.close()
-    assert list(got.per_function.values()) == [[1.0, 2.0], [0.5, 0.5], [0.5, 0.5]]
+    assert list(got.per_function.values()) == [[1.0, 2.0], [0.5, 0.5], [0.5, 0.5], [-0.5, -1.5]]
     # a data column of that name that no function takes stays the data's (as before)
     named = RewardFunctions.from_specs([f"{tmp_path / 'rw.py'}:named"], None)
     assert not named.take("completion_ids")

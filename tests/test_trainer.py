@@ -620,6 +620,17 @@ def test_a_model_moved_away_from_its_run_is_named_on_resume(tmp_path, monkeypatc
     assert main(["train", "--resume", "a", "train.max_steps=12", "model.path=copy"]) == 0
     assert load_config(tmp_path / "a" / "config.yaml").model.path == str(tmp_path / "copy")
     assert len(train_lines(run_metrics(tmp_path / "a"))) == 12
+    # ... but not one whose other files differ (the weights alone were checked)
+    shutil.copytree(tmp_path / "copy", tmp_path / "edited")
+    (tmp_path / "edited" / "config.json").write_text(
+        (tmp_path / "copy" / "config.json").read_text() + "\n"
+    )
+    capsys.readouterr()
+    assert main(["train", "--resume", "a", "train.max_steps=16", "model.path=edited"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"gspo: error: model.path={tmp_path / 'edited'}: not a copy of the run's model "
+        f"{tmp_path / 'copy'} (config.json differs); start a new run (--output-dir) to change it"
+    )
 
 
 def test_resume_refuses_another_model_or_another_directory(tmp_path, capsys):

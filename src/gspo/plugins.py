@@ -55,9 +55,16 @@ def unexpected_arguments(
 
 
 def takes_keyword(function: Callable[..., Any], key: str) -> bool:
-    """Whether a call may pass ``function`` the keyword ``key``: a parameter of that name
-    or ``**kwargs``, in its own signature and, where it is a decorated function, in the
-    wrapped one's (a wrapper taking ``**kwargs`` passes them on)."""
+    """Whether a call may pass ``function`` the keyword ``key``: a parameter of that name in
+    its own signature, or ``**kwargs`` there and, where it is a decorated function, ``key``
+    taken by the wrapped one (a wrapper's ``**kwargs`` passes them on to it)."""
+    try:
+        own = inspect.signature(function, follow_wrapped=False).parameters
+    except (TypeError, ValueError):
+        return True  # (unreadable: as unexpected_arguments reads it)
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    if key in own and own[key].kind in named:
+        return True
     return not (
         unexpected_arguments(function, [key])
         or unexpected_arguments(function, [key], follow_wrapped=True)
@@ -123,10 +130,10 @@ def _import_file(path_text: str, spec: str, kind: str, error: type[Exception]) -
     finally:
         with contextlib.suppress(ValueError):
             sys.path.remove(directory)
-        # ... and after it, last (nothing installed shadowed), for the imports its functions
-        # make when called (a factory's `import my_env` beside it failed at its first call)
-        if directory not in sys.path:
-            sys.path.append(directory)
+    # ... and after it, last (nothing installed shadowed), for the imports its functions
+    # make when called (a factory's `import my_env` beside it failed at its first call)
+    if directory not in sys.path:
+        sys.path.append(directory)
     return module
 
 

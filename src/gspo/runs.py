@@ -18,7 +18,12 @@ import torch
 from gspo.config import Config, load_config
 from gspo.distributed import Distributed, setup_distributed, teardown_distributed
 from gspo.environments import EnvError
-from gspo.models.loading import MODEL_FINGERPRINT, fingerprint_change, model_files
+from gspo.models.loading import (
+    MODEL_FINGERPRINT,
+    WEIGHT_SUFFIXES,
+    fingerprint_change,
+    model_files,
+)
 from gspo.moved import moved_path
 from gspo.publish import temp_path
 from gspo.rewards.contract import RewardError
@@ -303,12 +308,19 @@ def relocated(out: Path, was: str | None, now: str | None) -> bool:
     so. The weights must be those its checkpoints recorded (a LoRA adapter's base, a step 0
     naming its model: ``model_fingerprint.json``), else one line; a full fine-tuning run
     whose checkpoints all hold their own weights does not read it (so a copy, ``was``
-    still there, is taken only where a record says it is one)."""
+    still there, is taken only where a record says it is one, and only with every other
+    file the same: its tokenizer, chat template and config)."""
     if was is None or now is None or now == was or not Path(now).is_dir():
         return False
     records = sorted((out / CHECKPOINTS).glob(f"step-*/{MODEL_FINGERPRINT}"))
-    if Path(was).exists() and not records:
-        return False
+    if Path(was).exists():  # a copy: its weights as recorded, and every other file as it is
+        if not records:
+            return False
+        if differ := _differing_file(Path(was), Path(now)):
+            raise ValueError(
+                f"model.path={now}: not a copy of the run's model {was} ({differ} differs); "
+                "start a new run (--output-dir) to change it"
+            )
     for recorded in records:
         change = fingerprint_change(json.loads(recorded.read_text()), model_files(now))
         if change:
@@ -317,6 +329,20 @@ def relocated(out: Path, was: str | None, now: str | None) -> bool:
                 f"({change})"
             )
     return True
+
+
+def _differing_file(was: Path, now: Path) -> str | None:
+    """The first file beside the weights (config, tokenizer, chat template, generation
+    settings) that is not the same in the model directories ``was`` and ``now``; the weights
+    are the fingerprint's to check."""
+    names = sorted({p.name for d in (was, now) for p in d.iterdir() if p.is_file()})
+    for name in names:
+        if Path(name).suffix in WEIGHT_SUFFIXES:
+            continue
+        a, b = was / name, now / name
+        if not (a.is_file() and b.is_file() and a.read_bytes() == b.read_bytes()):
+            return name
+    return None
 
 
 def check_same_model(output_dir: str | Path, config: Config, how: str, other: str) -> None:

@@ -78,8 +78,9 @@ class RewardConfig(Section):
         """One weight per reward function, if weights are given."""
         if self.weights is not None and len(self.weights) != len(self.functions):
             named = ", ".join(map(str, self._as_specs(list(self.functions))))
+            entries = "entry" if len(self.weights) == 1 else "entries"
             raise ValueError(
-                f"reward.weights has {len(self.weights)} entries for "
+                f"reward.weights has {len(self.weights)} {entries} for "
                 f"{len(self.functions)} reward.functions ({named}): give one weight per "
-                "function, or none (1.0 each)"
+                "function, or reward.weights=null (1.0 each)"
             )
