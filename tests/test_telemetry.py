@@ -659,3 +659,16 @@ def test_step_axes_tick_whole_steps(tmp_path, saved_figures):
     plot_series(_records(3), ["train/reward_mean"], tmp_path / "r.png", title="t", ylabel="y")
     ticks = saved_figures[0].axes[0].get_xticks()
     assert len(ticks) >= 3 and all(t == int(t) for t in ticks)
+
+
+def test_a_folder_named_like_an_optional_tracker_is_not_taken_for_it(tmp_path, monkeypatch):
+    """A project folder named like a tracker package that is not installed (a `wandb/` of
+    run logs) imported as a namespace package once its directory was on sys.path (a reward
+    file's is): the run then failed inside the tracker's calls, not with the install hint."""
+    from gspo.telemetry.trackers import import_optional
+
+    (tmp_path / "gspo_no_such_tracker").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="'gspo_no_such_tracker' package is not installed"):
+        import_optional("gspo_no_such_tracker", "Tracker", "wandb")
+    assert import_optional("json", "JSON", "x").__name__ == "json"  # (an installed one)

@@ -89,7 +89,10 @@ def import_optional(module: str, name: str, extra: str) -> Any:
     import importlib
 
     try:
-        return importlib.import_module(module)
+        found = importlib.import_module(module)
+        if getattr(found, "__file__", None) is None:  # a folder of that name on sys.path
+            raise ImportError(module)  # (a namespace package: not the package)
+        return found
     except ImportError:  # (a setting asked for it: a ValueError, said in one line)
         raise ValueError(
             f"log.{extra}: {name} logging was requested but the '{module}' package is not "
