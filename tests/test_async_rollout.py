@@ -267,24 +267,16 @@ def test_torchrun_ranks_each_run_a_producer_and_resume_exactly(tmp_path, varied_
 @pytest.mark.slow
 def test_sigkill_mid_run_then_resume_gives_the_same_run(tmp_path, varied_reward):
     """Killed while the producer is sampling ahead (at an RL step between checkpoints)."""
-    import signal
-
     from test_faults import RUN as FAULT_RUN
-    from test_faults import gspo
+    from test_faults import gspo, killed_and_resumed
 
     cold = 20
     args = [*FAULT_RUN, f"train.cold_start_steps={cold}", varied_reward,
             "rollout.max_staleness=1", "--no-cache"]  # fmt: skip
     assert gspo(tmp_path, "train", "--output-dir", str(tmp_path / "full"), *args) == 0
     full = [comparable(r) for r in run_metrics(tmp_path / "full")]
-    run = tmp_path / "killed"
     kill = ("step", cold + 4)  # the 4th RL step: after the step-2 checkpoint
-    assert gspo(tmp_path, "train", "--output-dir", str(run), *args, kill=kill) == -signal.SIGKILL
-    assert gspo(tmp_path, "train", "--resume", str(run)) == 0
-    resumed = [comparable(r) for r in run_metrics(run)]
-    assert [r["step"] for r in resumed] == [r["step"] for r in full]
-    for a, b in zip(full, resumed, strict=True):
-        assert a == pytest.approx(b, rel=1e-6, abs=1e-7)
+    killed_and_resumed(tmp_path, "killed", args, kill, full, rel=1e-6)
 
 
 @pytest.mark.slow

@@ -90,8 +90,9 @@ def import_optional(module: str, name: str, extra: str) -> Any:
 
     try:
         found = importlib.import_module(module)
-        if getattr(found, "__file__", None) is None:  # a folder of that name on sys.path
-            raise ImportError(module)  # (a namespace package: not the package)
+        spec = getattr(found, "__spec__", None)  # a folder of that name on sys.path: a
+        if spec is not None and spec.origin in (None, "namespace"):  # namespace package
+            raise ImportError(module)
         return found
     except ImportError:  # (a setting asked for it: a ValueError, said in one line)
         raise ValueError(
