@@ -65,10 +65,9 @@ def takes_keyword(function: Callable[..., Any], key: str) -> bool:
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     if key in own and own[key].kind in named:
         return True
-    return not (
-        unexpected_arguments(function, [key])
-        or unexpected_arguments(function, [key], follow_wrapped=True)
-    )
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in own.values()):
+        return False
+    return not unexpected_arguments(function, [key], follow_wrapped=True)
 
 
 def run_coroutine(coroutine: Any) -> Any:
