@@ -130,10 +130,80 @@ def test_the_packed_layout_waits_for_the_gpu_once(tokenizer, tiny_model, share):
         torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) == 1, [str(w.message) for w in syncs]
+    _, ours, theirs = gspo_syncs(
+        lambda: pack_layout(config, *cuda_args, share_prompts=share, on_host=args)
+    )
+    assert ours == [] and theirs == 0  # given the inputs on the host: no wait
     assert (gpu.mask is not None) == share
     for name in ("tokens", "positions", "mask", "rows", "cols", "packed_rows", "before", "targets"):
         a, b = getattr(cpu, name), getattr(gpu, name)
         assert (a is None and b is None) or (b.is_cuda and torch.equal(a, b.cpu())), name
+
+
+def gspo_syncs(fn):
+    """``fn()`` under ``torch.cuda.set_sync_debug_mode("warn")``: its result, the host waits
+    for the device made from gspo's own code (``file:line`` each) and how many others made
+    (transformers', torch's)."""
+    import warnings
+    from pathlib import Path
+
+    import gspo
+
+    home = str(Path(gspo.__file__).parent)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    ours = [f"{Path(w.filename).name}:{w.lineno}" for w in syncs if w.filename.startswith(home)]
+    return out, ours, len(syncs) - len(ours)
+
+
+@pytest.mark.slow
+def test_an_update_waits_for_the_gpu_once_and_pi_olds_recompute_never(
+    tmp_path, varied_reward, monkeypatch, capsys
+):
+    """Per minibatch the update reads its loss, gradient norm and metrics from the device
+    once, after the backward is queued (reading each metric on its own waited for the
+    forward before any of the backward was queued; cutting the minibatch with indices
+    from the host waited once per tensor); pi_old's recompute, minibatch after
+    minibatch, waits for nothing of gspo's. Waits inside transformers' forward are
+    counted apart and printed."""
+    import gspo.training.policy as policy_module
+    import gspo.training.update as update_module
+
+    ours: dict[str, list[list[str]]] = {"update": [], "recompute": []}
+    theirs = {"update": 0, "recompute": 0}
+    train, per_minibatch = update_module.UpdateStage.train, policy_module.per_minibatch
+
+    def counted_train(stage, experience, k):
+        line, mine, other = gspo_syncs(lambda: train(stage, experience, k))
+        if k > 0:  # (minibatch 0's hooks read the first minibatch's mismatch)
+            ours["update"].append(mine)
+            theirs["update"] += other
+        return line
+
+    def counted_recompute(*args, **kwargs):
+        out, mine, other = gspo_syncs(lambda: per_minibatch(*args, **kwargs))
+        ours["recompute"].append(mine)
+        theirs["recompute"] += other
+        return out
+
+    monkeypatch.setattr(update_module.UpdateStage, "train", counted_train)
+    monkeypatch.setattr(policy_module, "per_minibatch", counted_recompute)
+    overrides = [*SMALL, *BF16, varied_reward, "train.cold_start_steps=0", "train.max_steps=2",
+                 "algorithm.minibatches=4", "rollout.max_new_tokens=8",
+                 "algorithm.old_logprobs=recompute"]  # fmt: skip
+    Trainer(load_config(None, overrides), tmp_path / "run").fit()
+    with capsys.disabled():
+        print(f"\nhost waits per minibatch, gspo's: update {ours['update']}, recompute "
+              f"{ours['recompute']}; transformers'/torch's: {theirs}")  # fmt: skip
+    assert len(ours["update"]) == 6 and all(len(s) == 1 for s in ours["update"]), ours
+    assert ours["recompute"] and all(s == [] for s in ours["recompute"]), ours
 
 
 @pytest.mark.slow

@@ -644,6 +644,34 @@ def test_all_rows_empty(level, adv_form):
 
 
 @pytest.mark.parametrize("level", LEVELS)
+def test_the_loss_and_its_metrics_read_nothing_back_from_the_device(level):
+    """policy_loss computes its metrics as 0-dim tensors (``values``) without an op that
+    would wait for a GPU (``.item()``, a boolean selection): the trainer reads them once,
+    after the backward is queued. ``metrics`` are the floats ``.item()`` gives, exactly."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    waits = {"_local_scalar_dense", "nonzero", "masked_select", "item", "is_nonzero"}
+
+    class NoWaits(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            assert func._overloadpacket.__name__ not in waits, func
+            return func(*args, **(kwargs or {}))
+
+    lp, olp, adv, mask = make_batch(6, 9, level, 3, token_adv=level != "sequence")
+    mask[2] = False  # a row with nothing counted (besides make_batch's own)
+    with NoWaits():
+        out = policy_loss(lp, olp, adv, mask, level=level, ref_logprobs=olp - 0.1)
+    assert all(v.dim() == 0 for v in out.values.values())
+    assert out.metrics == {k: v.item() for k, v in out.values.items()}
+    assert out.metrics["sequences"] == mask.any(-1).sum().item() < 6
+    assert out.metrics["tokens"] == mask.sum().item()
+    clipped = out.metrics["clip_fraction"] * out.metrics["tokens"]
+    assert clipped == pytest.approx(round(clipped), abs=1e-9)  # a count over a count
+    none = policy_loss(lp, olp, adv, torch.zeros_like(mask), level=level)
+    assert all(math.isnan(none.metrics[k]) for k in RATIO_KEYS)
+
+
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("garbage", [-math.inf, math.inf, math.nan])
 def test_garbage_in_masked_positions(level, garbage):
     """Masked positions may hold -inf, inf or NaN in logprobs, old_logprobs and

@@ -113,6 +113,26 @@ def test_select_trims_padding(tokenizer, tiny_model):
     assert len(sub.finish_reasons) == 2
 
 
+def test_a_minibatch_cut_from_a_batch_carries_its_ids_and_masks_on_the_host(tokenizer, tiny_model):
+    """What ``select`` and ``trimmed`` hand on (so a minibatch on CUDA is cut and laid out
+    without waiting for the device) is the minibatch's own ids and masks, cut the same
+    way; a batch changed with ``dataclasses.replace`` makes its own."""
+    from dataclasses import replace
+
+    engine = engine_for(tiny_model, tokenizer)
+    batch = engine.generate(
+        prompts(tokenizer, ("1+1=", "123+456=")), n=3, params=SamplingParams(6), seed=1
+    )
+    for rows in ([0, 2], [4, 1, 3], [5]):
+        sub = batch.select(torch.tensor(rows))
+        for name, t in sub.on_host()._asdict().items():
+            assert torch.equal(t.long(), getattr(sub, name).cpu().long()), (rows, name)
+        again = sub.select(torch.tensor([len(rows) - 1]))  # a cut of a cut
+        assert torch.equal(again.on_host().completion_ids, again.completion_ids)
+    shorter = replace(batch, completion_mask=torch.zeros_like(batch.completion_mask))
+    assert batch.on_host().completion_mask.any() and not shorter.on_host().completion_mask.any()
+
+
 def test_logit_noise_changes_the_sampler_distribution_and_its_logprobs(tiny_model, tokenizer):
     """The testing-only noise emulates an engine whose probabilities differ from ours."""
     engine = engine_for(tiny_model, tokenizer)

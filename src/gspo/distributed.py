@@ -69,7 +69,7 @@ class Distributed:
         torch.distributed.all_gather_object(out, obj)
         return out
 
-    def mean_scale(self, local_count: float) -> float:
+    def mean_scale(self, local_count: float | torch.Tensor) -> float:
         """Factor for a rank's mean-over-``local_count`` loss so ranks average to the global mean.
 
         FSDP averages gradients over ranks, so rank r's loss ``sum_r / n_r`` is multiplied
@@ -277,11 +277,10 @@ def full_state_dict(
     return state
 
 
-def as_float(value: Any) -> float:
-    """A scalar tensor (a DTensor under FSDP, e.g. a gradient norm) as a Python float."""
-    if hasattr(value, "full_tensor"):
-        value = value.full_tensor()
-    return float(value)
+def whole(value: torch.Tensor) -> torch.Tensor:
+    """A tensor whole: a DTensor under FSDP (e.g. a gradient norm) gathered, any other as
+    it is."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
 # ---------------------------------------------------------------- sharded checkpoints

@@ -3,7 +3,8 @@ GSPO, GSPO-token and GRPO, as pure tensor functions.
 
 Contract: ``docs/algorithm.md``, the project's statement of the algorithm (after Zheng
 et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071). Every function here
-takes tensors and returns tensors or floats: no model, no config object, no I/O. Shapes:
+takes tensors and returns tensors or floats: no model, no config object, no I/O; the
+loss and its metrics read nothing back from the device (:class:`PolicyLoss`). Shapes:
 ``B`` responses, ``T`` completion positions.
 
 Equations of ``docs/algorithm.md``, and where each lives:
@@ -26,7 +27,9 @@ Equations of ``docs/algorithm.md``, and where each lives:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal, get_args
 
 import torch
@@ -77,11 +80,29 @@ class PolicyLoss:
     """Result of :func:`policy_loss`.
 
     ``loss`` is a scalar tensor (minus the objective, plus the KL penalty) that carries
-    the gradient; ``metrics`` holds plain floats for logging.
+    the gradient; ``values`` holds the metrics as 0-dim tensors beside it, computed without
+    reading anything back from the device; ``metrics`` the same as plain floats, read in
+    one transfer when first asked for. On CUDA that read waits for the forward to finish:
+    the trainer reads them after ``loss.backward()`` is queued (:func:`read_scalars`), so
+    the host queues the backward while the device still runs the forward.
     """
 
     loss: Tensor
-    metrics: dict[str, float] = field(default_factory=dict)
+    values: dict[str, Tensor] = field(default_factory=dict)
+
+    @cached_property
+    def metrics(self) -> dict[str, float]:
+        return read_scalars(self.values)
+
+
+def read_scalars(values: Mapping[str, Tensor]) -> dict[str, float]:
+    """0-dim tensors (on one device) as Python floats, in one transfer: one wait for the
+    device instead of one per ``.item()``. Each goes through float64, which holds a
+    float32 or bf16 value and an integer count exactly (the floats ``.item()`` gives)."""
+    if not values:
+        return {}
+    stacked = torch.stack([v.detach().reshape(()).to(torch.float64) for v in values.values()])
+    return dict(zip(values, stacked.tolist(), strict=True))
 
 
 def check_level(level: str) -> None:
@@ -417,15 +438,20 @@ def _as_advantages(advantages: Tensor, mask: Tensor, level: str) -> Tensor:
     )
 
 
-def _ratio_stats(ratio: Tensor, valid: Tensor) -> dict[str, float]:
-    values = ratio.detach()[valid]
-    if values.numel() == 0:
-        nan = float("nan")
-        return {"ratio_mean": nan, "ratio_min": nan, "ratio_max": nan}
+def _ratio_stats(ratio: Tensor, valid: Tensor) -> dict[str, Tensor]:
+    """The mean, least and greatest ``ratio`` where ``valid`` (NaN where none is), by masked
+    reductions: selecting the values would wait for the device to count them. The mean is
+    the selection's to float rounding (the same sum in another order where some are not
+    valid)."""
+    values = ratio.detach()
+    count = valid.sum()
+    zero, inf = (torch.tensor(x, dtype=values.dtype, device=values.device) for x in (0, math.inf))
+    nan = torch.tensor(math.nan, dtype=values.dtype, device=values.device)
+    some = count > 0
     return {
-        "ratio_mean": values.mean().item(),
-        "ratio_min": values.min().item(),
-        "ratio_max": values.max().item(),
+        "ratio_mean": torch.where(valid, values, zero).sum() / count.to(values.dtype),
+        "ratio_min": torch.where(some, torch.where(valid, values, inf).amin(), nan),
+        "ratio_max": torch.where(some, torch.where(valid, values, -inf).amax(), nan),
     }
 
 
@@ -469,7 +495,8 @@ def policy_loss(
 
     Returns:
         :class:`PolicyLoss` with ``loss = -J + kl_coef * KL`` where ``J`` is the mean over
-        responses of the (token-mean) clipped objective, and metrics:
+        responses of the (token-mean) clipped objective, and metrics (``values``, as
+        floats ``metrics``):
         ``clip_fraction`` (token-weighted, the paper's Figure 2), ``clip_fraction_low``,
         ``clip_fraction_high``, ``clip_fraction_sequences`` (mean over responses of each
         response's clipped-token fraction; for GSPO the fraction of clipped responses),
@@ -540,30 +567,32 @@ def policy_loss(
     objective_value = mean_over_responses(objective, mask)
     loss = -objective_value
 
-    metrics: dict[str, float] = {"objective": objective_value.item()}
+    metrics: dict[str, Tensor] = {"objective": objective_value.detach()}
     if ref_logprobs is not None:
         kl = mean_over_responses(k3_kl(logprobs, ref_logprobs, mask), mask)
         if kl_coef != 0.0:
             loss = loss + kl_coef * kl
-        metrics["kl"] = kl.item()
+        metrics["kl"] = kl.detach()
     if entropy is not None:
         h = mean_over_responses(entropy.to(dtype), mask)
         if entropy_coef != 0.0:
             loss = loss - entropy_coef * h
-        metrics["entropy"] = h.item()
+        metrics["entropy"] = h.detach()
 
-    n_tokens = mask.sum().item()
+    n_tokens = mask.sum()
+    # token fractions as exact counts divided in float64 (as Python divides two ints)
+    per_token = n_tokens.clamp(min=1).to(torch.float64)
     clipped_tokens = low_tokens | high_tokens
     per_response_fraction = mean_over_tokens(clipped_tokens.float(), mask)
     metrics.update(
         {
-            "clip_fraction": clipped_tokens.sum().item() / max(n_tokens, 1),
-            "clip_fraction_low": low_tokens.sum().item() / max(n_tokens, 1),
-            "clip_fraction_high": high_tokens.sum().item() / max(n_tokens, 1),
-            "clip_fraction_sequences": mean_over_responses(per_response_fraction, mask).item(),
+            "clip_fraction": clipped_tokens.sum().to(torch.float64) / per_token,
+            "clip_fraction_low": low_tokens.sum().to(torch.float64) / per_token,
+            "clip_fraction_high": high_tokens.sum().to(torch.float64) / per_token,
+            "clip_fraction_sequences": mean_over_responses(per_response_fraction, mask).detach(),
             **stats,
-            "tokens": float(n_tokens),
-            "sequences": float(valid_rows.sum().item()),
+            "tokens": n_tokens,
+            "sequences": valid_rows.sum(),
         }
     )
-    return PolicyLoss(loss=loss, metrics=metrics)
+    return PolicyLoss(loss=loss, values=metrics)

@@ -8,10 +8,12 @@ An engine is anything with ``generate`` and ``sync_weights``: the torch engine
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
+
+from gspo.models.logprobs import to_device
 
 
 @dataclass(frozen=True)
@@ -65,23 +67,44 @@ class RolloutBatch:
     def completion_lengths(self) -> Tensor:
         return self.completion_mask.sum(-1)
 
+    def on_host(self) -> HostCopy:
+        """The ids and masks in CPU memory: the batch's own tensors on the CPU, else copied
+        from the device once (one wait) and handed on to the batches :meth:`select` and
+        :meth:`trimmed` make of it, so that cutting a minibatch and laying out its forward
+        (:func:`gspo.models.pack_layout`) wait for nothing on CUDA. The batch's tensors are
+        not changed in place once made (a changed batch is a new one)."""
+        host = self.__dict__.get(_HOST)
+        if host is None:
+            tensors = (self.prompt_ids, self.prompt_mask, self.completion_ids, self.completion_mask)
+            if self.completion_ids.device.type != "cpu":
+                joined = torch.cat([t.long() for t in tensors], 1).cpu()  # one copy, one wait
+                tensors = joined.split([t.shape[1] for t in tensors], 1)
+            host = self.__dict__[_HOST] = HostCopy(*tensors)
+        return host
+
     def select(self, rows: Tensor) -> RolloutBatch:
-        """The sub-batch of the given row indices (a minibatch), trimmed of empty columns."""
+        """The sub-batch of the given row indices (a minibatch), trimmed of empty columns.
+        ``rows`` in CPU memory (a copy on the batch's device is made without waiting; rows
+        on a device are copied to the CPU first, which waits)."""
+        rows = rows.cpu()
+        on_device = to_device(rows, self.completion_ids.device)
         picked = {
-            f.name: getattr(self, f.name)[rows]
+            f.name: getattr(self, f.name)[on_device]
             for f in fields(self)
             if isinstance(getattr(self, f.name), Tensor)
         }
         reasons = [self.finish_reasons[i] for i in rows.tolist()]
         batch = RolloutBatch(**picked, finish_reasons=reasons, group_size=self.group_size)
+        batch.__dict__[_HOST] = HostCopy(*(t[rows] for t in self.on_host()))
         return batch.trimmed()
 
     def trimmed(self) -> RolloutBatch:
         """Drop prompt columns that are padding in every row and trailing completion padding."""
-        p_keep = int(self.prompt_mask.sum(-1).max().item()) if len(self) else 0
-        t_keep = int(self.completion_mask.sum(-1).max().item()) if len(self) else 0
+        host = self.on_host()
+        p_keep = int(host.prompt_mask.sum(-1).max()) if len(self) else 0
+        t_keep = int(host.completion_mask.sum(-1).max()) if len(self) else 0
         p = self.prompt_ids.shape[1]
-        return RolloutBatch(
+        batch = RolloutBatch(
             prompt_ids=self.prompt_ids[:, p - p_keep :],
             prompt_mask=self.prompt_mask[:, p - p_keep :],
             completion_ids=self.completion_ids[:, :t_keep],
@@ -91,6 +114,27 @@ class RolloutBatch:
             group_size=self.group_size,
             action_mask=self.action_mask[:, :t_keep],
         )
+        batch.__dict__[_HOST] = HostCopy(
+            host.prompt_ids[:, p - p_keep :],
+            host.prompt_mask[:, p - p_keep :],
+            host.completion_ids[:, :t_keep],
+            host.completion_mask[:, :t_keep],
+        )
+        return batch
+
+
+class HostCopy(NamedTuple):
+    """A :class:`RolloutBatch`'s ids and masks in CPU memory (:meth:`RolloutBatch.on_host`)."""
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+    completion_mask: Tensor
+
+
+#: Where a :class:`RolloutBatch` keeps its :class:`HostCopy` (not a field: a batch made
+#: with ``dataclasses.replace`` or by hand makes its own when asked).
+_HOST = "_host_copy"
 
 
 class RolloutEngine(Protocol):

@@ -28,5 +28,6 @@ from gspo.models.logprobs import (
     packed_completion_logprobs,
     plain_lm_head,
     position_ids_from_mask,
+    to_device,
     token_logprobs_from_logits,
 )

@@ -9,6 +9,7 @@ same head (:func:`head_logits`) so that sampler and trainer agree.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal
@@ -103,8 +104,10 @@ class CompletionLogprobs(torch.nn.Module):
         share_prompts: bool | Literal["auto"] = False,
         with_entropy: WithEntropy = False,
         chunk_size: int | None = None,
+        on_host: Sequence[Tensor] | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Packed for architectures in :data:`PLAIN_LM_HEAD`, else the model's own forward."""
+        """Packed for architectures in :data:`PLAIN_LM_HEAD`, else the model's own forward
+        (``on_host``: the four inputs in CPU memory, for the packed layout)."""
         if plain_lm_head(self.model):
             return packed_completion_logprobs(
                 self.model,
@@ -116,6 +119,7 @@ class CompletionLogprobs(torch.nn.Module):
                 chunk_size=chunk_size,
                 share_prompts=share_prompts,
                 with_entropy=with_entropy,
+                on_host=on_host,
             )
         return padded_completion_logprobs(
             self.model,
@@ -227,6 +231,7 @@ def packed_completion_logprobs(
     pack_tokens: int = PACK_TOKENS,
     share_prompts: bool | Literal["auto"] = False,
     with_entropy: WithEntropy = False,
+    on_host: Sequence[Tensor] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`completion_logprobs` without computing anything on padding.
 
@@ -248,12 +253,12 @@ def packed_completion_logprobs(
     a shared segment saves the repeated prompt tokens but its attention spans all its
     completions, so it pays for long prompts and short completions, not the reverse.
 
-    The layout is :func:`pack_layout`'s.
+    The layout is :func:`pack_layout`'s (``on_host``: the inputs in CPU memory, if at hand).
     """
     n, t = completion_ids.shape
     layout = pack_layout(
         model.config, prompt_ids, prompt_mask, completion_ids, completion_mask,
-        pack_tokens=pack_tokens, share_prompts=share_prompts,
+        pack_tokens=pack_tokens, share_prompts=share_prompts, on_host=on_host,
     )  # fmt: skip
     hidden = model.get_decoder()(
         input_ids=layout.tokens,
@@ -304,26 +309,25 @@ def pack_layout(
     *,
     pack_tokens: int = PACK_TOKENS,
     share_prompts: bool | Literal["auto"] = False,
+    on_host: Sequence[Tensor] | None = None,
 ) -> PackedLayout:
     """The packed layout of :func:`packed_completion_logprobs` (``config``: the model's).
 
-    Worked out on the host from one copy of the inputs and moved to their device in
+    Worked out on the host from a copy of the inputs there and moved to their device in
     pinned memory without waiting: on CUDA, building it there took a host
     synchronisation per row (each boolean selection) and a kernel per slice, during which
-    the GPU sat idle. One synchronisation is left, the copy of the inputs to the host.
+    the GPU sat idle. ``on_host``: that copy (the four tensors in CPU memory, e.g.
+    :meth:`gspo.engines.RolloutBatch.on_host`), else it is made here (one wait).
     """
     device = completion_ids.device
-    n, t = completion_ids.shape
+    n = completion_ids.shape[0]
     host = torch.device("cpu")
-    joined = torch.cat(
-        [prompt_ids.long(), prompt_mask.long(), completion_ids.long(), completion_mask.long()], 1
-    ).to(host)  # one copy, one wait
-    p_width = prompt_ids.shape[1]
-    prompt_ids, prompt_mask = joined[:, :p_width], joined[:, p_width : 2 * p_width].bool()
-    completion_ids, completion_mask = (
-        joined[:, 2 * p_width : 2 * p_width + t],
-        joined[:, 2 * p_width + t :].bool(),
-    )
+    if on_host is None:
+        tensors = (prompt_ids, prompt_mask, completion_ids, completion_mask)
+        joined = torch.cat([x.long() for x in tensors], 1).to(host)  # one copy, one wait
+        on_host = joined.split([x.shape[1] for x in tensors], 1)
+    prompt_ids, completion_ids = on_host[0].long(), on_host[2].long()
+    prompt_mask, completion_mask = on_host[1].bool(), on_host[3].bool()
     prompt_len = prompt_mask.sum(-1).tolist()
     prompts = [prompt_ids[i][prompt_mask[i]] for i in range(n)]
     completions = [completion_ids[i][completion_mask[i]] for i in range(n)]
@@ -378,7 +382,7 @@ def pack_layout(
     mask = None
     if shared:  # [rows, 1, query, key], built where the model is (it grows as width^2)
         segment_of[segment_of < 0] = len(segments)
-        segment_of, branch_of = _to(segment_of, device), _to(branch_of, device)
+        segment_of, branch_of = to_device(segment_of, device), to_device(branch_of, device)
         same = segment_of.unsqueeze(2) == segment_of.unsqueeze(1)  # [rows, query, key]
         causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()
         visible = (branch_of.unsqueeze(1) == 0) | (branch_of.unsqueeze(2) == branch_of.unsqueeze(1))
@@ -390,13 +394,14 @@ def pack_layout(
         cols == 0, torch.tensor(prompt_end)[rows], torch.tensor(completion_start)[rows] + cols - 1
     )
     packed_rows, targets = torch.tensor(row_of)[rows], completion_ids[rows, cols]
-    moved = [_to(x, device) for x in (tokens, positions, rows, cols, packed_rows, before, targets)]
+    moved = [to_device(x, device) for x in (tokens, positions, rows, cols, packed_rows, before)]
+    moved.append(to_device(targets, device))
     return PackedLayout(moved[0], moved[1], mask, *moved[2:])
 
 
-def _to(x: Tensor, device: torch.device) -> Tensor:
+def to_device(x: Tensor, device: torch.device) -> Tensor:
     """``x`` (on the host) on ``device``: from pinned memory without waiting on CUDA."""
-    if device.type != "cuda":
+    if device.type != "cuda" or x.device.type != "cpu":
         return x.to(device)
     return x.pin_memory().to(device, non_blocking=True)
 

@@ -405,7 +405,7 @@ def gradient_cosines(
                 pair_on.append(pair_off[-1])
                 pair_counts.append(0)
                 continue
-            mb = experience.view(rows_cpu.to(policy.device))
+            mb = experience.view(rows_cpu)
             lp = policy.logprobs(mb.batch)
             mb = replace(mb, ref_logprobs=reference.logprobs(mb.batch))  # on this layout
             grads = []

@@ -34,7 +34,7 @@ import torch
 from gspo.config import Config
 from gspo.distributed import Distributed, full_state_dict, shard_policy
 from gspo.engines import RolloutBatch
-from gspo.models import CompletionLogprobs, WithEntropy
+from gspo.models import CompletionLogprobs, WithEntropy, to_device
 from gspo.moe import (
     capture_router_logits,
     capture_routing,
@@ -145,10 +145,11 @@ class Policy:
                 temperature=self.temperature,
                 share_prompts="auto",
                 with_entropy=with_entropy,
+                on_host=batch.on_host(),
             )
 
     def backward(
-        self, loss: torch.Tensor, local_count: float, own: torch.Tensor | None = None
+        self, loss: torch.Tensor, local_count: float | torch.Tensor, own: torch.Tensor | None = None
     ) -> None:
         """``loss.backward()`` for a mean over ``local_count`` items of this rank's share.
 
@@ -273,7 +274,7 @@ def per_minibatch(
             if before is not None:
                 before(k)
             lp = logprobs(batch.select(rows))
-            out[rows, : lp.shape[1]] = lp
+            out[to_device(rows, out.device), : lp.shape[1]] = lp  # (CPU indices would wait)
     return out
 
 
@@ -378,7 +379,7 @@ class RoutedForward:
                     lp = self.policy.logprobs(mb)
                 routing.append(recorder.experts)
                 if recomputed is not None:
-                    recomputed[rows, : lp.shape[1]] = lp
+                    recomputed[to_device(rows, recomputed.device), : lp.shape[1]] = lp
         return recomputed, routing
 
     def logprobs(self, batch: RolloutBatch, k: int, routing: Routing) -> ForwardOut:

@@ -108,9 +108,11 @@ class Scorer:
             completions = generated.completions
             columns = {**column_batch(rows, group), **generated.columns}
             offer = self.rewards.take("completion_ids")  # (TRL's keyword)
+            # the batch's ids and masks on the CPU: one copy from a GPU (not one wait per
+            # row), which the update's minibatches then cut without waiting
+            host = batch.on_host()
             if completions is None or offer:
-                # (on the CPU first: one copy from the GPU, not one synchronisation per row)
-                tokens, masks = batch.completion_ids.cpu(), batch.completion_mask.cpu().bool()
+                tokens, masks = host.completion_ids, host.completion_mask.bool()
                 ids = [row[m].tolist() for row, m in zip(tokens, masks, strict=True)]
                 if offer:
                     columns["completion_ids"] = ids
@@ -128,7 +130,7 @@ class Scorer:
             ]
             scorable = None if all(scored) else torch.tensor(scored)
             if penalty is not None:
-                values = penalty(batch.completion_lengths.tolist())
+                values = penalty(host.completion_mask.sum(-1).tolist())
                 rewards = rewards + torch.tensor(values, dtype=torch.float32)
                 per_function["overlong_penalty"] = values
             return Scored(batch, completions, rewards, per_function, scorable)
@@ -371,7 +373,8 @@ class RolloutStage:
 
     def minibatch_rows(self, index: int, rows: int) -> list[torch.Tensor]:
         """Rollout batch ``index``'s split of its ``rows`` into ``algorithm.minibatches``
-        parts (row indices on the policy's device), seeded by the batch's index: the same
+        parts (row indices in CPU memory: what cuts a minibatch reads them there, and a
+        copy to the device is made without waiting), seeded by the batch's index: the same
         wherever it is asked (the update; an async producer's pi_old on the same layout).
         Under torchrun each part's rows over all ranks are as many as one process's part
         of the whole batch (:meth:`gspo.distributed.Distributed.part_shares`)."""
@@ -379,7 +382,7 @@ class RolloutStage:
         order = torch.randperm(rows, generator=torch.Generator().manual_seed(seed))
         # exactly `minibatches` parts (chunk() may give fewer: 6 rows in 4 -> 3 parts)
         shares = self.dist.part_shares(rows, self.config.algorithm.minibatches)
-        return [order[start:end].to(self.forward.policy.device) for start, end in shares]
+        return [order[start:end] for start, end in shares]
 
     def prepare(self, sampled: Sampled) -> Experience:
         """Advantages, the minibatch split, the pass before the first update (pi_old, MoE

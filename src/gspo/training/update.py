@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 import torch
 
 from gspo.config import AlgorithmConfig
-from gspo.distributed import as_float
+from gspo.distributed import whole
 from gspo.engines import RolloutBatch
-from gspo.objectives import PolicyLoss, policy_loss
+from gspo.models import to_device
+from gspo.objectives import PolicyLoss, policy_loss, read_scalars
 from gspo.training.metrics import timed
 from gspo.training.policy import PlainForward, Policy, RoutedForward
 
@@ -86,7 +87,7 @@ class Experience:
         """Minibatch 0's pi_old from its update's forward (``logprobs`` ``[n, T']``,
         detached), then what waited for all of pi_old; minibatch 0 again, now whole."""
         assert self.unsettled is not None, "settled once, by minibatch 0's forward"
-        rows = self.minibatches[0]
+        rows = to_device(self.minibatches[0], logprobs.device)
         self.old_logprobs[rows, : logprobs.shape[1]] = logprobs
         finish, self.unsettled = self.unsettled, None
         finish(self)
@@ -101,19 +102,22 @@ class Experience:
         return self.view(self.minibatches[k], k)
 
     def view(self, rows: torch.Tensor, k: int = -1) -> Minibatch:
-        """The given rows, every per-token tensor cut to their trimmed columns."""
+        """The given rows (in CPU memory), every per-token tensor cut to their trimmed
+        columns; on CUDA without waiting for the device (indices copied to it from the host
+        one tensor at a time waited for it once each)."""
         batch = self.batch.select(rows)
         width = batch.completion_ids.shape[1]
+        on_device = to_device(rows, self.advantages.device)
 
         def cut(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t[rows][:, :width]
+            return None if t is None else t[on_device][:, :width]
 
         return Minibatch(
             k,
             rows,
             batch,
             cut(self.old_logprobs),
-            self.advantages[rows],
+            self.advantages[on_device],
             cut(self.loss_mask),
             cut(self.loss_weights),
             cut(self.ref_logprobs),
@@ -182,11 +186,20 @@ class PolicyUpdate:
         tokens, is averaged over ranks, whatever their counted responses). Metrics are
         this rank's (see :func:`gspo.training.metrics.combine`) but the gradient norm,
         which is global.
+
+        Everything the step logs is read from the device once, after the backward and the
+        clip were queued: the one wait of a minibatch on CUDA (whether the step is finite
+        decides whether it is taken). Reading the loss's metrics before the backward made
+        the host wait for the forward before queueing any of the backward.
         """
         total = out.loss if router_loss is None else out.loss + router_loss
-        self.policy.backward(out.loss, out.metrics["sequences"], own=router_loss)
+        self.policy.backward(out.loss, out.values["sequences"], own=router_loss)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.grad_clip)
-        loss, norm = total.item(), as_float(grad_norm)  # the norm is global under FSDP
+        own = {"train/loss": total, "train/grad_norm": whole(grad_norm)}  # the norm: global
+        if router_loss is not None:
+            own["moe/router_aux_loss"] = router_loss
+        read = read_scalars({**{f"train/{k}": v for k, v in out.values.items()}, **own})
+        loss, norm = read["train/loss"], read["train/grad_norm"]
         finite = math.isfinite(loss) and math.isfinite(norm)
         # the rate this step takes (the scheduler then moves on; its get_last_lr() is the
         # rate loaded with a resumed run's state, where optim.lr was changed on --resume)
@@ -209,13 +222,11 @@ class PolicyUpdate:
                 f"step {self.step}); stopping. Lower optim.lr or check the rewards; the "
                 f"checkpoints hold only finite weights"
             )
-        line = {f"train/{key}": value for key, value in out.metrics.items()}
-        line["train/loss"] = loss
-        line["train/grad_norm"] = norm
+        line = {k: v for k, v in read.items() if k != "moe/router_aux_loss"}
         line["train/lr"] = lr
         line["train/skipped_steps"] = float(self.skipped)
         if router_loss is not None:
-            line["moe/router_aux_loss"] = router_loss.item()
+            line["moe/router_aux_loss"] = read["moe/router_aux_loss"]
         return line
 
 
