@@ -40,7 +40,8 @@ gspo's generation and training tokens/s and their MFU (model FLOPs, as in
 ``vs_trl.py``, over the GPU's dense bf16 peak and over a measured bf16 matmul rate).
 
 ``--stages`` picks and orders the stages (keys ``suite``, ``cuda``, ``precision``,
-``head`` (the training
+``precision_runs`` (``experiments/precision.py runs`` on CUDA: the whole-run experiment of
+docs/precision.md), ``head`` (the training
 forward's vocabulary projection, forward and backward, at each ``model.head_precision``),
 ``decode``, ``vllm``, ``train``, ``vs_trl``, ``profile``, ``lora`` (one rollout batch of
 the full model and of LoRA r=16 over a bf16 base, the time ratio), ``async``,
@@ -54,7 +55,7 @@ workloads, the head and decoding in the second.
 
 On a machine without CUDA it stops at once with one line and exit status 2.
 
-``--smoke`` runs the same stages at toy sizes (one small test file for the suite, a
+``--smoke`` runs the same stages at toy sizes (two small test files for the suite, a
 2-layer model, 16-token responses, a few steps, the train stage's cold start cut to 20
 steps) on CUDA when present and on the CPU otherwise, in float32 there: a check of this
 script end to end before a GPU's minutes are spent on it. Its figures mean nothing.

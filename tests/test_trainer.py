@@ -471,6 +471,8 @@ def test_user_data_on_a_random_init_model_without_a_cold_start_warns(tmp_path, c
         in load_config(None, [*FAST, *data, sft, "train.cold_start_steps=0"]).warnings()[0]
     )
     assert load_config(None, FAST).warnings() == []  # the built-in task has its cold start
+    (half,) = load_config(None, [*FAST, "model.dtype=float16"]).warnings()
+    assert half.startswith("model.dtype=float16: the loss is not scaled")
 
 
 def test_a_run_that_fails_before_writing_anything_leaves_no_directory(tmp_path, capsys):
