@@ -112,7 +112,7 @@ def test_packed_logprobs_on_cuda_equal_the_cpu_ones(tokenizer, tiny_model):
 def test_the_packed_layout_waits_for_the_gpu_once(tokenizer, tiny_model, share):
     """``pack_layout`` on CUDA: one host synchronisation (the copy of its inputs), however
     many rows (it was one per row and more), and the layout the CPU builds."""
-    from gspo.models.logprobs import pack_layout
+    from gspo.models.layout import HostCopy, pack_layout
 
     batch = engines(tiny_model, tokenizer)[0].generate(
         encode(tokenizer), n=8, params=SamplingParams(10), seed=2
@@ -131,7 +131,7 @@ def test_the_packed_layout_waits_for_the_gpu_once(tokenizer, tiny_model, share):
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) == 1, [str(w.message) for w in syncs]
     _, ours, theirs = gspo_syncs(
-        lambda: pack_layout(config, *cuda_args, share_prompts=share, on_host=args)
+        lambda: pack_layout(config, *cuda_args, share_prompts=share, on_host=HostCopy(*args))
     )
     assert ours == [] and theirs == 0  # given the inputs on the host: no wait
     assert (gpu.mask is not None) == share
@@ -195,14 +195,14 @@ def test_an_update_waits_for_the_gpu_once_and_pi_olds_recompute_never(
 
     monkeypatch.setattr(update_module.UpdateStage, "train", counted_train)
     monkeypatch.setattr(policy_module, "per_minibatch", counted_recompute)
-    overrides = [*SMALL, *BF16, varied_reward, "train.cold_start_steps=0", "train.max_steps=2",
+    overrides = [*SMALL, *BF16, varied_reward, "train.cold_start_steps=0", "train.max_steps=8",
                  "algorithm.minibatches=4", "rollout.max_new_tokens=8",
                  "algorithm.old_logprobs=recompute"]  # fmt: skip
     Trainer(load_config(None, overrides), tmp_path / "run").fit()
     with capsys.disabled():
         print(f"\nhost waits per minibatch, gspo's: update {ours['update']}, recompute "
               f"{ours['recompute']}; transformers'/torch's: {theirs}")  # fmt: skip
-    assert len(ours["update"]) == 6 and all(len(s) == 1 for s in ours["update"]), ours
+    assert len(ours["update"]) == 6 and all(len(s) == 1 for s in ours["update"]), ours  # 2 x 3
     assert ours["recompute"] and all(s == [] for s in ours["recompute"]), ours
 
 

@@ -303,7 +303,7 @@ def test_a_sliding_window_model_does_not_share_prompts_past_its_window(tokenizer
     on-policy sequences). Past the window the rows are packed alone."""
     from transformers import MistralConfig, MistralForCausalLM, Qwen3Config
 
-    from gspo.models.logprobs import sliding_window
+    from gspo.models.layout import sliding_window
 
     config = MistralConfig(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -669,6 +669,11 @@ def test_the_loss_and_its_metrics_read_nothing_back_from_the_device(level):
     assert clipped == pytest.approx(round(clipped), abs=1e-9)  # a count over a count
     none = policy_loss(lp, olp, adv, torch.zeros_like(mask), level=level)
     assert all(math.isnan(none.metrics[k]) for k in RATIO_KEYS)
+    no_columns = policy_loss(  # (a minibatch of empty completions, trimmed to width 0)
+        lp[:, :0], olp[:, :0], adv if adv.dim() == 1 else adv[:, :0], mask[:, :0], level=level
+    )
+    assert all(math.isnan(no_columns.metrics[k]) for k in RATIO_KEYS)
+    assert no_columns.metrics["tokens"] == 0.0
 
 
 @pytest.mark.parametrize("level", LEVELS)

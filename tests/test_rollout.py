@@ -125,12 +125,27 @@ def test_a_minibatch_cut_from_a_batch_carries_its_ids_and_masks_on_the_host(toke
     )
     for rows in ([0, 2], [4, 1, 3], [5]):
         sub = batch.select(torch.tensor(rows))
-        for name, t in sub.on_host()._asdict().items():
+        names = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+        for name, t in zip(names, sub.on_host(), strict=True):
             assert torch.equal(t.long(), getattr(sub, name).cpu().long()), (rows, name)
         again = sub.select(torch.tensor([len(rows) - 1]))  # a cut of a cut
         assert torch.equal(again.on_host().completion_ids, again.completion_ids)
     shorter = replace(batch, completion_mask=torch.zeros_like(batch.completion_mask))
     assert batch.on_host().completion_mask.any() and not shorter.on_host().completion_mask.any()
+
+
+def test_a_host_copy_is_left_on_the_host_by_an_fsdp_roots_move_of_its_inputs():
+    """Under torchrun the policy's forward is FSDP's root, which moves the tensors of its
+    tuple (and named tuple) arguments to its device before the forward (on CUDA): the host
+    copy the packed layout reads must stay where it is (it is a dataclass)."""
+    from torch.distributed.utils import _to_kwargs
+
+    from gspo.models import HostCopy
+
+    host = HostCopy(*(torch.zeros(2, 3, dtype=torch.long) for _ in range(4)))
+    (args,), (kwargs,) = _to_kwargs((tuple(host),), {"on_host": host}, torch.device("meta"), False)
+    assert all(t.device.type == "meta" for t in args[0])  # what a tuple would go through
+    assert kwargs["on_host"] is host
 
 
 def test_logit_noise_changes_the_sampler_distribution_and_its_logprobs(tiny_model, tokenizer):

@@ -69,19 +69,22 @@ class Distributed:
         torch.distributed.all_gather_object(out, obj)
         return out
 
-    def mean_scale(self, local_count: float | torch.Tensor) -> float:
+    def mean_scale(self, local_count: float | torch.Tensor) -> float | torch.Tensor:
         """Factor for a rank's mean-over-``local_count`` loss so ranks average to the global mean.
 
         FSDP averages gradients over ranks, so rank r's loss ``sum_r / n_r`` is multiplied
         by ``N * n_r / n`` (``n`` the count over all ranks): the average of the scaled
         losses is ``sum / n``, the loss of one process holding the whole batch. A rank
-        with nothing counted gets 0 (its loss is already 0 and has no gradient).
+        with nothing counted gets 0 (its loss is already 0 and has no gradient). Under
+        torchrun a float64 0-dim tensor on the collectives' device, computed there (a count
+        on the GPU is not read back: NCCL's sum is queued like any kernel).
         """
         if not self.enabled:
             return 1.0
-        total = torch.tensor([float(local_count)], dtype=torch.float64, device=self.device())
+        local = torch.as_tensor(local_count, dtype=torch.float64).to(self.device()).reshape(1)
+        total = local.clone()
         torch.distributed.all_reduce(total)
-        return self.world_size * float(local_count) / max(total.item(), 1.0)
+        return (self.world_size * local / total.clamp(min=1.0)).reshape(())
 
     def device(self) -> torch.device:
         """The device collectives run on (CUDA under NCCL, CPU under gloo)."""

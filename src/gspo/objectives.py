@@ -80,12 +80,10 @@ class PolicyLoss:
     """Result of :func:`policy_loss`.
 
     ``loss`` is a scalar tensor (minus the objective, plus the KL penalty) that carries
-    the gradient; ``values`` holds the metrics as 0-dim tensors beside it, computed without
-    reading anything back from the device; ``metrics`` the same as plain floats, read in
-    one transfer when first asked for. On CUDA that read waits for the forward to finish:
-    the trainer reads them after ``loss.backward()`` is queued (:func:`read_scalars`), so
-    the host queues the backward while the device still runs the forward.
-    """
+    the gradient; ``values`` the metrics as 0-dim tensors beside it, computed without
+    reading anything back from the device; ``metrics`` the same as floats, read in one
+    transfer (:func:`read_scalars`: on CUDA a wait for the forward, so the trainer reads
+    them once the backward is queued)."""
 
     loss: Tensor
     values: dict[str, Tensor] = field(default_factory=dict)
@@ -96,12 +94,15 @@ class PolicyLoss:
 
 
 def read_scalars(values: Mapping[str, Tensor]) -> dict[str, float]:
-    """0-dim tensors (on one device) as Python floats, in one transfer: one wait for the
-    device instead of one per ``.item()``. Each goes through float64, which holds a
-    float32 or bf16 value and an integer count exactly (the floats ``.item()`` gives)."""
+    """0-dim tensors as Python floats, in one transfer: one wait for the device instead
+    of one per ``.item()``. Each goes through float64, which holds a float32 or bf16 value
+    and an integer count exactly (the floats ``.item()`` gives); one elsewhere is moved."""
     if not values:
         return {}
-    stacked = torch.stack([v.detach().reshape(()).to(torch.float64) for v in values.values()])
+    device = next(iter(values.values())).device
+    stacked = torch.stack(
+        [v.detach().reshape(()).to(device, torch.float64) for v in values.values()]
+    )
     return dict(zip(values, stacked.tolist(), strict=True))
 
 
@@ -444,9 +445,10 @@ def _ratio_stats(ratio: Tensor, valid: Tensor) -> dict[str, Tensor]:
     the selection's to float rounding (the same sum in another order where some are not
     valid)."""
     values = ratio.detach()
+    zero, inf, nan = (values.new_tensor(x) for x in (0, math.inf, math.nan))
+    if values.numel() == 0:  # (no rows, or no columns: the shape is known on the host)
+        return {"ratio_mean": nan, "ratio_min": nan.clone(), "ratio_max": nan.clone()}
     count = valid.sum()
-    zero, inf = (torch.tensor(x, dtype=values.dtype, device=values.device) for x in (0, math.inf))
-    nan = torch.tensor(math.nan, dtype=values.dtype, device=values.device)
     some = count > 0
     return {
         "ratio_mean": torch.where(valid, values, zero).sum() / count.to(values.dtype),

@@ -8,12 +8,12 @@ An engine is anything with ``generate`` and ``sync_weights``: the torch engine
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from gspo.models.logprobs import to_device
+from gspo.models.layout import HostCopy, to_device
 
 
 @dataclass(frozen=True)
@@ -121,15 +121,6 @@ class RolloutBatch:
             host.completion_mask[:, :t_keep],
         )
         return batch
-
-
-class HostCopy(NamedTuple):
-    """A :class:`RolloutBatch`'s ids and masks in CPU memory (:meth:`RolloutBatch.on_host`)."""
-
-    prompt_ids: Tensor
-    prompt_mask: Tensor
-    completion_ids: Tensor
-    completion_mask: Tensor
 
 
 #: Where a :class:`RolloutBatch` keeps its :class:`HostCopy` (not a field: a batch made

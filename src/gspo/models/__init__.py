@@ -1,9 +1,11 @@
 """Models and tokenizers: the tiny built-in ones (:mod:`.builtin`), loading any local HF
-causal LM (:mod:`.loading`), completion log-probs (:mod:`.logprobs`) and the CPU's linear
+causal LM (:mod:`.loading`), completion log-probs (:mod:`.logprobs`, packed as
+:mod:`.layout` lays them out) and the CPU's linear
 kernels (:mod:`.kernels`). A built-in tiny Qwen3 and a user's Qwen3-8B take the same path."""
 
 from gspo.models.builtin import TinyModelSpec, build_char_tokenizer, build_tiny_model
 from gspo.models.kernels import HEAD_CHUNK_BYTES, LOGPROB_CHUNK, head_chunk
+from gspo.models.layout import HostCopy, layout_cost, pack_layout, to_device
 from gspo.models.loading import (
     MODEL_FINGERPRINT,
     MODEL_POINTER,
@@ -23,11 +25,9 @@ from gspo.models.logprobs import (
     WithEntropy,
     completion_logprobs,
     head_logits,
-    layout_cost,
     logprobs_from_hidden,
     packed_completion_logprobs,
     plain_lm_head,
     position_ids_from_mask,
-    to_device,
     token_logprobs_from_logits,
 )

@@ -159,7 +159,8 @@ class Policy:
         MoE model's load balancing), added unscaled: FSDP averages it over ranks.
         """
         if self.dist.enabled:
-            loss = loss * self.dist.mean_scale(local_count)
+            scale = self.dist.mean_scale(local_count)  # (a float64 tensor: in the loss's dtype)
+            loss = loss * scale.to(loss.dtype)
         (loss if own is None else loss + own).backward()
 
     def replica(self) -> torch.nn.Module:
