@@ -325,6 +325,32 @@ def test_a_column_reset_or_the_constructor_needs_and_the_data_lacks_is_named():
         EnvironmentFactory(Needs).episode({"prompt": "p", "level": 2})
 
 
+def test_the_first_rows_reset_runs_up_front_and_the_probe_is_closed():
+    """A reset() that fails on the data (a misspelt column) failed only at the first
+    rollout, after the model loaded and the cold start ran; the probe made on the first
+    row is now reset on it, then closed."""
+    seen = []
+
+    class Reads:
+        def reset(self, **row):
+            seen.append("reset")
+            return f"target {row['answr']}"
+
+        def step(self, text: str):
+            return None
+
+        def close(self):
+            seen.append("close")
+
+    with pytest.raises(EnvError, match=r"Reads': reset\(\) raised KeyError: 'answr'"):
+        EnvironmentFactory(Reads, {"prompt": "p", "answer": "3"})
+    assert seen == ["reset"]
+    EnvironmentFactory(Reads, {"prompt": "p", "answr": "3"})
+    assert seen == ["reset", "reset", "close"]
+    EnvironmentFactory(Reads)  # no row given: nothing to reset it on
+    assert seen == ["reset", "reset", "close"]
+
+
 def test_a_step_environment_answers_until_it_returns_none(env_file):
     episode = EnvironmentFactory(f"{env_file}:Talker").episode()
     assert episode.respond("hi") == [{"role": "user", "content": "ok"}]
@@ -704,8 +730,9 @@ def test_an_environment_call_past_env_timeout_stops_the_run_in_one_line(tmp_path
     said = [line for line in done.stderr.splitlines() if line.startswith("gspo: error")]
     assert said == [
         f"gspo: error: environment '{tmp_path / 'env.py'}:Sleeper': step() did not return "
-        "within rollout.env_timeout=2 s; the run stops here (checkpoints already written "
-        "are intact; gspo train --resume continues from the last)"
+        "within rollout.env_timeout=2 s; the run stops here (gspo train --resume continues "
+        "from its last checkpoint; a run stopped before its first is not kept: start it "
+        "again)"
     ], done.stderr[-2000:]
     # from Python: an EnvError to catch (the process itself ended: a notebook's kernel),
     # after which the run resumes as any stopped run does
@@ -762,7 +789,7 @@ def test_factories_that_take_the_row_and_close_after_scoring(tmp_path):
         reply = episode.respond(tool_call_text("guess", {"x": 7}))
         assert reply[0]["content"] == "right"
         episode.close()
-    assert closed == ["7", "7"]
+    assert closed == ["7", "7", "7", "7"]  # each factory's probe (closed up front), its episode
     with pytest.raises(EnvError, match="constructing it raised KeyError"):
         EnvironmentFactory(make_quiz, sample_row={"prompt": "p"})
 

@@ -830,6 +830,19 @@ def test_the_answer_column_keeps_a_list_of_answers():
     assert prepare_rows(rows, data, what="data.train")[0]["answer"] == ["7", "7"]
 
 
+def test_a_function_taking_the_environments_without_one_is_told_to_set_it():
+    """TRL's reward_func(environments, **kwargs) read as a missing data column."""
+    from gspo.rewards import RewardError, RewardFunctions
+
+    def reward_func(environments, **kwargs):
+        return [env.reward for env in environments]
+
+    rewards = RewardFunctions.from_specs([reward_func], None)
+    with pytest.raises(RewardError, match="needs 'environments' .* set rollout.environment"):
+        rewards.check_columns(["answer"], "data.train (x.jsonl)")
+    rewards.check_columns(["answer"], "data.train (x.jsonl)", passed=["environments"])
+
+
 def test_a_function_needing_what_only_trl_passes_is_told_so():
     """It read as a missing data column ("needs the column(s) trainer_state, which
     data.train lacks")."""

@@ -84,8 +84,8 @@ class deadline:
         self.seconds = seconds
         self.said = (
             f"{what} did not return within rollout.env_timeout={seconds:g} s; the run stops "
-            "here (checkpoints already written are intact; gspo train --resume continues "
-            "from the last)"
+            "here (gspo train --resume continues from its last checkpoint; a run stopped "
+            "before its first is not kept: start it again)"
             if seconds is not None
             else ""
         )
@@ -318,6 +318,12 @@ class EnvironmentFactory:
                 "the model would have nothing to act on"
             )
         self.warned: set[tuple[str, str] | str] = set()  # (what was said once)
+        if probe is not None and sample_row is not None:
+            # its reset() on that row too (a misspelt column, a list returned), then close()
+            # it: found before the model loads and the cold start runs, not after
+            first = Episode(self, probe)
+            first.reset(dict(sample_row))
+            first.close()
 
     def _schema(self, owner: type, name: str) -> dict[str, Any]:
         from transformers.utils import get_json_schema

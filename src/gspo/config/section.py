@@ -159,6 +159,9 @@ TRL_NAMES = {
     "eval_dataset": "data.eval",
     "fp16": "model.dtype",
     "use_cpu": "model.device",
+    "environment_factory": "rollout.environment (a class or factory: one environment per episode)",
+    "max_tool_calling_iterations": "close to rollout.max_turns (gspo counts the model's "
+    "turns, not its tool calls)",
 }
 
 #: TRL ``GRPOConfig`` fields with no gspo setting, and why (docs/from_trl.md).

@@ -192,6 +192,12 @@ class RewardFunctions:
                     "does not (docs/from_trl.md); compute it from the completions, or give "
                     "the parameter a default"
                 )
+            if "environments" in needed and "environments" not in passed:
+                raise RewardError(
+                    f"reward function {name!r} needs 'environments' (TRL's: each episode's "
+                    "environment), which only a run with an environment passes: set "
+                    "rollout.environment (docs/environments.md)"
+                )
             if needed:
                 have = ", ".join(columns) or "none but the prompt"
                 raise RewardError(
