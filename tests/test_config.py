@@ -658,3 +658,11 @@ def test_an_in_memory_dataset_as_a_source_is_one_line_saying_what_to_do():
     said = str(info.value)
     assert "\n" not in said and said.startswith("data.train: Input should be a valid string")
     assert said.endswith("save the object first (dataset.save_to_disk(DIR), then the path DIR)")
+
+
+def test_the_environment_reward_without_an_environment_is_refused_up_front():
+    """It failed at the first reward call, naming a line of gspo's verifiers."""
+    with pytest.raises(ConfigError, match="'environment' is each episode's environment's own"):
+        load_config(overrides=["reward.functions=[environment]"])
+    config = load_config(overrides=["data.task=calculator", "reward.functions=[environment]"])
+    assert config.environment is not None

@@ -71,7 +71,14 @@ def chain_reward(data: DataConfig, reward: RewardConfig) -> None:
 
 
 def environment_reward_workers(rollout: RolloutConfig, reward: RewardConfig) -> None:
-    """Environments stay in the trainer process, so their rewards do too."""
+    """Environments stay in the trainer process, so their rewards do too; the built-in
+    ``environment`` reward needs one."""
+    named = [f for f in reward.functions or () if isinstance(f, str) and f.strip() == "environment"]
+    if named and rollout.environment is None:
+        raise ValueError(
+            "reward.functions: 'environment' is each episode's environment's own reward "
+            "(its get_reward()), and rollout.environment is not set (docs/environments.md)"
+        )
     if rollout.environment is not None and reward.workers > 0:
         raise ValueError(
             "reward.workers > 0 cannot be used with rollout.environment (the reward "
