@@ -787,9 +787,9 @@ def test_an_environment_reward_that_is_no_number_says_so() -> None:
         environment_reward(["p"], ["c"], environments=[Env("1")])  # (taken as 1.0 before)
     with pytest.raises(ValueError) as err:  # was float()'s text, pointing into gspo
         environment_reward(["p"], ["c"], environments=[Env("correct")])
-    assert (
-        str(err.value) == "the environment's get_reward() returned 'correct' (str), not a "
-        "number or None"
+    assert str(err.value) == (  # (naming the environment's class and file, not gspo's)
+        "the environment's get_reward() (test_an_environment_reward_that_is_no_number_says_so"
+        f".<locals>.Env, {__file__}) returned 'correct' (str), not a number or None"
     )
 
 

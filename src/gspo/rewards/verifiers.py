@@ -327,8 +327,13 @@ def environment_reward(
                 raise TypeError
             out.append(None if value is None else float(value))
         except (TypeError, ValueError):
+            try:  # (the environment's class and file: the line below is gspo's)
+                where = inspect.getsourcefile(type(env)) or ""
+            except TypeError:
+                where = ""
             raise ValueError(
-                f"the environment's get_reward() returned {value!r:.80} "
+                f"the environment's get_reward() ({type(env).__qualname__}"
+                f"{', ' + where if where else ''}) returned {value!r:.80} "
                 f"({type(value).__name__}), not a number or None"
             ) from None
     return out
