@@ -161,7 +161,10 @@ def test_a_ranks_router_loss_is_averaged_over_ranks_whatever_it_counted(tiny_mod
     from gspo.training.policy import Policy
 
     policy = Policy(tiny_model, Distributed(), compute_dtype=torch.float32, temperature=1.0)
-    policy.dist = SimpleNamespace(enabled=True, mean_scale=lambda n: 2 * n / (n + 3))
+    def scale(n):  # (a float64 tensor, as mean_scale's)
+        return torch.tensor(2 * n / (n + 3), dtype=torch.float64)
+
+    policy.dist = SimpleNamespace(enabled=True, mean_scale=scale)
     weight = next(p for p in tiny_model.parameters() if p.dim() == 2)
     policy.backward(weight.sum() * 0.0, 0, own=weight.square().sum())
     torch.testing.assert_close(weight.grad, 2 * weight.detach())

@@ -160,7 +160,7 @@ class Policy:
         """
         if self.dist.enabled:
             scale = self.dist.mean_scale(local_count)  # (a float64 tensor: in the loss's dtype)
-            loss = loss * (scale.to(loss.dtype) if torch.is_tensor(scale) else scale)
+            loss = loss * scale.to(loss.dtype)
         (loss if own is None else loss + own).backward()
 
     def replica(self) -> torch.nn.Module:
