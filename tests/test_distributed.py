@@ -161,6 +161,7 @@ def test_a_ranks_router_loss_is_averaged_over_ranks_whatever_it_counted(tiny_mod
     from gspo.training.policy import Policy
 
     policy = Policy(tiny_model, Distributed(), compute_dtype=torch.float32, temperature=1.0)
+
     def scale(n):  # (a float64 tensor, as mean_scale's)
         return torch.tensor(2 * n / (n + 3), dtype=torch.float64)
 
