@@ -450,11 +450,27 @@ def test_summary_table_first_last_and_mean_values():
     assert table.row_count == 7
 
 
+def test_summary_table_shows_an_environments_turns_and_valid_tool_calls():
+    recs = [
+        {"step": 1, "env/turns_mean": 1.5, "env/tool_call_valid_fraction": 0.25},
+        {"step": 2, "env/turns_mean": 2.5},  # a batch with no tool call: no valid fraction
+        {"step": 3, "env/turns_mean": 3.5, "env/tool_call_valid_fraction": 0.75},
+    ]
+    rows = {
+        cells[0]: tuple(cells[1:])
+        for line in _render(summary_table(recs)).splitlines()
+        if "│" in line
+        for cells in [[c.strip() for c in line.split("│")[1:-1]]]
+    }
+    assert rows["turns / episode"] == ("1.5", "3.5", "2.5", "1 → 3")
+    assert rows["tool calls valid"] == ("0.25", "0.75", "0.5", "1 → 3")
+
+
 def test_summary_table_derives_step_time_and_skips_absent():
     recs = [{"step": s, "time": 100.0 + 3.0 * s, "train/reward_mean": 1.0} for s in range(1, 4)]
     text = _render(summary_table(recs))
     assert "seconds / step (wall)" in text and "3" in text
-    assert "accuracy" not in text and "clip" not in text
+    assert "accuracy" not in text and "clip" not in text and "turns" not in text
     assert "no metrics" in _render(summary_table([]))
     console = Console(file=io.StringIO(), width=120)
     print_summary(recs, console=console)

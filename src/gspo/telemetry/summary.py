@@ -41,6 +41,8 @@ SUMMARY_KEYS: tuple[tuple[str, str], ...] = (
     ("train/clip_fraction_off_policy", "clip fraction, off-policy"),
     ("train/clip_fraction_on_policy", "clip fraction, on-policy"),
     ("train/response_length_mean", "response length"),
+    ("env/turns_mean", "turns / episode"),
+    ("env/tool_call_valid_fraction", "tool calls valid"),
 )
 
 
@@ -70,7 +72,8 @@ def summary_table(records: Sequence[Mapping[str, Any]], *, title: str = "Run sum
     """A rich table with the first, last and mean value of each key metric present.
 
     Rows (whichever exist): train reward, eval accuracy (sampled and greedy), clip
-    fraction (off-policy minibatches, on-policy minibatch), response length, and
+    fraction (off-policy minibatches, on-policy minibatch), response length, an
+    environment's turns per episode and share of valid tool calls (training's), and
     seconds per step (from one of :data:`STEP_TIME_KEYS`, else derived from the
     ``"time"`` column). The mean is over the records that have the metric (for the clip
     fractions, one per rollout batch), so what happened between first and last shows.
