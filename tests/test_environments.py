@@ -954,6 +954,44 @@ def test_episode_metrics_of_several_parts_are_those_of_all_their_episodes():
     assert ranks["env/tool_call_valid_fraction"] == pytest.approx(1 / 11)
 
 
+def test_without_env_timeout_a_call_running_long_is_said_once(capsys, monkeypatch):
+    """With rollout.env_timeout null a hung environment held the run with no word: a call
+    still running past SlowCalls.after is said once on stderr, naming it and the setting;
+    the watching thread ends with its factory."""
+    import gc
+    import time
+
+    from gspo.environments import EnvironmentFactory
+
+    class Slow:
+        def look(self, seconds: float) -> str:
+            """Waits.
+
+            Args:
+                seconds: how long
+            """
+            time.sleep(seconds)
+            return "seen"
+
+    monkeypatch.setattr("gspo.environments.SLOW_CALL_SECONDS", 0.2)
+    factory = EnvironmentFactory(Slow)
+    with factory.deadline("tool look()"):
+        Slow().look(0.7)
+    with factory.deadline("close()"):
+        pass
+    time.sleep(0.2)
+    err = capsys.readouterr().err
+    said = "gspo: warning: environment 'test_without_env_timeout_a_call_running_long_is_said"
+    assert err.count(said) == 1, err
+    assert "tool look() has not returned in 0 s; rollout.env_timeout=null waits" in err
+    assert "close()" not in err
+    thread = factory.slow.thread
+    del factory
+    gc.collect()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+
+
 def test_env_timeout_interrupts_what_swallows_or_races_it():
     """A tool's bare except: swallowed the interrupt and the run went on; a call ending as
     the alarm fired let a raw _Overran out (a traceback, the handler and the os._exit

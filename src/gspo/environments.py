@@ -45,7 +45,9 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,6 +152,58 @@ class deadline:
         if self.fired:  # interrupted, or the call swallowed the interrupt and went on
             raise EnvTimeout(self.said) from None
         return False
+
+
+#: With ``rollout.env_timeout`` null, a call into an environment still running after this
+#: many seconds is said once on stderr (:class:`SlowCalls`).
+SLOW_CALL_SECONDS = 120.0
+
+
+class SlowCalls:
+    """With no ``rollout.env_timeout``, one stderr line for each call into an environment
+    still running after ``after`` seconds (a hung environment otherwise held the run with
+    no word), naming the call and the setting that stops it. One watching thread, made at
+    the first call and ended with this object; a call costs two dictionary writes."""
+
+    def __init__(self, after: float | None = None):
+        self.after = SLOW_CALL_SECONDS if after is None else after
+        self.running: dict[int, tuple[str, float]] = {}  # thread -> (call, its start)
+        self.thread: threading.Thread | None = None
+
+    @contextmanager
+    def watch(self, what: str) -> Iterator[None]:
+        if self.thread is None:
+            self.thread = threading.Thread(
+                target=_watch_calls, args=(weakref.ref(self),), daemon=True,
+                name="gspo-slow-env-calls",
+            )  # fmt: skip
+            self.thread.start()
+        key = threading.get_ident()
+        self.running[key] = (what, time.monotonic())
+        try:
+            yield
+        finally:
+            self.running.pop(key, None)
+
+
+def _watch_calls(ref: weakref.ref[SlowCalls]) -> None:
+    from gspo.distributed import rank_said
+
+    said: set[tuple[str, float]] = set()
+    while (calls := ref()) is not None:
+        now, period = time.monotonic(), min(calls.after / 4, 5.0)
+        for call in list(calls.running.values()):
+            if call not in said and now - call[1] >= calls.after:
+                said.add(call)
+                print(
+                    f"gspo: warning{rank_said()}: {call[0]} has not returned in "
+                    f"{now - call[1]:.0f} s; rollout.env_timeout=null waits for it without "
+                    "limit (set rollout.env_timeout=SECONDS to stop the run at such a call; "
+                    "gspo train --resume continues)",
+                    file=sys.stderr, flush=True,
+                )  # fmt: skip
+        del calls
+        time.sleep(period)
 
 
 #: How often the interrupt is sent again until a call past its deadline returns.
@@ -282,6 +336,7 @@ class EnvironmentFactory:
         timeout: float | None = None,
     ):
         self.timeout = timeout  # rollout.env_timeout: seconds each call may take
+        self.slow = SlowCalls()  # (without one: a call running long is said)
         if isinstance(factory, str):
             expected = "'path/to/env.py:Factory' or 'package.module:Factory'"
             self.name = factory
@@ -382,8 +437,10 @@ class EnvironmentFactory:
         return made
 
     def deadline(self, call: str):
-        """:func:`deadline` for this environment's ``call`` (``step()``, a tool, ...)."""
-        return deadline(self.timeout, f"environment {self.name!r}: {call}")
+        """:func:`deadline` for this environment's ``call`` (``step()``, a tool, ...); with
+        no ``rollout.env_timeout``, :class:`SlowCalls`' watch."""
+        what = f"environment {self.name!r}: {call}"
+        return self.slow.watch(what) if self.timeout is None else deadline(self.timeout, what)
 
     def episode(self, row: dict[str, Any] | None = None) -> Episode:
         """A fresh environment for one episode of ``row``."""

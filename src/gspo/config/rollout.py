@@ -124,7 +124,8 @@ class RolloutConfig(Section):
         description="environment: seconds one call into it (constructor, reset, step, a "
         "tool, close) may take; past it the run stops with one line naming the call, "
         "checkpoints intact (from Python an EnvError; in async rollouts' thread, where "
-        "nothing can interrupt it, the process exits); null = no limit",
+        "nothing can interrupt it, the process exits); null = no limit (a call still "
+        "running after 120 s is said once on stderr)",
     )
     max_staleness: int = Field(
         0,
