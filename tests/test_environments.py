@@ -416,9 +416,11 @@ class ScriptedEngine:
     def __init__(self, tokenizer, script):
         self.tokenizer, self.script, self.calls, self.turn = tokenizer, script, [], 0
         self.policy = SimpleNamespace(device=torch.device("cpu"))
+        self.kept = []  # each turn's params.keep_buffers
 
     def generate(self, prompts, *, n, params, seed):
         self.calls.append([list(p) for p in prompts for _ in range(n)])
+        self.kept.append(params.keep_buffers)
         texts = self.script[self.turn]
         self.turn += 1
         ids = [[*self.tokenizer(t, add_special_tokens=False)["input_ids"], 2] for t in texts]
@@ -448,6 +450,9 @@ def test_episodes_are_token_in_token_out_with_environment_tokens_masked(tokenize
     batch = out.batch
     # turn 0 shares the prompt's prefill: one context, three responses
     assert len(engine.calls[0]) == 3 and engine.calls[0][0] == engine.calls[0][2]
+    # the engine may keep turn 0's decode buffers (the next batch's turn 0 has its shapes);
+    # the later turns' never come again: freed when each ends
+    assert engine.kept == [True, False, False]
     # turn 1 continues every live episode from its whole context, tokens as sampled
     prompt = engine.calls[0][0]
     first = [*tokenizer(script[0][0], add_special_tokens=False)["input_ids"], 2]

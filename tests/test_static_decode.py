@@ -2,6 +2,8 @@
 CPU, where it runs eagerly: the same tokens as the per-step loop for a seed, log-probs of
 the trainer's forward. The captured CUDA graphs are checked in tests/test_cuda.py."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -360,6 +362,15 @@ def test_the_next_generation_reuses_the_static_step_s_buffers_and_weights_in_pla
     with dtype:  # other shapes (rows): new buffers
         engine.generate(prompts, n=2, params=params, seed=3)
     assert engine.static is not run
+    # keep_buffers=False (a multi-turn episode's later turn): the same samples, and the
+    # buffers freed at the end, the kept ones of other shapes first
+    once = replace(params, keep_buffers=False)
+    assert once == params
+    with dtype:
+        third = engine.generate(prompts, n=4, params=once, seed=2)
+    assert engine.static is None
+    assert torch.equal(third.completion_ids, fresh.completion_ids)
+    assert torch.equal(third.sampler_logprobs, fresh.sampler_logprobs)
 
 
 class Made(TorchDispatchMode):

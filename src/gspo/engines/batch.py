@@ -7,7 +7,7 @@ An engine is anything with ``generate`` and ``sync_weights``: the torch engine
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 import torch
@@ -28,6 +28,12 @@ class SamplingParams:
     #: sampling, so the sampler's distribution (and its log-probs) differ from the
     #: trainer's, as a bf16 inference engine's do. 0 = the model's own distribution.
     logit_noise: float = 0.0
+    #: The torch engine's static decode step (``rollout.cuda_graphs``): whether its buffers
+    #: (the KV cache) and graphs stay allocated after this generation, for a later one of
+    #: the same shapes (the next rollout batch); False frees them at its end (a multi-turn
+    #: episode's later turns, whose shapes do not come again). Not a sampling setting: two
+    #: params that differ only here are equal.
+    keep_buffers: bool = field(default=True, compare=False)
 
 
 @dataclass

@@ -148,6 +148,8 @@ class TorchEngine:
             # a copy (the log-probs are, once masked below)
             tokens_out, logprobs_out = run.tokens_out.clone(), run.logprobs_out
             lengths = run.lengths
+            if not params.keep_buffers:
+                self.static = None  # (freed once this generation's reads below are done)
 
         t = int(lengths.max()) if rows else 0
         completion_mask = torch.arange(t, device=device).unsqueeze(0) < lengths.unsqueeze(1)

@@ -258,7 +258,11 @@ class MultiTurn:
             if not live:
                 break
             room = max(states[i].limit - len(states[i].ids) for i in live)
-            turn_params = replace(params, max_new_tokens=min(params.max_new_tokens, room))
+            # a later turn's shapes (fewer rows, a longer context) never come again: the
+            # engine frees its decode buffers after it, so none stay held while training
+            turn_params = replace(
+                params, max_new_tokens=min(params.max_new_tokens, room), keep_buffers=turn == 0
+            )
             turn_seed = seed if turn == 0 else derive_seed(seed, "turn", turn)
             shared = turn == 0 and all(
                 states[i].prompt == states[i - i % n].prompt for i in range(len(states))
