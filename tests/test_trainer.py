@@ -471,8 +471,6 @@ def test_user_data_on_a_random_init_model_without_a_cold_start_warns(tmp_path, c
         in load_config(None, [*FAST, *data, sft, "train.cold_start_steps=0"]).warnings()[0]
     )
     assert load_config(None, FAST).warnings() == []  # the built-in task has its cold start
-    (half,) = load_config(None, [*FAST, "model.dtype=float16"]).warnings()
-    assert half.startswith("model.dtype=float16: the loss is not scaled")
 
 
 def test_a_run_that_fails_before_writing_anything_leaves_no_directory(tmp_path, capsys):
@@ -984,6 +982,47 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch,
     assert final is not None and final.name == "step-0000006"
     for tensor in load_file(final / "model.safetensors").values():
         assert torch.isfinite(tensor).all()
+
+
+@pytest.mark.slow
+def test_float16_scales_the_loss_skips_overflowed_steps_and_resumes_its_scale(
+    tmp_path, monkeypatch, varied_reward
+):
+    """model.dtype=float16 (GPUs without bf16) trains through torch's GradScaler: a step
+    whose gradients overflow at the scale is skipped and the scale halved, without counting
+    toward train.max_skipped (3); the scale is logged and kept in checkpoints, so a resumed
+    run goes on as the uninterrupted one."""
+    real = torch.amp.GradScaler
+    # a first scale far past what float16 gradients hold: the first updates overflow
+    monkeypatch.setattr(torch.amp, "GradScaler", lambda device: real(device, init_scale=2.0**24))
+    overrides = [*FAST, varied_reward, "model.dtype=float16", "train.cold_start_steps=0"]
+    overrides += ["optim.lr=1e-3", "eval.every=0", "algorithm.minibatches=1"]
+    with Trainer(load_config(None, [*overrides, "train.max_steps=12"]), tmp_path / "a") as a:
+        a.fit()
+    lines = train_lines(run_metrics(tmp_path / "a"))
+    scales = [r["train/loss_scale"] for r in lines]
+    skipped = [r["train/skipped_steps"] for r in lines]
+    overflowed = [i for i in range(len(lines)) if r_inf(lines[i]["train/grad_norm"])]
+    assert scales[0] == 2.0**24 and len(overflowed) > 3  # more in a row than max_skipped
+    assert overflowed == list(range(len(overflowed))) and len(overflowed) < len(lines) - 2
+    for i in range(1, len(lines)):  # halved after each overflow, kept after a step taken
+        assert scales[i] == scales[i - 1] / (2 if i - 1 in overflowed else 1)
+    assert skipped == [min(i + 1, len(overflowed)) for i in range(len(lines))]
+    assert all(math.isfinite(r["train/loss"]) for r in lines)
+    # stopped after 6 steps, then resumed to 12: the same lines as the run that did not stop
+    with Trainer(load_config(None, [*overrides, "train.max_steps=6"]), tmp_path / "b") as b:
+        b.fit()
+    resumed = load_config(None, [*overrides, "train.max_steps=12"])
+    with Trainer(resumed, tmp_path / "b", resume=True) as b:
+        b.fit()
+    again = train_lines(run_metrics(tmp_path / "b"))
+    keys = ("train/loss_scale", "train/loss", "train/grad_norm", "train/skipped_steps")
+    assert [[r[k] for k in keys] for r in again] == [[r[k] for k in keys] for r in lines]
+
+
+def r_inf(value):
+    """A gradient norm logged as non-finite (null in metrics.jsonl)."""
+    return value is None or not math.isfinite(value)
 
 
 def test_auto_old_logprobs_recompute_below_float32():

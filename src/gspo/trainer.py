@@ -62,7 +62,7 @@ from gspo.training.hooks import BatchWarnings, build_hooks
 from gspo.training.lora import adapter_dropout_seed
 from gspo.training.memory import loading_model, out_of_memory
 from gspo.training.metrics import combine, crossed, metric_reduction, rollout_clip_fractions
-from gspo.training.policy import Policy, build_forward
+from gspo.training.policy import Policy, build_forward, loss_scaler
 from gspo.training.reference import Reference
 from gspo.training.rollout import RolloutStage, Scorer
 from gspo.training.sampler import PolicySampler, build_engine
@@ -157,7 +157,7 @@ class Trainer:
         objective = Objective(config.algorithm)
         self.policy_update = PolicyUpdate(
             self.policy, self.optimizer, self.scheduler, config.optim.grad_clip,
-            max_skipped=config.train.max_skipped,
+            max_skipped=config.train.max_skipped, scaler=loss_scaler(self.policy),
         )  # fmt: skip
         self.cold_start_done = False
         if checkpoint is not None:
@@ -165,6 +165,7 @@ class Trainer:
                 checkpoint, self.policy, self.optimizer, self.scheduler
             )
             resumed_optim_settings(self.optimizer, self.scheduler, config)
+            self.policy_update.resume(checkpoint)
             self.cold_start_done = True
 
         # the stages, and the hooks attached to the update stage
@@ -374,6 +375,11 @@ class Trainer:
         print_summary(records)
         return records
 
+    def checkpoint_files(self) -> dict[str, object]:
+        """A checkpoint's files beside the weights and optimizer: the async rollouts' stale
+        weights, a float16 run's loss scale."""
+        return {**self.rollouts.checkpoint_files(), **self.policy_update.checkpoint_files()}
+
     def save_checkpoint(self, model_dir: Path | None = None, *, last: bool = False) -> Path:
         """Take this step's checkpoint and write it (in the background: :class:`gspo.training.
         checkpoint.Checkpoints`, which logs ``io/checkpoint_bytes``, ``time/checkpoint``, the
@@ -389,7 +395,7 @@ class Trainer:
                 tokenizer = self.writer_tokenizer
             return take_checkpoint(
                 self.output_dir, step, self.policy, self.optimizer, self.scheduler,
-                tokenizer, dist=self.dist, extra=self.rollouts.checkpoint_files(),
+                tokenizer, dist=self.dist, extra=self.checkpoint_files(),
                 model_dir=model_dir, copy=copy, model_only=self.config.train.save_only_model,
                 config=with_run_dir(dump_config_text(self.config), self.output_dir),
             )  # fmt: skip

@@ -127,7 +127,8 @@ class ModelConfig(Section):
         description="Compute dtype of the forward passes (autocast; trained weights and "
         "optimizer stay float32, a LoRA run's frozen base is held in it on CUDA) and of "
         "vLLM; auto = bfloat16 on CUDA (float32 for the built-in model, i.e. without "
-        "model.path: docs/precision.md), float32 on CPU",
+        "model.path: docs/precision.md), float32 on CPU; float16 scales the loss "
+        "(train/loss_scale)",
     )
     device: str = Field(
         "auto",

@@ -130,12 +130,6 @@ class Config(Section):
                 "optimizer steps (train.max_steps in whole rollout batches): nothing is "
                 "profiled there"
             )
-        if self.model.dtype == "float16":
-            lines.append(
-                "model.dtype=float16: the loss is not scaled (gspo has no GradScaler), so "
-                "gradients below what float16 holds (~6e-8) become 0 in the backward; "
-                "bfloat16 (NVIDIA Ampere and newer) or float32 trains without that"
-            )
         lora = self.model.lora
         unused = [k for k, v in lora.model_dump().items() if k != "r" and v != _LORA[k]]
         if lora.r == 0 and unused:

@@ -54,7 +54,7 @@ from gspo.publish import (
 )
 from gspo.telemetry import MetricsLogger
 from gspo.training.metrics import combine
-from gspo.training.policy import Policy
+from gspo.training.policy import Policy, loss_scaler
 from gspo.training.sampler import MODEL_CONTEXT, said_context
 from gspo.training.seeds import rank_seed
 from gspo.training.setup import adamw
@@ -221,12 +221,19 @@ def progress_checkpoints(checkpoints: Path) -> list[Path]:
 
 
 def _save_progress(
-    checkpoints: Path, step: int, policy: Policy, optimizer, lines: list[dict], dist: Distributed
+    checkpoints: Path,
+    step: int,
+    policy: Policy,
+    optimizer,
+    lines: list[dict],
+    dist: Distributed,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> None:
     with staged(checkpoints / f"{PROGRESS_PREFIX}{step:07d}", dist) as tmp:
         save_sharded(tmp / _MODEL, policy.forward, optimizer)
         if dist.is_main:
-            torch.save({"step": step, "lines": lines}, tmp / _STATE)
+            scale = None if scaler is None else scaler.state_dict()
+            torch.save({"step": step, "lines": lines, "scaler": scale}, tmp / _STATE)
     if dist.is_main:
         for older in progress_checkpoints(checkpoints)[:-1]:
             shutil.rmtree(older)
@@ -330,6 +337,7 @@ def cold_start(
 
     rng = random.Random(rank_seed(cfg.seed, dist, "sft"))
     optimizer = adamw(policy.forward, lr=cfg.cold_start_lr, betas=(0.9, 0.99))
+    scaler = loss_scaler(policy)  # float16 only
     pad = tokenizer.pad_token_id
     encoded = encode_rows(rows, encode or single_turn_encoder(config, tokenizer), config)
     encoded = within_context(encoded, model_context(policy.module)[0], config, dist)
@@ -340,6 +348,8 @@ def cold_start(
         policy.stepped()
         state = torch.load(saved[-1] / _STATE, weights_only=True)
         first, lines = int(state["step"]), list(state["lines"])
+        if scaler is not None and state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
         for line in lines:
             logger.log(0, line)
         for _ in range(first * local_batch):  # the row sampler, as it stood at that step
@@ -364,9 +374,15 @@ def cold_start(
         with policy.autocast():
             lp = policy.forward(prompt_ids, prompt_mask, completion_ids, completion_mask)
         loss = -lp[actions].mean()  # the model's tokens: not an episode's tool responses
-        policy.backward(loss, actions.sum().item())
+        policy.backward(loss, actions.sum(), scaler=scaler)
+        if scaler is not None:
+            scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-        optimizer.step()
+        if scaler is None:
+            optimizer.step()
+        else:  # (skipped where the gradients overflowed; the scale halved)
+            scaler.step(optimizer)
+            scaler.update()
         optimizer.zero_grad(set_to_none=True)
         policy.stepped()
         if (i + 1) % 100 == 0 or i + 1 == cfg.cold_start_steps:
@@ -390,7 +406,7 @@ def cold_start(
                 )
         every = cfg.cold_start_save_every
         if every and (i + 1) % every == 0 and i + 1 < cfg.cold_start_steps:
-            _save_progress(checkpoints, i + 1, policy, optimizer, lines, dist)
+            _save_progress(checkpoints, i + 1, policy, optimizer, lines, dist, scaler)
     if entry is not None:
         _store_in_cache(entry, policy, lines, dist)
         _trimmed(config, entry, dist)

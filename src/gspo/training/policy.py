@@ -149,7 +149,11 @@ class Policy:
             )
 
     def backward(
-        self, loss: torch.Tensor, local_count: float | torch.Tensor, own: torch.Tensor | None = None
+        self,
+        loss: torch.Tensor,
+        local_count: float | torch.Tensor,
+        own: torch.Tensor | None = None,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         """``loss.backward()`` for a mean over ``local_count`` items of this rank's share.
 
@@ -157,11 +161,13 @@ class Policy:
         average over ranks is the gradient of the mean over the whole global batch.
         ``own``: a loss each rank computes over its whole share whatever was counted (a
         MoE model's load balancing), added unscaled: FSDP averages it over ranks.
+        ``scaler``: a float16 run's (:func:`loss_scaler`), which scales the sum up first.
         """
         if self.dist.enabled:
             scale = self.dist.mean_scale(local_count)  # (a float64 tensor: in the loss's dtype)
             loss = loss * scale.to(loss.dtype)
-        (loss if own is None else loss + own).backward()
+        total = loss if own is None else loss + own
+        (total if scaler is None else scaler.scale(total)).backward()
 
     def replica(self) -> torch.nn.Module:
         """The whole weights as a plain HF module, brought up to the current version.
@@ -176,6 +182,18 @@ class Policy:
                 self._replica.load_state_dict(state, strict=not self.adapters)
             self._replica_version = self.version
         return self._replica
+
+
+def loss_scaler(policy: Policy) -> torch.amp.GradScaler | None:
+    """A float16 run's loss scaling (``model.dtype=float16``), None otherwise (bfloat16's
+    and float32's range hold the gradients): the loss is scaled up before the backward, so
+    that gradients below float16's smallest (~6e-8) do not become 0, and the gradients
+    down before the clip; a step whose gradients overflowed is skipped and the scale
+    halved (doubled after 2,000 steps without). Under FSDP2 the overflow check is reduced
+    over the ranks (torch's DTensor), so every rank skips the same steps."""
+    if policy.compute_dtype != torch.float16:
+        return None
+    return torch.amp.GradScaler(policy.device.type)
 
 
 #: pi_theta's log-probs and entropies ``[n, T]`` (with gradient) and the router loss, or None

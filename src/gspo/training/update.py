@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -156,6 +157,11 @@ class NonFiniteTraining(ValueError):
     """Too many updates in a row had a non-finite loss or gradient (a one-line error)."""
 
 
+#: A checkpoint's skipped-update counts and float16 loss scale, where they are not the
+#: defaults (:meth:`PolicyUpdate.checkpoint_files`).
+UPDATE_STATE = "update_state.pt"
+
+
 class PolicyUpdate:
     """One optimizer step from a loss; ``step`` counts RL's optimizer steps."""
 
@@ -166,15 +172,37 @@ class PolicyUpdate:
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         grad_clip: float,
         max_skipped: int = 3,
+        scaler: torch.amp.GradScaler | None = None,
     ):
         self.policy = policy
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.grad_clip = grad_clip if grad_clip > 0 else float("inf")
         self.max_skipped = max_skipped
+        self.scaler = scaler  # a float16 run's loss scaling (gspo.training.policy.loss_scaler)
         self.step = 0
         self.skipped = 0  # updates skipped for a non-finite loss or gradient, in all
         self.skipped_in_a_row = 0
+
+    def checkpoint_files(self) -> dict[str, object]:
+        """What a checkpoint needs to resume exactly beside the optimizer and schedule: the
+        skipped-update counts (``train/skipped_steps``, ``train.max_skipped``'s) and a
+        float16 run's loss scale; no file while they are the defaults (none skipped, no
+        scaler)."""
+        if not self.skipped and self.scaler is None:
+            return {}
+        scale = None if self.scaler is None else self.scaler.state_dict()
+        counts = {"skipped": self.skipped, "skipped_in_a_row": self.skipped_in_a_row}
+        return {UPDATE_STATE: {**counts, "loss_scale": scale}}
+
+    def resume(self, checkpoint: Path) -> None:
+        """The counts and loss scale from ``checkpoint`` (the defaults where it has none)."""
+        if not (checkpoint / UPDATE_STATE).is_file():
+            return
+        state = torch.load(checkpoint / UPDATE_STATE, weights_only=True)
+        self.skipped, self.skipped_in_a_row = state["skipped"], state["skipped_in_a_row"]
+        if self.scaler is not None and state["loss_scale"] is not None:
+            self.scaler.load_state_dict(state["loss_scale"])
 
     def apply(self, out: PolicyLoss, router_loss: torch.Tensor | None = None) -> dict[str, float]:
         """Backward, clip and step on a minibatch's loss (this rank's share of it); its metrics.
@@ -191,16 +219,27 @@ class PolicyUpdate:
         clip were queued: the one wait of a minibatch on CUDA (whether the step is finite
         decides whether it is taken). Reading the loss's metrics before the backward made
         the host wait for the forward before queueing any of the backward.
+
+        With a ``scaler`` (float16) the gradients are unscaled before the clip, the scale
+        used is logged (``train/loss_scale``), and a step whose gradients overflowed at a
+        scale above 1 is skipped (in ``train/skipped_steps``) without counting toward
+        ``train.max_skipped``: lowering the scale is the scaler's remedy.
         """
         total = out.loss if router_loss is None else out.loss + router_loss
-        self.policy.backward(out.loss, out.values["sequences"], own=router_loss)
+        scaler = self.scaler
+        self.policy.backward(out.loss, out.values["sequences"], own=router_loss, scaler=scaler)
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)  # the clip and the logged norm: the true gradient
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.grad_clip)
         own = {"train/loss": total, "train/grad_norm": whole(grad_norm)}  # the norm: global
         if router_loss is not None:
             own["moe/router_aux_loss"] = router_loss
+        if scaler is not None:
+            own["train/loss_scale"] = scaler._get_scale_async()  # (read with the rest)
         read = read_scalars({**{f"train/{k}": v for k, v in out.values.items()}, **own})
         loss, norm = read["train/loss"], read["train/grad_norm"]
         finite = math.isfinite(loss) and math.isfinite(norm)
+        overflow = scaler is not None and math.isfinite(loss) and read["train/loss_scale"] > 1
         # the rate this step takes (the scheduler then moves on; its get_last_lr() is the
         # rate loaded with a resumed run's state, where optim.lr was changed on --resume)
         lr = self.optimizer.param_groups[0]["lr"]
@@ -209,7 +248,9 @@ class PolicyUpdate:
             self.skipped_in_a_row = 0
         else:  # the weights stay as they were; the schedule moves on
             self.skipped += 1
-            self.skipped_in_a_row += 1
+            self.skipped_in_a_row += not overflow
+        if scaler is not None:
+            scaler.update()  # (from the overflow check unscale_ made: halved if it found one)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
