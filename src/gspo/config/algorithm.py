@@ -49,7 +49,8 @@ class AlgorithmConfig(Section):
         4,
         ge=1,
         description="Optimizer steps per rollout batch, one per minibatch (at most "
-        "rollout.group_size * rollout.prompts_per_batch); the first is on-policy",
+        "rollout.group_size * rollout.prompts_per_batch; under torchrun at most the "
+        "responses each rank holds, that / the ranks); the first is on-policy",
     )
     old_logprobs: Literal["auto", "sampler", "recompute"] = Field(
         "auto",

@@ -196,13 +196,15 @@ class MoEConfig(Section):
     """Mixture-of-Experts diagnostics and Routing Replay (MoE models only)."""
 
     routing_replay: bool = Field(
-        False, description="Compute pi_theta for the ratio through the experts pi_old chose"
+        False,
+        description="Compute pi_theta for the ratio through the experts pi_old chose "
+        "(needs rollout.max_staleness=0)",
     )
     measure_churn: bool | None = Field(
         None,
         description="Log moe/expert_change_fraction after each optimizer step; "
         "null = on for MoE models, off with rollout.max_staleness > 0 (pi_old's routing is "
-        "not the trainer's)",
+        "not the trainer's; true there is refused)",
     )
     router_aux_loss_coef: float = Field(
         0.0,
