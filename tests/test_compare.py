@@ -463,6 +463,30 @@ def test_compare_writes_the_report_and_reuses_finished_runs(tmp_path, tiny):
     assert ", the 1 run " in md  # ("the 1 runs" before)
 
 
+def test_compare_after_bad_input_and_after_edited_files(tmp_path, tiny, monkeypatch):
+    """A compare stopped by bad input (a misspelt reward function) recorded its request
+    first, and refused the corrected command into the same directory as "made with other
+    settings"; a reward file or data edited since was not noticed (the runs made from the
+    old ones were reused and their report written as new); the same file named by a
+    relative path is the same."""
+    monkeypatch.chdir(tmp_path)  # (the fixture's reward file: tmp_path / "varied.py")
+    out, log = tmp_path / "cmp", [].append
+    asked = [*tiny[:-1], "reward.functions=[varied.py:nosuch]"]
+    with pytest.raises(ValueError, match="nosuch"):
+        compare(None, asked, out, seeds=(0,), log=log, algorithms=("GSPO",))
+    compare(None, tiny, out, seeds=(0,), log=log, algorithms=("GSPO",))  # the absolute path
+    relative = [*tiny[:-1], "reward.functions=[varied.py:varied]"]
+    messages: list[str] = []
+    compare(None, relative, out, seeds=(0,), log=messages.append, algorithms=("GSPO",))
+    assert sum("reusing" in m for m in messages) == 2 and not any("training" in m for m in messages)
+    with open(tmp_path / "varied.py", "a") as f:
+        f.write("# edited\n")
+    digest = "'[0-9a-f]{16}'"
+    edited = rf"other settings \(cold_start: contents.reward.functions.0 {digest} -> {digest}\)"
+    with pytest.raises(ValueError, match=edited):
+        compare(None, relative, out, seeds=(0,), log=log, algorithms=("GSPO",))
+
+
 def test_compare_bad_input_is_one_line(tmp_path, capsys):
     assert main(["compare", "--output-dir", str(tmp_path), "--preset", "wild"]) == 2
     assert "--preset 'wild'" in capsys.readouterr().err
@@ -538,11 +562,17 @@ def test_compare_checks_every_run_before_training_and_holds_its_directory(tmp_pa
     )
 
 
+def same_request(config, run_dir, root=None):
+    """What compare does for a directory: refuse other settings, else record these."""
+    from gspo.experiments.runs import unchanged_requests, write_request
+
+    unchanged_requests({run_dir: config}, root)
+    write_request(config, run_dir, root)
+
+
 def test_the_shared_cold_start_is_kept_across_rl_settings(tmp_path):
     """A compare with another RL learning rate into the same directory refused the cold
     start too, which takes no RL step: a sweep of optim.lr had to train it again."""
-    from gspo.experiments.runs import same_request
-
     out = tmp_path / "cmp"
     same_request(load_config(None, ["optim.lr=1e-4"]), out / "cold_start", out)
     rl = ["optim.lr=3e-4", "optim.warmup_steps=5", "algorithm.level=token"]
@@ -558,7 +588,7 @@ def test_the_shared_cold_start_is_kept_across_rl_settings(tmp_path):
 def test_runs_recorded_before_data_seed_are_kept_where_their_data_is_the_same(tmp_path):
     """A request recorded before data.seed existed drew its data from train.seed: seed 0's
     run and a run on the user's own data ask the same now, seed 1's does not."""
-    from gspo.experiments.runs import REQUEST, same_request
+    from gspo.experiments.runs import REQUEST
 
     def recorded_before(config, run):
         same_request(config, run)
@@ -581,7 +611,7 @@ def test_a_run_made_with_other_settings_is_not_reused_or_resumed(tmp_path):
     """A rerun into the same directory with other overrides (or another preset) reused every
     finished run and resumed an interrupted one under the new settings, while the report
     named the new ones."""
-    from gspo.experiments.runs import REQUEST, same_request
+    from gspo.experiments.runs import REQUEST
 
     run = tmp_path / "runs" / "gspo-seed0"
     same_request(load_config(None, ["optim.lr=1e-4"]), run)  # recorded

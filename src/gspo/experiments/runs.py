@@ -142,8 +142,44 @@ HERE = "<output-dir>"
 
 
 def _request(config: Config, root: Path | None) -> dict[str, Any]:
-    """``config`` as a tree, ``root`` (the output directory) in its paths as :data:`HERE`."""
-    return _relative(yaml.safe_load(dump_config_text(config)), root)
+    """``config`` as a tree, its paths absolute (``train.jsonl`` given in two directories
+    named two files) and ``root`` (the output directory) in them as :data:`HERE`, and the
+    digests of the files it reads (``contents``, :func:`input_digests`)."""
+    from gspo.training.setup import with_absolute_paths
+
+    tree = yaml.safe_load(dump_config_text(with_absolute_paths(config)))
+    tree["contents"] = input_digests(config)
+    return _relative(tree, root)
+
+
+def input_digests(config: Config) -> dict[str, str]:
+    """A digest of each local file (or directory) a run reads that its settings name by
+    path alone: ``data.train/eval/sft``, reward function files, the environment's file. A
+    compare rerun after the data or a reward function was edited reused the runs made
+    from the old ones, and wrote their report as new. Not the model's directory (its
+    weights are too large to read each time) nor what those files import."""
+    import hashlib
+
+    named = {f"data.{key}": getattr(config.data, key) for key in ("train", "eval", "sft")}
+    named.update({f"reward.functions.{i}": f for i, f in enumerate(config.reward.functions)})
+    named["rollout.environment"] = config.rollout.environment
+    digests = {}
+    for key, value in named.items():
+        if not isinstance(value, str):
+            continue
+        path = next(
+            (p for p in (Path(value), Path(value.partition(":")[0])) if p.expanduser().exists()),
+            None,
+        )
+        if path is None:  # a built-in, a hub id, a module: nothing of the user's to read
+            continue
+        path = path.expanduser()
+        h = hashlib.sha256()
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        for file in files:
+            h.update(str(file.relative_to(path)).encode() + b"\0" + file.read_bytes())
+        digests[key] = h.hexdigest()[:16]
+    return digests
 
 
 def _relative(tree: Any, root: Path | None) -> Any:
@@ -191,12 +227,15 @@ def _data_seed(flat: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def same_request(config: Config, run_dir: Path, root: Path | None = None) -> None:
-    """Refuse, in one line, to reuse or resume ``run_dir`` made with other settings (a
-    rerun with other overrides or another preset reused every run, and resumed an
-    interrupted one under the new settings, while the report named the new ones); else
-    record what is asked (``root``, the output directory, as :data:`HERE`)."""
-    unchanged_requests({run_dir: config}, root)
+def write_request(config: Config, run_dir: Path, root: Path | None = None) -> None:
+    """Record what is asked of ``run_dir`` (``root``, the output directory, as
+    :data:`HERE`), once its trainer is set up: a compare stopped by bad input (a missing
+    file, a misspelt reward function) recorded it first, and refused the corrected
+    command into the same directory as "made with other settings". A later compare into
+    the directory reuses or resumes it only when it asks the same
+    (:func:`unchanged_requests`: a rerun with other overrides or another preset reused
+    every run, and resumed an interrupted one under the new settings, while the report
+    named the new ones)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / REQUEST).write_text(yaml.safe_dump(_request(config, root), sort_keys=False))
 
@@ -238,16 +277,17 @@ def run_or_reuse(
     config: Config, run_dir: Path, log: Callable[[str], None], root: Path | None = None
 ) -> list[dict[str, Any]]:
     """Train ``config`` into ``run_dir``; reuse a finished run, resume an interrupted one,
-    each only when it was made with the same settings (:func:`same_request`)."""
+    each only when it was made with the same settings (:func:`write_request`)."""
     from gspo.trainer import Trainer, latest_checkpoint
 
-    same_request(config, run_dir, root)
+    unchanged_requests({run_dir: config}, root)
     if finished(run_dir, config.train.max_steps):
         log(f"  reusing {run_dir}")
         return read_metrics(run_dir / "metrics.jsonl")
     resume = latest_checkpoint(run_dir) is not None and (run_dir / "metrics.jsonl").is_file()
     log(f"  {'resuming' if resume else 'training'} {run_dir}")
     with Trainer(config, run_dir, resume=resume) as trainer:
+        write_request(config, run_dir, root)
         record_provenance(run_dir)  # (once it starts)
         return trainer.fit()
 
@@ -260,7 +300,7 @@ def cold_start_checkpoint(
 
     path = cold_start_path(out)
     config = cold_start_config(base, config_path)
-    same_request(config, out / COLD_START, out)
+    unchanged_requests({out / COLD_START: config}, out)
     if (model_files(path) / "config.json").is_file():  # (a step 0 may name its model)
         log(f"cold start: reusing {path}")
         return path
@@ -268,6 +308,7 @@ def cold_start_checkpoint(
     from gspo.trainer import Trainer
 
     with Trainer(config, out / COLD_START) as trainer:
+        write_request(config, out / COLD_START, out)
         # (one the cache gives was trained by this code too: its key holds gspo's sources)
         record_provenance(out / COLD_START)
         trainer.fit()
