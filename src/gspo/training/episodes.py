@@ -194,7 +194,8 @@ class MultiTurn:
     ``max_turns`` bounds the model's turns per episode, ``max_tokens`` the tokens after
     the prompt (the model's and the environment's); ``params.max_new_tokens`` bounds one
     turn. An episode cut by either limit, or whose turn was cut, finishes as ``"length"``.
-    Turn ``t`` samples with seed ``derive_seed(seed, "turn", t)`` (turn 0: ``seed``).
+    Turn ``t`` samples with seed ``derive_seed(seed, "turn", t)`` (turn 0: ``seed``), its
+    decode buffers freed after it but turn 0's (later turns' shapes never come again).
     """
 
     def __init__(
@@ -258,11 +259,8 @@ class MultiTurn:
             if not live:
                 break
             room = max(states[i].limit - len(states[i].ids) for i in live)
-            # a later turn's shapes (fewer rows, a longer context) never come again: the
-            # engine frees its decode buffers after it, so none stay held while training
-            turn_params = replace(
-                params, max_new_tokens=min(params.max_new_tokens, room), keep_buffers=turn == 0
-            )
+            budget = min(params.max_new_tokens, room)
+            turn_params = replace(params, max_new_tokens=budget, keep_buffers=turn == 0)
             turn_seed = seed if turn == 0 else derive_seed(seed, "turn", turn)
             shared = turn == 0 and all(
                 states[i].prompt == states[i - i % n].prompt for i in range(len(states))
@@ -417,11 +415,9 @@ class MultiTurn:
 def build_generator(
     config: Config, sampler: Sampler, tokenizer, sample_row: dict[str, Any] | None = None
 ) -> SingleTurn | MultiTurn:
-    """Episodes with ``rollout.environment`` (or the calculator task), else single turns.
-
+    """Episodes with ``rollout.environment`` (or the calculator task), else single turns;
     ``sample_row`` (a training row) makes one environment up front, so that a factory
-    that fails does so before anything runs.
-    """
+    that fails does so before anything runs."""
     spec = config.environment
     if spec is None:
         return SingleTurn(sampler)
