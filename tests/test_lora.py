@@ -269,6 +269,14 @@ def test_export_without_merge_names_a_full_checkpoint_or_asks_for_out(
         capsys.readouterr().err.strip()
         == f"gspo: error: export: {tmp_path / 'nope'} does not exist"
     )
+    steps = tmp_path / "full" / "checkpoints"
+    assert main(["export", str(steps / "step-4")]) == 2  # (a name cut short: those there)
+    said = f"export: {steps / 'step-4'} does not exist ({steps} holds step-0000000)"
+    assert capsys.readouterr().err.strip() == f"gspo: error: {said}"
+    (tmp_path / "cmp" / "runs").mkdir(parents=True)  # a compare's directory: its runs
+    (tmp_path / "cmp" / "runs" / "full").symlink_to(tmp_path / "full")
+    assert main(["export", str(tmp_path / "cmp")]) == 2
+    assert f"(runs inside it: {tmp_path / 'cmp' / 'runs' / 'full'})" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "full")]) == 0
     # its step 0 (no cold start ran) names its model instead of holding a copy: that one
     # (before: the step-0 directory, which holds no weights)

@@ -57,6 +57,15 @@ def resolve_checkpoint(source: Path) -> Path:
     checkpoint = latest_checkpoint(source)
     if checkpoint is None:
         said = "is neither a checkpoint nor a run with one" if source.exists() else "does not exist"
+        # where a checkpoint's name was mistyped, those beside it; a compare's, its runs
+        there = [
+            p.name for p in sorted(source.parent.glob("step-*")) if (p / TRAINER_STATE).is_file()
+        ]
+        runs = [str(p.parent) for p in sorted(source.glob("runs/*/checkpoints"))]
+        if there:
+            said += f" ({source.parent} holds {', '.join(there)})"
+        elif runs:
+            said += f" (runs inside it: {', '.join(runs)})"
         raise FileNotFoundError(f"export: {source} {said}")
     return checkpoint
 
