@@ -18,6 +18,8 @@ behind it; :func:`gspo.experiments.claims.verdicts` holds the rules.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import time
@@ -158,8 +160,6 @@ def input_digests(config: Config) -> dict[str, str]:
     compare rerun after the data or a reward function was edited reused the runs made
     from the old ones, and wrote their report as new. Not the model's directory (its
     weights are too large to read each time) nor what those files import."""
-    import hashlib
-
     named = {f"data.{key}": getattr(config.data, key) for key in ("train", "eval", "sft")}
     named.update({f"reward.functions.{i}": f for i, f in enumerate(config.reward.functions)})
     named["rollout.environment"] = config.rollout.environment
@@ -173,13 +173,23 @@ def input_digests(config: Config) -> dict[str, str]:
         )
         if path is None:  # a built-in, a hub id, a module: nothing of the user's to read
             continue
-        path = path.expanduser()
-        h = hashlib.sha256()
+        path = path.expanduser().resolve()
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-        for file in files:
-            h.update(str(file.relative_to(path)).encode() + b"\0" + file.read_bytes())
-        digests[key] = h.hexdigest()[:16]
+        stamps = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+        digests[key] = _digest(path, stamps)
     return digests
+
+
+@functools.lru_cache(maxsize=64)
+def _digest(path: Path, stamps: tuple[tuple[str, int, int], ...]) -> str:
+    """The files' names under ``path`` and bytes, read once while their sizes and times
+    (``stamps``) stay: every run of a compare names the same data."""
+    h = hashlib.sha256()
+    for name, _, _ in stamps:
+        file = Path(name)
+        h.update(str(file.relative_to(path) if path.is_dir() else "").encode() + b"\0")
+        h.update(file.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _relative(tree: Any, root: Path | None) -> Any:
