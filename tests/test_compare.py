@@ -485,6 +485,14 @@ def test_compare_after_bad_input_and_after_edited_files(tmp_path, tiny, monkeypa
     edited = rf"other settings \(cold_start: contents.reward.functions.0 {digest} -> {digest}\)"
     with pytest.raises(ValueError, match=edited):
         compare(None, relative, out, seeds=(0,), log=log, algorithms=("GSPO",))
+    # a request recorded before the digests (paths as given, no contents): still the same
+    from gspo.experiments.runs import REQUEST, _request, unchanged_requests
+
+    config = load_config(None, relative)
+    older = tmp_path / "older"
+    older.mkdir()
+    (older / REQUEST).write_text(yaml.safe_dump(_request(config, None, older=True)))
+    unchanged_requests({older: config}, None)
 
 
 def test_compare_bad_input_is_one_line(tmp_path, capsys):

@@ -69,7 +69,8 @@ class TrainConfig(Section):
         3,
         ge=1,
         description="Updates with a non-finite loss or gradient are skipped (logged as "
-        "train/skipped_steps); this many in a row stop the run",
+        "train/skipped_steps); this many in a row stop the run (float16: not gradients "
+        "that overflowed at a loss scale above 1, which the scale's halving remedies)",
     )
     keep_checkpoints: int = Field(2, ge=1, description="Newest kept, besides the step-0 one")
     save_only_model: bool = Field(

@@ -143,14 +143,17 @@ COLD_START = "cold_start"
 HERE = "<output-dir>"
 
 
-def _request(config: Config, root: Path | None) -> dict[str, Any]:
+def _request(config: Config, root: Path | None, older: bool = False) -> dict[str, Any]:
     """``config`` as a tree, its paths absolute (``train.jsonl`` given in two directories
     named two files) and ``root`` (the output directory) in them as :data:`HERE`, and the
-    digests of the files it reads (``contents``, :func:`input_digests`)."""
+    digests of the files it reads (``contents``, :func:`input_digests`). ``older``: as a
+    request recorded before 19da888 was (paths as given, no digests), to compare with one.
+    """
     from gspo.training.setup import with_absolute_paths
 
-    tree = yaml.safe_load(dump_config_text(with_absolute_paths(config)))
-    tree["contents"] = input_digests(config)
+    tree = yaml.safe_load(dump_config_text(config if older else with_absolute_paths(config)))
+    if not older:
+        tree["contents"] = input_digests(config)
     return _relative(tree, root)
 
 
@@ -212,9 +215,10 @@ def changed_request(config: Config, run_dir: Path, root: Path | None = None) -> 
     if not path.is_file():
         return None
     free = COLD_START_FREE if root is not None and run_dir == root / COLD_START else FREE
-    asked = _data_seed(_flat(_request(config, root)))
-    # (an older request: absolute paths, no data.seed)
-    before = _data_seed(_flat(_relative(yaml.safe_load(path.read_text()), root)))
+    recorded = yaml.safe_load(path.read_text())
+    # (an older request: absolute paths, no data.seed; or paths as given and no contents)
+    asked = _data_seed(_flat(_request(config, root, older="contents" not in recorded)))
+    before = _data_seed(_flat(_relative(recorded, root)))
     changed = [
         f"{key} {before.get(key)!r} -> {asked.get(key)!r}"
         for key in sorted(asked.keys() | before.keys())

@@ -239,7 +239,8 @@ class PolicyUpdate:
         read = read_scalars({**{f"train/{k}": v for k, v in out.values.items()}, **own})
         loss, norm = read["train/loss"], read["train/grad_norm"]
         finite = math.isfinite(loss) and math.isfinite(norm)
-        overflow = scaler is not None and math.isfinite(loss) and read["train/loss_scale"] > 1
+        # (from what every rank shares, the scale: a rank's own loss would part the counts)
+        overflow = scaler is not None and read["train/loss_scale"] > 1
         # the rate this step takes (the scheduler then moves on; its get_last_lr() is the
         # rate loaded with a resumed run's state, where optim.lr was changed on --resume)
         lr = self.optimizer.param_groups[0]["lr"]
