@@ -375,11 +375,6 @@ class Trainer:
         print_summary(records)
         return records
 
-    def checkpoint_files(self) -> dict[str, object]:
-        """A checkpoint's files beside the weights and optimizer: the async rollouts' stale
-        weights, a float16 run's loss scale."""
-        return {**self.rollouts.checkpoint_files(), **self.policy_update.checkpoint_files()}
-
     def save_checkpoint(self, model_dir: Path | None = None, *, last: bool = False) -> Path:
         """Take this step's checkpoint and write it (in the background: :class:`gspo.training.
         checkpoint.Checkpoints`, which logs ``io/checkpoint_bytes``, ``time/checkpoint``, the
@@ -393,9 +388,11 @@ class Trainer:
                 if self.writer_tokenizer is None:
                     self.writer_tokenizer = deepcopy(self.tokenizer)
                 tokenizer = self.writer_tokenizer
+            # beside weights and optimizer: async rollouts' stale weights, skip counts, scale
+            extra = {**self.rollouts.checkpoint_files(), **self.policy_update.checkpoint_files()}
             return take_checkpoint(
                 self.output_dir, step, self.policy, self.optimizer, self.scheduler,
-                tokenizer, dist=self.dist, extra=self.checkpoint_files(),
+                tokenizer, dist=self.dist, extra=extra,
                 model_dir=model_dir, copy=copy, model_only=self.config.train.save_only_model,
                 config=with_run_dir(dump_config_text(self.config), self.output_dir),
             )  # fmt: skip
