@@ -1000,6 +1000,39 @@ def test_without_env_timeout_a_call_running_long_is_said_once(capsys, monkeypatc
     assert not thread.is_alive()
 
 
+def test_calls_from_several_threads_at_once_start_one_watcher(monkeypatch):
+    """Environment calls run on several threads; each first call found no watcher and
+    started its own (a slow one widens the race), which then said each slow call as
+    many times."""
+    import threading
+    import time
+
+    from gspo.environments import SlowCalls
+
+    started, Thread = [], threading.Thread
+
+    class SlowMade(Thread):
+        def __init__(self, *args, **kwargs):
+            time.sleep(0.05)
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    monkeypatch.setattr("gspo.environments.threading.Thread", SlowMade)
+    slow, ready = SlowCalls(after=60), threading.Barrier(6)
+
+    def call():
+        ready.wait()
+        with slow.watch("tool look()"):
+            pass
+
+    callers = [Thread(target=call) for _ in range(6)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    assert len(started) == 1 and slow.thread is started[0]
+
+
 def test_env_timeout_interrupts_what_swallows_or_races_it():
     """A tool's bare except: swallowed the interrupt and the run went on; a call ending as
     the alarm fired let a raw _Overran out (a traceback, the handler and the os._exit

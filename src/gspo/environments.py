@@ -169,15 +169,19 @@ class SlowCalls:
         self.after = SLOW_CALL_SECONDS if after is None else after
         self.running: dict[int, tuple[str, float]] = {}  # thread -> (call, its start)
         self.thread: threading.Thread | None = None
+        self.starting = threading.Lock()  # (calls from several threads: one watcher)
 
     @contextmanager
     def watch(self, what: str) -> Iterator[None]:
         if self.thread is None:
-            self.thread = threading.Thread(
-                target=_watch_calls, args=(weakref.ref(self),), daemon=True,
-                name="gspo-slow-env-calls",
-            )  # fmt: skip
-            self.thread.start()
+            with self.starting:
+                if self.thread is None:
+                    thread = threading.Thread(
+                        target=_watch_calls, args=(weakref.ref(self),), daemon=True,
+                        name="gspo-slow-env-calls",
+                    )  # fmt: skip
+                    thread.start()
+                    self.thread = thread
         key = threading.get_ident()
         self.running[key] = (what, time.monotonic())
         try:
