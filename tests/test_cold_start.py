@@ -310,3 +310,52 @@ def test_a_run_over_the_cache_limit_removes_older_entries_and_says_so(
         "cold start: cache over train.cold_start_cache_max_gb=1e-09: removed 1 least "
         f"recently used entries ({size / 1e9:.2f} GB) from {cold_start_cache}"
     ]
+
+
+def test_a_diverged_cold_start_skips_its_non_finite_steps_and_stops_in_one_line(tmp_path, capsys):
+    """A cold start whose gradients went non-finite took those steps (NaN weights, then a
+    step-0 checkpoint refused for them, naming nothing about the cause). Now each such step
+    is skipped on the device, and train.max_skipped of them in a row stop the run at its
+    next line, naming the learning rate to lower (1e30: the first step's weights are so
+    large that every later gradient overflows)."""
+    overrides = [*FAST, "train.cold_start_steps=10", "train.cold_start_lr=1e30"]
+    assert main(["train", "--output-dir", str(tmp_path / "run"), *overrides]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err
+    assert "train.max_skipped=3: the cold start's last 9 steps (to step 10)" in err
+    assert "Lower train.cold_start_lr (it is 1e+30)" in err
+
+
+def _fused_step(grad: float, scaler=None, init_scale: float = 4.0):
+    """One step of a 2-weight model through step_if_finite: its weights before and after,
+    the (skipped, counted) flags and the scale after (float16's scaler, CPU)."""
+    from gspo.training.update import step_if_finite
+
+    layer = torch.nn.Linear(2, 1, bias=False)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if scaler else None
+    loss = layer(torch.ones(1, 2)).sum()
+    (loss if scaler is None else scaler.scale(loss)).backward()
+    layer.weight.grad.fill_(grad)
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    before = layer.weight.detach().clone()
+    norm = torch.nn.utils.clip_grad_norm_(layer.parameters(), 1.0)
+    bad, counted = step_if_finite(optimizer, norm, scaler)
+    scale = None if scaler is None else scaler.get_scale()
+    steps = [s["step"].item() for s in optimizer.state.values()]
+    return before, layer.weight.detach(), (bad.item(), counted.item()), scale, steps
+
+
+def test_a_non_finite_step_is_skipped_on_the_device_without_a_read():
+    before, after, flags, _, steps = _fused_step(0.5)
+    assert flags == (0.0, 0.0) and not torch.equal(before, after) and steps == [1.0]
+    before, after, flags, _, steps = _fused_step(float("nan"))
+    assert flags == (1.0, 1.0) and torch.equal(before, after) and steps == [0.0]
+    # float16's scaler: an overflow at a scale above 1 is skipped, not counted; at 1 counted
+    before, after, flags, scale, _ = _fused_step(float("inf"), scaler=True, init_scale=4.0)
+    assert flags == (1.0, 0.0) and torch.equal(before, after) and scale == 2.0
+    before, after, flags, scale, _ = _fused_step(float("inf"), scaler=True, init_scale=1.0)
+    assert flags == (1.0, 1.0) and torch.equal(before, after) and scale == 0.5
+    before, after, flags, scale, _ = _fused_step(0.5, scaler=True, init_scale=1.0)
+    assert flags == (0.0, 0.0) and not torch.equal(before, after) and scale == 1.0

@@ -38,10 +38,11 @@ import torch
 import gspo
 from gspo.chat import encode_prompt, turn_end
 from gspo.config import Config
-from gspo.distributed import Distributed, load_sharded, save_sharded, sharded_problem
+from gspo.distributed import Distributed, load_sharded, save_sharded, sharded_problem, whole
 from gspo.engines import pad_batch
 from gspo.models import model_context, model_files
 from gspo.models.kernels import onednn_available
+from gspo.objectives import read_scalars
 from gspo.plugins import PYTHON_OBJECT, object_spec
 from gspo.publish import (
     MANIFEST,
@@ -58,6 +59,7 @@ from gspo.training.policy import Policy, loss_scaler
 from gspo.training.sampler import MODEL_CONTEXT, said_context
 from gspo.training.seeds import rank_seed
 from gspo.training.setup import adamw
+from gspo.training.update import NonFiniteTraining, step_if_finite
 
 PROGRESS_PREFIX = "cold-start-"
 _STATE = "state.pt"
@@ -227,13 +229,12 @@ def _save_progress(
     optimizer,
     lines: list[dict],
     dist: Distributed,
-    scaler: torch.amp.GradScaler | None = None,
+    extra: dict[str, Any],
 ) -> None:
     with staged(checkpoints / f"{PROGRESS_PREFIX}{step:07d}", dist) as tmp:
         save_sharded(tmp / _MODEL, policy.forward, optimizer)
-        if dist.is_main:
-            scale = None if scaler is None else scaler.state_dict()
-            torch.save({"step": step, "lines": lines, "scaler": scale}, tmp / _STATE)
+        if dist.is_main:  # (extra: the loss scaler's state, the skipped steps' counts)
+            torch.save({"step": step, "lines": lines, **extra}, tmp / _STATE)
     if dist.is_main:
         for older in progress_checkpoints(checkpoints)[:-1]:
             shutil.rmtree(older)
@@ -341,7 +342,7 @@ def cold_start(
     pad = tokenizer.pad_token_id
     encoded = encode_rows(rows, encode or single_turn_encoder(config, tokenizer), config)
     encoded = within_context(encoded, model_context(policy.module)[0], config, dist)
-    first, lines = 0, []
+    first, lines, counts = 0, [], [0.0, 0.0]
     saved = progress_checkpoints(checkpoints)
     if saved:
         load_sharded(saved[-1] / _MODEL, policy.forward, optimizer)
@@ -350,6 +351,7 @@ def cold_start(
         first, lines = int(state["step"]), list(state["lines"])
         if scaler is not None and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
+        counts = state.get("skipped", counts)
         for line in lines:
             logger.log(0, line)
         for _ in range(first * local_batch):  # the row sampler, as it stood at that step
@@ -358,6 +360,9 @@ def cold_start(
             print(f"cold start: resumed at step {first} from {saved[-1]}", flush=True)
     policy.train()
     start = time.perf_counter() - (lines[-1]["time/sft"] if lines else 0.0)
+    # steps skipped (their gradients not finite), in all and in a row: counted on the
+    # device, read with the logged lines (a read each step would stall the queue)
+    skipped, in_a_row = (torch.tensor(float(n), device=policy.device) for n in counts)
     for i in range(first, cfg.cold_start_steps):
         # cosine decay to 10% keeps the end of SFT from bouncing around
         lr = cfg.cold_start_lr * (0.55 + 0.45 * math.cos(math.pi * i / cfg.cold_start_steps))
@@ -377,12 +382,10 @@ def cold_start(
         policy.backward(loss, actions.sum(), scaler=scaler)
         if scaler is not None:
             scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-        if scaler is None:
-            optimizer.step()
-        else:  # (skipped where the gradients overflowed; the scale halved)
-            scaler.step(optimizer)
-            scaler.update()
+        norm = whole(torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0))
+        bad, counted = step_if_finite(optimizer, norm, scaler)
+        skipped += bad
+        in_a_row = (in_a_row + counted) * counted
         optimizer.zero_grad(set_to_none=True)
         policy.stepped()
         if (i + 1) % 100 == 0 or i + 1 == cfg.cold_start_steps:
@@ -396,6 +399,16 @@ def cold_start(
                     "time/sft": time.perf_counter() - start,
                 },
             )
+            skips = read_scalars({"skipped": skipped, "in_a_row": in_a_row})
+            if skips["skipped"]:
+                line["sft/skipped_steps"] = skips["skipped"]
+            if skips["in_a_row"] >= config.train.max_skipped:
+                raise NonFiniteTraining(
+                    f"train.max_skipped={config.train.max_skipped}: the cold start's last "
+                    f"{skips['in_a_row']:.0f} steps (to step {i + 1}) had a non-finite loss "
+                    f"or gradient (loss {line['sft/loss']}); stopping. Lower "
+                    f"train.cold_start_lr (it is {cfg.cold_start_lr:g})"
+                )
             logger.log(0, line)
             lines.append(line)
             if show:
@@ -406,7 +419,11 @@ def cold_start(
                 )
         every = cfg.cold_start_save_every
         if every and (i + 1) % every == 0 and i + 1 < cfg.cold_start_steps:
-            _save_progress(checkpoints, i + 1, policy, optimizer, lines, dist, scaler)
+            extra = {
+                "scaler": None if scaler is None else scaler.state_dict(),
+                "skipped": [skipped.item(), in_a_row.item()],
+            }
+            _save_progress(checkpoints, i + 1, policy, optimizer, lines, dist, extra)
     if entry is not None:
         _store_in_cache(entry, policy, lines, dist)
         _trimmed(config, entry, dist)

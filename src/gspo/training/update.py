@@ -157,6 +157,32 @@ class NonFiniteTraining(ValueError):
     """Too many updates in a row had a non-finite loss or gradient (a one-line error)."""
 
 
+def step_if_finite(
+    optimizer: torch.optim.Optimizer, norm: torch.Tensor, scaler: torch.amp.GradScaler | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The optimizer's step where the gradients (their clipped ``norm``) are finite, with
+    no read: fused AdamW skips on the device (``found_inf``, as float16's scaler does).
+
+    Returns two 0-dim tensors: 1 where the step was skipped, and 1 where it counts toward
+    ``train.max_skipped`` (float16: not an overflow at a loss scale above 1, which the
+    scale's halving remedies). A non-fused optimizer reads the norm."""
+    bad = (~torch.isfinite(norm)).float()
+    if scaler is not None:  # (it found the overflow in unscale_; the norm holds it)
+        counted = bad * (scaler._get_scale_async() <= 1).float()
+        scaler.step(optimizer)
+        scaler.update()
+        return bad, counted
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        optimizer.grad_scale, optimizer.found_inf = None, bad  # type: ignore[attr-defined]
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
+    elif math.isfinite(norm.item()):
+        optimizer.step()
+    return bad, bad
+
+
 #: A checkpoint's skipped-update counts and float16 loss scale, where they are not the
 #: defaults (:meth:`PolicyUpdate.checkpoint_files`).
 UPDATE_STATE = "update_state.pt"
