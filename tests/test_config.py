@@ -511,6 +511,15 @@ def test_built_in_sizes_that_match_model_paths_model_are_not_warned(tmp_path):
     assert load_config(None, same).warnings() == []
     other = load_config(None, ["model.layers=3", f"model.path={tmp_path}"]).warnings()
     assert len(other) == 1 and other[0].startswith("model.layers is set but model.path")
+    # with no cold-start rows (the user's data, no data.sft) its step 0 holds no weights,
+    # only the model it points at (model_dir.txt): that model's sizes are the ones compared
+    step = tmp_path / "cold_start" / "checkpoints" / "step-0000000"
+    step.mkdir(parents=True)
+    (step / "model_dir.txt").write_text("../../..\n")
+    same = ["model.builtin=qwen3", "model.layers=2", f"model.path={step}"]
+    assert load_config(None, same).warnings() == []
+    other = load_config(None, ["model.layers=3", f"model.path={step}"]).warnings()
+    assert len(other) == 1 and other[0].startswith("model.layers is set but model.path")
 
 
 def test_settings_that_another_setting_makes_moot_are_warned():

@@ -257,9 +257,12 @@ _HF_KEYS = {
 def _unlike(model: ModelConfig, keys: list[str]) -> list[str]:
     """Of the built-in ``keys`` set beside ``model.path``, those its model does not share
     (its config.json; all of them when it cannot be read): sizes that equal the model's
-    (``gspo compare`` names its cold start, made from them) are not said to do nothing."""
+    (``gspo compare`` names its cold start, made from them, or the step-0 checkpoint that
+    points at the model they made: no cold start rows) are not said to do nothing."""
+    from gspo.models.loading import model_files
+
     try:
-        actual = json.loads((Path(str(model.path)) / "config.json").read_text())
+        actual = json.loads((model_files(str(model.path)) / "config.json").read_text())
     except (OSError, ValueError):
         return keys
     return [k for k in keys if actual.get(_HF_KEYS[k], object()) != getattr(model, k)]
