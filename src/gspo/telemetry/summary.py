@@ -43,6 +43,7 @@ SUMMARY_KEYS: tuple[tuple[str, str], ...] = (
     ("train/response_length_mean", "response length"),
     ("env/turns_mean", "turns / episode"),
     ("env/tool_call_valid_fraction", "tool calls valid"),
+    ("moe/expert_change_fraction", "expert churn (MoE)"),
 )
 
 
@@ -73,8 +74,9 @@ def summary_table(records: Sequence[Mapping[str, Any]], *, title: str = "Run sum
 
     Rows (whichever exist): train reward, eval accuracy (sampled and greedy), clip
     fraction (off-policy minibatches, on-policy minibatch), response length, an
-    environment's turns per episode and share of valid tool calls (training's), and
-    seconds per step (from one of :data:`STEP_TIME_KEYS`, else derived from the
+    environment's turns per episode and share of valid tool calls (training's), a MoE
+    model's expert churn (the share of routed choices an update changed), and seconds per
+    step (from one of :data:`STEP_TIME_KEYS`, else derived from the
     ``"time"`` column). The mean is over the records that have the metric (for the clip
     fractions, one per rollout batch), so what happened between first and last shows.
     Its caption: what the checkpoints took, bytes and seconds (:func:`checkpoint_writes`).
