@@ -238,6 +238,18 @@ def test_bad_columns_name_the_key_and_the_columns(overrides, expected):
     assert "\n" not in message
 
 
+def test_cold_start_rows_need_no_answer_column():
+    """data.answer_column was required of data.sft's rows too, which nothing scores: a
+    prompt/completion SFT file beside RL rows with a solution column was refused."""
+    data = data_config("data.train=t.jsonl", "data.sft=s.jsonl", "data.answer_column=solution")
+    sft = [{"prompt": "1+1=", "completion": "2"}, {"prompt": "2+2=", "completion": "4"}]
+    rows = prepare_rows(sft, data, what="data.sft", sft=True)
+    assert [(r["prompt"], r["completion"]) for r in rows] == [("1+1=", "2"), ("2+2=", "4")]
+    assert all("answer" not in r for r in rows)
+    with pytest.raises(ValueError, match="data.answer_column: no column 'solution'"):
+        prepare_rows(sft, data, what="data.train")
+
+
 def test_a_column_missing_from_a_later_row_names_the_row():
     rows = [{"prompt": "a"}, {"prompt": "b"}, {"question": "c"}]
     with pytest.raises(ValueError, match="no column 'prompt' in row 3 of data.eval"):
@@ -792,6 +804,17 @@ def test_rows_without_the_column_a_reward_needs_are_counted_in_a_warning():
     ]
     scored = rewards(["p"] * 5, ["", "1", "", "", ""], {"answer": [r["answer"] for r in rows]})
     assert scored.per_function["exact_match"] == [None, 1.0, None, None, None]
+    # the user's own function is called for them (it said "not scored", and they were)
+
+    def none_is_one(completions, answer, **kwargs):
+        return [1.0 if a is None else 0.0 for a in answer]
+
+    rewards = RewardFunctions.from_specs([none_is_one], None)
+    warned = check_reward_columns(rewards, TaskData(rows, rows[1:2], []), config, None)
+    assert len(warned) == 1 and warned[0].endswith(
+        "which reward function 'none_is_one' needs: it is called with answer=None for their "
+        "completions"
+    ), warned
 
 
 def test_a_missing_column_under_an_environment_names_the_datas_columns_and_the_default():

@@ -306,8 +306,9 @@ def _columns(rows: list[Row]) -> str:
 
 def prepare_rows(rows: list[Row], data: DataConfig, *, what: str, sft: bool = False) -> list[Row]:
     """``rows`` with ``prompt`` (and ``answer``, and for ``sft`` rows ``completion``) set
-    from the ``data.*`` keys; see the module doc. One-line errors name the key, the
-    source and the columns that exist.
+    from the ``data.*`` keys; see the module doc. ``sft`` rows need no answer column
+    (nothing scores them: prompt and completion are what a cold start reads). One-line
+    errors name the key, the source and the columns that exist.
     """
     if not rows:
         return rows
@@ -331,7 +332,7 @@ def prepare_rows(rows: list[Row], data: DataConfig, *, what: str, sft: bool = Fa
             need(field, "data.prompt_template")
     else:
         need(data.prompt_column, "data.prompt_column")
-    if data.answer_column is not None:
+    if data.answer_column is not None and not sft:  # (nothing scores a cold-start row)
         need(data.answer_column, "data.answer_column")
     if sft:
         need(data.completion_column, "data.completion_column")
@@ -350,7 +351,7 @@ def prepare_rows(rows: list[Row], data: DataConfig, *, what: str, sft: bool = Fa
             if data.system_prompt is not None and not has_system:
                 prompt = [{"role": "system", "content": data.system_prompt}, *prompt]
         new = {**row, "prompt": prompt}
-        if data.answer_column is not None:
+        if data.answer_column is not None and data.answer_column in row:
             new["answer"] = _answer(row[data.answer_column])
         if sft:
             new["completion"] = _completion(row[data.completion_column], data, named, i)

@@ -29,6 +29,7 @@ from gspo.moved import model_not_found
 from gspo.plugins import absolute_spec
 from gspo.rewards import RewardFunctions
 from gspo.rewards.parsing import cell_text, completion_text
+from gspo.rewards.verifiers import BUILTIN_REWARDS
 from gspo.tasks import BUILTIN_TASKS, TaskData
 from gspo.training.lora import (
     adam_state_bytes,
@@ -401,8 +402,9 @@ def check_reward_columns(
     functions find the columns they need in the training and the held-out rows (an
     environment adds ``environments``); one line naming the data that lacks one. Returned:
     a warning line for each such column that some rows leave empty (None, blank text or
-    an empty list: their completions are not scored, so in training their groups teach
-    nothing), and for a function's parameter that only TRL fills."""
+    an empty list: a built-in does not score their completions, so in training their
+    groups teach nothing; the user's own function is called with None for them), and for
+    a function's parameter that only TRL fills."""
     extra = ["environments"] if environment is not None else []
     hint = ""
     if environment is not None and "functions" not in config.reward.model_fields_set:
@@ -419,11 +421,16 @@ def check_reward_columns(
             rewards.check_columns(columns, f"{key} ({where})", passed=extra, hint=hint)
             for column, name in rewards.required(columns).items():
                 empty = [i for i, row in enumerate(rows, start=1) if _empty(row.get(column))]
-                if empty:
+                if empty:  # (a built-in leaves them unscored; the user's decides)
+                    gets = (
+                        "their completions are not scored"
+                        if name in BUILTIN_REWARDS
+                        else f"it is called with {column}=None for their completions"
+                    )
                     warnings.append(
                         f"{key} ({where}): {len(empty)} of {len(rows)} rows (row {empty[0]} "
                         f"first) have no {column!r}, which reward function {name!r} needs: "
-                        "their completions are not scored"
+                        f"{gets}"
                     )
     return warnings
 
