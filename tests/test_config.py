@@ -667,6 +667,13 @@ def test_an_in_memory_dataset_as_a_source_is_one_line_saying_what_to_do():
     said = str(info.value)
     assert "\n" not in said and said.startswith("data.train: Input should be a valid string")
     assert said.endswith("save the object first (dataset.save_to_disk(DIR), then the path DIR)")
+    with pytest.raises(ConfigError) as info:  # (rows as a list of dicts, TRL's habit)
+        config.data.eval = [{"prompt": "a", "answer": "1"}]
+    said = str(info.value)
+    assert "\n" not in said and said.startswith("data.eval: Input should be a valid string")
+    assert said.endswith(
+        "write the rows to a file first (JSON Lines: one json.dumps(row) a line), then its path"
+    )
 
 
 def test_the_environment_reward_without_an_environment_is_refused_up_front():

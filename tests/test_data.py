@@ -238,6 +238,24 @@ def test_bad_columns_name_the_key_and_the_columns(overrides, expected):
     assert "\n" not in message
 
 
+@pytest.mark.parametrize(
+    ("message", "said"),
+    [
+        ({"role": "usr", "content": "1+1="}, "message 1 has the role 'usr'; did you mean 'user'?"),
+        ({"role": "user", "text": "1+1="}, "message 1 has no 'content' (its keys: role, text)"),
+    ],
+)
+def test_a_misspelt_role_or_content_key_in_a_chat_prompt_is_named(message, said):
+    """The chat template wrote nothing for such a message, and the row was refused as
+    "the prompt is empty (0 tokens)", which named neither."""
+    data = data_config("data.train=t.jsonl")
+    with pytest.raises(ValueError) as info:
+        prepare_rows([{"prompt": [message]}], data, what="data.train")
+    assert str(info.value).startswith(f"data.train (t.jsonl) row 1: {said}")
+    kept = [{"role": "model", "content": "x"}, {"role": "assistant", "tool_calls": []}]
+    assert prepare_rows([{"prompt": kept}], data, what="data.train")[0]["prompt"] == kept
+
+
 def test_cold_start_rows_need_no_answer_column():
     """data.answer_column was required of data.sft's rows too, which nothing scores: a
     prompt/completion SFT file beside RL rows with a solution column was refused."""

@@ -109,6 +109,34 @@ def test_a_bad_assignment_is_one_line_naming_the_key(section, key, value, said):
     assert part(config) == part(gspo.load_config())  # unchanged
 
 
+@pytest.mark.parametrize(
+    ("section", "key", "value", "said"),
+    [
+        ("model.lora", "r", 4, "model.lora.r=4 needs train.cold_start_steps=0"),
+        ("rollout", "group_size", 1, "rollout.group_size=1: GSPO, GRPO and GSPO-token are"),
+        ("model", "kv_heads", 3, "model.kv_heads=3 must divide model.heads=2"),
+        ("data", "prompt_template", "{prompt", "data.prompt_template: not a format string"),
+    ],
+)  # fmt: skip
+def test_an_assignment_that_breaks_a_rule_across_keys_stops_train_and_trainer(
+    tmp_path, section, key, value, said
+):
+    """An assignment checks its own key alone: these mixes, each refused by load_config,
+    trained (a LoRA cold start; a group of one that learned nothing) or failed inside
+    transformers (heads), leaving a directory behind. Now train and Trainer check the
+    rules across keys first, in one line, before anything is written."""
+    config = gspo.load_config(None, [*RUN, "model.heads=2", "train.cold_start_steps=2"])
+    setattr(operator.attrgetter(section)(config), key, value)  # (its own key: fine)
+    for start in (gspo.train, gspo.Trainer):
+        with pytest.raises(ConfigError) as raised:
+            start(config, tmp_path / "run")
+        message = str(raised.value)
+        assert message.startswith(said) and "\n" not in message
+        assert not (tmp_path / "run").exists()
+    with pytest.raises(TypeError, match="Trainer: config must be a gspo.config.Config"):
+        gspo.Trainer(None, tmp_path / "run")
+
+
 @pytest.mark.parametrize("workers", [0, 1])
 def test_train_with_a_function_as_the_reward(tmp_path, workers):
     """The function scores the rollouts (in this process, or pickled to a worker)."""

@@ -440,9 +440,28 @@ def _is_messages(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
 
 
+#: The chat roles every template knows: a close misspelling of one is refused (a template
+#: writes nothing for a role it does not know, and the prompt read as empty).
+ROLES = ("system", "user", "assistant", "tool")
+
+
 def _prompt(prompt: Any, what: str, index: int) -> Any:
     """A row's prompt: text or a list of chat messages; else one line naming the row."""
-    if isinstance(prompt, str) or _is_messages(prompt):
+    if isinstance(prompt, str):
+        return prompt
+    if _is_messages(prompt):
+        for k, message in enumerate(prompt, start=1):
+            role, keys = message["role"], ", ".join(map(str, message))
+            if "content" not in message and "tool_calls" not in message:
+                raise ValueError(
+                    f"{what} row {index}: message {k} has no 'content' (its keys: {keys})"
+                )
+            near = get_close_matches(str(role), ROLES, n=1, cutoff=0.75)  # (not model->tool)
+            if role not in ROLES and near:
+                raise ValueError(
+                    f"{what} row {index}: message {k} has the role {role!r}; did you mean "
+                    f"{near[0]!r}? (a chat template writes nothing for a role it does not know)"
+                )
         return prompt
     raise ValueError(
         f"{what} row {index}: the prompt is {prompt!r:.80}; a prompt is text or a list of "

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from gspo.config import Config, load_config
+from gspo.config import Config, checked_config, load_config
 from gspo.distributed import Distributed, setup_distributed, teardown_distributed
 from gspo.environments import EnvError
 from gspo.models.loading import (
@@ -44,11 +44,7 @@ def train(
     rollout batch: :class:`RunDirectory`), as ``gspo train`` does. Under ``torchrun`` every
     rank calls it and it joins (and leaves) the process group, as ``gspo train`` does."""
     leave_if_starting_a_worker()  # a reward worker importing an unguarded script
-    if not isinstance(config, Config):
-        raise TypeError(
-            f"train: config must be a gspo.config.Config (gspo.config.load_config(path, "
-            f"overrides) makes one), got {type(config).__name__}"
-        )
+    checked_config(config, "train")  # (and keys assigned from Python, checked alone)
     if not isinstance(output_dir, str | os.PathLike) or not str(output_dir):
         raise ValueError(f"train: output_dir {output_dir!r} is no directory path")
     out = Path(output_dir).expanduser()

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from gspo.chat import stop_token_ids
-from gspo.config import Config, dump_config_text
+from gspo.config import Config, checked_config, dump_config_text
 from gspo.distributed import Distributed, rank_device
 from gspo.engines import SamplingParams
 from gspo.models import resolve_dtype
@@ -111,6 +111,7 @@ class Trainer:
         dist: Distributed | None = None,
     ):
         leave_if_starting_a_worker()  # a reward worker importing an unguarded script
+        checked_config(config, "Trainer")  # (keys assigned from Python were checked alone)
         self.output_dir = out = run_path(output_dir, resume)
         # (a resumed run moved with the files it names finds them where they are now)
         moved = (lambda path: moved_path(path, out)) if resume else None

@@ -20,10 +20,10 @@ from gspo.config.loading import (
 )
 from gspo.config.model import LoraSettings
 from gspo.config.rollout import VLLM_LORA_RANKS
-from gspo.config.root import Config
+from gspo.config.root import Config, checked_config
 
 __all__ = [
     "REGENERATE", "VLLM_LORA_RANKS", "AlgorithmConfig", "Config", "ConfigError", "DataConfig",
-    "LoraSettings", "dump_config", "dump_config_text", "format_default", "keys",
+    "LoraSettings", "checked_config", "dump_config", "dump_config_text", "format_default", "keys",
     "load_config", "parse_override", "render_reference", "sections",
 ]  # fmt: skip

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field, model_validator
 
@@ -31,7 +32,7 @@ from gspo.config.model import LoraSettings, ModelConfig, MoEConfig
 from gspo.config.reward import RewardConfig
 from gspo.config.rollout import RolloutConfig
 from gspo.config.run import EvalConfig, LogConfig, TrainConfig
-from gspo.config.section import Section
+from gspo.config.section import ConfigError, Section
 
 _LORA = LoraSettings().model_dump()  # the defaults: changed ones mean adapters were meant
 _FILTER_MAX_ROUNDS = RolloutConfig.model_fields["filter_max_rounds"].default
@@ -84,6 +85,19 @@ class Config(Section):
         moe_model(model, self.moe)
         checkpointing_replay(model, self.moe)
         return self
+
+    def check(self) -> Config:
+        """The rules across keys again, for a config changed from Python since it was made:
+        an assignment (``config.model.lora.r = 4``) checks its own key alone, so a mix a
+        file or the command line is refused (a LoRA cold start, a group of 1, a built-in
+        model's heads that do not divide) trained silently or failed deep inside
+        transformers. A one-line :class:`ConfigError` naming the first broken rule."""
+        try:
+            return self._consistent()
+        except ConfigError:
+            raise
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
     def warnings(self) -> list[str]:
         """One line per setting that is valid but does nothing, or leaves the run unable to
@@ -277,3 +291,15 @@ def _same_source(train: str, eval_: str | None) -> bool:
         return True
     a, b = Path(train).expanduser(), Path(eval_).expanduser()
     return a.exists() and b.exists() and a.resolve() == b.resolve()
+
+
+def checked_config(config: Any, who: str) -> Config:
+    """``config`` if it is a :class:`Config` whose rules across keys hold
+    (:meth:`Config.check`: keys assigned from Python were checked alone); else one line
+    naming ``who`` took it (``train``, ``Trainer``)."""
+    if not isinstance(config, Config):
+        raise TypeError(
+            f"{who}: config must be a gspo.config.Config (gspo.config.load_config(path, "
+            f"overrides) makes one), got {type(config).__name__}"
+        )
+    return config.check()

@@ -260,6 +260,12 @@ def error_line(exc: ValidationError, model: type[BaseModel], prefix: str = "") -
             "; a data source is a path or a hub id: save the object first "
             "(dataset.save_to_disk(DIR), then the path DIR)"
         )
+    rows = isinstance(value, list) and bool(value) and all(isinstance(r, dict) for r in value)
+    if rows and f"{prefix}{where}" in ("data.train", "data.eval", "data.sft"):
+        shown += (
+            "; a data source is a path or a hub id: write the rows to a file first (JSON "
+            "Lines: one json.dumps(row) a line), then its path"
+        )
     if err["type"] == "literal_error":
         shown += did_you_mean(value, [str(a) for a in get_args(field_annotation(model, where))])
     return f"{prefix}{where}: {message}{shown}" if where or prefix else message
