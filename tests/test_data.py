@@ -898,3 +898,19 @@ def test_cold_start_rows_with_an_empty_completion_are_counted_in_a_warning(tmp_p
     ]
     config = load_config(None, [f"data.sft={path}", "train.cold_start_steps=0"])
     assert empty_completions(load_task_data(config).sft, config) == []
+
+
+def test_held_out_rows_past_eval_max_prompts_are_said():
+    """A held-out file longer than eval.max_prompts was evaluated on its first rows alone,
+    unsaid (GSM8K's 1,319 test rows measured on 500)."""
+    from gspo.training.setup import held_out_cut
+
+    rows = [{"prompt": str(i)} for i in range(12)]
+    config = load_config(None, ["data.train=t.jsonl", "data.eval=e.jsonl", "eval.max_prompts=8"])
+    assert held_out_cut(rows, config) == [
+        "data.eval (e.jsonl) has 12 rows; eval.max_prompts=8 evaluates the first 8 "
+        "(eval.max_prompts=12 evaluates them all)"
+    ]
+    assert held_out_cut(rows[:8], config) == []
+    built_in = load_config(None, ["eval.max_prompts=8"])  # (its held-out size is data.eval_size)
+    assert held_out_cut(rows, built_in) == []

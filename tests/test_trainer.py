@@ -1135,6 +1135,27 @@ def test_evaluation_leaves_out_what_no_reward_function_scored(tmp_path):
     assert all(r["train/unscored_fraction"] == 0.5 for r in lines)
 
 
+def test_evaluation_logs_each_reward_functions_mean_beside_the_accuracy(tmp_path):
+    """The accuracy counts the weighted sum of the rewards against eval.success_threshold:
+    a correctness reward of 1 beside a small penalty never reached 1.0, and every correct
+    response read as accuracy 0 with nothing else to show it. Each function's own held-out
+    mean is logged now (eval/reward/NAME), as training's is."""
+    (tmp_path / "rw.py").write_text(
+        "def right(prompts, completions, **kw):\n    return [1.0] * len(completions)\n"
+        "def short(prompts, completions, **kw):\n    return [-0.01] * len(completions)\n"
+    )
+    rw = tmp_path / "rw.py"
+    overrides = [*FAST, "train.cold_start_steps=0", "train.max_steps=0",
+                 f"reward.functions=[{rw}:right, {rw}:short]"]  # fmt: skip
+    Trainer(load_config(None, overrides), tmp_path / "run").fit()
+    line = next(r for r in run_metrics(tmp_path / "run") if "eval/accuracy" in r)
+    for suffix in ("", "_greedy"):
+        assert line[f"eval/accuracy{suffix}"] == 0.0
+        assert line[f"eval/reward_mean{suffix}"] == pytest.approx(0.99)
+        assert line[f"eval/reward/right{suffix}"] == 1.0
+        assert line[f"eval/reward/short{suffix}"] == pytest.approx(-0.01)
+
+
 def test_train_lr_is_the_rate_each_step_took(tmp_path, varied_reward, monkeypatch):
     """train/lr was read after the scheduler moved on: the next step's rate, so warm-up
     looked a step shorter (5e-5, 7.5e-5, 1e-4, 1e-4 logged for 2.5e-5 .. 1e-4 taken)."""

@@ -71,6 +71,7 @@ from gspo.training.setup import (
     build_policy_model,
     check_reward_columns,
     empty_completions,
+    held_out_cut,
     load_task_data,
     local_shares,
     model_summary,
@@ -152,6 +153,7 @@ class Trainer:
         unscored = [
             *check_reward_columns(rewards, self.data, config, environment),
             *empty_completions(self.data.sft, config),
+            *held_out_cut(self.data.eval, config),
         ]
         self.optimizer, self.scheduler = rl_optimizer(config, self.policy.forward)
         self.reference = Reference(config.algorithm.kl_coef, out, self.policy, config.model.path)

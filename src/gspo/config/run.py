@@ -100,10 +100,18 @@ class EvalConfig(Section):
         "each multiple; 0 = only at start and end",
     )
     samples: int = Field(4, ge=1, description="Sampled responses per held-out prompt")
-    max_prompts: int = Field(500, ge=1, description="Held-out prompts evaluated (the first N)")
+    max_prompts: int = Field(
+        500,
+        ge=1,
+        description="Held-out prompts evaluated (the first N; a longer data.eval is said "
+        "at the start)",
+    )
     greedy: bool = Field(True, description="Also evaluate greedy decoding (eval/accuracy_greedy)")
     success_threshold: float = Field(
-        1.0, description="A response counts as correct when its reward is at least this"
+        1.0,
+        description="A response counts as correct (eval/accuracy) when its reward, the "
+        "weighted sum of reward.functions, is at least this; with several functions each "
+        "one's mean is eval/reward/NAME",
     )
 
 
