@@ -682,3 +682,30 @@ def test_the_environment_reward_without_an_environment_is_refused_up_front():
         load_config(overrides=["reward.functions=[environment]"])
     config = load_config(overrides=["data.task=calculator", "reward.functions=[environment]"])
     assert config.environment is not None
+
+
+@pytest.mark.parametrize(
+    ("spec", "said"),
+    [
+        ("exact_mach", "invalid reward function spec 'exact_mach': not a built-in name"),
+        ("rw.py", "invalid reward function spec 'rw.py': no ':name' part; expected"),
+        ("rw.py:a,format", "'a,format' after ':' is not a Python name"),
+        ("a.b.c", "no ':name' part (a.b:c?)"),
+        ("[]", "empty; name one at least"),
+    ],
+)
+def test_a_malformed_reward_spec_is_refused_before_a_run(spec, said, capsys):
+    """gspo config printed these as a good config (gspo train refused each when it loaded
+    the functions), and a config made in Python took them: the spec is checked as text now,
+    nothing imported."""
+    from gspo.cli import main
+
+    assert main(["config", f"reward.functions={spec}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gspo: error: reward.functions: ") and said in err, err
+    config = load_config()
+    config.reward.functions = ["exact_match", "my.py:fine", "pkg.mod:fine"]  # (not loaded)
+    assert config.check() is config
+    config.reward.functions = ["exact_mach"]  # (gspo.train checks the config first)
+    with pytest.raises(ConfigError, match="reward.functions: invalid reward function spec"):
+        config.check()

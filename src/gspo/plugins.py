@@ -163,6 +163,34 @@ def _import_module(module_name: str, spec: str, kind: str, error: type[Exception
 PYTHON_OBJECT = "<python object "
 
 
+def _is_file(source: str) -> bool:
+    return source.endswith(".py") or "/" in source or "\\" in source
+
+
+def spec_form(spec: str, kind: str, expected: str) -> str | None:
+    """What is malformed in a ``source:attribute`` spec, read as text alone (no file is
+    read, nothing imported: ``gspo config`` and a config made in Python check it), or None.
+    ``kind`` and ``expected`` as :func:`load_object` takes them."""
+
+    def malformed(why: str) -> str:
+        return f"invalid {kind} spec {spec!r}: {why}; expected {expected}"
+
+    if ":" not in spec:
+        module, _, name = spec.rpartition(".")
+        dotted = module and name.isidentifier() and not spec.endswith(".py")
+        hint = f" ({module}:{name}?)" if dotted else ""
+        return malformed(f"no ':name' part{hint}")
+    source, _, attr_path = spec.rpartition(":")
+    source, attr_path = source.strip(), attr_path.strip()
+    if not source:
+        return malformed("missing the file or module before ':'")
+    if not attr_path or not all(part.isidentifier() for part in attr_path.split(".")):
+        return malformed(f"{attr_path!r} after ':' is not a Python name")
+    if not _is_file(source) and not all(part.isidentifier() for part in source.split(".")):
+        return malformed(f"{source!r} is neither a .py file nor a module name")
+    return None
+
+
 def load_object(spec: str, kind: str, error: type[Exception], expected: str) -> Any:
     """The object a ``source:attribute`` spec names (``attribute`` may be dotted).
 
@@ -174,33 +202,20 @@ def load_object(spec: str, kind: str, error: type[Exception], expected: str) -> 
     The object must be callable.
     """
 
-    def malformed(why: str) -> Exception:
-        return error(f"invalid {kind} spec {spec!r}: {why}; expected {expected}")
-
     if spec.startswith(PYTHON_OBJECT):  # what a config.yaml records of an object given
         raise error(
             f"{kind} {spec}: the run was given it as a Python object, which no spec loads; "
             "continue the run from Python with it in the config (gspo.train(config, DIR, "
             "resume=True)), or name it as path/to/file.py:name"
         )
-
-    if ":" not in spec:
-        module, _, name = spec.rpartition(".")
-        dotted = module and name.isidentifier() and not spec.endswith(".py")
-        hint = f" ({module}:{name}?)" if dotted else ""
-        raise malformed(f"no ':name' part{hint}")
+    if (problem := spec_form(spec, kind, expected)) is not None:
+        raise error(problem)
     source, _, attr_path = spec.rpartition(":")
     source, attr_path = source.strip(), attr_path.strip()
-    if not source:
-        raise malformed("missing the file or module before ':'")
-    if not attr_path or not all(part.isidentifier() for part in attr_path.split(".")):
-        raise malformed(f"{attr_path!r} after ':' is not a Python name")
-    if source.endswith(".py") or "/" in source or "\\" in source:
+    if _is_file(source):
         module = _import_file(source, spec, kind, error)
         where = f"file {source!r}"
     else:
-        if not all(part.isidentifier() for part in source.split(".")):
-            raise malformed(f"{source!r} is neither a .py file nor a module name")
         module = _import_module(source, spec, kind, error)
         where = f"module {source!r}"
     obj: Any = module

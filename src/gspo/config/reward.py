@@ -74,6 +74,22 @@ class RewardConfig(Section):
         (``module:function``), or as ``<python object NAME>`` where none can."""
         return [f if isinstance(f, str) else object_spec(f) for f in functions]
 
+    def check_functions(self) -> None:
+        """At least one function, and each spec string well formed as text (a misspelt
+        built-in, a file without its ``:function``): said by ``gspo config`` and by a
+        config made in Python, before a run starts; what a spec names is looked for when
+        the run loads it."""
+        from gspo.rewards.loading import reward_spec_problem
+
+        if not self.functions:
+            raise ValueError(
+                "reward.functions: empty; name one at least (a built-in such as exact_match, "
+                "or path/to/file.py:function)"
+            )
+        for spec in self.functions:
+            if isinstance(spec, str) and (problem := reward_spec_problem(spec)) is not None:
+                raise ValueError(f"reward.functions: {problem}")
+
     def check_weights(self) -> None:
         """One weight per reward function, if weights are given."""
         if self.weights is not None and len(self.weights) != len(self.functions):

@@ -66,6 +66,7 @@ class Config(Section):
         model.check_builtin_shape()
         rollout.check_group_size()
         minibatches_fit(rollout, algo)
+        reward.check_functions()
         reward.check_weights()
         vllm_top_p(rollout, algo)
         correction_lora_dropout(algo, model.lora)

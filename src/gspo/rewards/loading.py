@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import difflib
 
-from gspo.plugins import load_object
+from gspo.plugins import PYTHON_OBJECT, load_object, spec_form
 from gspo.rewards.contract import RewardError, RewardFunction
 from gspo.rewards.verifiers import BUILTIN_REWARDS
 
@@ -35,20 +35,36 @@ def load_reward_function(spec: str) -> RewardFunction:
     spec = spec.strip()
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
+    if (problem := reward_spec_problem(spec)) is not None:
+        raise RewardError(problem)
+    return load_object(spec, "reward function", RewardError, _expected())
+
+
+def _expected() -> str:
+    return (
+        f"a built-in name ({_builtin_names()}), 'path/to/file.py:function' or "
+        "'package.module:function'"
+    )
+
+
+def reward_spec_problem(spec: str) -> str | None:
+    """What makes the string ``spec`` no reward function, read as text alone (a misspelt
+    built-in, a file without its function, a list written as one string): ``gspo config``
+    and a config made in Python say it before a run starts. None where it may load (what
+    it names is looked for when it is loaded)."""
+    spec = spec.strip()
+    if spec in BUILTIN_REWARDS or spec.startswith(PYTHON_OBJECT):
+        return None
     if "," in spec and ":" not in spec:  # reward.functions='a, b': one string, not a list
         listed = ", ".join(part.strip() for part in spec.split(","))
-        raise RewardError(
+        return (
             f"invalid reward function spec {spec!r}: several functions are a list, "
             f"reward.functions='[{listed}]'"
         )
     close = difflib.get_close_matches(spec, list(BUILTIN_REWARDS), n=1)
     if close and ":" not in spec:
-        raise RewardError(
+        return (
             f"invalid reward function spec {spec!r}: not a built-in name "
             f"({_builtin_names()}); did you mean {close[0]!r}?"
         )
-    expected = (
-        f"a built-in name ({_builtin_names()}), 'path/to/file.py:function' or "
-        "'package.module:function'"
-    )
-    return load_object(spec, "reward function", RewardError, expected)
+    return spec_form(spec, "reward function", _expected())
