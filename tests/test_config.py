@@ -365,6 +365,22 @@ def test_cli_unknown_words_are_argparse_errors(capsys, stray):
     assert capsys.readouterr().err == (f"gspo: unrecognized arguments: {stray} (see gspo --help)\n")
 
 
+@pytest.mark.parametrize(
+    ("argv", "near"),
+    [(["train", "--output_dir", "x"], "--output-dir"),
+     (["compare", "--presets", "long"], "--preset"),
+     (["compare", "--no_cache"], "--no-cache"), (["export", "RUN", "--zzz", "d"], None)],
+)  # fmt: skip
+def test_cli_a_misspelt_option_names_the_closest(capsys, argv, near):
+    """TRL spells its options with underscores (--output_dir): "unrecognized arguments"
+    alone left the user to find the dash."""
+    with pytest.raises(SystemExit):
+        main(argv)
+    err = capsys.readouterr().err
+    assert err.startswith("gspo: unrecognized arguments: "), err
+    assert (f"; did you mean {near}?" in err) == (near is not None), err
+
+
 def test_cli_bad_argument_values_are_one_line(capsys):
     """argparse printed its usage block (three lines) before the error."""
     with pytest.raises(SystemExit) as info:
@@ -637,6 +653,9 @@ def test_a_list_the_shell_split_at_a_space_says_to_quote_it():
         "reward.functions: cannot parse value '[exact_match,' as YAML (the shell split it at "
         "a space: quote it whole, 'reward.functions=[exact_match, ...')"
     )
+    with pytest.raises(ConfigError) as info:  # (no space to split at: a missing bracket)
+        load_config(overrides=["reward.functions=[exact_match"])
+    assert str(info.value).endswith("'[exact_match' as YAML (no closing ']')")
 
 
 def test_every_trl_field_named_leads_to_a_gspo_key():

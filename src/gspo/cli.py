@@ -253,10 +253,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args, extra = parser.parse_known_args(argv)
     unknown = [word for word in extra if word.startswith("-") or "=" not in word]
     if unknown or (extra and not hasattr(args, "overrides")):
-        parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
+        parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}{_near(args, unknown)}")
     if hasattr(args, "overrides"):  # `gspo export` takes none
         args.overrides = [*args.overrides, *extra]
     return args
+
+
+def _near(args: argparse.Namespace, unknown: list[str]) -> str:
+    """``; did you mean --output-dir?`` for a misspelt option of the command given
+    (``--output_dir``, as TRL spells its fields)."""
+    from difflib import get_close_matches
+
+    options = [o for a in build_parser_command(args.command)._actions for o in a.option_strings]
+    for word in unknown:
+        option = word.partition("=")[0]
+        if option.startswith("--") and (near := get_close_matches(option, options, n=1)):
+            return f"; did you mean {near[0]}?"
+    return ""
+
+
+def build_parser_command(command: str) -> argparse.ArgumentParser:
+    """The parser of one command (``train``, ...), as :func:`build_parser` makes it."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command]
 
 
 class Terminated(KeyboardInterrupt):

@@ -128,10 +128,12 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = yaml.load(raw, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         opened = raw.lstrip()[:1] in ("[", "{") and raw.rstrip()[-1:] not in ("]", "}")
-        split = f" (the shell split it at a space: quote it whole, '{key}={raw} ...')"
-        raise ConfigError(
-            f"{key}: cannot parse value {raw!r} as YAML{split if opened else ''}"
-        ) from exc
+        hint = ""
+        if opened and raw.rstrip().endswith(","):  # ([a, b] unquoted: '[a,' and 'b]')
+            hint = f" (the shell split it at a space: quote it whole, '{key}={raw} ...')"
+        elif opened:
+            hint = f" (no closing '{']' if raw.lstrip()[0] == '[' else '}'}')"
+        raise ConfigError(f"{key}: cannot parse value {raw!r} as YAML{hint}") from exc
     return key, value
 
 
