@@ -332,7 +332,11 @@ def cold_start(
         for line in (entry / _LINES).read_text().splitlines():
             logger.log(0, json.loads(line))
         if show:
-            print(f"cold start: reused {entry} (--no-cache to redo it)", flush=True)
+            print(
+                f"cold start: reused {entry} (--no-cache, from Python "
+                "train.cold_start_cache=false, redoes it)",
+                flush=True,
+            )
         _trimmed(config, entry, dist)
         return True
 
