@@ -37,6 +37,9 @@ def test_overrides_are_parsed_as_yaml_values():
     assert c.reward.functions == ["exact_match", "numeric_match"]
     assert c.reward.weights == [1.0, 0.5]
     assert c.log.tensorboard is False
+    # one number alone is a list of one, as one function name is (it was refused)
+    one = load_config(overrides=["reward.functions=math", "reward.weights=2"]).reward
+    assert (one.functions, one.weights) == (["math"], [2.0])
 
 
 def test_file_then_overrides(tmp_path):

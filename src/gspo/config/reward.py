@@ -27,7 +27,9 @@ class RewardConfig(Section):
         "from Python also the functions themselves (docs/python.md)",
     )
     weights: list[float] | None = Field(
-        None, description="One weight per function for the weighted sum; null = 1.0 each"
+        None,
+        description="One weight per function for the weighted sum (one number alone is a "
+        "list of one); null = 1.0 each",
     )
     workers: int = Field(
         0,
@@ -67,6 +69,13 @@ class RewardConfig(Section):
                     f"item {i} is neither a spec string nor a function: {type(item).__name__}"
                 )
         return value
+
+    @field_validator("weights", mode="before")
+    @classmethod
+    def _one_weight(cls, value: Any) -> Any:
+        """One number alone is a list of one, as one function name is."""
+        is_number = isinstance(value, int | float) and not isinstance(value, bool)
+        return [value] if is_number else value
 
     @field_serializer("functions")
     def _as_specs(self, functions: list[str | Callable[..., Any]]) -> list[str]:
