@@ -137,6 +137,17 @@ def test_an_assignment_that_breaks_a_rule_across_keys_stops_train_and_trainer(
         gspo.Trainer(None, tmp_path / "run")
 
 
+@pytest.mark.parametrize("given", [{"optim": {"lr": 1e-3}}, "config"])
+def test_load_config_given_a_dict_or_a_config_says_what_it_takes(given):
+    """A dict of sections or a Config as load_config's path was a TypeError from pathlib."""
+    given = gspo.load_config() if given == "config" else given
+    with pytest.raises(ConfigError) as raised:
+        gspo.load_config(given)
+    assert str(raised.value).startswith(
+        f"load_config: path is a YAML file's path, got a {type(given).__name__}; "
+    )
+
+
 @pytest.mark.parametrize("workers", [0, 1])
 def test_train_with_a_function_as_the_reward(tmp_path, workers):
     """The function scores the rollouts (in this process, or pickled to a worker)."""

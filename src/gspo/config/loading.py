@@ -177,6 +177,11 @@ def load_config(
             f"overrides must be a list of 'key.sub=value' strings, got {type(overrides).__name__}"
             + (f": [{overrides!r}]?" if isinstance(overrides, str) else "")
         )
+    if isinstance(path, Config | dict):
+        raise ConfigError(
+            f"load_config: path is a YAML file's path, got a {type(path).__name__}; a Config "
+            "is used as it is, sections as a dict go to gspo.Config(**sections)"
+        )
     tree: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
