@@ -713,6 +713,7 @@ def test_the_environment_reward_without_an_environment_is_refused_up_front():
         ("rw.py", "invalid reward function spec 'rw.py': no ':name' part; expected"),
         ("rw.py:a,format", "'a,format' after ':' is not a Python name"),
         ("a.b.c", "no ':name' part (a.b:c?)"),
+        ("rw.py: f", "{rw.py: f} was read as a mapping (YAML takes ': ' as one); write rw.py:f"),
         ("[]", "empty; name one at least"),
     ],
 )

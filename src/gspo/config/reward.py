@@ -62,6 +62,15 @@ class RewardConfig(Section):
     @field_validator("functions", mode="before")
     @classmethod
     def _one_function(cls, value: Any) -> Any:
+        mappings = [
+            v for v in (value if isinstance(value, list) else [value]) if isinstance(v, dict)
+        ]
+        if mappings and len(mappings[0]) == 1:  # ('rw.py: fn', as YAML reads a space after ':')
+            ((source, name),) = mappings[0].items()
+            raise ValueError(
+                f"{{{source}: {name}}} was read as a mapping (YAML takes ': ' as one); "
+                f"write {source}:{name}, without the space"
+            )
         value = [value] if isinstance(value, str) or callable(value) else value
         for i, item in enumerate(value if isinstance(value, list) else []):
             if not (isinstance(item, str) or callable(item)):
