@@ -568,6 +568,11 @@ def reward_file(tmp_path: Path) -> Path:
         def generator(prompts, completions, **kwargs):
             return (1.0 for _ in completions)
 
+        def a_matrix(prompts, completions, **kwargs):
+            import torch
+
+            return torch.ones(len(completions), 1)
+
         def a_string(prompts, completions, **kwargs):
             return [1.0, "high"]
 
@@ -706,6 +711,11 @@ def test_loading_error_propagates_from_from_specs(tmp_path: Path) -> None:
         ("short", r"'{spec}' returned 3 values for 2 completions"),
         ("not_a_list", r"'{spec}' returned float, expected a list"),
         ("generator", r"'{spec}' returned generator"),
+        (
+            "a_matrix",
+            r"'{spec}' returned Tensor of shape \(2, 1\), expected a list of float or "
+            r"None \(or a 1-D array of 2\)",
+        ),
         ("a_string", r"'{spec}' returned a non-numeric value at index 1: 'high'"),
         ("a_nan", r"'{spec}' returned a non-finite value at index 1: nan"),
         ("an_inf", r"'{spec}' returned a non-finite value at index 0: -inf"),

@@ -293,9 +293,11 @@ class RewardFunctions:
         outputs = self.runner.run(self.names, self.functions, specs, prompts, completions, columns)
         for name, raw in zip(self.names, outputs, strict=True):
             if not isinstance(raw, (list, tuple)):
+                shape = getattr(raw, "shape", None)  # (a 1-D array became a list: a 2-D not)
+                shown = "" if shape is None else f" of shape {tuple(shape)}"
                 raise RewardError(
-                    f"reward function {name!r} returned {type(raw).__name__}, "
-                    f"expected a list of float or None"
+                    f"reward function {name!r} returned {type(raw).__name__}{shown}, "
+                    f"expected a list of float or None (or a 1-D array of {n})"
                 )
             if len(raw) != n:
                 raise RewardError(
