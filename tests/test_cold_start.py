@@ -322,17 +322,37 @@ def test_a_diverged_cold_start_skips_its_non_finite_steps_and_stops_in_one_line(
     assert main(["train", "--output-dir", str(tmp_path / "run"), *overrides]) != 0
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "Traceback" not in err
-    assert "train.max_skipped=3: the cold start's last 9 steps (to step 10)" in err
+    assert "train.max_skipped=3: 9 of the cold start's steps in a row (by step 10)" in err
     assert "Lower train.cold_start_lr (it is 1e+30)" in err
 
 
-def _fused_step(grad: float, scaler=None, init_scale: float = 4.0):
+def test_a_row_of_skipped_cold_start_steps_that_ended_before_its_line_still_stops_it(
+    tmp_path, monkeypatch, capsys
+):
+    """Steps 3-5 of 10 non-finite, then finite again: the row was over (and its count
+    back at 0) by step 10's line, where the count is read, and the run went on."""
+    calls, real = {"n": 0}, torch.nn.utils.clip_grad_norm_
+
+    def clip(*args, **kwargs):
+        calls["n"] += 1
+        norm = real(*args, **kwargs)
+        return norm * float("nan") if 3 <= calls["n"] <= 5 else norm
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    overrides = [*FAST, "train.cold_start_steps=10", "train.cold_start_cache=false"]
+    assert main(["train", "--output-dir", str(tmp_path / "run"), *overrides]) != 0
+    err = capsys.readouterr().err
+    assert "train.max_skipped=3: 3 of the cold start's steps in a row (by step 10)" in err
+    assert calls["n"] == 10
+
+
+def _fused_step(grad: float, scaler=None, init_scale: float = 4.0, fused: bool = True):
     """One step of a 2-weight model through step_if_finite: its weights before and after,
     the (skipped, counted) flags and the scale after (float16's scaler, CPU)."""
     from gspo.training.update import step_if_finite
 
     layer = torch.nn.Linear(2, 1, bias=False)
-    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1, fused=True)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1, fused=fused)
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if scaler else None
     loss = layer(torch.ones(1, 2)).sum()
     (loss if scaler is None else scaler.scale(loss)).backward()
@@ -359,3 +379,8 @@ def test_a_non_finite_step_is_skipped_on_the_device_without_a_read():
     assert flags == (1.0, 1.0) and torch.equal(before, after) and scale == 0.5
     before, after, flags, scale, _ = _fused_step(0.5, scaler=True, init_scale=1.0)
     assert flags == (0.0, 0.0) and not torch.equal(before, after) and scale == 1.0
+    # a non-fused optimizer (no found_inf): the norm is read, the step not taken
+    before, after, flags, _, steps = _fused_step(float("nan"), fused=False)
+    assert flags == (1.0, 1.0) and torch.equal(before, after) and steps == []
+    before, after, flags, _, steps = _fused_step(0.5, fused=False)
+    assert flags == (0.0, 0.0) and not torch.equal(before, after) and steps == [1.0]

@@ -372,7 +372,8 @@ def test_cli_unknown_words_are_argparse_errors(capsys, stray):
     ("argv", "near"),
     [(["train", "--output_dir", "x"], "--output-dir"),
      (["compare", "--presets", "long"], "--preset"),
-     (["compare", "--no_cache"], "--no-cache"), (["export", "RUN", "--zzz", "d"], None)],
+     (["compare", "--no_cache"], "--no-cache"), (["export", "RUN", "--zzz", "d"], None),
+     (["train", "--lr", "1e-4"], None)],
 )  # fmt: skip
 def test_cli_a_misspelt_option_names_the_closest(capsys, argv, near):
     """TRL spells its options with underscores (--output_dir): "unrecognized arguments"
@@ -659,6 +660,9 @@ def test_a_list_the_shell_split_at_a_space_says_to_quote_it():
     with pytest.raises(ConfigError) as info:  # (no space to split at: a missing bracket)
         load_config(overrides=["reward.functions=[exact_match"])
     assert str(info.value).endswith("'[exact_match' as YAML (no closing ']')")
+    with pytest.raises(ConfigError) as info:  # (a mapping splits after its colon)
+        load_config(overrides=["data.chat_template_kwargs={enable_thinking:", "false}"])
+    assert "(the shell split it at a space: quote it whole" in str(info.value)
 
 
 def test_every_trl_field_named_leads_to_a_gspo_key():

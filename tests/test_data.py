@@ -830,8 +830,8 @@ def test_rows_without_the_column_a_reward_needs_are_counted_in_a_warning():
     rewards = RewardFunctions.from_specs([none_is_one], None)
     warned = check_reward_columns(rewards, TaskData(rows, rows[1:2], []), config, None)
     assert len(warned) == 1 and warned[0].endswith(
-        "which reward function 'none_is_one' needs: it is called with answer=None for their "
-        "completions"
+        "which reward function 'none_is_one' needs: it is called with their answer as it is "
+        "(None, blank or [])"
     ), warned
 
 

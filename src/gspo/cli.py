@@ -267,7 +267,8 @@ def _near(args: argparse.Namespace, unknown: list[str]) -> str:
     options = [o for a in build_parser_command(args.command)._actions for o in a.option_strings]
     for word in unknown:
         option = word.partition("=")[0]
-        if option.startswith("--") and (near := get_close_matches(option, options, n=1)):
+        near = get_close_matches(option, options, n=1, cutoff=0.75)  # (not --lr -> --help)
+        if option.startswith("--") and near:
             return f"; did you mean {near[0]}?"
     return ""
 

@@ -456,8 +456,8 @@ def _prompt(prompt: Any, what: str, index: int) -> Any:
                 raise ValueError(
                     f"{what} row {index}: message {k} has no 'content' (its keys: {keys})"
                 )
-            near = get_close_matches(str(role), ROLES, n=1, cutoff=0.75)  # (not model->tool)
-            if role not in ROLES and near:
+            near = role not in ROLES and get_close_matches(str(role), ROLES, n=1, cutoff=0.75)
+            if near:  # (the cutoff: not model -> tool)
                 raise ValueError(
                     f"{what} row {index}: message {k} has the role {role!r}; did you mean "
                     f"{near[0]!r}? (a chat template writes nothing for a role it does not know)"

@@ -129,7 +129,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     except yaml.YAMLError as exc:
         opened = raw.lstrip()[:1] in ("[", "{") and raw.rstrip()[-1:] not in ("]", "}")
         hint = ""
-        if opened and raw.rstrip().endswith(","):  # ([a, b] unquoted: '[a,' and 'b]')
+        if opened and raw.rstrip()[-1:] in (",", ":"):  # ('[a,' 'b]', '{k:' 'v}' unquoted)
             hint = f" (the shell split it at a space: quote it whole, '{key}={raw} ...')"
         elif opened:
             hint = f" (no closing '{']' if raw.lstrip()[0] == '[' else '}'}')"

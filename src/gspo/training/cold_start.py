@@ -364,9 +364,12 @@ def cold_start(
             print(f"cold start: resumed at step {first} from {saved[-1]}", flush=True)
     policy.train()
     start = time.perf_counter() - (lines[-1]["time/sft"] if lines else 0.0)
-    # steps skipped (their gradients not finite), in all and in a row: counted on the
-    # device, read with the logged lines (a read each step would stall the queue)
-    skipped, in_a_row = (torch.tensor(float(n), device=policy.device) for n in counts)
+    # steps skipped (their gradients not finite): in all, in a row now, and the longest
+    # such row (train.max_skipped's). Counted on the device, read with the logged lines (a
+    # read each step would stall the queue); a float16 overflow at a scale above 1 neither
+    # counts toward a row nor ends one, as in RL (gspo.training.update.step_if_finite)
+    counts = [*counts, counts[1]][:3]  # (a progress checkpoint without the longest row)
+    skipped, in_a_row, longest = (torch.tensor(float(n), device=policy.device) for n in counts)
     for i in range(first, cfg.cold_start_steps):
         # cosine decay to 10% keeps the end of SFT from bouncing around
         lr = cfg.cold_start_lr * (0.55 + 0.45 * math.cos(math.pi * i / cfg.cold_start_steps))
@@ -389,7 +392,8 @@ def cold_start(
         norm = whole(torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0))
         bad, counted = step_if_finite(optimizer, norm, scaler)
         skipped += bad
-        in_a_row = (in_a_row + counted) * counted
+        in_a_row = (in_a_row + counted) * bad
+        longest = torch.maximum(longest, in_a_row)
         optimizer.zero_grad(set_to_none=True)
         policy.stepped()
         if (i + 1) % 100 == 0 or i + 1 == cfg.cold_start_steps:
@@ -403,14 +407,14 @@ def cold_start(
                     "time/sft": time.perf_counter() - start,
                 },
             )
-            skips = read_scalars({"skipped": skipped, "in_a_row": in_a_row})
+            skips = read_scalars({"skipped": skipped, "longest": longest})
             if skips["skipped"]:
                 line["sft/skipped_steps"] = skips["skipped"]
-            if skips["in_a_row"] >= config.train.max_skipped:
+            if skips["longest"] >= config.train.max_skipped:
                 raise NonFiniteTraining(
-                    f"train.max_skipped={config.train.max_skipped}: the cold start's last "
-                    f"{skips['in_a_row']:.0f} steps (to step {i + 1}) had a non-finite loss "
-                    f"or gradient (loss {line['sft/loss']}); stopping. Lower "
+                    f"train.max_skipped={config.train.max_skipped}: {skips['longest']:.0f} "
+                    f"of the cold start's steps in a row (by step {i + 1}) had a non-finite "
+                    f"loss or gradient (last loss {line['sft/loss']}); stopping. Lower "
                     f"train.cold_start_lr (it is {cfg.cold_start_lr:g})"
                 )
             logger.log(0, line)
@@ -425,7 +429,7 @@ def cold_start(
         if every and (i + 1) % every == 0 and i + 1 < cfg.cold_start_steps:
             extra = {
                 "scaler": None if scaler is None else scaler.state_dict(),
-                "skipped": [skipped.item(), in_a_row.item()],
+                "skipped": [skipped.item(), in_a_row.item(), longest.item()],
             }
             _save_progress(checkpoints, i + 1, policy, optimizer, lines, dist, extra)
     if entry is not None:

@@ -403,7 +403,7 @@ def check_reward_columns(
     environment adds ``environments``); one line naming the data that lacks one. Returned:
     a warning line for each such column that some rows leave empty (None, blank text or
     an empty list: a built-in does not score their completions, so in training their
-    groups teach nothing; the user's own function is called with None for them), and for
+    groups teach nothing; the user's own function is called with them as they are), and for
     a function's parameter that only TRL fills."""
     extra = ["environments"] if environment is not None else []
     hint = ""
@@ -424,8 +424,8 @@ def check_reward_columns(
                 if empty:  # (a built-in leaves them unscored; the user's decides)
                     gets = (
                         "their completions are not scored"
-                        if name in BUILTIN_REWARDS
-                        else f"it is called with {column}=None for their completions"
+                        if name.partition("#")[0] in BUILTIN_REWARDS  # (exact_match#2 too)
+                        else f"it is called with their {column} as it is (None, blank or [])"
                     )
                     warnings.append(
                         f"{key} ({where}): {len(empty)} of {len(rows)} rows (row {empty[0]} "
