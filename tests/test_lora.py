@@ -404,6 +404,9 @@ def test_lora_on_the_moe_builtin_trains(tmp_path, varied_reward):
         # one string of names is a regex matching no whole module name (PEFT's "not found")
         (["model.lora.r=8", "train.cold_start_steps=0", "model.lora.target_modules=q_proj,v_proj"],
          "write a list: model.lora.target_modules='[q_proj, v_proj]'"),
+        (["model.lora.r=8", "train.cold_start_steps=0", "model.lora.target_modules=all_linear"],
+         "model.lora.target_modules='all_linear': no module has that name; did you mean "
+         "all-linear?"),
     ],
 )  # fmt: skip
 def test_lora_config_errors_name_the_key(overrides, needle):
@@ -432,6 +435,23 @@ def test_target_modules_matching_nothing_is_one_line(tmp_path, capsys):
             "Currently, only the following modules are supported: `torch.nn.Linear`"
         )
     ), err
+
+
+def test_a_name_of_the_target_list_that_matches_nothing_is_one_line(tiny_model):
+    """PEFT refuses a list only when no name matches: [q_proj, v_prj] adapted q_proj
+    alone and trained on, the misspelt v_proj unsaid."""
+    from gspo.config import LoraSettings
+    from gspo.training.lora import attach_lora
+
+    targets = ["q_proj", "v_prj"]
+    with pytest.raises(ValueError) as raised:
+        attach_lora(tiny_model, LoraSettings(r=4, target_modules=targets), seed=0)
+    assert str(raised.value) == (
+        "model.lora.target_modules: 'v_prj' matches no module of the model (its linear "
+        "layers: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj)"
+    )
+    lora = attach_lora(tiny_model, LoraSettings(r=4, target_modules=["self_attn.q_proj"]), seed=0)
+    assert lora.peft_config["default"].r == 4  # (a name's last parts match, as in PEFT)
 
 
 def test_attaching_adapters_prints_no_deprecation_warning(tiny_model):

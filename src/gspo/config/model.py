@@ -43,6 +43,11 @@ class LoraSettings(Section):
         targets = self.target_modules
         if self.r > 0 and isinstance(targets, list) and not targets:
             raise ValueError("model.lora.target_modules: empty list (use all-linear)")
+        if self.r > 0 and isinstance(targets, str) and targets.strip().lower() == "all_linear":
+            raise ValueError(
+                f"model.lora.target_modules={targets!r}: no module has that name; did you "
+                "mean all-linear?"
+            )
         names = isinstance(targets, str) and re.fullmatch(r"\w+(\s*,\s*\w+)*", targets)
         if self.r > 0 and names:  # ("all-linear" is no such string)
             listed = ", ".join(n.strip() for n in targets.split(","))

@@ -67,6 +67,25 @@ def is_lora(model: torch.nn.Module) -> bool:
     return peft is not None and isinstance(model, peft.PeftModel)
 
 
+def _each_target_matches(targets: list[str], wrapped: torch.nn.Module) -> None:
+    """One line for a name of the list that no adapted module has (its whole name, or
+    its last parts, as PEFT matches a list): ``[q_proj, v_prj]`` adapted q_proj alone."""
+    adapted = [n for n, m in wrapped.named_modules() if hasattr(m, "base_layer")]
+    for target in targets:
+        if not any(n == target or n.endswith(f".{target}") for n in adapted):
+            linear = sorted(
+                {
+                    n.removesuffix(".base_layer").rpartition(".")[2]
+                    for n, m in wrapped.named_modules()
+                    if isinstance(m, torch.nn.Linear) and "lora_" not in n
+                }
+            )
+            raise ValueError(
+                f"model.lora.target_modules: {target!r} matches no module of the model (its "
+                f"linear layers: {', '.join(linear)})"
+            )
+
+
 def attach_lora(
     model: torch.nn.Module,
     settings: LoraSettings,
@@ -125,6 +144,8 @@ def attach_lora(
             "an adapter gives the trained policy (gspo export --merge, vLLM's weights), so "
             "leave it out (the default all-linear does)"
         )
+    if isinstance(settings.target_modules, list):  # (PEFT needs one name to match, not each)
+        _each_target_matches(settings.target_modules, wrapped)
     # Set after wrapping: get_peft_model overwrites it with the model's own name_or_path (the
     # path as the user wrote it) and warns that it "was renamed" if the config held another.
     peft_model.peft_config["default"].base_model_name_or_path = (
