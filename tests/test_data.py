@@ -914,3 +914,24 @@ def test_held_out_rows_past_eval_max_prompts_are_said():
     assert held_out_cut(rows[:8], config) == []
     built_in = load_config(None, ["eval.max_prompts=8"])  # (its held-out size is data.eval_size)
     assert held_out_cut(rows, built_in) == []
+
+
+def test_a_model_path_inside_another_runs_checkpoints_is_warned(tmp_path):
+    """A LoRA run on another run's step-4 lost its base when that run, continued, pruned
+    it (train.keep_checkpoints): neither its resume nor its export worked after, unsaid."""
+    from gspo.training.setup import base_in_another_run
+
+    run = tmp_path / "full"
+    for step in ("step-0000000", "step-0000004"):
+        (run / "checkpoints" / step).mkdir(parents=True)
+    (run / "config.yaml").write_text("{}\n")
+    four = run / "checkpoints" / "step-0000004"
+    warned = base_in_another_run(load_config(None, [f"model.path={four}"]), tmp_path / "lora")
+    assert warned == [
+        f"model.path is step-0000004 of the run {run}, which removes it once it has "
+        "train.keep_checkpoints newer ones (gspo train --resume there); this run needs it to "
+        f"resume and export: copy it elsewhere first (cp -r {four} DIR; model.path=DIR)"
+    ]
+    zero = run / "checkpoints" / "step-0000000"  # (never removed), nor a model elsewhere
+    assert base_in_another_run(load_config(None, [f"model.path={zero}"]), tmp_path / "x") == []
+    assert base_in_another_run(load_config(None, [f"model.path={tmp_path}"]), tmp_path / "x") == []

@@ -68,6 +68,7 @@ from gspo.training.rollout import RolloutStage, Scorer
 from gspo.training.sampler import PolicySampler, build_engine
 from gspo.training.seeds import derive_seed
 from gspo.training.setup import (
+    base_in_another_run,
     build_policy_model,
     check_reward_columns,
     empty_completions,
@@ -154,6 +155,7 @@ class Trainer:
             *check_reward_columns(rewards, self.data, config, environment),
             *empty_completions(self.data.sft, config),
             *held_out_cut(self.data.eval, config),
+            *base_in_another_run(config, out),
         ]
         self.optimizer, self.scheduler = rl_optimizer(config, self.policy.forward)
         self.reference = Reference(config.algorithm.kl_coef, out, self.policy, config.model.path)

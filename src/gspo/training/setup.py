@@ -478,6 +478,25 @@ def held_out_cut(eval_rows: list[dict], config: Config) -> list[str]:
     ]
 
 
+def base_in_another_run(config: Config, output_dir: Path) -> list[str]:
+    """A warning line when ``model.path`` is a checkpoint (past step 0) of another run:
+    that run, continued, removes all but its newest ``train.keep_checkpoints``, and a LoRA
+    run built on it could then be neither resumed nor exported (its base gone)."""
+    if config.model.path is None:
+        return []
+    path = Path(config.model.path).resolve()
+    run = path.parent.parent
+    if path.parent.name != "checkpoints" or not (run / "config.yaml").is_file():
+        return []
+    if path.name == "step-0000000" or run == Path(output_dir).resolve():
+        return []  # (step 0 is never removed)
+    return [
+        f"model.path is {path.name} of the run {run}, which removes it once it has "
+        "train.keep_checkpoints newer ones (gspo train --resume there); this run needs "
+        f"it to resume and export: copy it elsewhere first (cp -r {path} DIR; model.path=DIR)"
+    ]
+
+
 def reward_functions(config: Config) -> RewardFunctions:
     """``reward.functions`` with their weights, called as ``reward.workers`` says."""
     return RewardFunctions.from_specs(
