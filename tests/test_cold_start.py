@@ -161,6 +161,18 @@ def test_cache_key_covers_what_decides_the_cold_start(tmp_path, monkeypatch):
     with_model = key(f"model.path={model}")
     (model / "config.json").write_text('{"a": 1}')
     assert key(f"model.path={model}") != with_model
+    # an environment file edited (a tool renamed: its schema is in the SFT prompts); the
+    # key held its spec's text alone, and the old cold start was reused
+    env = tmp_path / "env.py"
+    env.write_text("class Wallet:\n    def deposit(self, n: int) -> str:\n        return 'ok'\n")
+    spec = f"rollout.environment={env}:Wallet"
+    with_env = key(spec, "reward.functions=[exact_match]")
+    assert key(spec, "reward.functions=[exact_match]") == with_env
+    env.write_text(env.read_text().replace("deposit", "put_money"))
+    assert key(spec, "reward.functions=[exact_match]") != with_env
+    assert cs.environment_key("gspo.environments:Calculator").startswith(
+        "gspo.environments:Calculator "
+    )  # (a module's file: its digest too)
 
 
 def test_cache_dir_follows_settings(tmp_path, monkeypatch):

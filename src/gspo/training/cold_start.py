@@ -83,18 +83,41 @@ def _hash_dir(path: Path, h: Any) -> None:
 
 def environment_key(environment: Any) -> str | None:
     """``rollout.environment`` in a cache key: its spec (a class given as a Python object:
-    the spec that loads it), or for a class no spec loads its name and source (two
-    classes of one name in two scripts differ)."""
-    if environment is None or isinstance(environment, str):
-        return environment
-    spec = object_spec(environment)
+    the spec that loads it) and a digest of the file that defines it (its tools' names,
+    docstrings and types enter the SFT prompts: an edited file reused the old cold start),
+    or for a class no spec loads its name and source (two classes of one name in two
+    scripts differ)."""
+    if environment is None:
+        return None
+    spec = environment if isinstance(environment, str) else object_spec(environment)
     if not spec.startswith(PYTHON_OBJECT):
-        return spec
+        file = _spec_file(spec)
+        return spec if file is None else f"{spec} {_file_digest(file)}"
     try:
         source = inspect.getsource(environment)
     except (OSError, TypeError):
         source = ""
     return f"{spec} {hashlib.sha256(source.encode()).hexdigest()}"
+
+
+def _spec_file(spec: str) -> Path | None:
+    """The file a ``source:Name`` spec's source is: a ``.py`` path, or a module's file."""
+    import importlib.util
+
+    source = spec.rpartition(":")[0].strip()
+    if source.endswith(".py") or "/" in source:
+        path = Path(source).expanduser()
+        return path if path.is_file() else None
+    try:
+        found = importlib.util.find_spec(source)
+    except (ImportError, ValueError):
+        return None
+    origin = None if found is None else found.origin
+    return Path(origin) if origin and Path(origin).is_file() else None
+
+
+def _file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
 def cold_start_key(config: Config, rows: list[dict[str, Any]], dist: Distributed) -> str:
