@@ -1245,6 +1245,16 @@ def test_rewards_that_never_apply_are_said_once(tmp_path, capsys):
     assert lines and all("train/reward_mean" not in r for r in lines)
     assert all(r.get("train/unscored_fraction", 1.0) == 1.0 for r in lines)
     assert any("train/unscored_fraction" in r for r in lines)
+    # an environment's get_reward() returning None for all (a forgotten return): said so
+    from gspo.training.rollout import Scorer
+
+    scorer = Scorer.__new__(Scorer)
+    scorer.warned = False
+    scorer.warn_if_unscored({"environment": [None, None]}, 2)
+    assert capsys.readouterr().err.strip().endswith(
+        "against the data's columns; the environment's get_reward() returned None for every "
+        "episode (a missing return?) (shown once)"
+    )
 
 
 def test_the_python_train_refuses_what_the_cli_refuses(tmp_path):

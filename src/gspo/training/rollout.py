@@ -142,12 +142,18 @@ class Scorer:
             return
         if all(v is None for values in per_function.values() for v in values):
             self.warned = True
+            env = (  # (the environment's own reward: a get_reward() without its return?)
+                "; the environment's get_reward() returned None for every episode (a missing "
+                "return?)"
+                if "environment" in per_function
+                else ""
+            )
             print(
                 f"gspo: warning{rank_said()}: every reward function returned None (does not "
                 f"apply) for all {n} completions of a batch, so every advantage is 0 and "
                 f"nothing is learned from it (AdamW's momentum and weight decay still move the "
                 f"weights); check reward.functions ({', '.join(per_function)}) "
-                "against the data's columns (shown once)",
+                f"against the data's columns{env} (shown once)",
                 file=sys.stderr,
                 flush=True,
             )
