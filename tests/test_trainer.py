@@ -1251,9 +1251,13 @@ def test_rewards_that_never_apply_are_said_once(tmp_path, capsys):
     scorer = Scorer.__new__(Scorer)
     scorer.warned = False
     scorer.warn_if_unscored({"environment": [None, None]}, 2)
-    assert capsys.readouterr().err.strip().endswith(
-        "against the data's columns; the environment's get_reward() returned None for every "
-        "episode (a missing return?) (shown once)"
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(
+            "against the data's columns; the environment's get_reward() returned None for every "
+            "episode (a missing return?) (shown once)"
+        )
     )
 
 
@@ -1321,3 +1325,32 @@ def test_a_failed_run_closes_its_logger(tmp_path):
     left = {t for t in threading.enumerate() if "Writer" in type(t).__name__} - before
     assert not [t for t in left if t.is_alive()]
     trainer.close()  # (again: nothing left to close)
+
+
+def test_completions_every_writes_what_each_batch_sampled(tmp_path, varied_reward):
+    """log.completions_every=2: batches 0 and 2 of 4 as JSON lines (TRL's log_completions);
+    there was no way to see a run's completions but a printing reward function. Each
+    line's reward is its functions' sum, the advantages are the group-relative ones, and
+    the batch's mean reward is the one its metrics line logs."""
+    import json
+
+    overrides = [*FAST, varied_reward, "train.max_steps=8", "algorithm.minibatches=2",
+                 "eval.every=0", "log.completions_every=2"]  # fmt: skip
+    Trainer(load_config(None, overrides), tmp_path / "run").fit()
+    written = sorted((tmp_path / "run" / "completions").iterdir())
+    assert [p.name for p in written] == ["rollout-000000.jsonl", "rollout-000002.jsonl"]
+    lines = [json.loads(t) for t in written[0].read_text().splitlines()]
+    assert len(lines) == 16 and [line["group"] for line in lines] == [
+        g for g in range(4) for _ in range(4)
+    ]
+    for line in lines:
+        assert set(line) == {"group", "prompt", "answer", "completion", "reward", "rewards",
+                             "advantage", "tokens", "finish"}  # fmt: skip
+        assert line["reward"] == pytest.approx(sum(line["rewards"].values()))
+        assert isinstance(line["completion"], str) and line["finish"] in ("stop", "length")
+    for g in range(4):
+        group = [line for line in lines if line["group"] == g]
+        assert len({line["prompt"] for line in group}) == 1
+        assert sum(line["advantage"] for line in group) == pytest.approx(0, abs=1e-5)
+    first = next(r for r in run_metrics(tmp_path / "run") if "train/reward_mean" in r)
+    assert first["train/reward_mean"] == pytest.approx(sum(x["reward"] for x in lines) / 16)

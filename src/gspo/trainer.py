@@ -56,6 +56,7 @@ from gspo.training.checkpoint import (
     take_checkpoint,
 )
 from gspo.training.cold_start import cold_start, drop_progress
+from gspo.training.completions import CompletionLog
 from gspo.training.episodes import build_generator, sft_encoder, task_prompt_ids
 from gspo.training.evaluation import Evaluator, evaluated_at_start
 from gspo.training.hooks import BatchWarnings, build_hooks
@@ -189,6 +190,7 @@ class Trainer:
         self.rollout_stage = RolloutStage(
             config, dist, self.data.train, self.train_prompt_ids, self.generator, scorer, forward,
             self.reference, sampling, local_prompts=local_prompts,
+            completions=CompletionLog.of_run(config, out, dist),
         )  # fmt: skip
         # rollout.max_staleness: sampled in step, or ahead by a producer thread
         self.rollouts = build_rollouts(

@@ -131,6 +131,13 @@ class LogConfig(Section):
         description="Save the last minibatch's importance ratios every N rollout batches "
         "(ratios/*.pt, for gspo compare); 0 = never",
     )
+    completions_every: int = Field(
+        0,
+        ge=0,
+        description="Write every Nth rollout batch's prompts, completions, rewards (each "
+        "function's too), advantages and lengths to completions/rollout-NNNNNN.jsonl (TRL's "
+        "log_completions); 0 = never",
+    )
     wandb: dict[str, Any] | None = Field(
         None,
         description="Mirror metrics to W&B: keyword arguments of wandb.init "

@@ -271,8 +271,10 @@ class RolloutStage:
         sampling: SamplingParams,
         *,
         local_prompts: int,
+        completions: Any = None,
     ):
         self.config = config
+        self.completions = completions  # log.completions_every's (training/completions.py)
         self.dist = dist
         self.rows = rows
         self.prompt_ids = prompt_ids
@@ -408,6 +410,10 @@ class RolloutStage:
             batch_std=batch_std, scorable=scored.scorable,
         ).to(device)  # fmt: skip
         local["time/reward"] += time.perf_counter() - start  # scoring and advantages
+        if self.completions is not None:
+            self.completions.write(
+                index, [self.rows[i] for i in sampled.picked], scored, advantages
+            )
         batch = scored.batch
         with timed(local, "time/old_logprobs"):
             minibatches = self.minibatch_rows(index, len(batch))
