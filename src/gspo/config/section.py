@@ -141,6 +141,7 @@ TRL_NAMES = {
     "save_steps": "train.save_every",
     "output_dir": "--output-dir",
     "report_to": "log.wandb / log.mlflow",
+    "log_completions": "log.completions_every (N: every Nth rollout batch, to completions/)",
     "temperature": "rollout.temperature",
     "top_p": "rollout.top_p",
     "seed": "train.seed",
