@@ -301,6 +301,50 @@ def test_an_async_tool_is_awaited_and_only_methods_are_tools():
     assert reply[0]["content"] == "42" and (episode.tool_calls, episode.tool_errors) == (1, 0)
 
 
+def test_static_and_class_methods_are_tools_with_their_own_arguments():
+    """The docs say tools are the public methods: a staticmethod or classmethod was left
+    out unsaid, and the model's call to it answered "unknown tool"."""
+    from gspo.environments import EnvironmentFactory
+
+    class Bank:
+        rate = 2
+
+        def deposit(self, amount: int) -> int:
+            """Deposit.
+
+            Args:
+                amount: How much.
+            """
+            return amount
+
+        @staticmethod
+        def convert(amount: int) -> int:
+            """Convert.
+
+            Args:
+                amount: How much.
+            """
+            return amount * 10
+
+        @classmethod
+        def interest(cls, amount: int) -> int:
+            """Interest.
+
+            Args:
+                amount: How much.
+            """
+            return amount * cls.rate
+
+    factory = EnvironmentFactory(Bank)
+    assert factory.tool_names == ["convert", "deposit", "interest"]
+    for schema in factory.schemas:  # (no self, no cls; the one argument each)
+        assert list(schema["function"]["parameters"]["properties"]) == ["amount"], schema
+    episode = factory.episode()
+    replies = [episode.respond(tool_call_text(name, {"amount": 3}))[0]["content"]
+               for name in ("convert", "interest")]  # fmt: skip
+    assert replies == ["30", "6"] and episode.tool_errors == 0
+
+
 def test_a_column_reset_or_the_constructor_needs_and_the_data_lacks_is_named():
     """The call's TypeError was reported "at .../gspo/environments.py:241", gspo's line."""
 

@@ -159,6 +159,9 @@ class deadline:
 SLOW_CALL_SECONDS = 120.0
 
 
+TOOL_KINDS = (types.FunctionType, staticmethod, classmethod)
+
+
 class SlowCalls:
     """With no ``rollout.env_timeout``, one stderr line for each call into an environment
     still running after ``after`` seconds (a hung environment otherwise held the run with
@@ -366,7 +369,8 @@ class EnvironmentFactory:
             name
             for name, member in inspect.getmembers(owner)
             if not name.startswith("_") and name not in RESERVED
-            and inspect.isfunction(inspect.getattr_static(owner, name))  # a method (def)
+            # (a method, static or class method: the latter two were dropped, "unknown tool")
+            and isinstance(inspect.getattr_static(owner, name), TOOL_KINDS)
         ]  # fmt: skip
         self.schemas = [self._schema(owner, name) for name in self.tool_names]
         self.has_step = callable(getattr(owner, "step", None))
@@ -397,8 +401,10 @@ class EnvironmentFactory:
                 f"environment {self.name!r}: tool {name!r} takes *{packed[0]}/**, which a "
                 "JSON tool call (named arguments only) cannot pass; give it named parameters"
             )
-        try:  # bound to a stand-in, so that `self` leaves the signature
-            return get_json_schema(types.MethodType(method, object()))
+        if inspect.isfunction(inspect.getattr_static(owner, name)):  # (static, class: as is)
+            method = types.MethodType(method, object())  # so that `self` leaves the signature
+        try:
+            return get_json_schema(method)
         except Exception as e:
             raise EnvError(
                 f"environment {self.name!r}: tool {name!r} has no usable schema "
