@@ -35,7 +35,8 @@ class RewardConfig(Section):
         0,
         ge=0,
         description="Worker processes that score each rollout batch in parallel chunks; "
-        "0 = in the trainer process",
+        "0 = in the trainer process (the only choice with rollout.environment, whose "
+        "environments the reward functions get)",
     )
     timeout: float | None = Field(
         None,
