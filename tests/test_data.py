@@ -935,3 +935,21 @@ def test_a_model_path_inside_another_runs_checkpoints_is_warned(tmp_path):
     zero = run / "checkpoints" / "step-0000000"  # (never removed), nor a model elsewhere
     assert base_in_another_run(load_config(None, [f"model.path={zero}"]), tmp_path / "x") == []
     assert base_in_another_run(load_config(None, [f"model.path={tmp_path}"]), tmp_path / "x") == []
+
+
+def test_code_tests_that_do_not_parse_are_named_at_the_start():
+    """A row whose tests hold no assert stopped the run when the row was first sampled
+    (after step 1, or hours in); now before anything trains, naming the data and row."""
+    from gspo.rewards import RewardFunctions
+    from gspo.tasks import TaskData
+    from gspo.training.setup import check_reward_columns
+
+    rows = [{"prompt": "p", "tests": "assert f(1) == 2"}, {"prompt": "q", "tests": "x = 1"}]
+    config = load_config(None, ["data.train=code.jsonl", "reward.functions=[code]"])
+    rewards = RewardFunctions.from_specs(["code"], None)
+    with pytest.raises(ValueError) as raised:
+        check_reward_columns(rewards, TaskData(rows, [], []), config, None)
+    assert str(raised.value) == (
+        "data.train (code.jsonl) row 2: tests: no assert statement among the tests"
+    )
+    assert check_reward_columns(rewards, TaskData(rows[:1], [], []), config, None) == []
