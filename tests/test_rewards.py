@@ -801,6 +801,21 @@ def test_an_environment_reward_that_is_no_number_says_so() -> None:
         "the environment's get_reward() (test_an_environment_reward_that_is_no_number_says_so"
         f".<locals>.Env, {__file__}) returned 'correct' (str), not a number or None"
     )
+    # NaN named the function alone ("'environment' returned a non-finite value"); a
+    # get_reward taking an argument failed with a TypeError at gspo's line
+    with pytest.raises(ValueError, match=r"\.Env, .*\) returned nan, not a finite number$"):
+        environment_reward(["p"], ["c"], environments=[Env(float("nan"))])
+
+    class Asks:
+        def get_reward(self, completion):
+            return 1.0
+
+    with pytest.raises(ValueError) as err:
+        environment_reward(["p"], ["c"], environments=[Asks()])
+    assert str(err.value).endswith(
+        f".<locals>.Asks, {__file__}) takes completion, and is called with no arguments: "
+        "read what it needs from the environment itself (self)"
+    )
 
 
 def test_exact_match_reads_a_float_column_as_the_numbers_written() -> None:

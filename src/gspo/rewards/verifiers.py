@@ -10,12 +10,14 @@ from __future__ import annotations
 import decimal
 import functools
 import inspect
+import math
 import re
 import signal
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from gspo.plugins import missing_arguments
 from gspo.rewards.contract import RewardError, RewardFunction
 from gspo.rewards.parsing import (
     _ANSWER_COLON_WELL_FORMED,
@@ -321,22 +323,37 @@ def environment_reward(
     out: list[float | None] = []
     for env in environments:
         get = getattr(env, "get_reward", None)
+        if callable(get) and (needed := missing_arguments(get, [])):  # (gspo's line: named)
+            raise ValueError(
+                f"the environment's get_reward() ({_class_and_file(env)}) takes "
+                f"{', '.join(needed)}, and is called with no arguments: read what it needs "
+                "from the environment itself (self)"
+            )
         value = get() if callable(get) else None
         try:  # a number, as a reward function's values (a string "1" is not one)
             if isinstance(value, (str, bytes)):
                 raise TypeError
             out.append(None if value is None else float(value))
         except (TypeError, ValueError):
-            try:  # (the environment's class and file: the line below is gspo's)
-                where = inspect.getsourcefile(type(env)) or ""
-            except TypeError:
-                where = ""
             raise ValueError(
-                f"the environment's get_reward() ({type(env).__qualname__}"
-                f"{', ' + where if where else ''}) returned {value!r:.80} "
-                f"({type(value).__name__}), not a number or None"
+                f"the environment's get_reward() ({_class_and_file(env)}) returned "
+                f"{value!r:.80} ({type(value).__name__}), not a number or None"
             ) from None
+        if not math.isfinite(out[-1] if out[-1] is not None else 0.0):
+            raise ValueError(
+                f"the environment's get_reward() ({_class_and_file(env)}) returned "
+                f"{out[-1]}, not a finite number"
+            )
     return out
+
+
+def _class_and_file(env: Any) -> str:
+    """An environment's class and the file that defines it (a line of gspo's is no help)."""
+    try:
+        where = inspect.getsourcefile(type(env)) or ""
+    except (TypeError, OSError):  # (a built-in class; one defined in python -c)
+        where = ""
+    return f"{type(env).__qualname__}{', ' + where if where else ''}"
 
 
 # the data columns a built-in cannot do without (a run checks them before it starts)
