@@ -522,6 +522,14 @@ def test_attribute_missing_and_not_callable(tmp_path: Path) -> None:
         load_reward_function(f"{path}:THRESHOLD")
     with pytest.raises(RewardError, match=r"'math:nope'.*module 'math' has no attribute"):
         load_reward_function("math:nope")
+    # a near name is named, and a long list says how many it leaves out
+    names = "".join(f"def f{i:02d}(**kw):\n    return []\n" for i in range(25))
+    many = write(tmp_path / "many.py", names + "def correct(**kw):\n    return []\n")
+    with pytest.raises(RewardError) as raised:
+        load_reward_function(f"{many}:corect")
+    said = str(raised.value)
+    assert "has no attribute 'corect'; did you mean 'correct'? (defined there: " in said
+    assert said.endswith(", and 6 more)")
 
 
 # ---------------------------------------------------------------------------- combining

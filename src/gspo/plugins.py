@@ -8,6 +8,7 @@ exception that user code (or a user's file) raised into a one-line message.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -229,7 +230,10 @@ def load_object(spec: str, kind: str, error: type[Exception], expected: str) -> 
                 if callable(value) and not name.startswith("_")
                 and getattr(value, "__module__", None) == module.__name__
             )  # fmt: skip
-            hint = f" (defined there: {', '.join(available[:20])})" if available else ""
+            near = difflib.get_close_matches(part, available, n=1)
+            more = f", and {len(available) - 20} more" if len(available) > 20 else ""
+            hint = f" (defined there: {', '.join(available[:20])}{more})" if available else ""
+            hint = f"; did you mean {near[0]!r}?{hint}" if near else hint
             raise error(f"{kind} {spec!r}: {where} has no attribute {attr_path!r}{hint}") from None
     if not callable(obj):
         raise error(
