@@ -736,3 +736,7 @@ def test_a_malformed_reward_spec_is_refused_before_a_run(spec, said, capsys):
     config.reward.functions = ["exact_mach"]  # (gspo.train checks the config first)
     with pytest.raises(ConfigError, match="reward.functions: invalid reward function spec"):
         config.check()
+    # an environment's spec too (gspo config printed it; gspo train refused it)
+    with pytest.raises(ConfigError, match=r"rollout.environment: invalid environment spec "
+                       r"'a.b.C': no ':name' part \(a.b:C\?\)"):  # fmt: skip
+        load_config(overrides=["rollout.environment=a.b.C"])

@@ -16,22 +16,19 @@ with required parameters is called with the dataset row instead, see
   call's return value (``str()``, or JSON for other types) goes back as a ``tool`` message.
 - ``step(text)`` (optional) is the generic hook for environments that are not
   tool-shaped (games, interpreters): called with the model's turn when it made no tool
-  call, it returns the next observation (a ``user`` message) or None to end the episode.
+  call, it returns the next observation (a ``user`` message) or None to end it.
 - ``get_reward()`` (optional) is the environment's own reward for the episode: the
   built-in reward function ``environment`` returns it, and is the default reward of an
   environment that has one. Every reward function also gets ``environments=`` (one per
   completion), as TRL's do.
-
 - ``close()`` (optional) is called once the episode has been scored.
 
 An episode ends when the model's turn calls no tool and ``step`` is absent or returns
-None, or at ``rollout.max_turns`` / ``rollout.max_episode_tokens``
-(:mod:`gspo.training.episodes` runs them).
-
-A call that does not parse, names no tool, has arguments the tool does not take, or whose
-tool raises is answered with an ``error: ...`` tool message and counted
-(``env/tool_errors_mean``); it never stops the run. A factory that cannot be loaded or
-constructed, a ``reset`` that raises or a tool without a schema stops it with one line.
+None, or at ``rollout.max_turns`` / ``rollout.max_episode_tokens`` (run by
+:mod:`gspo.training.episodes`). A call that does not parse, names no tool, has arguments
+the tool does not take, or whose tool raises is answered with an ``error: ...`` tool
+message and counted (``env/tool_errors_mean``); it never stops the run. A factory that
+cannot be loaded or made, a ``reset`` that raises or a tool without a schema stops it.
 """
 
 from __future__ import annotations
@@ -51,7 +48,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from gspo.plugins import load_object, missing_arguments, one_line, raised, run_coroutine
+from gspo.plugins import (
+    ENVIRONMENT_FORMS,
+    load_object,
+    missing_arguments,
+    one_line,
+    raised,
+    run_coroutine,
+)
 
 #: Methods with a meaning of their own: never tools.
 RESERVED = frozenset({"reset", "step", "get_reward", "close"})
@@ -251,12 +255,10 @@ class ToolCall:
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
-    """Every ``<tool_call>...</tool_call>`` block of ``text``, in order (Hermes/Qwen format).
-
-    The block holds JSON ``{"name": str, "arguments": {...}}`` (``arguments`` may also be a
-    JSON string of an object, as some models write it). A block that is unterminated, not
-    JSON or of another shape comes back with ``error`` set.
-    """
+    """Every ``<tool_call>...</tool_call>`` block of ``text``, in order (Hermes/Qwen format):
+    JSON ``{"name": str, "arguments": {...}}`` (``arguments`` may be a JSON string of an
+    object, as some models write it); one unterminated, not JSON or of another shape comes
+    back with ``error`` set."""
     calls = []
     for match in _CALL.finditer(text):
         body, closed = match.group(1).strip(), bool(match.group(2))
@@ -330,11 +332,9 @@ class NoText(TypeError):
 
 
 class EnvironmentFactory:
-    """The environment class a spec names, its tools and their schemas.
-
-    ``factory`` is a spec string or the callable itself. One instance is made up front to
-    read the tools (and to fail early, with one line, if construction fails).
-    """
+    """The environment class ``factory`` names (a spec string or the callable itself), its
+    tools and their schemas. One instance is made up front to read the tools (and to fail
+    early, with one line, if construction fails)."""
 
     def __init__(
         self,
@@ -345,9 +345,8 @@ class EnvironmentFactory:
         self.timeout = timeout  # rollout.env_timeout: seconds each call may take
         self.slow = SlowCalls()  # (without one: a call running long is said)
         if isinstance(factory, str):
-            expected = "'path/to/env.py:Factory' or 'package.module:Factory'"
             self.name = factory
-            factory = load_object(factory.strip(), "environment", EnvError, expected)
+            factory = load_object(factory.strip(), "environment", EnvError, ENVIRONMENT_FORMS)
         else:
             self.name = getattr(factory, "__qualname__", repr(factory))
         self.factory = factory

@@ -164,6 +164,10 @@ def _import_module(module_name: str, spec: str, kind: str, error: type[Exception
 PYTHON_OBJECT = "<python object "
 
 
+#: The forms an environment spec takes (``rollout.environment``), as its errors say them.
+ENVIRONMENT_FORMS = "'path/to/env.py:Factory' or 'package.module:Factory'"
+
+
 def _is_file(source: str) -> bool:
     return source.endswith(".py") or "/" in source or "\\" in source
 

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, field_serializer, field_validator
 
 from gspo.config.section import Section
-from gspo.plugins import object_spec
+from gspo.plugins import ENVIRONMENT_FORMS, PYTHON_OBJECT, object_spec, spec_form
 
 #: The ``max_lora_rank`` values vLLM takes (adapter sync uses the smallest >= model.lora.r).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -139,6 +139,9 @@ class RolloutConfig(Section):
     @field_validator("environment", mode="before")
     @classmethod
     def _a_factory(cls, value: Any) -> Any:
+        text = isinstance(value, str) and not value.startswith(PYTHON_OBJECT)  # (read alone)
+        if text and (problem := spec_form(value.strip(), "environment", ENVIRONMENT_FORMS)):
+            raise ValueError(problem)
         if value is None or isinstance(value, str) or callable(value):
             return value
         raise ValueError(
