@@ -59,6 +59,8 @@ from gspo.plugins import (
 
 #: Methods with a meaning of their own: never tools.
 RESERVED = frozenset({"reset", "step", "get_reward", "close"})
+#: What a tool may be: a method (``def``, ``async def``), a staticmethod or a classmethod.
+TOOL_KINDS = (types.FunctionType, staticmethod, classmethod)
 
 
 #: Past rollout.env_timeout, how long a call interrupted in the main thread may take to
@@ -161,9 +163,6 @@ class deadline:
 #: With ``rollout.env_timeout`` null, a call into an environment still running after this
 #: many seconds is said once on stderr (:class:`SlowCalls`).
 SLOW_CALL_SECONDS = 120.0
-
-
-TOOL_KINDS = (types.FunctionType, staticmethod, classmethod)
 
 
 class SlowCalls:
