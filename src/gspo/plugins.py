@@ -168,7 +168,8 @@ PYTHON_OBJECT = "<python object "
 ENVIRONMENT_FORMS = "'path/to/env.py:Factory' or 'package.module:Factory'"
 
 
-def _is_file(source: str) -> bool:
+def is_file_source(source: str) -> bool:
+    """Whether a spec's ``source`` (before its ``:``) is a file's path, not a module's name."""
     return source.endswith(".py") or "/" in source or "\\" in source
 
 
@@ -191,7 +192,7 @@ def spec_form(spec: str, kind: str, expected: str) -> str | None:
         return malformed("missing the file or module before ':'")
     if not attr_path or not all(part.isidentifier() for part in attr_path.split(".")):
         return malformed(f"{attr_path!r} after ':' is not a Python name")
-    if not _is_file(source) and not all(part.isidentifier() for part in source.split(".")):
+    if not is_file_source(source) and not all(part.isidentifier() for part in source.split(".")):
         return malformed(f"{source!r} is neither a .py file nor a module name")
     return None
 
@@ -217,7 +218,7 @@ def load_object(spec: str, kind: str, error: type[Exception], expected: str) -> 
         raise error(problem)
     source, _, attr_path = spec.rpartition(":")
     source, attr_path = source.strip(), attr_path.strip()
-    if _is_file(source):
+    if is_file_source(source):
         module = _import_file(source, spec, kind, error)
         where = f"file {source!r}"
     else:

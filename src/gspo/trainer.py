@@ -69,11 +69,7 @@ from gspo.training.rollout import RolloutStage, Scorer
 from gspo.training.sampler import PolicySampler, build_engine
 from gspo.training.seeds import derive_seed
 from gspo.training.setup import (
-    base_in_another_run,
     build_policy_model,
-    check_reward_columns,
-    empty_completions,
-    held_out_cut,
     load_task_data,
     local_shares,
     model_summary,
@@ -81,6 +77,7 @@ from gspo.training.setup import (
     resumed_optim_settings,
     reward_functions,
     rl_optimizer,
+    start_warnings,
     with_absolute_paths,
     with_environment_reward,
 )
@@ -152,12 +149,7 @@ class Trainer:
         environment = getattr(self.generator, "environment", None)
         self.config = config = with_environment_reward(config, environment)
         self.rewards = rewards = reward_functions(config)
-        unscored = [
-            *check_reward_columns(rewards, self.data, config, environment),
-            *empty_completions(self.data.sft, config),
-            *held_out_cut(self.data.eval, config),
-            *base_in_another_run(config, out),
-        ]
+        said = start_warnings(config, rewards, self.data, environment, out)
         self.optimizer, self.scheduler = rl_optimizer(config, self.policy.forward)
         self.reference = Reference(config.algorithm.kl_coef, out, self.policy, config.model.path)
         objective = Objective(config.algorithm)
@@ -209,12 +201,9 @@ class Trainer:
         )  # fmt: skip
         # one process writes its checkpoints in the background (several ranks: at once)
         self.checkpoints = Checkpoints(
-            out,
-            self.logger,
-            keep=config.train.keep_checkpoints,
-            dist=dist,
+            out, self.logger, keep=config.train.keep_checkpoints, dist=dist,
             background=config.train.background_checkpoints and not dist.enabled,
-        )
+        )  # fmt: skip
         self.writer_tokenizer = None  # (the tokenizer background writes save)
         self.profiler = StepProfiler.of_run(config, out, dist)
         recorded = recorded_config(config, out, self.finished, moved) if dist.is_main else None
@@ -223,7 +212,7 @@ class Trainer:
         if checkpoint is None:
             self.logger.log(0, summary)
             if dist.is_main:
-                for line in [*config.warnings(), *unscored]:
+                for line in said:
                     print(f"gspo: warning: {line}", file=sys.stderr, flush=True)
         if config.log.progress and dist.is_main:  # (and where a resumed run goes on from)
             print(

@@ -43,7 +43,7 @@ from gspo.engines import pad_batch
 from gspo.models import model_context, model_files
 from gspo.models.kernels import onednn_available
 from gspo.objectives import read_scalars
-from gspo.plugins import PYTHON_OBJECT, object_spec
+from gspo.plugins import PYTHON_OBJECT, is_file_source, object_spec
 from gspo.publish import (
     MANIFEST,
     manifest_changes,
@@ -105,7 +105,7 @@ def _spec_file(spec: str) -> Path | None:
     import importlib.util
 
     source = spec.rpartition(":")[0].strip()
-    if source.endswith(".py") or "/" in source:
+    if is_file_source(source):
         path = Path(source).expanduser()
         return path if path.is_file() else None
     try:

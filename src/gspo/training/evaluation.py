@@ -12,11 +12,10 @@ import torch
 from gspo.config import Config
 from gspo.distributed import Distributed
 from gspo.engines import SamplingParams
-from gspo.rewards.functions import metric_labels
 from gspo.telemetry import read_metrics
 from gspo.training.memory import out_of_memory
 from gspo.training.metrics import episode_metrics
-from gspo.training.rollout import Scorer
+from gspo.training.rollout import Scorer, reward_means
 from gspo.training.sampler import Generator
 from gspo.training.seeds import derive_seed
 
@@ -107,25 +106,15 @@ class Evaluator:
                 unscored = 1.0 - scorable.float().mean().item()
                 metrics[f"eval/unscored_fraction{suffix}"] = unscored
             metrics[f"eval/response_length_mean{suffix}"] = lengths.mean().item()
-            metrics |= _per_function([part[5] for part in done], suffix)
+            # several reward functions: each one's mean (the accuracy counts their weighted
+            # sum against eval.success_threshold, which a correctness reward beside a
+            # penalty may never reach)
+            functions = [part[5] for part in done]
+            if len(functions[0]) > 1:
+                every = {k: [v for f in functions for v in f[k]] for k in functions[0]}
+                metrics |= reward_means(every, "eval/reward/", suffix)
         metrics["time/eval"] = time.perf_counter() - start
         return metrics
-
-
-def _per_function(parts: list[dict[str, list[float | None]]], suffix: str) -> dict[str, float]:
-    """With several reward functions, each one's mean over the responses it scored
-    (``eval/reward/NAME``, as training's ``train/reward/NAME``): the accuracy counts their
-    weighted sum against ``eval.success_threshold``, which a correctness reward beside a
-    penalty may never reach; each function's own mean shows it."""
-    if not parts or len(parts[0]) < 2:
-        return {}
-    labels = metric_labels(list(parts[0]))
-    out = {}
-    for name, label in labels.items():
-        numbers = [v for part in parts for v in part[name] if v is not None]
-        if numbers:
-            out[f"eval/reward/{label}{suffix}"] = sum(numbers) / len(numbers)
-    return out
 
 
 def evaluated_at_start(metrics_file: Path, resumed_at_step_0: bool, dist: Distributed) -> bool:

@@ -509,9 +509,19 @@ def rollout_metrics(
         "train/truncated_fraction": sum(r == "length" for r in finish_reasons)
         / len(finish_reasons),
     }
+    return metrics | reward_means(per_function, "train/reward/")
+
+
+def reward_means(
+    per_function: dict[str, list[float | None]], prefix: str, suffix: str = ""
+) -> dict[str, float]:
+    """Each reward function's mean over the completions it scored, as
+    ``{prefix}NAME{suffix}`` (TRL's ``rewards/NAME/mean``); a function that scored none
+    has no mean."""
     labels = metric_labels(list(per_function))
-    for name, values in per_function.items():  # (as TRL's rewards/NAME/mean: the scored ones)
+    out = {}
+    for name, values in per_function.items():
         numbers = [v for v in values if v is not None]
         if numbers:
-            metrics[f"train/reward/{labels[name]}"] = sum(numbers) / len(numbers)
-    return metrics
+            out[f"{prefix}{labels[name]}{suffix}"] = sum(numbers) / len(numbers)
+    return out

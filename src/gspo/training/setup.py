@@ -395,6 +395,22 @@ def with_environment_reward(config: Config, environment: Any | None) -> Config:
     return config.model_copy(update={"reward": reward})
 
 
+def start_warnings(
+    config: Config, rewards: RewardFunctions, data: TaskData, environment: Any, out: Path
+) -> list[str]:
+    """The lines a new run warns with before it starts: settings that do nothing
+    (:meth:`Config.warnings`), rows a reward function cannot score, empty cold-start
+    completions, a held-out set cut to ``eval.max_prompts``, a base model another run
+    may remove. (Errors in the same inputs are raised by the same functions.)"""
+    return [
+        *config.warnings(),
+        *check_reward_columns(rewards, data, config, environment),
+        *empty_completions(data.sft, config),
+        *held_out_cut(data.eval, config),
+        *base_in_another_run(config, out),
+    ]
+
+
 def check_reward_columns(
     rewards: RewardFunctions, data: TaskData, config: Config, environment: Any | None
 ) -> list[str]:
