@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from functools import partial
 
 import pytest
 import torch
@@ -358,15 +359,17 @@ def test_a_row_of_skipped_cold_start_steps_that_ended_before_its_line_still_stop
     assert calls["n"] == 10
 
 
-def _fused_step(grad: float, scaler=None, init_scale: float = 4.0, fused: bool = True):
-    """One step of a 2-weight model through step_if_finite: its weights before and after,
-    the (skipped, counted) flags and the scale after (float16's scaler, CPU)."""
+def _fused_step(
+    grad: float, scaler=None, init_scale: float = 4.0, fused: bool = True, device: str = "cpu"
+):
+    """One step of a 2-weight model through step_if_finite on ``device``: its weights
+    before and after, the (skipped, counted) flags and the scale after (float16's scaler)."""
     from gspo.training.update import step_if_finite
 
-    layer = torch.nn.Linear(2, 1, bias=False)
+    layer = torch.nn.Linear(2, 1, bias=False, device=device)
     optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1, fused=fused)
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if scaler else None
-    loss = layer(torch.ones(1, 2)).sum()
+    scaler = torch.amp.GradScaler(device, init_scale=init_scale) if scaler else None
+    loss = layer(torch.ones(1, 2, device=device)).sum()
     (loss if scaler is None else scaler.scale(loss)).backward()
     layer.weight.grad.fill_(grad)
     if scaler is not None:
@@ -379,18 +382,25 @@ def _fused_step(grad: float, scaler=None, init_scale: float = 4.0, fused: bool =
     return before, layer.weight.detach(), (bad.item(), counted.item()), scale, steps
 
 
-def test_a_non_finite_step_is_skipped_on_the_device_without_a_read():
-    before, after, flags, _, steps = _fused_step(0.5)
+def fused_steps_skip_on_the_device(device: str) -> None:
+    """Fused AdamW given found_inf takes a finite step and skips a NaN one (its step count
+    too); float16's scaler skips an overflow and halves its scale, counting it toward
+    train.max_skipped only at a scale of 1 or below (tests/test_cuda.py: on CUDA)."""
+    before, after, flags, _, steps = _fused_step(0.5, device=device)
     assert flags == (0.0, 0.0) and not torch.equal(before, after) and steps == [1.0]
-    before, after, flags, _, steps = _fused_step(float("nan"))
+    before, after, flags, _, steps = _fused_step(float("nan"), device=device)
     assert flags == (1.0, 1.0) and torch.equal(before, after) and steps == [0.0]
-    # float16's scaler: an overflow at a scale above 1 is skipped, not counted; at 1 counted
-    before, after, flags, scale, _ = _fused_step(float("inf"), scaler=True, init_scale=4.0)
+    run = partial(_fused_step, scaler=True, device=device)
+    before, after, flags, scale, _ = run(float("inf"), init_scale=4.0)
     assert flags == (1.0, 0.0) and torch.equal(before, after) and scale == 2.0
-    before, after, flags, scale, _ = _fused_step(float("inf"), scaler=True, init_scale=1.0)
+    before, after, flags, scale, _ = run(float("inf"), init_scale=1.0)
     assert flags == (1.0, 1.0) and torch.equal(before, after) and scale == 0.5
-    before, after, flags, scale, _ = _fused_step(0.5, scaler=True, init_scale=1.0)
+    before, after, flags, scale, _ = run(0.5, init_scale=1.0)
     assert flags == (0.0, 0.0) and not torch.equal(before, after) and scale == 1.0
+
+
+def test_a_non_finite_step_is_skipped_on_the_device_without_a_read():
+    fused_steps_skip_on_the_device("cpu")
     # a non-fused optimizer (no found_inf): the norm is read, the step not taken
     before, after, flags, _, steps = _fused_step(float("nan"), fused=False)
     assert flags == (1.0, 1.0) and torch.equal(before, after) and steps == []

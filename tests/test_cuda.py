@@ -12,8 +12,11 @@ on any token (the small multi-turn run below). The tolerances below are stated a
 that, and against what they must catch.
 """
 
+import gc
 import json
+import math
 import re
+from dataclasses import replace
 from functools import partial
 
 import pytest
@@ -213,6 +216,30 @@ def test_gspo_trains_on_cuda_in_bf16(tmp_path, ones_reward):
     train = train_lines(records_of(tmp_path / "run"))
     assert len(train) == 4
     assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in train)
+
+
+def test_a_non_finite_step_is_skipped_on_cuda_without_a_read():
+    """The cold start's (and float16's) step_if_finite on CUDA: fused AdamW skips a NaN
+    step on the device through found_inf, GradScaler halves its scale on an overflow."""
+    from test_cold_start import fused_steps_skip_on_the_device
+
+    fused_steps_skip_on_the_device("cuda")
+
+
+def test_float16_on_cuda_scales_the_loss_and_trains(tmp_path, varied_reward):
+    """model.dtype=float16 (GPUs without bf16): the cold start and the RL steps go through
+    torch's GradScaler on CUDA; its scale is logged, halved only after an overflow, and
+    the run's losses stay finite with steps taken."""
+    overrides = [*SMALL, CUDA, varied_reward, "model.dtype=float16", "train.cold_start_steps=4",
+                 "train.max_steps=4", "rollout.max_new_tokens=8"]  # fmt: skip
+    Trainer(load_config(None, overrides), tmp_path / "run").fit()
+    lines = train_lines(records_of(tmp_path / "run"))
+    assert len(lines) == 4  # (train.max_steps counts optimizer steps)
+    assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in lines)
+    scales = [r["train/loss_scale"] for r in lines]
+    assert all(0 < s <= 2.0**16 and math.log2(s).is_integer() for s in scales), scales
+    taken = [r for r in lines if r["train/grad_norm"] is not None]
+    assert taken and all(math.isfinite(r["train/grad_norm"]) for r in taken)
 
 
 def test_a_profiled_batch_on_cuda_says_how_busy_the_device_was(tmp_path, ones_reward):
@@ -662,6 +689,15 @@ def test_cuda_graphs_are_captured_once_and_replayed_by_the_next_generation(
         b = fresh.generate(prompts, n=8, params=params, seed=1)
     assert torch.equal(a.completion_ids, b.completion_ids)
     assert (a.sampler_logprobs - b.sampler_logprobs).abs().max() < 1e-5
+    # keep_buffers=False (a multi-turn episode's later turns): the same samples, then the
+    # static step, its KV cache and graphs freed: the device memory they held comes back
+    held = torch.cuda.memory_allocated()
+    once = graphs.generate(prompts, n=8, params=replace(params, keep_buffers=False), seed=1)
+    assert graphs.static is None
+    assert torch.equal(once.completion_ids, a.completion_ids)
+    del once, run, first  # (this test's own references to the step and its graphs)
+    gc.collect()
+    assert torch.cuda.memory_allocated() < held
 
 
 @pytest.mark.parametrize("head", ["float32", "bf16_weight"])
