@@ -205,7 +205,8 @@ def test_a_collective_broken_by_another_rank_is_one_line(tmp_path, monkeypatch, 
 
     gloo = (
         "[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
-        "[127.0.0.1]:29500: Connection reset by peer"
+        "[127.0.0.1]:29500: Connection reset by peer. This is typically caused by a remote "
+        "worker hanging or bugs in the application. Check the logs of the remote worker."
     )
 
     def broken(args):
@@ -217,7 +218,8 @@ def test_a_collective_broken_by_another_rank_is_one_line(tmp_path, monkeypatch, 
     monkeypatch.setenv("RANK", "0")
     assert main(args) == 2
     assert capsys.readouterr().err == (
-        f"gspo: error (rank 0): another rank stopped (the process group broke: {gloo}); its "
+        "gspo: error (rank 0): another rank stopped (the process group broke: Read error "
+        "[127.0.0.1]:29500: Connection reset by peer); its "
         "own line, if it printed one (a signal or a kill prints none), says why; gspo train "
         f"--resume {tmp_path / 'run'} continues from the last checkpoint\n"
     )
@@ -249,6 +251,72 @@ def test_overwrite_under_torchrun_has_every_rank_wait_for_rank_0s_decision(tmp_p
             assert (run.aside is not None) == (rank == 0)
             run.started()  # rank 0: the old run goes
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_another_rank_stopping_on_its_input_undoes_the_start_on_rank_0_too(tmp_path):
+    """A reward function failing on rank 1 only, before the run started: rank 0 stopped on
+    the broken process group (no input error of its own), took it for an interruption and
+    removed the old run that --overwrite had set aside (torchrun's SIGTERM then cut the
+    removal, leaving half of it hidden); without --overwrite the new directory stayed and
+    the fixed command was refused. Rank 1 now leaves a mark, and rank 0 undoes the start."""
+    from gspo.rewards.contract import RewardError
+    from gspo.runs import UNDONE_MARK, RunDirectory
+
+    class Quiet(Distributed):
+        def barrier(self) -> None:
+            pass
+
+    def stop_on_rank_1(out: Path, replace: bool) -> RuntimeError:
+        zero, one = (
+            RunDirectory(
+                out, replace=replace, dist=Quiet(rank=r, world_size=2), name="--output-dir"
+            )
+            for r in (0, 1)
+        )
+        zero.__enter__(), one.__enter__()
+        zero.built(), one.built()
+        (out / "checkpoints" / "step-0000000").mkdir(parents=True, exist_ok=True)  # the new run's
+        one.__exit__(RewardError, RewardError("raised"), None)
+        assert (out / UNDONE_MARK).exists()
+        broken = RuntimeError("[../gloo/transport/tcp/pair.cc:537] Connection closed by peer")
+        zero.__exit__(RuntimeError, broken, None)
+        return broken
+
+    old = tmp_path / "run"
+    (old / "checkpoints" / "step-0000004").mkdir(parents=True)
+    (old / "metrics.jsonl").write_text('{"step": 4}\n')
+    broken = stop_on_rank_1(old, replace=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert sorted(p.name for p in (old / "checkpoints").iterdir()) == ["step-0000004"]
+    assert (old / "metrics.jsonl").read_text() == '{"step": 4}\n'
+    assert broken.__notes__ == [f"the run that was in {old} is back as it was"]
+    broken = stop_on_rank_1(tmp_path / "new", replace=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert broken.__notes__ == [
+        f"what the run wrote in {tmp_path / 'new'} is removed; the same command runs once "
+        "its input is fixed"
+    ]
+
+
+def test_a_stop_arriving_while_the_run_directory_is_tidied_waits_and_is_dropped():
+    """torchrun sends SIGTERM to the other ranks once one failed: one arriving while rank 0
+    puts an old run back (or removes a failed start) is held back, and dropped after."""
+    import signal
+
+    from gspo.runs import signals_held
+
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        with signals_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert seen == []
+        assert seen == [] and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGTERM)  # (the handler is back)
+        assert seen == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert not signal.pthread_sigmask(signal.SIG_BLOCK, [])  # nothing left blocked
 
 
 def test_a_rank_other_than_0_waits_for_rank_0_to_say_a_setup_error(tmp_path, monkeypatch, capsys):

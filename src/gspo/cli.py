@@ -24,6 +24,7 @@ import argparse
 import atexit
 import contextlib
 import os
+import re
 import signal
 import sys
 import threading
@@ -378,11 +379,15 @@ def _main(args: argparse.Namespace) -> int:
         if os.environ.get("GSPO_DEBUG") or not peer_gone(exc):
             raise
         run = run_directory(args)
+        # (gloo's own line names its source file first: the reason is after it)
+        broke = re.sub(r"\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", str(exc).strip())
+        after = "; ".join(getattr(exc, "__notes__", ())) or (
+            f"gspo train --resume {run} continues from the last checkpoint"
+        )  # (RunDirectory put an old run back, or removed a run that never started)
         last_words(
             f"gspo: error (rank {os.environ.get('RANK')}): another rank stopped (the process "
-            f"group broke: {str(exc).strip().splitlines()[0][:160]}); its own line, if it "
-            "printed one (a signal or a kill prints none), says why; "
-            f"gspo train --resume {run} continues from the last checkpoint",
+            f"group broke: {broke.splitlines()[0].split('. ')[0][:160]}); its own line, if it "
+            f"printed one (a signal or a kill prints none), says why; {after}",
             by="collective",
         )
         return 2

@@ -5,11 +5,15 @@ making or replacing the directory around a trainer (:class:`RunDirectory`, which
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import secrets
 import shutil
+import signal
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +86,30 @@ def train(
 #: environment's first episode): the run could not have run. Before its first rollout batch
 #: is trained such a failure leaves nothing behind (:class:`RunDirectory`).
 INPUT_ERRORS = (RewardError, EnvError, DataError)
+#: Left in the run directory by a rank other than 0 that stopped on its own input before
+#: the run started: rank 0, stopped by the broken process group, then undoes the start too.
+UNDONE_MARK = ".gspo-undone"
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM held back (main thread) while a stopped run's directory is put
+    in order, so that a stop arriving meanwhile (torchrun's SIGTERM to the other ranks once
+    one has failed) cannot cut a put-back or a removal in half; one that arrived is
+    dropped: the process is on its way out with its own error already."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        arrived = signal.sigpending() & (held - set(previous))
+        handlers = {s: signal.signal(s, signal.SIG_IGN) for s in arrived}  # (discards it)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for stop, handler in handlers.items():
+            signal.signal(stop, handler)
 
 
 class RunDirectory:
@@ -92,12 +120,13 @@ class RunDirectory:
     trained its first rollout batch (its reward functions and environment ran on its data:
     ``Trainer.fit(started=run.started)``), which removes the old run.
 
-    A run that stops before it is built, or on :data:`INPUT_ERRORS` before it started,
-    leaves nothing: the old run is put back as it was (said in a note on the exception),
-    a new directory goes; the same command runs once the input is fixed (a cold start
-    from its cache). Stopped otherwise (interrupted, out of memory, ...) the new run stays
-    to be resumed, the old one goes, and a new directory whose run wrote nothing to resume
-    from goes."""
+    A run that stops before it is built, or on :data:`INPUT_ERRORS` before it started (on
+    any rank: :data:`UNDONE_MARK`), leaves nothing: the old run is put back as it was
+    (said in a note on the exception), a new directory goes; the same command runs once
+    the input is fixed (a cold start from its cache). Stopped otherwise (interrupted, out
+    of memory, ...) the new run stays to be resumed, the old one goes, and a new directory
+    whose run wrote nothing to resume from goes. Rank 0 does it with SIGINT and SIGTERM
+    held back (:func:`signals_held`)."""
 
     def __init__(self, output_dir: Path, *, replace: bool, dist: Distributed, name: str):
         self.output_dir, self.replace, self.dist, self.name = output_dir, replace, dist, name
@@ -203,10 +232,27 @@ class RunDirectory:
         if error is None:
             self.started()
             return
-        out = self.output_dir
+        out, mark = self.output_dir, self.output_dir / UNDONE_MARK
         undone = not self.is_built or (not self.has_started and isinstance(error, INPUT_ERRORS))
         if not self.dist.is_main:
+            if undone and out.is_dir():  # (rank 0 stops on the broken group, not on this)
+                with contextlib.suppress(OSError):
+                    mark.touch()
             return
+        if mark.exists():  # (another rank's input error: this rank's is the broken group)
+            mark.unlink(missing_ok=True)
+            if not undone and self.aside is None and self.is_built:
+                error.add_note(
+                    f"what the run wrote in {out} is removed; the same command runs once "
+                    "its input is fixed"
+                )
+            undone = True
+        with signals_held():
+            self.tidy(error, undone)
+
+    def tidy(self, error: BaseException, undone: bool) -> None:
+        """The directory after a stop (rank 0): see the class's note."""
+        out = self.output_dir
         if self.aside is not None and undone:
             error.add_note(self.put_back())  # (put back, or where it is: said in the note)
         elif self.aside is not None:
