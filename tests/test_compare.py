@@ -538,6 +538,33 @@ def test_compare_bad_input_is_one_line(tmp_path, capsys):
         "gspo: error: train.max_steps=0: the runs would train nothing to compare",
     ]
     assert not (tmp_path / "out").exists()  # refused before it is made
+    # a gspo train run's directory, and a compare's for gspo train: each overwrote the
+    # other's plots/clip_fraction.png, unsaid
+    (tmp_path / "trained" / "checkpoints").mkdir(parents=True)
+    assert main(["compare", "--output-dir", str(tmp_path / "trained")]) == 2
+    (tmp_path / "compared" / "runs" / "gspo-seed0").mkdir(parents=True)
+    (tmp_path / "compared" / "runs" / "gspo-seed0" / "compare_request.yaml").write_text("{}")
+    assert main(["train", "--output-dir", str(tmp_path / "compared"), CPU]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"gspo: error: --output-dir {tmp_path / 'trained'} holds a gspo train run; give gspo "
+        "compare a directory of its own",
+        f"gspo: error: --output-dir {tmp_path / 'compared'} holds a gspo compare; give the "
+        "run a directory of its own (its runs are in runs/ there)",
+    ]
+
+
+def test_compare_under_torchrun_is_one_line_from_rank_0(tmp_path, monkeypatch, capsys):
+    """Each rank ran a whole compare: rank 1's lock on the directory was said by rank 0 as
+    "another gspo process is comparing in this directory"."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        assert main(["compare", "--output-dir", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "gspo: error: gspo compare is not for torchrun: it runs its trainings itself, one "
+        "after another; run it as a plain command"
+    ]
+    assert not (tmp_path / "out").exists()
 
 
 def test_compare_checks_every_run_before_training_and_holds_its_directory(tmp_path, capsys):

@@ -181,6 +181,16 @@ def test_batch_sizes_must_divide_over_the_ranks(tmp_path):
     too_many = load_config(None, [*SMALL_RUN, "algorithm.minibatches=16"])
     with pytest.raises(ValueError, match="algorithm.minibatches=16 exceeds the 8 responses"):
         Trainer(too_many, tmp_path, dist=Distributed(rank=0, world_size=2))
+    # the cold start's batch only where a cold start runs (it refused 3 ranks to every
+    # recipe, none of which runs one)
+    from gspo.training.setup import local_shares
+
+    three = Distributed(rank=0, world_size=3)
+    sft = load_config(None, ["rollout.prompts_per_batch=6", "train.cold_start_batch_size=16"])
+    with pytest.raises(ValueError, match=r"train\.cold_start_batch_size=16 is not divisible"):
+        local_shares(sft, three)
+    none = load_config(None, ["rollout.prompts_per_batch=6", "train.cold_start_steps=0"])
+    assert local_shares(none, three)[0] == 2
 
 
 @pytest.mark.slow

@@ -232,6 +232,13 @@ def train_config(args: argparse.Namespace) -> tuple[Config, Path]:
         output_dir = run_directory(args).expanduser()
         if output_dir.exists() and not output_dir.is_dir():
             raise ValueError(f"--output-dir {output_dir}: is a file, not a directory")
+        from gspo.experiments.runs import holds_compare
+
+        if holds_compare(output_dir):  # (its plots and the report's share names)
+            raise ValueError(
+                f"--output-dir {output_dir} holds a gspo compare; give the run a directory of "
+                "its own (its runs are in runs/ there)"
+            )
         if (output_dir / CHECKPOINTS).exists() and not args.overwrite:
             raise ValueError(
                 f"--output-dir {output_dir} already holds a run; "
@@ -321,6 +328,12 @@ def _main(args: argparse.Namespace) -> int:
         if args.command == "compare":
             from gspo.experiments import compare
 
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # (each rank ran a whole compare)
+                if os.environ.get("RANK", "0") == "0":
+                    print("gspo: error: gspo compare is not for torchrun: it runs its "
+                          "trainings itself, one after another; run it as a plain command",
+                          file=sys.stderr)  # fmt: skip
+                return 2
             if args.seeds < 1:
                 raise ValueError(f"--seeds {args.seeds}: at least 1")
             compare(

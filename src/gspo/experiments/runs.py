@@ -439,11 +439,22 @@ def refuse_owned(config_path: Path | None, preset: str, overrides: Sequence[str]
             )
 
 
+def holds_compare(out: Path) -> bool:
+    """Whether ``out`` is a ``gspo compare`` output directory (a run of it has its request)."""
+    return any(out.glob(f"runs/*/{REQUEST}"))
+
+
 def output_directory(out: Path) -> Path:
     """``--output-dir``, made if needed, as an absolute path (the runs name the cold start
     by it: the same from any working directory)."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--output-dir {out} is a file, not a directory")
+    from gspo.runs import holds_run
+
+    if holds_run(out):
+        raise ValueError(  # (its plots and the report's share names: each overwrote the other)
+            f"--output-dir {out} holds a gspo train run; give gspo compare a directory of its own"
+        )
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

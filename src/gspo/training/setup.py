@@ -303,14 +303,20 @@ def resumed_optim_settings(
 def local_shares(config: Config, dist: Distributed) -> tuple[int, int]:
     """This rank's shares of the global batch sizes (``rollout.prompts_per_batch``,
     ``train.cold_start_batch_size``); one-line errors if they do not divide, or if a rank
-    holds fewer responses than ``algorithm.minibatches``."""
+    holds fewer responses than ``algorithm.minibatches``. A run without a cold start
+    never uses its batch size (unchecked: its share rounded down)."""
     local_prompts = dist.shard(config.rollout.prompts_per_batch, "rollout.prompts_per_batch")
-    local_sft = dist.shard(config.train.cold_start_batch_size, "train.cold_start_batch_size")
+    if config.train.cold_start_steps > 0:
+        local_sft = dist.shard(config.train.cold_start_batch_size, "train.cold_start_batch_size")
+    else:
+        local_sft = max(1, config.train.cold_start_batch_size // dist.world_size)
     if local_prompts * config.rollout.group_size < config.algorithm.minibatches:
         raise ValueError(
             f"algorithm.minibatches={config.algorithm.minibatches} exceeds the "
             f"{local_prompts * config.rollout.group_size} responses each of the "
-            f"{dist.world_size} ranks holds per rollout batch"
+            f"{dist.world_size} ranks holds per rollout batch: a larger "
+            "rollout.prompts_per_batch, or fewer ranks (a resumed run keeps its "
+            "algorithm.minibatches)"
         )
     return local_prompts, local_sft
 
