@@ -234,6 +234,15 @@ def test_presets_come_before_the_users_overrides():
                          preset="stress")  # fmt: skip
     assert stress["GSPO", 0].optim.lr == pytest.approx(3e-3)
     assert stress["GSPO", 0].algorithm.minibatches == 16
+    # ratios dumped every 5 rollout batches, or often enough that the second half of a
+    # short run has dumps (an 8-step run's only one was batch 0's, before any update)
+    every = {
+        steps: run_configs(None, [f"train.max_steps={steps}"], checkpoint=Path("c"),
+                           seeds=[0], preset="default")["GSPO", 0].log.ratio_dump_every
+        for steps in (8, 12, 40, 44, 200)
+    }  # fmt: skip
+    assert every == {8: 1, 12: 1, 40: 2, 44: 5, 200: 5}
+    assert stress["GSPO", 0].log.ratio_dump_every == 5  # (12 rollout batches)
 
 
 def test_every_seeds_runs_are_evaluated_on_the_cold_starts_held_out_prompts():
@@ -320,7 +329,17 @@ def test_verdict_rules():
     # both at 0.000 -> 0.000 on every seed: "trains as well" of runs that learned nothing
     # (reproduced before: a gap of 0 within an error bar of 0)
     flat = verdicts(summary(0.15, 0.001, 0.0, 0.0, start=0.0, sd=0.0), "default")[0]
-    assert flat["verdict"] == INCONCLUSIVE and "from its start (train longer)" in flat["figures"]
+    assert (
+        flat["verdict"] == INCONCLUSIVE and "two standard errors (train longer)" in flat["figures"]
+    )
+    # one held-out answer in 256 down on both (0.008 -> 0.004, an end's two standard errors
+    # 0.008 over 2 seeds): "reproduced" before; a fall beyond its noise still counts
+    down = summary(0.0136, 0.0005, 0.0039, 0.0039, start=0.0078, sd=0.0055)
+    for algo in down.values():
+        algo["seeds"] = [0, 1]
+    assert verdicts(down, "default")[0]["verdict"] == INCONCLUSIVE
+    fell = summary(0.33, 0.0035, 0.644, 0.593, start=0.746, sd=0.045)  # compare_long_lr1e-4
+    assert verdicts(fell, "default")[0]["verdict"] == REPRODUCED
     top = verdicts(summary(0.15, 0.001, 1.0, 1.0, start=1.0, sd=0.0), "default")[0]
     assert "(a harder task: both start at the ceiling)" in top["figures"]
 
@@ -550,6 +569,22 @@ def test_compare_bad_input_is_one_line(tmp_path, capsys):
         "compare a directory of its own",
         f"gspo: error: --output-dir {tmp_path / 'compared'} holds a gspo compare; give the "
         "run a directory of its own (its runs are in runs/ there)",
+    ]
+
+
+def test_compare_algorithms_by_any_case_once_each(tmp_path, capsys):
+    """``--algorithms gspo,grpo`` (as algorithm.level spells them) was refused, and
+    ``GSPO,GSPO`` accepted."""
+    from gspo.experiments.runs import ALGORITHMS
+
+    out = ["compare", "--output-dir", str(tmp_path / "out"), "train.max_steps=0"]
+    assert main([*out, "--algorithms", "gspo,Grpo"]) == 2  # (past the names: max_steps)
+    assert main([*out, "--algorithms", "GSPO,gspo"]) == 2
+    assert main([*out, "--algorithms", "gsop"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "gspo: error: train.max_steps=0: the runs would train nothing to compare",
+        "gspo: error: --algorithms 'GSPO,gspo': GSPO named twice",
+        f"gspo: error: --algorithms 'gsop': expected some of {', '.join(ALGORITHMS)}",
     ]
 
 

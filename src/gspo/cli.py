@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from gspo import __version__
 from gspo.distributed import last_words, rank_said
@@ -51,7 +51,11 @@ def a_path(text: str) -> Path:
 
 class OneLineErrors(argparse.ArgumentParser):
     """argparse, with its errors on one line (its usage block of several lines came first,
-    the error last); the subcommands' parsers are of this class too."""
+    the error last); the subcommands' parsers are of this class too. No abbreviated
+    options: ``--seed 2`` was taken as ``--seeds 2``, unsaid."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
@@ -99,12 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="where the shared cold start, the runs and the report go (default: runs/compare)",
     )
-    comp.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per algorithm")
-    comp.add_argument("--preset", default="default", help="default | stress | long | tools")
+    comp.add_argument(
+        "--seeds", type=int, default=3, help="seeds 0..N-1 per algorithm (default: 3)"
+    )
+    comp.add_argument(
+        "--preset", default="default", help="default | stress | long | tools (default: default)"
+    )
     comp.add_argument(
         "--algorithms",
         default="GSPO,GRPO,GSPO-token",
-        help="comma-separated subset of GSPO, GRPO, GSPO-token",
+        help="comma-separated subset of GSPO, GRPO, GSPO-token (default: all three)",
     )
     comp.add_argument("--no-cache", action="store_true", help=NO_CACHE_HELP)
     comp.add_argument("overrides", nargs="*", metavar="key.sub=value")

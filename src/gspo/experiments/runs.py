@@ -100,6 +100,16 @@ STRESS_LR_FACTOR = 3.0
 RATIO_DUMP_EVERY = 5
 
 
+def ratio_dump_every(config: Config) -> int:
+    """:data:`RATIO_DUMP_EVERY`, or for a run of at most twice as many rollout batches a
+    quarter of them: the report reads the dumps of the second half of training (an 8-step
+    run's only dump was rollout batch 0's, before any update: "the policy did not move")."""
+    batches = -(-config.train.max_steps // config.algorithm.minibatches)
+    if batches > 2 * RATIO_DUMP_EVERY:
+        return RATIO_DUMP_EVERY
+    return max(1, batches // 4)
+
+
 def slug(algorithm: str) -> str:
     return algorithm.lower().replace("-", "_")
 
@@ -370,7 +380,7 @@ def run_configs(
             configs[name, seed] = load_config(
                 config_path,
                 [
-                    f"log.ratio_dump_every={RATIO_DUMP_EVERY}",  # a preset may change it
+                    f"log.ratio_dump_every={ratio_dump_every(given)}",  # a preset may change it
                     *with_preset(preset, overrides),
                     *extra,
                     *algo,
@@ -397,11 +407,15 @@ def compare(
     """Run (or reuse) every run, then write the report; returns the summary."""
     if preset not in PRESETS:
         raise ValueError(f"--preset {preset!r}: expected one of {', '.join(PRESETS)}")
+    named = {name.lower(): name for name in ALGORITHMS}  # (gspo,grpo as algorithm.level)
+    given, algorithms = algorithms, [named.get(a.lower(), a) for a in algorithms]
     unknown = [a for a in algorithms if a not in ALGORITHMS]
     if unknown or not algorithms:
         raise ValueError(
-            f"--algorithms {','.join(algorithms)!r}: expected some of {', '.join(ALGORITHMS)}"
+            f"--algorithms {','.join(given)!r}: expected some of {', '.join(ALGORITHMS)}"
         )
+    if twice := sorted({a for a in algorithms if algorithms.count(a) > 1}):
+        raise ValueError(f"--algorithms {','.join(given)!r}: {', '.join(twice)} named twice")
     if not seeds:
         raise ValueError("--seeds: at least one seed")
     refuse_owned(config_path, preset, overrides)
