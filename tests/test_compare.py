@@ -83,6 +83,11 @@ def test_band_lines_average_the_runs_at_shared_steps():
     ((_, _, _, sds),) = band_lines({"one": runs[:1]}, "acc")
     assert sds is None  # one run: no band
     assert band_lines({"GSPO": runs}, "missing") == []
+    # NaN values (gradient cosines none could compute) are no points: no line at all
+    nan = [[{"step": 0, "acc": math.nan, "elapsed": 0.0}, {"step": 2, "acc": 0.5, "elapsed": 1.0}]]
+    ((_, xs, means, _),) = band_lines({"x": nan}, "acc")
+    assert xs == [2.0] and means == [0.5]
+    assert band_lines({"x": [nan[0][:1]]}, "acc") == []
 
 
 def test_elapsed_and_token_weighted_means():
@@ -733,3 +738,21 @@ def test_histogram_needs_values(tmp_path):
     path = plot_histograms({"w": torch.randn(50), "s": torch.randn(50) * 0.01},
                            tmp_path / "h.png", title="t")  # fmt: skip
     assert path is not None and path.stat().st_size > 0
+    # GSPO-token's ratios equal GSPO's (one advantage per response): drawn dashed over
+    # them and labelled so (they hid GSPO's curves)
+    import matplotlib.axes
+
+    drawn = []
+    real = matplotlib.axes.Axes.hist
+
+    def hist(self, values, **kw):
+        drawn.append((kw["label"], kw.get("linestyle")))
+        return real(self, values, **kw)
+
+    same = torch.randn(50)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(matplotlib.axes.Axes, "hist", hist)
+        plot_histograms({"GSPO: w_it": same, "GSPO-token: w_it": same.clone(),
+                         "GRPO: w_it": same * 2}, tmp_path / "h.png", title="t")  # fmt: skip
+    assert drawn == [("GSPO: w_it", None), ("GSPO-token: w_it (= GSPO: w_it)", (0, (4, 3))),
+                     ("GRPO: w_it", None)]  # fmt: skip

@@ -1041,6 +1041,17 @@ def test_auto_old_logprobs_recompute_below_float32():
     assert not recomputes_old_logprobs(sampler, torch.bfloat16)
     recompute = load_config(None, ["algorithm.old_logprobs=recompute"])
     assert recompute and recomputes_old_logprobs(recompute, torch.float32)
+    # the run's first line says what auto chose (config.yaml keeps "auto")
+    from gspo.training.setup import start_line
+
+    sizes = {"model/trainable_params": 8.0, "model/params": 10.0, "optim/state_bytes": 2.0**21}
+    said = start_line(sizes, False, torch.bfloat16, recomputes_old_logprobs(auto, torch.bfloat16))
+    assert said == (
+        "model: 8 of 10 parameters train; AdamW state 2.00 MiB; bfloat16, pi_old recomputed "
+        "by the trainer"
+    )
+    said = start_line(sizes, True, torch.float32, recomputes_old_logprobs(auto, torch.float32))
+    assert said.endswith("(LoRA adapters); AdamW state 2.00 MiB; float32, pi_old from the sampler")
 
 
 def test_bf16_defaults_leave_the_on_policy_minibatch_unclipped(tmp_path, varied_reward, capsys):

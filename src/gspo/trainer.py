@@ -77,6 +77,7 @@ from gspo.training.setup import (
     resumed_optim_settings,
     reward_functions,
     rl_optimizer,
+    start_line,
     start_warnings,
     with_absolute_paths,
     with_environment_reward,
@@ -215,14 +216,9 @@ class Trainer:
                 for line in said:
                     print(f"gspo: warning: {line}", file=sys.stderr, flush=True)
         if config.log.progress and dist.is_main:  # (and where a resumed run goes on from)
-            print(
-                f"model: {summary['model/trainable_params']:,.0f} of "
-                f"{summary['model/params']:,.0f} parameters train"
-                f"{' (LoRA adapters)' if self.policy.adapters else ''}; AdamW state "
-                f"{summary['optim/state_bytes'] / 2**20:.2f} MiB"
-                + (f"\nresumed at step {self.step} from {checkpoint}" if checkpoint else ""),
-                flush=True,
-            )
+            line = start_line(summary, self.policy.adapters, compute_dtype, forward.recompute)
+            resumed = f"\nresumed at step {self.step} from {checkpoint}" if checkpoint else ""
+            print(line + resumed, flush=True)
         # a run resumed from its step-0 checkpoint may already hold the starting evaluation
         resumed_at_0 = self.step == 0 and checkpoint is not None
         self.start_evaluated = evaluated_at_start(out / "metrics.jsonl", resumed_at_0, dist)

@@ -230,6 +230,7 @@ def report_markdown(
             f"{s['gradient_cosine_full_to_on_policy']:.3f}."
             for name, s in summary.items()
             if s["gradient_cosines_by_length"]
+            and math.isfinite(s["gradient_cosine_full_to_on_policy"])  # (NaN: none computed)
         ]
         lines += [f"- {note}" for note in gradient_noise_notes(summary)]
     lines += ["", "## Plots", ""]

@@ -202,7 +202,8 @@ def band_lines(
 
     Only the steps every run of the group has count; ``x`` is averaged over the runs at
     each step (e.g. ``elapsed`` seconds), the spread is the population standard deviation
-    (``None`` for a group of one run). Groups without ``key`` are left out.
+    (``None`` for a group of one run). Groups without ``key`` are left out, and so are
+    non-finite values (a group of NaN cosines drew a plot with a legend and no line).
     """
     lines = []
     for name, runs in groups.items():
@@ -211,7 +212,10 @@ def band_lines(
             points = {
                 float(r["step"]): (float(r[x]), float(r[key]))
                 for r in records
-                if _is_number(r.get(key)) and _is_number(r.get("step")) and _is_number(r.get(x))
+                if _is_number(r.get(key))
+                and _is_number(r.get("step"))
+                and _is_number(r.get(x))
+                and math.isfinite(float(r[key]))
             }
             if points:
                 per_run.append(points)
@@ -265,8 +269,13 @@ def plot_histograms(
     if hi <= lo:
         lo, hi = lo - 1e-6, hi + 1e-6
     fig, ax = _new_figure()
+    drawn: dict[tuple[float, ...], str] = {}
     for label, values in data.items():
-        ax.hist(values, bins=bins, range=(lo, hi), density=True, histtype="step", label=label)
+        style: dict[str, Any] = {}
+        if (same := drawn.setdefault(tuple(values), label)) != label:  # as _draw's lines
+            label, style = f"{label} (= {same})", {"linestyle": (0, (4, 3))}
+        ax.hist(values, bins=bins, range=(lo, hi), density=True, histtype="step", label=label,
+                **style)  # fmt: skip
     ax.set_yscale("log")
     ax.set_xlabel("log importance ratio (log w_it per token, log s_i per response)")
     ax.set_ylabel("density (log)")
@@ -286,8 +295,8 @@ def plot_metrics(metrics_path: str | Path, output_dir: str | Path) -> list[Path]
     ±``train/reward_std`` band), ``accuracy.png`` (``eval/accuracy``,
     ``eval/accuracy_greedy``), ``clip_fraction.png`` (per rollout batch,
     ``train/clip_fraction_off_policy`` and ``train/clip_fraction_on_policy``, linear
-    y-axis), ``mismatch.png`` (the sampler's and the trainer's log-probs apart on the
-    on-policy minibatch: ``mismatch/token_abs_mean``,
+    y-axis), ``mismatch.png`` (the sampler's and the trainer's log-probs apart, per rollout
+    batch: ``mismatch/token_abs_mean``,
     ``mismatch/sequence_mean_delta_abs_mean``, log y-axis) and ``expert_change.png`` (MoE:
     ``moe/expert_change_fraction``). Returns the paths written.
     """
@@ -299,7 +308,7 @@ def plot_metrics(metrics_path: str | Path, output_dir: str | Path) -> list[Path]
             ["train/reward_mean"],
             out / "reward.png",
             title="Training reward",
-            ylabel="reward (mean ± std over rollouts)",
+            ylabel="reward (mean ± std over a rollout batch)",
             band={"train/reward_mean": "train/reward_std"},
         ),
         plot_series(
@@ -320,7 +329,8 @@ def plot_metrics(metrics_path: str | Path, output_dir: str | Path) -> list[Path]
             records,
             ["mismatch/token_abs_mean", "mismatch/sequence_mean_delta_abs_mean"],
             out / "mismatch.png",
-            title="Sampler vs trainer log-probs, on-policy minibatch",
+            # (pi_old recomputed: the whole rollout batch's; else minibatch 0's, on-policy)
+            title="Sampler vs trainer log-probs per rollout batch",
             ylabel="|log-prob difference| (mean)",
             logy=True,
         ),

@@ -183,11 +183,10 @@ class OnPolicyClipWarning:
                 "algorithm.old_logprobs=recompute takes pi_old from the trainer"
             )
         else:
-            also = "auto or " if self.old_logprobs == "sampler" else ""
-            why = (
+            why = (  # (auto takes the sampler's only in float32 with nothing to correct)
                 f"the sampler's log-probs (algorithm.old_logprobs={self.old_logprobs}) differ "
-                f"from the trainer's by more than the clip range; algorithm.old_logprobs="
-                f"{also}recompute avoids it"
+                "from the trainer's by more than the clip range; algorithm.old_logprobs="
+                "recompute avoids it"
             )
         print(
             f"gspo: warning: the on-policy minibatch of rollout batch {index} clipped "

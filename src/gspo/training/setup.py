@@ -260,6 +260,19 @@ def model_summary(model: torch.nn.Module) -> dict[str, float]:
     }
 
 
+def start_line(
+    summary: dict[str, float], adapters: bool, dtype: torch.dtype, recompute: bool
+) -> str:
+    """The run's first line: what trains (:func:`model_summary`), the compute dtype and
+    where pi_old comes from (``algorithm.old_logprobs=auto`` resolved: it was said nowhere)."""
+    return (
+        f"model: {summary['model/trainable_params']:,.0f} of {summary['model/params']:,.0f} "
+        f"parameters train{' (LoRA adapters)' if adapters else ''}; AdamW state "
+        f"{summary['optim/state_bytes'] / 2**20:.2f} MiB; {str(dtype).removeprefix('torch.')}, "
+        f"pi_old {'recomputed by the trainer' if recompute else 'from the sampler'}"
+    )
+
+
 def adamw(model: torch.nn.Module, **kwargs: Any) -> torch.optim.AdamW:
     """AdamW over ``model``'s trainable parameters, fused into one kernel where PyTorch has one.
 
