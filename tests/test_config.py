@@ -103,6 +103,8 @@ def test_bad_values_name_the_key(override, expected):
          "(docs/from_trl.md)"),
         ("data.task=calculater", "(got 'calculater'); did you mean 'calculator'?"),
         ("algorithm.level=sequnce", "(got 'sequnce'); did you mean 'sequence'?"),
+        ("model.dtype=fp16", "(got 'fp16'); did you mean 'float16'?"),  # (no match before)
+        ("model.dtype=half", "(got 'half'); did you mean 'float16'?"),
         ("reward.functions=[exact_mach]", "numeric_match); did you mean 'exact_match'?"),
     ],
 )  # fmt: skip

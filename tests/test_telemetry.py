@@ -497,6 +497,14 @@ def test_progress_plain_lines_when_not_a_terminal():
     assert "eval acc" not in lines[1]  # no eval yet at step 2
     assert "eval acc 0.3" in lines[6]  # step 12: kept from the step-10 eval line
     assert progress.accuracy == pytest.approx(0.6)
+    # a stale batch (rollout.max_staleness) has no on-policy minibatch: batch 0's figure
+    # stayed on every later line as if it were theirs
+    progress = TrainingProgress(8, console=Console(file=io.StringIO(), width=200))
+    off, on = "train/clip_fraction_off_policy", "train/clip_fraction_on_policy"
+    progress.record({off: 0.2, on: 0.09})
+    assert progress.stats_text() == "clip off-policy 0.2, on-policy 0.09"
+    progress.record({off: 0.3})
+    assert progress.stats_text() == "clip off-policy 0.3"
 
 
 def test_progress_prints_about_twenty_lines_when_steps_come_several_at_a_time():

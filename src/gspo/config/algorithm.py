@@ -153,6 +153,12 @@ class AlgorithmConfig(Section):
                     f"{said('correction_max', high, self.correction_max)}: every "
                     f"{'token' if mode == 'token_mask' else 'response'} would be dropped"
                 )
+            if not low < 1 < high:  # (found at run time: every batch "had no token in the loss")
+                raise ValueError(
+                    f"algorithm.correction_min={low:g}, correction_max={high:g}: the band must "
+                    f"hold 1 (a weight of 1 is no mismatch), else {self.rollout_correction} "
+                    "drops what agrees exactly"
+                )
 
 
 class OptimConfig(Section):

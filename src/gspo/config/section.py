@@ -94,9 +94,16 @@ def _tuples(annotation: Any) -> list[Any]:
     return [t for a in get_args(annotation) for t in _tuples(a)]
 
 
+#: Short spellings of dtypes (torch's and TRL's) that look nothing like the names.
+ALIASES = {"fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
+           "bf16": "bfloat16"}  # fmt: skip
+
+
 def did_you_mean(word: Any, choices: list[str], prefix: str = "") -> str:
     """``"; did you mean 'x'?"`` for the choice closest to ``word`` (``prefix`` + it: the
     whole dotted key), or ``""``."""
+    if ALIASES.get(str(word).lower()) in choices:
+        return f"; did you mean {prefix + ALIASES[str(word).lower()]!r}?"
     close = difflib.get_close_matches(str(word), choices, n=1, cutoff=0.6)
     return f"; did you mean {prefix + close[0]!r}?" if close else ""
 

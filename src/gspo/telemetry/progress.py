@@ -139,6 +139,10 @@ class TrainingProgress:
             value = safe.get(key)
             if _is_number(value):
                 setattr(self, attr, float(value))
+        # a rollout batch of stale weights (rollout.max_staleness) has no on-policy
+        # minibatch: an earlier batch's figure stayed on the line, as if this batch's
+        if "train/clip_fraction_off_policy" in safe and "train/clip_fraction_on_policy" not in safe:
+            self.clip_on_policy = None
 
     def update(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Record that ``step`` steps are complete, with that step's ``metrics``."""
