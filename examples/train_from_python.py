@@ -40,7 +40,8 @@ def main() -> None:
     records = gspo.train(config, args.output_dir, resume=args.resume)
 
     accuracy = [(r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
-    print(" -> ".join(f"{value:.3f} (step {step})" for step, value in accuracy))
+    if accuracy:  # (under torchrun, rank 0's records: the other ranks' are empty)
+        print(" -> ".join(f"{value:.3f} (step {step})" for step, value in accuracy))
 
 
 # Needed: with reward.workers > 0 each worker process imports this file as it starts

@@ -228,7 +228,7 @@ def test_a_collective_broken_by_another_rank_is_one_line(tmp_path, monkeypatch, 
     monkeypatch.setenv("RANK", "0")
     assert main(args) == 2
     assert capsys.readouterr().err == (
-        "gspo: error (rank 0): another rank stopped (the process group broke: Read error "
+        "gspo: error (rank 0 of 2): another rank stopped (the process group broke: Read error "
         "[127.0.0.1]:29500: Connection reset by peer); its "
         "own line, if it printed one (a signal or a kill prints none), says why; gspo train "
         f"--resume {tmp_path / 'run'} continues from the last checkpoint\n"
@@ -308,6 +308,30 @@ def test_another_rank_stopping_on_its_input_undoes_the_start_on_rank_0_too(tmp_p
     ]
 
 
+def test_words_every_rank_would_say_alike_are_said_by_rank_0(monkeypatch, capsys):
+    """A misspelt command or a Ctrl-C under torchrun: every rank printed the same line."""
+    import gspo.cli
+
+    waits: list[float] = []
+    monkeypatch.setattr(gspo.cli.time, "sleep", waits.append)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gspo.cli, "run_train", interrupted)
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as info:
+            main(["trian"])
+        assert info.value.code == 2
+        assert main(["train", "--output-dir", "somewhere"]) == 130
+    said = capsys.readouterr().err.splitlines()
+    assert len(said) == 2 and said[0].startswith("gspo: argument command: invalid choice: 'trian'")
+    assert said[1] == "gspo: interrupted; resume with gspo train --resume somewhere"
+    assert waits == [1.0]  # (rank 1 let rank 0 print first)
+
+
 def test_a_stop_arriving_while_the_run_directory_is_tidied_waits_and_is_dropped():
     """torchrun sends SIGTERM to the other ranks once one failed: one arriving while rank 0
     puts an old run back (or removes a failed start) is held back, and dropped after."""
@@ -338,10 +362,15 @@ def test_a_rank_other_than_0_waits_for_rank_0_to_say_a_setup_error(tmp_path, mon
     waits: list[float] = []
     monkeypatch.setattr(gspo.cli.time, "sleep", waits.append)
     monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
     code = main(["train", "--output-dir", str(tmp_path / "run"), CPU, "optim.lrr=1"])
     assert code == 2 and waits == [gspo.cli.RANK_ZERO_GRACE_S] and waits[0] >= 30
     said = capsys.readouterr().err.strip().splitlines()
-    assert len(said) == 1 and said[0].startswith("gspo: error (rank 1):") and "optim.lrr" in said[0]
+    assert (
+        len(said) == 1
+        and said[0].startswith("gspo: error (rank 1 of 2):")
+        and "optim.lrr" in said[0]
+    )
 
 
 def test_fsdp_units_are_the_transformer_blocks(tiny_model):

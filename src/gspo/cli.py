@@ -58,6 +58,9 @@ class OneLineErrors(argparse.ArgumentParser):
         super().__init__(*args, **{"allow_abbrev": False, **kwargs})
 
     def error(self, message: str) -> NoReturn:
+        if not_rank_zero():  # every rank parsed the same words: rank 0 says it
+            time.sleep(1.0)  # (leaving at once, torchrun could stop rank 0 before it did)
+            self.exit(2)
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
@@ -337,7 +340,7 @@ def _main(args: argparse.Namespace) -> int:
             from gspo.experiments import compare
 
             if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # (each rank ran a whole compare)
-                if os.environ.get("RANK", "0") == "0":
+                if not not_rank_zero():
                     print("gspo: error: gspo compare is not for torchrun: it runs its "
                           "trainings itself, one after another; run it as a plain command",
                           file=sys.stderr)  # fmt: skip
@@ -377,7 +380,7 @@ def _main(args: argparse.Namespace) -> int:
         return 0
     except SaidByRankZero as said:
         time.sleep(RANK_ZERO_GRACE_S)
-        print(f"gspo: error (rank {os.environ.get('RANK')}): {said.__cause__}", file=sys.stderr)
+        print(f"gspo: error{rank_said()}: {said.__cause__}", file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError) as exc:  # ConfigError and RewardError included
         if os.environ.get("GSPO_DEBUG"):
@@ -406,13 +409,16 @@ def _main(args: argparse.Namespace) -> int:
             f"gspo train --resume {run} continues from the last checkpoint"
         )  # (RunDirectory put an old run back, or removed a run that never started)
         last_words(
-            f"gspo: error (rank {os.environ.get('RANK')}): another rank stopped (the process "
+            f"gspo: error{rank_said()}: another rank stopped (the process "
             f"group broke: {broke.splitlines()[0].split('. ')[0][:160]}); its own line, if it "
             f"printed one (a signal or a kill prints none), says why; {after}",
             by="collective",
         )
         return 2
     except KeyboardInterrupt as stop:
+        code = 143 if isinstance(stop, Terminated) else 130
+        if not_rank_zero():  # (Ctrl-C reaches every rank: rank 0 says how to resume)
+            return code
         if args.command == "compare":  # its runs are reused and resumed by the same command
             hint = "run the same gspo compare again: finished runs are reused, the rest resumed"
         elif notes := getattr(stop, "__notes__", None):  # (RunDirectory put an old run back)
@@ -422,7 +428,12 @@ def _main(args: argparse.Namespace) -> int:
             hint = f"resume with gspo train --resume {run}"
         how = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted"
         print(f"gspo: {how}; {hint}", file=sys.stderr)
-        return 143 if isinstance(stop, Terminated) else 130
+        return code
+
+
+def not_rank_zero() -> bool:
+    """Whether this process is a torchrun rank other than 0."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("RANK", "0") != "0"
 
 
 def run_directory(args: argparse.Namespace) -> Path:

@@ -185,7 +185,7 @@ def watch_launcher(dist: Distributed) -> None:
         while os.getppid() == parent:
             time.sleep(LAUNCHER_POLL_S)
         last_words(
-            f"gspo: error (rank {dist.rank}): the launcher (pid {parent}) is gone, so this "
+            f"gspo: error{rank_said()}: the launcher (pid {parent}) is gone, so this "
             "rank stops; checkpoints already written are intact, and gspo train --resume "
             "continues from the last",
             by="watch",
