@@ -247,7 +247,7 @@ def test_presets_come_before_the_users_overrides():
         for steps in (8, 12, 40, 44, 200)
     }  # fmt: skip
     assert every == {8: 1, 12: 1, 40: 2, 44: 5, 200: 5}
-    assert stress["GSPO", 0].log.ratio_dump_every == 5  # (12 rollout batches)
+    assert stress["GSPO", 0].log.ratio_dump_every == 5  # (13 rollout batches)
 
 
 def test_every_seeds_runs_are_evaluated_on_the_cold_starts_held_out_prompts():
@@ -596,6 +596,10 @@ def test_compare_algorithms_by_any_case_once_each(tmp_path, capsys):
 def test_compare_under_torchrun_is_one_line_from_rank_0(tmp_path, monkeypatch, capsys):
     """Each rank ran a whole compare: rank 1's lock on the directory was said by rank 0 as
     "another gspo process is comparing in this directory"."""
+    import gspo.cli
+
+    waits: list[float] = []
+    monkeypatch.setattr(gspo.cli.time, "sleep", waits.append)
     monkeypatch.setenv("WORLD_SIZE", "2")
     for rank in ("0", "1"):
         monkeypatch.setenv("RANK", rank)
@@ -605,6 +609,7 @@ def test_compare_under_torchrun_is_one_line_from_rank_0(tmp_path, monkeypatch, c
         "after another; run it as a plain command"
     ]
     assert not (tmp_path / "out").exists()
+    assert waits == [gspo.cli.RANK_ZERO_GRACE_S]  # rank 1, silent, lets rank 0 say it
 
 
 def test_compare_checks_every_run_before_training_and_holds_its_directory(tmp_path, capsys):

@@ -375,7 +375,8 @@ def test_cli_unknown_words_are_argparse_errors(capsys, stray):
     [(["train", "--output_dir", "x"], "--output-dir"),
      (["compare", "--presets", "long"], "--preset"),
      (["compare", "--no_cache"], "--no-cache"), (["export", "RUN", "--zzz", "d"], None),
-     (["train", "--lr", "1e-4"], None), (["compare", "--seed", "2"], "--seeds")],
+     (["train", "--lr", "1e-4"], None), (["compare", "--seed", "2"], "--seeds"),
+     (["train", "--out", "x"], "--output-dir"), (["train", "--o", "x"], None)],
 )  # fmt: skip
 def test_cli_a_misspelt_option_names_the_closest(capsys, argv, near):
     """TRL spells its options with underscores (--output_dir): "unrecognized arguments"

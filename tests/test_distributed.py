@@ -263,12 +263,13 @@ def test_overwrite_under_torchrun_has_every_rank_wait_for_rank_0s_decision(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
-def test_another_rank_stopping_on_its_input_undoes_the_start_on_rank_0_too(tmp_path):
+def test_another_rank_stopping_on_its_input_undoes_the_start_on_rank_0_too(tmp_path, monkeypatch):
     """A reward function failing on rank 1 only, before the run started: rank 0 stopped on
     the broken process group (no input error of its own), took it for an interruption and
     removed the old run that --overwrite had set aside (torchrun's SIGTERM then cut the
     removal, leaving half of it hidden); without --overwrite the new directory stayed and
     the fixed command was refused. Rank 1 now leaves a mark, and rank 0 undoes the start."""
+    import gspo.runs
     from gspo.rewards.contract import RewardError
     from gspo.runs import UNDONE_MARK, RunDirectory
 
@@ -306,6 +307,33 @@ def test_another_rank_stopping_on_its_input_undoes_the_start_on_rank_0_too(tmp_p
         f"what the run wrote in {tmp_path / 'new'} is removed; the same command runs once "
         "its input is fixed"
     ]
+    # every rank failing alike, rank 0 first: rank 1's mark lands in the old run put back.
+    # The next job's rank 0 removes it (it undid that job's started run when interrupted)
+    zero, one = (
+        RunDirectory(old, replace=True, dist=Quiet(rank=r, world_size=2), name="--output-dir")
+        for r in (0, 1)
+    )
+    zero.__enter__(), one.__enter__()
+    zero.built(), one.built()
+    zero.__exit__(RewardError, RewardError("raised"), None)
+    one.__exit__(RewardError, RewardError("raised"), None)
+    assert (old / UNDONE_MARK).is_file() and (old / "metrics.jsonl").is_file()
+    monkeypatch.setattr(gspo.runs, "job_id", lambda: "another job")
+    zero = RunDirectory(old, replace=False, dist=Quiet(rank=0, world_size=2), name="--resume")
+    zero.__enter__()
+    assert not (old / UNDONE_MARK).exists()
+    zero.built(), zero.started()
+    (old / UNDONE_MARK).write_text("another job")  # (a mark of a run that started: ignored)
+    zero.__exit__(KeyboardInterrupt, KeyboardInterrupt(), None)
+    assert (old / "metrics.jsonl").is_file() and not (old / UNDONE_MARK).exists()
+    # rank 0 stopped before it was built, its new directory removed: its line offered
+    # "gspo train --resume DIR" of a directory gone
+    zero = RunDirectory(tmp_path / "new", replace=False, dist=Quiet(0, 2), name="--output-dir")
+    zero.__enter__()
+    broken = RuntimeError("Connection closed by peer")
+    zero.__exit__(RuntimeError, broken, None)
+    assert not (tmp_path / "new").exists()
+    assert broken.__notes__ == [f"{tmp_path / 'new'} held nothing to resume from: it is removed"]
 
 
 def test_words_every_rank_would_say_alike_are_said_by_rank_0(monkeypatch, capsys):
@@ -329,28 +357,40 @@ def test_words_every_rank_would_say_alike_are_said_by_rank_0(monkeypatch, capsys
     said = capsys.readouterr().err.splitlines()
     assert len(said) == 2 and said[0].startswith("gspo: argument command: invalid choice: 'trian'")
     assert said[1] == "gspo: interrupted; resume with gspo train --resume somewhere"
-    assert waits == [1.0]  # (rank 1 let rank 0 print first)
+    assert waits == [gspo.cli.RANK_ZERO_GRACE_S]  # (rank 1 let rank 0 print first)
 
 
-def test_a_stop_arriving_while_the_run_directory_is_tidied_waits_and_is_dropped():
+def test_a_stop_arriving_while_the_run_directory_is_tidied_is_dropped():
     """torchrun sends SIGTERM to the other ranks once one failed: one arriving while rank 0
-    puts an old run back (or removes a failed start) is held back, and dropped after."""
+    puts an old run back (or removes a failed start) no longer cuts it, in a process with
+    threads as every rank is (a thread's signal mask held back nothing there: the default
+    action killed it), and the process's handlers are back after."""
     import signal
 
-    from gspo.runs import signals_held
-
-    seen: list[int] = []
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
-    try:
-        with signals_held():
-            os.kill(os.getpid(), signal.SIGTERM)
-            assert seen == []
-        assert seen == [] and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
-        os.kill(os.getpid(), signal.SIGTERM)  # (the handler is back)
-        assert seen == [signal.SIGTERM]
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    assert not signal.pthread_sigmask(signal.SIG_BLOCK, [])  # nothing left blocked
+    script = (
+        "import os, signal, threading, time\n"
+        "from gspo.runs import signals_held\n"
+        "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_DFL)\n"
+        "seen = []\n"
+        "signal.signal(signal.SIGINT, lambda *a: seen.append('int'))\n"
+        "with signals_held():\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(0.2)\n"
+        "    print('tidied', seen, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "time.sleep(0.2)\n"
+        "print('after', seen, signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(5)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src")}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert done.stdout.splitlines() == ["tidied []", "after ['int'] True"], done.stderr
+    assert done.returncode == -signal.SIGTERM  # (SIGTERM's default action, restored)
 
 
 def test_a_rank_other_than_0_waits_for_rank_0_to_say_a_setup_error(tmp_path, monkeypatch, capsys):

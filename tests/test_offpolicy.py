@@ -130,11 +130,14 @@ def comparable(record):
         # a band without 1 (found at run time before: every batch dropped every token)
         (
             ["algorithm.rollout_correction=token_mask", "algorithm.correction_max=0.9"],
-            "algorithm.correction_min=0.5, correction_max=0.9: the band must hold 1",
+            "algorithm.correction_min (0.5, token_mask's own bound) to algorithm.correction_max "
+            "(0.9): the band must hold 1 (a weight of 1 is no mismatch), else token_mask drops "
+            "what agrees exactly",
         ),
         (
-            ["algorithm.rollout_correction=sequence_mask", "algorithm.correction_min=1"],
-            "algorithm.correction_min=1, correction_max=1.001: the band must hold 1",
+            ["algorithm.rollout_correction=sequence_mask", "algorithm.correction_min=1.0005"],
+            "algorithm.correction_min (1.0005) to algorithm.correction_max (1.001, "
+            "sequence_mask's own bound): the band must hold 1",
         ),
         (["rollout.filter_max_rounds=0"], "rollout.filter_max_rounds"),
     ],

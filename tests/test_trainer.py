@@ -1047,11 +1047,13 @@ def test_auto_old_logprobs_recompute_below_float32():
     sizes = {"model/trainable_params": 8.0, "model/params": 10.0, "optim/state_bytes": 2.0**21}
     said = start_line(sizes, False, torch.bfloat16, recomputes_old_logprobs(auto, torch.bfloat16))
     assert said == (
-        "model: 8 of 10 parameters train; AdamW state 2.00 MiB; bfloat16, pi_old recomputed "
-        "by the trainer"
+        "model: 8 of 10 parameters train; AdamW state 2.00 MiB; computes in bfloat16, pi_old "
+        "recomputed by the trainer"
     )
     said = start_line(sizes, True, torch.float32, recomputes_old_logprobs(auto, torch.float32))
-    assert said.endswith("(LoRA adapters); AdamW state 2.00 MiB; float32, pi_old from the sampler")
+    assert said.endswith(
+        "(LoRA adapters); AdamW state 2.00 MiB; computes in float32, pi_old from the sampler"
+    )
 
 
 def test_bf16_defaults_leave_the_on_policy_minibatch_unclipped(tmp_path, varied_reward, capsys):

@@ -59,7 +59,7 @@ class OneLineErrors(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         if not_rank_zero():  # every rank parsed the same words: rank 0 says it
-            time.sleep(1.0)  # (leaving at once, torchrun could stop rank 0 before it did)
+            time.sleep(RANK_ZERO_GRACE_S)  # (leaving at once, torchrun could stop rank 0 first)
             self.exit(2)
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
@@ -287,7 +287,9 @@ def _near(args: argparse.Namespace, unknown: list[str]) -> str:
     for word in unknown:
         option = word.partition("=")[0]
         near = get_close_matches(option, options, n=1, cutoff=0.75)  # (not --lr -> --help)
-        if option.startswith("--") and near:
+        # the one option it begins (--out: no abbreviations, it was --output-dir before)
+        near = near or [o for o in options if o.startswith(option)][:2]
+        if option.startswith("--") and len(near) == 1:
             return f"; did you mean {near[0]}?"
     return ""
 
@@ -340,7 +342,9 @@ def _main(args: argparse.Namespace) -> int:
             from gspo.experiments import compare
 
             if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # (each rank ran a whole compare)
-                if not not_rank_zero():
+                if not_rank_zero():  # (rank 0 says it; torchrun stops this rank once it has)
+                    time.sleep(RANK_ZERO_GRACE_S)
+                else:
                     print("gspo: error: gspo compare is not for torchrun: it runs its "
                           "trainings itself, one after another; run it as a plain command",
                           file=sys.stderr)  # fmt: skip

@@ -116,7 +116,7 @@ class Distributed:
 
 
 def rank_said() -> str:
-    """``" (rank R)"`` under torchrun, ``""`` in one process: a warning about what one
+    """``" (rank R of N)"`` under torchrun, ``""`` in one process: a warning about what one
     rank saw in its own share of a batch, which the other ranks may not have seen."""
     world = os.environ.get("WORLD_SIZE", "1")
     return "" if world == "1" else f" (rank {os.environ.get('RANK', '0')} of {world})"

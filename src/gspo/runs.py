@@ -88,28 +88,34 @@ def train(
 INPUT_ERRORS = (RewardError, EnvError, DataError)
 #: Left in the run directory by a rank other than 0 that stopped on its own input before
 #: the run started: rank 0, stopped by the broken process group, then undoes the start too.
+#: It holds the torchrun job's id (:func:`job_id`): one left by another job is removed.
 UNDONE_MARK = ".gspo-undone"
+
+
+def job_id() -> str:
+    """This torchrun job as the ranks of one machine all see it: their launcher's pid and
+    its restart count (``TORCHELASTIC_RUN_ID`` is "none" for every job by default)."""
+    return f"{os.getppid()}:{os.environ.get('TORCHELASTIC_RESTART_COUNT', '')}"
 
 
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
-    """SIGINT and SIGTERM held back (main thread) while a stopped run's directory is put
-    in order, so that a stop arriving meanwhile (torchrun's SIGTERM to the other ranks once
-    one has failed) cannot cut a put-back or a removal in half; one that arrived is
-    dropped: the process is on its way out with its own error already."""
+    """SIGINT and SIGTERM ignored while a stopped run's directory is put in order, so that
+    a stop arriving meanwhile (torchrun's SIGTERM to the other ranks once one has failed)
+    cannot cut a put-back or a removal in half: the process is on its way out with its own
+    error already. (Handlers are the process's, whichever thread a signal reaches: a
+    thread's signal mask held back nothing in a process with threads, as every rank is.)
+    Only the main thread can set them; elsewhere nothing is held."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    held = {signal.SIGINT, signal.SIGTERM}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    stops = (signal.SIGINT, signal.SIGTERM)
+    previous = {stop: signal.signal(stop, signal.SIG_IGN) for stop in stops}
     try:
         yield
     finally:
-        arrived = signal.sigpending() & (held - set(previous))
-        handlers = {s: signal.signal(s, signal.SIG_IGN) for s in arrived}  # (discards it)
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-        for stop, handler in handlers.items():
-            signal.signal(stop, handler)
+        for stop, handler in previous.items():
+            signal.signal(stop, signal.SIG_DFL if handler is None else handler)
 
 
 class RunDirectory:
@@ -174,7 +180,21 @@ class RunDirectory:
             self.aside_lock, self.lock = self.lock, None
         if self.lock is None:  # the directory the run is in
             self.lock = self.hold(out)
+        if self.marked(drop=False) is False:  # another job's (its rank 0 tidied first)
+            (out / UNDONE_MARK).unlink(missing_ok=True)
         self.kept = {p.name for p in out.iterdir()}  # (a directory that held no run)
+
+    def marked(self, drop: bool) -> bool | None:
+        """Whether another rank of this job left :data:`UNDONE_MARK` (None: there is none;
+        False: one of another job's); ``drop`` removes this job's."""
+        mark = self.output_dir / UNDONE_MARK
+        try:
+            ours = mark.read_text() == job_id()
+        except OSError:
+            return None
+        if ours and drop:
+            mark.unlink(missing_ok=True)
+        return ours
 
     def release(self) -> None:
         if self.lock is not None:
@@ -232,15 +252,15 @@ class RunDirectory:
         if error is None:
             self.started()
             return
-        out, mark = self.output_dir, self.output_dir / UNDONE_MARK
+        out = self.output_dir
         undone = not self.is_built or (not self.has_started and isinstance(error, INPUT_ERRORS))
         if not self.dist.is_main:
             if undone and out.is_dir():  # (rank 0 stops on the broken group, not on this)
                 with contextlib.suppress(OSError):
-                    mark.touch()
+                    (out / UNDONE_MARK).write_text(job_id())
             return
-        if mark.exists():  # (another rank's input error: this rank's is the broken group)
-            mark.unlink(missing_ok=True)
+        # (another rank's input error: this rank's is the broken group)
+        if self.marked(drop=True) and not self.has_started:
             if not undone and self.aside is None and self.is_built:
                 error.add_note(
                     f"what the run wrote in {out} is removed; the same command runs once "
@@ -274,6 +294,8 @@ class RunDirectory:
                 metrics.is_file() and metrics.stat().st_size
             ):
                 shutil.rmtree(out, ignore_errors=True)
+                if self.dist.enabled:  # (the broken group's line offers a resume of it)
+                    error.add_note(f"{out} held nothing to resume from: it is removed")
 
 
 def holds_run(out: Path) -> bool:

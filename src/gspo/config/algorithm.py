@@ -141,23 +141,23 @@ class AlgorithmConfig(Section):
             low, high = DEFAULT_CORRECTION_BOUNDS[self.rollout_correction]
             low = low if self.correction_min is None else self.correction_min
             high = high if self.correction_max is None else self.correction_max
+            mode = self.rollout_correction
+
+            def said(key: str, value: float, given: float | None) -> str:
+                own = f", {mode}'s own bound" if given is None else ""
+                return f"algorithm.{key} ({value}{own})"
+
             if low >= high:  # (every token or response dropped: nothing learned)
-                mode = self.rollout_correction
-
-                def said(key: str, value: float, given: float | None) -> str:
-                    own = f", {mode}'s own bound" if given is None else ""
-                    return f"algorithm.{key} ({value}{own})"
-
                 raise ValueError(
                     f"{said('correction_min', low, self.correction_min)} must be below "
                     f"{said('correction_max', high, self.correction_max)}: every "
                     f"{'token' if mode == 'token_mask' else 'response'} would be dropped"
                 )
-            if not low < 1 < high:  # (found at run time: every batch "had no token in the loss")
+            if not low <= 1 <= high:  # (found at run time: no token in the loss, every batch)
                 raise ValueError(
-                    f"algorithm.correction_min={low:g}, correction_max={high:g}: the band must "
-                    f"hold 1 (a weight of 1 is no mismatch), else {self.rollout_correction} "
-                    "drops what agrees exactly"
+                    f"{said('correction_min', low, self.correction_min)} to "
+                    f"{said('correction_max', high, self.correction_max)}: the band must hold "
+                    f"1 (a weight of 1 is no mismatch), else {mode} drops what agrees exactly"
                 )
 
 

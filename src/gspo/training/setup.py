@@ -268,7 +268,8 @@ def start_line(
     return (
         f"model: {summary['model/trainable_params']:,.0f} of {summary['model/params']:,.0f} "
         f"parameters train{' (LoRA adapters)' if adapters else ''}; AdamW state "
-        f"{summary['optim/state_bytes'] / 2**20:.2f} MiB; {str(dtype).removeprefix('torch.')}, "
+        f"{summary['optim/state_bytes'] / 2**20:.2f} MiB; computes in "
+        f"{str(dtype).removeprefix('torch.')}, "
         f"pi_old {'recomputed by the trainer' if recompute else 'from the sampler'}"
     )
 
