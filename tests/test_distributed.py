@@ -369,7 +369,7 @@ def test_a_stop_arriving_while_the_run_directory_is_tidied_is_dropped():
 
     script = (
         "import os, signal, threading, time\n"
-        "from gspo.runs import signals_held\n"
+        "from gspo.distributed import signals_held\n"
         "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
         "signal.signal(signal.SIGTERM, signal.SIG_DFL)\n"
         "seen = []\n"

@@ -27,14 +27,13 @@ import os
 import re
 import signal
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from gspo import __version__
-from gspo.distributed import last_words, rank_said
+from gspo.distributed import Terminated, last_words, rank_said, sigterm_raises
 
 if TYPE_CHECKING:
     from gspo.config import Config
@@ -300,30 +299,16 @@ def build_parser_command(command: str) -> argparse.ArgumentParser:
     return sub.choices[command]
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, what a scheduler (SLURM, Kubernetes, ``kill``) stops a job with: raised in
-    the main thread, so the run stops as on Ctrl-C, saying how to resume (it ended at
-    once with status 143 and no word)."""
-
-
-def _terminated(signum: int, frame: object) -> NoReturn:
-    raise Terminated
-
-
 @contextlib.contextmanager
 def sigterm_stops_as_ctrl_c() -> Iterator[None]:
     """Inside the block, SIGTERM raises :class:`Terminated` (in the main thread only: a
     handler can be set nowhere else). Not under torchrun: a rank waiting in a collective
-    would outlive it, and the launcher stops its ranks itself."""
-    torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if threading.current_thread() is not threading.main_thread() or torchrun:
+    would outlive it, and the launcher stops its ranks itself (but see ``RunDirectory``)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _terminated)
-    try:
+    with sigterm_raises():
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: list[str] | None = None) -> int:

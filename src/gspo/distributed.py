@@ -26,6 +26,7 @@ import contextlib
 import itertools
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -33,7 +34,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import torch
 
@@ -120,6 +121,50 @@ def rank_said() -> str:
     rank saw in its own share of a batch, which the other ranks may not have seen."""
     world = os.environ.get("WORLD_SIZE", "1")
     return "" if world == "1" else f" (rank {os.environ.get('RANK', '0')} of {world})"
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, what a scheduler (SLURM, Kubernetes, ``kill``) stops a job with: raised in
+    the main thread, so the run stops as on Ctrl-C, saying how to resume (it ended at
+    once with status 143 and no word)."""
+
+
+def _terminated(signum: int, frame: object) -> NoReturn:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """Inside the block, SIGTERM raises :class:`Terminated` in the main thread (a handler
+    can be set nowhere else; elsewhere nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM ignored while a stopped run's directory is put in order, so that
+    a stop arriving meanwhile (torchrun's SIGTERM to the other ranks once one has failed)
+    cannot cut a put-back or a removal in half: the process is on its way out with its own
+    error already. (Handlers are the process's, whichever thread a signal reaches: a
+    thread's signal mask held back nothing in a process with threads, as every rank is.)
+    Only the main thread can set them; elsewhere nothing is held."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    stops = (signal.SIGINT, signal.SIGTERM)
+    previous = {stop: signal.signal(stop, signal.SIG_IGN) for stop in stops}
+    try:
+        yield
+    finally:
+        for stop, handler in previous.items():
+            signal.signal(stop, signal.SIG_DFL if handler is None else handler)
 
 
 def setup_distributed(device: str = "auto") -> Distributed:

@@ -11,16 +11,19 @@ import json
 import os
 import secrets
 import shutil
-import signal
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from gspo.config import Config, checked_config, load_config
-from gspo.distributed import Distributed, setup_distributed, teardown_distributed
+from gspo.distributed import (
+    Distributed,
+    setup_distributed,
+    signals_held,
+    sigterm_raises,
+    teardown_distributed,
+)
 from gspo.environments import EnvError
 from gspo.models.loading import (
     MODEL_FINGERPRINT,
@@ -98,26 +101,6 @@ def job_id() -> str:
     return f"{os.getppid()}:{os.environ.get('TORCHELASTIC_RESTART_COUNT', '')}"
 
 
-@contextlib.contextmanager
-def signals_held() -> Iterator[None]:
-    """SIGINT and SIGTERM ignored while a stopped run's directory is put in order, so that
-    a stop arriving meanwhile (torchrun's SIGTERM to the other ranks once one has failed)
-    cannot cut a put-back or a removal in half: the process is on its way out with its own
-    error already. (Handlers are the process's, whichever thread a signal reaches: a
-    thread's signal mask held back nothing in a process with threads, as every rank is.)
-    Only the main thread can set them; elsewhere nothing is held."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    stops = (signal.SIGINT, signal.SIGTERM)
-    previous = {stop: signal.signal(stop, signal.SIG_IGN) for stop in stops}
-    try:
-        yield
-    finally:
-        for stop, handler in previous.items():
-            signal.signal(stop, signal.SIG_DFL if handler is None else handler)
-
-
 class RunDirectory:
     """``with RunDirectory(out, replace=, dist=, name=) as run:`` around building and
     running a trainer in ``out``: made if needed; with ``replace``, a run already there is
@@ -144,9 +127,15 @@ class RunDirectory:
         self.aside_lock: int | None = None
         self.kept: set[str] = set()  # what the directory held before the run (rank 0)
         self.is_built = self.has_started = False
+        # under torchrun, until the run starts: SIGTERM (the launcher's, once another rank
+        # failed) raises, so that rank 0 undoes the start; its default action killed it
+        # first at times, the old run left hidden where the next staged write swept it
+        self.until_started = contextlib.ExitStack()
 
     def __enter__(self) -> RunDirectory:
         out, dist = self.output_dir, self.dist
+        if dist.enabled:
+            self.until_started.enter_context(sigterm_raises())
         if dist.is_main and out.is_dir():  # (refused while another process trains it)
             self.lock = self.hold(out)
         # a run's checkpoints, or the metrics of one that never reached a checkpoint (its
@@ -162,6 +151,7 @@ class RunDirectory:
             if self.aside is not None:
                 error.add_note(self.put_back())
             self.release()
+            self.until_started.close()
             raise
         return self
 
@@ -243,6 +233,7 @@ class RunDirectory:
 
     def started(self) -> None:
         self.has_started = True
+        self.until_started.close()
         self.drop_aside()
 
     def __exit__(
@@ -258,6 +249,7 @@ class RunDirectory:
             if undone and out.is_dir():  # (rank 0 stops on the broken group, not on this)
                 with contextlib.suppress(OSError):
                     (out / UNDONE_MARK).write_text(job_id())
+            self.until_started.close()
             return
         # (another rank's input error: this rank's is the broken group)
         if self.marked(drop=True) and not self.has_started:
@@ -269,6 +261,7 @@ class RunDirectory:
             undone = True
         with signals_held():
             self.tidy(error, undone)
+        self.until_started.close()
 
     def tidy(self, error: BaseException, undone: bool) -> None:
         """The directory after a stop (rank 0): see the class's note."""
