@@ -887,7 +887,11 @@ def test_a_function_needing_what_only_trl_passes_is_told_so():
     rewards = RewardFunctions.from_specs([trl_style], None)
     with pytest.raises(RewardError) as err:
         rewards.check_columns(["answer"], "data.train (x.jsonl)")
-    assert "needs 'trainer_state', which TRL passes and gspo does not" in str(err.value)
+    assert str(err.value).endswith(
+        "needs 'trainer_state', which TRL passes and gspo does not (docs/from_trl.md: the "
+        "run's step reaches no reward function); give the parameter a default (None) to run "
+        "without it"
+    )  # (it advised computing the trainer's state "from the completions")
 
     def optional(prompts, completions, trainer_state=None, **kwargs):
         return [0.0] * len(completions)
@@ -905,7 +909,8 @@ def test_a_function_needing_what_only_trl_passes_is_told_so():
         RewardFunctions.from_specs([from_kwargs], None)(["p"], ["c"])
     assert str(err.value) == (
         "reward function 'from_kwargs' read 'trainer_state' from its keyword arguments, "
-        "which TRL passes and gspo does not (docs/from_trl.md); compute it from the completions"
+        "which TRL passes and gspo does not (docs/from_trl.md: the run's step reaches no "
+        "reward function); read it with kwargs.get('trainer_state') to run without it"
     )
 
 

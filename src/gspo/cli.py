@@ -282,14 +282,22 @@ def _near(args: argparse.Namespace, unknown: list[str]) -> str:
     (``--output_dir``, as TRL spells its fields)."""
     from difflib import get_close_matches
 
+    from gspo.config.section import TRL_NAMES
+
     options = [o for a in build_parser_command(args.command)._actions for o in a.option_strings]
     for word in unknown:
         option = word.partition("=")[0]
+        if not option.startswith("--"):
+            continue
         near = get_close_matches(option, options, n=1, cutoff=0.75)  # (not --lr -> --help)
         # the one option it begins (--out: no abbreviations, it was --output-dir before)
         near = near or [o for o in options if o.startswith(option)][:2]
-        if option.startswith("--") and len(near) == 1:
+        if len(near) == 1:
             return f"; did you mean {near[0]}?"
+        name = option[2:]
+        if "." in name or name in TRL_NAMES:  # a setting as TRL's command line gives one
+            said = f"TRL's {name} is {TRL_NAMES[name]} here; " if name in TRL_NAMES else ""
+            return f"; {said}settings are key=value words, without dashes (optim.lr=1e-6)"
     return ""
 
 

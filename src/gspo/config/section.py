@@ -119,15 +119,17 @@ TRL_NAMES = {
     "learning_rate": "optim.lr",
     "num_generations": "rollout.group_size",
     "beta": "algorithm.kl_coef",
-    "epsilon": "algorithm.clip_low",
+    "epsilon": "algorithm.clip_low (and algorithm.clip_high: TRL's epsilon bounds both "
+    "sides, gspo's unset side is the level's paper range)",
     "epsilon_high": "algorithm.clip_high",
     "importance_sampling_level": "algorithm.level",
-    "scale_rewards": "algorithm.advantage_scale",
+    "scale_rewards": "algorithm.advantage_scale (group, batch, or none for False)",
     "max_completion_length": "rollout.max_new_tokens",
     "per_device_train_batch_size": BATCH_SIZES,
     "generation_batch_size": "rollout.prompts_per_batch x rollout.group_size, over all ranks",
     "gradient_accumulation_steps": BATCH_SIZES,
-    "steps_per_generation": "algorithm.minibatches (optimizer steps per rollout batch)",
+    "steps_per_generation": "algorithm.minibatches (optimizer steps per rollout batch: "
+    "TRL's steps_per_generation / gradient_accumulation_steps)",
     "num_train_epochs": "train.max_steps",
     "reward_weights": "reward.weights",
     "reward_funcs": "reward.functions",
@@ -138,6 +140,14 @@ TRL_NAMES = {
     "use_vllm": "rollout.engine",
     "vllm_gpu_memory_utilization": "rollout.vllm.gpu_memory_utilization",
     "vllm_importance_sampling_correction": "algorithm.rollout_correction",
+    "vllm_importance_sampling_mode": "algorithm.rollout_correction",
+    "vllm_importance_sampling_clip_min": "algorithm.correction_min",
+    "vllm_importance_sampling_clip_max": "algorithm.correction_max",
+    "vllm_max_model_length": "rollout.vllm.max_model_len",
+    "vllm_mode": "rollout.engine=vllm (colocated: gspo's one mode)",
+    "lora_target_modules": "model.lora.target_modules",
+    "num_completions_to_print": "log.completions_every (to completions/, not the console)",
+    "eval_strategy": "eval.every (0: no evaluation)",
     "model_name_or_path": "model.path",
     "bf16": "model.dtype",
     "gradient_checkpointing": "model.activation_checkpointing",
@@ -179,7 +189,18 @@ TRL_WITHOUT = {
     "num_iterations": "each rollout batch is used once, in algorithm.minibatches steps",
     "max_prompt_length": "prompts are not truncated",
     "logging_steps": "every optimizer step is logged",
-    "lr_scheduler_type": "the schedule is a linear warm-up, then constant",
+    "lr_scheduler_type": "the schedule is a linear warm-up, then constant (TRL's "
+    '"constant"; "linear" decay has no equivalent)',
+    "delta": "two-sided clipping (a bound on the ratio for negative advantages) is not implemented",
+    "sync_ref_model": "the KL reference is the starting model throughout",
+    "top_entropy_quantile": "every completion token is in the loss",
+    "off_policy_mask_threshold": "no off-policy mask (algorithm.rollout_correction corrects "
+    "sampler-trainer mismatch)",
+    "multi_objective_aggregation": "rewards are always summed (weighted), then advantages",
+    "use_bias_correction_kl": "train/kl is the k3 mean without the importance ratio",
+    "cast_lm_head_to_fp32": "the head's logits are float32 in every setting "
+    "(model.head_precision picks its products)",
+    "shuffle_dataset": "prompts are always shuffled",
     "adam_epsilon": "AdamW's epsilon is torch's 1e-8",
     "top_k": "sampling takes rollout.temperature and rollout.top_p only",
     "min_p": "sampling takes rollout.temperature and rollout.top_p only",
@@ -276,4 +297,7 @@ def error_line(exc: ValidationError, model: type[BaseModel], prefix: str = "") -
         )
     if err["type"] == "literal_error":
         shown += did_you_mean(value, [str(a) for a in get_args(field_annotation(model, where))])
+    if err["type"] in ("model_type", "dict_type") and isinstance(value, str):  # a section
+        key = "model.path" if f"{prefix}{where}" == "model" else f"{prefix}{where}.KEY"
+        shown += f"; {prefix}{where} is a section of keys: {key}={value}"  # (TRL's model=)
     return f"{prefix}{where}: {message}{shown}" if where or prefix else message

@@ -28,8 +28,13 @@ from collections.abc import Callable, Sequence
 #: takes it (by name or ``**kwargs``): TRL's name for it.
 OFFERED = ("completion_ids",)
 
-#: What TRL passes a reward function and gspo does not.
-TRL_ONLY = ("trainer_state", "log_extra", "log_metric")
+#: What TRL passes a reward function and gspo does not, and what gspo has instead.
+TRL_ONLY = {
+    "trainer_state": "the run's step reaches no reward function",
+    "log_extra": "gspo logs each function's mean (train/reward/NAME) and, with "
+    "log.completions_every, the completions with their rewards",
+    "log_metric": "gspo logs each function's mean (train/reward/NAME)",
+}
 
 RewardFunction = Callable[..., Sequence[float | None]]
 """A TRL-style reward function: ``f(prompts=..., completions=..., **columns) -> list``."""

@@ -189,8 +189,8 @@ class RewardFunctions:
             if trl:
                 raise RewardError(
                     f"reward function {name!r} needs {trl[0]!r}, which TRL passes and gspo "
-                    "does not (docs/from_trl.md); compute it from the completions, or give "
-                    "the parameter a default"
+                    f"does not (docs/from_trl.md: {TRL_ONLY[trl[0]]}); give the parameter a "
+                    "default (None) to run without it"
                 )
             if "environments" in needed and "environments" not in passed:
                 raise RewardError(

@@ -50,8 +50,8 @@ def _call_one(
         if isinstance(e, KeyError) and e.args and e.args[0] in TRL_ONLY and e.args[0] not in given:
             raise RewardError(
                 f"reward function {name!r} read {e.args[0]!r} from its keyword arguments, "
-                "which TRL passes and gspo does not (docs/from_trl.md); compute it from the "
-                "completions"
+                f"which TRL passes and gspo does not (docs/from_trl.md: {TRL_ONLY[e.args[0]]}); "
+                f"read it with kwargs.get({e.args[0]!r}) to run without it"
             ) from e
         unexpected = unexpected_arguments(function, given)
         if isinstance(e, TypeError) and unexpected:
