@@ -275,7 +275,14 @@ def error_line(exc: ValidationError, model: type[BaseModel], prefix: str = "") -
         parent = where.rpartition(".")[0]
         section = _section(model, parent)
         keys = [] if section is None else list(section.model_fields)
-        return unknown_key(f"{prefix}{where}", keys)
+        # (a TRL config file of seven fields took seven tries, one key each)
+        more = [
+            f"{prefix}{'.'.join(map(str, e['loc']))}"
+            for e in errors[1:]
+            if e["type"] == "extra_forbidden"
+        ]
+        others = f" (also unknown: {', '.join(more)})" if more else ""
+        return unknown_key(f"{prefix}{where}", keys) + others
     message = err["msg"].removeprefix("Value error, ")
     value = err.get("input")
     if err["type"] == "missing" and isinstance(err["loc"][-1], int):  # a tuple too short
