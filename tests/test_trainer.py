@@ -847,6 +847,30 @@ def test_a_failure_making_the_new_run_directory_puts_the_old_run_back(tmp_path, 
     assert err.value.__notes__ == [f"the run that was in {old} is back as it was"]
 
 
+def test_a_run_set_aside_by_a_killed_overwrite_is_kept_and_said(tmp_path, capsys):
+    """--overwrite set the old run aside and was killed (kill -9) before its new run
+    started: the old run sat under a leftover's name, and the next staged write beside it
+    (any run's checkpoint in the same parent) removed it. Now it is never swept, and the
+    next run in that directory says where it is."""
+    from gspo.distributed import Distributed
+    from gspo.publish import remove_leftovers
+    from gspo.runs import RunDirectory
+
+    aside = tmp_path / ".run.gspo-0123456789ab.aside"
+    (aside / "checkpoints" / "step-0000004").mkdir(parents=True)
+    (tmp_path / ".x.gspo-0123456789ab.old").mkdir()  # a leftover: swept
+    remove_leftovers(tmp_path / "x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [aside.name]
+    with RunDirectory(tmp_path / "run", replace=True, dist=Distributed(), name="--output-dir"):
+        pass
+    assert capsys.readouterr().err == (
+        f"gspo: warning: {aside} holds the run an earlier --overwrite of {tmp_path / 'run'} "
+        "set aside and never put back (that process was killed before its new run started): "
+        "move it back to keep it, or delete it\n"
+    )
+    assert (aside / "checkpoints" / "step-0000004").is_dir()
+
+
 def test_a_run_another_process_is_training_is_one_line(tmp_path, capsys):
     """A resume (or an overwrite) while the run trains: the two processes wrote into one
     directory (a helper saw "model.path: .../step-0000028 is not a directory", or both

@@ -215,7 +215,7 @@ def temp_path(final: Path, token: str, state: str = ".tmp") -> Path:
     return final.with_name(f".{final.name}{MARK}{token}{state}")
 
 
-def _locked_by_someone(path: Path) -> bool:
+def locked_by_someone(path: Path) -> bool:
     """Whether a live process holds ``path``'s lock (True when that cannot be told)."""
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -228,6 +228,18 @@ def _locked_by_someone(path: Path) -> bool:
     finally:
         os.close(fd)  # (releases the lock just taken)
     return False
+
+
+def stranded_asides(final: Path) -> list[Path]:
+    """Runs an earlier ``--overwrite`` of ``final`` set aside (``.<name>.gspo-<token>.aside``)
+    and never put back or removed, no live process holding them: that process was killed
+    before its new run started. Never swept as leftovers are."""
+    if not final.parent.is_dir():
+        return []
+    return sorted(
+        p for p in final.parent.glob(f".{final.name}{MARK}*.aside")
+        if p.is_dir() and not locked_by_someone(p)
+    )  # fmt: skip
 
 
 def leftovers(final: Path) -> list[Path]:
@@ -247,7 +259,7 @@ def leftovers(final: Path) -> list[Path]:
             continue
         if MARK in name and name.endswith(_STATES):
             young = name.endswith(".new") and time.time() - path.stat().st_mtime < _NEW_GRACE_S
-            if not young and not _locked_by_someone(path):
+            if not young and not locked_by_someone(path):
                 found.append(path)
         elif name.startswith(f".{final.name}.") and name.endswith(".tmp"):
             found.append(path)  # an earlier version's naming: never locked

@@ -11,6 +11,7 @@ import json
 import os
 import secrets
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from gspo.models.loading import (
     model_files,
 )
 from gspo.moved import moved_path
-from gspo.publish import temp_path
+from gspo.publish import stranded_asides, temp_path
 from gspo.rewards.contract import RewardError
 from gspo.rewards.runner import leave_if_starting_a_worker
 from gspo.telemetry import METRICS_FILE, StepProfiler
@@ -142,8 +143,19 @@ class RunDirectory:
         # tensorboard/ events would mix with the new run's); anything else stays beside
         # (rank 0 alone looks and decides, every rank waits for it: a rank looking after
         # the rename skipped the barrier, and the ranks' collectives no longer matched)
+        if dist.is_main:  # (an earlier one's, killed: the staged writes' sweep skips them)
+            for aside in stranded_asides(out):
+                print(
+                    f"gspo: warning: {aside} holds the run an earlier --overwrite of {out} set "
+                    "aside and never put back (that process was killed before its new run "
+                    "started): move it back to keep it, or delete it",
+                    file=sys.stderr,
+                    flush=True,
+                )
         if self.replace and dist.is_main and holds_run(out):
-            self.aside = temp_path(out, secrets.token_hex(6), ".old")
+            # (".aside", not ".old": a run killed before it started left the old one where
+            # the next staged write beside it swept it as a leftover)
+            self.aside = temp_path(out, secrets.token_hex(6), ".aside")
             out.rename(self.aside)
         try:  # (a failure here, before any run: the old one back where it was)
             self.made()
