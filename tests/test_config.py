@@ -96,6 +96,8 @@ def test_bad_values_name_the_key(override, expected):
          "epsilon bounds both sides, gspo's unset side is the level's paper range) here "
          "(docs/from_trl.md)"),
         ("delta=1", "is not implemented (docs/from_trl.md)"),  # (not "did you mean 'data'?")
+        # (not "did you mean 'rollout.vllm'?", a section: rollout.vllm=true was refused)
+        ("rollout.use_vllm=true", "TRL's use_vllm is rollout.engine here (docs/from_trl.md)"),
         ("model=/models/Qwen3-0.6B", "model is a section of keys: model.path=/models/Qwen3-0.6B"),
         ("vllm_max_model_length=4096", "is rollout.vllm.max_model_len here (docs/from_trl.md)"),
         # (it named algorithm.minibatches alone: 4x the optimizer steps of TRL's run)

@@ -59,15 +59,25 @@ FAST = [
 
 
 # ---------------------------------------------------------------- without vLLM
-def test_missing_vllm_is_one_line_naming_the_install_route(monkeypatch):
-    from gspo.engines.vllm_engine import import_vllm
+def test_missing_vllm_is_one_line_naming_the_install_route(monkeypatch, tmp_path):
+    import gspo.engines.vllm_engine as vllm_engine
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
+    monkeypatch.setattr(vllm_engine.vllm_venv_hint, "__defaults__", (tmp_path,))
     with pytest.raises(ValueError, match=r"vLLM is not installed") as info:
-        import_vllm()
+        vllm_engine.import_vllm()
     message = str(info.value)
     assert "\n" not in message
     assert "pip install -e '.[vllm]'" in message and "make install-vllm" in message
+    # make install-vllm made its venv already: it said to install again, not to use it
+    (tmp_path / ".venv-vllm" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv-vllm" / "bin" / "gspo").write_text("")
+    with pytest.raises(ValueError) as info:
+        vllm_engine.import_vllm()
+    assert str(info.value).endswith(
+        "vLLM is in the venv make install-vllm made: run "
+        f"{tmp_path / '.venv-vllm' / 'bin' / 'gspo'} (the same arguments)"
+    )
 
 
 def test_import_gspo_does_not_import_vllm():
@@ -96,6 +106,10 @@ def test_top_p_with_sampler_logprobs_is_refused_for_vllm():
     )
     assert config.rollout.vllm.cpu_kv_cache_gb == 1
     assert load_config(overrides=["rollout.top_p=0.9"]).rollout.engine == "torch"
+    # the torch engine's decode settings: taken and ignored with vLLM before
+    for own in ("rollout.compile=true", "rollout.cuda_graphs=true"):
+        with pytest.raises(ConfigError, match=f"{own.split('=')[0]} is for the torch engine"):
+            load_config(overrides=["rollout.engine=vllm", own])
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")

@@ -167,6 +167,13 @@ class RolloutConfig(Section):
             )
 
     def check_logit_noise(self) -> None:
-        """Logit noise is the torch engine's."""
+        """Logit noise, compiled layers and captured graphs are the torch engine's (vLLM
+        took compile and cuda_graphs and ignored them, unsaid)."""
         if self.engine == "vllm" and self.logit_noise > 0:
             raise ValueError("rollout.logit_noise is for the torch engine (rollout.engine=torch)")
+        if self.engine == "vllm" and (self.compile or self.cuda_graphs is True):
+            key = "rollout.compile" if self.compile else "rollout.cuda_graphs"
+            raise ValueError(
+                f"{key} is for the torch engine (rollout.engine=torch); vLLM compiles and "
+                "captures its own unless rollout.vllm.enforce_eager=true (its default)"
+            )

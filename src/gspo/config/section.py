@@ -215,7 +215,10 @@ def unknown_key(key: str, keys: list[str]) -> str:
     close = did_you_mean(leaf, keys, f"{parent}." if parent else "")
     # (optim.beta: optim.betas, not TRL's beta; at the top a section's name is always close:
     # scale_rewards is not "reward")
-    if leaf in TRL_NAMES and (not close or not parent):
+    # (but rollout.use_vllm is rollout.engine, not the closer rollout.vllm: a section whose
+    # own key TRL's name maps to)
+    own = parent and TRL_NAMES.get(leaf, "").startswith(f"{parent}.")
+    if leaf in TRL_NAMES and (not close or not parent or own):
         return f"{key}: unknown key; TRL's {leaf} is {TRL_NAMES[leaf]} here (docs/from_trl.md)"
     if leaf in TRL_WITHOUT and (not close or not parent):
         return (

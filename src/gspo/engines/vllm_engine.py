@@ -26,6 +26,7 @@ import json
 import os
 import random
 import re
+import sys
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -44,13 +45,28 @@ INSTALL_HINT = (
 )
 
 
+#: The checkout this gspo runs from (src/gspo/engines/ -> its root), where
+#: ``make install-vllm`` makes ``.venv-vllm``.
+CHECKOUT = Path(__file__).resolve().parents[3]
+
+
+def vllm_venv_hint(root: Path = CHECKOUT) -> str:
+    """:data:`INSTALL_HINT`, or the command to run where ``make install-vllm`` already
+    made its venv beside this checkout (its gspo imports vLLM; this one does not: it said
+    to install it again)."""
+    other = root / ".venv-vllm" / "bin" / "gspo"
+    if other.is_file() and Path(sys.prefix).resolve() != other.parents[1].resolve():
+        return f"vLLM is in the venv make install-vllm made: run {other} (the same arguments)"
+    return INSTALL_HINT
+
+
 def import_vllm() -> Any:
     """The ``vllm`` module, or a one-line ``ValueError`` that says how to install it."""
     try:
         import vllm
     except ImportError as exc:
         raise ValueError(
-            f"rollout.engine=vllm: vLLM is not installed ({exc}); {INSTALL_HINT}"
+            f"rollout.engine=vllm: vLLM is not installed ({exc}); {vllm_venv_hint()}"
         ) from None
     except Exception as exc:  # e.g. a torchvision built for another torch
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -101,7 +117,7 @@ def _head_size_message(model_dir: str | Path, supported: list[int] | None) -> st
     return (
         f"rollout.engine=vllm: vLLM's CPU attention does not support this model's head size "
         f"{_head_dim(model_dir)}{sizes}; use rollout.engine=torch on this machine, or a model "
-        f"whose head size it supports (built-in: model.hidden / model.heads = 32 or 64)"
+        f"whose head size it supports (built-in: model.hidden / model.heads, one of those)"
     )
 
 
