@@ -454,8 +454,9 @@ def refuse_owned(config_path: Path | None, preset: str, overrides: Sequence[str]
 
 
 def holds_compare(out: Path) -> bool:
-    """Whether ``out`` is a ``gspo compare`` output directory (a run of it has its request)."""
-    return any(out.glob(f"runs/*/{REQUEST}"))
+    """Whether ``out`` is a ``gspo compare`` output directory (its cold start or a run of it
+    has its request: one stopped in its cold start included)."""
+    return (out / COLD_START / REQUEST).is_file() or any(out.glob(f"runs/*/{REQUEST}"))
 
 
 def output_directory(out: Path) -> Path:
