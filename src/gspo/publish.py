@@ -237,7 +237,7 @@ def stranded_asides(final: Path) -> list[Path]:
     if not final.parent.is_dir():
         return []
     return sorted(
-        p for p in final.parent.glob(f".{final.name}{MARK}*.aside")
+        p for p in final.parent.glob(temp_path(final, "*", ".aside").name)
         if p.is_dir() and not locked_by_someone(p)
     )  # fmt: skip
 

@@ -12,7 +12,6 @@ writes the whole batch, in the order of its groups.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ import torch
 
 from gspo.config import Config
 from gspo.distributed import Distributed
+from gspo.training.checkpoint import write_atomic
 from gspo.training.rollout import Scored
 
 #: The directory in the run's output directory.
@@ -69,8 +69,6 @@ class CompletionLog:
             lines += [{**line, "group": line["group"] + groups} for line in part]
             groups += len({line["group"] for line in part})
         self.dir.mkdir(parents=True, exist_ok=True)
-        path = self.dir / f"rollout-{index:06d}.jsonl"
-        tmp = path.with_name(f".{path.name}.tmp")
         text = "".join(json.dumps(line, default=str) + "\n" for line in lines)
-        tmp.write_text(text)
-        os.replace(tmp, path)  # (a resumed run writes the same batch's again, whole)
+        # (a resumed run writes the same batch's again, whole)
+        write_atomic(self.dir / f"rollout-{index:06d}.jsonl", text)

@@ -31,6 +31,7 @@ from gspo.rewards import RewardFunctions
 from gspo.rewards.parsing import cell_text, completion_text
 from gspo.rewards.verifiers import BUILTIN_REWARDS
 from gspo.tasks import BUILTIN_TASKS, TaskData
+from gspo.training.checkpoint import CHECKPOINTS, checkpoint_dir
 from gspo.training.lora import (
     adam_state_bytes,
     attach_lora,
@@ -534,9 +535,9 @@ def base_in_another_run(config: Config, output_dir: Path) -> list[str]:
         return []
     path = Path(config.model.path).resolve()
     run = path.parent.parent
-    if path.parent.name != "checkpoints" or not (run / "config.yaml").is_file():
+    if path.parent.name != CHECKPOINTS or not (run / "config.yaml").is_file():
         return []
-    if path.name == "step-0000000" or run == Path(output_dir).resolve():
+    if path == checkpoint_dir(run, 0) or run == Path(output_dir).resolve():
         return []  # (step 0 is never removed)
     return [
         f"model.path is {path.name} of the run {run}, which removes it once it has "
