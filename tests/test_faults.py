@@ -167,6 +167,75 @@ def test_full_disk_is_one_line_and_keeps_the_last_checkpoint(
     assert main(["train", "--resume", str(run)]) == 0
 
 
+def test_a_full_disk_at_the_latest_pointer_or_in_tensorboard_is_said_in_lines(
+    tmp_path, capsys, monkeypatch, varied_reward
+):
+    """The disk filled while ``checkpoints/latest`` was written (the checkpoint itself in
+    place): the line named no file nor space, and left ``latest.tmp``. TensorBoard's writer
+    thread meeting it printed its traceback."""
+    real = Path.write_text
+    full = [None]
+
+    def write_text(self, text, *args, **kwargs):
+        if full[0] == "latest" and self.name == "latest.tmp" and text == "step-0000004":
+            real(self, text[:3])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    common = [*FAST, varied_reward, "model.device=cpu", "train.cold_start_steps=0",
+              "algorithm.minibatches=2", "train.max_steps=4", "train.save_every=2",
+              "eval.every=0"]  # fmt: skip
+    run = tmp_path / "run"
+    full[0] = "latest"
+    capsys.readouterr()
+    assert main(["train", "--output-dir", str(run), *common]) == 2
+    err = capsys.readouterr().err.strip()
+    pointer = run / "checkpoints" / "latest"
+    assert "\n" not in err and err.startswith(
+        f"gspo: error: No space left on device writing {pointer}: it needs about 0.0 KiB, "
+    ), err
+    assert err.endswith(f"(gspo train --resume {run} continues from the last one)"), err
+    assert pointer.read_text() == "step-0000002"
+    assert not (run / "checkpoints" / "latest.tmp").exists()
+    full[0] = None
+    assert main(["train", "--resume", str(run)]) == 0
+    # an export that does not fit: what it needs (it said "more than 0.0 MiB"), no resume
+    import gspo.models.loading as loading
+
+    with monkeypatch.context() as m:
+        m.setattr(loading, "save_pretrained", _enospc)
+        out = tmp_path / "export"
+        assert main(["export", str(run), "--merge", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    weights = (run / "checkpoints" / "step-0000004" / "model.safetensors").stat().st_size
+    number, unit = re.search(r"it needs about ([\d,.]+) (KiB|MiB)", err).groups()
+    needs = float(number.replace(",", "")) * {"KiB": 2**10, "MiB": 2**20}[unit]
+    assert "\n" not in err and err.startswith(f"gspo: error: No space left on device writing {out}")
+    assert abs(needs - weights) < 0.05 * weights, (needs, weights, err)
+    assert "--resume" not in err and not out.exists(), err
+
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    writes = [0]
+
+    def record(self, data):  # (the writer's own thread)
+        writes[0] += 1
+        if writes[0] > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(RecordWriter, "write", record)
+    capsys.readouterr()
+    again = tmp_path / "again"
+    assert main(["train", "--output-dir", str(again), *common, "log.tensorboard=true"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err) and len(err) == 2, err
+    assert err[0] == (
+        "gspo: warning: No space left on device: TensorBoard's writer (log.tensorboard) stopped"
+    )
+    assert err[1].startswith(f"gspo: error: No space left on device (writing under {again})")
+
+
 def test_a_file_size_limit_is_one_line(tmp_path, varied_reward):
     """``ulimit -f`` (EFBIG): the base model's safetensors write fails; before, a
     SafetensorError traceback."""

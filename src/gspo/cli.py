@@ -27,6 +27,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -319,11 +320,37 @@ def sigterm_stops_as_ctrl_c() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def machine_errors_in_threads_said_in_one_line() -> Iterator[None]:
+    """A full disk met by another thread (TensorBoard's writer) is one warning line, not its
+    traceback: the main thread's next write meets it too and ends the run with its own
+    line (other errors in threads keep Python's report)."""
+    from gspo.publish import is_disk_full
+
+    before = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if not is_disk_full(args.exc_value):
+            before(args)
+            return
+        said = getattr(args.exc_value, "strerror", None) or args.exc_value
+        thread = f"the thread {args.thread.name if args.thread is not None else '?'}"
+        if type(args.thread).__module__.startswith("tensorboard."):
+            thread = "TensorBoard's writer (log.tensorboard)"
+        print(f"gspo: warning: {said}: {thread} stopped", file=sys.stderr)
+
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        threading.excepthook = before
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if getattr(args, "no_cache", False):
         args.overrides.append("train.cold_start_cache=false")
-    with sigterm_stops_as_ctrl_c():
+    with sigterm_stops_as_ctrl_c(), machine_errors_in_threads_said_in_one_line():
         return _main(args)
 
 
@@ -390,11 +417,10 @@ def _main(args: argparse.Namespace) -> int:
         if os.environ.get("GSPO_DEBUG"):
             raise
         where = f": {exc.filename}" if exc.filename else ""
-        print(
-            f"gspo: error{rank_said()}: {exc.strerror or exc}{where}; checkpoints already "
-            "written are intact (gspo train --resume DIR continues from the last one)",
-            file=sys.stderr,
-        )
+        if not where and args.command == "train":  # (TensorBoard's names no file)
+            where = f" (writing under {run_directory(args)})"
+        print(f"gspo: error{rank_said()}: {exc.strerror or exc}{where}{_after(args)}",
+              file=sys.stderr)  # fmt: skip
         return 2
     except RuntimeError as exc:
         if os.environ.get("GSPO_DEBUG") or not peer_gone(exc):
@@ -426,6 +452,20 @@ def _main(args: argparse.Namespace) -> int:
         how = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted"
         print(f"gspo: {how}; {hint}", file=sys.stderr)
         return code
+
+
+def _after(args: argparse.Namespace) -> str:
+    """What a command stopped by the machine (a full disk, an unwritable directory) leaves
+    to do: ``gspo train --resume`` where the run has checkpoints, the same compare again."""
+    if args.command == "compare":
+        return "; the same gspo compare again continues it (its finished runs are kept)"
+    from gspo.training.checkpoint import CHECKPOINTS
+
+    run = run_directory(args) if args.command == "train" else None
+    if run is None or not (run / CHECKPOINTS).is_dir():
+        return ""  # (nothing to continue: an export, or a run that never wrote one)
+    return (f"; checkpoints already written are intact (gspo train --resume {run} "
+            "continues from the last one)")  # fmt: skip
 
 
 def not_rank_zero() -> bool:

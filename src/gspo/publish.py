@@ -116,10 +116,15 @@ def disk_full(final: Path, needs: int | None, written: int) -> DiskFull:
     """The one line for ``final`` not fitting: ``needs`` bytes (estimated by the writer),
     else more than the ``written`` bytes it reached."""
     free = shutil.disk_usage(next(p for p in [final, *final.parents] if p.exists())).free
-    what = f"about {megabytes(needs)}" if needs else f"more than {megabytes(written)}"
+
+    def size(n: int) -> str:  # (a pointer file of a few bytes is not "0.0 MiB")
+        return megabytes(n) if n >= 2**20 else f"{n / 1024:,.1f} KiB"
+
+    what = f"about {size(needs)}" if needs else f"more than {size(written)}"
+    if not needs and not written:
+        what = "more"
     return DiskFull(
-        errno.ENOSPC,
-        f"No space left on device writing {final}: it needs {what}, {megabytes(free)} free",
+        errno.ENOSPC, f"No space left on device writing {final}: it needs {what}, {size(free)} free"
     )
 
 

@@ -64,7 +64,9 @@ def save_pretrained_atomic(
     place (:func:`gspo.publish.staged`); an existing ``directory`` is replaced.
     """
     directory = Path(directory)
-    with staged(directory) as tmp:
+    # (a full disk names what it takes: the weights, as their parameters hold them)
+    needs = sum(p.numel() * p.element_size() for p in model.parameters())
+    with staged(directory, needs=needs) as tmp:
         save_pretrained(model, tokenizer, tmp)
         if also is not None:
             also(tmp)

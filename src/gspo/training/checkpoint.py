@@ -72,6 +72,8 @@ from gspo.publish import (
     WRITTEN,
     DamagedFile,
     check_manifest,
+    disk_full,
+    is_disk_full,
     manifest_changes,
     staged,
     write_manifest,
@@ -98,9 +100,17 @@ def checkpoint_dir(output_dir: Path, step: int) -> Path:
 
 
 def write_atomic(path: Path, text: str) -> None:
+    """``text`` into the file ``path``, whole or not at all (a full disk: one
+    :class:`gspo.publish.DiskFull` line naming it, the partial file removed)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if is_disk_full(exc):
+            raise disk_full(path, len(text.encode()), 0) from exc
+        raise
 
 
 def checkpoint_bytes(
