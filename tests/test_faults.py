@@ -209,8 +209,7 @@ def test_a_full_disk_at_the_latest_pointer_or_in_tensorboard_is_said_in_lines(
         assert main(["export", str(run), "--merge", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     weights = (run / "checkpoints" / "step-0000004" / "model.safetensors").stat().st_size
-    number, unit = re.search(r"it needs about ([\d,.]+) (KiB|MiB)", err).groups()
-    needs = float(number.replace(",", "")) * {"KiB": 2**10, "MiB": 2**20}[unit]
+    needs = sizes_said(err)[0]
     assert "\n" not in err and err.startswith(f"gspo: error: No space left on device writing {out}")
     assert abs(needs - weights) < 0.05 * weights, (needs, weights, err)
     assert "--resume" not in err and not out.exists(), err
@@ -257,6 +256,13 @@ def test_a_file_size_limit_is_one_line(tmp_path, varied_reward):
         "size stopped it (ulimit -f, or the filesystem's largest file)"
     )
     assert not run.exists()  # nothing half-written left (the run had not started)
+
+
+def sizes_said(line: str) -> list[float]:
+    """The sizes a line gives (``1.5 MiB``, ``0.3 KiB``), in bytes."""
+    units = {"KiB": 2**10, "MiB": 2**20}
+    found = re.findall(r"([\d,.]+) (KiB|MiB)", line)
+    return [float(number.replace(",", "")) * units[unit] for number, unit in found]
 
 
 def _enospc(*args, **kwargs):
@@ -306,11 +312,11 @@ def test_a_full_disk_says_the_directory_and_the_space_in_one_line(
     assert "\n" not in err and "Traceback" not in err, err
     final = run / "checkpoints" / full
     assert err.startswith(f"gspo: error: No space left on device writing {final}: it needs about ")
-    needs, free = (float(x.replace(",", "")) for x in re.findall(r"([\d,.]+) MiB", err))
+    needs, free = sizes_said(err)
     step2 = run / "checkpoints" / "step-0000002"  # the same model and optimizer state
-    on_disk = sum(f.stat().st_size for f in step2.rglob("*") if f.is_file()) / 2**20
-    assert abs(needs - on_disk) < 0.25 * on_disk + 0.1, (needs, on_disk)
-    assert free == pytest.approx(shutil.disk_usage(run).free / 2**20, rel=0.05)
+    on_disk = sum(f.stat().st_size for f in step2.rglob("*") if f.is_file())
+    assert abs(needs - on_disk) < 0.25 * on_disk + 0.1 * 2**20, (needs, on_disk)
+    assert free == pytest.approx(shutil.disk_usage(run).free, rel=0.05)
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-0000002"
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
     monkeypatch.undo()
@@ -360,14 +366,16 @@ def test_a_checkpoint_damaged_after_it_was_written_is_one_line_naming_the_file(
         assert "\n" not in err and f"which is incomplete ({name} " in err, err
         file.write_bytes(written)
     assert not out.exists()
-    # the manifest removed too: nothing to check against, and still one line
+    # the manifest removed: nothing to check the files against, so not whole (it was
+    # trusted: flipped weights were loaded and trained to NaN)
     manifest = (checkpoint / "manifest.json").read_bytes()
     (checkpoint / "manifest.json").unlink()
-    state = checkpoint / "trainer_state.pt"
-    written = state.read_bytes()
-    state.write_bytes(written[: len(written) // 2])
-    says_damaged(resume, state, "is unreadable (")
-    state.write_bytes(written)
+    capsys.readouterr()
+    assert latest_checkpoint(run).name == "step-0000000"
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "which is incomplete (manifest.json is missing)" in err, err
+    says_damaged(["export", str(checkpoint), "--merge", str(out)], checkpoint / "manifest.json",
+                 "is missing")  # fmt: skip
     (checkpoint / "manifest.json").write_bytes(manifest)
     # untouched (the bytes put back), it resumes
     assert main(resume) == 0

@@ -698,6 +698,12 @@ def test_resume_refuses_another_model_or_another_directory(tmp_path, capsys):
     on = ["train.max_steps=8", "model.activation_checkpointing=true", "model.cpu_linear=torch"]
     before = max(r["step"] for r in read_metrics(run / "metrics.jsonl") if "train/lr" in r)
     assert main(["train", "--resume", str(run), *on, "optim.lr=3e-3"]) == 0
+    said = capsys.readouterr().err.strip()  # (and said in one line: silent before)
+    assert said == (
+        "gspo: warning: resumed with settings step-0000004 was not trained with: "
+        "model.activation_checkpointing False -> True; model.cpu_linear 'onednn' -> 'torch'; "
+        "optim.lr 0.0001 -> 0.003 (metrics.jsonl goes on as one run)"
+    )
     lrs = [r["train/lr"] for r in read_metrics(run / "metrics.jsonl") if "train/lr" in r]
     assert lrs[0] == pytest.approx(1e-4) and lrs[before:] == pytest.approx([3e-3] * 4)
     # (the first step after the resume logged the saved rate, 1e-4, which it did not take)

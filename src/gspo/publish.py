@@ -17,7 +17,8 @@ existing one will do (a complete cache entry), leaves it and drops its own.
 
 Every directory put in place is counted here (:data:`WRITTEN`: bytes and seconds, rank 0's
 view of the whole directory), and a write that fills the disk ends in one
-:class:`DiskFull` line naming the directory, the space it needs and the space free.
+:class:`DiskFull` line naming the directory, the space it needs and the space free. One
+small file is written whole the same way (:func:`write_atomic`).
 
 A directory whose bytes must still be the ones written when it is read back (every RL
 checkpoint) records each file's size and CRC-32 in its :data:`MANIFEST`
@@ -128,6 +129,20 @@ def disk_full(final: Path, needs: int | None, written: int) -> DiskFull:
     )
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """``text`` into the file ``path``, whole or not at all (a full disk: one
+    :class:`DiskFull` line naming it, the partial file removed)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if is_disk_full(exc):
+            raise disk_full(path, len(text.encode()), 0) from exc
+        raise
+
+
 #: In a directory written with one: ``{"crc32": {relative path: [bytes, "CRC-32 in hex"]}}``
 #: (eight digits: the file's length does not depend on the values).
 MANIFEST = "manifest.json"
@@ -170,13 +185,20 @@ def write_manifest(directory: Path) -> None:
 
 
 def manifest_changes(
-    directory: Path, include: Callable[[str], bool] | None = None, *, contents: bool = True
+    directory: Path,
+    include: Callable[[str], bool] | None = None,
+    *,
+    contents: bool = True,
+    required: bool = False,
 ) -> Iterator[tuple[str, str]]:
     """``(relative path, what is wrong)`` for each file of ``directory``'s :data:`MANIFEST`
     (those ``include`` takes) that is missing, of another size, or, with ``contents``,
-    holds other bytes (read whole: the only costly part). Nothing without a manifest."""
+    holds other bytes (read whole: the only costly part). Without a manifest: nothing (a
+    directory gspo did not write), or, ``required`` (one it writes with one), that."""
     manifest = Path(directory) / MANIFEST
     if not manifest.is_file():
+        if required:
+            yield MANIFEST, "is missing"
         return
     try:
         recorded = json.loads(manifest.read_text())["crc32"]
@@ -200,10 +222,12 @@ def manifest_changes(
 
 def check_manifest(directory: Path, include: Callable[[str], bool] | None = None) -> None:
     """A :class:`DamagedFile` naming the first file of ``directory`` (of those ``include``
-    takes) whose bytes are not the ones its :data:`MANIFEST` records."""
+    takes) whose bytes are not the ones its :data:`MANIFEST` records; an RL checkpoint
+    (``checkpoints/step-*``) without its manifest too (nothing to check it against)."""
     directory = Path(directory)
-    for name, wrong in manifest_changes(directory, include):
-        if directory.parent.name == "checkpoints" and directory.name.startswith("step-"):
+    checkpoint = directory.parent.name == "checkpoints" and directory.name.startswith("step-")
+    for name, wrong in manifest_changes(directory, include, required=checkpoint):
+        if checkpoint:
             raise DamagedFile(
                 f"{directory / name} {wrong}: {directory} was damaged after it was written "
                 f"(a disk fault or a partial copy); delete {directory} to go back to the "

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from gspo.config import Config, checked_config, load_config
+from gspo.config import Config, checked_config, flat_settings, load_config
 from gspo.distributed import (
     Distributed,
     setup_distributed,
@@ -330,17 +330,6 @@ def not_a_run(out: Path, how: str) -> str | None:
     return None
 
 
-def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"lora": {"r": 0}}`` as ``{"lora.r": 0}``."""
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 #: ``model.*`` keys a resumed run may change: how the same weights are computed, not
 #: which weights they are (the checkpoint holds those).
 RESUME_MAY_CHANGE = frozenset(
@@ -427,7 +416,7 @@ def check_same_model(output_dir: str | Path, config: Config, how: str, other: st
     out, trained = Path(output_dir), _trained_config(Path(output_dir))
     first = with_absolute_paths(load_config(trained), lambda p: moved_path(p, out, trained))
     config = with_absolute_paths(config, lambda p: moved_path(p, out))  # (as recorded)
-    started, now = (_flat(c.model.model_dump()) for c in (first, config))
+    started, now = (flat_settings(c.model.model_dump()) for c in (first, config))
     if relocated(out, started["path"], now["path"]):
         started["path"] = now["path"]  # (its weights: checked against the checkpoints' record)
     for key in started:

@@ -74,6 +74,7 @@ from gspo.training.setup import (
     local_shares,
     model_summary,
     recorded_config,
+    resume_changes,
     resumed_optim_settings,
     reward_functions,
     rl_optimizer,
@@ -212,9 +213,11 @@ class Trainer:
             (out / "config.yaml").write_text(with_run_dir(dump_config_text(recorded), out))
         if checkpoint is None:
             self.logger.log(0, summary)
-            if dist.is_main:
-                for line in said:
-                    print(f"gspo: warning: {line}", file=sys.stderr, flush=True)
+        else:  # (its start's warnings were said then; what the resume changes now)
+            changed = None if self.finished else resume_changes(config, checkpoint, moved)
+            said = [changed] if changed else []
+        for line in said if dist.is_main else []:
+            print(f"gspo: warning: {line}", file=sys.stderr, flush=True)
         if config.log.progress and dist.is_main:  # (and where a resumed run goes on from)
             line = start_line(summary, self.policy.adapters, compute_dtype, forward.recompute)
             resumed = f"\nresumed at step {self.step} from {checkpoint}" if checkpoint else ""

@@ -13,8 +13,10 @@ from gspo.config.data import DataConfig
 from gspo.config.doc import REGENERATE, format_default, keys, render_reference, sections
 from gspo.config.loading import (
     ConfigError,
+    changed_settings,
     dump_config,
     dump_config_text,
+    flat_settings,
     load_config,
     parse_override,
 )
@@ -24,6 +26,7 @@ from gspo.config.root import Config, checked_config
 
 __all__ = [
     "REGENERATE", "VLLM_LORA_RANKS", "AlgorithmConfig", "Config", "ConfigError", "DataConfig",
-    "LoraSettings", "checked_config", "dump_config", "dump_config_text", "format_default", "keys",
-    "load_config", "parse_override", "render_reference", "sections",
+    "LoraSettings", "changed_settings", "checked_config", "dump_config", "dump_config_text",
+    "flat_settings", "format_default", "keys", "load_config", "parse_override",
+    "render_reference", "sections",
 ]  # fmt: skip

@@ -216,6 +216,34 @@ def dump_config_text(config: Config) -> str:
     return yaml.dump(config.model_dump(mode="json"), Dumper=_Dumper, sort_keys=False)
 
 
+def flat_settings(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A config's settings (a :class:`Config`, or its dump's mapping) as dotted keys:
+    ``{"model.lora.r": 0, ...}``."""
+    if isinstance(tree, Config):
+        tree = tree.model_dump(mode="json")
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(flat_settings(value, f"{prefix}{key}."))
+    return {k.rstrip("."): v for k, v in out.items()}
+
+
+def changed_settings(
+    before: dict[str, Any], after: dict[str, Any], free: tuple[str, ...] = ()
+) -> list[str]:
+    """``key was -> now`` for each of the :func:`flat_settings` that differ, sorted, but
+    keys beginning with one of ``free`` and a ``train.max_steps`` that grew (a run taken
+    further)."""
+    return [
+        f"{key} {before.get(key)!r} -> {after.get(key)!r}"
+        for key in sorted(after.keys() | before.keys())
+        if not key.startswith(free)
+        and after.get(key) != before.get(key)
+        and not (key == "train.max_steps" and after[key] >= before.get(key, 0))
+    ]
+
+
 def dump_config(config: Config, path: str | Path) -> None:
     """Write the resolved config as YAML to ``path``."""
     Path(path).write_text(dump_config_text(config))

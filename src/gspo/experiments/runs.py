@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from gspo.config import Config, load_config
+from gspo.config import Config, changed_settings, flat_settings, load_config
 from gspo.config.loading import dump_config_text
 from gspo.experiments.report import write_report
 from gspo.experiments.summary import Run, cold_start_seconds, train_lines
@@ -128,15 +128,6 @@ def finished(run_dir: Path, max_steps: int) -> bool:
 REQUEST = "compare_request.yaml"
 
 
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        out.update(_flat(value, f"{prefix}{key}."))
-    return {k.rstrip("."): v for k, v in out.items()}
-
-
 #: Settings a reused or resumed run may change: what is logged, and the cold-start cache's
 #: (``--no-cache``, its directory and size: none changes what is trained).
 FREE = ("log.", "train.cold_start_cache")
@@ -227,15 +218,9 @@ def changed_request(config: Config, run_dir: Path, root: Path | None = None) -> 
     free = COLD_START_FREE if root is not None and run_dir == root / COLD_START else FREE
     recorded = yaml.safe_load(path.read_text())
     # (an older request: absolute paths, no data.seed; or paths as given and no contents)
-    asked = _data_seed(_flat(_request(config, root, older="contents" not in recorded)))
-    before = _data_seed(_flat(_relative(recorded, root)))
-    changed = [
-        f"{key} {before.get(key)!r} -> {asked.get(key)!r}"
-        for key in sorted(asked.keys() | before.keys())
-        if not key.startswith(free)
-        and asked.get(key) != before.get(key)
-        and not (key == "train.max_steps" and asked[key] >= before.get(key, 0))
-    ]
+    asked = _data_seed(flat_settings(_request(config, root, older="contents" not in recorded)))
+    before = _data_seed(flat_settings(_relative(recorded, root)))
+    changed = changed_settings(before, asked, free)
     more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
     return f"{'; '.join(changed[:3])}{more}" if changed else None
 

@@ -72,10 +72,9 @@ from gspo.publish import (
     WRITTEN,
     DamagedFile,
     check_manifest,
-    disk_full,
-    is_disk_full,
     manifest_changes,
     staged,
+    write_atomic,
     write_manifest,
 )
 from gspo.training.lora import base_path_of, optimizer_state_bytes
@@ -97,20 +96,6 @@ __all__ = ["CHECKPOINTS", "LATEST", "SHARDED", "TRAINER_STATE"]
 
 def checkpoint_dir(output_dir: Path, step: int) -> Path:
     return Path(output_dir) / CHECKPOINTS / f"step-{step:07d}"
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """``text`` into the file ``path``, whole or not at all (a full disk: one
-    :class:`gspo.publish.DiskFull` line naming it, the partial file removed)."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        if is_disk_full(exc):
-            raise disk_full(path, len(text.encode()), 0) from exc
-        raise
 
 
 def checkpoint_bytes(
@@ -139,7 +124,8 @@ def checkpoint_problem(path: Path) -> str | None:
     whole = (path / MODEL_POINTER).is_file() or (path / MODEL_ONLY).is_file()
     problem = None if whole else sharded_problem(path / SHARDED)
     if problem is None:
-        problem = next((f"{n} {w}" for n, w in manifest_changes(path, contents=False)), None)
+        changes = manifest_changes(path, contents=False, required=True)
+        problem = next((f"{n} {w}" for n, w in changes), None)
     return None if problem is None else f"incomplete ({problem})"
 
 

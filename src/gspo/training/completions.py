@@ -19,7 +19,7 @@ import torch
 
 from gspo.config import Config
 from gspo.distributed import Distributed
-from gspo.training.checkpoint import write_atomic
+from gspo.publish import write_atomic
 from gspo.training.rollout import Scored
 
 #: The directory in the run's output directory.

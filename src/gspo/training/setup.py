@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from gspo.config import Config, DataConfig, load_config
+from gspo.config import Config, DataConfig, changed_settings, flat_settings, load_config
 from gspo.data import load_rows, prepare_rows
 from gspo.distributed import Distributed
 from gspo.models import (
@@ -31,7 +31,7 @@ from gspo.rewards import RewardFunctions
 from gspo.rewards.parsing import cell_text, completion_text
 from gspo.rewards.verifiers import BUILTIN_REWARDS
 from gspo.tasks import BUILTIN_TASKS, TaskData
-from gspo.training.checkpoint import CHECKPOINTS, checkpoint_dir
+from gspo.training.checkpoint import CHECKPOINTS, CONFIG, checkpoint_dir
 from gspo.training.lora import (
     adam_state_bytes,
     attach_lora,
@@ -403,6 +403,26 @@ def recorded_config(
         return None
     model = kept.model.model_copy(update={"path": config.model.path})
     return kept.model_copy(update={"model": model})
+
+
+def resume_changes(
+    config: Config, checkpoint: Path, moved: Callable[[Path], Path | None] | None
+) -> str | None:
+    """The settings a resumed run changes from those its ``checkpoint`` was trained with
+    (the config.yaml it holds; logging and a longer ``train.max_steps`` aside), as one
+    line: the run's metrics go on as one run, which a changed seed, algorithm or task
+    makes two experiments (nothing said before)."""
+    held = checkpoint / CONFIG
+    if not held.is_file():  # (a checkpoint from before they held their config)
+        return None
+    was = with_absolute_paths(load_config(held), moved)
+    changed = changed_settings(flat_settings(was), flat_settings(config), free=("log.",))
+    if not changed:
+        return None
+    return (
+        f"resumed with settings {checkpoint.name} was not trained with: {'; '.join(changed)} "
+        "(metrics.jsonl goes on as one run)"
+    )
 
 
 def with_environment_reward(config: Config, environment: Any | None) -> Config:
