@@ -1,6 +1,7 @@
 """Models: built-in tiny model and tokenizer, HF loading, completion log-probs."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -98,8 +99,61 @@ def test_weights_that_do_not_make_the_model_are_one_line(tmp_path, tokenizer, ca
     assert "] in the weight files but [" in str(err.value) and "\n" not in str(err.value)
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     weights.write_bytes(weights.read_bytes()[:100])
-    with pytest.raises(ValueError, match=r"cannot load .*/m: a truncated or damaged .safetensors"):
+    with pytest.raises(ValueError, match=r"cannot load .*/m: model.safetensors is truncated or "):
         load_model(tmp_path / "m", device=CPU, dtype=torch.float32)
+
+
+def test_a_tokenizer_or_config_that_does_not_fit_is_one_line(tmp_path, tokenizer, capsys):
+    """A pad added to the tokenizer without resizing the embeddings, or no pad nor eos:
+    a traceback inside the first generation. A cut tokenizer.json, tokenizer_config.json
+    alone, a config.json not JSON or of an unknown model_type: half a line, the tokenizer
+    blamed, or transformers' own warning line first."""
+    import copy
+    import json
+
+    spec = TinyModelSpec(layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64)
+    model = build_tiny_model(spec, tokenizer, seed=0)
+    rows = model.get_input_embeddings().num_embeddings
+    m = tmp_path / "m"
+
+    def refused(tok, pattern: str) -> None:
+        save_pretrained_atomic(model, tok, m)
+        with pytest.raises(ValueError) as err:
+            load_model(m, device=CPU, dtype=torch.float32)
+        assert "\n" not in str(err.value) and re.search(pattern, str(err.value)), err.value
+
+    added = copy.deepcopy(tokenizer)  # a pad past the table: ids len(tokenizer) .. rows
+    added.add_tokens([f"<extra{i}>" for i in range(rows - len(tokenizer))])
+    added.add_special_tokens({"pad_token": "[PAD]"})
+    refused(
+        added,
+        rf"the tokenizer's pad token '\[PAD\]' is id {rows}, past the model's "
+        rf"{rows}-row embedding table \(a token added without model.resize_token_",
+    )
+    bare = copy.deepcopy(tokenizer)
+    bare.pad_token = bare.eos_token = None
+    refused(bare, r"the tokenizer of .*/m has no pad token and no eos token")
+    save_pretrained_atomic(model, tokenizer, m)
+    load_model(m, device=CPU, dtype=torch.float32)  # (as saved: whole)
+    assert capsys.readouterr().err == ""
+    for name, cut, said in (
+        ("tokenizer.json", 100, r"the tokenizer of .*/m: tokenizer.json is not whole JSON \("),
+        ("config.json", 10, r"/m/config.json is not whole JSON \("),
+    ):
+        whole = (m / name).read_text()
+        (m / name).write_text(whole[:cut])
+        with pytest.raises(ValueError, match=said):
+            load_model(m, device=CPU, dtype=torch.float32)
+        (m / name).write_text(whole)
+    config = json.loads((m / "config.json").read_text())
+    (m / "config.json").write_text(json.dumps({**config, "model_type": "qwen9"}))
+    with pytest.raises(ValueError, match=r"/m/config.json has model_type 'qwen9', which "):
+        load_model(m, device=CPU, dtype=torch.float32)
+    assert capsys.readouterr().err == ""  # (transformers' own line before)
+    (m / "config.json").write_text(json.dumps(config))
+    (m / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match=r"no vocabulary beside its tokenizer_config.json"):
+        load_model(m, device=CPU, dtype=torch.float32)
 
 
 def test_completion_logprobs_match_a_full_forward(tokenizer, tiny_model):

@@ -335,6 +335,92 @@ def check_loaded_weights(path: Path, info: dict[str, Any], *, warn: bool = True)
         )
 
 
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def check_model_type(path: Path) -> None:
+    """A ``config.json`` that is not JSON, or whose ``model_type`` this transformers does
+    not know, is one line (transformers printed a warning line of its own before its
+    error, or failed first on the tokenizer, which reads the file too)."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        model_type = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ValueError(f"model.path: {path}/config.json is not whole JSON ({exc})") from None
+    model_type = model_type.get("model_type") if isinstance(model_type, dict) else None
+    if isinstance(model_type, str) and model_type not in CONFIG_MAPPING:
+        import transformers
+
+        raise ValueError(
+            f"model.path: {path}/config.json has model_type {model_type!r}, which transformers "
+            f"{transformers.__version__} does not know (a misspelling, or a newer transformers)"
+        )
+
+
+def tokenizer_problem(path: Path, exc: BaseException) -> str:
+    """What is wrong with the tokenizer files of ``path``, for the error ``exc`` loading
+    them gave: the file that is not whole JSON, the vocabulary missing beside
+    ``tokenizer_config.json`` (transformers' own line stopped at "from one of:")."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        try:
+            json.loads((path / name).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as bad:
+            return f"{name} is not whole JSON ({bad})"
+    if "instantiate the backend tokenizer" in str(exc):
+        return (
+            "no vocabulary beside its tokenizer_config.json (no tokenizer.json); save the "
+            "tokenizer there whole (tokenizer.save_pretrained)"
+        )
+    return " ".join(str(exc).split())[:300] or type(exc).__name__
+
+
+def damaged_safetensors(path: Path) -> str:
+    """The first ``.safetensors`` file of ``path`` whose header safetensors cannot read
+    (a model in shards named which one), else "a .safetensors file"."""
+    from safetensors import safe_open
+
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(file, "pt"):
+                pass
+        except (SafetensorError, OSError):
+            return file.name
+    return "a .safetensors file"
+
+
+def check_token_ids(path: Path, tokenizer, model) -> None:
+    """The ids gspo feeds the model itself (the pad, with which finished rows go on, and
+    eos) must have a row in its embedding table, and there must be a pad (or an eos to
+    stand in): one line each, where they failed inside the first generation. A tokenizer
+    with more tokens than rows is a warning line (prompts holding those fail)."""
+    rows = model.get_input_embeddings().num_embeddings
+    if tokenizer.pad_token_id is None:
+        raise ValueError(
+            f"model.path: the tokenizer of {path} has no pad token and no eos token: gspo "
+            "pads finished completions with one; set eos_token (or pad_token) in its "
+            "tokenizer_config.json"
+        )
+    for role in ("pad", "eos"):
+        token, ident = getattr(tokenizer, f"{role}_token"), getattr(tokenizer, f"{role}_token_id")
+        if ident is not None and ident >= rows:
+            raise ValueError(
+                f"model.path: {path}: the tokenizer's {role} token {token!r} is id {ident}, "
+                f"past the model's {rows}-row embedding table (a token added without "
+                "model.resize_token_embeddings(len(tokenizer)) before saving)"
+            )
+    if len(tokenizer) > rows:
+        print(
+            f"gspo: warning: model.path: {path}: the tokenizer has {len(tokenizer)} tokens, the "
+            f"embedding table {rows} rows: prompts holding ids {rows} and up cannot be read",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype, warn: bool = True):
     """Load a local HF causal-LM directory (AutoModelForCausalLM + AutoTokenizer), or the
     one a checkpoint's :data:`MODEL_POINTER` names.
@@ -383,8 +469,14 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype, wa
             "save the model's tokenizer there too (tokenizer.save_pretrained)"
         )
     check_manifest(path, is_model_file)
+    check_model_type(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(
+            f"model.path: cannot load the tokenizer of {path}: {tokenizer_problem(path, exc)}"
+        ) from exc
+    try:
         with loading_model(path, dtype=dtype, device=device), _no_load_report():
             model, info = AutoModelForCausalLM.from_pretrained(
                 path, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True
@@ -392,14 +484,15 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype, wa
     except (OSError, ValueError, KeyError, SafetensorError) as exc:
         if isinstance(exc, OutOfMemory):
             raise
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        said = _first_line(exc)
         if isinstance(exc, SafetensorError):
-            first_line = f"a truncated or damaged .safetensors file ({first_line})"
-        raise ValueError(f"model.path: cannot load {path}: {first_line}") from exc
+            said = f"{damaged_safetensors(path)} is truncated or damaged ({said})"
+        raise ValueError(f"model.path: cannot load {path}: {said}") from exc
     check_loaded_weights(path, info, warn=warn)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
         setattr(tokenizer, PAD_FROM_EOS, True)
+    check_token_ids(path, tokenizer, model)
     tokenizer.padding_side = "left"
     with loading_model(path, dtype=dtype, device=device):
         model.to(device)
