@@ -32,7 +32,7 @@ install_torch_cpu = \
 		echo "torch $(TORCH_VERSION): the CPU build, from $(TORCH_CPU_INDEX) (TORCH_INDEX=URL to choose another)"; \
 		$(1) -m pip install "torch==$(TORCH_VERSION)" --extra-index-url "$(TORCH_CPU_INDEX)"; \
 	else \
-		echo "torch $(TORCH_VERSION): $(TORCH_CPU_INDEX) cannot be reached, so as pip's own indexes resolve it"; \
+		echo "torch $(TORCH_VERSION): $(TORCH_CPU_INDEX) cannot be reached: the build pip's own indexes give"; \
 		$(1) -m pip install "torch==$(TORCH_VERSION)"; \
 	fi
 install_torch = \

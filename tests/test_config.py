@@ -130,13 +130,14 @@ def test_unknown_keys_and_values_suggest_the_closest(tmp_path, override, expecte
 
 
 def test_a_config_file_of_several_unknown_keys_names_them_all(tmp_path):
-    """A TRL config file given as is: one key said per try (seven tries for seven)."""
+    """A TRL config file given as is: one key said per try (seven tries for seven); the
+    file named (it was not, unlike an override's key)."""
     (tmp_path / "trl.yaml").write_text("learning_rate: 1.0e-6\nnum_generations: 8\nbeta: 0.04\n")
     with pytest.raises(ConfigError) as info:
         load_config(tmp_path / "trl.yaml")
     assert str(info.value) == (
-        "learning_rate: unknown key; TRL's learning_rate is optim.lr here (docs/from_trl.md) "
-        "(also unknown: num_generations, beta)"
+        f"{tmp_path / 'trl.yaml'}: learning_rate: unknown key; TRL's learning_rate is optim.lr "
+        "here (docs/from_trl.md) (also unknown: num_generations, beta)"
     )
 
 

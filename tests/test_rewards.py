@@ -658,6 +658,35 @@ def test_missing_column_is_reported(reward_file: Path) -> None:
         boom(["p"], ["x"], {})
 
 
+def test_a_reward_written_for_text_or_in_another_shape_gets_a_hint() -> None:
+    """The README's `c.strip()` under chat prompts, and TRL's singular names: the line
+    said only the AttributeError, or that the data lacks a column 'completion'."""
+
+    def strip(prompts, completions, **kw):
+        return [float(c.strip() == "4") for c in completions]
+
+    rf = RewardFunctions([strip.__name__], [strip], [1.0])
+    chat = [[{"role": "assistant", "content": "4"}]]
+    with pytest.raises(RewardError) as err:
+        rf(["p"], chat, {})
+    assert str(err.value).endswith(
+        "; with chat prompts each completion is a list of messages: its text is "
+        "c[0]['content'], as in TRL"
+    ) and "raised AttributeError: 'list' object has no attribute 'strip'" in str(err.value)
+    assert rf(["p"], ["4"], {}).per_function["strip"] == [1.0]  # (as text: no hint needed)
+
+    def one(completion, **kw):
+        return [1.0]
+
+    with pytest.raises(RewardError) as err:
+        RewardFunctions(["one"], [one], [1.0]).check_columns(["answer"], "data.train")
+    assert str(err.value) == (
+        "reward function 'one' needs the column(s) completion, which data.train lacks (its "
+        "columns: answer); a reward function gets completions, a list, not completion: "
+        "def f(prompts, completions, **kwargs) -> list[float]"
+    )
+
+
 def test_a_comma_separated_string_says_to_write_a_list() -> None:
     with pytest.raises(RewardError) as err:
         load_reward_function("exact_match, format")

@@ -188,7 +188,7 @@ def load_config(
         if path.is_dir():
             raise ConfigError(f"config file {path}: is a directory, not a YAML file")
         if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
+            raise ConfigError(f"config file not found: {path} (looked for {path.absolute()})")
         loaded = read_yaml(path)
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
@@ -201,14 +201,19 @@ def load_config(
                     f"key '{key}:'); keep one"
                 )
             set_dotted(tree, str(key), value)
+    given = set()
     for text in overrides:
         key, value = parse_override(text)
         set_dotted(tree, key, value)
+        given.add(key)
     with_task_defaults(tree)
     try:
         return Config.model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError(error_line(exc, Config)) from None
+        line = error_line(exc, Config)
+        if path is not None and line.split(":", 1)[0] not in given:  # the file's key
+            line = f"{path}: {line}"
+        raise ConfigError(line) from None
 
 
 def dump_config_text(config: Config) -> str:

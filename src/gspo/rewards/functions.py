@@ -200,10 +200,17 @@ class RewardFunctions:
                 )
             if needed:
                 have = ", ".join(columns) or "none but the prompt"
+                singular = [n for n in needed if n in ("completion", "prompt")]
+                call = (  # (TRL's shape: f(prompts, completions, **kwargs), lists)
+                    f"; a reward function gets {singular[0]}s, a list, not {singular[0]}: "
+                    "def f(prompts, completions, **kwargs) -> list[float]"
+                    if singular
+                    else hint
+                )
                 raise RewardError(
                     f"reward function {name!r} needs the column(s) "
                     f"{', '.join(dict.fromkeys(needed))}, which {source} lacks (its columns: "
-                    f"{have}){hint}"
+                    f"{have}){call}"
                 )
             if unexpected := unexpected_arguments(function, given):
                 whose = source if unexpected[0] in columns else "every call"

@@ -60,6 +60,13 @@ def _call_one(
                 "call passes (prompts, completions and every data column, as keywords: "
                 "TRL's convention); add **kwargs to its parameters"
             ) from e
+        messages = bool(completions) and isinstance(completions[0], list)
+        if messages and isinstance(e, AttributeError) and "'list' object" in str(e):
+            hint = (  # (the README's own `c.strip()` under data.chat_template=true)
+                "; with chat prompts each completion is a list of messages: its text is "
+                "c[0]['content'], as in TRL"
+            )
+            raise RewardError(f"reward function {name!r} raised {raised(e)}{hint}") from e
         raise RewardError(f"reward function {name!r} raised {raised(e)}") from e
     # a numpy array or a 1-D tensor of rewards as the list it stands for
     return out.tolist() if hasattr(out, "tolist") and getattr(out, "ndim", 0) == 1 else out

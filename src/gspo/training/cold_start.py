@@ -356,8 +356,8 @@ def cold_start(
             logger.log(0, json.loads(line))
         if show:
             print(
-                f"cold start: reused {entry} (--no-cache, from Python "
-                "train.cold_start_cache=false, redoes it)",
+                f"cold start: reused {entry} (--no-cache redoes it; from Python, "
+                "train.cold_start_cache=false)",
                 flush=True,
             )
         _trimmed(config, entry, dist)
