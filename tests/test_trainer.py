@@ -488,12 +488,17 @@ def test_existing_run_needs_resume_or_overwrite(tmp_path, capsys):
     assert "--resume" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     assert main(["train", "--resume", str(tmp_path / "empty")]) == 2
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    assert main(["train", "--resume", str(tmp_path / "other")]) == 2
     assert main(["train", "--resume", str(tmp_path / "nowhere")]) == 2
     assert main(["train", "--resume", str(tmp_path / "run"), "--overwrite"]) == 2
     # --resume as a flag: the next word, a setting, was taken for the run's directory
     assert main(["train", "--output-dir", "x", "--resume", "model.device=cpu"]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        f"gspo: error: --resume {tmp_path / 'empty'}: is not a gspo run (no config.yaml)",
+        f"gspo: error: --resume {tmp_path / 'empty'}: holds no config.yaml (a run stopped as it "
+        "started has none yet: start it again without --resume, with --overwrite)",
+        f"gspo: error: --resume {tmp_path / 'other'}: is not a gspo run (no config.yaml)",
         f"gspo: error: --resume {tmp_path / 'nowhere'}: does not exist (no config.yaml)",
         "gspo: error: --overwrite starts a run over, --resume continues one: pick one",
         "gspo: error: --resume takes the run's directory, not 'model.device=cpu' (a setting): "
@@ -641,6 +646,14 @@ def test_resume_refuses_another_model_or_another_directory(tmp_path, capsys):
     assert main(["train", "--output-dir", str(run), *good]) == 0
     written = (run / "config.yaml").read_text()
     capsys.readouterr()
+    (run / "config.yaml").unlink()  # removed by hand: the checkpoints keep theirs
+    assert main(["train", "--resume", str(run)]) == 2
+    held = run / "checkpoints" / "step-0000004" / "config.yaml"
+    assert capsys.readouterr().err.strip() == (
+        f"gspo: error: --resume {run}: has lost its config.yaml; each checkpoint holds a copy: "
+        f"cp {held} {run}/, then --resume again"
+    )
+    (run / "config.yaml").write_text(written)
     for override in ("model.hidden=128", "model.lora.r=4", f"model.path={tmp_path}"):
         assert main(["train", "--resume", str(run), override]) == 2
     assert main(["train", "--resume", str(run), "--output-dir", str(tmp_path / "x")]) == 2

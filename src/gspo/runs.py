@@ -33,7 +33,7 @@ from gspo.models.loading import (
     model_files,
 )
 from gspo.moved import moved_path
-from gspo.publish import stranded_asides, temp_path
+from gspo.publish import MARK, stranded_asides, temp_path
 from gspo.rewards.contract import RewardError
 from gspo.rewards.runner import leave_if_starting_a_worker
 from gspo.telemetry import METRICS_FILE, StepProfiler
@@ -325,8 +325,21 @@ def not_a_run(out: Path, how: str) -> str | None:
             "start a new run from its model with model.path"
         )
     if not (out / "config.yaml").is_file():
-        what = "is not a gspo run" if out.exists() else "does not exist"
-        return f"{what} (no config.yaml)"
+        if not out.is_dir():
+            return "does not exist (no config.yaml)"
+        held = sorted(out.glob(f"{CHECKPOINTS}/step-*/{CONFIG}"))
+        if held:  # (removed by hand: each checkpoint keeps the one it was trained with)
+            return (
+                f"has lost its config.yaml; each checkpoint holds a copy: cp {held[-1]} "
+                f"{out}/, then {how} again"
+            )
+        names = [p.name for p in out.iterdir()]
+        if not names or any(MARK in n or n in ("base_model", METRICS_FILE) for n in names):
+            return (
+                "holds no config.yaml (a run stopped as it started has none yet: start it "
+                "again without --resume, with --overwrite)"
+            )
+        return "is not a gspo run (no config.yaml)"
     return None
 
 
