@@ -228,3 +228,63 @@ def test_killing_the_parent_leaves_the_run_unharmed(mode: str) -> None:
     assert score_code(program, parse_tests("assert False"), FAST) == 0.0
     assert os.getppid() > 1  # pytest's parent (and pytest itself) survived
     assert score_code("x = 1", parse_tests("assert x == 1"), FAST) == 1.0
+
+
+# ------------------------------------------------------------------------------ forged passes
+
+FORGERS = {
+    # reads the harness back from standard input (a seekable file) and prints its verdicts
+    "stdin read back": (
+        "import os, re, sys\n"
+        "os.lseek(0, 0, 0)\n"
+        "text = os.read(0, 1 << 20).decode()\n"
+        "mark = re.findall(r'[0-9a-f]{32}', text)[0]\n"
+        "sys.stdout.write(''.join('\\n%s %d 1\\n' % (mark, i) for i in range(9)))\n"
+        "sys.stdout.flush()\n"
+        "os._exit(0)\n"
+    ),
+    # replaces the tests the harness reads after the program ran
+    "__main__._tests": "import __main__\n__main__._tests = ['pass'] * 100\n",
+    # turns every failing verdict into a passing one on its way out
+    "sys.stdout wrapped": (
+        "import sys\n"
+        "class W:\n"
+        "    def __init__(self, s): self.s = s\n"
+        "    def write(self, t): return self.s.write(t.replace(' 0\\n', ' 1\\n'))\n"
+        "    def flush(self): self.s.flush()\n"
+        "sys.stdout = W(sys.stdout)\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("forger", list(FORGERS))
+def test_a_program_that_forges_its_verdicts_scores_zero(mode: str, forger: str) -> None:
+    """Each scored 1.0 on tests of a function it never defines (the code reward audit)."""
+    cases = parse_tests("assert f(2) == 4\nassert f(3) == 6")
+    assert score_code(FORGERS[forger], cases, FAST) == 0.0
+    assert score_code("def f(x):\n    return 2 * x", cases, FAST) == 1.0  # (and honest: 1)
+
+
+def test_a_program_cannot_touch_the_trainers_files_or_fill_memory(mode: str) -> None:
+    """Without bubblewrap the program's directory held the files its output was read
+    from: removing one stopped the run (FileNotFoundError), a link made the trainer read
+    a file for it. With bubblewrap /dev/shm and / were unsized tmpfs: 1.5 GB of RAM."""
+    remove = (
+        "import os\nfor n in ('stdout', 'stderr', '../stdout'):\n"
+        "    try: os.remove(n)\n    except OSError: pass\nprint(6)"
+    )
+    io = parse_tests([{"input": "3\n", "output": "6"}])
+    assert score_code(remove, io, FAST) == 1.0  # (its own output, read whole)
+    if mode == "bwrap":
+        fill = (
+            "import os\nwritten = 0\n"
+            "for place in ('/dev/shm', '/', '/sandbox'):\n"
+            "    for k in range(40):\n"  # (1 MB a file: the output limit is per file)
+            "        try:\n"
+            "            with open(os.path.join(place, f'x{k}'), 'wb') as f:\n"
+            "                f.write(b'0' * ((1 << 20) - 1)); written += 1\n"
+            "        except OSError: break\n"
+            "print(written)\n"
+        )
+        run = run_python(fill, limits=FAST)
+        assert int(run.stdout) <= 2 * FAST.workdir_mb, run  # (at most the two sized tmpfs)

@@ -148,7 +148,9 @@ def _bwrap_args(workdir_mb: int) -> list[str]:
     if not prefix.startswith("/usr"):
         args += ["--ro-bind", prefix, prefix]
     args += ["--proc", "/proc", "--dev", "/dev"]
-    args += ["--size", str(workdir_mb << 20), "--tmpfs", _SANDBOX_DIR, "--chdir", _SANDBOX_DIR]
+    size = ["--size", str(workdir_mb << 20)]  # (every writable place sized: /dev/shm took
+    args += [*size, "--tmpfs", "/dev/shm", *size, "--tmpfs", _SANDBOX_DIR]  # 1.5 GB of RAM)
+    args += ["--remount-ro", "/", "--chdir", _SANDBOX_DIR]  # (the root's own tmpfs too)
     args += ["--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", _SANDBOX_DIR]
     args += ["--setenv", "TMPDIR", _SANDBOX_DIR, "--setenv", "LANG", "C.UTF-8"]
     return args
@@ -237,56 +239,57 @@ def run_python(
     """
     limits = limits or Limits()
     mode, _ = isolation()
+    # the trainer's files (what the program printed) beside, not in, the program's
+    # directory: a program run without bubblewrap removed or replaced them (a link to a
+    # file only root reads, scored against it)
     host_dir = tempfile.mkdtemp(prefix="gspo-sandbox-")
+    work = Path(host_dir, "work")
+    work.mkdir()
     uid, gid = _sandbox_ids()
     try:
-        if uid != os.getuid():
-            os.chown(host_dir, uid, gid)
+        if uid != os.getuid():  # (the program's uid may pass through, not list or write)
+            os.chmod(host_dir, 0o711)
+            os.chown(work, uid, gid)
         out_path = Path(host_dir, "stdout")
         err_path = Path(host_dir, "stderr")
         if script_on_stdin:
             program_args, feed = ["-"], source
         else:
-            Path(host_dir, "main.py").write_text(source)
+            Path(work, "main.py").write_text(source)
             program_args, feed = ["main.py"], stdin
         python = [_python(), "-I", *program_args]
-        env = {"PATH": "/usr/bin:/bin", "HOME": host_dir, "LANG": "C.UTF-8"}
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(work), "LANG": "C.UTF-8"}
         if mode == "bwrap":
             argv = _bwrap_args(limits.workdir_mb)
             if not script_on_stdin:
-                argv += ["--ro-bind", str(Path(host_dir, "main.py")), f"{_SANDBOX_DIR}/main.py"]
+                argv += ["--ro-bind", str(Path(work, "main.py")), f"{_SANDBOX_DIR}/main.py"]
             argv += ["--", *python]
-            cwd = host_dir
         else:
-            argv, cwd = python, host_dir
-            env["TMPDIR"] = host_dir
+            argv = python
+            env["TMPDIR"] = str(work)
         nproc = _process_count(uid) + limits.max_procs
-        with (
-            open(out_path, "wb") as out,
-            open(err_path, "wb") as err,
-            tempfile.TemporaryFile() as feed_file,
-        ):
-            feed_file.write(feed.encode())
-            feed_file.seek(0)
-            proc = subprocess.Popen(
+        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+            proc = subprocess.Popen(  # (standard input a pipe: a file was read back)
                 argv,
-                stdin=feed_file,
+                stdin=subprocess.PIPE,
                 stdout=out,
                 stderr=err,
-                cwd=cwd,
+                cwd=work,
                 env=env,
                 start_new_session=True,
                 preexec_fn=_limit_setter(limits, nproc),
             )
             timed_out = False
             try:
-                proc.wait(timeout=limits.wall_s)
+                proc.communicate(feed.encode(), timeout=limits.wall_s)
             except subprocess.TimeoutExpired:
                 timed_out = True
             finally:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
         cap = limits.max_output_bytes
         stdout = out_path.read_bytes()[:cap].decode(errors="replace")
         stderr = err_path.read_bytes()[:cap].decode(errors="replace")
@@ -380,21 +383,33 @@ def parse_tests(tests: Any, where: str = "tests") -> list[CodeTest]:
 
 
 def _harness(program: str, snippets: Sequence[str], nonce: str) -> str:
-    """A script (fed on stdin) that runs ``program``, then each test, printing verdict lines."""
+    """A script (fed on stdin, a pipe read to its end before it runs) that runs
+    ``program``, then each test, writing verdict lines.
+
+    Nothing the program reaches by name holds the tests, the nonce or the way verdicts are
+    written: they are arguments of ``_run``, the tests compiled before the program runs,
+    and verdicts go to a copy of standard output's descriptor through ``os.write`` taken
+    before (a program that swapped ``sys.stdout`` or set ``__main__._tests`` passed
+    every test). A program that inspects the interpreter itself (its frames, ``gc``) can
+    still find them: assert tests share its process (docs/code_reward.md)."""
     return (
-        "import sys\n"
-        f"_program = {program!r}\n"
-        f"_tests = {list(snippets)!r}\n"
-        "_ns = {'__name__': '__main__'}\n"
-        "exec(compile(_program, '<completion>', 'exec'), _ns)\n"
-        "for _i, _t in enumerate(_tests):\n"
+        "def _run(program, tests, mark, write, fd, compile=compile, exec=exec,\n"
+        "         enumerate=enumerate, BaseException=BaseException, dict=dict):\n"
+        "    compiled = [compile(t, '<test>', 'exec') for t in tests]\n"
+        "    ns = {'__name__': '__main__'}\n"
         "    try:\n"
-        "        exec(compile(_t, '<test>', 'exec'), dict(_ns))\n"
-        "        _ok = 1\n"
+        "        exec(compile(program, '<completion>', 'exec'), ns)\n"
         "    except BaseException:\n"
-        "        _ok = 0\n"
-        f"    sys.stdout.write('\\n{nonce} %d %d\\n' % (_i, _ok))\n"
-        "    sys.stdout.flush()\n"
+        "        return\n"
+        "    for i, code in enumerate(compiled):\n"
+        "        try:\n"
+        "            exec(code, dict(ns))\n"
+        "            ok = 1\n"
+        "        except BaseException:\n"
+        "            ok = 0\n"
+        "        write(fd, ('\\n%s %d %d\\n' % (mark, i, ok)).encode())\n"
+        f"_run({program!r}, {tuple(snippets)!r}, {nonce!r}, __import__('os').write,\n"
+        "     __import__('os').dup(1))\n"
     )
 
 
