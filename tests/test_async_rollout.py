@@ -339,3 +339,18 @@ def test_producer_and_evaluation_share_a_vllm_engine_without_mixing_weights():
     sampler.sync()
     assert engine.holding is trainer_weights and engine.loads == 6
     assert generate(sampler) is trainer_weights and engine.loads == 6
+
+
+def test_rl_step_alone_with_a_staleness_says_how_and_runs_inside_the_producer(
+    tmp_path, varied_reward
+):
+    """``Trainer.rl_step`` called on its own (docs/python.md) waited for ever for a
+    producer that only ``fit`` started."""
+    config = load_config(None, [*RUN, varied_reward, "rollout.max_staleness=1",
+                                "train.cold_start_steps=0"])  # fmt: skip
+    with Trainer(config, tmp_path / "alone") as trainer:
+        with pytest.raises(RuntimeError, match=r"rollout.max_staleness=1: rollout batches come "):
+            trainer.rl_step(0)
+        with trainer.rollouts.running(0, 2):
+            lines = trainer.rl_step(0) + trainer.rl_step(1)
+    assert [line["rollout/staleness"] for _, line in lines[::MINIBATCHES]] == [0.0, 1.0]

@@ -124,8 +124,7 @@ def test_a_worker_that_dies_stops_the_run_with_one_line(module):
     assert time.monotonic() - start < 30
     assert str(err.value) == (
         f"reward function '{module}:dies': a reward.workers process died while it scored "
-        "(exit code 3: a crash, os._exit or sys.exit); the run stops here (its last "
-        "checkpoint is intact)"
+        "(exit code 3: a crash, os._exit or sys.exit), so the run stops here"
     )
 
 

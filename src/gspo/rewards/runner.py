@@ -270,7 +270,8 @@ class Runner:
     def _late(self, name: str) -> RewardError:
         return RewardError(
             f"reward function {name!r} did not finish within reward.timeout={self.timeout:g} s "
-            f"for one rollout batch; the run stops here (its last checkpoint is intact)"
+            "for one rollout batch, so the run stops here (a longer reward.timeout gives it "
+            "more time)"
         )
 
     def run(
@@ -358,8 +359,7 @@ class Runner:
                     how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
                     raise _WorkerDied(
                         f"reward function {name!r}: a reward.workers process died while it "
-                        f"scored ({how}: a crash, os._exit or sys.exit); the run stops here "
-                        "(its last checkpoint is intact)"
+                        f"scored ({how}: a crash, os._exit or sys.exit), so the run stops here"
                     ) from None
                 if end is not None and time.monotonic() >= end:
                     raise

@@ -213,6 +213,12 @@ class AsyncRollouts:
             self.close()
 
     def experience(self, index: int) -> Experience:
+        if self.thread is None:  # (it waited for ever: Trainer.rl_step called alone)
+            raise RuntimeError(
+                f"rollout.max_staleness={self.k}: rollout batches come from a producer thread "
+                "that Trainer.fit runs; call fit(), or rl_step inside "
+                "trainer.rollouts.running(first, end)"
+            )
         start = time.perf_counter()
         item = self.ready.get()
         wait = time.perf_counter() - start
