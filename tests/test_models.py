@@ -646,8 +646,7 @@ def test_a_tokenizer_without_eos_is_one_line_before_a_cold_start(tmp_path):
 
     spec = TinyModelSpec(layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64)
     model = build_tiny_model(spec, tokenizer, seed=0)
-    tokenizer.eos_token = None
-    tokenizer.pad_token = None
+    tokenizer.eos_token = None  # (a pad kept: with neither, the load says so first)
     save_pretrained_atomic(model, tokenizer, tmp_path / "m")
     overrides = [f"model.path={tmp_path / 'm'}", "model.device=cpu", "data.eval_size=8"]
     with pytest.raises(ValueError, match=r"^model.path: the tokenizer of .*/m has no eos token"):
