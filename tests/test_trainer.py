@@ -530,7 +530,7 @@ def test_a_run_records_the_files_it_was_given_by_absolute_path(tmp_path, monkeyp
     assert (given.train, given.eval) == (f"{here}::train", "openai/gsm8k:main:test")
 
 
-def test_a_project_moved_whole_resumes_and_exports(tmp_path, monkeypatch):
+def test_a_project_moved_whole_resumes_and_exports(tmp_path, monkeypatch, capsys):
     """A project holding a LoRA run, its base model (model.path) and its reward file,
     moved whole (mv proj proj2): the absolute paths the run recorded named the old place,
     and neither --resume (nor model.path= the new place: another model) nor export ran.
@@ -556,8 +556,10 @@ def test_a_project_moved_whole_resumes_and_exports(tmp_path, monkeypatch):
     assert main(["train", "--output-dir", "b", *FAST, *full]) == 0
     moved = shutil.move(project, tmp_path / "proj2")
     monkeypatch.chdir(moved)
+    capsys.readouterr()
     assert main(["train", "--resume", "a", "train.max_steps=8"]) == 0
     assert main(["train", "--resume", "b", "train.max_steps=8"]) == 0
+    assert "warning" not in capsys.readouterr().err  # (its paths moved with it: no change)
     assert main(["export", "a", "--merge", "merged"]) == 0
     assert main(["export", "a", "--merge", "base"]) == 2  # the base, where it is now
     recorded = load_config(moved / "a" / "config.yaml")

@@ -214,7 +214,7 @@ class Trainer:
         if checkpoint is None:
             self.logger.log(0, summary)
         else:  # (its start's warnings were said then; what the resume changes now)
-            changed = None if self.finished else resume_changes(config, checkpoint, moved)
+            changed = None if self.finished else resume_changes(config, checkpoint)
             said = [changed] if changed else []
         for line in said if dist.is_main else []:
             print(f"gspo: warning: {line}", file=sys.stderr, flush=True)

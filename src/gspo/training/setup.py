@@ -25,7 +25,7 @@ from gspo.models import (
 )
 from gspo.models.kernels import set_linear_kernel
 from gspo.moe import is_moe, set_experts_implementation
-from gspo.moved import model_not_found
+from gspo.moved import model_not_found, moved_path
 from gspo.plugins import absolute_spec
 from gspo.rewards import RewardFunctions
 from gspo.rewards.parsing import cell_text, completion_text
@@ -405,9 +405,7 @@ def recorded_config(
     return kept.model_copy(update={"model": model})
 
 
-def resume_changes(
-    config: Config, checkpoint: Path, moved: Callable[[Path], Path | None] | None
-) -> str | None:
+def resume_changes(config: Config, checkpoint: Path) -> str | None:
     """The settings a resumed run changes from those its ``checkpoint`` was trained with
     (the config.yaml it holds; logging and a longer ``train.max_steps`` aside), as one
     line: the run's metrics go on as one run, which a changed seed, algorithm or task
@@ -415,7 +413,8 @@ def resume_changes(
     held = checkpoint / CONFIG
     if not held.is_file():  # (a checkpoint from before they held their config)
         return None
-    was = with_absolute_paths(load_config(held), moved)
+    run = checkpoint.parent.parent  # (paths recorded where the run was: as moved with it)
+    was = with_absolute_paths(load_config(held), lambda path: moved_path(path, run, held))
     changed = changed_settings(flat_settings(was), flat_settings(config), free=("log.",))
     if not changed:
         return None
