@@ -139,6 +139,11 @@ def test_a_config_file_of_several_unknown_keys_names_them_all(tmp_path):
         f"{tmp_path / 'trl.yaml'}: learning_rate: unknown key; TRL's learning_rate is optim.lr "
         "here (docs/from_trl.md) (also unknown: num_generations, beta)"
     )
+    # an override's own error is not the file's (a cross-section check's key=value first)
+    (tmp_path / "ok.yaml").write_text("train:\n  max_steps: 4\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path / "ok.yaml", ["rollout.group_size=1"])
+    assert str(info.value).startswith("rollout.group_size=1: ")
 
 
 @pytest.mark.parametrize(

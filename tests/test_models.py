@@ -103,6 +103,15 @@ def test_weights_that_do_not_make_the_model_are_one_line(tmp_path, tokenizer, ca
         load_model(tmp_path / "m", device=CPU, dtype=torch.float32)
 
 
+def test_another_trainers_checkpoint_dir_loads_without_a_manifest(tmp_path, tokenizer):
+    """Only gspo's own step checkpoints (their trainer state beside) must hold a manifest:
+    a user's model saved as .../checkpoints/step-1000 was refused as damaged."""
+    spec = TinyModelSpec(layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64)
+    theirs = tmp_path / "x" / "checkpoints" / "step-1000"
+    save_pretrained_atomic(build_tiny_model(spec, tokenizer, seed=0), tokenizer, theirs)
+    load_model(theirs, device=CPU, dtype=torch.float32)
+
+
 def test_a_tokenizer_or_config_that_does_not_fit_is_one_line(tmp_path, tokenizer, capsys):
     """A pad added to the tokenizer without resizing the embeddings, or no pad nor eos:
     a traceback inside the first generation. A cut tokenizer.json, tokenizer_config.json

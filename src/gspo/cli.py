@@ -417,7 +417,11 @@ def _main(args: argparse.Namespace) -> int:
         if os.environ.get("GSPO_DEBUG"):
             raise
         where = f": {exc.filename}" if exc.filename else ""
-        if not where and args.command == "train":  # (TensorBoard's names no file)
+        from gspo.publish import DiskFull, is_disk_full
+
+        # (TensorBoard's full disk names no file; a DiskFull names its directory itself)
+        unnamed = not where and is_disk_full(exc) and not isinstance(exc, DiskFull)
+        if unnamed and args.command == "train":
             where = f" (writing under {run_directory(args)})"
         print(f"gspo: error{rank_said()}: {exc.strerror or exc}{where}{_after(args)}",
               file=sys.stderr)  # fmt: skip
@@ -462,7 +466,7 @@ def _after(args: argparse.Namespace) -> str:
     from gspo.training.checkpoint import CHECKPOINTS
 
     run = run_directory(args) if args.command == "train" else None
-    if run is None or not (run / CHECKPOINTS).is_dir():
+    if run is None or not any((run / CHECKPOINTS).glob("step-*")):
         return ""  # (nothing to continue: an export, or a run that never wrote one)
     return (f"; checkpoints already written are intact (gspo train --resume {run} "
             "continues from the last one)")  # fmt: skip

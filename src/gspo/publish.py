@@ -119,6 +119,8 @@ def disk_full(final: Path, needs: int | None, written: int) -> DiskFull:
     free = shutil.disk_usage(next(p for p in [final, *final.parents] if p.exists())).free
 
     def size(n: int) -> str:  # (a pointer file of a few bytes is not "0.0 MiB")
+        if n < 1024:
+            return f"{n} bytes"
         return megabytes(n) if n >= 2**20 else f"{n / 1024:,.1f} KiB"
 
     what = f"about {size(needs)}" if needs else f"more than {size(written)}"
@@ -223,10 +225,14 @@ def manifest_changes(
 def check_manifest(directory: Path, include: Callable[[str], bool] | None = None) -> None:
     """A :class:`DamagedFile` naming the first file of ``directory`` (of those ``include``
     takes) whose bytes are not the ones its :data:`MANIFEST` records; an RL checkpoint
-    (``checkpoints/step-*``) without its manifest too (nothing to check it against)."""
+    (``checkpoints/step-*`` holding its trainer state) without its manifest too (nothing
+    to check it against)."""
     directory = Path(directory)
     checkpoint = directory.parent.name == "checkpoints" and directory.name.startswith("step-")
-    for name, wrong in manifest_changes(directory, include, required=checkpoint):
+    # (gspo's own: its trainer state beside; another trainer's checkpoints/step-N, a user's
+    # model, has no manifest to miss)
+    required = checkpoint and (directory / "trainer_state.pt").is_file()
+    for name, wrong in manifest_changes(directory, include, required=required):
         if checkpoint:
             raise DamagedFile(
                 f"{directory / name} {wrong}: {directory} was damaged after it was written "

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from gspo.config import Config, checked_config, flat_settings, load_config
+from gspo.config import RESUME_MAY_CHANGE, Config, checked_config, flat_settings, load_config
 from gspo.distributed import (
     Distributed,
     setup_distributed,
@@ -341,14 +341,6 @@ def not_a_run(out: Path, how: str) -> str | None:
             )
         return "is not a gspo run (no config.yaml)"
     return None
-
-
-#: ``model.*`` keys a resumed run may change: how the same weights are computed, not
-#: which weights they are (the checkpoint holds those).
-RESUME_MAY_CHANGE = frozenset(
-    {"device", "dtype", "cpu_linear", "head_precision", "experts_implementation",
-     "activation_checkpointing", "compile"}
-)  # fmt: skip
 
 
 def resume_config(output_dir: str | Path, overrides: list[str]) -> Config:

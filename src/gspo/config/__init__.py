@@ -20,13 +20,13 @@ from gspo.config.loading import (
     load_config,
     parse_override,
 )
-from gspo.config.model import LoraSettings
+from gspo.config.model import RESUME_MAY_CHANGE, LoraSettings
 from gspo.config.rollout import VLLM_LORA_RANKS
 from gspo.config.root import Config, checked_config
 
 __all__ = [
-    "REGENERATE", "VLLM_LORA_RANKS", "AlgorithmConfig", "Config", "ConfigError", "DataConfig",
-    "LoraSettings", "changed_settings", "checked_config", "dump_config", "dump_config_text",
-    "flat_settings", "format_default", "keys", "load_config", "parse_override",
-    "render_reference", "sections",
+    "REGENERATE", "RESUME_MAY_CHANGE", "VLLM_LORA_RANKS", "AlgorithmConfig", "Config",
+    "ConfigError", "DataConfig", "LoraSettings", "changed_settings", "checked_config",
+    "dump_config", "dump_config_text", "flat_settings", "format_default", "keys", "load_config",
+    "parse_override", "render_reference", "sections",
 ]  # fmt: skip

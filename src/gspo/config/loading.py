@@ -201,17 +201,17 @@ def load_config(
                     f"key '{key}:'); keep one"
                 )
             set_dotted(tree, str(key), value)
-    given = set()
+    from_file = set(flat_settings(tree))  # (before the overrides: the file's own keys)
     for text in overrides:
         key, value = parse_override(text)
         set_dotted(tree, key, value)
-        given.add(key)
+        from_file.discard(key)
     with_task_defaults(tree)
     try:
         return Config.model_validate(tree)
     except ValidationError as exc:
         line = error_line(exc, Config)
-        if path is not None and line.split(":", 1)[0] not in given:  # the file's key
+        if path is not None and re.split(r"[=:\s]", line, maxsplit=1)[0] in from_file:
             line = f"{path}: {line}"
         raise ConfigError(line) from None
 

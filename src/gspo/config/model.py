@@ -217,3 +217,11 @@ class MoEConfig(Section):
         description="Weight of the routers' load-balancing loss (Switch Transformer, over "
         "the response tokens) added to the RL loss; 0 = off. Qwen3-MoE configs use 0.001",
     )
+
+
+#: ``model.*`` keys a resumed run may change: how the same weights are computed, not
+#: which weights they are (the checkpoint holds those).
+RESUME_MAY_CHANGE = frozenset(
+    {"device", "dtype", "cpu_linear", "head_precision", "experts_implementation",
+     "activation_checkpointing", "compile"}
+)  # fmt: skip

@@ -349,6 +349,8 @@ def check_model_type(path: Path) -> None:
         model_type = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except ValueError as exc:
         raise ValueError(f"model.path: {path}/config.json is not whole JSON ({exc})") from None
+    if isinstance(model_type, dict) and "auto_map" in model_type:  # (its own modelling code)
+        return  # (transformers says it needs trust_remote_code, which gspo does not pass)
     model_type = model_type.get("model_type") if isinstance(model_type, dict) else None
     if isinstance(model_type, str) and model_type not in CONFIG_MAPPING:
         import transformers

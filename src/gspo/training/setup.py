@@ -11,7 +11,14 @@ from typing import Any
 
 import torch
 
-from gspo.config import Config, DataConfig, changed_settings, flat_settings, load_config
+from gspo.config import (
+    RESUME_MAY_CHANGE,
+    Config,
+    DataConfig,
+    changed_settings,
+    flat_settings,
+    load_config,
+)
 from gspo.data import load_rows, prepare_rows
 from gspo.distributed import Distributed
 from gspo.models import (
@@ -405,6 +412,15 @@ def recorded_config(
     return kept.model_copy(update={"model": model})
 
 
+#: What a resume may change without a word: how the run is logged, kept and written, and
+#: how the same weights are computed (``model.path``: refused unless the same weights moved)
+RESUME_FREE = (
+    "log.", "train.cold_start_cache", "train.keep_checkpoints", "train.save_every",
+    "train.background_checkpoints", "train.save_only_model", "rollout.vllm.cpu_kv_cache_gb",
+    "model.path", *(f"model.{key}" for key in RESUME_MAY_CHANGE),
+)  # fmt: skip
+
+
 def resume_changes(config: Config, checkpoint: Path) -> str | None:
     """The settings a resumed run changes from those its ``checkpoint`` was trained with
     (the config.yaml it holds; logging and a longer ``train.max_steps`` aside), as one
@@ -415,7 +431,7 @@ def resume_changes(config: Config, checkpoint: Path) -> str | None:
         return None
     run = checkpoint.parent.parent  # (paths recorded where the run was: as moved with it)
     was = with_absolute_paths(load_config(held), lambda path: moved_path(path, run, held))
-    changed = changed_settings(flat_settings(was), flat_settings(config), free=("log.",))
+    changed = changed_settings(flat_settings(was), flat_settings(config), free=RESUME_FREE)
     if not changed:
         return None
     return (
