@@ -20,6 +20,7 @@ from safetensors import SafetensorError
 
 from gspo.models.memory import OutOfMemory, is_out_of_memory, what_ran_out
 from gspo.moved import in_checkpoint
+from gspo.plugins import one_line
 from gspo.publish import check_manifest, megabytes, staged
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -377,7 +378,7 @@ def tokenizer_problem(path: Path, exc: BaseException) -> str:
             "no vocabulary beside its tokenizer_config.json (no tokenizer.json); save the "
             "tokenizer there whole (tokenizer.save_pretrained)"
         )
-    return " ".join(str(exc).split())[:300] or type(exc).__name__
+    return one_line(exc, 300) or type(exc).__name__
 
 
 def damaged_safetensors(path: Path) -> str:

@@ -148,8 +148,8 @@ def _bwrap_args(workdir_mb: int) -> list[str]:
     if not prefix.startswith("/usr"):
         args += ["--ro-bind", prefix, prefix]
     args += ["--proc", "/proc", "--dev", "/dev"]
-    size = ["--size", str(workdir_mb << 20)]  # (every writable place sized: /dev/shm took
-    args += [*size, "--tmpfs", "/dev/shm", *size, "--tmpfs", _SANDBOX_DIR]  # 1.5 GB of RAM)
+    size = ["--size", str(workdir_mb << 20)]  # (every writable place sized: an unsized
+    args += [*size, "--tmpfs", "/dev/shm", *size, "--tmpfs", _SANDBOX_DIR]  # /dev/shm filled RAM)
     args += ["--remount-ro", "/", "--chdir", _SANDBOX_DIR]  # (the root's own tmpfs too)
     args += ["--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", _SANDBOX_DIR]
     args += ["--setenv", "TMPDIR", _SANDBOX_DIR, "--setenv", "LANG", "C.UTF-8"]

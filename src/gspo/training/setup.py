@@ -423,7 +423,7 @@ RESUME_FREE = (
 
 def resume_changes(config: Config, checkpoint: Path) -> str | None:
     """The settings a resumed run changes from those its ``checkpoint`` was trained with
-    (the config.yaml it holds; logging and a longer ``train.max_steps`` aside), as one
+    (the config.yaml it holds; :data:`RESUME_FREE` and a longer ``train.max_steps`` aside), as one
     line: the run's metrics go on as one run, which a changed seed, algorithm or task
     makes two experiments (nothing said before)."""
     held = checkpoint / CONFIG
