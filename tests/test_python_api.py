@@ -336,6 +336,11 @@ def test_train_refuses_what_gspo_train_refuses_and_overwrites_on_request(tmp_pat
     with pytest.raises(ValueError, match="resume=True, but .* does not exist"):
         gspo.train(config, out, resume=True)
     assert not out.exists()
+    out.mkdir()  # as a run stopped while it started leaves it: said in Python's words
+    stopped = r"holds no config.yaml .* start it again with overwrite=True\)$"
+    with pytest.raises(ValueError, match=stopped):
+        gspo.train(config, out, resume=True)
+    out.rmdir()
     first = gspo.train(config, out)
     wider = gspo.load_config(None, [*RUN, "model.hidden=32", "train.max_steps=8"])
     with pytest.raises(ValueError, match=r"model.hidden=32: resume=True continues the"):

@@ -492,6 +492,8 @@ def test_existing_run_needs_resume_or_overwrite(tmp_path, capsys):
     (tmp_path / "other" / "notes.txt").write_text("mine")
     assert main(["train", "--resume", str(tmp_path / "other")]) == 2
     assert main(["train", "--resume", str(tmp_path / "nowhere")]) == 2
+    (tmp_path / "notes.txt").write_text("mine")
+    assert main(["train", "--resume", str(tmp_path / "notes.txt")]) == 2
     assert main(["train", "--resume", str(tmp_path / "run"), "--overwrite"]) == 2
     # --resume as a flag: the next word, a setting, was taken for the run's directory
     assert main(["train", "--output-dir", "x", "--resume", "model.device=cpu"]) == 2
@@ -499,7 +501,8 @@ def test_existing_run_needs_resume_or_overwrite(tmp_path, capsys):
         f"gspo: error: --resume {tmp_path / 'empty'}: holds no config.yaml (a run stopped as it "
         "started has none yet: start it again without --resume, with --overwrite)",
         f"gspo: error: --resume {tmp_path / 'other'}: is not a gspo run (no config.yaml)",
-        f"gspo: error: --resume {tmp_path / 'nowhere'}: does not exist (no config.yaml)",
+        f"gspo: error: --resume {tmp_path / 'nowhere'}: does not exist",
+        f"gspo: error: --resume {tmp_path / 'notes.txt'}: is a file, not a run's directory",
         "gspo: error: --overwrite starts a run over, --resume continues one: pick one",
         "gspo: error: --resume takes the run's directory, not 'model.device=cpu' (a setting): "
         "gspo train --resume DIR [key=value ...]",

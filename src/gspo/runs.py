@@ -326,7 +326,7 @@ def not_a_run(out: Path, how: str) -> str | None:
         )
     if not (out / "config.yaml").is_file():
         if not out.is_dir():
-            return "does not exist (no config.yaml)"
+            return "is a file, not a run's directory" if out.exists() else "does not exist"
         held = sorted(out.glob(f"{CHECKPOINTS}/step-*/{CONFIG}"))
         if held:  # (removed by hand: each checkpoint keeps the one it was trained with)
             return (
@@ -335,9 +335,11 @@ def not_a_run(out: Path, how: str) -> str | None:
             )
         names = [p.name for p in out.iterdir()]
         if not names or any(MARK in n or n in ("base_model", METRICS_FILE) for n in names):
+            cli = how.startswith("--")
+            anew = "without --resume, with --overwrite" if cli else "with overwrite=True"
             return (
                 "holds no config.yaml (a run stopped as it started has none yet: start it "
-                "again without --resume, with --overwrite)"
+                f"again {anew})"
             )
         return "is not a gspo run (no config.yaml)"
     return None

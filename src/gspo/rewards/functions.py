@@ -205,8 +205,8 @@ class RewardFunctions:
                     f"; a reward function gets {singular[0]}s, a list, not {singular[0]}: "
                     "def f(prompts, completions, **kwargs) -> list[float]"
                     if singular
-                    else hint
-                )
+                    else ""
+                ) + hint
                 raise RewardError(
                     f"reward function {name!r} needs the column(s) "
                     f"{', '.join(dict.fromkeys(needed))}, which {source} lacks (its columns: "
