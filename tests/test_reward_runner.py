@@ -56,6 +56,19 @@ def exits(prompts, completions, **kwargs):
 
 def dies(prompts, completions, **kwargs):
     os._exit(3)
+
+def _sandbox_sleeper(bwrap):
+    from gspo.rewards import sandbox
+    sandbox._host_base = lambda: os.environ["GSPO_TEST_SANDBOX_BASE"]
+    if not bwrap:
+        sandbox._bwrap_works = lambda: False
+    sandbox.run_python("import time; time.sleep(300)", limits=sandbox.Limits(wall_s=300))
+
+def sleeps_in_sandbox(prompts, completions, **kwargs):
+    _sandbox_sleeper(bwrap=True)
+
+def sleeps_in_sandbox_unisolated(prompts, completions, **kwargs):
+    _sandbox_sleeper(bwrap=False)
 '''
 
 
@@ -277,3 +290,39 @@ def test_a_function_without_kwargs_is_refused_before_the_run_starts(module):
         RewardFunctions.from_specs([completions_only], None).check_columns([], "data.train")
     with pytest.raises(RewardError, match=r"'named' takes no argument 'level', which data"):
         RewardFunctions.from_specs([named], None).check_columns(["answer", "level"], "data.train")
+
+
+@pytest.mark.parametrize("function", ["sleeps_in_sandbox", "sleeps_in_sandbox_unisolated"])
+def test_a_worker_killed_at_the_timeout_leaves_no_sandboxed_program(
+    module, function, tmp_path, monkeypatch
+):
+    """A code reward's program outlived its worker killed at reward.timeout (without
+    bubblewrap it slept on after the run) and its directory stayed in the temp dir."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from gspo.rewards import sandbox
+
+    temp = Path(tempfile.mkdtemp(dir="/tmp"))  # (the workers' and this process's; one the
+    temp.chmod(0o711)  # sandbox uid passes through, as tmp_path is not under root)
+    monkeypatch.setenv("GSPO_TEST_SANDBOX_BASE", str(temp))
+    monkeypatch.setattr(sandbox, "_host_base", lambda: str(temp))
+    functions = RewardFunctions.from_specs(specs(module, function), workers=1, timeout=2.0)
+    try:
+        with pytest.raises(RewardError, match="did not finish within reward.timeout=2 s"):
+            functions(["p"], ["a"])
+    finally:
+        functions.close()
+    left = list(temp.iterdir())
+    shutil.rmtree(temp, ignore_errors=True)
+    assert left == []
+    running = []  # (a sandboxed program's working directory is under the temp dir)
+    for entry in Path("/proc").iterdir():
+        try:
+            where = os.readlink(entry / "cwd")
+        except OSError:
+            continue
+        if where.startswith(str(temp)):
+            running.append((entry.name, where))
+    assert running == []

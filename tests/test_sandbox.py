@@ -9,6 +9,7 @@ installs it where it can); the resource limits are checked in both modes.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from pathlib import Path
@@ -288,3 +289,20 @@ def test_a_program_cannot_touch_the_trainers_files_or_fill_memory(mode: str) -> 
         )
         run = run_python(fill, limits=FAST)
         assert int(run.stdout) <= 2 * FAST.workdir_mb, run  # (at most the two sized tmpfs)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="the programs run as the trainer's own uid")
+def test_a_root_trainer_with_a_private_temp_dir_still_runs_programs(
+    mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A root trainer's TMPDIR in a 0700 directory: the program (user nobody) could not
+    reach its main.py, so every stdin/stdout test scored 0 without a word."""
+    import tempfile
+
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
+    monkeypatch.setattr(sandbox, "_host_base", functools.cache(sandbox._host_base.__wrapped__))
+    io = parse_tests([{"input": "3\n", "output": "6"}])
+    assert score_code("print(2 * int(input()))", io, FAST) == 1.0
+    assert list(private.iterdir()) == []  # (made elsewhere, and removed)

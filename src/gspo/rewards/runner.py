@@ -256,7 +256,11 @@ class Runner:
         that may still be busy (a function past ``timeout``) are killed."""
         if self._pool is not None:
             if self._busy:
+                workers = {p.pid for p in [*self._processes, *self._pool._pool]}
                 self._finalizer()  # Pool.terminate
+                from gspo.rewards.sandbox import sweep  # (the code reward's, lazily)
+
+                sweep(sorted(workers))  # (what their sandboxed programs left)
             else:
                 self._finalizer.detach()
                 self._pool.close()

@@ -25,6 +25,7 @@ arguments or the environment.
 from __future__ import annotations
 
 import ast
+import atexit
 import contextlib
 import functools
 import json
@@ -38,6 +39,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -62,6 +64,7 @@ __all__ = [
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 _PYTHON_TAGS = {"python", "py", "python3"}
 _SANDBOX_DIR = "/sandbox"
+_HOST_PREFIX = "gspo-sandbox-"  # + the pid of the process that runs the program
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,23 @@ def _python() -> str:
             "/usr/bin/python3; install a system python3 or run the trainer as a non-root user"
         )
     return os.path.realpath(system)
+
+
+@functools.cache
+def _host_base() -> str:
+    """Where the programs' directories are made: the temp directory, or ``/tmp`` (then
+    ``/dev/shm``) where the sandbox uid cannot pass through it (a root trainer with
+    ``TMPDIR`` in a 0700 directory: every program run from a file failed to start)."""
+    base, uid = tempfile.gettempdir(), _sandbox_ids()[0]
+    if uid == os.getuid():
+        return base
+    for place in (base, "/tmp", "/dev/shm"):
+        if os.path.isdir(place) and _world_executable(place):
+            return place
+    raise RuntimeError(
+        f"code sandbox: uid {uid}, which runs the programs, cannot pass through {base} "
+        "(TMPDIR) or /tmp: set TMPDIR to a directory others may pass through (mode o+x)"
+    )
 
 
 def _bwrap_args(workdir_mb: int) -> list[str]:
@@ -242,7 +262,8 @@ def run_python(
     # the trainer's files (what the program printed) beside, not in, the program's
     # directory: a program run without bubblewrap removed or replaced them (a link to a
     # file only root reads, scored against it)
-    host_dir = tempfile.mkdtemp(prefix="gspo-sandbox-")
+    host_dir = tempfile.mkdtemp(prefix=f"{_HOST_PREFIX}{os.getpid()}-", dir=_host_base())
+    _sweep_at_exit()
     work = Path(host_dir, "work")
     work.mkdir()
     uid, gid = _sandbox_ids()
@@ -279,6 +300,7 @@ def run_python(
                 start_new_session=True,
                 preexec_fn=_limit_setter(limits, nproc),
             )
+            Path(host_dir, "session").write_text(str(proc.pid))  # (for sweep)
             timed_out = False
             try:
                 proc.communicate(feed.encode(), timeout=limits.wall_s)
@@ -301,6 +323,58 @@ def run_python(
         )
     finally:
         shutil.rmtree(host_dir, ignore_errors=True)
+
+
+def _state(pid: int | str) -> list[str]:
+    """``/proc/PID/stat``'s fields from the state on (state, ppid, pgrp, session, ...)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def _session_members(session: int, uid: int) -> list[int]:
+    """The live processes of ``session`` that run as ``uid``."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                state = _state(entry)
+                if int(state[3]) == session and os.stat(f"/proc/{entry}").st_uid == uid:
+                    members.append(int(entry))
+    return [pid for pid in members if not _gone(pid)]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return _state(pid)[0] in "ZX"  # (a zombie holds nothing: its parent reaps it)
+    except (OSError, IndexError):
+        return True
+
+
+def sweep(owners: Sequence[int]) -> None:
+    """Kill the programs, and remove the directories, that ``run_python`` calls in the
+    processes ``owners`` left behind: a reward worker killed at ``reward.timeout`` (its
+    ``finally`` never ran), a call abandoned by a timed-out thread at exit. Without
+    bubblewrap such a program slept on after the run (with it, it dies with its parent);
+    only the program's own session is killed (one that called ``setsid`` escapes it)."""
+    uid, killed = _sandbox_ids()[0], []
+    for owner in owners:
+        for path in Path(_host_base()).glob(f"{_HOST_PREFIX}{owner}-*"):
+            with contextlib.suppress(OSError, ValueError):
+                for pid in _session_members(int(Path(path, "session").read_text()), uid):
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+                        killed.append(pid)
+            shutil.rmtree(path, ignore_errors=True)
+    deadline = time.monotonic() + 2.0  # (SIGKILL is delivered, not yet acted on)
+    while killed and time.monotonic() < deadline:
+        killed = [pid for pid in killed if not _gone(pid)]
+        time.sleep(0.01)
+
+
+@functools.cache
+def _sweep_at_exit() -> None:
+    """At this process's exit: what its calls still running (abandoned) leave."""
+    atexit.register(sweep, [os.getpid()])
 
 
 # --------------------------------------------------------------------------------------------
