@@ -21,12 +21,13 @@ from gspo.models import (
 CPU = torch.device("cpu")
 
 
-def test_char_tokenizer_round_trips_text(tokenizer):
-    text = "Q: 12+34=? A: 46"
+@pytest.mark.parametrize("text", ["Q: 12+34=? A: 46", "a\n\nb\n\n\n c  d"])
+def test_char_tokenizer_round_trips_text(tokenizer, text):
+    """One token a character: a blank line (two newlines) was one <unk>."""
     ids = tokenizer(text)["input_ids"]
     assert len(ids) == len(text)
     assert tokenizer.decode(ids) == text
-    assert tokenizer.eos_token_id not in ids
+    assert tokenizer.eos_token_id not in ids and tokenizer.unk_token_id not in ids
 
 
 def test_builtin_is_a_real_hf_model_that_reloads(tmp_path, tokenizer, tiny_model):
