@@ -641,6 +641,19 @@ def test_settings_that_another_setting_makes_moot_are_warned():
     ]
     mine = ["data.train=rows.jsonl", "model.path=/m"]
     assert load_config(None, [*mine, "data.eval=e.jsonl"]).warnings() == []
+    # the gold answer put in every prompt by a single-brace \boxed{answer} (the recipes audit)
+    leak = [*mine, "data.eval=e.jsonl", "data.prompt_template='{question} in \\boxed{answer}'"]
+    assert load_config(None, leak).warnings() == [
+        "data.prompt_template reads {answer}, the column the rewards score against: every "
+        "prompt holds its own answer (literal braces are doubled: \\boxed{{}})"
+    ]
+    gsm8k = [
+        *leak[:-1],
+        "data.answer_column=solution",
+        "data.prompt_template='{question} {answer}'",
+    ]
+    assert load_config(None, gsm8k).warnings() == []  # (another column is scored against)
+    assert len(load_config(None, [*gsm8k, "data.prompt_template='{solution}'"]).warnings()) == 1
     # eval.* keys set and nothing evaluated, unsaid before
     assert load_config(None, [*mine, "eval.every=10"]).warnings() == [
         "data.train without data.eval: no held-out evaluation runs (no eval/* metrics, "

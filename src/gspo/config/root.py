@@ -27,7 +27,7 @@ from gspo.config.checks import (
     vllm_lora_sync,
     vllm_top_p,
 )
-from gspo.config.data import DataConfig
+from gspo.config.data import DataConfig, template_fields
 from gspo.config.model import LoraSettings, ModelConfig, MoEConfig
 from gspo.config.reward import RewardConfig
 from gspo.config.rollout import RolloutConfig
@@ -128,6 +128,13 @@ class Config(Section):
             lines.append(
                 f"data.eval is data.train ({data.eval}): the held-out evaluation scores the "
                 "training prompts, so eval/* measures memorisation, not generalisation"
+            )
+        gold = data.answer_column or "answer"  # (a single-brace \boxed{answer} filled it in)
+        if data.prompt_template is not None and gold in template_fields(data.prompt_template):
+            lines.append(
+                f"data.prompt_template reads {{{gold}}}, the column the rewards score "
+                "against: every prompt holds its own answer (literal braces are doubled: "
+                "\\boxed{{}})"
             )
         batch = self.rollout.group_size * self.rollout.prompts_per_batch
         parts = self.algorithm.minibatches
