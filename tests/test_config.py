@@ -241,6 +241,20 @@ def test_missing_and_invalid_files(tmp_path):
     bad.write_text("- a list\n- not sections\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_config(bad)
+    # the recipes audit: an empty file ran the built-in task unsaid; a section with every
+    # key commented out was "Input should be a valid dictionary"; an unknown section's
+    # line lost the file; a key the command line set was blamed on the file
+    (tmp_path / "empty.yaml").write_text("# optim:\n#   lr: 1e-6\n")
+    with pytest.raises(ConfigError, match=r"^\S*empty.yaml: sets nothing \(empty, or comments"):
+        load_config(tmp_path / "empty.yaml")
+    (tmp_path / "none.yaml").write_text("optim:\n#  lr: 1e-6\ntrain:\n  seed: 3\n")
+    assert load_config(tmp_path / "none.yaml").optim == load_config(None).optim
+    (tmp_path / "unknown.yaml").write_text("optimizer:\n  lr: 1e-5\n")
+    with pytest.raises(ConfigError, match=r"^\S*unknown.yaml: optimizer: unknown key; did you"):
+        load_config(tmp_path / "unknown.yaml")
+    (tmp_path / "lora.yaml").write_text("model:\n  lora:\n    r: 8\n")
+    with pytest.raises(ConfigError, match=r"^model.lora.r=8 needs train.cold_start_steps=0"):
+        load_config(tmp_path / "lora.yaml", ["train.cold_start_steps=10"])
 
 
 def test_a_boolean_for_a_number_and_a_short_pair_are_one_line_each():

@@ -192,8 +192,15 @@ def load_config(
         loaded = read_yaml(path)
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        if not loaded:  # (gspo train --config of it trained the built-in task, unsaid)
+            raise ConfigError(
+                f"{path}: sets nothing (empty, or comments only); leave --config out to run "
+                "the defaults"
+            )
         tree = {}
-        for key, value in (loaded or {}).items():  # (a dotted key, optim.lr: 0.5, as nested)
+        for key, value in loaded.items():  # (a dotted key, optim.lr: 0.5, as nested)
+            if value is None and _is_section(field_annotation(Config, str(key))):
+                value = {}  # (a section whose keys are all commented out: none set)
             twice = next((k for k in _leaves(str(key), value) if _get_dotted(tree, k)[0]), None)
             if twice is not None:  # optim.lr: and optim: {lr:} in one file
                 raise ConfigError(
@@ -202,17 +209,21 @@ def load_config(
                 )
             set_dotted(tree, str(key), value)
     from_file = set(flat_settings(tree))  # (before the overrides: the file's own keys)
+    given = []
     for text in overrides:
         key, value = parse_override(text)
         set_dotted(tree, key, value)
         from_file.discard(key)
+        given.append(key)
     with_task_defaults(tree)
     try:
         return Config.model_validate(tree)
     except ValidationError as exc:
         line = error_line(exc, Config)
-        if path is not None and re.split(r"[=:\s]", line, maxsplit=1)[0] in from_file:
-            line = f"{path}: {line}"
+        first = re.split(r"[=:\s]", line, maxsplit=1)[0]  # (an unknown section's: its keys)
+        ours = any(k == first or k.startswith(f"{first}.") for k in from_file)
+        if path is not None and ours and not any(k in line for k in given):
+            line = f"{path}: {line}"  # (not where the command line set a key it names)
         raise ConfigError(line) from None
 
 
