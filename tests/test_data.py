@@ -146,6 +146,10 @@ def test_uncached_hub_id_offline_is_one_line(monkeypatch, tmp_path):
     message = str(info.value)
     assert message.startswith("data.train: cannot load dataset id 'nobody-here/no-such-dataset")
     assert "\n" not in message
+    assert message.endswith(
+        "(offline, the dataset must be in the datasets cache, or a local copy given: "
+        "data.train=FILE (.jsonl, .json, .parquet, .csv) or a save_to_disk directory)"
+    )
 
 
 def test_which_values_are_local_and_which_are_ids(tmp_path, monkeypatch):

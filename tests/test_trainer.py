@@ -443,7 +443,11 @@ def test_bad_reward_function_is_one_line(tmp_path, capsys):
     ("override", "expected"),
     [
         ("data.train=/no/such/file.jsonl", "data.train: file not found"),
-        ("model.path=/no/such/model", "model.path: /no/such/model is not a directory"),
+        (  # (a recipe's path before its download: the recipes audit's bare line)
+            "model.path=/no/such/model",
+            "model.path: /no/such/model is not a directory: no such directory; download the "
+            "model there (hf download ORG/NAME --local-dir /no/such/model) or set model.path",
+        ),
         ("reward.functions=[nosuch_builtin]", "nosuch_builtin"),
     ],
 )

@@ -227,10 +227,12 @@ def _load_error(exc: Exception, source: Source, text: str, what: str) -> ValueEr
     kind = "dataset id" if source.kind == "hub" else "local dataset"
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
     hint, local = "", Path(source.location)
-    if source.kind == "hub" and isinstance(exc, ConnectionError) and not offline:
-        hint = (
-            " (offline, the dataset must be in the datasets cache; "
-            "HF_HUB_OFFLINE=1 skips the network)"
+    if source.kind == "hub" and (isinstance(exc, ConnectionError) or offline):
+        hint = (  # (the recipes audit: that a local copy works was unsaid)
+            " (offline, the dataset must be in the datasets cache, or a local copy given: "
+            f"{what}=FILE ({', '.join(DATA_SUFFIXES)}) or a save_to_disk directory"
+            + ("" if offline else "; HF_HUB_OFFLINE=1 skips the network")
+            + ")"
         )
     if source.kind == "hub" and local.parent.is_dir():  # (data/missing, mydat: local?)
         hint += f"; nor is there a local {local}"

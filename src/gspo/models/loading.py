@@ -441,12 +441,20 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype, wa
     path = Path(path)
     if not path.is_dir():
         hub = re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)) is not None  # (owner/name)
-        raise FileNotFoundError(
-            f"model.path: {path} is not a directory"
-            + ("; gspo reads local model directories only (nothing is downloaded during a "
-               f"run): download it first (hf download {path} --local-dir DIR), then "
-               "model.path=DIR" if hub else "")
-        )  # fmt: skip
+        if hub:
+            hint = (
+                "; gspo reads local model directories only (nothing is downloaded during a "
+                f"run): download it first (hf download {path} --local-dir DIR), then "
+                "model.path=DIR"
+            )
+        elif not path.exists():  # (a recipe's /models/NAME, before its download)
+            hint = (
+                f": no such directory; download the model there (hf download ORG/NAME "
+                f"--local-dir {path}) or set model.path to a local model directory"
+            )
+        else:
+            hint = " (a file)"
+        raise FileNotFoundError(f"model.path: {path} is not a directory{hint}")
     if model_files(path) != path:
         named, path = path, model_files(path)
         if not path.is_dir():
