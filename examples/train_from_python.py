@@ -11,6 +11,7 @@ small bonus for stopping after it. Overrides work as on the command line
 from __future__ import annotations
 
 import argparse
+import sys
 
 import gspo
 
@@ -31,13 +32,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output-dir", default="runs/from_python")
     parser.add_argument("--resume", action="store_true", help="continue the run in --output-dir")
+    parser.add_argument("--overwrite", action="store_true", help="replace the run in --output-dir")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = parser.parse_args()
 
-    config = gspo.load_config(None, ["train.max_steps=40", *args.overrides])
-    config.reward.functions = [correct, stops]  # the functions themselves, not spec strings
-    config.reward.weights = [1.0, 0.1]
-    records = gspo.train(config, args.output_dir, resume=args.resume)
+    try:
+        config = gspo.load_config(None, ["train.max_steps=40", *args.overrides])
+        config.reward.functions = [correct, stops]  # the functions themselves, not specs
+        config.reward.weights = [1.0, 0.1]
+        records = gspo.train(config, args.output_dir, resume=args.resume, overwrite=args.overwrite)
+    except (ValueError, OSError) as exc:  # bad input (a key, a file, a run): one line each
+        sys.exit(f"{parser.prog}: error: {exc}")
 
     accuracy = [(r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
     if accuracy:  # (under torchrun, rank 0's records: the other ranks' are empty)

@@ -295,6 +295,15 @@ def test_the_example_script_runs_and_reports_accuracy(tmp_path):
     written = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["reward"]
     assert written["functions"] == ["<python object correct>", "<python object stops>"]
     assert written["weights"] == [1.0, 0.1]
+    # again into the same directory, and a misspelt key: one line each, not a traceback
+    again = [sys.executable, str(script), "--output-dir", str(tmp_path / "run")]
+    for extra, said in (
+        ([], "already holds a run; resume=True continues it, overwrite=True replaces it"),
+        (["optim.lrr=1"], "optim.lrr: unknown key; did you mean 'optim.lr'?"),
+    ):
+        done = subprocess.run([*again, *extra], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+        assert done.stderr.startswith("train_from_python.py: error: ") and said in done.stderr
 
 
 class Paid:
