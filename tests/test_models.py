@@ -563,11 +563,33 @@ def test_dropout_is_switched_off_so_training_mode_computes_the_samplers_probabil
         torch.manual_seed(0)
         with torch.no_grad():
             assert not torch.equal(model(ids).logits, model.eval()(ids).logits)
-        assert disable_dropout(model) == pytest.approx(rate)
+        assert disable_dropout(model) == {"dropout": pytest.approx(rate)}
         with torch.no_grad():
             assert torch.equal(model.train()(ids).logits, model.eval()(ids).logits)
-        assert disable_dropout(model) == 0.0  # nothing left to switch off
+        assert disable_dropout(model) == {}  # nothing left to switch off
     assert gpt2.config.attn_pdrop == 0.1  # config.json (an export) keeps the model's own
+
+
+def test_moe_router_jitter_is_switched_off_like_dropout(tokenizer):
+    """Mixtral's router_jitter_noise rescales the hidden states in training mode: 0.1
+    clipped 43% of the on-policy tokens, recompute or not (the MoE audit)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from gspo.models import disable_dropout
+
+    mixtral = MixtralForCausalLM(
+        MixtralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                      num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.1)
+    )  # fmt: skip
+    ids = torch.tensor([tokenizer("12+34=46")["input_ids"]])
+    mixtral.train()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        assert not torch.equal(mixtral(ids).logits, mixtral.eval()(ids).logits)
+    assert disable_dropout(mixtral) == {"router jitter": pytest.approx(0.1)}
+    with torch.no_grad():
+        assert torch.equal(mixtral.train()(ids).logits, mixtral.eval()(ids).logits)
 
 
 def test_model_context_tells_a_learned_position_table_from_rotary_positions(tokenizer):

@@ -149,11 +149,12 @@ def build_policy_model(
             "start ends every completion (set eos_token in its tokenizer_config.json, or "
             "train.cold_start_steps=0)"
         )
-    dropout = disable_dropout(model)
-    if dropout > 0 and dist.is_main:
+    noise = disable_dropout(model)
+    if noise and dist.is_main:
+        what = " and its ".join(f"{kind} (up to {rate:g})" for kind, rate in noise.items())
         print(
-            f"gspo: note: the model's dropout (up to {dropout:g}) is off for the whole run: "
-            "pi_theta/pi_old must be 1 on the sampled tokens",
+            f"gspo: note: the model's {what} {'are' if len(noise) > 1 else 'is'} off for the "
+            "whole run: pi_theta/pi_old must be 1 on the sampled tokens",
             file=sys.stderr,
             flush=True,
         )
