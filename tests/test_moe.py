@@ -593,3 +593,41 @@ def test_an_experts_implementation_this_transformers_lacks_is_one_line(tokenizer
     dense = torch.nn.Linear(2, 2)
     set_experts_implementation(dense, "nonesuch")  # a dense model is left as it is
     assert experts_implementation(dense) == "auto"
+
+
+def test_a_moe_family_whose_router_is_not_handled_is_said(tokenizer, tmp_path, capsys):
+    """DeepSeek-V3, GPT-OSS, Granite-MoE... trained with no expert churn, unsaid; asked
+    for Routing Replay the line said an MoE model had no MoE routers (the MoE audit)."""
+    from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
+
+    from gspo.distributed import Distributed
+    from gspo.models.loading import save_pretrained_atomic
+    from gspo.moe import unhandled_router
+    from gspo.training.setup import build_policy_model
+
+    granite = GraniteMoeForCausalLM(
+        GraniteMoeConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         num_local_experts=4, num_experts_per_tok=2)
+    )  # fmt: skip
+    assert unhandled_router(granite) == "GraniteMoeTopKRouter"
+    config = load_config(None, [f"model.path={tmp_path / 'granite'}", "moe.routing_replay=true"])
+    with pytest.raises(ValueError, match=r"^moe.routing_replay: granitemoe is a mixture-of-"
+                       r"experts model whose router \(GraniteMoeTopKRouter\) gspo does not "
+                       r"handle \(it handles Qwen3MoeTopKRouter, "):  # fmt: skip
+        moe_settings(config, granite)
+    save_pretrained_atomic(granite, tokenizer, tmp_path / "granite")
+    capsys.readouterr()
+    config = load_config(None, [f"model.path={tmp_path / 'granite'}", "model.device=cpu"])
+    build_policy_model(
+        config, tmp_path / "run", torch.device("cpu"), Distributed(), None, torch.float32
+    )
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "gspo: warning: GraniteMoeForCausalLM is a mixture-of-experts model whose router "
+        "(GraniteMoeTopKRouter) gspo does not handle: no expert churn (moe/*), Routing Replay "
+        "or router loss for it (docs/moe.md lists the families handled)"
+    )
+    # handled and dense models: nothing to say
+    assert unhandled_router(build_tiny_model(MOE, tokenizer, seed=0)) is None
+    dense = TinyModelSpec(layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64)
+    assert unhandled_router(build_tiny_model(dense, tokenizer, seed=0)) is None

@@ -30,6 +30,7 @@ tokens in whatever layout a forward uses.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,11 +69,35 @@ def find_routers(model: nn.Module) -> list[nn.Module]:
     routers = [m for m in model.modules() if type(m).__name__ in ROUTERS]
     if not routers:
         kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        if (router := unhandled_router(model)) is not None:
+            raise ValueError(
+                f"{kind} is a mixture-of-experts model whose router ({router}) gspo does not "
+                f"handle (it handles {', '.join(ROUTERS)})"
+            )
         raise ValueError(
             f"model has no MoE routers ({kind}: no module of a supported router class: "
             f"{', '.join(ROUTERS)})"
         )
     return routers
+
+
+def unhandled_router(model: nn.Module) -> str | None:
+    """The router class of a mixture-of-experts model whose routers are not in
+    :data:`ROUTERS` (``"its router"`` where no module is named like one), or None (a dense
+    model, or one handled here). Such a model trains, without expert churn, Routing
+    Replay or the router loss: before, nothing said so (DeepSeek-V3, GPT-OSS, Granite)."""
+    if is_moe(model):
+        return None
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    places = [config, getattr(config, "ffn_config", None)]  # (DBRX's are nested)
+    keys = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+    counts = [getattr(c, k, None) for c in places for k in keys]
+    if not any(isinstance(n, int) and n > 1 for n in counts):
+        return None
+    named = (type(m).__name__ for m in model.modules())
+    return next((n for n in named if re.search(r"(Router|Gate|Gating)$", n)), "its router")
 
 
 def is_moe(model: nn.Module) -> bool:

@@ -31,7 +31,7 @@ from gspo.models import (
     save_pretrained_atomic,
 )
 from gspo.models.kernels import set_linear_kernel
-from gspo.moe import is_moe, set_experts_implementation
+from gspo.moe import is_moe, set_experts_implementation, unhandled_router
 from gspo.moved import model_not_found, moved_path
 from gspo.plugins import absolute_spec
 from gspo.rewards import RewardFunctions
@@ -155,6 +155,14 @@ def build_policy_model(
         print(
             f"gspo: note: the model's {what} {'are' if len(noise) > 1 else 'is'} off for the "
             "whole run: pi_theta/pi_old must be 1 on the sampled tokens",
+            file=sys.stderr,
+            flush=True,
+        )
+    if (router := unhandled_router(model)) is not None and dist.is_main:
+        print(
+            f"gspo: warning: {type(model).__name__} is a mixture-of-experts model whose "
+            f"router ({router}) gspo does not handle: no expert churn (moe/*), Routing "
+            "Replay or router loss for it (docs/moe.md lists the families handled)",
             file=sys.stderr,
             flush=True,
         )
