@@ -308,6 +308,20 @@ def test_export_without_merge_names_a_full_checkpoint_or_asks_for_out(
     assert main(["export", str(tmp_path / "lora")]) == 2
     err = capsys.readouterr().err.strip()
     assert "holds a LoRA adapter" in err and "pass --merge OUT" in err and "\n" not in err
+    # the model a step 0 names, gone: it was printed as "a plain HF model" all the same
+    (tmp_path / "full" / "base_model").rename(tmp_path / "moved")
+    assert main(["export", str(tmp_path / "full")]) == 2
+    step0 = tmp_path / "full" / "checkpoints" / "step-0000000"
+    assert capsys.readouterr().err.strip() == (
+        f"gspo: error: export: {step0} holds no copy of its model, and the one it names, "
+        f"{tmp_path / 'full' / 'base_model'}, is gone (moved or removed); put it back there"
+    )
+    # a later step's directory is named with its end: a resumed run removes it
+    assert gspo.export.kept_until(step0) == ""
+    assert gspo.export.kept_until(step0.with_name("step-0000040")).startswith(
+        "; its run removes it once it has train.keep_checkpoints newer ones (a resume): "
+    )
+    assert gspo.export.kept_until(tmp_path / "fx") == ""
 
 
 def test_export_keeps_what_runs_read_and_names_damaged_checkpoints(tmp_path, varied_reward, capsys):

@@ -381,12 +381,12 @@ def _main(args: argparse.Namespace) -> int:
             )
             return 0
         if args.command == "export":
-            from gspo.export import export_merged, plain_checkpoint
+            from gspo.export import export_merged, kept_until, plain_checkpoint
 
             if args.merge is None:
                 checkpoint = plain_checkpoint(args.source)
-                print(f"{checkpoint} is a plain HF model: load it from there (or pass "
-                      "--merge OUT for a copy)")  # fmt: skip
+                copy = kept_until(checkpoint) or " (or pass --merge OUT for a copy)"
+                print(f"{checkpoint} is a plain HF model: load it from there{copy}")
                 return 0
             checkpoint = export_merged(args.source, args.merge)
             print(f"{checkpoint} written to {args.merge} as one model")

@@ -29,6 +29,7 @@ from gspo.publish import DiskFull, check_manifest
 from gspo.training.checkpoint import (
     CHECKPOINTS,
     TRAINER_STATE,
+    checkpoint_dir,
     latest_checkpoint,
     latest_named,
 )
@@ -140,7 +141,13 @@ def plain_checkpoint(source: Path) -> Path:
     checkpoint = resolve_checkpoint(source)
     model = model_files(checkpoint)
     if model != checkpoint:  # a step 0 that names its model instead of holding a copy
-        return Path(os.path.normpath(model))
+        model = Path(os.path.normpath(model))
+        if not model.is_dir():  # (it was named all the same, gone: the audit)
+            raise ValueError(
+                f"export: {checkpoint} holds no copy of its model, and the one it names, "
+                f"{model}, is gone (moved or removed); put it back there"
+            )
+        return model
     if is_lora_checkpoint(checkpoint):
         raise ValueError(
             f"export: {checkpoint} holds a LoRA adapter, not a whole model; pass --merge OUT "
@@ -148,6 +155,19 @@ def plain_checkpoint(source: Path) -> Path:
         )
     check_manifest(checkpoint, is_model_file)  # the files named are the files written
     return checkpoint
+
+
+def kept_until(checkpoint: Path) -> str:
+    """What ``gspo export`` without ``--merge`` adds to a step checkpoint's path: its run
+    removes it once it has ``train.keep_checkpoints`` newer ones (it named a directory a
+    resumed run removed, unsaid); "" for anything else (step 0 stays)."""
+    run = checkpoint.parent.parent
+    if checkpoint.parent.name != CHECKPOINTS or checkpoint == checkpoint_dir(run, 0):
+        return ""
+    return (
+        "; its run removes it once it has train.keep_checkpoints newer ones (a resume): "
+        "--merge OUT writes a copy of its own"
+    )
 
 
 def stored_dtype(model_dir: Path) -> torch.dtype:
