@@ -495,7 +495,9 @@ def test_progress_plain_lines_when_not_a_terminal():
     assert "clip off-policy 0.4, on-policy 0.004" in lines[-1] and "s/step" in lines[-1]
     assert "clip 0.001" in lines[0]  # step 1: no rollout batch's yet, the minibatch's
     assert "eval acc" not in lines[1]  # no eval yet at step 2
-    assert "eval acc 0.3" in lines[6]  # step 12: kept from the step-10 eval line
+    # step 12: kept from the step-10 eval line, saying so (it read as step 12's)
+    assert "eval acc 0.3 (step 10) |" in lines[6]
+    assert "eval acc 0.6 |" in lines[-1]  # (step 40's own: no step named)
     assert progress.accuracy == pytest.approx(0.6)
     # a stale batch (rollout.max_staleness) has no on-policy minibatch: batch 0's figure
     # stayed on every later line as if it were theirs

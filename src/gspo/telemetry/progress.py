@@ -50,6 +50,7 @@ class TrainingProgress:
         self.step = self.start_step
         self.reward: float | None = None
         self.accuracy: float | None = None
+        self.accuracy_step = 0  # (the step that evaluation ran at)
         self.clip_fraction: float | None = None
         self.clip_off_policy: float | None = None
         self.clip_on_policy: float | None = None
@@ -125,10 +126,13 @@ class TrainingProgress:
         (s0, t0), (s1, t1) = self._times[0], self._times[-1]
         return (t1 - t0) / (s1 - s0) if s1 > s0 else None
 
-    def record(self, metrics: Mapping[str, Any]) -> None:
+    def record(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """Keep the figures the display shows from ``metrics`` (e.g. the evaluation before
-        the first step), without showing anything yet."""
+        the first step), those of ``step`` (default: the current one), without showing
+        anything yet."""
         safe = json_safe(metrics)
+        if _is_number(safe.get("eval/accuracy")):
+            self.accuracy_step = self.step if step is None else int(step)
         for attr, key in (
             ("reward", "train/reward_mean"),
             ("accuracy", "eval/accuracy"),
@@ -151,7 +155,7 @@ class TrainingProgress:
         if not self._started:
             self.start()
         step = int(step)
-        self.record(metrics)
+        self.record(metrics, step)
         previous = self.step
         self.step = step
         if step > (self._times[-1][0] if self._times else previous):
@@ -174,8 +178,9 @@ class TrainingProgress:
         parts = []
         if self.reward is not None:
             parts.append(f"reward {_fmt(self.reward)}")
-        if self.accuracy is not None:
-            parts.append(f"eval acc {_fmt(self.accuracy)}")
+        if self.accuracy is not None:  # (an earlier evaluation's: said, it read as this step's)
+            at = f" (step {self.accuracy_step})" if self.accuracy_step != self.step else ""
+            parts.append(f"eval acc {_fmt(self.accuracy)}{at}")
         clip = [
             f"{label} {_fmt(value)}"
             for label, value in (
