@@ -58,6 +58,10 @@ def test_same_seed_same_init(tokenizer):
 def test_load_model_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="model.path: .* is not a directory"):
         load_model(tmp_path / "nope", device=CPU, dtype=torch.float32)
+    (tmp_path / "checkpoints" / "step-0000048").mkdir(parents=True)  # (a run removed 40)
+    removed = r"step-0000040 is not a directory: no such checkpoint \(.*checkpoints holds "
+    with pytest.raises(FileNotFoundError, match=removed + "step-0000048; a run keeps its"):
+        load_model(tmp_path / "checkpoints" / "step-0000040", device=CPU, dtype=torch.float32)
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_model(tmp_path / "empty", device=CPU, dtype=torch.float32)

@@ -463,6 +463,11 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype, wa
                 f"run): download it first (hf download {path} --local-dir DIR), then "
                 "model.path=DIR"
             )
+        elif there := sorted(p.name for p in path.parent.glob("step-*") if p.is_dir()):
+            hint = (  # (a step a run removed since: no download to advise)
+                f": no such checkpoint ({path.parent} holds {', '.join(there)}; a run keeps "
+                "its newest train.keep_checkpoints)"
+            )
         elif not path.exists():  # (a recipe's /models/NAME, before its download)
             hint = (
                 f": no such directory; download the model there (hf download ORG/NAME "
