@@ -595,6 +595,9 @@ def test_an_experts_implementation_this_transformers_lacks_is_one_line(tokenizer
     assert experts_implementation(dense) == "auto"
 
 
+IMPLEMENTATION = ["model.experts_implementation=padded"]
+
+
 def test_a_moe_family_whose_router_is_not_handled_is_said(tokenizer, tmp_path, capsys):
     """DeepSeek-V3, GPT-OSS, Granite-MoE... trained with no expert churn, unsaid; asked
     for Routing Replay the line said an MoE model had no MoE routers (the MoE audit)."""
@@ -626,6 +629,18 @@ def test_a_moe_family_whose_router_is_not_handled_is_said(tokenizer, tmp_path, c
         "gspo: warning: GraniteMoeForCausalLM is a mixture-of-experts model whose router "
         "(GraniteMoeTopKRouter) gspo does not handle: no expert churn (moe/*), Routing Replay "
         "or router loss for it (docs/moe.md lists the families handled)"
+    )
+    # transformers' own names reach its experts; padded (gspo's) does not, and says so
+    set_experts_implementation(granite, "eager")
+    assert experts_implementation(granite) == "eager"
+    padded = [f"model.path={tmp_path / 'granite'}", "model.device=cpu", *IMPLEMENTATION]
+    build_policy_model(
+        load_config(None, padded), tmp_path / "run2", torch.device("cpu"), Distributed(), None,
+        torch.float32,
+    )  # fmt: skip
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "gspo: warning: model.experts_implementation=padded does nothing here: "
+        "GraniteMoeForCausalLM has no experts gspo computes that way"
     )
     # handled and dense models: nothing to say
     assert unhandled_router(build_tiny_model(MOE, tokenizer, seed=0)) is None

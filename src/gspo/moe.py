@@ -405,7 +405,7 @@ def experts_implementation(model: nn.Module) -> str:
     """How ``model``'s experts compute, as a ``model.experts_implementation`` value
     (``auto`` for a dense model or a transformers without the choice)."""
     name = getattr(getattr(model, "config", None), "_experts_implementation", None)
-    if not is_moe(model) or not name:
+    if not (is_moe(model) or unhandled_router(model)) or not name:
         return "auto"
     return "padded" if name == PADDED else str(name)
 
@@ -417,12 +417,16 @@ def set_experts_implementation(model: nn.Module, implementation: str) -> None:
     (``grouped_mm`` in transformers 5.24), ``padded`` is :func:`padded_experts_forward`,
     any other name is passed to transformers' ``set_experts_implementation`` (``eager``:
     its loop over experts). The same sums up to rounding in every case. A dense model is
-    left as it is; a name this transformers cannot use raises ``ValueError``.
+    left as it is, and so is an MoE model whose router is not handled here asked for
+    ``padded`` (transformers' own names reach it); a name this transformers cannot use
+    raises ``ValueError``.
     """
-    if implementation == "auto" or not is_moe(model):
+    handled = is_moe(model)
+    if implementation == "auto" or not (handled or unhandled_router(model)):
         return
     if implementation == "padded":
-        use_padded_experts(model)
+        if handled:
+            use_padded_experts(model)
         return
     setter = getattr(model, "set_experts_implementation", None)
     if setter is None:

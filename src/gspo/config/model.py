@@ -108,7 +108,8 @@ class ModelConfig(Section):
         "transformers 5.24); eager, grouped_mm, batched_mm = transformers' own (eager: "
         "its loop over experts); padded = gspo's three batched matmuls (faster than the "
         "eager loop with many experts on CPU, slower than grouped_mm: "
-        "benchmarks/moe_experts.py)",
+        "benchmarks/moe_experts.py; the families whose routers gspo handles, docs/moe.md). "
+        "A value that does nothing for the model is a warning",
     )
     cpu_linear: Literal["onednn", "torch"] = Field(
         "onednn",

@@ -31,7 +31,12 @@ from gspo.models import (
     save_pretrained_atomic,
 )
 from gspo.models.kernels import set_linear_kernel
-from gspo.moe import is_moe, set_experts_implementation, unhandled_router
+from gspo.moe import (
+    experts_implementation,
+    is_moe,
+    set_experts_implementation,
+    unhandled_router,
+)
 from gspo.moved import model_not_found, moved_path
 from gspo.plugins import absolute_spec
 from gspo.rewards import RewardFunctions
@@ -166,7 +171,15 @@ def build_policy_model(
             file=sys.stderr,
             flush=True,
         )
-    set_experts_implementation(model, config.model.experts_implementation)
+    chosen = config.model.experts_implementation
+    set_experts_implementation(model, chosen)
+    if chosen != "auto" and experts_implementation(model) != chosen and dist.is_main:
+        print(  # (a dense model, or padded for a router not handled: it went unsaid)
+            f"gspo: warning: model.experts_implementation={chosen} does nothing here: "
+            f"{type(model).__name__} has no experts gspo computes that way",
+            file=sys.stderr,
+            flush=True,
+        )
     if config.model.activation_checkpointing:
         enable_activation_checkpointing(model)
     if lora.r > 0:
