@@ -106,7 +106,7 @@ def measure(on: bool, args: argparse.Namespace) -> dict:
 def alternate(model, update, repeats: int) -> dict[str, float]:
     """The fastest of ``repeats`` updates with checkpointing off and on, taken in turn in
     one process (so that other load on the machine hits both alike)."""
-    from gspo.training.setup import enable_activation_checkpointing
+    from gspo.training.blocks import enable_activation_checkpointing
 
     best = {"off": float("inf"), "on": float("inf")}
     for _ in range(repeats):

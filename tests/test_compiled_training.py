@@ -25,7 +25,7 @@ from gspo.cli import main
 from gspo.config import load_config
 from gspo.telemetry import read_metrics
 from gspo.trainer import Trainer
-from gspo.training.setup import compile_blocks
+from gspo.training.blocks import compile_blocks
 
 #: (on a torch before 2.6, which pyproject allows, model.compile is a one-line error)
 pytestmark = pytest.mark.skipif(
