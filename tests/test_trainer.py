@@ -1436,3 +1436,30 @@ def test_a_checkpoint_evaluated_again_gives_the_runs_greedy_figures(tmp_path, va
     assert sorted(at) == [0, 4] and at[4][greedy] != at[0][greedy]  # (the model moved)
     for key in ("accuracy", "reward_mean", "response_length_mean"):
         assert evaluated[f"eval/{key}_greedy"] == at[4][f"eval/{key}_greedy"], key
+
+
+def test_a_stopped_run_draws_the_plots_of_what_it_logged(tmp_path, capsys):
+    """Ctrl-C (or SIGTERM at a cluster's time limit) after some steps: the plots of the
+    steps taken, as a finished run draws them (before: none at all)."""
+    (tmp_path / "rw.py").write_text(
+        "calls = 0\n"
+        "def stops(prompts, completions, **kw):\n"
+        "    global calls\n"
+        "    calls += 1\n"
+        "    if calls == 3:\n"  # (the start's evaluation, rollout batch 1, then batch 2)
+        "        raise KeyboardInterrupt\n"
+        "    return [float(len(c) % 2) for c in completions]\n"
+    )
+    run = tmp_path / "run"
+    stops = f"reward.functions=[{tmp_path / 'rw.py'}:stops]"
+    steps = ["train.max_steps=8", "algorithm.minibatches=2", "eval.greedy=false",
+             "data.eval_size=8", "log.plots=true", stops]  # fmt: skip
+    assert main(["train", "--output-dir", str(run), *FAST, *steps]) == 130
+    assert "gspo: interrupted; resume with gspo train --resume" in capsys.readouterr().err
+    assert [r["step"] for r in run_metrics(run) if "train/loss" in r] == [1, 2]
+    assert sorted(p.name for p in (run / "plots").iterdir()) == [
+        "accuracy.png",
+        "clip_fraction.png",
+        "mismatch.png",
+        "reward.png",
+    ]

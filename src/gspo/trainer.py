@@ -41,6 +41,7 @@ from gspo.telemetry import (
     StepProfiler,
     TrainingProgress,
     plot_metrics,
+    plots_so_far,
     print_summary,
     read_metrics,
 )
@@ -287,6 +288,8 @@ class Trainer:
         finally:  # (a failed run left TensorBoard's thread, the metrics file, W&B's run open)
             try:
                 self.logger.close()
+                if quiet and self.step > 0 and self.dist.is_main and self.config.log.plots:
+                    plots_so_far(self.output_dir)
             finally:
                 self.rewards.close()  # the reward.workers processes, if any
                 if (close := getattr(self.sampler.engine, "close", None)) is not None:

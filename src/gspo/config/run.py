@@ -122,7 +122,8 @@ class LogConfig(Section):
     plots: bool = Field(
         True,
         description="Draw plots/*.png (reward, accuracy, clip fraction, mismatch, MoE expert "
-        "change) at the end",
+        "change) at the end, and of the steps taken when a run stops early (Ctrl-C, "
+        "SIGTERM, an error)",
     )
     progress: bool = Field(True, description="Progress bar and cold-start lines on stdout")
     ratio_dump_every: int = Field(

@@ -25,6 +25,7 @@ from gspo.telemetry.plots import (
     plot_metrics,
     plot_runs,
     plot_series,
+    plots_so_far,
 )
 from gspo.telemetry.profiling import StepProfiler
 from gspo.telemetry.progress import TrainingProgress
@@ -36,6 +37,7 @@ from gspo.telemetry.trackers import TENSORBOARD_DIR
 __all__ = [
     "METRICS_FILE", "STEP_TIME_KEYS", "SUMMARY_KEYS", "TENSORBOARD_DIR", "MetricsLogger",
     "StepProfiler", "TrainingProgress", "band_lines", "json_safe", "plot_bands", "plot_histograms",
-    "plot_metrics", "plot_runs", "plot_series", "print_summary", "read_metrics", "summary_table",
+    "plot_metrics", "plot_runs", "plot_series", "plots_so_far", "print_summary", "read_metrics",
+    "summary_table",
 ]
 # fmt: on

@@ -9,6 +9,7 @@ lazily and drawn on a bare ``Figure`` (no pyplot state), so plotting is safe hea
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
@@ -343,3 +344,12 @@ def plot_metrics(metrics_path: str | Path, output_dir: str | Path) -> list[Path]
         ),
     ]
     return [p for p in written if p is not None]
+
+
+def plots_so_far(run: Path) -> None:
+    """A stopped run's plots of what it logged (Ctrl-C, SIGTERM at a cluster's time limit,
+    an error): before, only a run that finished drew any. Best effort: a stop's own line
+    is what the user reads, so a plot that fails is left out, unsaid."""
+    with contextlib.suppress(Exception):
+        if (run / "metrics.jsonl").is_file():
+            plot_metrics(run / "metrics.jsonl", run / "plots")
