@@ -135,6 +135,23 @@ def test_a_run_puts_its_policy_and_kl_reference_on_model_cpu_linear(tmp_path, ke
     assert head_precision(module) == head_precision(trainer.reference.module) == "float32"
 
 
+def test_auto_takes_mkl_on_intel_cpus_and_onednn_on_others(tiny_model, monkeypatch):
+    """oneDNN was the CPU's default: on an Intel Xeon (AVX-512) MKL's products were the
+    faster (a rollout batch 2.98 s against 3.61 s, benchmarks/long_levers.py --only linear),
+    on AMD EPYC hosts oneDNN's about twice MKL's."""
+    from gspo.models import kernels
+
+    for vendor, expected in (("GenuineIntel", "torch"), ("AuthenticAMD", "onednn"), ("", "onednn")):
+        monkeypatch.setattr(kernels, "cpu_vendor", lambda vendor=vendor: vendor)
+        assert kernels.resolved_kernel("auto") == expected
+        assert kernels.resolved_kernel("onednn") == "onednn"  # (named: as named)
+        assert kernels.resolved_kernel("torch") == "torch"
+        if kernels.onednn_available():
+            assert set_linear_kernel(tiny_model, "auto") == expected
+    monkeypatch.undo()
+    assert kernels.cpu_vendor() in ("GenuineIntel", "AuthenticAMD", "")  # (read, not patched)
+
+
 def bf16(t):
     return t.detach().bfloat16().float()
 

@@ -111,11 +111,12 @@ class ModelConfig(Section):
         "benchmarks/moe_experts.py; the families whose routers gspo handles, docs/moe.md). "
         "A value that does nothing for the model is a warning",
     )
-    cpu_linear: Literal["onednn", "torch"] = Field(
-        "onednn",
+    cpu_linear: Literal["auto", "onednn", "torch"] = Field(
+        "auto",
         description="Float32 linear layers on the CPU: onednn = oneDNN's matrix products "
         "(about 2x torch's default MKL on AMD CPUs; the same sums up to rounding), torch = "
-        "F.linear as shipped. Ignored on CUDA and where this torch has no oneDNN",
+        "F.linear as shipped (MKL: the faster on Intel CPUs), auto = onednn on CPUs not "
+        "Intel's, torch on Intel's. Ignored on CUDA and where this torch has no oneDNN",
     )
     head_precision: Literal["auto", "float32", "bf16_weight"] = Field(
         "auto",

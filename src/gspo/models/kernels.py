@@ -5,16 +5,18 @@ recognise as Intel's it takes slower generic paths: on this project's AMD EPYC h
 oneDNN (also inside every x86 build of PyTorch) computes the same products about twice
 as fast, both the small ones of a decoding step (``[128 x 256] x [256 x 768]``: 0.147 vs
 0.296 ms) and the large ones of training (``[6100 x 256] x [256 x 768]``: 5.2 vs 10.6 ms
-forward, 1.7-2.1x with the backward; ``benchmarks/long_levers.py --only linear``). Intel
-CPUs were not measured: there MKL takes its own fast paths and the gain may be small.
+forward, 1.7-2.1x with the backward; ``benchmarks/long_levers.py --only linear``). On an
+Intel Xeon (AVX-512, AMX) MKL takes its own fast paths and is the faster: the same
+command at 5bee4d5 gave 0.181 vs 0.254 ms and 7.9 vs 9.0 ms, so ``model.cpu_linear=auto``
+(the default) picks oneDNN on CPUs not Intel's and MKL on Intel's.
 
 :func:`set_linear_kernel` points every plain ``nn.Linear`` of a model at
 :func:`onednn_linear` (forward and backward); :func:`linear_for` gives a model's decoding
 step and its training forward's vocabulary projection the same kernel. The sums are the
 same up to float rounding (another blocking of the same products); anything the kernel
 does not take (another dtype or device, tensor subclasses such as FSDP's sharded
-``DTensor``, autocast) goes to ``F.linear``. Selected by ``model.cpu_linear`` (``onednn``
-by default; ``torch`` keeps MKL).
+``DTensor``, autocast) goes to ``F.linear``. Selected by ``model.cpu_linear`` (``auto`` by
+default; ``onednn``; ``torch`` keeps MKL).
 
 The vocabulary projection (the head, :func:`gspo.models.logprobs.head_logits`) has a
 precision of its own, recorded beside the kernel (``model.head_precision``): ``float32``
@@ -60,6 +62,28 @@ def onednn_available() -> bool:
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
+
+
+@cache
+def cpu_vendor() -> str:
+    """The CPU's vendor (``GenuineIntel``, ``AuthenticAMD``; "" where unknown)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next(
+                (ln.split(":", 1)[1].strip() for ln in info if ln.startswith("vendor_id")), ""
+            )
+    except OSError:
+        return ""
+
+
+def resolved_kernel(kernel: str) -> str:
+    """``model.cpu_linear`` with ``auto`` resolved: oneDNN where MKL takes its generic
+    paths (a CPU not Intel's: about 2x on this project's AMD EPYC hosts), torch's MKL on
+    Intel's, where it was the faster (an Intel Xeon with AVX-512: a rollout batch 2.98 s
+    against oneDNN's 3.61 s, ``benchmarks/long_levers.py --only linear`` at 5bee4d5)."""
+    if kernel != "auto":
+        return kernel
+    return "torch" if cpu_vendor() == "GenuineIntel" else "onednn"
 
 
 def _takes(*tensors: Tensor | None) -> bool:
@@ -237,9 +261,11 @@ def set_linear_kernel(
     model: nn.Module, kernel: str = "onednn", head: HeadPrecision = "float32"
 ) -> str:
     """Point ``model``'s plain ``nn.Linear`` layers at oneDNN when ``kernel`` is
-    ``"onednn"``, the model is on the CPU and this torch has oneDNN; returns the kernel in
-    use (``"onednn"`` or ``"torch"``), also recorded on the model for :func:`linear_for`.
-    ``head``: the vocabulary projection's precision, recorded for :func:`head_linear_for`."""
+    ``"onednn"`` (or ``"auto"`` on a CPU not Intel's: :func:`resolved_kernel`), the model
+    is on the CPU and this torch has oneDNN; returns the kernel in use (``"onednn"`` or
+    ``"torch"``), also recorded on the model for :func:`linear_for`. ``head``: the
+    vocabulary projection's precision, recorded for :func:`head_linear_for`."""
+    kernel = resolved_kernel(kernel)
     on_cpu = all(p.device.type == "cpu" for p in model.parameters())
     used = "onednn" if kernel == "onednn" and on_cpu and onednn_available() else "torch"
     for module in model.modules():

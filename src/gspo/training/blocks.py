@@ -45,7 +45,7 @@ def compile_blocks(model, dist: Distributed) -> None:
     if linear_kernel(model) == "onednn":
         raise ValueError(
             "model.compile: on the CPU it needs model.cpu_linear=torch (inductor cannot "
-            "compile oneDNN's linear layers, the CPU's default)"
+            "compile oneDNN's linear layers, the default on CPUs not Intel's)"
         )
     for block in model.get_decoder().layers:
         block.compile(dynamic=True)

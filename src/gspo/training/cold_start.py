@@ -41,7 +41,7 @@ from gspo.config import Config
 from gspo.distributed import Distributed, load_sharded, save_sharded, sharded_problem, whole
 from gspo.engines import pad_batch
 from gspo.models import model_context, model_files
-from gspo.models.kernels import onednn_available
+from gspo.models.kernels import onednn_available, resolved_kernel
 from gspo.objectives import read_scalars
 from gspo.plugins import PYTHON_OBJECT, is_file_source, object_spec
 from gspo.publish import (
@@ -144,7 +144,11 @@ def cold_start_key(config: Config, rows: list[dict[str, Any]], dist: Distributed
         "versions": [torch.__version__, transformers.__version__],
         # the kernels the CPU takes (oneDNN's linear layers or MKL's, AVX2 or AVX-512)
         # round differently
-        "cpu": [torch.backends.cpu.get_cpu_capability(), onednn_available()],
+        "cpu": [
+            torch.backends.cpu.get_cpu_capability(),
+            onednn_available(),
+            resolved_kernel(config.model.cpu_linear),  # (auto: by the CPU's vendor)
+        ],
     }
     h.update(json.dumps(settings, sort_keys=True).encode())
     h.update(json.dumps(rows, sort_keys=True, default=str).encode())
