@@ -60,7 +60,7 @@ OPTIONAL = re.compile(r"(?<!\S)\[[^\]]*\]")
 SHELL_OPERATORS = {"|", "||", "&&", ";", "&", ">", ">>", "2>&1"}
 #: The user's own config files the docs name (``--config my.yaml``): the overrides of such
 #: a command are checked on the default config. Any other --config must exist in the repo.
-USER_FILES = {"my.yaml"}
+USER_FILES = {"my.yaml", "config.yaml"}  # (the user's own; a run's own)
 
 
 def shell_lines(text: str) -> list[str]:
