@@ -249,6 +249,12 @@ def test_missing_and_invalid_files(tmp_path):
         load_config(tmp_path / "empty.yaml")
     (tmp_path / "none.yaml").write_text("optim:\n#  lr: 1e-6\ntrain:\n  seed: 3\n")
     assert load_config(tmp_path / "none.yaml").optim == load_config(None).optim
+    (tmp_path / "nested.yaml").write_text("model:\n  lora:\n#    r: 4\n")  # (the reviewer's)
+    assert load_config(tmp_path / "nested.yaml").model.lora == load_config(None).model.lora
+    # a key the command line set that only begins like the file's (data.eval, eval_size)
+    (tmp_path / "size.yaml").write_text("data:\n  eval_size: -5\n")
+    with pytest.raises(ConfigError, match=r"^\S*size.yaml: data.eval_size: Input should be"):
+        load_config(tmp_path / "size.yaml", ["data.eval=e.jsonl"])
     (tmp_path / "unknown.yaml").write_text("optimizer:\n  lr: 1e-5\n")
     with pytest.raises(ConfigError, match=r"^\S*unknown.yaml: optimizer: unknown key; did you"):
         load_config(tmp_path / "unknown.yaml")

@@ -594,6 +594,19 @@ def test_moe_router_jitter_is_switched_off_like_dropout(tokenizer):
     assert disable_dropout(mixtral) == {"router jitter": pytest.approx(0.1)}
     with torch.no_grad():
         assert torch.equal(mixtral.train()(ids).logits, mixtral.eval()(ids).logits)
+    # PhiMoE's router_jitter_noise is its routing's threshold, in eval mode too: kept
+    from transformers import PhimoeConfig, PhimoeForCausalLM
+
+    phimoe = PhimoeForCausalLM(
+        PhimoeConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                     num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.01,
+                     input_jitter_noise=0.0)
+    ).eval()  # fmt: skip
+    with torch.no_grad():
+        before = phimoe(ids).logits
+        assert disable_dropout(phimoe) == {}
+        assert torch.equal(phimoe(ids).logits, before)
 
 
 def test_model_context_tells_a_learned_position_table_from_rotary_positions(tokenizer):

@@ -642,6 +642,15 @@ def test_a_moe_family_whose_router_is_not_handled_is_said(tokenizer, tmp_path, c
         "gspo: warning: model.experts_implementation=padded does nothing here: "
         "GraniteMoeForCausalLM has no experts gspo computes that way"
     )
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    # an MoE config whose layers are all dense: no router, nothing to say (the reviewer's)
+    all_dense = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, mlp_only_layers=[0, 1],
+    )  # fmt: skip
+    assert unhandled_router(Qwen3MoeForCausalLM(all_dense)) is None
     # handled and dense models: nothing to say
     assert unhandled_router(build_tiny_model(MOE, tokenizer, seed=0)) is None
     dense = TinyModelSpec(layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64)

@@ -306,3 +306,29 @@ def test_a_root_trainer_with_a_private_temp_dir_still_runs_programs(
     io = parse_tests([{"input": "3\n", "output": "6"}])
     assert score_code("print(2 * int(input()))", io, FAST) == 1.0
     assert list(private.iterdir()) == []  # (made elsewhere, and removed)
+
+
+def test_a_stale_directorys_session_reused_by_another_process_is_not_killed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A directory left by a run killed outright names a session id that another
+    process may hold by now: only processes in the directory are the program's (the
+    reviewer's case: a shell of the same uid in a reused session was killed)."""
+    import subprocess
+
+    monkeypatch.setattr(sandbox, "_host_base", lambda: str(tmp_path))
+    monkeypatch.setattr(sandbox, "_sandbox_ids", lambda: (os.getuid(), os.getgid()))
+    other = subprocess.Popen(["sleep", "30"], start_new_session=True, cwd=tmp_path)
+    try:
+        stale = tmp_path / "gspo-sandbox-999999-x"
+        (stale / "work").mkdir(parents=True)
+        (stale / "session").write_text(str(other.pid))
+        sandbox.sweep([999999])
+        assert not stale.exists() and other.poll() is None  # removed; the other lives on
+        (stale / "work").mkdir(parents=True)  # a program in its directory: killed
+        placed = subprocess.Popen(["sleep", "30"], start_new_session=True, cwd=stale / "work")
+        (stale / "session").write_text(str(placed.pid))
+        sandbox.sweep([999999])
+        assert placed.wait(5) == -9 and not stale.exists()
+    finally:
+        other.kill()

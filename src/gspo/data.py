@@ -227,7 +227,7 @@ def _load_error(exc: Exception, source: Source, text: str, what: str) -> ValueEr
     kind = "dataset id" if source.kind == "hub" else "local dataset"
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
     hint, local = "", Path(source.location)
-    if source.kind == "hub" and (isinstance(exc, ConnectionError) or offline):
+    if source.kind == "hub" and isinstance(exc, ConnectionError):  # (offline mode's too)
         hint = (  # (the recipes audit: that a local copy works was unsaid)
             " (offline, the dataset must be in the datasets cache, or a local copy given: "
             f"{what}=FILE ({', '.join(DATA_SUFFIXES)}) or a save_to_disk directory"

@@ -83,9 +83,10 @@ def find_routers(model: nn.Module) -> list[nn.Module]:
 
 def unhandled_router(model: nn.Module) -> str | None:
     """The router class of a mixture-of-experts model whose routers are not in
-    :data:`ROUTERS` (``"its router"`` where no module is named like one), or None (a dense
-    model, or one handled here). Such a model trains, without expert churn, Routing
-    Replay or the router loss: before, nothing said so (DeepSeek-V3, GPT-OSS, Granite)."""
+    :data:`ROUTERS` (a module whose class is named like one, or one named ``gate`` or
+    ``router``), or None (a dense model, one whose MoE config leaves every layer dense,
+    or one handled here). Such a model trains, without expert churn, Routing Replay or
+    the router loss: before, nothing said so (DeepSeek-V3, GPT-OSS, Granite)."""
     if is_moe(model):
         return None
     config = getattr(model, "config", None)
@@ -96,8 +97,14 @@ def unhandled_router(model: nn.Module) -> str | None:
     counts = [getattr(c, k, None) for c in places for k in keys]
     if not any(isinstance(n, int) and n > 1 for n in counts):
         return None
-    named = (type(m).__name__ for m in model.modules())
-    return next((n for n in named if re.search(r"(Router|Gate|Gating)$", n)), "its router")
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if re.search(r"(Router|Gate|Gating)$", kind) or name.rpartition(".")[2] in (
+            "gate",
+            "router",
+        ):
+            return kind
+    return None
 
 
 def is_moe(model: nn.Module) -> bool:

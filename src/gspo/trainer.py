@@ -288,12 +288,12 @@ class Trainer:
         finally:  # (a failed run left TensorBoard's thread, the metrics file, W&B's run open)
             try:
                 self.logger.close()
-                if quiet and self.step > 0 and self.dist.is_main and self.config.log.plots:
-                    plots_so_far(self.output_dir)
             finally:
                 self.rewards.close()  # the reward.workers processes, if any
                 if (close := getattr(self.sampler.engine, "close", None)) is not None:
                     close()
+                if quiet and self.step > 0 and self.dist.is_main and self.config.log.plots:
+                    plots_so_far(self.output_dir)  # (once the workers and engine are gone)
 
     def fit(self, started: Callable[[], None] | None = None) -> list[dict[str, Any]]:
         """The run to its end: the cold start, evaluations, rollout batches, checkpoints;

@@ -88,6 +88,21 @@ def _is_section(annotation: Any) -> bool:
     return isinstance(annotation, type) and issubclass(annotation, Section)
 
 
+def _no_null_sections(tree: dict[Any, Any], prefix: str = "") -> dict[Any, Any]:
+    """``tree`` with each section whose keys are all commented out (``optim:``, or
+    ``lora:`` under ``model:``: YAML's null) as an empty one: it sets nothing (pydantic
+    said "Input should be a valid dictionary")."""
+    out = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if value is None and _is_section(field_annotation(Config, dotted)):
+            value = {}
+        elif isinstance(value, dict):
+            value = _no_null_sections(value, f"{dotted}.")
+        out[key] = value
+    return out
+
+
 def _is_text(annotation: Any) -> bool:
     """Whether a field holds text: ``str``, ``str | None`` or a ``Literal`` of strings."""
     if annotation is str:
@@ -198,9 +213,7 @@ def load_config(
                 "the defaults"
             )
         tree = {}
-        for key, value in loaded.items():  # (a dotted key, optim.lr: 0.5, as nested)
-            if value is None and _is_section(field_annotation(Config, str(key))):
-                value = {}  # (a section whose keys are all commented out: none set)
+        for key, value in _no_null_sections(loaded).items():  # (optim.lr: 0.5 as nested)
             twice = next((k for k in _leaves(str(key), value) if _get_dotted(tree, k)[0]), None)
             if twice is not None:  # optim.lr: and optim: {lr:} in one file
                 raise ConfigError(
@@ -222,7 +235,8 @@ def load_config(
         line = error_line(exc, Config)
         first = re.split(r"[=:\s]", line, maxsplit=1)[0]  # (an unknown section's: its keys)
         ours = any(k == first or k.startswith(f"{first}.") for k in from_file)
-        if path is not None and ours and not any(k in line for k in given):
+        named = (re.search(rf"(?<![\w.]){re.escape(k)}(?![\w.])", line) for k in given)
+        if path is not None and ours and not any(named):
             line = f"{path}: {line}"  # (not where the command line set a key it names)
         raise ConfigError(line) from None
 

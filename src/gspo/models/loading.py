@@ -221,8 +221,10 @@ def loading_model(path: str | Path, *, dtype: torch.dtype, device: torch.device)
 
 
 #: MoE blocks' training-mode noise on the hidden states or router logits (Mixtral's,
-#: MiniMax's, PhiMoE's, Switch's; DBRX's ``moe_jitter_eps`` is off at None)
-_JITTER = ("jitter_noise", "router_jitter_noise", "input_jitter_noise", "moe_jitter_eps")
+#: MiniMax's and Switch's ``jitter_noise``, PhiMoE's ``input_jitter_noise``; DBRX's
+#: ``moe_jitter_eps`` is off at None). Not PhiMoE's ``router_jitter_noise``: its
+#: routing's masking threshold, in eval mode too (0 would change the model)
+_JITTER = ("jitter_noise", "input_jitter_noise", "moe_jitter_eps")
 
 
 def disable_dropout(model: torch.nn.Module) -> dict[str, float]:

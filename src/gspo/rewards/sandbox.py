@@ -331,15 +331,18 @@ def _state(pid: int | str) -> list[str]:
     return stat[stat.rindex(")") + 2 :].split()
 
 
-def _session_members(session: int, uid: int) -> list[int]:
-    """The live processes of ``session`` that run as ``uid``."""
+def _session_members(session: int, uid: int, where: Path) -> list[int]:
+    """The live processes of ``session`` that run as ``uid`` in a directory under
+    ``where`` (a session id reused since by another's process is not the program's)."""
     members = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError, ValueError, IndexError):
                 state = _state(entry)
                 if int(state[3]) == session and os.stat(f"/proc/{entry}").st_uid == uid:
-                    members.append(int(entry))
+                    cwd = Path(os.readlink(f"/proc/{entry}/cwd"))
+                    if cwd == where or where in cwd.parents:
+                        members.append(int(entry))
     return [pid for pid in members if not _gone(pid)]
 
 
@@ -355,12 +358,15 @@ def sweep(owners: Sequence[int]) -> None:
     processes ``owners`` left behind: a reward worker killed at ``reward.timeout`` (its
     ``finally`` never ran), a call abandoned by a timed-out thread at exit. Without
     bubblewrap such a program slept on after the run (with it, it dies with its parent);
-    only the program's own session is killed (one that called ``setsid`` escapes it)."""
+    only the program's own session is killed, its processes in the program's directory
+    (one that called ``setsid`` or left the directory escapes it; under bubblewrap they
+    died with their parent)."""
     uid, killed = _sandbox_ids()[0], []
     for owner in owners:
         for path in Path(_host_base()).glob(f"{_HOST_PREFIX}{owner}-*"):
             with contextlib.suppress(OSError, ValueError):
-                for pid in _session_members(int(Path(path, "session").read_text()), uid):
+                session = int(Path(path, "session").read_text())
+                for pid in _session_members(session, uid, path.resolve()):
                     with contextlib.suppress(OSError):
                         os.kill(pid, signal.SIGKILL)
                         killed.append(pid)
@@ -373,8 +379,9 @@ def sweep(owners: Sequence[int]) -> None:
 
 @functools.cache
 def _sweep_at_exit() -> None:
-    """At this process's exit: what its calls still running (abandoned) leave."""
-    atexit.register(sweep, [os.getpid()])
+    """At this process's exit: what its calls still running (abandoned) leave (the
+    exiting process's own: a child forked since inherits the hook, not the parent's)."""
+    atexit.register(lambda: sweep([os.getpid()]))
 
 
 # --------------------------------------------------------------------------------------------
