@@ -576,7 +576,7 @@ def test_dropout_is_switched_off_so_training_mode_computes_the_samplers_probabil
 
 def test_moe_router_jitter_is_switched_off_like_dropout(tokenizer):
     """Mixtral's router_jitter_noise rescales the hidden states in training mode: 0.1
-    clipped 43% of the on-policy tokens, recompute or not (the MoE audit)."""
+    clipped 43% of the on-policy tokens, recompute or not (the MoE audit's probe)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     from gspo.models import disable_dropout

@@ -98,11 +98,8 @@ def unhandled_router(model: nn.Module) -> str | None:
     if not any(isinstance(n, int) and n > 1 for n in counts):
         return None
     for name, module in model.named_modules():
-        kind = type(module).__name__
-        if re.search(r"(Router|Gate|Gating)$", kind) or name.rpartition(".")[2] in (
-            "gate",
-            "router",
-        ):
+        kind, attribute = type(module).__name__, name.rpartition(".")[2]
+        if re.search(r"(Router|Gate|Gating)$", kind) or attribute in ("gate", "router"):
             return kind
     return None
 

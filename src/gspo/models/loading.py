@@ -235,7 +235,8 @@ def disable_dropout(model: torch.nn.Module) -> dict[str, float]:
     RL's ratio pi_theta / pi_old needs the trainer's forward to compute the sampler's
     probabilities: with dropout on in training mode (GPT-2's configs: 0.1) the on-policy
     ratios are off 1 by the dropped units and GSPO's narrow range clips most sequences;
-    Mixtral's ``router_jitter_noise`` 0.1 clipped 43% of the on-policy tokens.
+    Mixtral's ``router_jitter_noise`` moves them the same way (an audit's probe, not a
+    command of the repository, saw 43% of the on-policy tokens clipped at 0.1).
     ``config.json`` is left as it was (an export keeps the model's own dropout).
     """
     largest: dict[str, float] = {}

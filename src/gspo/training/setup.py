@@ -154,32 +154,28 @@ def build_policy_model(
             "start ends every completion (set eos_token in its tokenizer_config.json, or "
             "train.cold_start_steps=0)"
         )
-    noise = disable_dropout(model)
-    if noise and dist.is_main:
+    said, name = [], type(model).__name__
+    if noise := disable_dropout(model):
         what = " and its ".join(f"{kind} (up to {rate:g})" for kind, rate in noise.items())
-        print(
-            f"gspo: note: the model's {what} {'are' if len(noise) > 1 else 'is'} off for the "
-            "whole run: pi_theta/pi_old must be 1 on the sampled tokens",
-            file=sys.stderr,
-            flush=True,
+        said.append(
+            f"note: the model's {what} {'are' if len(noise) > 1 else 'is'} off for the whole "
+            "run: pi_theta/pi_old must be 1 on the sampled tokens"
         )
-    if (router := unhandled_router(model)) is not None and dist.is_main:
-        print(
-            f"gspo: warning: {type(model).__name__} is a mixture-of-experts model whose "
-            f"router ({router}) gspo does not handle: no expert churn (moe/*), Routing "
-            "Replay or router loss for it (docs/moe.md lists the families handled)",
-            file=sys.stderr,
-            flush=True,
+    if (router := unhandled_router(model)) is not None:
+        said.append(
+            f"warning: {name} is a mixture-of-experts model whose router ({router}) gspo "
+            "does not handle: no expert churn (moe/*), Routing Replay or router loss for it "
+            "(docs/moe.md lists the families handled)"
         )
     chosen = config.model.experts_implementation
     set_experts_implementation(model, chosen)
-    if chosen != "auto" and experts_implementation(model) != chosen and dist.is_main:
-        print(  # (a dense model, or padded for a router not handled: it went unsaid)
-            f"gspo: warning: model.experts_implementation={chosen} does nothing here: "
-            f"{type(model).__name__} has no experts gspo computes that way",
-            file=sys.stderr,
-            flush=True,
+    if chosen != "auto" and experts_implementation(model) != chosen:
+        said.append(  # (a dense model, or padded for a router not handled: it went unsaid)
+            f"warning: model.experts_implementation={chosen} does nothing here: {name} has "
+            "no experts gspo computes that way"
         )
+    for line in said if dist.is_main else []:
+        print(f"gspo: {line}", file=sys.stderr, flush=True)
     if config.model.activation_checkpointing:
         enable_activation_checkpointing(model)
     if lora.r > 0:
