@@ -766,6 +766,31 @@ def test_a_rank_says_one_last_line_when_two_threads_end_it_at_once():
     assert sorted(done.stdout.split()) == ["False", "True"] and lines[-1].endswith("again")
 
 
+def test_the_silent_ender_waits_until_the_other_ones_line_is_out():
+    """The watch that finds the collective's line claimed ends the process at once: it
+    did so while that line was still being written (a full-suite run read one rank's
+    line of two). ``last_words`` returns only once the line claimed is out."""
+    script = (
+        "import sys, threading\n"
+        "from gspo.distributed import last_words\n"
+        "claimed, returned, out = threading.Event(), threading.Event(), []\n"
+        "class Slow:\n"  # a stderr whose write waits for the other ender (up to 2 s)
+        "    def write(self, text):\n"
+        "        claimed.set(); returned.wait(2); out.append(text)\n"
+        "    def flush(self): pass\n"
+        "sys.stderr = Slow()\n"
+        "speaker = threading.Thread(target=last_words, args=('line', 'collective'))\n"
+        "speaker.start(); claimed.wait()\n"
+        "said = last_words('other', 'watch')\n"
+        "print(said, ''.join(out).strip() or 'nothing')\n"  # (the watch exits here)
+        "returned.set(); speaker.join()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "line"]
+
+
 def test_large_shards_are_written_by_several_threads_and_read_back_whole(tmp_path, monkeypatch):
     """``write_sharded``: one file per ``BYTES_PER_WRITE_THREAD`` of a rank's shards, at most
     ``WRITE_THREADS`` (written at once: 4x faster on this CPU's disk), one for small ones;

@@ -203,13 +203,15 @@ def last_words(line: str, by: Literal["watch", "collective"]) -> bool:
     the launcher watch's thread and the main thread's broken collective can each end a
     rank at once (the other rank left first), and a rank says one line. Whether it
     printed. (Each ender may say its line again: ``gspo.cli.main`` called in one process
-    again, as tests do.)"""
+    again, as tests do.) The line is printed holding the lock: the watch, finding the
+    collective's line claimed, ends the process at once, and ended it before the line was
+    out (a test saw one rank's line of two)."""
     other = "collective" if by == "watch" else "watch"
     with _ENDING["lock"]:
         if _ENDING[other]:
             return False
         _ENDING[by] = True
-    print(line, file=sys.stderr, flush=True)
+        print(line, file=sys.stderr, flush=True)
     return True
 
 
