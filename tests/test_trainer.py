@@ -1421,23 +1421,6 @@ def test_completions_every_writes_what_each_batch_sampled(tmp_path, varied_rewar
     assert first["train/reward_mean"] == pytest.approx(sum(x["reward"] for x in lines) / 16)
 
 
-def test_a_checkpoint_evaluated_again_gives_the_runs_greedy_figures(tmp_path, varied_reward):
-    """docs/training.md's recipe (no gspo eval): a run of no RL steps from a checkpoint,
-    with the run's config.yaml, evaluates it as the run did (greedy: the same figures)."""
-    run, again = tmp_path / "run", tmp_path / "again"
-    steps = ["train.max_steps=4", "algorithm.minibatches=2", varied_reward]
-    assert main(["train", "--output-dir", str(run), *FAST, *steps]) == 0
-    step4 = run / "checkpoints" / "step-0000004"
-    anew = ["--output-dir", str(again), "train.cold_start_steps=0", "train.max_steps=0"]
-    assert main(["train", "--config", str(run / "config.yaml"), *anew, f"model.path={step4}"]) == 0
-    at = {r["step"]: r for r in run_metrics(run) if "eval/accuracy_greedy" in r}
-    (evaluated,) = [r for r in run_metrics(again) if "eval/accuracy_greedy" in r]
-    greedy = "eval/response_length_mean_greedy"
-    assert sorted(at) == [0, 4] and at[4][greedy] != at[0][greedy]  # (the model moved)
-    for key in ("accuracy", "reward_mean", "response_length_mean"):
-        assert evaluated[f"eval/{key}_greedy"] == at[4][f"eval/{key}_greedy"], key
-
-
 def test_a_stopped_run_draws_the_plots_of_what_it_logged(tmp_path, capsys):
     """Ctrl-C (or SIGTERM at a cluster's time limit) after some steps: the plots of the
     steps taken, as a finished run draws them (before: none at all)."""

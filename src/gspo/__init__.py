@@ -7,6 +7,7 @@ A run from Python (docs/python.md)::
     config = gspo.load_config("my.yaml", ["model.path=...", "data.train=train.jsonl"])
     config.reward.functions = [my_reward, "format"]
     gspo.train(config, "runs/mine")
+    print(gspo.evaluate("runs/mine").metrics)  # its latest checkpoint, as the run evaluates
 
 The algorithmic core is importable without loading transformers::
 
@@ -18,7 +19,7 @@ from gspo.objectives import DEFAULT_CLIP, LEVELS, PolicyLoss, group_advantages, 
 __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_CLIP", "LEVELS", "Config", "PolicyLoss", "Trainer", "__version__",
-    "group_advantages", "load_config", "policy_loss", "train",
+    "evaluate", "group_advantages", "load_config", "policy_loss", "train",
 ]  # fmt: skip
 
 # imported when first used: the trainer loads transformers
@@ -27,6 +28,7 @@ _LAZY = {
     "load_config": "gspo.config",
     "Trainer": "gspo.trainer",
     "train": "gspo.runs",
+    "evaluate": "gspo.checkpoint_eval",
 }
 
 

@@ -8,6 +8,8 @@
     gspo config [--config FILE.yaml] [key.sub=value ...]     # print the resolved config
     gspo config --doc                                         # print the config reference
     gspo export RUN_OR_CHECKPOINT [--merge OUT]               # one plain HF model (LoRA merged)
+    gspo eval RUN_CHECKPOINT_OR_MODEL [--step N] [--config FILE.yaml] [--json FILE]
+              [key.sub=value ...]                             # held-out accuracy, nothing written
 
 Overrides may stand anywhere on the line, before or after the options; a text key takes
 its value as written (``data.prompt_template=Q: {question} A:``), other values are YAML.
@@ -133,6 +135,23 @@ def build_parser() -> argparse.ArgumentParser:
         "fine-tuning run's checkpoint is named, already a plain HF model",
     )
 
+    ev = sub.add_parser(
+        "eval",
+        help="evaluate a checkpoint (or any model) on held-out prompts as its run does; "
+        "writes nothing",
+    )
+    ev.add_argument("source", type=a_path, metavar="RUN_CHECKPOINT_OR_MODEL")
+    ev.add_argument("--step", type=int, help="a run's checkpoint of this RL step (default: latest)")
+    ev.add_argument(
+        "--config",
+        type=a_path,
+        action=Once,
+        help="YAML config file instead of the one the checkpoint's run trained with (a model "
+        "directory's: the defaults)",
+    )
+    ev.add_argument("--json", type=a_path, metavar="FILE", help="also write the figures to FILE")
+    ev.add_argument("overrides", nargs="*", metavar="key.sub=value")
+
     show = sub.add_parser("config", help="print the resolved config as YAML")
     show.add_argument("--config", type=a_path, action=Once, help="YAML config file")
     show.add_argument(
@@ -209,6 +228,28 @@ def run_train(args: argparse.Namespace) -> int:
         teardown_distributed(dist)
     if dist.is_main:
         print(f"run written to {output_dir}")
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """``gspo eval``: :func:`gspo.checkpoint_eval.evaluate`, its figures printed (and
+    ``--json``)."""
+    import json
+
+    from gspo.checkpoint_eval import evaluate, report
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("gspo eval runs in one process: run it as a plain command")
+    if args.json is not None and args.json.is_dir():
+        raise ValueError(f"--json {args.json}: is a directory, not a file")
+    evaluated = evaluate(args.source, step=args.step, config=args.config, overrides=args.overrides)
+    print(report(evaluated))
+    if args.json is not None:
+        from gspo.publish import write_atomic
+
+        record = {"model": str(evaluated.model), "step": evaluated.step,
+                  "prompts": evaluated.prompts, **evaluated.metrics}  # fmt: skip
+        write_atomic(args.json, json.dumps(record, indent=1) + "\n")
     return 0
 
 
@@ -391,6 +432,8 @@ def _main(args: argparse.Namespace) -> int:
             checkpoint = export_merged(args.source, args.merge)
             print(f"{checkpoint} written to {args.merge} as one model")
             return 0
+        if args.command == "eval":
+            return run_eval(args)
         if args.doc:
             if args.config is not None or args.overrides:
                 raise ValueError("--doc takes no --config or overrides")

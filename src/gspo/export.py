@@ -40,8 +40,9 @@ from gspo.training.lora import ADAPTER_CONFIG, base_model_path, is_lora_checkpoi
 EXPORT_MARK = "gspo_export.json"
 
 
-def resolve_checkpoint(source: Path) -> Path:
-    """``source`` itself if it is a checkpoint, else the latest checkpoint of the run in it.
+def resolve_checkpoint(source: Path, command: str = "export") -> Path:
+    """``source`` itself if it is a checkpoint, else the latest checkpoint of the run in it
+    (errors begin with ``command``: ``gspo export``'s, ``gspo eval``'s).
 
     A run whose ``latest`` names a damaged checkpoint is refused: a run resumes from the
     newest whole one instead, but an export of an older model, said on stderr with
@@ -52,8 +53,8 @@ def resolve_checkpoint(source: Path) -> Path:
     named, problem = latest_named(source)
     if problem not in (None, "missing"):  # (deleted: the one before it, as a resume)
         raise ValueError(
-            f"export: the latest checkpoint of {source}, {named}, is {problem}; export a "
-            f"whole one by its path (gspo export {source / CHECKPOINTS}/step-N)"
+            f"{command}: the latest checkpoint of {source}, {named}, is {problem}; {command} "
+            f"a whole one by its path (gspo {command} {source / CHECKPOINTS}/step-N)"
         )
     checkpoint = latest_checkpoint(source)
     if checkpoint is None:
@@ -67,7 +68,7 @@ def resolve_checkpoint(source: Path) -> Path:
             said += f" ({source.parent} holds {', '.join(there)})"
         elif runs:
             said += f" (runs inside it: {', '.join(runs)})"
-        raise FileNotFoundError(f"export: {source} {said}")
+        raise FileNotFoundError(f"{command}: {source} {said}")
     return checkpoint
 
 

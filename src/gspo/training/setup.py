@@ -515,8 +515,9 @@ def held_out_cut(eval_rows: list[dict], config: Config) -> list[str]:
 def base_in_another_run(config: Config, output_dir: Path) -> list[str]:
     """A warning line when ``model.path`` is a checkpoint (past step 0) of another run:
     that run, continued, removes all but its newest ``train.keep_checkpoints``, and a LoRA
-    run built on it could then be neither resumed nor exported (its base gone)."""
-    if config.model.path is None:
+    run built on it could then be neither resumed nor exported (its base gone). None for a
+    run of no RL steps (an evaluation: ``gspo eval``, the recipe before it)."""
+    if config.model.path is None or config.train.max_steps == 0:
         return []
     path = Path(config.model.path).resolve()
     run = path.parent.parent

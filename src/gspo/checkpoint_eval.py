@@ -1,0 +1,226 @@
+"""``gspo eval PATH``: a checkpoint, or any model, evaluated on held-out prompts the way a
+run evaluates, writing nothing (:func:`evaluate`, also ``gspo.evaluate``).
+
+``PATH`` is a checkpoint (``RUN/checkpoints/step-N``), a run (its latest checkpoint, or
+``--step N``'s), or a model directory (a Hugging Face model: the base before training,
+an export). A checkpoint is evaluated with the config its run trained with (the
+checkpoint's own ``config.yaml``, else the run's; ``--config FILE`` replaces it) and the
+evaluation seed of its step, so its figures are the ones the run logged at that step
+when nothing changed (the same device, dtype and engine; ``eval.*`` and ``data.eval``
+as they were). Overrides change anything else: ``eval.samples=16``, ``data.eval=FILE``,
+``model.device=cuda``. A LoRA checkpoint is its base with the adapter loaded onto it.
+
+It builds the run's trainer (model, engine, data, rewards) in a temporary directory,
+removed afterwards, and calls its evaluator; no cold start, no update.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gspo.config import Config, checked_config, load_config
+from gspo.models import model_files
+from gspo.moved import moved_path
+from gspo.telemetry import METRICS_FILE, read_metrics
+from gspo.training.checkpoint import (
+    CHECKPOINTS,
+    CONFIG,
+    TRAINER_STATE,
+    checkpoint_dir,
+    load_checkpoint,
+)
+from gspo.training.lora import base_model_path, is_lora_checkpoint
+from gspo.training.setup import with_absolute_paths
+
+#: What an evaluation turns off: nothing trains, and nothing is written or tracked.
+QUIET = {
+    "train.cold_start_steps": 0,
+    "train.max_steps": 0,
+    "rollout.max_staleness": 0,
+    "log.progress": False,
+    "log.plots": False,
+    "log.tensorboard": False,
+    "log.wandb": None,
+    "log.mlflow": None,
+    "log.profile_steps": [],
+    "log.completions_every": 0,
+}
+
+
+@dataclass
+class Evaluated:
+    """What :func:`evaluate` measured: ``metrics`` (``eval/*``, ``time/eval``) of ``model``
+    at ``step`` (a checkpoint's RL step: its evaluation seed; 0 for a model directory), and
+    the run's own ``eval/*`` at that step where its ``metrics.jsonl`` has them."""
+
+    model: Path
+    step: int
+    prompts: int
+    metrics: dict[str, float]
+    logged: dict[str, float] = field(default_factory=dict)
+
+
+def evaluate(
+    path: str | Path,
+    *,
+    step: int | None = None,
+    config: Config | str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+) -> Evaluated:
+    """Evaluate the checkpoint, run or model directory ``path`` (see the module); one
+    process. ``step`` picks a run's checkpoint; ``config`` (a :class:`Config` or a YAML
+    file) replaces the config a checkpoint names (a model directory's: the defaults)."""
+    from gspo.trainer import Trainer  # (loads transformers)
+
+    checkpoint, run = _checkpoint(Path(path).expanduser(), step)
+    if isinstance(config, Config):
+        config = config.model_copy(deep=True)
+        checked_config(config, "evaluate")
+        if overrides:
+            raise ValueError("evaluate: pass overrides with a config file, or set them on config")
+    else:
+        named = Path(config) if config is not None else _config_of(checkpoint, run)
+        config = load_config(named, list(overrides))
+        if named is not None and run is not None:
+            # (the run moved with its data and reward files: where they are now)
+            config = with_absolute_paths(config, lambda p: moved_path(p, run, named))
+    at = 0
+    if checkpoint is None:  # a model directory
+        model, lora = Path(path).expanduser(), False
+        config.model.path = str(model)
+    else:
+        lora = is_lora_checkpoint(checkpoint)
+        if lora != (config.model.lora.r > 0):
+            raise ValueError(
+                f"eval: {checkpoint} holds {'a LoRA adapter' if lora else 'a whole model'}, "
+                f"but its config has model.lora.r={config.model.lora.r}"
+            )
+        where = config.model.path
+        model = base_model_path(checkpoint, where) if lora else _whole(checkpoint, where)
+        if not model.is_dir():
+            raise FileNotFoundError(
+                f"eval: the model {model} that {checkpoint} builds on is gone (moved or "
+                "removed); put it back there, or pass model.path=WHERE_IT_IS"
+            )
+        config.model.path = str(model)
+        at = _step_of(checkpoint)
+    for key, value in QUIET.items():
+        section, name = key.split(".")
+        setattr(getattr(config, section), name, value)
+    with (
+        tempfile.TemporaryDirectory(prefix="gspo-eval-") as scratch,
+        Trainer(config, Path(scratch) / "run") as trainer,
+    ):
+        if lora:  # the adapter's weights onto the fresh adapters (and the optimizer's)
+            load_checkpoint(checkpoint, trainer.policy, trainer.optimizer, trainer.scheduler)
+        evaluator = trainer.evaluator
+        if not evaluator.rows:
+            raise ValueError(
+                "eval: no held-out prompts (data.eval, or a built-in task's data.eval_size)"
+            )
+        metrics = evaluator.run(at)
+    logged = _logged(run, at) if checkpoint is not None else {}
+    return Evaluated(model=checkpoint or model, step=at, prompts=len(evaluator.rows),
+                     metrics=metrics, logged=logged)  # fmt: skip
+
+
+def _checkpoint(path: Path, step: int | None) -> tuple[Path | None, Path | None]:
+    """``(checkpoint, run)`` of ``path``: a checkpoint and its run (None if it stands
+    alone), a run's checkpoint (``step``'s or its latest), or ``(None, None)`` for a model
+    directory; a one-line error for anything else."""
+    from gspo.export import resolve_checkpoint
+
+    if (path / TRAINER_STATE).is_file():
+        if step is not None:
+            raise ValueError(f"eval: --step with the checkpoint {path}: pass its run instead")
+        run = path.parent.parent if path.parent.name == CHECKPOINTS else None
+        return path, run
+    if (path / CHECKPOINTS).is_dir() or (path / "config.yaml").is_file():
+        if step is None:
+            return resolve_checkpoint(path, command="eval"), path
+        chosen = checkpoint_dir(path, step)
+        if not (chosen / TRAINER_STATE).is_file():
+            steps = sorted(
+                int(p.name.removeprefix("step-"))
+                for p in (path / CHECKPOINTS).glob("step-*")
+                if (p / TRAINER_STATE).is_file()
+            )
+            held = ", ".join(map(str, steps)) or "none"
+            raise FileNotFoundError(
+                f"eval: --step {step}: {path} holds no checkpoint of that step (steps: {held})"
+            )
+        return chosen, path
+    if (path / "config.json").is_file():
+        return None, None
+    said = "does not exist" if not path.exists() else (
+        "is neither a checkpoint, a run with one, nor a model directory (no config.json)"
+    )  # fmt: skip
+    raise FileNotFoundError(f"eval: {path} {said}")
+
+
+def _config_of(checkpoint: Path | None, run: Path | None) -> Path | None:
+    """The config a checkpoint's run trained with: its own copy, else the run's."""
+    if checkpoint is None:
+        return None  # (a model directory: the defaults)
+    for candidate in (checkpoint / CONFIG, run / "config.yaml" if run else None):
+        if candidate is not None and candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"eval: {checkpoint} holds no config.yaml (nor does its run): pass --config FILE, "
+        "the config it was trained with"
+    )
+
+
+def _whole(checkpoint: Path, where: str | None) -> Path:
+    """A whole-model checkpoint's model directory (a step 0's: the model it names)."""
+    from gspo.models import is_model_file
+    from gspo.publish import check_manifest
+
+    model = model_files(checkpoint, where)
+    if model == checkpoint:
+        check_manifest(checkpoint, is_model_file)  # the files named are the files written
+    return model
+
+
+def _step_of(checkpoint: Path) -> int:
+    """A checkpoint's RL step, from its name (``step-0000052``), else 0."""
+    digits = checkpoint.name.removeprefix("step-")
+    return int(digits) if digits.isdigit() else 0
+
+
+def _logged(run: Path | None, step: int) -> dict[str, float]:
+    """The run's own evaluation at ``step``, if its metrics.jsonl holds one."""
+    if run is None or not (run / METRICS_FILE).is_file():
+        return {}
+    try:
+        records = read_metrics(run / METRICS_FILE)
+    except ValueError:
+        return {}
+    found: dict[str, float] = {}
+    for record in records:
+        if record.get("step") == step:
+            found |= {k: v for k, v in record.items() if k.startswith("eval/")}
+    return found
+
+
+def report(evaluated: Evaluated) -> str:
+    """The lines ``gspo eval`` prints: each ``eval/*`` figure, beside the run's own."""
+    what = f"{evaluated.model} (step {evaluated.step})" if evaluated.step else evaluated.model
+    lines = [f"evaluated {what} on {evaluated.prompts} held-out prompts"]
+    width = max((len(k) for k in evaluated.metrics), default=0)
+    for key, value in sorted(evaluated.metrics.items()):
+        line = f"  {key:<{width}}  {_figure(value)}"
+        if key in evaluated.logged:
+            line += f"   (the run logged {_figure(evaluated.logged[key])})"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _figure(value: Any) -> str:
+    if isinstance(value, float) and math.isfinite(value):
+        return f"{value:.4f}"
+    return str(value)

@@ -1,0 +1,113 @@
+"""``gspo eval``: a checkpoint (or a model) evaluated as its run evaluates, nothing written."""
+
+import json
+
+import pytest
+from test_trainer import FAST
+
+from gspo.checkpoint_eval import evaluate
+from gspo.cli import main
+from gspo.telemetry import read_metrics
+
+STEPS = ["train.max_steps=4", "algorithm.minibatches=2", "eval.every=2", "train.save_every=2"]
+
+
+def logged_evals(run):
+    """The run's evaluations by step: its eval/* figures."""
+    found: dict[int, dict] = {}
+    for record in read_metrics(run / "metrics.jsonl"):
+        figures = {k: v for k, v in record.items() if k.startswith("eval/")}
+        if figures:
+            found.setdefault(record["step"], {}).update(figures)
+    return found
+
+
+def snapshot(run):
+    """Every file of a run with its bytes: what an evaluation must leave as it was."""
+    return {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A run of 4 steps (checkpoints at 0, 2, 4; evaluations at 0, 2, 4), and a LoRA run
+    of 4 steps from its step 0."""
+    root = tmp_path_factory.mktemp("eval")
+    (root / "varied.py").write_text(
+        "def varied(prompts, completions, **kw):\n"
+        "    return [sum(ord(ch) for ch in c) % 7 / 7 for c in completions]\n"
+    )
+    varied = f"reward.functions=[{root / 'varied.py'}:varied]"
+    run, lora = root / "run", root / "lora"
+    assert main(["train", "--output-dir", str(run), *FAST, *STEPS, varied]) == 0
+    step0 = run / "checkpoints" / "step-0000000"
+    adapters = ["model.lora.r=4", "optim.lr=0.05", "train.cold_start_steps=0",
+                f"model.path={step0}"]  # fmt: skip
+    assert main(["train", "--output-dir", str(lora), *FAST, *STEPS, *adapters, varied]) == 0
+    return run, lora
+
+
+def test_each_checkpoint_gives_the_figures_its_run_logged_and_nothing_is_written(
+    trained, tmp_path, capsys
+):
+    """Its own config and its step's evaluation seed: the sampled figures as well as the
+    greedy ones are the run's (float32, the CPU), at every step, full and LoRA."""
+    for run in trained:
+        before, logged = snapshot(run), logged_evals(run)
+        assert sorted(logged) == [0, 2, 4]
+        greedy = "eval/response_length_mean_greedy"
+        assert logged[4] != logged[0] or logged[4][greedy] != logged[0][greedy]  # it moved
+        for step in (0, 2, 4):
+            evaluated = evaluate(run, step=step)
+            figures = {k: v for k, v in evaluated.metrics.items() if k.startswith("eval/")}
+            assert figures == logged[step], (run.name, step)
+            assert evaluated.logged == logged[step] and evaluated.step == step
+        assert snapshot(run) == before
+    # the command: the latest checkpoint, its figures beside the run's, and --json
+    run = trained[0]
+    capsys.readouterr()
+    assert main(["eval", str(run), "--json", str(tmp_path / "e.json")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"evaluated {run}/checkpoints/step-0000004 (step 4) on 24 held-out")
+    accuracy = logged_evals(run)[4]["eval/accuracy"]
+    assert "eval/accuracy  " in out and f"(the run logged {accuracy:.4f})" in out
+    written = json.loads((tmp_path / "e.json").read_text())
+    assert written["step"] == 4 and written["eval/accuracy"] == accuracy
+
+
+def test_overrides_change_the_evaluation_and_a_model_directory_takes_a_config(trained, capsys):
+    run = trained[0]
+    more = evaluate(run, overrides=["eval.samples=3", "eval.greedy=false"])
+    assert "eval/accuracy_greedy" not in more.metrics and more.prompts == 24
+    assert (
+        more.metrics["eval/response_length_mean"]
+        != logged_evals(run)[4]["eval/response_length_mean"]
+        or more.metrics["eval/reward_mean"] != logged_evals(run)[4]["eval/reward_mean"]
+    )
+    # the step-0 checkpoint's model, as a plain directory with the run's config: step 0's
+    plain = evaluate(run / "checkpoints" / "step-0000000", config=run / "config.yaml")
+    assert plain.metrics["eval/accuracy_greedy"] == logged_evals(run)[0]["eval/accuracy_greedy"]
+    model = evaluate(run / "base_model", config=run / "config.yaml")
+    assert model.step == 0 and not model.logged and "eval/accuracy" in model.metrics
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--step", "3"], "--step 3: {run} holds no checkpoint of that step (steps: 0, 2, 4)"),
+        (["--step", "2", "--config", "nowhere.yaml"], "nowhere.yaml"),
+    ],
+)
+def test_bad_requests_are_one_line(trained, capsys, args, said):
+    run = trained[0]
+    assert main(["eval", str(run), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and said.format(run=run) in err, err
+
+
+def test_what_is_neither_a_run_nor_a_model_is_one_line(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    neither = "is neither a checkpoint, a run with one, nor a model directory (no config.json)"
+    for path, said in [(tmp_path / "gone", "does not exist"), (tmp_path / "empty", neither)]:
+        assert main(["eval", str(path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"gspo: error: eval: {path} {said}", err
