@@ -369,6 +369,32 @@ def test_plot_metrics_writes_expected_pngs(tmp_path):
         _assert_png(p)
 
 
+def test_a_rollout_batchs_figures_are_one_point_at_its_last_step(tmp_path, saved_figures):
+    """The reward is on each of a batch's 4 minibatch lines (a staircase of 4 equal
+    points), the mismatch on the first, the clip fractions on the last: each plot now
+    draws one point per rollout batch, all at the batch's last step."""
+    lines = []
+    for s in range(1, 13):
+        batch, k = (s - 1) // 4, (s - 1) % 4
+        line = {"step": s, "train/rollout": batch, "train/minibatch": k,
+                "train/reward_mean": 0.1 * (batch + 1), "train/reward_std": 0.1}  # fmt: skip
+        if k == 0:
+            line["mismatch/token_abs_mean"] = 1e-3 * (batch + 1)
+        if k == 3:
+            line["train/clip_fraction_on_policy"] = 0.01 * batch
+        lines.append(line)
+    lines.append({"step": 12, "eval/accuracy": 0.5})
+    plot_metrics(_write_jsonl(tmp_path / "metrics.jsonl", lines), tmp_path / "plots")
+    drawn = {fig.axes[0].get_title(): fig.axes[0].get_lines() for fig in saved_figures}
+    reward = drawn["Training reward"][0]
+    assert list(reward.get_xdata()) == [4, 8, 12]
+    assert list(reward.get_ydata()) == pytest.approx([0.1, 0.2, 0.3])
+    (mismatch,) = drawn["Sampler vs trainer log-probs per rollout batch"]
+    (clip,) = drawn["Clipped token fraction per rollout batch"]
+    assert list(mismatch.get_xdata()) == list(clip.get_xdata()) == [4, 8, 12]
+    assert list(drawn["Evaluation accuracy"][0].get_xdata()) == [12]
+
+
 def test_plot_metrics_skips_missing_keys_and_handles_nulls(tmp_path):
     recs = [
         {

@@ -299,13 +299,15 @@ def plot_metrics(metrics_path: str | Path, output_dir: str | Path) -> list[Path]
     y-axis), ``mismatch.png`` (the sampler's and the trainer's log-probs apart, per rollout
     batch: ``mismatch/token_abs_mean``,
     ``mismatch/sequence_mean_delta_abs_mean``, log y-axis) and ``expert_change.png`` (MoE:
-    ``moe/expert_change_fraction``). Returns the paths written.
+    ``moe/expert_change_fraction``). The per-batch figures (reward, clip fractions,
+    mismatch) are one point per rollout batch, at its last step. Returns the paths written.
     """
     records = read_metrics(metrics_path)
+    batches = per_rollout_batch(records)
     out = Path(output_dir)
     written = [
         plot_series(
-            records,
+            batches,
             ["train/reward_mean"],
             out / "reward.png",
             title="Training reward",
@@ -320,14 +322,14 @@ def plot_metrics(metrics_path: str | Path, output_dir: str | Path) -> list[Path]
             ylabel="accuracy",
         ),
         plot_series(
-            records,
+            batches,
             ["train/clip_fraction_off_policy", "train/clip_fraction_on_policy"],
             out / "clip_fraction.png",
             title="Clipped token fraction per rollout batch",
             ylabel="fraction of tokens clipped",
         ),
         plot_series(
-            records,
+            batches,
             ["mismatch/token_abs_mean", "mismatch/sequence_mean_delta_abs_mean"],
             out / "mismatch.png",
             # (pi_old recomputed: the whole rollout batch's; else minibatch 0's, on-policy)
@@ -344,6 +346,25 @@ def plot_metrics(metrics_path: str | Path, output_dir: str | Path) -> list[Path]
         ),
     ]
     return [p for p in written if p is not None]
+
+
+def per_rollout_batch(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One record per rollout batch (``train/rollout``): its minibatches' lines merged, at
+    the step its last update took. A batch's figures (its reward, the mismatch of its
+    first minibatch, the clip fractions of its last) were drawn once per minibatch line,
+    a staircase of equal points, or at different steps from plot to plot. A line without
+    ``train/rollout`` (an evaluation; a file older than it) is kept as it is."""
+    merged: dict[float, dict[str, Any]] = {}
+    kept: list[dict[str, Any]] = []
+    for record in records:
+        if _is_number(index := record.get("train/rollout")) and _is_number(record.get("step")):
+            batch = merged.setdefault(float(index), {})
+            step = max(float(record["step"]), float(batch.get("step", record["step"])))
+            batch.update(record)
+            batch["step"] = step
+        else:
+            kept.append(dict(record))
+    return [*kept, *merged.values()]
 
 
 def plots_so_far(run: Path) -> None:
