@@ -628,7 +628,8 @@ def test_settings_that_another_setting_makes_moot_are_warned():
     ]
     assert load_config(None, [*rounds, "rollout.filter_groups=true"]).warnings() == []
     # 16 responses in 3 minibatches of 6, 5, 5: unequal weights, accepted unsaid before
-    uneven = ["rollout.group_size=4", "rollout.prompts_per_batch=4", "algorithm.minibatches=3"]
+    uneven = ["rollout.group_size=4", "rollout.prompts_per_batch=4", "algorithm.minibatches=3",
+              "train.max_steps=6"]  # fmt: skip
     assert load_config(None, uneven).warnings() == [
         "algorithm.minibatches=3 does not divide the rollout batch of 16 responses "
         "(rollout.prompts_per_batch x rollout.group_size): minibatches of 6 and 5, whose "
@@ -636,6 +637,11 @@ def test_settings_that_another_setting_makes_moot_are_warned():
         "a divisor"
     ]
     assert load_config(None, [*uneven[:2], "algorithm.minibatches=8"]).warnings() == []
+    # train.max_steps=2 in rollout batches of 4 steps took 4, unsaid
+    assert load_config(None, ["train.max_steps=2"]).warnings() == [
+        "train.max_steps=2 is not a whole number of rollout batches of "
+        "algorithm.minibatches=4 optimizer steps: the run takes 4"
+    ]
     # settings that do nothing beside others, unsaid before (a built-in size with
     # model.path, experts on the dense built-in, turns without an environment, a buffer
     # without a penalty); a task's own model sizes with model.path are not set at all

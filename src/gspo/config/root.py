@@ -145,6 +145,12 @@ class Config(Section):
                 f"{batch // parts + 1} and {batch // parts}, whose responses weigh unequally in "
                 "their optimizer steps (TRL refuses such a split); use a divisor"
             )
+        if self.total_steps != self.train.max_steps:
+            lines.append(
+                f"train.max_steps={self.train.max_steps} is not a whole number of rollout "
+                f"batches of algorithm.minibatches={parts} optimizer steps: the run takes "
+                f"{self.total_steps}"
+            )
         past = [s for s in self.log.profile_steps if s > self.total_steps]
         if past:
             lines.append(
