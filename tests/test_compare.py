@@ -738,6 +738,51 @@ def test_a_run_made_with_other_settings_is_not_reused_or_resumed(tmp_path):
     )
 
 
+def test_the_report_gives_moe_expert_churn_and_one_reward_point_per_rollout_batch(
+    tmp_path, monkeypatch
+):
+    """An MoE compare said nothing of the routing (moe/expert_change_fraction was in every
+    run's metrics); the reward drew one point per minibatch line of a batch."""
+    from gspo.experiments.report import write_report
+    from gspo.experiments.summary import Run
+    from gspo.telemetry import plots
+
+    drawn: dict[str, list] = {}
+    original = plots.plot_bands
+
+    def spy(groups, key, path, **kw):
+        drawn[path.name] = plots.band_lines(groups, key, kw.get("x", "step"))
+        return original(groups, key, path, **kw)
+
+    monkeypatch.setattr("gspo.experiments.report.plot_bands", spy)
+
+    def records(churn: float | None) -> list[dict]:
+        lines = [{"step": 0, "time": 0.0, "eval/accuracy": 0.1}]
+        for s in range(1, 9):
+            line = {"step": s, "time": float(s), "train/loss": 0.0, "train/rollout": (s - 1) // 4,
+                    "train/minibatch": (s - 1) % 4, "train/reward_mean": 0.1 * ((s - 1) // 4),
+                    "train/clip_fraction": 0.01, "train/tokens": 10.0}  # fmt: skip
+            if churn is not None:
+                line["moe/expert_change_fraction"] = churn * s
+            lines.append(line)
+        return [*lines, {"step": 8, "time": 9.0, "eval/accuracy": 0.5}]
+
+    for moe in (True, False):
+        out = tmp_path / f"moe{moe}"
+        runs = [Run(name, 0, tmp_path, records(churn if moe else None))
+                for name, churn in (("GSPO", 0.01), ("GRPO", 0.02))]  # fmt: skip
+        result = write_report(runs, out)
+        md = (out / "report.md").read_text()
+        if moe:
+            assert result["algorithms"]["GRPO"]["expert_change"] == pytest.approx(0.09)
+            assert "| GSPO | 0.0450 |" in md and "| GRPO | 0.0900 |" in md
+            assert "plots/expert_change.png" in md and (out / "plots/expert_change.png").is_file()
+        else:
+            assert "## MoE routing" not in md and "expert_change.png" not in md
+        ((_, xs, means, _), _) = drawn["reward_steps.png"]
+        assert xs == [4.0, 8.0] and means == pytest.approx([0.0, 0.1])
+
+
 def test_histogram_needs_values(tmp_path):
     assert plot_histograms({"w": torch.zeros(0)}, tmp_path / "h.png", title="t") is None
     path = plot_histograms({"w": torch.randn(50), "s": torch.randn(50) * 0.01},

@@ -13,6 +13,7 @@ from typing import Any
 
 from gspo.experiments.claims import gradient_noise_notes, notes, verdicts
 from gspo.experiments.summary import (
+    CHURN,
     EPISODE_METRICS,
     Run,
     algorithm_summary,
@@ -20,7 +21,7 @@ from gspo.experiments.summary import (
     train_lines,
     with_elapsed,
 )
-from gspo.telemetry import plot_bands, plot_histograms
+from gspo.telemetry import per_rollout_batch, plot_bands, plot_histograms
 
 
 def write_report(
@@ -41,6 +42,8 @@ def write_report(
     summary = {name: algorithm_summary(rs) for name, rs in by_algo.items()}
     groups = {name: [with_elapsed(r.records) for r in rs] for name, rs in by_algo.items()}
     trains = {name: [train_lines(x) for x in recs] for name, recs in groups.items()}
+    # (a rollout batch's reward is on each of its minibatches' lines: one point per batch)
+    batches = {name: [per_rollout_batch(x) for x in recs] for name, recs in trains.items()}
     plots = out / "plots"
     figures = [
         ("Held-out accuracy vs optimizer steps", plot_bands(
@@ -49,10 +52,13 @@ def write_report(
             groups, "eval/accuracy", plots / "accuracy_time.png", x="elapsed",
             title="Held-out accuracy")),
         ("Training reward vs optimizer steps", plot_bands(
-            trains, "train/reward_mean", plots / "reward_steps.png", title="Training reward")),
+            batches, "train/reward_mean", plots / "reward_steps.png", title="Training reward")),
         ("Training reward vs run time", plot_bands(
-            trains, "train/reward_mean", plots / "reward_time.png", x="elapsed",
+            batches, "train/reward_mean", plots / "reward_time.png", x="elapsed",
             title="Training reward")),
+        ("MoE expert change: the fraction of expert choices each optimizer step changed",
+         plot_bands(trains, CHURN, plots / "expert_change.png", logy=True,
+                    title="Expert choices changed per optimizer step")),
         ("Fraction of clipped tokens per rollout batch (the paper's Figure 2)", plot_bands(
             {name: [per_rollout(x, "train/clip_fraction") for x in recs]
              for name, recs in trains.items()},
@@ -171,6 +177,21 @@ def report_markdown(
             f"{cell(s['sequence_log_ratio_sd'], '.2e')} | {cell(s['seconds'], '.0f')} |"
         )
     lines += ["", *[f"- {note}" for note in notes(summary, runs)]]
+    if any(math.isfinite(s.get("expert_change", math.nan)) for s in summary.values()):
+        lines += [
+            "",
+            "## MoE routing",
+            "",
+            f"`{CHURN}`: the fraction of the sampled tokens' expert choices that an "
+            "optimizer step changed (its minibatch's tokens routed again after the step), "
+            "mean over the steps, then over seeds. With `moe.routing_replay` the update "
+            "still routes as the rollout did; the churn is what it replays over.",
+            "",
+            "| algorithm | expert choices changed per step |",
+            "|---|---|",
+        ]
+        for name, s in summary.items():
+            lines.append(f"| {name} | {cell(s.get('expert_change', math.nan), '.4f')} |")
     if any(s.get("episodes") for s in summary.values()):
         lines += [
             "",

@@ -14,6 +14,7 @@ import torch
 
 from gspo.gradient_noise import length_buckets
 from gspo.telemetry import read_metrics
+from gspo.telemetry.records import _is_number
 
 #: Episode metrics reported when the runs have an environment (start -> end of training).
 EPISODE_METRICS = {
@@ -30,6 +31,14 @@ class Run:
     seed: int
     path: Path
     records: list[dict[str, Any]]
+
+
+#: An MoE run's expert churn: the fraction of expert choices an optimizer step changed.
+CHURN = "moe/expert_change_fraction"
+
+
+def _finite(value: Any) -> bool:
+    return _is_number(value) and math.isfinite(value)
 
 
 def train_lines(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -193,6 +202,12 @@ def algorithm_summary(runs: Sequence[Run]) -> dict[str, Any]:
         ]
         rewards.append(statistics.fmean(tail) if tail else math.nan)
     seconds = [(with_elapsed(r.records)[-1]["elapsed"] if r.records else math.nan) for r in runs]
+    # an MoE model's routing changed by each optimizer step (the paper's expert churn)
+    churn = [
+        statistics.fmean(values) if values else math.nan
+        for r in runs
+        for values in [[x[CHURN] for x in train_lines(r.records) if _finite(x.get(CHURN))]]
+    ]
     cosine_dumps = [d for r in runs for d in load_gradient_cosines(r.path)]
     dumps = [load_ratio_dumps(r.path) for r in runs]
     pooled = {k: torch.cat([d[k] for d in dumps]) for k in dumps[0]} if dumps else {}
@@ -220,6 +235,7 @@ def algorithm_summary(runs: Sequence[Run]) -> dict[str, Any]:
         "clip_fraction": mean_std(clips)[0],
         "clip_fraction_per_seed": clips,
         "seconds": mean_std(seconds)[0],
+        "expert_change": mean_std(churn)[0],
         "mean_response_length": (
             pooled["length"].float().mean().item()
             if pooled and pooled["length"].numel()

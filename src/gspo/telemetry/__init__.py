@@ -20,6 +20,7 @@ Each module imports only the standard library at import time; matplotlib, rich,
 from gspo.telemetry.logger import MetricsLogger
 from gspo.telemetry.plots import (
     band_lines,
+    per_rollout_batch,
     plot_bands,
     plot_histograms,
     plot_metrics,
@@ -36,8 +37,8 @@ from gspo.telemetry.trackers import TENSORBOARD_DIR
 # fmt: off
 __all__ = [
     "METRICS_FILE", "STEP_TIME_KEYS", "SUMMARY_KEYS", "TENSORBOARD_DIR", "MetricsLogger",
-    "StepProfiler", "TrainingProgress", "band_lines", "json_safe", "plot_bands", "plot_histograms",
-    "plot_metrics", "plot_runs", "plot_series", "plots_so_far", "print_summary", "read_metrics",
-    "summary_table",
+    "StepProfiler", "TrainingProgress", "band_lines", "json_safe", "per_rollout_batch",
+    "plot_bands", "plot_histograms", "plot_metrics", "plot_runs", "plot_series", "plots_so_far",
+    "print_summary", "read_metrics", "summary_table",
 ]
 # fmt: on
