@@ -299,10 +299,18 @@ def test_an_error_line_under_several_ranks_names_the_rank(capsys, monkeypatch):
     assert capsys.readouterr().err.strip() == "gspo: error: optim.nope: unknown key"
 
 
-def test_cli_config_prints_resolved_yaml(capsys):
+def test_cli_config_prints_resolved_yaml(capsys, tmp_path):
     assert main(["config", "optim.lr=0.5"]) == 0
     out = capsys.readouterr().out
-    assert "lr: 0.5" in out
+    assert "lr: 0.5" in out and "#" not in out
+    # beside model.path the built-in sizes printed read as its model's: a comment says not
+    assert main(["config", "model.path=/models/mine", "model.layers=2"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    at = lines.index("  path: /models/mine")
+    assert lines[at + 1].startswith("  # builtin to norm_topk_prob: the built-in model's sizes")
+    (tmp_path / "printed.yaml").write_text(out)  # (it loads back)
+    assert load_config(tmp_path / "printed.yaml").model.layers == 2
 
 
 def test_committed_configuration_reference_is_current():

@@ -443,7 +443,14 @@ def _main(args: argparse.Namespace) -> int:
             return 0
         from gspo.config import dump_config_text, load_config
 
-        print(dump_config_text(load_config(args.config, args.overrides)), end="")
+        config = load_config(args.config, args.overrides)
+        text = dump_config_text(config)
+        if config.model.path is not None:  # (the built-in sizes printed beside it read as its)
+            path = text.index("\n", text.index("\n  path: ") + 1) + 1
+            note = ("  # builtin to norm_topk_prob: the built-in model's sizes, unused with "
+                    "model.path (its config.json gives them)\n")  # fmt: skip
+            text = text[:path] + note + text[path:]
+        print(text, end="")
         return 0
     except SaidByRankZero as said:
         time.sleep(RANK_ZERO_GRACE_S)
