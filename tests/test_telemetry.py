@@ -258,7 +258,7 @@ def test_fake_wandb_sink_receives_finite_scalars_by_their_own_step(tmp_path, mon
         logger.log(0, {"sft/step": 10, "sft/loss": 2.0})
         logger.log(0, {"sft/step": 20, "sft/loss": 1.5})
         logger.log(2, {"a": 1.0, "b": float("nan"), "s": "text"})
-    assert calls[0] == ("init", {"project": "p"}) and calls[-1] == ("finish",)
+    assert calls[0] == ("init", {"project": "p", "config": {}}) and calls[-1] == ("finish",)
     rows = [c[1:] for c in calls if c[0] == "log"]
     assert rows == [
         ({"train/step": 0, "sft/step": 10, "sft/loss": 2.0}, {}),
@@ -300,6 +300,177 @@ def test_fake_mlflow_gets_the_cold_starts_lines_by_sft_step(tmp_path, monkeypatc
         (10, {"sft/step": 10, "sft/loss": 2.0}),
         (3, {"train/loss": 0.5, "eval/accuracy": 0.25}),
     ]
+
+
+class FakeTrackers:
+    """Fake ``wandb`` and ``mlflow`` modules recording their calls; ``fail`` names the
+    calls that raise (a server gone mid-run)."""
+
+    def __init__(self, monkeypatch):
+        self.calls: list[tuple] = []
+        self.fail: set[str] = set()
+        self.ids = iter(["run-a", "run-b", "run-c"])
+        tracker = self
+
+        class Run:
+            def __init__(self, settings):
+                self.id = settings.get("id") or next(tracker.ids)
+
+            def define_metric(self, name, **kw):
+                pass
+
+            def log(self, row):
+                tracker.record("wandb.log", row)
+
+            def save(self, path, base_path, policy):
+                tracker.record("wandb.save", Path(path).relative_to(base_path).as_posix())
+
+            def finish(self):
+                tracker.record("wandb.finish")
+
+        class Wandb:
+            @staticmethod
+            def init(**settings):
+                tracker.record("wandb.init", settings)
+                return Run(settings)
+
+        class Info:
+            def __init__(self, run_id):
+                self.run_id = run_id
+
+        class Active:
+            def __init__(self, run_id):
+                self.info = Info(run_id)
+
+        class Mlflow:
+            @staticmethod
+            def set_experiment(name):
+                tracker.record("mlflow.set_experiment", name)
+
+            @staticmethod
+            def start_run(**cfg):
+                tracker.record("mlflow.start_run", cfg)
+                return Active(cfg.get("run_id") or next(tracker.ids))
+
+            @staticmethod
+            def log_params(params):
+                tracker.record("mlflow.log_params", params)
+
+            @staticmethod
+            def log_metrics(metrics, step):
+                tracker.record("mlflow.log_metrics", (step, metrics))
+
+            @staticmethod
+            def log_artifact(path, artifact_path=None):
+                tracker.record("mlflow.log_artifact", (Path(path).name, artifact_path))
+
+            @staticmethod
+            def end_run():
+                tracker.record("mlflow.end_run")
+
+        monkeypatch.setitem(sys.modules, "wandb", Wandb)
+        monkeypatch.setitem(sys.modules, "mlflow", Mlflow)
+
+    def record(self, name, *args):
+        if name in self.fail:
+            raise ConnectionError(f"{name}: the server went away")
+        self.calls.append((name, *args))
+
+    def of(self, name):
+        return [c[1:] for c in self.calls if c[0] == name]
+
+
+def test_trackers_get_the_settings_and_a_resume_continues_their_runs(tmp_path, monkeypatch):
+    """No tracker had the run's config (W&B's config, MLflow's parameters, TensorBoard);
+    a resume started new tracker runs (MLflow: a second run holding steps twice)."""
+    fake = FakeTrackers(monkeypatch)
+    params = {"optim.lr": 1e-5, "reward.functions": ["math", "format"], "model.path": None}
+    sinks = {"wandb": {"project": "p", "name": "mine"},
+             "mlflow": {"experiment_name": "e", "run_name": "mine"}}  # fmt: skip
+    with MetricsLogger(tmp_path, tensorboard=False, params=params, **sinks) as logger:
+        logger.log(1, {"train/loss": 0.5})
+    assert fake.of("wandb.init") == [({"project": "p", "name": "mine", "config": params},)]
+    assert fake.of("mlflow.start_run") == [({"run_name": "mine"},)]
+    assert fake.of("mlflow.log_params") == [
+        ({"optim.lr": "1e-05", "reward.functions": '["math", "format"]', "model.path": "null"},)
+    ]
+    assert json.loads((tmp_path / "trackers.json").read_text()) == {
+        "wandb": "run-a",
+        "mlflow": "run-b",
+    }
+    fake.calls.clear()
+    with MetricsLogger(tmp_path, tensorboard=False, params=params, resume_step=1, **sinks) as log:
+        log.log(2, {"train/loss": 0.25})
+    (init,) = fake.of("wandb.init")
+    assert init[0]["id"] == "run-a" and init[0]["resume"] == "allow"
+    assert fake.of("mlflow.start_run") == [({"run_id": "run-b"},)]  # (its name is the run's)
+    assert fake.of("mlflow.log_params") == []  # (MLflow refuses a parameter changed)
+    assert fake.of("mlflow.log_metrics") == [((2, {"train/loss": 0.25}),)]
+    # the user's own id wins; a fresh run in the directory starts new tracker runs
+    fake.calls.clear()
+    own = {"wandb": {"project": "p", "id": "mine"}}
+    MetricsLogger(tmp_path, tensorboard=False, resume_step=2, **own).close()
+    assert "resume" not in fake.of("wandb.init")[0][0]
+    MetricsLogger(tmp_path, tensorboard=False, wandb={"project": "p"}).close()
+    assert "id" not in fake.of("wandb.init")[1][0]
+
+
+def test_a_tracker_failing_mid_run_is_one_warning_and_the_run_goes_on(
+    tmp_path, monkeypatch, capsys
+):
+    """MLflow's run deleted, W&B's process killed: the run ended with tracebacks."""
+    fake = FakeTrackers(monkeypatch)
+    with MetricsLogger(tmp_path, tensorboard=False, wandb={}, mlflow={}) as logger:
+        logger.log(1, {"train/loss": 0.5})
+        fake.fail.add("mlflow.log_metrics")
+        logger.log(2, {"train/loss": 0.4})
+        logger.log(3, {"train/loss": 0.3})
+        fake.fail.add("wandb.finish")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "gspo: warning: log.mlflow: MLflow failed logging (ConnectionError: "
+        "mlflow.log_metrics: the server went away); the run goes on without it "
+        "(metrics.jsonl has every line)",
+        "gspo: warning: log.wandb: W&B failed finishing its run (ConnectionError: "
+        "wandb.finish: the server went away); the run goes on without it "
+        "(metrics.jsonl has every line)",
+    ]
+    assert [row["train/step"] for (row,) in fake.of("wandb.log")] == [1, 2, 3]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    assert fake.of("mlflow.end_run") == []  # (dropped: nothing more asked of it)
+
+
+def test_the_plots_and_config_go_to_the_trackers(tmp_path, monkeypatch):
+    fake = FakeTrackers(monkeypatch)
+    (tmp_path / "plots").mkdir()
+    files = [tmp_path / "plots" / "reward.png", tmp_path / "config.yaml"]
+    for path in files:
+        path.write_text("x")
+    with MetricsLogger(tmp_path, tensorboard=False, wandb={}, mlflow={}) as logger:
+        logger.attach(files)
+    assert fake.of("wandb.save") == [("plots/reward.png",), ("config.yaml",)]
+    assert fake.of("mlflow.log_artifact") == [(("reward.png", "plots"),), (("config.yaml", None),)]
+
+
+def test_a_resumed_runs_tensorboard_keeps_the_cold_start_and_its_settings(tmp_path):
+    """The resume's purge (events past the checkpoint's step) hid every sft/* curve, drawn
+    by sft/step (20, 40, ... > the step)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsLogger(tmp_path, params={"optim.lr": 1e-5}) as logger:
+        for s in (20, 40):
+            logger.log(0, {"sft/step": s, "sft/loss": 2.0 - s / 40})
+        for step in range(1, 7):
+            logger.log(step, {"train/loss": 1.0 / step})
+    with MetricsLogger(tmp_path, resume_step=4, params={"optim.lr": 1e-5}) as logger:
+        for step in range(5, 9):
+            logger.log(step, {"train/loss": 0.5 / step})
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("sft/loss")] == [(20, 1.5), (40, 1.0)]
+    train = [(e.step, round(e.value, 4)) for e in events.Scalars("train/loss")]
+    assert train == [(s, round((1.0 if s <= 4 else 0.5) / s, 4)) for s in range(1, 9)]
+    assert "config" in "".join(events.Tags()["tensors"])
 
 
 def test_a_tracker_refusing_its_settings_is_one_line_naming_the_key(tmp_path, monkeypatch):

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from gspo.chat import stop_token_ids
-from gspo.config import Config, checked_config, dump_config_text
+from gspo.config import Config, checked_config, dump_config_text, flat_settings
 from gspo.distributed import Distributed, rank_device
 from gspo.engines import SamplingParams
 from gspo.models import resolve_dtype
@@ -45,6 +45,7 @@ from gspo.telemetry import (
     print_summary,
     read_metrics,
 )
+from gspo.telemetry.trackers import import_optional
 from gspo.training.async_rollout import build_rollouts
 from gspo.training.checkpoint import (
     CHECKPOINTS,
@@ -120,6 +121,11 @@ class Trainer:
         moved = (lambda path: moved_path(path, out)) if resume else None
         self.config = config = with_absolute_paths(config, moved)
         self.dist = dist = dist or Distributed()
+        # a tracker asked for but not installed: said before the model loads (minutes)
+        for module, name, wanted in (("wandb", "W&B", config.log.wandb),
+                                     ("mlflow", "MLflow", config.log.mlflow)):  # fmt: skip
+            if wanted is not None and dist.is_main:
+                import_optional(module, name, module)
         if dist.is_main:  # (a rank making it after rank 0 removed a failed start's left it)
             out.mkdir(parents=True, exist_ok=True)
         device = rank_device(config.model.device, dist)
@@ -200,7 +206,7 @@ class Trainer:
         self.logger = MetricsLogger(
             out, enabled=dist.is_main, tensorboard=config.log.tensorboard,
             resume_step=self.step if checkpoint is not None else None,
-            wandb=config.log.wandb, mlflow=config.log.mlflow,
+            wandb=config.log.wandb, mlflow=config.log.mlflow, params=flat_settings(config),
         )  # fmt: skip
         # one process writes its checkpoints in the background (several ranks: at once)
         self.checkpoints = Checkpoints(
@@ -364,12 +370,14 @@ class Trainer:
                 if crossed(before, self.step, cfg.train.save_every) or last:
                     self.save_checkpoint(last=last)
         self.checkpoints.wait()
+        plots = []
+        if cfg.log.plots and self.dist.is_main:
+            plots = plot_metrics(self.output_dir / "metrics.jsonl", self.output_dir / "plots")
+        self.logger.attach([*plots, self.output_dir / "config.yaml"])  # (to W&B, MLflow)
         self.logger.close()
         if not self.dist.is_main:
             return []
         records = read_metrics(self.output_dir / "metrics.jsonl")
-        if cfg.log.plots:
-            plot_metrics(self.output_dir / "metrics.jsonl", self.output_dir / "plots")
         print_summary(records)
         return records
 

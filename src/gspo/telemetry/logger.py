@@ -16,15 +16,24 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from gspo.telemetry.records import METRICS_FILE, _finite_scalars, _is_number, json_safe
+from gspo.telemetry.records import (
+    METRICS_FILE,
+    _finite_scalars,
+    _is_number,
+    json_safe,
+    read_metrics,
+)
 from gspo.telemetry.trackers import (
     RL_STEP,
     TENSORBOARD_DIR,
+    TRACKERS_FILE,
+    MlflowSink,
     WandbSink,
     axis,
     import_optional,
-    start_mlflow,
+    recorded_ids,
     tensorboard_writer,
+    tracker_failed,
 )
 
 
@@ -42,13 +51,18 @@ class MetricsLogger:
             atomically, dropping later steps and any truncated line) and new lines are
             appended; TensorBoard is told to purge events at steps ``> k``. With
             ``None`` (a fresh run) an existing ``metrics.jsonl`` is replaced and older
-            TensorBoard events in the directory are purged from view.
+            TensorBoard events in the directory are purged from view. (The cold start's
+            lines kept are written to TensorBoard again: drawn by their own step, the
+            purge hid them.)
         wandb: if given, ``wandb.init(**wandb)`` is called and every ``log`` is mirrored
-            to that run (``run.log(..., step=step)``).
+            to that run (one row a line: :class:`~gspo.telemetry.trackers.WandbSink`).
         mlflow: if given, an MLflow run is started and every ``log`` is mirrored with
             ``mlflow.log_metrics``. The optional keys ``"tracking_uri"`` and
             ``"experiment_name"`` are applied first (``mlflow.set_tracking_uri`` /
             ``mlflow.set_experiment``); the rest are passed to ``mlflow.start_run``.
+        params: the run's settings (dotted keys): W&B's config, MLflow's parameters,
+            TensorBoard's ``config`` text. A resumed run goes on in the W&B and MLflow
+            runs it logged to (:data:`~gspo.telemetry.trackers.TRACKERS_FILE`).
 
     Raises:
         ValueError: W&B or MLflow was requested but its package is not installed
@@ -64,6 +78,7 @@ class MetricsLogger:
         resume_step: int | None = None,
         wandb: dict | None = None,
         mlflow: dict | None = None,
+        params: Mapping[str, Any] | None = None,
     ) -> None:
         self.enabled = enabled
         self.output_dir = Path(output_dir)
@@ -71,8 +86,7 @@ class MetricsLogger:
         self.resume_step = resume_step
         self._file: Any = None
         self._tb: Any = None
-        self._wandb: Any = None
-        self._mlflow: Any = None
+        self._trackers: list[Any] = []  # WandbSink, MlflowSink
         self._closed = False
         if not enabled:
             return
@@ -93,14 +107,38 @@ class MetricsLogger:
                     self.output_dir / TENSORBOARD_DIR,
                     purge_step=0 if resume_step is None else resume_step + 1,
                 )
+                self._tensorboard_start(params)
+            ids = recorded_ids(self.output_dir) if resume_step is not None else {}
             if wandb_mod is not None:
-                self._wandb = WandbSink(wandb_mod, wandb)
+                self._trackers.append(WandbSink(wandb_mod, wandb, params, ids.get("wandb")))
             if mlflow_mod is not None:
-                start_mlflow(mlflow_mod, mlflow)
-                self._mlflow = mlflow_mod
+                self._trackers.append(MlflowSink(mlflow_mod, mlflow, params, ids.get("mlflow")))
+            if self._trackers:
+                from gspo.publish import write_atomic
+
+                names = {"log.wandb": "wandb", "log.mlflow": "mlflow"}
+                kept = {names[t.key]: t.id for t in self._trackers if t.id is not None}
+                write_atomic(self.output_dir / TRACKERS_FILE, json.dumps(kept) + "\n")
         except BaseException:
             self.close()
             raise
+
+    def _tensorboard_start(self, params: Mapping[str, Any] | None) -> None:
+        """The run's settings as TensorBoard text; on a resume, the cold start's lines kept
+        in metrics.jsonl again (drawn by ``sft/step``, past the purge step: hidden)."""
+        if params:
+            table = "\n".join(f"    {key}: {value!r}" for key, value in params.items())
+            self._tb.add_text("config", table, global_step=self.resume_step or 0)
+        if self.resume_step is None:
+            return
+        for record in read_metrics(self.path):
+            scalars = _finite_scalars(record)
+            if "sft/step" in scalars:
+                at = int(scalars["sft/step"])
+                for key, value in scalars.items():
+                    if axis(key) == "sft/step" and key != "sft/step":
+                        self._tb.add_scalar(key, value, global_step=at)
+        self._tb.flush()
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Record ``metrics`` at ``step`` in every sink; the jsonl line is flushed."""
@@ -124,11 +162,22 @@ class MetricsLogger:
             for key, value in scalars.items():
                 self._tb.add_scalar(key, value, global_step=steps[axis(key)])
             self._tb.flush()
-        if self._wandb is not None:
-            self._wandb.log(step, scalars)
-        if self._mlflow is not None:
-            for at, part in _by_axis(scalars, steps):
-                self._mlflow.log_metrics(part, step=at)
+        self._each_tracker("logging", lambda sink: sink.log(step, scalars, steps))
+
+    def attach(self, files: list[Path]) -> None:
+        """Send files of the run (its plots, config.yaml) to W&B and MLflow, as files of
+        the run directory."""
+        if self.enabled and not self._closed and files:
+            self._each_tracker("uploading", lambda sink: sink.attach(files, self.output_dir))
+
+    def _each_tracker(self, doing: str, call: Any) -> None:
+        """``call(sink)`` for each tracker; one that fails is said once and dropped."""
+        for sink in list(self._trackers):
+            try:
+                call(sink)
+            except Exception as exc:
+                self._trackers.remove(sink)
+                tracker_failed(sink, exc, doing)
 
     def close(self) -> None:
         """Flush and close every sink. Idempotent."""
@@ -139,26 +188,14 @@ class MetricsLogger:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
-        if self._wandb is not None:
-            self._wandb.finish()
-        if self._mlflow is not None:
-            self._mlflow.end_run()
+        self._each_tracker("finishing its run", lambda sink: sink.finish())
+        self._trackers = []
 
     def __enter__(self) -> MetricsLogger:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _by_axis(
-    scalars: dict[str, float], steps: dict[str, int]
-) -> list[tuple[int, dict[str, float]]]:
-    """``scalars`` split by the step each is drawn against (:func:`axis`), none empty."""
-    parts: dict[str, dict[str, float]] = {}
-    for key, value in scalars.items():
-        parts.setdefault(axis(key), {})[key] = value
-    return [(steps[name], part) for name, part in parts.items()]
 
 
 def _truncate_metrics(path: Path, resume_step: int) -> None:

@@ -3,18 +3,30 @@
 :class:`~gspo.telemetry.logger.MetricsLogger` feeds them the numbers it writes to
 ``metrics.jsonl``. Each tracker's package is imported lazily, where used: a missing one
 is one line naming the extra to install, and a tracker refusing its settings is one line
-naming the config key.
+naming the config key. Each gets the run's settings as its hyperparameters, continues
+the same tracker run when the run is resumed (its id kept in :data:`TRACKERS_FILE`),
+receives the run's plots and config.yaml at its end, and, failing once the run is under
+way, is dropped with one warning line: the run goes on (``metrics.jsonl`` has every
+line).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import json
+import sys
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 #: Sub-directory of a run's output directory that holds TensorBoard event files.
 TENSORBOARD_DIR = "tensorboard"
+#: The tracker runs a run logs to (``{"wandb": id, "mlflow": run_id}``): a resume goes on
+#: in the same ones (it started new ones, a second MLflow run holding the steps after the
+#: checkpoint twice).
+TRACKERS_FILE = "trackers.json"
+#: Longest parameter value sent to MLflow (it refuses longer ones: 6000 characters).
+MLFLOW_VALUE_CHARS = 500
 
 
 @contextlib.contextmanager
@@ -49,15 +61,30 @@ class WandbSink:
     Each line is its own row (no ``step=``: W&B merges rows logged at one step, and the
     cold start's lines are all RL step 0), carrying ``train/step``; each metric is
     declared once, on first sight, against its axis (``define_metric``), so the RL curves
-    are drawn by RL step and the cold start's by ``sft/step``.
+    are drawn by RL step and the cold start's by ``sft/step``. ``params`` (the run's
+    settings) go in as its config, under the user's own ``config``; ``resume_id``
+    continues that run (``resume="allow"``) unless the settings name an ``id``.
     """
 
-    def __init__(self, wandb_mod: Any, settings: dict) -> None:
-        with tracker_settings("log.wandb", "W&B"):
+    key, name = "log.wandb", "W&B"
+
+    def __init__(
+        self,
+        wandb_mod: Any,
+        settings: dict,
+        params: Mapping[str, Any] | None = None,
+        resume_id: str | None = None,
+    ) -> None:
+        settings = dict(settings)
+        settings["config"] = {**(params or {}), **(settings.get("config") or {})}
+        if resume_id is not None and "id" not in settings:
+            settings |= {"id": resume_id, "resume": settings.get("resume", "allow")}
+        with tracker_settings(self.key, self.name):
             self.run = wandb_mod.init(**settings)
+        self.id: str | None = getattr(self.run, "id", None)
         self.declared: set[str] = set()
 
-    def log(self, step: int, scalars: dict[str, float]) -> None:
+    def log(self, step: int, scalars: dict[str, float], steps: dict[str, int]) -> None:
         row = {RL_STEP: step, **scalars}
         for key in row.keys() - self.declared:
             if key in ("sft/step", RL_STEP):
@@ -67,22 +94,91 @@ class WandbSink:
             self.declared.add(key)
         self.run.log(row)
 
+    def attach(self, files: list[Path], root: Path) -> None:
+        for path in files:
+            self.run.save(str(path), base_path=str(root), policy="now")
+
     def finish(self) -> None:
         self.run.finish()
 
 
-def start_mlflow(mlflow_mod: Any, settings: dict | None) -> None:
-    """Start an MLflow run: ``"tracking_uri"`` and ``"experiment_name"`` are applied
-    first, the rest of ``settings`` is passed to ``mlflow.start_run``."""
-    cfg = dict(settings or {})
-    uri = cfg.pop("tracking_uri", None)
-    experiment = cfg.pop("experiment_name", None)
-    with tracker_settings("log.mlflow", "MLflow"):
-        if uri is not None:
-            mlflow_mod.set_tracking_uri(uri)
-        if experiment is not None:
-            mlflow_mod.set_experiment(experiment)
-        mlflow_mod.start_run(**cfg)
+class MlflowSink:
+    """An MLflow run: ``"tracking_uri"`` and ``"experiment_name"`` of ``settings`` are
+    applied first, the rest is passed to ``mlflow.start_run`` (``run_id=resume_id``
+    continues that run, unless the settings name a ``run_id``); ``params`` are logged as
+    its parameters. Metrics go by their axis's step (:func:`axis`)."""
+
+    key, name = "log.mlflow", "MLflow"
+
+    def __init__(
+        self,
+        mlflow_mod: Any,
+        settings: dict | None,
+        params: Mapping[str, Any] | None = None,
+        resume_id: str | None = None,
+    ) -> None:
+        self.mlflow = mlflow_mod
+        cfg = dict(settings or {})
+        uri = cfg.pop("tracking_uri", None)
+        experiment = cfg.pop("experiment_name", None)
+        if resume_id is not None and "run_id" not in cfg:
+            cfg = {k: v for k, v in cfg.items() if k != "run_name"} | {"run_id": resume_id}
+        with tracker_settings(self.key, self.name):
+            if uri is not None:
+                mlflow_mod.set_tracking_uri(uri)
+            if experiment is not None:
+                mlflow_mod.set_experiment(experiment)
+            run = mlflow_mod.start_run(**cfg)
+        info = getattr(run, "info", None)
+        self.id: str | None = getattr(info, "run_id", None)
+        if params and resume_id is None:  # (a resumed run has them: they cannot change)
+            values = {k: _param_text(v) for k, v in params.items()}
+            with tracker_settings(self.key, self.name):
+                mlflow_mod.log_params(values)
+
+    def log(self, step: int, scalars: dict[str, float], steps: dict[str, int]) -> None:
+        parts: dict[str, dict[str, float]] = {}
+        for key, value in scalars.items():
+            parts.setdefault(axis(key), {})[key] = value
+        for name, part in parts.items():
+            self.mlflow.log_metrics(part, step=steps[name])
+
+    def attach(self, files: list[Path], root: Path) -> None:
+        for path in files:
+            folder = path.parent.relative_to(root).as_posix()
+            self.mlflow.log_artifact(str(path), artifact_path=None if folder == "." else folder)
+
+    def finish(self) -> None:
+        self.mlflow.end_run()
+
+
+def _param_text(value: Any) -> str:
+    """A setting as MLflow's parameter text (lists and mappings as JSON), cut to
+    :data:`MLFLOW_VALUE_CHARS`."""
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text if len(text) <= MLFLOW_VALUE_CHARS else text[: MLFLOW_VALUE_CHARS - 3] + "..."
+
+
+def tracker_failed(sink: Any, exc: BaseException, doing: str) -> None:
+    """One warning line for a tracker that failed once the run was under way (a server
+    gone, its run deleted, its process killed): the run goes on without it."""
+    text = " ".join(str(exc).split())
+    text = text if len(text) <= 200 else text[:197] + "..."
+    print(
+        f"gspo: warning: {sink.key}: {sink.name} failed {doing} ({type(exc).__name__}: "
+        f"{text}); the run goes on without it (metrics.jsonl has every line)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def recorded_ids(output_dir: Path) -> dict[str, str]:
+    """The tracker runs :data:`TRACKERS_FILE` names (none if it is missing or unreadable)."""
+    try:
+        found = json.loads((output_dir / TRACKERS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in found.items() if isinstance(v, str)} if isinstance(found, dict) else {}
 
 
 def import_optional(module: str, name: str, extra: str) -> Any:
