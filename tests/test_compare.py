@@ -783,6 +783,22 @@ def test_the_report_gives_moe_expert_churn_and_one_reward_point_per_rollout_batc
         assert xs == [4.0, 8.0] and means == pytest.approx([0.0, 0.1])
 
 
+def test_each_compared_run_is_named_in_the_trackers(tmp_path):
+    """Every run (cold start, GSPO seed 0, GRPO seed 0) was a W&B and MLflow run named the
+    user's name alone; a fixed W&B id put them all into one."""
+    from gspo.config import load_config
+    from gspo.experiments.runs import in_trackers
+
+    asked = ["log.wandb={project: p, name: mine, id: x}", "log.mlflow={tags: {a: b}}"]
+    config = load_config(None, asked)
+    named = in_trackers(config, tmp_path / "cmp" / "runs" / "grpo-seed1", tmp_path / "cmp")
+    assert named.log.wandb == {"project": "p", "name": "mine-grpo-seed1", "group": "cmp"}
+    assert named.log.mlflow == {"run_name": "grpo-seed1", "tags": {"a": "b", "gspo_compare": "cmp"}}
+    assert config.log.wandb["name"] == "mine"  # (the caller's config as it was)
+    plain = load_config(None, [])
+    assert in_trackers(plain, tmp_path / "r", tmp_path) is plain
+
+
 def test_histogram_needs_values(tmp_path):
     assert plot_histograms({"w": torch.zeros(0)}, tmp_path / "h.png", title="t") is None
     path = plot_histograms({"w": torch.randn(50), "s": torch.randn(50) * 0.01},

@@ -295,10 +295,37 @@ def run_or_reuse(
         return read_metrics(run_dir / "metrics.jsonl")
     resume = latest_checkpoint(run_dir) is not None and (run_dir / "metrics.jsonl").is_file()
     log(f"  {'resuming' if resume else 'training'} {run_dir}")
-    with Trainer(config, run_dir, resume=resume) as trainer:
+    with Trainer(in_trackers(config, run_dir, root), run_dir, resume=resume) as trainer:
         write_request(config, run_dir, root)
         record_provenance(run_dir)  # (once it starts)
         return trainer.fit()
+
+
+def in_trackers(config: Config, run_dir: Path, root: Path | None) -> Config:
+    """``config`` with its W&B and MLflow runs named for the compare's run ``run_dir``
+    (``grpo-seed1``, after the user's own name) and grouped by the compare (W&B's group,
+    MLflow's ``gspo_compare`` tag): every run was named the user's name alone, none said
+    its algorithm or seed. An ``id``/``run_id`` of the user's, which would put every run
+    into one, is left out."""
+    log = config.log
+    if log.wandb is None and log.mlflow is None:
+        return config
+    config = config.model_copy(deep=True)
+    label = run_dir.name
+    group = (root or run_dir.parent).resolve().name
+    if log.wandb is not None:
+        wandb = {k: v for k, v in log.wandb.items() if k != "id"}
+        wandb["name"] = f"{wandb['name']}-{label}" if wandb.get("name") else label
+        config.log.wandb = {**wandb, "group": wandb.get("group") or group}
+    if log.mlflow is not None:
+        mlflow = {k: v for k, v in log.mlflow.items() if k != "run_id"}
+        named = mlflow.get("run_name")
+        mlflow["run_name"] = f"{named}-{label}" if named else label
+        config.log.mlflow = {
+            **mlflow,
+            "tags": {**(mlflow.get("tags") or {}), "gspo_compare": group},
+        }
+    return config
 
 
 def cold_start_checkpoint(
@@ -316,7 +343,7 @@ def cold_start_checkpoint(
     log("cold start")
     from gspo.trainer import Trainer
 
-    with Trainer(config, out / COLD_START) as trainer:
+    with Trainer(in_trackers(config, out / COLD_START, out), out / COLD_START) as trainer:
         write_request(config, out / COLD_START, out)
         # (one the cache gives was trained by this code too: its key holds gspo's sources)
         record_provenance(out / COLD_START)
