@@ -1,6 +1,7 @@
 """``gspo eval``: a checkpoint (or a model) evaluated as its run evaluates, nothing written."""
 
 import json
+import shutil
 
 import pytest
 from test_trainer import FAST
@@ -30,7 +31,8 @@ def snapshot(run):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A run of 4 steps (checkpoints at 0, 2, 4; evaluations at 0, 2, 4), and a LoRA run
-    of 4 steps from its step 0."""
+    of 4 steps from its step 0 whose checkpoints hold its adapters only
+    (``train.save_only_model``: no optimizer state, which a resume's loading asked for)."""
     root = tmp_path_factory.mktemp("eval")
     (root / "varied.py").write_text(
         "def varied(prompts, completions, **kw):\n"
@@ -41,7 +43,7 @@ def trained(tmp_path_factory):
     assert main(["train", "--output-dir", str(run), *FAST, *STEPS, varied]) == 0
     step0 = run / "checkpoints" / "step-0000000"
     adapters = ["model.lora.r=4", "optim.lr=0.05", "train.cold_start_steps=0",
-                f"model.path={step0}"]  # fmt: skip
+                f"model.path={step0}", "train.save_only_model=true"]  # fmt: skip
     assert main(["train", "--output-dir", str(lora), *FAST, *STEPS, *adapters, varied]) == 0
     return run, lora
 
@@ -74,10 +76,11 @@ def test_each_checkpoint_gives_the_figures_its_run_logged_and_nothing_is_written
     assert written["step"] == 4 and written["eval/accuracy"] == accuracy
 
 
-def test_overrides_change_the_evaluation_and_a_model_directory_takes_a_config(trained, capsys):
+def test_overrides_change_the_evaluation_and_a_model_directory_takes_a_config(trained, tmp_path):
     run = trained[0]
     more = evaluate(run, overrides=["eval.samples=3", "eval.greedy=false"])
     assert "eval/accuracy_greedy" not in more.metrics and more.prompts == 24
+    assert more.logged == {}  # (another measurement: not set beside the run's)
     assert (
         more.metrics["eval/response_length_mean"]
         != logged_evals(run)[4]["eval/response_length_mean"]
@@ -88,6 +91,11 @@ def test_overrides_change_the_evaluation_and_a_model_directory_takes_a_config(tr
     assert plain.metrics["eval/accuracy_greedy"] == logged_evals(run)[0]["eval/accuracy_greedy"]
     model = evaluate(run / "base_model", config=run / "config.yaml")
     assert model.step == 0 and not model.logged and "eval/accuracy" in model.metrics
+    # a checkpoint copied out of its run keeps its step (its name gave step 0's seed)
+    copy = tmp_path / "best"
+    shutil.copytree(run / "checkpoints" / "step-0000004", copy)
+    figures = {k: v for k, v in evaluate(copy).metrics.items() if k.startswith("eval/")}
+    assert figures == logged_evals(run)[4]
 
 
 @pytest.mark.parametrize(
@@ -95,6 +103,7 @@ def test_overrides_change_the_evaluation_and_a_model_directory_takes_a_config(tr
     [
         (["--step", "3"], "--step 3: {run} holds no checkpoint of that step (steps: 0, 2, 4)"),
         (["--step", "2", "--config", "nowhere.yaml"], "nowhere.yaml"),
+        (["--json", "/nowhere/e.json"], "--json /nowhere/e.json: /nowhere is no directory"),
     ],
 )
 def test_bad_requests_are_one_line(trained, capsys, args, said):
@@ -102,6 +111,15 @@ def test_bad_requests_are_one_line(trained, capsys, args, said):
     assert main(["eval", str(run), *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and said.format(run=run) in err, err
+
+
+def test_a_model_directory_has_no_steps_and_a_mistyped_checkpoint_names_those_held(trained, capsys):
+    run = trained[0]
+    assert main(["eval", str(run / "base_model"), "--step", "2"]) == 2
+    assert "--step with the model directory" in capsys.readouterr().err
+    assert main(["eval", str(run / "checkpoints" / "step-4")]) == 2
+    err = capsys.readouterr().err
+    assert "holds step-0000000, step-0000002, step-0000004" in err and "\n" not in err.strip()
 
 
 def test_what_is_neither_a_run_nor_a_model_is_one_line(tmp_path, capsys):

@@ -26,14 +26,8 @@ from gspo.config import Config, checked_config, load_config
 from gspo.models import model_files
 from gspo.moved import moved_path
 from gspo.telemetry import METRICS_FILE, read_metrics
-from gspo.training.checkpoint import (
-    CHECKPOINTS,
-    CONFIG,
-    TRAINER_STATE,
-    checkpoint_dir,
-    load_checkpoint,
-)
-from gspo.training.lora import base_model_path, is_lora_checkpoint
+from gspo.training.checkpoint import CHECKPOINTS, CONFIG, TRAINER_STATE, checkpoint_dir
+from gspo.training.lora import ADAPTER_WEIGHTS, base_model_path, is_lora_checkpoint
 from gspo.training.setup import with_absolute_paths
 
 #: What an evaluation turns off: nothing trains, and nothing is written or tracked.
@@ -55,7 +49,8 @@ QUIET = {
 class Evaluated:
     """What :func:`evaluate` measured: ``metrics`` (``eval/*``, ``time/eval``) of ``model``
     at ``step`` (a checkpoint's RL step: its evaluation seed; 0 for a model directory), and
-    the run's own ``eval/*`` at that step where its ``metrics.jsonl`` has them."""
+    the run's own ``eval/*`` at that step where its ``metrics.jsonl`` has them (evaluated
+    with its own config: no overrides, no other config)."""
 
     model: Path
     step: int
@@ -77,6 +72,7 @@ def evaluate(
     from gspo.trainer import Trainer  # (loads transformers)
 
     checkpoint, run = _checkpoint(Path(path).expanduser(), step)
+    config_given = config
     if isinstance(config, Config):
         config = config.model_copy(deep=True)
         checked_config(config, "evaluate")
@@ -115,15 +111,17 @@ def evaluate(
         tempfile.TemporaryDirectory(prefix="gspo-eval-") as scratch,
         Trainer(config, Path(scratch) / "run") as trainer,
     ):
-        if lora:  # the adapter's weights onto the fresh adapters (and the optimizer's)
-            load_checkpoint(checkpoint, trainer.policy, trainer.optimizer, trainer.scheduler)
+        if lora:  # the adapter's weights onto the fresh adapters
+            _load_adapter(trainer.policy, checkpoint)
         evaluator = trainer.evaluator
         if not evaluator.rows:
             raise ValueError(
                 "eval: no held-out prompts (data.eval, or a built-in task's data.eval_size)"
             )
         metrics = evaluator.run(at)
-    logged = _logged(run, at) if checkpoint is not None else {}
+    # (the run's own figures beside them only where they measure the same: no overrides)
+    as_run = checkpoint is not None and config_given is None and not overrides
+    logged = _logged(run, at) if as_run else {}
     return Evaluated(model=checkpoint or model, step=at, prompts=len(evaluator.rows),
                      metrics=metrics, logged=logged)  # fmt: skip
 
@@ -155,7 +153,11 @@ def _checkpoint(path: Path, step: int | None) -> tuple[Path | None, Path | None]
             )
         return chosen, path
     if (path / "config.json").is_file():
+        if step is not None:
+            raise ValueError(f"eval: --step with the model directory {path}: it has no steps")
         return None, None
+    if any(path.parent.glob("step-*")):  # a checkpoint's name mistyped: those beside it
+        resolve_checkpoint(path, command="eval")
     said = "does not exist" if not path.exists() else (
         "is neither a checkpoint, a run with one, nor a model directory (no config.json)"
     )  # fmt: skip
@@ -175,6 +177,27 @@ def _config_of(checkpoint: Path | None, run: Path | None) -> Path | None:
     )
 
 
+def _load_adapter(policy: Any, checkpoint: Path) -> None:
+    """A LoRA checkpoint's adapter weights (PEFT's file, checked against its manifest)
+    onto ``policy``'s adapters: weights only (a checkpoint of ``train.save_only_model``
+    holds no optimizer state, which a resume's loading asked for)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from gspo.models import is_model_file
+    from gspo.publish import check_manifest
+
+    check_manifest(checkpoint, is_model_file)
+    state = load_file(checkpoint / ADAPTER_WEIGHTS, device=str(policy.device))
+    loaded = set_peft_model_state_dict(policy.module, state)
+    if loaded.unexpected_keys:
+        raise ValueError(
+            f"eval: {checkpoint / ADAPTER_WEIGHTS} holds weights its config's adapters lack "
+            f"({loaded.unexpected_keys[0]}, ...): model.lora.* differs from its run's"
+        )
+    policy.stepped()  # (the engine reads the new adapters at its next sync)
+
+
 def _whole(checkpoint: Path, where: str | None) -> Path:
     """A whole-model checkpoint's model directory (a step 0's: the model it names)."""
     from gspo.models import is_model_file
@@ -187,9 +210,17 @@ def _whole(checkpoint: Path, where: str | None) -> Path:
 
 
 def _step_of(checkpoint: Path) -> int:
-    """A checkpoint's RL step, from its name (``step-0000052``), else 0."""
-    digits = checkpoint.name.removeprefix("step-")
-    return int(digits) if digits.isdigit() else 0
+    """A checkpoint's RL step, as its ``trainer_state.pt`` records it (a copy renamed or
+    moved out of its run keeps it: its name gave step 0's seed)."""
+    import torch
+
+    try:
+        return int(torch.load(checkpoint / TRAINER_STATE, weights_only=True)["step"])
+    except Exception as exc:  # any unpickling failure: one line
+        raise ValueError(
+            f"eval: {checkpoint / TRAINER_STATE} is unreadable ({type(exc).__name__}): "
+            f"{checkpoint} was damaged after it was written"
+        ) from None
 
 
 def _logged(run: Path | None, step: int) -> dict[str, float]:

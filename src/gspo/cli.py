@@ -242,6 +242,8 @@ def run_eval(args: argparse.Namespace) -> int:
         raise ValueError("gspo eval runs in one process: run it as a plain command")
     if args.json is not None and args.json.is_dir():
         raise ValueError(f"--json {args.json}: is a directory, not a file")
+    if args.json is not None and not args.json.parent.is_dir():  # (said after the evaluation)
+        raise ValueError(f"--json {args.json}: {args.json.parent} is no directory")
     evaluated = evaluate(args.source, step=args.step, config=args.config, overrides=args.overrides)
     print(report(evaluated))
     if args.json is not None:

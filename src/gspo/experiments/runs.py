@@ -68,7 +68,8 @@ NO_LORA = (
 #: minibatches, on a smaller model, sized for about half an hour on 2 CPU cores.
 PRESETS: dict[str, list[str]] = {
     "default": [],
-    "stress": ["algorithm.minibatches=16", "rollout.prompts_per_batch=64"],
+    # (train.max_steps: the default 200 as the run takes it, 13 whole rollout batches)
+    "stress": ["algorithm.minibatches=16", "rollout.prompts_per_batch=64", "train.max_steps=208"],
     "long": [
         "data.task=chain",
         "data.terms=12",
