@@ -793,7 +793,7 @@ def test_a_reward_failing_at_its_first_call_leaves_the_directory_as_it_was(tmp_p
     gone, and a stub run was left (in a new directory too: the fixed command was refused,
     "already holds a run"). An interrupt there still keeps the new run, to be resumed."""
     old, new = tmp_path / "run", tmp_path / "new"
-    good = [*FAST, "train.max_steps=1", "eval.every=0", "train.cold_start_steps=0"]
+    good = [*FAST, "train.max_steps=4", "eval.every=0", "train.cold_start_steps=0"]
     assert main(["train", "--output-dir", str(old), *good]) == 0
 
     def files(run: Path) -> list[str]:
