@@ -299,3 +299,46 @@ def test_weights_that_are_not_finite_are_not_checkpointed(tmp_path):
         assert (good.parent / "latest").read_text().strip() == good.name
         assert not (good.parent / f"step-{trainer.step:07d}").exists()
     trainer.close()
+
+
+def test_a_wait_cut_by_a_signal_waits_again_for_the_whole_write(tmp_path, monkeypatch):
+    """A second SIGTERM while a stopped run waits for its checkpoint interrupts the wait;
+    waiting again (the way out of the run does) still waits for the write. Python 3.11's
+    interrupted ``Thread.join`` marked the writer ended, the next join returned at once:
+    ``latest`` named a step not on disk, logged as 0 bytes."""
+    import signal
+
+    release = threading.Event()
+    real = ckpt.write_sharded
+
+    def held(*args, **kwargs):
+        assert release.wait(60)
+        return real(*args, **kwargs)
+
+    class Cut(Exception):
+        pass
+
+    def cut(*_):
+        raise Cut
+
+    monkeypatch.setattr(ckpt, "write_sharded", held)
+    config = load_config(None, [*FAST, "train.cold_start_steps=0", "train.keep_checkpoints=5"])
+    trainer = Trainer(config, tmp_path / "run")
+    trainer.policy_update.step = 3
+    path = trainer.save_checkpoint()
+    previous = signal.signal(signal.SIGALRM, cut)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(Cut):
+            trainer.checkpoints.wait()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert trainer.checkpoints.pending is not None and not path.exists()
+    threading.Timer(0.5, release.set).start()
+    trainer.checkpoints.wait()
+    assert path.is_dir() and (path / MANIFEST).is_file()
+    assert (path.parent / "latest").read_text().strip() == path.name == "step-0000003"
+    line = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["step"] == 3]
+    assert line and line[-1]["io/checkpoint_bytes"] > 0
+    trainer.close()

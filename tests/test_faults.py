@@ -382,16 +382,24 @@ def test_a_checkpoint_damaged_after_it_was_written_is_one_line_naming_the_file(
     assert latest_checkpoint(run).name == "step-0000004"
 
 
-def test_sigterm_stops_the_run_in_one_line_and_it_resumes(tmp_path, varied_reward):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_sigterm_stops_the_run_in_one_line_and_it_resumes(tmp_path, varied_reward, workers):
     """SIGTERM, what SLURM and Kubernetes stop a job with, ended the run at once with status
-    143 and no word; it now stops as Ctrl-C does, saying how to resume, which then works."""
+    143 and no word; it now stops as Ctrl-C does, saying how to resume, which then works.
+    Sent to the whole process group (as SLURM does), it also kills the reward workers: the
+    run then hung in closing their pool (see test_reward_runner)."""
+    import os
     import time
 
     run = tmp_path / "run"
     args = ["train", "--output-dir", str(run), *FAST, varied_reward, "train.cold_start_steps=0",
-            "train.save_every=4", "train.max_steps=4000", "eval.every=0"]  # fmt: skip
+            "train.save_every=4", "train.max_steps=4000", "eval.every=0",
+            f"reward.workers={workers}"]  # fmt: skip
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gspo", *args], stderr=subprocess.PIPE, text=True
+        [sys.executable, "-m", "gspo", *args],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     try:
         end = time.monotonic() + 600  # (the step-0 checkpoint: RL has begun)
@@ -399,7 +407,7 @@ def test_sigterm_stops_the_run_in_one_line_and_it_resumes(tmp_path, varied_rewar
             assert proc.poll() is None and time.monotonic() < end
             time.sleep(0.2)
         time.sleep(1.0)
-        proc.send_signal(signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()

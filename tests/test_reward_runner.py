@@ -326,3 +326,28 @@ def test_a_worker_killed_at_the_timeout_leaves_no_sandboxed_program(
         if where.startswith(str(temp)):
             running.append((entry.name, where))
     assert running == []
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "busy"])
+def test_workers_killed_by_a_signal_to_the_process_group_do_not_hang_the_close(module, busy):
+    """SIGTERM to the whole process group (a cluster's time limit) kills the idle workers,
+    one of them inside the task queue's read lock: the pool's own shutdown (close and join,
+    or terminate) then waited on that lock forever, and the stopped run never ended."""
+    import signal
+    import threading
+
+    functions = RewardFunctions.from_specs(specs(module, "pid_parity"), workers=3)
+    runner = functions.runner
+    functions(["p"] * 6, ["a"] * 6)  # started and idle
+    workers = list(runner.start()._pool)
+    runner._busy = busy
+    for process in workers:
+        os.kill(process.pid, signal.SIGTERM)
+    for process in workers:
+        process.join(10)
+    closing = threading.Thread(target=functions.close, daemon=True)
+    closing.start()
+    closing.join(60)
+    assert not closing.is_alive(), "close() hung on the task queue's lock"
+    assert runner._pool is None
+    assert all(process.exitcode == -signal.SIGTERM for process in workers)

@@ -16,6 +16,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
+from multiprocessing.pool import TERMINATE
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,26 @@ SETTLE_SECONDS = 10.0
 WATCH_SECONDS = 0.5
 
 
+#: Longest wait for idle workers to exit once the pool is closed.
+CLOSE_SECONDS = 10.0
+
+
+def _killed(workers: Sequence[Any]) -> bool:
+    """Whether one of ``workers`` was ended by a signal (a worker's own crash or
+    ``os._exit`` ends it with a code, and its task; a signal may have caught it idle)."""
+    return any(p.exitcode is not None and p.exitcode < 0 for p in workers)
+
+
+def _exited(workers: Sequence[Any], within: float) -> bool:
+    """Whether ``workers``, told to exit, did so with code 0 within ``within`` seconds."""
+    end = time.monotonic() + within
+    while any(p.exitcode is None for p in workers):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.02)
+    return not any(p.exitcode for p in workers)
+
+
 class _WorkerDied(RewardError):
     """A worker process ended while the batch was scored: its task will never finish
     (``multiprocessing.Pool`` replaces the process and drops the task)."""
@@ -253,23 +274,49 @@ class Runner:
         """Stop the worker processes. Idle workers are told to exit and waited for, not
         killed: a worker killed just after sending a result, before it releases the result
         queue's lock, would leave the pool's shutdown waiting on that lock forever. Workers
-        that may still be busy (a function past ``timeout``) are killed."""
+        that may still be busy (a function past ``timeout``) are killed. Where a worker
+        was killed from outside (SIGTERM to the whole process group: a cluster's time
+        limit, ``kill -- -PGID``), an idle one may have died holding the task queue's lock:
+        the pool's shutdown would wait on it forever, so the workers left are killed and
+        that shutdown is not run."""
         if self._pool is not None:
-            if self._busy:
-                workers = {p.pid for p in [*self._processes, *self._pool._pool]}
+            workers = [*self._processes, *self._pool._pool]
+            if _killed(workers):
+                self._abandon(workers)
+            elif self._busy:
                 self._finalizer()  # Pool.terminate
+            else:
+                self._pool.close()
+                if _exited(workers, within=CLOSE_SECONDS):
+                    self._finalizer.detach()
+                    self._pool.join()
+                else:  # (one was killed meanwhile, or one hangs at exit)
+                    self._abandon(workers)
+            if self._busy or _killed(workers):
                 from gspo.rewards.sandbox import sweep  # (the code reward's, lazily)
 
-                sweep(sorted(workers))  # (what their sandboxed programs left)
-            else:
-                self._finalizer.detach()
-                self._pool.close()
-                self._pool.join()
+                sweep(sorted({p.pid for p in workers}))  # (what their sandboxed programs left)
         self._pool = self._finalizer = None
         self._processes = []
         self._busy = False
         if self._aside is not None:
             self._aside.close()
+
+    def _abandon(self, workers: Sequence[Any]) -> None:
+        """Kill ``workers`` and leave the pool's own shutdown (and its at-exit one) undone:
+        it takes the task queue's lock, which a worker killed from outside may hold."""
+        pool = self._pool
+        pool._state = pool._worker_handler._state = TERMINATE  # (none replaced from now on)
+        pool._change_notifier.put(None)
+        pool._worker_handler.join(CLOSE_SECONDS)
+        workers = [*workers, *(p for p in pool._pool if p not in workers)]
+        for process in workers:
+            if process.exitcode is None:
+                process.kill()
+        for process in workers:
+            process.join(CLOSE_SECONDS)
+        self._finalizer.detach()
+        pool._terminate.cancel()  # (multiprocessing's at-exit Pool.terminate)
 
     def _late(self, name: str) -> RewardError:
         return RewardError(

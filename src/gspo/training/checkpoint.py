@@ -438,12 +438,19 @@ class _Write:
         self.parts: dict[str, float] = {}  # seconds by part (write_checkpoint)
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
+        # Set once the write ended. Waited on rather than ``thread.join()``: a join that a
+        # signal interrupts (a second SIGTERM while a stopped run waits for its checkpoint)
+        # marks a thread still running as ended in Python 3.11, so that the next join
+        # returned at once: ``latest`` named a step not yet on disk, logged as 0 bytes.
+        self.done = threading.Event()
 
     def run(self, dist: Distributed) -> None:
         try:
             self.bytes, self.write_s, self.parts = write_checkpoint(self.state, dist)
         except BaseException as exc:  # raised in the main thread, at its next wait
             self.error = exc
+        finally:
+            self.done.set()
 
 
 class Checkpoints:
@@ -512,7 +519,7 @@ class Checkpoints:
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """``logger.log(step, metrics)``, after the checkpoint being written, if one is."""
-        if self.pending is not None and not self.pending.thread.is_alive():
+        if self.pending is not None and self.pending.done.is_set():
             self.wait()
         if self.pending is not None:
             self.held.append((step, dict(metrics)))
@@ -526,8 +533,7 @@ class Checkpoints:
         if write is None:
             return
         start = time.perf_counter()
-        assert write.thread is not None
-        write.thread.join()  # (interrupted, it stays pending: the exception path waits again)
+        write.done.wait()  # (interrupted, it stays pending: the exception path waits again)
         self.pending = None
         try:
             self._finish(write, waited=time.perf_counter() - start)
