@@ -26,7 +26,13 @@ from gspo.config import Config, checked_config, load_config
 from gspo.models import model_files
 from gspo.moved import moved_path
 from gspo.telemetry import METRICS_FILE, read_metrics
-from gspo.training.checkpoint import CHECKPOINTS, CONFIG, TRAINER_STATE, checkpoint_dir
+from gspo.training.checkpoint import (
+    CHECKPOINTS,
+    CONFIG,
+    TRAINER_STATE,
+    checkpoint_dir,
+    trainer_state,
+)
 from gspo.training.lora import ADAPTER_WEIGHTS, base_model_path, is_lora_checkpoint
 from gspo.training.setup import with_absolute_paths
 
@@ -212,15 +218,7 @@ def _whole(checkpoint: Path, where: str | None) -> Path:
 def _step_of(checkpoint: Path) -> int:
     """A checkpoint's RL step, as its ``trainer_state.pt`` records it (a copy renamed or
     moved out of its run keeps it: its name gave step 0's seed)."""
-    import torch
-
-    try:
-        return int(torch.load(checkpoint / TRAINER_STATE, weights_only=True)["step"])
-    except Exception as exc:  # any unpickling failure: one line
-        raise ValueError(
-            f"eval: {checkpoint / TRAINER_STATE} is unreadable ({type(exc).__name__}): "
-            f"{checkpoint} was damaged after it was written"
-        ) from None
+    return int(trainer_state(checkpoint)["step"])
 
 
 def _logged(run: Path | None, step: int) -> dict[str, float]:

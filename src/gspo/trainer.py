@@ -45,7 +45,7 @@ from gspo.telemetry import (
     print_summary,
     read_metrics,
 )
-from gspo.telemetry.trackers import import_optional
+from gspo.telemetry.trackers import check_installed
 from gspo.training.async_rollout import build_rollouts
 from gspo.training.checkpoint import (
     CHECKPOINTS,
@@ -121,12 +121,8 @@ class Trainer:
         moved = (lambda path: moved_path(path, out)) if resume else None
         self.config = config = with_absolute_paths(config, moved)
         self.dist = dist = dist or Distributed()
-        # a tracker asked for but not installed: said before the model loads (minutes)
-        for module, name, wanted in (("wandb", "W&B", config.log.wandb),
-                                     ("mlflow", "MLflow", config.log.mlflow)):  # fmt: skip
-            if wanted is not None and dist.is_main:
-                import_optional(module, name, module)
         if dist.is_main:  # (a rank making it after rank 0 removed a failed start's left it)
+            check_installed(config.log.wandb, config.log.mlflow)  # (before the model loads)
             out.mkdir(parents=True, exist_ok=True)
         device = rank_device(config.model.device, dist)
         # batch sizes are global: this rank's shares (one-line errors if they do not divide)

@@ -181,6 +181,14 @@ def recorded_ids(output_dir: Path) -> dict[str, str]:
     return {k: v for k, v in found.items() if isinstance(v, str)} if isinstance(found, dict) else {}
 
 
+def check_installed(wandb: Any, mlflow: Any) -> None:
+    """A tracker asked for (``log.wandb``, ``log.mlflow`` not None) but not installed: a
+    one-line ``ValueError``, said before the model loads (minutes), not after."""
+    for module, name, wanted in (("wandb", "W&B", wandb), ("mlflow", "MLflow", mlflow)):
+        if wanted is not None:
+            import_optional(module, name, module)
+
+
 def import_optional(module: str, name: str, extra: str) -> Any:
     import importlib
 

@@ -562,6 +562,20 @@ class Checkpoints:
         finish_checkpoint(self.output_dir, write.state.final, keep=self.keep, dist=self.dist)
 
 
+def trainer_state(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
+    """A checkpoint's ``trainer_state.pt`` (its step, the scheduler's state, ...); a file
+    that cannot be read is a one-line :class:`gspo.publish.DamagedFile`."""
+    try:
+        state = torch.load(path / TRAINER_STATE, map_location=map_location, weights_only=True)
+        int(state["step"])
+    except Exception as exc:  # any unpickling failure: one line
+        raise DamagedFile(
+            f"{path / TRAINER_STATE} is unreadable ({type(exc).__name__}): {path} was damaged "
+            "after it was written; delete it to go back to the checkpoint before it"
+        ) from None
+    return state
+
+
 def load_checkpoint(
     path: Path,
     policy: Policy,
@@ -585,13 +599,6 @@ def load_checkpoint(
         load_sharded(path / SHARDED, policy.forward, optimizer, trainable_only=policy.adapters)
     if policy.adapters:
         policy.stepped()  # the adapters just changed: engines and the replica must resync
-    try:  # (checked above unless its manifest was removed too)
-        state = torch.load(path / TRAINER_STATE, map_location=policy.device, weights_only=True)
-        step = int(state["step"])
-    except Exception as exc:  # any unpickling failure: one line
-        raise DamagedFile(
-            f"{path / TRAINER_STATE} is unreadable ({type(exc).__name__}): {path} was damaged "
-            "after it was written; delete it to go back to the checkpoint before it"
-        ) from None
+    state = trainer_state(path, policy.device)  # (checked above unless its manifest went too)
     scheduler.load_state_dict(state["scheduler"])
-    return step
+    return int(state["step"])
