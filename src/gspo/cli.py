@@ -85,6 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--resume", type=a_path, metavar="DIR", help="continue the run in DIR")
     train.add_argument(
+        "--auto-resume",
+        action="store_true",
+        help="continue the run in --output-dir from its last checkpoint if it has one, "
+        "start it otherwise: the same command again, for a job a scheduler requeues "
+        "(--config and overrides apply as given; settings that differ from the "
+        "checkpoint's are named in one warning line)",
+    )
+    train.add_argument(
         "--overwrite",
         action="store_true",
         help="start over in --output-dir: a run already there is removed once the new one "
@@ -258,9 +266,15 @@ def run_eval(args: argparse.Namespace) -> int:
 def train_config(args: argparse.Namespace) -> tuple[Config, Path]:
     """``gspo train``'s config and output directory, its options checked."""
     from gspo.config import load_config
-    from gspo.runs import not_a_run, resume_config
+    from gspo.runs import auto_resumes, check_same_model, not_a_run, resume_config
     from gspo.trainer import CHECKPOINTS
 
+    if args.auto_resume and args.resume is not None:
+        raise ValueError(
+            "--auto-resume continues the run in --output-dir; --resume names one: pick one"
+        )
+    if args.auto_resume and args.overwrite:
+        raise ValueError("--overwrite starts a run over, --auto-resume continues one: pick one")
     if args.resume is not None:
         named = str(args.resume)
         if "=" in named and not args.resume.exists():  # `--resume` as a flag, a setting after
@@ -293,7 +307,12 @@ def train_config(args: argparse.Namespace) -> tuple[Config, Path]:
                 f"--output-dir {output_dir} holds a gspo compare; give the run a directory of "
                 "its own (its runs are in runs/ there)"
             )
-        if (output_dir / CHECKPOINTS).exists() and not args.overwrite:
+        if args.auto_resume and auto_resumes(output_dir):
+            if (problem := not_a_run(output_dir, "--auto-resume")) is not None:
+                raise ValueError(f"--output-dir {output_dir}: {problem}")
+            check_same_model(output_dir, config, "--auto-resume", "--output-dir")
+            args.resume = output_dir  # (resumed from here on, as with --resume)
+        elif (output_dir / CHECKPOINTS).exists() and not (args.overwrite or args.auto_resume):
             raise ValueError(
                 f"--output-dir {output_dir} already holds a run; "
                 "use --resume to continue it or --overwrite to start over"

@@ -13,7 +13,7 @@ import secrets
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -44,12 +44,18 @@ from gspo.training.setup import with_absolute_paths
 
 
 def train(
-    config: Config, output_dir: str | Path, *, resume: bool = False, overwrite: bool = False
+    config: Config,
+    output_dir: str | Path,
+    *,
+    resume: bool | Literal["auto"] = False,
+    overwrite: bool = False,
 ) -> list[dict[str, Any]]:
     """Run (or, with ``resume``, continue) a training run in ``output_dir``; returns the
     metric records. A directory that already holds a run is refused unless resumed or
     ``overwrite`` (which removes the old run once the new one has trained its first
-    rollout batch: :class:`RunDirectory`), as ``gspo train`` does. Under ``torchrun`` every
+    rollout batch: :class:`RunDirectory`), as ``gspo train`` does. ``resume="auto"``
+    continues the run there if it has a checkpoint and starts it otherwise, with
+    ``config`` (``--auto-resume``: a script a scheduler requeues). Under ``torchrun`` every
     rank calls it and it joins (and leaves) the process group, as ``gspo train`` does."""
     leave_if_starting_a_worker()  # a reward worker importing an unguarded script
     checked_config(config, "train")  # (and keys assigned from Python, checked alone)
@@ -58,8 +64,15 @@ def train(
     out = Path(output_dir).expanduser()
     if out.exists() and not out.is_dir():
         raise ValueError(f"train: output_dir {out} is a file, not a directory")
+    if resume not in (True, False, "auto"):
+        raise ValueError(f"train: resume={resume!r}: True, False or 'auto'")
     if resume and overwrite:
-        raise ValueError("train: overwrite=True starts a run over, resume=True continues one")
+        raise ValueError(
+            f"train: overwrite=True starts a run over, resume={resume!r} continues one"
+        )
+    if resume == "auto":  # (a run stopped before its first checkpoint: started over)
+        resume = auto_resumes(out)
+        overwrite = not resume and (out / CHECKPOINTS).exists()
     if not resume and not overwrite and (out / CHECKPOINTS).exists():
         raise ValueError(
             f"train: {out} already holds a run; resume=True continues it, overwrite=True "
@@ -301,6 +314,14 @@ class RunDirectory:
                 shutil.rmtree(out, ignore_errors=True)
                 if self.dist.enabled:  # (the broken group's line offers a resume of it)
                     error.add_note(f"{out} held nothing to resume from: it is removed")
+
+
+def auto_resumes(out: Path) -> bool:
+    """``--auto-resume`` (``resume="auto"``): whether ``out`` holds a run to continue (a
+    checkpoint, whole or not: the resume takes the newest whole one, or says why none
+    can be), rather than a run to start (no run there, or one stopped before its first
+    checkpoint: started over, as with ``--overwrite``)."""
+    return any(p.is_dir() for p in (out / CHECKPOINTS).glob("step-*"))
 
 
 def holds_run(out: Path) -> bool:
