@@ -549,6 +549,7 @@ def test_compare_bad_input_is_one_line(tmp_path, capsys):
     assert main(["compare", "--output-dir", str(tmp_path / "afile")]) == 2
     assert main(["compare", "--output-dir", str(tmp_path / "afile" / "sub")]) == 2
     assert main(["compare", *out, "train.max_steps=0"]) == 2
+    assert main(["compare", *out, "train.time_limit=1h"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "gspo: error: algorithm.clip_low=0.1 (--config or a section): gspo compare sets "
         "algorithm.clip_low per algorithm (each level's paper clip range); drop it",
@@ -560,6 +561,8 @@ def test_compare_bad_input_is_one_line(tmp_path, capsys):
         f"gspo: error: --output-dir {tmp_path / 'afile'} is a file, not a directory",
         f"gspo: error: --output-dir {tmp_path / 'afile' / 'sub'}: cannot be made (Not a directory)",
         "gspo: error: train.max_steps=0: the runs would train nothing to compare",
+        "gspo: error: train.time_limit: gspo compare trains its runs one after another in one "
+        "command; give the time limit to gspo train runs",
     ]
     assert not (tmp_path / "out").exists()  # refused before it is made
     # a gspo train run's directory, and a compare's for gspo train: each overwrote the

@@ -50,13 +50,13 @@ from gspo.training.async_rollout import build_rollouts
 from gspo.training.checkpoint import (
     CHECKPOINTS,
     SHARDED,
-    Checkpoints,
     latest_checkpoint,
     load_checkpoint,
     resumable_checkpoint,
     run_path,
     take_checkpoint,
 )
+from gspo.training.checkpoint_writes import Checkpoints
 from gspo.training.cold_start import cold_start, drop_progress
 from gspo.training.completions import CompletionLog
 from gspo.training.episodes import build_generator, sft_encoder, task_prompt_ids
@@ -85,6 +85,7 @@ from gspo.training.setup import (
     with_absolute_paths,
     with_environment_reward,
 )
+from gspo.training.time_limit import TimeLimit
 from gspo.training.update import Objective, PolicyUpdate, UpdateStage
 
 __all__ = [
@@ -121,6 +122,7 @@ class Trainer:
         moved = (lambda path: moved_path(path, out)) if resume else None
         self.config = config = with_absolute_paths(config, moved)
         self.dist = dist = dist or Distributed()
+        self.time_limit = TimeLimit(config.train.time_limit, dist)  # (from here on)
         if dist.is_main:  # (a rank making it after rank 0 removed a failed start's left it)
             check_installed(config.log.wandb, config.log.mlflow)  # (before the model loads)
             out.mkdir(parents=True, exist_ok=True)
@@ -349,7 +351,7 @@ class Trainer:
         ):
             bar.record(start)  # the first lines show the starting accuracy
             for rollout_index in range(first, cfg.rollout_batches):
-                before = self.step
+                before, began = self.step, time.perf_counter()
                 with self.profiler.around(rollout_index):  # (log.profile_steps)
                     lines = self.rl_step(rollout_index)
                 if on_started is not None:
@@ -363,8 +365,15 @@ class Trainer:
                     self.checkpoints.log(self.step, metrics)
                     line = {**line, **metrics}  # the progress line shows this evaluation
                 bar.update(self.step, line)
-                if crossed(before, self.step, cfg.train.save_every) or last:
+                saved = crossed(before, self.step, cfg.train.save_every) or last
+                if saved:
                     self.save_checkpoint(last=last)
+                self.time_limit.took(time.perf_counter() - began)
+                if not last and self.time_limit.reached(self.checkpoints.longest_s):
+                    if not saved:
+                        self.save_checkpoint(last=True)
+                    self.time_limit.reached_at = self.step
+                    break
         self.checkpoints.wait()
         plots = []
         if cfg.log.plots and self.dist.is_main:
@@ -375,13 +384,16 @@ class Trainer:
             return []
         records = read_metrics(self.output_dir / "metrics.jsonl")
         print_summary(records)
+        if self.time_limit.reached_at is not None:
+            print(self.time_limit.line(self.step, cfg.total_steps), file=sys.stderr, flush=True)
         return records
 
     def save_checkpoint(self, model_dir: Path | None = None, *, last: bool = False) -> Path:
-        """Take this step's checkpoint and write it (in the background: :class:`gspo.training.
-        checkpoint.Checkpoints`, which logs ``io/checkpoint_bytes``, ``time/checkpoint``, the
-        seconds the run waited for it, and ``time/checkpoint_write``; ``self.checkpoints.
-        wait()`` or :meth:`close` waits for it; the run's ``last``: at once); its directory."""
+        """Take this step's checkpoint and write it (in the background: :class:`gspo.
+        training.checkpoint_writes.Checkpoints`, which logs ``io/checkpoint_bytes``,
+        ``time/checkpoint``, the seconds the run waited for it, and
+        ``time/checkpoint_write``; ``self.checkpoints.wait()`` or :meth:`close` waits for
+        it; the run's ``last``: at once); its directory."""
         step = self.step
 
         def take(copy: bool):

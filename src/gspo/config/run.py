@@ -81,6 +81,15 @@ class TrainConfig(Section):
         "(start a new one with model.path=CHECKPOINT; a LoRA run's: gspo export --merge "
         "first); gspo export reads them",
     )
+    time_limit: float | None = Field(
+        None,
+        gt=0,
+        description="Wall-clock time the run may take (3h50m, 90m, 45s or seconds), counted "
+        "from its start: between rollout batches, when the next one and a checkpoint might "
+        "not fit in the time left, it writes its checkpoint and stops with exit status 75 "
+        "(run the same command with --auto-resume to continue); for a job's time limit "
+        "(SLURM --time). None = no limit",
+    )
     background_checkpoints: bool = Field(
         True,
         description="Write checkpoints in a background thread while training goes on (each "
@@ -88,6 +97,13 @@ class TrainConfig(Section):
         "single process only: with several ranks the sharded save is a collective, which "
         "must not run beside the training's own, so it stays synchronous",
     )
+
+    @field_validator("time_limit", mode="before")
+    @classmethod
+    def _duration(cls, value: Any) -> Any:
+        from gspo.training.time_limit import parse_duration
+
+        return parse_duration(value)
 
 
 class EvalConfig(Section):

@@ -456,6 +456,11 @@ def refuse_owned(config_path: Path | None, preset: str, overrides: Sequence[str]
     given = load_config(config_path, [*with_preset(preset, overrides), "train.cold_start_steps=0"])
     if given.train.max_steps == 0:
         raise ValueError("train.max_steps=0: the runs would train nothing to compare")
+    if given.train.time_limit is not None:
+        raise ValueError(
+            "train.time_limit: gspo compare trains its runs one after another in one command; "
+            "give the time limit to gspo train runs"
+        )
     if given.model.lora.r > 0:
         raise ValueError(f"model.lora.r={given.model.lora.r} (--config or a section): {NO_LORA}")
     for key in ("algorithm.clip_low", "algorithm.clip_high"):

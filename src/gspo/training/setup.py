@@ -366,6 +366,7 @@ def recorded_config(
 #: how the same weights are computed (``model.path``: refused unless the same weights moved)
 RESUME_FREE = (
     "log.", "train.cold_start_cache", "train.keep_checkpoints", "train.save_every",
+    "train.time_limit",
     "train.background_checkpoints", "train.save_only_model", "rollout.vllm.cpu_kv_cache_gb",
     "model.path", *(f"model.{key}" for key in RESUME_MAY_CHANGE),
 )  # fmt: skip

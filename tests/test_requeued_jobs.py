@@ -1,6 +1,8 @@
-"""``gspo train --auto-resume`` and ``gspo.train(..., resume="auto")``: the same command
-again, as a scheduler requeues a job, starts the run the first time and continues it from
-its last checkpoint afterwards, with the same metrics as a run never stopped."""
+"""Jobs a scheduler stops and requeues. ``gspo train --auto-resume`` (``gspo.train(...,
+resume="auto")``): the same command again starts the run the first time and continues it
+from its last checkpoint afterwards, with the same metrics as a run never stopped.
+``train.time_limit``: a run that would pass its job's time stops itself with a checkpoint
+(status 75) instead of being killed after its last one."""
 
 from __future__ import annotations
 
@@ -89,3 +91,93 @@ def test_python_resume_auto(tmp_path, varied_reward):
         gspo.train(config, run, resume="yes")
     with pytest.raises(ValueError, match="overwrite=True starts a run over, resume='auto'"):
         gspo.train(config, run, resume="auto", overwrite=True)
+
+
+class FakeClock:
+    """``time.monotonic`` advancing ``tick`` seconds at each reading."""
+
+    def __init__(self, tick: float):
+        self.now, self.tick = 0.0, tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+def test_the_next_rollout_batch_and_a_checkpoint_must_fit_with_a_margin():
+    from gspo.distributed import Distributed
+    from gspo.training.time_limit import MARGIN, TimeLimit
+
+    clock = FakeClock(0.0)
+    limit = TimeLimit(1000.0, Distributed(), clock=clock)
+    assert not limit.reached(checkpoint_s=0.0)
+    limit.took(100.0)
+    limit.took(60.0)  # (the longest counts)
+    need = MARGIN * (100.0 + 20.0)
+    clock.now = 1000.0 - need - 1.0
+    assert not limit.reached(checkpoint_s=20.0)
+    clock.now = 1000.0 - need + 1.0
+    assert limit.reached(checkpoint_s=20.0)
+    assert not TimeLimit(None, Distributed(), clock=clock).reached(checkpoint_s=1e9)
+
+
+DURATIONS = [("3h50m", 13800.0), ("90m", 5400.0), ("45s", 45.0), ("1d", 86400.0),
+             ("1.5h", 5400.0), ("7200", 7200.0)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("value", "seconds"), DURATIONS)
+def test_time_limits_are_read_with_their_units(value, seconds):
+    from gspo.training.time_limit import said
+
+    assert load_config(None, [f"train.time_limit={value}"]).train.time_limit == seconds
+    assert said(13800.0) == "3h50m" and said(45.0) == "45s"
+
+
+@pytest.mark.parametrize("value", ["abc", "3x", "h", "-5", "0"])
+def test_a_bad_time_limit_is_one_line_naming_the_key(value):
+    from gspo.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^train\.time_limit: ") as err:
+        load_config(None, [f"train.time_limit={value}"])
+    assert "\n" not in str(err.value)
+
+
+def test_a_run_at_its_time_limit_stops_with_a_checkpoint_then_continues(
+    tmp_path, varied_reward, monkeypatch, capsys
+):
+    """Each reading of the clock 100 s later, a limit of 350 s: after 4 rollout batches
+    (400 s) the next might not fit: the run writes step 4's checkpoint (save_every=3 had
+    written step 3's only), says so and ends with status 75; the same command with
+    --auto-resume then finishes it, with the metrics of a run never stopped."""
+    import time
+
+    import gspo.training.time_limit as time_limit
+
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    common = [*RUN, varied_reward, "train.max_steps=8", "train.save_every=3", "eval.every=0"]
+    clock = FakeClock(100.0)
+    monkeypatch.setattr(time_limit, "time", type("T", (), {"monotonic": staticmethod(clock)}))
+    again = ["train", "--output-dir", str(cut), "--auto-resume", *common,
+             "train.time_limit=350", "algorithm.minibatches=1"]  # fmt: skip
+    again.remove("algorithm.minibatches=2")
+    capsys.readouterr()
+    assert main(again) == time_limit.OUT_OF_TIME
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        "gspo: train.time_limit=5m50s: stopped after step 4 of 8, its checkpoint written "
+        "(another rollout batch might not have fit); the same command with --auto-resume "
+        "(or gspo train --resume on the run) continues it"
+    )
+    assert latest_checkpoint(cut).name == "step-0000004"
+    assert [r["step"] for r in train_lines(run_metrics(cut))] == [1, 2, 3, 4]
+    monkeypatch.setattr(time_limit, "time", time)
+    assert main(again) == 0
+    baseline = [a for a in again if a not in ("--auto-resume", "train.time_limit=350")]
+    baseline[baseline.index(str(cut))] = str(full)
+    assert main(baseline) == 0
+    # (the same lines but the checkpoints', at steps 3, 4 (the stop's), 6, 8 against 3, 6, 8)
+    a, b = ([r for r in run_metrics(run) if "io/checkpoint_bytes" not in r] for run in (full, cut))
+    assert [r["step"] for r in run_metrics(cut) if "io/checkpoint_bytes" in r] == [0, 3, 4, 6, 8]
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for x, y in zip(a, b, strict=True):
+        assert comparable(x) == pytest.approx(comparable(y), rel=1e-6, abs=1e-7)

@@ -1,0 +1,90 @@
+"""``train.time_limit``: a run that ends itself, with a checkpoint, before its job's time
+runs out (a scheduler's limit: SLURM's ``--time``), instead of being killed there and
+redoing the steps since its last checkpoint on resume.
+
+Checked between rollout batches: the next one (as long as the longest so far) and a
+checkpoint (as long as the longest written so far) must fit, :data:`MARGIN` times over, in
+the time left; if not, the run takes its checkpoint and stops. Counted from the trainer's
+start (the imports before it take seconds). Under ``torchrun`` rank 0's clock decides for
+every rank.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gspo.distributed import Distributed
+
+#: How many times over the next rollout batch and a checkpoint must fit in the time left.
+MARGIN = 1.5
+
+#: Process exit status of a run stopped at its time limit (``EX_TEMPFAIL``: try again
+#: later), for a job script to requeue on (``gspo train ... --auto-resume``).
+OUT_OF_TIME = 75
+
+_UNITS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
+_DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)([dhms]))")
+
+
+def parse_duration(value: Any) -> Any:
+    """Seconds from ``3h50m``, ``90m``, ``45s``, ``1d`` or a number of seconds; anything
+    else is returned as it is (for the field's own check to refuse)."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip().lower().replace(" ", "")
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        return float(text)
+    if not text or _DURATION.sub("", text):
+        raise ValueError("no duration: 3h50m, 90m, 45s, 1d or a number of seconds")
+    return sum(float(n) * _UNITS[unit] for n, unit in _DURATION.findall(text))
+
+
+def said(seconds: float) -> str:
+    """``3h50m`` for 13800 seconds."""
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    parts = [f"{hours}h" if hours else "", f"{minutes}m" if minutes else "",
+             f"{secs}s" if secs or not whole else ""]  # fmt: skip
+    return "".join(parts)
+
+
+class TimeLimit:
+    """The run's time limit (``seconds``; None: none), with the longest rollout batch seen."""
+
+    def __init__(
+        self,
+        seconds: float | None,
+        dist: Distributed,
+        clock: Callable[[], float] | None = None,
+    ):
+        self.seconds = seconds
+        self.dist = dist
+        self.clock = clock or time.monotonic
+        self.start = self.clock()
+        self.longest = 0.0  # the longest rollout batch, evaluation and checkpoint included
+        self.reached_at: int | None = None  # the step the run stopped at, once it did
+
+    def took(self, seconds: float) -> None:
+        """A rollout batch took ``seconds``."""
+        self.longest = max(self.longest, seconds)
+
+    def reached(self, checkpoint_s: float) -> bool:
+        """Whether the next rollout batch and a checkpoint of ``checkpoint_s`` seconds would
+        not fit in the time left (:data:`MARGIN` times over); every rank the same answer."""
+        if self.seconds is None:
+            return False
+        left = self.seconds - (self.clock() - self.start)
+        stop = left < MARGIN * (self.longest + checkpoint_s)
+        return bool(self.dist.gather_objects(stop)[0])
+
+    def line(self, step: int, total: int) -> str:
+        """What the stopped run says, as its last line."""
+        return (
+            f"gspo: train.time_limit={said(self.seconds or 0)}: stopped after step {step} of "
+            f"{total}, its checkpoint written (another rollout batch might not have fit); the "
+            "same command with --auto-resume (or gspo train --resume on the run) continues it"
+        )
