@@ -356,7 +356,10 @@ def test_words_every_rank_would_say_alike_are_said_by_rank_0(monkeypatch, capsys
         assert main(["train", "--output-dir", "somewhere"]) == 130
     said = capsys.readouterr().err.splitlines()
     assert len(said) == 2 and said[0].startswith("gspo: argument command: invalid choice: 'trian'")
-    assert said[1] == "gspo: interrupted; resume with gspo train --resume somewhere"
+    assert said[1] == (  # (no run there: the monkeypatched run_train wrote none)
+        "gspo: interrupted; it had written nothing to resume from: the same command starts it "
+        "again"
+    )
     assert waits == [gspo.cli.RANK_ZERO_GRACE_S]  # (rank 1 let rank 0 print first)
 
 

@@ -412,8 +412,9 @@ def test_sigterm_stops_the_run_in_one_line_and_it_resumes(tmp_path, varied_rewar
     finally:
         proc.kill()
     assert proc.returncode == 143
+    latest = (run / "checkpoints" / "latest").read_text().strip()
     assert err.strip().splitlines()[-1] == (
-        f"gspo: terminated (SIGTERM); resume with gspo train --resume {run}"
+        f"gspo: terminated (SIGTERM); resume with gspo train --resume {run} (from {latest})"
     )
     done = [line["step"] for line in read_metrics(run / "metrics.jsonl") if "train/loss" in line]
     target = (max(done, default=0) // 4 + 2) * 4

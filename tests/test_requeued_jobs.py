@@ -181,3 +181,32 @@ def test_a_run_at_its_time_limit_stops_with_a_checkpoint_then_continues(
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for x, y in zip(a, b, strict=True):
         assert comparable(x) == pytest.approx(comparable(y), rel=1e-6, abs=1e-7)
+
+
+def test_a_stop_says_how_to_go_on_and_from_which_checkpoint(tmp_path, monkeypatch, capsys):
+    """The stop's line names the checkpoint the run goes on from, says the same command
+    where it was --auto-resume, and says nothing of resuming where there is nothing to
+    resume (a directory removed; gspo eval: it named gspo train --resume runs/gspo)."""
+    import gspo.cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gspo.cli, "run_train", interrupted)
+    monkeypatch.setattr(gspo.cli, "run_eval", interrupted)
+    run = tmp_path / "a run"
+    (run / "checkpoints" / "step-0000006").mkdir(parents=True)
+    (run / "config.yaml").write_text("{}\n")
+    (run / "checkpoints" / "latest").write_text("step-0000006")
+    monkeypatch.setattr("gspo.training.checkpoint.checkpoint_problem", lambda path: None)
+    assert main(["train", "--resume", str(run)]) == 130
+    assert main(["train", "--output-dir", str(run), "--auto-resume"]) == 130
+    assert main(["train", "--output-dir", str(tmp_path / "none")]) == 130
+    assert main(["eval", str(run)]) == 130
+    assert capsys.readouterr().err.splitlines() == [
+        f"gspo: interrupted; resume with gspo train --resume '{run}' (from step-0000006)",
+        "gspo: interrupted; the same command continues it (from step-0000006) (--auto-resume)",
+        "gspo: interrupted; it had written nothing to resume from: the same command starts it "
+        "again",
+        "gspo: interrupted",
+    ]

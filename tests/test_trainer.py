@@ -846,7 +846,8 @@ def test_a_reward_failing_at_its_first_call_leaves_the_directory_as_it_was(tmp_p
     assert files(old) != before and (old / "checkpoints" / "step-0000000").is_dir()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "rw.py"]  # (none aside)
     said = capsys.readouterr().err.strip()
-    assert said == f"gspo: interrupted; resume with gspo train --resume {old}"
+    latest = (old / "checkpoints" / "latest").read_text().strip()
+    assert said == f"gspo: interrupted; resume with gspo train --resume {old} (from {latest})"
 
 
 def test_a_failure_making_the_new_run_directory_puts_the_old_run_back(tmp_path, monkeypatch):

@@ -525,12 +525,32 @@ def _main(args: argparse.Namespace) -> int:
             hint = "run the same gspo compare again: finished runs are reused, the rest resumed"
         elif notes := getattr(stop, "__notes__", None):  # (RunDirectory put an old run back)
             hint = "; ".join(notes)
-        else:
-            run = run_directory(args)
-            hint = f"resume with gspo train --resume {run}"
+        elif args.command == "train":
+            hint = _resume_hint(args)
+        else:  # (gspo eval, export: nothing to resume)
+            hint = ""
         how = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted"
-        print(f"gspo: {how}; {hint}", file=sys.stderr)
+        print(f"gspo: {how}{'; ' if hint else ''}{hint}", file=sys.stderr)
         return code
+
+
+def _resume_hint(args: argparse.Namespace) -> str:
+    """How a stopped ``gspo train`` goes on: ``--resume`` from the checkpoint it names, the
+    same command (``--auto-resume``), or, where it wrote nothing to resume from (its
+    directory removed), the same command to start it again."""
+    import shlex
+
+    from gspo.runs import not_a_run
+    from gspo.training.checkpoint import latest_named
+
+    run = run_directory(args)
+    if not_a_run(run, "--resume") is not None:
+        return "it had written nothing to resume from: the same command starts it again"
+    named, problem = latest_named(run)
+    since = f" (from {named})" if named and problem is None else ""
+    if getattr(args, "auto_resume", False):
+        return f"the same command continues it{since} (--auto-resume)"
+    return f"resume with gspo train --resume {shlex.quote(str(run))}{since}"
 
 
 def _after(args: argparse.Namespace) -> str:
