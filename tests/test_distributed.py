@@ -357,8 +357,7 @@ def test_words_every_rank_would_say_alike_are_said_by_rank_0(monkeypatch, capsys
     said = capsys.readouterr().err.splitlines()
     assert len(said) == 2 and said[0].startswith("gspo: argument command: invalid choice: 'trian'")
     assert said[1] == (  # (no run there: the monkeypatched run_train wrote none)
-        "gspo: interrupted; it had written nothing to resume from: the same command starts it "
-        "again"
+        "gspo: interrupted; it had written nothing to resume from: the same command starts it again"
     )
     assert waits == [gspo.cli.RANK_ZERO_GRACE_S]  # (rank 1 let rank 0 print first)
 
