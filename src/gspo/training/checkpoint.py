@@ -47,7 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from copy import deepcopy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy
 import torch
@@ -78,9 +78,6 @@ from gspo.publish import (
 )
 from gspo.training.lora import base_path_of, optimizer_state_bytes
 from gspo.training.policy import Policy
-
-if TYPE_CHECKING:
-    pass
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
