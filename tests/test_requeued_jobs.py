@@ -210,3 +210,28 @@ def test_a_stop_says_how_to_go_on_and_from_which_checkpoint(tmp_path, monkeypatc
         "again",
         "gspo: interrupted",
     ]
+
+
+def test_a_run_stopped_in_its_cold_start_continues_it(tmp_path, varied_reward, monkeypatch, capsys):
+    """Stopped after a cold-start progress checkpoint (no step-0 checkpoint yet): the same
+    command continues the cold start from it (it was taken for no run, and started over)."""
+    import gspo.training.cold_start as cold
+
+    real = cold._save_progress
+
+    def saved_then_stopped(*args, **kwargs):
+        real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cold, "_save_progress", saved_then_stopped)
+    run = tmp_path / "run"
+    args = ["train", "--output-dir", str(run), "--auto-resume", *RUN, varied_reward,
+            "train.cold_start_steps=20", "train.cold_start_save_every=10", "train.max_steps=2",
+            "log.progress=true", "--no-cache"]  # fmt: skip
+    assert main(args) == 130
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert f"cold start: resumed at step 10 from {run / 'checkpoints'}" in out, out
+    assert [r["step"] for r in train_lines(run_metrics(run))] == [1, 2]

@@ -39,7 +39,7 @@ from gspo.rewards.runner import leave_if_starting_a_worker
 from gspo.telemetry import METRICS_FILE, StepProfiler
 from gspo.trainer import Trainer
 from gspo.training.checkpoint import CHECKPOINTS, CONFIG, TRAINER_STATE
-from gspo.training.cold_start import DataError
+from gspo.training.cold_start import DataError, progress_checkpoints
 from gspo.training.setup import with_absolute_paths
 
 
@@ -319,9 +319,12 @@ class RunDirectory:
 def auto_resumes(out: Path) -> bool:
     """``--auto-resume`` (``resume="auto"``): whether ``out`` holds a run to continue (a
     checkpoint, whole or not: the resume takes the newest whole one, or says why none
-    can be), rather than a run to start (no run there, or one stopped before its first
-    checkpoint: started over, as with ``--overwrite``)."""
-    return any(p.is_dir() for p in (out / CHECKPOINTS).glob("step-*"))
+    can be; or a cold start's progress checkpoint), rather than a run to start (no run
+    there, or one stopped before its first checkpoint: started over, as with
+    ``--overwrite``)."""
+    checkpoints = out / CHECKPOINTS
+    steps = any(p.is_dir() for p in checkpoints.glob("step-*"))
+    return steps or bool(progress_checkpoints(checkpoints))
 
 
 def holds_run(out: Path) -> bool:
