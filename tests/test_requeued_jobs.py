@@ -113,9 +113,11 @@ def test_the_next_rollout_batch_and_a_checkpoint_must_fit_with_a_margin():
     assert not limit.reached(checkpoint_s=0.0)
     limit.took(100.0)
     limit.took(60.0)  # (the longest counts)
+    limit.took(300.0, "sft")  # (another kind's)
     need = MARGIN * (100.0 + 20.0)
     clock.now = 1000.0 - need - 1.0
     assert not limit.reached(checkpoint_s=20.0)
+    assert limit.reached(checkpoint_s=20.0, kind="sft")
     clock.now = 1000.0 - need + 1.0
     assert limit.reached(checkpoint_s=20.0)
     assert not TimeLimit(None, Distributed(), clock=clock).reached(checkpoint_s=1e9)
@@ -165,7 +167,7 @@ def test_a_run_at_its_time_limit_stops_with_a_checkpoint_then_continues(
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (
         "gspo: train.time_limit=5m50s: stopped after step 4 of 8, its checkpoint written "
-        "(another rollout batch might not have fit); the same command with --auto-resume "
+        "(the next stretch might not have fit); the same command with --auto-resume "
         "(or gspo train --resume on the run) continues it"
     )
     assert latest_checkpoint(cut).name == "step-0000004"
@@ -235,3 +237,44 @@ def test_a_run_stopped_in_its_cold_start_continues_it(tmp_path, varied_reward, m
     out = capsys.readouterr().out
     assert f"cold start: resumed at step 10 from {run / 'checkpoints'}" in out, out
     assert [r["step"] for r in train_lines(run_metrics(run))] == [1, 2]
+
+
+def test_a_cold_start_at_its_time_limit_stops_with_its_progress_then_goes_on(
+    tmp_path, varied_reward, monkeypatch, capsys
+):
+    """The clock 100 s later at each reading, a limit of 250 s: the cold start looks at it
+    every 10 steps (100, 200, 300 s since the start) and stops after step 30 with its
+    progress written; the same command goes on from there, and ends as a run never
+    stopped."""
+    import time
+
+    import gspo.training.time_limit as time_limit
+
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    common = [*RUN, varied_reward, "train.cold_start_steps=40", "train.cold_start_save_every=0",
+              "train.max_steps=2", "eval.every=0", "--no-cache"]  # fmt: skip
+    assert main(["train", "--output-dir", str(full), *common]) == 0
+    monkeypatch.setattr(
+        time_limit, "time", type("T", (), {"monotonic": staticmethod(FakeClock(100.0))})
+    )
+    again = ["train", "--output-dir", str(cut), "--auto-resume", *common, "train.time_limit=250"]
+    capsys.readouterr()
+    assert main(again) == time_limit.OUT_OF_TIME
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .splitlines()[-1]
+        .startswith(
+            "gspo: train.time_limit=4m10s: stopped in its cold start, after step 30 of 40, its "
+            "checkpoint written"
+        )
+    )
+    assert [p.name for p in (cut / "checkpoints").iterdir()] == ["cold-start-0000030"]
+    monkeypatch.setattr(time_limit, "time", time)
+    capsys.readouterr()
+    assert main([*again, "log.progress=true"]) == 0
+    assert "cold start: resumed at step 30" in capsys.readouterr().out
+    a, b = run_metrics(full), run_metrics(cut)
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for x, y in zip(a, b, strict=True):
+        assert comparable(x) == pytest.approx(comparable(y), rel=1e-6, abs=1e-7)

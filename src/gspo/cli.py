@@ -236,7 +236,7 @@ def run_train(args: argparse.Namespace) -> int:
         teardown_distributed(dist)
     if dist.is_main:
         print(f"run written to {output_dir}")
-    if trainer.time_limit.reached_at is not None:  # (not finished: to be continued)
+    if trainer.time_limit.stopped is not None:  # (not finished: to be continued)
         from gspo.training.time_limit import OUT_OF_TIME
 
         return OUT_OF_TIME

@@ -320,7 +320,10 @@ class Trainer:
                     cfg, self.policy, self.tokenizer, self.data.sft, self.logger, self.dist,
                     local_batch=self.local_sft_batch, checkpoints=checkpoints,
                     encode=sft_encoder(cfg, self.tokenizer, self.generator),
+                    time_limit=self.time_limit,
                 )  # fmt: skip
+            if self.time_limit.stopped is not None:  # (its progress checkpoint written)
+                return self._ended()
             self.cold_start_done = True
             # step 0: the cold-start model; RL resumes from here. A model no cold start
             # changed is named, not copied (a LoRA run's adapters are small: written)
@@ -372,8 +375,14 @@ class Trainer:
                 if not last and self.time_limit.reached(self.checkpoints.longest_s):
                     if not saved:
                         self.save_checkpoint(last=True)
-                    self.time_limit.reached_at = self.step
+                    self.time_limit.stop(f"after step {self.step} of {cfg.total_steps}")
                     break
+        return self._ended()
+
+    def _ended(self) -> list[dict[str, Any]]:
+        """The run's end (a time limit's stop too): its last checkpoint waited for, its
+        plots, trackers closed, its summary; its metric records (rank 0)."""
+        cfg = self.config
         self.checkpoints.wait()
         plots = []
         if cfg.log.plots and self.dist.is_main:
@@ -384,8 +393,8 @@ class Trainer:
             return []
         records = read_metrics(self.output_dir / "metrics.jsonl")
         print_summary(records)
-        if self.time_limit.reached_at is not None:
-            print(self.time_limit.line(self.step, cfg.total_steps), file=sys.stderr, flush=True)
+        if self.time_limit.stopped is not None:
+            print(self.time_limit.line(), file=sys.stderr, flush=True)
         return records
 
     def save_checkpoint(self, model_dir: Path | None = None, *, last: bool = False) -> Path:

@@ -59,6 +59,7 @@ from gspo.training.policy import Policy, loss_scaler
 from gspo.training.sampler import MODEL_CONTEXT, said_context
 from gspo.training.seeds import rank_seed
 from gspo.training.setup import adamw
+from gspo.training.time_limit import COLD_START_EVERY, TimeLimit
 from gspo.training.update import NonFiniteTraining, step_if_finite
 
 PROGRESS_PREFIX = "cold-start-"
@@ -338,13 +339,15 @@ def cold_start(
     local_batch: int,
     checkpoints: Path,
     encode: Callable[[dict[str, Any]], Encoded] | None = None,
+    time_limit: TimeLimit | None = None,
 ) -> bool:
     """``train.cold_start_steps`` SFT steps of ``train.cold_start_batch_size`` rows each
     (``local_batch`` of them on this rank), resumed from ``checkpoints`` or the cache.
 
     AdamW of its own (``train.cold_start_lr``, cosine decay to 10%), completions end with
     EOS, the loss is the mean token NLL of the completions. Logged at step 0 as ``sft/*``
-    every 100 steps. Whether it changed the model (False: no steps, or no rows).
+    every 100 steps. Whether it changed the model (False: no steps, or no rows). Where
+    ``time_limit`` is reached it writes its progress and returns (``time_limit.stopped``).
     """
     cfg = config.train
     if cfg.cold_start_steps == 0 or not rows:
@@ -397,6 +400,18 @@ def cold_start(
     # counts toward a row nor ends one, as in RL (gspo.training.update.step_if_finite)
     counts = [*counts, counts[1]][:3]  # (a progress checkpoint without the longest row)
     skipped, in_a_row, longest = (torch.tensor(float(n), device=policy.device) for n in counts)
+
+    def save_progress(step: int) -> None:
+        began = time.perf_counter()
+        extra = {
+            "scaler": None if scaler is None else scaler.state_dict(),
+            "skipped": [skipped.item(), in_a_row.item(), longest.item()],
+        }
+        _save_progress(checkpoints, step, policy, optimizer, lines, dist, extra)
+        saves.append(time.perf_counter() - began)
+
+    saves: list[float] = []  # (seconds each progress checkpoint took)
+    stretch = time.perf_counter()
     for i in range(first, cfg.cold_start_steps):
         # cosine decay to 10% keeps the end of SFT from bouncing around
         lr = cfg.cold_start_lr * (0.55 + 0.45 * math.cos(math.pi * i / cfg.cold_start_steps))
@@ -453,12 +468,17 @@ def cold_start(
                     flush=True,
                 )
         every = cfg.cold_start_save_every
-        if every and (i + 1) % every == 0 and i + 1 < cfg.cold_start_steps:
-            extra = {
-                "scaler": None if scaler is None else scaler.state_dict(),
-                "skipped": [skipped.item(), in_a_row.item(), longest.item()],
-            }
-            _save_progress(checkpoints, i + 1, policy, optimizer, lines, dist, extra)
+        saved = every and (i + 1) % every == 0 and i + 1 < cfg.cold_start_steps
+        if saved:
+            save_progress(i + 1)
+        if time_limit is not None and (i + 1) % COLD_START_EVERY == 0:
+            time_limit.took(time.perf_counter() - stretch, "sft")
+            stretch = time.perf_counter()
+            if i + 1 < cfg.cold_start_steps and time_limit.reached(max(saves, default=0), "sft"):
+                if not saved:
+                    save_progress(i + 1)
+                time_limit.stop(f"in its cold start, after step {i + 1} of {cfg.cold_start_steps}")
+                return True
     if entry is not None:
         _store_in_cache(entry, policy, lines, dist)
         _trimmed(config, entry, dist)

@@ -2,11 +2,12 @@
 runs out (a scheduler's limit: SLURM's ``--time``), instead of being killed there and
 redoing the steps since its last checkpoint on resume.
 
-Checked between rollout batches: the next one (as long as the longest so far) and a
-checkpoint (as long as the longest written so far) must fit, :data:`MARGIN` times over, in
-the time left; if not, the run takes its checkpoint and stops. Counted from the trainer's
-start (the imports before it take seconds). Under ``torchrun`` rank 0's clock decides for
-every rank.
+Checked between rollout batches, and every :data:`COLD_START_EVERY` cold-start steps: the
+next such stretch (as long as the longest so far) and a checkpoint (as long as the
+longest written so far) must fit, :data:`MARGIN` times over, in the time left; if not, the
+run writes its checkpoint (a cold start: its progress checkpoint) and stops. Counted from
+the trainer's start (the imports before it take seconds). Under ``torchrun`` rank 0's
+clock decides for every rank.
 """
 
 from __future__ import annotations
@@ -18,8 +19,12 @@ from typing import Any
 
 from gspo.distributed import Distributed
 
-#: How many times over the next rollout batch and a checkpoint must fit in the time left.
+#: How many times over the next stretch of training and a checkpoint must fit in the time
+#: left.
 MARGIN = 1.5
+
+#: Cold-start steps between two looks at the clock (each one a collective under torchrun).
+COLD_START_EVERY = 10
 
 #: Process exit status of a run stopped at its time limit (``EX_TEMPFAIL``: try again
 #: later), for a job script to requeue on (``gspo train ... --auto-resume``).
@@ -53,7 +58,9 @@ def said(seconds: float) -> str:
 
 
 class TimeLimit:
-    """The run's time limit (``seconds``; None: none), with the longest rollout batch seen."""
+    """The run's time limit (``seconds``; None: none), with the longest stretch of each
+    kind seen (``"rl"``: a rollout batch, evaluation and checkpoint included; ``"sft"``:
+    :data:`COLD_START_EVERY` cold-start steps)."""
 
     def __init__(
         self,
@@ -65,26 +72,30 @@ class TimeLimit:
         self.dist = dist
         self.clock = clock or time.monotonic
         self.start = self.clock()
-        self.longest = 0.0  # the longest rollout batch, evaluation and checkpoint included
-        self.reached_at: int | None = None  # the step the run stopped at, once it did
+        self.longest: dict[str, float] = {}
+        self.stopped: str | None = None  # where the run stopped (None: it did not)
 
-    def took(self, seconds: float) -> None:
-        """A rollout batch took ``seconds``."""
-        self.longest = max(self.longest, seconds)
+    def took(self, seconds: float, kind: str = "rl") -> None:
+        """A stretch of ``kind`` took ``seconds``."""
+        self.longest[kind] = max(self.longest.get(kind, 0.0), seconds)
 
-    def reached(self, checkpoint_s: float) -> bool:
-        """Whether the next rollout batch and a checkpoint of ``checkpoint_s`` seconds would
-        not fit in the time left (:data:`MARGIN` times over); every rank the same answer."""
+    def reached(self, checkpoint_s: float, kind: str = "rl") -> bool:
+        """Whether the next stretch of ``kind`` and a checkpoint of ``checkpoint_s`` seconds
+        would not fit in the time left (:data:`MARGIN` times over); every rank the same."""
         if self.seconds is None:
             return False
         left = self.seconds - (self.clock() - self.start)
-        stop = left < MARGIN * (self.longest + checkpoint_s)
+        stop = left < MARGIN * (self.longest.get(kind, 0.0) + checkpoint_s)
         return bool(self.dist.gather_objects(stop)[0])
 
-    def line(self, step: int, total: int) -> str:
+    def stop(self, where: str) -> None:
+        """The run stops here (``where``: ``after step 40 of 200``), its checkpoint written."""
+        self.stopped = where
+
+    def line(self) -> str:
         """What the stopped run says, as its last line."""
         return (
-            f"gspo: train.time_limit={said(self.seconds or 0)}: stopped after step {step} of "
-            f"{total}, its checkpoint written (another rollout batch might not have fit); the "
-            "same command with --auto-resume (or gspo train --resume on the run) continues it"
+            f"gspo: train.time_limit={said(self.seconds or 0)}: stopped {self.stopped}, its "
+            "checkpoint written (the next stretch might not have fit); the same command "
+            "with --auto-resume (or gspo train --resume on the run) continues it"
         )
