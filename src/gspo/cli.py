@@ -29,7 +29,6 @@ import os
 import re
 import signal
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,6 +36,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from gspo import __version__
 from gspo.distributed import Terminated, last_words, rank_said, sigterm_raises
+from gspo.publish import machine_errors_in_threads_said_in_one_line
 
 if TYPE_CHECKING:
     from gspo.config import Config
@@ -384,32 +384,6 @@ def sigterm_stops_as_ctrl_c() -> Iterator[None]:
         return
     with sigterm_raises():
         yield
-
-
-@contextlib.contextmanager
-def machine_errors_in_threads_said_in_one_line() -> Iterator[None]:
-    """A full disk met by another thread (TensorBoard's writer) is one warning line, not its
-    traceback: the main thread's next write meets it too and ends the run with its own
-    line (other errors in threads keep Python's report)."""
-    from gspo.publish import is_disk_full
-
-    before = threading.excepthook
-
-    def hook(args: threading.ExceptHookArgs) -> None:
-        if not is_disk_full(args.exc_value):
-            before(args)
-            return
-        said = getattr(args.exc_value, "strerror", None) or args.exc_value
-        thread = f"the thread {args.thread.name if args.thread is not None else '?'}"
-        if type(args.thread).__module__.startswith("tensorboard."):
-            thread = "TensorBoard's writer (log.tensorboard)"
-        print(f"gspo: warning: {said}: {thread} stopped", file=sys.stderr)
-
-    threading.excepthook = hook
-    try:
-        yield
-    finally:
-        threading.excepthook = before
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,6 +36,8 @@ import json
 import os
 import secrets
 import shutil
+import sys
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -422,3 +424,27 @@ def staged(
     finally:
         if made is not None:
             os.close(made[2])
+
+
+@contextlib.contextmanager
+def machine_errors_in_threads_said_in_one_line() -> Iterator[None]:
+    """A full disk met by another thread (TensorBoard's writer) is one warning line, not its
+    traceback: the main thread's next write meets it too and ends the run with its own
+    line (other errors in threads keep Python's report)."""
+    before = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if not is_disk_full(args.exc_value):
+            before(args)
+            return
+        said = getattr(args.exc_value, "strerror", None) or args.exc_value
+        thread = f"the thread {args.thread.name if args.thread is not None else '?'}"
+        if type(args.thread).__module__.startswith("tensorboard."):
+            thread = "TensorBoard's writer (log.tensorboard)"
+        print(f"gspo: warning: {said}: {thread} stopped", file=sys.stderr)
+
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        threading.excepthook = before
