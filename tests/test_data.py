@@ -786,9 +786,8 @@ def test_a_file_with_a_config_and_a_missing_local_directory_are_local_errors(tmp
          "text or a list of chat "
          "messages (each a mapping with a 'role' and its 'content')"),
         (["data.system_prompt=Be brief"], {"prompt": None},
-         "data.train (the built-in addition task) row 2: the prompt is None; a prompt is text "
-         "or a list of chat messages "
-         "(each a mapping with a 'role' and its 'content')"),
+         "data.train (the built-in addition task) row 2: no prompt: its 'prompt' is missing "
+         "or null (data.prompt_column names the column)"),
     ],
 )  # fmt: skip
 def test_a_later_row_that_cannot_make_a_prompt_names_itself(overrides, row, said):
@@ -957,3 +956,16 @@ def test_code_tests_that_do_not_parse_are_named_at_the_start():
         "data.train (code.jsonl) row 2: tests: no assert statement among the tests"
     )
     assert check_reward_columns(rewards, TaskData(rows[:1], [], []), config, None) == []
+
+
+def test_a_jsonl_row_without_the_prompt_column_is_named(tmp_path):
+    """A JSONL row lacking the prompt's key reads as null (the file's columns are the union
+    of its rows'): it said "the prompt is None", not that the column was missing."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"question": "2+2=", "answer": "4"}\n')
+    rows = load_rows(path, what="data.train")
+    with pytest.raises(ValueError) as err:
+        prepare_rows(rows, data_config(), what="data.train")
+    assert str(err.value).endswith(
+        "row 2: no prompt: its 'prompt' is missing or null (data.prompt_column names the column)"
+    )

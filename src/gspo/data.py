@@ -345,7 +345,7 @@ def prepare_rows(rows: list[Row], data: DataConfig, *, what: str, sft: bool = Fa
         given = (
             _filled(template, row, f"row {i} of {where}") if template else row[data.prompt_column]
         )
-        prompt = _prompt(given, named, i)
+        prompt = _prompt(given, named, i, None if template else data.prompt_column)
         if chat:
             if isinstance(prompt, str):
                 prompt = [{"role": "user", "content": prompt}]
@@ -447,8 +447,14 @@ def _is_messages(value: Any) -> bool:
 ROLES = ("system", "user", "assistant", "tool")
 
 
-def _prompt(prompt: Any, what: str, index: int) -> Any:
-    """A row's prompt: text or a list of chat messages; else one line naming the row."""
+def _prompt(prompt: Any, what: str, index: int, column: str | None = None) -> Any:
+    """A row's prompt (from ``column``, or a template): text or a list of chat messages;
+    else one line naming the row."""
+    if prompt is None and column is not None:  # (a JSONL row without it reads as null)
+        raise ValueError(
+            f"{what} row {index}: no prompt: its {column!r} is missing or null "
+            "(data.prompt_column names the column)"
+        )
     if isinstance(prompt, str):
         return prompt
     if _is_messages(prompt):
