@@ -395,8 +395,8 @@ def test_cli_trains_on_a_dataset_directory_with_a_template(gsm8k_dir, tmp_path):
         ([{"prompt": "1+2=", "answer": "3"}, {"prompt": "", "answer": "3"}],
          "data.train (TRAIN) row 2: the prompt is empty (0 tokens): ''"),
         ([{"prompt": "1+2=", "answer": "3"}, {"prompt": 12, "answer": "3"}],
-         "data.train (TRAIN) row 2: the prompt is 12; a prompt is text or a list of chat "
-         "messages "
+         "data.train (TRAIN) row 2: the prompt is 12 (a number: data.prompt_template={prompt} "
+         "writes it as text); a prompt is text or a list of chat messages "
          "(each a mapping with a 'role' and its 'content')"),
         ([{"prompt": "1+" * 300 + "2=", "answer": "3"}],
          "data.train (TRAIN) row 1: the prompt is 602 tokens, longer than the model's context "
@@ -667,8 +667,8 @@ def test_rollouts_past_where_the_rope_rescales_are_warned(capsys, rope, position
         ("a.csv", "prompt,answer,,\nq1,1,,\n" + "x" * 200_000 + ",2,,\n",
          [["q1", 1], ["x" * 200_000, 2]]),
         # a cell is a number only where the number's text is the cell
-        ("a.csv", "prompt,answer\nq,0.5\nr,0.50\ns,+5\nt,1e3\nu,nan\n",
-         [["q", 0.5], ["r", "0.50"], ["s", "+5"], ["t", "1e3"], ["u", "nan"]]),
+        ("a.csv", "prompt,answer\nq,0.5\nr,0.50\ns,+5\nt,1e3\nu,nan\nv,12.0\n",
+         [["q", 0.5], ["r", "0.50"], ["s", "+5"], ["t", "1e3"], ["u", "nan"], ["v", "12.0"]]),
     ],
 )  # fmt: skip
 def test_files_give_their_values_as_written(tmp_path, name, content, rows):

@@ -471,9 +471,11 @@ def _prompt(prompt: Any, what: str, index: int, column: str | None = None) -> An
                     f"{near[0]!r}? (a chat template writes nothing for a role it does not know)"
                 )
         return prompt
+    number = isinstance(prompt, int | float) and not isinstance(prompt, bool)
+    hint = " (a number: data.prompt_template={prompt} writes it as text)" if number else ""
     raise ValueError(
-        f"{what} row {index}: the prompt is {prompt!r:.80}; a prompt is text or a list of "
-        "chat messages (each a mapping with a 'role' and its 'content')"
+        f"{what} row {index}: the prompt is {prompt!r:.80}{hint}; a prompt is text or a list "
+        "of chat messages (each a mapping with a 'role' and its 'content')"
     )
 
 

@@ -144,8 +144,9 @@ def _csv(text: str, path: Path, *, what: str) -> list[Row]:
 def _cell(text: str | None) -> Any:
     """A CSV cell: None when empty; a number where the number's own text is the cell
     (``7``, ``0.5``, ``12345678901234567``); else the text as written (``007``, ``0.50``,
-    ``1e3``, ``+5``), which reading it as a number would change (a gold answer ``007``
-    was 7, ``12345678901234567`` beside a blank cell ``...568``)."""
+    ``1e3``, ``+5``, ``12.0``), which reading it as a number would change (a gold answer
+    ``007`` was 7, ``12345678901234567`` beside a blank cell ``...568``, and ``12.0`` the
+    answer ``12``: a whole float is written as an integer, see ``cell_text``)."""
     if not text:
         return None
     for kind in (int, float):
@@ -154,7 +155,8 @@ def _cell(text: str | None) -> Any:
         except ValueError:
             continue
         exact = str(number) == text if kind is int else repr(number) == text
-        return number if exact and math.isfinite(number) else text
+        whole = kind is float and math.isfinite(number) and float(number).is_integer()
+        return number if exact and math.isfinite(number) and not whole else text
     return text
 
 
