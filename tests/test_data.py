@@ -919,6 +919,23 @@ def test_held_out_rows_past_eval_max_prompts_are_said():
     assert held_out_cut(rows, built_in) == []
 
 
+def test_fewer_prompts_than_a_rollout_batch_takes_are_said():
+    """A one-row data.train with rollout.prompts_per_batch=8 sampled that prompt's group
+    eight times in every rollout batch, unsaid."""
+    from gspo.training.setup import fewer_prompts_than_a_batch
+
+    rows = [{"prompt": str(i)} for i in range(3)]
+    config = load_config(None, ["data.train=t.jsonl", "rollout.prompts_per_batch=4"])
+    assert fewer_prompts_than_a_batch(rows, config) == [
+        "data.train (t.jsonl) has 3 rows, fewer than rollout.prompts_per_batch=4: each rollout "
+        "batch takes some prompts more than once (their groups are alike; a smaller "
+        "rollout.prompts_per_batch takes each once)"
+    ]
+    assert fewer_prompts_than_a_batch([*rows, {"prompt": "3"}], config) == []
+    built_in = load_config(None, ["rollout.prompts_per_batch=4"])  # (its own size)
+    assert fewer_prompts_than_a_batch(rows, built_in) == []
+
+
 def test_a_model_path_inside_another_runs_checkpoints_is_warned(tmp_path):
     """A LoRA run on another run's step-4 lost its base when that run, continued, pruned
     it (train.keep_checkpoints): neither its resume nor its export worked after, unsaid."""

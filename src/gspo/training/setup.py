@@ -414,6 +414,7 @@ def start_warnings(
         *check_reward_columns(rewards, data, config, environment),
         *empty_completions(data.sft, config),
         *held_out_cut(data.eval, config),
+        *fewer_prompts_than_a_batch(data.train, config),
         *base_in_another_run(config, out),
     ]
 
@@ -510,6 +511,20 @@ def held_out_cut(eval_rows: list[dict], config: Config) -> list[str]:
     return [
         f"data.eval ({where}) has {len(eval_rows)} rows; eval.max_prompts={most} evaluates "
         f"the first {most} (eval.max_prompts={len(eval_rows)} evaluates them all)"
+    ]
+
+
+def fewer_prompts_than_a_batch(train_rows: list[dict], config: Config) -> list[str]:
+    """A warning line when the RL prompts are fewer than one rollout batch takes: a batch
+    then holds some prompt's group twice or more (it did, unsaid)."""
+    wanted = config.rollout.prompts_per_batch
+    if config.data.train is None or not train_rows or len(train_rows) >= wanted:
+        return []
+    where = config.data.source_of("data.train")
+    return [
+        f"data.train ({where}) has {len(train_rows)} rows, fewer than "
+        f"rollout.prompts_per_batch={wanted}: each rollout batch takes some prompts more than "
+        "once (their groups are alike; a smaller rollout.prompts_per_batch takes each once)"
     ]
 
 
