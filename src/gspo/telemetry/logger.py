@@ -178,6 +178,7 @@ class MetricsLogger:
             except Exception as exc:
                 self._trackers.remove(sink)
                 tracker_failed(sink, exc, doing)
+                sink.dropped()
 
     def close(self) -> None:
         """Flush and close every sink. Idempotent."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -96,10 +97,25 @@ class WandbSink:
 
     def attach(self, files: list[Path], root: Path) -> None:
         for path in files:
+            if path.name == "config.yaml":  # (W&B's own name for its config, see below)
+                path = _copied(path, Path(self.run.dir) / "gspo_config.yaml")
+                root = path.parent
             self.run.save(str(path), base_path=str(root), policy="now")
 
     def finish(self) -> None:
         self.run.finish()
+
+    def dropped(self) -> None:
+        """Nothing to end: W&B's run is this sink's own object."""
+
+
+def _copied(path: Path, to: Path) -> Path:
+    """A copy of ``path`` at ``to``. The run's config.yaml goes to W&B as a copy under
+    another name: ``run.save`` links the file into the W&B run's files, where W&B writes
+    its own ``config.yaml`` at the end, through the link, over the run's (which
+    ``--resume`` reads)."""
+    shutil.copyfile(path, to)
+    return to
 
 
 class MlflowSink:
@@ -150,6 +166,12 @@ class MlflowSink:
 
     def finish(self) -> None:
         self.mlflow.end_run()
+
+    def dropped(self) -> None:
+        """A failed run ended if it can be: MLflow's active run is the process's, and the
+        next run started in this process (a ``gspo compare``'s next) was refused beside it."""
+        with contextlib.suppress(Exception):
+            self.mlflow.end_run()
 
 
 def _param_text(value: Any) -> str:
