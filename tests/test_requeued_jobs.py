@@ -278,3 +278,25 @@ def test_a_cold_start_at_its_time_limit_stops_with_its_progress_then_goes_on(
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for x, y in zip(a, b, strict=True):
         assert comparable(x) == pytest.approx(comparable(y), rel=1e-6, abs=1e-7)
+
+
+def test_a_time_limit_with_model_only_checkpoints_is_refused(tmp_path):
+    """The checkpoint a time limit stops with, written model-only, could not be resumed:
+    the requeued job failed after the first (found by a review)."""
+    from gspo.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.time_limit=1h", "train.save_only_model=true"])
+    assert str(err.value) == (
+        "train.time_limit with train.save_only_model=true: the checkpoint the run stops with "
+        "could not be resumed (no optimizer state); set one of them"
+    )
+
+
+def test_python_resume_auto_errors_name_resume_auto(tmp_path):
+    import gspo
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-0000002").mkdir(parents=True)  # (its config.yaml lost)
+    with pytest.raises(ValueError, match=r"^train: resume='auto', but .* is not a gspo run"):
+        gspo.train(load_config(None, [*RUN, "train.max_steps=2"]), run, resume="auto")

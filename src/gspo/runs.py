@@ -70,6 +70,7 @@ def train(
         raise ValueError(
             f"train: overwrite=True starts a run over, resume={resume!r} continues one"
         )
+    how = f"resume={resume!r}"  # (the words of its errors)
     if resume == "auto":  # (a run stopped before its first checkpoint: started over)
         resume = auto_resumes(out)
         overwrite = not resume and (out / CHECKPOINTS).exists()
@@ -79,9 +80,9 @@ def train(
             "replaces it, or choose another output_dir"
         )
     if resume:
-        if (problem := not_a_run(out, "resume=True")) is not None:
-            raise ValueError(f"train: resume=True, but {out} {problem}")
-        check_same_model(out, config, "resume=True", "another output_dir")
+        if (problem := not_a_run(out, how)) is not None:
+            raise ValueError(f"train: {how}, but {out} {problem}")
+        check_same_model(out, config, how, "another output_dir")
     # under torchrun: each rank runs the script, and joins the process group here
     joined = not torch.distributed.is_initialized()
     dist = setup_distributed(config.model.device)

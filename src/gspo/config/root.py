@@ -85,6 +85,7 @@ class Config(Section):
         model.lora.check_targets()
         moe_model(model, self.moe)
         checkpointing_replay(model, self.moe)
+        self.train.check_time_limit()
         return self
 
     def check(self) -> Config:

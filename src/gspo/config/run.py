@@ -98,6 +98,15 @@ class TrainConfig(Section):
         "must not run beside the training's own, so it stays synchronous",
     )
 
+    def check_time_limit(self) -> None:
+        """A run stopped at its time limit is continued from the checkpoint it stops with,
+        which ``save_only_model`` would leave without the optimizer state: unresumable."""
+        if self.time_limit is not None and self.save_only_model:
+            raise ValueError(
+                "train.time_limit with train.save_only_model=true: the checkpoint the run "
+                "stops with could not be resumed (no optimizer state); set one of them"
+            )
+
     @field_validator("time_limit", mode="before")
     @classmethod
     def _duration(cls, value: Any) -> Any:
