@@ -132,7 +132,7 @@ def test_time_limits_are_read_with_their_units(value, seconds):
     from gspo.training.time_limit import said
 
     assert load_config(None, [f"train.time_limit={value}"]).train.time_limit == seconds
-    assert said(13800.0) == "3h50m" and said(45.0) == "45s"
+    assert said(13800.0) == "3h50m" and said(45.0) == "45s" and said(0.4) == "0.4s"
 
 
 @pytest.mark.parametrize("value", ["abc", "3x", "h", "-5", "0"])

@@ -375,7 +375,7 @@ class Trainer:
                 if not last and self.time_limit.reached(self.checkpoints.longest_s):
                     if not saved:
                         self.save_checkpoint(last=True)
-                    self.time_limit.stop(f"after step {self.step} of {cfg.total_steps}")
+                    self.time_limit.stopped = f"after step {self.step} of {cfg.total_steps}"
                     break
         return self._ended()
 

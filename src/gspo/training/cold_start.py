@@ -477,7 +477,8 @@ def cold_start(
             if i + 1 < cfg.cold_start_steps and time_limit.reached(max(saves, default=0), "sft"):
                 if not saved:
                     save_progress(i + 1)
-                time_limit.stop(f"in its cold start, after step {i + 1} of {cfg.cold_start_steps}")
+                of = cfg.cold_start_steps
+                time_limit.stopped = f"in its cold start, after step {i + 1} of {of}"
                 return True
     if entry is not None:
         _store_in_cache(entry, policy, lines, dist)

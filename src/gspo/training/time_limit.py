@@ -48,7 +48,9 @@ def parse_duration(value: Any) -> Any:
 
 
 def said(seconds: float) -> str:
-    """``3h50m`` for 13800 seconds."""
+    """``3h50m`` for 13800 seconds, ``0.4s`` for 0.4."""
+    if seconds < 60:
+        return f"{seconds:g}s"
     whole = round(seconds)
     hours, rest = divmod(whole, 3600)
     minutes, secs = divmod(rest, 60)
@@ -73,7 +75,8 @@ class TimeLimit:
         self.clock = clock or time.monotonic
         self.start = self.clock()
         self.longest: dict[str, float] = {}
-        self.stopped: str | None = None  # where the run stopped (None: it did not)
+        # where the run stopped, its checkpoint written ("after step 40 of 200"; None: not)
+        self.stopped: str | None = None
 
     def took(self, seconds: float, kind: str = "rl") -> None:
         """A stretch of ``kind`` took ``seconds``."""
@@ -87,10 +90,6 @@ class TimeLimit:
         left = self.seconds - (self.clock() - self.start)
         stop = left < MARGIN * (self.longest.get(kind, 0.0) + checkpoint_s)
         return bool(self.dist.gather_objects(stop)[0])
-
-    def stop(self, where: str) -> None:
-        """The run stops here (``where``: ``after step 40 of 200``), its checkpoint written."""
-        self.stopped = where
 
     def line(self) -> str:
         """What the stopped run says, as its last line."""
