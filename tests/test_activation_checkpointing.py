@@ -127,13 +127,15 @@ def test_checkpointing_recomputes_each_block_and_keeps_the_loss_and_gradients(
     # each block once in forward; in backward again only with checkpointing
     assert (fwd_off, bwd_off) == (LAYERS, 0)
     assert (fwd_on, bwd_on) == (LAYERS, LAYERS)
-    torch.testing.assert_close(loss_on, loss_off, rtol=0, atol=1e-7)
+    # the same to float32 rounding: the BLAS's kernels may round by data alignment (the CI
+    # machine's loss once differed in its 7th digit, 4.5415306 against 4.5415292)
+    torch.testing.assert_close(loss_on, loss_off, rtol=2e-6, atol=0)
     assert grads_on.keys() == grads_off.keys()
     assert all("lora_" in n for n in grads_on) == (variant == "lora")
     for name, grad in grads_off.items():
         # every trained weight has a gradient to compare (a MoE's unchosen expert may not)
         assert grad.abs().max() > 0 or ".experts." in name, name
-        torch.testing.assert_close(grads_on[name], grad, rtol=1e-6, atol=1e-8, msg=name)
+        torch.testing.assert_close(grads_on[name], grad, rtol=1e-5, atol=1e-6, msg=name)
     if variant == "moe":
         routers = [n for n in grads_off if "gate" in n and "proj" not in n]
         assert routers and all(grads_off[n].abs().max() > 0 for n in routers)
@@ -149,7 +151,8 @@ def test_no_grad_forwards_run_each_block_once(tmp_path):
         logprobs = on.logprobs(batch)
     assert runs[0] == LAYERS and not logprobs.requires_grad
     with torch.no_grad():
-        torch.testing.assert_close(logprobs, off.logprobs(batch), rtol=0, atol=0)
+        # (two modules built apart: the same to float32 rounding, as the loss above)
+        torch.testing.assert_close(logprobs, off.logprobs(batch), rtol=2e-6, atol=1e-6)
 
 
 def test_a_run_with_checkpointing_samples_and_trains_the_same(tmp_path):
