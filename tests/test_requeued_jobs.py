@@ -216,8 +216,13 @@ def test_a_stop_says_how_to_go_on_and_from_which_checkpoint(tmp_path, monkeypatc
 
 def test_a_run_stopped_in_its_cold_start_continues_it(tmp_path, varied_reward, monkeypatch, capsys):
     """Stopped after a cold-start progress checkpoint (no step-0 checkpoint yet): the same
-    command continues the cold start from it (it was taken for no run, and started over)."""
+    command continues the cold start from it (it was taken for no run, and started over),
+    in the same W&B and MLflow runs (it started new ones), which get no line twice."""
+    from test_telemetry import FakeTrackers
+
     import gspo.training.cold_start as cold
+
+    fake = FakeTrackers(monkeypatch)
 
     real = cold._save_progress
 
@@ -229,14 +234,19 @@ def test_a_run_stopped_in_its_cold_start_continues_it(tmp_path, varied_reward, m
     run = tmp_path / "run"
     args = ["train", "--output-dir", str(run), "--auto-resume", *RUN, varied_reward,
             "train.cold_start_steps=20", "train.cold_start_save_every=10", "train.max_steps=2",
-            "log.progress=true", "--no-cache"]  # fmt: skip
+            "log.progress=true", "--no-cache", "log.wandb={}", "log.mlflow={}"]  # fmt: skip
     assert main(args) == 130
-    monkeypatch.undo()
+    monkeypatch.setattr(cold, "_save_progress", real)
     capsys.readouterr()
     assert main(args) == 0
     out = capsys.readouterr().out
     assert f"cold start: resumed at step 10 from {run / 'checkpoints'}" in out, out
     assert [r["step"] for r in train_lines(run_metrics(run))] == [1, 2]
+    assert [c[0].get("id") for c in fake.of("wandb.init")] == [None, "run-a"]
+    assert fake.of("mlflow.start_run") == [({},), ({"run_id": "run-b"},)]
+    assert fake.of("mlflow.end_run") == [("KILLED",), ("FINISHED",)]
+    # (the first process logged the run's settings line: not again)
+    assert len(fake.of("wandb.log")) == len(run_metrics(run))
 
 
 def test_a_cold_start_at_its_time_limit_stops_with_its_progress_then_goes_on(

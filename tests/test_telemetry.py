@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import contextlib
+import importlib.machinery
 import io
 import itertools
 import json
@@ -245,7 +247,7 @@ def test_fake_wandb_sink_receives_finite_scalars_by_their_own_step(tmp_path, mon
         def log(self, data, **kw):
             calls.append(("log", data, kw))
 
-        def finish(self):
+        def finish(self, exit_code=None):
             calls.append(("finish",))
 
     class FakeWandb:
@@ -289,7 +291,7 @@ def test_fake_mlflow_gets_the_cold_starts_lines_by_sft_step(tmp_path, monkeypatc
             logged.append((step, metrics))
 
         @staticmethod
-        def end_run():
+        def end_run(status="FINISHED"):
             pass
 
     monkeypatch.setitem(sys.modules, "mlflow", FakeMlflow)
@@ -310,7 +312,8 @@ class FakeTrackers:
     def __init__(self, monkeypatch):
         self.calls: list[tuple] = []
         self.fail: set[str] = set()
-        self.ids = iter(["run-a", "run-b", "run-c"])
+        self.ids = iter(["run-a", "run-b", "run-c", "run-d", "run-e"])
+        self.gone: set[str] = set()  # MLflow runs deleted
         tracker = self
 
         class Run:
@@ -327,8 +330,8 @@ class FakeTrackers:
             def save(self, path, base_path, policy):
                 tracker.record("wandb.save", Path(path).relative_to(base_path).as_posix())
 
-            def finish(self):
-                tracker.record("wandb.finish")
+            def finish(self, exit_code=None):
+                tracker.record("wandb.finish", exit_code)
 
         class Wandb:
             @staticmethod
@@ -352,6 +355,8 @@ class FakeTrackers:
             @staticmethod
             def start_run(**cfg):
                 tracker.record("mlflow.start_run", cfg)
+                if cfg.get("run_id") in tracker.gone:
+                    raise LookupError(f"Run '{cfg['run_id']}' not found")
                 return Active(cfg.get("run_id") or next(tracker.ids))
 
             @staticmethod
@@ -367,11 +372,13 @@ class FakeTrackers:
                 tracker.record("mlflow.log_artifact", (Path(path).name, artifact_path))
 
             @staticmethod
-            def end_run():
-                tracker.record("mlflow.end_run")
+            def end_run(status="FINISHED"):
+                tracker.record("mlflow.end_run", status)
 
-        monkeypatch.setitem(sys.modules, "wandb", Wandb)
-        monkeypatch.setitem(sys.modules, "mlflow", Mlflow)
+        for name, module in (("wandb", Wandb), ("mlflow", Mlflow)):
+            # (a spec, as a module's: transformers asks find_spec which are installed)
+            module.__spec__ = importlib.machinery.ModuleSpec(name, None, origin="fake")
+            monkeypatch.setitem(sys.modules, name, module)
 
     def record(self, name, *args):
         if name in self.fail:
@@ -397,8 +404,8 @@ def test_trackers_get_the_settings_and_a_resume_continues_their_runs(tmp_path, m
         ({"optim.lr": "1e-05", "reward.functions": '["math", "format"]', "model.path": "null"},)
     ]
     assert json.loads((tmp_path / "trackers.json").read_text()) == {
-        "wandb": "run-a",
-        "mlflow": "run-b",
+        "wandb": {"id": "run-a", "project": "p", "entity": None},
+        "mlflow": {"id": "run-b", "tracking_uri": None, "experiment_name": "e"},
     }
     fake.calls.clear()
     with MetricsLogger(tmp_path, tensorboard=False, params=params, resume_step=1, **sinks) as log:
@@ -415,6 +422,100 @@ def test_trackers_get_the_settings_and_a_resume_continues_their_runs(tmp_path, m
     assert "resume" not in fake.of("wandb.init")[0][0]
     MetricsLogger(tmp_path, tensorboard=False, wandb={"project": "p"}).close()
     assert "id" not in fake.of("wandb.init")[1][0]
+
+
+def test_a_tracker_off_at_one_resume_goes_on_in_its_run_at_the_next(tmp_path, monkeypatch):
+    """trackers.json was written from the trackers on at each resume: W&B off at one, its
+    run's id was gone and the next resume with it on started a second W&B run."""
+    fake = FakeTrackers(monkeypatch)
+    MetricsLogger(tmp_path, tensorboard=False, wandb={}, mlflow={}).close()
+    MetricsLogger(tmp_path, tensorboard=False, resume_step=0, mlflow={}).close()
+    MetricsLogger(tmp_path, tensorboard=False, resume_step=0).close()
+    fake.calls.clear()
+    MetricsLogger(tmp_path, tensorboard=False, resume_step=0, wandb={}, mlflow={}).close()
+    assert fake.of("wandb.init")[0][0]["id"] == "run-a"
+    assert fake.of("mlflow.start_run") == [({"run_id": "run-b"},)]
+    # a fresh run in the directory with no tracker: no ids left for a later resume
+    MetricsLogger(tmp_path, tensorboard=False).close()
+    assert not (tmp_path / "trackers.json").exists()
+
+
+def test_a_resume_with_the_tracker_pointed_elsewhere_starts_a_new_run_there(
+    tmp_path, monkeypatch, capsys
+):
+    """Another MLflow experiment (or tracking URI) at a resume: start_run was given the
+    recorded run's id there, which MLflow refused, and the run did not train; a new run
+    there gets the settings as its parameters (log.mlflow.run_id=null gave one without)."""
+    fake = FakeTrackers(monkeypatch)
+    params = {"optim.lr": 1e-5}
+    first = {"experiment_name": "e"}
+    MetricsLogger(tmp_path, tensorboard=False, params=params, mlflow=first).close()
+    fake.calls.clear()
+    moved = {"experiment_name": "f", "run_name": "again"}
+    MetricsLogger(tmp_path, tensorboard=False, params=params, resume_step=0, mlflow=moved).close()
+    assert fake.of("mlflow.start_run") == [({"run_name": "again"},)]
+    assert fake.of("mlflow.log_params") == [({"optim.lr": "1e-05"},)]
+    assert capsys.readouterr().err.strip() == (
+        "gspo: log.mlflow: experiment_name changed since the run began (experiment_name='e'): "
+        "the steps from here go to a new MLflow run; the earlier ones are in run run-a"
+    )
+    recorded = json.loads((tmp_path / "trackers.json").read_text())["mlflow"]
+    assert recorded == {"id": "run-b", "tracking_uri": None, "experiment_name": "f"}
+    # run_id=null asks for a new run: it gets the parameters too
+    fake.calls.clear()
+    fresh = {"experiment_name": "f", "run_id": None}
+    MetricsLogger(tmp_path, tensorboard=False, params=params, resume_step=0, mlflow=fresh).close()
+    assert fake.of("mlflow.start_run") == [({"run_id": None},)]
+    assert fake.of("mlflow.log_params") == [({"optim.lr": "1e-05"},)]
+    # the recorded run deleted: a warning and a new run, not a run that cannot resume
+    fake.gone.add("run-c")
+    fake.calls.clear()
+    MetricsLogger(tmp_path, tensorboard=False, params=params, resume_step=0, mlflow=moved).close()
+    assert [c[0] for c in fake.of("mlflow.start_run")] == [
+        {"run_id": "run-c"},
+        {},
+    ]
+    assert fake.of("mlflow.log_params") == [({"optim.lr": "1e-05"},)]
+    assert capsys.readouterr().err.strip() == (
+        "gspo: warning: log.mlflow: MLflow failed continuing run run-c (LookupError: Run "
+        "'run-c' not found); the steps from here go to a new MLflow run"
+    )
+
+
+def test_a_cold_start_resumed_goes_on_in_its_tracker_runs_without_its_lines_twice(
+    tmp_path, monkeypatch
+):
+    """A run resumed inside its cold start (no checkpoint step: resume_step=None) started
+    new W&B and MLflow runs; the lines its cold start logs again are theirs already."""
+    fake = FakeTrackers(monkeypatch)
+    with MetricsLogger(tmp_path, tensorboard=False, wandb={}, mlflow={}) as logger:
+        logger.log(0, {"sft/step": 10, "sft/loss": 2.0})
+    fake.calls.clear()
+    with MetricsLogger(tmp_path, tensorboard=False, continues=True, wandb={}, mlflow={}) as log:
+        log.log(0, {"sft/step": 10, "sft/loss": 2.0}, replayed=True)
+        log.log(0, {"sft/step": 20, "sft/loss": 1.5})
+    assert fake.of("wandb.init")[0][0]["id"] == "run-a"
+    assert fake.of("mlflow.start_run") == [({"run_id": "run-b"},)]
+    assert [row["sft/step"] for (row,) in fake.of("wandb.log")] == [20]
+    assert fake.of("mlflow.log_metrics") == [((20, {"sft/step": 20, "sft/loss": 1.5}),)]
+    assert [r["sft/step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [10, 20]
+
+
+@pytest.mark.parametrize(
+    ("stop", "status", "exit_code"),
+    [(None, "FINISHED", 0), (KeyboardInterrupt, "KILLED", 1), (OSError, "FAILED", 1)],
+)
+def test_tracker_runs_end_with_how_the_run_ended(tmp_path, monkeypatch, stop, status, exit_code):
+    """A run stopped by Ctrl-C ended its MLflow run FINISHED."""
+    fake = FakeTrackers(monkeypatch)
+    with (
+        contextlib.suppress(KeyboardInterrupt, OSError),
+        MetricsLogger(tmp_path, tensorboard=False, wandb={}, mlflow={}),
+    ):
+        if stop is not None:
+            raise stop
+    assert fake.of("mlflow.end_run") == [(status,)]
+    assert fake.of("wandb.finish") == [(exit_code,)]
 
 
 def test_a_tracker_failing_mid_run_is_one_warning_and_the_run_goes_on(
@@ -441,7 +542,7 @@ def test_a_tracker_failing_mid_run_is_one_warning_and_the_run_goes_on(
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
     # (dropped: its run ended, so that the next run made in this process can start its own;
     # a gspo compare's next run was refused, MLflow's active run being the process's)
-    assert fake.of("mlflow.end_run") == [()]
+    assert fake.of("mlflow.end_run") == [("FINISHED",)]
 
 
 def test_the_plots_and_config_go_to_the_trackers(tmp_path, monkeypatch):
@@ -477,6 +578,23 @@ def test_a_resumed_runs_tensorboard_keeps_the_cold_start_and_its_settings(tmp_pa
     train = [(e.step, round(e.value, 4)) for e in events.Scalars("train/loss")]
     assert train == [(s, round((1.0 if s <= 4 else 0.5) / s, 4)) for s in range(1, 9)]
     assert "config" in "".join(events.Tags()["tensors"])
+
+
+def test_a_resume_past_the_cold_starts_steps_draws_each_of_its_points_once(tmp_path):
+    """Resumed at step 100 (sft/step 20 and 40 before the purge's step, still drawn):
+    written again, TensorBoard drew each of them twice."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsLogger(tmp_path) as logger:
+        for s in (20, 40, 200):
+            logger.log(0, {"sft/step": s, "sft/loss": 1.0 / s})
+        for step in (100, 101):
+            logger.log(step, {"train/loss": 1.0})
+    MetricsLogger(tmp_path, resume_step=100).close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("sft/loss")] == [20, 40, 200]
+    assert [e.step for e in events.Scalars("train/loss")] == [100]
 
 
 def test_a_tracker_refusing_its_settings_is_one_line_naming_the_key(tmp_path, monkeypatch):

@@ -45,7 +45,7 @@ from gspo.telemetry import (
     print_summary,
     read_metrics,
 )
-from gspo.telemetry.trackers import check_installed
+from gspo.telemetry.trackers import check_installed, run_status
 from gspo.training.async_rollout import build_rollouts
 from gspo.training.checkpoint import (
     CHECKPOINTS,
@@ -203,7 +203,7 @@ class Trainer:
         )
         self.logger = MetricsLogger(
             out, enabled=dist.is_main, tensorboard=config.log.tensorboard,
-            resume_step=self.step if checkpoint is not None else None,
+            resume_step=self.step if checkpoint is not None else None, continues=resume,
             wandb=config.log.wandb, mlflow=config.log.mlflow, params=flat_settings(config),
         )  # fmt: skip
         # one process writes its checkpoints in the background (several ranks: at once)
@@ -216,8 +216,8 @@ class Trainer:
         recorded = recorded_config(config, out, self.finished, moved) if dist.is_main else None
         if recorded is not None:  # (rank 0 alone: a finished run's is read, then written)
             (out / "config.yaml").write_text(with_run_dir(dump_config_text(recorded), out))
-        if checkpoint is None:
-            self.logger.log(0, summary)
+        if checkpoint is None:  # (resumed in its cold start: its tracker runs have it)
+            self.logger.log(0, summary, replayed=resume)
         else:  # (its start's warnings were said then; what the resume changes now)
             changed = None if self.finished else resume_changes(config, checkpoint)
             said = [changed] if changed else []
@@ -279,19 +279,20 @@ class Trainer:
     def __enter__(self) -> Trainer:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close(quiet=exc[0] is not None)
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(quiet=exc_type is not None, status=run_status(exc_type))
 
-    def close(self, *, quiet: bool = False) -> None:
+    def close(self, *, quiet: bool = False, status: str = "FINISHED") -> None:
         """Finish the checkpoint being written (its error raised; with ``quiet``, on the way
-        out of another exception, said on stderr), then close the logger, the reward
-        workers and the rollout engine (after the run's last collective, before its process
-        group goes: vLLM's shuts down here; the torch engine holds nothing)."""
+        out of another exception, said on stderr), then close the logger (its tracker runs
+        ended with ``status``: :func:`~gspo.telemetry.trackers.run_status`), the reward workers and
+        the rollout engine (after the run's last collective, before its process group
+        goes: vLLM's shuts down here; the torch engine holds nothing)."""
         try:
             self.checkpoints.wait(quiet=quiet)
         finally:  # (a failed run left TensorBoard's thread, the metrics file, W&B's run open)
             try:
-                self.logger.close()
+                self.logger.close(status)
             finally:
                 self.rewards.close()  # the reward.workers processes, if any
                 if (close := getattr(self.sampler.engine, "close", None)) is not None:

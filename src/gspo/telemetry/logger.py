@@ -31,7 +31,8 @@ from gspo.telemetry.trackers import (
     WandbSink,
     axis,
     import_optional,
-    recorded_ids,
+    recorded_trackers,
+    run_status,
     tensorboard_writer,
     tracker_failed,
 )
@@ -52,8 +53,12 @@ class MetricsLogger:
             appended; TensorBoard is told to purge events at steps ``> k``. With
             ``None`` (a fresh run) an existing ``metrics.jsonl`` is replaced and older
             TensorBoard events in the directory are purged from view. (The cold start's
-            lines kept are written to TensorBoard again: drawn by their own step, the
+            lines kept whose own step is past ``k`` are written to TensorBoard again: the
             purge hid them.)
+        continues: the run goes on from an earlier process, its W&B and MLflow runs with
+            it (:data:`~gspo.telemetry.trackers.TRACKERS_FILE`); by default, where
+            ``resume_step`` is given (a run resumed inside its cold start has none: its
+            lines are logged again, ``replayed``).
         wandb: if given, ``wandb.init(**wandb)`` is called and every ``log`` is mirrored
             to that run (one row a line: :class:`~gspo.telemetry.trackers.WandbSink`).
         mlflow: if given, an MLflow run is started and every ``log`` is mirrored with
@@ -62,7 +67,7 @@ class MetricsLogger:
             ``mlflow.set_experiment``); the rest are passed to ``mlflow.start_run``.
         params: the run's settings (dotted keys): W&B's config, MLflow's parameters,
             TensorBoard's ``config`` text. A resumed run goes on in the W&B and MLflow
-            runs it logged to (:data:`~gspo.telemetry.trackers.TRACKERS_FILE`).
+            runs it logged to (``continues``).
 
     Raises:
         ValueError: W&B or MLflow was requested but its package is not installed
@@ -76,6 +81,7 @@ class MetricsLogger:
         tensorboard: bool = True,
         enabled: bool = True,
         resume_step: int | None = None,
+        continues: bool | None = None,
         wandb: dict | None = None,
         mlflow: dict | None = None,
         params: Mapping[str, Any] | None = None,
@@ -108,24 +114,36 @@ class MetricsLogger:
                     purge_step=0 if resume_step is None else resume_step + 1,
                 )
                 self._tensorboard_start(params)
-            ids = recorded_ids(self.output_dir) if resume_step is not None else {}
+            continues = resume_step is not None if continues is None else continues
+            recorded = recorded_trackers(self.output_dir) if continues else {}
             if wandb_mod is not None:
-                self._trackers.append(WandbSink(wandb_mod, wandb, params, ids.get("wandb")))
+                sink = WandbSink(wandb_mod, wandb, params, recorded.get("wandb"))
+                self._trackers.append(sink)
             if mlflow_mod is not None:
-                self._trackers.append(MlflowSink(mlflow_mod, mlflow, params, ids.get("mlflow")))
-            if self._trackers:
-                from gspo.publish import write_atomic
-
-                names = {"log.wandb": "wandb", "log.mlflow": "mlflow"}
-                kept = {names[t.key]: t.id for t in self._trackers if t.id is not None}
-                write_atomic(self.output_dir / TRACKERS_FILE, json.dumps(kept) + "\n")
+                sink = MlflowSink(mlflow_mod, mlflow, params, recorded.get("mlflow"))
+                self._trackers.append(sink)
+            self._record_trackers(recorded)
         except BaseException:
             self.close()
             raise
 
+    def _record_trackers(self, recorded: dict[str, dict]) -> None:
+        """:data:`~gspo.telemetry.trackers.TRACKERS_FILE`: the tracker runs this one logs
+        to, beside those it recorded before and does not now (a tracker turned off at one
+        resume goes on in its run at the next); a fresh run's alone."""
+        names = {"log.wandb": "wandb", "log.mlflow": "mlflow"}
+        kept = recorded | {names[t.key]: t.entry for t in self._trackers if t.id is not None}
+        if not kept:
+            (self.output_dir / TRACKERS_FILE).unlink(missing_ok=True)
+            return
+        from gspo.publish import write_atomic
+
+        write_atomic(self.output_dir / TRACKERS_FILE, json.dumps(kept) + "\n")
+
     def _tensorboard_start(self, params: Mapping[str, Any] | None) -> None:
         """The run's settings as TensorBoard text; on a resume, the cold start's lines kept
-        in metrics.jsonl again (drawn by ``sft/step``, past the purge step: hidden)."""
+        in metrics.jsonl whose ``sft/step`` is past the checkpoint's step again (the purge
+        hid them; those before it are still drawn)."""
         if params:
             table = "\n".join(f"    {key}: {value!r}" for key, value in params.items())
             self._tb.add_text("config", table, global_step=self.resume_step or 0)
@@ -133,15 +151,17 @@ class MetricsLogger:
             return
         for record in read_metrics(self.path):
             scalars = _finite_scalars(record)
-            if "sft/step" in scalars:
-                at = int(scalars["sft/step"])
+            if "sft/step" in scalars and (at := int(scalars["sft/step"])) > self.resume_step:
                 for key, value in scalars.items():
                     if axis(key) == "sft/step" and key != "sft/step":
                         self._tb.add_scalar(key, value, global_step=at)
         self._tb.flush()
 
-    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Record ``metrics`` at ``step`` in every sink; the jsonl line is flushed."""
+    def log(self, step: int, metrics: Mapping[str, Any], *, replayed: bool = False) -> None:
+        """Record ``metrics`` at ``step`` in every sink; the jsonl line is flushed.
+        ``replayed``: a line an earlier process logged (a cold start resumed from its
+        progress logs its lines so far again), not sent again to the tracker runs it
+        continues."""
         if not self.enabled:
             return
         if self._closed:
@@ -162,7 +182,10 @@ class MetricsLogger:
             for key, value in scalars.items():
                 self._tb.add_scalar(key, value, global_step=steps[axis(key)])
             self._tb.flush()
-        self._each_tracker("logging", lambda sink: sink.log(step, scalars, steps))
+        self._each_tracker(
+            "logging",
+            lambda sink: None if replayed and sink.continued else sink.log(step, scalars, steps),
+        )
 
     def attach(self, files: list[Path]) -> None:
         """Send files of the run (its plots, config.yaml) to W&B and MLflow, as files of
@@ -180,8 +203,9 @@ class MetricsLogger:
                 tracker_failed(sink, exc, doing)
                 sink.dropped()
 
-    def close(self) -> None:
-        """Flush and close every sink. Idempotent."""
+    def close(self, status: str = "FINISHED") -> None:
+        """Flush and close every sink; the tracker runs end with ``status``
+        (:func:`~gspo.telemetry.trackers.run_status`). Idempotent."""
         if not self.enabled or self._closed:
             return
         self._closed = True
@@ -189,14 +213,14 @@ class MetricsLogger:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
-        self._each_tracker("finishing its run", lambda sink: sink.finish())
+        self._each_tracker("finishing its run", lambda sink: sink.finish(status))
         self._trackers = []
 
     def __enter__(self) -> MetricsLogger:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.close(run_status(exc_type))
 
 
 def _truncate_metrics(path: Path, resume_step: int) -> None:

@@ -22,9 +22,11 @@ from typing import Any
 
 #: Sub-directory of a run's output directory that holds TensorBoard event files.
 TENSORBOARD_DIR = "tensorboard"
-#: The tracker runs a run logs to (``{"wandb": id, "mlflow": run_id}``): a resume goes on
-#: in the same ones (it started new ones, a second MLflow run holding the steps after the
-#: checkpoint twice).
+#: The tracker runs a run logs to, each with where it is (``{"wandb": {"id": ..., "project":
+#: ..., "entity": ...}, "mlflow": {"id": ..., "tracking_uri": ..., "experiment_name": ...}}``,
+#: the settings as given): a resume goes on in the same ones (it started new ones, a second
+#: MLflow run holding the steps after the checkpoint twice) unless its settings point
+#: elsewhere. A tracker off at one resume keeps its entry for the next.
 TRACKERS_FILE = "trackers.json"
 #: Longest parameter value sent to MLflow (it refuses longer ones: 6000 characters).
 MLFLOW_VALUE_CHARS = 500
@@ -42,6 +44,36 @@ def tracker_settings(key: str, name: str) -> Iterator[None]:
         raise ValueError(
             f"{key}: {name} refused these settings ({type(exc).__name__}: {text})"
         ) from exc
+
+
+def run_status(exc_type: type[BaseException] | None) -> str:
+    """How a run ended, as MLflow's run status: ``FINISHED``; ``KILLED`` by Ctrl-C or
+    SIGTERM (a ``KeyboardInterrupt``) or ``SystemExit``; ``FAILED`` by any other error."""
+    if exc_type is None:
+        return "FINISHED"
+    return "KILLED" if issubclass(exc_type, KeyboardInterrupt | SystemExit) else "FAILED"
+
+
+def _continued(
+    sink: WandbSink | MlflowSink, settings: dict, recorded: dict | None, own: str
+) -> str | None:
+    """The recorded tracker run a resume goes on in: none without one, where the settings
+    name their own (``own``: ``id``, ``run_id``), or where they point elsewhere than when it
+    began (another project, experiment or tracking URI: a new run there, said in one line)."""
+    if not recorded or own in settings:
+        return None
+    moved = [k for k in sink.where if recorded.get(k, settings.get(k)) != settings.get(k)]
+    if moved:
+        was = ", ".join(f"{k}={recorded.get(k)!r}" for k in moved)
+        print(
+            f"gspo: {sink.key}: {', '.join(moved)} changed since the run began ({was}): the "
+            f"steps from here go to a new {sink.name} run; the earlier ones are in run "
+            f"{recorded['id']}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+    return recorded["id"]
 
 
 #: The x-axis of the RL lines in W&B (``metrics.jsonl``'s ``step``); the cold start's
@@ -63,26 +95,31 @@ class WandbSink:
     cold start's lines are all RL step 0), carrying ``train/step``; each metric is
     declared once, on first sight, against its axis (``define_metric``), so the RL curves
     are drawn by RL step and the cold start's by ``sft/step``. ``params`` (the run's
-    settings) go in as its config, under the user's own ``config``; ``resume_id``
-    continues that run (``resume="allow"``) unless the settings name an ``id``.
+    settings) go in as its config, under the user's own ``config``; ``recorded`` (its
+    entry in :data:`TRACKERS_FILE`) is continued (``resume="allow"``) unless the settings
+    name an ``id`` or another project or entity (:func:`_continued`).
     """
 
     key, name = "log.wandb", "W&B"
+    where = ("project", "entity")
 
     def __init__(
         self,
         wandb_mod: Any,
         settings: dict,
         params: Mapping[str, Any] | None = None,
-        resume_id: str | None = None,
+        recorded: dict | None = None,
     ) -> None:
         settings = dict(settings)
         settings["config"] = {**(params or {}), **(settings.get("config") or {})}
-        if resume_id is not None and "id" not in settings:
+        resume_id = _continued(self, settings, recorded, "id")
+        if resume_id is not None:
             settings |= {"id": resume_id, "resume": settings.get("resume", "allow")}
         with tracker_settings(self.key, self.name):
             self.run = wandb_mod.init(**settings)
         self.id: str | None = getattr(self.run, "id", None)
+        self.continued = resume_id is not None
+        self.entry = {"id": self.id, **{k: settings.get(k) for k in self.where}}
         self.declared: set[str] = set()
 
     def log(self, step: int, scalars: dict[str, float], steps: dict[str, int]) -> None:
@@ -102,8 +139,8 @@ class WandbSink:
                 root = path.parent
             self.run.save(str(path), base_path=str(root), policy="now")
 
-    def finish(self) -> None:
-        self.run.finish()
+    def finish(self, status: str = "FINISHED") -> None:
+        self.run.finish(exit_code=0 if status == "FINISHED" else 1)
 
     def dropped(self) -> None:
         """Nothing to end: W&B's run is this sink's own object."""
@@ -120,34 +157,49 @@ def _copied(path: Path, to: Path) -> Path:
 
 class MlflowSink:
     """An MLflow run: ``"tracking_uri"`` and ``"experiment_name"`` of ``settings`` are
-    applied first, the rest is passed to ``mlflow.start_run`` (``run_id=resume_id``
-    continues that run, unless the settings name a ``run_id``); ``params`` are logged as
+    applied first, the rest is passed to ``mlflow.start_run`` (``recorded``, the run's
+    entry in :data:`TRACKERS_FILE`, is continued unless the settings name a ``run_id`` or
+    another experiment or tracking URI: :func:`_continued`); a new run gets ``params`` as
     its parameters. Metrics go by their axis's step (:func:`axis`)."""
 
     key, name = "log.mlflow", "MLflow"
+    where = ("tracking_uri", "experiment_name")
 
     def __init__(
         self,
         mlflow_mod: Any,
         settings: dict | None,
         params: Mapping[str, Any] | None = None,
-        resume_id: str | None = None,
+        recorded: dict | None = None,
     ) -> None:
         self.mlflow = mlflow_mod
         cfg = dict(settings or {})
+        resume_id = _continued(self, cfg, recorded, "run_id")
+        self.entry = {k: cfg.get(k) for k in self.where}
         uri = cfg.pop("tracking_uri", None)
         experiment = cfg.pop("experiment_name", None)
-        if resume_id is not None and "run_id" not in cfg:
+        if resume_id is not None:
             cfg = {k: v for k, v in cfg.items() if k != "run_name"} | {"run_id": resume_id}
         with tracker_settings(self.key, self.name):
             if uri is not None:
                 mlflow_mod.set_tracking_uri(uri)
             if experiment is not None:
                 mlflow_mod.set_experiment(experiment)
-            run = mlflow_mod.start_run(**cfg)
+            try:
+                run = mlflow_mod.start_run(**cfg)
+            except Exception as exc:  # (deleted, or another server now: a new run)
+                if resume_id is None:
+                    raise
+                then = "the steps from here go to a new MLflow run"
+                tracker_failed(self, exc, f"continuing run {resume_id}", then)
+                cfg, resume_id = {k: v for k, v in cfg.items() if k != "run_id"}, None
+                run = mlflow_mod.start_run(**cfg)
         info = getattr(run, "info", None)
         self.id: str | None = getattr(info, "run_id", None)
-        if params and resume_id is None:  # (a resumed run has them: they cannot change)
+        self.entry = {"id": self.id, **self.entry}
+        self.continued = resume_id is not None
+        # a run named by run_id exists and has them (MLflow refuses a parameter changed)
+        if params and cfg.get("run_id") is None:
             values = {k: _param_text(v) for k, v in params.items()}
             with tracker_settings(self.key, self.name):
                 mlflow_mod.log_params(values)
@@ -164,8 +216,8 @@ class MlflowSink:
             folder = path.parent.relative_to(root).as_posix()
             self.mlflow.log_artifact(str(path), artifact_path=None if folder == "." else folder)
 
-    def finish(self) -> None:
-        self.mlflow.end_run()
+    def finish(self, status: str = "FINISHED") -> None:
+        self.mlflow.end_run(status=status)
 
     def dropped(self) -> None:
         """A failed run ended if it can be: MLflow's active run is the process's, and the
@@ -181,26 +233,38 @@ def _param_text(value: Any) -> str:
     return text if len(text) <= MLFLOW_VALUE_CHARS else text[: MLFLOW_VALUE_CHARS - 3] + "..."
 
 
-def tracker_failed(sink: Any, exc: BaseException, doing: str) -> None:
+def tracker_failed(
+    sink: Any,
+    exc: BaseException,
+    doing: str,
+    then: str = "the run goes on without it (metrics.jsonl has every line)",
+) -> None:
     """One warning line for a tracker that failed once the run was under way (a server
     gone, its run deleted, its process killed): the run goes on without it."""
     text = " ".join(str(exc).split())
     text = text if len(text) <= 200 else text[:197] + "..."
     print(
         f"gspo: warning: {sink.key}: {sink.name} failed {doing} ({type(exc).__name__}: "
-        f"{text}); the run goes on without it (metrics.jsonl has every line)",
+        f"{text}); {then}",
         file=sys.stderr,
         flush=True,
     )
 
 
-def recorded_ids(output_dir: Path) -> dict[str, str]:
-    """The tracker runs :data:`TRACKERS_FILE` names (none if it is missing or unreadable)."""
+def recorded_trackers(output_dir: Path) -> dict[str, dict]:
+    """The tracker runs :data:`TRACKERS_FILE` names, each ``{"id": ..., ...where}`` (none
+    if it is missing or unreadable; an id alone, as earlier versions wrote it, is where the
+    settings point now)."""
     try:
         found = json.loads((output_dir / TRACKERS_FILE).read_text())
     except (OSError, ValueError):
         return {}
-    return {k: v for k, v in found.items() if isinstance(v, str)} if isinstance(found, dict) else {}
+    if not isinstance(found, dict):
+        return {}
+    entries = {k: {"id": v} if isinstance(v, str) else v for k, v in found.items()}
+    return {
+        k: v for k, v in entries.items() if isinstance(v, dict) and isinstance(v.get("id"), str)
+    }
 
 
 def check_installed(wandb: Any, mlflow: Any) -> None:

@@ -386,8 +386,8 @@ def cold_start(
         if scaler is not None and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
         counts = state.get("skipped", counts)
-        for line in lines:
-            logger.log(0, line)
+        for line in lines:  # (the W&B and MLflow runs it goes on in have them)
+            logger.log(0, line, replayed=True)
         for _ in range(first * local_batch):  # the row sampler, as it stood at that step
             rng.randrange(len(encoded))
         if show:
