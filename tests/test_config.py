@@ -311,6 +311,11 @@ def test_cli_config_prints_resolved_yaml(capsys, tmp_path):
     assert lines[at + 1].startswith("  # builtin to norm_topk_prob: the built-in model's sizes")
     (tmp_path / "printed.yaml").write_text(out)  # (it loads back)
     assert load_config(tmp_path / "printed.yaml").model.layers == 2
+    # a path YAML wraps onto two lines: the comment went between them (invalid YAML)
+    long = "/models/a folder with spaces/" + "deep " * 16 + "/mine"
+    assert main(["config", f"model.path={long}"]) == 0
+    (tmp_path / "long.yaml").write_text(capsys.readouterr().out)
+    assert load_config(tmp_path / "long.yaml").model.path == long
 
 
 def test_committed_configuration_reference_is_current():

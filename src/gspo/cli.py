@@ -445,7 +445,8 @@ def _main(args: argparse.Namespace) -> int:
         config = load_config(args.config, args.overrides)
         text = dump_config_text(config)
         if config.model.path is not None:  # (the built-in sizes printed beside it read as its)
-            path = text.index("\n", text.index("\n  path: ") + 1) + 1
+            # (before builtin: a long path is wrapped onto more lines)
+            path = text.index("\n  builtin: ", text.index("\n  path: ")) + 1
             note = ("  # builtin to norm_topk_prob: the built-in model's sizes, unused with "
                     "model.path (its config.json gives them)\n")  # fmt: skip
             text = text[:path] + note + text[path:]
