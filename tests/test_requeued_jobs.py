@@ -93,6 +93,30 @@ def test_python_resume_auto(tmp_path, varied_reward):
         gspo.train(config, run, resume="auto", overwrite=True)
 
 
+def test_a_finished_run_with_model_only_checkpoints_is_finished_again(
+    tmp_path, varied_reward, capsys
+):
+    """The requeued job of a run that finished with train.save_only_model=true: its last
+    checkpoint, model only, could not be resumed (status 2), though nothing was left to
+    do. Now it says it took its steps, as any finished run does; more steps are still
+    refused with the way to go on."""
+    import gspo
+
+    run = tmp_path / "run"
+    only = "train.save_only_model=true"
+    common = [*RUN, varied_reward, "train.max_steps=2", "eval.every=0", only]
+    args = ["train", "--output-dir", str(run), "--auto-resume", *common]
+    assert main(args) == 0
+    lines = run_metrics(run)
+    capsys.readouterr()
+    assert main(args) == 0
+    assert "the run already took its 2 steps (train.max_steps=2" in capsys.readouterr().out
+    assert run_metrics(run) == lines
+    assert gspo.train(load_config(None, common), run, resume="auto") == lines
+    assert main([*args, "train.max_steps=4"]) == 2
+    assert "holds only the model" in capsys.readouterr().err
+
+
 class FakeClock:
     """``time.monotonic`` advancing ``tick`` seconds at each reading."""
 

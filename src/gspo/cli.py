@@ -212,12 +212,14 @@ def said_once() -> Iterator[None]:
 
 def run_train(args: argparse.Namespace) -> int:
     from gspo.distributed import setup_distributed, teardown_distributed
-    from gspo.runs import RunDirectory
+    from gspo.runs import RunDirectory, finished_model_only
     from gspo.telemetry import StepProfiler
     from gspo.trainer import Trainer
 
     with said_once():
         config, output_dir = train_config(args)
+        if args.resume is not None and finished_model_only(output_dir, config) is not None:
+            return 0
         # under torchrun: one process per rank, joined here (a no-op in a single process)
         dist = setup_distributed(config.model.device)
     try:

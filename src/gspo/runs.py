@@ -36,9 +36,16 @@ from gspo.moved import moved_path
 from gspo.publish import MARK, stranded_asides, temp_path
 from gspo.rewards.contract import RewardError
 from gspo.rewards.runner import leave_if_starting_a_worker
-from gspo.telemetry import METRICS_FILE, StepProfiler
-from gspo.trainer import Trainer
-from gspo.training.checkpoint import CHECKPOINTS, CONFIG, TRAINER_STATE
+from gspo.telemetry import METRICS_FILE, StepProfiler, print_summary, read_metrics
+from gspo.trainer import Trainer, took_its_steps
+from gspo.training.checkpoint import (
+    CHECKPOINTS,
+    CONFIG,
+    TRAINER_STATE,
+    latest_checkpoint,
+    resume_problem,
+    trainer_state,
+)
 from gspo.training.cold_start import DataError, progress_checkpoints
 from gspo.training.setup import with_absolute_paths
 
@@ -83,6 +90,8 @@ def train(
         if (problem := not_a_run(out, how)) is not None:
             raise ValueError(f"train: {how}, but {out} {problem}")
         check_same_model(out, config, how, "another output_dir")
+        if (done := finished_model_only(out, config)) is not None:
+            return done
     # under torchrun: each rank runs the script, and joins the process group here
     joined = not torch.distributed.is_initialized()
     dist = setup_distributed(config.model.device)
@@ -315,6 +324,25 @@ class RunDirectory:
                 shutil.rmtree(out, ignore_errors=True)
                 if self.dist.enabled:  # (the broken group's line offers a resume of it)
                     error.add_note(f"{out} held nothing to resume from: it is removed")
+
+
+def finished_model_only(out: Path, config: Config) -> list[dict[str, Any]] | None:
+    """A run whose last checkpoint holds only the model (``train.save_only_model``) and
+    which took its ``train.max_steps``: resumed (the requeued job's ``--auto-resume``), it
+    says so, as a finished run does, and its metric records are returned; such a
+    checkpoint cannot be resumed from, and there was nothing to resume (exit 2 said it
+    could not). None for any other run."""
+    checkpoint = latest_checkpoint(out)
+    if checkpoint is None or resume_problem(checkpoint) is None:
+        return None
+    line = took_its_steps(int(trainer_state(checkpoint)["step"]), config)
+    if line is None:
+        return None
+    records = read_metrics(out / METRICS_FILE)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(line, flush=True)
+        print_summary(records)
+    return records
 
 
 def auto_resumes(out: Path) -> bool:

@@ -99,6 +99,18 @@ __all__ = [
 ]
 
 
+def took_its_steps(step: int, config: Config) -> str | None:
+    """What a run resumed after its ``train.max_steps`` says (None: it has steps to take)."""
+    minibatches = config.algorithm.minibatches
+    if step == 0 or step // minibatches < config.rollout_batches:
+        return None
+    return (
+        f"the run already took its {step} steps (train.max_steps={config.train.max_steps} "
+        f"in whole rollout batches of {minibatches}); resume it with a larger "
+        "train.max_steps to train on"
+    )
+
+
 class Trainer:
     """Builds one run's stages from its config; :meth:`fit` runs them.
 
@@ -248,8 +260,7 @@ class Trainer:
     @property
     def finished(self) -> bool:
         """Whether a resumed run already took its ``train.max_steps`` (nothing to do)."""
-        cfg = self.config
-        return self.step > 0 and self.step // cfg.algorithm.minibatches >= cfg.rollout_batches
+        return took_its_steps(self.step, self.config) is not None
 
     def rl_step(self, rollout_index: int) -> list[tuple[int, dict[str, float]]]:
         """One rollout batch: sample, score, ``algorithm.minibatches`` updates; log lines.
@@ -342,13 +353,7 @@ class Trainer:
         show = cfg.log.progress and self.dist.is_main
         first = self.step // cfg.algorithm.minibatches
         if self.finished and self.dist.is_main:
-            print(
-                f"the run already took its {self.step} steps (train.max_steps="
-                f"{cfg.train.max_steps} in whole rollout batches of "
-                f"{cfg.algorithm.minibatches}); resume it with a larger train.max_steps to "
-                "train on",
-                flush=True,
-            )
+            print(took_its_steps(self.step, cfg), flush=True)
         with (
             TrainingProgress(cfg.total_steps, enabled=show, start_step=self.step) as bar,
             self.rollouts.running(first, cfg.rollout_batches),
