@@ -103,6 +103,25 @@ def test_a_directory_of_data_files_is_split_by_their_names_and_leaves_none_out(t
         load_rows(f"{hub}::train", what="data.train")
 
 
+def test_a_directory_of_many_files_left_out_names_the_first_few(tmp_path):
+    """300 shards beside a stray file were all named: an error line of 8 kB."""
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    for i in range(300):
+        (folder / f"train-{i:05d}-of-00300.jsonl").write_text(json.dumps(GSM8K_ROWS[0]))
+    for name in ("extra1.jsonl", "extra2.jsonl", "extra3.jsonl", "extra4.jsonl"):
+        (folder / name).write_text(json.dumps(GSM8K_ROWS[0]))
+    with pytest.raises(ValueError) as err:
+        load_rows(folder, what="data.train")
+    said = str(err.value)
+    assert (
+        "by their names (train-00000-of-00300.jsonl, train-00001-of-00300.jsonl, "
+        "train-00002-of-00300.jsonl and 297 more), which leaves out extra1.jsonl, "
+        "extra2.jsonl, extra3.jsonl and 1 more; name each file" in said
+    )
+    assert len(said) < 600
+
+
 def test_hub_ids_reach_load_dataset_with_config_and_split(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # no local directory named like the id
     calls = []

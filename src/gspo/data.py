@@ -179,10 +179,10 @@ def _directory_rows(source: Source, text: str, *, what: str) -> list[Row]:
             and not any(part.startswith((".", "__")) for part in p.relative_to(base).parts)
         ]  # fmt: skip
         if left:
-            named = ", ".join(str(f.relative_to(base)) for files in splits.values() for f in files)
+            named = _some([str(f.relative_to(base)) for files in splits.values() for f in files])
             raise ValueError(
                 f"{what}: {text}: its files are read as splits by their names ({named}), "
-                f"which leaves out {', '.join(left[:3])}{' ...' if len(left) > 3 else ''}; "
+                f"which leaves out {_some(left)}; "
                 "name each file by its split (train*.jsonl, test*.jsonl; files of one kind), "
                 "or give the files to read a directory of their own"
             )
@@ -195,6 +195,13 @@ def _directory_rows(source: Source, text: str, *, what: str) -> list[Row]:
         )
     files = splits[source.split] if source.split is not None else next(iter(splits.values()))
     return [row for f in files for row in read_file(f, what=what)]
+
+
+def _some(names: list[str], most: int = 3) -> str:
+    """The first ``most`` of ``names``, then how many more (a directory of 300 shards
+    was an error line of 8 kB)."""
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
 
 
 def _declares_configs(base: Path) -> bool:
