@@ -122,6 +122,25 @@ def test_a_directory_of_many_files_left_out_names_the_first_few(tmp_path):
     assert len(said) < 600
 
 
+def test_a_pattern_is_said_to_be_one(tmp_path, monkeypatch):
+    """data.train=dir/*.jsonl said "file not found", whether or not files matched it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(FileNotFoundError) as err:
+        load_rows("dir/*.jsonl", what="data.train")
+    assert str(err.value) == (
+        f"data.train: no file matches the pattern dir/*.jsonl (looked for {tmp_path}/dir/*.jsonl)"
+    )
+    for name in ("a.jsonl", "b.jsonl", "c.jsonl", "d.jsonl"):
+        (tmp_path / "dir" / name).write_text(json.dumps(GSM8K_ROWS[0]))
+    with pytest.raises(ValueError) as err:
+        load_rows("dir/*.jsonl", what="data.train")
+    assert str(err.value) == (
+        "data.train: dir/*.jsonl is a pattern (4 match: dir/a.jsonl, dir/b.jsonl, dir/c.jsonl "
+        "and 1 more); gspo reads one file or a directory of them: give the directory"
+    )
+
+
 def test_hub_ids_reach_load_dataset_with_config_and_split(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # no local directory named like the id
     calls = []

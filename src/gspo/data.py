@@ -30,6 +30,7 @@ column reaches the reward functions by name, as in TRL.
 from __future__ import annotations
 
 import contextlib
+import glob
 import itertools
 import logging
 import os
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
 
 _LOCAL_PREFIXES = ("/", "./", "../", "~")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+_PATTERN = re.compile(r"[*?[]")  # (glob's wildcards)
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,16 @@ def parse_source(text: str, *, what: str) -> Source:
     whole = Path(text).expanduser()
     if whole.exists():
         return _local(whole)
+    if _PATTERN.search(text):  # (a pattern read as a missing file said "file not found")
+        matches = sorted(glob.glob(str(whole), recursive=True))
+        if not matches:
+            raise FileNotFoundError(
+                f"{what}: no file matches the pattern {text}{_looked_for(whole)}"
+            )
+        raise ValueError(
+            f"{what}: {text} is a pattern ({len(matches)} match: {_some(matches)}); gspo reads "
+            "one file or a directory of them: give the directory"
+        )
     if whole.suffix.lower() in DATA_SUFFIXES:
         raise FileNotFoundError(f"{what}: file not found: {text}{_looked_for(whole)}")
     source, *rest = text.split(":")
