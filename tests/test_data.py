@@ -735,6 +735,9 @@ TWICE = "names the column {!r} twice; JSON readers keep one of the two silently:
          "record 2 is NoneType None, not an object of columns"),
         ("a.json", '{"prompt": "q"}', "holds one object, not records: write an array of objects "
          "(or JSON Lines)"),
+        # columns as lists, of unequal lengths: said as "one object, not records"
+        ("a.json", '{"prompt": ["q", "r"], "answer": ["1"]}', "holds one object of column "
+         "lists of unequal lengths ('prompt' 2, 'answer' 1): give each column one value a row"),
         # a column written twice: json.loads kept the last, silently
         ("a.jsonl", '{"prompt": "q"}\n{"prompt": "r", "answer": 1, "answer": 2}\n',
          f"line 2 {TWICE.format('answer')}"),

@@ -97,11 +97,17 @@ def _json(text: str, path: Path, *, what: str) -> list[Row]:
     if id(whole) in repeated:  # (one object of column lists)
         raise _twice(f"{what}: {path}", repeated[id(whole)][0])
     if isinstance(whole, dict):
-        lengths = {len(v) if isinstance(v, list) else -1 for v in whole.values()}
-        if len(lengths) != 1 or -1 in lengths:
+        lengths = {k: len(v) if isinstance(v, list) else -1 for k, v in whole.items()}
+        if -1 in lengths.values() or not lengths:
             raise ValueError(
                 f"{what}: {path} holds one object, not records: write an array of objects "
                 "(or JSON Lines)"
+            )
+        if len(set(lengths.values())) > 1:  # (columns as lists: one list per column)
+            said = ", ".join(f"{k!r} {n}" for k, n in list(lengths.items())[:6])
+            raise ValueError(
+                f"{what}: {path} holds one object of column lists of unequal lengths "
+                f"({said}{' ...' if len(lengths) > 6 else ''}): give each column one value a row"
             )
         whole = [dict(zip(whole, row, strict=True)) for row in zip(*whole.values(), strict=True)]
     if not isinstance(whole, list):
