@@ -141,6 +141,23 @@ def test_a_pattern_is_said_to_be_one(tmp_path, monkeypatch):
     )
 
 
+def test_a_malformed_dataset_card_in_a_directory_names_the_file(tmp_path):
+    """The YAML error named no file: "cannot load local dataset ...: ParserError: ...
+    (a directory must hold a datasets.save_to_disk dataset, or data files ...)"."""
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text(json.dumps(GSM8K_ROWS[0]))
+    (folder / "README.md").write_text("---\nconfigs: [\n  - a: b\n---\n# a dataset\n")
+    with pytest.raises(ValueError) as err:
+        load_rows(folder, what="data.train")
+    said = str(err.value)
+    assert said.startswith(
+        f"data.train: {folder}: the YAML header of {folder / 'README.md'} is malformed: "
+        "ParserError: while parsing a flow node"
+    )
+    assert "\n" not in said and "save_to_disk" not in said
+
+
 def test_hub_ids_reach_load_dataset_with_config_and_split(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # no local directory named like the id
     calls = []

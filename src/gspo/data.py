@@ -168,6 +168,11 @@ def _directory_rows(source: Source, text: str, *, what: str) -> list[Row]:
     try:
         with _quiet(datasets):
             builder = datasets.load_dataset_builder(str(base), source.config)
+    except yaml.YAMLError as exc:  # (from the dataset card: its file was unnamed)
+        raise ValueError(
+            f"{what}: {text}: the YAML header of {base / 'README.md'} is malformed: "
+            f"{type(exc).__name__}: {one_line(exc, 300)}"
+        ) from None
     except Exception as exc:  # datasets raises many types: one line, naming the key
         raise _load_error(exc, source, text, what) from None
     splits = {
