@@ -327,6 +327,19 @@ def test_cold_start_rows_need_no_answer_column():
         prepare_rows(sft, data, what="data.train")
 
 
+def test_a_column_name_with_spaces_around_it_is_pointed_to(tmp_path):
+    """A CSV header "prompt , answer" said only "no column 'prompt'" (columns: prompt ,  answer)."""
+    path = tmp_path / "s.csv"
+    path.write_text("prompt , answer\nq,1\n")
+    data = data_config(f"data.train={path}", "data.answer_column=answer")
+    with pytest.raises(ValueError) as err:
+        prepare_rows(load_rows(path, what="data.train"), data, what="data.train")
+    assert str(err.value) == (
+        f"data.prompt_column: no column 'prompt' of data.train ({path}; columns: prompt ,  "
+        "answer) (the column 'prompt ' has spaces around its name)"
+    )
+
+
 def test_a_column_missing_from_a_later_row_names_the_row():
     rows = [{"prompt": "a"}, {"prompt": "b"}, {"question": "c"}]
     with pytest.raises(ValueError, match="no column 'prompt' in row 3 of data.eval"):

@@ -350,7 +350,9 @@ def prepare_rows(rows: list[Row], data: DataConfig, *, what: str, sft: bool = Fa
         missing = next((i for i, row in enumerate(rows, start=1) if column not in row), None)
         if missing is not None:
             row = "" if missing == 1 else f" in row {missing}"
-            raise ValueError(f"{key}: no column {column!r}{row} of {where}")
+            spaced = [c for c in rows[missing - 1] if str(c).strip() == column.strip()]
+            hint = f" (the column {spaced[0]!r} has spaces around its name)" if spaced else ""
+            raise ValueError(f"{key}: no column {column!r}{row} of {where}{hint}")
 
     template = data.prompt_template
     if template is not None:
