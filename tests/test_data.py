@@ -909,6 +909,45 @@ def test_rows_without_the_column_a_reward_needs_are_counted_in_a_warning():
     ), warned
 
 
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        ({"value": 7}, "is dict {'value': 7}"),
+        (["7", {"value": 7}], "holds dict {'value': 7}"),
+        ([["7", "8"]], "holds list ['7', '8']"),
+        (b"7", "is bytes b'7'"),
+    ],
+)
+def test_a_gold_answer_that_is_no_text_is_refused(answer, said):
+    """A mapping (or bytes, a list in a list) as the gold answer was compared as its repr,
+    "{'value': 7}": every completion scored 0, unsaid."""
+    from gspo.rewards import RewardFunctions
+    from gspo.tasks import TaskData
+    from gspo.training.setup import check_reward_columns
+
+    rows = [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": answer}]
+    fix = "; a gold answer is text, a number or a list of them (any of them right)"
+    data = data_config("data.train=x.jsonl", "data.answer_column=answer")
+    with pytest.raises(ValueError) as err:
+        prepare_rows(rows, data, what="data.train")
+    assert str(err.value) == f"data.train (x.jsonl) row 2: the answer (column 'answer') {said}{fix}"
+    rewards = RewardFunctions.from_specs(["exact_match"], None)
+    config = load_config(None, ["data.train=x.jsonl"])
+    with pytest.raises(ValueError) as err:  # (no data.answer_column: the column as it is)
+        check_reward_columns(rewards, TaskData(rows, [], []), config, None)
+    assert str(err.value) == (
+        "data.train (x.jsonl) row 2: the answer (column 'answer', which reward function "
+        f"'exact_match' compares) {said}{fix}"
+    )
+    # a bool is its text, True (as Python and pandas write it); your own function takes any
+    assert (
+        prepare_rows([{"prompt": "a", "answer": True}], data, what="data.train")[0]["answer"]
+        == "True"
+    )
+    own = RewardFunctions.from_specs([lambda completions, answer, **kw: [0.0]], None)
+    check_reward_columns(own, TaskData(rows, [], []), config, None)
+
+
 def test_a_missing_column_under_an_environment_names_the_datas_columns_and_the_default():
     """With an environment, the error listed ``environments`` (what the calls pass beside
     the columns) among the file's columns, and an environment without get_reward left

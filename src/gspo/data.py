@@ -380,7 +380,12 @@ def prepare_rows(rows: list[Row], data: DataConfig, *, what: str, sft: bool = Fa
                 prompt = [{"role": "system", "content": data.system_prompt}, *prompt]
         new = {**row, "prompt": prompt}
         if data.answer_column is not None and data.answer_column in row:
-            new["answer"] = _answer(row[data.answer_column])
+            value = row[data.answer_column]
+            if said := not_an_answer(value):  # (its repr was the answer: scored 0, unsaid)
+                raise ValueError(
+                    f"{named} row {i}: the answer (column {data.answer_column!r}) {said}"
+                )
+            new["answer"] = _answer(value)
         if sft:
             new["completion"] = _completion(row[data.completion_column], data, named, i)
         out.append(new)
@@ -395,6 +400,21 @@ def _answer(value: Any) -> Any:
         return answers or None  # (none: as a blank cell, counted by the run's warning)
     gold = cell_text(value)
     return None if gold is None else reference_answer(gold)
+
+
+def not_an_answer(value: Any) -> str | None:
+    """What is wrong with ``value`` as a gold answer of the built-in rewards (which compare
+    its text: a mapping's or bytes' repr matched no completion), or None: text, a number,
+    a bool (``True``), or a list of them (any of them right)."""
+    items = value if isinstance(value, list | tuple) else [value]
+    for item in items:
+        if isinstance(item, dict | list | tuple | bytes | bytearray):
+            held = "holds" if item is not value else "is"
+            return (
+                f"{held} {type(item).__name__} {item!r:.60}; a gold answer is text, a number "
+                "or a list of them (any of them right)"
+            )
+    return None
 
 
 def _messages_only(rows: list[Row], data: DataConfig) -> bool:

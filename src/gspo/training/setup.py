@@ -19,7 +19,7 @@ from gspo.config import (
     flat_settings,
     load_config,
 )
-from gspo.data import load_rows, prepare_rows
+from gspo.data import load_rows, not_an_answer, prepare_rows
 from gspo.distributed import Distributed
 from gspo.models import (
     TinyModelSpec,
@@ -444,6 +444,8 @@ def check_reward_columns(
             columns = [k for k in rows[0] if k != "prompt"]
             rewards.check_columns(columns, f"{key} ({where})", passed=extra, hint=hint)
             for column, name in rewards.required(columns).items():
+                if column == "answer" and name.partition("#")[0] in BUILTIN_REWARDS:
+                    _answers_are_text(rows, name, f"{key} ({where})")
                 empty = [i for i, row in enumerate(rows, start=1) if _empty(row.get(column))]
                 if empty:  # (a built-in leaves them unscored; the user's decides)
                     gets = (
@@ -459,6 +461,17 @@ def check_reward_columns(
             if any(n.partition("#")[0] == "code" for n in rewards.names):
                 _code_tests_parse(rows, f"{key} ({where})")
     return warnings
+
+
+def _answers_are_text(rows: list[dict], name: str, where: str) -> None:
+    """Every row's ``answer`` one a built-in reward compares (a mapping's repr was the
+    gold answer: every completion scored 0, unsaid); else one line naming the row."""
+    for i, row in enumerate(rows, start=1):
+        if said := not_an_answer(row.get("answer")):
+            raise ValueError(
+                f"{where} row {i}: the answer (column 'answer', which reward function "
+                f"{name!r} compares) {said}"
+            )
 
 
 def _code_tests_parse(rows: list[dict], where: str) -> None:
