@@ -693,6 +693,14 @@ def test_settings_that_another_setting_makes_moot_are_warned():
     ]
     assert load_config(None, gsm8k).warnings() == []  # (another column is scored against)
     assert len(load_config(None, [*gsm8k, "data.prompt_template='{solution}'"]).warnings()) == 1
+    # a template without a field: every prompt the same text, unsaid before
+    fixed = [*mine, "data.eval=e.jsonl", "data.prompt_template=Solve this."]
+    assert load_config(None, fixed).warnings() == [
+        "data.prompt_template names no column (as {question}): every prompt is the same text "
+        "(single braces name a column, doubled ones are literal)"
+    ]
+    assert load_config(None, [*fixed, "rollout.environment=gspo.environments:Calculator"]) \
+        .warnings() == []  # fmt: skip
     # eval.* keys set and nothing evaluated, unsaid before
     assert load_config(None, [*mine, "eval.every=10"]).warnings() == [
         "data.train without data.eval: no held-out evaluation runs (no eval/* metrics, "

@@ -462,6 +462,8 @@ def test_cli_trains_on_a_dataset_directory_with_a_template(gsm8k_dir, tmp_path):
     [
         ([{"prompt": "1+2=", "answer": "3"}, {"prompt": "", "answer": "3"}],
          "data.train (TRAIN) row 2: the prompt is empty (0 tokens): ''"),
+        ([{"prompt": "1+2=", "answer": "3"}, {"prompt": " \n\t", "answer": "3"}],
+         "data.train (TRAIN) row 2: the prompt is only whitespace: ' \\n\\t'"),
         ([{"prompt": "1+2=", "answer": "3"}, {"prompt": 12, "answer": "3"}],
          "data.train (TRAIN) row 2: the prompt is 12 (a number: data.prompt_template={prompt} "
          "writes it as text); a prompt is text or a list of chat messages "

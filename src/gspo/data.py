@@ -502,6 +502,8 @@ def _prompt(prompt: Any, what: str, index: int, column: str | None = None) -> An
             "(data.prompt_column names the column)"
         )
     if isinstance(prompt, str):
+        if prompt and not prompt.strip():  # ('' is refused when encoded: 0 tokens)
+            raise ValueError(f"{what} row {index}: the prompt is only whitespace: {prompt!r:.40}")
         return prompt
     if _is_messages(prompt):
         for k, message in enumerate(prompt, start=1):

@@ -137,6 +137,15 @@ class Config(Section):
                 "against: every prompt holds its own answer (literal braces are doubled: "
                 "\\boxed{{}})"
             )
+        if (  # (an environment may take a fixed prompt: its reset says the rest)
+            data.prompt_template is not None
+            and not template_fields(data.prompt_template)
+            and self.rollout.environment is None
+        ):
+            lines.append(
+                "data.prompt_template names no column (as {question}): every prompt is the "
+                "same text (single braces name a column, doubled ones are literal)"
+            )
         batch = self.rollout.group_size * self.rollout.prompts_per_batch
         parts = self.algorithm.minibatches
         if batch % parts:
