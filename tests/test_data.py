@@ -372,6 +372,31 @@ def test_sft_rows_of_messages_split_before_the_first_assistant_message():
         prepare_rows(rows, data_config(), what="data.train")  # RL prompts: as before
 
 
+@pytest.mark.parametrize(
+    ("messages", "said"),
+    [
+        # a misspelt assistant said "messages has no assistant message", no hint
+        ([{"role": "user", "content": "1+1="}, {"role": "asistant", "content": "2"}],
+         "message 2 has the role 'asistant'; did you mean 'assistant'?"),
+        # a turn without content was learnt as an empty one, only counted in a warning
+        ([{"role": "user", "content": "1+1="}, {"role": "assistant", "text": "2"}],
+         "message 2 has no 'content' (its keys: role, text)"),
+    ],
+)  # fmt: skip
+def test_a_cold_start_conversations_misspelt_role_or_missing_content_names_it(messages, said):
+    data = data_config("data.sft=s.jsonl")
+    with pytest.raises(ValueError) as err:
+        prepare_rows([{"messages": messages}], data, what="data.sft", sft=True)
+    assert str(err.value).startswith(f"data.sft (s.jsonl) row 1: {said}")
+    prompt = [{"role": "user", "content": "1+1="}]  # (a completion column's messages too)
+    with pytest.raises(ValueError) as err:
+        rows = [{"prompt": prompt, "completion": messages[1:]}]
+        prepare_rows(rows, data, what="data.sft", sft=True)
+    assert str(err.value).startswith(f"data.sft (s.jsonl) row 1: {said.replace('2', '1', 1)}")
+    empty = [*prompt, {"role": "assistant", "content": ""}]  # (written empty: the warning)
+    assert prepare_rows([{"messages": empty}], data, what="data.sft", sft=True)
+
+
 def test_number_cells_are_read_as_the_numbers_written():
     """A CSV column with a blank cell is read as floats: answer_column made 58 "58.0" (no
     exact_match ever 1), and a number completion was the tokenizer's error naming no row."""

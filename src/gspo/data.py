@@ -434,6 +434,8 @@ def _split_messages(row: Row, data: DataConfig, where: str) -> Row:
     messages = row.get("messages")
     if not isinstance(messages, list):
         raise ValueError(f"{where}: messages is {messages!r:.80}, not a list of messages")
+    if _is_messages(messages):  # (asistant: "no assistant message", no hint)
+        _check_messages(messages, where)
     first = next(
         (i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"),
         None,
@@ -454,6 +456,7 @@ def _completion(value: Any, data: DataConfig, what: str, index: int) -> Any:
     where = f"{what} row {index}"
     if _is_messages(value):
         _check_tool_calls(value, where)
+        _check_messages(value, where)  # (a turn without content: learnt as an empty one)
         return value
     if isinstance(value, str):
         return value
@@ -493,6 +496,21 @@ def _is_messages(value: Any) -> bool:
 ROLES = ("system", "user", "assistant", "tool")
 
 
+def _check_messages(messages: list[dict], where: str) -> None:
+    """Each message has a content (or tool calls) and no role that misspells one of
+    :data:`ROLES` (``usr``, ``asistant``); else one line naming the message."""
+    for k, message in enumerate(messages, start=1):
+        role, keys = message["role"], ", ".join(map(str, message))
+        if "content" not in message and "tool_calls" not in message:
+            raise ValueError(f"{where}: message {k} has no 'content' (its keys: {keys})")
+        near = role not in ROLES and get_close_matches(str(role), ROLES, n=1, cutoff=0.75)
+        if near:  # (the cutoff: not model -> tool)
+            raise ValueError(
+                f"{where}: message {k} has the role {role!r}; did you mean {near[0]!r}? "
+                "(a chat template writes nothing for a role it does not know)"
+            )
+
+
 def _prompt(prompt: Any, what: str, index: int, column: str | None = None) -> Any:
     """A row's prompt (from ``column``, or a template): text or a list of chat messages;
     else one line naming the row."""
@@ -506,18 +524,7 @@ def _prompt(prompt: Any, what: str, index: int, column: str | None = None) -> An
             raise ValueError(f"{what} row {index}: the prompt is only whitespace: {prompt!r:.40}")
         return prompt
     if _is_messages(prompt):
-        for k, message in enumerate(prompt, start=1):
-            role, keys = message["role"], ", ".join(map(str, message))
-            if "content" not in message and "tool_calls" not in message:
-                raise ValueError(
-                    f"{what} row {index}: message {k} has no 'content' (its keys: {keys})"
-                )
-            near = role not in ROLES and get_close_matches(str(role), ROLES, n=1, cutoff=0.75)
-            if near:  # (the cutoff: not model -> tool)
-                raise ValueError(
-                    f"{what} row {index}: message {k} has the role {role!r}; did you mean "
-                    f"{near[0]!r}? (a chat template writes nothing for a role it does not know)"
-                )
+        _check_messages(prompt, f"{what} row {index}")
         return prompt
     number = isinstance(prompt, int | float) and not isinstance(prompt, bool)
     hint = " (a number: data.prompt_template={prompt} writes it as text)" if number else ""
