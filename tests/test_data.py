@@ -531,6 +531,30 @@ def test_a_chat_prompt_that_renders_to_nothing_names_its_row():
     ]
 
 
+def test_a_chat_message_of_a_role_the_template_leaves_out_names_it():
+    """Qwen's template writes nothing for a role it does not know: the message was
+    dropped, unsaid; a template that writes every role (Llama's, Gemma's model) is kept."""
+    from gspo.training.episodes import encode_prompts
+    from gspo.training.sampler import SingleTurn
+
+    tok = build_char_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] in ['system', 'user', 'assistant', 'tool'] %}"
+        "{{ m['content'] }}{% endif %}{% endfor %}"
+    )
+    narrated = [{"role": "narrator", "content": "it rains"}, {"role": "user", "content": "1+2="}]
+    rows = [{"prompt": [{"role": "user", "content": "1+2="}]}, {"prompt": narrated}]
+    with pytest.raises(ValueError) as err:
+        encode_prompts(load_config(), SingleTurn(None), tok, rows, name="data.train (t.jsonl)")
+    assert str(err.value) == (
+        "data.train (t.jsonl) row 2: message 1 has the role 'narrator', which the chat "
+        "template writes nothing for (the roles every template knows: system, user, "
+        "assistant, tool)"
+    )
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% endfor %}"
+    assert len(encode_prompts(load_config(), SingleTurn(None), tok, rows, name="t")) == 2
+
+
 def test_prompts_with_text_the_tokenizer_lacks_are_a_warning(capsys):
     """The built-in character tokenizer maps characters it lacks (emoji, CJK) to <unk>:
     said (before: silently)."""

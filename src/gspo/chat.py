@@ -61,7 +61,26 @@ def render(
     text = template_text(
         tokenizer, messages, tools=tools, generation=not prefill, prefill=prefill, **chat_kwargs
     )
+    _written(messages, text)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+#: The chat roles every template knows (other roles, ``model`` or ``ipython``, some do).
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _written(messages: list[dict[str, Any]], text: str) -> None:
+    """A message of another role than :data:`ROLES` whose text the template left out
+    (Qwen's writes nothing for ``narrator``: the model never saw it, unsaid) is a
+    one-line ``ValueError`` naming it."""
+    for k, message in enumerate(messages, start=1):
+        role, content = message.get("role"), message.get("content")
+        if role in ROLES or not isinstance(content, str) or content.strip() in text:
+            continue
+        raise ValueError(
+            f"message {k} has the role {role!r}, which the chat template writes nothing "
+            f"for (the roles every template knows: {', '.join(ROLES)})"
+        )
 
 
 def encode_prompt(

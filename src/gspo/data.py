@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from gspo import chat
 from gspo.config.data import template_fields
 from gspo.data_files import DATA_SUFFIXES, Row, read_file
 from gspo.plugins import one_line
@@ -493,7 +494,7 @@ def _is_messages(value: Any) -> bool:
 
 #: The chat roles every template knows: a close misspelling of one is refused (a template
 #: writes nothing for a role it does not know, and the prompt read as empty).
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = chat.ROLES
 
 
 def _check_messages(messages: list[dict], where: str) -> None:
