@@ -499,6 +499,17 @@ def test_a_cold_start_resumed_goes_on_in_its_tracker_runs_without_its_lines_twic
     assert [row["sft/step"] for (row,) in fake.of("wandb.log")] == [20]
     assert fake.of("mlflow.log_metrics") == [((20, {"sft/step": 20, "sft/loss": 1.5}),)]
     assert [r["sft/step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [10, 20]
+    # the recorded runs named by the settings' own ids, or by an earlier version's file
+    # (ids alone): the same runs, which have the lines too
+    (tmp_path / "trackers.json").write_text('{"wandb": "run-a", "mlflow": "run-b"}')
+    for own in ({}, {"wandb": {"id": "run-a"}, "mlflow": {"run_id": "run-b"}}):
+        fake.calls.clear()
+        sinks = {"wandb": {}, "mlflow": {}} | own
+        with MetricsLogger(tmp_path, tensorboard=False, continues=True, **sinks) as log:
+            log.log(0, {"sft/step": 10, "sft/loss": 2.0}, replayed=True)
+        assert fake.of("wandb.init")[0][0]["id"] == "run-a"
+        assert fake.of("mlflow.start_run") == [({"run_id": "run-b"},)]
+        assert fake.of("wandb.log") == fake.of("mlflow.log_metrics") == []
 
 
 @pytest.mark.parametrize(
@@ -516,6 +527,15 @@ def test_tracker_runs_end_with_how_the_run_ended(tmp_path, monkeypatch, stop, st
             raise stop
     assert fake.of("mlflow.end_run") == [(status,)]
     assert fake.of("wandb.finish") == [(exit_code,)]
+
+
+def test_a_start_that_fails_ends_the_tracker_runs_it_began_as_failed(tmp_path, monkeypatch):
+    """W&B started, then MLflow refused its settings: W&B's run ended with exit code 0."""
+    fake = FakeTrackers(monkeypatch)
+    fake.fail.add("mlflow.start_run")
+    with pytest.raises(ValueError, match="^log.mlflow: MLflow refused these settings"):
+        MetricsLogger(tmp_path, tensorboard=False, wandb={}, mlflow={})
+    assert fake.of("wandb.finish") == [(1,)]
 
 
 def test_a_tracker_failing_mid_run_is_one_warning_and_the_run_goes_on(

@@ -123,8 +123,8 @@ class MetricsLogger:
                 sink = MlflowSink(mlflow_mod, mlflow, params, recorded.get("mlflow"))
                 self._trackers.append(sink)
             self._record_trackers(recorded)
-        except BaseException:
-            self.close()
+        except BaseException as exc:  # (the trackers started end as this start did)
+            self.close(run_status(type(exc)))
             raise
 
     def _record_trackers(self, recorded: dict[str, dict]) -> None:

@@ -59,7 +59,9 @@ def _continued(
 ) -> str | None:
     """The recorded tracker run a resume goes on in: none without one, where the settings
     name their own (``own``: ``id``, ``run_id``), or where they point elsewhere than when it
-    began (another project, experiment or tracking URI: a new run there, said in one line)."""
+    began (another project, experiment or tracking URI: a new run there, said in one line).
+    The ``log.*`` settings are compared as given, not the environment (``WANDB_PROJECT``,
+    ``MLFLOW_TRACKING_URI``): an MLflow run not found there is a warning and a new run."""
     if not recorded or own in settings:
         return None
     moved = [k for k in sink.where if recorded.get(k, settings.get(k)) != settings.get(k)]
@@ -74,6 +76,12 @@ def _continued(
         )
         return None
     return recorded["id"]
+
+
+def _same_run(started: str | None, recorded: dict | None) -> bool:
+    """Whether the tracker run started is the one recorded (continued, or named by the
+    settings' own id): it has the lines a resume logs again."""
+    return recorded is not None and started is not None and started == recorded["id"]
 
 
 #: The x-axis of the RL lines in W&B (``metrics.jsonl``'s ``step``); the cold start's
@@ -118,7 +126,7 @@ class WandbSink:
         with tracker_settings(self.key, self.name):
             self.run = wandb_mod.init(**settings)
         self.id: str | None = getattr(self.run, "id", None)
-        self.continued = resume_id is not None
+        self.continued = _same_run(self.id, recorded)
         self.entry = {"id": self.id, **{k: settings.get(k) for k in self.where}}
         self.declared: set[str] = set()
 
@@ -197,7 +205,7 @@ class MlflowSink:
         info = getattr(run, "info", None)
         self.id: str | None = getattr(info, "run_id", None)
         self.entry = {"id": self.id, **self.entry}
-        self.continued = resume_id is not None
+        self.continued = _same_run(self.id, recorded)
         # a run named by run_id exists and has them (MLflow refuses a parameter changed)
         if params and cfg.get("run_id") is None:
             values = {k: _param_text(v) for k, v in params.items()}
@@ -240,7 +248,8 @@ def tracker_failed(
     then: str = "the run goes on without it (metrics.jsonl has every line)",
 ) -> None:
     """One warning line for a tracker that failed once the run was under way (a server
-    gone, its run deleted, its process killed): the run goes on without it."""
+    gone, its run deleted, its process killed), saying what ``then`` happens: by default
+    the run goes on without it."""
     text = " ".join(str(exc).split())
     text = text if len(text) <= 200 else text[:197] + "..."
     print(
