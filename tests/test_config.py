@@ -633,6 +633,14 @@ def test_settings_that_another_setting_makes_moot_are_warned():
         "the async producer's pi_old (rollout.max_staleness > 0)"
         in load_config(None, [*dropout, "rollout.max_staleness=1"]).warnings()[0]
     )
+    # TRL's epsilon=0.2 ported as clip_low alone: GSPO's clip_high 4e-4 above, unsaid
+    assert load_config(None, ["algorithm.clip_low=0.2"]).warnings() == [
+        "algorithm.clip_low=0.2 beside the sequence level's clip_high=0.0004: the clip band "
+        "is [0.8, 1.0004] (TRL's epsilon sets both: set algorithm.clip_high too)"
+    ]
+    both = ["algorithm.clip_low=0.2", "algorithm.clip_high=0.28"]
+    for kept in (["algorithm.clip_high=5e-4"], both, ["algorithm.level=grpo", both[1]]):
+        assert load_config(None, kept).warnings() == [], kept
     rounds = ["rollout.filter_max_rounds=8"]  # ignored without filter_groups, unsaid before
     assert load_config(None, rounds).warnings() == [
         "rollout.filter_max_rounds is set but rollout.filter_groups=false: no group is "

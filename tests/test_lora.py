@@ -257,6 +257,29 @@ def test_lora_checkpoint_is_peft_format_and_export_merges(tmp_path, varied_rewar
                               "(model.safetensors "), err  # fmt: skip
 
 
+def test_a_finished_run_says_where_its_model_is(tmp_path, capsys):
+    """A TRL user looks for the model in output_dir (TRL writes it there): the run's last
+    line names the checkpoint that holds it, or a LoRA run's adapters and the export."""
+    common = [*FAST, "train.cold_start_steps=0", "train.max_steps=2", "eval.every=0"]
+    for name, extra in (("full", "model.lora.r=0"), ("lora", "model.lora.r=4")):
+        assert main(["train", "--output-dir", str(tmp_path / name), *common, extra]) == 0
+        last = capsys.readouterr().out.strip().splitlines()[-1]
+        step = tmp_path / name / "checkpoints" / "step-0000004"
+        if name == "lora":
+            assert last == (
+                f"run written to {tmp_path / name}; its adapters: {step} (gspo export "
+                f"{tmp_path / name} --merge OUT writes one model)"
+            )
+            continue
+        assert last == (
+            f"run written to {tmp_path / name}; its model: {step} (a Hugging Face model "
+            "directory: from_pretrained loads it)"
+        )
+        from transformers import AutoModelForCausalLM
+
+        assert AutoModelForCausalLM.from_pretrained(step).config.model_type == "qwen3"
+
+
 def test_export_without_merge_names_a_full_checkpoint_or_asks_for_out(
     tmp_path, capsys, monkeypatch
 ):

@@ -237,7 +237,9 @@ def run_train(args: argparse.Namespace) -> int:
     finally:
         teardown_distributed(dist)
     if dist.is_main:
-        print(f"run written to {output_dir}")
+        from gspo.export import trained_model
+
+        print(f"run written to {output_dir}{trained_model(output_dir)}")
     if trainer.time_limit.stopped is not None:  # (not finished: to be continued)
         from gspo.training.time_limit import OUT_OF_TIME
 

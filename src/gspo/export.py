@@ -171,6 +171,23 @@ def kept_until(checkpoint: Path) -> str:
     )
 
 
+def trained_model(run: Path) -> str:
+    """Where a run's trained model is, for the line a finished ``gspo train`` ends with
+    (TRL writes its model into output_dir: where gspo's was, the docs alone said): its
+    latest checkpoint, a Hugging Face model directory (a LoRA run's: its adapters, which
+    ``gspo export --merge`` makes one model); "" where it has none."""
+    checkpoint = latest_checkpoint(run)
+    if checkpoint is None:
+        return ""
+    if is_lora_checkpoint(checkpoint):
+        return f"; its adapters: {checkpoint} (gspo export {run} --merge OUT writes one model)"
+    try:
+        model = plain_checkpoint(checkpoint)
+    except ValueError:  # (its base model gone: gspo export says so)
+        return ""
+    return f"; its model: {model} (a Hugging Face model directory: from_pretrained loads it)"
+
+
 def stored_dtype(model_dir: Path) -> torch.dtype:
     """The dtype ``model_dir``'s ``config.json`` says its weights are stored in (float32
     where it says none)."""

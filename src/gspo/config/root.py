@@ -137,6 +137,8 @@ class Config(Section):
                 "against: every prompt holds its own answer (literal braces are doubled: "
                 "\\boxed{{}})"
             )
+        if (lopsided := _one_sided_clip(self.algorithm)) is not None:
+            lines.append(lopsided)
         if (  # (an environment may take a fixed prompt: its reset says the rest)
             data.prompt_template is not None
             and not template_fields(data.prompt_template)
@@ -269,6 +271,30 @@ class Config(Section):
         """Optimizer steps a run takes: ``train.max_steps`` rounded up to whole rollout
         batches (each gives ``algorithm.minibatches`` steps)."""
         return self.rollout_batches * self.algorithm.minibatches
+
+
+def _one_sided_clip(algorithm: Any) -> str | None:
+    """One of ``algorithm.clip_low``/``clip_high`` set and the other the level's paper
+    value, an order of magnitude apart (TRL's ``epsilon=0.2`` ported as clip_low alone
+    beside GSPO's clip_high of 4e-4: a band of [0.8, 1.0004], unsaid)."""
+    from gspo.objectives import DEFAULT_CLIP
+
+    if (algorithm.clip_low is None) == (algorithm.clip_high is None):
+        return None
+    default_low, default_high = DEFAULT_CLIP[algorithm.level]
+    low = default_low if algorithm.clip_low is None else algorithm.clip_low
+    high = default_high if algorithm.clip_high is None else algorithm.clip_high
+    if min(low, high) <= 0 or max(low, high) / min(low, high) < 10:
+        return None
+    if algorithm.clip_high is None:
+        (given, value), (other, default) = ("clip_low", low), ("clip_high", high)
+    else:
+        (given, value), (other, default) = ("clip_high", high), ("clip_low", low)
+    return (
+        f"algorithm.{given}={value:g} beside the {algorithm.level} level's {other}="
+        f"{default:g}: the clip band is [{1 - low:g}, {1 + high:g}] (TRL's epsilon sets "
+        f"both: set algorithm.{other} too)"
+    )
 
 
 def _name_sections(model: type[Section], prefix: str = "") -> None:
