@@ -294,8 +294,8 @@ def test_rewards_that_never_vary_within_a_group_are_said_once(capsys):
         "(reward mean 0, 0, 1), so every advantage is 0 and nothing is learned from them: "
         "the task is too hard or too easy for the model as it is, or the reward misreads the "
         "completions (check reward.functions on a few); a cold start "
-        "(train.cold_start_steps), a larger rollout.group_size or rollout.temperature make "
-        "rewards vary, rollout.filter_groups=true samples other prompts in place of flat "
+        "(data.sft with train.cold_start_steps), a larger rollout.group_size or "
+        "rollout.temperature make rewards vary, rollout.filter_groups=true samples other prompts in place of flat "
         "groups (shown once)\n"
     )
     warning.check(6, flat)  # once per run

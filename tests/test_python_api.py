@@ -73,7 +73,7 @@ def test_a_function_is_written_as_the_spec_that_loads_it():
     for obj, name in ((local, "local"), (lambda **k: None, "<lambda>")):
         spec = object_spec(obj)
         assert spec == f"<python object {name}>"
-        with pytest.raises(RewardError, match="as a Python object.*resume=True"):
+        with pytest.raises(RewardError, match=r"as a Python object.*resume=True.*gspo eval DIR 'reward"):
             load_reward_function(spec)
 
 

@@ -1414,6 +1414,9 @@ def test_completions_every_writes_what_each_batch_sampled(tmp_path, varied_rewar
                              "advantage", "tokens", "finish"}  # fmt: skip
         assert line["reward"] == pytest.approx(sum(line["rewards"].values()))
         assert isinstance(line["completion"], str) and line["finish"] in ("stop", "length")
+    # each function by its metric's name (train/reward/NAME), not by its whole spec
+    logged = {k for k in train_lines(run_metrics(tmp_path / "run"))[0] if "/reward/" in k}
+    assert {f"train/reward/{name}" for name in lines[0]["rewards"]} == logged
     for g in range(4):
         group = [line for line in lines if line["group"] == g]
         assert len({line["prompt"] for line in group}) == 1

@@ -211,8 +211,9 @@ def load_object(spec: str, kind: str, error: type[Exception], expected: str) -> 
     if spec.startswith(PYTHON_OBJECT):  # what a config.yaml records of an object given
         raise error(
             f"{kind} {spec}: the run was given it as a Python object, which no spec loads; "
-            "continue the run from Python with it in the config (gspo.train(config, DIR, "
-            "resume=True)), or name it as path/to/file.py:name"
+            "give it again: from Python in the config (gspo.train(config, DIR, resume=True), "
+            "gspo.evaluate(DIR, config=config)), or as path/to/file.py:name in an override "
+            "(gspo eval DIR 'reward.functions=[file.py:name]')"
         )
     if (problem := spec_form(spec, kind, expected)) is not None:
         raise error(problem)

@@ -20,6 +20,7 @@ import torch
 from gspo.config import Config
 from gspo.distributed import Distributed
 from gspo.publish import write_atomic
+from gspo.rewards.functions import metric_labels
 from gspo.training.rollout import Scored
 
 #: The directory in the run's output directory.
@@ -46,6 +47,7 @@ class CompletionLog:
         group = scored.batch.group_size
         lengths = scored.batch.completion_lengths.tolist()
         reasons, values = scored.batch.finish_reasons, advantages.tolist()
+        labels = metric_labels(list(scored.per_function))  # (as train/reward/NAME names them)
         mine = []
         for i, completion in enumerate(scored.completions):
             row = rows[i // group]
@@ -55,7 +57,7 @@ class CompletionLog:
             line |= {
                 "completion": completion,
                 "reward": float(scored.rewards[i]),
-                "rewards": {name: v[i] for name, v in scored.per_function.items()},
+                "rewards": {labels[name]: v[i] for name, v in scored.per_function.items()},
                 "advantage": values[i],
                 "tokens": int(lengths[i]),
                 "finish": reasons[i],

@@ -136,7 +136,8 @@ class FlatRewardWarning:
             f"mean {means}), so every advantage is 0 and nothing is learned from them: the task is "
             "too hard or too easy for the model as it is, or the reward misreads the "
             "completions (check reward.functions on a few); a cold start "
-            "(train.cold_start_steps), a larger rollout.group_size or rollout.temperature make "
+            "(data.sft with train.cold_start_steps), a larger rollout.group_size or "
+            "rollout.temperature make "
             "rewards vary, rollout.filter_groups=true samples other prompts in place of flat "
             "groups (shown once)",
             file=sys.stderr,
