@@ -295,8 +295,8 @@ def test_rewards_that_never_vary_within_a_group_are_said_once(capsys):
         "the task is too hard or too easy for the model as it is, or the reward misreads the "
         "completions (check reward.functions on a few); a cold start "
         "(data.sft with train.cold_start_steps), a larger rollout.group_size or "
-        "rollout.temperature make rewards vary, rollout.filter_groups=true samples other prompts in place of flat "
-        "groups (shown once)\n"
+        "rollout.temperature make rewards vary, rollout.filter_groups=true samples other "
+        "prompts in place of flat groups (shown once)\n"
     )
     warning.check(6, flat)  # once per run
     assert capsys.readouterr().err == ""

@@ -73,7 +73,8 @@ def test_a_function_is_written_as_the_spec_that_loads_it():
     for obj, name in ((local, "local"), (lambda **k: None, "<lambda>")):
         spec = object_spec(obj)
         assert spec == f"<python object {name}>"
-        with pytest.raises(RewardError, match=r"as a Python object.*resume=True.*gspo eval DIR 'reward"):
+        said = r"as a Python object.*resume=True.*gspo eval DIR 'reward"
+        with pytest.raises(RewardError, match=said):
             load_reward_function(spec)
 
 
