@@ -217,6 +217,38 @@ def test_cannot_read_repository_or_open_socket() -> None:
     assert result.stdout.split("\n")[:2] == ["no file", "no network"]
 
 
+#: Leaves a process of its own session behind (a daemon: setsid, then a second fork),
+#: which prints its pid; ``{move}`` may leave the program's directory first.
+DAEMON = """import os, time
+pid = os.fork()
+if pid == 0:
+    os.setsid()
+    if os.fork():
+        os._exit(0)
+    {move}
+    print(os.getpid(), flush=True)
+    time.sleep(60)
+    os._exit(0)
+os.waitpid(pid, 0)
+time.sleep(0.3)
+"""
+
+
+@pytest.mark.parametrize("move", ["pass", "os.chdir('/')"])
+def test_a_program_leaves_no_process_behind(mode: str, move: str) -> None:
+    """Without bubblewrap a program's daemon (a session of its own, out of the process
+    group's kill) slept on after the run, one more for each such completion."""
+    result = run_python(DAEMON.format(move=move), limits=FAST)
+    assert result.returncode == 0 and result.stdout.strip(), result
+    if mode == "bwrap":
+        return  # (its pid is the sandbox's own namespace's: it died with it)
+    pid = int(result.stdout)
+    deadline = time.monotonic() + 5
+    while not sandbox._gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sandbox._gone(pid)
+
+
 def test_killing_the_parent_leaves_the_run_unharmed(mode: str) -> None:
     program = (
         "import os, signal\n"
@@ -311,9 +343,10 @@ def test_a_root_trainer_with_a_private_temp_dir_still_runs_programs(
 def test_a_stale_directorys_session_reused_by_another_process_is_not_killed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A directory left by a run killed outright names a session id that another
-    process may hold by now: only processes in the directory are the program's (the
-    reviewer's case: a shell of the same uid in a reused session was killed)."""
+    """A directory left by a run killed outright named a session id that another process
+    may hold by now: only processes in the directory (or started with their HOME there)
+    are the program's (the reviewer's case: a shell of the same uid in a reused session
+    was killed)."""
     import subprocess
 
     monkeypatch.setattr(sandbox, "_host_base", lambda: str(tmp_path))
@@ -322,12 +355,10 @@ def test_a_stale_directorys_session_reused_by_another_process_is_not_killed(
     try:
         stale = tmp_path / "gspo-sandbox-999999-x"
         (stale / "work").mkdir(parents=True)
-        (stale / "session").write_text(str(other.pid))
         sandbox.sweep([999999])
         assert not stale.exists() and other.poll() is None  # removed; the other lives on
         (stale / "work").mkdir(parents=True)  # a program in its directory: killed
         placed = subprocess.Popen(["sleep", "30"], start_new_session=True, cwd=stale / "work")
-        (stale / "session").write_text(str(placed.pid))
         sandbox.sweep([999999])
         assert placed.wait(5) == -9 and not stale.exists()
     finally:

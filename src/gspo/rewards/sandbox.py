@@ -300,7 +300,6 @@ def run_python(
                 start_new_session=True,
                 preexec_fn=_limit_setter(limits, nproc),
             )
-            Path(host_dir, "session").write_text(str(proc.pid))  # (for sweep)
             timed_out = False
             try:
                 proc.communicate(feed.encode(), timeout=limits.wall_s)
@@ -310,6 +309,8 @@ def run_python(
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+                if mode != "bwrap":  # (one in a session of its own slept on after the run)
+                    _kill(_programs(uid, work), 2.0)
                 with contextlib.suppress(OSError):
                     proc.stdin.close()
         cap = limits.max_output_bytes
@@ -331,19 +332,40 @@ def _state(pid: int | str) -> list[str]:
     return stat[stat.rindex(")") + 2 :].split()
 
 
-def _session_members(session: int, uid: int, where: Path) -> list[int]:
-    """The live processes of ``session`` that run as ``uid`` in a directory under
-    ``where`` (a session id reused since by another's process is not the program's)."""
-    members = []
+def _programs(uid: int, where: Path) -> list[int]:
+    """The live processes running as ``uid`` that a program run under ``where`` left: in
+    a directory under it, or started with their ``HOME`` there (as the program was): one
+    that called ``setsid`` (a session of its own, out of the ``killpg``'s reach) included,
+    a process of another session (one id reused since) only where it is the program's."""
+    found, real = [], where.resolve()
+    home = f"HOME={where}".encode()  # (as the program's environment says it)
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                state = _state(entry)
-                if int(state[3]) == session and os.stat(f"/proc/{entry}").st_uid == uid:
-                    cwd = Path(os.readlink(f"/proc/{entry}/cwd"))
-                    if cwd == where or where in cwd.parents:
-                        members.append(int(entry))
-    return [pid for pid in members if not _gone(pid)]
+        if entry.isdigit() and int(entry) != os.getpid():
+            with contextlib.suppress(OSError, ValueError):
+                if os.stat(f"/proc/{entry}").st_uid != uid:
+                    continue
+                cwd = Path(os.readlink(f"/proc/{entry}/cwd").removesuffix(" (deleted)"))
+                if cwd == real or real in cwd.parents:
+                    found.append(int(entry))
+                    continue
+                environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+                if any(v == home or v.startswith(home + b"/") for v in environ):
+                    found.append(int(entry))
+    return [pid for pid in found if not _gone(pid)]
+
+
+def _kill(pids: Sequence[int], wait_s: float) -> None:
+    """SIGKILL each of ``pids``, then wait up to ``wait_s`` for them to be gone (a kill is
+    delivered, not yet acted on)."""
+    killed = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+    deadline = time.monotonic() + wait_s
+    while killed and time.monotonic() < deadline:
+        killed = [pid for pid in killed if not _gone(pid)]
+        time.sleep(0.01)
 
 
 def _gone(pid: int) -> bool:
@@ -358,23 +380,15 @@ def sweep(owners: Sequence[int]) -> None:
     processes ``owners`` left behind: a reward worker killed at ``reward.timeout`` (its
     ``finally`` never ran), a call abandoned by a timed-out thread at exit. Without
     bubblewrap such a program slept on after the run (with it, it dies with its parent);
-    only the program's own session is killed, its processes in the program's directory
-    (one that called ``setsid`` or left the directory escapes it; under bubblewrap they
-    died with their parent)."""
-    uid, killed = _sandbox_ids()[0], []
+    only the program's processes are killed (:func:`_programs`: in its directory, or
+    started with its ``HOME``; one that changed both escapes; under bubblewrap they died
+    with their parent)."""
+    uid, left = _sandbox_ids()[0], []
     for owner in owners:
         for path in Path(_host_base()).glob(f"{_HOST_PREFIX}{owner}-*"):
-            with contextlib.suppress(OSError, ValueError):
-                session = int(Path(path, "session").read_text())
-                for pid in _session_members(session, uid, path.resolve()):
-                    with contextlib.suppress(OSError):
-                        os.kill(pid, signal.SIGKILL)
-                        killed.append(pid)
+            left += _programs(uid, path)
             shutil.rmtree(path, ignore_errors=True)
-    deadline = time.monotonic() + 2.0  # (SIGKILL is delivered, not yet acted on)
-    while killed and time.monotonic() < deadline:
-        killed = [pid for pid in killed if not _gone(pid)]
-        time.sleep(0.01)
+    _kill(left, 2.0)
 
 
 @functools.cache
