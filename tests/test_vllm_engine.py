@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -78,6 +79,29 @@ def test_missing_vllm_is_one_line_naming_the_install_route(monkeypatch, tmp_path
         "vLLM is in the venv make install-vllm made: run "
         f"{tmp_path / '.venv-vllm' / 'bin' / 'gspo'} (the same arguments)"
     )
+
+
+def test_a_vllm_older_than_gspo_drives_is_one_line(monkeypatch):
+    """vLLM 0.8 imported and failed later, deep inside, on an API it did not have yet."""
+    import types
+
+    import gspo.engines.vllm_engine as vllm_engine
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.8.5"))
+    with pytest.raises(ValueError) as info:
+        vllm_engine.import_vllm()
+    assert str(info.value) == (
+        "rollout.engine=vllm: vLLM 0.8.5 is installed; gspo needs vLLM >= 0.10 (pip install "
+        "-U 'gspo[vllm]')"
+    )
+    for fine in ("0.10.1", "0.32.0+cpu", "1.0.0.dev3", "a local build"):
+        monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__=fine))
+        assert vllm_engine.import_vllm().__version__ == fine
+    # the extra and the check name one version
+    extra = re.search(
+        r'vllm = \["vllm>=([\d.]+)"\]', (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    )
+    assert extra and extra[1] == vllm_engine.OLDEST_VLLM
 
 
 def test_import_gspo_does_not_import_vllm():

