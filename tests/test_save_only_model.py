@@ -89,7 +89,8 @@ def test_a_model_only_run_is_not_resumed_but_its_weights_start_a_new_run_and_exp
         gspo.train(config, run, resume=True)
     assert str(last) in str(raised.value) and "\n" not in str(raised.value)
     # turned off on resume, the checkpoint still lacks the optimizer state: refused too
-    assert main(["train", "--resume", str(run), "train.save_only_model=false"]) != 0
+    off = ["train.save_only_model=false", "train.max_steps=6"]
+    assert main(["train", "--resume", str(run), *off]) != 0
     assert "train.save_only_model" in capsys.readouterr().err
     assert sorted(p.name for p in (run / "checkpoints").glob("step-*"))[-1] == last.name
     # what the line says works: a new run from its weights
@@ -109,7 +110,7 @@ def test_a_lora_model_only_checkpoint_says_export_then_exports(tmp_path, varied_
     assert main(["train", "--output-dir", str(run), *args, "train.save_only_model=true"]) == 0
     last = run / "checkpoints" / "step-0000004"
     capsys.readouterr()
-    assert main(["train", "--resume", str(run)]) != 0
+    assert main(["train", "--resume", str(run), "train.max_steps=6"]) != 0
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"gspo export {last} --merge OUT" in err, err
     out = tmp_path / "merged"
