@@ -72,7 +72,7 @@ def main() -> None:
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
-    from gspo.distributed import WRITE_THREADS
+    from gspo.sharded import WRITE_THREADS
 
     generator = torch.Generator().manual_seed(0)
     weights = {

@@ -15,9 +15,10 @@ from test_trainer import FAST, comparable
 import gspo.training.cold_start as cs
 from gspo.cli import main
 from gspo.config import load_config
-from gspo.distributed import Distributed, sharded_problem
+from gspo.distributed import Distributed
 from gspo.models.kernels import onednn_available
 from gspo.publish import tree_bytes
+from gspo.sharded import sharded_problem
 from gspo.telemetry import read_metrics
 from gspo.trainer import Trainer, latest_checkpoint
 

@@ -771,7 +771,7 @@ def test_a_list_the_shell_split_at_a_space_says_to_quote_it():
 def test_every_trl_field_named_leads_to_a_gspo_key():
     """Each TRL field's hint names keys that exist (a hint to a key that is not there
     would be a second refusal), and each field of either table is refused with its hint."""
-    from gspo.config.section import TRL_NAMES, TRL_WITHOUT
+    from gspo.config.ported import TRL_NAMES, TRL_WITHOUT
 
     names = {f"{s}.{k}" for s, model in sections() for k, _ in keys(model)} | {
         s for s, _ in sections()
@@ -784,6 +784,31 @@ def test_every_trl_field_named_leads_to_a_gspo_key():
     for field in TRL_WITHOUT:
         with pytest.raises(ConfigError, match=f"TRL's {field} has no equivalent here: "):
             load_config(overrides=[f"{field}=1"])
+
+
+def test_every_verl_key_named_leads_to_a_gspo_key():
+    """verl's ppo_mini_batch_size (a size) was taken for algorithm.minibatches (a count)
+    and its clip_ratio_c (dual clip) for algorithm.clip_low, by closeness alone."""
+    from gspo.config.ported import VERL_NAMES, VERL_WITHOUT
+
+    names = {f"{s}.{k}" for s, model in sections() for k, _ in keys(model)} | {
+        s for s, _ in sections()
+    }
+    for field, where in VERL_NAMES.items():
+        for name in re.findall(r"\b[a-z_]+\.[a-z_.]+\b", where):
+            assert name in names or name.startswith("data.train_batch"), (field, name)
+        for key in (field, f"algorithm.{field}"):
+            with pytest.raises(ConfigError, match=f"^{key}: unknown key; verl's {field} is "):
+                load_config(overrides=[f"{key}=1"])
+    for field in VERL_WITHOUT:
+        with pytest.raises(ConfigError, match=f"verl's {field} has no equivalent here: "):
+            load_config(overrides=[f"algorithm.{field}=1"])
+    with pytest.raises(
+        ConfigError, match=r"^rollout.n: unknown key; verl's n is rollout.group_size"
+    ):
+        load_config(overrides=["rollout.n=8"])
+    with pytest.raises(ConfigError, match=r"^optim.n: unknown key$"):  # (verl's under rollout)
+        load_config(overrides=["optim.n=8"])
 
 
 def test_an_in_memory_dataset_as_a_source_is_one_line_saying_what_to_do():

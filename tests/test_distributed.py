@@ -194,6 +194,43 @@ def test_batch_sizes_must_divide_over_the_ranks(tmp_path):
 
 
 @pytest.mark.slow
+def test_launcher_settings_set_by_hand_are_one_line_and_a_lone_rank_says_it_waits(
+    monkeypatch, capsys
+):
+    """WORLD_SIZE=2 without RANK was a traceback (KeyError: 'RANK'); with RANK=0 the rank
+    waited gloo's 30 minutes for the other without a word."""
+    import time
+
+    import gspo.distributed as distributed
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    for rank in (None, "2", "first"):
+        if rank is not None:
+            monkeypatch.setenv("RANK", rank)
+        with pytest.raises(
+            ValueError, match=r"^RANK is .* beside WORLD_SIZE=2: a run of several"
+        ) as e:
+            distributed.setup_distributed("cpu")
+        assert "unset" in str(e.value) if rank is None else repr(rank) in str(e.value)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29533")
+    monkeypatch.setattr(distributed, "JOIN_SAY_S", 0.1)
+
+    def never_joined(backend):
+        time.sleep(0.5)
+        raise RuntimeError("timed out")
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", never_joined)
+    with pytest.raises(RuntimeError):
+        distributed.setup_distributed("cpu")
+    assert capsys.readouterr().err == (
+        "gspo: rank 0 of 2: still waiting at 127.0.0.1:29533 for the other ranks to join "
+        "(started by torchrun, each with its RANK?)\n"
+    )
+
+
 def test_a_setup_error_under_torchrun_is_said_once(tmp_path):
     """Every rank finds the same bad input while setting up: rank 0 alone says it (each
     rank printed it before, interleaved)."""
@@ -626,8 +663,8 @@ def test_sharded_checkpoint_of_a_fresh_optimizer_leaves_it_fresh(tmp_path, tiny_
     Asking DCP for a fresh optimizer's state initialises it with a zero-lr step, which
     Adam counts: the first real step would then get step 2's bias correction.
     """
-    from gspo.distributed import load_sharded, save_sharded
     from gspo.models import CompletionLogprobs
+    from gspo.sharded import load_sharded, save_sharded
 
     policy = CompletionLogprobs(tiny_model)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
@@ -799,15 +836,15 @@ def test_large_shards_are_written_by_several_threads_and_read_back_whole(tmp_pat
     DCP reads every file back."""
     import torch.distributed.checkpoint as dcp
 
-    from gspo import distributed
+    from gspo import sharded
 
     generator = torch.Generator().manual_seed(0)
     state = {"optimizer": {f"m{i}": torch.randn(64, 1024, generator=generator) for i in range(8)}}
-    distributed.write_sharded(tmp_path / "small", state)  # 2 MiB: one file
+    sharded.write_sharded(tmp_path / "small", state)  # 2 MiB: one file
     assert [p.name for p in (tmp_path / "small").glob("*.distcp")] == ["__0_0.distcp"]
-    monkeypatch.setattr(distributed, "BYTES_PER_WRITE_THREAD", 512 << 10)
-    monkeypatch.setattr(distributed, "WRITE_THREADS", 3)
-    distributed.write_sharded(tmp_path / "large", state)  # 2 MiB / 512 KiB: 4, at most 3
+    monkeypatch.setattr(sharded, "BYTES_PER_WRITE_THREAD", 512 << 10)
+    monkeypatch.setattr(sharded, "WRITE_THREADS", 3)
+    sharded.write_sharded(tmp_path / "large", state)  # 2 MiB / 512 KiB: 4, at most 3
     files = sorted(p.name for p in (tmp_path / "large").glob("*.distcp"))
     assert files == ["__0_0.distcp", "__0_1.distcp", "__0_2.distcp"]
     assert all((tmp_path / "large" / f).stat().st_size > 256 << 10 for f in files)
@@ -825,7 +862,7 @@ def test_a_failing_writer_thread_fails_the_write(tmp_path, monkeypatch):
 
     import torch.distributed.checkpoint.filesystem as fs
 
-    from gspo import distributed
+    from gspo import sharded
 
     real = fs._write_item
 
@@ -835,15 +872,15 @@ def test_a_failing_writer_thread_fails_the_write(tmp_path, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(fs, "_write_item", full_disk_off_the_main_thread)
-    monkeypatch.setattr(distributed, "BYTES_PER_WRITE_THREAD", 512 << 10)
+    monkeypatch.setattr(sharded, "BYTES_PER_WRITE_THREAD", 512 << 10)
     state = {"optimizer": {f"m{i}": torch.ones(64, 1024) for i in range(8)}}
     with pytest.raises(OSError) as raised:
-        distributed.write_sharded(tmp_path / "s", state)
+        sharded.write_sharded(tmp_path / "s", state)
     assert raised.value.errno == errno.ENOSPC
     assert not [t for t in threading.enumerate() if "_write_files_from_queue" in t.name]
     monkeypatch.setattr(fs, "_write_item", real)  # the same write, all threads well: whole
-    distributed.write_sharded(tmp_path / "t", state)
-    assert distributed.unwritten(fs.FileSystemReader(tmp_path / "t").read_metadata()) == 0
+    sharded.write_sharded(tmp_path / "t", state)
+    assert sharded.unwritten(fs.FileSystemReader(tmp_path / "t").read_metadata()) == 0
 
 
 def test_a_save_whose_returned_metadata_has_no_storage_data_is_checked_from_disk(
@@ -857,7 +894,7 @@ def test_a_save_whose_returned_metadata_has_no_storage_data_is_checked_from_disk
 
     import torch.distributed.checkpoint as dcp
 
-    from gspo import distributed
+    from gspo import sharded
 
     real = dcp.save
 
@@ -866,8 +903,8 @@ def test_a_save_whose_returned_metadata_has_no_storage_data_is_checked_from_disk
 
     monkeypatch.setattr(dcp, "save", bare)
     state = {"optimizer": {f"m{i}": torch.ones(64, 1024) for i in range(4)}, "step": 3}
-    distributed.write_sharded(tmp_path / "s", state)  # (before: "6 of the shards were not ...")
+    sharded.write_sharded(tmp_path / "s", state)  # (before: "6 of the shards were not ...")
     metadata = dcp.FileSystemReader(tmp_path / "s").read_metadata()
-    assert distributed.unwritten(metadata) == 0 and len(metadata.storage_data) == 5
+    assert sharded.unwritten(metadata) == 0 and len(metadata.storage_data) == 5
     del metadata.storage_data[next(iter(metadata.storage_data))]
-    assert distributed.unwritten(metadata) == 1
+    assert sharded.unwritten(metadata) == 1

@@ -353,7 +353,7 @@ def _near(args: argparse.Namespace, unknown: list[str]) -> str:
     (``--output_dir``, as TRL spells its fields)."""
     from difflib import get_close_matches
 
-    from gspo.config.section import TRL_NAMES
+    from gspo.config.ported import TRL_NAMES
 
     options = [o for a in build_parser_command(args.command)._actions for o in a.option_strings]
     for word in unknown:

@@ -10,6 +10,8 @@ from typing import Any, ClassVar, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 
+from gspo.config.ported import ported_hint
+
 
 class ConfigError(ValueError):
     """A bad config file, key or value; the message is one line naming it."""
@@ -108,124 +110,13 @@ def did_you_mean(word: Any, choices: list[str], prefix: str = "") -> str:
     return f"; did you mean {prefix + close[0]!r}?" if close else ""
 
 
-BATCH_SIZES = (
-    "part of what rollout.prompts_per_batch x rollout.group_size / algorithm.minibatches "
-    "gives per optimizer step (no one key)"
-)
-
-#: TRL ``GRPOConfig`` fields a user porting a config writes, and what gspo calls them
-#: (docs/from_trl.md has the whole table, with how each differs).
-TRL_NAMES = {
-    "learning_rate": "optim.lr",
-    "num_generations": "rollout.group_size",
-    "beta": "algorithm.kl_coef",
-    "epsilon": "algorithm.clip_low (and algorithm.clip_high: TRL's epsilon bounds both "
-    "sides, gspo's unset side is the level's paper range)",
-    "epsilon_high": "algorithm.clip_high",
-    "importance_sampling_level": "algorithm.level",
-    "scale_rewards": "algorithm.advantage_scale (group, batch, or none for False)",
-    "max_completion_length": "rollout.max_new_tokens",
-    "per_device_train_batch_size": BATCH_SIZES,
-    "generation_batch_size": "rollout.prompts_per_batch x rollout.group_size, over all ranks",
-    "gradient_accumulation_steps": BATCH_SIZES,
-    "steps_per_generation": "algorithm.minibatches (optimizer steps per rollout batch: "
-    "TRL's steps_per_generation / gradient_accumulation_steps)",
-    "num_train_epochs": "train.max_steps",
-    "reward_weights": "reward.weights",
-    "reward_funcs": "reward.functions",
-    "mask_truncated_completions": "algorithm.mask_truncated",
-    "max_grad_norm": "optim.grad_clip",
-    "adam_beta1": "optim.betas",
-    "adam_beta2": "optim.betas",
-    "use_vllm": "rollout.engine",
-    "vllm_gpu_memory_utilization": "rollout.vllm.gpu_memory_utilization",
-    "vllm_importance_sampling_correction": "algorithm.rollout_correction",
-    "vllm_importance_sampling_mode": "algorithm.rollout_correction",
-    "vllm_importance_sampling_clip_min": "algorithm.correction_min",
-    "vllm_importance_sampling_clip_max": "algorithm.correction_max",
-    "vllm_max_model_length": "rollout.vllm.max_model_len",
-    "vllm_mode": "rollout.engine=vllm (colocated: gspo's one mode)",
-    "lora_target_modules": "model.lora.target_modules",
-    "num_completions_to_print": "log.completions_every (to completions/, not the console)",
-    "eval_strategy": "eval.every (0: no evaluation)",
-    "model_name_or_path": "model.path",
-    "bf16": "model.dtype",
-    "gradient_checkpointing": "model.activation_checkpointing",
-    "lora_r": "model.lora.r",
-    "lora_alpha": "model.lora.alpha",
-    "lora_dropout": "model.lora.dropout",
-    "eval_steps": "eval.every",
-    "save_steps": "train.save_every",
-    "output_dir": "--output-dir",
-    "report_to": "log.wandb / log.mlflow",
-    "log_completions": "log.completions_every (N: every Nth rollout batch, to completions/)",
-    "temperature": "rollout.temperature",
-    "top_p": "rollout.top_p",
-    "seed": "train.seed",
-    "max_steps": "train.max_steps",
-    "weight_decay": "optim.weight_decay",
-    "warmup_steps": "optim.warmup_steps",
-    "warmup_ratio": "optim.warmup_steps (a number of steps)",
-    "entropy_coef": "algorithm.entropy_coef",
-    "save_total_limit": "train.keep_checkpoints",
-    "save_only_model": "train.save_only_model",
-    "peft_config": "model.lora (r, alpha, dropout, target_modules)",
-    "chat_template_kwargs": "data.chat_template_kwargs",
-    "router_aux_loss_coef": "moe.router_aux_loss_coef",
-    "num_generations_eval": "eval.samples",
-    "train_dataset": "data.train",
-    "eval_dataset": "data.eval",
-    "fp16": "model.dtype",
-    "use_cpu": "model.device",
-    "environment_factory": "rollout.environment (a class or factory: one environment per episode)",
-    "max_tool_calling_iterations": "close to rollout.max_turns (gspo counts the model's "
-    "turns, not its tool calls)",
-}
-
-#: TRL ``GRPOConfig`` fields with no gspo setting, and why (docs/from_trl.md).
-TRL_WITHOUT = {
-    "loss_type": "gspo has one aggregation, TRL's \"grpo\" (the mean of each response's "
-    "token mean)",
-    "num_iterations": "each rollout batch is used once, in algorithm.minibatches steps",
-    "max_prompt_length": "prompts are not truncated",
-    "logging_steps": "every optimizer step is logged",
-    "lr_scheduler_type": "the schedule is a linear warm-up, then constant (TRL's "
-    '"constant"; "linear" decay has no equivalent)',
-    "delta": "two-sided clipping (a bound on the ratio for negative advantages) is not implemented",
-    "sync_ref_model": "the KL reference is the starting model throughout",
-    "top_entropy_quantile": "every completion token is in the loss",
-    "off_policy_mask_threshold": "no off-policy mask (algorithm.rollout_correction corrects "
-    "sampler-trainer mismatch)",
-    "multi_objective_aggregation": "rewards are always summed (weighted), then advantages",
-    "use_bias_correction_kl": "train/kl is the k3 mean without the importance ratio",
-    "cast_lm_head_to_fp32": "the head's logits are float32 in every setting "
-    "(model.head_precision picks its products)",
-    "shuffle_dataset": "prompts are always shuffled",
-    "adam_epsilon": "AdamW's epsilon is torch's 1e-8",
-    "top_k": "sampling takes rollout.temperature and rollout.top_p only",
-    "min_p": "sampling takes rollout.temperature and rollout.top_p only",
-    "repetition_penalty": "sampling takes rollout.temperature and rollout.top_p only",
-}
-
-
 def unknown_key(key: str, keys: list[str]) -> str:
     """The line for ``key`` (dotted, in full), unknown where its section holds ``keys``:
-    the closest key of the section, else what gspo calls TRL's field of that name."""
+    what gspo calls verl's key or TRL's field of that name
+    (:func:`~gspo.config.ported.ported_hint`), else the closest key of the section."""
     parent, _, leaf = key.rpartition(".")
     close = did_you_mean(leaf, keys, f"{parent}." if parent else "")
-    # (optim.beta: optim.betas, not TRL's beta; at the top a section's name is always close:
-    # scale_rewards is not "reward")
-    # (but rollout.use_vllm is rollout.engine, not the closer rollout.vllm: a section whose
-    # own key TRL's name maps to)
-    own = parent and TRL_NAMES.get(leaf, "").startswith(f"{parent}.")
-    if leaf in TRL_NAMES and (not close or not parent or own):
-        return f"{key}: unknown key; TRL's {leaf} is {TRL_NAMES[leaf]} here (docs/from_trl.md)"
-    if leaf in TRL_WITHOUT and (not close or not parent):
-        return (
-            f"{key}: unknown key; TRL's {leaf} has no equivalent here: {TRL_WITHOUT[leaf]} "
-            "(docs/from_trl.md)"
-        )
-    return f"{key}: unknown key{close}"
+    return ported_hint(key, bool(close)) or f"{key}: unknown key{close}"
 
 
 #: How pydantic names a member of a union in an error's location ("str", "list[str]",

@@ -52,14 +52,7 @@ from typing import Any
 import numpy
 import torch
 
-from gspo.distributed import (
-    SHARDED,
-    Distributed,
-    load_sharded,
-    sharded_problem,
-    sharded_state,
-    write_sharded,
-)
+from gspo.distributed import Distributed
 from gspo.models import (
     MODEL_FINGERPRINT,
     MODEL_POINTER,
@@ -76,6 +69,7 @@ from gspo.publish import (
     write_atomic,
     write_manifest,
 )
+from gspo.sharded import SHARDED, load_sharded, sharded_problem, sharded_state, write_sharded
 from gspo.training.lora import base_path_of, optimizer_state_bytes
 from gspo.training.policy import Policy
 
@@ -110,7 +104,7 @@ def checkpoint_bytes(
 
 def checkpoint_problem(path: Path) -> str | None:
     """Why a run cannot resume from the checkpoint ``path``, or None when it is whole: its
-    trainer state, its shards (:func:`gspo.distributed.sharded_problem`) unless it names
+    trainer state, its shards (:func:`gspo.sharded.sharded_problem`) unless it names
     its model, and every file at the size its manifest records. Reads no tensors (the
     bytes themselves are checked as they are loaded)."""
     if not path.is_dir():

@@ -38,7 +38,7 @@ import torch
 import gspo
 from gspo.chat import encode_prompt, turn_end
 from gspo.config import Config
-from gspo.distributed import Distributed, load_sharded, save_sharded, sharded_problem, whole
+from gspo.distributed import Distributed, whole
 from gspo.engines import pad_batch
 from gspo.models import model_context, model_files
 from gspo.models.kernels import onednn_available, resolved_kernel
@@ -53,6 +53,7 @@ from gspo.publish import (
     tree_bytes,
     write_manifest,
 )
+from gspo.sharded import load_sharded, save_sharded, sharded_problem
 from gspo.telemetry import MetricsLogger
 from gspo.training.metrics import combine
 from gspo.training.policy import Policy, loss_scaler
