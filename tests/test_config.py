@@ -809,6 +809,9 @@ def test_every_verl_key_named_leads_to_a_gspo_key():
         load_config(overrides=["rollout.n=8"])
     with pytest.raises(ConfigError, match=r"^optim.n: unknown key$"):  # (verl's under rollout)
         load_config(overrides=["optim.n=8"])
+    # verl's clip_ratio_c=3 ported as clip_low: a floor of 1 - 3, no clipping below, unsaid
+    with pytest.raises(ConfigError, match=r"^algorithm.clip_low: Input should be less than 1"):
+        load_config(overrides=["algorithm.clip_low=3"])
 
 
 def test_an_in_memory_dataset_as_a_source_is_one_line_saying_what_to_do():

@@ -36,8 +36,9 @@ class AlgorithmConfig(Section):
     clip_low: float | None = Field(
         None,
         ge=0.0,
-        description="Clip epsilon below 1; null = the level's paper value (3e-4 for the "
-        "sequence levels, 0.2 for token)",
+        lt=1.0,  # (1 - clip_low, the band's floor, at or below 0 clips nothing below)
+        description="Clip epsilon below 1, under 1; null = the level's paper value (3e-4 for "
+        "the sequence levels, 0.2 for token)",
     )
     clip_high: float | None = Field(
         None,
