@@ -196,8 +196,12 @@ def test_a_run_at_its_time_limit_stops_with_a_checkpoint_then_continues(
     )
     assert latest_checkpoint(cut).name == "step-0000004"
     assert [r["step"] for r in train_lines(run_metrics(cut))] == [1, 2, 3, 4]
+    # what a job script under torchrun requeues on (torchrun's status is 1 for a 75)
+    said = (cut / time_limit.STOPPED_FILE).read_text()
+    assert said == err[-1] + "\n"
     monkeypatch.setattr(time_limit, "time", time)
     assert main(again) == 0
+    assert not (cut / time_limit.STOPPED_FILE).exists()
     baseline = [a for a in again if a not in ("--auto-resume", "train.time_limit=350")]
     baseline[baseline.index(str(cut))] = str(full)
     assert main(baseline) == 0

@@ -239,11 +239,12 @@ def run_train(args: argparse.Namespace) -> int:
     if dist.is_main:
         from gspo.export import trained_model
 
-        print(f"run written to {output_dir}{trained_model(output_dir)}")
+        going_on = trainer.time_limit.stopped is not None  # (its model: not yet)
+        print(f"run written to {output_dir}{'' if going_on else trained_model(output_dir)}")
     if trainer.time_limit.stopped is not None:  # (not finished: to be continued)
         from gspo.training.time_limit import OUT_OF_TIME
 
-        return OUT_OF_TIME
+        return OUT_OF_TIME if dist.world_size == 1 else 0  # (torchrun: STOPPED_FILE)
     return 0
 
 

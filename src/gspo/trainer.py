@@ -138,6 +138,7 @@ class Trainer:
         if dist.is_main:  # (a rank making it after rank 0 removed a failed start's left it)
             check_installed(config.log.wandb, config.log.mlflow)  # (before the model loads)
             out.mkdir(parents=True, exist_ok=True)
+            TimeLimit.going_on(out)
         device = rank_device(config.model.device, dist)
         # batch sizes are global: this rank's shares (one-line errors if they do not divide)
         local_prompts, self.local_sft_batch = local_shares(config, dist)
@@ -400,6 +401,7 @@ class Trainer:
         records = read_metrics(self.output_dir / "metrics.jsonl")
         print_summary(records)
         if self.time_limit.stopped is not None:
+            self.time_limit.record(self.output_dir)
             print(self.time_limit.line(), file=sys.stderr, flush=True)
         return records
 

@@ -87,8 +87,9 @@ class TrainConfig(Section):
         description="Wall-clock time the run may take (3h50m, 90m, 45s or seconds), counted "
         "from its start: between rollout batches, when the next one and a checkpoint might "
         "not fit in the time left, it writes its checkpoint and stops with exit status 75 "
-        "(run the same command with --auto-resume to continue); for a job's time limit "
-        "(SLURM --time). None = no limit",
+        "(under torchrun 0) and the file stopped_at_time_limit in the run's directory (run "
+        "the same command with --auto-resume to continue); for a job's time limit (SLURM "
+        "--time). None = no limit",
     )
     background_checkpoints: bool = Field(
         True,

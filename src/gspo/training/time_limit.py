@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from gspo.distributed import Distributed
@@ -27,8 +28,14 @@ MARGIN = 1.5
 COLD_START_EVERY = 10
 
 #: Process exit status of a run stopped at its time limit (``EX_TEMPFAIL``: try again
-#: later), for a job script to requeue on (``gspo train ... --auto-resume``).
+#: later), for a job script to requeue on (``gspo train ... --auto-resume``). Under torchrun
+#: the ranks exit 0 instead: torchrun reports any other status as a failure, its own 1
+#: after a traceback, and the script reads :data:`STOPPED_FILE`.
 OUT_OF_TIME = 75
+
+#: Written in the run's directory when it stops at its time limit (its stop line), removed
+#: when the run goes on: what a job script requeues on under torchrun.
+STOPPED_FILE = "stopped_at_time_limit"
 
 _UNITS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
 _DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)([dhms]))")
@@ -90,6 +97,17 @@ class TimeLimit:
         left = self.seconds - (self.clock() - self.start)
         stop = left < MARGIN * (self.longest.get(kind, 0.0) + checkpoint_s)
         return bool(self.dist.gather_objects(stop)[0])
+
+    def record(self, run_dir: Path) -> None:
+        """Say in :data:`STOPPED_FILE` that the run stopped here (rank 0)."""
+        from gspo.publish import write_atomic
+
+        write_atomic(run_dir / STOPPED_FILE, self.line() + "\n")
+
+    @staticmethod
+    def going_on(run_dir: Path) -> None:
+        """The run goes on: no :data:`STOPPED_FILE` left from its last stop (rank 0)."""
+        (run_dir / STOPPED_FILE).unlink(missing_ok=True)
 
     def line(self) -> str:
         """What the stopped run says, as its last line."""
