@@ -260,6 +260,8 @@ def test_a_collective_broken_by_another_rank_is_one_line(tmp_path, monkeypatch, 
         raise RuntimeError(gloo)
 
     monkeypatch.setattr(gspo.cli, "run_train", broken)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("{}\n")  # (a run that has started)
     args = ["train", "--output-dir", str(tmp_path / "run"), CPU]
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
@@ -267,11 +269,19 @@ def test_a_collective_broken_by_another_rank_is_one_line(tmp_path, monkeypatch, 
     assert capsys.readouterr().err == (
         "gspo: error (rank 0 of 2): another rank stopped (the process group broke: Read error "
         "[127.0.0.1]:29500: Connection reset by peer); its "
-        "own line, if it printed one (a signal or a kill prints none), says why; gspo train "
-        f"--resume {tmp_path / 'run'} continues from the last checkpoint\n"
+        "own line, if it printed one (a signal or a kill prints none), says why; resume with "
+        f"gspo train --resume {tmp_path / 'run'}\n"
     )
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "gspo").mkdir(parents=True)
+    (tmp_path / "runs" / "gspo" / "config.yaml").write_text("{}\n")
     assert main(["train", CPU]) == 2  # the default run directory, not "DIR"
-    assert "gspo train --resume runs/gspo continues" in capsys.readouterr().err
+    assert "resume with gspo train --resume runs/gspo" in capsys.readouterr().err
+    # a run that wrote nothing (a setup error on another rank): no resume said
+    assert main(["train", "--output-dir", str(tmp_path / "new"), CPU]) == 2
+    said = capsys.readouterr().err
+    assert said.endswith("says why; it had written nothing to resume from: the same command "
+                         "starts it again\n"), said  # fmt: skip
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(RuntimeError, match="Connection reset"):
         main(args)

@@ -194,6 +194,10 @@ class SaidByRankZero(Exception):
 # rank 0 found no error (then this rank's status 2 ends the run).
 RANK_ZERO_GRACE_S = 60.0
 
+# How long a rank other than 0 whose collective another rank broke waits before it says so:
+# the rank that stopped (rank 0 with a setup error, mostly) says why first.
+PEER_LINE_AFTER_S = 1.0
+
 
 @contextlib.contextmanager
 def said_once() -> Iterator[None]:
@@ -487,9 +491,13 @@ def _main(args: argparse.Namespace) -> int:
         run = run_directory(args)
         # (gloo's own line names its source file first: the reason is after it)
         broke = re.sub(r"\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", str(exc).strip())
+        # (RunDirectory put an old run back, or removed a run that never started; a run
+        # with nothing written said --resume on it all the same)
         after = "; ".join(getattr(exc, "__notes__", ())) or (
-            f"gspo train --resume {run} continues from the last checkpoint"
-        )  # (RunDirectory put an old run back, or removed a run that never started)
+            _resume_hint(args) if args.command == "train" else f"the same command on {run}"
+        )
+        if not_rank_zero():  # (the rank that stopped first says why first: rank 0's setup
+            time.sleep(PEER_LINE_AFTER_S)  # error came second, after this one)
         last_words(
             f"gspo: error{rank_said()}: another rank stopped (the process "
             f"group broke: {broke.splitlines()[0].split('. ')[0][:160]}); its own line, if it "
