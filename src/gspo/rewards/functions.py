@@ -307,8 +307,10 @@ class RewardFunctions:
                     f"expected a list of float or None (or a 1-D array of {n})"
                 )
             if len(raw) != n:
+                values = "1 value" if len(raw) == 1 else f"{len(raw)} values"
                 raise RewardError(
-                    f"reward function {name!r} returned {len(raw)} values for {n} completions"
+                    f"reward function {name!r} returned {values} for {n} completions (one "
+                    "for each, in their order)"
                 )
             per_function[name] = [_check_value(name, i, v) for i, v in enumerate(raw)]
 
