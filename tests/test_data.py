@@ -139,6 +139,11 @@ def test_a_pattern_is_said_to_be_one(tmp_path, monkeypatch):
         "data.train: dir/*.jsonl is a pattern (4 match: dir/a.jsonl, dir/b.jsonl, dir/c.jsonl "
         "and 1 more); gspo reads one file or a directory of them: give the directory"
     )
+    # a directory named with brackets is no pattern: with its split too (the review's case)
+    (tmp_path / "run[1]").mkdir()
+    (tmp_path / "run[1]" / "train.jsonl").write_text(json.dumps(GSM8K_ROWS[0]))
+    source = parse_source("run[1]::train", what="data.train")
+    assert (source.kind, source.location, source.split) == ("directory", "run[1]", "train")
 
 
 def test_a_malformed_dataset_card_in_a_directory_names_the_file(tmp_path):
@@ -336,7 +341,7 @@ def test_a_column_name_with_spaces_around_it_is_pointed_to(tmp_path):
         prepare_rows(load_rows(path, what="data.train"), data, what="data.train")
     assert str(err.value) == (
         f"data.prompt_column: no column 'prompt' of data.train ({path}; columns: prompt ,  "
-        "answer) (the column 'prompt ' has spaces around its name)"
+        "answer) (the column 'prompt ' differs by spaces around it)"
     )
 
 
@@ -489,6 +494,10 @@ def test_cli_trains_on_a_dataset_directory_with_a_template(gsm8k_dir, tmp_path):
          "data.train (TRAIN) row 2: the prompt is empty (0 tokens): ''"),
         ([{"prompt": "1+2=", "answer": "3"}, {"prompt": " \n\t", "answer": "3"}],
          "data.train (TRAIN) row 2: the prompt is only whitespace: ' \\n\\t'"),
+        ([{"prompt": "1+2=", "answer": "3"},
+          {"prompt": [{"role": "system", "content": "Add."}, {"role": "user", "content": " "}],
+           "answer": "3"}],
+         "data.train (TRAIN) row 2: every user message is blank"),
         ([{"prompt": "1+2=", "answer": "3"}, {"prompt": 12, "answer": "3"}],
          "data.train (TRAIN) row 2: the prompt is 12 (a number: data.prompt_template={prompt} "
          "writes it as text); a prompt is text or a list of chat messages "
@@ -553,6 +562,15 @@ def test_a_chat_message_of_a_role_the_template_leaves_out_names_it():
     )
     tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% endfor %}"
     assert len(encode_prompts(load_config(), SingleTurn(None), tok, rows, name="t")) == 2
+    # Llama 3's ipython turns are written JSON-encoded: a quote or a line break in one is
+    # its text all the same (the review's case: refused)
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'ipython' %}{{ m['content'] | tojson }}"
+        "{% else %}{{ m['content'] }}{% endif %}{% endfor %}"
+    )
+    result = [{"role": "user", "content": "run it"},
+              {"role": "ipython", "content": '{"result": "ok"}\nline 2'}]  # fmt: skip
+    assert encode_prompts(load_config(), SingleTurn(None), tok, [{"prompt": result}], name="t")
 
 
 def test_prompts_with_text_the_tokenizer_lacks_are_a_warning(capsys):
@@ -639,6 +657,20 @@ def test_a_template_naming_a_method_is_refused(tmp_path):
         prepare_rows(rows, bad.data, what="data.train")
     good = load_config(None, ["data.train=x.jsonl", "data.prompt_template={question} {n.real}"])
     assert prepare_rows(rows, good.data, what="data.train")[0]["prompt"] == "2+2 3"
+
+
+def test_a_template_whose_every_field_is_blank_is_refused():
+    """Every prompt of such rows was the template's own text ("Q:  Context: "), unsaid; one
+    field blank beside another (an optional context) is a prompt."""
+    from gspo.data import prepare_rows
+
+    template = ["data.train=x.jsonl", "data.prompt_template=Q: {q} Context: {c}"]
+    config = load_config(None, template)
+    ok = [{"q": "2+2", "c": "", "answer": "4"}]
+    assert prepare_rows(ok, config.data, what="data.train")[0]["prompt"] == "Q: 2+2 Context: "
+    blank = [*ok, {"q": " ", "c": "", "answer": "4"}]
+    with pytest.raises(ValueError, match=r"row 2 of .*\{q\}, \{c\} blank: the prompt is the "):
+        prepare_rows(blank, config.data, what="data.train")
 
 
 def test_a_chat_message_without_role_or_content_says_so():
@@ -997,6 +1029,10 @@ def test_a_gold_answer_that_is_no_text_is_refused(answer, said):
     )
     own = RewardFunctions.from_specs([lambda completions, answer, **kw: [0.0]], None)
     check_reward_columns(own, TaskData(rows, [], []), config, None)
+    # a built-in after your own function compares it all the same (it went unchecked)
+    both = RewardFunctions.from_specs([lambda completions, answer, **kw: [0.0], "math"], None)
+    with pytest.raises(ValueError, match="which reward function 'math' compares"):
+        check_reward_columns(both, TaskData(rows, [], []), config, None)
 
 
 def test_a_missing_column_under_an_environment_names_the_datas_columns_and_the_default():

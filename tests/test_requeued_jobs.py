@@ -110,7 +110,11 @@ def test_a_finished_run_with_model_only_checkpoints_is_finished_again(
     lines = run_metrics(run)
     capsys.readouterr()
     assert main(args) == 0
-    assert "the run already took its 2 steps (train.max_steps=2" in capsys.readouterr().out
+    assert capsys.readouterr().out.startswith(
+        "the run already took its 2 steps (train.max_steps=2 in whole rollout batches of 2); "
+        "its checkpoints hold only the model: start a new run with model.path="
+        f"{run / 'checkpoints' / 'step-0000002'} to train on"
+    )
     assert run_metrics(run) == lines
     assert gspo.train(load_config(None, common), run, resume="auto") == lines
     assert main([*args, "train.max_steps=4"]) == 2

@@ -11,6 +11,7 @@ of a chat prompt ends with (:func:`turn_end`).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 #: Content of the stand-in assistant message a template is rendered around.
@@ -72,10 +73,13 @@ ROLES = ("system", "user", "assistant", "tool")
 def _written(messages: list[dict[str, Any]], text: str) -> None:
     """A message of another role than :data:`ROLES` whose text the template left out
     (Qwen's writes nothing for ``narrator``: the model never saw it, unsaid) is a
-    one-line ``ValueError`` naming it."""
+    one-line ``ValueError`` naming it. (A template may write it JSON-encoded: Llama 3's
+    ``ipython`` turns.)"""
     for k, message in enumerate(messages, start=1):
         role, content = message.get("role"), message.get("content")
-        if role in ROLES or not isinstance(content, str) or content.strip() in text:
+        if role in ROLES or not isinstance(content, str):
+            continue
+        if content.strip() in text or json.dumps(content)[1:-1].strip() in text:
             continue
         raise ValueError(
             f"message {k} has the role {role!r}, which the chat template writes nothing "

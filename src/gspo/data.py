@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 
 _LOCAL_PREFIXES = ("/", "./", "../", "~")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
-_PATTERN = re.compile(r"[*?[]")  # (glob's wildcards)
+_PATTERN = re.compile(r"[*?]")  # (glob's wildcards; not [, which a directory name may hold)
 
 
 @dataclass(frozen=True)
@@ -352,7 +352,7 @@ def prepare_rows(rows: list[Row], data: DataConfig, *, what: str, sft: bool = Fa
         if missing is not None:
             row = "" if missing == 1 else f" in row {missing}"
             spaced = [c for c in rows[missing - 1] if str(c).strip() == column.strip()]
-            hint = f" (the column {spaced[0]!r} has spaces around its name)" if spaced else ""
+            hint = f" (the column {spaced[0]!r} differs by spaces around it)" if spaced else ""
             raise ValueError(f"{key}: no column {column!r}{row} of {where}{hint}")
 
     template = data.prompt_template
@@ -526,6 +526,10 @@ def _prompt(prompt: Any, what: str, index: int, column: str | None = None) -> An
         return prompt
     if _is_messages(prompt):
         _check_messages(prompt, f"{what} row {index}")
+        asked = [m.get("content") for m in prompt if m.get("role") == "user"]
+        texts = [c for c in asked if isinstance(c, str)]  # (not a list of parts)
+        if asked and len(texts) == len(asked) and not any(c.strip() for c in texts):
+            raise ValueError(f"{what} row {index}: every user message is blank")
         return prompt
     number = isinstance(prompt, int | float) and not isinstance(prompt, bool)
     hint = " (a number: data.prompt_template={prompt} writes it as text)" if number else ""
@@ -541,12 +545,17 @@ def _filled(template: str, row: dict[str, Any], where: str) -> str:
     None (it would read "None") or a method (its repr)."""
     formatter = string.Formatter()
     try:
-        for _, field, _, _ in formatter.parse(template):
-            if field:
-                value, _ = formatter.get_field(field, (), row)
-                if value is None or callable(value):
-                    said = "None" if value is None else "a method of the column's value"
-                    raise ValueError(f"{{{field}}} is {said}, which would be written as such")
+        blank = []  # (every field blank: the prompt was the template's own text, unsaid)
+        fields = [field for _, field, _, _ in formatter.parse(template) if field]
+        for field in fields:
+            value, _ = formatter.get_field(field, (), row)
+            if value is None or callable(value):
+                said = "None" if value is None else "a method of the column's value"
+                raise ValueError(f"{{{field}}} is {said}, which would be written as such")
+            if isinstance(value, str) and not value.strip():
+                blank.append(f"{{{field}}}")
+        if fields and len(blank) == len(fields):
+            raise ValueError(f"{', '.join(blank)} blank: the prompt is the template's text alone")
         return template.format_map(row)
     except (KeyError, IndexError, AttributeError, TypeError, ValueError) as exc:
         raise ValueError(f"data.prompt_template: {where}: {type(exc).__name__}: {exc}") from None

@@ -181,9 +181,9 @@ def trained_model(run: Path) -> str:
         return ""
     if is_lora_checkpoint(checkpoint):
         return f"; its adapters: {checkpoint} (gspo export {run} --merge OUT writes one model)"
-    try:
-        model = plain_checkpoint(checkpoint)
-    except ValueError:  # (its base model gone: gspo export says so)
+    try:  # (its files' sizes, not their bytes: a 70B model was read back to print a path)
+        model = Path(os.path.normpath(model_files(checkpoint)))
+    except ValueError:  # (a step 0's model changed or gone: gspo export says so)
         return ""
     return f"; its model: {model} (a Hugging Face model directory: from_pretrained loads it)"
 

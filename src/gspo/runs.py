@@ -43,6 +43,7 @@ from gspo.training.checkpoint import (
     CONFIG,
     TRAINER_STATE,
     latest_checkpoint,
+    new_run_from,
     resume_problem,
     trainer_state,
 )
@@ -335,7 +336,8 @@ def finished_model_only(out: Path, config: Config) -> list[dict[str, Any]] | Non
     checkpoint = latest_checkpoint(out)
     if checkpoint is None or resume_problem(checkpoint) is None:
         return None
-    line = took_its_steps(int(trainer_state(checkpoint)["step"]), config)
+    on = f"its checkpoints hold only the model: start {new_run_from(checkpoint)}"
+    line = took_its_steps(int(trainer_state(checkpoint)["step"]), config, on)
     if line is None:
         return None
     records = read_metrics(out / METRICS_FILE)

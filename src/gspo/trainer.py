@@ -99,15 +99,17 @@ __all__ = [
 ]
 
 
-def took_its_steps(step: int, config: Config) -> str | None:
-    """What a run resumed after its ``train.max_steps`` says (None: it has steps to take)."""
+def took_its_steps(
+    step: int, config: Config, on: str = "resume it with a larger train.max_steps"
+) -> str | None:
+    """What a run resumed after its ``train.max_steps`` says, and how it trains ``on``
+    (None: it has steps to take)."""
     minibatches = config.algorithm.minibatches
     if step == 0 or step // minibatches < config.rollout_batches:
         return None
     return (
         f"the run already took its {step} steps (train.max_steps={config.train.max_steps} "
-        f"in whole rollout batches of {minibatches}); resume it with a larger "
-        "train.max_steps to train on"
+        f"in whole rollout batches of {minibatches}); {on} to train on"
     )
 
 

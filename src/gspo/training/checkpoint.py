@@ -124,15 +124,19 @@ def resume_problem(path: Path) -> str | None:
     it holds only the model (:data:`MODEL_ONLY`, ``train.save_only_model``)."""
     if not (path / MODEL_ONLY).is_file():
         return None
-    if (path / "adapter_config.json").is_file():  # (model.path takes no adapter)
-        instead = f"gspo export {path} --merge OUT, then a new run with model.path=OUT"
-    else:
-        instead = f"a new run with model.path={path}"
     return (
         f"{path} holds only the model (written with train.save_only_model=true: no optimizer "
-        f"state), so the run cannot be resumed from it; start {instead} (its optimizer "
-        "starts afresh)"
+        f"state), so the run cannot be resumed from it; start {new_run_from(path)} (its "
+        "optimizer starts afresh)"
     )
+
+
+def new_run_from(path: Path) -> str:
+    """How a new run starts from the model-only checkpoint ``path`` (a LoRA run's exported
+    first: model.path takes no adapter)."""
+    if (path / "adapter_config.json").is_file():
+        return f"gspo export {path} --merge OUT, then a new run with model.path=OUT"
+    return f"a new run with model.path={path}"
 
 
 def resumable_checkpoint(output_dir: Path) -> Path | None:

@@ -443,9 +443,15 @@ def check_reward_columns(
             where = config.data.source_of(key)
             columns = [k for k in rows[0] if k != "prompt"]
             rewards.check_columns(columns, f"{key} ({where})", passed=extra, hint=hint)
+            compared = [  # (the built-ins that compare it, wherever they are in the list)
+                n
+                for n, f in zip(rewards.names, rewards.functions, strict=True)
+                if n.partition("#")[0] in BUILTIN_REWARDS
+                and "answer" in getattr(f, "required_columns", ())
+            ]
+            if "answer" in columns and compared:
+                _answers_are_text(rows, compared[0], f"{key} ({where})")
             for column, name in rewards.required(columns).items():
-                if column == "answer" and name.partition("#")[0] in BUILTIN_REWARDS:
-                    _answers_are_text(rows, name, f"{key} ({where})")
                 empty = [i for i, row in enumerate(rows, start=1) if _empty(row.get(column))]
                 if empty:  # (a built-in leaves them unscored; the user's decides)
                     gets = (
