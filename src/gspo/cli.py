@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from gspo import __version__
-from gspo.distributed import Terminated, last_words, rank_said, sigterm_raises
+from gspo.distributed import PEER_LINE_AFTER_S, Terminated, last_words, rank_said, sigterm_raises
 from gspo.publish import machine_errors_in_threads_said_in_one_line
 
 if TYPE_CHECKING:
@@ -193,10 +193,6 @@ class SaidByRankZero(Exception):
 # leaves within seconds, and torchrun then stops this rank; the wait only runs out where
 # rank 0 found no error (then this rank's status 2 ends the run).
 RANK_ZERO_GRACE_S = 60.0
-
-# How long a rank other than 0 whose collective another rank broke waits before it says so:
-# the rank that stopped (rank 0 with a setup error, mostly) says why first.
-PEER_LINE_AFTER_S = 1.0
 
 
 @contextlib.contextmanager
@@ -496,8 +492,8 @@ def _main(args: argparse.Namespace) -> int:
         after = "; ".join(getattr(exc, "__notes__", ())) or (
             _resume_hint(args) if args.command == "train" else f"the same command on {run}"
         )
-        if not_rank_zero():  # (the rank that stopped first says why first: rank 0's setup
-            time.sleep(PEER_LINE_AFTER_S)  # error came second, after this one)
+        if not_rank_zero():
+            time.sleep(PEER_LINE_AFTER_S)
         last_words(
             f"gspo: error{rank_said()}: another rank stopped (the process "
             f"group broke: {broke.splitlines()[0].split('. ')[0][:160]}); its own line, if it "

@@ -230,6 +230,11 @@ LAUNCHER_POLL_S = 1.0
 _ENDING: dict[str, Any] = {"watch": False, "collective": False, "lock": threading.Lock()}
 
 
+#: How long a rank other than 0 whose collective another rank broke waits before it says
+#: so: the rank that stopped says why first (rank 0's setup error came second).
+PEER_LINE_AFTER_S = 1.0
+
+
 def last_words(line: str, by: Literal["watch", "collective"]) -> bool:
     """Print ``line`` to stderr as this rank's last, unless the other ender said its own:
     the launcher watch's thread and the main thread's broken collective can each end a
