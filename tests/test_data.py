@@ -671,6 +671,13 @@ def test_a_template_whose_every_field_is_blank_is_refused():
     blank = [*ok, {"q": " ", "c": "", "answer": "4"}]
     with pytest.raises(ValueError, match=r"row 2 of .*\{q\}, \{c\} blank: the prompt is the "):
         prepare_rows(blank, config.data, what="data.train")
+    # under rollout.environment its reset writes the rest of the prompt: blank ones are kept
+    # (as '' always was there), a template's, a string's or a chat's
+    kept = prepare_rows(blank, config.data, what="data.train", blank_ok=True)
+    assert kept[1]["prompt"] == "Q:   Context: "
+    plain = load_config(None, ["data.train=x.jsonl"]).data
+    rows = [{"prompt": "\n", "answer": "4"}, {"prompt": [{"role": "user", "content": " "}]}]
+    assert prepare_rows(rows, plain, what="data.train", blank_ok=True)[0]["prompt"] == "\n"
 
 
 def test_a_chat_message_without_role_or_content_says_so():

@@ -331,11 +331,14 @@ def _columns(rows: list[Row]) -> str:
     return ", ".join(rows[0]) if rows else "none"
 
 
-def prepare_rows(rows: list[Row], data: DataConfig, *, what: str, sft: bool = False) -> list[Row]:
+def prepare_rows(
+    rows: list[Row], data: DataConfig, *, what: str, sft: bool = False, blank_ok: bool = False
+) -> list[Row]:
     """``rows`` with ``prompt`` (and ``answer``, and for ``sft`` rows ``completion``) set
     from the ``data.*`` keys; see the module doc. ``sft`` rows need no answer column
     (nothing scores them: prompt and completion are what a cold start reads). One-line
-    errors name the key, the source and the columns that exist.
+    errors name the key, the source and the columns that exist; a blank prompt is one
+    unless ``blank_ok`` (an environment's reset writes the rest of it).
     """
     if not rows:
         return rows
@@ -370,9 +373,11 @@ def prepare_rows(rows: list[Row], data: DataConfig, *, what: str, sft: bool = Fa
     out = []
     for i, row in enumerate(rows, start=1):
         given = (
-            _filled(template, row, f"row {i} of {where}") if template else row[data.prompt_column]
+            _filled(template, row, f"row {i} of {where}", blank_ok)
+            if template
+            else row[data.prompt_column]
         )
-        prompt = _prompt(given, named, i, None if template else data.prompt_column)
+        prompt = _prompt(given, named, i, None if template else data.prompt_column, blank_ok)
         if chat:
             if isinstance(prompt, str):
                 prompt = [{"role": "user", "content": prompt}]
@@ -512,23 +517,26 @@ def _check_messages(messages: list[dict], where: str) -> None:
             )
 
 
-def _prompt(prompt: Any, what: str, index: int, column: str | None = None) -> Any:
-    """A row's prompt (from ``column``, or a template): text or a list of chat messages;
-    else one line naming the row."""
+def _prompt(
+    prompt: Any, what: str, index: int, column: str | None = None, blank_ok: bool = False
+) -> Any:
+    """A row's prompt (from ``column``, or a template): text or a list of chat messages
+    (not blank, unless ``blank_ok``); else one line naming the row."""
     if prompt is None and column is not None:  # (a JSONL row without it reads as null)
         raise ValueError(
             f"{what} row {index}: no prompt: its {column!r} is missing or null "
             "(data.prompt_column names the column)"
         )
     if isinstance(prompt, str):
-        if prompt and not prompt.strip():  # ('' is refused when encoded: 0 tokens)
+        if prompt and not prompt.strip() and not blank_ok:  # ('': refused when encoded)
             raise ValueError(f"{what} row {index}: the prompt is only whitespace: {prompt!r:.40}")
         return prompt
     if _is_messages(prompt):
         _check_messages(prompt, f"{what} row {index}")
         asked = [m.get("content") for m in prompt if m.get("role") == "user"]
         texts = [c for c in asked if isinstance(c, str)]  # (not a list of parts)
-        if asked and len(texts) == len(asked) and not any(c.strip() for c in texts):
+        blank = asked and len(texts) == len(asked) and not any(c.strip() for c in texts)
+        if blank and not blank_ok:
             raise ValueError(f"{what} row {index}: every user message is blank")
         return prompt
     number = isinstance(prompt, int | float) and not isinstance(prompt, bool)
@@ -539,7 +547,7 @@ def _prompt(prompt: Any, what: str, index: int, column: str | None = None) -> An
     )
 
 
-def _filled(template: str, row: dict[str, Any], where: str) -> str:
+def _filled(template: str, row: dict[str, Any], where: str, blank_ok: bool = False) -> str:
     """``data.prompt_template`` filled from ``row``; one line where a field cannot be: a
     missing key or attribute, a format spec its value does not take, a value that is
     None (it would read "None") or a method (its repr)."""
@@ -554,7 +562,7 @@ def _filled(template: str, row: dict[str, Any], where: str) -> str:
                 raise ValueError(f"{{{field}}} is {said}, which would be written as such")
             if isinstance(value, str) and not value.strip():
                 blank.append(f"{{{field}}}")
-        if fields and len(blank) == len(fields):
+        if fields and len(blank) == len(fields) and not blank_ok:
             raise ValueError(f"{', '.join(blank)} blank: the prompt is the template's text alone")
         return template.format_map(row)
     except (KeyError, IndexError, AttributeError, TypeError, ValueError) as exc:

@@ -74,9 +74,10 @@ def load_task_data(config: Config) -> TaskData:
             eval=load_rows(data.eval, what="data.eval") if data.eval else [],
             sft=load_rows(data.sft, what="data.sft") if data.sft else [],
         )
+    blank_ok = config.rollout.environment is not None  # (its reset writes the rest)
     return TaskData(
-        train=prepare_rows(task.train, data, what="data.train"),
-        eval=prepare_rows(task.eval, data, what="data.eval"),
+        train=prepare_rows(task.train, data, what="data.train", blank_ok=blank_ok),
+        eval=prepare_rows(task.eval, data, what="data.eval", blank_ok=blank_ok),
         sft=prepare_rows(task.sft, data, what="data.sft", sft=True),
     )
 
