@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from gspo import chat
+from gspo.chat import ROLES
 from gspo.config.data import template_fields
 from gspo.data_files import DATA_SUFFIXES, Row, read_file
 from gspo.plugins import one_line
@@ -497,14 +497,10 @@ def _is_messages(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
 
 
-#: The chat roles every template knows: a close misspelling of one is refused (a template
-#: writes nothing for a role it does not know, and the prompt read as empty).
-ROLES = chat.ROLES
-
-
 def _check_messages(messages: list[dict], where: str) -> None:
-    """Each message has a content (or tool calls) and no role that misspells one of
-    :data:`ROLES` (``usr``, ``asistant``); else one line naming the message."""
+    """Each message has a content (or tool calls) and no role that misspells one of the
+    roles every template knows (``usr``, ``asistant``: a template writes nothing for a
+    role it does not know); else one line naming the message."""
     for k, message in enumerate(messages, start=1):
         role, keys = message["role"], ", ".join(map(str, message))
         if "content" not in message and "tool_calls" not in message:

@@ -334,9 +334,9 @@ def _state(pid: int | str) -> list[str]:
 
 def _programs(uid: int, where: Path) -> list[int]:
     """The live processes running as ``uid`` that a program run under ``where`` left: in
-    a directory under it, or started with their ``HOME`` there (as the program was): one
-    that called ``setsid`` (a session of its own, out of the ``killpg``'s reach) included,
-    a process of another session (one id reused since) only where it is the program's."""
+    a directory under it, or started with their ``HOME`` there (as the program was), one
+    that called ``setsid`` (a session of its own, out of the ``killpg``'s reach)
+    included; a process of the same uid elsewhere is not the program's."""
     found, real = [], where.resolve()
     home = f"HOME={where}".encode()  # (as the program's environment says it)
     for entry in os.listdir("/proc"):

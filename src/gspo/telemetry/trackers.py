@@ -183,7 +183,7 @@ class MlflowSink:
         self.mlflow = mlflow_mod
         cfg = dict(settings or {})
         resume_id = _continued(self, cfg, recorded, "run_id")
-        self.entry = {k: cfg.get(k) for k in self.where}
+        where = {k: cfg.get(k) for k in self.where}
         uri = cfg.pop("tracking_uri", None)
         experiment = cfg.pop("experiment_name", None)
         if resume_id is not None:
@@ -204,7 +204,7 @@ class MlflowSink:
                 run = mlflow_mod.start_run(**cfg)
         info = getattr(run, "info", None)
         self.id: str | None = getattr(info, "run_id", None)
-        self.entry = {"id": self.id, **self.entry}
+        self.entry = {"id": self.id, **where}
         self.continued = _same_run(self.id, recorded)
         # a run named by run_id exists and has them (MLflow refuses a parameter changed)
         if params and cfg.get("run_id") is None:
