@@ -23,16 +23,13 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from gspo.chat import stop_token_ids
 from gspo.config import Config, checked_config, dump_config_text, flat_settings
 from gspo.distributed import Distributed, rank_device
-from gspo.engines import SamplingParams
 from gspo.models import resolve_dtype
 from gspo.moved import moved_path, with_run_dir
 from gspo.rewards.runner import leave_if_starting_a_worker
@@ -51,7 +48,6 @@ from gspo.training.checkpoint import (
     CHECKPOINTS,
     SHARDED,
     latest_checkpoint,
-    load_checkpoint,
     resumable_checkpoint,
     run_path,
     take_checkpoint,
@@ -67,7 +63,7 @@ from gspo.training.memory import loading_model, out_of_memory
 from gspo.training.metrics import combine, crossed, metric_reduction, rollout_clip_fractions
 from gspo.training.policy import Policy, build_forward, loss_scaler
 from gspo.training.reference import Reference
-from gspo.training.rollout import RolloutStage, Scorer
+from gspo.training.rollout import RolloutStage, Scorer, sampling_params
 from gspo.training.sampler import PolicySampler, build_engine
 from gspo.training.seeds import derive_seed
 from gspo.training.setup import (
@@ -75,9 +71,8 @@ from gspo.training.setup import (
     load_task_data,
     local_shares,
     model_summary,
-    recorded_config,
+    record_config,
     resume_changes,
-    resumed_optim_settings,
     reward_functions,
     rl_optimizer,
     start_line,
@@ -179,26 +174,16 @@ class Trainer:
             self.policy, self.optimizer, self.scheduler, config.optim.grad_clip,
             max_skipped=config.train.max_skipped, scaler=loss_scaler(self.policy),
         )  # fmt: skip
-        self.cold_start_done = False
         if checkpoint is not None:
-            self.policy_update.step = load_checkpoint(
-                checkpoint, self.policy, self.optimizer, self.scheduler
-            )
-            resumed_optim_settings(self.optimizer, self.scheduler, config)
-            self.policy_update.resume(checkpoint)
-            self.cold_start_done = True
+            self.policy_update.resume(checkpoint, config.optim)
+        self.cold_start_done = checkpoint is not None  # (a checkpoint is past it)
 
         # the stages, and the hooks attached to the update stage
         self.train_prompt_ids, eval_prompt_ids = task_prompt_ids(
             config, self.generator, self.tokenizer, self.policy.module, self.data, say=dist.is_main
         )
-        sampling = SamplingParams(
-            max_new_tokens=config.rollout.max_new_tokens,
-            temperature=config.rollout.temperature,
-            top_p=config.rollout.top_p,
-            stop_token_ids=stop_token_ids(
-                self.tokenizer, self.policy.module, **config.data.chat_template_kwargs
-            ),
+        sampling = sampling_params(
+            config.rollout, self.tokenizer, self.policy.module, config.data.chat_template_kwargs
         )
         scorer = Scorer(self.tokenizer, rewards)
         self.rollout_stage = RolloutStage(
@@ -225,12 +210,11 @@ class Trainer:
         self.checkpoints = Checkpoints(
             out, self.logger, keep=config.train.keep_checkpoints, dist=dist,
             background=config.train.background_checkpoints and not dist.enabled,
+            tokenizer=self.tokenizer,
         )  # fmt: skip
-        self.writer_tokenizer = None  # (the tokenizer background writes save)
         self.profiler = StepProfiler.of_run(config, out, dist)
-        recorded = recorded_config(config, out, self.finished, moved) if dist.is_main else None
-        if recorded is not None:  # (rank 0 alone: a finished run's is read, then written)
-            (out / "config.yaml").write_text(with_run_dir(dump_config_text(recorded), out))
+        if dist.is_main:  # (rank 0 alone: a finished run's is read, then written)
+            record_config(config, out, self.finished, moved)
         if checkpoint is None:  # (resumed in its cold start: its tracker runs have it)
             self.logger.log(0, summary, replayed=resume)
         else:  # (its start's warnings were said then; what the resume changes now)
@@ -309,8 +293,7 @@ class Trainer:
                 self.logger.close(status)
             finally:
                 self.rewards.close()  # the reward.workers processes, if any
-                if (close := getattr(self.sampler.engine, "close", None)) is not None:
-                    close()
+                self.sampler.close()  # (vLLM's engine; the torch engine holds nothing)
                 if quiet and self.step > 0 and self.dist.is_main and self.config.log.plots:
                     plots_so_far(self.output_dir)  # (once the workers and engine are gone)
 
@@ -329,11 +312,10 @@ class Trainer:
         cfg = self.config
         started = False
         if not self.cold_start_done:
-            checkpoints = self.output_dir / CHECKPOINTS
             with out_of_memory("cold_start", cfg):
                 changed = cold_start(
                     cfg, self.policy, self.tokenizer, self.data.sft, self.logger, self.dist,
-                    local_batch=self.local_sft_batch, checkpoints=checkpoints,
+                    local_batch=self.local_sft_batch, checkpoints=self.output_dir / CHECKPOINTS,
                     encode=sft_encoder(cfg, self.tokenizer, self.generator),
                     time_limit=self.time_limit,
                 )  # fmt: skip
@@ -404,7 +386,6 @@ class Trainer:
         print_summary(records)
         if self.time_limit.stopped is not None:
             self.time_limit.record(self.output_dir)
-            print(self.time_limit.line(), file=sys.stderr, flush=True)
         return records
 
     def save_checkpoint(self, model_dir: Path | None = None, *, last: bool = False) -> Path:
@@ -415,12 +396,7 @@ class Trainer:
         it; the run's ``last``: at once); its directory."""
         step = self.step
 
-        def take(copy: bool):
-            tokenizer = self.tokenizer
-            if copy:  # the writer thread's own: a fast tokenizer is not for two threads at once
-                if self.writer_tokenizer is None:
-                    self.writer_tokenizer = deepcopy(self.tokenizer)
-                tokenizer = self.writer_tokenizer
+        def take(copy: bool, tokenizer):
             # beside weights and optimizer: async rollouts' stale weights, skip counts, scale
             extra = {**self.rollouts.checkpoint_files(), **self.policy_update.checkpoint_files()}
             return take_checkpoint(

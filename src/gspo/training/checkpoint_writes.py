@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
+from copy import deepcopy
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +78,7 @@ class Checkpoints:
         keep: int,
         dist: Distributed,
         background: bool,
+        tokenizer: Any = None,
     ):
         if background and dist.enabled:
             raise ValueError("background checkpoints are for a single process (one rank)")
@@ -88,16 +90,24 @@ class Checkpoints:
         self.pending: _Write | None = None
         self.held: list[tuple[int, Mapping[str, Any]]] = []
         self.longest_s = 0.0  # the longest a checkpoint took (its snapshot and write)
+        self.tokenizer = tokenizer  # the run's, saved in each checkpoint
+        self._writer_tokenizer: Any = None  # the writer thread's copy of it
 
-    def save(self, take: Callable[[bool], CheckpointState], *, last: bool = False) -> Path:
-        """Wait for the previous write, then ``take(copy)`` this step's checkpoint and write
-        it (in the background, or now). ``last``: nothing trains after it, so it is written
-        now from the live tensors (a copy would only add its own time to the wait). Its
-        directory."""
+    def save(self, take: Callable[[bool, Any], CheckpointState], *, last: bool = False) -> Path:
+        """Wait for the previous write, then ``take(copy, tokenizer)`` this step's
+        checkpoint and write it (in the background, or now). ``last``: nothing trains after
+        it, so it is written now from the live tensors (a copy would only add its own time
+        to the wait). A background write saves a copy of the tokenizer: a fast tokenizer is
+        not for two threads at once. Its directory."""
         self.wait()
         background = self.background and not last
+        tokenizer = self.tokenizer
+        if background and tokenizer is not None:
+            if self._writer_tokenizer is None:
+                self._writer_tokenizer = deepcopy(tokenizer)
+            tokenizer = self._writer_tokenizer
         start = time.perf_counter()
-        state = take(background)
+        state = take(background, tokenizer)
         write = _Write(state, time.perf_counter() - start)
         if not background:
             write.run(self.dist)

@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
+from gspo.chat import stop_token_ids
 from gspo.config import AlgorithmConfig, Config
+from gspo.config.rollout import RolloutConfig
 from gspo.distributed import Distributed, rank_said
 from gspo.engines import RolloutBatch, SamplingParams
 from gspo.objectives import group_advantages, rollout_correction
@@ -41,6 +43,19 @@ from gspo.training.reference import Reference
 from gspo.training.sampler import Generated, Generator, Sampler
 from gspo.training.seeds import derive_seed, rank_seed
 from gspo.training.update import Experience
+
+
+def sampling_params(
+    rollout: RolloutConfig, tokenizer, model: torch.nn.Module, chat_template_kwargs: dict
+) -> SamplingParams:
+    """What every generation of the run samples with (training rollouts and evaluation):
+    ``rollout``'s settings, and the stop tokens the chat template ends a turn with."""
+    return SamplingParams(
+        max_new_tokens=rollout.max_new_tokens,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        stop_token_ids=stop_token_ids(tokenizer, model, **chat_template_kwargs),
+    )
 
 
 def column_batch(rows: list[dict[str, Any]], repeat: int) -> dict[str, list[Any]]:

@@ -138,6 +138,11 @@ class PolicySampler:
                 push_weights(self.engine, self.policy.replica())
                 self.version = self.policy.version
 
+    def close(self) -> None:
+        """Shut the engine down, if it has processes or memory of its own to let go (vLLM's)."""
+        if (close := getattr(self.engine, "close", None)) is not None:
+            close()
+
     def generate(
         self, prompts: list[list[int]], *, n: int, params: SamplingParams, seed: int
     ) -> RolloutBatch:

@@ -16,6 +16,7 @@ from gspo.config import (
     Config,
     DataConfig,
     changed_settings,
+    dump_config_text,
     flat_settings,
     load_config,
 )
@@ -36,7 +37,7 @@ from gspo.moe import (
     set_experts_implementation,
     unhandled_router,
 )
-from gspo.moved import model_not_found, moved_path
+from gspo.moved import model_not_found, moved_path, with_run_dir
 from gspo.plugins import absolute_spec
 from gspo.rewards import RewardFunctions
 from gspo.rewards.parsing import cell_text, completion_text
@@ -257,22 +258,6 @@ def rl_optimizer(
     return optimizer, scheduler
 
 
-def resumed_optim_settings(
-    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, config: Config
-) -> None:
-    """A resumed run's optimizer with the config's ``optim.*``: loading its state put back
-    the learning rate, betas and weight decay it was saved with, so an override on
-    ``--resume`` was recorded in config.yaml and ignored. The rate is the schedule's at the
-    step reached (unchanged settings: the very values loaded)."""
-    optim = config.optim
-    scheduler.base_lrs = [optim.lr] * len(optimizer.param_groups)
-    for group, rate in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
-        group["initial_lr"] = optim.lr
-        group["lr"] = optim.lr * rate(scheduler.last_epoch)
-        group["betas"] = tuple(optim.betas)
-        group["weight_decay"] = optim.weight_decay
-
-
 def local_shares(config: Config, dist: Distributed) -> tuple[int, int]:
     """This rank's shares of the global batch sizes (``rollout.prompts_per_batch``,
     ``train.cold_start_batch_size``); one-line errors if they do not divide, or if a rank
@@ -348,19 +333,21 @@ def with_absolute_paths(
     return config.model_copy(update=sections) if sections else config
 
 
-def recorded_config(
+def record_config(
     config: Config, output_dir: Path, finished: bool, moved: Callable[[Path], Path | None] | None
-) -> Config | None:
-    """What the run's config.yaml is to record now: ``config``; for a finished run resumed,
-    what it trained with, kept (None), unless its model was moved since (a resume's
+) -> None:
+    """Write the run's config.yaml (rank 0): ``config``; for a finished run resumed, what it
+    trained with, kept as it is, unless its model was moved since (a resume's
     ``model.path=NEW``, :func:`gspo.runs.relocated`): then that, where the model is now."""
-    if not finished:
-        return config
-    kept = with_absolute_paths(load_config(output_dir / "config.yaml"), moved)
-    if kept.model.path == config.model.path:
-        return None
-    model = kept.model.model_copy(update={"path": config.model.path})
-    return kept.model_copy(update={"model": model})
+    recorded = config
+    if finished:
+        recorded = with_absolute_paths(load_config(output_dir / "config.yaml"), moved)
+        if recorded.model.path == config.model.path:
+            return
+        model = recorded.model.model_copy(update={"path": config.model.path})
+        recorded = recorded.model_copy(update={"model": model})
+    text = with_run_dir(dump_config_text(recorded), output_dir)
+    (output_dir / "config.yaml").write_text(text)
 
 
 #: What a resume may change without a word: how the run is logged, kept and written, and

@@ -13,6 +13,7 @@ clock decides for every rank.
 from __future__ import annotations
 
 import re
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -99,10 +100,12 @@ class TimeLimit:
         return bool(self.dist.gather_objects(stop)[0])
 
     def record(self, run_dir: Path) -> None:
-        """Say in :data:`STOPPED_FILE` that the run stopped here (rank 0)."""
+        """Say that the run stopped here: in :data:`STOPPED_FILE` (for a requeued job's
+        script) and as the run's last line, on stderr (rank 0)."""
         from gspo.publish import write_atomic
 
         write_atomic(run_dir / STOPPED_FILE, self.line() + "\n")
+        print(self.line(), file=sys.stderr, flush=True)
 
     @staticmethod
     def going_on(run_dir: Path) -> None:

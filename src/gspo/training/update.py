@@ -17,10 +17,12 @@ from pathlib import Path
 import torch
 
 from gspo.config import AlgorithmConfig
+from gspo.config.algorithm import OptimConfig
 from gspo.distributed import whole
 from gspo.engines import RolloutBatch
 from gspo.models import to_device
 from gspo.objectives import PolicyLoss, policy_loss, read_scalars
+from gspo.training.checkpoint import load_checkpoint
 from gspo.training.metrics import timed
 from gspo.training.policy import PlainForward, Policy, RoutedForward
 
@@ -183,6 +185,23 @@ def step_if_finite(
     return bad, bad
 
 
+def resumed_optim_settings(
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    optim: OptimConfig,
+) -> None:
+    """A resumed run's optimizer with the config's ``optim.*``: loading its state put back
+    the learning rate, betas and weight decay it was saved with, so an override on
+    ``--resume`` was recorded in config.yaml and ignored. The rate is the schedule's at the
+    step reached (unchanged settings: the very values loaded)."""
+    scheduler.base_lrs = [optim.lr] * len(optimizer.param_groups)
+    for group, rate in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+        group["initial_lr"] = optim.lr
+        group["lr"] = optim.lr * rate(scheduler.last_epoch)
+        group["betas"] = tuple(optim.betas)
+        group["weight_decay"] = optim.weight_decay
+
+
 #: A checkpoint's skipped-update counts and float16 loss scale, where they are not the
 #: defaults (:meth:`PolicyUpdate.checkpoint_files`).
 UPDATE_STATE = "update_state.pt"
@@ -221,8 +240,12 @@ class PolicyUpdate:
         counts = {"skipped": self.skipped, "skipped_in_a_row": self.skipped_in_a_row}
         return {UPDATE_STATE: {**counts, "loss_scale": scale}}
 
-    def resume(self, checkpoint: Path) -> None:
-        """The counts and loss scale from ``checkpoint`` (the defaults where it has none)."""
+    def resume(self, checkpoint: Path, optim: OptimConfig) -> None:
+        """The weights, optimizer, schedule and step from ``checkpoint``, the optimizer with
+        ``optim``'s settings (:func:`resumed_optim_settings`), then the skipped-update
+        counts and loss scale (the defaults where it has none)."""
+        self.step = load_checkpoint(checkpoint, self.policy, self.optimizer, self.scheduler)
+        resumed_optim_settings(self.optimizer, self.scheduler, optim)
         if not (checkpoint / UPDATE_STATE).is_file():
             return
         state = torch.load(checkpoint / UPDATE_STATE, weights_only=True)
