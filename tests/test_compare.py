@@ -745,7 +745,10 @@ def test_the_report_gives_moe_expert_churn_and_one_reward_point_per_rollout_batc
     tmp_path, monkeypatch
 ):
     """An MoE compare said nothing of the routing (moe/expert_change_fraction was in every
-    run's metrics); the reward drew one point per minibatch line of a batch."""
+    run's metrics); the reward drew one point per minibatch line of a batch. The churn of
+    minibatch k is k + 1 updates' change since the rollout: the report gives minibatch 0's
+    (one update) and the last minibatch's, not the mean over every line, which it called
+    the change per step (2.5x one update's here, with 4 minibatches)."""
     from gspo.experiments.report import write_report
     from gspo.experiments.summary import Run
     from gspo.telemetry import plots
@@ -777,8 +780,10 @@ def test_the_report_gives_moe_expert_churn_and_one_reward_point_per_rollout_batc
         result = write_report(runs, out)
         md = (out / "report.md").read_text()
         if moe:
-            assert result["algorithms"]["GRPO"]["expert_change"] == pytest.approx(0.09)
-            assert "| GSPO | 0.0450 |" in md and "| GRPO | 0.0900 |" in md
+            # steps 1 and 5 are minibatch 0, steps 4 and 8 minibatch 3: churn x 3 and x 6
+            assert result["algorithms"]["GRPO"]["expert_change"] == pytest.approx(0.06)
+            assert result["algorithms"]["GRPO"]["expert_change_all"] == pytest.approx(0.12)
+            assert "| GSPO | 0.0300 | 0.0600 |" in md and "| GRPO | 0.0600 | 0.1200 |" in md
             assert "plots/expert_change.png" in md and (out / "plots/expert_change.png").is_file()
         else:
             assert "## MoE routing" not in md and "expert_change.png" not in md

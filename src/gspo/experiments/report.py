@@ -56,9 +56,10 @@ def write_report(
         ("Training reward vs run time", plot_bands(
             batches, "train/reward_mean", plots / "reward_time.png", x="elapsed",
             title="Training reward")),
-        ("MoE expert change: the fraction of expert choices each optimizer step changed",
+        ("MoE expert change: the fraction of expert choices changed since the rollout, after "
+         "each optimizer step (minibatch k: k + 1 updates)",
          plot_bands(trains, CHURN, plots / "expert_change.png", logy=True,
-                    title="Expert choices changed per optimizer step")),
+                    title="Expert choices changed since the rollout")),
         ("Fraction of clipped tokens per rollout batch (the paper's Figure 2)", plot_bands(
             {name: [per_rollout(x, "train/clip_fraction") for x in recs]
              for name, recs in trains.items()},
@@ -182,16 +183,21 @@ def report_markdown(
             "",
             "## MoE routing",
             "",
-            f"`{CHURN}`: the fraction of the sampled tokens' expert choices that an "
-            "optimizer step changed (its minibatch's tokens routed again after the step), "
-            "mean over the steps, then over seeds. With `moe.routing_replay` the update "
-            "still routes as the rollout did; the churn is what it replays over.",
+            f"`{CHURN}`: after the optimizer step on minibatch k, the fraction of its "
+            "tokens' expert choices that differ from the rollout's (routed again after the "
+            "step: k + 1 updates since the rollout). *One update* is minibatch 0 (the paper's "
+            "figure), *all updates* a rollout batch's last minibatch; means over the rollout "
+            "batches, then over seeds. With `moe.routing_replay` the update still routes as "
+            "the rollout did; the churn is what it replays over.",
             "",
-            "| algorithm | expert choices changed per step |",
-            "|---|---|",
+            "| algorithm | changed after one update | after all updates |",
+            "|---|---|---|",
         ]
         for name, s in summary.items():
-            lines.append(f"| {name} | {cell(s.get('expert_change', math.nan), '.4f')} |")
+            one, every = (
+                cell(s.get(k, math.nan), ".4f") for k in ("expert_change", "expert_change_all")
+            )
+            lines.append(f"| {name} | {one} | {every} |")
     if any(s.get("episodes") for s in summary.values()):
         lines += [
             "",

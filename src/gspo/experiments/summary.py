@@ -33,7 +33,8 @@ class Run:
     records: list[dict[str, Any]]
 
 
-#: An MoE run's expert churn: the fraction of expert choices an optimizer step changed.
+#: An MoE run's expert churn: after the step on minibatch k, the fraction of its tokens'
+#: expert choices that differ from the rollout's (k + 1 updates since pi_old).
 CHURN = "moe/expert_change_fraction"
 
 
@@ -188,6 +189,16 @@ def spread_by_length(dumps: Mapping[str, torch.Tensor]) -> list[dict[str, float]
     return rows
 
 
+def _churn_after(records: Sequence[Mapping[str, Any]], *, first: bool) -> float:
+    """Mean :data:`CHURN` over a run's rollout batches after one update (minibatch 0,
+    ``first``) or after all of a batch's updates (its last minibatch); NaN without any."""
+    lines = [x for x in train_lines(records) if _finite(x.get(CHURN))]
+    last = max((int(x.get("train/minibatch", 0)) for x in lines), default=0)
+    k = 0 if first else last
+    values = [x[CHURN] for x in lines if int(x.get("train/minibatch", 0)) == k]
+    return statistics.fmean(values) if values else math.nan
+
+
 def algorithm_summary(runs: Sequence[Run]) -> dict[str, Any]:
     """Across the seeds of one algorithm: final accuracies, clip fraction, time, spreads."""
     finals = [final_eval(r.records) for r in runs]
@@ -202,12 +213,11 @@ def algorithm_summary(runs: Sequence[Run]) -> dict[str, Any]:
         ]
         rewards.append(statistics.fmean(tail) if tail else math.nan)
     seconds = [(with_elapsed(r.records)[-1]["elapsed"] if r.records else math.nan) for r in runs]
-    # an MoE model's routing changed by each optimizer step (the paper's expert churn)
-    churn = [
-        statistics.fmean(values) if values else math.nan
-        for r in runs
-        for values in [[x[CHURN] for x in train_lines(r.records) if _finite(x.get(CHURN))]]
-    ]
+    # an MoE model's routing changed by one update (minibatch 0: the paper's expert churn)
+    # and by all of a rollout batch's (its last minibatch): each line is the change since
+    # the rollout, k + 1 updates on minibatch k, so a mean over every line is neither
+    churn = [_churn_after(r.records, first=True) for r in runs]
+    churn_all = [_churn_after(r.records, first=False) for r in runs]
     cosine_dumps = [d for r in runs for d in load_gradient_cosines(r.path)]
     dumps = [load_ratio_dumps(r.path) for r in runs]
     pooled = {k: torch.cat([d[k] for d in dumps]) for k in dumps[0]} if dumps else {}
@@ -236,6 +246,7 @@ def algorithm_summary(runs: Sequence[Run]) -> dict[str, Any]:
         "clip_fraction_per_seed": clips,
         "seconds": mean_std(seconds)[0],
         "expert_change": mean_std(churn)[0],
+        "expert_change_all": mean_std(churn_all)[0],
         "mean_response_length": (
             pooled["length"].float().mean().item()
             if pooled and pooled["length"].numel()
