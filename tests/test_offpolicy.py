@@ -528,3 +528,19 @@ def test_recomputed_pi_old_makes_the_first_minibatch_exactly_on_policy_under_bf1
     assert first["train/minibatch"] == 0
     assert first["train/ratio_min"] == first["train/ratio_max"] == 1.0, first
     assert first["train/clip_fraction"] == 0.0
+
+
+def test_ratio_dumps_with_an_entropy_bonus(tmp_path):
+    """The gradient cosines of a ratio dump take the run's loss: with
+    algorithm.entropy_coef > 0 they called it without the entropy, and the first dump
+    stopped the run ("entropy_coef is non-zero but entropy is None") after its cold start."""
+    overrides = [
+        *CHAIN, *RECOMPUTE_GRPO, "train.max_steps=1", "algorithm.minibatches=1",
+        "algorithm.entropy_coef=0.01", "eval.every=0", "log.ratio_dump_every=1",
+    ]  # fmt: skip
+    trainer = Trainer(load_config(None, overrides), tmp_path / "run")
+    experience = trainer.rollout_stage.experience(0)
+    trainer.update_stage.train(experience, 0)
+    dump = torch.load(tmp_path / "run" / "ratios" / "rollout-000000.pt")
+    assert dump["cosine_halves"].numel() > 0
+    assert torch.isfinite(dump["cosine_full_to_on_policy"])

@@ -394,6 +394,7 @@ def gradient_cosines(
     routing replay on MoE models).
     """
     batch = experience.batch
+    bonus = objective.algorithm.entropy_coef != 0
     params = [p for p in policy.module.parameters() if p.requires_grad]
     halves = length_halves(batch.action_mask.sum(-1).cpu(), generator=generator)
     off, on, counts = [], [], []
@@ -406,11 +407,16 @@ def gradient_cosines(
                 pair_counts.append(0)
                 continue
             mb = experience.view(rows_cpu)
-            lp = policy.logprobs(mb.batch)
+            # the run's loss: with an entropy bonus, the entropy (with gradient) too
+            lp, entropy = (
+                policy.logprobs(mb.batch, with_entropy=True)
+                if bonus
+                else (policy.logprobs(mb.batch), None)
+            )
             mb = replace(mb, ref_logprobs=reference.logprobs(mb.batch))  # on this layout
             grads = []
             for old in (mb.old_logprobs, lp.detach()):
-                out = objective.loss(replace(mb, old_logprobs=old), lp)
+                out = objective.loss(replace(mb, old_logprobs=old), lp, entropy)
                 g = torch.autograd.grad(out.loss, params, retain_graph=True, allow_unused=True)
                 grads.append(flatten(list(g), params))
             pair_off.append(grads[0])
