@@ -655,3 +655,23 @@ def test_a_moe_family_whose_router_is_not_handled_is_said(tokenizer, tmp_path, c
     assert unhandled_router(build_tiny_model(MOE, tokenizer, seed=0)) is None
     dense = TinyModelSpec(layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64)
     assert unhandled_router(build_tiny_model(dense, tokenizer, seed=0)) is None
+
+
+@pytest.mark.slow
+def test_expert_churn_under_lora_dropout_is_the_weights_change_only(tmp_path, varied_reward):
+    """With LoRA dropout the churn's forward drew its own dropout masks, while pi_old's
+    routing was recorded under the update's (Policy.same_dropout): adapters whose inputs
+    were dropped otherwise routed tokens elsewhere, logged as churn that no weight change
+    made. At a learning rate that moves no router, the churn is 0."""
+    overrides = [
+        *FAST_MOE, varied_reward, "model.lora.r=4", "model.lora.dropout=0.5",
+        "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]", "optim.lr=1e-12",
+    ]  # fmt: skip
+    trainer = Trainer(load_config(None, overrides), tmp_path / "run")
+    with torch.no_grad():  # adapters that matter: lora_B starts at 0, dropout or not
+        for name, p in trainer.policy.module.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(0))
+    lines = trainer.rl_step(0)
+    assert len(lines) == 4  # (FAST_MOE's 4 minibatches)
+    assert [line["moe/expert_change_fraction"] for _, line in lines] == [0.0] * 4

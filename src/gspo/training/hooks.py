@@ -246,6 +246,7 @@ class ExpertChurn(Hook):
     model's own routing, against the routing recorded under pi_old. After the minibatch-k
     step that is ``k + 1`` updates since the rollout. Counted: the response tokens
     (completion tokens under the mask); prompt tokens, padding and packing filler are not.
+    With LoRA dropout the forward drops the inputs pi_old's routing was recorded under.
     """
 
     def __init__(self, policy: Policy):
@@ -261,6 +262,9 @@ class ExpertChurn(Hook):
         start = time.perf_counter()
         old = experience.routing[mb.k]
         assert old is not None, "a minibatch's routing is recorded by its forward at the latest"
+        # LoRA dropout: the masks pi_old's routing was recorded under (those of the update's
+        # forward of these rows), or dropped adapter inputs would count as churn
+        self.policy.same_dropout(mb.k)
         churn = self.churn(mb.batch, old)
         churn["time/moe_churn"] = time.perf_counter() - start
         return churn
