@@ -368,8 +368,8 @@ def rollout_correction(
 
     ``low``/``high`` default to :data:`DEFAULT_CORRECTION_BOUNDS`. Shapes ``[B, T]``;
     masked positions may hold any value. Metrics: ``weight_mean/min/max`` (``c_{i,t}``
-    over counted tokens for the token modes, the geometric-mean weight per response for
-    ``sequence_mask`` and ``none``), ``masked_token_fraction`` (counted tokens dropped)
+    for token_tis, ``rho_{i,t}`` for token_mask, over counted tokens; per response the
+    geometric mean otherwise), ``masked_token_fraction`` (counted tokens dropped)
     and ``masked_sequence_fraction`` (responses that lost at least one token).
     """
     if mode not in CORRECTIONS:
