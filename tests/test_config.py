@@ -203,22 +203,6 @@ def test_rules_run_in_a_fixed_order(overrides, first):
     assert str(info.value).startswith(first), str(info.value)
 
 
-def test_activation_checkpointing_refuses_routing_replay_only():
-    """The backward's recompute of a block would route by the current router, not by the
-    replayed experts (torch's checkpoint then finds other tensors saved: CheckpointError)."""
-    moe = ["model.builtin=qwen3_moe", "model.activation_checkpointing=true"]
-    with pytest.raises(ConfigError) as info:
-        load_config(overrides=[*moe, "moe.routing_replay=true"])
-    assert str(info.value).startswith(
-        "model.activation_checkpointing needs moe.routing_replay=false (the backward "
-        "recomputes each layer after the replayed routing is gone, routing it anew)"
-    )
-    config = load_config(
-        overrides=[*moe, "moe.measure_churn=true", "moe.router_aux_loss_coef=0.01"]
-    )
-    assert config.model.activation_checkpointing and not config.moe.routing_replay
-
-
 def test_output_dir_has_help_text():
     from gspo.cli import build_parser
 

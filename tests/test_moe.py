@@ -675,3 +675,21 @@ def test_expert_churn_under_lora_dropout_is_the_weights_change_only(tmp_path, va
     lines = trainer.rl_step(0)
     assert len(lines) == 4  # (FAST_MOE's 4 minibatches)
     assert [line["moe/expert_change_fraction"] for _, line in lines] == [0.0] * 4
+
+
+@pytest.mark.slow
+def test_routing_replay_with_activation_checkpointing(tmp_path, varied_reward):
+    """Refused before: the replay ended with the forward, so the backward's recompute of
+    each checkpointed layer routed anew (torch's CheckpointError once the routers moved).
+    The replay now lasts through the backward: the same losses and gradient norms as
+    without checkpointing, minibatch for minibatch, while the routers do move (lr 3e-2)."""
+    common = [*FAST_MOE, varied_reward, "moe.routing_replay=true", "algorithm.level=token"]
+    runs = {}
+    for on in (False, True):
+        config = load_config(None, [*common, f"model.activation_checkpointing={on}"])
+        runs[on] = [line for _, line in Trainer(config, tmp_path / f"ckpt{on}").rl_step(0)]
+    assert len(runs[True]) == 4
+    for plain, checkpointed in zip(runs[False], runs[True], strict=True):
+        for key in ("train/loss", "train/grad_norm", "moe/expert_change_fraction"):
+            assert checkpointed[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-7), key
+    assert max(line["moe/expert_change_fraction"] for line in runs[True]) > 0

@@ -172,13 +172,3 @@ def moe_model(model: ModelConfig, moe: MoEConfig) -> None:
             f"{key} needs a MoE model (model.builtin=qwen3_moe or a MoE model.path); "
             "model.builtin=qwen3 is dense"
         )
-
-
-def checkpointing_replay(model: ModelConfig, moe: MoEConfig) -> None:
-    """Routing Replay swaps the routers' forward for the training forward only: the
-    backward's recompute of a checkpointed layer would route by the current router."""
-    if model.activation_checkpointing and moe.routing_replay:
-        raise ValueError(
-            "model.activation_checkpointing needs moe.routing_replay=false (the backward "
-            "recomputes each layer after the replayed routing is gone, routing it anew)"
-        )

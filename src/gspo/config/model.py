@@ -205,7 +205,7 @@ class MoEConfig(Section):
     routing_replay: bool = Field(
         False,
         description="Compute pi_theta for the ratio through the experts pi_old chose "
-        "(needs rollout.max_staleness=0 and model.activation_checkpointing=false)",
+        "(needs rollout.max_staleness=0)",
     )
     measure_churn: bool | None = Field(
         None,

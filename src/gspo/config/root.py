@@ -15,7 +15,6 @@ from pydantic import Field, model_validator
 from gspo.config.algorithm import AlgorithmConfig, OptimConfig
 from gspo.config.checks import (
     chain_reward,
-    checkpointing_replay,
     correction_lora_dropout,
     environment_reward_workers,
     lora_cold_start,
@@ -84,7 +83,6 @@ class Config(Section):
         vllm_lora_sync(rollout, model.lora)
         model.lora.check_targets()
         moe_model(model, self.moe)
-        checkpointing_replay(model, self.moe)
         self.train.check_time_limit()
         return self
 

@@ -339,6 +339,9 @@ class PlainForward:
         logprobs, entropy = self.policy.logprobs(batch, with_entropy=self.entropy)
         return logprobs, entropy, None
 
+    def release(self) -> None:
+        """After the update's backward: nothing is held (:meth:`RoutedForward.release`)."""
+
 
 class RoutedForward:
     """Records each minibatch's routing under pi_old; replays it when ``replay``.
@@ -365,6 +368,15 @@ class RoutedForward:
         self.aux_coef = aux_coef
         self.first_from_update = first_from_update  # (build_forward: only with recompute)
         self.entropy = entropy  # pi_theta's entropies: with a gradient, or as a metric
+        self.replaying = contextlib.ExitStack()  # the replay of the last forward, until release
+
+    def release(self) -> None:
+        """After the update's backward: the replay of :meth:`logprobs` ends. It is held
+        until then because with ``model.activation_checkpointing`` the backward runs each
+        layer again, whose routers must replay the same experts (else they route anew:
+        torch's CheckpointError, or other gradients)."""
+        self.replaying.close()
+        self.replaying = contextlib.ExitStack()
 
     def old_logprobs(
         self, batch: RolloutBatch, minibatches: list[torch.Tensor]
@@ -423,8 +435,8 @@ class RoutedForward:
                 recorder = stack.enter_context(capture_routing(self.policy.module))
                 out = self.policy.logprobs(batch, with_entropy=self.entropy)
                 routing[k] = recorder.experts
-            elif self.replay:
-                stack.enter_context(replay_routing(self.policy.module, routing[k]))
+            elif self.replay:  # (held through the backward: :meth:`release`)
+                self.replaying.enter_context(replay_routing(self.policy.module, routing[k]))
                 out = self.policy.logprobs(batch, with_entropy=self.entropy)
             else:
                 out = self.policy.logprobs(batch, with_entropy=self.entropy)

@@ -369,10 +369,15 @@ class UpdateStage:
         with timed(took, "time/train"):
             mb = experience.minibatch(k)
             self.update.policy.same_dropout(k)  # the masks of pi_old's recompute of these rows
-            logprobs, entropy, router_loss = self.forward.logprobs(mb.batch, k, experience.routing)
-            if experience.unsettled is not None:  # minibatch 0: this forward is pi_old's too
-                mb = experience.settle(logprobs.detach())
-            line = self.update.apply(self.objective.loss(mb, logprobs, entropy), router_loss)
+            try:  # (a replayed routing lasts through the backward: RoutedForward.release)
+                logprobs, entropy, router_loss = self.forward.logprobs(
+                    mb.batch, k, experience.routing
+                )
+                if experience.unsettled is not None:  # minibatch 0: this forward is pi_old's too
+                    mb = experience.settle(logprobs.detach())
+                line = self.update.apply(self.objective.loss(mb, logprobs, entropy), router_loss)
+            finally:
+                self.forward.release()
         line["train/minibatch"] = k
         line["train/rollout"] = experience.index
         line.update(took)
