@@ -487,6 +487,21 @@ def test_compare_writes_the_report_and_reuses_finished_runs(tmp_path, tiny):
     assert ", the 1 run " in md  # ("the 1 runs" before)
 
 
+def test_the_report_names_the_config_file_its_runs_read(tmp_path, tiny):
+    """A compare given --config wrote "Produced by gspo compare (preset default, override
+    ...)": the report named the overrides alone, as if the rest were the defaults."""
+    config = tmp_path / "mine.yaml"
+    config.write_text("train:\n  max_steps: 2\n")
+    out = tmp_path / "cmp"
+    compare(config, tiny, out, seeds=(0,), log=[].append, algorithms=("GSPO",))
+    md = (out / "report.md").read_text()
+    assert md.count(f"(preset `default`, config `{config}`, override `{CPU}`") == 1
+    assert json.loads((out / "summary.json").read_text())["config"] == str(config)
+    compare(None, [*tiny, "train.max_steps=2"], tmp_path / "plain", seeds=(0,), log=[].append,
+            algorithms=("GSPO",))  # fmt: skip
+    assert "config `" not in (tmp_path / "plain" / "report.md").read_text()
+
+
 def test_compare_after_bad_input_and_after_edited_files(tmp_path, tiny, monkeypatch):
     """A compare stopped by bad input (a misspelt reward function) recorded its request
     first, and refused the corrected command into the same directory as "made with other

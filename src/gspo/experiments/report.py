@@ -33,9 +33,11 @@ def write_report(
     cold_start_seconds: float = math.nan,
     overrides: Sequence[str] = (),
     trained_on: str = "unknown",
+    config: Path | None = None,
 ) -> dict[str, Any]:
     """Plots, ``report.md``, ``report.html`` and ``summary.json`` under ``out``;
-    ``trained_on``: the commits and machines the runs were trained with."""
+    ``trained_on``: the commits and machines the runs were trained with; ``config``: the
+    ``--config`` file the runs read (the report named the overrides alone)."""
     by_algo: dict[str, list[Run]] = {}
     for r in runs:
         by_algo.setdefault(r.algorithm, []).append(r)
@@ -98,6 +100,7 @@ def write_report(
         s.pop("ratio_dumps")
     result = {
         "preset": preset,
+        "config": None if config is None else str(config),
         "overrides": list(overrides),
         "trained_on": trained_on,
         "seconds": seconds,
@@ -147,6 +150,7 @@ def report_markdown(
         "# " + " vs ".join(summary),
         "",
         f"Produced by `gspo compare` (preset `{result['preset']}`"
+        + (f", config `{result['config']}`" if result.get("config") else "")
         + "".join(f", override `{o}`" for o in result.get("overrides", []))
         + ", seeds "
         f"{', '.join(map(str, seeds))}). Time: the shared cold start "

@@ -552,6 +552,7 @@ def _compare(
         seconds=time.perf_counter() - start,
         cold_start_seconds=cold_start_seconds(out / COLD_START),
         overrides=overrides,
+        config=config_path,
         trained_on=provenance([out / COLD_START, *run_dirs.values()]),
     )
     log(f"report written to {out / 'report.md'} and {out / 'report.html'}")
