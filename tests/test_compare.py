@@ -502,6 +502,28 @@ def test_the_report_names_the_config_file_its_runs_read(tmp_path, tiny):
     assert "config `" not in (tmp_path / "plain" / "report.md").read_text()
 
 
+def test_a_run_that_lost_its_metrics_is_refused_before_anything_trains(tmp_path, tiny, capsys):
+    """A compared run with checkpoints but no metrics.jsonl (its report's records) stopped,
+    after the runs before it had trained, with the trainer's advice for Python (resume=True,
+    overwrite=True), which gspo compare has not."""
+    out = tmp_path / "cmp"
+    compare(None, tiny, out, seeds=(0, 1), log=[].append, algorithms=("GSPO",))
+    (out / "runs" / "gspo-seed1" / "metrics.jsonl").unlink()
+    before = (out / "runs" / "gspo-seed0" / "metrics.jsonl").read_text()
+    messages: list[str] = []
+    with pytest.raises(ValueError) as error:
+        compare(None, tiny, out, seeds=(0, 1), log=messages.append, algorithms=("GSPO",))
+    assert str(error.value) == (
+        f"{out / 'runs' / 'gspo-seed1'} has checkpoints but no metrics.jsonl, the records its "
+        "report is made of: delete it to redo it"
+    )
+    assert messages == []  # nothing reused, resumed or trained first
+    assert (out / "runs" / "gspo-seed0" / "metrics.jsonl").read_text() == before
+    shutil.rmtree(out / "runs" / "gspo-seed1")  # as the line says: then it is redone
+    compare(None, tiny, out, seeds=(0, 1), log=messages.append, algorithms=("GSPO",))
+    assert f"  training {out / 'runs' / 'gspo-seed1'}" in messages
+
+
 def test_compare_after_bad_input_and_after_edited_files(tmp_path, tiny, monkeypatch):
     """A compare stopped by bad input (a misspelt reward function) recorded its request
     first, and refused the corrected command into the same directory as "made with other

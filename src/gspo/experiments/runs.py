@@ -288,18 +288,35 @@ def run_or_reuse(
 ) -> list[dict[str, Any]]:
     """Train ``config`` into ``run_dir``; reuse a finished run, resume an interrupted one,
     each only when it was made with the same settings (:func:`write_request`)."""
-    from gspo.trainer import Trainer, latest_checkpoint
+    from gspo.trainer import Trainer
 
     unchanged_requests({run_dir: config}, root)
     if finished(run_dir, config.train.max_steps):
         log(f"  reusing {run_dir}")
         return read_metrics(run_dir / "metrics.jsonl")
-    resume = latest_checkpoint(run_dir) is not None and (run_dir / "metrics.jsonl").is_file()
+    resume = resumable(run_dir)
     log(f"  {'resuming' if resume else 'training'} {run_dir}")
     with Trainer(in_trackers(config, run_dir, root), run_dir, resume=resume) as trainer:
         write_request(config, run_dir, root)
         record_provenance(run_dir)  # (once it starts)
         return trainer.fit()
+
+
+def resumable(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a run to resume (False: nothing to resume); one line where
+    it has checkpoints but lost its ``metrics.jsonl`` (the trainer's refusal advised
+    ``resume=True`` or ``overwrite=True``, which compare has not; a resume would report
+    the steps trained after it alone)."""
+    from gspo.trainer import latest_checkpoint
+
+    if latest_checkpoint(run_dir) is None:
+        return False
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise ValueError(
+            f"{run_dir} has checkpoints but no metrics.jsonl, the records its report is "
+            "made of: delete it to redo it"
+        )
+    return True
 
 
 def in_trackers(config: Config, run_dir: Path, root: Path | None) -> Config:
@@ -539,6 +556,9 @@ def _compare(
         },
         out,
     )
+    for key, config in configs.items():  # (before anything trains, as the requests are)
+        if not finished(run_dirs[key], config.train.max_steps):
+            resumable(run_dirs[key])
     cold_start_checkpoint(base, config_path, out, log)
     runs = []
     for (name, seed), config in configs.items():
