@@ -185,6 +185,25 @@ def test_gradient_cosines_pool_buckets_by_rank():
     assert len(cosines_by_length(tie)) == len(cosines_by_length(tie[::-1])) == 3
 
 
+def test_a_dump_whose_gradient_was_zero_is_not_counted_in_the_gradient_noise_table():
+    """A rollout batch of flat rewards (every advantage 0) has no gradient: its cosines
+    are NaN. The table's row still counted it ("dumps 2" beside a mean of one dump with no
+    standard error) and averaged its lengths into the bucket's mean length."""
+    nan = float("nan")
+
+    def dump(cosine, length_mean):
+        return {"cosine_to_full": torch.tensor([cosine]), "cosine_halves": torch.tensor([cosine]),
+                "cosine_to_on_policy": torch.tensor([cosine]),
+                "cosine_length_mean": torch.tensor([length_mean])}  # fmt: skip
+
+    (row,) = cosines_by_length([dump(nan, 3.75), dump(0.84, 3.1875)])
+    assert row["dumps"] == 1 and row["to_full"] == pytest.approx(0.84)
+    assert row["length_mean"] == pytest.approx(3.1875)
+    (row,) = cosines_by_length([dump(nan, 3.75), dump(nan, 3.25)])  # none measured
+    assert row["dumps"] == 0 and math.isnan(row["to_full"])
+    assert row["length_mean"] == pytest.approx(3.5)
+
+
 def test_gradient_noise_notes_compare_the_length_trend():
     def algo(short, long, se=0.02):
         def row(value, length):

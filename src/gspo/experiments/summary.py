@@ -147,7 +147,8 @@ def cosines_by_length(dumps: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[
     A dump's buckets are its own rollout batch's length quartiles, so bucket ``b`` is
     pooled by rank; dumps with another count of buckets than the most common (fewer: ties
     in length) are left out; of two counts as common, the larger is kept (the same
-    choice whatever the order of the dumps).
+    choice whatever the order of the dumps). ``dumps`` and ``length_mean`` are of the
+    dumps that measured the bucket (some cosine computed; none did: every dump's length).
     """
     counts = [len(d["cosine_to_full"]) for d in dumps]
     if not counts:
@@ -156,9 +157,13 @@ def cosines_by_length(dumps: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[
     kept = [d for d in dumps if len(d["cosine_to_full"]) == n]
     rows = []
     for b in range(n):
-        row: dict[str, float] = {"bucket": b, "dumps": len(kept)}
+        # a dump whose bucket no cosine was computed for (a zero gradient: every advantage
+        # 0) measured nothing: the row counted it and averaged its length in
+        measured = [d for d in kept if any(math.isfinite(d[k][b].item()) for k in COSINE_KEYS[:3])]
+        row: dict[str, float] = {"bucket": b, "dumps": len(measured)}
         for key in COSINE_KEYS:
-            values = [v for v in (d[key][b].item() for d in kept) if math.isfinite(v)]
+            of = measured or kept  # (none measured: the bucket's length all the same)
+            values = [v for v in (d[key][b].item() for d in of) if math.isfinite(v)]
             mean, sd = mean_std(values)
             name = key.removeprefix("cosine_")
             row[name] = mean
