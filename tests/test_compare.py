@@ -75,7 +75,8 @@ def test_band_lines_average_the_runs_at_shared_steps():
     ]
     ((name, xs, means, sds),) = band_lines({"GSPO": runs[:2]}, "acc")
     assert name == "GSPO" and xs == [0.0, 2.0]
-    assert means == pytest.approx([0.3, 0.8]) and sds == pytest.approx([0.1, 0.2])
+    assert means == pytest.approx([0.3, 0.8])
+    assert sds == pytest.approx([0.1 * math.sqrt(2), 0.2 * math.sqrt(2)])  # sample sds
     ((_, xs, _, _),) = band_lines({"GSPO": runs[:2]}, "acc", x="elapsed")
     assert xs == [0.0, 12.0]  # the runs' mean elapsed seconds at each step
     ((_, xs, means, _),) = band_lines({"x": runs}, "acc")
@@ -88,6 +89,23 @@ def test_band_lines_average_the_runs_at_shared_steps():
     ((_, xs, means, _),) = band_lines({"x": nan}, "acc")
     assert xs == [2.0] and means == [0.5]
     assert band_lines({"x": [nan[0][:1]]}, "acc") == []
+
+
+def test_the_plots_band_is_the_tables_sd_over_seeds(tmp_path):
+    """The report's table gives the final accuracy ± its sample sd over seeds, the plot's
+    band drew the population sd around the same mean: 0.71x as wide from 2 seeds."""
+    from gspo.experiments.summary import algorithm_summary
+
+    finals = [0.5, 0.7, 0.9]
+    runs = [
+        Run("GSPO", seed, tmp_path / str(seed),
+            [{"step": 0, "eval/accuracy": 0.4}, {"step": 8, "eval/accuracy": acc}])
+        for seed, acc in enumerate(finals)
+    ]  # fmt: skip
+    table = algorithm_summary(runs)
+    ((_, xs, means, band),) = band_lines({"GSPO": [r.records for r in runs]}, "eval/accuracy")
+    assert xs == [0.0, 8.0] and means[-1] == pytest.approx(table["accuracy"])
+    assert band[-1] == pytest.approx(table["accuracy_sd"]) == pytest.approx(0.2)
 
 
 def test_elapsed_and_token_weighted_means():
