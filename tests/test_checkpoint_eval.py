@@ -129,3 +129,19 @@ def test_what_is_neither_a_run_nor_a_model_is_one_line(tmp_path, capsys):
         assert main(["eval", str(path)]) == 2
         err = capsys.readouterr().err.strip()
         assert err == f"gspo: error: eval: {path} {said}", err
+
+
+def test_a_compare_directory_names_its_runs(tmp_path, capsys):
+    """gspo eval runs/compare said "neither a checkpoint, a run with one, nor a model
+    directory", where gspo export names the runs inside it."""
+    out = tmp_path / "cmp"
+    for run in ("grpo-seed0", "gspo-seed0"):
+        (out / "runs" / run / "checkpoints").mkdir(parents=True)
+    runs = f"{out}/runs/grpo-seed0, {out}/runs/gspo-seed0"
+    for command in ("eval", "export"):
+        assert main([command, str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (
+            f"gspo: error: {command}: {out} is neither a checkpoint nor a run with one "
+            f"(runs inside it: {runs})"
+        ), err

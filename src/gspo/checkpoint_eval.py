@@ -162,7 +162,8 @@ def _checkpoint(path: Path, step: int | None) -> tuple[Path | None, Path | None]
         if step is not None:
             raise ValueError(f"eval: --step with the model directory {path}: it has no steps")
         return None, None
-    if any(path.parent.glob("step-*")):  # a checkpoint's name mistyped: those beside it
+    # a checkpoint's name mistyped: those beside it; a gspo compare's directory: its runs
+    if any(path.parent.glob("step-*")) or any(path.glob("runs/*/checkpoints")):
         resolve_checkpoint(path, command="eval")
     said = "does not exist" if not path.exists() else (
         "is neither a checkpoint, a run with one, nor a model directory (no config.json)"
