@@ -70,3 +70,26 @@ def test_leftovers_of_dead_writers_go_and_live_ones_stay(tmp_path):
         os.close(held)
     assert live in leftovers(final)  # its writer is gone now
     assert mine.is_dir() and (final / "a").is_file()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077])
+def test_published_files_are_as_readable_as_the_umask_allows(tmp_path, umask):
+    """safetensors writes 0o600 whatever the umask: an export or checkpoint was unreadable
+    to anyone else (a vLLM server running as another user)."""
+    import torch
+    from safetensors.torch import save_file
+
+    old = os.umask(umask)
+    try:
+        with staged(tmp_path / "model") as tmp:
+            save_file({"w": torch.zeros(2)}, str(tmp / "model.safetensors"))
+            (tmp / "run.sh").write_text("#!/bin/sh\n")
+            (tmp / "run.sh").chmod(0o755)
+            (tmp / "sub").mkdir()
+            (tmp / "sub" / "notes.txt").write_text("x")
+    finally:
+        os.umask(old)
+    mode = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "model").rglob("*")}
+    assert mode["model.safetensors"] == 0o666 & ~umask
+    assert mode["notes.txt"] == 0o666 & ~umask
+    assert mode["run.sh"] == 0o755  # more than the umask gives is left as it is

@@ -323,6 +323,29 @@ def _make_locked(final: Path) -> tuple[Path, str, int]:
     return tmp, token, fd
 
 
+def _umask() -> int:
+    """The process's umask, read without setting it (``os.umask`` sets it: for a moment
+    another thread's files would be made with the stand-in value)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    return 0o022
+
+
+def readable_as_umask_allows(directory: Path) -> None:
+    """Give every file under ``directory`` the permissions a file made by ``open`` gets
+    (0o666 less the umask) where its writer gave fewer: safetensors writes its files
+    0o600, so an export or checkpoint was unreadable to the group (a server running as
+    another user, a colleague on a shared cluster) whatever the umask said."""
+    wanted = 0o666 & ~_umask()
+    for path in directory.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            mode = path.stat().st_mode & 0o777
+            if mode | wanted != mode:
+                path.chmod(mode | wanted)
+
+
 def publish(tmp: Path, final: Path, token: str, keep: Callable[[Path], bool] | None) -> bool:
     """Rename the finished ``tmp`` to ``final``; whether it was put in place.
 
@@ -415,6 +438,7 @@ def staged(
             raise OSError(errno.EIO, f"rank {rank} failed writing {final} ({why})")
         if main:
             size = tree_bytes(tmp)
+            readable_as_umask_allows(tmp)
             if publish(tmp, final, token, keep):
                 WRITTEN.bytes += size
                 WRITTEN.directories += 1
