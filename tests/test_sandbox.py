@@ -10,6 +10,7 @@ installs it where it can); the resource limits are checked in both modes.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import time
 from pathlib import Path
@@ -73,6 +74,26 @@ def test_parse_tests_forms() -> None:
             parse_tests(empty, where="row 2")
     with pytest.raises(ValueError, match="row 4: 2 inputs but 1 outputs"):
         parse_tests({"inputs": ["a", "b"], "outputs": ["A"]}, where="row 4")
+
+
+def test_tests_that_would_score_every_completion_0_are_refused_in_one_line() -> None:
+    """A list snippet that does not compile, APPS/TACO's call-based tests (fn_name) and
+    input/output pairs holding lists were run as they were: every completion, a right one
+    too, scored 0 and nothing said so."""
+    program = "def add(a, b):\n    return a + b"
+    with pytest.raises(ValueError, match=r"row 1\[1\]: tests do not parse as Python"):
+        parse_tests(["assert add(1, 2) == 3", "assert add(2, 2) == 4 )"], where="row 1")
+    apps = {"fn_name": "add", "inputs": [[1, 2], [2, 2]], "outputs": [[3], [4]]}
+    for form in (apps, json.dumps(apps)):
+        with pytest.raises(ValueError, match=r"row 2: call-based tests \(fn_name 'add'\)"):
+            parse_tests(form, where="row 2")
+    with pytest.raises(ValueError, match=r"row 3\[0\]: .* text \(stdin, stdout\), not list"):
+        parse_tests([{"input": ["1 2"], "output": "3"}], where="row 3")
+    with pytest.raises(ValueError, match=r"row 4: .* not list \[1, 2\]"):
+        parse_tests({"inputs": [[1, 2]], "outputs": ["3"]}, where="row 4")
+    # what is accepted still scores: a number as the output is its text
+    assert parse_tests([{"input": "1 2", "output": 3}]) == [CodeTest(stdin="1 2", stdout="3")]
+    assert score_code(program, parse_tests(["assert add(1, 2) == 3"]), FAST) == 1.0
 
 
 # ----------------------------------------------------------------------------------- scoring

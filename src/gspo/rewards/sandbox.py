@@ -419,16 +419,29 @@ def _io_case(item: Any, where: str) -> CodeTest:
     keys = ({"input", "output"}, {"stdin", "stdout"})
     for key_in, key_out in (sorted(k) for k in keys):
         if isinstance(item, dict) and key_in in item and key_out in item:
-            return CodeTest(stdin=str(item[key_in]), stdout=str(item[key_out]))
+            text = [_io_text(item[key], where) for key in (key_in, key_out)]
+            return CodeTest(stdin=text[0], stdout=text[1])
     raise ValueError(f"{where}: expected an assert snippet or {{'input': ..., 'output': ...}}")
+
+
+def _io_text(value: Any, where: str) -> str:
+    """An input or output as text; a list or dict (its repr on stdin scored 0) refused."""
+    if isinstance(value, (list, tuple, dict)):
+        raise ValueError(f"{where}: an input/output test's input and output are text (stdin, "
+                         f"stdout), not {type(value).__name__} {value!r:.60}")  # fmt: skip
+    return str(value)
+
+
+def _parses(text: str, where: str) -> ast.Module:
+    try:
+        return ast.parse(text)
+    except SyntaxError as exc:
+        raise ValueError(f"{where}: tests do not parse as Python ({exc.msg})") from exc
 
 
 def _assert_cases(text: str, where: str) -> list[CodeTest]:
     """Each top-level ``assert`` is a test; other statements before it are its set-up."""
-    try:
-        module = ast.parse(text)
-    except SyntaxError as exc:
-        raise ValueError(f"{where}: tests do not parse as Python ({exc.msg})") from exc
+    module = _parses(text, where)
     cases: list[CodeTest] = []
     setup: list[str] = []
     for node in module.body:
@@ -457,19 +470,24 @@ def parse_tests(tests: Any, where: str = "tests") -> list[CodeTest]:
             with contextlib.suppress(json.JSONDecodeError):
                 return parse_tests(json.loads(stripped), where)
         return _assert_cases(tests, where)
+    if isinstance(tests, dict) and tests.get("fn_name"):  # (APPS/TACO's call-based tests)
+        raise ValueError(f"{where}: call-based tests (fn_name {tests['fn_name']!r}) are not "
+                         "run; write them as assert snippets (assert f(1, 2) == 3)")  # fmt: skip
     if isinstance(tests, dict) and "inputs" in tests and "outputs" in tests:
         inputs, outputs = tests["inputs"], tests["outputs"]
         if len(inputs) != len(outputs):
             raise ValueError(f"{where}: {len(inputs)} inputs but {len(outputs)} outputs")
         if not inputs:
             raise ValueError(f"{where}: no tests (empty inputs and outputs)")
-        return [CodeTest(stdin=str(i), stdout=str(o)) for i, o in zip(inputs, outputs, strict=True)]
+        pairs = zip(inputs, outputs, strict=True)
+        return [CodeTest(stdin=_io_text(i, where), stdout=_io_text(o, where)) for i, o in pairs]
     if isinstance(tests, Sequence) and not tests:
         raise ValueError(f"{where}: no tests (an empty list)")
     if isinstance(tests, Sequence):
         cases: list[CodeTest] = []
         for k, item in enumerate(tests):
-            if isinstance(item, str):
+            if isinstance(item, str):  # (one that did not compile scored every test 0)
+                _parses(item, f"{where}[{k}]")
                 cases.append(CodeTest(code=item))
             else:
                 cases.append(_io_case(item, f"{where}[{k}]"))
