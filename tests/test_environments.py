@@ -396,6 +396,37 @@ def test_the_first_rows_reset_runs_up_front_and_the_probe_is_closed():
     assert seen == ["reset", "reset", "close"]
 
 
+def test_the_first_eval_rows_environment_is_checked_up_front_too(tmp_path):
+    """A reset() needing a column that only data.eval lacks passed the up-front check (the
+    first training row's) and stopped the run at its first evaluation, after the cold
+    start, in a line that did not say which data it was; it now stops the Trainer's
+    construction, naming data.eval."""
+    (tmp_path / "env.py").write_text(
+        "class Strict:\n"
+        "    def reset(self, start):\n"
+        "        self.total = int(start)\n"
+        "    def step(self, text: str):\n"
+        "        return None\n"
+    )
+    (tmp_path / "train.jsonl").write_text('{"prompt": "p", "start": 3, "answer": "3"}\n')
+    (tmp_path / "eval.jsonl").write_text('{"prompt": "q", "answer": "4"}\n')
+    overrides = [
+        *FAST, f"data.train={tmp_path / 'train.jsonl'}", "train.cold_start_steps=0",
+        f"rollout.environment={tmp_path / 'env.py'}:Strict", "reward.functions=[exact_match]",
+    ]  # fmt: skip
+    with pytest.raises(EnvError) as info:
+        Trainer(
+            load_config(None, [*overrides, f"data.eval={tmp_path / 'eval.jsonl'}"]), tmp_path / "a"
+        )
+    assert str(info.value).startswith("data.eval row 1: environment ")
+    assert str(info.value).endswith(
+        "reset() needs start, which no data column gives (the row's columns: prompt, answer)"
+    )
+    # an eval file with the column: the run is made
+    (tmp_path / "eval.jsonl").write_text('{"prompt": "q", "start": 1, "answer": "4"}\n')
+    Trainer(load_config(None, [*overrides, f"data.eval={tmp_path / 'eval.jsonl'}"]), tmp_path / "b")
+
+
 def test_a_step_environment_answers_until_it_returns_none(env_file):
     episode = EnvironmentFactory(f"{env_file}:Talker").episode()
     assert episode.respond("hi") == [{"role": "user", "content": "ok"}]

@@ -68,6 +68,7 @@ from gspo.training.sampler import PolicySampler, build_engine
 from gspo.training.seeds import derive_seed
 from gspo.training.setup import (
     build_policy_model,
+    check_eval_row,
     load_task_data,
     local_shares,
     model_summary,
@@ -164,6 +165,7 @@ class Trainer:
         )
         self.generator = build_generator(config, self.sampler, self.tokenizer, self.data.train[0])
         environment = getattr(self.generator, "environment", None)
+        check_eval_row(environment, self.data.eval)
         self.config = config = with_environment_reward(config, environment)
         self.rewards = rewards = reward_functions(config)
         said = start_warnings(config, rewards, self.data, environment, out)

@@ -22,6 +22,7 @@ from gspo.config import (
 )
 from gspo.data import load_rows, not_an_answer, prepare_rows
 from gspo.distributed import Distributed
+from gspo.environments import EnvError, EnvironmentFactory, EnvTimeout
 from gspo.models import (
     TinyModelSpec,
     build_char_tokenizer,
@@ -377,6 +378,22 @@ def resume_changes(config: Config, checkpoint: Path) -> str | None:
         f"resumed with settings {checkpoint.name} was not trained with: {'; '.join(changed)} "
         "(metrics.jsonl goes on as one run)"
     )
+
+
+def check_eval_row(environment: EnvironmentFactory | None, rows: list[dict[str, Any]]) -> None:
+    """The first ``data.eval`` row's environment made, reset and closed up front, as the
+    first training row's is (a column that only ``data.eval`` lacks stopped the run at its
+    first evaluation, after the cold start); its error names the row."""
+    if environment is None or not rows:
+        return
+    try:
+        episode = environment.episode(rows[0])
+        episode.reset(dict(rows[0]))
+        episode.close()
+    except EnvTimeout:
+        raise
+    except EnvError as e:
+        raise EnvError(f"data.eval row 1: {e}") from e
 
 
 def with_environment_reward(config: Config, environment: Any | None) -> Config:
