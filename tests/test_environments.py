@@ -13,7 +13,13 @@ from conftest import recompute
 from gspo.cli import main
 from gspo.config import load_config
 from gspo.engines import RolloutBatch, SamplingParams, TorchEngine, pad_batch
-from gspo.environments import Calculator, EnvError, EnvironmentFactory, parse_tool_calls
+from gspo.environments import (
+    Calculator,
+    EnvError,
+    EnvironmentFactory,
+    EnvTimeout,
+    parse_tool_calls,
+)
 from gspo.objectives import policy_loss
 from gspo.tasks import calculator_task, tool_call_text
 from gspo.trainer import Trainer
@@ -299,6 +305,71 @@ def test_an_async_tool_is_awaited_and_only_methods_are_tools():
     episode = factory.episode()
     reply = episode.respond(tool_call_text("deposit", {"amount": 41}))
     assert reply[0]["content"] == "42" and (episode.tool_calls, episode.tool_errors) == (1, 0)
+
+
+def test_an_async_tools_loop_bound_state_serves_its_next_call():
+    """Each async call ran in a fresh event loop (asyncio.run): what a tool kept from one
+    call bound to its loop (an interpreter's pipes here; a client session, a task) failed
+    at the next ("attached to a different loop"), answered to the model as an error. A
+    call past rollout.env_timeout is still stopped, and cancelled."""
+    import asyncio
+    import sys
+    import time
+
+    cancelled = []
+
+    class Repl:
+        def __init__(self):
+            self.proc = None
+
+        async def double(self, x: int) -> int:
+            """Double x in the interpreter kept between calls.
+
+            Args:
+                x: A number.
+            """
+            if self.proc is None:
+                doubler = "import sys\nfor l in sys.stdin: print(2 * int(l), flush=True)"
+                self.proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-c", doubler,
+                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                )  # fmt: skip
+            self.proc.stdin.write(f"{x}\n".encode())
+            await self.proc.stdin.drain()
+            return int(await self.proc.stdout.readline())
+
+        async def wait(self, seconds: float) -> str:
+            """Wait.
+
+            Args:
+                seconds: How long.
+            """
+            try:
+                await asyncio.sleep(seconds)
+            except asyncio.CancelledError:
+                cancelled.append(seconds)
+                raise
+            return "waited"
+
+        def close(self):
+            self.proc.kill()
+
+    episode = EnvironmentFactory(Repl, timeout=5.0).episode()
+    answers = [episode.respond(tool_call_text("double", {"x": x}))[0] for x in (2, 5, 7)]
+    assert [a["content"] for a in answers] == ["4", "10", "14"]
+    assert episode.tool_errors == 0
+    episode.close()
+    start = time.monotonic()
+    with pytest.raises(EnvTimeout, match=r"tool wait\(\) did not return within"):
+        EnvironmentFactory(Repl, timeout=0.5).episode().respond(
+            tool_call_text("wait", {"seconds": 60})
+        )
+    assert time.monotonic() - start < 10
+    for _ in range(100):  # (the cancellation reaches the task on the loop's thread)
+        if cancelled:
+            break
+        time.sleep(0.02)
+    assert cancelled == [60]
 
 
 def test_static_and_class_methods_are_tools_with_their_own_arguments():

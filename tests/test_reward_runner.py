@@ -47,6 +47,28 @@ async def awaited(prompts, completions, **kwargs):
     await asyncio.sleep(0)
     return [float(len(c)) for c in completions]
 
+_JUDGE = []
+
+async def judge(prompts, completions, **kwargs):
+    """An async client kept at module level: a worker task and its queues, made at the
+    first call, bound to that call's event loop."""
+    import asyncio
+    if not _JUDGE:
+        asks, answers = asyncio.Queue(), asyncio.Queue()
+        async def serve():
+            while True:
+                await answers.put(float(len(await asks.get())))
+        _JUDGE.extend([asks, answers, asyncio.get_running_loop().create_task(serve())])
+    if completions == ["<close>"]:
+        _JUDGE.pop().cancel()
+        _JUDGE.clear()
+        return [0.0]
+    out = []
+    for c in completions:
+        await _JUDGE[0].put(c)
+        out.append(await _JUDGE[1].get())
+    return out
+
 def no_kwargs(prompts, completions):
     return [0.0] * len(completions)
 
@@ -238,6 +260,21 @@ def test_trl_style_functions_score_as_lists_do(module, workers):
         result = functions(["p"] * 5, completions)
         for name in names:
             assert result.per_function[f"{module}:{name}"] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    finally:
+        functions.close()
+
+
+@pytest.mark.parametrize("timeout", [None, 30.0])
+def test_an_async_functions_client_serves_every_batch(module, timeout):
+    """Each async call ran in a fresh event loop: a client the function kept from its first
+    batch (an LLM judge's session; a task and its queues here) was bound to a closed loop
+    at the second ("bound to a different event loop"), and the run stopped there. Scored
+    in the trainer's thread and, with reward.timeout, in a thread of its own."""
+    functions = RewardFunctions.from_specs(specs(module, "judge"), timeout=timeout)
+    try:
+        for batch in (["a", "bb"], ["ccc"], ["dddd", "e"]):
+            assert functions(["p"] * len(batch), batch).rewards == [float(len(c)) for c in batch]
+        functions(["p"], ["<close>"])  # (its task cancelled: none left pending at exit)
     finally:
         functions.close()
 

@@ -13,8 +13,10 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import os
 import re
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -72,21 +74,36 @@ def takes_keyword(function: Callable[..., Any], key: str) -> bool:
 
 
 def run_coroutine(coroutine: Any) -> Any:
-    """What an ``async def`` function a user gave (a reward function, a tool) returned:
-    run in a fresh event loop (in a thread of its own where this one runs a loop already,
-    as in a notebook)."""
+    """What an ``async def`` function a user gave (a reward function, a tool) returned,
+    awaited on one event loop that lives as long as the process, in a thread of its own
+    (:func:`event_loop`). So what a call leaves bound to its loop (a subprocess's pipes,
+    a client session, a task) serves the next call: a fresh loop per call (``asyncio.run``)
+    broke such a tool at its second call ("attached to a different loop"). A wait that is
+    interrupted (``rollout.env_timeout``) cancels the call."""
     import asyncio
-    import concurrent.futures
 
+    future = asyncio.run_coroutine_threadsafe(coroutine, event_loop())
     try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coroutine)
-    thread = concurrent.futures.ThreadPoolExecutor(1)
-    try:
-        return thread.submit(asyncio.run, coroutine).result()
-    finally:  # (not waited for: an interrupted wait, rollout.env_timeout's, returns at once)
-        thread.shutdown(wait=False)
+        return future.result()
+    finally:  # (done: a no-op; an interrupted wait: the task is cancelled at its next await)
+        future.cancel()
+
+
+_LOOP: list[Any] = []  # [pid, loop]: the process's (a forked child makes its own)
+_LOOP_LOCK = threading.Lock()
+
+
+def event_loop() -> Any:
+    """The process's event loop for user coroutines (:func:`run_coroutine`), started at the
+    first use, running in a daemon thread."""
+    import asyncio
+
+    with _LOOP_LOCK:
+        if not _LOOP or _LOOP[0] != os.getpid():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, daemon=True, name="gspo-async").start()
+            _LOOP[:] = [os.getpid(), loop]
+        return _LOOP[1]
 
 
 def one_line(exc: BaseException, limit: int = 500) -> str:
