@@ -848,6 +848,21 @@ def test_a_multi_turn_run_trains_and_logs_episode_metrics(tmp_path, env_file):
     assert all(r["env/turns_mean"] > 1 for r in records if "env/turns_mean" in r)
 
 
+def test_the_overlong_buffer_is_a_fifth_of_the_episode_budget_as_its_description_says(env_file):
+    """With an environment the overlong penalty ramps up to rollout.max_episode_tokens and
+    its buffer defaults to a fifth of that; the key's description (configuration.md) said
+    a fifth of max_new_tokens (16 here, where the run takes 48)."""
+    from gspo.config.reward import RewardConfig
+
+    config = load_config(None, [
+        f"rollout.environment={env_file}:Counter", "rollout.max_turns=3",
+        "rollout.max_new_tokens=80", "reward.overlong_penalty=1.0",
+    ])  # fmt: skip
+    assert (config.response_limit, config.overlong_buffer) == (240, 48)
+    said = RewardConfig.model_fields["overlong_buffer"].description
+    assert "rollout.max_episode_tokens" in said and "a fifth of that limit" in said
+
+
 def test_an_environment_call_past_env_timeout_stops_the_run_in_one_line(tmp_path):
     """An environment's step() that never returns hung the run for good, unsaid. With
     rollout.env_timeout the run stops with one line naming the call; a call within the

@@ -56,8 +56,9 @@ class RewardConfig(Section):
     overlong_buffer: int | None = Field(
         None,
         ge=1,
-        description="Tokens before rollout.max_new_tokens where the overlong penalty "
-        "ramps; null = a fifth of max_new_tokens (DAPO: 4096 of 20480)",
+        description="Tokens before the limit where the overlong penalty ramps (the limit: "
+        "rollout.max_new_tokens, with an environment rollout.max_episode_tokens); null = a "
+        "fifth of that limit (DAPO: 4096 of 20480)",
     )
 
     @field_validator("functions", mode="before")
