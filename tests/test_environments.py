@@ -372,6 +372,40 @@ def test_an_async_tools_loop_bound_state_serves_its_next_call():
     assert cancelled == [60]
 
 
+def test_reset_step_get_reward_and_close_may_be_async_as_verls_are():
+    """verl's interactions and tools are all async; here only tools were awaited: an async
+    reset() or step() stopped the run ("returned coroutine"), an async get_reward() did
+    too. Each is awaited now, on the loop the others ran on (a queue shared by them)."""
+    import asyncio
+
+    from gspo.rewards.verifiers import environment_reward
+
+    seen = []
+
+    class Game:
+        async def reset(self, target: int):
+            self.target, self.moves = target, asyncio.Queue()
+            return f" Reach {target}."
+
+        async def step(self, text: str):
+            await self.moves.put(int(text))
+            return None if int(text) == self.target else "again"
+
+        async def get_reward(self):
+            return float(self.moves.qsize())
+
+        async def close(self):
+            seen.append(self.moves.qsize())
+
+    episode = EnvironmentFactory(Game, {"prompt": "p", "target": 3}).episode()
+    assert episode.reset({"prompt": "p", "target": 3}) == " Reach 3."
+    assert episode.respond("1") == [{"role": "user", "content": "again"}]
+    assert episode.respond("3") is None
+    assert environment_reward(["p"], [[]], environments=[episode.env]) == [2.0]
+    episode.close()
+    assert seen == [0, 2]  # the probe's close (up front), then the episode's
+
+
 def test_static_and_class_methods_are_tools_with_their_own_arguments():
     """The docs say tools are the public methods: a staticmethod or classmethod was left
     out unsaid, and the model's call to it answered "unknown tool"."""

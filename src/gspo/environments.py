@@ -50,11 +50,11 @@ from typing import Any
 
 from gspo.plugins import (
     ENVIRONMENT_FORMS,
+    awaited,
     load_object,
     missing_arguments,
     one_line,
     raised,
-    run_coroutine,
 )
 
 #: Methods with a meaning of their own: never tools.
@@ -472,7 +472,7 @@ class Episode:
         kwargs = accepted(reset, row, f"environment {self.spec.name!r}: reset()")
         try:
             with self.spec.deadline("reset()"):
-                out = reset(**kwargs)
+                out = awaited(reset(**kwargs))  # (async def: awaited, as all of these)
         except EnvTimeout:
             raise
         except (Exception, SystemExit) as e:  # (sys.exit in user code: an error)
@@ -494,7 +494,7 @@ class Episode:
         if self.spec.has_step:
             try:
                 with self.spec.deadline("step()"):
-                    observation = self.env.step(text)
+                    observation = awaited(self.env.step(text))
             except EnvTimeout:
                 raise
             except (Exception, SystemExit) as e:  # (sys.exit in user code: an error)
@@ -536,9 +536,7 @@ class Episode:
         if error is None:
             try:
                 with self.spec.deadline(f"tool {call.name}()"):
-                    result = tool(**call.arguments)
-                    if inspect.iscoroutine(result):  # an async def tool (never awaited)
-                        result = run_coroutine(result)
+                    result = awaited(tool(**call.arguments))  # (async def: once never awaited)
                 message["content"] = tool_result_text(result)
                 return message
             except EnvTimeout:
@@ -559,7 +557,7 @@ class Episode:
         if callable(close):
             try:
                 with self.spec.deadline("close()"):
-                    close()
+                    awaited(close())
             except EnvTimeout:
                 raise
             except (Exception, SystemExit) as e:  # (sys.exit in user code: an error)

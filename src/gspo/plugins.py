@@ -89,6 +89,12 @@ def run_coroutine(coroutine: Any) -> Any:
         future.cancel()
 
 
+def awaited(value: Any) -> Any:
+    """``value``, or what it returns when it is a coroutine (an ``async def`` method's call:
+    :func:`run_coroutine`)."""
+    return run_coroutine(value) if inspect.iscoroutine(value) else value
+
+
 _LOOP: list[Any] = []  # [pid, loop]: the process's (a forked child makes its own)
 _LOOP_LOCK = threading.Lock()
 

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gspo.plugins import missing_arguments
+from gspo.plugins import awaited, missing_arguments
 from gspo.rewards.contract import RewardError, RewardFunction
 from gspo.rewards.parsing import (
     _ANSWER_COLON_WELL_FORMED,
@@ -329,7 +329,7 @@ def environment_reward(
                 f"{', '.join(needed)}, and is called with no arguments: read what it needs "
                 "from the environment itself (self)"
             )
-        value = get() if callable(get) else None
+        value = awaited(get()) if callable(get) else None  # (async def: awaited)
         try:  # a number, as a reward function's values (a string "1" is not one)
             if isinstance(value, (str, bytes)):
                 raise TypeError
