@@ -665,6 +665,33 @@ def test_episodes_are_token_in_token_out_with_environment_tokens_masked(tokenize
     assert [e.total for e in out.columns["environments"]] == [17, 10, 11]
 
 
+def test_tool_call_markers_that_are_special_tokens_are_kept(env_file):
+    """A tokenizer that makes <tool_call> and </tool_call> special tokens had them decoded
+    away with the other special tokens: no call was ever parsed (0 calls, the tool never
+    ran) and nothing said so. They are kept; other special tokens are still left out."""
+    from gspo.chat import turn_text
+    from gspo.models import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    call = tool_call_text("add", {"x": 3})
+    assert len(tokenizer(call, add_special_tokens=False)["input_ids"]) < len(call)  # (special)
+    engine = ScriptedEngine(tokenizer, [[call], ["done"]])
+    runner = MultiTurn(
+        engine, EnvironmentFactory(f"{env_file}:Counter"), tokenizer,
+        max_turns=3, max_tokens=400, chat_kwargs={},
+    )  # fmt: skip
+    out = runner.generate(
+        [{"prompt": "count", "start": 10}], [[]], n=1,
+        params=SamplingParams(max_new_tokens=200), seed=0,
+    )  # fmt: skip
+    assert out.completions[0][0] == {"role": "assistant", "content": call}
+    assert out.completions[0][1]["content"] == "13"
+    assert out.metrics["env/tool_calls_mean"] == 1.0 and out.metrics["env/turns_mean"] == 2.0
+    ids = tokenizer(f"<pad>{call}<eos>x", add_special_tokens=False)["input_ids"]
+    assert turn_text(tokenizer, ids) == call + "x"  # (<pad>, <eos>: left out)
+
+
 def test_budgets_cut_episodes_as_length(tokenizer, env_file):
     call = tool_call_text("add", {"x": 1})
     factory = EnvironmentFactory(f"{env_file}:Counter")

@@ -175,3 +175,25 @@ def stop_token_ids(tokenizer, model: Any, **chat_kwargs: Any) -> tuple[int, ...]
     eos = getattr(config, "eos_token_id", None)
     stops.update(eos if isinstance(eos, list | tuple) else [eos])
     return tuple(sorted(int(i) for i in stops if i is not None))
+
+
+#: The Hermes/Qwen tool-call markers (:func:`gspo.environments.parse_tool_calls`).
+TOOL_MARKERS = ("<tool_call>", "</tool_call>")
+
+
+def turn_text(tokenizer, ids: list[int]) -> str:
+    """A model's turn as text, without special tokens but for the tool-call markers: a
+    tokenizer that makes ``<tool_call>`` a special token (vLLM's Hermes parser keeps them
+    for that reason) had them decoded away, so no call was ever parsed, unsaid."""
+    markers = {}
+    for marker in TOOL_MARKERS:
+        found = tokenizer.encode(marker, add_special_tokens=False)
+        if len(found) == 1 and not tokenizer.decode(found, skip_special_tokens=True):
+            markers[found[0]] = marker  # (a special token, which the decode below drops)
+    parts: list[str] = []
+    start = 0
+    for i, token in enumerate(ids):
+        if token in markers:
+            parts += [tokenizer.decode(ids[start:i], skip_special_tokens=True), markers[token]]
+            start = i + 1
+    return "".join([*parts, tokenizer.decode(ids[start:], skip_special_tokens=True)])

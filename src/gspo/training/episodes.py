@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from gspo.chat import SENTINEL, encode_prompt, render, template_text, turn_end
+from gspo.chat import SENTINEL, encode_prompt, render, template_text, turn_end, turn_text
 from gspo.config import Config
 from gspo.distributed import rank_said
 from gspo.engines import RolloutBatch, SamplingParams, pad_batch
@@ -345,7 +345,7 @@ class MultiTurn:
         state.turns += 1
         stopped = batch.finish_reasons[j] == "stop" and not cut
         text_ids = ids[:-1] if stopped else ids
-        text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
+        text = turn_text(self.tokenizer, text_ids)  # (tool-call markers kept)
         state.messages.append({"role": "assistant", "content": text})
         if not stopped:
             state.finish = "length"
