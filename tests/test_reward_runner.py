@@ -279,6 +279,26 @@ def test_an_async_functions_client_serves_every_batch(module, timeout):
         functions.close()
 
 
+def test_a_coroutine_awaited_from_one_on_the_loop_does_not_block_it():
+    """run_coroutine waits on the process's one loop: called from a coroutine running on
+    that loop it would wait for itself; it runs the inner one apart."""
+    import threading
+
+    from gspo.plugins import run_coroutine
+
+    async def inner():
+        return 7
+
+    async def outer():
+        return run_coroutine(inner()) + 1
+
+    got = []
+    thread = threading.Thread(target=lambda: got.append(run_coroutine(outer())), daemon=True)
+    thread.start()
+    thread.join(timeout=20)
+    assert got == [8]
+
+
 def test_a_function_without_kwargs_is_told_to_take_them(module):
     functions = RewardFunctions.from_specs(specs(module, "no_kwargs"))
     with pytest.raises(RewardError, match=r"takes no argument 'answer'.*add \*\*kwargs"):

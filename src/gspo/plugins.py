@@ -81,8 +81,17 @@ def run_coroutine(coroutine: Any) -> Any:
     broke such a tool at its second call ("attached to a different loop"). A wait that is
     interrupted (``rollout.env_timeout``) cancels the call."""
     import asyncio
+    import concurrent.futures
 
-    future = asyncio.run_coroutine_threadsafe(coroutine, event_loop())
+    loop = event_loop()
+    try:
+        inside = asyncio.get_running_loop() is loop
+    except RuntimeError:  # (no loop running in this thread)
+        inside = False
+    if inside:  # called from a coroutine on that loop: waiting there would block it
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, coroutine).result()
+    future = asyncio.run_coroutine_threadsafe(coroutine, loop)
     try:
         return future.result()
     finally:  # (done: a no-op; an interrupted wait: the task is cancelled at its next await)
