@@ -406,6 +406,25 @@ def test_reset_step_get_reward_and_close_may_be_async_as_verls_are():
     assert seen == [0, 2]  # the probe's close (up front), then the episode's
 
 
+def test_what_a_tool_returns_goes_back_as_the_docs_say():
+    """environments.md said "anything else as JSON": a set went back as Python's repr."""
+    from pathlib import Path
+
+    from gspo.environments import NoText, tool_result_text
+
+    class Point:
+        def __str__(self):
+            return "(1, 2)"
+
+    assert tool_result_text("a b") == "a b"
+    assert tool_result_text({"k": [1, 2.5, None]}) == '{"k": [1, 2.5, null]}'
+    assert tool_result_text({3}) == "{3}" and tool_result_text(Point()) == "(1, 2)"
+    with pytest.raises(NoText):
+        tool_result_text(object())
+    docs = " ".join((Path(__file__).parents[1] / "docs" / "environments.md").read_text().split())
+    assert "anything else as JSON, or as its `str()` where JSON has no form for it" in docs
+
+
 def test_static_and_class_methods_are_tools_with_their_own_arguments():
     """The docs say tools are the public methods: a staticmethod or classmethod was left
     out unsaid, and the model's call to it answered "unknown tool"."""
