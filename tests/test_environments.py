@@ -1311,3 +1311,19 @@ def test_env_timeout_interrupts_what_swallows_or_races_it():
             pass
         assert signal.getsignal(signal.SIGALRM) is signal.SIG_DFL
     assert not [t for t in threading.enumerate() if isinstance(t, threading.Timer)]
+
+
+def test_one_turn_with_tools_warns_at_start():
+    """rollout.max_turns=1 with a tool environment: every turn that calls a tool was cut as
+    'length' without a word."""
+    from gspo.training.setup import one_turn_with_tools
+
+    calculator = EnvironmentFactory("gspo.environments:Calculator")
+    one = load_config(overrides=["data.task=calculator", "rollout.max_turns=1"])
+    (line,) = one_turn_with_tools(one, calculator)
+    assert "rollout.max_turns=1" in line and "(add)" in line
+    two = load_config(overrides=["data.task=calculator", "rollout.max_turns=2"])
+    assert one_turn_with_tools(two, calculator) == []
+    assert one_turn_with_tools(one, None) == []  # single turns: nothing to say
+    no_tools = SimpleNamespace(tool_names=[])  # an environment of step() alone
+    assert one_turn_with_tools(one, no_tools) == []

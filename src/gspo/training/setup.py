@@ -421,6 +421,20 @@ def start_warnings(
         *held_out_cut(data.eval, config),
         *fewer_prompts_than_a_batch(data.train, config),
         *base_in_another_run(config, out),
+        *one_turn_with_tools(config, environment),
+    ]
+
+
+def one_turn_with_tools(config: Config, environment: Any | None) -> list[str]:
+    """``rollout.max_turns=1`` with an environment that has tools: a turn that calls one is
+    the episode's last, cut ("length") before the tool's result could reach the model."""
+    tools = getattr(environment, "tool_names", None)
+    if not tools or config.rollout.max_turns > 1:
+        return []
+    return [
+        f"rollout.max_turns=1 with the environment's tools ({', '.join(tools)}): a turn that "
+        "calls one ends its episode there, cut as 'length', the tool's result never seen by "
+        "the model; rollout.max_turns=2 or more lets it use them"
     ]
 
 
