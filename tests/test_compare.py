@@ -619,6 +619,10 @@ def test_compare_bad_input_is_one_line(tmp_path, capsys):
     assert main(["compare", *out, "--config", str(tmp_path / "clip.yaml")]) == 2
     assert main(["compare", *out, "algorithm={clip_high: 0.1}"]) == 2
     assert main(["compare", *out, "--config", str(tmp_path / "lora.yaml")]) == 2
+    # (train.seed there set the cold start's seed and data while the runs took 0..N-1)
+    (tmp_path / "seed.yaml").write_text("train:\n  seed: 7\n")
+    assert main(["compare", *out, "--config", str(tmp_path / "seed.yaml")]) == 2
+    assert main(["compare", *out, "algorithm={level: token}"]) == 2
     (tmp_path / "afile").write_text("")
     assert main(["compare", "--output-dir", str(tmp_path / "afile")]) == 2
     assert main(["compare", "--output-dir", str(tmp_path / "afile" / "sub")]) == 2
@@ -632,6 +636,10 @@ def test_compare_bad_input_is_one_line(tmp_path, capsys):
         "gspo: error: model.lora.r=8 (--config or a section): gspo compare runs full "
         "fine-tuning only (its shared cold start and runs take whole weights); compare LoRA "
         "runs with gspo train",
+        "gspo: error: train.seed=7 (--config or a section): gspo compare sets train.seed per "
+        "run (choose them with --seeds); drop it",
+        "gspo: error: algorithm.level=token (--config or a section): gspo compare sets "
+        "algorithm.level per algorithm (choose them with --algorithms); drop it",
         f"gspo: error: --output-dir {tmp_path / 'afile'} is a file, not a directory",
         f"gspo: error: --output-dir {tmp_path / 'afile' / 'sub'}: cannot be made (Not a directory)",
         "gspo: error: train.max_steps=0: the runs would train nothing to compare",

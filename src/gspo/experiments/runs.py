@@ -480,11 +480,13 @@ def refuse_owned(config_path: Path | None, preset: str, overrides: Sequence[str]
         )
     if given.model.lora.r > 0:
         raise ValueError(f"model.lora.r={given.model.lora.r} (--config or a section): {NO_LORA}")
-    for key in ("algorithm.clip_low", "algorithm.clip_high"):
-        if (value := getattr(given.algorithm, key.split(".")[1])) is not None:
+    for key, how in OWNED.items():  # (train.seed there was taken, the runs' seeds not)
+        section, field = key.split(".")
+        if field in getattr(given, section).model_fields_set:
+            value = getattr(getattr(given, section), field)
+            value = f"{value:g}" if isinstance(value, float) else value
             raise ValueError(
-                f"{key}={value:g} (--config or a section): gspo compare sets {key} "
-                f"{OWNED[key]}; drop it"
+                f"{key}={value} (--config or a section): gspo compare sets {key} {how}; drop it"
             )
 
 
