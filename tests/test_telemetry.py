@@ -797,7 +797,9 @@ def test_summary_table_shows_an_environments_turns_valid_tool_calls_and_expert_c
         {"step": 2, "env/turns_mean": 2.5},  # a batch with no tool call: no valid fraction
         {"step": 3, "env/turns_mean": 3.5, "env/tool_call_valid_fraction": 0.75},
         {"step": 3, "moe/expert_change_fraction": 0.02, "moe/expert_change_fraction/layer_0": 1},
-        {"step": 4, "moe/expert_change_fraction": 0.04},
+        {"step": 4, "moe/expert_change_fraction": 0.04, "train/minibatch": 0},
+        # two updates after the rollout: not one update's churn
+        {"step": 5, "moe/expert_change_fraction": 0.5, "train/minibatch": 1},
     ]
     rows = {
         cells[0]: tuple(cells[1:])
@@ -807,7 +809,7 @@ def test_summary_table_shows_an_environments_turns_valid_tool_calls_and_expert_c
     }
     assert rows["turns / episode"] == ("1.5", "3.5", "2.5", "1 → 3")
     assert rows["tool calls valid"] == ("0.25", "0.75", "0.5", "1 → 3")
-    assert rows["expert churn (MoE)"] == ("0.02", "0.04", "0.03", "3 → 4")
+    assert rows["expert churn, one update (MoE)"] == ("0.02", "0.04", "0.03", "3 → 4")
 
 
 def test_summary_table_derives_step_time_and_skips_absent():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gspo.telemetry.records import _fmt, _is_number
@@ -43,8 +43,15 @@ SUMMARY_KEYS: tuple[tuple[str, str], ...] = (
     ("train/response_length_mean", "response length"),
     ("env/turns_mean", "turns / episode"),
     ("env/tool_call_valid_fraction", "tool calls valid"),
-    ("moe/expert_change_fraction", "expert churn (MoE)"),
+    ("moe/expert_change_fraction", "expert churn, one update (MoE)"),
 )
+
+#: Rows whose lines are taken from some records only: expert churn is logged after every
+#: minibatch's update, against the rollout's routing, so at minibatch k it is k + 1
+#: updates' churn; one update's is minibatch 0's.
+SUMMARY_ROWS_OF: dict[str, Callable[[Mapping[str, Any]], bool]] = {
+    "moe/expert_change_fraction": lambda record: record.get("train/minibatch", 0) == 0,
+}
 
 
 def _points(records: Sequence[Mapping[str, Any]], key: str) -> list[tuple[Any, float]]:
@@ -72,14 +79,15 @@ def _wall_step_times(records: Sequence[Mapping[str, Any]]) -> list[tuple[Any, fl
 def summary_table(records: Sequence[Mapping[str, Any]], *, title: str = "Run summary") -> Table:
     """A rich table with the first, last and mean value of each key metric present.
 
-    Rows (whichever exist): train reward, eval accuracy (sampled and greedy), clip
-    fraction (off-policy minibatches, on-policy minibatch), response length, an
-    environment's turns per episode and share of valid tool calls (training's), a MoE
-    model's expert churn (the share of routed choices an update changed), and seconds per
-    step (from one of :data:`STEP_TIME_KEYS`, else derived from the
-    ``"time"`` column). The mean is over the records that have the metric (for the clip
-    fractions, one per rollout batch), so what happened between first and last shows.
-    Its caption: what the checkpoints took, bytes and seconds (:func:`checkpoint_writes`).
+        Rows (whichever exist): train reward, eval accuracy (sampled and greedy), clip
+        fraction (off-policy minibatches, on-policy minibatch), response length, an
+        environment's turns per episode and share of valid tool calls (training's), a MoE
+        model's expert churn (the share of routed choices one update changed: minibatch 0's,
+    :data:`SUMMARY_ROWS_OF`), and seconds per
+        step (from one of :data:`STEP_TIME_KEYS`, else derived from the
+        ``"time"`` column). The mean is over the records that have the metric (for the clip
+        fractions, one per rollout batch), so what happened between first and last shows.
+        Its caption: what the checkpoints took, bytes and seconds (:func:`checkpoint_writes`).
     """
     from rich.table import Table
 
@@ -99,7 +107,8 @@ def summary_table(records: Sequence[Mapping[str, Any]], *, title: str = "Run sum
         return True
 
     for key, label in SUMMARY_KEYS:
-        add(label, _points(records, key))
+        of = SUMMARY_ROWS_OF.get(key)
+        add(label, _points([r for r in records if of(r)] if of else records, key))
     if not any(add("seconds / step (no eval)", _points(records, key)) for key in STEP_TIME_KEYS):
         add("seconds / step (wall)", _wall_step_times(records))
     if not table.rows:
