@@ -79,15 +79,15 @@ def _wall_step_times(records: Sequence[Mapping[str, Any]]) -> list[tuple[Any, fl
 def summary_table(records: Sequence[Mapping[str, Any]], *, title: str = "Run summary") -> Table:
     """A rich table with the first, last and mean value of each key metric present.
 
-        Rows (whichever exist): train reward, eval accuracy (sampled and greedy), clip
-        fraction (off-policy minibatches, on-policy minibatch), response length, an
-        environment's turns per episode and share of valid tool calls (training's), a MoE
-        model's expert churn (the share of routed choices one update changed: minibatch 0's,
-    :data:`SUMMARY_ROWS_OF`), and seconds per
-        step (from one of :data:`STEP_TIME_KEYS`, else derived from the
-        ``"time"`` column). The mean is over the records that have the metric (for the clip
-        fractions, one per rollout batch), so what happened between first and last shows.
-        Its caption: what the checkpoints took, bytes and seconds (:func:`checkpoint_writes`).
+    Rows (whichever exist): train reward, eval accuracy (sampled and greedy), clip
+    fraction (off-policy minibatches, on-policy minibatch), response length, an
+    environment's turns per episode and share of valid tool calls (training's), a MoE
+    model's expert churn (the share of routed choices one update changed: minibatch 0's,
+    :data:`SUMMARY_ROWS_OF`), and seconds per step (from one of :data:`STEP_TIME_KEYS`,
+    else derived from the ``"time"`` column). The mean is over the records that have the
+    metric (for the clip fractions, one per rollout batch), so what happened between first
+    and last shows. Its caption: what the checkpoints took, bytes and seconds
+    (:func:`checkpoint_writes`).
     """
     from rich.table import Table
 
