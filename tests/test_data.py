@@ -526,7 +526,7 @@ def test_prompts_the_model_cannot_take_name_their_row(tmp_path, capsys, rows, sa
 
 
 def test_a_chat_prompt_that_renders_to_nothing_names_its_row():
-    from gspo.training.episodes import encode_prompts
+    from gspo.training.prompts import encode_prompts
     from gspo.training.sampler import SingleTurn
 
     tok = build_char_tokenizer()
@@ -543,7 +543,7 @@ def test_a_chat_prompt_that_renders_to_nothing_names_its_row():
 def test_a_chat_message_of_a_role_the_template_leaves_out_names_it():
     """Qwen's template writes nothing for a role it does not know: the message was
     dropped, unsaid; a template that writes every role (Llama's, Gemma's model) is kept."""
-    from gspo.training.episodes import encode_prompts
+    from gspo.training.prompts import encode_prompts
     from gspo.training.sampler import SingleTurn
 
     tok = build_char_tokenizer()
@@ -576,7 +576,7 @@ def test_a_chat_message_of_a_role_the_template_leaves_out_names_it():
 def test_prompts_with_text_the_tokenizer_lacks_are_a_warning(capsys):
     """The built-in character tokenizer maps characters it lacks (emoji, CJK) to <unk>:
     said (before: silently)."""
-    from gspo.training.episodes import encode_prompts
+    from gspo.training.prompts import encode_prompts
     from gspo.training.sampler import SingleTurn
 
     tok = build_char_tokenizer()
@@ -695,7 +695,7 @@ def test_a_chat_message_without_role_or_content_says_so():
 def test_prompts_that_leave_no_room_for_a_response_are_warned(capsys):
     """A prompt that fits the context but not with rollout.max_new_tokens ran past
     max_position_embeddings, unsaid."""
-    from gspo.training.episodes import encode_prompts
+    from gspo.training.prompts import encode_prompts
     from gspo.training.sampler import SingleTurn
 
     tok = build_char_tokenizer()
@@ -734,7 +734,7 @@ def test_rollouts_past_where_the_rope_rescales_are_warned(capsys, rope, position
 
     from gspo.engines import SamplingParams, TorchEngine
     from gspo.models import build_tiny_model, completion_logprobs, length_dependent_rope
-    from gspo.training.episodes import warn_length_dependent_rope
+    from gspo.training.prompts import warn_length_dependent_rope
     from gspo.training.sampler import SingleTurn
 
     tok = build_char_tokenizer()
@@ -768,7 +768,7 @@ def test_rollouts_past_where_the_rope_rescales_are_warned(capsys, rope, position
     # through the run's own call: a single turn runs past max_position_embeddings (64),
     # which bounds nothing for a rotary model (the dynamic embedding's length is that one)
     from gspo.tasks import TaskData
-    from gspo.training.episodes import task_prompt_ids
+    from gspo.training.prompts import task_prompt_ids
 
     data = TaskData(train=[{"prompt": "1" * 12}], eval=[{"prompt": "1+2="}], sft=[])
     config = load_config(None, ["rollout.max_new_tokens=60"])

@@ -1327,3 +1327,37 @@ def test_one_turn_with_tools_warns_at_start():
     assert one_turn_with_tools(one, None) == []  # single turns: nothing to say
     no_tools = SimpleNamespace(tool_names=[])  # an environment of step() alone
     assert one_turn_with_tools(one, no_tools) == []
+
+
+def test_the_completions_log_shows_what_an_episodes_model_saw_and_sampled(tmp_path):
+    """log.completions_every with an environment: each line's prompt was the row's, without
+    the text reset() added to it, and its tokens counted the environment's with the model's."""
+    import json
+
+    (tmp_path / "env.py").write_text(
+        "class Hinted:\n"
+        "    def reset(self, **row):\n"
+        "        return 'HINT: add them'\n"
+        "    def step(self, text):\n"
+        "        return 'again'\n"
+    )
+    (tmp_path / "data.jsonl").write_text(
+        "\n".join(f'{{"prompt": "{a}+{a}=", "answer": "{2 * a}"}}' for a in range(10, 30))
+    )
+    overrides = [
+        *FAST, f"data.train={tmp_path / 'data.jsonl'}", f"data.eval={tmp_path / 'data.jsonl'}",
+        "train.cold_start_steps=0", f"rollout.environment={tmp_path / 'env.py'}:Hinted",
+        "rollout.max_turns=2", "train.max_steps=1", "algorithm.minibatches=1",
+        "reward.functions=[numeric_match]", "log.completions_every=1", "eval.every=0",
+    ]  # fmt: skip
+    Trainer(load_config(None, overrides), tmp_path / "run").fit()
+    (written,) = (tmp_path / "run" / "completions").iterdir()
+    lines = [json.loads(t) for t in written.read_text().splitlines()]
+    assert lines
+    for line in lines:
+        said = " ".join(m["content"] for m in line["prompt"])
+        assert "HINT: add them" in said and "+" in said  # the row's prompt and reset's text
+        assert line["prompt"][-1]["role"] == "user"
+        assert 0 < line["model_tokens"] <= line["tokens"]
+        if len(line["completion"]) == 1:  # the model's turn alone: no environment token
+            assert line["model_tokens"] == line["tokens"]

@@ -657,7 +657,7 @@ def test_vllm_context_and_start_up_failures_name_gspos_settings(tmp_path, tokeni
     above the model's context, an unknown architecture or a KV cache that does not fit
     were vLLM's multi-line errors naming its own flags. Without vLLM too."""
     from gspo.engines.vllm_engine import check_max_model_len, start_failure
-    from gspo.training.episodes import encode_prompts
+    from gspo.training.prompts import encode_prompts
     from gspo.training.sampler import SingleTurn, rollout_context
 
     model = build_tiny_model(SPEC, tokenizer, seed=0)  # 512 positions

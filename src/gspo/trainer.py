@@ -55,13 +55,14 @@ from gspo.training.checkpoint import (
 from gspo.training.checkpoint_writes import Checkpoints
 from gspo.training.cold_start import cold_start, drop_progress
 from gspo.training.completions import CompletionLog
-from gspo.training.episodes import build_generator, sft_encoder, task_prompt_ids
+from gspo.training.episodes import build_generator
 from gspo.training.evaluation import Evaluator, evaluated_at_start
 from gspo.training.hooks import BatchWarnings, build_hooks
 from gspo.training.lora import adapter_dropout_seed
 from gspo.training.memory import loading_model, out_of_memory
 from gspo.training.metrics import combine, crossed, metric_reduction, rollout_clip_fractions
 from gspo.training.policy import Policy, build_forward, loss_scaler
+from gspo.training.prompts import sft_encoder, task_prompt_ids
 from gspo.training.reference import Reference
 from gspo.training.rollout import RolloutStage, Scorer, sampling_params
 from gspo.training.sampler import PolicySampler, build_engine

@@ -1,9 +1,11 @@
 """``log.completions_every``: what a rollout batch sampled, as text, to read.
 
 Every Nth rollout batch, one JSON line per response in ``completions/rollout-NNNNNN.jsonl``:
-the prompt (and the row's ``answer``, when it has one), the completion (text, or an
-episode's messages), the reward, each reward function's value, the advantage, its length in
-tokens and why it ended (``stop``, ``length``). TRL's ``log_completions``, verl's
+the prompt (an episode's first messages, the environment's ``reset`` text included; the
+row's ``answer``, when it has one), the completion (text, or an episode's messages), the
+reward, each reward function's value, the advantage, its length in tokens (an episode's:
+the model's and the environment's; ``model_tokens`` the model's alone) and why it ended
+(``stop``, ``length``). TRL's ``log_completions``, verl's
 ``rollout_data_dir``: the quickest way to see what a reward function or an environment
 makes of the model's output. Under torchrun the ranks' shares are gathered and rank 0
 writes the whole batch, in the order of its groups.
@@ -47,11 +49,13 @@ class CompletionLog:
         group = scored.batch.group_size
         lengths = scored.batch.completion_lengths.tolist()
         reasons, values = scored.batch.finish_reasons, advantages.tolist()
+        # an episode's: what its model saw first (reset's text too), the tokens it sampled
+        prompts, sampled = scored.prompts, scored.batch.action_mask.sum(-1).tolist()
         labels = metric_labels(list(scored.per_function))  # (as train/reward/NAME names them)
         mine = []
         for i, completion in enumerate(scored.completions):
             row = rows[i // group]
-            line = {"group": i // group, "prompt": row["prompt"]}
+            line = {"group": i // group, "prompt": row["prompt"] if prompts is None else prompts[i]}
             if "answer" in row:
                 line["answer"] = row["answer"]
             line |= {
@@ -60,6 +64,7 @@ class CompletionLog:
                 "rewards": {labels[name]: v[i] for name, v in scored.per_function.items()},
                 "advantage": values[i],
                 "tokens": int(lengths[i]),
+                **({} if prompts is None else {"model_tokens": int(sampled[i])}),
                 "finish": reasons[i],
             }
             mine.append(line)

@@ -70,7 +70,8 @@ class Scored:
 
     ``scorable`` ``[N]`` bool: False where every reward function returned None (the
     completion's reward, 0, is then no evidence: it stays out of its group's baseline and
-    gets advantage 0, as in TRL); None when every completion was scored.
+    gets advantage 0, as in TRL); None when every completion was scored. ``prompts``: an
+    episode's first messages (:class:`Generated`'s), for the completions log.
     """
 
     batch: RolloutBatch
@@ -78,6 +79,7 @@ class Scored:
     rewards: torch.Tensor  # [N] float32
     per_function: dict[str, list[float | None]]
     scorable: torch.Tensor | None = None
+    prompts: list[Any] | None = None
 
 
 @dataclass
@@ -148,7 +150,7 @@ class Scorer:
                 values = penalty(host.completion_mask.sum(-1).tolist())
                 rewards = rewards + torch.tensor(values, dtype=torch.float32)
                 per_function["overlong_penalty"] = values
-            return Scored(batch, completions, rewards, per_function, scorable)
+            return Scored(batch, completions, rewards, per_function, scorable, generated.prompts)
 
     def warn_if_unscored(self, per_function: dict[str, list[float | None]], n: int) -> None:
         """One line on stderr (once a run) when every function returned None (does not
@@ -232,7 +234,9 @@ def merge_groups(rounds: list[Scored], groups: list[int]) -> Scored:
     per_function = {
         name: [v for s in rounds for v in s.per_function[name]] for name in rounds[0].per_function
     }
-    scorable = None
+    scorable = prompts = None
+    if rounds[0].prompts is not None:
+        prompts = [p for s in rounds for p in s.prompts or []]
     if any(s.scorable is not None for s in rounds):
         every = [
             s.scorable if s.scorable is not None else torch.ones(len(s.rewards), dtype=torch.bool)
@@ -245,6 +249,7 @@ def merge_groups(rounds: list[Scored], groups: list[int]) -> Scored:
         torch.cat([s.rewards for s in rounds])[rows],
         {name: [values[i] for i in rows.tolist()] for name, values in per_function.items()},
         None if scorable is None or bool(scorable.all()) else scorable,
+        None if prompts is None else [prompts[i] for i in rows.tolist()],
     )
 
 

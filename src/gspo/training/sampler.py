@@ -158,7 +158,9 @@ class Generated:
 
     ``completions`` (one per row; None: the scorer decodes the batch), ``columns`` (extra
     keyword arguments for the reward functions, e.g. TRL's ``environments``),
-    ``metrics`` of the generation and the ``episodes`` to close once scored.
+    ``metrics`` of the generation, the ``episodes`` to close once scored and what each
+    episode's model saw before its first turn (``prompts``: its prompt messages, the
+    environment's ``reset`` text included; None: the rows' prompts, as single turns).
     """
 
     batch: RolloutBatch
@@ -166,6 +168,7 @@ class Generated:
     columns: dict[str, list[Any]] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     episodes: list[Any] = field(default_factory=list)  # closed once scored
+    prompts: list[Any] | None = None
 
 
 class Generator(Protocol):
