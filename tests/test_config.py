@@ -855,3 +855,20 @@ def test_a_malformed_reward_spec_is_refused_before_a_run(spec, said, capsys):
     with pytest.raises(ConfigError, match=r"rollout.environment: invalid environment spec "
                        r"'a.b.C': no ':name' part \(a.b:C\?\)"):  # fmt: skip
         load_config(overrides=["rollout.environment=a.b.C"])
+
+
+@pytest.mark.parametrize("world", ["x", "", "0", "-1"])
+def test_a_world_size_set_by_hand_is_one_line_naming_it(world, capsys, monkeypatch):
+    """WORLD_SIZE=x was a traceback of int() (cli.py read it in several places, before
+    anything could say it); WORLD_SIZE=0 ran as one process without a word."""
+    monkeypatch.setenv("WORLD_SIZE", world)
+    monkeypatch.setenv("RANK", "abc")
+    for command in (["config"], ["eval", "runs/none"], ["train", "--output-dir", "runs/none"]):
+        assert main(command) == 2
+        said = capsys.readouterr().err
+        assert said == (
+            f"gspo: error: WORLD_SIZE is {world!r}, not a number of processes (a whole "
+            "number, at least 1): a run of several processes is started by torchrun "
+            "(torchrun --nproc-per-node N -m gspo train ...), which sets it; unset "
+            "WORLD_SIZE for one\n"
+        )

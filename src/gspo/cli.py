@@ -35,7 +35,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from gspo import __version__
-from gspo.distributed import PEER_LINE_AFTER_S, Terminated, last_words, rank_said, sigterm_raises
+from gspo.distributed import (
+    PEER_LINE_AFTER_S,
+    Terminated,
+    last_words,
+    not_rank_zero,
+    peer_gone,
+    rank_said,
+    sigterm_stops_as_ctrl_c,
+    world_size,
+)
 from gspo.publish import machine_errors_in_threads_said_in_one_line
 
 if TYPE_CHECKING:
@@ -255,7 +264,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     from gspo.checkpoint_eval import evaluate, report
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if world_size() > 1:
         raise ValueError("gspo eval runs in one process: run it as a plain command")
     if args.json is not None and args.json.is_dir():
         raise ValueError(f"--json {args.json}: is a directory, not a file")
@@ -379,18 +388,6 @@ def build_parser_command(command: str) -> argparse.ArgumentParser:
     return sub.choices[command]
 
 
-@contextlib.contextmanager
-def sigterm_stops_as_ctrl_c() -> Iterator[None]:
-    """Inside the block, SIGTERM raises :class:`Terminated` (in the main thread only: a
-    handler can be set nowhere else). Not under torchrun: a rank waiting in a collective
-    would outlive it, and the launcher stops its ranks itself (but see ``RunDirectory``)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        yield
-        return
-    with sigterm_raises():
-        yield
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if getattr(args, "no_cache", False):
@@ -401,12 +398,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(args: argparse.Namespace) -> int:
     try:
+        world_size()  # (a WORLD_SIZE set by hand: its one line)
         if args.command == "train":
             return run_train(args)
         if args.command == "compare":
             from gspo.experiments import compare
 
-            if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # (each rank ran a whole compare)
+            if world_size() > 1:  # (each rank ran a whole compare)
                 if not_rank_zero():  # (rank 0 says it; torchrun stops this rank once it has)
                     time.sleep(RANK_ZERO_GRACE_S)
                 else:
@@ -551,27 +549,10 @@ def _after(args: argparse.Namespace) -> str:
             "continues from the last one)")  # fmt: skip
 
 
-def not_rank_zero() -> bool:
-    """Whether this process is a torchrun rank other than 0."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("RANK", "0") != "0"
-
-
 def run_directory(args: argparse.Namespace) -> Path:
     """The run ``gspo train`` works on: ``--resume DIR``, ``--output-dir DIR``, or the
     default ``runs/gspo``."""
     return getattr(args, "resume", None) or getattr(args, "output_dir", None) or DEFAULT_RUN
-
-
-def peer_gone(exc: BaseException) -> bool:
-    """Whether ``exc`` is a torchrun collective failing because another rank left (gloo's
-    broken connections, torch's ``DistError``s): that rank says its own error."""
-    if os.environ.get("WORLD_SIZE", "1") == "1":
-        return False
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    text = str(exc)
-    return "gloo" in text or "Connection reset by peer" in text or "Connection closed" in text
 
 
 def entry() -> None:

@@ -118,8 +118,38 @@ class Distributed:
 def rank_said() -> str:
     """``" (rank R of N)"`` under torchrun, ``""`` in one process: a warning about what one
     rank saw in its own share of a batch, which the other ranks may not have seen."""
-    world = os.environ.get("WORLD_SIZE", "1")
-    return "" if world == "1" else f" (rank {os.environ.get('RANK', '0')} of {world})"
+    return f" (rank {os.environ.get('RANK', '0')} of {world_size()})" if several_ranks() else ""
+
+
+def world_size() -> int:
+    """``WORLD_SIZE``, the number of processes torchrun started (1 when unset): the one
+    place it is read. A value that is no whole number of at least 1 (``WORLD_SIZE=x``, set
+    by hand) is a ValueError naming it (it was a traceback of ``int()``)."""
+    text = os.environ.get("WORLD_SIZE")
+    if text is None:
+        return 1
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ValueError(
+            f"WORLD_SIZE is {text!r}, not a number of processes (a whole number, at least 1): "
+            "a run of several processes is started by torchrun (torchrun --nproc-per-node N "
+            "-m gspo train ...), which sets it; unset WORLD_SIZE for one"
+        )
+    return int(text)
+
+
+def several_ranks() -> bool:
+    """Whether this process is one of several torchrun ranks; a ``WORLD_SIZE`` that
+    :func:`world_size` refuses counts as one process here (this is asked while an error,
+    that one included, is being said)."""
+    try:
+        return world_size() > 1
+    except ValueError:
+        return False
+
+
+def not_rank_zero() -> bool:
+    """Whether this process is a torchrun rank other than 0."""
+    return several_ranks() and os.environ.get("RANK", "0") != "0"
 
 
 class Terminated(KeyboardInterrupt):
@@ -144,6 +174,30 @@ def sigterm_raises() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+@contextlib.contextmanager
+def sigterm_stops_as_ctrl_c() -> Iterator[None]:
+    """Inside the block, SIGTERM raises :class:`Terminated` (in the main thread only: a
+    handler can be set nowhere else). Not under torchrun: a rank waiting in a collective
+    would outlive it, and the launcher stops its ranks itself (but see ``RunDirectory``)."""
+    if several_ranks():
+        yield
+        return
+    with sigterm_raises():
+        yield
+
+
+def peer_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` is a torchrun collective failing because another rank left (gloo's
+    broken connections, torch's ``DistError``s): that rank says its own error."""
+    if not several_ranks():
+        return False
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc)
+    return "gloo" in text or "Connection reset by peer" in text or "Connection closed" in text
 
 
 @contextlib.contextmanager
@@ -173,7 +227,7 @@ def setup_distributed(device: str = "auto") -> Distributed:
     GPU ``LOCAL_RANK`` and the backend is NCCL; on CPU it is gloo. A single process
     (``WORLD_SIZE`` unset or 1) starts no process group.
     """
-    world = _launcher_number("WORLD_SIZE", "1")
+    world = world_size()
     if world <= 1:
         return Distributed()
     dist = Distributed(
