@@ -872,3 +872,30 @@ def test_a_world_size_set_by_hand_is_one_line_naming_it(world, capsys, monkeypat
             "(torchrun --nproc-per-node N -m gspo train ...), which sets it; unset "
             "WORLD_SIZE for one\n"
         )
+
+
+@pytest.mark.parametrize(
+    ("override", "said"),
+    [
+        ("actor_rollout_ref.rollout.n=8", "actor_rollout_ref.rollout.n: unknown key; verl's n "
+         "is rollout.group_size here (docs/from_verl.md)"),
+        ("actor_rollout_ref.actor.clip_ratio_low=3e-4", "actor_rollout_ref.actor."
+         "clip_ratio_low: unknown key; verl's clip_ratio_low is algorithm.clip_low here "
+         "(docs/from_verl.md)"),
+        ("actor_rollout_ref.actor.optim.lr=1e-6",
+         "actor_rollout_ref.actor.optim.lr: unknown key; did you mean 'optim.lr'?"),
+        ("actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.rollout.temperature:"
+         " unknown key; did you mean 'rollout.temperature'?"),
+        ("trainer.total_training_steps=10", "trainer.total_training_steps: unknown key; verl's "
+         "total_training_steps is train.max_steps, in optimizer steps (verl's steps x "
+         "algorithm.minibatches) here (docs/from_verl.md)"),
+        ("trainr.max_steps=3", "trainr: unknown key; did you mean 'train'?"),
+        ("foo.bar=1", "foo: unknown key"),
+    ],
+)  # fmt: skip
+def test_a_verl_key_as_verl_spells_it_in_full_is_refused_with_its_gspo_name(override, said):
+    """docs/from_verl.md's table names verl's keys in full (actor_rollout_ref.rollout.n): given
+    as they are, they said 'actor_rollout_ref: unknown key', the gspo name lost."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert str(e.value) == said

@@ -154,7 +154,9 @@ def ported_hint(key: str, close: bool) -> str | None:
     TRL's: what gspo calls it, or why it has none; None for any other name (``close``:
     its section has a key close to it, which a TRL name common enough yields to)."""
     parent, _, leaf = key.rpartition(".")
-    if leaf in VERL_NAMES or (leaf in VERL_SECTION and VERL_SECTION[leaf][0] == parent):
+    # (rollout.n and verl's own actor_rollout_ref.rollout.n)
+    section = parent.rpartition(".")[2]
+    if leaf in VERL_NAMES or (leaf in VERL_SECTION and VERL_SECTION[leaf][0] == section):
         where = VERL_NAMES.get(leaf) or VERL_SECTION[leaf][1]
         return f"{key}: unknown key; verl's {leaf} is {where} here (docs/from_verl.md)"
     if leaf in VERL_WITHOUT:

@@ -119,6 +119,31 @@ def unknown_key(key: str, keys: list[str]) -> str:
     return ported_hint(key, bool(close)) or f"{key}: unknown key{close}"
 
 
+def _below(model: type[BaseModel], key: str, value: Any, keys: list[str]) -> str | None:
+    """The line for the unknown ``key`` set with keys below it, as verl spells its own
+    (``actor_rollout_ref.rollout.n=8``, ``trainer.total_training_steps``): the gspo key a
+    dotted tail of one is (``actor_rollout_ref.actor.optim.lr``: ``optim.lr``), else what
+    gspo calls the first that is verl's or TRL's; None if none is (it said
+    ``actor_rollout_ref: unknown key``, the name verl's table gives lost)."""
+    if not isinstance(value, dict):
+        return None
+    leaf = key.rpartition(".")[2]
+    close = bool(did_you_mean(leaf, keys))  # (trainr.max_steps: train, not TRL's max_steps)
+    stack, dotted = [(key, value)], []
+    while stack:
+        at, tree = stack.pop(0)
+        for sub, inner in tree.items():
+            full = f"{at}.{sub}"
+            stack.extend([(full, inner)] if isinstance(inner, dict) and inner else [])
+            dotted.extend([] if isinstance(inner, dict) and inner else [full])
+    for full in dotted:
+        parts = full.split(".")
+        tails = [".".join(parts[i:]) for i in range(1, len(parts) - 1)]
+        if ours := next((t for t in tails if field_annotation(model, t) is not None), None):
+            return f"{full}: unknown key; did you mean {ours!r}?"
+    return next(filter(None, (ported_hint(full, close) for full in dotted)), None)
+
+
 #: How pydantic names a member of a union in an error's location ("str", "list[str]",
 #: "literal['auto']"): not a key.
 _UNION_MEMBER = re.compile(
@@ -176,7 +201,8 @@ def error_line(exc: ValidationError, model: type[BaseModel], prefix: str = "") -
             if e["type"] == "extra_forbidden"
         ]
         others = f" (also unknown: {', '.join(more)})" if more else ""
-        return unknown_key(f"{prefix}{where}", keys) + others
+        below = _below(model, f"{prefix}{where}", err.get("input"), keys)
+        return (below or unknown_key(f"{prefix}{where}", keys)) + others
     message = err["msg"].removeprefix("Value error, ")
     value = err.get("input")
     if err["type"] == "missing" and isinstance(err["loc"][-1], int):  # a tuple too short
