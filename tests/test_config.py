@@ -899,3 +899,19 @@ def test_a_verl_key_as_verl_spells_it_in_full_is_refused_with_its_gspo_name(over
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
     assert str(e.value) == said
+
+
+def test_gspo_eval_without_its_checkpoint_names_only_what_is_missing(capsys):
+    """`gspo eval` alone said 'required: RUN_CHECKPOINT_OR_MODEL, key.sub=value', though
+    overrides are optional (argparse takes a nargs='*' positional without a default as
+    required)."""
+    from gspo.cli import parse_args
+
+    with pytest.raises(SystemExit) as info:
+        parse_args(["eval"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "gspo eval: the following arguments are required: RUN_CHECKPOINT_OR_MODEL "
+        "(see gspo eval --help)"
+    )
+    assert parse_args(["eval", "runs/x"]).overrides == []

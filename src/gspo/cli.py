@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
         "directory's: the defaults)",
     )
     ev.add_argument("--json", type=a_path, metavar="FILE", help="also write the figures to FILE")
-    ev.add_argument("overrides", nargs="*", metavar="key.sub=value")
+    ev.add_argument("overrides", nargs="*", metavar="key.sub=value", default=[])  # (optional)
 
     show = sub.add_parser("config", help="print the resolved config as YAML")
     show.add_argument("--config", type=a_path, action=Once, help="YAML config file")
