@@ -915,3 +915,14 @@ def test_gspo_eval_without_its_checkpoint_names_only_what_is_missing(capsys):
         "(see gspo eval --help)"
     )
     assert parse_args(["eval", "runs/x"]).overrides == []
+
+
+def test_chain_terms_that_cross_name_both_values():
+    """It said 'data.min_terms exceeds data.terms', neither value (the chain task brings
+    data.terms=6 itself, which a user setting data.min_terms=20 did not write)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["data.task=chain", "data.min_terms=20"])
+    assert str(e.value) == (
+        "data.min_terms=20 exceeds data.terms=6 (the chain task's fewest and most operands "
+        "per prompt)"
+    )

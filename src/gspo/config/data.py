@@ -157,4 +157,7 @@ class DataConfig(Section):
     def check_chain_terms(self) -> None:
         """The built-in chain task's fewest operands are at most its most."""
         if self.task == "chain" and self.train is None and self.min_terms > self.terms:
-            raise ValueError("data.min_terms exceeds data.terms")
+            raise ValueError(
+                f"data.min_terms={self.min_terms} exceeds data.terms={self.terms} (the chain "
+                "task's fewest and most operands per prompt)"
+            )
