@@ -926,3 +926,20 @@ def test_chain_terms_that_cross_name_both_values():
         "data.min_terms=20 exceeds data.terms=6 (the chain task's fewest and most operands "
         "per prompt)"
     )
+
+
+@pytest.mark.parametrize("rank", ["3", "abc"])
+def test_a_rank_without_torchrun_says_a_setup_error_at_once(rank, tmp_path, monkeypatch, capsys):
+    """RANK set (by mistake, or left by a cluster's environment) without WORLD_SIZE > 1 is
+    no torchrun rank: a setup error waited RANK_ZERO_GRACE_S (60 s) for a rank 0 that does
+    not exist, then said it."""
+    import gspo.cli
+
+    waits: list[float] = []
+    monkeypatch.setattr(gspo.cli.time, "sleep", waits.append)
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["train", "--output-dir", str(tmp_path / "run"), "optim.lrr=1"]) == 2
+    assert waits == []
+    said = capsys.readouterr().err
+    assert said == "gspo: error: optim.lrr: unknown key; did you mean 'optim.lr'?\n"

@@ -212,7 +212,7 @@ def said_once() -> Iterator[None]:
     try:
         yield
     except (ValueError, FileNotFoundError) as exc:
-        if os.environ.get("RANK", "0") != "0":
+        if not_rank_zero():  # (a RANK without WORLD_SIZE > 1 is no torchrun rank)
             raise SaidByRankZero from exc
         # rank 0 says it for every rank: its line names no rank
         exc.for_every_rank = True  # type: ignore[attr-defined]
