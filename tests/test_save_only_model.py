@@ -152,3 +152,21 @@ def test_async_rollouts_stale_weights_are_left_out_too(tmp_path, varied_reward):
         )
         held = (run / "checkpoints" / "step-0000002" / BEHAVIOUR_WEIGHTS).is_file()
         assert held is (setting == "false")
+
+
+@pytest.mark.parametrize("rank", ["abc", "3"])
+def test_a_finished_model_only_run_auto_resumed_with_a_stray_rank_says_it_took_its_steps(
+    tmp_path, varied_reward, capsys, monkeypatch, rank
+):
+    """RANK set without torchrun (no WORLD_SIZE): RANK=abc ended in 'gspo: error: invalid
+    literal for int() with base 10: 'abc'', RANK=3 said nothing at all (exit 0)."""
+    run = tmp_path / "run"
+    args = [*RUN, varied_reward, "train.save_only_model=true"]
+    assert main(["train", "--output-dir", str(run), *args]) == 0
+    capsys.readouterr()
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["train", "--auto-resume", "--output-dir", str(run), *args]) == 0
+    said = capsys.readouterr()
+    assert said.err == ""
+    assert said.out.startswith("the run already took its 4 steps")

@@ -20,6 +20,7 @@ import torch
 from gspo.config import RESUME_MAY_CHANGE, Config, checked_config, flat_settings, load_config
 from gspo.distributed import (
     Distributed,
+    not_rank_zero,
     setup_distributed,
     signals_held,
     sigterm_raises,
@@ -341,7 +342,7 @@ def finished_model_only(out: Path, config: Config) -> list[dict[str, Any]] | Non
     if line is None:
         return None
     records = read_metrics(out / METRICS_FILE)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if not not_rank_zero():  # (RANK=abc, or 3, without torchrun: one process, rank 0)
         print(line, flush=True)
         print_summary(records)
     return records

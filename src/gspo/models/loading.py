@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
+from gspo.distributed import not_rank_zero
 from gspo.models.memory import OutOfMemory, is_out_of_memory, what_ran_out
 from gspo.moved import in_checkpoint
 from gspo.plugins import one_line
@@ -344,7 +345,7 @@ def check_loaded_weights(path: Path, info: dict[str, Any], *, warn: bool = True)
             "model its config.json makes needs (it would train from random values)"
         )
     unexpected = sorted(info.get("unexpected_keys") or ())
-    if unexpected and warn and os.environ.get("RANK", "0") == "0":
+    if unexpected and warn and not not_rank_zero():
         named = ", ".join(unexpected[:3]) + (", ..." if len(unexpected) > 3 else "")
         print(
             f"gspo: warning: model.path: {path}: {len(unexpected)} tensor(s) of the weight "
