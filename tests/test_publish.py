@@ -93,3 +93,49 @@ def test_published_files_are_as_readable_as_the_umask_allows(tmp_path, umask):
     assert mode["model.safetensors"] == 0o666 & ~umask
     assert mode["notes.txt"] == 0o666 & ~umask
     assert mode["run.sh"] == 0o755  # more than the umask gives is left as it is
+
+
+def test_an_unknown_umask_widens_nothing(tmp_path, monkeypatch):
+    """Without /proc/self/status's Umask line (Linux before 4.7) the umask was taken to be
+    0o022: a user's umask 0o077 gave checkpoints every user could read."""
+    from gspo import publish
+
+    real = Path.read_text
+
+    def read_text(self, *args, **kwargs):
+        if str(self) == "/proc/self/status":
+            return "Name:\tpython\nState:\tR (running)\n"
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    assert publish._umask() is None
+    old = os.umask(0o077)
+    try:
+        with staged(tmp_path / "model") as tmp:
+            (tmp / "weights").write_bytes(b"x")
+            (tmp / "weights").chmod(0o600)
+            (tmp / "notes.txt").write_text("x")
+    finally:
+        os.umask(old)
+    mode = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "model").rglob("*")}
+    assert mode == {"weights": 0o600, "notes.txt": 0o600}
+
+
+def test_a_refused_chmod_still_publishes(tmp_path, monkeypatch):
+    """A filesystem that refuses the chmod (EPERM) failed the whole write of a checkpoint
+    that was whole (under torchrun rank 0 raised while the others waited at the barrier)."""
+    import errno
+
+    def chmod(self, mode, **kwargs):
+        raise PermissionError(errno.EPERM, "Operation not permitted", str(self))
+
+    old = os.umask(0o022)
+    try:
+        with staged(tmp_path / "model") as tmp:
+            (tmp / "weights").write_bytes(b"x")
+            (tmp / "weights").chmod(0o600)
+            monkeypatch.setattr(Path, "chmod", chmod)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "model" / "weights").read_bytes() == b"x"
+    assert (tmp_path / "model" / "weights").stat().st_mode & 0o777 == 0o600

@@ -323,27 +323,35 @@ def _make_locked(final: Path) -> tuple[Path, str, int]:
     return tmp, token, fd
 
 
-def _umask() -> int:
+def _umask() -> int | None:
     """The process's umask, read without setting it (``os.umask`` sets it: for a moment
-    another thread's files would be made with the stand-in value)."""
+    another thread's files would be made with the stand-in value); None where it cannot be
+    read so (no ``Umask:`` line before Linux 4.7, no /proc)."""
     with contextlib.suppress(OSError, ValueError):
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("Umask:"):
                 return int(line.split()[1], 8)
-    return 0o022
+    return None
 
 
 def readable_as_umask_allows(directory: Path) -> None:
     """Give every file under ``directory`` the permissions a file made by ``open`` gets
     (0o666 less the umask) where its writer gave fewer: safetensors writes its files
     0o600, so an export or checkpoint was unreadable to the group (a server running as
-    another user, a colleague on a shared cluster) whatever the umask said."""
-    wanted = 0o666 & ~_umask()
+    another user, a colleague on a shared cluster) whatever the umask said. An umask that
+    cannot be read leaves the files as they are (a guessed 0o022 gave a user's umask 0o077
+    files everyone could read), and so does a filesystem that refuses the chmod (the
+    checkpoint is whole: it is published all the same)."""
+    umask = _umask()
+    if umask is None:
+        return
+    wanted = 0o666 & ~umask
     for path in directory.rglob("*"):
         if path.is_file() and not path.is_symlink():
             mode = path.stat().st_mode & 0o777
             if mode | wanted != mode:
-                path.chmod(mode | wanted)
+                with contextlib.suppress(OSError):  # (EPERM: not ours, or no chmod there)
+                    path.chmod(mode | wanted)
 
 
 def publish(tmp: Path, final: Path, token: str, keep: Callable[[Path], bool] | None) -> bool:
