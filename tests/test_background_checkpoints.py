@@ -342,3 +342,40 @@ def test_a_wait_cut_by_a_signal_waits_again_for_the_whole_write(tmp_path, monkey
     line = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["step"] == 3]
     assert line and line[-1]["io/checkpoint_bytes"] > 0
     trainer.close()
+
+
+def test_the_writers_tokenizer_copy_is_in_the_checkpoints_time(tmp_path, monkeypatch):
+    """The first background checkpoint copies the tokenizer for the writer thread, in the
+    run's time (``time/checkpoint``, and the longest checkpoint the time limit keeps room
+    for): moved from the trainer's ``take`` into Checkpoints.save, it was left out."""
+    from types import SimpleNamespace
+
+    from gspo.distributed import Distributed
+    from gspo.training import checkpoint_writes
+
+    class SlowToCopy:
+        def __deepcopy__(self, memo):
+            time.sleep(0.3)
+            return SlowToCopy()
+
+    logged: list[tuple[int, dict]] = []
+    logger = SimpleNamespace(log=lambda step, metrics: logged.append((step, dict(metrics))))
+    monkeypatch.setattr(ckpt, "write_checkpoint", lambda state, dist: (0, 0.0, {}))
+    monkeypatch.setattr(checkpoint_writes, "finish_checkpoint", lambda *a, **k: None)
+    tokenizer = SlowToCopy()
+    checkpoints = checkpoint_writes.Checkpoints(
+        tmp_path, logger, keep=1, dist=Distributed(), background=True, tokenizer=tokenizer
+    )
+    given = []
+
+    def take(copy, tok):
+        given.append((copy, tok))
+        return SimpleNamespace(step=1, final=tmp_path / "step-0000001")
+
+    checkpoints.save(take)
+    checkpoints.wait()
+    ((copy, tok),) = given
+    assert copy and isinstance(tok, SlowToCopy) and tok is not tokenizer
+    ((step, line),) = logged
+    assert step == 1 and line["time/checkpoint"] >= 0.3
+    assert checkpoints.longest_s >= 0.3

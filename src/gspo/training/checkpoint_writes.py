@@ -101,12 +101,12 @@ class Checkpoints:
         not for two threads at once. Its directory."""
         self.wait()
         background = self.background and not last
+        start = time.perf_counter()  # (the tokenizer's copy too: the run waits for it)
         tokenizer = self.tokenizer
         if background and tokenizer is not None:
             if self._writer_tokenizer is None:
                 self._writer_tokenizer = deepcopy(tokenizer)
             tokenizer = self._writer_tokenizer
-        start = time.perf_counter()
         state = take(background, tokenizer)
         write = _Write(state, time.perf_counter() - start)
         if not background:
