@@ -231,3 +231,16 @@ def test_every_config_key_the_docs_name_exists():
         "rollout.group_size", "model.lora.r"
     }  # fmt: skip
     assert {page: keys for page, keys in stale.items() if set(keys) - WRONG_ON_PURPOSE} == {}
+
+
+def test_training_md_says_routing_replay_works_with_activation_checkpointing():
+    """b0fff5d let model.activation_checkpointing run with moe.routing_replay (the replay
+    lasts through the backward); training.md's Memory section still said it was refused."""
+    from gspo.config import load_config
+
+    both = ["model.builtin=qwen3_moe", "model.activation_checkpointing=true"]
+    config = load_config(overrides=[*both, "moe.routing_replay=true"])
+    assert config.model.activation_checkpointing and config.moe.routing_replay
+    text = " ".join((ROOT / "docs" / "training.md").read_text().split())
+    assert "Refused with** `moe.routing_replay=true`" not in text
+    assert "`moe.routing_replay=true` the replayed routing lasts through the backward" in text
