@@ -899,19 +899,27 @@ def test_the_loss_mask_starts_from_the_action_mask():
 # ---------------------------------------------------------------------------- the trainer
 
 
+def addition_run(tmp_path, environment: str, *more: str, end: int = 30) -> list[str]:
+    """Overrides of a short run of ``environment`` over doubling prompts ``a+a=`` (a from
+    10 to ``end``), the same file for training and evaluation, no cold start."""
+    (tmp_path / "data.jsonl").write_text(
+        "\n".join(f'{{"prompt": "{a}+{a}=", "answer": "{2 * a}"}}' for a in range(10, end))
+    )
+    data = tmp_path / "data.jsonl"
+    return [
+        *FAST, f"data.train={data}", f"data.eval={data}", "train.cold_start_steps=0",
+        f"rollout.environment={environment}", "reward.functions=[numeric_match]", *more,
+    ]  # fmt: skip
+
+
 def test_a_multi_turn_run_trains_and_logs_episode_metrics(tmp_path, env_file):
     """End to end through the trainer with a step environment (always several turns):
     the rollout's loss mask is its action mask, updates are finite, env/* is logged."""
-    (tmp_path / "data.jsonl").write_text(
-        "\n".join(f'{{"prompt": "{a}+{a}=", "answer": "{2 * a}"}}' for a in range(10, 40))
-    )
-    overrides = [
-        *FAST, f"data.train={tmp_path / 'data.jsonl'}", f"data.eval={tmp_path / 'data.jsonl'}",
-        "train.cold_start_steps=0", f"rollout.environment={env_file}:Talker",
-        "rollout.max_new_tokens=24", "rollout.max_turns=3", "train.max_steps=2",
-        "algorithm.minibatches=2", "algorithm.old_logprobs=recompute", "eval.max_prompts=4",
-        "reward.functions=[numeric_match]",
-    ]  # fmt: skip
+    overrides = addition_run(
+        tmp_path, f"{env_file}:Talker", "rollout.max_new_tokens=24", "rollout.max_turns=3",
+        "train.max_steps=2", "algorithm.minibatches=2", "algorithm.old_logprobs=recompute",
+        "eval.max_prompts=4", end=40,
+    )  # fmt: skip
     trainer = Trainer(load_config(None, overrides), tmp_path / "run")
     experience = trainer.rollout_stage.experience(0)
     # pi_old recomputed: minibatch 0's comes from its update, which settles the batch
@@ -959,14 +967,9 @@ def test_an_environment_call_past_env_timeout_stops_the_run_in_one_line(tmp_path
         "    def step(self, text):\n"
         "        time.sleep(600)\n"
     )
-    (tmp_path / "data.jsonl").write_text(
-        "\n".join(f'{{"prompt": "{a}+{a}=", "answer": "{2 * a}"}}' for a in range(10, 30))
+    overrides = addition_run(
+        tmp_path, f"{tmp_path / 'env.py'}:Sleeper", "rollout.env_timeout=2", "train.max_steps=2"
     )
-    overrides = [
-        *FAST, f"data.train={tmp_path / 'data.jsonl'}", f"data.eval={tmp_path / 'data.jsonl'}",
-        "train.cold_start_steps=0", f"rollout.environment={tmp_path / 'env.py'}:Sleeper",
-        "rollout.env_timeout=2", "train.max_steps=2", "reward.functions=[numeric_match]",
-    ]  # fmt: skip
     start = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "gspo", "train", "--output-dir", str(tmp_path / "run"),
@@ -1341,15 +1344,10 @@ def test_the_completions_log_shows_what_an_episodes_model_saw_and_sampled(tmp_pa
         "    def step(self, text):\n"
         "        return 'again'\n"
     )
-    (tmp_path / "data.jsonl").write_text(
-        "\n".join(f'{{"prompt": "{a}+{a}=", "answer": "{2 * a}"}}' for a in range(10, 30))
-    )
-    overrides = [
-        *FAST, f"data.train={tmp_path / 'data.jsonl'}", f"data.eval={tmp_path / 'data.jsonl'}",
-        "train.cold_start_steps=0", f"rollout.environment={tmp_path / 'env.py'}:Hinted",
-        "rollout.max_turns=2", "train.max_steps=1", "algorithm.minibatches=1",
-        "reward.functions=[numeric_match]", "log.completions_every=1", "eval.every=0",
-    ]  # fmt: skip
+    overrides = addition_run(
+        tmp_path, f"{tmp_path / 'env.py'}:Hinted", "rollout.max_turns=2", "train.max_steps=1",
+        "algorithm.minibatches=1", "log.completions_every=1", "eval.every=0",
+    )  # fmt: skip
     Trainer(load_config(None, overrides), tmp_path / "run").fit()
     (written,) = (tmp_path / "run" / "completions").iterdir()
     lines = [json.loads(t) for t in written.read_text().splitlines()]
