@@ -3,6 +3,8 @@ resume, and how it meets the cold start, evaluation and dynamic sampling."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from test_trainer import FAST, comparable, run_metrics, train_lines
@@ -18,6 +20,7 @@ from gspo.training.async_rollout import (
 )
 from gspo.training.checkpoint import checkpoint_dir
 
+ROOT = Path(__file__).resolve().parents[1]
 MINIBATCHES = 2
 RUN = [
     *FAST,
@@ -354,3 +357,21 @@ def test_rl_step_alone_with_a_staleness_says_how_and_runs_inside_the_producer(
         with trainer.rollouts.running(0, 2):
             lines = trainer.rl_step(0) + trainer.rl_step(1)
     assert [line["rollout/staleness"] for _, line in lines[::MINIBATCHES]] == [0.0, 1.0]
+
+
+def test_every_time_metric_of_an_async_run_is_in_the_metrics_table(tmp_path, varied_reward):
+    """docs/training.md's metric table names every ``time/*`` an async run logs, and says
+    that there pi_old's recompute is the producer's (``time/old_logprobs`` is near 0)."""
+    _, records, _ = train(
+        tmp_path,
+        "k1",
+        varied_reward,
+        "rollout.max_staleness=1",
+        "algorithm.old_logprobs=recompute",
+        "train.max_steps=4",
+        "eval.every=0",
+    )
+    logged = {k for r in train_lines(records) for k in r if k.startswith("time/")}
+    assert {"time/rollout_wait", "time/old_logprobs_producer"} <= logged
+    table = (ROOT / "docs" / "training.md").read_text().split("| metric | meaning |")[1]
+    assert [k for k in sorted(logged) if f"`{k}`" not in table] == []
