@@ -177,6 +177,22 @@ def test_resuming_a_run_given_an_unloadable_function_says_how(tmp_path):
     assert "<python object <lambda>>" in lines[0] and "resume=True" in lines[0]
 
 
+def test_an_unloadable_object_names_the_override_of_its_own_key():
+    """The hint named `gspo eval DIR 'reward.functions=[...]'` for an environment too, and
+    no `gspo train --resume` form at all."""
+    from gspo.environments import EnvError, EnvironmentFactory
+
+    with pytest.raises(RewardError) as reward:
+        load_reward_function("<python object correct>")
+    with pytest.raises(EnvError) as environment:
+        EnvironmentFactory("<python object Calc>")
+    assert "gspo train --resume DIR 'reward.functions=[file.py:name, ...]'" in str(reward.value)
+    said = str(environment.value)
+    assert "gspo train --resume DIR rollout.environment=file.py:Name" in said
+    assert "gspo eval DIR rollout.environment=file.py:Name" in said
+    assert "reward.functions" not in said
+
+
 @pytest.mark.slow
 def test_a_script_without_a_main_guard_under_reward_workers_stops_with_one_line(tmp_path):
     """Each spawned worker imports the main script: without the guard it started the run

@@ -229,6 +229,13 @@ def spec_form(spec: str, kind: str, expected: str) -> str | None:
     return None
 
 
+# The override that names again what a run was given as a Python object, by ``kind``.
+OBJECT_OVERRIDES = {
+    "reward function": "'reward.functions=[file.py:name, ...]'",
+    "environment": "rollout.environment=file.py:Name",
+}
+
+
 def load_object(spec: str, kind: str, error: type[Exception], expected: str) -> Any:
     """The object a ``source:attribute`` spec names (``attribute`` may be dotted).
 
@@ -241,11 +248,12 @@ def load_object(spec: str, kind: str, error: type[Exception], expected: str) -> 
     """
 
     if spec.startswith(PYTHON_OBJECT):  # what a config.yaml records of an object given
+        override = OBJECT_OVERRIDES.get(kind, "KEY=path/to/file.py:name")
         raise error(
             f"{kind} {spec}: the run was given it as a Python object, which no spec loads; "
             "give it again: from Python in the config (gspo.train(config, DIR, resume=True), "
             "gspo.evaluate(DIR, config=config)), or as path/to/file.py:name in an override "
-            "(gspo eval DIR 'reward.functions=[file.py:name]')"
+            f"(gspo train --resume DIR {override}, gspo eval DIR {override})"
         )
     if (problem := spec_form(spec, kind, expected)) is not None:
         raise error(problem)
