@@ -181,15 +181,24 @@ def stop_token_ids(tokenizer, model: Any, **chat_kwargs: Any) -> tuple[int, ...]
 TOOL_MARKERS = ("<tool_call>", "</tool_call>")
 
 
-def turn_text(tokenizer, ids: list[int]) -> str:
-    """A model's turn as text, without special tokens but for the tool-call markers: a
-    tokenizer that makes ``<tool_call>`` a special token (vLLM's Hermes parser keeps them
-    for that reason) had them decoded away, so no call was ever parsed, unsaid."""
+def special_markers(tokenizer) -> dict[int, str]:
+    """The :data:`TOOL_MARKERS` that ``tokenizer`` makes special tokens, by token id (a
+    decode without special tokens drops them)."""
     markers = {}
     for marker in TOOL_MARKERS:
         found = tokenizer.encode(marker, add_special_tokens=False)
         if len(found) == 1 and not tokenizer.decode(found, skip_special_tokens=True):
-            markers[found[0]] = marker  # (a special token, which the decode below drops)
+            markers[found[0]] = marker
+    return markers
+
+
+def turn_text(tokenizer, ids: list[int], markers: dict[int, str] | None = None) -> str:
+    """A model's turn as text, without special tokens but for the tool-call markers: a
+    tokenizer that makes ``<tool_call>`` a special token (vLLM's Hermes parser keeps them
+    for that reason) had them decoded away, so no call was ever parsed, unsaid.
+    ``markers``: :func:`special_markers` of ``tokenizer``, found once by the caller."""
+    if markers is None:
+        markers = special_markers(tokenizer)
     parts: list[str] = []
     start = 0
     for i, token in enumerate(ids):

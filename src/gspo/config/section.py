@@ -129,13 +129,14 @@ def _below(model: type[BaseModel], key: str, value: Any, keys: list[str]) -> str
         return None
     leaf = key.rpartition(".")[2]
     close = bool(did_you_mean(leaf, keys))  # (trainr.max_steps: train, not TRL's max_steps)
-    stack, dotted = [(key, value)], []
+    stack, dotted = [(key, value)], []  # (the dotted names of its leaves, breadth first)
     while stack:
         at, tree = stack.pop(0)
         for sub, inner in tree.items():
-            full = f"{at}.{sub}"
-            stack.extend([(full, inner)] if isinstance(inner, dict) and inner else [])
-            dotted.extend([] if isinstance(inner, dict) and inner else [full])
+            if isinstance(inner, dict) and inner:
+                stack.append((f"{at}.{sub}", inner))
+            else:
+                dotted.append(f"{at}.{sub}")
     for full in dotted:
         parts = full.split(".")
         tails = [".".join(parts[i:]) for i in range(1, len(parts) - 1)]

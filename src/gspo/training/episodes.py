@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from gspo.chat import SENTINEL, render, template_text, turn_end, turn_text
+from gspo.chat import SENTINEL, render, special_markers, template_text, turn_end, turn_text
 from gspo.config import Config
 from gspo.distributed import rank_said
 from gspo.engines import RolloutBatch, SamplingParams, pad_batch
@@ -63,6 +63,7 @@ class TurnFormat:
             )
         # what a cold-start turn ends with (the template's end of turn, else EOS)
         self.end = turn_end(tokenizer, **self.chat_kwargs)
+        self.markers = special_markers(tokenizer)  # (tool-call markers: kept in a turn's text)
         if self.schemas:
             probe = [{"role": "user", "content": "x"}]
             with_tools = self._render(probe, tools=self.schemas)
@@ -341,7 +342,7 @@ class MultiTurn:
         state.turns += 1
         stopped = batch.finish_reasons[j] == "stop" and not cut
         text_ids = ids[:-1] if stopped else ids
-        text = turn_text(self.tokenizer, text_ids)  # (tool-call markers kept)
+        text = turn_text(self.tokenizer, text_ids, self.format.markers)
         state.messages.append({"role": "assistant", "content": text})
         if not stopped:
             state.finish = "length"
