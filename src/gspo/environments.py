@@ -380,11 +380,7 @@ class EnvironmentFactory:
             )
         self.warned: set[tuple[str, str] | str] = set()  # (what was said once)
         if probe is not None and sample_row is not None:
-            # its reset() on that row too (a misspelt column, a list returned), then close()
-            # it: found before the model loads and the cold start runs, not after
-            first = Episode(self, probe)
-            first.reset(dict(sample_row))
-            first.close()
+            self.try_row(sample_row, probe)
 
     def _schema(self, owner: type, name: str) -> dict[str, Any]:
         from transformers.utils import get_json_schema
@@ -453,6 +449,14 @@ class EnvironmentFactory:
     def episode(self, row: dict[str, Any] | None = None) -> Episode:
         """A fresh environment for one episode of ``row``."""
         return Episode(self, self.make(row or {}))
+
+    def try_row(self, row: dict[str, Any], env: Any = None) -> None:
+        """An episode of ``row`` (in ``env``, made for it, or a new one) reset and closed up
+        front: a misspelt column or a list returned is found before the model loads and the
+        cold start runs, not after."""
+        episode = self.episode(row) if env is None else Episode(self, env)
+        episode.reset(dict(row))
+        episode.close()
 
 
 class Episode:

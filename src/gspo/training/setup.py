@@ -381,15 +381,13 @@ def resume_changes(config: Config, checkpoint: Path) -> str | None:
 
 
 def check_eval_row(environment: EnvironmentFactory | None, rows: list[dict[str, Any]]) -> None:
-    """The first ``data.eval`` row's environment made, reset and closed up front, as the
-    first training row's is (a column that only ``data.eval`` lacks stopped the run at its
-    first evaluation, after the cold start); its error names the row."""
+    """The first ``data.eval`` row tried up front (:meth:`EnvironmentFactory.try_row`), as
+    the first training row is (a column that only ``data.eval`` lacks stopped the run at
+    its first evaluation, after the cold start); its error names the row."""
     if environment is None or not rows:
         return
     try:
-        episode = environment.episode(rows[0])
-        episode.reset(dict(rows[0]))
-        episode.close()
+        environment.try_row(rows[0])
     except EnvTimeout:
         raise
     except EnvError as e:
