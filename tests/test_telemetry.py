@@ -314,12 +314,14 @@ class FakeTrackers:
         self.fail: set[str] = set()
         self.ids = iter(["run-a", "run-b", "run-c", "run-d", "run-e"])
         self.gone: set[str] = set()  # MLflow runs deleted
+        # (W&B runs' file directories: removed with the fake, not left in the temp dir)
+        self.files = tempfile.TemporaryDirectory(prefix="fake-wandb-files-")
         tracker = self
 
         class Run:
             def __init__(self, settings):
                 self.id = settings.get("id") or next(tracker.ids)
-                self.dir = tempfile.mkdtemp(prefix="fake-wandb-files-")
+                self.dir = tempfile.mkdtemp(dir=tracker.files.name)
 
             def define_metric(self, name, **kw):
                 pass
