@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import platform
 import time
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from gspo.experiments import (
     token_weighted,
     with_elapsed,
 )
+from gspo.experiments.runs import COLD_START, provenance
 from gspo.telemetry import plot_runs
 
 LEVELS = {"GSPO": "sequence", "GRPO": "token"}
@@ -55,7 +55,7 @@ def main() -> None:
     start = time.perf_counter()
     common = ["log.progress=false", "log.plots=false", "log.tensorboard=false"]
     checkpoint = cold_start_checkpoint(common, None, args.cold_start, print)
-    rows, runs = [], {}
+    rows, runs, run_dirs = [], {}, []
     for (name, level), source, noise in itertools.product(
         LEVELS.items(), SOURCES, (0.0, args.noise)
     ):
@@ -74,6 +74,7 @@ def main() -> None:
         )
         run_dir = args.work_dir / label.replace(", ", "-").replace(" ", "_")
         records = run_or_reuse(config, run_dir, print)
+        run_dirs.append(run_dir)
         lines = [r for r in records if "train/loss" in r]
         runs[label] = records
         rows.append(
@@ -102,8 +103,9 @@ def main() -> None:
     lines = [
         "# Old log-probs from the sampler vs recomputed",
         "",
-        f"Produced by `python experiments/inference_logprobs.py --noise {args.noise:g}` on "
-        f"{platform.machine()}, {torch.get_num_threads()} torch threads, float32; "
+        f"Produced by `python experiments/inference_logprobs.py --noise {args.noise:g}`, "
+        f"trained at {provenance([args.cold_start / COLD_START, *run_dirs])}; "
+        f"{torch.get_num_threads()} torch threads, float32; "
         f"the {len(rows)} runs {run_seconds / 60:.1f} min together (first to last record of "
         f"each), this invocation {seconds / 60:.1f} min (finished runs are reused; the cold "
         f"start is `{args.cold_start}`'s when present). "

@@ -135,7 +135,7 @@ def mean_sd(values: list[float], fmt: str) -> str:
 def table(rows: list[dict], args, argv: list[str]) -> str:
     lines = [
         f"Produced by `python experiments/lora_sweep.py {' '.join(argv)}` on commit "
-        f"{commit()}; {args.steps} GSPO steps per run from one cold start "
+        f"{commit()}, {machine()}; {args.steps} GSPO steps per run from one cold start "
         f"({args.cold_start_steps} SFT steps); mean ± sd over the seeds listed.",
         "",
         "| setting | lr | seeds | trainable params | AdamW state | held-out acc. start -> end "
@@ -177,6 +177,13 @@ def commit() -> str:
     from gspo.provenance import code_commit
 
     return code_commit()
+
+
+def machine() -> str:
+    sys.path.insert(0, str(ROOT / "src"))
+    from gspo.provenance import machine
+
+    return machine()
 
 
 def plot(rows: list[dict], args, out: Path, path: Path) -> Path | None:

@@ -28,7 +28,6 @@ import argparse
 import itertools
 import json
 import math
-import platform
 import shutil
 import statistics
 import time
@@ -40,6 +39,7 @@ import torch
 
 from gspo.config import load_config
 from gspo.experiments import train_lines
+from gspo.provenance import code_commit, machine
 from gspo.telemetry import plot_runs
 from gspo.trainer import Trainer
 
@@ -304,14 +304,14 @@ def write_report(
         depth_rows.append(
             f"| {d['layers']} | {pct(d['churn_1'])} | {pct(d['churn'])} | {per_layer} |"
         )
-    machine = f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch "
-    machine += f"{torch.__version__}, float32"
+    where = f"commit {code_commit()} on {machine()}, {torch.get_num_threads()} torch threads, "
+    where += "float32"
     text = [
         "# Routing Replay on a tiny MoE",
         "",
         "Produced by `python experiments/moe_routing.py"
         + (" --quick` (a smoke configuration: its numbers mean nothing)" if quick else "`")
-        + f" on {machine}; {total_seconds / 60:.1f} min in all.",
+        + f" at {where}; {total_seconds / 60:.1f} min in all.",
         "",
         "Model: the built-in Qwen3-MoE (transformers architecture), 4 layers, hidden 256, "
         "8 experts, top-2, on 2-digit addition. One cold start "
