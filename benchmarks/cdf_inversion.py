@@ -27,6 +27,7 @@ from levers import interleaved, table  # noqa: E402
 from gspo.engines import sampling  # noqa: E402
 from gspo.engines.batch import SamplingParams  # noqa: E402
 from gspo.engines.sampling import invert_cdf, sample_next  # noqa: E402
+from gspo.provenance import measured_at  # noqa: E402
 
 VOCAB = 151_936
 
@@ -47,6 +48,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    print(measured_at(), flush=True)
     print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} threads")
     gen = torch.Generator(device).manual_seed(0)
     for rows in args.rows:

@@ -28,6 +28,7 @@ from levers import interleaved_times  # noqa: E402
 
 from gspo.models import TinyModelSpec, build_char_tokenizer, build_tiny_model  # noqa: E402
 from gspo.moe import find_routers, use_padded_experts  # noqa: E402
+from gspo.provenance import measured_at  # noqa: E402
 
 
 def fwd_bwd(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], object]:
@@ -43,6 +44,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, nargs="+", default=[8, 128])
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
+    print(measured_at(), flush=True)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     tokenizer = build_char_tokenizer()
     ids = torch.randint(4, len(tokenizer), (4, 128), generator=torch.Generator().manual_seed(0))

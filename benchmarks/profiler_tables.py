@@ -24,11 +24,13 @@ from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from gspo.provenance import measured_at
 from gspo.telemetry.profiling import op_tables
 
 
 def main() -> None:
     iterations = int(sys.argv[1]) if len(sys.argv) > 1 else 100_000
+    print(measured_at(), flush=True)
     x = torch.ones(4)
     path = Path(tempfile.mkdtemp()) / "trace.json"
     for mode in ("key_averages (before)", "from the trace (now)"):

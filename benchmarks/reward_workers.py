@@ -15,6 +15,7 @@ import random
 import statistics
 import time
 
+from gspo.provenance import measured_at
 from gspo.rewards import RewardFunctions
 
 
@@ -49,6 +50,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    print(measured_at(), flush=True)
     prompts, completions, answers = batch(args.n)
     functions = {w: RewardFunctions.from_specs(["math"], workers=w) for w in args.workers}
     for w, f in functions.items():

@@ -60,3 +60,8 @@ def machine() -> str:
         return f"{name}, {cores} cores, {torch.cuda.get_device_name()}, torch {torch.__version__}"
     capability = torch.backends.cpu.get_cpu_capability()  # (the CPU kernels torch picks)
     return f"{name}, {cores} cores, torch {torch.__version__} {capability}"
+
+
+def measured_at() -> str:
+    """A benchmark's first line: the code and the machine its figures come from."""
+    return f"gspo at {code_commit()}; machine: {machine()}"
