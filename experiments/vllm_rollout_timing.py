@@ -66,6 +66,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from gspo.engines.vllm_engine import VLLMEngine
+    from gspo.provenance import code_commit, machine
 
     torch.manual_seed(0)
     tokenizer = build_char_tokenizer()
@@ -74,7 +75,8 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=args.tokens, temperature=1.0)
     # never stop early: every completion is `tokens` long, for both engines
     no_eos = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": None}
-    result: dict[str, object] = {"completions": 16 * 8, "max_new_tokens": args.tokens}
+    result: dict[str, object] = {"commit": code_commit(), "machine": machine()}
+    result.update({"completions": 16 * 8, "max_new_tokens": args.tokens})
 
     with tempfile.TemporaryDirectory() as tmp:
         base = build_tiny_model(TinyModelSpec(), tokenizer, seed=0)

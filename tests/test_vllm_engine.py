@@ -692,3 +692,20 @@ def test_vllm_context_and_start_up_failures_name_gspos_settings(tmp_path, tokeni
     assert "rollout.vllm.max_model_len" in said and "gpu_memory_utilization`" not in said
     failed = start_failure(["boom\nline two"], "/m")
     assert failed == "rollout.engine=vllm: vLLM failed to start: boom"
+
+
+@needs_vllm
+def test_the_timing_experiment_says_its_commit_and_machine():
+    """docs/engines.md's vLLM timings come from this script: its JSON names where it ran."""
+    from gspo.provenance import code_commit, machine
+
+    script = HERE.parent / "experiments" / "vllm_rollout_timing.py"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), *sys.path])}
+    done = subprocess.run(
+        [sys.executable, str(script), "--tokens", "2", "--repeats", "1"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout[done.stdout.index("{") :])
+    assert result["commit"] == code_commit() and result["machine"] == machine()
+    assert result["max_new_tokens"] == 2 and result["vllm_generate_warm_median_s"] > 0
