@@ -24,14 +24,11 @@ arguments or the environment.
 
 from __future__ import annotations
 
-import ast
 import atexit
 import contextlib
 import functools
-import json
 import os
 import pwd
-import re
 import resource
 import secrets
 import shutil
@@ -42,10 +39,12 @@ import tempfile
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from math import ceil
 from pathlib import Path
 from typing import Any
 
+from gspo.rewards.code_tests import CodeTest, call_harness, calls_passed, extract_code, parse_tests
 from gspo.rewards.contract import RewardError
 from gspo.rewards.parsing import completion_text
 
@@ -61,8 +60,6 @@ __all__ = [
     "score_code",
 ]
 
-_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
-_PYTHON_TAGS = {"python", "py", "python3"}
 _SANDBOX_DIR = "/sandbox"
 _HOST_PREFIX = "gspo-sandbox-"  # + the pid of the process that runs the program
 
@@ -77,6 +74,7 @@ class Limits:
     max_procs: int = 32
     max_output_bytes: int = 1 << 20
     workdir_mb: int = 16
+    test_cpu_s: float = 2.0  # per call-based test (wall: twice); the run's limits grow by n of them
 
 
 @dataclass(frozen=True)
@@ -87,15 +85,6 @@ class RunResult:
     stdout: str
     stderr: str
     timed_out: bool
-
-
-@dataclass(frozen=True)
-class CodeTest:
-    """One test: Python statements run after the program (``code``), or stdin -> stdout."""
-
-    code: str | None = None
-    stdin: str | None = None
-    stdout: str | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -403,98 +392,6 @@ def _sweep_at_exit() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def extract_code(text: str) -> str | None:
-    """The program in a completion: its last fenced Python block, else its last fenced block.
-
-    Returns None when the completion has no fenced block (```` ``` ```` ... ```` ``` ````).
-    """
-    blocks = _FENCE.findall(text)
-    if not blocks:
-        return None
-    python = [body for tag, body in blocks if tag.lower() in _PYTHON_TAGS]
-    return (python or [body for _, body in blocks])[-1]
-
-
-def _io_case(item: Any, where: str) -> CodeTest:
-    keys = ({"input", "output"}, {"stdin", "stdout"})
-    for key_in, key_out in (sorted(k) for k in keys):
-        if isinstance(item, dict) and key_in in item and key_out in item:
-            text = [_io_text(item[key], where) for key in (key_in, key_out)]
-            return CodeTest(stdin=text[0], stdout=text[1])
-    raise ValueError(f"{where}: expected an assert snippet or {{'input': ..., 'output': ...}}")
-
-
-def _io_text(value: Any, where: str) -> str:
-    """An input or output as text; a list or dict (its repr on stdin scored 0) refused."""
-    if isinstance(value, (list, tuple, dict)):
-        raise ValueError(f"{where}: an input/output test's input and output are text (stdin, "
-                         f"stdout), not {type(value).__name__} {value!r:.60}")  # fmt: skip
-    return str(value)
-
-
-def _parses(text: str, where: str) -> ast.Module:
-    try:
-        return ast.parse(text)
-    except SyntaxError as exc:
-        raise ValueError(f"{where}: tests do not parse as Python ({exc.msg})") from exc
-
-
-def _assert_cases(text: str, where: str) -> list[CodeTest]:
-    """Each top-level ``assert`` is a test; other statements before it are its set-up."""
-    module = _parses(text, where)
-    cases: list[CodeTest] = []
-    setup: list[str] = []
-    for node in module.body:
-        segment = ast.get_source_segment(text, node) or ast.unparse(node)
-        if isinstance(node, ast.Assert):
-            cases.append(CodeTest(code="\n".join([*setup, segment])))
-        else:
-            setup.append(segment)
-    if not cases:
-        raise ValueError(f"{where}: no assert statement among the tests")
-    return cases
-
-
-def parse_tests(tests: Any, where: str = "tests") -> list[CodeTest]:
-    """The test cases of one dataset row.
-
-    Accepted forms (a JSON string of any of them too): a string of Python with ``assert``
-    statements (each top-level assert is one test, earlier statements its set-up); a list of
-    such strings (each one test); a list of ``{"input": ..., "output": ...}`` (or
-    ``stdin``/``stdout``) pairs; ``{"inputs": [...], "outputs": [...]}``. Raises ValueError
-    naming ``where`` for anything else.
-    """
-    if isinstance(tests, str):
-        stripped = tests.strip()
-        if stripped[:1] in "[{":
-            with contextlib.suppress(json.JSONDecodeError):
-                return parse_tests(json.loads(stripped), where)
-        return _assert_cases(tests, where)
-    if isinstance(tests, dict) and tests.get("fn_name"):  # (APPS/TACO's call-based tests)
-        raise ValueError(f"{where}: call-based tests (fn_name {tests['fn_name']!r}) are not "
-                         "run; write them as assert snippets (assert f(1, 2) == 3)")  # fmt: skip
-    if isinstance(tests, dict) and "inputs" in tests and "outputs" in tests:
-        inputs, outputs = tests["inputs"], tests["outputs"]
-        if len(inputs) != len(outputs):
-            raise ValueError(f"{where}: {len(inputs)} inputs but {len(outputs)} outputs")
-        if not inputs:
-            raise ValueError(f"{where}: no tests (empty inputs and outputs)")
-        pairs = zip(inputs, outputs, strict=True)
-        return [CodeTest(stdin=_io_text(i, where), stdout=_io_text(o, where)) for i, o in pairs]
-    if isinstance(tests, Sequence) and not tests:
-        raise ValueError(f"{where}: no tests (an empty list)")
-    if isinstance(tests, Sequence):
-        cases: list[CodeTest] = []
-        for k, item in enumerate(tests):
-            if isinstance(item, str):  # (one that did not compile scored every test 0)
-                _parses(item, f"{where}[{k}]")
-                cases.append(CodeTest(code=item))
-            else:
-                cases.append(_io_case(item, f"{where}[{k}]"))
-        return cases
-    raise ValueError(f"{where}: expected assert statements, a list of tests or input/output pairs")
-
-
 def _harness(program: str, snippets: Sequence[str], nonce: str) -> str:
     """A script (fed on stdin, a pipe read to its end before it runs) that runs
     ``program``, then each test, writing verdict lines.
@@ -549,10 +446,19 @@ def score_code(
             if len(parts) == 3 and parts[0] == nonce:
                 verdicts.setdefault(int(parts[1]), int(parts[2]))
         passed += sum(verdicts.get(i, 0) for i in range(len(snippets)))
+    calls = [case for case in cases if case.fn_name is not None]
+    if calls:  # (one run; its own limits grow by each call's: a call past its own times out)
+        limits = limits or Limits()
+        extra = limits.test_cpu_s * len(calls)
+        grown = replace(limits, wall_s=limits.wall_s + 2 * extra, cpu_s=limits.cpu_s + ceil(extra))
+        nonce = secrets.token_hex(16)
+        harness = call_harness(program, calls, nonce, limits.test_cpu_s)
+        run = run_python(harness, limits=grown, script_on_stdin=True)
+        passed += calls_passed(run.stdout, calls, nonce)
     for case in cases:
-        if case.code is None:
+        if case.stdout is not None:
             run = run_python(program, stdin=case.stdin or "", limits=limits)
-            ok = run.returncode == 0 and _same_output(run.stdout, case.stdout or "")
+            ok = run.returncode == 0 and _same_output(run.stdout, case.stdout)
             passed += int(ok)
     return passed / len(cases)
 
@@ -570,6 +476,8 @@ def code_reward(
     completion without one scores 0.0, a row whose ``tests`` is None gets None. Tests take
     the forms of :func:`parse_tests`. Every program runs in the sandbox of this module, one
     process per completion (and per input/output test), in parallel over the CPUs.
+    Call-based tests (``fn_name``) run in one process per completion, each call under
+    its own CPU limit, and their results are compared here (:mod:`.code_tests`).
     """
     if tests is None:
         raise RewardError("built-in reward 'code' needs a dataset column named 'tests'")
