@@ -380,3 +380,18 @@ def test_a_stale_directorys_session_reused_by_another_process_is_not_killed(
         assert placed.wait(5) == -9 and not stale.exists()
     finally:
         other.kill()
+
+
+def test_a_test_that_cannot_fail_is_refused() -> None:
+    """A list snippet without an assert (``add(1, 2) == 3``) ran, threw its comparison
+    away and passed: a program returning 0 scored 1.0. So did such a line among assert
+    statements (read as set-up). Now refused at the start in one line naming the test."""
+    with pytest.raises(ValueError, match=r"^row 1\[0\]: 'add\(1, 2\) == 3' \(line 1\) compares"):
+        parse_tests(["add(1, 2) == 3", "assert add(2, 2) == 4"], where="row 1")
+    with pytest.raises(ValueError, match=r"write assert add\(1, 2\) == 3$"):
+        parse_tests("add(1, 2) == 3\nassert add(2, 2) == 4", where="row 2")
+    with pytest.raises(ValueError, match=r"^row 3\[0\]: the test 'print\(add\(1, 2\)\)' has no"):
+        parse_tests(["print(add(1, 2))"], where="row 3")
+    kept = ["np.testing.assert_allclose(add(1, 2), 3)", "if add(1, 2) != 3:\n    raise ValueError"]
+    assert len(parse_tests(kept)) == 2
+    assert score_code("def add(a, b):\n    return 0", parse_tests(kept[1:]), FAST) == 0.0

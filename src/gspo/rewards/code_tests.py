@@ -72,10 +72,33 @@ def _io_text(value: Any, where: str) -> str:
 
 
 def _parses(text: str, where: str) -> ast.Module:
+    """``text`` parsed; refused where a comparison's result is thrown away (``f(1) == 2``
+    with no ``assert``: it passed whatever the program returned)."""
     try:
-        return ast.parse(text)
+        module = ast.parse(text)
     except SyntaxError as exc:
         raise ValueError(f"{where}: tests do not parse as Python ({exc.msg})") from exc
+    for node in ast.walk(module):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Compare):
+            line = ast.get_source_segment(text, node) or ast.unparse(node)
+            raise ValueError(f"{where}: {line!r:.70} (line {node.lineno}) compares and throws "
+                             f"the result away, passing whatever the program does: write "
+                             f"assert {line:.60}")  # fmt: skip
+    return module
+
+
+def _checks(module: ast.Module) -> bool:
+    """Whether a snippet can fail other than by an error: an ``assert``, a ``raise``, or a
+    call of an ``assert...`` function (``np.testing.assert_allclose``, ``assertEqual``)."""
+    for node in ast.walk(module):
+        if isinstance(node, (ast.Assert, ast.Raise)):
+            return True
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if "assert" in name.lower():
+                return True
+    return False
 
 
 def _assert_cases(text: str, where: str) -> list[CodeTest]:
@@ -157,7 +180,10 @@ def parse_tests(tests: Any, where: str = "tests") -> list[CodeTest]:
         cases: list[CodeTest] = []
         for k, item in enumerate(tests):
             if isinstance(item, str):  # (one that did not compile scored every test 0)
-                _parses(item, f"{where}[{k}]")
+                if not _checks(_parses(item, f"{where}[{k}]")):  # (one passed anything)
+                    raise ValueError(f"{where}[{k}]: the test {item!r:.60} has no assert, so "
+                                     "it passes whatever the program returns: write assert "
+                                     "f(1) == 2")  # fmt: skip
                 cases.append(CodeTest(code=item))
             else:
                 cases.append(_io_case(item, f"{where}[{k}]"))
