@@ -134,7 +134,7 @@ def test_gspo_train_on_call_based_rows(tmp_path, monkeypatch) -> None:
     """A 3-row JSONL of call-based tests (a mapping, a JSON string, a Solution class)
     trains: the rows are no longer refused at the start, and the reward is called on each
     completion. The tiny random model writes no code, so every completion is read as the
-    program that solves all three (extract_code patched): its reward is 1 on every row."""
+    program that solves all three (program_of patched): its reward is 1 on every row."""
     rows = [
         {"prompt": "Write add(a, b).", "tests": ADD},
         {"prompt": "Write Solution.twoSum.", "tests": json.dumps(
@@ -143,7 +143,7 @@ def test_gspo_train_on_call_based_rows(tmp_path, monkeypatch) -> None:
     ]  # fmt: skip
     data = tmp_path / "calls.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    monkeypatch.setattr(sandbox, "extract_code", lambda text: SOLVES_ALL)
+    monkeypatch.setattr(sandbox, "program_of", lambda completion: SOLVES_ALL)
     run = tmp_path / "run"
     args = [CPU, "model.layers=1", "model.hidden=64", "model.heads=2", "model.kv_heads=1",
             "model.intermediate=128", "rollout.group_size=2", "rollout.prompts_per_batch=3",

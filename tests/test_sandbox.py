@@ -395,3 +395,24 @@ def test_a_test_that_cannot_fail_is_refused() -> None:
     kept = ["np.testing.assert_allclose(add(1, 2), 3)", "if add(1, 2) != 3:\n    raise ValueError"]
     assert len(parse_tests(kept)) == 2
     assert score_code("def add(a, b):\n    return 0", parse_tests(kept[1:]), FAST) == 0.0
+
+
+def test_a_multi_turn_episode_is_scored_on_its_last_program_of_any_assistant_turn() -> None:
+    """The reward read the last assistant message alone: an episode whose program was in
+    an earlier turn and whose final turn said "done" scored 0, where the docs say the
+    completion's last fenced Python block (verl scores the whole response's)."""
+    reward = load_reward_function("code")
+    tests = ["assert add(1, 2) == 3"]
+    right = fenced("def add(a, b):\n    return a + b")
+    wrong = fenced("def add(a, b):\n    return 0")
+    episode = [
+        {"role": "assistant", "content": wrong},
+        {"role": "tool", "content": "AssertionError"},
+        {"role": "assistant", "content": right},
+        {"role": "user", "content": "the tests pass"},
+        {"role": "assistant", "content": "Done: the function above."},
+    ]
+    assert reward(prompts=["q"], completions=[episode], tests=tests) == [1.0]
+    assert reward(prompts=["q"], completions=[episode[:2]], tests=tests) == [0.0]
+    echoed = [{"role": "assistant", "content": "no code"}, {"role": "tool", "content": right}]
+    assert reward(prompts=["q"], completions=[echoed], tests=tests) == [0.0]  # (not the model's)

@@ -20,7 +20,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CodeTest", "call_harness", "calls_passed", "extract_code", "parse_tests", "same_value"]
+from gspo.rewards.parsing import completion_text
+
+__all__ = [
+    "CodeTest",
+    "call_harness",
+    "calls_passed",
+    "extract_code",
+    "parse_tests",
+    "program_of",
+    "same_value",
+]
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 _PYTHON_TAGS = {"python", "py", "python3"}
@@ -47,11 +57,27 @@ def extract_code(text: str) -> str | None:
 
     Returns None when the completion has no fenced block (```` ``` ```` ... ```` ``` ````).
     """
-    blocks = _FENCE.findall(text)
+    return _last_program(_FENCE.findall(text))
+
+
+def _last_program(blocks: Sequence[tuple[str, str]]) -> str | None:
     if not blocks:
         return None
     python = [body for tag, body in blocks if tag.lower() in _PYTHON_TAGS]
     return (python or [body for _, body in blocks])[-1]
+
+
+def program_of(completion: Any) -> str | None:
+    """The program in a completion (text, or a conversation: a multi-turn episode's
+    messages): :func:`extract_code` over the blocks of all its assistant messages, the
+    last one's last; the other roles' (a tool's output, the user's) are not the model's.
+    (It read the last assistant message alone: an episode whose final turn said "done,
+    see above" scored 0 with its program a turn earlier.)"""
+    if isinstance(completion, list) and all(isinstance(m, dict) for m in completion):
+        turns = [m for m in completion if m.get("role") == "assistant"] or completion[-1:]
+        blocks = [b for m in turns for b in _FENCE.findall(completion_text(m))]
+        return _last_program(blocks)
+    return extract_code(completion_text(completion))
 
 
 def _io_case(item: Any, where: str) -> CodeTest:

@@ -44,7 +44,14 @@ from math import ceil
 from pathlib import Path
 from typing import Any
 
-from gspo.rewards.code_tests import CodeTest, call_harness, calls_passed, extract_code, parse_tests
+from gspo.rewards.code_tests import (
+    CodeTest,
+    call_harness,
+    calls_passed,
+    extract_code,
+    parse_tests,
+    program_of,
+)
 from gspo.rewards.contract import RewardError
 from gspo.rewards.parsing import completion_text
 
@@ -472,7 +479,8 @@ def code_reward(
     """Pass fraction of each completion's Python program on its row's ``tests``.
 
     Called TRL-style as ``f(prompts=..., completions=..., tests=..., **other_columns)``. The
-    program is the completion's last fenced Python block (see :func:`extract_code`); a
+    program is the completion's last fenced Python block (see :func:`extract_code`; of a
+    conversation, its assistant messages': :func:`program_of`); a
     completion without one scores 0.0, a row whose ``tests`` is None gets None. Tests take
     the forms of :func:`parse_tests`. Every program runs in the sandbox of this module, one
     process per completion (and per input/output test), in parallel over the CPUs.
@@ -497,7 +505,7 @@ def code_reward(
             cases = parse_tests(row_tests, where=where)
         except ValueError as exc:
             raise RewardError(f"built-in reward 'code': {exc}") from None
-        jobs.append((extract_code(completion_text(completions[k])), cases))
+        jobs.append((program_of(completions[k]), cases))
     mode, message = isolation()
     if mode != "bwrap":
         _say_once(message)
