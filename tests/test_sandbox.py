@@ -416,3 +416,17 @@ def test_a_multi_turn_episode_is_scored_on_its_last_program_of_any_assistant_tur
     assert reward(prompts=["q"], completions=[episode[:2]], tests=tests) == [0.0]
     echoed = [{"role": "assistant", "content": "no code"}, {"role": "tool", "content": right}]
     assert reward(prompts=["q"], completions=[echoed], tests=tests) == [0.0]  # (not the model's)
+
+
+def test_codecontests_input_output_lists_and_text_in_place_of_lists() -> None:
+    """CodeContests' ``{"input": [...], "output": [...]}`` was refused ("expected assert
+    statements ..."); ``{"inputs": "12", "outputs": "34"}`` (text, not lists) was read
+    one character a test: stdin "1" -> "3", "2" -> "4", and a program adding 2 scored 1."""
+    contests = {"input": ["1 2\n", "2 2\n"], "output": ["3\n", "5\n"]}
+    assert parse_tests(contests) == [CodeTest(stdin="1 2\n", stdout="3\n"),
+                                     CodeTest(stdin="2 2\n", stdout="5\n")]  # fmt: skip
+    assert score_code("print(sum(map(int, input().split())))", parse_tests(contests), FAST) == 0.5
+    with pytest.raises(ValueError, match=r"^row 1: 'inputs' and 'outputs' are lists .* not str"):
+        parse_tests({"inputs": "12", "outputs": "34"}, where="row 1")
+    with pytest.raises(ValueError, match=r"^row 2: expected assert statements"):
+        parse_tests({"input": "1 2", "output": "3"}, where="row 2")  # (one pair: the list form)

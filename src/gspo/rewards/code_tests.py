@@ -34,6 +34,7 @@ __all__ = [
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 _PYTHON_TAGS = {"python", "py", "python3"}
+_IO_LISTS = (("inputs", "outputs"), ("input", "output"))  # (APPS's; CodeContests')
 #: Relative and absolute tolerance of a float result against its expected number.
 FLOAT_TOLERANCE = 1e-9
 
@@ -180,7 +181,8 @@ def parse_tests(tests: Any, where: str = "tests") -> list[CodeTest]:
     Accepted forms (a JSON string of any of them too): a string of Python with ``assert``
     statements (each top-level assert is one test, earlier statements its set-up); a list of
     such strings (each one test); a list of ``{"input": ..., "output": ...}`` (or
-    ``stdin``/``stdout``) pairs; ``{"inputs": [...], "outputs": [...]}``; with ``fn_name``,
+    ``stdin``/``stdout``) pairs; ``{"inputs": [...], "outputs": [...]}`` (CodeContests'
+    ``{"input": [...], "output": [...]}`` too); with ``fn_name``,
     call-based tests (each input the arguments of one call). Raises ValueError naming
     ``where`` for anything else.
     """
@@ -192,8 +194,13 @@ def parse_tests(tests: Any, where: str = "tests") -> list[CodeTest]:
         return _assert_cases(tests, where)
     if isinstance(tests, dict) and tests.get("fn_name"):  # (APPS/TACO's call-based tests)
         return _call_cases(tests, where)
-    if isinstance(tests, dict) and "inputs" in tests and "outputs" in tests:
-        inputs, outputs = tests["inputs"], tests["outputs"]
+    keys = next((k for k in _IO_LISTS if isinstance(tests, dict) and set(k) <= set(tests)), None)
+    if keys is not None and (keys[0] == "inputs" or isinstance(tests[keys[0]], list)):
+        inputs, outputs = tests[keys[0]], tests[keys[1]]  # (CodeContests': input, output)
+        if not isinstance(inputs, (list, tuple)) or not isinstance(outputs, (list, tuple)):
+            raise ValueError(f"{where}: {keys[0]!r} and {keys[1]!r} are lists of the tests' "
+                             f"standard input and output, not {type(inputs).__name__} and "
+                             f"{type(outputs).__name__}")  # fmt: skip
         if len(inputs) != len(outputs):
             raise ValueError(f"{where}: {len(inputs)} inputs but {len(outputs)} outputs")
         if not inputs:
