@@ -154,3 +154,16 @@ def test_gspo_train_on_call_based_rows(tmp_path, monkeypatch) -> None:
     logged = [json.loads(line) for line in (run / "completions" / "rollout-000000.jsonl").open()]
     assert sorted({r["prompt"] for r in logged}) == sorted(r["prompt"] for r in rows)
     assert [r["rewards"]["code"] for r in logged] == [1.0] * 6
+
+
+def test_a_programs_prints_do_not_cost_its_tests(mode: str) -> None:
+    """Assert and call-based tests ignore what the program prints; its debugging prints
+    (100 kB a call here) filled the 1 MB output cap, the process was killed and the tests
+    after scored 0: a right program scored 0.5."""
+    chatty = "import sys\ndef add(a, b):\n    print('x' * 100000)\n    return a + b"
+    calls = {"fn_name": "add", "inputs": [[i, 1] for i in range(20)],
+             "outputs": [[i + 1] for i in range(20)]}  # fmt: skip
+    asserts = "\n".join(f"assert add({i}, 1) == {i + 1}" for i in range(20))
+    assert score(chatty, calls) == 1.0
+    assert score(chatty, asserts) == 1.0
+    assert score(chatty.replace("print(", "sys.stderr.write("), asserts) == 1.0

@@ -23,6 +23,7 @@ from typing import Any
 from gspo.rewards.parsing import completion_text
 
 __all__ = [
+    "QUIET",
     "CodeTest",
     "call_harness",
     "calls_passed",
@@ -35,6 +36,13 @@ __all__ = [
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 _PYTHON_TAGS = {"python", "py", "python3"}
 _IO_LISTS = (("inputs", "outputs"), ("input", "output"))  # (APPS's; CodeContests')
+#: A harness's start: ``_fd`` a copy of standard output for its verdicts, then the
+#: program's standard output and error ``/dev/null`` (its debugging prints filled the 1 MB
+#: output cap: the process was killed and the tests after scored 0).
+QUIET = (
+    "import os as _os\n_fd = _os.dup(1)\n_null = _os.open(_os.devnull, _os.O_WRONLY)\n"
+    "_os.dup2(_null, 1)\n_os.dup2(_null, 2)\n_os.close(_null)\n"
+)
 #: Relative and absolute tolerance of a float result against its expected number.
 FLOAT_TOLERANCE = 1e-9
 
@@ -275,8 +283,8 @@ def call_harness(program: str, cases: Sequence[CodeTest], nonce: str, test_cpu_s
         "        if fired:\n"
         "            status, payload = 'timeout', ''\n"
         "        write(fd, ('\\n%s %d %s %s\\n' % (mark, i, status, payload)).encode())\n"
-        "import json as _json, os as _os, signal as _signal\n"
-        f"_run({program!r}, {calls!r}, {nonce!r}, _os.write, _os.dup(1), {float(test_cpu_s)!r},\n"
+        f"import json as _json, signal as _signal\n{QUIET}"
+        f"_run({program!r}, {calls!r}, {nonce!r}, _os.write, _fd, {float(test_cpu_s)!r},\n"
         "     _signal, _json.dumps, _json.loads)\n"
     )
 

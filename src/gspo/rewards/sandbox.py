@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from gspo.rewards.code_tests import (
+    QUIET,
     CodeTest,
     call_harness,
     calls_passed,
@@ -408,7 +409,8 @@ def _harness(program: str, snippets: Sequence[str], nonce: str) -> str:
     and verdicts go to a copy of standard output's descriptor through ``os.write`` taken
     before (a program that swapped ``sys.stdout`` or set ``__main__._tests`` passed
     every test). A program that inspects the interpreter itself (its frames, ``gc``) can
-    still find them: assert tests share its process (docs/code_reward.md)."""
+    still find them: assert tests share its process (docs/code_reward.md). What the
+    program prints goes to ``/dev/null`` (:data:`QUIET`)."""
     return (
         "def _run(program, tests, mark, write, fd, compile=compile, exec=exec,\n"
         "         enumerate=enumerate, BaseException=BaseException, dict=dict):\n"
@@ -425,8 +427,7 @@ def _harness(program: str, snippets: Sequence[str], nonce: str) -> str:
         "        except BaseException:\n"
         "            ok = 0\n"
         "        write(fd, ('\\n%s %d %d\\n' % (mark, i, ok)).encode())\n"
-        f"_run({program!r}, {tuple(snippets)!r}, {nonce!r}, __import__('os').write,\n"
-        "     __import__('os').dup(1))\n"
+        f"{QUIET}_run({program!r}, {tuple(snippets)!r}, {nonce!r}, _os.write, _fd)\n"
     )
 
 
