@@ -82,7 +82,7 @@ class Limits:
     max_procs: int = 32
     max_output_bytes: int = 1 << 20
     workdir_mb: int = 16
-    test_cpu_s: float = 2.0  # per call-based test (wall: twice); the run's limits grow by n of them
+    test_cpu_s: float = 5.0  # per call-based test (wall: twice), as an input/output test has
 
 
 @dataclass(frozen=True)
