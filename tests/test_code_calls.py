@@ -167,3 +167,21 @@ def test_a_programs_prints_do_not_cost_its_tests(mode: str) -> None:
     assert score(chatty, calls) == 1.0
     assert score(chatty, asserts) == 1.0
     assert score(chatty.replace("print(", "sys.stderr.write("), asserts) == 1.0
+
+
+def test_the_programs_main_block_does_not_run_under_call_based_tests(mode: str) -> None:
+    """The program ran as ``__main__``: its ``if __name__ == "__main__":`` block read input
+    that is not there, and a right function scored 0. APPS's checker imports it as a
+    module; so does this harness now (named ``solution``, in ``sys.modules``, so a
+    dataclass under ``from __future__ import annotations`` still works)."""
+    with_main = (
+        "def add(a, b):\n    return a + b\n"
+        "if __name__ == '__main__':\n    a, b = map(int, input().split())\n    print(add(a, b))"
+    )
+    assert score(with_main) == 1.0
+    dataclass = (
+        "from __future__ import annotations\nfrom dataclasses import dataclass\n"
+        "@dataclass\nclass Sum:\n    x: int\n"
+        "def add(a, b):\n    return Sum(a + b).x"
+    )
+    assert score(dataclass) == 1.0

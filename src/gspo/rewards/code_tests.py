@@ -240,10 +240,13 @@ def call_harness(program: str, cases: Sequence[CodeTest], nonce: str, test_cpu_s
     Each call gets ``test_cpu_s`` CPU seconds (``ITIMER_PROF``) and twice that on the wall
     clock (``ITIMER_REAL``); a call that outlives either is a timeout even when it caught
     the exception and returned. ``Solution().fn_name`` (a new instance per call) is called
-    where the program defines a class ``Solution`` with that method, else ``fn_name``."""
+    where the program defines a class ``Solution`` with that method, else ``fn_name``.
+    The program runs as a module named ``solution``, not ``__main__``, as APPS's checker
+    runs it: its ``if __name__ == "__main__":`` block (reading input that is not there:
+    a right function scored 0) does not run."""
     calls = tuple((case.fn_name, case.args) for case in cases)
     return (
-        "def _run(program, calls, mark, write, fd, cpu, signal, dumps, loads,\n"
+        "def _run(program, calls, mark, write, fd, cpu, signal, dumps, loads, module,\n"
         "         compile=compile, exec=exec, enumerate=enumerate, getattr=getattr,\n"
         "         hasattr=hasattr, isinstance=isinstance, type=type,\n"
         "         BaseException=BaseException):\n"
@@ -253,7 +256,7 @@ def call_harness(program: str, cases: Sequence[CodeTest], nonce: str, test_cpu_s
         "    def late(*_):\n"
         "        fired.append(1)\n"
         "        raise Late\n"
-        "    ns = {'__name__': '__main__'}\n"
+        "    ns = module.__dict__\n"
         "    try:\n"
         "        exec(compile(program, '<completion>', 'exec'), ns)\n"
         "    except BaseException:\n"
@@ -283,9 +286,10 @@ def call_harness(program: str, cases: Sequence[CodeTest], nonce: str, test_cpu_s
         "        if fired:\n"
         "            status, payload = 'timeout', ''\n"
         "        write(fd, ('\\n%s %d %s %s\\n' % (mark, i, status, payload)).encode())\n"
-        f"import json as _json, signal as _signal\n{QUIET}"
+        f"import json as _json, signal as _signal, sys as _sys, types as _types\n{QUIET}"
+        "_module = _sys.modules['solution'] = _types.ModuleType('solution')\n"
         f"_run({program!r}, {calls!r}, {nonce!r}, _os.write, _fd, {float(test_cpu_s)!r},\n"
-        "     _signal, _json.dumps, _json.loads)\n"
+        "     _signal, _json.dumps, _json.loads, _module)\n"
     )
 
 
