@@ -430,3 +430,25 @@ def test_codecontests_input_output_lists_and_text_in_place_of_lists() -> None:
         parse_tests({"inputs": "12", "outputs": "34"}, where="row 1")
     with pytest.raises(ValueError, match=r"^row 2: expected assert statements"):
         parse_tests({"input": "1 2", "output": "3"}, where="row 2")  # (one pair: the list form)
+
+
+def test_a_parquet_column_of_mixed_test_forms(tmp_path: Path) -> None:
+    """A Parquet column of mappings holds every row's keys, None under the others': the
+    row with CodeContests' input/output lists had inputs/outputs None (a TypeError
+    traceback), a stdin/stdout pair had input/output None (the text "None" on stdin)."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    from gspo.data import load_rows
+
+    tables = {
+        "lists": [{"tests": {"input": ["1 2\n"], "output": ["3\n"]}},
+                  {"tests": {"inputs": ["4 5\n"], "outputs": ["9\n"]}}],
+        "pairs": [{"tests": [{"stdin": "6 7\n", "stdout": "13\n"},
+                             {"input": "1 1\n", "output": "2\n"}]}],
+    }  # fmt: skip
+    read = []
+    for name, rows in tables.items():
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / f"{name}.parquet")
+        read += [row["tests"] for row in load_rows(tmp_path / f"{name}.parquet", what="data")]
+    assert read[0]["inputs"] is None and read[2][0]["input"] is None  # (as Parquet holds them)
+    program = "print(sum(map(int, input().split())))"
+    assert [score_code(program, parse_tests(tests), FAST) for tests in read] == [1.0] * 3

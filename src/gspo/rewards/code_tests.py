@@ -92,7 +92,7 @@ def program_of(completion: Any) -> str | None:
 def _io_case(item: Any, where: str) -> CodeTest:
     keys = ({"input", "output"}, {"stdin", "stdout"})
     for key_in, key_out in (sorted(k) for k in keys):
-        if isinstance(item, dict) and key_in in item and key_out in item:
+        if _has(item, key_in, key_out):
             text = [_io_text(item[key], where) for key in (key_in, key_out)]
             return CodeTest(stdin=text[0], stdout=text[1])
     raise ValueError(f"{where}: expected an assert snippet or {{'input': ..., 'output': ...}}")
@@ -202,7 +202,7 @@ def parse_tests(tests: Any, where: str = "tests") -> list[CodeTest]:
         return _assert_cases(tests, where)
     if isinstance(tests, dict) and tests.get("fn_name"):  # (APPS/TACO's call-based tests)
         return _call_cases(tests, where)
-    keys = next((k for k in _IO_LISTS if isinstance(tests, dict) and set(k) <= set(tests)), None)
+    keys = next((k for k in _IO_LISTS if _has(tests, *k)), None)
     if keys is not None and (keys[0] == "inputs" or isinstance(tests[keys[0]], list)):
         inputs, outputs = tests[keys[0]], tests[keys[1]]  # (CodeContests': input, output)
         if not isinstance(inputs, (list, tuple)) or not isinstance(outputs, (list, tuple)):
@@ -230,6 +230,12 @@ def parse_tests(tests: Any, where: str = "tests") -> list[CodeTest]:
                 cases.append(_io_case(item, f"{where}[{k}]"))
         return cases
     raise ValueError(f"{where}: expected assert statements, a list of tests or input/output pairs")
+
+
+def _has(tests: Any, *keys: str) -> bool:
+    """Whether ``tests`` is a mapping holding ``keys`` (a Parquet column of mappings with
+    other rows' keys holds None under them: a TypeError traceback, or the wrong form)."""
+    return isinstance(tests, dict) and all(tests.get(key) is not None for key in keys)
 
 
 def call_harness(program: str, cases: Sequence[CodeTest], nonce: str, test_cpu_s: float) -> str:
