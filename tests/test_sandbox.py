@@ -452,3 +452,23 @@ def test_a_parquet_column_of_mixed_test_forms(tmp_path: Path) -> None:
     assert read[0]["inputs"] is None and read[2][0]["input"] is None  # (as Parquet holds them)
     program = "print(sum(map(int, input().split())))"
     assert [score_code(program, parse_tests(tests), FAST) for tests in read] == [1.0] * 3
+
+
+def test_standard_output_is_compared_as_checkers_compare_it(mode: str) -> None:
+    """Lines were compared as text: ``print(1 / 3)`` against ``0.333333`` scored 0, and so
+    did two spaces or a line break where the expected output has one space; checkers
+    (testlib's, APPS's and verl's) compare tokens, decimals within a tolerance."""
+
+    def scored(program: str, output: str) -> float:
+        return score_code(program, parse_tests([{"input": "", "output": output}]), FAST)
+
+    assert scored("print(1 / 3)", "0.333333") == 1.0
+    assert scored("print(1, 2, sep='  ')", "1 2") == 1.0
+    assert scored("print(1)\nprint(2)", "1 2\n") == 1.0
+    assert scored("print(0.3334)", "0.333333") == 0.0
+    assert scored("print(1000000001)", "1000000000") == 0.0  # (an integer is exact)
+    from gspo.rewards.code_tests import same_output
+
+    assert same_output("YES\n 2.5000001e3 ", "YES 2500.0") and not same_output("1 2", "1 2 3")
+    assert same_output("nan\n", "nan")  # (equal as text; not as numbers)
+    assert not same_output("inf", "1e999") and not same_output("3", "3.5")

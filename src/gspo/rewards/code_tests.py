@@ -30,6 +30,7 @@ __all__ = [
     "extract_code",
     "parse_tests",
     "program_of",
+    "same_output",
     "same_value",
 ]
 
@@ -45,6 +46,9 @@ QUIET = (
 )
 #: Relative and absolute tolerance of a float result against its expected number.
 FLOAT_TOLERANCE = 1e-9
+#: Relative and absolute tolerance of a decimal number on standard output (checkers' 1e-6).
+OUTPUT_TOLERANCE = 1e-6
+_INTEGER = re.compile(r"[+-]?\d+")
 
 
 @dataclass(frozen=True)
@@ -312,6 +316,28 @@ def calls_passed(stdout: str, cases: Sequence[CodeTest], nonce: str) -> int:
             with contextlib.suppress(ValueError):
                 passed += same_value(json.loads(results[i]), json.loads(case.expected or "null"))
     return passed
+
+
+def same_output(got: str, want: str) -> bool:
+    """Whether a program's standard output is the expected one, as competitive programming
+    checkers (and verl's) read it: token by token, whatever whitespace is between (spaces,
+    line breaks), a token the expected output writes as a decimal (``0.333333``, ``1e-3``,
+    not ``3``) matching a number within ``OUTPUT_TOLERANCE`` (relative or absolute)."""
+    tokens, wanted = got.split(), want.split()
+    return len(tokens) == len(wanted) and all(
+        a == b or _close(a, b) for a, b in zip(tokens, wanted, strict=True)
+    )
+
+
+def _close(got: str, want: str) -> bool:
+    if _INTEGER.fullmatch(want):  # (an integer is exact: 10**9 + 1 is not 10**9)
+        return False
+    try:
+        a, b = float(got), float(want)
+    except ValueError:
+        return False
+    tol = OUTPUT_TOLERANCE
+    return math.isfinite(b) and math.isclose(a, b, rel_tol=tol, abs_tol=tol)
 
 
 def same_value(got: Any, want: Any) -> bool:

@@ -52,6 +52,7 @@ from gspo.rewards.code_tests import (
     extract_code,
     parse_tests,
     program_of,
+    same_output,
 )
 from gspo.rewards.contract import RewardError
 from gspo.rewards.parsing import completion_text
@@ -431,12 +432,6 @@ def _harness(program: str, snippets: Sequence[str], nonce: str) -> str:
     )
 
 
-def _same_output(got: str, want: str) -> bool:
-    return [line.rstrip() for line in got.strip().splitlines()] == [
-        line.rstrip() for line in want.strip().splitlines()
-    ]
-
-
 def score_code(
     program: str | None, cases: Sequence[CodeTest], limits: Limits | None = None
 ) -> float:
@@ -466,7 +461,7 @@ def score_code(
     for case in cases:
         if case.stdout is not None:
             run = run_python(program, stdin=case.stdin or "", limits=limits)
-            ok = run.returncode == 0 and _same_output(run.stdout, case.stdout)
+            ok = run.returncode == 0 and same_output(run.stdout, case.stdout)
             passed += int(ok)
     return passed / len(cases)
 
