@@ -37,12 +37,14 @@ __all__ = [
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 _PYTHON_TAGS = {"python", "py", "python3"}
 _IO_LISTS = (("inputs", "outputs"), ("input", "output"))  # (APPS's; CodeContests')
-#: A harness's start: ``_fd`` a copy of standard output for its verdicts, then the
-#: program's standard output and error ``/dev/null`` (its debugging prints filled the 1 MB
-#: output cap: the process was killed and the tests after scored 0).
+#: A harness's ``_quiet()``: a copy of standard output for its verdicts (an argument of
+#: ``_run``, held by no name the program reaches), then the program's standard output
+#: and error ``/dev/null`` (its debugging prints filled the 1 MB output cap: the process
+#: was killed and the tests after scored 0).
 QUIET = (
-    "import os as _os\n_fd = _os.dup(1)\n_null = _os.open(_os.devnull, _os.O_WRONLY)\n"
-    "_os.dup2(_null, 1)\n_os.dup2(_null, 2)\n_os.close(_null)\n"
+    "def _quiet(os=__import__('os')):\n    fd = os.dup(1)\n"
+    "    null = os.open(os.devnull, os.O_WRONLY)\n    os.dup2(null, 1)\n"
+    "    os.dup2(null, 2)\n    os.close(null)\n    return fd\n"
 )
 #: Relative and absolute tolerance of a float result against its expected number.
 FLOAT_TOLERANCE = 1e-9
@@ -296,9 +298,9 @@ def call_harness(program: str, cases: Sequence[CodeTest], nonce: str, test_cpu_s
         "        if fired:\n"
         "            status, payload = 'timeout', ''\n"
         "        write(fd, ('\\n%s %d %s %s\\n' % (mark, i, status, payload)).encode())\n"
-        f"import json as _json, signal as _signal, sys as _sys, types as _types\n{QUIET}"
-        "_module = _sys.modules['solution'] = _types.ModuleType('solution')\n"
-        f"_run({program!r}, {calls!r}, {nonce!r}, _os.write, _fd, {float(test_cpu_s)!r},\n"
+        f"import json as _json, os as _os, signal as _signal, sys as _sys, types as _types\n"
+        f"{QUIET}_module = _sys.modules['solution'] = _types.ModuleType('solution')\n"
+        f"_run({program!r}, {calls!r}, {nonce!r}, _os.write, _quiet(), {float(test_cpu_s)!r},\n"
         "     _signal, _json.dumps, _json.loads, _module)\n"
     )
 

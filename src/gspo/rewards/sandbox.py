@@ -428,7 +428,8 @@ def _harness(program: str, snippets: Sequence[str], nonce: str) -> str:
         "        except BaseException:\n"
         "            ok = 0\n"
         "        write(fd, ('\\n%s %d %d\\n' % (mark, i, ok)).encode())\n"
-        f"{QUIET}_run({program!r}, {tuple(snippets)!r}, {nonce!r}, _os.write, _fd)\n"
+        f"{QUIET}_run({program!r}, {tuple(snippets)!r}, {nonce!r}, __import__('os').write,\n"
+        "     _quiet())\n"
     )
 
 
