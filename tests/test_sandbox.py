@@ -390,10 +390,18 @@ def test_a_test_that_cannot_fail_is_refused() -> None:
         parse_tests(["add(1, 2) == 3", "assert add(2, 2) == 4"], where="row 1")
     with pytest.raises(ValueError, match=r"write assert add\(1, 2\) == 3$"):
         parse_tests("add(1, 2) == 3\nassert add(2, 2) == 4", where="row 2")
-    with pytest.raises(ValueError, match=r"^row 3\[0\]: the test 'print\(add\(1, 2\)\)' has no"):
+    with pytest.raises(ValueError, match=r"^row 3\[0\]: the test 'print\(add\(1, 2\)\)' runs no"):
         parse_tests(["print(add(1, 2))"], where="row 3")
+    check = "def check(candidate):\n    assert candidate(1, 2) == 3\n"  # (HumanEval's form)
+    with pytest.raises(ValueError, match=r"^row 4\[0\]: .* runs no assert \(none at its top"):
+        parse_tests([check], where="row 4")  # (never called: it passed anything)
+    with pytest.raises(ValueError, match=r"^row 5: its asserts are inside functions it never"):
+        parse_tests(check, where="row 5")  # (was: "no assert statement among the tests")
+    assert parse_tests(check + "check(add)\n") == [CodeTest(code=check + "check(add)\n")]
     kept = ["np.testing.assert_allclose(add(1, 2), 3)", "if add(1, 2) != 3:\n    raise ValueError"]
-    assert len(parse_tests(kept)) == 2
+    kept.append(check + "check(add)")
+    assert len(parse_tests(kept)) == 3
+    assert score_code("def add(a, b):\n    return a + b", parse_tests(kept[2:]), FAST) == 1.0
     assert score_code("def add(a, b):\n    return 0", parse_tests(kept[1:]), FAST) == 0.0
 
 

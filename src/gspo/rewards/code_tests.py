@@ -129,9 +129,21 @@ def _parses(text: str, where: str) -> ast.Module:
 
 
 def _checks(module: ast.Module) -> bool:
-    """Whether a snippet can fail other than by an error: an ``assert``, a ``raise``, or a
-    call of an ``assert...`` function (``np.testing.assert_allclose``, ``assertEqual``)."""
-    for node in ast.walk(module):
+    """Whether a snippet can fail other than by an error: an ``assert``, a ``raise`` or a
+    call of an ``assert...`` function (``np.testing.assert_allclose``, ``assertEqual``)
+    run at its top level, or in a function it defines and some statement calls
+    (HumanEval's ``def check(candidate): assert ...`` then ``check(f)``; uncalled, it
+    passed anything)."""
+    defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    run = [node for node in module.body if not isinstance(node, defs)]
+    if any(_has_check(node) for node in run):
+        return True
+    called = any(isinstance(n, ast.Call) for node in run for n in ast.walk(node))
+    return called and any(_has_check(node) for node in module.body if isinstance(node, defs))
+
+
+def _has_check(tree: ast.AST) -> bool:
+    for node in ast.walk(tree):
         if isinstance(node, (ast.Assert, ast.Raise)):
             return True
         if isinstance(node, ast.Call):
@@ -143,7 +155,9 @@ def _checks(module: ast.Module) -> bool:
 
 
 def _assert_cases(text: str, where: str) -> list[CodeTest]:
-    """Each top-level ``assert`` is a test; other statements before it are its set-up."""
+    """Each top-level ``assert`` is a test; other statements before it are its set-up.
+    Without one, the whole text is one test where it calls a function of its own that
+    asserts (HumanEval's ``def check(candidate): ...`` and ``check(f)``)."""
     module = _parses(text, where)
     cases: list[CodeTest] = []
     setup: list[str] = []
@@ -153,6 +167,13 @@ def _assert_cases(text: str, where: str) -> list[CodeTest]:
             cases.append(CodeTest(code="\n".join([*setup, segment])))
         else:
             setup.append(segment)
+    if not cases and _checks(module):  # (HumanEval's def check(candidate): ...; check(f))
+        return [CodeTest(code=text)]
+    if not cases and _has_check(module):  # (refused: "no assert statement")
+        raise ValueError(
+            f"{where}: its asserts are inside functions it never calls (HumanEval's "
+            "def check(candidate): ...): add the call, check(f)"
+        )
     if not cases:
         raise ValueError(f"{where}: no assert statement among the tests")
     return cases
@@ -228,9 +249,10 @@ def parse_tests(tests: Any, where: str = "tests") -> list[CodeTest]:
         for k, item in enumerate(tests):
             if isinstance(item, str):  # (one that did not compile scored every test 0)
                 if not _checks(_parses(item, f"{where}[{k}]")):  # (one passed anything)
-                    raise ValueError(f"{where}[{k}]: the test {item!r:.60} has no assert, so "
-                                     "it passes whatever the program returns: write assert "
-                                     "f(1) == 2")  # fmt: skip
+                    raise ValueError(f"{where}[{k}]: the test {item!r:.60} runs no assert "
+                                     "(none at its top level, none in a function it calls), "
+                                     "so it passes whatever the program returns: write "
+                                     "assert f(1) == 2")  # fmt: skip
                 cases.append(CodeTest(code=item))
             else:
                 cases.append(_io_case(item, f"{where}[{k}]"))
