@@ -678,6 +678,49 @@ def test_expert_churn_under_lora_dropout_is_the_weights_change_only(tmp_path, va
 
 
 @pytest.mark.slow
+def test_lora_dropout_and_the_churn_hook_leave_the_global_generator_alone(tmp_path, varied_reward):
+    """The dropout masks' seeding (Policy.same_dropout) reseeded torch's global generator
+    in the loop: around pi_old's recompute, each update's forward and the churn hook's,
+    so a user's code (a reward drawing from torch) and the model's other draws got a
+    stream the run chose. Now the generator's state is the same after each hook, and
+    after a whole rollout batch, as before; the churn measured or not, the updates are
+    the same, bit for bit."""
+    from gspo.training.hooks import ExpertChurn
+
+    common = [
+        *FAST_MOE, varied_reward, "model.lora.r=4", "model.lora.dropout=0.5",
+        "model.lora.target_modules=[q_proj,v_proj]",
+    ]  # fmt: skip
+    runs = {}
+    for churn in (True, False):
+        config = load_config(None, [*common, f"moe.measure_churn={churn}"])
+        trainer = Trainer(config, tmp_path / f"churn{churn}")
+        hooks = [h for h in trainer.update_stage.hooks if isinstance(h, ExpertChurn)]
+        assert len(hooks) == int(churn)
+        same: list[bool] = []
+        for hook in hooks:
+            measure = hook.after_update
+
+            def after_update(*args, measure=measure, same=same):
+                state = torch.get_rng_state()
+                out = measure(*args)
+                same.append(torch.equal(state, torch.get_rng_state()))
+                return out
+
+            hook.after_update = after_update
+        torch.manual_seed(1234)
+        state, drawn = torch.get_rng_state(), torch.rand(3)
+        torch.set_rng_state(state)
+        runs[churn] = [line for _, line in trainer.rl_step(0)]
+        assert torch.equal(torch.rand(3), drawn)
+        assert same == [True] * 4 * int(churn)
+    assert "moe/expert_change_fraction" in runs[True][0]
+    for on, off in zip(runs[True], runs[False], strict=True):
+        for key in ("train/loss", "train/grad_norm", "train/ratio_max", "train/clip_fraction"):
+            assert on[key] == off[key], key
+
+
+@pytest.mark.slow
 def test_routing_replay_with_activation_checkpointing(tmp_path, varied_reward):
     """Refused before: the replay ended with the forward, so the backward's recompute of
     each checkpointed layer routed anew (torch's CheckpointError once the routers moved).

@@ -264,8 +264,8 @@ class ExpertChurn(Hook):
         assert old is not None, "a minibatch's routing is recorded by its forward at the latest"
         # LoRA dropout: the masks pi_old's routing was recorded under (those of the update's
         # forward of these rows), or dropped adapter inputs would count as churn
-        self.policy.same_dropout(mb.k)
-        churn = self.churn(mb.batch, old)
+        with self.policy.same_dropout(mb.k):
+            churn = self.churn(mb.batch, old)
         churn["time/moe_churn"] = time.perf_counter() - start
         return churn
 

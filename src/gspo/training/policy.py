@@ -45,7 +45,7 @@ from gspo.moe import (
     response_token_mask,
 )
 from gspo.training.lora import is_lora
-from gspo.training.seeds import derive_seed
+from gspo.training.seeds import derive_seed, seeded_global_draws
 
 
 class Policy:
@@ -95,13 +95,16 @@ class Policy:
     def train(self) -> None:
         self.forward.train()
 
-    def same_dropout(self, k: int) -> None:
-        """Before a forward of minibatch ``k``: torch's global generator, which PEFT's
+    def same_dropout(self, k: int) -> contextlib.AbstractContextManager[None]:
+        """Around a forward of minibatch ``k``: torch's global generator, which PEFT's
         dropout draws from, seeded for that minibatch, so pi_old's recompute and the
         update's forward of one minibatch drop the same inputs and the ratio is 1 on the
-        same weights (a no-op while ``dropout_seed`` is None)."""
-        if self.dropout_seed is not None:
-            torch.manual_seed(derive_seed(self.dropout_seed, k))
+        same weights; its state before is given back after the block (the run reseeds no
+        generator a user's code or the model's other draws read). A no-op while
+        ``dropout_seed`` is None."""
+        if self.dropout_seed is None:
+            return contextlib.nullcontext()
+        return seeded_global_draws(derive_seed(self.dropout_seed, k), self.device)
 
     def stepped(self) -> None:
         """Record that an optimizer step (or a checkpoint load) changed the weights."""
@@ -279,20 +282,19 @@ def per_minibatch(
     minibatches: list[torch.Tensor],
     *,
     first: bool = True,
-    before: Callable[[int], None] | None = None,
+    around: Callable[[int], contextlib.AbstractContextManager[None]] | None = None,
 ) -> torch.Tensor:
     """``logprobs`` of each minibatch ``[N, T]``, one no-grad forward per minibatch on the
     layout ``batch.select`` gives the training forward: the same sums in the same order as
     the update's own forward of those rows. Without ``first`` minibatch 0's rows are left
-    at 0; ``before(k)`` runs before minibatch ``k``'s forward."""
+    at 0; minibatch ``k``'s forward runs inside ``around(k)``."""
     out = torch.zeros_like(batch.sampler_logprobs)
     with torch.no_grad():
         for k, rows in enumerate(minibatches):
             if k == 0 and not first:
                 continue
-            if before is not None:
-                before(k)
-            lp = logprobs(batch.select(rows))
+            with contextlib.nullcontext() if around is None else around(k):
+                lp = logprobs(batch.select(rows))
             out[to_device(rows, out.device), : lp.shape[1]] = lp  # (CPU indices would wait)
     return out
 
@@ -306,7 +308,7 @@ def recompute_per_minibatch(
     dropout masks of its update's forward; without ``first`` minibatch 0's rows are left
     at 0, for its update's forward to fill."""
     return per_minibatch(
-        policy.logprobs, batch, minibatches, first=first, before=policy.same_dropout
+        policy.logprobs, batch, minibatches, first=first, around=policy.same_dropout
     )
 
 
@@ -405,8 +407,7 @@ class RoutedForward:
                     routing.append(None)
                     continue
                 mb = batch.select(rows)
-                self.policy.same_dropout(k)
-                with capture_routing(self.policy.module) as recorder:
+                with self.policy.same_dropout(k), capture_routing(self.policy.module) as recorder:
                     lp = self.policy.logprobs(mb)
                 routing.append(recorder.experts)
                 if recomputed is not None:

@@ -4,7 +4,11 @@ uninterrupted one would have drawn."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+from collections.abc import Iterator
+
+import torch
 
 from gspo.distributed import Distributed
 
@@ -23,3 +27,21 @@ def rank_seed(seed: int, dist: Distributed, *tags: object) -> int:
     """
     rank = (("rank", dist.rank),) if dist.enabled else ()
     return derive_seed(seed, *tags, *rank)
+
+
+@contextlib.contextmanager
+def seeded_global_draws(seed: int, device: torch.device) -> Iterator[None]:
+    """Torch's global generators (the CPU's and ``device``'s) seeded with ``seed`` inside
+    the block, and given back their own state after it: for draws that only the global
+    generator feeds (``nn.Dropout``, PEFT's dropout) while the caller's random stream
+    (the user's code, the model's other draws) goes on as if the block never ran."""
+    accelerator = device.type not in ("cpu", "meta")
+    devices = [device] if accelerator else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type if accelerator else None):
+        torch.default_generator.manual_seed(seed)
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)
+        elif accelerator:
+            torch.get_device_module(device.type).manual_seed(seed)
+        yield

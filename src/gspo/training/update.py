@@ -368,11 +368,11 @@ class UpdateStage:
         took: dict[str, float] = {}
         with timed(took, "time/train"):
             mb = experience.minibatch(k)
-            self.update.policy.same_dropout(k)  # the masks of pi_old's recompute of these rows
             try:  # (a replayed routing lasts through the backward: RoutedForward.release)
-                logprobs, entropy, router_loss = self.forward.logprobs(
-                    mb.batch, k, experience.routing
-                )
+                with self.update.policy.same_dropout(k):  # pi_old's recompute's masks
+                    logprobs, entropy, router_loss = self.forward.logprobs(
+                        mb.batch, k, experience.routing
+                    )
                 if experience.unsettled is not None:  # minibatch 0: this forward is pi_old's too
                     mb = experience.settle(logprobs.detach())
                 line = self.update.apply(self.objective.loss(mb, logprobs, entropy), router_loss)
