@@ -721,6 +721,40 @@ def test_lora_dropout_and_the_churn_hook_leave_the_global_generator_alone(tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("extra", "skipped"),
+    [
+        (["model.lora.dropout=0.3"], "model.lora.dropout"),
+        (["model.lora.dropout=0", "moe.routing_replay=true"], "moe.routing_replay"),
+        (["model.lora.dropout=0"], None),
+    ],
+)
+def test_gradient_cosines_are_the_runs_or_say_why_not(tmp_path, varied_reward, extra, skipped):
+    """One on-policy minibatch: the run's ratios are all 1, so the whole batch's gradient
+    with the run's ratios is its ratio-1 gradient (cosine 1). The halves' forwards drew
+    dropout masks of their own and read 0.30; under Routing Replay they did not replay the
+    run's routing. Such dumps now hold no cosines but the reason."""
+    overrides = [
+        *FAST_MOE, varied_reward, "algorithm.minibatches=1", "log.ratio_dump_every=1",
+        "model.lora.r=4", "model.lora.target_modules=[q_proj,v_proj]", *extra,
+    ]  # fmt: skip
+    trainer = Trainer(load_config(None, overrides), tmp_path / "run")
+    with torch.no_grad():  # adapters that matter: lora_B starts at 0, dropout or not
+        for name, p in trainer.policy.module.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(0))
+    trainer.rl_step(0)
+    dump = torch.load(tmp_path / "run" / "ratios" / "rollout-000000.pt")
+    assert dump["token_log_ratio"].abs().max() < 1e-5  # (on-policy: the run's ratios are 1)
+    if skipped is None:
+        assert "gradient_noise_skipped" not in dump
+        assert dump["cosine_full_to_on_policy"].item() == pytest.approx(1.0, abs=1e-5)
+    else:
+        assert skipped in dump["gradient_noise_skipped"]
+        assert not any(key.startswith("cosine_") for key in dump)
+
+
+@pytest.mark.slow
 def test_routing_replay_with_activation_checkpointing(tmp_path, varied_reward):
     """Refused before: the replay ended with the forward, so the backward's recompute of
     each checkpointed layer routed anew (torch's CheckpointError once the routers moved).

@@ -53,9 +53,37 @@ def build_hooks(
                 objective,
                 reference,
                 config.train.seed,
+                gradient_noise_skipped(config, dist, forward),
             )
         )
     return hooks
+
+
+def gradient_noise_skipped(
+    config: Config, dist: Distributed, forward: PlainForward | RoutedForward
+) -> str | None:
+    """Why a ratio dump holds no gradient cosines (:func:`gradient_cosines`), or None.
+
+    The cosines take the gradient "with the run's ratios" over halves of the batch laid
+    out otherwise than the run's minibatches; where the run's ratios depend on that layout
+    they would be another quantity, unmarked: with LoRA dropout the halves' forwards drop
+    other inputs than pi_old's recompute did (on a single on-policy minibatch, whose run
+    ratios are all 1, the ratio-1 cosine read 0.30); with Routing Replay the run's
+    forward replays pi_old's routing, which the halves' forwards cannot.
+    """
+    if dist.enabled:
+        return "torchrun: the cosines take gradients outside FSDP's hooks (one process only)"
+    if config.model.lora.r > 0 and config.model.lora.dropout > 0:
+        return (
+            "model.lora.dropout > 0: the halves' forwards would draw other dropout masks "
+            "than the ones pi_old's log-probs were recomputed under"
+        )
+    if isinstance(forward, RoutedForward) and forward.replay:
+        return (
+            "moe.routing_replay: the run's ratios are of pi_old's replayed routing, which "
+            "the halves' forwards (laid out otherwise) cannot replay"
+        )
+    return None
 
 
 class FirstMinibatchMismatch(Hook):
@@ -301,9 +329,10 @@ class RatioDumps(Hook):
     pi_old): ``token_log_ratio`` (log w_it of every counted token, flat), ``token_length``
     (its response's length), ``sequence_log_ratio`` (log s_i), ``length`` and ``advantage``
     (A_i: with the ratios, which side of the clip counts) per non-empty response, plus the
-    gradient cosines by length of :func:`gradient_cosines` (one
-    process only: they take gradients outside FSDP's hooks). ``gspo compare`` draws its
-    ratio histograms, length buckets and gradient-noise table from these.
+    gradient cosines by length of :func:`gradient_cosines`, of the policy loss (not the
+    router loss, ``moe.router_aux_loss_coef``), or else ``gradient_noise_skipped``, the
+    reason (:func:`gradient_noise_skipped`). ``gspo compare`` draws its ratio
+    histograms, length buckets and gradient-noise table from these.
     """
 
     def __init__(
@@ -315,8 +344,10 @@ class RatioDumps(Hook):
         objective: Objective,
         reference: Reference,
         seed: int,
+        skipped: str | None = None,
     ):
         self.every = every
+        self.skipped = skipped  # why no gradient cosines (None: they are measured)
         self.directory = Path(output_dir) / "ratios"
         self.dist = dist
         self.policy = policy
@@ -331,7 +362,7 @@ class RatioDumps(Hook):
 
     def before_update(self, experience: Experience, k: int) -> None:
         self.cosines = {}
-        if self.due(experience, k) and not self.dist.enabled:  # at the weights k sees
+        if self.due(experience, k) and self.skipped is None:  # at the weights k sees
             self.cosines = gradient_cosines(
                 self.policy,
                 self.objective,
@@ -365,7 +396,7 @@ class RatioDumps(Hook):
         mask = mask.bool()
         lengths = response_lengths(mask).long()
         rows = lengths > 0
-        dump = {
+        dump: dict[str, torch.Tensor | str] = {
             "token_log_ratio": token_log_ratio(logprobs, old_logprobs, mask)[mask].cpu(),
             "token_length": lengths.unsqueeze(1).expand_as(mask)[mask].cpu(),
             "sequence_log_ratio": sequence_log_ratio(logprobs, old_logprobs, mask)[rows].cpu(),
@@ -373,6 +404,8 @@ class RatioDumps(Hook):
             "advantage": advantages[rows].float().cpu(),
             **self.cosines,
         }
+        if self.skipped is not None:
+            dump["gradient_noise_skipped"] = self.skipped
         path = self.directory / f"rollout-{index:06d}.pt"
         path.parent.mkdir(exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -394,8 +427,8 @@ def gradient_cosines(
     (:func:`gspo.gradient_noise.length_halves`); the gradient of the objective over each
     half is taken twice, with the run's ratios and with ratios 1 (old log-probs = current
     ones). The halves partition the batch, so their weighted mean is the full-batch
-    gradient. Costs one forward and two backward passes over the rollout batch (no
-    routing replay on MoE models).
+    gradient. Costs one forward and two backward passes over the rollout batch. Not
+    measured where the halves cannot take the run's ratios (:func:`gradient_noise_skipped`).
     """
     batch = experience.batch
     bonus = objective.algorithm.entropy_coef != 0
