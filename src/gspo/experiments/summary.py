@@ -15,6 +15,7 @@ import torch
 from gspo.gradient_noise import length_buckets
 from gspo.telemetry import read_metrics
 from gspo.telemetry.records import _is_number
+from gspo.telemetry.summary import CHURN, churn_updates
 
 #: Episode metrics reported when the runs have an environment (start -> end of training).
 EPISODE_METRICS = {
@@ -31,11 +32,6 @@ class Run:
     seed: int
     path: Path
     records: list[dict[str, Any]]
-
-
-#: An MoE run's expert churn: after the step on minibatch k, the fraction of its tokens'
-#: expert choices that differ from the rollout's (k + 1 updates since pi_old).
-CHURN = "moe/expert_change_fraction"
 
 
 def _finite(value: Any) -> bool:
@@ -198,9 +194,8 @@ def _churn_after(records: Sequence[Mapping[str, Any]], *, first: bool) -> float:
     """Mean :data:`CHURN` over a run's rollout batches after one update (minibatch 0,
     ``first``) or after all of a batch's updates (its last minibatch); NaN without any."""
     lines = [x for x in train_lines(records) if _finite(x.get(CHURN))]
-    last = max((int(x.get("train/minibatch", 0)) for x in lines), default=0)
-    k = 0 if first else last
-    values = [x[CHURN] for x in lines if int(x.get("train/minibatch", 0)) == k]
+    updates = 1 if first else max((churn_updates(x) for x in lines), default=1)
+    values = [x[CHURN] for x in lines if churn_updates(x) == updates]
     return statistics.fmean(values) if values else math.nan
 
 

@@ -46,11 +46,23 @@ SUMMARY_KEYS: tuple[tuple[str, str], ...] = (
     ("moe/expert_change_fraction", "expert churn, one update (MoE)"),
 )
 
-#: Rows whose lines are taken from some records only: expert churn is logged after every
-#: minibatch's update, against the rollout's routing, so at minibatch k it is k + 1
-#: updates' churn; one update's is minibatch 0's.
+#: An MoE run's expert churn: after the step on minibatch k, the fraction of its tokens'
+#: expert choices that differ from the rollout's (k + 1 updates since pi_old).
+CHURN = "moe/expert_change_fraction"
+
+
+def churn_updates(record: Mapping[str, Any]) -> int:
+    """The updates a log line's :data:`CHURN` is over: it is logged after every minibatch's
+    step, against the rollout's routing, so minibatch k's is k + 1 updates' and one
+    update's is minibatch 0's (a line without ``train/minibatch`` counts as minibatch 0).
+    The one place of that rule: the run summary and ``gspo compare`` both read it."""
+    return int(record.get("train/minibatch", 0)) + 1
+
+
+#: Rows whose lines are taken from some records only: one update's expert churn
+#: (:func:`churn_updates`).
 SUMMARY_ROWS_OF: dict[str, Callable[[Mapping[str, Any]], bool]] = {
-    "moe/expert_change_fraction": lambda record: record.get("train/minibatch", 0) == 0,
+    CHURN: lambda record: churn_updates(record) == 1,
 }
 
 
