@@ -912,3 +912,28 @@ def test_histogram_needs_values(tmp_path):
                          "GRPO: w_it": same * 2}, tmp_path / "h.png", title="t")  # fmt: skip
     assert drawn == [("GSPO: w_it", None), ("GSPO-token: w_it (= GSPO: w_it)", (0, (4, 3))),
                      ("GRPO: w_it", None)]  # fmt: skip
+
+
+def test_the_report_says_why_the_gradient_noise_was_not_measured(tmp_path):
+    """A run whose dumps hold no gradient cosines (LoRA dropout, Routing Replay, torchrun:
+    their ``gradient_noise_skipped``) had a report without the gradient-noise section and
+    no word of why."""
+    from gspo.experiments.report import write_report
+    from gspo.experiments.summary import Run
+
+    why = "model.lora.dropout > 0: other dropout masks"
+    (tmp_path / "ratios").mkdir()
+    dump = {"token_log_ratio": torch.zeros(3), "token_length": torch.full((3,), 3),
+            "sequence_log_ratio": torch.zeros(1), "length": torch.tensor([3]),
+            "advantage": torch.ones(1), "gradient_noise_skipped": why}  # fmt: skip
+    torch.save(dump, tmp_path / "ratios" / "rollout-000000.pt")
+    records = [
+        {"step": 0, "time": 0.0, "eval/accuracy": 0.1},
+        {"step": 1, "time": 1.0, "train/loss": 0.0, "train/rollout": 0, "train/minibatch": 0,
+         "train/reward_mean": 0.1, "train/clip_fraction": 0.01, "train/tokens": 3.0},
+        {"step": 1, "time": 2.0, "eval/accuracy": 0.2},
+    ]  # fmt: skip
+    result = write_report([Run("GSPO", 0, tmp_path, records)], tmp_path / "out")
+    assert result["algorithms"]["GSPO"]["gradient_noise_skipped"] == [why]
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert f"## Gradient noise by response length\n\nNot measured: {why}." in md

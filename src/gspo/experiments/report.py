@@ -264,6 +264,13 @@ def report_markdown(
             and math.isfinite(s["gradient_cosine_full_to_on_policy"])  # (NaN: none computed)
         ]
         lines += [f"- {note}" for note in gradient_noise_notes(summary)]
+    elif skipped := sorted({why for s in summary.values() for why in s["gradient_noise_skipped"]}):
+        lines += [
+            "",
+            "## Gradient noise by response length",
+            "",
+            f"Not measured: {'; '.join(skipped)}.",
+        ]
     lines += ["", "## Plots", ""]
     for title, path in figures:
         lines += [f"### {title}", "", f"![{title}]({path.relative_to(out).as_posix()})", ""]

@@ -136,6 +136,14 @@ def load_gradient_cosines(run_dir: Path, last_fraction: float = 0.5) -> list[dic
     return out
 
 
+def gradient_noise_skipped(run_dir: Path) -> set[str]:
+    """Why the run's ratio dumps hold no gradient cosines (their ``gradient_noise_skipped``:
+    :func:`gspo.training.hooks.gradient_noise_skipped`); empty where they do."""
+    files = sorted((run_dir / "ratios").glob("rollout-*.pt"))
+    dumps = (torch.load(f, weights_only=True) for f in files)
+    return {d["gradient_noise_skipped"] for d in dumps if "gradient_noise_skipped" in d}
+
+
 def cosines_by_length(dumps: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, float]]:
     """Per length bucket (shortest first), each cosine's mean over dumps (NaNs skipped)
     and, as ``<name>_se``, its standard error (sd over dumps / sqrt of their number).
@@ -256,6 +264,9 @@ def algorithm_summary(runs: Sequence[Run]) -> dict[str, Any]:
         "sequence_log_ratio_sd": _sd(seq_lr),
         "spread_by_length": spread_by_length(pooled) if pooled else [],
         "gradient_cosines_by_length": cosines_by_length(cosine_dumps),
+        "gradient_noise_skipped": sorted(
+            set().union(*(gradient_noise_skipped(r.path) for r in runs))
+        ),
         "gradient_cosine_full_to_on_policy": mean_std(
             [d["cosine_full_to_on_policy"].item() for d in cosine_dumps]
         )[0],
