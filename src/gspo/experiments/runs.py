@@ -435,6 +435,7 @@ def compare(
     algorithms: Sequence[str] = tuple(ALGORITHMS),
 ) -> dict[str, Any]:
     """Run (or reuse) every run, then write the report; returns the summary."""
+    preset = {name.lower(): name for name in PRESETS}.get(preset.lower(), preset)  # (Stress)
     if preset not in PRESETS:
         raise ValueError(f"--preset {preset!r}: expected one of {', '.join(PRESETS)}")
     named = {name.lower(): name for name in ALGORITHMS}  # (gspo,grpo as algorithm.level)
