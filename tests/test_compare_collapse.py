@@ -22,6 +22,34 @@ def tiny(varied_reward):
     return [*TINY, varied_reward]
 
 
+def test_one_seed_with_a_final_accuracy_has_no_spread(tmp_path):
+    """Two seeds, one without a final evaluation: the table said "± 0.000" and claim (a)
+    took two seeds' error bar (an sd of 0 over one value) and said "reproduced"."""
+
+    def records(evals: bool) -> list[dict]:
+        line = {"train/loss": 0.1, "train/tokens": 10.0, "train/clip_fraction": 0.1,
+                "train/reward_mean": 0.5, "train/rollout": 0, "time/step": 1.0}  # fmt: skip
+        out = [{"step": 0, "eval/accuracy": 0.4}] if evals else []
+        out += [{"step": 1, **line}]
+        return out + ([{"step": 1, "eval/accuracy": 0.6}] if evals else [])
+
+    runs = [Run("GSPO", seed, tmp_path / f"s{seed}", records(seed == 0)) for seed in (0, 1)]
+    result = write_report(runs, tmp_path)
+    gspo = result["algorithms"]["GSPO"]
+    assert gspo["accuracy"] == 0.6 and math.isnan(gspo["accuracy_sd"])
+    assert (
+        json.loads((tmp_path / "summary.json").read_text())["algorithms"]["GSPO"]["accuracy_sd"]
+        is None
+    )
+    assert "| GSPO | 0.400 -> 0.600 |" in (tmp_path / "report.md").read_text()
+    # (a) with one GSPO seed's end: no error bar, inconclusive ("reproduced" before)
+    half = summary(0.15, 0.001, 0.9, 0.9, start=0.5)
+    half["GSPO"].update(accuracy_per_seed=[0.9, math.nan, math.nan], accuracy_sd=0.0)
+    half["GRPO"]["accuracy_per_seed"] = [0.89, 0.9, 0.91]
+    a = verdicts(half, "default")[0]
+    assert a["verdict"] == INCONCLUSIVE and "1 and 3 seeds with a final accuracy" in a["figures"]
+
+
 def test_the_preset_in_any_case(tmp_path, capsys):
     """``--preset Stress`` was refused ("expected one of default, stress, ...")."""
     out = ["compare", "--output-dir", str(tmp_path / "out"), "train.max_steps=0"]

@@ -52,26 +52,39 @@ def verdicts(summary: Mapping[str, Mapping[str, Any]], preset: str) -> list[dict
         clip_x = gspo["clip_fraction"] / grpo["clip_fraction"]
     else:  # GRPO clipped nothing: far more if GSPO clipped some; neither: nothing to compare
         clip_x = math.inf if gspo["clip_fraction"] else math.nan
-    n = len(gspo["seeds"])
-    noise = 2 * math.hypot(gspo["accuracy_sd"], grpo["accuracy_sd"]) / math.sqrt(max(n, 1))
+    # seeds with a final accuracy (a collapsed run has none); an sd of fewer than 2: none
+    ns = {id(s): len([a for a in s.get("accuracy_per_seed", s["seeds"]) if math.isfinite(a)])
+          for s in (gspo, grpo)}  # fmt: skip
+    n = min(ns.values())
+
+    def se(s: Mapping[str, Any]) -> float:  # the standard error of its mean end accuracy
+        sd = s["accuracy_sd"] if math.isfinite(s["accuracy_sd"]) else 0.0
+        return sd / math.sqrt(max(ns[id(s)], 1))
+
+    noise = 2 * math.hypot(se(gspo), se(grpo))
     gap = gspo["accuracy"] - grpo["accuracy"]
+    counted = f"{n} seed{'s' if n != 1 else ''}"
+    if ns[id(gspo)] != ns[id(grpo)] or n < len(gspo["seeds"]):
+        counted = f"{ns[id(gspo)]} and {ns[id(grpo)]} seeds with a final accuracy"
     times = (
         "neither clipped" if math.isnan(clip_x)
         else "GRPO clipped none" if math.isinf(clip_x)
         else f"{clip_x:.0f}x"
     )  # fmt: skip
+    ends = (
+        f"final accuracy GSPO {gspo['accuracy']:.3f} vs GRPO {grpo['accuracy']:.3f} "
+        f"(difference {gap:+.3f}, two standard errors {noise:.3f}, {counted})"
+        if math.isfinite(gap)
+        else f"final accuracy GSPO {said(gspo['accuracy'])} vs GRPO {said(grpo['accuracy'])}: "
+        "none to compare"
+    )
     figures = (
         f"clip fraction GSPO {gspo['clip_fraction']:.4f} vs GRPO {grpo['clip_fraction']:.4f} "
-        f"({times}); final accuracy GSPO {gspo['accuracy']:.3f} vs GRPO "
-        f"{grpo['accuracy']:.3f} (difference {gap:+.3f}, two standard errors {noise:.3f}, "
-        f"{n} seed{'s' if n != 1 else ''})"
+        f"({times}); {ends}"
     )
     # moved: by more than two standard errors of its end over the seeds (one sample in 256
     # up or down counted before: "reproduced" on runs that learned nothing)
-    moved = any(
-        abs(s["accuracy"] - s["accuracy_start"]) > 2 * s["accuracy_sd"] / math.sqrt(max(n, 1))
-        for s in (gspo, grpo)
-    )
+    moved = any(abs(s["accuracy"] - s["accuracy_start"]) > 2 * se(s) for s in (gspo, grpo))
     if any(math.isnan(v) for v in (clip_x, gap)):
         verdict = INCONCLUSIVE
     elif not moved:  # "trains as well" of runs that learned nothing says nothing
@@ -165,6 +178,21 @@ def verdicts(summary: Mapping[str, Mapping[str, Any]], preset: str) -> list[dict
                 "becomes unstable, GSPO does not",
                 "verdict": verdict, "figures": figures})  # fmt: skip
     return out
+
+
+def said(value: float) -> str:
+    """``value`` to 3 decimals, ``n/a`` where there is none (the report's cells)."""
+    return f"{value:.3f}" if math.isfinite(value) else "n/a"
+
+
+def stopped(name: str, s: Mapping[str, Any]) -> str:
+    """Which of an algorithm's seeds ``train.max_skipped`` stopped, and at which step."""
+    runs = s["collapsed"]
+    where = ", ".join(f"seed {c['seed']} at step {c['step']}" for c in runs)
+    return (
+        f"{name}: {len(runs)} of {len(s['seeds'])} seed{'s' if len(s['seeds']) != 1 else ''} "
+        f"collapsed (non-finite updates, train.max_skipped: {where})"
+    )
 
 
 def first_divergence(a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, Any]],

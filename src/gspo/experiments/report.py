@@ -299,8 +299,10 @@ def report_html(markdown: str, out: Path) -> str:
 
 
 def spread(s: Mapping[str, Any]) -> float:
-    """The accuracy's sd over seeds; none (NaN) from one seed."""
-    return s["accuracy_sd"] if len(s.get("seeds", ())) > 1 else math.nan
+    """The accuracy's sd over seeds; none (NaN) from one seed, or where one seed alone
+    has a final accuracy (the others without an evaluation, or collapsed)."""
+    finals = s.get("accuracy_per_seed", s.get("seeds", ()))
+    return s["accuracy_sd"] if sum(math.isfinite(a) for a in finals) > 1 else math.nan
 
 
 def cell(value: float, spec: str = ".3f") -> str:

@@ -231,6 +231,8 @@ def algorithm_summary(runs: Sequence[Run]) -> dict[str, Any]:
     pooled = {k: torch.cat([d[k] for d in dumps]) for k in dumps[0]} if dumps else {}
     token_lr, seq_lr = pooled.get("token_log_ratio"), pooled.get("sequence_log_ratio")
     acc, acc_sd = mean_std(finals)
+    if sum(math.isfinite(a) for a in finals) < 2:  # (one value has no spread: "± 0.000")
+        acc_sd = math.nan
     episodes = {}
     for key in EPISODE_METRICS:
         evals = [[x[key] for x in r.records if key in x] for r in runs]
