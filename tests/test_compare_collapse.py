@@ -50,6 +50,24 @@ def test_one_seed_with_a_final_accuracy_has_no_spread(tmp_path):
     assert a["verdict"] == INCONCLUSIVE and "1 and 3 seeds with a final accuracy" in a["figures"]
 
 
+def test_a_cached_cold_start_is_said(tmp_path, tiny, cold_start_cache):
+    """A compare whose cold start the cache gave said nothing of it, and its report gave
+    the cold start the minutes of the run that trained it as this one's."""
+    first: list[str] = []
+    compare(None, tiny, tmp_path / "a", seeds=(0,), log=first.append, algorithms=("GSPO",))
+    assert not any("taken from the cache" in m for m in first)
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["cold_start_cached"] is None
+    second: list[str] = []
+    compare(None, tiny, tmp_path / "b", seeds=(0,), log=second.append, algorithms=("GSPO",))
+    (said,) = [m for m in second if "taken from the cache" in m]
+    entry = json.loads((tmp_path / "b" / "summary.json").read_text())["cold_start_cached"]
+    assert entry.startswith(str(cold_start_cache)) and entry in said
+    assert "--no-cache redoes it" in said and "the run that trained it took" in said
+    assert (
+        f"(taken from the cold-start cache, `{entry}`" in (tmp_path / "b" / "report.md").read_text()
+    )
+
+
 def test_the_preset_in_any_case(tmp_path, capsys):
     """``--preset Stress`` was refused ("expected one of default, stress, ...")."""
     out = ["compare", "--output-dir", str(tmp_path / "out"), "train.max_steps=0"]

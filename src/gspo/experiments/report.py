@@ -31,6 +31,7 @@ def write_report(
     preset: str = "default",
     seconds: float = math.nan,
     cold_start_seconds: float = math.nan,
+    cold_start_cached: str | None = None,
     overrides: Sequence[str] = (),
     trained_on: str = "unknown",
     config: Path | None = None,
@@ -105,6 +106,7 @@ def write_report(
         "trained_on": trained_on,
         "seconds": seconds,
         "cold_start_seconds": cold_start_seconds,
+        "cold_start_cached": cold_start_cached,
         "run_seconds": sum(with_elapsed(r.records)[-1]["elapsed"] for r in runs if r.records),
         "algorithms": summary,
         "verdicts": claims,
@@ -146,6 +148,12 @@ def report_markdown(
     summary = result["algorithms"]
     seeds = next(iter(summary.values()))["seeds"] if summary else []
     n_runs = len(result["algorithms"]) * len(seeds)
+    cached = (
+        f" (taken from the cold-start cache, `{result['cold_start_cached']}`: that is how long "
+        "the run that trained it took; `--no-cache` redoes it)"
+        if result.get("cold_start_cached")
+        else ""
+    )
     lines = [
         "# " + " vs ".join(summary),
         "",
@@ -154,7 +162,8 @@ def report_markdown(
         + "".join(f", override `{o}`" for o in result.get("overrides", []))
         + ", seeds "
         f"{', '.join(map(str, seeds))}). Time: the shared cold start "
-        f"{result['cold_start_seconds'] / 60:.1f} min, the {n_runs} run{'s' if n_runs != 1 else ''}"
+        f"{result['cold_start_seconds'] / 60:.1f} min{cached}, the {n_runs} "
+        f"run{'s' if n_runs != 1 else ''}"
         f" {result['run_seconds'] / 60:.1f} min together (each run's steps, "
         f"evaluations and checkpoints); this invocation {result['seconds'] / 60:.1f} min "
         "(reused runs cost nothing). "

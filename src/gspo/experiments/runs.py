@@ -32,7 +32,7 @@ import yaml
 from gspo.config import Config, changed_settings, flat_settings, load_config
 from gspo.config.loading import dump_config_text
 from gspo.experiments.report import write_report
-from gspo.experiments.summary import Run, cold_start_seconds, train_lines
+from gspo.experiments.summary import Run, cold_start_cached, cold_start_seconds, train_lines
 from gspo.telemetry import read_metrics
 
 #: name -> overrides; the clip ranges are each level's defaults (the paper's).
@@ -366,6 +366,10 @@ def cold_start_checkpoint(
         # (one the cache gives was trained by this code too: its key holds gspo's sources)
         record_provenance(out / COLD_START)
         trainer.fit()
+    if entry := cold_start_cached(out / COLD_START):  # (log.progress=false: it said nothing)
+        took = cold_start_seconds(out / COLD_START) / 60
+        log(f"cold start: taken from the cache {entry} (the run that trained it took {took:.1f} "
+            "min; --no-cache redoes it)")  # fmt: skip
     return path
 
 
@@ -574,6 +578,7 @@ def _compare(
         preset=preset,
         seconds=time.perf_counter() - start,
         cold_start_seconds=cold_start_seconds(out / COLD_START),
+        cold_start_cached=cold_start_cached(out / COLD_START),
         overrides=overrides,
         config=config_path,
         trained_on=provenance([out / COLD_START, *run_dirs.values()]),

@@ -49,6 +49,15 @@ def cold_start_seconds(run_dir: Path) -> float:
     return sft + sum(r["time/eval"] for r in records if "time/eval" in r)
 
 
+def cold_start_cached(run_dir: Path) -> str | None:
+    """The cache entry the cold start in ``run_dir`` was taken from (its ``time/sft`` is
+    then the run's that trained it), or None where it trained here."""
+    from gspo.training.cold_start import CACHED_FROM
+
+    records = read_metrics(run_dir / "metrics.jsonl") if run_dir.is_dir() else []
+    return next((str(r[CACHED_FROM]) for r in records if r.get(CACHED_FROM)), None)
+
+
 #: The seconds a record accounts for: its training step, its evaluation, its checkpoint.
 RUN_SECONDS = ("time/step", "time/eval", "time/checkpoint")
 

@@ -68,6 +68,9 @@ _STATE = "state.pt"
 _LINES = "sft_metrics.jsonl"
 _MODEL = "sharded"
 _ENTRY = "entry.json"  # a cache entry's own record: its key
+#: On the cold start's lines taken from the cache (metrics.jsonl alone: not a number): the
+#: entry; their ``time/sft`` is the run that trained it's (gspo compare says both).
+CACHED_FROM = "sft/cached_from"
 _INLINE_BYTES = 64 << 20
 Encoded = tuple[list[int], list[int], list[bool]]  # a row: prompt, completion, loss mask
 
@@ -360,8 +363,8 @@ def cold_start(
         assert entry is not None
         load_sharded(entry / _MODEL, policy.forward, None)
         policy.stepped()
-        for line in (entry / _LINES).read_text().splitlines():
-            logger.log(0, json.loads(line))
+        for line in (entry / _LINES).read_text().splitlines():  # (time/sft: the original's)
+            logger.log(0, {**json.loads(line), CACHED_FROM: str(entry)})
         if show:
             print(
                 f"cold start: reused {entry} (--no-cache redoes it; from Python, "
