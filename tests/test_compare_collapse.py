@@ -22,6 +22,42 @@ def tiny(varied_reward):
     return [*TINY, varied_reward]
 
 
+def test_a_collapsed_run_is_reported_and_the_others_go_on(tmp_path, tiny):
+    """A run that train.max_skipped stopped (here a learning rate of 1e10: NaN gradients
+    from the second step) stopped the whole compare with its error line: no other run,
+    no report, the collapse in no table. Now each run is said collapsed, at its step, and
+    the compare goes on; a later compare reuses it as collapsed."""
+    out = tmp_path / "cmp"
+    messages: list[str] = []
+    args = [*tiny, "optim.lr=1e10", "train.max_skipped=2"]
+    result = compare(None, args, out, seeds=(0,), log=messages.append, algorithms=("GSPO", "GRPO"))
+    assert sum("training" in m for m in messages) == 2  # GRPO trained after GSPO collapsed
+    said = [m for m in messages if "collapsed at step" in m]
+    assert len(said) == 2 and "train.max_skipped=2" in said[0]
+    for name in ("GSPO", "GRPO"):
+        (fell,) = result["algorithms"][name]["collapsed"]
+        assert fell["seed"] == 0 and fell["step"] == 3  # steps 2 and 3 skipped
+        assert "non-finite" in fell["reason"]
+        assert math.isnan(result["algorithms"][name]["accuracy"])  # (none: it never ended)
+    md = (out / "report.md").read_text()
+    assert "## Collapsed runs" in md and "| GRPO | 0 | 3 | train.max_skipped=2:" in md
+    assert "| GSPO (1 of 1 collapsed) |" in md
+    again: list[str] = []
+    compare(None, args, out, seeds=(0,), log=again.append, algorithms=("GSPO", "GRPO"))
+    assert not any("training" in m for m in again)
+    assert sum("(collapsed at step 3)" in m for m in again) == 2
+
+
+def test_claim_c_counts_a_collapsed_seed():
+    """A GRPO seed stopped on non-finite updates is the collapse claim (c) is about; its
+    end was taken from its last evaluation before, and (c) said "not reproduced"."""
+    stress = summary(0.15, 0.001, 0.9, 0.9, start=0.5)
+    stress["GRPO"]["collapsed"] = [{"seed": 1, "step": 40, "reason": "train.max_skipped=3"}]
+    c = verdicts(stress, "stress")[2]
+    assert c["verdict"] == REPRODUCED
+    assert "GRPO: 1 of 3 seeds collapsed (non-finite updates, train.max_skipped: seed 1 at step 40)" in c["figures"]  # fmt: skip # noqa: E501
+
+
 def test_one_seed_with_a_final_accuracy_has_no_spread(tmp_path):
     """Two seeds, one without a final evaluation: the table said "± 0.000" and claim (a)
     took two seeds' error bar (an sd of 0 over one value) and said "reproduced"."""

@@ -1,6 +1,7 @@
 """``gspo compare`` and its report, outside the training library (nothing in it imports them).
 
-Layers never import upward: ``summary`` <- ``claims`` <- ``report`` <- ``runs``.
+Layers never import upward: ``summary`` <- ``claims`` <- ``report`` <- ``runs``
+(``trained_on`` beside them, for ``runs``).
 
 ======================  ===========================================================
 module                  what lives there
@@ -11,6 +12,7 @@ module                  what lives there
                         cosines, one summary per algorithm over its seeds
 :mod:`.claims`          the paper's claims: a verdict per claim, the computed notes
 :mod:`.report`          plots, report.md, report.html and summary.json
+:mod:`.trained_on`      the commit and machine each run was trained on
 ======================  ===========================================================
 """
 

@@ -40,7 +40,7 @@ def verdicts(summary: Mapping[str, Mapping[str, Any]], preset: str) -> list[dict
         shortest, the test cannot tell and the verdict is inconclusive.
     (c) GRPO unstable where GSPO is not: only judged on the presets that pull the paper's
         levers (:data:`UNSTABLE_PRESETS`); a collapse is a final accuracy more than 0.1
-        below the start.
+        below the start, or a seed that ``train.max_skipped`` stopped (non-finite updates).
     """
     if "GSPO" not in summary or "GRPO" not in summary:
         return []  # every claim compares the two (the report says so)
@@ -82,6 +82,8 @@ def verdicts(summary: Mapping[str, Mapping[str, Any]], preset: str) -> list[dict
         f"clip fraction GSPO {gspo['clip_fraction']:.4f} vs GRPO {grpo['clip_fraction']:.4f} "
         f"({times}); {ends}"
     )
+    figures += "".join(f"; {stopped(k, s)}" for k, s in ((k, summary[k]) for k in ("GSPO", "GRPO"))
+                       if s.get("collapsed"))  # fmt: skip
     # moved: by more than two standard errors of its end over the seeds (one sample in 256
     # up or down counted before: "reproduced" on runs that learned nothing)
     moved = any(abs(s["accuracy"] - s["accuracy_start"]) > 2 * se(s) for s in (gspo, grpo))
@@ -146,8 +148,8 @@ def verdicts(summary: Mapping[str, Mapping[str, Any]], preset: str) -> list[dict
                 "verdict": verdict, "figures": figures})  # fmt: skip
 
     # (c)
-    def collapsed(s: Mapping[str, Any]) -> bool:
-        return s["accuracy"] < s["accuracy_start"] - 0.1
+    def collapsed(s: Mapping[str, Any]) -> bool:  # (a run stopped on non-finite updates too)
+        return bool(s.get("collapsed")) or s["accuracy"] < s["accuracy_start"] - 0.1
 
     accuracies = [s[k] for s in (grpo, gspo) for k in ("accuracy", "accuracy_start")]
     if preset not in UNSTABLE_PRESETS:
@@ -158,7 +160,8 @@ def verdicts(summary: Mapping[str, Mapping[str, Any]], preset: str) -> list[dict
             f"final accuracy GRPO {grpo['accuracy']:.3f} (start {grpo['accuracy_start']:.3f}), "
             f"GSPO {gspo['accuracy']:.3f} (start {gspo['accuracy_start']:.3f})"
         )
-        cannot = (
+        figures += "".join(f"; {stopped(k, s)}" for k, s in summary.items() if s.get("collapsed"))
+        cannot = None if grpo.get("collapsed") or gspo.get("collapsed") else (
             "no held-out accuracy" if any(math.isnan(a) for a in accuracies)
             else "the policy did not move" if still
             else "a start under 0.1, below which no collapse shows"

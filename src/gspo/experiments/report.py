@@ -184,13 +184,17 @@ def report_markdown(
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, s in summary.items():
+        fell = len(s.get("collapsed", ()))
+        of = f" ({fell} of {len(s['seeds'])} collapsed)" if fell else ""
         lines.append(
-            f"| {name} | {cell(s['accuracy_start'])} -> {pm(s['accuracy'], spread(s))} | "
+            f"| {name}{of} | "
+            f"{cell(s['accuracy_start'])} -> {pm(s['accuracy'], spread(s))} | "
             f"{cell(s['accuracy_greedy'])} | {cell(s['reward_tail'])} | "
             f"{cell(s['clip_fraction'], '.4f')} | {cell(s['token_log_ratio_sd'], '.2e')} | "
             f"{cell(s['sequence_log_ratio_sd'], '.2e')} | {cell(s['seconds'], '.0f')} |"
         )
     lines += ["", *[f"- {note}" for note in notes(summary, runs)]]
+    lines += collapsed_section(summary)
     if any(math.isfinite(s.get("expert_change", math.nan)) for s in summary.values()):
         lines += [
             "",
@@ -305,6 +309,30 @@ def report_html(markdown: str, out: Path) -> str:
         f"<!doctype html><html><head><meta charset='utf-8'><title>gspo compare</title>"
         f"<style>{style}</style></head><body>{body}</body></html>\n"
     )
+
+
+def collapsed_section(summary: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The runs ``train.max_skipped`` stopped (the compare went on without them): each
+    one's step and error line; none where no run collapsed."""
+    rows = [(name, c) for name, s in summary.items() for c in s.get("collapsed", ())]
+    if not rows:
+        return []
+    return [
+        "",
+        "## Collapsed runs",
+        "",
+        "Stopped by `train.max_skipped` (updates with a non-finite loss or gradient in a "
+        "row); the other runs went on. Their final accuracy is left out of the table "
+        "(they never reached the end); their curves stop where they did. A later compare "
+        "into this directory reuses them as collapsed: delete one to train it again.",
+        "",
+        "| algorithm | seed | stopped at step | why |",
+        "|---|---|---|---|",
+        *[
+            f"| {name} | {c['seed']} | {c['step']} | {c['reason'].replace('|', '/')} |"
+            for name, c in rows
+        ],
+    ]
 
 
 def spread(s: Mapping[str, Any]) -> float:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -32,7 +31,17 @@ import yaml
 from gspo.config import Config, changed_settings, flat_settings, load_config
 from gspo.config.loading import dump_config_text
 from gspo.experiments.report import write_report
-from gspo.experiments.summary import Run, cold_start_cached, cold_start_seconds, train_lines
+from gspo.experiments.summary import (
+    Run,
+    cold_start_cached,
+    cold_start_seconds,
+    collapse,
+    record_collapse,
+    train_lines,
+)
+from gspo.experiments.trained_on import PROVENANCE as PROVENANCE
+from gspo.experiments.trained_on import provenance as provenance
+from gspo.experiments.trained_on import record_provenance
 from gspo.telemetry import read_metrics
 
 #: name -> overrides; the clip ranges are each level's defaults (the paper's).
@@ -250,56 +259,30 @@ def write_request(config: Config, run_dir: Path, root: Path | None = None) -> No
     (run_dir / REQUEST).write_text(yaml.safe_dump(_request(config, root), sort_keys=False))
 
 
-#: Beside each run and the cold start: the code and machine of each time it was trained
-#: (a resume adds a line); the report names them (runs are reused across commits).
-PROVENANCE = "trained_on.jsonl"
-
-
-def record_provenance(run_dir: Path) -> None:
-    from gspo.provenance import code_commit, machine
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / PROVENANCE, "a") as f:
-        f.write(json.dumps({"commit": code_commit(), "machine": machine()}) + "\n")
-
-
-def provenance(dirs: Sequence[Path]) -> str:
-    """Where the runs in ``dirs`` were trained: each commit and machine once, in order."""
-    seen: dict[str, None] = {}
-    for run_dir in dirs:
-        path = run_dir / PROVENANCE
-        lines = (
-            [line for line in path.read_text().splitlines() if line.strip()]
-            if path.is_file()
-            else []
-        )
-        for line in lines or ["{}"]:
-            try:
-                made = json.loads(line)
-                said = f"commit {made['commit']} on {made['machine']}"
-            except (ValueError, TypeError, KeyError):  # (a line cut short, edited by hand)
-                said = "commit unknown on unknown"
-            seen[said] = None
-    return "; ".join(seen)
-
-
 def run_or_reuse(
     config: Config, run_dir: Path, log: Callable[[str], None], root: Path | None = None
 ) -> list[dict[str, Any]]:
     """Train ``config`` into ``run_dir``; reuse a finished run, resume an interrupted one,
     each only when it was made with the same settings (:func:`write_request`)."""
     from gspo.trainer import Trainer
+    from gspo.training.update import NonFiniteTraining
 
     unchanged_requests({run_dir: config}, root)
-    if finished(run_dir, config.train.max_steps):
-        log(f"  reusing {run_dir}")
+    fell = collapse(run_dir)  # (stopped on train.max_skipped: it would collapse again)
+    if fell or finished(run_dir, config.train.max_steps):
+        log(f"  reusing {run_dir}" + (f" (collapsed at step {fell['step']})" if fell else ""))
         return read_metrics(run_dir / "metrics.jsonl")
     resume = resumable(run_dir)
     log(f"  {'resuming' if resume else 'training'} {run_dir}")
-    with Trainer(in_trackers(config, run_dir, root), run_dir, resume=resume) as trainer:
-        write_request(config, run_dir, root)
-        record_provenance(run_dir)  # (once it starts)
-        return trainer.fit()
+    try:
+        with Trainer(in_trackers(config, run_dir, root), run_dir, resume=resume) as trainer:
+            write_request(config, run_dir, root)
+            record_provenance(run_dir)  # (once it starts)
+            return trainer.fit()
+    except NonFiniteTraining as exc:  # (it stopped the whole compare, its collapse unsaid)
+        record_collapse(run_dir, exc.step, str(exc))
+        log(f"  collapsed at step {exc.step}: {exc}; going on with the other runs")
+        return read_metrics(run_dir / "metrics.jsonl")
 
 
 def resumable(run_dir: Path) -> bool:

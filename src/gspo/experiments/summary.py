@@ -3,6 +3,8 @@ cosines, reduced to one summary per algorithm (means and spreads over seeds)."""
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -32,6 +34,38 @@ class Run:
     seed: int
     path: Path
     records: list[dict[str, Any]]
+
+    @functools.cached_property
+    def collapse(self) -> dict[str, Any] | None:
+        """How the run stopped on ``train.max_skipped`` (:func:`collapse`), or None."""
+        return collapse(self.path)
+
+
+#: Beside a compared run that ``train.max_skipped`` stopped: its step and the error line.
+COLLAPSED = "collapsed.json"
+
+
+def collapse(run_dir: Path) -> dict[str, Any] | None:
+    """``{"step": ..., "reason": ...}`` where ``train.max_skipped`` stopped the run in
+    ``run_dir`` (non-finite updates in a row: its compare went on without it), else None."""
+    path = run_dir / COLLAPSED
+    if not path.is_file():
+        return None
+    try:
+        found = json.loads(path.read_text())
+    except ValueError:  # (cut short, edited by hand: still a collapsed run)
+        found = {}
+    return {"step": found.get("step"), "reason": str(found.get("reason") or "unknown")}
+
+
+def record_collapse(run_dir: Path, step: int | None, reason: str) -> None:
+    (run_dir / COLLAPSED).write_text(json.dumps({"step": step, "reason": reason}) + "\n")
+
+
+def ended(run: Run) -> float:
+    """The run's final held-out accuracy; none (NaN) for a collapsed run, which never
+    reached the end (its last evaluation was before the collapse)."""
+    return math.nan if run.collapse else final_eval(run.records)
 
 
 def _finite(value: Any) -> bool:
@@ -218,7 +252,7 @@ def _churn_after(records: Sequence[Mapping[str, Any]], *, first: bool) -> float:
 
 def algorithm_summary(runs: Sequence[Run]) -> dict[str, Any]:
     """Across the seeds of one algorithm: final accuracies, clip fraction, time, spreads."""
-    finals = [final_eval(r.records) for r in runs]
+    finals = [ended(r) for r in runs]
     starts = [next((x["eval/accuracy"] for x in r.records if "eval/accuracy" in x), math.nan)
               for r in runs]  # fmt: skip
     clips = [token_weighted(train_lines(r.records), "train/clip_fraction") for r in runs]
@@ -253,13 +287,14 @@ def algorithm_summary(runs: Sequence[Run]) -> dict[str, Any]:
     return {
         "episodes": episodes,
         "seeds": [r.seed for r in runs],
+        "collapsed": [{"seed": r.seed, **r.collapse} for r in runs if r.collapse],
         "accuracy_start": mean_std(starts)[0],
         "accuracy": acc,
         "accuracy_sd": acc_sd,
         "accuracy_per_seed": finals,
-        "accuracy_greedy": mean_std([final_eval(r.records, "eval/accuracy_greedy") for r in runs])[
-            0
-        ],
+        "accuracy_greedy": mean_std(
+            [final_eval(r.records, "eval/accuracy_greedy") for r in runs if not r.collapse]
+        )[0],
         "reward_tail": mean_std(rewards)[0],
         "clip_fraction": mean_std(clips)[0],
         "clip_fraction_per_seed": clips,

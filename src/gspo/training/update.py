@@ -156,7 +156,12 @@ class Objective:
 
 
 class NonFiniteTraining(ValueError):
-    """Too many updates in a row had a non-finite loss or gradient (a one-line error)."""
+    """Too many updates in a row had a non-finite loss or gradient (a one-line error);
+    ``step``: the RL step it stopped at (None: in the cold start)."""
+
+    def __init__(self, message: str, step: int | None = None):
+        super().__init__(message)
+        self.step = step
 
 
 def step_if_finite(
@@ -311,7 +316,8 @@ class PolicyUpdate:
                 f"train.max_skipped={self.max_skipped}: {self.skipped_in_a_row} updates in a "
                 f"row had a non-finite loss or gradient (loss {loss}, grad norm {norm}, "
                 f"step {self.step}); stopping. Lower optim.lr or check the rewards; the "
-                f"checkpoints hold only finite weights"
+                f"checkpoints hold only finite weights",
+                step=self.step,
             )
         line = {k: v for k, v in read.items() if k != "moe/router_aux_loss"}
         line["train/lr"] = lr
