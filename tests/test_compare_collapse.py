@@ -56,6 +56,10 @@ def test_claim_c_counts_a_collapsed_seed():
     c = verdicts(stress, "stress")[2]
     assert c["verdict"] == REPRODUCED
     assert "GRPO: 1 of 3 seeds collapsed (non-finite updates, train.max_skipped: seed 1 at step 40)" in c["figures"]  # fmt: skip # noqa: E501
+    # every GRPO seed collapsed: no final accuracy ("nan" in the figures before)
+    stress["GRPO"].update(accuracy=math.nan, seeds=[1])
+    c = verdicts(stress, "stress")[2]
+    assert c["verdict"] == REPRODUCED and "final accuracy GRPO n/a (start 0.500)" in c["figures"]
 
 
 def test_one_seed_with_a_final_accuracy_has_no_spread(tmp_path):

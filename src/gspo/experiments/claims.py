@@ -157,8 +157,8 @@ def verdicts(summary: Mapping[str, Mapping[str, Any]], preset: str) -> list[dict
         figures = f"not tested: run gspo compare --preset {' or '.join(UNSTABLE_PRESETS)}"
     else:
         figures = (
-            f"final accuracy GRPO {grpo['accuracy']:.3f} (start {grpo['accuracy_start']:.3f}), "
-            f"GSPO {gspo['accuracy']:.3f} (start {gspo['accuracy_start']:.3f})"
+            f"final accuracy GRPO {said(grpo['accuracy'])} (start {said(grpo['accuracy_start'])}), "
+            f"GSPO {said(gspo['accuracy'])} (start {said(gspo['accuracy_start'])})"
         )
         figures += "".join(f"; {stopped(k, s)}" for k, s in summary.items() if s.get("collapsed"))
         cannot = None if grpo.get("collapsed") or gspo.get("collapsed") else (
