@@ -90,6 +90,31 @@ def test_one_seed_with_a_final_accuracy_has_no_spread(tmp_path):
     assert a["verdict"] == INCONCLUSIVE and "1 and 3 seeds with a final accuracy" in a["figures"]
 
 
+def test_a_collapsed_seed_does_not_end_its_algorithms_curves(tmp_path, monkeypatch):
+    """The plots' bands are over the steps every seed reached: one seed collapsed at step 2
+    ended GRPO's accuracy curve there, though its other seed went on to step 4."""
+    import gspo.experiments.report as report
+    from gspo.telemetry import band_lines
+
+    drawn: dict[str, list[float]] = {}
+
+    def bands(groups, key, path, **kwargs):
+        if key == "eval/accuracy" and kwargs.get("x") is None:
+            drawn.update({name: xs for name, xs, _, _ in band_lines(groups, key)})
+
+    monkeypatch.setattr(report, "plot_bands", bands)
+    line = {"train/loss": 0.1, "train/tokens": 10.0, "train/clip_fraction": 0.1,
+            "train/reward_mean": 0.5, "train/rollout": 0}  # fmt: skip
+    evals = [{"step": s, "eval/accuracy": 0.5} for s in (0, 2, 4)]
+    whole = [*evals, *({"step": s, **line} for s in (1, 2, 3, 4))]
+    cut = [r for r in whole if r["step"] <= 2]
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "collapsed.json").write_text('{"step": 3, "reason": "train.max_skipped"}')
+    runs = [Run("GRPO", 0, tmp_path / "a", whole), Run("GRPO", 1, tmp_path / "b", cut)]
+    report.write_report(runs, tmp_path)
+    assert drawn == {"GRPO": [0, 2, 4]}  # the seed that went on (both collapsed: both drawn)
+
+
 def test_a_cached_cold_start_is_said(tmp_path, tiny, cold_start_cache):
     """A compare whose cold start the cache gave said nothing of it, and its report gave
     the cold start the minutes of the run that trained it as this one's."""

@@ -43,7 +43,10 @@ def write_report(
     for r in runs:
         by_algo.setdefault(r.algorithm, []).append(r)
     summary = {name: algorithm_summary(rs) for name, rs in by_algo.items()}
-    groups = {name: [with_elapsed(r.records) for r in rs] for name, rs in by_algo.items()}
+    # the curves: of the seeds that went on where some did (a band is over the steps every
+    # run reached: one collapsed seed ended its algorithm's curves at its collapse)
+    drawn = {name: [r for r in rs if not r.collapse] or rs for name, rs in by_algo.items()}
+    groups = {name: [with_elapsed(r.records) for r in rs] for name, rs in drawn.items()}
     trains = {name: [train_lines(x) for x in recs] for name, recs in groups.items()}
     # (a rollout batch's reward is on each of its minibatches' lines: one point per batch)
     batches = {name: [per_rollout_batch(x) for x in recs] for name, recs in trains.items()}
@@ -323,7 +326,8 @@ def collapsed_section(summary: Mapping[str, Mapping[str, Any]]) -> list[str]:
         "",
         "Stopped by `train.max_skipped` (updates with a non-finite loss or gradient in a "
         "row); the other runs went on. Their final accuracy is left out of the table "
-        "(they never reached the end); their curves stop where they did. A later compare "
+        "(they never reached the end), and their curves from the plots where other seeds of "
+        "their algorithm went on. A later compare "
         "into this directory reuses them as collapsed: delete one to train it again.",
         "",
         "| algorithm | seed | stopped at step | why |",
