@@ -46,6 +46,14 @@ def test_a_collapsed_run_is_reported_and_the_others_go_on(tmp_path, tiny):
     compare(None, args, out, seeds=(0,), log=again.append, algorithms=("GSPO", "GRPO"))
     assert not any("training" in m for m in again)
     assert sum("(collapsed at step 3)" in m for m in again) == 2
+    # run_or_reuse for the experiments' scripts still raises (they judge no collapse)
+    from gspo.experiments import run_configs, run_or_reuse
+    from gspo.experiments.runs import cold_start_path
+    from gspo.training.update import NonFiniteTraining
+
+    configs = run_configs(None, args, checkpoint=cold_start_path(out), seeds=[0], preset="default")
+    with pytest.raises(NonFiniteTraining):
+        run_or_reuse(configs["GRPO", 0], tmp_path / "alone", again.append)
 
 
 def test_claim_c_counts_a_collapsed_seed():

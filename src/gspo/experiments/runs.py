@@ -260,10 +260,17 @@ def write_request(config: Config, run_dir: Path, root: Path | None = None) -> No
 
 
 def run_or_reuse(
-    config: Config, run_dir: Path, log: Callable[[str], None], root: Path | None = None
+    config: Config,
+    run_dir: Path,
+    log: Callable[[str], None],
+    root: Path | None = None,
+    *,
+    go_on: bool = False,
 ) -> list[dict[str, Any]]:
     """Train ``config`` into ``run_dir``; reuse a finished run, resume an interrupted one,
-    each only when it was made with the same settings (:func:`write_request`)."""
+    each only when it was made with the same settings (:func:`write_request`). ``go_on``
+    (compare's): a run ``train.max_skipped`` stops is recorded as collapsed
+    (:func:`~gspo.experiments.summary.collapse`) and its records returned, not raised."""
     from gspo.trainer import Trainer
     from gspo.training.update import NonFiniteTraining
 
@@ -280,6 +287,8 @@ def run_or_reuse(
             record_provenance(run_dir)  # (once it starts)
             return trainer.fit()
     except NonFiniteTraining as exc:  # (it stopped the whole compare, its collapse unsaid)
+        if not go_on:
+            raise
         record_collapse(run_dir, exc.step, str(exc))
         log(f"  collapsed at step {exc.step}: {exc}; going on with the other runs")
         return read_metrics(run_dir / "metrics.jsonl")
@@ -554,7 +563,7 @@ def _compare(
     for (name, seed), config in configs.items():
         log(f"{name}, seed {seed}")
         run_dir = run_dirs[name, seed]
-        runs.append(Run(name, seed, run_dir, run_or_reuse(config, run_dir, log, out)))
+        runs.append(Run(name, seed, run_dir, run_or_reuse(config, run_dir, log, out, go_on=True)))
     summary = write_report(
         runs,
         out,
