@@ -11,7 +11,7 @@ from test_compare import TINY, summary
 
 from gspo.cli import main
 from gspo.experiments import compare
-from gspo.experiments.claims import INCONCLUSIVE, REPRODUCED, verdicts
+from gspo.experiments.claims import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, verdicts
 from gspo.experiments.report import write_report
 from gspo.experiments.summary import Run
 
@@ -68,6 +68,19 @@ def test_claim_c_counts_a_collapsed_seed():
     stress["GRPO"].update(accuracy=math.nan, seeds=[1])
     c = verdicts(stress, "stress")[2]
     assert c["verdict"] == REPRODUCED and "final accuracy GRPO n/a (start 0.500)" in c["figures"]
+
+
+def test_claim_a_is_not_reproduced_where_gspo_collapsed_more_often():
+    """GSPO's mean end accuracy is over the seeds that did not collapse: (a) said "trains
+    as well" (reproduced) of a GSPO that collapsed on a seed where GRPO did not."""
+    runs = summary(0.15, 0.001, 0.9, 0.9, start=0.5)
+    assert verdicts(runs, "default")[0]["verdict"] == REPRODUCED
+    runs["GSPO"]["collapsed"] = [{"seed": 2, "step": 9, "reason": "train.max_skipped=3"}]
+    a = verdicts(runs, "default")[0]
+    assert a["verdict"] == NOT_REPRODUCED
+    assert (
+        "GSPO: 1 of 3 seeds collapsed" in a["figures"] and "did not train as well" in a["figures"]
+    )
 
 
 def test_one_seed_with_a_final_accuracy_has_no_spread(tmp_path):

@@ -87,7 +87,10 @@ def verdicts(summary: Mapping[str, Mapping[str, Any]], preset: str) -> list[dict
     # moved: by more than two standard errors of its end over the seeds (one sample in 256
     # up or down counted before: "reproduced" on runs that learned nothing)
     moved = any(abs(s["accuracy"] - s["accuracy_start"]) > 2 * se(s) for s in (gspo, grpo))
-    if any(math.isnan(v) for v in (clip_x, gap)):
+    if len(gspo.get("collapsed", ())) > len(grpo.get("collapsed", ())):  # (its mean: the rest)
+        verdict = NOT_REPRODUCED
+        figures += "; GSPO collapsed on more seeds than GRPO: it did not train as well"
+    elif any(math.isnan(v) for v in (clip_x, gap)):
         verdict = INCONCLUSIVE
     elif not moved:  # "trains as well" of runs that learned nothing says nothing
         verdict = INCONCLUSIVE
