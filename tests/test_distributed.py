@@ -791,6 +791,43 @@ def test_batch_scaled_advantages_use_the_whole_rollout_batch_over_ranks(tmp_path
     torch.testing.assert_close(torch.cat([r["advantages"] for r in ranks]), whole)
 
 
+def test_the_launcher_gone_line_names_the_run_to_resume(tmp_path):
+    """A rank whose launcher is gone said "gspo train --resume continues from the last",
+    naming no run: on a node of a multi-node job, the user had to find it. It names the
+    run directory (a name with a space quoted, as a shell wants it)."""
+    run = tmp_path / "my run"
+    child = (
+        "import sys, time\n"
+        "from gspo import distributed\n"
+        "distributed.LAUNCHER_POLL_S = 0.05\n"
+        "distributed.watch_launcher(distributed.Distributed(1, 2), sys.argv[1])\n"
+        "print('watching', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    launcher = (  # starts the rank, waits until it watches, and leaves it orphaned
+        "import subprocess, sys\n"
+        "rank = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]],\n"
+        "                        stdout=subprocess.PIPE, stderr=open(sys.argv[3], 'w'))\n"
+        "rank.stdout.readline()\n"
+        "print(rank.pid)\n"
+    )
+    log = tmp_path / "rank.err"
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1"}
+    done = subprocess.run([sys.executable, "-c", launcher, child, str(run), str(log)],
+                          capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    pid = int(done.stdout)
+    import time
+
+    deadline = time.monotonic() + 30
+    while _alive(pid):
+        assert time.monotonic() < deadline, "the orphaned rank did not stop"
+        time.sleep(0.05)
+    said = log.read_text().strip().splitlines()
+    assert len(said) == 1 and said[0].startswith("gspo: error (rank 1 of 2): the launcher"), said
+    assert f"gspo train --resume '{run}' continues from the last" in said[0], said
+
+
 def test_a_rank_says_one_last_line_when_two_threads_end_it_at_once():
     """The launcher watch's thread and the main thread's broken collective can each end a
     rank at the same moment (the other rank left first): each said its line, three lines

@@ -230,7 +230,7 @@ def run_train(args: argparse.Namespace) -> int:
         if args.resume is not None and finished_model_only(output_dir, config) is not None:
             return 0
         # under torchrun: one process per rank, joined here (a no-op in a single process)
-        dist = setup_distributed(config.model.device)
+        dist = setup_distributed(config.model.device, output_dir)
     try:
         # --overwrite: the old run goes once the new one has trained its first rollout
         # batch (RunDirectory); its engines close before the process group goes (Trainer.close)

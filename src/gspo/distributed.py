@@ -27,6 +27,7 @@ import contextlib
 import itertools
 import math
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -220,12 +221,15 @@ def signals_held() -> Iterator[None]:
             signal.signal(stop, signal.SIG_DFL if handler is None else handler)
 
 
-def setup_distributed(device: str = "auto") -> Distributed:
+def setup_distributed(
+    device: str = "auto", run_dir: str | os.PathLike | None = None
+) -> Distributed:
     """Join the ``torchrun`` process group if there is one.
 
     ``WORLD_SIZE``/``RANK``/``LOCAL_RANK`` come from ``torchrun``. On CUDA each rank takes
     GPU ``LOCAL_RANK`` and the backend is NCCL; on CPU it is gloo. A single process
-    (``WORLD_SIZE`` unset or 1) starts no process group.
+    (``WORLD_SIZE`` unset or 1) starts no process group. ``run_dir``: the run this rank
+    trains, named by its line should its launcher go (:func:`watch_launcher`).
     """
     world = world_size()
     if world <= 1:
@@ -254,7 +258,7 @@ def setup_distributed(device: str = "auto") -> Distributed:
             torch.distributed.init_process_group("nccl" if resolved.type == "cuda" else "gloo")
         finally:
             waiting.cancel()
-    watch_launcher(dist)
+    watch_launcher(dist, run_dir)
     return dist
 
 
@@ -283,6 +287,9 @@ LAUNCHER_POLL_S = 1.0
 #: which of this process's two enders said its line (:func:`last_words`)
 _ENDING: dict[str, Any] = {"watch": False, "collective": False, "lock": threading.Lock()}
 
+#: the run the launcher watch names in its line (the last :func:`watch_launcher` call's)
+_WATCHED: dict[str, str | None] = {"run": None}
+
 
 #: How long a rank other than 0 whose collective another rank broke waits before it says
 #: so: the rank that stopped says why first (rank 0's setup error came second).
@@ -306,14 +313,17 @@ def last_words(line: str, by: Literal["watch", "collective"]) -> bool:
     return True
 
 
-def watch_launcher(dist: Distributed) -> None:
+def watch_launcher(dist: Distributed, run_dir: str | os.PathLike | None = None) -> None:
     """Stop this rank once the process that started it (torchrun) is gone.
 
     A torchrun launcher killed with SIGKILL cannot stop its ranks: they trained on to the
     end as orphans, holding the run's lock, so ``--resume`` was refused meanwhile. A
     daemon thread sees the parent change (the rank was adopted) and ends the process with
-    one line, as a kill would: checkpoints are never half-written. Started once a process.
+    one line, as a kill would: checkpoints are never half-written. Its line names
+    ``run_dir`` in the ``--resume`` to run (it named none: on a node of several, which
+    run?). Started once a process; a later call changes the run it names.
     """
+    _WATCHED["run"] = None if run_dir is None else os.fspath(run_dir)
     parent = os.getppid()
     name = "gspo-launcher-watch"
     if parent == 1 or any(t.name == name for t in threading.enumerate()):
@@ -322,9 +332,11 @@ def watch_launcher(dist: Distributed) -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(LAUNCHER_POLL_S)
+        run = _WATCHED["run"]
+        resume = "gspo train --resume" + ("" if run is None else f" {shlex.quote(run)}")
         last_words(
             f"gspo: error{rank_said()}: the launcher (pid {parent}) is gone, so this "
-            "rank stops; checkpoints already written are intact, and gspo train --resume "
+            f"rank stops; checkpoints already written are intact, and {resume} "
             "continues from the last",
             by="watch",
         )

@@ -96,7 +96,7 @@ def train(
             return done
     # under torchrun: each rank runs the script, and joins the process group here
     joined = not torch.distributed.is_initialized()
-    dist = setup_distributed(config.model.device)
+    dist = setup_distributed(config.model.device, out)
     try:
         with RunDirectory(out, replace=overwrite, dist=dist, name="train: output_dir") as run:
             with StepProfiler.of_run(config, out, dist).startup():
