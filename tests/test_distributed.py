@@ -828,6 +828,67 @@ def test_the_launcher_gone_line_names_the_run_to_resume(tmp_path):
     assert f"gspo train --resume '{run}' continues from the last" in said[0], said
 
 
+def two_nodes(*per_rank: list[str], timeout: float = 150) -> list[tuple[int, str]]:
+    """``gspo train`` as rank 0 and rank 1 of two nodes, each with its own arguments (a
+    node whose --output-dir is not the other's), met at a store this test holds as
+    torchrun's agent holds its own: ``(status, stderr)`` of each rank."""
+    import time
+    from datetime import timedelta
+
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                       timeout=timedelta(seconds=30))  # fmt: skip
+    ranks = []
+    for rank, args in enumerate(per_rank):
+        env = {**os.environ, "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": "0",
+               "GROUP_RANK": str(rank), "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+               "TORCHELASTIC_RESTART_COUNT": "0", "OMP_NUM_THREADS": "1"}  # fmt: skip
+        command = [sys.executable, "-m", "gspo", "train", *args]
+        ranks.append(subprocess.Popen(command, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True, env=env))  # fmt: skip
+    deadline = time.monotonic() + timeout
+    try:
+        while any(r.poll() is None for r in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        for r in ranks:
+            if r.poll() is None:
+                r.kill()
+    return [(r.wait(), r.stderr.read() if r.stderr else "") for r in ranks]
+
+
+def _gspo_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("gspo: error")]
+
+
+@pytest.mark.slow
+def test_a_setup_error_of_one_node_alone_is_said_by_rank_0_too(tmp_path):
+    """A rank other than 0 whose setup failed on its own files (a node whose --output-dir
+    is not rank 0's) waited 60 s for rank 0 to say it, and rank 0 never did: before the
+    ranks joined, rank 0 waited for it (gloo's 30 minutes); after, rank 0 said "another
+    rank stopped" and its launcher's end stopped rank 1 before its line. Rank 0 now says
+    rank 1's error, and rank 1, the first of its node, says it at once in its own log."""
+    small = [*SMALL_RUN, "train.cold_start_steps=0", "algorithm.minibatches=2"]
+    # before joining: node 1's --resume names a directory that is not there
+    said = two_nodes(["--output-dir", str(tmp_path / "a"), *small],
+                     ["--resume", str(tmp_path / "missing")])  # fmt: skip
+    (code0, err0), (code1, err1) = said
+    assert code0 == 2 and code1 == 2, said
+    missing = f"--resume {tmp_path / 'missing'}: does not exist"
+    assert _gspo_lines(err0) == [f"gspo: error: rank 1 of 2 stopped setting up: {missing}"], said
+    assert _gspo_lines(err1) == [f"gspo: error (rank 1 of 2): {missing}"], said
+    # after joining: rank 1 finds no built-in model under its own --output-dir
+    said = two_nodes(["--output-dir", str(tmp_path / "b0"), *small],
+                     ["--output-dir", str(tmp_path / "b1"), *small])  # fmt: skip
+    (code0, err0), (code1, err1) = said
+    assert code0 == 2 and code1 == 2, said
+    own = f"model.path: {tmp_path / 'b1' / 'base_model'} is not a directory"
+    assert len(_gspo_lines(err0)) == 1 and (
+        f"gspo: error (rank 0 of 2): rank 1 of 2 stopped setting up: {own}" in _gspo_lines(err0)[0]
+    ), said
+    assert len(_gspo_lines(err1)) == 1 and own in _gspo_lines(err1)[0], said
+
+
 def test_a_rank_says_one_last_line_when_two_threads_end_it_at_once():
     """The launcher watch's thread and the main thread's broken collective can each end a
     rank at the same moment (the other rank left first): each said its line, three lines

@@ -39,8 +39,11 @@ from gspo.distributed import (
     PEER_LINE_AFTER_S,
     Terminated,
     last_words,
+    leads_another_node,
     not_rank_zero,
     peer_gone,
+    post_setup_error,
+    posted_setup_error,
     rank_said,
     sigterm_stops_as_ctrl_c,
     world_size,
@@ -200,7 +203,8 @@ class SaidByRankZero(Exception):
 # stops every rank as soon as one exits with an error: had this rank left at once, rank 0
 # could be stopped before printing, and nobody would say what was wrong. Rank 0 normally
 # leaves within seconds, and torchrun then stops this rank; the wait only runs out where
-# rank 0 found no error (then this rank's status 2 ends the run).
+# rank 0 found no error (then this rank's status 2 ends the run). The first rank of another
+# node says it at once, in that node's log (its error may be its own: its files).
 RANK_ZERO_GRACE_S = 60.0
 
 
@@ -213,6 +217,7 @@ def said_once() -> Iterator[None]:
         yield
     except (ValueError, FileNotFoundError) as exc:
         if not_rank_zero():  # (a RANK without WORLD_SIZE > 1 is no torchrun rank)
+            post_setup_error(str(exc))  # (this rank's own, its files: rank 0 says it)
             raise SaidByRankZero from exc
         # rank 0 says it for every rank: its line names no rank
         exc.for_every_rank = True  # type: ignore[attr-defined]
@@ -456,7 +461,8 @@ def _main(args: argparse.Namespace) -> int:
         print(text, end="")
         return 0
     except SaidByRankZero as said:
-        time.sleep(RANK_ZERO_GRACE_S)
+        if not leads_another_node():  # (on rank 0's node: rank 0 says it)
+            time.sleep(RANK_ZERO_GRACE_S)
         print(f"gspo: error{rank_said()}: {said.__cause__}", file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError) as exc:  # ConfigError and RewardError included
@@ -492,12 +498,14 @@ def _main(args: argparse.Namespace) -> int:
         )
         if not_rank_zero():
             time.sleep(PEER_LINE_AFTER_S)
+        posted = None if not_rank_zero() else posted_setup_error()  # (its own error)
         last_words(
+            f"gspo: error{rank_said()}: {posted}; {after}" if posted else
             f"gspo: error{rank_said()}: another rank stopped (the process "
             f"group broke: {broke.splitlines()[0].split('. ')[0][:160]}); its own line, if it "
             f"printed one (a signal or a kill prints none), says why; {after}",
             by="collective",
-        )
+        )  # fmt: skip
         return 2
     except KeyboardInterrupt as stop:
         code = 143 if isinstance(stop, Terminated) else 130

@@ -153,6 +153,14 @@ def not_rank_zero() -> bool:
     return several_ranks() and os.environ.get("RANK", "0") != "0"
 
 
+def leads_another_node() -> bool:
+    """Whether this process is the first rank (``LOCAL_RANK`` 0) of a node other than rank
+    0's (torchrun's ``GROUP_RANK``, the node's, above 0): that node's log is its own, and
+    rank 0's launcher, elsewhere, cannot stop it before it has said its setup error."""
+    node = os.environ.get("GROUP_RANK", "0")
+    return not_rank_zero() and os.environ.get("LOCAL_RANK") == "0" and node not in ("", "0")
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, what a scheduler (SLURM, Kubernetes, ``kill``) stops a job with: raised in
     the main thread, so the run stops as on Ctrl-C, saying how to resume (it ended at
@@ -244,26 +252,87 @@ def setup_distributed(
         torch.cuda.set_device(resolved)
     if not torch.distributed.is_initialized():
         # (a rank whose others never come waited gloo's 30 minutes without a word)
-        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        waiting = threading.Timer(
-            JOIN_SAY_S,
-            print,
-            (f"gspo: rank {dist.rank} of {world}: still waiting at {where} for the other "
-             "ranks to join (started by torchrun, each with its RANK?)",),
-            {"file": sys.stderr, "flush": True},
-        )  # fmt: skip
-        waiting.daemon = True
+        joined = threading.Event()
+        waiting = threading.Thread(target=_wait_for_joins, args=(dist, joined), daemon=True)
         waiting.start()
         try:
             torch.distributed.init_process_group("nccl" if resolved.type == "cuda" else "gloo")
         finally:
-            waiting.cancel()
+            joined.set()
     watch_launcher(dist, run_dir)
     return dist
 
 
 #: Seconds a rank waits for the others to join before it says so (once).
 JOIN_SAY_S = 30.0
+#: How often a rank waiting for the others to join looks for a setup error one posted.
+JOIN_POLL_S = 0.5
+
+
+def _wait_for_joins(dist: Distributed, joined: threading.Event) -> None:
+    """While this rank joins the process group: say so once after :data:`JOIN_SAY_S`, and
+    end the process with status 2 once another rank posted a setup error (it will never
+    join: rank 0 waited for it until gloo's 30 minutes ran out), rank 0 saying it."""
+    start, said, store = time.monotonic(), False, None
+    while not joined.wait(
+        JOIN_POLL_S if said else min(JOIN_POLL_S, max(0.0, start + JOIN_SAY_S - time.monotonic()))
+    ):
+        if not said and time.monotonic() - start >= JOIN_SAY_S:
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            print(f"gspo: rank {dist.rank} of {dist.world_size}: still waiting at {where} for "
+                  "the other ranks to join (started by torchrun, each with its RANK?)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            said = True
+        store = store or _launcher_store()
+        posted = posted_setup_error(store)
+        if posted is not None and not joined.is_set():
+            if dist.is_main:
+                print(f"gspo: error: {posted}", file=sys.stderr, flush=True)
+            os._exit(2)
+
+
+def _launcher_store() -> Any | None:
+    """A client of torchrun's own store (``MASTER_ADDR:MASTER_PORT``, its agent's, there
+    before any rank starts: ``TORCHELASTIC_USE_AGENT_STORE``), or None (no torchrun, or
+    a launcher that leaves the store to rank 0: it is not there before rank 0 joins)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from datetime import timedelta
+
+    try:
+        return torch.distributed.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+            timeout=timedelta(seconds=5),
+        )  # fmt: skip
+    except (KeyError, ValueError, RuntimeError):  # (DistError is a RuntimeError)
+        return None
+
+
+def _setup_error_key() -> str:
+    return f"gspo/setup_error/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def post_setup_error(error: str) -> None:
+    """A setup error of this rank (not 0), where rank 0 finds it in torchrun's store: one
+    that is this rank's alone (a node whose --output-dir is not the others', or misses a
+    checkpoint) was said nowhere (this rank waits for rank 0 to say it, and its launcher
+    stopped it first) or rank 0 waited 30 minutes for it to join."""
+    store = _launcher_store()
+    with contextlib.suppress(RuntimeError):
+        if store is not None:
+            store.set(_setup_error_key(), f"rank {os.environ.get('RANK')} of {world_size()} "
+                      f"stopped setting up: {error}")  # fmt: skip
+
+
+def posted_setup_error(store: Any | None = None) -> str | None:
+    """The setup error another rank posted (:func:`post_setup_error`), else None."""
+    store = store or _launcher_store()
+    if store is None:
+        return None
+    with contextlib.suppress(RuntimeError):
+        if store.check([_setup_error_key()]):
+            return store.get(_setup_error_key()).decode(errors="replace")
+    return None
 
 
 def _launcher_number(name: str, default: str | None, below: int | None = None) -> int:
