@@ -889,6 +889,36 @@ def test_a_setup_error_of_one_node_alone_is_said_by_rank_0_too(tmp_path):
     assert len(_gspo_lines(err1)) == 1 and own in _gspo_lines(err1)[0], said
 
 
+@pytest.mark.slow
+def test_ranks_resuming_different_checkpoints_stop_with_one_line(tmp_path):
+    """Each rank resumes the run under its own --output-dir: a node whose copy held
+    another checkpoint (no shared filesystem, a stale copy) loaded other weights and
+    step, trained on logging wrong numbers, and aborted (SIGABRT) once the ranks'
+    collectives no longer matched. The ranks now compare their checkpoints first."""
+    import shutil
+
+    small = [*SMALL_RUN, "train.cold_start_steps=0", "train.max_steps=4", "train.save_every=2",
+             "algorithm.minibatches=2", "eval.every=0"]  # fmt: skip
+    run, stale = tmp_path / "run", tmp_path / "stale"
+    assert main(["train", "--output-dir", str(run), *small, "train.max_steps=2"]) == 0
+    shutil.copytree(run, stale)
+    (stale / "checkpoints" / "latest").write_text("step-0000000")
+    metrics = (run / "metrics.jsonl").read_text()
+    said = two_nodes(["--resume", str(run), "train.max_steps=4"],
+                     ["--resume", str(stale), "train.max_steps=4"])  # fmt: skip
+    (code0, err0), (code1, err1) = said
+    assert code0 == 2 and code1 == 2, said
+    both = (f"rank 0: {run}/checkpoints/step-0000002, "
+            f"rank 1: {stale}/checkpoints/step-0000000")  # fmt: skip
+    assert _gspo_lines(err0) == [
+        f"gspo: error: resume: the ranks found different checkpoints ({both}): every rank "
+        "resumes the same run, so its directory must be the same for all (under torchrun on "
+        "several nodes, on a filesystem every node shares)"
+    ], said
+    assert len(_gspo_lines(err1)) == 1 and both in err1, said
+    assert (run / "metrics.jsonl").read_text() == metrics  # nothing trained, nothing logged
+
+
 def test_a_rank_says_one_last_line_when_two_threads_end_it_at_once():
     """The launcher watch's thread and the main thread's broken collective can each end a
     rank at the same moment (the other rank left first): each said its line, three lines

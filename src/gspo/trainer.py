@@ -50,6 +50,7 @@ from gspo.training.checkpoint import (
     latest_checkpoint,
     resumable_checkpoint,
     run_path,
+    same_on_every_rank,
     take_checkpoint,
 )
 from gspo.training.checkpoint_writes import Checkpoints
@@ -147,7 +148,7 @@ class Trainer:
         # the model: the latest checkpoint, the user's, or a built-in
         # (a run killed before its step-0 checkpoint resumes inside its cold start, whose
         # own progress checkpoints it finds, or else starts again: deterministically)
-        checkpoint = resumable_checkpoint(out) if resume else None
+        checkpoint = same_on_every_rank(resumable_checkpoint(out) if resume else None, dist)
         compute_dtype = resolve_dtype(config.model.dtype, device, builtin=not config.model.path)
         # (out of memory loading it, attaching adapters, sharding it: one line naming it)
         named = checkpoint or config.model.path or out / "base_model"

@@ -42,6 +42,7 @@ import os
 import shutil
 import sys
 import time
+import zlib
 from collections.abc import Callable, Container, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from copy import deepcopy
@@ -145,6 +146,31 @@ def resumable_checkpoint(output_dir: Path) -> Path | None:
     checkpoint = latest_checkpoint(output_dir)
     if checkpoint is not None and (problem := resume_problem(checkpoint)) is not None:
         raise ValueError(f"resume: {problem}")
+    return checkpoint
+
+
+def same_on_every_rank(checkpoint: Path | None, dist: Distributed) -> Path | None:
+    """``checkpoint`` (the one a resume starts from, :func:`resumable_checkpoint`), once
+    every rank found the same one (its name and manifest); else a one-line ``ValueError``
+    naming each rank's. Each rank reads the run under its own ``--output-dir``: a node
+    whose copy was not the others' (no filesystem shared, a stale copy) loaded other
+    weights and step, trained on with wrong numbers logged, then aborted (SIGABRT) once
+    its collectives no longer matched."""
+    if not dist.enabled:
+        return checkpoint
+    manifest = None if checkpoint is None else checkpoint / "manifest.json"
+    seen = (
+        None if checkpoint is None else checkpoint.name,
+        zlib.crc32(manifest.read_bytes()) if manifest is not None and manifest.is_file() else None,
+    )
+    found = dist.gather_objects((seen, str(checkpoint) if checkpoint else "no checkpoint"))
+    if len({views for views, _ in found}) > 1:
+        each = ", ".join(f"rank {r}: {where}" for r, (_, where) in enumerate(found))
+        raise ValueError(
+            f"resume: the ranks found different checkpoints ({each}): every rank resumes the "
+            "same run, so its directory must be the same for all (under torchrun on several "
+            "nodes, on a filesystem every node shares)"
+        )
     return checkpoint
 
 
