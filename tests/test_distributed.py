@@ -178,6 +178,9 @@ def test_batch_sizes_must_divide_over_the_ranks(tmp_path):
     config = load_config(None, SMALL_RUN)
     with pytest.raises(ValueError, match=r"rollout\.prompts_per_batch=4 is not divisible by the 3"):
         Trainer(config, tmp_path, dist=Distributed(rank=0, world_size=3))
+    # the ranks of every node (it named --nproc-per-node alone: 2 nodes of 8 are 16 ranks)
+    with pytest.raises(ValueError, match=r"the 16 ranks \(torchrun's --nnodes times --nproc-per"):
+        Distributed(rank=0, world_size=16).shard(12, "rollout.prompts_per_batch")
     too_many = load_config(None, [*SMALL_RUN, "algorithm.minibatches=16"])
     with pytest.raises(ValueError, match="algorithm.minibatches=16 exceeds the 8 responses"):
         Trainer(too_many, tmp_path, dist=Distributed(rank=0, world_size=2))

@@ -98,7 +98,7 @@ class Distributed:
         if sizes % self.world_size:
             raise ValueError(
                 f"{what}={sizes} is not divisible by the {self.world_size} ranks "
-                "(torchrun --nproc-per-node): batch sizes are global, split evenly"
+                "(torchrun's --nnodes times --nproc-per-node): batch sizes are global, split evenly"
             )
         return sizes // self.world_size
 
