@@ -302,6 +302,10 @@ def test_overwrite_under_torchrun_has_every_rank_wait_for_rank_0s_decision(tmp_p
         def barrier(self) -> None:
             self.barriers += 1
 
+        def gather_objects(self, obj):  # (a wait too: rank 0's job id, sent to every rank)
+            self.barriers += 1
+            return [obj] * self.world_size
+
     old = tmp_path / "run"
     (old / "checkpoints").mkdir(parents=True)
     for rank in (1, 0, 1):  # rank 1 before rank 0 sets the old run aside, then after
@@ -326,6 +330,9 @@ def test_another_rank_stopping_on_its_input_undoes_the_start_on_rank_0_too(tmp_p
     class Quiet(Distributed):
         def barrier(self) -> None:
             pass
+
+        def gather_objects(self, obj):
+            return [obj] * self.world_size
 
     def stop_on_rank_1(out: Path, replace: bool) -> RuntimeError:
         zero, one = (
@@ -846,7 +853,8 @@ def two_nodes(*per_rank: list[str], timeout: float = 150) -> list[tuple[int, str
                "GROUP_RANK": str(rank), "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
                "TORCHELASTIC_RESTART_COUNT": "0", "OMP_NUM_THREADS": "1"}  # fmt: skip
-        command = [sys.executable, "-m", "gspo", "train", *args]
+        # (through a shell of its own: each node's launcher has its own pid)
+        command = ["sh", "-c", '"$@"; exit $?', "sh", sys.executable, "-m", "gspo", "train", *args]
         ranks.append(subprocess.Popen(command, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, text=True, env=env))  # fmt: skip
     deadline = time.monotonic() + timeout
@@ -920,6 +928,35 @@ def test_ranks_resuming_different_checkpoints_stop_with_one_line(tmp_path):
     ], said
     assert len(_gspo_lines(err1)) == 1 and both in err1, said
     assert (run / "metrics.jsonl").read_text() == metrics  # nothing trained, nothing logged
+
+
+@pytest.mark.slow
+def test_an_overwrite_one_node_stops_on_its_input_puts_the_old_run_back(tmp_path):
+    """A rank other than 0 that stops on its input before the run started marks it undone
+    with the job's id, and rank 0 puts the old run back; the id was each node's launcher
+    pid, so on two nodes rank 0 took the mark for another job's: the old run was deleted,
+    the failed start kept (and offered for --resume), the mark left behind."""
+    (tmp_path / "reward.py").write_text(
+        "import os\n"
+        "def digits(prompts, completions, **kwargs):\n"
+        "    if os.environ['RANK'] == '1':\n"
+        "        raise KeyError('only rank 1 fails')\n"
+        "    return [float(c[:1].isdigit()) for c in completions]\n"
+    )
+    small = [*SMALL_RUN, "train.cold_start_steps=0", "train.max_steps=2",
+             "algorithm.minibatches=2", "eval.every=0"]  # fmt: skip
+    run = tmp_path / "run"
+    assert main(["train", "--output-dir", str(run), *small]) == 0
+    before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    again = ["--output-dir", str(run), "--overwrite", *small,
+             f"reward.functions={tmp_path / 'reward.py'}:digits"]  # fmt: skip
+    said = two_nodes(again, again)
+    (code0, err0), (code1, err1) = said
+    assert code0 == 2 and code1 == 2, said
+    assert "only rank 1 fails" in err1, said
+    assert _gspo_lines(err0)[-1].endswith(f"the run that was in {run} is back as it was"), said
+    after = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    assert after == before
 
 
 def test_a_rank_says_one_last_line_when_two_threads_end_it_at_once():

@@ -123,7 +123,8 @@ UNDONE_MARK = ".gspo-undone"
 
 def job_id() -> str:
     """This torchrun job as the ranks of one machine all see it: their launcher's pid and
-    its restart count (``TORCHELASTIC_RUN_ID`` is "none" for every job by default)."""
+    its restart count (``TORCHELASTIC_RUN_ID`` is "none" for every job by default); the
+    ranks of several nodes take rank 0's (:class:`RunDirectory`)."""
     return f"{os.getppid()}:{os.environ.get('TORCHELASTIC_RESTART_COUNT', '')}"
 
 
@@ -146,6 +147,7 @@ class RunDirectory:
     def __init__(self, output_dir: Path, *, replace: bool, dist: Distributed, name: str):
         self.output_dir, self.replace, self.dist, self.name = output_dir, replace, dist, name
         self.new = not output_dir.exists()
+        self.job = job_id()  # (rank 0's once made: every rank's, on whatever node)
         self.aside: Path | None = None  # the old run, until the new one starts
         self.lock: int | None = None  # the run directory's lock (rank 0), held to the end
         # the old run's lock, kept on it aside: another gspo process sweeping unlocked
@@ -195,8 +197,9 @@ class RunDirectory:
     def made(self) -> None:
         """The run directory made (rank 0; every rank waits for its decision) and locked."""
         out = self.output_dir
-        if self.replace:
-            self.dist.barrier()
+        if self.dist.enabled:  # (every rank waits for rank 0's decision, and takes its
+            # job id for UNDONE_MARK: each node's launcher has a pid of its own)
+            self.job = self.dist.gather_objects(self.job)[0]
         if not self.dist.is_main:
             return
         try:
@@ -216,7 +219,7 @@ class RunDirectory:
         False: one of another job's); ``drop`` removes this job's."""
         mark = self.output_dir / UNDONE_MARK
         try:
-            ours = mark.read_text() == job_id()
+            ours = mark.read_text() == self.job
         except OSError:
             return None
         if ours and drop:
@@ -285,7 +288,7 @@ class RunDirectory:
         if not self.dist.is_main:
             if undone and out.is_dir():  # (rank 0 stops on the broken group, not on this)
                 with contextlib.suppress(OSError):
-                    (out / UNDONE_MARK).write_text(job_id())
+                    (out / UNDONE_MARK).write_text(self.job)
             self.until_started.close()
             return
         # (another rank's input error: this rank's is the broken group)
