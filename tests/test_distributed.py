@@ -842,6 +842,8 @@ def two_nodes(*per_rank: list[str], timeout: float = 150) -> list[tuple[int, str
     """``gspo train`` as rank 0 and rank 1 of two nodes, each with its own arguments (a
     node whose --output-dir is not the other's), met at a store this test holds as
     torchrun's agent holds its own: ``(status, stderr)`` of each rank."""
+    import contextlib
+    import signal
     import time
     from datetime import timedelta
 
@@ -855,16 +857,16 @@ def two_nodes(*per_rank: list[str], timeout: float = 150) -> list[tuple[int, str
                "TORCHELASTIC_RESTART_COUNT": "0", "OMP_NUM_THREADS": "1"}  # fmt: skip
         # (through a shell of its own: each node's launcher has its own pid)
         command = ["sh", "-c", '"$@"; exit $?', "sh", sys.executable, "-m", "gspo", "train", *args]
-        ranks.append(subprocess.Popen(command, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE, text=True, env=env))  # fmt: skip
+        ranks.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      text=True, env=env, start_new_session=True))  # fmt: skip
     deadline = time.monotonic() + timeout
     try:
         while any(r.poll() is None for r in ranks) and time.monotonic() < deadline:
             time.sleep(0.2)
-    finally:
+    finally:  # (the shell and its rank: a rank left waiting in a collective ignores SIGTERM)
         for r in ranks:
-            if r.poll() is None:
-                r.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(r.pid, signal.SIGKILL)
     return [(r.wait(), r.stderr.read() if r.stderr else "") for r in ranks]
 
 
