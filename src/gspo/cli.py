@@ -211,8 +211,10 @@ RANK_ZERO_GRACE_S = 60.0
 @contextlib.contextmanager
 def said_once() -> Iterator[None]:
     """Bad input found while setting up (config, model, data, rewards) is the same on every
-    torchrun rank: only rank 0 prints its line, the others leave quietly with status 2.
-    (Errors once training runs may be one rank's own: every rank says those.)"""
+    torchrun rank: only rank 0 prints its line (and the first rank of another node, in its
+    own log), the others leave quietly with status 2; each posts its error, which rank 0
+    says where it had none (a node's own files). (Errors once training runs may be one
+    rank's own: every rank says those.)"""
     try:
         yield
     except (ValueError, FileNotFoundError) as exc:
