@@ -943,3 +943,42 @@ def test_a_rank_without_torchrun_says_a_setup_error_at_once(rank, tmp_path, monk
     assert waits == []
     said = capsys.readouterr().err
     assert said == "gspo: error: optim.lrr: unknown key; did you mean 'optim.lr'?\n"
+
+
+@pytest.mark.parametrize(
+    ("override", "said"),
+    [
+        ("rollout.max_model_len=512", "rollout.max_model_len: unknown key; did you mean "
+         "'rollout.vllm.max_model_len'?"),
+        ("rollout.gpu_memory_utilization=0.5", "rollout.gpu_memory_utilization: unknown key; "
+         "did you mean 'rollout.vllm.gpu_memory_utilization'?"),
+        ("enforce_eager=false", "enforce_eager: unknown key; did you mean "
+         "'rollout.vllm.enforce_eager'?"),
+        ("model.r=8", "model.r: unknown key; did you mean 'model.lora.r'?"),
+        ("actor_rollout_ref.rollout.gpu_memory_utilization=0.6", "actor_rollout_ref.rollout."
+         "gpu_memory_utilization: unknown key; did you mean "
+         "'rollout.vllm.gpu_memory_utilization'?"),
+        ("actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout."
+         "tensor_model_parallel_size: unknown key; verl's tensor_model_parallel_size has no "
+         "equivalent here: each rank runs its own vLLM engine, tensor-parallel size 1 "
+         "(docs/from_verl.md)"),
+        ("vllm_tensor_parallel_size=2", "vllm_tensor_parallel_size: unknown key; TRL's "
+         "vllm_tensor_parallel_size has no equivalent here: each rank runs its own vLLM "
+         "engine, tensor-parallel size 1 (docs/from_trl.md)"),
+        ("train.nope=1", "train.nope: unknown key"),
+    ],
+)  # fmt: skip
+def test_a_vllm_setting_put_where_trl_or_verl_users_put_it_names_rollout_vllm(override, said):
+    """rollout.max_model_len (verl's rollout.max_model_len, one level up) was told 'did you
+    mean rollout.max_episode_tokens?' (closer spelt, another thing), and verl's
+    rollout.gpu_memory_utilization and TRL's vllm_tensor_parallel_size got no hint at all."""
+    from gspo.config import Config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert str(e.value) == said
+    if "=" in override and "." in override.split("=")[0]:  # the same from Python
+        section, _, leaf = override.split("=")[0].rpartition(".")
+        if section in ("rollout", "model"):
+            with pytest.raises(ConfigError, match=r"did you mean"):
+                setattr(getattr(Config(), section), leaf, 1)

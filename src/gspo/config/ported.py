@@ -103,6 +103,14 @@ TRL_WITHOUT = {
     "top_k": "sampling takes rollout.temperature and rollout.top_p only",
     "min_p": "sampling takes rollout.temperature and rollout.top_p only",
     "repetition_penalty": "sampling takes rollout.temperature and rollout.top_p only",
+    "vllm_tensor_parallel_size": "each rank runs its own vLLM engine, tensor-parallel size 1",
+    "vllm_enable_sleep_mode": "vLLM keeps its weights and KV cache while the trainer trains "
+    "(rollout.vllm.gpu_memory_utilization bounds them)",
+    "vllm_model_impl": "vLLM picks its own implementation of the model",
+    **dict.fromkeys(
+        ("vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout"),
+        "vLLM runs colocated (rollout.engine=vllm), no server mode",
+    ),
 }
 
 
@@ -143,6 +151,9 @@ VERL_WITHOUT = {
     "use_dynamic_bsz": "a minibatch is one forward and backward, its sequences packed",
     "kl_loss_type": "the KL penalty is k3 (verl's low_var_kl, without its clamp)",
     "use_kl_in_reward": "the KL penalty is in the loss (algorithm.kl_coef), not the reward",
+    "tensor_model_parallel_size": "each rank runs its own vLLM engine, tensor-parallel size 1",
+    "free_cache_engine": "vLLM keeps its weights and KV cache while the trainer trains "
+    "(rollout.vllm.gpu_memory_utilization bounds them)",
 }
 
 #: verl's keys too common to be taken for verl's anywhere: only under this gspo section.

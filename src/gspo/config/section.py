@@ -55,7 +55,8 @@ class Section(BaseModel):
         except ValidationError as exc:
             if exc.errors()[0]["type"] == "no_such_attribute":
                 keys = list(type(self).model_fields)
-                raise ConfigError(unknown_key(f"{self.config_key}{name}", keys)) from None
+                key = f"{self.config_key}{name}"
+                raise ConfigError(unknown_key(key, keys, type(self))) from None
             raise ConfigError(error_line(exc, type(self), self.config_key)) from None
 
 
@@ -110,13 +111,35 @@ def did_you_mean(word: Any, choices: list[str], prefix: str = "") -> str:
     return f"; did you mean {prefix + close[0]!r}?" if close else ""
 
 
-def unknown_key(key: str, keys: list[str]) -> str:
-    """The line for ``key`` (dotted, in full), unknown where its section holds ``keys``:
-    what gspo calls verl's key or TRL's field of that name
-    (:func:`~gspo.config.ported.ported_hint`), else the closest key of the section."""
+def nested_key(section: type[BaseModel] | None, leaf: str) -> str | None:
+    """The dotted name below ``section`` of its one key named ``leaf`` in a section inside
+    it (``rollout`` and ``max_model_len``: ``vllm.max_model_len``), or None (none, or
+    several: ``seed`` is data's and train's)."""
+    found, stack = [], [(section, "")] if section is not None else []
+    while stack:
+        model, at = stack.pop()
+        for name, field in model.model_fields.items():
+            sub = field.annotation
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                if leaf in sub.model_fields and _section(sub, leaf) is None:
+                    found.append(f"{at}{name}.{leaf}")
+                stack.append((sub, f"{at}{name}."))
+    return found[0] if len(found) == 1 else None
+
+
+def unknown_key(key: str, keys: list[str], section: type[BaseModel] | None = None) -> str:
+    """The line for ``key`` (dotted, in full), unknown where its section (``section``)
+    holds ``keys``: what gspo calls verl's key or TRL's field of that name
+    (:func:`~gspo.config.ported.ported_hint`), else the key of that name in a section
+    inside it (``rollout.max_model_len``: ``rollout.vllm.max_model_len``, not the closer
+    spelt ``rollout.max_episode_tokens``), else the closest key of the section."""
     parent, _, leaf = key.rpartition(".")
     close = did_you_mean(leaf, keys, f"{parent}." if parent else "")
-    return ported_hint(key, bool(close)) or f"{key}: unknown key{close}"
+    if (ported := ported_hint(key, bool(close))) is not None:
+        return ported
+    if (inside := nested_key(section, leaf)) is not None:
+        return f"{key}: unknown key; did you mean {(f'{parent}.' if parent else '') + inside!r}?"
+    return f"{key}: unknown key{close}"
 
 
 def _below(model: type[BaseModel], key: str, value: Any, keys: list[str]) -> str | None:
@@ -142,6 +165,12 @@ def _below(model: type[BaseModel], key: str, value: Any, keys: list[str]) -> str
         tails = [".".join(parts[i:]) for i in range(1, len(parts) - 1)]
         if ours := next((t for t in tails if field_annotation(model, t) is not None), None):
             return f"{full}: unknown key; did you mean {ours!r}?"
+    for full in dotted:  # (actor_rollout_ref.rollout.enforce_eager: rollout.vllm.enforce_eager)
+        parts = full.split(".")
+        for i in range(1, len(parts) - 1):
+            at = ".".join(parts[i:-1])
+            if (inside := nested_key(_section(model, at), parts[-1])) is not None:
+                return f"{full}: unknown key; did you mean {f'{at}.{inside}'!r}?"
     return next(filter(None, (ported_hint(full, close) for full in dotted)), None)
 
 
@@ -203,7 +232,7 @@ def error_line(exc: ValidationError, model: type[BaseModel], prefix: str = "") -
         ]
         others = f" (also unknown: {', '.join(more)})" if more else ""
         below = _below(model, f"{prefix}{where}", err.get("input"), keys)
-        return (below or unknown_key(f"{prefix}{where}", keys)) + others
+        return (below or unknown_key(f"{prefix}{where}", keys, section)) + others
     message = err["msg"].removeprefix("Value error, ")
     value = err.get("input")
     if err["type"] == "missing" and isinstance(err["loc"][-1], int):  # a tuple too short
