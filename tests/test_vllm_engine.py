@@ -70,15 +70,21 @@ def test_missing_vllm_is_one_line_naming_the_install_route(monkeypatch, tmp_path
     message = str(info.value)
     assert "\n" not in message
     assert "pip install -e '.[vllm]'" in message and "make install-vllm" in message
+    # gspo eval of a run trained with vLLM, where vLLM is not: the override that evaluates
+    # it anyway was unsaid
+    assert message.endswith(
+        "; or rollout.engine=torch, gspo's own sampler (gspo eval of a vLLM run too)"
+    )
     # make install-vllm made its venv already: it said to install again, not to use it
     (tmp_path / ".venv-vllm" / "bin").mkdir(parents=True)
     (tmp_path / ".venv-vllm" / "bin" / "gspo").write_text("")
     with pytest.raises(ValueError) as info:
         vllm_engine.import_vllm()
-    assert str(info.value).endswith(
+    assert (
         "vLLM is in the venv make install-vllm made: run "
-        f"{tmp_path / '.venv-vllm' / 'bin' / 'gspo'} (the same arguments)"
-    )
+        f"{tmp_path / '.venv-vllm' / 'bin' / 'gspo'} (the same arguments); or "
+        "rollout.engine=torch"
+    ) in str(info.value)
 
 
 def test_a_vllm_older_than_gspo_drives_is_one_line(monkeypatch):

@@ -71,7 +71,8 @@ def import_vllm() -> Any:
         import vllm
     except ImportError as exc:
         raise ValueError(
-            f"rollout.engine=vllm: vLLM is not installed ({exc}); {vllm_venv_hint()}"
+            f"rollout.engine=vllm: vLLM is not installed ({exc}); {vllm_venv_hint()}; or "
+            "rollout.engine=torch, gspo's own sampler (gspo eval of a vLLM run too)"
         ) from None
     except Exception as exc:  # e.g. a torchvision built for another torch
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
