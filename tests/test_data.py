@@ -1136,8 +1136,41 @@ def test_fewer_prompts_than_a_rollout_batch_takes_are_said():
         "rollout.prompts_per_batch takes each once)"
     ]
     assert fewer_prompts_than_a_batch([*rows, {"prompt": "3"}], config) == []
+    assert fewer_prompts_than_a_batch(rows[:1], config)[0].startswith(
+        "data.train (t.jsonl) has 1 row, fewer than"  # (it said "has 1 rows")
+    )
     built_in = load_config(None, ["rollout.prompts_per_batch=4"])  # (its own size)
     assert fewer_prompts_than_a_batch(rows, built_in) == []
+
+
+def test_a_count_of_rows_in_a_message_agrees_with_its_noun_and_verb():
+    """One row without an answer among several was "1 of 2 rows (row 2 first) have"; a
+    one-row file "has 1 rows"."""
+    from gspo.plugins import counted, some_of
+    from gspo.rewards import RewardFunctions
+    from gspo.tasks import TaskData
+    from gspo.training.setup import check_reward_columns, empty_completions
+
+    assert [counted(1, "row"), counted(0, "row"), counted(2, "row")] == [
+        "1 row",
+        "0 rows",
+        "2 rows",
+    ]
+    assert some_of([2], 2, "row") == "1 of 2 rows (row 2) has"
+    assert some_of([1], 1, "row") == "1 of 1 row (row 1) has"
+    assert some_of([1, 3], 5, "row") == "2 of 5 rows (row 1 first) have"
+    rows = [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": None}]
+    rewards = RewardFunctions.from_specs(["exact_match"], None)
+    config = load_config(None, ["data.train=x.jsonl", "data.sft=s.jsonl"])
+    assert check_reward_columns(rewards, TaskData(rows, [], []), config, None) == [
+        "data.train (x.jsonl): 1 of 2 rows (row 2) has no 'answer', which reward function "
+        "'exact_match' needs: their completions are not scored"
+    ]
+    sft = [{"prompt": "a", "completion": " "}]
+    assert empty_completions(sft, config) == [
+        "data.sft (s.jsonl): 1 of 1 row (row 1) has an empty completion: the cold start "
+        "teaches their prompts to end at once"
+    ]
 
 
 def test_a_model_path_inside_another_runs_checkpoints_is_warned(tmp_path):

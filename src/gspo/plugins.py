@@ -127,6 +127,20 @@ def one_line(exc: BaseException, limit: int = 500) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def counted(n: int, noun: str) -> str:
+    """``1 row``, ``2 rows``: a count in a message, its noun agreeing."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def some_of(found: list[int], total: int, noun: str) -> str:
+    """``1 of 2 rows (row 2) has``, ``2 of 5 rows (row 1 first) have``: which of the
+    ``total`` (numbered from 1) a message is about, the first of them and the verb."""
+    first, verb = (
+        (f"{noun} {found[0]}", "has") if len(found) == 1 else (f"{noun} {found[0]} first", "have")
+    )
+    return f"{len(found)} of {counted(total, noun)} ({first}) {verb}"
+
+
 def raised(exc: BaseException, limit: int = 500) -> str:
     """``Type: message (at file.py:12; GSPO_DEBUG=1 shows the traceback)``: a raising
     user function's error on one line, with the place of the frame that raised it."""

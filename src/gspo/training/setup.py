@@ -39,7 +39,7 @@ from gspo.moe import (
     unhandled_router,
 )
 from gspo.moved import model_not_found, moved_path, with_run_dir
-from gspo.plugins import absolute_spec
+from gspo.plugins import absolute_spec, counted, some_of
 from gspo.rewards import RewardFunctions
 from gspo.rewards.parsing import cell_text, completion_text
 from gspo.rewards.verifiers import BUILTIN_REWARDS
@@ -477,8 +477,8 @@ def check_reward_columns(
                         else f"it is called with their {column} as it is (None, blank or [])"
                     )
                     warnings.append(
-                        f"{key} ({where}): {len(empty)} of {len(rows)} rows (row {empty[0]} "
-                        f"first) have no {column!r}, which reward function {name!r} needs: "
+                        f"{key} ({where}): {some_of(empty, len(rows), 'row')} no {column!r}, "
+                        f"which reward function {name!r} needs: "
                         f"{gets}"
                     )
             if any(n.partition("#")[0] == "code" for n in rewards.names):
@@ -532,7 +532,7 @@ def empty_completions(sft: list[dict], config: Config) -> list[str]:
         return []
     where = config.data.source_of("data.sft")
     return [
-        f"data.sft ({where}): {len(empty)} of {len(sft)} rows (row {empty[0]} first) have an "
+        f"data.sft ({where}): {some_of(empty, len(sft), 'row')} an "
         "empty completion: the cold start teaches their prompts to end at once"
     ]
 
@@ -558,7 +558,7 @@ def fewer_prompts_than_a_batch(train_rows: list[dict], config: Config) -> list[s
         return []
     where = config.data.source_of("data.train")
     return [
-        f"data.train ({where}) has {len(train_rows)} rows, fewer than "
+        f"data.train ({where}) has {counted(len(train_rows), 'row')}, fewer than "
         f"rollout.prompts_per_batch={wanted}: each rollout batch takes some prompts more than "
         "once (their groups are alike; a smaller rollout.prompts_per_batch takes each once)"
     ]
