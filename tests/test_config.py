@@ -857,6 +857,23 @@ def test_a_malformed_reward_spec_is_refused_before_a_run(spec, said, capsys):
         load_config(overrides=["rollout.environment=a.b.C"])
 
 
+def test_a_mapping_assigned_from_python_is_not_said_to_be_a_yaml_slip():
+    """``config.reward.functions = [{"correct": correct}]`` was told it had been read as a
+    mapping from YAML (``rw.py: fn``) and to write ``correct:<function correct at 0x..>``."""
+
+    def correct(prompts, completions, **kwargs):
+        return [1.0] * len(completions)
+
+    config = load_config()
+    with pytest.raises(ConfigError) as raised:
+        config.reward.functions = [{"correct": correct}]
+    assert str(raised.value).startswith(
+        "reward.functions: item 0 is neither a spec string nor a function: dict (got "
+    )
+    with pytest.raises(ConfigError, match="was read as a mapping"):  # YAML's slip still is
+        config.reward.functions = [{"rw.py": "fn"}]
+
+
 @pytest.mark.parametrize("world", ["x", "", "0", "-1"])
 def test_a_world_size_set_by_hand_is_one_line_naming_it(world, capsys, monkeypatch):
     """WORLD_SIZE=x was a traceback of int() (cli.py read it in several places, before

@@ -67,8 +67,10 @@ class RewardConfig(Section):
         mappings = [
             v for v in (value if isinstance(value, list) else [value]) if isinstance(v, dict)
         ]
-        if mappings and len(mappings[0]) == 1:  # ('rw.py: fn', as YAML reads a space after ':')
-            ((source, name),) = mappings[0].items()
+        one = mappings[0] if mappings and len(mappings[0]) == 1 else {}
+        # ('rw.py: fn', as YAML reads a space after ':'; a dict from Python is no such slip)
+        if one and all(isinstance(v, str | None) for v in (*one, *one.values())):
+            ((source, name),) = one.items()
             raise ValueError(
                 f"{{{source}: {name}}} was read as a mapping (YAML takes ': ' as one); "
                 f"write {source}:{name}, without the space"
