@@ -411,3 +411,66 @@ def test_a_non_finite_step_is_skipped_on_the_device_without_a_read():
     assert flags == (1.0, 1.0) and torch.equal(before, after) and steps == []
     before, after, flags, _, steps = _fused_step(0.5, fused=False)
     assert flags == (0.0, 0.0) and not torch.equal(before, after) and steps == [1.0]
+
+
+def test_a_cache_dir_that_is_a_file_is_one_line_before_anything_trains(
+    tmp_path, monkeypatch, capsys
+):
+    """``train.cold_start_cache_dir`` naming a file (or a path under one): the whole cold
+    start trained, then ``cold start: not cached (...: File exists)``, the OS's words."""
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("the cold start trained before the cache directory was checked")
+
+    monkeypatch.setattr(cs, "adamw", no_training)
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    out = tmp_path / "run"
+    for cache, where in ((afile, ""), (afile / "sub", f"{afile}, above it, ")):
+        args = [*FAST, "train.max_steps=2", f"train.cold_start_cache_dir={cache}"]
+        assert main(["train", "--output-dir", str(out), *args]) == 2
+        err = capsys.readouterr().err
+        assert err == (
+            f"gspo: error: train.cold_start_cache_dir={cache}: {where}is a file, not a "
+            "directory; name a directory, or train.cold_start_cache=false (--no-cache) to "
+            "keep no cache\n"
+        )
+    # without a cold start (or with the cache off) the setting is not used: no error
+    config = load_config(
+        None, [*FAST, "train.cold_start_steps=0", f"train.cold_start_cache_dir={afile}"]
+    )
+    Trainer(config, tmp_path / "none").close()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(afile))  # the default, under a file
+    with pytest.raises(ValueError, match=r"cold_start_cache_dir \(unset: .*afile, above it,"):
+        Trainer(load_config(None, FAST), tmp_path / "default")
+
+
+def test_a_cold_start_resumed_with_other_settings_is_refused_in_one_line(tmp_path, capsys):
+    """A run killed in its cold start, resumed with another ``train.cold_start_steps``
+    (or lr, batch size, seed, temperature), went on from its progress checkpoint unsaid:
+    fewer steps than it had taken ran them all, and more stretched the rest of its
+    learning-rate schedule; either was cached as a cold start of the new settings."""
+    overrides = [*FAST, "train.cold_start_steps=10", "train.cold_start_save_every=5"]
+    with pytest.MonkeyPatch.context() as m:
+        kill_at(m, 7)
+        with pytest.raises(Killed):
+            Trainer(load_config(None, overrides), tmp_path / "cut").fit()
+    run = tmp_path / "cut"
+    for changed, said in (
+        (["train.cold_start_steps=4"], "train.cold_start_steps=4 (was 10)"),
+        (["train.cold_start_steps=0"], "train.cold_start_steps=0 (was 10)"),
+        (
+            ["train.cold_start_lr=0.01", "train.seed=3"],
+            "train.cold_start_lr=0.01 (was 0.002); train.seed=3 (was 0)",
+        ),
+    ):
+        capsys.readouterr()
+        assert main(["train", "--resume", str(run), *changed]) == 2
+        assert capsys.readouterr().err == (
+            f"gspo: error: resume: {said}: the run's cold start stopped at step 5 "
+            "(cold-start-0000005) with the old settings and goes on only with them: resume "
+            "without the change, or start the run again with it (--overwrite)\n"
+        )
+    assert "cold_start_steps: 10" in (run / "config.yaml").read_text()  # as it was
+    assert main(["train", "--resume", str(run), "train.max_steps=2", "eval.every=0"]) == 0
+    assert [r["sft/step"] for r in read_metrics(run / "metrics.jsonl") if "sft/step" in r] == [10]

@@ -55,6 +55,7 @@ from gspo.training.checkpoint import (
 )
 from gspo.training.checkpoint_writes import Checkpoints
 from gspo.training.cold_start import cold_start, drop_progress
+from gspo.training.cold_start_checks import check_cold_start
 from gspo.training.completions import CompletionLog
 from gspo.training.episodes import build_generator
 from gspo.training.evaluation import Evaluator, evaluated_at_start
@@ -149,6 +150,8 @@ class Trainer:
         # (a run killed before its step-0 checkpoint resumes inside its cold start, whose
         # own progress checkpoints it finds, or else starts again: deterministically)
         checkpoint = same_on_every_rank(resumable_checkpoint(out) if resume else None, dist)
+        if checkpoint is None:  # (a cache it cannot write, a cold start resumed changed)
+            check_cold_start(config, self.data.sft, out / CHECKPOINTS)
         compute_dtype = resolve_dtype(config.model.dtype, device, builtin=not config.model.path)
         # (out of memory loading it, attaching adapters, sharding it: one line naming it)
         named = checkpoint or config.model.path or out / "base_model"

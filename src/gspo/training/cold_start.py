@@ -55,6 +55,13 @@ from gspo.publish import (
 )
 from gspo.sharded import load_sharded, save_sharded, sharded_problem
 from gspo.telemetry import MetricsLogger
+from gspo.training.cold_start_checks import (
+    PROGRESS_PREFIX,
+    STATE,
+    cache_dir,
+    progress_checkpoints,
+    progress_settings,
+)
 from gspo.training.metrics import combine
 from gspo.training.policy import Policy, loss_scaler
 from gspo.training.sampler import MODEL_CONTEXT, said_context
@@ -63,8 +70,6 @@ from gspo.training.setup import adamw
 from gspo.training.time_limit import COLD_START_EVERY, TimeLimit
 from gspo.training.update import NonFiniteTraining, step_if_finite
 
-PROGRESS_PREFIX = "cold-start-"
-_STATE = "state.pt"
 _LINES = "sft_metrics.jsonl"
 _MODEL = "sharded"
 _ENTRY = "entry.json"  # a cache entry's own record: its key
@@ -164,16 +169,6 @@ def cold_start_key(config: Config, rows: list[dict[str, Any]], dist: Distributed
     return h.hexdigest()[:32]
 
 
-def cache_dir(config: Config) -> Path | None:
-    """The cold-start cache's directory, or None when the cache is off."""
-    if not config.train.cold_start_cache:
-        return None
-    if config.train.cold_start_cache_dir is not None:
-        return Path(config.train.cold_start_cache_dir).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "gspo" / "cold-start"
-
-
 #: A cache entry's name: its key (:func:`cold_start_key`); earlier gspo versions' temporary
 #: names of one (``.<key>.tmp``, ``.<key>.<pid>.tmp``, ``.<key>.sharded.tmp``).
 _KEY = re.compile(r"[0-9a-f]{32}")
@@ -248,12 +243,6 @@ def _trimmed(config: Config, entry: Path, dist: Distributed) -> None:
               f"{entry.parent}", flush=True)  # fmt: skip
 
 
-def progress_checkpoints(checkpoints: Path) -> list[Path]:
-    """The run's cold-start progress checkpoints, oldest first."""
-    found = [p for p in checkpoints.glob(f"{PROGRESS_PREFIX}*") if (p / _STATE).is_file()]
-    return sorted(found)
-
-
 def _save_progress(
     checkpoints: Path,
     step: int,
@@ -266,7 +255,7 @@ def _save_progress(
     with staged(checkpoints / f"{PROGRESS_PREFIX}{step:07d}", dist) as tmp:
         save_sharded(tmp / _MODEL, policy.forward, optimizer)
         if dist.is_main:  # (extra: the loss scaler's state, the skipped steps' counts)
-            torch.save({"step": step, "lines": lines, **extra}, tmp / _STATE)
+            torch.save({"step": step, "lines": lines, **extra}, tmp / STATE)
     if dist.is_main:
         for older in progress_checkpoints(checkpoints)[:-1]:
             shutil.rmtree(older)
@@ -385,7 +374,7 @@ def cold_start(
     if saved:
         load_sharded(saved[-1] / _MODEL, policy.forward, optimizer)
         policy.stepped()
-        state = torch.load(saved[-1] / _STATE, weights_only=True)
+        state = torch.load(saved[-1] / STATE, weights_only=True)
         first, lines = int(state["step"]), list(state["lines"])
         if scaler is not None and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
@@ -410,6 +399,7 @@ def cold_start(
         extra = {
             "scaler": None if scaler is None else scaler.state_dict(),
             "skipped": [skipped.item(), in_a_row.item(), longest.item()],
+            "settings": progress_settings(config),
         }
         _save_progress(checkpoints, step, policy, optimizer, lines, dist, extra)
         saves.append(time.perf_counter() - began)
