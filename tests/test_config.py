@@ -422,7 +422,9 @@ def test_cli_unknown_words_are_argparse_errors(capsys, stray):
      (["train", "--out", "x"], "--output-dir"), (["train", "--o", "x"], None),
      (["train", "--learning_rate=1e-6"], "TRL's learning_rate is optim.lr here; settings are "
       "key=value words, without dashes (optim.lr=1e-6)"),
-     (["train", "--optim.lr", "1e-6"], "settings are key=value words, without dashes")],
+     (["train", "--optim.lr", "1e-6"], "settings are key=value words, without dashes"),
+     (["train", "--max-steps", "2"], "TRL's max_steps is train.max_steps here; settings are"),
+     (["train", "--per-device-train-batch-size=4"], "TRL's per_device_train_batch_size is ")],
 )  # fmt: skip
 def test_cli_a_misspelt_option_names_the_closest(capsys, argv, near):
     """TRL spells its options with underscores (--output_dir): "unrecognized arguments"

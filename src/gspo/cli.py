@@ -382,7 +382,7 @@ def _near(args: argparse.Namespace, unknown: list[str]) -> str:
         near = near or [o for o in options if o.startswith(option)][:2]
         if len(near) == 1:
             return f"; did you mean {near[0]}?"
-        name = option[2:]
+        name = option[2:].replace("-", "_")  # (TRL's parser takes --max-steps too)
         if "." in name or name in TRL_NAMES:  # a setting as TRL's command line gives one
             said = f"TRL's {name} is {TRL_NAMES[name]} here; " if name in TRL_NAMES else ""
             return f"; {said}settings are key=value words, without dashes (optim.lr=1e-6)"
