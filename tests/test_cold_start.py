@@ -447,7 +447,7 @@ def test_a_cache_dir_that_is_a_file_is_one_line_before_anything_trains(
 
 def test_a_cold_start_resumed_with_other_settings_is_refused_in_one_line(tmp_path, capsys):
     """A run killed in its cold start, resumed with another ``train.cold_start_steps``
-    (or lr, batch size, seed, temperature), went on from its progress checkpoint unsaid:
+    (or lr, batch size, seed, temperature, rows), went on from its progress checkpoint unsaid:
     fewer steps than it had taken ran them all, and more stretched the rest of its
     learning-rate schedule; either was cached as a cold start of the new settings."""
     overrides = [*FAST, "train.cold_start_steps=10", "train.cold_start_save_every=5"]
@@ -459,9 +459,10 @@ def test_a_cold_start_resumed_with_other_settings_is_refused_in_one_line(tmp_pat
     for changed, said in (
         (["train.cold_start_steps=4"], "train.cold_start_steps=4 (was 10)"),
         (["train.cold_start_steps=0"], "train.cold_start_steps=0 (was 10)"),
+        (["data.sft_size=150"], "data.sft (the built-in addition task) holds other rows"),
         (
-            ["train.cold_start_lr=0.01", "train.seed=3"],
-            "train.cold_start_lr=0.01 (was 0.002); train.seed=3 (was 0)",
+            ["train.cold_start_lr=0.01", "rollout.temperature=0.7"],
+            "train.cold_start_lr=0.01 (was 0.002); rollout.temperature=0.7 (was 1.0)",
         ),
     ):
         capsys.readouterr()

@@ -399,7 +399,7 @@ def cold_start(
         extra = {
             "scaler": None if scaler is None else scaler.state_dict(),
             "skipped": [skipped.item(), in_a_row.item(), longest.item()],
-            "settings": progress_settings(config),
+            "settings": progress_settings(config, rows),
         }
         _save_progress(checkpoints, step, policy, optimizer, lines, dist, extra)
         saves.append(time.perf_counter() - began)

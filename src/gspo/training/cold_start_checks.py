@@ -4,6 +4,8 @@ resumed with (:mod:`gspo.training.cold_start`)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -32,11 +34,14 @@ def progress_checkpoints(checkpoints: Path) -> list[Path]:
     return sorted(found)
 
 
-def progress_settings(config: Config) -> dict[str, Any]:
+def progress_settings(config: Config, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The settings a cold start's progress checkpoint must be resumed with: those that
-    decide its result (its learning-rate schedule spans ``train.cold_start_steps``)."""
+    decide its result (its learning-rate schedule spans ``train.cold_start_steps``), and a
+    digest of its rows (``data.sft``)."""
     t = config.train
+    digest = hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode())
     return {
+        "data.sft": digest.hexdigest()[:16],
         "train.cold_start_steps": t.cold_start_steps,
         "train.cold_start_lr": t.cold_start_lr,
         "train.cold_start_batch_size": t.cold_start_batch_size,
@@ -70,9 +75,14 @@ def check_cold_start(config: Config, rows: list[dict[str, Any]], checkpoints: Pa
         return
     state = torch.load(saved[-1] / STATE, weights_only=True)
     was = state.get("settings")  # (none in a checkpoint from before they held them)
-    now = progress_settings(config)
+    now = progress_settings(config, rows)
     was = was if isinstance(was, dict) else {}
-    changed = [f"{k}={now[k]} (was {was[k]})" for k in now if k in was and was[k] != now[k]]
+    changed = [
+        f"data.sft ({config.data.source_of('data.sft')}) holds other rows" if k == "data.sft"
+        else f"{k}={now[k]} (was {was[k]})"
+        for k in now
+        if k in was and was[k] != now[k]
+    ]  # fmt: skip
     if changed:
         raise ValueError(
             f"resume: {'; '.join(changed)}: the run's cold start stopped at step "
