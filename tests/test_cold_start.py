@@ -470,7 +470,8 @@ def test_a_cold_start_resumed_with_other_settings_is_refused_in_one_line(tmp_pat
         assert capsys.readouterr().err == (
             f"gspo: error: resume: {said}: the run's cold start stopped at step 5 "
             "(cold-start-0000005) with the old settings and goes on only with them: resume "
-            "without the change, or start the run again with it (--overwrite)\n"
+            "without the change, or start the run again with it (--overwrite; "
+            "gspo.train(..., overwrite=True))\n"
         )
     assert "cold_start_steps: 10" in (run / "config.yaml").read_text()  # as it was
     assert main(["train", "--resume", str(run), "train.max_steps=2", "eval.every=0"]) == 0

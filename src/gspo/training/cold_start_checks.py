@@ -87,5 +87,6 @@ def check_cold_start(config: Config, rows: list[dict[str, Any]], checkpoints: Pa
         raise ValueError(
             f"resume: {'; '.join(changed)}: the run's cold start stopped at step "
             f"{state['step']} ({saved[-1].name}) with the old settings and goes on only "
-            "with them: resume without the change, or start the run again with it (--overwrite)"
+            "with them: resume without the change, or start the run again with it (--overwrite; "
+            "gspo.train(..., overwrite=True))"
         )
