@@ -859,6 +859,18 @@ def test_a_malformed_reward_spec_is_refused_before_a_run(spec, said, capsys):
         load_config(overrides=["rollout.environment=a.b.C"])
 
 
+@pytest.mark.parametrize("weights", ["1,0.1", "1 0.1", "1, 0.1"])
+def test_weights_written_without_brackets_say_how_to_write_a_list(weights, capsys):
+    """reward.weights=1,0.1 said 'Input should be a valid list (got '1,0.1')'; the same
+    slip in reward.functions says how to write the list."""
+    assert main(["config", f"reward.weights={weights}"]) == 2
+    assert capsys.readouterr().err == (
+        "gspo: error: reward.weights: several weights are a list, reward.weights='[1, 0.1]' "
+        f"(got {weights!r})\n"
+    )
+    assert load_config(None, ["reward.weights=[1, 0.1]", "reward.functions=[exact_match, format]"])
+
+
 def test_a_mapping_assigned_from_python_is_not_said_to_be_a_yaml_slip():
     """``config.reward.functions = [{"correct": correct}]`` was told it had been read as a
     mapping from YAML (``rw.py: fn``) and to write ``correct:<function correct at 0x..>``."""

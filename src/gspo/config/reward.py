@@ -88,6 +88,10 @@ class RewardConfig(Section):
     def _one_weight(cls, value: Any) -> Any:
         """One number alone is a list of one, as one function name is."""
         is_number = isinstance(value, int | float) and not isinstance(value, bool)
+        if isinstance(value, str) and len(parts := value.replace(",", " ").split()) > 1:
+            raise ValueError(  # ('1,2' from the command line: as reward.functions says)
+                f"several weights are a list, reward.weights='[{', '.join(parts)}]'"
+            )
         return [value] if is_number else value
 
     @field_serializer("functions")
