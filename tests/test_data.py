@@ -1159,6 +1159,13 @@ def test_a_count_of_rows_in_a_message_agrees_with_its_noun_and_verb():
     assert some_of([2], 2, "row") == "1 of 2 rows (row 2) has"
     assert some_of([1], 1, "row") == "1 of 1 row (row 1) has"
     assert some_of([1, 3], 5, "row") == "2 of 5 rows (row 1 first) have"
+    from gspo.trainer import took_its_steps
+
+    one = load_config(None, ["algorithm.minibatches=1", "train.max_steps=1"])
+    assert took_its_steps(1, one) == (  # (it said "its 1 steps")
+        "the run already took its 1 step (train.max_steps=1 in whole rollout batches of 1); "
+        "resume it with a larger train.max_steps to train on"
+    )
     rows = [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": None}]
     rewards = RewardFunctions.from_specs(["exact_match"], None)
     config = load_config(None, ["data.train=x.jsonl", "data.sft=s.jsonl"])

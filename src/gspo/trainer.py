@@ -32,6 +32,7 @@ from gspo.config import Config, checked_config, dump_config_text, flat_settings
 from gspo.distributed import Distributed, rank_device
 from gspo.models import resolve_dtype
 from gspo.moved import moved_path, with_run_dir
+from gspo.plugins import counted
 from gspo.rewards.runner import leave_if_starting_a_worker
 from gspo.telemetry import (
     MetricsLogger,
@@ -107,8 +108,8 @@ def took_its_steps(
     if step == 0 or step // minibatches < config.rollout_batches:
         return None
     return (
-        f"the run already took its {step} steps (train.max_steps={config.train.max_steps} "
-        f"in whole rollout batches of {minibatches}); {on} to train on"
+        f"the run already took its {counted(step, 'step')} (train.max_steps="
+        f"{config.train.max_steps} in whole rollout batches of {minibatches}); {on} to train on"
     )
 
 
