@@ -476,3 +476,26 @@ def test_a_cold_start_resumed_with_other_settings_is_refused_in_one_line(tmp_pat
     assert "cold_start_steps: 10" in (run / "config.yaml").read_text()  # as it was
     assert main(["train", "--resume", str(run), "train.max_steps=2", "eval.every=0"]) == 0
     assert [r["sft/step"] for r in read_metrics(run / "metrics.jsonl") if "sft/step" in r] == [10]
+
+
+def test_an_overwrite_interrupted_before_its_first_checkpoint_puts_the_old_run_back(
+    tmp_path, monkeypatch, capsys
+):
+    """Ctrl-C a few seconds into a ``--overwrite`` run's cold start removed the old run,
+    and left a new one with nothing to resume from (no checkpoint of either kind)."""
+    old = tmp_path / "run"
+    (old / "checkpoints" / "step-0000004").mkdir(parents=True)
+    (old / "metrics.jsonl").write_text('{"step": 4}\n')
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cs, "adamw", interrupted)  # (the cold start's first line)
+    args = [*FAST, "train.max_steps=2", "train.cold_start_cache=false"]
+    assert main(["train", "--output-dir", str(old), "--overwrite", *args]) == 130
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"gspo: interrupted; the run that was in {old} is back as it was"
+    )
+    assert (old / "metrics.jsonl").read_text() == '{"step": 4}\n'
+    assert sorted(p.name for p in old.iterdir()) == ["checkpoints", "metrics.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # (nothing left aside)

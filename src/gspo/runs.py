@@ -140,8 +140,9 @@ class RunDirectory:
     any rank: :data:`UNDONE_MARK`), leaves nothing: the old run is put back as it was
     (said in a note on the exception), a new directory goes; the same command runs once
     the input is fixed (a cold start from its cache). Stopped otherwise (interrupted, out
-    of memory, ...) the new run stays to be resumed, the old one goes, and a new directory
-    whose run wrote nothing to resume from goes. Rank 0 does it with SIGINT and SIGTERM
+    of memory, ...) the new run stays to be resumed, the old one goes (interrupted before
+    the new run wrote a checkpoint, the old one is put back), and a new directory whose
+    run wrote nothing to resume from goes. Rank 0 does it with SIGINT and SIGTERM
     held back (:func:`signals_held`)."""
 
     def __init__(self, output_dir: Path, *, replace: bool, dist: Distributed, name: str):
@@ -306,7 +307,10 @@ class RunDirectory:
     def tidy(self, error: BaseException, undone: bool) -> None:
         """The directory after a stop (rank 0): see the class's note."""
         out = self.output_dir
-        if self.aside is not None and undone:
+        # (interrupted before the new run wrote a checkpoint, a cold start's progress one
+        # included: there is nothing to resume, and the old run went for nothing)
+        nothing = isinstance(error, KeyboardInterrupt) and not (out / CHECKPOINTS).exists()
+        if self.aside is not None and (undone or nothing):
             error.add_note(self.put_back())  # (put back, or where it is: said in the note)
         elif self.aside is not None:
             self.drop_aside()  # (interrupted, ...: the new run stays, to be resumed)
