@@ -147,12 +147,10 @@ class Trainer:
         self.data = load_task_data(config)
         if not self.data.train:
             raise ValueError("data.train: no training prompts")
-        # the model: the latest checkpoint, the user's, or a built-in
-        # (a run killed before its step-0 checkpoint resumes inside its cold start, whose
-        # own progress checkpoints it finds, or else starts again: deterministically)
+        # the model: the latest checkpoint, the user's, or a built-in (a run killed before
+        # step 0 resumes in its cold start from its progress checkpoints, or starts again)
         checkpoint = same_on_every_rank(resumable_checkpoint(out) if resume else None, dist)
-        if checkpoint is None:  # (a cache it cannot write, a cold start resumed changed)
-            check_cold_start(config, self.data.sft, out / CHECKPOINTS)
+        check_cold_start(config, self.data.sft, out / CHECKPOINTS, resumed=checkpoint)
         compute_dtype = resolve_dtype(config.model.dtype, device, builtin=not config.model.path)
         # (out of memory loading it, attaching adapters, sharding it: one line naming it)
         named = checkpoint or config.model.path or out / "base_model"

@@ -50,13 +50,18 @@ def progress_settings(config: Config, rows: list[dict[str, Any]]) -> dict[str, A
     }
 
 
-def check_cold_start(config: Config, rows: list[dict[str, Any]], checkpoints: Path) -> None:
-    """Before a run that has a cold start to do writes anything: a one-line ``ValueError``
+def check_cold_start(
+    config: Config, rows: list[dict[str, Any]], checkpoints: Path, resumed: Path | None = None
+) -> None:
+    """Before a run that has a cold start to do (none ``resumed`` from a checkpoint past
+    it) writes anything: a one-line ``ValueError``
     where ``train.cold_start_cache_dir`` (or the default) is, or lies under, a file (its
     cold start was trained, then said ``not cached (...: File exists)``), and where a cold
     start killed midway is resumed with settings its progress checkpoint was not trained
     with (it went on unsaid: more steps than asked for, or another schedule, cached as a
     cold start of the new settings; with ``train.cold_start_steps=0``, dropped unsaid)."""
+    if resumed is not None:
+        return
     root = cache_dir(config) if config.train.cold_start_steps and rows else None
     for path in () if root is None else (root, *root.parents):
         if path.exists():
