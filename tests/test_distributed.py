@@ -750,8 +750,6 @@ def test_torchrun_cold_start_cache_holds_every_rank_and_is_reused(tmp_path, cold
         [comparable(r) for r in read_metrics(tmp_path / name / "metrics.jsonl")]
         for name in ("first", "again")
     ]
-    # (the cold start's lines of the second say where they came from)
-    assert {r.pop("sft/cached_from", None) for r in records[1]} == {None, str(entry)}
     assert records[0] == records[1] and any("sft/loss" in r for r in records[0])
 
 

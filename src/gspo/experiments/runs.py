@@ -32,6 +32,7 @@ from gspo.config import Config, changed_settings, flat_settings, load_config
 from gspo.config.loading import dump_config_text
 from gspo.experiments.report import write_report
 from gspo.experiments.summary import (
+    CACHED_FROM,
     Run,
     cold_start_cached,
     cold_start_seconds,
@@ -357,6 +358,11 @@ def cold_start_checkpoint(
         write_request(config, out / COLD_START, out)
         # (one the cache gives was trained by this code too: its key holds gspo's sources)
         record_provenance(out / COLD_START)
+        from gspo.training.cold_start import reusable_entry
+
+        entry = reusable_entry(trainer.config, trainer.data.sft, trainer.policy, trainer.dist)
+        if entry is not None:  # (its metrics are an uncached run's: said beside them)
+            (out / COLD_START / CACHED_FROM).write_text(str(entry))
         trainer.fit()
     if entry := cold_start_cached(out / COLD_START):  # (log.progress=false: it said nothing)
         took = cold_start_seconds(out / COLD_START) / 60

@@ -83,13 +83,16 @@ def cold_start_seconds(run_dir: Path) -> float:
     return sft + sum(r["time/eval"] for r in records if "time/eval" in r)
 
 
+#: In a compare's cold-start directory: the cache entry its cold start was taken from.
+CACHED_FROM = "cached_from.txt"
+
+
 def cold_start_cached(run_dir: Path) -> str | None:
     """The cache entry the cold start in ``run_dir`` was taken from (its ``time/sft`` is
-    then the run's that trained it), or None where it trained here."""
-    from gspo.training.cold_start import CACHED_FROM
-
-    records = read_metrics(run_dir / "metrics.jsonl") if run_dir.is_dir() else []
-    return next((str(r[CACHED_FROM]) for r in records if r.get(CACHED_FROM)), None)
+    then the run's that trained it: ``CACHED_FROM``, written by the compare that ran it),
+    or None where it trained here."""
+    path = run_dir / CACHED_FROM
+    return path.read_text() if path.is_file() else None
 
 
 #: The seconds a record accounts for: its training step, its evaluation, its checkpoint.

@@ -73,9 +73,6 @@ from gspo.training.update import NonFiniteTraining, step_if_finite
 _LINES = "sft_metrics.jsonl"
 _MODEL = "sharded"
 _ENTRY = "entry.json"  # a cache entry's own record: its key
-#: On the cold start's lines taken from the cache (metrics.jsonl alone: not a number): the
-#: entry; their ``time/sft`` is the run that trained it's (gspo compare says both).
-CACHED_FROM = "sft/cached_from"
 _INLINE_BYTES = 64 << 20
 Encoded = tuple[list[int], list[int], list[bool]]  # a row: prompt, completion, loss mask
 
@@ -306,6 +303,20 @@ def _store_in_cache(entry: Path, policy: Policy, lines: list[dict], dist: Distri
     dist.barrier()
 
 
+def reusable_entry(
+    config: Config, rows: list[dict[str, Any]], policy: Policy, dist: Distributed
+) -> Path | None:
+    """The whole cache entry :func:`cold_start` will take this run's cold start from (its
+    lines' ``time/sft`` then the run's that trained it), else None; asked before it runs
+    (a run's metrics are the same whether the cache gave its cold start or not)."""
+    root = cache_dir(config)
+    if root is None or config.train.cold_start_steps == 0 or not rows:
+        return None
+    entry = root / cold_start_key(config, rows, dist)
+    whole = entry.exists() and _entry_problem(entry, policy.forward, contents=True) is None
+    return entry if whole else None
+
+
 def _cached(entry: Path | None, policy: Policy, dist: Distributed) -> bool:
     """Whether every rank sees a whole cache entry; a damaged one is said once and redone."""
     if entry is None:
@@ -353,7 +364,7 @@ def cold_start(
         load_sharded(entry / _MODEL, policy.forward, None)
         policy.stepped()
         for line in (entry / _LINES).read_text().splitlines():  # (time/sft: the original's)
-            logger.log(0, {**json.loads(line), CACHED_FROM: str(entry)})
+            logger.log(0, json.loads(line))
         if show:
             print(
                 f"cold start: reused {entry} (--no-cache redoes it; from Python, "
