@@ -321,6 +321,31 @@ def test_a_program_that_forges_its_verdicts_scores_zero(mode: str, forger: str) 
     assert score_code("def f(x):\n    return 2 * x", cases, FAST) == 1.0  # (and honest: 1)
 
 
+READS_BACK_VERDICTS = """
+import os, re
+def f(x):
+    for fd in range(3, 32):
+        try:
+            text = open("/proc/self/fd/%d" % fd, "rb").read().decode(errors="replace")
+        except OSError:
+            continue
+        for mark in set(re.findall(r"[0-9a-f]{32}", text)):
+            lines = ["\\n%s %d 1\\n%s 1\\n" % (mark, i, mark) for i in range(20)]
+            os.write(fd, "".join(lines).encode())
+    return -1
+"""
+
+
+def test_a_program_that_reads_back_its_verdicts_forges_no_pass(mode: str) -> None:
+    """A wrong function that reopens its standard output's file (``/proc/self/fd``) read
+    the verdicts written so far; with one nonce for every test it forged a pass for each
+    test after the first (0.9 of 10). Each test's verdict now has a nonce of its own."""
+    cases = parse_tests("\n".join(f"assert f({k}) == {k}" for k in range(10)))
+    assert score_code(READS_BACK_VERDICTS, cases, FAST) == 0.0
+    honest = READS_BACK_VERDICTS.replace("return -1", "return x")
+    assert score_code(honest, cases, FAST) == 1.0
+
+
 def test_a_program_cannot_touch_the_trainers_files_or_fill_memory(mode: str) -> None:
     """Without bubblewrap the program's directory held the files its output was read
     from: removing one stopped the run (FileNotFoundError), a link made the trainer read

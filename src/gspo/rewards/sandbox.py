@@ -401,11 +401,14 @@ def _sweep_at_exit() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _harness(program: str, snippets: Sequence[str], nonce: str) -> str:
+def _harness(program: str, snippets: Sequence[str], marks: Sequence[str]) -> str:
     """A script (fed on stdin, a pipe read to its end before it runs) that runs
-    ``program``, then each test, writing verdict lines.
+    ``program``, then each test, writing verdict lines: test ``i``'s ``marks[i] ok``.
 
-    Nothing the program reaches by name holds the tests, the nonce or the way verdicts are
+    Each test's verdict carries a nonce of its own (``marks``): a program that reopens its
+    standard output's file through ``/proc/self/fd`` reads the verdicts written so far,
+    and with one nonce for all forged a pass for every test after (0.9 for a wrong one).
+    Nothing the program reaches by name holds the tests, the nonces or the way verdicts are
     written: they are arguments of ``_run``, the tests compiled before the program runs,
     and verdicts go to a copy of standard output's descriptor through ``os.write`` taken
     before (a program that swapped ``sys.stdout`` or set ``__main__._tests`` passed
@@ -413,7 +416,7 @@ def _harness(program: str, snippets: Sequence[str], nonce: str) -> str:
     still find them: assert tests share its process (docs/code_reward.md). What the
     program prints goes to ``/dev/null`` (:data:`QUIET`)."""
     return (
-        "def _run(program, tests, mark, write, fd, compile=compile, exec=exec,\n"
+        "def _run(program, tests, marks, write, fd, compile=compile, exec=exec,\n"
         "         enumerate=enumerate, BaseException=BaseException, dict=dict):\n"
         "    compiled = [compile(t, '<test>', 'exec') for t in tests]\n"
         "    ns = {'__name__': '__main__'}\n"
@@ -427,8 +430,8 @@ def _harness(program: str, snippets: Sequence[str], nonce: str) -> str:
         "            ok = 1\n"
         "        except BaseException:\n"
         "            ok = 0\n"
-        "        write(fd, ('\\n%s %d %d\\n' % (mark, i, ok)).encode())\n"
-        f"{QUIET}_run({program!r}, {tuple(snippets)!r}, {nonce!r}, __import__('os').write,\n"
+        "        write(fd, ('\\n%s %d\\n' % (marks[i], ok)).encode())\n"
+        f"{QUIET}_run({program!r}, {tuple(snippets)!r}, {tuple(marks)!r}, __import__('os').write,\n"
         "     _quiet())\n"
     )
 
@@ -442,13 +445,14 @@ def score_code(
     passed = 0
     snippets = [case.code for case in cases if case.code is not None]
     if snippets:
-        nonce = secrets.token_hex(16)
-        run = run_python(_harness(program, snippets, nonce), limits=limits, script_on_stdin=True)
+        marks = [secrets.token_hex(16) for _ in snippets]
+        run = run_python(_harness(program, snippets, marks), limits=limits, script_on_stdin=True)
+        index = {mark: i for i, mark in enumerate(marks)}
         verdicts: dict[int, int] = {}
         for line in run.stdout.splitlines():
             parts = line.split()
-            if len(parts) == 3 and parts[0] == nonce:
-                verdicts.setdefault(int(parts[1]), int(parts[2]))
+            if len(parts) == 2 and parts[0] in index and parts[1] in ("0", "1"):
+                verdicts.setdefault(index[parts[0]], int(parts[1]))
         passed += sum(verdicts.get(i, 0) for i in range(len(snippets)))
     calls = [case for case in cases if case.fn_name is not None]
     if calls:  # (one run; its own limits grow by each call's: a call past its own times out)
