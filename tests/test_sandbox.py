@@ -436,6 +436,19 @@ def test_a_test_that_cannot_fail_is_refused() -> None:
     assert score_code("def add(a, b):\n    return 0", parse_tests(kept[1:]), FAST) == 0.0
 
 
+def test_a_check_function_beside_another_call_is_still_never_called() -> None:
+    """Any call at the top level (``print('checking')``) counted as calling the checking
+    function: an uncalled ``def check`` beside it passed anything (a program returning 0
+    scored 1.0). The call must reach a function (or class) that checks."""
+    uncalled = "def check(candidate):\n    assert candidate(1, 2) == 3\nprint('checking')\n"
+    with pytest.raises(ValueError, match=r"^row 1\[0\]: .* runs no assert"):
+        parse_tests([uncalled], where="row 1")
+    with pytest.raises(ValueError, match=r"^row 2: its asserts are inside functions it never"):
+        parse_tests(uncalled, where="row 2")
+    method = "class T:\n    def t(self):\n        assert add(1, 2) == 3\nT().t()\n"
+    assert score_code("def add(a, b):\n    return 0", parse_tests([method]), FAST) == 0.0
+
+
 def test_a_multi_turn_episode_is_scored_on_its_last_program_of_any_assistant_turn() -> None:
     """The reward read the last assistant message alone: an episode whose program was in
     an earlier turn and whose final turn said "done" scored 0, where the docs say the

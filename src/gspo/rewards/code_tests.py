@@ -138,8 +138,18 @@ def _checks(module: ast.Module) -> bool:
     run = [node for node in module.body if not isinstance(node, defs)]
     if any(_has_check(node) for node in run):
         return True
-    called = any(isinstance(n, ast.Call) for node in run for n in ast.walk(node))
-    return called and any(_has_check(node) for node in module.body if isinstance(node, defs))
+    checking = {n.name for n in module.body if isinstance(n, defs) and _has_check(n)}
+    return any(  # (a call of one of them: print('x') beside an uncalled check passed anything)
+        isinstance(n, ast.Call) and _names(n.func) & checking
+        for node in run
+        for n in ast.walk(node)
+    )
+
+
+def _names(func: ast.expr) -> set[str]:
+    """The names a call's callee is reached through (``T().check`` -> T, check)."""
+    return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(func)
+            if isinstance(n, (ast.Name, ast.Attribute))}  # fmt: skip
 
 
 def _has_check(tree: ast.AST) -> bool:
