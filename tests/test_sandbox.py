@@ -321,7 +321,10 @@ def test_a_program_that_forges_its_verdicts_scores_zero(mode: str, forger: str) 
     assert score_code("def f(x):\n    return 2 * x", cases, FAST) == 1.0  # (and honest: 1)
 
 
-READS_BACK_VERDICTS = """
+VERDICT_FORGERS = {
+    # reads the verdicts written so far back (its output's file reopened) and writes a
+    # pass for every test after, with the nonce it found
+    "reads them back": """
 import os, re
 def f(x):
     for fd in range(3, 32):
@@ -330,20 +333,40 @@ def f(x):
         except OSError:
             continue
         for mark in set(re.findall(r"[0-9a-f]{32}", text)):
-            lines = ["\\n%s %d 1\\n%s 1\\n" % (mark, i, mark) for i in range(20)]
+            lines = ["\\n%s %d 1\\n%s 1\\n%s\\n" % (mark, i, mark, mark) for i in range(20)]
             os.write(fd, "".join(lines).encode())
     return -1
-"""
+""",
+    # at exit, after the last verdict, rewrites every failing verdict in the file to a pass
+    "rewrites them at exit": """
+import atexit, os
+def flip():
+    for fd in range(3, 32):
+        try:
+            text = open("/proc/self/fd/%d" % fd, "rb").read()
+        except OSError:
+            continue
+        if text.replace(b" 0\\n", b" 1\\n") != text:
+            os.pwrite(fd, text.replace(b" 0\\n", b" 1\\n"), 0)
+atexit.register(flip)
+def f(x):
+    return -1
+""",
+}
 
 
-def test_a_program_that_reads_back_its_verdicts_forges_no_pass(mode: str) -> None:
-    """A wrong function that reopens its standard output's file (``/proc/self/fd``) read
-    the verdicts written so far; with one nonce for every test it forged a pass for each
-    test after the first (0.9 of 10). Each test's verdict now has a nonce of its own."""
+@pytest.mark.parametrize("forger", list(VERDICT_FORGERS))
+def test_a_program_that_edits_its_verdicts_file_forges_no_pass(mode: str, forger: str) -> None:
+    """A wrong function can read and rewrite the file its standard output goes to
+    (``/proc/self/fd``, its descriptor): with one nonce and a 0/1 in every verdict it
+    forged a pass for each test after the first it read (0.9 of 10), or turned every 0
+    into 1 at exit (1.0). Now a test's own nonce is written only where it passed."""
     cases = parse_tests("\n".join(f"assert f({k}) == {k}" for k in range(10)))
-    assert score_code(READS_BACK_VERDICTS, cases, FAST) == 0.0
-    honest = READS_BACK_VERDICTS.replace("return -1", "return x")
+    assert score_code(VERDICT_FORGERS[forger], cases, FAST) == 0.0
+    honest = VERDICT_FORGERS[forger].replace("return -1", "return x")
     assert score_code(honest, cases, FAST) == 1.0
+    half = VERDICT_FORGERS[forger].replace("return -1", "return x if x % 2 else -1")
+    assert score_code(half, cases, FAST) == 0.5
 
 
 def test_a_program_cannot_touch_the_trainers_files_or_fill_memory(mode: str) -> None:

@@ -403,11 +403,15 @@ def _sweep_at_exit() -> None:
 
 def _harness(program: str, snippets: Sequence[str], marks: Sequence[str]) -> str:
     """A script (fed on stdin, a pipe read to its end before it runs) that runs
-    ``program``, then each test, writing verdict lines: test ``i``'s ``marks[i] ok``.
+    ``program``, then each test, writing ``marks[i]`` (a nonce of test ``i``'s own) where
+    test ``i`` passed, nothing where it failed.
 
-    Each test's verdict carries a nonce of its own (``marks``): a program that reopens its
-    standard output's file through ``/proc/self/fd`` reads the verdicts written so far,
-    and with one nonce for all forged a pass for every test after (0.9 for a wrong one).
+    The program can read and rewrite the file its standard output goes to (reopened
+    through ``/proc/self/fd``, or by seeking the descriptor): with one nonce and a
+    ``0``/``1`` on every verdict it read the nonce in the first verdict and forged a pass
+    for each test after (0.9 for a wrong function), or turned every ``0`` into ``1`` at
+    exit (1.0). A failed test's nonce is written nowhere.
+
     Nothing the program reaches by name holds the tests, the nonces or the way verdicts are
     written: they are arguments of ``_run``, the tests compiled before the program runs,
     and verdicts go to a copy of standard output's descriptor through ``os.write`` taken
@@ -427,10 +431,9 @@ def _harness(program: str, snippets: Sequence[str], marks: Sequence[str]) -> str
         "    for i, code in enumerate(compiled):\n"
         "        try:\n"
         "            exec(code, dict(ns))\n"
-        "            ok = 1\n"
         "        except BaseException:\n"
-        "            ok = 0\n"
-        "        write(fd, ('\\n%s %d\\n' % (marks[i], ok)).encode())\n"
+        "            continue\n"
+        "        write(fd, ('\\n%s\\n' % marks[i]).encode())\n"
         f"{QUIET}_run({program!r}, {tuple(snippets)!r}, {tuple(marks)!r}, __import__('os').write,\n"
         "     _quiet())\n"
     )
@@ -447,13 +450,7 @@ def score_code(
     if snippets:
         marks = [secrets.token_hex(16) for _ in snippets]
         run = run_python(_harness(program, snippets, marks), limits=limits, script_on_stdin=True)
-        index = {mark: i for i, mark in enumerate(marks)}
-        verdicts: dict[int, int] = {}
-        for line in run.stdout.splitlines():
-            parts = line.split()
-            if len(parts) == 2 and parts[0] in index and parts[1] in ("0", "1"):
-                verdicts.setdefault(index[parts[0]], int(parts[1]))
-        passed += sum(verdicts.get(i, 0) for i in range(len(snippets)))
+        passed += len(set(marks) & {line.strip() for line in run.stdout.splitlines()})
     calls = [case for case in cases if case.fn_name is not None]
     if calls:  # (one run; its own limits grow by each call's: a call past its own times out)
         limits = limits or Limits()
