@@ -369,6 +369,17 @@ def test_a_program_that_edits_its_verdicts_file_forges_no_pass(mode: str, forger
     assert score_code(half, cases, FAST) == 0.5
 
 
+def test_a_program_that_forks_passes_only_what_its_own_answers_pass(mode: str) -> None:
+    """A function that forks, the child answering True and the parent False, had one of
+    the two pass every yes/no test (both went on through the tests, writing verdicts):
+    1.0 for a program that answers nothing. Only the harness's own process writes now:
+    the parent's answer (False) passes the odd numbers' tests."""
+    forks = "import os\ndef is_even(x):\n    return os.fork() == 0\n"
+    cases = parse_tests("\n".join(f"assert is_even({k}) is {k % 2 == 0}" for k in range(4)))
+    assert score_code(forks, cases, FAST) == 0.5
+    assert score_code("def is_even(x):\n    return x % 2 == 0", cases, FAST) == 1.0
+
+
 def test_a_program_cannot_touch_the_trainers_files_or_fill_memory(mode: str) -> None:
     """Without bubblewrap the program's directory held the files its output was read
     from: removing one stopped the run (FileNotFoundError), a link made the trainer read

@@ -410,7 +410,9 @@ def _harness(program: str, snippets: Sequence[str], marks: Sequence[str]) -> str
     through ``/proc/self/fd``, or by seeking the descriptor): with one nonce and a
     ``0``/``1`` on every verdict it read the nonce in the first verdict and forged a pass
     for each test after (0.9 for a wrong function), or turned every ``0`` into ``1`` at
-    exit (1.0). A failed test's nonce is written nowhere.
+    exit (1.0). A failed test's nonce is written nowhere. Only the harness's own process
+    writes: a function that forked, the child returning True and the parent False, had
+    one of them pass each test of a yes/no answer (1.0 for a program that answers nothing).
 
     Nothing the program reaches by name holds the tests, the nonces or the way verdicts are
     written: they are arguments of ``_run``, the tests compiled before the program runs,
@@ -420,9 +422,9 @@ def _harness(program: str, snippets: Sequence[str], marks: Sequence[str]) -> str
     still find them: assert tests share its process (docs/code_reward.md). What the
     program prints goes to ``/dev/null`` (:data:`QUIET`)."""
     return (
-        "def _run(program, tests, marks, write, fd, compile=compile, exec=exec,\n"
+        "def _run(program, tests, marks, write, fd, getpid, compile=compile, exec=exec,\n"
         "         enumerate=enumerate, BaseException=BaseException, dict=dict):\n"
-        "    compiled = [compile(t, '<test>', 'exec') for t in tests]\n"
+        "    compiled, me = [compile(t, '<test>', 'exec') for t in tests], getpid()\n"
         "    ns = {'__name__': '__main__'}\n"
         "    try:\n"
         "        exec(compile(program, '<completion>', 'exec'), ns)\n"
@@ -433,9 +435,11 @@ def _harness(program: str, snippets: Sequence[str], marks: Sequence[str]) -> str
         "            exec(code, dict(ns))\n"
         "        except BaseException:\n"
         "            continue\n"
-        "        write(fd, ('\\n%s\\n' % marks[i]).encode())\n"
-        f"{QUIET}_run({program!r}, {tuple(snippets)!r}, {tuple(marks)!r}, __import__('os').write,\n"
-        "     _quiet())\n"
+        "        if getpid() == me:\n"
+        "            write(fd, ('\\n%s\\n' % marks[i]).encode())\n"
+        f"{QUIET}_os = __import__('os')\n"
+        f"_run({program!r}, {tuple(snippets)!r}, {tuple(marks)!r}, _os.write, _quiet(),\n"
+        "     _os.getpid)\n"
     )
 
 
