@@ -481,6 +481,9 @@ def test_a_check_function_beside_another_call_is_still_never_called() -> None:
         parse_tests(uncalled, where="row 2")
     method = "class T:\n    def t(self):\n        assert add(1, 2) == 3\nT().t()\n"
     assert score_code("def add(a, b):\n    return 0", parse_tests([method]), FAST) == 0.0
+    checks = uncalled.replace("print('checking')", "list(map(check, [add]))")
+    aliased = uncalled.replace("print('checking')", "c = check\nc(add)")
+    assert len(parse_tests([checks, aliased])) == 2  # (still read as calling it)
 
 
 def test_a_multi_turn_episode_is_scored_on_its_last_program_of_any_assistant_turn() -> None:

@@ -139,17 +139,12 @@ def _checks(module: ast.Module) -> bool:
     if any(_has_check(node) for node in run):
         return True
     checking = {n.name for n in module.body if isinstance(n, defs) and _has_check(n)}
-    return any(  # (a call of one of them: print('x') beside an uncalled check passed anything)
-        isinstance(n, ast.Call) and _names(n.func) & checking
-        for node in run
-        for n in ast.walk(node)
-    )
-
-
-def _names(func: ast.expr) -> set[str]:
-    """The names a call's callee is reached through (``T().check`` -> T, check)."""
-    return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(func)
-            if isinstance(n, (ast.Name, ast.Attribute))}  # fmt: skip
+    # (one of them named where something is called, check(f), map(check, cases), c = check:
+    # an uncalled check beside print('checking') passed anything)
+    nodes = [n for node in run for n in ast.walk(node)]
+    names = {n.id if isinstance(n, ast.Name) else n.attr for n in nodes
+             if isinstance(n, (ast.Name, ast.Attribute))}  # fmt: skip
+    return any(isinstance(n, ast.Call) for n in nodes) and bool(names & checking)
 
 
 def _has_check(tree: ast.AST) -> bool:
