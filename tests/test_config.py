@@ -922,6 +922,12 @@ def test_a_world_size_set_by_hand_is_one_line_naming_it(world, capsys, monkeypat
          "algorithm.minibatches) here (docs/from_verl.md)"),
         ("trainr.max_steps=3", "trainr: unknown key; did you mean 'train'?"),
         ("foo.bar=1", "foo: unknown key"),
+        # (verl's LoRA rank said 'actor_rollout_ref: unknown key')
+        ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_rank: unknown "
+         "key; verl's lora_rank is model.lora.r (with model.lora.alpha, "
+         "model.lora.target_modules) here (docs/from_verl.md)"),
+        ("actor_rollout_ref.model.target_modules=all-linear", "actor_rollout_ref.model."
+         "target_modules: unknown key; did you mean 'model.lora.target_modules'?"),
     ],
 )  # fmt: skip
 def test_a_verl_key_as_verl_spells_it_in_full_is_refused_with_its_gspo_name(override, said):

@@ -137,6 +137,7 @@ VERL_NAMES = {
     "save_freq": "train.save_every, in optimizer steps (verl's x algorithm.minibatches)",
     "test_freq": "eval.every, in optimizer steps (verl's x algorithm.minibatches)",
     "enable_gradient_checkpointing": "model.activation_checkpointing",
+    "lora_rank": "model.lora.r (with model.lora.alpha, model.lora.target_modules)",
     "rollout_is": "algorithm.rollout_correction (token_tis: verl's token rollout_is)",
 }
 
