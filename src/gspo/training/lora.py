@@ -24,7 +24,7 @@ from gspo.config import Config, LoraSettings
 from gspo.distributed import Distributed
 from gspo.models.loading import MODEL_FINGERPRINT, fingerprint_change
 from gspo.moved import in_checkpoint
-from gspo.training.seeds import rank_seed
+from gspo.training.seeds import rank_seed, seeded_global_draws
 
 #: PEFT's file names in a LoRA checkpoint.
 ADAPTER_CONFIG = "adapter_config.json"
@@ -114,12 +114,11 @@ def attach_lora(
         bias="none",
         task_type="CAUSAL_LM",
     )
-    devices = [model.device] if model.device.type == "cuda" else []
     tied = tied_embeddings(model)
-    with torch.random.fork_rng(devices=devices), quiet_peft():
+    # (torch.manual_seed seeded every CUDA device, and the fork gave back only the model's)
+    with seeded_global_draws(seed, model.device), quiet_peft():
         # (PEFT warns of a tied layer it adapts: refused below, in one line)
         warnings.filterwarnings("ignore", ".*tie_word_embeddings.*", UserWarning)
-        torch.manual_seed(seed)
         try:
             peft_model = get_peft_model(model, config)
         except ValueError as exc:
