@@ -139,3 +139,17 @@ def varied_reward(tmp_path):
     path = tmp_path / "varied.py"
     path.write_text(VARIED_REWARD)
     return f"reward.functions=[{path}:varied]"
+
+
+@pytest.fixture(params=["bwrap", "rlimits"])
+def sandbox_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A code-reward test under bubblewrap (where it works: else skipped, saying why) and
+    under the rlimits-only fallback."""
+    from gspo.rewards import sandbox
+
+    if request.param == "bwrap" and sandbox.isolation()[0] != "bwrap":
+        pytest.skip(sandbox.isolation()[1])
+    if request.param == "rlimits":
+        monkeypatch.setattr(sandbox, "_bwrap_works", lambda: False)
+    assert sandbox.isolation()[0] == request.param
+    return request.param

@@ -21,16 +21,6 @@ HAS_BWRAP = sandbox.isolation()[0] == "bwrap"
 ADD = {"fn_name": "add", "inputs": [[1, 2], [2, 2], [10, 1]], "outputs": [[3], [4], [11]]}
 
 
-@pytest.fixture(params=["bwrap", "rlimits"])
-def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Under bubblewrap (where it works) and under the rlimits-only fallback."""
-    if request.param == "bwrap" and not HAS_BWRAP:
-        pytest.skip(sandbox.isolation()[1])
-    if request.param == "rlimits":
-        monkeypatch.setattr(sandbox, "_bwrap_works", lambda: False)
-    return request.param
-
-
 def score(program: str, tests: object = ADD, limits: Limits = FAST) -> float:
     return score_code(program, parse_tests(tests), limits)
 
@@ -61,7 +51,7 @@ def test_same_value_normalises_as_apps_stores_outputs() -> None:
     assert not same_value(10**400, 1.0) and same_value(None, [None])
 
 
-def test_call_based_scores_the_pass_fraction(mode: str) -> None:
+def test_call_based_scores_the_pass_fraction(sandbox_mode: str) -> None:
     assert score("def add(a, b):\n    return a + b") == 1.0
     assert score("def add(a, b):\n    return a - b") == 0.0
     assert score("def add(a, b):\n    return a + b if a < 10 else 0") == pytest.approx(2 / 3)
@@ -74,7 +64,7 @@ def test_call_based_scores_the_pass_fraction(mode: str) -> None:
     assert score(print_forged) == 0.0
 
 
-def test_leetcode_solution_class(mode: str) -> None:
+def test_leetcode_solution_class(sandbox_mode: str) -> None:
     two_sum = {"fn_name": "twoSum", "inputs": [[[2, 7, 11, 15], 9], [[3, 2, 4], 6]],
                "outputs": [[0, 1], [1, 2]]}  # fmt: skip
     program = (
@@ -95,7 +85,7 @@ def test_leetcode_solution_class(mode: str) -> None:
     assert score(program.replace("[seen[target - n], i]", "[i, i]"), two_sum) == 0.0
 
 
-def test_each_call_has_its_own_time_limit(mode: str) -> None:
+def test_each_call_has_its_own_time_limit(sandbox_mode: str) -> None:
     """A call that loops (or sleeps, or catches the timeout and returns) fails alone: the
     calls after it still run and count."""
     looping = "def add(a, b):\n    while a == 2:\n        pass\n    return a + b"
@@ -156,7 +146,7 @@ def test_gspo_train_on_call_based_rows(tmp_path, monkeypatch) -> None:
     assert [r["rewards"]["code"] for r in logged] == [1.0] * 6
 
 
-def test_a_programs_prints_do_not_cost_its_tests(mode: str) -> None:
+def test_a_programs_prints_do_not_cost_its_tests(sandbox_mode: str) -> None:
     """Assert and call-based tests ignore what the program prints; its debugging prints
     (100 kB a call here) filled the 1 MB output cap, the process was killed and the tests
     after scored 0: a right program scored 0.5."""
@@ -169,7 +159,7 @@ def test_a_programs_prints_do_not_cost_its_tests(mode: str) -> None:
     assert score(chatty.replace("print(", "sys.stderr.write("), asserts) == 1.0
 
 
-def test_the_programs_main_block_does_not_run_under_call_based_tests(mode: str) -> None:
+def test_the_programs_main_block_does_not_run_under_call_based_tests(sandbox_mode: str) -> None:
     """The program ran as ``__main__``: its ``if __name__ == "__main__":`` block read input
     that is not there, and a right function scored 0. APPS's checker imports it as a
     module; so does this harness now (named ``solution``, in ``sys.modules``, so a

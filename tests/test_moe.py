@@ -657,6 +657,14 @@ def test_a_moe_family_whose_router_is_not_handled_is_said(tokenizer, tmp_path, c
     assert unhandled_router(build_tiny_model(dense, tokenizer, seed=0)) is None
 
 
+def adapters_that_matter(trainer: Trainer) -> None:
+    """LoRA's lora_B starts at 0 (the adapters change nothing, dropout or not): drawn."""
+    with torch.no_grad():
+        for name, p in trainer.policy.module.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(0))
+
+
 @pytest.mark.slow
 def test_expert_churn_under_lora_dropout_is_the_weights_change_only(tmp_path, varied_reward):
     """With LoRA dropout the churn's forward drew its own dropout masks, while pi_old's
@@ -668,10 +676,7 @@ def test_expert_churn_under_lora_dropout_is_the_weights_change_only(tmp_path, va
         "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]", "optim.lr=1e-12",
     ]  # fmt: skip
     trainer = Trainer(load_config(None, overrides), tmp_path / "run")
-    with torch.no_grad():  # adapters that matter: lora_B starts at 0, dropout or not
-        for name, p in trainer.policy.module.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(0))
+    adapters_that_matter(trainer)
     lines = trainer.rl_step(0)
     assert len(lines) == 4  # (FAST_MOE's 4 minibatches)
     assert [line["moe/expert_change_fraction"] for _, line in lines] == [0.0] * 4
@@ -739,10 +744,7 @@ def test_gradient_cosines_are_the_runs_or_say_why_not(tmp_path, varied_reward, e
         "model.lora.r=4", "model.lora.target_modules=[q_proj,v_proj]", *extra,
     ]  # fmt: skip
     trainer = Trainer(load_config(None, overrides), tmp_path / "run")
-    with torch.no_grad():  # adapters that matter: lora_B starts at 0, dropout or not
-        for name, p in trainer.policy.module.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(0))
+    adapters_that_matter(trainer)
     trainer.rl_step(0)
     dump = torch.load(tmp_path / "run" / "ratios" / "rollout-000000.pt")
     assert dump["token_log_ratio"].abs().max() < 1e-5  # (on-policy: the run's ratios are 1)

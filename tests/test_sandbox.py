@@ -24,17 +24,6 @@ HAS_BWRAP = sandbox.isolation()[0] == "bwrap"
 needs_bwrap = pytest.mark.skipif(not HAS_BWRAP, reason=sandbox.isolation()[1])
 
 
-@pytest.fixture(params=["bwrap", "rlimits"])
-def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a test under bubblewrap (where available) and under the rlimits-only fallback."""
-    if request.param == "bwrap" and not HAS_BWRAP:
-        pytest.skip(sandbox.isolation()[1])
-    if request.param == "rlimits":
-        monkeypatch.setattr(sandbox, "_bwrap_works", lambda: False)
-    assert sandbox.isolation()[0] == request.param
-    return request.param
-
-
 def _process_count() -> int:
     """The processes of the uid programs run as where that is not ours (root's tests: a
     count of every process on the host moved with other sessions' shells, 1 run in 3 on a
@@ -101,7 +90,7 @@ def test_tests_that_would_score_every_completion_0_are_refused_in_one_line() -> 
 # ----------------------------------------------------------------------------------- scoring
 
 
-def test_scores_pass_fraction(mode: str) -> None:
+def test_scores_pass_fraction(sandbox_mode: str) -> None:
     program = "def add(a, b):\n    return a + b if a < 10 else 0"
     cases = parse_tests("assert add(1, 2) == 3\nassert add(2, 2) == 4\nassert add(10, 1) == 11")
     assert score_code(program, cases, FAST) == pytest.approx(2 / 3)
@@ -110,7 +99,7 @@ def test_scores_pass_fraction(mode: str) -> None:
     assert score_code(None, cases, FAST) == 0.0
 
 
-def test_exiting_early_does_not_forge_a_pass(mode: str) -> None:
+def test_exiting_early_does_not_forge_a_pass(sandbox_mode: str) -> None:
     cases = parse_tests("assert False\nassert 1 == 2")
     for escape in ("import os\nos._exit(0)", "import sys\nsys.exit(0)", "raise SystemExit"):
         assert score_code(escape, cases, FAST) == 0.0
@@ -161,7 +150,7 @@ FLOOD = "while True:\n    print('x' * 4096)"
 
 
 @pytest.mark.parametrize("program", [LOOP, FORK_BOMB, ALLOCATE, FLOOD], ids=str.split)
-def test_resource_abuse_is_contained(mode: str, program: str) -> None:
+def test_resource_abuse_is_contained(sandbox_mode: str, program: str) -> None:
     before = _process_count()
     start = time.monotonic()
     cases = parse_tests("assert True")  # would pass if the program ever finished
@@ -176,7 +165,7 @@ def test_resource_abuse_is_contained(mode: str, program: str) -> None:
     assert _process_count() <= before + 8
 
 
-def test_environment_is_scrubbed(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_environment_is_scrubbed(sandbox_mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GSPO_TEST_SECRET", "hunter2")
     result = run_python("import os\nprint(sorted(os.environ))", limits=FAST)
     assert result.returncode == 0
@@ -258,12 +247,12 @@ time.sleep(0.3)
 
 
 @pytest.mark.parametrize("move", ["pass", "os.chdir('/')"])
-def test_a_program_leaves_no_process_behind(mode: str, move: str) -> None:
+def test_a_program_leaves_no_process_behind(sandbox_mode: str, move: str) -> None:
     """Without bubblewrap a program's daemon (a session of its own, out of the process
     group's kill) slept on after the run, one more for each such completion."""
     result = run_python(DAEMON.format(move=move), limits=FAST)
     assert result.returncode == 0 and result.stdout.strip(), result
-    if mode == "bwrap":
+    if sandbox_mode == "bwrap":
         return  # (its pid is the sandbox's own namespace's: it died with it)
     pid = int(result.stdout)
     deadline = time.monotonic() + 5
@@ -272,7 +261,7 @@ def test_a_program_leaves_no_process_behind(mode: str, move: str) -> None:
     assert sandbox._gone(pid)
 
 
-def test_killing_the_parent_leaves_the_run_unharmed(mode: str) -> None:
+def test_killing_the_parent_leaves_the_run_unharmed(sandbox_mode: str) -> None:
     program = (
         "import os, signal\n"
         "for pid in (os.getppid(), -1):\n"
@@ -314,7 +303,7 @@ FORGERS = {
 
 
 @pytest.mark.parametrize("forger", list(FORGERS))
-def test_a_program_that_forges_its_verdicts_scores_zero(mode: str, forger: str) -> None:
+def test_a_program_that_forges_its_verdicts_scores_zero(sandbox_mode: str, forger: str) -> None:
     """Each scored 1.0 on tests of a function it never defines (the code reward audit)."""
     cases = parse_tests("assert f(2) == 4\nassert f(3) == 6")
     assert score_code(FORGERS[forger], cases, FAST) == 0.0
@@ -356,7 +345,9 @@ def f(x):
 
 
 @pytest.mark.parametrize("forger", list(VERDICT_FORGERS))
-def test_a_program_that_edits_its_verdicts_file_forges_no_pass(mode: str, forger: str) -> None:
+def test_a_program_that_edits_its_verdicts_file_forges_no_pass(
+    sandbox_mode: str, forger: str
+) -> None:
     """A wrong function can read and rewrite the file its standard output goes to
     (``/proc/self/fd``, its descriptor): with one nonce and a 0/1 in every verdict it
     forged a pass for each test after the first it read (0.9 of 10), or turned every 0
@@ -369,7 +360,7 @@ def test_a_program_that_edits_its_verdicts_file_forges_no_pass(mode: str, forger
     assert score_code(half, cases, FAST) == 0.5
 
 
-def test_a_program_that_forks_passes_only_what_its_own_answers_pass(mode: str) -> None:
+def test_a_program_that_forks_passes_only_what_its_own_answers_pass(sandbox_mode: str) -> None:
     """A function that forks, the child answering True and the parent False, had one of
     the two pass every yes/no test (both went on through the tests, writing verdicts):
     1.0 for a program that answers nothing. Only the harness's own process writes now:
@@ -380,7 +371,7 @@ def test_a_program_that_forks_passes_only_what_its_own_answers_pass(mode: str) -
     assert score_code("def is_even(x):\n    return x % 2 == 0", cases, FAST) == 1.0
 
 
-def test_a_program_cannot_touch_the_trainers_files_or_fill_memory(mode: str) -> None:
+def test_a_program_cannot_touch_the_trainers_files_or_fill_memory(sandbox_mode: str) -> None:
     """Without bubblewrap the program's directory held the files its output was read
     from: removing one stopped the run (FileNotFoundError), a link made the trainer read
     a file for it. With bubblewrap /dev/shm and / were unsized tmpfs: 1.5 GB of RAM."""
@@ -390,7 +381,7 @@ def test_a_program_cannot_touch_the_trainers_files_or_fill_memory(mode: str) -> 
     )
     io = parse_tests([{"input": "3\n", "output": "6"}])
     assert score_code(remove, io, FAST) == 1.0  # (its own output, read whole)
-    if mode == "bwrap":
+    if sandbox_mode == "bwrap":
         fill = (
             "import os\nwritten = 0\n"
             "for place in ('/dev/shm', '/', '/sandbox'):\n"
@@ -407,7 +398,7 @@ def test_a_program_cannot_touch_the_trainers_files_or_fill_memory(mode: str) -> 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="the programs run as the trainer's own uid")
 def test_a_root_trainer_with_a_private_temp_dir_still_runs_programs(
-    mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    sandbox_mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A root trainer's TMPDIR in a 0700 directory: the program (user nobody) could not
     reach its main.py, so every stdin/stdout test scored 0 without a word."""
@@ -543,7 +534,7 @@ def test_a_parquet_column_of_mixed_test_forms(tmp_path: Path) -> None:
     assert [score_code(program, parse_tests(tests), FAST) for tests in read] == [1.0] * 3
 
 
-def test_standard_output_is_compared_as_checkers_compare_it(mode: str) -> None:
+def test_standard_output_is_compared_as_checkers_compare_it(sandbox_mode: str) -> None:
     """Lines were compared as text: ``print(1 / 3)`` against ``0.333333`` scored 0, and so
     did two spaces or a line break where the expected output has one space; checkers
     (testlib's, APPS's and verl's) compare tokens, decimals within a tolerance."""
