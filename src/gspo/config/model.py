@@ -58,6 +58,12 @@ class LoraSettings(Section):
                 f"model.lora.target_modules='[{listed}]'"
             )
 
+    @property
+    def drops_inputs(self) -> bool:
+        """Whether adapters are on and drop their inputs (``dropout`` > 0): a forward's
+        masks are then a draw of its own (:meth:`gspo.training.policy.Policy.same_dropout`)."""
+        return self.r > 0 and self.dropout > 0
+
 
 class ModelConfig(Section):
     """The policy: a local Hugging Face causal LM (``model.path``) or a built-in tiny one.

@@ -73,7 +73,7 @@ def gradient_noise_skipped(
     """
     if dist.enabled:
         return "torchrun: the cosines take gradients outside FSDP's hooks (one process only)"
-    if config.model.lora.r > 0 and config.model.lora.dropout > 0:
+    if config.model.lora.drops_inputs:
         return (
             "model.lora.dropout > 0: the halves' forwards would draw other dropout masks "
             "than the ones pi_old's log-probs were recomputed under"

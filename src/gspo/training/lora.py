@@ -55,7 +55,7 @@ def adapter_dropout_seed(config: Config, dist: Distributed, rollout_index: int) 
     """With ``model.lora.dropout > 0``: the seed of rollout batch ``rollout_index``'s
     dropout masks (:meth:`Policy.same_dropout`), from ``train.seed``, so a run and its
     resume drop the same inputs; None without dropout."""
-    if config.model.lora.r == 0 or config.model.lora.dropout == 0:
+    if not config.model.lora.drops_inputs:
         return None
     return rank_seed(config.train.seed, dist, "dropout", rollout_index)
 
