@@ -996,6 +996,35 @@ def test_python_dash_m_gspo_and_console_script():
 
 
 @pytest.mark.slow
+def test_the_skipped_steps_of_the_batch_a_stop_ends_are_logged(
+    tmp_path, monkeypatch, varied_reward
+):
+    """Lines are logged at a rollout batch's end: a run that train.max_skipped stopped in
+    its second minibatch had lost the first's line (its skipped step) from metrics.jsonl."""
+    from gspo.training.update import Objective
+
+    real = Objective.loss
+    calls = {"n": 0}
+
+    def poisoning(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] >= 3:  # rollout batch 1's two minibatches
+            out.loss = out.loss * float("nan")
+        return out
+
+    monkeypatch.setattr(Objective, "loss", poisoning)
+    overrides = [*FAST, varied_reward, "train.cold_start_steps=0", "eval.every=0"]
+    overrides += ["algorithm.minibatches=2", "train.max_steps=6", "train.max_skipped=2"]
+    trainer = Trainer(load_config(None, overrides), tmp_path / "run")
+    with pytest.raises(ValueError, match=r"train.max_skipped=2: 2 updates in a row .* step 4"):
+        trainer.fit()
+    lines = train_lines(run_metrics(tmp_path / "run"))
+    assert [r["step"] for r in lines] == [1, 2, 3]
+    assert lines[-1]["train/loss"] is None and lines[-1]["train/skipped_steps"] == 1
+
+
+@pytest.mark.slow
 def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch, varied_reward):
     from gspo.training.update import Objective
 

@@ -86,7 +86,7 @@ from gspo.training.setup import (
     with_environment_reward,
 )
 from gspo.training.time_limit import TimeLimit
-from gspo.training.update import Objective, PolicyUpdate, UpdateStage
+from gspo.training.update import Objective, PolicyUpdate, UpdateStage, logged_if_stopped
 
 __all__ = [
     "CHECKPOINTS",
@@ -267,7 +267,7 @@ class Trainer:
             experience = self.rollouts.experience(rollout_index)
         lines = []
         for k in range(len(experience.minibatches)):
-            with out_of_memory("update", self.config):
+            with out_of_memory("update", self.config), logged_if_stopped(lines, self.checkpoints):
                 line = self.update_stage.train(experience, k)
             line = self.combine(line)
             lines.append((self.step, {**line, **experience.metrics}))

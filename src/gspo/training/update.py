@@ -9,10 +9,12 @@ stage (:mod:`gspo.training.rollout`); it hands out each update's :class:`Minibat
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -162,6 +164,20 @@ class NonFiniteTraining(ValueError):
     def __init__(self, message: str, step: int | None = None):
         super().__init__(message)
         self.step = step
+
+
+@contextlib.contextmanager
+def logged_if_stopped(lines: list[tuple[int, dict[str, float]]], logger: Any) -> Iterator[None]:
+    """Around one minibatch's update of a rollout batch: where ``train.max_skipped`` stops
+    the run there (:class:`NonFiniteTraining`), the batch's ``lines`` so far go to
+    ``logger.log(step, line)`` (the run's ordered log) first: lines are logged at a batch's
+    end, and its skipped steps before the stop were missing from metrics.jsonl."""
+    try:
+        yield
+    except NonFiniteTraining:
+        for step, line in lines:
+            logger.log(step, line)
+        raise
 
 
 def step_if_finite(
