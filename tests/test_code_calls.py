@@ -120,16 +120,18 @@ SOLVES_ALL = (
 )
 
 
-def test_gspo_train_on_call_based_rows(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("column", ["tests", "input_output"])
+def test_gspo_train_on_call_based_rows(tmp_path, monkeypatch, column: str) -> None:
     """A 3-row JSONL of call-based tests (a mapping, a JSON string, a Solution class)
     trains: the rows are no longer refused at the start, and the reward is called on each
     completion. The tiny random model writes no code, so every completion is read as the
-    program that solves all three (program_of patched): its reward is 1 on every row."""
+    program that solves all three (program_of patched): its reward is 1 on every row. The
+    tests in APPS's column ``input_output`` are read with ``data.tests_column``."""
     rows = [
-        {"prompt": "Write add(a, b).", "tests": ADD},
-        {"prompt": "Write Solution.twoSum.", "tests": json.dumps(
+        {"prompt": "Write add(a, b).", column: ADD},
+        {"prompt": "Write Solution.twoSum.", column: json.dumps(
             {"fn_name": "twoSum", "inputs": [[[2, 7, 11, 15], 9]], "outputs": [[0, 1]]})},
-        {"prompt": "Write sq(x).", "tests": {"fn_name": "sq", "inputs": [[3]], "outputs": [9]}},
+        {"prompt": "Write sq(x).", column: {"fn_name": "sq", "inputs": [[3]], "outputs": [9]}},
     ]  # fmt: skip
     data = tmp_path / "calls.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -139,7 +141,8 @@ def test_gspo_train_on_call_based_rows(tmp_path, monkeypatch) -> None:
             "model.intermediate=128", "rollout.group_size=2", "rollout.prompts_per_batch=3",
             "rollout.max_new_tokens=4", "train.max_steps=1", "algorithm.minibatches=1",
             "eval.every=0", "log.progress=false", "log.plots=false", "log.tensorboard=false",
-            "log.completions_every=1", f"data.train={data}", "reward.functions=[code]"]  # fmt: skip
+            "log.completions_every=1", f"data.train={data}", "reward.functions=[code]",
+            f"data.tests_column={column}"]  # fmt: skip
     assert main(["train", "--output-dir", str(run), *args]) == 0
     logged = [json.loads(line) for line in (run / "completions" / "rollout-000000.jsonl").open()]
     assert sorted({r["prompt"] for r in logged}) == sorted(r["prompt"] for r in rows)

@@ -281,6 +281,17 @@ def test_prompt_column_chat_rows_and_boxed_answers():
     assert rows[0]["prompt"] == [{"role": "user", "content": "plain"}]
 
 
+def test_the_tests_column_is_read_as_the_code_rewards_tests():
+    """APPS and TACO keep their tests in ``input_output``: the code reward reads ``tests``."""
+    calls = json.dumps({"fn_name": "add", "inputs": [[1, 2]], "outputs": [[3]]})
+    apps = [{"question": "Write add.", "input_output": calls}]
+    data = data_config("data.prompt_column=question", "data.tests_column=input_output")
+    (row,) = prepare_rows(apps, data, what="data.train")
+    assert row["tests"] == calls and row["input_output"] == calls
+    with pytest.raises(ValueError, match="data.tests_column: no column 'input_output' of "):
+        prepare_rows([{"question": "q"}], data, what="data.train")
+
+
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [

@@ -366,6 +366,8 @@ def prepare_rows(
         need(data.prompt_column, "data.prompt_column")
     if data.answer_column is not None and not sft:  # (nothing scores a cold-start row)
         need(data.answer_column, "data.answer_column")
+    if data.tests_column is not None and not sft:
+        need(data.tests_column, "data.tests_column")
     if sft:
         need(data.completion_column, "data.completion_column")
     chat = data.chat_template or data.system_prompt is not None
@@ -392,6 +394,8 @@ def prepare_rows(
                     f"{named} row {i}: the answer (column {data.answer_column!r}) {said}"
                 )
             new["answer"] = _answer(value)
+        if data.tests_column is not None and data.tests_column in row:
+            new["tests"] = row[data.tests_column]
         if sft:
             new["completion"] = _completion(row[data.completion_column], data, named, i)
         out.append(new)

@@ -104,6 +104,11 @@ class DataConfig(Section):
     completion_column: str = Field(
         "completion", description="data.sft: column holding the cold-start completion"
     )
+    tests_column: str | None = Field(
+        None,
+        description="Column holding the code reward's tests (APPS and TACO: input_output), "
+        "read as the tests column; null = the tests column as it is",
+    )
     digits: int = Field(2, ge=1, le=6, description="Built-in tasks: digits per operand")
     terms: int = Field(12, ge=2, le=40, description="chain: most operands per prompt")
     min_terms: int = Field(2, ge=2, description="chain: fewest operands per prompt")
