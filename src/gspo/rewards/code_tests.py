@@ -96,8 +96,7 @@ def program_of(completion: Any) -> str | None:
 
 
 def _io_case(item: Any, where: str) -> CodeTest:
-    keys = ({"input", "output"}, {"stdin", "stdout"})
-    for key_in, key_out in (sorted(k) for k in keys):
+    for key_in, key_out in (("input", "output"), ("stdin", "stdout")):
         if _has(item, key_in, key_out):
             text = [_io_text(item[key], where) for key in (key_in, key_out)]
             return CodeTest(stdin=text[0], stdout=text[1])
@@ -191,6 +190,14 @@ def _json(value: Any, what: str, where: str) -> str:
         raise ValueError(f"{where}: call-based tests: {what} is not JSON ({exc})") from None
 
 
+def _paired(inputs: Sequence[Any], outputs: Sequence[Any], where: str) -> None:
+    """One row's test inputs and outputs: as many of each, and some."""
+    if len(inputs) != len(outputs):
+        raise ValueError(f"{where}: {len(inputs)} inputs but {len(outputs)} outputs")
+    if not inputs:
+        raise ValueError(f"{where}: no tests (empty inputs and outputs)")
+
+
 def _call_cases(tests: dict, where: str) -> list[CodeTest]:
     """APPS/TACO's ``{"fn_name": f, "inputs": [[args], ...], "outputs": [out, ...]}``: each
     input the list of positional arguments of one call."""
@@ -200,10 +207,7 @@ def _call_cases(tests: dict, where: str) -> list[CodeTest]:
     if not isinstance(inputs, (list, tuple)) or not isinstance(outputs, (list, tuple)):
         raise ValueError(f"{where}: call-based tests (fn_name {name!r}) need lists 'inputs' "
                          "(each a list of arguments) and 'outputs'")  # fmt: skip
-    if len(inputs) != len(outputs):
-        raise ValueError(f"{where}: {len(inputs)} inputs but {len(outputs)} outputs")
-    if not inputs:
-        raise ValueError(f"{where}: no tests (empty inputs and outputs)")
+    _paired(inputs, outputs, where)
     cases = []
     for k, (args, out) in enumerate(zip(inputs, outputs, strict=True)):
         if not isinstance(args, (list, tuple)):
@@ -241,10 +245,7 @@ def parse_tests(tests: Any, where: str = "tests") -> list[CodeTest]:
             raise ValueError(f"{where}: {keys[0]!r} and {keys[1]!r} are lists of the tests' "
                              f"standard input and output, not {type(inputs).__name__} and "
                              f"{type(outputs).__name__}")  # fmt: skip
-        if len(inputs) != len(outputs):
-            raise ValueError(f"{where}: {len(inputs)} inputs but {len(outputs)} outputs")
-        if not inputs:
-            raise ValueError(f"{where}: no tests (empty inputs and outputs)")
+        _paired(inputs, outputs, where)
         pairs = zip(inputs, outputs, strict=True)
         return [CodeTest(stdin=_io_text(i, where), stdout=_io_text(o, where)) for i, o in pairs]
     if isinstance(tests, Sequence) and not tests:
