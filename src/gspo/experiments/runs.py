@@ -361,8 +361,11 @@ def cold_start_checkpoint(
         from gspo.training.cold_start import reusable_entry
 
         entry = reusable_entry(trainer.config, trainer.data.sft, trainer.policy, trainer.dist)
-        if entry is not None:  # (its metrics are an uncached run's: said beside them)
-            (out / COLD_START / CACHED_FROM).write_text(str(entry))
+        said = out / COLD_START / CACHED_FROM  # (its metrics are an uncached run's: beside)
+        if entry is not None:
+            said.write_text(str(entry))
+        else:  # (an earlier attempt's, whose entry has gone since: trained here)
+            said.unlink(missing_ok=True)
         trainer.fit()
     if entry := cold_start_cached(out / COLD_START):  # (log.progress=false: it said nothing)
         took = cold_start_seconds(out / COLD_START) / 60
