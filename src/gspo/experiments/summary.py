@@ -167,27 +167,24 @@ def load_ratio_dumps(run_dir: Path, last_fraction: float = 0.5) -> dict[str, tor
 COSINE_KEYS = ("cosine_to_full", "cosine_halves", "cosine_to_on_policy", "cosine_length_mean")
 
 
-def load_gradient_cosines(run_dir: Path, last_fraction: float = 0.5) -> list[dict[str, Any]]:
+def load_gradient_cosines(
+    run_dir: Path, last_fraction: float = 0.5
+) -> tuple[list[dict[str, Any]], set[str]]:
     """The gradient cosines of the run's dumps in the last ``last_fraction`` (those that have
     them): per dump, ``[buckets]`` tensors of :data:`COSINE_KEYS` and the scalar
-    ``cosine_full_to_on_policy``."""
+    ``cosine_full_to_on_policy``; and why those dumps' others hold none (their
+    ``gradient_noise_skipped``: :func:`gspo.training.hooks.gradient_noise_skipped`)."""
     files = sorted((run_dir / "ratios").glob("rollout-*.pt"))
     files = files[int(len(files) * (1 - last_fraction)) :] if files else []
-    out = []
+    out, skipped = [], set()
     for f in files:
         dump = torch.load(f, weights_only=True)
         if "cosine_to_full" in dump:
             keep = (*COSINE_KEYS, "cosine_full_to_on_policy")
             out.append({k: dump[k] for k in keep})
-    return out
-
-
-def gradient_noise_skipped(run_dir: Path) -> set[str]:
-    """Why the run's ratio dumps hold no gradient cosines (their ``gradient_noise_skipped``:
-    :func:`gspo.training.hooks.gradient_noise_skipped`); empty where they do."""
-    files = sorted((run_dir / "ratios").glob("rollout-*.pt"))
-    dumps = (torch.load(f, weights_only=True) for f in files)
-    return {d["gradient_noise_skipped"] for d in dumps if "gradient_noise_skipped" in d}
+        elif "gradient_noise_skipped" in dump:
+            skipped.add(dump["gradient_noise_skipped"])
+    return out, skipped
 
 
 def cosines_by_length(dumps: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, float]]:
@@ -272,7 +269,8 @@ def algorithm_summary(runs: Sequence[Run]) -> dict[str, Any]:
     # the rollout, k + 1 updates on minibatch k, so a mean over every line is neither
     churn = [_churn_after(r.records, first=True) for r in runs]
     churn_all = [_churn_after(r.records, first=False) for r in runs]
-    cosine_dumps = [d for r in runs for d in load_gradient_cosines(r.path)]
+    cosines = [load_gradient_cosines(r.path) for r in runs]
+    cosine_dumps = [d for dumps, _ in cosines for d in dumps]
     dumps = [load_ratio_dumps(r.path) for r in runs]
     pooled = {k: torch.cat([d[k] for d in dumps]) for k in dumps[0]} if dumps else {}
     token_lr, seq_lr = pooled.get("token_log_ratio"), pooled.get("sequence_log_ratio")
@@ -313,9 +311,7 @@ def algorithm_summary(runs: Sequence[Run]) -> dict[str, Any]:
         "sequence_log_ratio_sd": _sd(seq_lr),
         "spread_by_length": spread_by_length(pooled) if pooled else [],
         "gradient_cosines_by_length": cosines_by_length(cosine_dumps),
-        "gradient_noise_skipped": sorted(
-            set().union(*(gradient_noise_skipped(r.path) for r in runs))
-        ),
+        "gradient_noise_skipped": sorted(set().union(*(why for _, why in cosines))),
         "gradient_cosine_full_to_on_policy": mean_std(
             [d["cosine_full_to_on_policy"].item() for d in cosine_dumps]
         )[0],
