@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_serializer, field_validator
 
@@ -61,6 +61,14 @@ class RewardConfig(Section):
         "fifth of that limit (DAPO: 4096 of 20480)",
     )
 
+    code_scoring: Literal["fraction", "all"] = Field(
+        "fraction",
+        description="The code reward of a program: fraction = the fraction of its row's tests "
+        "it passes; all = 1 where it passes every one, else 0 (PRIME's prime_code by default, "
+        "DeepCoder, Skywork-OR1: partial credit rewards programs that special-case the easy "
+        "tests; docs/code_reward.md)",
+    )
+
     @field_validator("functions", mode="before")
     @classmethod
     def _one_function(cls, value: Any) -> Any:
@@ -116,6 +124,26 @@ class RewardConfig(Section):
             if isinstance(spec, str) and (problem := reward_spec_problem(spec)) is not None:
                 raise ValueError(f"reward.functions: {problem}")
 
+    def check_code_scoring(self) -> None:
+        """``code_scoring=all`` scores the built-in ``code`` reward, which is named."""
+        if self.code_scoring != "fraction" and not any(map(_is_code, self.functions)):
+            named = ", ".join(map(str, self._as_specs(list(self.functions))))
+            raise ValueError(
+                f"reward.code_scoring={self.code_scoring} scores the built-in code reward, "
+                f"which reward.functions ({named}) does not name: add code, or drop "
+                "reward.code_scoring"
+            )
+
+    def specs(self) -> list[str | Callable[..., Any]]:
+        """``functions`` as they are loaded: the built-in ``code`` scored as
+        ``code_scoring`` says (:class:`gspo.rewards.verifiers.CodeReward`)."""
+        if self.code_scoring == "fraction":
+            return list(self.functions)
+        from gspo.rewards.verifiers import CodeReward
+
+        code = CodeReward(self.code_scoring)
+        return [code if _is_code(f) else f for f in self.functions]
+
     def check_weights(self) -> None:
         """One weight per reward function, if weights are given."""
         if self.weights is not None and len(self.weights) != len(self.functions):
@@ -126,3 +154,12 @@ class RewardConfig(Section):
                 f"{len(self.functions)} reward.functions ({named}): give one weight per "
                 "function, or reward.weights=null (1.0 each)"
             )
+
+
+def _is_code(function: str | Callable[..., Any]) -> bool:
+    """Whether ``function`` is the built-in ``code`` reward (its name, or itself)."""
+    if isinstance(function, str):
+        return function.strip() == "code"
+    from gspo.rewards.verifiers import code_reward
+
+    return function is code_reward

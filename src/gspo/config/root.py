@@ -67,6 +67,7 @@ class Config(Section):
         minibatches_fit(rollout, algo)
         reward.check_functions()
         reward.check_weights()
+        reward.check_code_scoring()
         vllm_top_p(rollout, algo)
         correction_lora_dropout(algo, model.lora)
         data.check_prompt_template()

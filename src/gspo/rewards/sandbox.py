@@ -58,10 +58,12 @@ from gspo.rewards.contract import RewardError
 from gspo.rewards.parsing import completion_text
 
 __all__ = [
+    "CODE_SCORING",
     "CodeTest",
     "Limits",
     "RunResult",
     "code_reward",
+    "code_scores",
     "extract_code",
     "isolation",
     "parse_tests",
@@ -71,6 +73,9 @@ __all__ = [
 
 _SANDBOX_DIR = "/sandbox"
 _HOST_PREFIX = "gspo-sandbox-"  # + the pid of the process that runs the program
+#: How a program's tests become its reward (``reward.code_scoring``): the fraction it
+#: passes, or 1 where it passes all of them and 0 otherwise.
+CODE_SCORING = ("fraction", "all")
 
 
 @dataclass(frozen=True)
@@ -444,11 +449,20 @@ def _harness(program: str, snippets: Sequence[str], marks: Sequence[str]) -> str
 
 
 def score_code(
-    program: str | None, cases: Sequence[CodeTest], limits: Limits | None = None
+    program: str | None,
+    cases: Sequence[CodeTest],
+    limits: Limits | None = None,
+    *,
+    scoring: str = "fraction",
 ) -> float:
-    """Fraction of ``cases`` that ``program`` passes in the sandbox (0.0 without a program)."""
+    """Fraction of ``cases`` that ``program`` passes in the sandbox (0.0 without a program);
+    ``scoring="all"`` (``reward.code_scoring``): 1.0 where it passes every one, else 0.0,
+    the tests after a failed group (assert, call-based, each input/output test) not run."""
     if program is None or not cases:
         return 0.0
+    if scoring not in CODE_SCORING:
+        raise ValueError(f"code scoring {scoring!r}: not one of {', '.join(CODE_SCORING)}")
+    every = scoring == "all"
     passed = 0
     snippets = [case.code for case in cases if case.code is not None]
     if snippets:
@@ -456,7 +470,7 @@ def score_code(
         run = run_python(_harness(program, snippets, marks), limits=limits, script_on_stdin=True)
         passed += len(set(marks) & {line.strip() for line in run.stdout.splitlines()})
     calls = [case for case in cases if case.fn_name is not None]
-    if calls:  # (one run; its own limits grow by each call's: a call past its own times out)
+    if calls and not (every and passed < len(snippets)):  # (its own limits grow by each call's)
         limits = limits or Limits()
         extra = limits.test_cpu_s * len(calls)
         grown = replace(limits, wall_s=limits.wall_s + 2 * extra, cpu_s=limits.cpu_s + ceil(extra))
@@ -464,11 +478,14 @@ def score_code(
         harness = call_harness(program, calls, nonce, limits.test_cpu_s)
         run = run_python(harness, limits=grown, script_on_stdin=True)
         passed += calls_passed(run.stdout, calls, nonce)
-    for case in cases:
-        if case.stdout is not None:
-            run = run_python(program, stdin=case.stdin or "", limits=limits)
-            ok = run.returncode == 0 and same_output(run.stdout, case.stdout)
-            passed += int(ok)
+    io = [case for case in cases if case.stdout is not None]
+    for k, case in enumerate(io):
+        if every and passed < len(snippets) + len(calls) + k:
+            break  # (one failed: the rest cannot make it 1)
+        run = run_python(program, stdin=case.stdin or "", limits=limits)
+        passed += int(run.returncode == 0 and same_output(run.stdout, case.stdout or ""))
+    if every:
+        return float(passed == len(cases))
     return passed / len(cases)
 
 
@@ -478,7 +495,8 @@ def code_reward(
     tests: Sequence[Any] | None = None,
     **kwargs: Any,
 ) -> list[float | None]:
-    """Pass fraction of each completion's Python program on its row's ``tests``.
+    """Pass fraction of each completion's Python program on its row's ``tests``
+    (:func:`code_scores` with ``scoring="fraction"``).
 
     Called TRL-style as ``f(prompts=..., completions=..., tests=..., **other_columns)``. The
     program is the completion's last fenced Python block (see :func:`extract_code`; of a
@@ -489,6 +507,14 @@ def code_reward(
     Call-based tests (``fn_name``) run in one process per completion, each call under
     its own CPU limit, and their results are compared here (:mod:`.code_tests`).
     """
+    return code_scores(prompts, completions, tests, "fraction")
+
+
+def code_scores(
+    prompts: Sequence[Any], completions: Sequence[Any], tests: Sequence[Any] | None, scoring: str
+) -> list[float | None]:
+    """:func:`code_reward` with each program scored as ``scoring`` says (:func:`score_code`:
+    ``fraction`` or ``all``); no keyword of its own beside the columns a call passes."""
     if tests is None:
         raise RewardError("built-in reward 'code' needs a dataset column named 'tests'")
     if isinstance(tests, str) or len(tests) != len(completions):
@@ -513,5 +539,7 @@ def code_reward(
         _say_once(message)
     workers = max(1, min(len(jobs), os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [None if job is None else pool.submit(score_code, *job) for job in jobs]
+        futures = [
+            None if job is None else pool.submit(score_code, *job, scoring=scoring) for job in jobs
+        ]
         return [None if f is None else f.result() for f in futures]

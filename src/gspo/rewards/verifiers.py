@@ -15,6 +15,7 @@ import re
 import signal
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from gspo.plugins import awaited, missing_arguments
@@ -305,6 +306,28 @@ def code_reward(
     from gspo.rewards.sandbox import code_reward as run
 
     return run(prompts=prompts, completions=completions, tests=tests, **kwargs)
+
+
+@dataclass(frozen=True)
+class CodeReward:
+    """The built-in ``code`` reward scored as ``reward.code_scoring`` says (``all``: 1 where
+    the program passes every test of its row, else 0), named ``code`` as the built-in is;
+    a module-level object, so that ``reward.workers`` processes get it by pickle."""
+
+    scoring: str = "fraction"
+    __name__ = "code"
+    required_columns = ("tests",)
+
+    def __call__(
+        self,
+        prompts: Sequence[Any],
+        completions: Sequence[Any],
+        tests: Sequence[Any] | None = None,
+        **kwargs: Any,
+    ) -> list[float | None]:
+        from gspo.rewards.sandbox import code_scores
+
+        return code_scores(prompts, completions, tests, self.scoring)
 
 
 def environment_reward(

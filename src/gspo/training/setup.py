@@ -587,7 +587,7 @@ def base_in_another_run(config: Config, output_dir: Path) -> list[str]:
 def reward_functions(config: Config) -> RewardFunctions:
     """``reward.functions`` with their weights, called as ``reward.workers`` says."""
     return RewardFunctions.from_specs(
-        config.reward.functions,
+        config.reward.specs(),
         config.reward.weights,
         workers=config.reward.workers,
         timeout=config.reward.timeout,
