@@ -21,7 +21,9 @@ filled from the row's columns, else the ``data.prompt_column`` column; with
 ``data.system_prompt`` or ``data.chat_template`` a string prompt becomes a user message
 (after the system message) for the tokenizer's chat template. ``data.answer_column``
 fills the ``answer`` column the built-in rewards read with that column's final answer
-(:func:`gspo.rewards.reference_answer`), ``data.completion_column`` the cold start's
+(:func:`gspo.rewards.reference_answer`; it and ``data.tests_column`` may be a dotted path
+into a mapping column, verl's ``reward_model.ground_truth``: :func:`gspo.data_files.field_of`),
+``data.completion_column`` the cold start's
 ``completion``; cold-start rows with a ``messages`` column and neither (TRL's
 conversational SFT form) are split before the first assistant message. Every other
 column reaches the reward functions by name, as in TRL.
@@ -46,7 +48,7 @@ import yaml
 
 from gspo.chat import ROLES
 from gspo.config.data import template_fields
-from gspo.data_files import DATA_SUFFIXES, Row, read_file
+from gspo.data_files import DATA_SUFFIXES, Row, field_of, read_file
 from gspo.plugins import one_line
 from gspo.rewards import reference_answer
 from gspo.rewards.parsing import cell_text
@@ -364,10 +366,16 @@ def prepare_rows(
             need(field, "data.prompt_template")
     else:
         need(data.prompt_column, "data.prompt_column")
-    if data.answer_column is not None and not sft:  # (nothing scores a cold-start row)
-        need(data.answer_column, "data.answer_column")
-    if data.tests_column is not None and not sft:
-        need(data.tests_column, "data.tests_column")
+    fields = {"answer": data.answer_column, "tests": data.tests_column}
+    for name, column in fields.items() if not sft else ():  # (nothing scores a cold start)
+        if column is not None and ("." not in column or column in rows[0]):
+            need(column, f"data.{name}_column")
+        for i, row in enumerate(rows, start=1) if column is not None else ():
+            try:  # (a dotted path: a field of a mapping column, verl's reward_model.ground_truth)
+                field_of(row, column)
+            except KeyError as exc:
+                raise ValueError(f"data.{name}_column={column}: {exc.args[0]} in row {i} of "
+                                 f"{where}") from None  # fmt: skip
     if sft:
         need(data.completion_column, "data.completion_column")
     chat = data.chat_template or data.system_prompt is not None
@@ -387,19 +395,32 @@ def prepare_rows(
             if data.system_prompt is not None and not has_system:
                 prompt = [{"role": "system", "content": data.system_prompt}, *prompt]
         new = {**row, "prompt": prompt}
-        if data.answer_column is not None and data.answer_column in row:
-            value = row[data.answer_column]
+        if (value := _field(row, data.answer_column)) is not _NONE:
             if said := not_an_answer(value):  # (its repr was the answer: scored 0, unsaid)
                 raise ValueError(
                     f"{named} row {i}: the answer (column {data.answer_column!r}) {said}"
                 )
             new["answer"] = _answer(value)
-        if data.tests_column is not None and data.tests_column in row:
-            new["tests"] = row[data.tests_column]
+        if (value := _field(row, data.tests_column)) is not _NONE:
+            new["tests"] = value
         if sft:
             new["completion"] = _completion(row[data.completion_column], data, named, i)
         out.append(new)
     return out
+
+
+_NONE = object()
+
+
+def _field(row: Row, column: str | None) -> Any:
+    """``row``'s column or dotted field ``column`` (:func:`field_of`); ``_NONE`` where no
+    column is named, or a cold-start row (which need not have it) has none."""
+    if column is None:
+        return _NONE
+    try:
+        return field_of(row, column)
+    except KeyError:
+        return _NONE
 
 
 def _answer(value: Any) -> Any:

@@ -1,6 +1,7 @@
 """A data file's rows: JSON Lines, JSON and CSV read here, values as written (``datasets``'
 readers infer types: a CSV answer ``007`` became 7); Parquet, which holds its own types, by
-``pyarrow``. Errors are one line naming the config key, the file and where in it."""
+``pyarrow``. Errors are one line naming the config key, the file and where in it. A row's
+field by a dotted path (verl's ``reward_model.ground_truth``): :func:`field_of`."""
 
 from __future__ import annotations
 
@@ -187,3 +188,28 @@ def read_file(path: Path, *, what: str) -> list[Row]:
             f"{what}: cannot read {path}: {type(exc).__name__}: {one_line(exc, 300)}"
         ) from None
     raise ValueError(f"{what}: {path} names the column {repeated!r} twice; rename one")
+
+
+def field_of(row: Row, path: str) -> Any:
+    """``row``'s column ``path``, or where no column has that name a field nested in one
+    by a dotted path: ``reward_model.ground_truth`` is the key ``ground_truth`` of the
+    mapping in the column ``reward_model`` (verl's Parquet layout: a struct column); None
+    where a mapping on the way is None (an empty cell, as a null column's). Raises
+    ``KeyError`` with the one-line reason where the path leads nowhere."""
+    if path in row:
+        return row[path]
+    parts = path.split(".")
+    if len(parts) == 1 or parts[0] not in row:
+        raise KeyError(f"no column {parts[0]!r}")
+    value = row[parts[0]]
+    for k, part in enumerate(parts[1:], start=1):
+        held = ".".join(parts[:k])
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise KeyError(f"{held} is {type(value).__name__} {value!r:.40}, not a mapping")
+        if part not in value:
+            keys = ", ".join(map(str, value)) or "none"
+            raise KeyError(f"{held} has no key {part!r} (its keys: {keys})")
+        value = value[part]
+    return value

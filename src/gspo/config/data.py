@@ -98,7 +98,8 @@ class DataConfig(Section):
     answer_column: str | None = Field(
         None,
         description="Column whose final answer (GSM8K '#### 42' -> 42, the last \\boxed{} "
-        "-> its content) becomes the answer column the built-in rewards read; "
+        "-> its content) becomes the answer column the built-in rewards read, or a dotted "
+        "path to a field of a mapping column (verl's reward_model.ground_truth); "
         "null = use the answer column as it is",
     )
     completion_column: str = Field(
@@ -107,7 +108,8 @@ class DataConfig(Section):
     tests_column: str | None = Field(
         None,
         description="Column holding the code reward's tests (APPS and TACO: input_output), "
-        "read as the tests column; null = the tests column as it is",
+        "read as the tests column, or a dotted path to a field of a mapping column (verl's "
+        "reward_model.ground_truth); null = the tests column as it is",
     )
     digits: int = Field(2, ge=1, le=6, description="Built-in tasks: digits per operand")
     terms: int = Field(12, ge=2, le=40, description="chain: most operands per prompt")

@@ -207,6 +207,11 @@ class RewardFunctions:
                     if singular
                     else ""
                 ) + hint
+                if "reward_model" in columns and (verl := {"answer", "tests"} & set(needed)):
+                    call += (  # (verl's Parquet layout: a struct column)
+                        f"; verl's data keeps it in reward_model: data.{min(verl)}_column="
+                        "reward_model.ground_truth"
+                    )
                 raise RewardError(
                     f"reward function {name!r} needs the column(s) "
                     f"{', '.join(dict.fromkeys(needed))}, which {source} lacks (its columns: "
