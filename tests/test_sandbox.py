@@ -498,6 +498,25 @@ def test_a_multi_turn_episode_is_scored_on_its_last_program_of_any_assistant_tur
     assert reward(prompts=["q"], completions=[echoed], tests=tests) == [0.0]  # (not the model's)
 
 
+def test_a_program_drafted_in_the_thinking_is_not_the_answer() -> None:
+    """Only what follows a reasoning model's ``</think>`` is its program, as the math
+    rewards read their answers: a right draft inside the thinking scored 1 where the
+    answer had no fenced block, and a wrong draft was not overridden by nothing."""
+    reward = load_reward_function("code")
+    tests = ["assert add(1, 2) == 3"]
+    right = fenced("def add(a, b):\n    return a + b")
+    wrong = fenced("def add(a, b):\n    return 0")
+    drafted = f"<think>{right}</think>The function adds its arguments."
+    assert reward(prompts=["q"], completions=[drafted], tests=tests) == [0.0]
+    answered = f"<think>{wrong}</think>{right}"
+    assert reward(prompts=["q"], completions=[answered], tests=tests) == [1.0]
+    cut_off = f"<think>{right}"  # (cut off while thinking: no answer)
+    assert reward(prompts=["q"], completions=[cut_off], tests=tests) == [0.0]
+    episode = [{"role": "assistant", "content": f"<think>{right}</think>done"}]
+    assert reward(prompts=["q"], completions=[episode], tests=tests) == [0.0]
+    assert reward(prompts=["q"], completions=[right], tests=tests) == [1.0]  # (no thinking)
+
+
 def test_codecontests_input_output_lists_and_text_in_place_of_lists() -> None:
     """CodeContests' ``{"input": [...], "output": [...]}`` was refused ("expected assert
     statements ..."); ``{"inputs": "12", "outputs": "34"}`` (text, not lists) was read

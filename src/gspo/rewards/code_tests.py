@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gspo.rewards.parsing import completion_text
+from gspo.rewards.parsing import answer_text
 
 __all__ = [
     "QUIET",
@@ -87,12 +87,15 @@ def program_of(completion: Any) -> str | None:
     messages): :func:`extract_code` over the blocks of all its assistant messages, the
     last one's last; the other roles' (a tool's output, the user's) are not the model's.
     (It read the last assistant message alone: an episode whose final turn said "done,
-    see above" scored 0 with its program a turn earlier.)"""
+    see above" scored 0 with its program a turn earlier.) Of each message only its answer
+    is read (:func:`answer_text`: after a reasoning model's ``</think>``), as the math
+    rewards read theirs: a draft in the thinking is not the program (it was, where the
+    answer had no fenced block)."""
     if isinstance(completion, list) and all(isinstance(m, dict) for m in completion):
         turns = [m for m in completion if m.get("role") == "assistant"] or completion[-1:]
-        blocks = [b for m in turns for b in _FENCE.findall(completion_text(m))]
+        blocks = [b for m in turns for b in _FENCE.findall(answer_text(m))]
         return _last_program(blocks)
-    return extract_code(completion_text(completion))
+    return extract_code(answer_text(completion))
 
 
 def _io_case(item: Any, where: str) -> CodeTest:
