@@ -12,6 +12,8 @@ of a chat prompt ends with (:func:`turn_end`).
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 from typing import Any
 
 #: Content of the stand-in assistant message a template is rendered around.
@@ -52,17 +54,21 @@ def render(
     messages: list[dict[str, Any]],
     *,
     tools: list[dict[str, Any]] | None = None,
+    encode: Callable[[str], list[int]] | None = None,
     **chat_kwargs: Any,
 ) -> list[int]:
     """The token ids of ``messages`` ready for the model's turn: the generation prompt
     after a user (or tool) message; after an assistant message (a prefill such as
     ``"Let me check:"``), that message continued (TRL's ``apply_chat_template`` renders
-    it so; its ``GRPOTrainer`` opens a new assistant turn after it)."""
+    it so; its ``GRPOTrainer`` opens a new assistant turn after it). ``encode``: how the
+    text becomes ids (:func:`encode_marked` for text from an environment)."""
     prefill = bool(messages) and messages[-1].get("role") == "assistant"
     text = template_text(
         tokenizer, messages, tools=tools, generation=not prefill, prefill=prefill, **chat_kwargs
     )
     _written(messages, text)
+    if encode is not None:
+        return encode(text)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -206,3 +212,82 @@ def turn_text(tokenizer, ids: list[int], markers: dict[int, str] | None = None) 
             parts += [tokenizer.decode(ids[start:i], skip_special_tokens=True), markers[token]]
             start = i + 1
     return "".join([*parts, tokenizer.decode(ids[start:], skip_special_tokens=True)])
+
+
+#: Put around a control token's spelling in text from outside the model (:func:`marked`)
+#: so that :func:`encode_marked` encodes it as plain text (Unicode private-use characters,
+#: the ones ``transformers``' ``sanitize_control_tokens`` uses).
+_OPEN, _CLOSE = "\ue000", "\ue001"
+
+
+def control_tokens(tokenizer) -> re.Pattern[str]:
+    """What an environment's text must not turn into: the tokenizer's special tokens and
+    the added tokens its chat template writes or that mark a tool call (``<tool_call>``,
+    ``<tool_response>``: Qwen makes them added tokens that are not special), longest first."""
+    template = str(getattr(tokenizer, "chat_template", None) or "")
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    tokens = {str(t) for t in getattr(tokenizer, "all_special_tokens", ()) or ()}
+    tokens |= {
+        token.content for token in added.values()
+        if getattr(token, "special", False)
+        or token.content in TOOL_MARKERS
+        or (token.content in template and not token.content.isspace())
+    }  # fmt: skip
+    tokens.discard("")
+    longest = sorted(tokens, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, longest)) or "(?!)")
+
+
+def marked(value: Any, tokens: re.Pattern[str]) -> Any:
+    """``value`` (a string, or messages: lists and dicts of them, roles aside) with each
+    control token's spelling marked (markers already there are dropped first)."""
+    if isinstance(value, str):
+        value = value.replace(_OPEN, "").replace(_CLOSE, "")
+        return tokens.sub(lambda m: f"{_OPEN}{m.group(0)}{_CLOSE}", value)
+    if isinstance(value, dict):
+        return {k: v if k == "role" else marked(v, tokens) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [marked(v, tokens) for v in value]
+    return value
+
+
+def encode_marked(tokenizer, text: str, tokens: re.Pattern[str]) -> list[int]:
+    """The ids of ``text``, rendered from :func:`marked` messages: a marked token as plain
+    text, the template's own special tokens as themselves. Text without a marker is
+    encoded as ever; around a marker, each piece after a newline (no SentencePiece prefix
+    space at a piece's start), as ``transformers``' ``encode_marked_chat`` does."""
+    if _OPEN not in text and _CLOSE not in text:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    # [text, marked token, text, ...]; None for a lone marker (a template that cut one)
+    pieces = re.split(f"{_OPEN}({tokens.pattern}){_CLOSE}|[{_OPEN}{_CLOSE}]", text)
+
+    def normal(piece: str) -> list[int]:
+        return list(tokenizer(piece, add_special_tokens=False)["input_ids"])
+
+    def plain(piece: str) -> list[int]:
+        return _plain(tokenizer, piece)
+
+    newline, ids = normal("\n"), normal(pieces[0])
+    for i, piece in enumerate(pieces[1:], start=1):
+        if not piece:
+            continue
+        encode = plain if i % 2 else normal
+        got = encode("\n" + piece)
+        ids += got[len(newline) :] if newline and got[: len(newline)] == newline else encode(piece)
+    return ids
+
+
+def _plain(tokenizer, text: str) -> list[int]:
+    """``text`` as plain text: no added token, special or not, matched (a fast tokenizer's
+    normalizer, pre-tokenizer and model; a slow one splits its special tokens only)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return list(
+            tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        )
+    if backend.normalizer is not None:
+        text = backend.normalizer.normalize_str(text)
+    pieces = [text]
+    if backend.pre_tokenizer is not None:
+        pieces = [piece for piece, _ in backend.pre_tokenizer.pre_tokenize_str(text)]
+    return [token.id for piece in pieces for token in backend.model.tokenize(piece)]

@@ -27,7 +27,17 @@ from typing import Any
 
 import torch
 
-from gspo.chat import SENTINEL, render, special_markers, template_text, turn_end, turn_text
+from gspo.chat import (
+    SENTINEL,
+    control_tokens,
+    encode_marked,
+    marked,
+    render,
+    special_markers,
+    template_text,
+    turn_end,
+    turn_text,
+)
 from gspo.config import Config
 from gspo.distributed import rank_said
 from gspo.engines import RolloutBatch, SamplingParams, pad_batch
@@ -64,6 +74,7 @@ class TurnFormat:
         # what a cold-start turn ends with (the template's end of turn, else EOS)
         self.end = turn_end(tokenizer, **self.chat_kwargs)
         self.markers = special_markers(tokenizer)  # (tool-call markers: kept in a turn's text)
+        self.control = control_tokens(tokenizer)  # (in an environment's text: plain text)
         if self.schemas:
             probe = [{"role": "user", "content": "x"}]
             with_tools = self._render(probe, tools=self.schemas)
@@ -90,10 +101,24 @@ class TurnFormat:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def mark(self, value: Any) -> Any:
+        """Text (or messages) from the environment, marked so that the spelling of a special
+        token in it (``<|im_end|>``, ``<tool_call>``) is encoded as plain text, not as the
+        token: a tool result must not end its turn or forge an assistant turn or a call."""
+        return marked(value, self.control)
+
+    def encode_env(self, text: str) -> list[int]:
+        """Rendered text whose environment parts were :meth:`mark`-ed: those as plain text,
+        the template's markup as its tokens."""
+        return encode_marked(self.tokenizer, text, self.control)
+
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         """The prompt, tools included, up to the model's first turn (a prefill continued:
-        :func:`gspo.chat.render`)."""
-        return render(self.tokenizer, messages, tools=self.schemas, **self.chat_kwargs)
+        :func:`gspo.chat.render`); text :meth:`mark`-ed in it encoded as plain text."""
+        return render(
+            self.tokenizer, messages, tools=self.schemas, encode=self.encode_env,
+            **self.chat_kwargs,
+        )  # fmt: skip
 
     def reply_ids(self, messages: list[dict[str, Any]], *, stopped_with: int | None) -> list[int]:
         """What follows the model's turn when the environment answers with ``messages``.
@@ -103,15 +128,15 @@ class TurnFormat:
         assistant's content is the reply. Its first token is left out when it is the one
         the model's turn ended with (``stopped_with``: already among its sampled tokens),
         not otherwise: a Gemma turn ended by ``<eos>`` is still followed by the template's
-        ``<end_of_turn>``.
+        ``<end_of_turn>``. The messages' text is the environment's (:meth:`mark`).
         """
         base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": SENTINEL}]
-        text = self._render(base + messages, tools=self.schemas, generation=True)
+        text = self._render(base + self.mark(messages), tools=self.schemas, generation=True)
         tail = text[text.rindex(SENTINEL) + len(SENTINEL) :]
-        ended = self.encode(tail.lstrip())  # ("content\n<|im_end|>": the newline with it)
+        ended = self.encode_env(tail.lstrip())  # ("content\n<|im_end|>": the newline with it)
         if ended and stopped_with is not None and ended[0] == stopped_with:
             return ended[1:]
-        return self.encode(tail)
+        return self.encode_env(tail)
 
 
 def as_messages(prompt: Any) -> list[dict[str, Any]]:
@@ -225,8 +250,11 @@ class MultiTurn:
 
     def start(self, row: dict[str, Any]) -> _State:
         episode = self.environment.episode(dict(row))
-        messages = with_observation(as_messages(row["prompt"]), episode.reset(dict(row)))
-        prompt = self.format.prompt_ids(messages)
+        observation = episode.reset(dict(row))
+        messages = with_observation(as_messages(row["prompt"]), observation)
+        # (reset's text is the environment's: a special token's spelling in it, plain text)
+        marked = with_observation(as_messages(row["prompt"]), self.format.mark(observation))
+        prompt = self.format.prompt_ids(marked)
         if self.context is not None and len(prompt) >= self.context:  # (no room for a turn)
             raise EnvError(
                 f"environment {self.environment.name!r}: the episode's prompt (the row's and "
