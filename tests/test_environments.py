@@ -864,6 +864,38 @@ def test_episodes_end_where_the_models_context_does(tokenizer, capsys):
     assert "positions in the model's context of 64" in warned and warned.count("\n") == 1
 
 
+def test_an_episode_near_the_context_end_samples_no_position_past_it():
+    """Episodes of one batch with different room left: the turn's budget was the roomiest
+    one's, so an episode near the context's end sampled past it, an IndexError in a
+    learned position table (GPT-2's). Such episodes are now sampled apart with their room."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from gspo.models import build_char_tokenizer
+
+    class Hinted:
+        def reset(self, hint: str = "") -> str:
+            return hint
+
+        def step(self, text: str) -> str:
+            return "more"
+
+    tokenizer = build_char_tokenizer()
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    never = len(tokenizer)  # (a stop token outside the vocabulary: every turn runs full)
+    engine = TorchEngine(GPT2LMHeadModel(config).eval(), pad_token_id=0, eos_token_id=never)
+    runner = MultiTurn(
+        engine_sampler(engine), EnvironmentFactory(Hinted), tokenizer, max_turns=2,
+        max_tokens=40, chat_kwargs={}, context=64,
+    )  # fmt: skip
+    rows = [{"prompt": "p", "hint": "x" * 45}, {"prompt": "p"}]  # (prompts of 46 and 1)
+    params = SamplingParams(max_new_tokens=40)
+    batch = runner.generate(rows, [[]] * 2, n=2, params=params, seed=0).batch
+    prompts, used = batch.prompt_mask.sum(-1).tolist(), batch.completion_mask.sum(-1).tolist()
+    assert prompts == [46, 46, 1, 1] and used == [18, 18, 40, 40]
+    assert batch.finish_reasons == ["length"] * 4
+
+
 class Stepper:
     """Not tool-shaped: a new observation after each of the model's first two turns."""
 

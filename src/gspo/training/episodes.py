@@ -283,26 +283,54 @@ class MultiTurn:
         for turn in range(self.max_turns):
             if not live:
                 break
-            room = max(states[i].limit - len(states[i].ids) for i in live)
-            budget = min(params.max_new_tokens, room)
-            turn_params = replace(params, max_new_tokens=budget, keep_buffers=turn == 0)
             turn_seed = seed if turn == 0 else derive_seed(seed, "turn", turn)
-            shared = turn == 0 and all(
-                states[i].prompt == states[i - i % n].prompt for i in range(len(states))
-            )
-            if shared:  # one prefill per prompt, n responses each
-                contexts, k = [states[i].prompt for i in range(0, len(states), n)], n
-            else:
-                contexts, k = [states[i].prompt + states[i].ids for i in live], 1
-            batch = self.sampler.generate(contexts, n=k, params=turn_params, seed=turn_seed)
-            if turn == 0 and turn_params.max_new_tokens == params.max_new_tokens:
-                cut = sum(reason == "length" for reason in batch.finish_reasons)
-            live = [i for j, i in enumerate(live) if self.advance(states[i], batch, j, turn)]
+            going: list[int] = []
+            for part, budget, batch in self.sample(states, live, n, turn, params, turn_seed):
+                if turn == 0 and budget == params.max_new_tokens:
+                    cut += sum(reason == "length" for reason in batch.finish_reasons)
+                going += [i for j, i in enumerate(part) if self.advance(states[i], batch, j, turn)]
+            live = sorted(going)
         for i in live:  # still wanting to go on after max_turns
             states[i].finish = "length"
         if self.max_turns > 1 and all(s.turns == 1 for s in states):
             self.warn_first_turns_cut(cut, len(states), params.max_new_tokens)
         return self.collect(states, n)
+
+    def sample(
+        self,
+        states: list[_State],
+        live: list[int],
+        n: int,
+        turn: int,
+        params: SamplingParams,
+        seed: int,
+    ) -> list[tuple[list[int], int, RolloutBatch]]:
+        """This turn's samples of the ``live`` episodes, as ``(episodes, budget, batch)``
+        parts: one, of the turn budget the roomiest episode has (tokens past an episode's
+        own room are cut in :meth:`advance`), but for episodes that budget would carry past
+        the model's context (a learned position table fails there: an IndexError), sampled
+        apart with their own room, a part per room (seeds derived from ``seed`` and it)."""
+        rooms = {i: states[i].limit - len(states[i].ids) for i in live}
+        budget = min(params.max_new_tokens, max(rooms.values()))
+        parts: dict[int, list[int]] = {}
+        for i in live:
+            end = len(states[i].prompt) + len(states[i].ids) + budget
+            own = budget if self.context is None or end <= self.context else rooms[i]
+            parts.setdefault(own, []).append(i)
+        out = []
+        for k, (own, part) in enumerate(sorted(parts.items(), reverse=True)):
+            # (turn 0's decode buffers kept for the next batch: its main part's shapes)
+            kept = replace(params, max_new_tokens=own, keep_buffers=turn == 0 and k == 0)
+            shared = turn == 0 and all(states[i].prompt == states[i - i % n].prompt for i in part)
+            if shared:  # one prefill per prompt, n responses each
+                contexts, each = [states[i].prompt for i in part if i % n == 0], n
+            else:
+                contexts, each = [states[i].prompt + states[i].ids for i in part], 1
+            part_seed = seed if k == 0 else derive_seed(seed, "room", own)
+            out.append(
+                (part, own, self.sampler.generate(contexts, n=each, params=kept, seed=part_seed))
+            )
+        return out
 
     def warn_first_turns_cut(self, cut: int, episodes: int, max_new_tokens: int) -> None:
         """One line on stderr (once a run) when no episode got past its first turn and
