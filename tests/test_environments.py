@@ -786,6 +786,8 @@ def test_budgets_cut_episodes_as_length(tokenizer, env_file):
         [{"prompt": "p"}], [[]], n=2, params=SamplingParams(max_new_tokens=100), seed=0
     )
     assert out.batch.finish_reasons == ["length", "length"]  # still calling at max_turns
+    # the last turn's call ran, its reply unseen (as docs/environments.md says)
+    assert [env.total for env in out.columns["environments"]] == [2, 2]
     # the reply to the last turn is never appended: the episode ends on the model's tokens
     last = out.batch.completion_ids[0][out.batch.completion_lengths[0] - 1]
     assert last == tokenizer.eos_token_id
@@ -796,6 +798,7 @@ def test_budgets_cut_episodes_as_length(tokenizer, env_file):
     )
     assert out.batch.finish_reasons == ["length", "length"]
     assert out.batch.completion_lengths.tolist() == [20, 20]
+    assert [env.total for env in out.columns["environments"]] == [0, 0]  # (cut: never run)
 
 
 def test_a_reply_too_long_for_the_episode_is_said_once(tokenizer, capsys):
