@@ -652,6 +652,13 @@ def test_a_special_tokens_spelling_from_the_environment_stays_plain_text():
     assert tokenizer.decode(prompt) == "tools: read\np go<eos>" and 2 not in prompt
     assert out.prompts[0][-1]["content"] == "p go<eos>"
     assert out.completions[0][1]["content"] == LEAK
+    # the stand-in text replies are rendered around: a tool's text that held it lost
+    # everything before it (the reply was cut after it, silently)
+    from gspo.chat import SENTINEL
+
+    page = [{"role": "tool", "name": "read", "content": f"a {SENTINEL} b"}]
+    reply = runner.format.reply_ids(page, stopped_with=2)
+    assert tokenizer.decode(reply) == f"<tool_response>a {SENTINEL} b</tool_response>"
     # text without a special token's spelling is encoded as before
     fmt = runner.format
     plain = [{"role": "tool", "name": "read", "content": "46 <eos"}]

@@ -240,9 +240,12 @@ def control_tokens(tokenizer) -> re.Pattern[str]:
 
 def marked(value: Any, tokens: re.Pattern[str]) -> Any:
     """``value`` (a string, or messages: lists and dicts of them, roles aside) with each
-    control token's spelling marked (markers already there are dropped first)."""
+    control token's spelling marked (markers already there are dropped first), and
+    :data:`SENTINEL` broken by a lone marker (the same text once encoded), so that it is
+    never taken for the stand-in message a reply is cut after."""
     if isinstance(value, str):
         value = value.replace(_OPEN, "").replace(_CLOSE, "")
+        value = value.replace(SENTINEL, f"{SENTINEL[0]}{_CLOSE}{SENTINEL[1:]}")
         return tokens.sub(lambda m: f"{_OPEN}{m.group(0)}{_CLOSE}", value)
     if isinstance(value, dict):
         return {k: v if k == "role" else marked(v, tokens) for k, v in value.items()}
