@@ -141,6 +141,23 @@ def test_exact_match_and_format_read_what_follows_the_thinking() -> None:
     assert formatted == [0.0, 0.0]  # (a box inside the thinking is no answer)
 
 
+def test_a_prompt_that_opens_the_thinking_leaves_no_answer_before_its_close() -> None:
+    # DeepSeek-R1's (QwQ's, Qwen3-Thinking's) template ends the prompt with "<think>\n": the
+    # completion holds only </think>, and one cut off while thinking scored its steps
+    rendered = "<｜User｜>What is 3+4?<｜Assistant｜><think>\n"
+    completions = ["3+4=7, so \\boxed{7}? Let me check", "3+4=7\n</think>\n\n\\boxed{7}"]
+    for name in ("numeric_match", "math", "exact_match"):
+        expected = [0.0, 1.0] if name != "exact_match" else [0.0, 0.0]
+        assert score(name, completions, ["7", "7"], [rendered] * 2) == expected, name
+        assert score(name, completions[:1], ["7"])[0] == float(name != "exact_match")
+    formatted = BUILTIN_REWARDS["format"](prompts=[rendered] * 2, completions=completions)
+    assert formatted == [0.0, 1.0]
+    prefilled = [{"role": "user", "content": "3+4?"}, {"role": "assistant", "content": "<think>"}]
+    assert score("numeric_match", [chat(completions[0])], ["7"], [prefilled]) == [0.0]
+    asked = [{"role": "user", "content": "Think in <think> tags"}]  # (not opened: asked)
+    assert score("numeric_match", [chat(completions[0])], ["7"], [asked]) == [1.0]
+
+
 def test_answers_left_open_are_read_in_linear_time() -> None:
     # each \boxed{ or <answer> left open was a scan to the end: 20,000 of them took minutes
     text = "\\boxed{" * 20_000 + "<answer>" * 20_000 + " so \\boxed{7}"

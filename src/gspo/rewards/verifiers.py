@@ -87,6 +87,15 @@ def any_of_answers(function: RewardFunction) -> RewardFunction:
     return scored
 
 
+def _answer_texts(prompts: Sequence[Any], completions: Sequence[Any]) -> list[str]:
+    """Each completion's :func:`~gspo.rewards.parsing.answer_text`, read after its prompt
+    (one that opened the thinking: nothing before ``</think>`` is an answer); prompts
+    not aligned with the completions (a direct call's) are not read."""
+    aligned = isinstance(prompts, Sequence) and not isinstance(prompts, str)
+    aligned = aligned and len(prompts) == len(completions)
+    return [answer_text(c, prompts[i] if aligned else None) for i, c in enumerate(completions)]
+
+
 def _golds(gold: Any) -> list[Any]:
     return list(gold) if isinstance(gold, (list, tuple)) else [gold]
 
@@ -107,9 +116,9 @@ def exact_match_reward(
     """
     answer = _require_answer("exact_match", answer, len(completions))
     out: list[float | None] = []
-    for completion, gold in zip(completions, answer, strict=True):
+    for completion, gold in zip(_answer_texts(prompts, completions), answer, strict=True):
         text = cell_text(gold)
-        out.append(None if text is None else float(answer_text(completion).strip() == text))
+        out.append(None if text is None else float(completion.strip() == text))
     return out
 
 
@@ -140,12 +149,12 @@ def numeric_match_reward(
     """
     answer = _require_answer("numeric_match", answer, len(completions))
     out: list[float | None] = []
-    for completion, gold in zip(completions, answer, strict=True):
+    for completion, gold in zip(_answer_texts(prompts, completions), answer, strict=True):
         gold_value = _gold_number(gold)
         if gold_value is None:
             out.append(None)
             continue
-        predicted = _predicted_number(answer_text(completion))
+        predicted = _predicted_number(completion)
         out.append(float(same_number(predicted, gold_value)))
     return out
 
@@ -162,8 +171,7 @@ def format_reward(
     a reasoning model's ``</think>`` (a box inside the thinking is no answer).
     """
     out: list[float | None] = []
-    for completion in completions:
-        text = answer_text(completion)
+    for text in _answer_texts(prompts, completions):
         ok = (
             any(c.strip() for c in _boxed_contents(text))
             or any(c.strip() for c in _answer_tag_contents(text))
@@ -261,7 +269,7 @@ def math_reward(
 
     gold_cache: dict[str, list[Any]] = {}
     out: list[float | None] = []
-    for completion, gold in zip(completions, answer, strict=True):
+    for completion, gold in zip(_answer_texts(prompts, completions), answer, strict=True):
         if gold is None:
             out.append(None)
             continue
@@ -275,7 +283,7 @@ def math_reward(
         if not gold_parsed:
             out.append(None)
             continue
-        text = _plain_math(answer_text(completion))
+        text = _plain_math(completion)
         if _gold_number(gold) is not None and _hedged(text):  # (math-verify took "18 or 20"
             out.append(0.0)  # as 18, the first; one number asked, several given)
             continue
