@@ -324,6 +324,21 @@ def test_math_reads_thin_spaces_and_escaped_dollars_in_numbers() -> None:
     assert score("math", completions, ["1\\,000", "1\\,000", "1000", "5"]) == [0.0, 1.0, 1.0, 1.0]
 
 
+def test_math_reads_the_answer_marks_numeric_match_and_format_read() -> None:
+    """math-verify read neither GSM8K's "#### 72" (a base model going on to its own next
+    question scored that one's answer) nor an \\fbox (format and numeric_match do)."""
+    gsm8k = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72"
+    completions = [
+        "48+24=72\n#### 72\n\nQuestion: Tom has 5 apples.\nAnswer: 5\n#### 5",
+        "48+24=72\n#### 72\n\n#### 5",
+        "So 48 + 24 = 72.\n#### 72",
+        "\\fbox{72}",
+        "#### 1. Count the clips: 48 + 24 = 71",
+    ]
+    for name in ("math", "numeric_match"):
+        assert score(name, completions, [gsm8k] * 5) == [1.0, 1.0, 1.0, 1.0, 0.0], name
+
+
 def test_math_none_gold_and_garbage_do_not_crash() -> None:
     completions = ["\\boxed{1}", "\\boxed{" * 50 + "}", "$\\frac{$", "\\boxed{1}"]
     assert score("math", completions, [None, "1", "1", 1]) == [None, 0.0, 0.0, 1.0]

@@ -27,6 +27,7 @@ from gspo.rewards.parsing import (
     _boxed_contents,
     _gold_number,
     _gold_text,
+    _hashes_line,
     _hedged,
     _predicted_number,
     answer_text,
@@ -209,12 +210,14 @@ def _math_verify_timeout() -> int | None:
 _E_NOTATION = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d{1,2}")  # (|e| < 100)
 _MATH_DELIMITER = re.compile(r"(?<!\\)\$")
 _DIGIT_SPACE = re.compile(r"(?<=\d)\\,(?=\d)")
+_FBOX = re.compile(r"\\fbox(?=\s*\{)")
 
 
 def _plain_math(text: str) -> str:
-    """``1\\,000`` as ``1000`` and ``\\$5`` as ``5``: math-verify reads the first as 0 (a
-    gold answer of 1\\,000 then took a completion 0 as right) and misses the second."""
-    return _DIGIT_SPACE.sub("", text).replace("\\$", "")
+    """``1\\,000`` as ``1000``, ``\\$5`` as ``5`` and ``\\fbox{7}`` as ``\\boxed{7}``:
+    math-verify reads the first as 0 (a gold answer of 1\\,000 then took a completion 0 as
+    right) and misses the others (``format`` and ``numeric_match`` read an ``\\fbox``)."""
+    return _FBOX.sub(r"\\boxed", _DIGIT_SPACE.sub("", text).replace("\\$", ""))
 
 
 def _math_gold_text(answer: Any) -> str:
@@ -242,10 +245,13 @@ def math_reward(
     The gold answer is parsed with ``math_verify.parse`` (wrapped in ``$...$`` when it has no
     ``$``/``\\boxed``/``\\(``/``\\[``; a GSM8K ``#### x`` suffix is used if present) and the
     completion with default extraction; when the completion has ``<answer>...</answer>`` but no
-    ``\\boxed``, only the last tag's content is parsed (math-verify ignores the tags).
+    ``\\boxed``, only the last tag's content is parsed (math-verify ignores the tags), and
+    with neither, only the number on its first line that is GSM8K's ``#### 72`` if it has
+    one (math-verify read the text's last number: a base model's next question's).
     ``math_verify.verify`` compares them symbolically (``\\frac{1}{2}`` equals ``0.5``).
     Both are read after :func:`_plain_math`: a thin space between digits (``1\\,000``,
-    which math-verify reads as 0) and an escaped dollar sign are dropped first.
+    which math-verify reads as 0) and an escaped dollar sign are dropped first, and an
+    ``\\fbox`` is read as a ``\\boxed``.
     Errors and timeouts inside math-verify give 0.0, and so does a completion that answers
     a one-number gold answer with several numbers as alternatives or a list (``18 or 20``,
     which math-verify reads as 18). A sample whose answer is None, or whose gold answer
@@ -289,8 +295,9 @@ def math_reward(
             continue
         if "\\boxed" not in text:
             tags = _answer_tag_contents(text)
-            if tags:
-                text = tags[-1]
+            hashes = _hashes_line(text)  # (GSM8K's "#### 72": its first, as numeric_match)
+            if tags or hashes is not None:
+                text = tags[-1] if tags else str(hashes)
         try:
             predicted = parse(text, **parse_kwargs)
             ok = bool(predicted) and bool(verify(gold_parsed, predicted, **verify_kwargs))
