@@ -354,6 +354,20 @@ def test_math_errors_inside_math_verify_count_as_zero(monkeypatch: pytest.Monkey
     assert score("math", ["\\boxed{1}"], ["1"]) == [0.0]
 
 
+@pytest.mark.skipif(not hasattr(__import__("signal"), "setitimer"), reason="POSIX only")
+def test_a_math_verify_time_out_does_not_log_the_completion(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # math-verify's parse logged "Timeout during parsing: <the whole completion>": a line of
+    # 100,000 characters for each completion that ran past its limit
+    import gspo.rewards.verifiers as verifiers
+
+    monkeypatch.setattr(verifiers, "MATH_VERIFY_TIMEOUT_S", 1)
+    caplog.set_level("WARNING")
+    assert score("math", ["1 " * 50_000, "\\boxed{5}"], ["5", "5"]) == [0.0, 1.0]
+    assert max((len(r.getMessage()) for r in caplog.records), default=0) < 1000
+
+
 def test_math_works_outside_the_main_thread() -> None:
     # math-verify's default signal.alarm timeouts raise ValueError off the main thread.
     result: list = []

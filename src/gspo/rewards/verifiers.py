@@ -270,6 +270,8 @@ def math_reward(
     verify_kwargs: dict[str, Any] = {}
     if _accepts_keyword(parse, "parsing_timeout"):
         parse_kwargs["parsing_timeout"] = timeout
+    if _accepts_keyword(parse, "raise_on_error"):  # (else a timeout logs the whole text)
+        parse_kwargs["raise_on_error"] = True
     if _accepts_keyword(verify, "timeout_seconds"):
         verify_kwargs["timeout_seconds"] = timeout
 
