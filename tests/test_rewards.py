@@ -245,6 +245,18 @@ def test_numeric_match_non_numeric_gold_is_not_applicable() -> None:
     ]
 
 
+def test_numeric_match_leaves_out_a_gold_answers_latex_unit() -> None:
+    # MATH's "5\text{ inches}": the row went unscored (None) while a completion's own
+    # \boxed{5 \text{ inches}} was read as 5
+    golds = ["5\\text{ inches}", "4\\text{ m}^2", "18.90\\mbox{ dollars}", "5\\text{ inches}"]
+    completions = ["\\boxed{5}", "\\boxed{4 \\text{ m}^2}", "\\boxed{18.9}", "\\boxed{6}"]
+    assert score("numeric_match", completions, golds) == [1.0, 1.0, 1.0, 0.0]
+    assert score("numeric_match", ["\\boxed{2}"] * 2, ["\\text{2 cm}", "2\\text{ or }3"]) == [
+        None,
+        None,
+    ]
+
+
 def test_builtin_without_answer_column_names_itself() -> None:
     with pytest.raises(RewardError, match=r"numeric_match.*'answer'"):
         BUILTIN_REWARDS["numeric_match"](prompts=["q"], completions=["1"])

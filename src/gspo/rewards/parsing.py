@@ -488,9 +488,11 @@ def reference_answer(solution: Any) -> str:
     return boxed[-1].strip() if boxed else s
 
 
-#: A gold answer's trailing unit ("9 (apples)", "10 apples"): not part of its number.
+#: A gold answer's trailing unit ("9 (apples)", "10 apples", MATH's "5\text{ inches}",
+#: "4\text{ m}^2"): not part of its number.
 _UNIT = r"[A-Za-z][A-Za-z .'/-]*"
-_UNIT_SUFFIX = re.compile(rf"\s*(?:\({_UNIT}\)|{_UNIT})\s*$")
+_LATEX_UNIT = rf"\\(?:text|mbox|textrm|mathrm)\s*\{{\s*{_UNIT}\}}(?:\s*\^\s*\{{?\s*[23]\s*\}}?)?"
+_UNIT_SUFFIX = re.compile(rf"\s*(?:\({_UNIT}\)|{_UNIT}|{_LATEX_UNIT})\s*$")
 #: ... in parentheses only (math-verify reads "10 apples", not "9 (apples)").
 PARENTHESISED_UNIT = re.compile(rf"(?<=\S)\s*\({_UNIT}\)\s*$")
 #: Significant digits from which a decimal is a binary float written out (repr(1/3) has
