@@ -515,6 +515,10 @@ def test_a_program_drafted_in_the_thinking_is_not_the_answer() -> None:
     episode = [{"role": "assistant", "content": f"<think>{right}</think>done"}]
     assert reward(prompts=["q"], completions=[episode], tests=tests) == [0.0]
     assert reward(prompts=["q"], completions=[right], tests=tests) == [1.0]  # (no thinking)
+    opened = "Write add.<|Assistant|><think>\n"  # (R1's template opens the thinking)
+    assert reward(prompts=[opened], completions=[right], tests=tests) == [0.0]  # (cut off)
+    closed = f"{right}</think>{right}"
+    assert reward(prompts=[opened], completions=[closed], tests=tests) == [1.0]
 
 
 def test_codecontests_input_output_lists_and_text_in_place_of_lists() -> None:

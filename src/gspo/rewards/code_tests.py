@@ -82,7 +82,7 @@ def _last_program(blocks: Sequence[tuple[str, str]]) -> str | None:
     return (python or [body for _, body in blocks])[-1]
 
 
-def program_of(completion: Any) -> str | None:
+def program_of(completion: Any, prompt: Any = None) -> str | None:
     """The program in a completion (text, or a conversation: a multi-turn episode's
     messages): :func:`extract_code` over the blocks of all its assistant messages, the
     last one's last; the other roles' (a tool's output, the user's) are not the model's.
@@ -90,12 +90,13 @@ def program_of(completion: Any) -> str | None:
     see above" scored 0 with its program a turn earlier.) Of each message only its answer
     is read (:func:`answer_text`: after a reasoning model's ``</think>``), as the math
     rewards read theirs: a draft in the thinking is not the program (it was, where the
-    answer had no fenced block)."""
+    answer had no fenced block). After a ``prompt`` that opened the thinking (a template
+    ending in ``<think>``), the first turn's text before ``</think>`` is thinking too."""
     if isinstance(completion, list) and all(isinstance(m, dict) for m in completion):
         turns = [m for m in completion if m.get("role") == "assistant"] or completion[-1:]
-        blocks = [b for m in turns for b in _FENCE.findall(answer_text(m))]
-        return _last_program(blocks)
-    return extract_code(answer_text(completion))
+        answers = [answer_text(m, prompt if k == 0 else None) for k, m in enumerate(turns)]
+        return _last_program([b for text in answers for b in _FENCE.findall(text)])
+    return extract_code(answer_text(completion, prompt))
 
 
 def _io_case(item: Any, where: str) -> CodeTest:

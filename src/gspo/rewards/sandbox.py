@@ -533,7 +533,8 @@ def code_scores(
             cases = parse_tests(row_tests, where=where)
         except ValueError as exc:
             raise RewardError(f"built-in reward 'code': {exc}") from None
-        jobs.append((program_of(completions[k]), cases))
+        opened = prompts[k] if k < len(prompts) else None  # (a template ending in <think>)
+        jobs.append((program_of(completions[k], opened), cases))
     mode, message = isolation()
     if mode != "bwrap":
         _say_once(message)
