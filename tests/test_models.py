@@ -605,8 +605,48 @@ def test_moe_router_jitter_is_switched_off_like_dropout(tokenizer):
     ).eval()  # fmt: skip
     with torch.no_grad():
         before = phimoe(ids).logits
-        assert disable_dropout(phimoe) == {}
+        assert disable_dropout(phimoe) == {
+            "expert sampling within router_jitter_noise": pytest.approx(0.01)
+        }  # (its training mode's sampling is off: the next test)
         assert torch.equal(phimoe(ids).logits, before)
+        assert phimoe.config.router_jitter_noise == 0.01
+
+
+def test_phimoe_routers_route_as_at_inference_in_training_mode(tokenizer):
+    """PhiMoE's sparsemixer draws each token's experts (Gumbel) among those within
+    router_jitter_noise of the best in training mode, and scales a drawn one's gate by 1/3
+    at random: the update's forward ran other experts than the sampler's and the on-policy
+    ratios were off 1 (the MoE audit: 2% of a tiny model's token-layers at 0.01)."""
+    import copy
+
+    from transformers import PhimoeConfig, PhimoeForCausalLM
+
+    from gspo.models import disable_dropout
+
+    torch.manual_seed(0)
+    phimoe = PhimoeForCausalLM(
+        PhimoeConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                     num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.5,
+                     input_jitter_noise=0.0)
+    )  # fmt: skip
+    ids = torch.tensor([tokenizer("12+34=46")["input_ids"]])
+    with torch.no_grad():
+        inference = phimoe.eval()(ids).logits
+        assert not torch.equal(phimoe.train()(ids).logits, inference)
+    assert disable_dropout(phimoe) == {
+        "expert sampling within router_jitter_noise": pytest.approx(0.5)
+    }
+    assert disable_dropout(phimoe) == {}  # nothing left to switch off
+    for model in (phimoe, copy.deepcopy(phimoe)):  # (async rollouts copy the policy)
+        model.train()
+        router = model.model.layers[0].mlp.router
+        assert model.training and model.model.layers[0].mlp.training and not router.training
+        model(ids).logits.sum().backward()  # the router still learns: the gate's gradient
+        assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, inference)
+    assert phimoe.config.router_jitter_noise == 0.5  # config.json (an export) keeps it
 
 
 def test_model_context_tells_a_learned_position_table_from_rotary_positions(tokenizer):

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import sys
+import types
 import warnings
 import zlib
 from collections.abc import Callable, Iterator
@@ -227,6 +228,16 @@ def loading_model(path: str | Path, *, dtype: torch.dtype, device: torch.device)
 #: routing's masking threshold, in eval mode too (0 would change the model)
 _JITTER = ("jitter_noise", "input_jitter_noise", "moe_jitter_eps")
 
+#: Routers that *sample* their experts in training mode (PhiMoE's sparsemixer: Gumbel
+#: draws among the experts within ``router_jitter_noise`` of the best); kept in eval mode,
+#: where they pick the best as at inference.
+_SAMPLING_ROUTERS = ("PhimoeTopKRouter",)
+
+
+def _eval_only(self: torch.nn.Module, mode: bool = True) -> torch.nn.Module:
+    """``train`` of a module pinned to eval mode (bound per instance: copies keep it)."""
+    return torch.nn.Module.train(self, False)
+
 
 def disable_dropout(model: torch.nn.Module) -> dict[str, float]:
     """Switch off every dropout of ``model`` (its ``nn.Dropout`` modules and the attention
@@ -237,8 +248,11 @@ def disable_dropout(model: torch.nn.Module) -> dict[str, float]:
     probabilities: with dropout on in training mode (GPT-2's configs: 0.1) the on-policy
     ratios are off 1 by the dropped units and GSPO's narrow range clips most sequences;
     Mixtral's ``router_jitter_noise`` moves them the same way (an audit's probe, not a
-    command of the repository, saw 43% of the on-policy tokens clipped at 0.1).
-    ``config.json`` is left as it was (an export keeps the model's own dropout).
+    command of the repository, saw 43% of the on-policy tokens clipped at 0.1). PhiMoE's
+    routers draw their experts at random in training mode (any ``router_jitter_noise``):
+    they are kept in eval mode, which routes as inference does, with the gate's plain
+    gradient in place of sparsemixer's estimate. ``config.json`` is left as it was (an
+    export keeps the model's own dropout).
     """
     largest: dict[str, float] = {}
 
@@ -256,6 +270,11 @@ def disable_dropout(model: torch.nn.Module) -> dict[str, float]:
         for name in _JITTER:
             if off("router jitter", getattr(module, name, None)):
                 setattr(module, name, None if name == "moe_jitter_eps" else 0.0)
+        if type(module).__name__ in _SAMPLING_ROUTERS and "train" not in vars(module):
+            # (at 0 nothing is drawn: eval mode is then the same sums, and nothing is said)
+            off("expert sampling within router_jitter_noise", module.router_jitter_noise)
+            module.train = types.MethodType(_eval_only, module)
+            module.train(False)
     return largest
 
 
