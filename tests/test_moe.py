@@ -5,6 +5,8 @@ import torch
 from conftest import CPU
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV3Config,
     MixtralConfig,
     OlmoeConfig,
     Qwen2MoeConfig,
@@ -223,7 +225,22 @@ def _tiny(config_class, **kwargs):
         num_experts_per_tok=2,
     )
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config_class(**common, **kwargs), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(
+        config_class(**{**common, **kwargs}), dtype=torch.float32
+    )
+    with torch.no_grad():  # DeepSeek-V3's choice bias (a buffer, zeros at init): one that counts
+        for module in model.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.copy_(torch.randn(module.num_experts) * 0.3)
+    return model
+
+
+#: DeepSeek's attention (MLA) at a tiny size, its MoE on every layer with a shared expert.
+DEEPSEEK = dict(
+    num_key_value_heads=2, n_routed_experts=8, moe_intermediate_size=16, n_shared_experts=1,
+    n_group=2, topk_group=1, first_k_dense_replace=0, q_lora_rank=16, kv_lora_rank=16,
+    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, routed_scaling_factor=2.5,
+)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -237,15 +254,23 @@ def _tiny(config_class, **kwargs):
             moe_intermediate_size=16,
             shared_expert_intermediate_size=16,
         ),
+        # grouped top-k on sigmoid scores + bias, renormalised: refused before (the MoE audit)
+        lambda: _tiny(DeepseekV3Config, **DEEPSEEK, norm_topk_prob=True),
+        lambda: _tiny(DeepseekV3Config, **DEEPSEEK, norm_topk_prob=False),
+        lambda: _tiny(DeepseekV2Config, **DEEPSEEK, topk_method="group_limited_greedy"),
+        lambda: _tiny(DeepseekV2Config, **DEEPSEEK, topk_method="greedy"),
     ],
-    ids=["mixtral", "olmoe", "qwen2_moe"],
-)
+    ids=["mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "deepseek_v3_unnormalised",
+         "deepseek_v2_grouped", "deepseek_v2_greedy"],
+)  # fmt: skip
 def test_capture_and_replay_on_other_moe_families(make):
     model = make()
     ids = tokens(2, 6)
     with capture_routing(model) as recorder:
         logits = model(input_ids=ids).logits
     assert recorder.experts.shape == (2, 12, 2)
+    # what the experts ran: the router's own choice (DeepSeek's bias and groups included)
+    assert torch.equal(experts_used(model, lambda: model(input_ids=ids)), recorder.experts.long())
     with replay_routing(model, recorder.experts):
         assert torch.equal(model(input_ids=ids).logits, logits)
     scramble_routers(model)
@@ -537,6 +562,18 @@ def test_load_balancing_loss_is_transformers_one_and_grows_with_imbalance(tokeni
 def test_router_aux_loss_on_a_dense_model_is_an_error():
     with pytest.raises(ConfigError, match="moe.router_aux_loss_coef needs a MoE model"):
         load_config(None, ["moe.router_aux_loss_coef=0.01"])
+
+
+def test_deepseek_routers_get_churn_and_replay_but_not_the_softmax_aux_loss(tmp_path):
+    """DeepSeek-V3's router (sigmoid scores, a choice bias, grouped top-k) trained with
+    neither churn nor replay; gspo's load-balancing loss is a softmax router's, not its."""
+    model = _tiny(DeepseekV3Config, **DEEPSEEK)
+    path = f"model.path={tmp_path}"
+    replay, churn = moe_settings(load_config(None, [path, "moe.routing_replay=true"]), model)
+    assert replay and churn
+    said = r"^moe.router_aux_loss_coef: DeepseekV3TopkRouter scores its experts its own way"
+    with pytest.raises(ValueError, match=said + r" .*; set moe.router_aux_loss_coef=0$"):
+        moe_settings(load_config(None, [path, "moe.router_aux_loss_coef=0.01"]), model)
 
 
 @pytest.mark.slow

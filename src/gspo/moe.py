@@ -8,7 +8,10 @@ under ``pi_old`` and forces them when computing ``pi_theta`` for the ratio.
 Everything works on the router modules of transformers' MoE blocks (:data:`ROUTERS`),
 whose forward is ``logits = h @ W.T; p = softmax(logits); top-k of p`` (optionally
 renormalised) and returns ``(router_logits, routing_weights, selected_experts)``; the
-MoE block then runs ``experts(h, selected_experts, routing_weights)``.
+MoE block then runs ``experts(h, selected_experts, routing_weights)``. DeepSeek's routers
+(:data:`SCORED_ROUTERS`: sigmoid scores with a bias and grouped top-k, or DeepSeek-V2's
+softmax) return the same triple and are captured and replayed alike; the load-balancing
+loss here is not theirs.
 
 Shapes. A forward over an ``[B, L]`` input calls each router once with the flattened
 ``B * L`` tokens, so a recorded routing is an integer tensor ``[layers, B * L, k]``:
@@ -55,6 +58,27 @@ ROUTERS: dict[str, bool] = {
     "MiniMaxTopKRouter": False,
 }
 
+#: DeepSeek's routers (and their copies: the same forward in transformers 5.24), by
+#: class name, with how they score the experts. ``sigmoid`` (DeepSeek-V3, GLM-4.5,
+#: dots.llm1): experts chosen on ``sigmoid(logits) + e_score_correction_bias`` within the
+#: ``topk_group`` best of ``n_group`` groups, weighted by their plain sigmoid scores
+#: (renormalised when ``norm_topk_prob``); ``softmax`` (DeepSeek-V2, greedy or
+#: group-limited): weighted by their softmax probabilities. Both times
+#: ``routed_scaling_factor``, in float32. The bias and the groups shape the choice only,
+#: so a replay, which takes the choice as recorded, needs neither.
+SCORED_ROUTERS: dict[str, str] = {
+    "DeepseekV3TopkRouter": "sigmoid",
+    "DeepseekV32TopkRouter": "sigmoid",
+    "Glm4MoeTopkRouter": "sigmoid",
+    "Glm4MoeLiteTopkRouter": "sigmoid",
+    "Dots1TopkRouter": "sigmoid",
+    "DeepseekV2TopkRouter": "softmax",
+}
+
+
+def _handled(module: nn.Module) -> bool:
+    return type(module).__name__ in ROUTERS or type(module).__name__ in SCORED_ROUTERS
+
 
 #: Below this, the replayed experts' summed probability is treated as underflowed.
 _NEGLIGIBLE = 1e-20
@@ -66,17 +90,17 @@ def find_routers(model: nn.Module) -> list[nn.Module]:
     Raises ``ValueError`` for a model without any (a dense model, or a MoE family whose
     router is not in :data:`ROUTERS`).
     """
-    routers = [m for m in model.modules() if type(m).__name__ in ROUTERS]
+    routers = [m for m in model.modules() if _handled(m)]
     if not routers:
         kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
         if (router := unhandled_router(model)) is not None:
             raise ValueError(
                 f"{kind} is a mixture-of-experts model whose router ({router}) gspo does not "
-                f"handle (it handles {', '.join(ROUTERS)})"
+                f"handle (it handles {', '.join([*ROUTERS, *SCORED_ROUTERS])})"
             )
         raise ValueError(
             f"model has no MoE routers ({kind}: no module of a supported router class: "
-            f"{', '.join(ROUTERS)})"
+            f"{', '.join([*ROUTERS, *SCORED_ROUTERS])})"
         )
     return routers
 
@@ -106,7 +130,7 @@ def unhandled_router(model: nn.Module) -> str | None:
 
 def is_moe(model: nn.Module) -> bool:
     """Whether ``model`` has routers :func:`find_routers` supports."""
-    return any(type(m).__name__ in ROUTERS for m in model.modules())
+    return any(_handled(m) for m in model.modules())
 
 
 def _index_dtype(router: nn.Module) -> torch.dtype:
@@ -171,12 +195,7 @@ def _replayed_forward(router: nn.Module, experts: Tensor, cast: bool):
 
     def forward(hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         hidden_states = hidden_states.reshape(-1, router.hidden_dim)
-        if hidden_states.shape[0] != indices.shape[0]:
-            raise ValueError(
-                f"replay_routing: the router got {hidden_states.shape[0]} tokens but the "
-                f"recorded routing has {indices.shape[0]}; replay needs the same [B, L] "
-                "input layout as the capture"
-            )
+        _check_tokens(hidden_states, indices)
         router_logits = nn.functional.linear(hidden_states, router.weight)
         router_probs = torch.softmax(router_logits.float(), dim=-1)
         weights = router_probs.gather(-1, indices)  # the gate values of the replayed experts
@@ -196,6 +215,42 @@ def _replayed_forward(router: nn.Module, experts: Tensor, cast: bool):
     return forward
 
 
+def _scored_forward(router: nn.Module, experts: Tensor, scoring: str):
+    """:func:`_replayed_forward` for a router of :data:`SCORED_ROUTERS`: its own
+    arithmetic at the recorded experts (bit-identical when nothing changed)."""
+    indices = experts.long()
+
+    def forward(hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        hidden_states = hidden_states.reshape(-1, router.hidden_dim)
+        _check_tokens(hidden_states, indices)
+        router_logits = nn.functional.linear(hidden_states.float(), router.weight.float())
+        if scoring == "sigmoid":
+            weights = router_logits.sigmoid().gather(1, indices)
+            if router.norm_topk_prob:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        else:
+            weights = router_logits.softmax(dim=-1, dtype=torch.float32).gather(1, indices)
+        return router_logits, weights * router.routed_scaling_factor, indices
+
+    return forward
+
+
+def _check_tokens(hidden_states: Tensor, indices: Tensor) -> None:
+    if hidden_states.shape[0] != indices.shape[0]:
+        raise ValueError(
+            f"replay_routing: the router got {hidden_states.shape[0]} tokens but the "
+            f"recorded routing has {indices.shape[0]}; replay needs the same [B, L] "
+            "input layout as the capture"
+        )
+
+
+def _replay_forward(router: nn.Module, experts: Tensor):
+    name = type(router).__name__
+    if name in SCORED_ROUTERS:
+        return _scored_forward(router, experts, SCORED_ROUTERS[name])
+    return _replayed_forward(router, experts, ROUTERS[name])
+
+
 @contextlib.contextmanager
 def replay_routing(model: nn.Module, experts: Tensor) -> Iterator[None]:
     """Inside the block, every router of ``model`` uses the recorded ``experts``.
@@ -203,8 +258,9 @@ def replay_routing(model: nn.Module, experts: Tensor) -> Iterator[None]:
     ``experts`` is a ``[layers, tokens, k]`` recording (:func:`capture_routing`) of a
     forward over the same ``[B, L]`` input layout; every forward inside the block must
     have that layout (a different token count is a ``ValueError``). The routing weights
-    are ``softmax(current logits)`` at the recorded experts, renormalised as the
-    router's own forward does, so gradients reach the router weights.
+    are the current router's scores (softmax, or :data:`SCORED_ROUTERS`' own) at the
+    recorded experts, renormalised and scaled as the router's own forward does, so
+    gradients reach the router weights.
     """
     routers = find_routers(model)
     if experts.dim() != 3 or experts.shape[0] != len(routers):
@@ -221,7 +277,7 @@ def replay_routing(model: nn.Module, experts: Tensor) -> Iterator[None]:
     try:
         for router, recorded in zip(routers, experts, strict=True):
             # an instance attribute shadows the class's forward; hooks still run around it
-            router.forward = _replayed_forward(router, recorded, ROUTERS[type(router).__name__])
+            router.forward = _replay_forward(router, recorded)
         yield
     finally:
         for router in routers:

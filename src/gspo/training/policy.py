@@ -36,6 +36,7 @@ from gspo.distributed import Distributed, full_state_dict, shard_policy
 from gspo.engines import RolloutBatch
 from gspo.models import CompletionLogprobs, WithEntropy, to_device
 from gspo.moe import (
+    SCORED_ROUTERS,
     capture_router_logits,
     capture_routing,
     find_routers,
@@ -251,9 +252,16 @@ def moe_settings(config: Config, model: torch.nn.Module) -> tuple[bool, bool]:
     ):
         if wanted:
             try:
-                find_routers(model)
+                routers = find_routers(model)
             except ValueError as exc:
                 raise ValueError(f"{key}: {exc}") from None
+            scored = [type(r).__name__ for r in routers if type(r).__name__ in SCORED_ROUTERS]
+            if key == "moe.router_aux_loss_coef" and scored:
+                raise ValueError(
+                    f"{key}: {scored[0]} scores its experts its own way (DeepSeek's bias or "
+                    "grouped top-k), which gspo's softmax load-balancing loss does not "
+                    "describe; set moe.router_aux_loss_coef=0"
+                )
     if churn is None:
         churn = is_moe(model) and config.rollout.max_staleness == 0
     return replay, churn
