@@ -7,6 +7,9 @@ from transformers import (
     AutoModelForCausalLM,
     DeepseekV2Config,
     DeepseekV3Config,
+    GptOssConfig,
+    GraniteMoeConfig,
+    JambaConfig,
     MixtralConfig,
     OlmoeConfig,
     Qwen2MoeConfig,
@@ -90,7 +93,11 @@ def scramble_routers(model, seed=1):
 
 
 def moe_blocks(model):
-    return [m for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
+    return [
+        m
+        for m in model.modules()
+        if (hasattr(m, "gate") or hasattr(m, "router")) and hasattr(m, "experts")
+    ]
 
 
 def experts_used(model, run):
@@ -232,6 +239,8 @@ def _tiny(config_class, **kwargs):
         for module in model.modules():
             if hasattr(module, "e_score_correction_bias"):
                 module.e_score_correction_bias.copy_(torch.randn(module.num_experts) * 0.3)
+            if type(module).__name__ == "GptOssTopKRouter":  # (its logits' bias: zeros at init)
+                module.bias.copy_(torch.randn(module.num_experts) * 0.3)
     return model
 
 
@@ -259,9 +268,14 @@ DEEPSEEK = dict(
         lambda: _tiny(DeepseekV3Config, **DEEPSEEK, norm_topk_prob=False),
         lambda: _tiny(DeepseekV2Config, **DEEPSEEK, topk_method="group_limited_greedy"),
         lambda: _tiny(DeepseekV2Config, **DEEPSEEK, topk_method="greedy"),
+        # top-k of the logits, softmax over the k (GPT-OSS: a router bias); Jamba's unnormalised
+        lambda: _tiny(GptOssConfig, num_local_experts=4, head_dim=16, sliding_window=8),
+        lambda: _tiny(GraniteMoeConfig, num_local_experts=4),
+        lambda: _tiny(JambaConfig, num_experts=4, expert_layer_period=1, expert_layer_offset=0,
+                      attn_layer_period=1, attn_layer_offset=0, use_mamba_kernels=False),
     ],
     ids=["mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "deepseek_v3_unnormalised",
-         "deepseek_v2_grouped", "deepseek_v2_greedy"],
+         "deepseek_v2_grouped", "deepseek_v2_greedy", "gpt_oss", "granitemoe", "jamba"],
 )  # fmt: skip
 def test_capture_and_replay_on_other_moe_families(make):
     model = make()
@@ -576,6 +590,17 @@ def test_deepseek_routers_get_churn_and_replay_but_not_the_softmax_aux_loss(tmp_
         moe_settings(load_config(None, [path, "moe.router_aux_loss_coef=0.01"]), model)
 
 
+def test_padded_experts_for_gpt_oss_experts_is_one_line():
+    """GPT-OSS's experts (biased, transposed) are not padded's layout: handled since the MoE
+    audit, a bare ValueError naming no key would have ended the run."""
+    model = _tiny(GptOssConfig, num_local_experts=4, head_dim=16, sliding_window=8)
+    with pytest.raises(ValueError, match=r"^model.experts_implementation=padded: GptOssExperts: "
+                       r"expert weights not in the \[E, 2I, H\] layout; use auto$"):  # fmt: skip
+        set_experts_implementation(model, "padded")
+    set_experts_implementation(model, "eager")  # transformers' own names reach them
+    assert experts_implementation(model) == "eager"
+
+
 @pytest.mark.slow
 def test_router_aux_loss_changes_the_loss_only_when_on(tmp_path, varied_reward):
     def first_line(coef, name):
@@ -636,48 +661,49 @@ IMPLEMENTATION = ["model.experts_implementation=padded"]
 
 
 def test_a_moe_family_whose_router_is_not_handled_is_said(tokenizer, tmp_path, capsys):
-    """DeepSeek-V3, GPT-OSS, Granite-MoE... trained with no expert churn, unsaid; asked
-    for Routing Replay the line said an MoE model had no MoE routers (the MoE audit)."""
-    from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
+    """PhiMoE, Llama 4, DBRX... (and DeepSeek-V3, GPT-OSS, Granite-MoE before they were
+    handled) trained with no expert churn, unsaid; asked for Routing Replay the line said
+    an MoE model had no MoE routers (the MoE audit)."""
+    from transformers import PhimoeConfig, PhimoeForCausalLM
 
     from gspo.distributed import Distributed
     from gspo.models.loading import save_pretrained_atomic
     from gspo.moe import unhandled_router
     from gspo.training.setup import build_policy_model
 
-    granite = GraniteMoeForCausalLM(
-        GraniteMoeConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                         num_local_experts=4, num_experts_per_tok=2)
+    phimoe = PhimoeForCausalLM(
+        PhimoeConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                     num_local_experts=4, num_experts_per_tok=2)
     )  # fmt: skip
-    assert unhandled_router(granite) == "GraniteMoeTopKRouter"
-    config = load_config(None, [f"model.path={tmp_path / 'granite'}", "moe.routing_replay=true"])
-    with pytest.raises(ValueError, match=r"^moe.routing_replay: granitemoe is a mixture-of-"
-                       r"experts model whose router \(GraniteMoeTopKRouter\) gspo does not "
+    assert unhandled_router(phimoe) == "PhimoeTopKRouter"
+    config = load_config(None, [f"model.path={tmp_path / 'phimoe'}", "moe.routing_replay=true"])
+    with pytest.raises(ValueError, match=r"^moe.routing_replay: phimoe is a mixture-of-"
+                       r"experts model whose router \(PhimoeTopKRouter\) gspo does not "
                        r"handle \(it handles Qwen3MoeTopKRouter, "):  # fmt: skip
-        moe_settings(config, granite)
-    save_pretrained_atomic(granite, tokenizer, tmp_path / "granite")
+        moe_settings(config, phimoe)
+    save_pretrained_atomic(phimoe, tokenizer, tmp_path / "phimoe")
     capsys.readouterr()
-    config = load_config(None, [f"model.path={tmp_path / 'granite'}", "model.device=cpu"])
+    config = load_config(None, [f"model.path={tmp_path / 'phimoe'}", "model.device=cpu"])
     build_policy_model(
         config, tmp_path / "run", torch.device("cpu"), Distributed(), None, torch.float32
     )
     assert capsys.readouterr().err.splitlines()[-1] == (
-        "gspo: warning: GraniteMoeForCausalLM is a mixture-of-experts model whose router "
-        "(GraniteMoeTopKRouter) gspo does not handle: no expert churn (moe/*), Routing Replay "
+        "gspo: warning: PhimoeForCausalLM is a mixture-of-experts model whose router "
+        "(PhimoeTopKRouter) gspo does not handle: no expert churn (moe/*), Routing Replay "
         "or router loss for it (docs/moe.md lists the families handled)"
     )
     # transformers' own names reach its experts; padded (gspo's) does not, and says so
-    set_experts_implementation(granite, "eager")
-    assert experts_implementation(granite) == "eager"
-    padded = [f"model.path={tmp_path / 'granite'}", "model.device=cpu", *IMPLEMENTATION]
+    set_experts_implementation(phimoe, "eager")
+    assert experts_implementation(phimoe) == "eager"
+    padded = [f"model.path={tmp_path / 'phimoe'}", "model.device=cpu", *IMPLEMENTATION]
     build_policy_model(
         load_config(None, padded), tmp_path / "run2", torch.device("cpu"), Distributed(), None,
         torch.float32,
     )  # fmt: skip
     assert capsys.readouterr().err.splitlines()[-1] == (
         "gspo: warning: model.experts_implementation=padded does nothing here: "
-        "GraniteMoeForCausalLM has no experts gspo computes that way"
+        "PhimoeForCausalLM has no experts gspo computes that way"
     )
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 

@@ -8,10 +8,10 @@ under ``pi_old`` and forces them when computing ``pi_theta`` for the ratio.
 Everything works on the router modules of transformers' MoE blocks (:data:`ROUTERS`),
 whose forward is ``logits = h @ W.T; p = softmax(logits); top-k of p`` (optionally
 renormalised) and returns ``(router_logits, routing_weights, selected_experts)``; the
-MoE block then runs ``experts(h, selected_experts, routing_weights)``. DeepSeek's routers
-(:data:`SCORED_ROUTERS`: sigmoid scores with a bias and grouped top-k, or DeepSeek-V2's
-softmax) return the same triple and are captured and replayed alike; the load-balancing
-loss here is not theirs.
+MoE block then runs ``experts(h, selected_experts, routing_weights)``. DeepSeek's,
+GPT-OSS's, Granite's and Jamba's routers (:data:`SCORED_ROUTERS`) return the same triple
+from other scores and are captured and replayed alike; the load-balancing loss here is
+not DeepSeek's.
 
 Shapes. A forward over an ``[B, L]`` input calls each router once with the flattened
 ``B * L`` tokens, so a recorded routing is an integer tensor ``[layers, B * L, k]``:
@@ -58,22 +58,33 @@ ROUTERS: dict[str, bool] = {
     "MiniMaxTopKRouter": False,
 }
 
-#: DeepSeek's routers (and their copies: the same forward in transformers 5.24), by
-#: class name, with how they score the experts. ``sigmoid`` (DeepSeek-V3, GLM-4.5,
-#: dots.llm1): experts chosen on ``sigmoid(logits) + e_score_correction_bias`` within the
-#: ``topk_group`` best of ``n_group`` groups, weighted by their plain sigmoid scores
-#: (renormalised when ``norm_topk_prob``); ``softmax`` (DeepSeek-V2, greedy or
-#: group-limited): weighted by their softmax probabilities. Both times
+#: Routers that weight their experts otherwise (the same triple out), by class name, with
+#: how (each checked against transformers 5.24's sources; copies have the same forward).
+#: ``sigmoid`` (DeepSeek-V3, GLM-4.5, dots.llm1): experts chosen on ``sigmoid(logits) +
+#: e_score_correction_bias`` within the ``topk_group`` best of ``n_group`` groups, weighted
+#: by their plain sigmoid scores (renormalised when ``norm_topk_prob``); ``deepseek_v2``
+#: (greedy or group-limited): weighted by their softmax probabilities; both times
 #: ``routed_scaling_factor``, in float32. The bias and the groups shape the choice only,
-#: so a replay, which takes the choice as recorded, needs neither.
+#: so a replay, which takes the choice as recorded, needs neither. ``topk_softmax``
+#: (GPT-OSS, its router's bias included) and ``topk_softmax_float`` (Granite-MoE): top-k
+#: of the logits, weighted by a softmax over the k chosen logits (Granite's in float32);
+#: ``softmax_unnormalised`` (Jamba): the softmax probabilities, not renormalised.
 SCORED_ROUTERS: dict[str, str] = {
     "DeepseekV3TopkRouter": "sigmoid",
     "DeepseekV32TopkRouter": "sigmoid",
     "Glm4MoeTopkRouter": "sigmoid",
     "Glm4MoeLiteTopkRouter": "sigmoid",
     "Dots1TopkRouter": "sigmoid",
-    "DeepseekV2TopkRouter": "softmax",
+    "DeepseekV2TopkRouter": "deepseek_v2",
+    "GptOssTopKRouter": "topk_softmax",
+    "GraniteMoeTopKRouter": "topk_softmax_float",
+    "GraniteMoeSharedTopKRouter": "topk_softmax_float",
+    "GraniteMoeHybridTopKRouter": "topk_softmax_float",
+    "JambaTopKRouter": "softmax_unnormalised",
 }
+
+#: The scorings :func:`load_balancing_loss` (a softmax router's) does not describe.
+NO_SOFTMAX_BALANCE = ("sigmoid", "deepseek_v2")
 
 
 def _handled(module: nn.Module) -> bool:
@@ -221,8 +232,19 @@ def _scored_forward(router: nn.Module, experts: Tensor, scoring: str):
     indices = experts.long()
 
     def forward(hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        hidden_states = hidden_states.reshape(-1, router.hidden_dim)
+        hidden_states = hidden_states.reshape(-1, router.weight.shape[1])
         _check_tokens(hidden_states, indices)
+        if scoring.startswith(("topk_softmax", "softmax")):
+            bias = getattr(router, "bias", None)
+            router_logits = nn.functional.linear(hidden_states, router.weight, bias)
+            if scoring == "softmax_unnormalised":
+                probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
+                return router_logits, probs.gather(1, indices).to(hidden_states.dtype), indices
+            if scoring == "topk_softmax_float":
+                router_logits = router_logits.float()
+            chosen = router_logits.gather(1, indices)
+            weights = torch.softmax(chosen, dim=-1, dtype=chosen.dtype)
+            return router_logits, weights.to(hidden_states.dtype), indices
         router_logits = nn.functional.linear(hidden_states.float(), router.weight.float())
         if scoring == "sigmoid":
             weights = router_logits.sigmoid().gather(1, indices)
@@ -485,8 +507,11 @@ def set_experts_implementation(model: nn.Module, implementation: str) -> None:
     if implementation == "auto" or not (handled or unhandled_router(model)):
         return
     if implementation == "padded":
-        if handled:
-            use_padded_experts(model)
+        try:
+            if handled:
+                use_padded_experts(model)
+        except ValueError as error:  # (GPT-OSS's experts: biased, transposed)
+            raise ValueError(f"model.experts_implementation=padded: {error}; use auto") from None
         return
     setter = getattr(model, "set_experts_implementation", None)
     if setter is None:

@@ -36,6 +36,7 @@ from gspo.distributed import Distributed, full_state_dict, shard_policy
 from gspo.engines import RolloutBatch
 from gspo.models import CompletionLogprobs, WithEntropy, to_device
 from gspo.moe import (
+    NO_SOFTMAX_BALANCE,
     SCORED_ROUTERS,
     capture_router_logits,
     capture_routing,
@@ -255,7 +256,11 @@ def moe_settings(config: Config, model: torch.nn.Module) -> tuple[bool, bool]:
                 routers = find_routers(model)
             except ValueError as exc:
                 raise ValueError(f"{key}: {exc}") from None
-            scored = [type(r).__name__ for r in routers if type(r).__name__ in SCORED_ROUTERS]
+            scored = [
+                type(r).__name__
+                for r in routers
+                if SCORED_ROUTERS.get(type(r).__name__) in NO_SOFTMAX_BALANCE
+            ]
             if key == "moe.router_aux_loss_coef" and scored:
                 raise ValueError(
                     f"{key}: {scored[0]} scores its experts its own way (DeepSeek's bias or "
