@@ -18,6 +18,8 @@ from transformers import (
 from gspo.config import ConfigError, load_config
 from gspo.models import TinyModelSpec, build_tiny_model, completion_logprobs
 from gspo.moe import (
+    ROUTERS,
+    SCORED_ROUTERS,
     capture_router_logits,
     capture_routing,
     expert_change_fraction,
@@ -835,3 +837,38 @@ def test_routing_replay_with_activation_checkpointing(tmp_path, varied_reward):
         for key in ("train/loss", "train/grad_norm", "moe/expert_change_fraction"):
             assert checkpointed[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-7), key
     assert max(line["moe/expert_change_fraction"] for line in runs[True]) > 0
+
+
+def _router_forwards() -> dict[str, str]:
+    """Each top-k router class of the installed transformers and its ``forward``'s code
+    (read from the sources, nothing imported)."""
+    import ast
+    from pathlib import Path
+
+    import transformers
+
+    forwards = {}
+    for path in Path(transformers.__file__).parent.glob("models/*/modeling_*.py"):
+        text = path.read_text()
+        if "Router" not in text:
+            continue
+        for node in ast.parse(text).body:
+            if isinstance(node, ast.ClassDef) and node.name.lower().endswith("topkrouter"):
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef) and item.name == "forward":
+                        forwards[node.name] = ast.unparse(item)
+    return forwards
+
+
+def test_every_router_that_runs_a_handled_routers_code_is_handled():
+    """transformers copies a router into each new family (Mellum's and Qwen4-Exp's run
+    Qwen3-MoE's forward line for line): such a copy went unhandled (no churn, no replay,
+    a warning) until named here."""
+    forwards = _router_forwards()
+    handled = {name: forwards[name] for name in [*ROUTERS, *SCORED_ROUTERS] if name in forwards}
+    assert "Qwen3MoeTopKRouter" in handled
+    copies = sorted(
+        name for name, code in forwards.items()
+        if name not in handled and code in handled.values()
+    )  # fmt: skip
+    assert copies == []

@@ -56,6 +56,11 @@ ROUTERS: dict[str, bool] = {
     "FlexOlmoTopKRouter": True,
     "MixtralTopKRouter": False,
     "MiniMaxTopKRouter": False,
+    # (copies of the above, forward line for line, in transformers 5.24)
+    "MellumTopKRouter": True,
+    "Qwen4ExpTextTopKRouter": True,
+    "Qwen3OmniMoeTalkerTextTopKRouter": True,
+    "Qwen3OmniMoeTextTopKRouter": True,
 }
 
 #: Routers that weight their experts otherwise (the same triple out), by class name, with
@@ -81,6 +86,28 @@ SCORED_ROUTERS: dict[str, str] = {
     "GraniteMoeSharedTopKRouter": "topk_softmax_float",
     "GraniteMoeHybridTopKRouter": "topk_softmax_float",
     "JambaTopKRouter": "softmax_unnormalised",
+    # (copies of the above, forward line for line, in transformers 5.24)
+    **dict.fromkeys(
+        (
+            "AXK1TopkRouter",
+            "BailingHybridTopkRouter",
+            "Dots3NoteTextTopkRouter",
+            "ExaoneMoeTopkRouter",
+            "Glm4vMoeTextTopkRouter",
+            "Glm5NextTextTopkRouter",
+            "GlmMoeDsaTopkRouter",
+            "HYV4TopkRouter",
+            "HYV4VLTopkRouter",
+            "KimiLinearTopkRouter",
+            "MiMoV2FlashTopkRouter",
+            "NemotronHTopkRouter",
+            "SolarOpenTopkRouter",
+        ),
+        "sigmoid",
+    ),
+    "DeepseekOcr2TextTopkRouter": "deepseek_v2",
+    "UnlimitedOcrTextTopkRouter": "deepseek_v2",
+    "GraniteMoeSWATopKRouter": "topk_softmax_float",
 }
 
 #: The scorings :func:`load_balancing_loss` (a softmax router's) does not describe.
