@@ -145,3 +145,15 @@ def test_a_compare_directory_names_its_runs(tmp_path, capsys):
             f"gspo: error: {command}: {out} is neither a checkpoint nor a run with one "
             f"(runs inside it: {runs})"
         ), err
+
+
+def test_an_export_keeps_its_step_and_gives_the_figures_its_run_logged(trained, tmp_path):
+    """An export evaluated with its run's config drew step 0's evaluation seeds: its
+    sampled figures were not those the run logged at the exported step."""
+    run = trained[0]
+    out = tmp_path / "merged"
+    assert main(["export", str(run / "checkpoints" / "step-0000002"), "--merge", str(out)]) == 0
+    assert json.loads((out / "gspo_export.json").read_text())["step"] == 2
+    evaluated = evaluate(out, config=run / "config.yaml")
+    figures = {k: v for k, v in evaluated.metrics.items() if k.startswith("eval/")}
+    assert evaluated.step == 2 and figures == logged_evals(run)[2]

@@ -3,12 +3,13 @@ run evaluates, writing nothing (:func:`evaluate`, also ``gspo.evaluate``).
 
 ``PATH`` is a checkpoint (``RUN/checkpoints/step-N``), a run (its latest checkpoint, or
 ``--step N``'s), or a model directory (a Hugging Face model: the base before training,
-an export). A checkpoint is evaluated with the config its run trained with (the
-checkpoint's own ``config.yaml``, else the run's; ``--config FILE`` replaces it) and the
-evaluation seed of its step, so its figures are the ones the run logged at that step
-when nothing changed (the same device, dtype and engine; ``eval.*`` and ``data.eval``
-as they were). Overrides change anything else: ``eval.samples=16``, ``data.eval=FILE``,
-``model.device=cuda``. A LoRA checkpoint is its base with the adapter loaded onto it.
+an export, which keeps its checkpoint's step). A checkpoint is evaluated with the config
+its run trained with (the checkpoint's own ``config.yaml``, else the run's; ``--config
+FILE`` replaces it) and the evaluation seed of its step, so its figures are the ones the
+run logged at that step when nothing changed (the same device, dtype and engine;
+``eval.*`` and ``data.eval`` as they were). Overrides change anything else:
+``eval.samples=16``, ``data.eval=FILE``, ``model.device=cuda``. A LoRA checkpoint is its
+base with the adapter loaded onto it.
 
 It builds the run's trainer (model, engine, data, rewards) in a temporary directory,
 removed afterwards, and calls its evaluator; no cold start, no update.
@@ -54,9 +55,10 @@ QUIET = {
 @dataclass
 class Evaluated:
     """What :func:`evaluate` measured: ``metrics`` (``eval/*``, ``time/eval``) of ``model``
-    at ``step`` (a checkpoint's RL step: its evaluation seed; 0 for a model directory), and
-    the run's own ``eval/*`` at that step where its ``metrics.jsonl`` has them (evaluated
-    with its own config: no overrides, no other config)."""
+    at ``step`` (a checkpoint's RL step: its evaluation seed; an export's, its checkpoint's;
+    0 for another model directory), and the run's own ``eval/*`` at that step where its
+    ``metrics.jsonl`` has them (evaluated with its own config: no overrides, no other
+    config)."""
 
     model: Path
     step: int
@@ -90,10 +92,12 @@ def evaluate(
         if named is not None and run is not None:
             # (the run moved with its data and reward files: where they are now)
             config = with_absolute_paths(config, lambda p: moved_path(p, run, named))
-    at = 0
-    if checkpoint is None:  # a model directory
+    if checkpoint is None:  # a model directory (an export: its checkpoint's step)
+        from gspo.export import exported_step
+
         model, lora = Path(path).expanduser(), False
         config.model.path = str(model)
+        at = exported_step(model)
     else:
         lora = is_lora_checkpoint(checkpoint)
         if lora != (config.model.lora.r > 0):

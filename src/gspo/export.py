@@ -32,6 +32,7 @@ from gspo.training.checkpoint import (
     checkpoint_dir,
     latest_checkpoint,
     latest_named,
+    trainer_state,
 )
 from gspo.training.lora import ADAPTER_CONFIG, base_model_path, is_lora_checkpoint, quiet_peft
 
@@ -200,6 +201,16 @@ def stored_dtype(model_dir: Path) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
 
 
+def exported_step(model_dir: Path) -> int:
+    """The RL step of the checkpoint that ``model_dir``, a ``gspo export --merge`` output,
+    was written from (its :data:`EXPORT_MARK`); 0 for any other model directory."""
+    try:
+        step = json.loads((model_dir / EXPORT_MARK).read_text()).get("step", 0)
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return step if isinstance(step, int) and step >= 0 else 0
+
+
 def export_merged(source: Path, out: Path) -> Path:
     """Write the whole model of ``source`` (a run or a checkpoint) to ``out``; the checkpoint."""
     from peft import PeftModel
@@ -207,7 +218,11 @@ def export_merged(source: Path, out: Path) -> Path:
     checkpoint = resolve_checkpoint(source)
     check_target(out, source, checkpoint)
     cpu = torch.device("cpu")
-    mark: dict[str, str] = {"exported_from": str(checkpoint.resolve())}
+    # its step: gspo eval of the export draws that step's evaluation seeds, as the run did
+    mark: dict[str, str | int] = {
+        "exported_from": str(checkpoint.resolve()),
+        "step": int(trainer_state(checkpoint)["step"]),
+    }
     if not is_lora_checkpoint(checkpoint):
         model, tokenizer = load_model(checkpoint, device=cpu, dtype=torch.float32)
     else:
