@@ -4,6 +4,7 @@ import json
 import shutil
 
 import pytest
+import torch
 from test_trainer import FAST
 
 from gspo.checkpoint_eval import evaluate
@@ -157,3 +158,23 @@ def test_an_export_keeps_its_step_and_gives_the_figures_its_run_logged(trained, 
     evaluated = evaluate(out, config=run / "config.yaml")
     figures = {k: v for k, v in evaluated.metrics.items() if k.startswith("eval/")}
     assert evaluated.step == 2 and figures == logged_evals(run)[2]
+
+
+def test_export_dtype_writes_the_weights_rounded_to_it(trained, tmp_path, capsys):
+    """``--dtype bfloat16``: a full fine-tuning export was float32 alone (a bf16 base's
+    export twice its bytes); without ``--merge`` it is one line."""
+    from safetensors.torch import load_file
+
+    run, out = trained[0], tmp_path / "bf16"
+    assert main(["export", str(run), "--merge", str(out), "--dtype", "bfloat16"]) == 0
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    trained_weights = load_file(run / "checkpoints" / "step-0000004" / "model.safetensors")
+    written = load_file(out / "model.safetensors")
+    assert written.keys() == trained_weights.keys()
+    for name, tensor in written.items():
+        assert tensor.dtype == torch.bfloat16
+        assert torch.equal(tensor, trained_weights[name].to(torch.bfloat16)), name
+    capsys.readouterr()
+    assert main(["export", str(run), "--dtype", "bfloat16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "gspo: error: --dtype needs --merge OUT, the copy it writes", err

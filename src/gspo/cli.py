@@ -7,7 +7,7 @@
                  [--preset default|stress|long|tools] [--algorithms GSPO,GRPO]
     gspo config [--config FILE.yaml] [key.sub=value ...]     # print the resolved config
     gspo config --doc                                         # print the config reference
-    gspo export RUN_OR_CHECKPOINT [--merge OUT]               # one plain HF model (LoRA merged)
+    gspo export RUN_OR_CHECKPOINT [--merge OUT [--dtype D]]   # one plain HF model (LoRA merged)
     gspo eval RUN_CHECKPOINT_OR_MODEL [--step N] [--config FILE.yaml] [--json FILE]
               [key.sub=value ...]                             # held-out accuracy, nothing written
 
@@ -153,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="output directory: the base with a LoRA adapter merged in (a full fine-tuning "
         "checkpoint is written as it is); needed for LoRA runs only: without it a full "
         "fine-tuning run's checkpoint is named, already a plain HF model",
+    )
+    export.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="with --merge: the dtype OUT's weights are written in (default: a LoRA merge the "
+        "base's, a full fine-tuning checkpoint float32, as trained)",
     )
 
     ev = sub.add_parser(
@@ -434,11 +440,13 @@ def _main(args: argparse.Namespace) -> int:
             from gspo.export import export_merged, kept_until, plain_checkpoint
 
             if args.merge is None:
+                if args.dtype is not None:
+                    raise ValueError("--dtype needs --merge OUT, the copy it writes")
                 checkpoint = plain_checkpoint(args.source)
                 copy = kept_until(checkpoint) or " (or pass --merge OUT for a copy)"
                 print(f"{checkpoint} is a plain HF model: load it from there{copy}")
                 return 0
-            checkpoint = export_merged(args.source, args.merge)
+            checkpoint = export_merged(args.source, args.merge, dtype=args.dtype)
             print(f"{checkpoint} written to {args.merge} as one model")
             return 0
         if args.command == "eval":

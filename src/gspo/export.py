@@ -1,4 +1,4 @@
-"""``gspo export RUN_OR_CHECKPOINT [--merge OUT]``: a checkpoint as one plain HF model.
+"""``gspo export RUN_OR_CHECKPOINT [--merge OUT [--dtype D]]``: a checkpoint as one HF model.
 
 A LoRA checkpoint holds only the adapter (PEFT format) and names its base model; export
 loads the base, loads the adapter onto it with ``PeftModel.from_pretrained`` and writes
@@ -211,8 +211,10 @@ def exported_step(model_dir: Path) -> int:
     return step if isinstance(step, int) and step >= 0 else 0
 
 
-def export_merged(source: Path, out: Path) -> Path:
-    """Write the whole model of ``source`` (a run or a checkpoint) to ``out``; the checkpoint."""
+def export_merged(source: Path, out: Path, dtype: str | None = None) -> Path:
+    """Write the whole model of ``source`` (a run or a checkpoint) to ``out``, its weights
+    in ``dtype`` (``"bfloat16"``; None: a LoRA merge in its base's dtype, a full
+    checkpoint in float32, as trained); the checkpoint."""
     from peft import PeftModel
 
     checkpoint = resolve_checkpoint(source)
@@ -240,6 +242,8 @@ def export_merged(source: Path, out: Path) -> Path:
         # merged in float32, written in the base's own dtype (a bf16 base: half the bytes)
         model.to(stored_dtype(model_files(base_dir)))
         mark["base_model"] = str(base_dir.resolve())
+    if dtype is not None:  # (a bf16 base trained in float32 master weights: half the bytes)
+        model.to(getattr(torch, dtype))
     # the mark lets a later export replace this one (and nothing else: check_target)
     try:
         save_pretrained_atomic(
