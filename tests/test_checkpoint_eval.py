@@ -178,3 +178,21 @@ def test_export_dtype_writes_the_weights_rounded_to_it(trained, tmp_path, capsys
     assert main(["export", str(run), "--dtype", "bfloat16"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "gspo: error: --dtype needs --merge OUT, the copy it writes", err
+
+
+def test_export_step_picks_a_runs_checkpoint_as_eval_step_does(trained, tmp_path, capsys):
+    """``gspo export RUN --step N`` (``gspo eval``'s ``--step``) was an unknown argument."""
+    run, out = trained[0], tmp_path / "step2"
+    steps = run / "checkpoints"
+    assert main(["export", str(run), "--step", "2"]) == 0
+    assert capsys.readouterr().out.startswith(f"{steps / 'step-0000002'} is a plain HF model")
+    assert main(["export", str(run), "--step", "2", "--merge", str(out)]) == 0
+    assert json.loads((out / "gspo_export.json").read_text())["step"] == 2
+    for argv, said in [
+        (["--step", "3"], f"--step 3: {run} holds no checkpoint of that step (steps: 0, 2, 4)"),
+        ([], "pass its run instead"),
+    ]:
+        source = run if argv else steps / "step-0000002"
+        assert main(["export", str(source), *(argv or ["--step", "2"])]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("gspo: error: export: ") and said in err and "\n" not in err, err

@@ -31,7 +31,6 @@ from gspo.training.checkpoint import (
     CHECKPOINTS,
     CONFIG,
     TRAINER_STATE,
-    checkpoint_dir,
     trainer_state,
 )
 from gspo.training.lora import ADAPTER_WEIGHTS, base_model_path, is_lora_checkpoint
@@ -143,25 +142,10 @@ def _checkpoint(path: Path, step: int | None) -> tuple[Path | None, Path | None]
     from gspo.export import resolve_checkpoint
 
     if (path / TRAINER_STATE).is_file():
-        if step is not None:
-            raise ValueError(f"eval: --step with the checkpoint {path}: pass its run instead")
         run = path.parent.parent if path.parent.name == CHECKPOINTS else None
-        return path, run
+        return resolve_checkpoint(path, command="eval", step=step), run
     if (path / CHECKPOINTS).is_dir() or (path / "config.yaml").is_file():
-        if step is None:
-            return resolve_checkpoint(path, command="eval"), path
-        chosen = checkpoint_dir(path, step)
-        if not (chosen / TRAINER_STATE).is_file():
-            steps = sorted(
-                int(p.name.removeprefix("step-"))
-                for p in (path / CHECKPOINTS).glob("step-*")
-                if (p / TRAINER_STATE).is_file()
-            )
-            held = ", ".join(map(str, steps)) or "none"
-            raise FileNotFoundError(
-                f"eval: --step {step}: {path} holds no checkpoint of that step (steps: {held})"
-            )
-        return chosen, path
+        return resolve_checkpoint(path, command="eval", step=step), path
     if (path / "config.json").is_file():
         if step is not None:
             raise ValueError(f"eval: --step with the model directory {path}: it has no steps")

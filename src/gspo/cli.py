@@ -7,7 +7,7 @@
                  [--preset default|stress|long|tools] [--algorithms GSPO,GRPO]
     gspo config [--config FILE.yaml] [key.sub=value ...]     # print the resolved config
     gspo config --doc                                         # print the config reference
-    gspo export RUN_OR_CHECKPOINT [--merge OUT [--dtype D]]   # one plain HF model (LoRA merged)
+    gspo export RUN_OR_CHECKPOINT [--step N] [--merge OUT [--dtype D]]  # one HF model
     gspo eval RUN_CHECKPOINT_OR_MODEL [--step N] [--config FILE.yaml] [--json FILE]
               [key.sub=value ...]                             # held-out accuracy, nothing written
 
@@ -154,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint is written as it is); needed for LoRA runs only: without it a full "
         "fine-tuning run's checkpoint is named, already a plain HF model",
     )
+    export.add_argument("--step", type=int, help="a run's checkpoint of this RL step (latest)")
     export.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
@@ -442,11 +443,11 @@ def _main(args: argparse.Namespace) -> int:
             if args.merge is None:
                 if args.dtype is not None:
                     raise ValueError("--dtype needs --merge OUT, the copy it writes")
-                checkpoint = plain_checkpoint(args.source)
+                checkpoint = plain_checkpoint(args.source, args.step)
                 copy = kept_until(checkpoint) or " (or pass --merge OUT for a copy)"
                 print(f"{checkpoint} is a plain HF model: load it from there{copy}")
                 return 0
-            checkpoint = export_merged(args.source, args.merge, dtype=args.dtype)
+            checkpoint = export_merged(args.source, args.merge, args.dtype, args.step)
             print(f"{checkpoint} written to {args.merge} as one model")
             return 0
         if args.command == "eval":

@@ -1,4 +1,4 @@
-"""``gspo export RUN_OR_CHECKPOINT [--merge OUT [--dtype D]]``: a checkpoint as one HF model.
+"""``gspo export RUN_OR_CHECKPOINT [--step N] [--merge OUT [--dtype D]]``: one HF model.
 
 A LoRA checkpoint holds only the adapter (PEFT format) and names its base model; export
 loads the base, loads the adapter onto it with ``PeftModel.from_pretrained`` and writes
@@ -41,16 +41,35 @@ from gspo.training.lora import ADAPTER_CONFIG, base_model_path, is_lora_checkpoi
 EXPORT_MARK = "gspo_export.json"
 
 
-def resolve_checkpoint(source: Path, command: str = "export") -> Path:
-    """``source`` itself if it is a checkpoint, else the latest checkpoint of the run in it
-    (errors begin with ``command``: ``gspo export``'s, ``gspo eval``'s).
+def resolve_checkpoint(source: Path, command: str = "export", step: int | None = None) -> Path:
+    """``source`` itself if it is a checkpoint, else the latest checkpoint of the run in it,
+    or its checkpoint of RL step ``step`` (``--step``; errors begin with ``command``:
+    ``gspo export``'s, ``gspo eval``'s).
 
     A run whose ``latest`` names a damaged checkpoint is refused: a run resumes from the
     newest whole one instead, but an export of an older model, said on stderr with
     status 0, would be deployed as the run's."""
     source = Path(source)
     if (source / TRAINER_STATE).is_file():
+        if step is not None:
+            raise ValueError(
+                f"{command}: --step with the checkpoint {source}: pass its run instead"
+            )
         return source
+    if step is not None and ((source / CHECKPOINTS).is_dir() or (source / "config.yaml").is_file()):
+        chosen = checkpoint_dir(source, step)
+        if not (chosen / TRAINER_STATE).is_file():
+            steps = sorted(
+                int(p.name.removeprefix("step-"))
+                for p in (source / CHECKPOINTS).glob("step-*")
+                if (p / TRAINER_STATE).is_file()
+            )
+            held = ", ".join(map(str, steps)) or "none"
+            raise FileNotFoundError(
+                f"{command}: --step {step}: {source} holds no checkpoint of that step "
+                f"(steps: {held})"
+            )
+        return chosen
     named, problem = latest_named(source)
     if problem not in (None, "missing"):  # (deleted: the one before it, as a resume)
         raise ValueError(
@@ -137,10 +156,10 @@ def check_target(out: Path, source: Path, checkpoint: Path) -> None:
             )
 
 
-def plain_checkpoint(source: Path) -> Path:
-    """The checkpoint of ``source`` when it is a whole HF model already (full fine-tuning);
-    a one-line error saying to pass ``--merge OUT`` for a LoRA adapter."""
-    checkpoint = resolve_checkpoint(source)
+def plain_checkpoint(source: Path, step: int | None = None) -> Path:
+    """The checkpoint of ``source`` (``step``'s) when it is a whole HF model already (full
+    fine-tuning); a one-line error saying to pass ``--merge OUT`` for a LoRA adapter."""
+    checkpoint = resolve_checkpoint(source, step=step)
     model = model_files(checkpoint)
     if model != checkpoint:  # a step 0 that names its model instead of holding a copy
         model = Path(os.path.normpath(model))
@@ -211,13 +230,15 @@ def exported_step(model_dir: Path) -> int:
     return step if isinstance(step, int) and step >= 0 else 0
 
 
-def export_merged(source: Path, out: Path, dtype: str | None = None) -> Path:
-    """Write the whole model of ``source`` (a run or a checkpoint) to ``out``, its weights
-    in ``dtype`` (``"bfloat16"``; None: a LoRA merge in its base's dtype, a full
-    checkpoint in float32, as trained); the checkpoint."""
+def export_merged(
+    source: Path, out: Path, dtype: str | None = None, step: int | None = None
+) -> Path:
+    """Write the whole model of ``source`` (a checkpoint, or a run's latest or ``step``'s)
+    to ``out``, its weights in ``dtype`` (``"bfloat16"``; None: a LoRA merge in its base's
+    dtype, a full checkpoint in float32, as trained); the checkpoint."""
     from peft import PeftModel
 
-    checkpoint = resolve_checkpoint(source)
+    checkpoint = resolve_checkpoint(source, step=step)
     check_target(out, source, checkpoint)
     cpu = torch.device("cpu")
     # its step: gspo eval of the export draws that step's evaluation seeds, as the run did
