@@ -196,3 +196,18 @@ def test_export_step_picks_a_runs_checkpoint_as_eval_step_does(trained, tmp_path
         assert main(["export", str(source), *(argv or ["--step", "2"])]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("gspo: error: export: ") and said in err and "\n" not in err, err
+
+
+def test_a_damaged_latest_checkpoint_names_step_as_the_way_to_an_older_one(
+    trained, tmp_path, capsys
+):
+    """The error said to pass the older checkpoint by its path; ``--step N`` reaches it."""
+    run = tmp_path / "run"
+    shutil.copytree(trained[0], run)
+    with open(run / "checkpoints" / "step-0000004" / "model.safetensors", "r+b") as f:
+        f.truncate(1000)
+    for command in ("export", "eval"):
+        assert main([command, str(run)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.endswith(f"{command} a whole one by its step (gspo {command} {run} --step N)")
+    assert main(["export", str(run), "--step", "2"]) == 0

@@ -74,7 +74,7 @@ def resolve_checkpoint(source: Path, command: str = "export", step: int | None =
     if problem not in (None, "missing"):  # (deleted: the one before it, as a resume)
         raise ValueError(
             f"{command}: the latest checkpoint of {source}, {named}, is {problem}; {command} "
-            f"a whole one by its path (gspo {command} {source / CHECKPOINTS}/step-N)"
+            f"a whole one by its step (gspo {command} {source} --step N)"
         )
     checkpoint = latest_checkpoint(source)
     if checkpoint is None:
