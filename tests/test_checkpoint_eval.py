@@ -211,3 +211,13 @@ def test_a_damaged_latest_checkpoint_names_step_as_the_way_to_an_older_one(
         err = capsys.readouterr().err.strip()
         assert err.endswith(f"{command} a whole one by its step (gspo {command} {run} --step N)")
     assert main(["export", str(run), "--step", "2"]) == 0
+
+
+def test_export_into_a_path_under_a_file_names_the_file(trained, tmp_path, capsys):
+    """It said "cannot be written (File exists)", the parent's mkdir's error."""
+    (tmp_path / "notes.txt").write_text("x")
+    out = tmp_path / "notes.txt" / "merged"
+    assert main(["export", str(trained[0]), "--merge", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    file = tmp_path / "notes.txt"
+    assert err == f"gspo: error: export: --merge {out}: {file} is a file, not a directory", err

@@ -143,6 +143,10 @@ def check_target(out: Path, source: Path, checkpoint: Path) -> None:
         )
     if out.exists() and not out.is_dir():
         raise ValueError(f"export: --merge {out} is a file; name a new or empty directory")
+    # (a file on the way: its mkdir failed with "File exists")
+    above = next((p for p in out.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise ValueError(f"export: --merge {out}: {above} is a file, not a directory")
     if out.is_dir() and any(out.iterdir()):
         earlier = (
             (out / EXPORT_MARK).is_file()
