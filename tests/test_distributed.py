@@ -263,8 +263,8 @@ def test_a_collective_broken_by_another_rank_is_one_line(tmp_path, monkeypatch, 
         raise RuntimeError(gloo)
 
     monkeypatch.setattr(gspo.cli, "run_train", broken)
-    (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "config.yaml").write_text("{}\n")  # (a run that has started)
+    (tmp_path / "run" / "checkpoints" / "step-0000000").mkdir(parents=True)
+    (tmp_path / "run" / "config.yaml").write_text("{}\n")  # (a run that has a checkpoint)
     args = ["train", "--output-dir", str(tmp_path / "run"), CPU]
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
@@ -276,7 +276,7 @@ def test_a_collective_broken_by_another_rank_is_one_line(tmp_path, monkeypatch, 
         f"gspo train --resume {tmp_path / 'run'}\n"
     )
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "runs" / "gspo").mkdir(parents=True)
+    (tmp_path / "runs" / "gspo" / "checkpoints" / "step-0000000").mkdir(parents=True)
     (tmp_path / "runs" / "gspo" / "config.yaml").write_text("{}\n")
     assert main(["train", CPU]) == 2  # the default run directory, not "DIR"
     assert "resume with gspo train --resume runs/gspo" in capsys.readouterr().err

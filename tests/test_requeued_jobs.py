@@ -246,6 +246,32 @@ def test_a_stop_says_how_to_go_on_and_from_which_checkpoint(tmp_path, monkeypatc
     ]
 
 
+def test_a_run_stopped_before_any_checkpoint_is_not_offered_a_resume(tmp_path, monkeypatch, capsys):
+    """A new run stopped in its cold start before any checkpoint keeps its config.yaml and
+    first metric line (the model's size): there is nothing to resume from, and the line
+    says the same command starts it again (it said 'resume with gspo train --resume')."""
+    import gspo.cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gspo.cli, "run_train", interrupted)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("{}\n")
+    (run / "metrics.jsonl").write_text('{"step": 0, "model/params": 3174144.0}\n')
+    assert main(["train", "--output-dir", str(run)]) == 130
+    assert main(["train", "--resume", str(run)]) == 130
+    nothing = (
+        "gspo: interrupted; it had written nothing to resume from: the same command starts it again"
+    )
+    assert capsys.readouterr().err.splitlines() == [nothing, nothing]
+    (run / "checkpoints" / "cold-start-0000010").mkdir(parents=True)  # (a progress one)
+    (run / "checkpoints" / "cold-start-0000010" / "state.pt").write_bytes(b"")
+    assert main(["train", "--resume", str(run)]) == 130
+    assert capsys.readouterr().err == f"gspo: interrupted; resume with gspo train --resume {run}\n"
+
+
 def test_a_run_stopped_in_its_cold_start_continues_it(tmp_path, varied_reward, monkeypatch, capsys):
     """Stopped after a cold-start progress checkpoint (no step-0 checkpoint yet): the same
     command continues the cold start from it (it was taken for no run, and started over),

@@ -537,15 +537,16 @@ def _main(args: argparse.Namespace) -> int:
 
 def _resume_hint(args: argparse.Namespace) -> str:
     """How a stopped ``gspo train`` goes on: ``--resume`` from the checkpoint it names, the
-    same command (``--auto-resume``), or, where it wrote nothing to resume from (its
-    directory removed), the same command to start it again."""
+    same command (``--auto-resume``), or, where it wrote no checkpoint to resume from (its
+    directory removed, or kept with its config.yaml and metrics alone), the same command
+    to start it again."""
     import shlex
 
-    from gspo.runs import not_a_run
+    from gspo.runs import auto_resumes, not_a_run
     from gspo.training.checkpoint import latest_named
 
-    run = run_directory(args)
-    if not_a_run(run, "--resume") is not None:
+    run = run_directory(args)  # (its config.yaml and first metric line are no checkpoint)
+    if not_a_run(run, "--resume") is not None or not auto_resumes(run):
         return "it had written nothing to resume from: the same command starts it again"
     named, problem = latest_named(run)
     since = f" (from {named})" if named and problem is None else ""
