@@ -645,6 +645,51 @@ def test_a_tracker_refusing_its_settings_is_one_line_naming_the_key(tmp_path, mo
         MetricsLogger(tmp_path / "b", wandb={"project": "?"})
 
 
+def test_a_trackers_settings_are_checked_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """A key wandb.init or mlflow.start_run does not take (log.wandb.projct), or a project
+    name W&B's own settings refuse, was found when the tracker started, after the model
+    had loaded (minutes for a large one): now one line before it loads."""
+    from gspo.cli import main
+
+    class Settings:
+        def __init__(self, project=None, entity=None, mode=None):
+            if project is not None and "/" in project:
+                raise ValueError(f"Invalid project name {project!r}: cannot contain '/'")
+
+    class Wandb:
+        @staticmethod
+        def init(project=None, entity=None, name=None, config=None, id=None, resume=None):
+            raise AssertionError("not reached")
+
+    class Mlflow:
+        @staticmethod
+        def start_run(run_id=None, experiment_id=None, run_name=None, tags=None):
+            raise AssertionError("not reached")
+
+    Wandb.Settings = Settings
+    for name, module in (("wandb", Wandb), ("mlflow", Mlflow)):
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None, origin="fake")
+        monkeypatch.setitem(sys.modules, name, module)
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("gspo.trainer.build_policy_model", loaded)
+    run = ["train", "--output-dir", str(tmp_path / "run"), "model.device=cpu"]
+    assert main([*run, "log.wandb={projct: p}"]) == 2
+    assert main([*run, "log.wandb={project: a/b}"]) == 2
+    assert main([*run, "log.mlflow={experiment_name: e, run_nam: r}"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "gspo: error: log.wandb.projct: wandb.init takes no such keyword (did you mean "
+        "log.wandb.project?)",
+        "gspo: error: log.wandb: W&B refused these settings (ValueError: Invalid project name "
+        "'a/b': cannot contain '/')",
+        "gspo: error: log.mlflow.run_nam: mlflow.start_run takes no such keyword (did you mean "
+        "log.mlflow.run_name?)",
+    ]
+    assert not (tmp_path / "run").exists()
+
+
 # ------------------------------------------------------------------------------ plots
 
 

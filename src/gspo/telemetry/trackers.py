@@ -277,11 +277,43 @@ def recorded_trackers(output_dir: Path) -> dict[str, dict]:
 
 
 def check_installed(wandb: Any, mlflow: Any) -> None:
-    """A tracker asked for (``log.wandb``, ``log.mlflow`` not None) but not installed: a
-    one-line ``ValueError``, said before the model loads (minutes), not after."""
+    """A tracker asked for (``log.wandb``, ``log.mlflow`` not None) but not installed, or
+    given a key its start does not take (``wandb.init``'s, ``mlflow.start_run``'s), or a
+    W&B ``project``, ``entity`` or ``mode`` that W&B's own settings refuse: a one-line
+    ``ValueError``, said before the model loads (minutes), not after (nothing is sent: the
+    server's answer, a project one cannot write to, comes when the tracker starts)."""
     for module, name, wanted in (("wandb", "W&B", wandb), ("mlflow", "MLflow", mlflow)):
-        if wanted is not None:
-            import_optional(module, name, module)
+        if wanted is None:
+            continue
+        found = import_optional(module, name, module)
+        own = ("tracking_uri", "experiment_name") if module == "mlflow" else ()
+        start = "init" if module == "wandb" else "start_run"
+        _known_keys(f"log.{module}", f"{module}.{start}", getattr(found, start, None), wanted, own)
+        settings = getattr(found, "Settings", None) if module == "wandb" else None
+        if isinstance(settings, type):  # (the checks wandb.init makes of these first)
+            given = {k: wanted[k] for k in ("project", "entity", "mode") if wanted.get(k)}
+            with tracker_settings(f"log.{module}", name):
+                settings(**given)
+
+
+def _known_keys(key: str, what: str, start: Any, settings: dict, own: tuple[str, ...]) -> None:
+    """A key of ``settings`` that ``start`` (a tracker's start) has no parameter for, nor
+    gspo itself reads (``own``): one line naming it and the nearest one."""
+    import difflib
+    import inspect
+
+    try:
+        params = inspect.signature(start).parameters
+    except (TypeError, ValueError):  # (not a function: nothing to compare with)
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    known = [*own, *params]
+    for name in settings:
+        if name not in known:
+            near = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {key}.{near[0]}?" if near else f"its keys: {', '.join(known)}"
+            raise ValueError(f"{key}.{name}: {what} takes no such keyword ({hint})")
 
 
 def import_optional(module: str, name: str, extra: str) -> Any:
