@@ -442,6 +442,45 @@ def test_a_tracker_off_at_one_resume_goes_on_in_its_run_at_the_next(tmp_path, mo
     assert not (tmp_path / "trackers.json").exists()
 
 
+def test_a_resume_with_another_tracker_environment_starts_a_new_run_there(
+    tmp_path, monkeypatch, capsys
+):
+    """WANDB_PROJECT (or MLFLOW_EXPERIMENT_NAME) changed between a run and its resume, no
+    log.* key given: the resume continued the recorded id, which W&B took as a run of that
+    id in the other project, unsaid. Now the variable's value is recorded and compared."""
+    fake = FakeTrackers(monkeypatch)
+    monkeypatch.setenv("WANDB_PROJECT", "a")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "e")
+    MetricsLogger(tmp_path, tensorboard=False, wandb={}, mlflow={}).close()
+    assert json.loads((tmp_path / "trackers.json").read_text()) == {
+        "wandb": {"id": "run-a", "project": "a", "entity": None},
+        "mlflow": {"id": "run-b", "tracking_uri": None, "experiment_name": "e"},
+    }
+    capsys.readouterr()
+    fake.calls.clear()
+    MetricsLogger(tmp_path, tensorboard=False, wandb={}, mlflow={}, resume_step=0).close()
+    assert fake.of("wandb.init")[0][0]["id"] == "run-a"  # (the same environment: continued)
+    assert fake.of("mlflow.start_run") == [({"run_id": "run-b"},)]
+    monkeypatch.setenv("WANDB_PROJECT", "b")
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME")
+    fake.calls.clear()
+    MetricsLogger(tmp_path, tensorboard=False, wandb={}, mlflow={}, resume_step=0).close()
+    assert "id" not in fake.of("wandb.init")[0][0]
+    assert fake.of("mlflow.start_run") == [({},)]
+    assert capsys.readouterr().err.splitlines() == [
+        "gspo: log.wandb: project changed since the run began (project='a'; WANDB_PROJECT='b' "
+        "now): the steps from here go to a new W&B run; the earlier ones are in run run-a",
+        "gspo: log.mlflow: experiment_name changed since the run began (experiment_name='e'; "
+        "neither it nor MLFLOW_EXPERIMENT_NAME now): the steps from here go to a new MLflow "
+        "run; the earlier ones are in run run-b",
+    ]
+    # an entry recorded without the environment's value (None) is continued, as it was
+    (tmp_path / "trackers.json").write_text('{"wandb": {"id": "old", "project": null}}')
+    fake.calls.clear()
+    MetricsLogger(tmp_path, tensorboard=False, wandb={}, resume_step=0).close()
+    assert fake.of("wandb.init")[0][0]["id"] == "old"
+
+
 def test_a_resume_with_the_tracker_pointed_elsewhere_starts_a_new_run_there(
     tmp_path, monkeypatch, capsys
 ):

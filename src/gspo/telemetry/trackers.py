@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import sys
 from collections.abc import Iterator, Mapping
@@ -24,9 +25,9 @@ from typing import Any
 TENSORBOARD_DIR = "tensorboard"
 #: The tracker runs a run logs to, each with where it is (``{"wandb": {"id": ..., "project":
 #: ..., "entity": ...}, "mlflow": {"id": ..., "tracking_uri": ..., "experiment_name": ...}}``,
-#: the settings as given): a resume goes on in the same ones (it started new ones, a second
-#: MLflow run holding the steps after the checkpoint twice) unless its settings point
-#: elsewhere. A tracker off at one resume keeps its entry for the next.
+#: each setting as given, else its environment variable): a resume goes on in the same ones (it
+#: started new ones, a second MLflow run holding the steps after the checkpoint twice) unless
+#: they point elsewhere. A tracker off at one resume keeps its entry for the next.
 TRACKERS_FILE = "trackers.json"
 #: Longest parameter value sent to MLflow (it refuses longer ones: 6000 characters).
 MLFLOW_VALUE_CHARS = 500
@@ -59,14 +60,24 @@ def _continued(
 ) -> str | None:
     """The recorded tracker run a resume goes on in: none without one, where the settings
     name their own (``own``: ``id``, ``run_id``), or where they point elsewhere than when it
-    began (another project, experiment or tracking URI: a new run there, said in one line).
-    The ``log.*`` settings are compared as given, not the environment (``WANDB_PROJECT``,
-    ``MLFLOW_TRACKING_URI``): an MLflow run not found there is a warning and a new run."""
+    began (another project, experiment or tracking URI: a new run there, said in one line),
+    each the ``log.*`` setting or, where it has none, the environment variable the tracker
+    reads (:func:`located`: a resume with another ``WANDB_PROJECT`` logged to a run of the
+    same id in the other project, unsaid). An entry of None (a run begun without one, or
+    recorded before the environment was) is compared with a setting alone. An MLflow run
+    not found where they point is a warning and a new run."""
     if not recorded or own in settings:
         return None
-    moved = [k for k in sink.where if recorded.get(k, settings.get(k)) != settings.get(k)]
+    now = located(sink, settings)
+    moved = [
+        k
+        for k in sink.where
+        if k in recorded
+        and recorded[k] != now[k]
+        and (recorded[k] is not None or settings.get(k) is not None)
+    ]
     if moved:
-        was = ", ".join(f"{k}={recorded.get(k)!r}" for k in moved)
+        was = ", ".join(f"{k}={recorded.get(k)!r}{_from_env(k, settings, now)}" for k in moved)
         print(
             f"gspo: {sink.key}: {', '.join(moved)} changed since the run began ({was}): the "
             f"steps from here go to a new {sink.name} run; the earlier ones are in run "
@@ -76,6 +87,32 @@ def _continued(
         )
         return None
     return recorded["id"]
+
+
+#: The environment variable each tracker reads where its setting is not given.
+ENVIRONMENT = {
+    "project": "WANDB_PROJECT",
+    "entity": "WANDB_ENTITY",
+    "tracking_uri": "MLFLOW_TRACKING_URI",
+    "experiment_name": "MLFLOW_EXPERIMENT_NAME",
+}
+
+
+def _from_env(key: str, settings: dict, now: dict[str, Any]) -> str:
+    """Where a changed value not among the settings comes from now: its variable."""
+    if settings.get(key) is not None:
+        return ""
+    env = ENVIRONMENT[key]
+    return f"; {env}={now[key]!r} now" if now[key] is not None else f"; neither it nor {env} now"
+
+
+def located(sink: WandbSink | MlflowSink, settings: dict) -> dict[str, Any]:
+    """Where ``sink``'s run is (``sink.where``): each setting given, else its environment
+    variable (:data:`ENVIRONMENT`), else None."""
+    return {
+        k: settings[k] if settings.get(k) is not None else os.environ.get(ENVIRONMENT[k]) or None
+        for k in sink.where
+    }
 
 
 def _same_run(started: str | None, recorded: dict | None) -> bool:
@@ -127,7 +164,7 @@ class WandbSink:
             self.run = wandb_mod.init(**settings)
         self.id: str | None = getattr(self.run, "id", None)
         self.continued = _same_run(self.id, recorded)
-        self.entry = {"id": self.id, **{k: settings.get(k) for k in self.where}}
+        self.entry = {"id": self.id, **located(self, settings)}
         self.declared: set[str] = set()
 
     def log(self, step: int, scalars: dict[str, float], steps: dict[str, int]) -> None:
@@ -183,7 +220,7 @@ class MlflowSink:
         self.mlflow = mlflow_mod
         cfg = dict(settings or {})
         resume_id = _continued(self, cfg, recorded, "run_id")
-        where = {k: cfg.get(k) for k in self.where}
+        where = located(self, cfg)
         uri = cfg.pop("tracking_uri", None)
         experiment = cfg.pop("experiment_name", None)
         if resume_id is not None:
