@@ -54,6 +54,14 @@ def test_a_collapsed_run_is_reported_and_the_others_go_on(tmp_path, tiny):
     configs = run_configs(None, args, checkpoint=cold_start_path(out), seeds=[0], preset="default")
     with pytest.raises(NonFiniteTraining):
         run_or_reuse(configs["GRPO", 0], tmp_path / "alone", again.append)
+    # ... and where they are given a run the compare recorded as collapsed (it was reused,
+    # its records returned as a finished run's)
+    import shutil
+
+    shutil.copytree(out / "runs" / "grpo-seed0", tmp_path / "copied")
+    (tmp_path / "copied" / "compare_request.yaml").unlink()  # (asked with root=out)
+    with pytest.raises(NonFiniteTraining, match=r"copied collapsed at step 3 \(a gspo compare"):
+        run_or_reuse(configs["GRPO", 0], tmp_path / "copied", again.append)
 
 
 def test_claim_c_counts_a_collapsed_seed():

@@ -271,12 +271,19 @@ def run_or_reuse(
     """Train ``config`` into ``run_dir``; reuse a finished run, resume an interrupted one,
     each only when it was made with the same settings (:func:`write_request`). ``go_on``
     (compare's): a run ``train.max_skipped`` stops is recorded as collapsed
-    (:func:`~gspo.experiments.summary.collapse`) and its records returned, not raised."""
+    (:func:`~gspo.experiments.summary.collapse`) and its records returned, not raised; a
+    run recorded so is reused by compare alone (other callers get the error)."""
     from gspo.trainer import Trainer
     from gspo.training.update import NonFiniteTraining
 
     unchanged_requests({run_dir: config}, root)
     fell = collapse(run_dir)  # (stopped on train.max_skipped: it would collapse again)
+    if fell and not go_on:  # (a compare's: reused as if finished, where training raises)
+        raise NonFiniteTraining(
+            f"{run_dir} collapsed at step {fell['step']} (a gspo compare went on past it: "
+            f"{fell['reason']}): delete it to redo it",
+            fell["step"],
+        )
     if fell or finished(run_dir, config.train.max_steps):
         log(f"  reusing {run_dir}" + (f" (collapsed at step {fell['step']})" if fell else ""))
         return read_metrics(run_dir / "metrics.jsonl")
