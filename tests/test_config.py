@@ -213,6 +213,18 @@ def test_output_dir_has_help_text():
         assert action.help and "default" in action.help
 
 
+def test_overrides_have_help_text_whose_example_loads():
+    """The key.sub=value of each command's --help had no word saying what it is."""
+    from gspo.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for command in ("train", "compare", "eval", "config"):
+        (action,) = [a for a in commands[command]._actions if a.dest == "overrides"]
+        assert action.help and "gspo config --doc" in action.help
+        example = re.search(r"e\.g\. (.*?) \(", action.help).group(1).split()
+        assert len(example) == 2 and load_config(overrides=example).train.max_steps == 50
+
+
 def test_malformed_override():
     with pytest.raises(ConfigError, match="key.sub=value"):
         parse_override("justakey")

@@ -54,6 +54,8 @@ if TYPE_CHECKING:
     from gspo.config import Config
 
 NO_CACHE_HELP = "redo the cold start even if an identical one is cached (train.cold_start_cache)"
+#: What the overrides are, for each command's --help (it listed them without a word).
+OVERRIDES = "config keys to set, e.g. train.max_steps=50 optim.lr=1e-6 (all: gspo config --doc)"
 
 
 def a_path(text: str) -> Path:
@@ -112,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
         "reward function, an environment, a data row)",
     )
     train.add_argument("--no-cache", action="store_true", help=NO_CACHE_HELP)
-    train.add_argument("overrides", nargs="*", metavar="key.sub=value")
+    train.add_argument("overrides", nargs="*", metavar="key.sub=value", help=OVERRIDES)
 
     comp = sub.add_parser(
         "compare",
@@ -140,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated subset of GSPO, GRPO, GSPO-token (default: all three)",
     )
     comp.add_argument("--no-cache", action="store_true", help=NO_CACHE_HELP)
-    comp.add_argument("overrides", nargs="*", metavar="key.sub=value")
+    comp.add_argument("overrides", nargs="*", metavar="key.sub=value", help=OVERRIDES)
 
     export = sub.add_parser(
         "export", help="write a run's latest (or a given) checkpoint as one plain HF model"
@@ -177,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
         "directory's: the defaults)",
     )
     ev.add_argument("--json", type=a_path, metavar="FILE", help="also write the figures to FILE")
-    ev.add_argument("overrides", nargs="*", metavar="key.sub=value", default=[])  # (optional)
+    ev.add_argument("overrides", nargs="*", metavar="key.sub=value", default=[], help=OVERRIDES)
 
     show = sub.add_parser("config", help="print the resolved config as YAML")
     show.add_argument("--config", type=a_path, action=Once, help="YAML config file")
@@ -186,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the Markdown reference of every key instead (docs/configuration.md)",
     )
-    show.add_argument("overrides", nargs="*", metavar="key.sub=value")
+    show.add_argument("overrides", nargs="*", metavar="key.sub=value", help=OVERRIDES)
     return parser
 
 
