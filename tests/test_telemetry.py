@@ -31,6 +31,7 @@ from gspo.telemetry import (
     read_metrics,
     summary_table,
 )
+from gspo.telemetry.trackers import ENVIRONMENT
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -316,6 +317,8 @@ class FakeTrackers:
         self.gone: set[str] = set()  # MLflow runs deleted
         # (W&B runs' file directories: removed with the fake, not left in the temp dir)
         self.files = tempfile.TemporaryDirectory(prefix="fake-wandb-files-")
+        for name in ENVIRONMENT.values():  # (recorded where a setting is not given)
+            monkeypatch.delenv(name, raising=False)
         tracker = self
 
         class Run:
@@ -690,6 +693,9 @@ def test_a_trackers_settings_are_checked_before_the_model_loads(tmp_path, monkey
     had loaded (minutes for a large one): now one line before it loads."""
     from gspo.cli import main
 
+    for name in [*ENVIRONMENT.values(), "WANDB_MODE"]:
+        monkeypatch.delenv(name, raising=False)
+
     class Settings:
         def __init__(self, project=None, entity=None, mode=None):
             if project is not None and "/" in project:
@@ -718,6 +724,8 @@ def test_a_trackers_settings_are_checked_before_the_model_loads(tmp_path, monkey
     assert main([*run, "log.wandb={projct: p}"]) == 2
     assert main([*run, "log.wandb={project: a/b}"]) == 2
     assert main([*run, "log.mlflow={experiment_name: e, run_nam: r}"]) == 2
+    monkeypatch.setenv("WANDB_PROJECT", "c/d")  # (what wandb.init reads without one)
+    assert main([*run, "log.wandb={name: r}"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "gspo: error: log.wandb.projct: wandb.init takes no such keyword (did you mean "
         "log.wandb.project?)",
@@ -725,6 +733,8 @@ def test_a_trackers_settings_are_checked_before_the_model_loads(tmp_path, monkey
         "'a/b': cannot contain '/')",
         "gspo: error: log.mlflow.run_nam: mlflow.start_run takes no such keyword (did you mean "
         "log.mlflow.run_name?)",
+        "gspo: error: log.wandb: W&B refused these settings (ValueError: Invalid project name "
+        "'c/d': cannot contain '/')",
     ]
     assert not (tmp_path / "run").exists()
 

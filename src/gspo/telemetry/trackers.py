@@ -316,7 +316,8 @@ def recorded_trackers(output_dir: Path) -> dict[str, dict]:
 def check_installed(wandb: Any, mlflow: Any) -> None:
     """A tracker asked for (``log.wandb``, ``log.mlflow`` not None) but not installed, or
     given a key its start does not take (``wandb.init``'s, ``mlflow.start_run``'s), or a
-    W&B ``project``, ``entity`` or ``mode`` that W&B's own settings refuse: a one-line
+    W&B ``project``, ``entity`` or ``mode`` (or ``WANDB_PROJECT``, ...) that W&B's own
+    settings refuse: a one-line
     ``ValueError``, said before the model loads (minutes), not after (nothing is sent: the
     server's answer, a project one cannot write to, comes when the tracker starts)."""
     for module, name, wanted in (("wandb", "W&B", wandb), ("mlflow", "MLflow", mlflow)):
@@ -328,7 +329,8 @@ def check_installed(wandb: Any, mlflow: Any) -> None:
         _known_keys(f"log.{module}", f"{module}.{start}", getattr(found, start, None), wanted, own)
         settings = getattr(found, "Settings", None) if module == "wandb" else None
         if isinstance(settings, type):  # (the checks wandb.init makes of these first)
-            given = {k: wanted[k] for k in ("project", "entity", "mode") if wanted.get(k)}
+            env = {"project": "WANDB_PROJECT", "entity": "WANDB_ENTITY", "mode": "WANDB_MODE"}
+            given = {k: v for k in env if (v := wanted.get(k) or os.environ.get(env[k]))}
             with tracker_settings(f"log.{module}", name):
                 settings(**given)
 
