@@ -739,6 +739,59 @@ def test_a_trackers_settings_are_checked_before_the_model_loads(tmp_path, monkey
     assert not (tmp_path / "run").exists()
 
 
+def test_an_mlflow_tracking_uri_without_a_store_is_said_before_the_model_loads(
+    tmp_path, monkeypatch, capsys
+):
+    """mlflow-skinny's own default URI (sqlite:///mlflow.db, which it has no store for), or
+    a URI of no known scheme, was refused when the tracker started, after the model load,
+    as 'Model registry functionality is unavailable'. A fake MLflow package with the
+    registry of stores the check looks the scheme up in (MLflow's internal one)."""
+    from gspo.cli import main
+
+    package = tmp_path / "fake" / "mlflow"
+    (package / "tracking" / "_tracking_service").mkdir(parents=True)
+    (package / "__init__.py").write_text(
+        "import os\n"
+        "def get_tracking_uri():\n"
+        "    return os.environ.get('MLFLOW_TRACKING_URI') or 'sqlite:///mlflow.db'\n"
+        "def start_run(run_id=None, run_name=None):\n"
+        "    raise AssertionError('not reached')\n"
+    )
+    (package / "tracking" / "__init__.py").write_text("")
+    (package / "tracking" / "_tracking_service" / "__init__.py").write_text("")
+    (package / "tracking" / "_tracking_service" / "utils.py").write_text(
+        "class Registry:\n"
+        "    def get_store_builder(self, uri):\n"
+        "        if uri.split(':')[0] not in ('file', 'http', 'https'):\n"
+        "            raise LookupError(f'Model registry functionality is unavailable: {uri}')\n"
+        "_tracking_store_registry = Registry()\n"
+    )
+    for name in [m for m in sys.modules if m == "mlflow" or m.startswith("mlflow.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(tmp_path / "fake"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("gspo.trainer.build_policy_model", loaded)
+    run = ["train", "--output-dir", str(tmp_path / "run"), "model.device=cpu"]
+    assert main([*run, "log.mlflow=true"]) == 2
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "foo://bar")
+    assert main([*run, "log.mlflow=true"]) == 2
+    assert main([*run, "log.mlflow={tracking_uri: http://127.0.0.1:1, run_nam: x}"]) == 2
+    where = "from log.mlflow.tracking_uri, else MLFLOW_TRACKING_URI, else MLflow's default"
+    assert capsys.readouterr().err.splitlines() == [
+        "gspo: error: log.mlflow: MLflow has no tracking store for the URI "
+        f"'sqlite:///mlflow.db' ({where}; a database's needs the mlflow package, not "
+        "mlflow-skinny)",
+        f"gspo: error: log.mlflow: MLflow has no tracking store for the URI 'foo://bar' ({where})",
+        "gspo: error: log.mlflow.run_nam: mlflow.start_run takes no such keyword (did you mean "
+        "log.mlflow.run_name?)",
+    ]
+    assert not (tmp_path / "run").exists()
+
+
 # ------------------------------------------------------------------------------ plots
 
 

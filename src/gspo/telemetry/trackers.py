@@ -327,12 +327,36 @@ def check_installed(wandb: Any, mlflow: Any) -> None:
         own = ("tracking_uri", "experiment_name") if module == "mlflow" else ()
         start = "init" if module == "wandb" else "start_run"
         _known_keys(f"log.{module}", f"{module}.{start}", getattr(found, start, None), wanted, own)
+        if module == "mlflow":
+            _mlflow_store(found, wanted)
         settings = getattr(found, "Settings", None) if module == "wandb" else None
         if isinstance(settings, type):  # (the checks wandb.init makes of these first)
             env = {"project": "WANDB_PROJECT", "entity": "WANDB_ENTITY", "mode": "WANDB_MODE"}
             given = {k: v for k in env if (v := wanted.get(k) or os.environ.get(env[k]))}
             with tracker_settings(f"log.{module}", name):
                 settings(**given)
+
+
+def _mlflow_store(mlflow: Any, settings: dict) -> None:
+    """The tracking URI (``log.mlflow.tracking_uri``, else ``MLFLOW_TRACKING_URI``, else
+    MLflow's default) has a store in this MLflow (nothing made or sent: its scheme looked
+    up in MLflow's registry of stores, an internal one; not found, nothing is checked).
+    mlflow-skinny has none for its own default, ``sqlite:``: refused when the tracker
+    started, after the model load, in words about the model registry."""
+    try:
+        from mlflow.tracking._tracking_service.utils import _tracking_store_registry as stores
+    except ImportError:
+        return
+    uri = settings.get("tracking_uri") or mlflow.get_tracking_uri()
+    try:
+        stores.get_store_builder(uri)
+    except Exception:
+        database = str(uri).split(":")[0].split("+")[0] in ("sqlite", "postgresql", "mysql")
+        hint = "; a database's needs the mlflow package, not mlflow-skinny" if database else ""
+        raise ValueError(
+            f"log.mlflow: MLflow has no tracking store for the URI {uri!r} (from "
+            f"log.mlflow.tracking_uri, else MLFLOW_TRACKING_URI, else MLflow's default{hint})"
+        ) from None
 
 
 def _known_keys(key: str, what: str, start: Any, settings: dict, own: tuple[str, ...]) -> None:
