@@ -347,7 +347,10 @@ def _mlflow_store(mlflow: Any, settings: dict) -> None:
         from mlflow.tracking._tracking_service.utils import _tracking_store_registry as stores
     except ImportError:
         return
-    uri = settings.get("tracking_uri") or mlflow.get_tracking_uri()
+    default = getattr(mlflow, "get_tracking_uri", None)  # (a fake's: none)
+    uri = settings.get("tracking_uri") or (default() if callable(default) else None)
+    if not isinstance(uri, str) or not hasattr(stores, "get_store_builder"):
+        return
     try:
         stores.get_store_builder(uri)
     except Exception:
