@@ -440,17 +440,9 @@ def _main(args: argparse.Namespace) -> int:
             )
             return 0
         if args.command == "export":
-            from gspo.export import export_merged, kept_until, plain_checkpoint
+            from gspo.export import run_export
 
-            if args.merge is None:
-                if args.dtype is not None:
-                    raise ValueError("--dtype needs --merge OUT, the copy it writes")
-                checkpoint = plain_checkpoint(args.source, args.step)
-                copy = kept_until(checkpoint) or " (or pass --merge OUT for a copy)"
-                print(f"{checkpoint} is a plain HF model: load it from there{copy}")
-                return 0
-            checkpoint = export_merged(args.source, args.merge, args.dtype, args.step)
-            print(f"{checkpoint} written to {args.merge} as one model")
+            print(run_export(args.source, args.merge, args.dtype, args.step))
             return 0
         if args.command == "eval":
             return run_eval(args)

@@ -282,3 +282,16 @@ def export_merged(
             f"export: --merge {out}: cannot be written ({exc.strerror or exc})"
         ) from exc
     return checkpoint
+
+
+def run_export(source: Path, merge: Path | None, dtype: str | None, step: int | None) -> str:
+    """``gspo export``: the checkpoint named (a plain HF model already) or written to
+    ``merge`` (``--merge OUT``, in ``dtype``); the line said."""
+    if merge is None:
+        if dtype is not None:
+            raise ValueError("--dtype needs --merge OUT, the copy it writes")
+        checkpoint = plain_checkpoint(source, step)
+        copy = kept_until(checkpoint) or " (or pass --merge OUT for a copy)"
+        return f"{checkpoint} is a plain HF model: load it from there{copy}"
+    checkpoint = export_merged(source, merge, dtype, step)
+    return f"{checkpoint} written to {merge} as one model"
