@@ -949,6 +949,19 @@ def test_a_file_with_a_config_and_a_missing_local_directory_are_local_errors(tmp
         (["data.prompt_template=Q: {q} A:"], {"q": None},
          "data.prompt_template: row 2 of data.train (the built-in addition task; columns: q): "
          "ValueError: {q} is None, which would be written as such"),
+        # (a missing float of a Parquet column was the prompt "Q: nan A:"; a mapping or a
+        # verl prompt column of chat messages their repr, unsaid)
+        (["data.prompt_template=Q: {q} A:"], {"q": float("nan")},
+         "data.prompt_template: row 2 of data.train (the built-in addition task; columns: q): "
+         "ValueError: {q} is NaN (a missing value), which would be written as 'nan'"),
+        (["data.prompt_template=Q: {q} A:"], {"q": {"text": "2+2", "id": 7}},
+         "data.prompt_template: row 2 of data.train (the built-in addition task; columns: q): "
+         "ValueError: {q} is a mapping {'text': '2+2', 'id': 7}, whose repr would be written; "
+         "name a field: {q[text]}"),
+        (["data.prompt_template=Q: {q} A:"], {"q": [{"role": "user", "content": "2+2"}]},
+         "data.prompt_template: row 2 of data.train (the built-in addition task; columns: q): "
+         "ValueError: {q} is chat messages [{'role': 'user', 'content': '2+2'}], whose repr "
+         "would be written; data.prompt_column takes chat messages as they are"),
         (["data.prompt_template=L{meta[level]}: {q}"], {"q": "x", "meta": {"lvl": 2}},
          "data.prompt_template: row 2 of data.train (the built-in addition task; columns: q, "
          "meta): "

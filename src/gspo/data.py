@@ -578,9 +578,8 @@ def _filled(template: str, row: dict[str, Any], where: str, blank_ok: bool = Fal
         fields = [field for _, field, _, _ in formatter.parse(template) if field]
         for field in fields:
             value, _ = formatter.get_field(field, (), row)
-            if value is None or callable(value):
-                said = "None" if value is None else "a method of the column's value"
-                raise ValueError(f"{{{field}}} is {said}, which would be written as such")
+            if said := _unwritable(value, field):
+                raise ValueError(f"{{{field}}} is {said}")
             if isinstance(value, str) and not value.strip():
                 blank.append(f"{{{field}}}")
         if fields and len(blank) == len(fields) and not blank_ok:
@@ -588,3 +587,22 @@ def _filled(template: str, row: dict[str, Any], where: str, blank_ok: bool = Fal
         return template.format_map(row)
     except (KeyError, IndexError, AttributeError, TypeError, ValueError) as exc:
         raise ValueError(f"data.prompt_template: {where}: {type(exc).__name__}: {exc}") from None
+
+
+def _unwritable(value: Any, field: str) -> str | None:
+    """Why a template ``field``'s ``value`` would write garbage into the prompt, or None:
+    None and NaN (a missing value: "None", "nan"), a method (its repr), a mapping or chat
+    messages (their repr: a verl ``prompt`` column in ``'{prompt} ...'``)."""
+    if value is None:
+        return "None, which would be written as such"
+    if isinstance(value, float) and value != value:
+        return "NaN (a missing value), which would be written as 'nan'"
+    if callable(value):
+        return "a method of the column's value, which would be written as such"
+    if _is_messages(value) and value:
+        hint = "data.prompt_column takes chat messages as they are"
+        return f"chat messages {value!r:.60}, whose repr would be written; {hint}"
+    if isinstance(value, dict) and value:
+        inside = f"{{{field}[{next(iter(value))}]}}"
+        return f"a mapping {value!r:.60}, whose repr would be written; name a field: {inside}"
+    return None
