@@ -938,6 +938,24 @@ def test_a_world_size_set_by_hand_is_one_line_naming_it(world, capsys, monkeypat
         ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_rank: unknown "
          "key; verl's lora_rank is model.lora.r (with model.lora.alpha, "
          "model.lora.target_modules) here (docs/from_verl.md)"),
+        # verl's data keys: max_prompt_length was told 'did you mean data.prompt_column?',
+        # prompt_key 'data.prompt_template?', val_files nothing
+        ("data.max_prompt_length=512", "data.max_prompt_length: unknown key; verl's "
+         "max_prompt_length has no equivalent here: prompts are neither cut nor dropped: one "
+         "longer than the model's context stops the run with one line naming its row (verl's "
+         "truncation=error) (docs/from_verl.md)"),
+        ("data.filter_overlong_prompts=true", "data.filter_overlong_prompts: unknown key; "
+         "verl's filter_overlong_prompts has no equivalent here: prompts are neither cut nor "
+         "dropped: one longer than the model's context stops the run with one line naming its "
+         "row (verl's truncation=error) (docs/from_verl.md)"),
+        ("data.prompt_key=question", "data.prompt_key: unknown key; verl's prompt_key is "
+         "data.prompt_column (a string or chat messages) here (docs/from_verl.md)"),
+        ("data.val_files=test.parquet", "data.val_files: unknown key; verl's val_files is "
+         "data.eval (one file, a directory of data files or a dataset id) here "
+         "(docs/from_verl.md)"),
+        # (TRL's max_prompt_length, at the top, keeps TRL's line)
+        ("max_prompt_length=512", "max_prompt_length: unknown key; TRL's max_prompt_length "
+         "has no equivalent here: prompts are not truncated (docs/from_trl.md)"),
         ("actor_rollout_ref.model.target_modules=all-linear", "actor_rollout_ref.model."
          "target_modules: unknown key; did you mean 'model.lora.target_modules'?"),
     ],

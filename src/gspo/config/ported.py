@@ -139,6 +139,9 @@ VERL_NAMES = {
     "enable_gradient_checkpointing": "model.activation_checkpointing",
     "lora_rank": "model.lora.r (with model.lora.alpha, model.lora.target_modules)",
     "rollout_is": "algorithm.rollout_correction (token_tis: verl's token rollout_is)",
+    "train_files": "data.train (one file, a directory of data files or a dataset id)",
+    "val_files": "data.eval (one file, a directory of data files or a dataset id)",
+    "prompt_key": "data.prompt_column (a string or chat messages)",
 }
 
 #: verl's keys with no gspo setting, and why (docs/from_verl.md).
@@ -160,6 +163,16 @@ VERL_WITHOUT = {
 #: verl's keys too common to be taken for verl's anywhere: only under this gspo section.
 VERL_SECTION = {"n": ("rollout", "rollout.group_size")}
 
+OVERLONG = (
+    "prompts are neither cut nor dropped: one longer than the model's context stops the run "
+    "with one line naming its row (verl's truncation=error)"
+)
+#: verl's ``data.*`` keys with no gspo setting (only under ``data``: TRL's
+#: ``max_prompt_length`` at the top has its own line).
+VERL_DATA_WITHOUT = dict.fromkeys(
+    ("max_prompt_length", "filter_overlong_prompts", "truncation"), OVERLONG
+)
+
 
 def ported_hint(key: str, close: bool) -> str | None:
     """The line for the unknown ``key`` (dotted, in full) where its name is verl's or
@@ -171,9 +184,10 @@ def ported_hint(key: str, close: bool) -> str | None:
     if leaf in VERL_NAMES or (leaf in VERL_SECTION and VERL_SECTION[leaf][0] == section):
         where = VERL_NAMES.get(leaf) or VERL_SECTION[leaf][1]
         return f"{key}: unknown key; verl's {leaf} is {where} here (docs/from_verl.md)"
-    if leaf in VERL_WITHOUT:
+    without = VERL_WITHOUT | (VERL_DATA_WITHOUT if section == "data" else {})
+    if leaf in without:
         return (
-            f"{key}: unknown key; verl's {leaf} has no equivalent here: {VERL_WITHOUT[leaf]} "
+            f"{key}: unknown key; verl's {leaf} has no equivalent here: {without[leaf]} "
             "(docs/from_verl.md)"
         )
     # (optim.beta: optim.betas, not TRL's beta; at the top a section's name is always close:
