@@ -231,3 +231,21 @@ def test_marked_text_encodes_as_transformers_sanitize_control_tokens_does():
         if sanitizes:
             oracle = tok.apply_chat_template(chat, sanitize_control_tokens=True)
             assert ids == list(getattr(oracle, "input_ids", oracle))
+
+
+def test_a_prompt_of_parts_that_the_template_writes_as_its_repr_is_refused():
+    """TRL's list-of-parts content under a template that writes ``m['content']`` as it is
+    (Qwen2.5's, the built-in's) made the prompt "[{'type': 'text', 'text': '1+1='}]",
+    unsaid; a template that reads the parts' text is left alone."""
+    tok = build_char_tokenizer()
+    parts = [{"role": "user", "content": [{"type": "text", "text": "1+1="}]}]
+    with pytest.raises(ValueError) as err:
+        encode_prompt(parts, tok)
+    assert str(err.value) == (
+        "message 1's content is a list of parts, which the chat template writes as its "
+        "Python repr ([{'type': 'text', 'text': '1+1='}]); write the content as text"
+    )
+    tok.chat_template = (
+        "{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endfor %}"
+    )
+    assert tok.decode(encode_prompt(parts, tok), skip_special_tokens=True) == "1+1="

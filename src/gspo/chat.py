@@ -80,9 +80,16 @@ def _written(messages: list[dict[str, Any]], text: str) -> None:
     """A message of another role than :data:`ROLES` whose text the template left out
     (Qwen's writes nothing for ``narrator``: the model never saw it, unsaid) is a
     one-line ``ValueError`` naming it. (A template may write it JSON-encoded: Llama 3's
-    ``ipython`` turns.)"""
+    ``ipython`` turns.) So is a content that is a list of parts (TRL's
+    ``[{"type": "text", ...}]``) which the template wrote as its repr (Qwen2.5's does)."""
     for k, message in enumerate(messages, start=1):
         role, content = message.get("role"), message.get("content")
+        if isinstance(content, list) and content and (shown := str(content)) in text:
+            shown = shown if len(shown) <= 60 else f"{shown[:57]}..."
+            raise ValueError(
+                f"message {k}'s content is a list of parts, which the chat template writes "
+                f"as its Python repr ({shown}); write the content as text"
+            )
         if role in ROLES or not isinstance(content, str):
             continue
         if content.strip() in text or json.dumps(content)[1:-1].strip() in text:
