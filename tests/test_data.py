@@ -1254,3 +1254,28 @@ def test_a_jsonl_row_without_the_prompt_column_is_named(tmp_path):
     assert str(err.value).endswith(
         "row 2: no prompt: its 'prompt' is missing or null (data.prompt_column names the column)"
     )
+
+
+def test_chat_messages_written_out_in_a_csv_are_refused(tmp_path):
+    """pandas' to_csv writes a column of message lists as their repr, which was each
+    prompt's text ("[{'role': 'user', ...}]"), trained on without a word."""
+    import pandas as pd
+
+    messages = [[{"role": "user", "content": "1+1="}], [{"content": "2+2=", "role": "user"}]]
+    pd.DataFrame({"prompt": messages, "answer": [2, 4]}).to_csv(tmp_path / "m.csv", index=False)
+    rows = load_rows(tmp_path / "m.csv", what="data.train")
+    with pytest.raises(ValueError) as err:
+        prepare_rows(rows, data_config(f"data.train={tmp_path / 'm.csv'}"), what="data.train")
+    assert str(err.value) == (
+        f"data.train ({tmp_path / 'm.csv'}) row 1: the prompt is chat messages written out as "
+        """text, "[{'role': 'user', 'content': '1+1='}]": a CSV cell holds no list; save the """
+        "rows as JSON Lines or Parquet"
+    )
+    as_json = [{"prompt": json.dumps(m)} for m in messages[1:]]  # (a string column of JSON)
+    with pytest.raises(ValueError, match=r"row 1: the prompt is chat messages written out"):
+        prepare_rows(as_json, data_config(), what="data.train")
+    # text that merely opens with a bracket is a prompt
+    text = [{"prompt": "[1, 2] + [3]?"}, {"prompt": "[{x}] is a set"}]
+    assert [r["prompt"] for r in prepare_rows(text, data_config(), what="data.train")] == [
+        "[1, 2] + [3]?", "[{x}] is a set"
+    ]  # fmt: skip

@@ -48,7 +48,7 @@ import yaml
 
 from gspo.chat import ROLES
 from gspo.config.data import template_fields
-from gspo.data_files import DATA_SUFFIXES, Row, field_of, read_file
+from gspo.data_files import DATA_SUFFIXES, Row, field_of, read_file, written_messages
 from gspo.plugins import one_line
 from gspo.rewards import reference_answer
 from gspo.rewards.parsing import cell_text
@@ -551,6 +551,10 @@ def _prompt(
     if isinstance(prompt, str):
         if prompt and not prompt.strip() and not blank_ok:  # ('': refused when encoded)
             raise ValueError(f"{what} row {index}: the prompt is only whitespace: {prompt!r:.40}")
+        if written_messages(prompt):  # (a CSV of message lists: their repr, trained on)
+            raise ValueError(f"{what} row {index}: the prompt is chat messages written out as "
+                             f"text, {prompt!r:.50}: a CSV cell holds no list; save the rows "
+                             "as JSON Lines or Parquet")  # fmt: skip
         return prompt
     if _is_messages(prompt):
         _check_messages(prompt, f"{what} row {index}")

@@ -9,6 +9,7 @@ import csv
 import io
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -213,3 +214,12 @@ def field_of(row: Row, path: str) -> Any:
             raise KeyError(f"{held} has no key {part!r} (its keys: {keys})")
         value = value[part]
     return value
+
+
+_WRITTEN_MESSAGES = re.compile(r"""\s*\[\s*\{\s*['"](?:role|content)['"]\s*:""")
+
+
+def written_messages(text: str) -> bool:
+    """Whether ``text`` is a list of chat messages written out (a CSV cell: pandas'
+    ``to_csv`` writes their repr; a string column of their JSON), not the messages."""
+    return bool(_WRITTEN_MESSAGES.match(text))
