@@ -99,6 +99,10 @@ def test_bad_values_name_the_key(override, expected):
         # (not "did you mean 'rollout.vllm'?", a section: rollout.vllm=true was refused)
         ("rollout.use_vllm=true", "TRL's use_vllm is rollout.engine here (docs/from_trl.md)"),
         ("model=/models/Qwen3-0.6B", "model is a section of keys: model.path=/models/Qwen3-0.6B"),
+        # (it said data.chat_template_kwargs.KEY=enable_thinking=false)
+        ("data.chat_template_kwargs=enable_thinking=false", "(got 'enable_thinking=false'); "
+         "data.chat_template_kwargs is a section of keys: "
+         "data.chat_template_kwargs.enable_thinking=false"),
         ("vllm_max_model_length=4096", "is rollout.vllm.max_model_len here (docs/from_trl.md)"),
         # (it named algorithm.minibatches alone: 4x the optimizer steps of TRL's run)
         ("gradient_accumulation_steps=4", "gradient_accumulation_steps: unknown key; TRL's "

@@ -256,5 +256,8 @@ def error_line(exc: ValidationError, model: type[BaseModel], prefix: str = "") -
         shown += did_you_mean(value, [str(a) for a in get_args(field_annotation(model, where))])
     if err["type"] in ("model_type", "dict_type") and isinstance(value, str):  # a section
         key = "model.path" if f"{prefix}{where}" == "model" else f"{prefix}{where}.KEY"
+        name, eq, rest = value.partition("=")  # (KEY=VALUE given as the section's value)
+        if eq and name.isidentifier() and key.endswith(".KEY"):
+            key, value = f"{prefix}{where}.{name}", rest
         shown += f"; {prefix}{where} is a section of keys: {key}={value}"  # (TRL's model=)
     return f"{prefix}{where}: {message}{shown}" if where or prefix else message
