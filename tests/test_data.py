@@ -182,6 +182,42 @@ def test_hub_ids_reach_load_dataset_with_config_and_split(monkeypatch, tmp_path)
     ]
 
 
+def test_a_split_slice_reads_that_part(monkeypatch, tmp_path, gsm8k_dir):
+    """datasets' split slices (train[:100], test[10%:]) as TRL's load_dataset(split=...)
+    takes them: their colon split the value in four, refused as 'more than
+    SOURCE:CONFIG:SPLIT', a hub id's and a local one's alike."""
+    monkeypatch.chdir(tmp_path)
+    calls = []
+
+    def fake_load_dataset(path, name=None, split=None, **kwargs):
+        calls.append((path, name, split))
+        return datasets.Dataset.from_list(GSM8K_ROWS)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    load_rows("openai/gsm8k:main:test[:200]", what="data.eval")
+    assert calls == [("openai/gsm8k", "main", "test[:200]")]  # (datasets slices it)
+    questions = [r["question"] for r in GSM8K_ROWS]
+    parts = {"train[:2]": questions[:2], "train[-1:]": questions[2:],
+             "train[1:2]": questions[1:2], "train[34%:]": questions[1:]}  # fmt: skip
+    for split, want in parts.items():
+        rows = load_rows(f"{gsm8k_dir}::{split}", what="data.train")
+        assert [r["question"] for r in rows] == want, split
+    folder = tmp_path / "files"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("".join(f'{{"prompt": "q{i}"}}\n' for i in range(10)))
+    (folder / "test.jsonl").write_text('{"prompt": "t"}\n')
+    rows = load_rows(f"{folder}::train[:30%]", what="data.train")
+    assert [r["prompt"] for r in rows] == ["q0", "q1", "q2"]
+    with pytest.raises(ValueError) as err:
+        load_rows(f"{folder}::train[a:b]", what="data.train")
+    assert str(err.value) == (
+        f"data.train: {folder}::train[a:b]: the split 'train[a:b]' is not SPLIT[START:STOP] "
+        "(test[:200], train[10%:])"
+    )
+    with pytest.raises(ValueError, match=r"^data.train: .*::train\[5:\] has no rows$"):
+        load_rows(f"{gsm8k_dir}::train[5:]", what="data.train")
+
+
 def offline(monkeypatch) -> None:
     """HF_HUB_OFFLINE=1 as a user's shell sets it before the process starts: huggingface_hub
     and datasets read it when imported, which they were before the test (set only in the

@@ -14,7 +14,8 @@
    ``./``, ``../`` or ``~`` (an error); else a ``datasets`` hub id
    (``openai/gsm8k:main:train``, ``HuggingFaceH4/MATH-500::test``), read with
    ``datasets.load_dataset`` so the user's cache and offline mode (``HF_HUB_OFFLINE=1``)
-   apply. A source with several splits and none named is an error listing them.
+   apply. A source with several splits and none named is an error listing them; a split
+   may be sliced as ``datasets`` slices it (``test[:200]``, ``train[10%:]``).
 
 **Rows to prompts** (:func:`prepare_rows`): the prompt is ``data.prompt_template``
 filled from the row's columns, else the ``data.prompt_column`` column; with
@@ -46,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from gspo import data_files
 from gspo.chat import ROLES
 from gspo.config.data import template_fields
 from gspo.data_files import DATA_SUFFIXES, Row, field_of, read_file, written_messages
@@ -102,7 +104,7 @@ def parse_source(text: str, *, what: str) -> Source:
         )
     if whole.suffix.lower() in DATA_SUFFIXES:
         raise FileNotFoundError(f"{what}: file not found: {text}{_looked_for(whole)}")
-    source, *rest = text.split(":")
+    source, *rest = data_files.source_fields(text)
     if len(rest) > 2:
         raise ValueError(f"{what}: {text!r} has more than SOURCE:CONFIG:SPLIT")
     config, split = ((rest + [""] * 2)[:2]) if rest else ("", "")
@@ -302,6 +304,9 @@ def load_rows(text: str | Path, *, what: str) -> list[Row]:
     """
     text = str(text)
     source = parse_source(text, what=what)
+    local = source.split if source.kind != "hub" else None  # (a hub id's slice: datasets')
+    split, bounds = data_files.split_slice(local, where=f"{what}: {text}")
+    source = Source(source.kind, source.location, source.config, split or source.split)
     if source.kind == "file":
         if source.config or source.split:
             raise ValueError(f"{what}: {text}: a file has no configs or splits")
@@ -317,6 +322,7 @@ def load_rows(text: str | Path, *, what: str) -> list[Row]:
         except Exception as exc:  # datasets raises many types: one line, naming the key
             raise _load_error(exc, source, text, what) from None
         rows = _one_split(loaded, text, what=what).to_list()
+    rows = data_files.sliced(rows, bounds) if bounds else rows
     if not rows:
         raise ValueError(f"{what}: {text} has no rows")
     # every row has every column (None where it lacks one), as a datasets table does

@@ -223,3 +223,41 @@ def written_messages(text: str) -> bool:
     """Whether ``text`` is a list of chat messages written out (a CSV cell: pandas'
     ``to_csv`` writes their repr; a string column of their JSON), not the messages."""
     return bool(_WRITTEN_MESSAGES.match(text))
+
+
+_SLICE = re.compile(r"(?P<name>[^\[\]]+)\[(?P<start>-?\d+%?)?:(?P<stop>-?\d+%?)?\]")
+
+
+def source_fields(text: str) -> list[str]:
+    """``SOURCE:CONFIG:SPLIT`` at its colons, a split's slice kept whole (``datasets``'
+    ``test[:200]``, ``train[10%:]``; its colon split the value in four, refused)."""
+    end = re.search(r"\[[^\[\]]*\]$", text)  # (not a directory's run[1]::train)
+    fields = text[: end.start() if end else None].split(":")
+    fields[-1] += end.group() if end else ""
+    return fields
+
+
+def split_slice(
+    split: str | None, *, where: str
+) -> tuple[str | None, tuple[str | None, str | None] | None]:
+    """``train[:100]`` as ``("train", (None, "100"))``; ``(split, None)`` without a slice.
+    A malformed slice is one line starting with ``where``."""
+    if split is None or "[" not in split:
+        return split, None
+    if not (found := _SLICE.fullmatch(split)):
+        raise ValueError(
+            f"{where}: the split {split!r} is not SPLIT[START:STOP] (test[:200], train[10%:])"
+        )
+    return found["name"], (found["start"], found["stop"])
+
+
+def sliced(rows: list[Row], bounds: tuple[str | None, str | None]) -> list[Row]:
+    """``rows[START:STOP]``, a bound ``N%`` that share of the rows (rounded, as ``datasets``
+    rounds it)."""
+
+    def at(bound: str | None) -> int | None:
+        if bound is None or not bound.endswith("%"):
+            return None if bound is None else int(bound)
+        return round(len(rows) * int(bound[:-1]) / 100)
+
+    return rows[at(bounds[0]) : at(bounds[1])]
