@@ -945,13 +945,13 @@ def test_a_world_size_set_by_hand_is_one_line_naming_it(world, capsys, monkeypat
         # verl's data keys: max_prompt_length was told 'did you mean data.prompt_column?',
         # prompt_key 'data.prompt_template?', val_files nothing
         ("data.max_prompt_length=512", "data.max_prompt_length: unknown key; verl's "
-         "max_prompt_length has no equivalent here: prompts are neither cut nor dropped: one "
-         "longer than the model's context stops the run with one line naming its row (verl's "
-         "truncation=error) (docs/from_verl.md)"),
+         "max_prompt_length has no equivalent here: prompts are not cut: one longer than the "
+         "model's context stops the run with one line naming its row (verl's truncation=error), "
+         "or data.drop_long_prompts=true leaves out those that leave fewer than "
+         "rollout.max_new_tokens positions (docs/from_verl.md)"),
         ("data.filter_overlong_prompts=true", "data.filter_overlong_prompts: unknown key; "
-         "verl's filter_overlong_prompts has no equivalent here: prompts are neither cut nor "
-         "dropped: one longer than the model's context stops the run with one line naming its "
-         "row (verl's truncation=error) (docs/from_verl.md)"),
+         "verl's filter_overlong_prompts is data.drop_long_prompts (the prompts that leave "
+         "fewer than rollout.max_new_tokens positions of the context) here (docs/from_verl.md)"),
         ("data.prompt_key=question", "data.prompt_key: unknown key; verl's prompt_key is "
          "data.prompt_column (a string or chat messages) here (docs/from_verl.md)"),
         ("data.val_files=test.parquet", "data.val_files: unknown key; verl's val_files is "

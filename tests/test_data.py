@@ -534,6 +534,47 @@ def test_cli_trains_on_a_dataset_directory_with_a_template(gsm8k_dir, tmp_path):
     assert any("train/loss" in r for r in read_metrics(out / "metrics.jsonl"))
 
 
+def test_drop_long_prompts_leaves_them_out_with_a_count(tmp_path, capsys):
+    """verl's filter_overlong_prompts had no equivalent: one prompt too long for the context
+    stopped the whole run. With data.drop_long_prompts the prompts that leave fewer than
+    rollout.max_new_tokens positions are left out, counted; none left is an error."""
+    from conftest import CPU
+
+    from gspo.cli import main
+
+    # (602 tokens: past the context of 512; 508: leaves 4 positions, rollout.max_new_tokens 8)
+    rows = [
+        {"prompt": "1+2=", "answer": "3"},
+        {"prompt": "1+" * 300 + "2=", "answer": "3"},
+        {"prompt": "1+" * 253 + "2=", "answer": "3"},
+        {"prompt": "2+2=", "answer": "4"},
+    ]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    overrides = [CPU, "model.layers=1", "model.hidden=32", "model.heads=2", "model.kv_heads=1",
+                 "model.intermediate=64", f"data.train={data}", "train.cold_start_steps=0",
+                 "train.max_steps=1", "algorithm.minibatches=1", "rollout.prompts_per_batch=2",
+                 "rollout.group_size=2", "log.completions_every=1", "data.drop_long_prompts=true",
+                 "reward.functions=[numeric_match]"]  # fmt: skip
+    assert main(["train", "--output-dir", str(tmp_path / "run"), *overrides]) == 0
+    assert (
+        f"gspo: warning: data.train ({data}): data.drop_long_prompts left out 2 of 4 prompts "
+        "(row 2 first), which leave fewer than rollout.max_new_tokens=8 positions of the "
+        "model's context of 512 (max_position_embeddings)\n"
+    ) in capsys.readouterr().err
+    logged = (tmp_path / "run" / "completions" / "rollout-000000.jsonl").read_text()
+    prompts = {json.loads(line)["prompt"] for line in logged.splitlines()}
+    assert prompts == {"1+2=", "2+2="}
+    data.write_text(json.dumps(rows[1]) + "\n")
+    assert main(["train", "--output-dir", str(tmp_path / "run2"), *overrides]) == 2
+    said = capsys.readouterr().err.strip()
+    assert said.endswith(
+        "left out 1 of 1 prompts (row 1 first), which leave fewer than "
+        "rollout.max_new_tokens=8 positions of the model's context of 512 "
+        "(max_position_embeddings): none is left"
+    )
+
+
 @pytest.mark.parametrize(
     ("rows", "said"),
     [

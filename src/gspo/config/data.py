@@ -90,6 +90,12 @@ class DataConfig(Section):
         description="Send string prompts through the tokenizer's chat template as one user "
         "message (implied by data.system_prompt); message-list prompts always are",
     )
+    drop_long_prompts: bool = Field(
+        False,
+        description="Leave out the prompts that leave fewer than rollout.max_new_tokens "
+        "positions of the context the rollouts have (verl's filter_overlong_prompts), counted "
+        "in one warning line; false: one longer than the context stops the run naming its row",
+    )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="Extra variables for the chat template, e.g. {enable_thinking: false} "

@@ -142,6 +142,8 @@ VERL_NAMES = {
     "train_files": "data.train (one file, a directory of data files or a dataset id)",
     "val_files": "data.eval (one file, a directory of data files or a dataset id)",
     "prompt_key": "data.prompt_column (a string or chat messages)",
+    "filter_overlong_prompts": "data.drop_long_prompts (the prompts that leave fewer than "
+    "rollout.max_new_tokens positions of the context)",
 }
 
 #: verl's keys with no gspo setting, and why (docs/from_verl.md).
@@ -164,14 +166,13 @@ VERL_WITHOUT = {
 VERL_SECTION = {"n": ("rollout", "rollout.group_size")}
 
 OVERLONG = (
-    "prompts are neither cut nor dropped: one longer than the model's context stops the run "
-    "with one line naming its row (verl's truncation=error)"
+    "prompts are not cut: one longer than the model's context stops the run with one line "
+    "naming its row (verl's truncation=error), or data.drop_long_prompts=true leaves out "
+    "those that leave fewer than rollout.max_new_tokens positions"
 )
 #: verl's ``data.*`` keys with no gspo setting (only under ``data``: TRL's
 #: ``max_prompt_length`` at the top has its own line).
-VERL_DATA_WITHOUT = dict.fromkeys(
-    ("max_prompt_length", "filter_overlong_prompts", "truncation"), OVERLONG
-)
+VERL_DATA_WITHOUT = dict.fromkeys(("max_prompt_length", "truncation"), OVERLONG)
 
 
 def ported_hint(key: str, close: bool) -> str | None:

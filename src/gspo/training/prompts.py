@@ -58,7 +58,7 @@ def encode_prompts(
             raise ValueError(
                 f"{name} row {i}: the prompt is empty (0 tokens): {row['prompt']!r}"[:300]
             )
-        if context is not None and len(ids) > context:
+        if context is not None and len(ids) > context and not config.data.drop_long_prompts:
             raise ValueError(
                 f"{name} row {i}: the prompt is {len(ids)} tokens, longer than {whose}"
             )
@@ -70,7 +70,7 @@ def encode_prompts(
               "the model never sees it", file=sys.stderr, flush=True)  # fmt: skip
     room = config.rollout.max_new_tokens
     over = [len(ids) for ids in encoded if context is not None and len(ids) + room > context]
-    if over:
+    if over and not config.data.drop_long_prompts:  # (else task_prompt_ids drops them)
         said = (
             f"{name}: {len(over)} prompt(s) (the longest {max(over)} tokens) leave fewer "
             f"than rollout.max_new_tokens={room} positions of {whose}"
@@ -101,10 +101,10 @@ def task_prompt_ids(
     _, learned = model_context(module)
     context, context_key = rollout_context(config, module)
     train, held_out = (
-        encode_prompts(
+        _kept(config, rows, encode_prompts(
             config, generate, tokenizer, rows, name=f"{name} ({config.data.source_of(name)})",
             context=context, learned_positions=learned, context_key=context_key, say=say,
-        )
+        ), name=name, context=context, context_key=context_key, say=say)
         for name, rows in (("data.train", data.train), ("data.eval", data.eval))
     )  # fmt: skip
     if say:  # (the trainer's forward sees the training rollouts only)
@@ -113,6 +113,38 @@ def task_prompt_ids(
         single = isinstance(generate, SingleTurn) and context_key == MODEL_CONTEXT
         warn_length_dependent_rope(config, generate, module, train, None if single else context)
     return train, held_out
+
+
+def _kept(
+    config: Config,
+    rows: list[dict[str, Any]],
+    ids: list[list[int]],
+    *,
+    name: str,
+    context: int | None,
+    context_key: str,
+    say: bool,
+) -> list[list[int]]:
+    """With ``data.drop_long_prompts``, ``rows`` (in place) and their ``ids`` without the
+    prompts that leave fewer than ``rollout.max_new_tokens`` positions of ``context``, said
+    in one warning line; all of them dropped is an error."""
+    room = config.rollout.max_new_tokens
+    if not config.data.drop_long_prompts or context is None or not rows:
+        return ids
+    keep = [i for i, one in enumerate(ids) if len(one) + room <= context]
+    if len(keep) == len(rows):
+        return ids
+    first = next(i for i, one in enumerate(ids) if len(one) + room > context) + 1
+    said = (f"{name} ({config.data.source_of(name)}): data.drop_long_prompts left out "
+            f"{len(rows) - len(keep)} of {len(rows)} prompts (row {first} first), which leave "
+            f"fewer than rollout.max_new_tokens={room} positions of "
+            f"{said_context(context, context_key)}")  # fmt: skip
+    if not keep:
+        raise ValueError(f"{said}: none is left")
+    if say:
+        print(f"gspo: warning: {said}", file=sys.stderr, flush=True)
+    rows[:] = [rows[i] for i in keep]
+    return [ids[i] for i in keep]
 
 
 def warn_length_dependent_rope(
