@@ -959,7 +959,8 @@ def test_a_world_size_set_by_hand_is_one_line_naming_it(world, capsys, monkeypat
          "(docs/from_verl.md)"),
         # (TRL's max_prompt_length, at the top, keeps TRL's line)
         ("max_prompt_length=512", "max_prompt_length: unknown key; TRL's max_prompt_length "
-         "has no equivalent here: prompts are not truncated (docs/from_trl.md)"),
+         "has no equivalent here: prompts are not truncated (data.drop_long_prompts=true leaves "
+         "out those too long for the context) (docs/from_trl.md)"),
         ("actor_rollout_ref.model.target_modules=all-linear", "actor_rollout_ref.model."
          "target_modules: unknown key; did you mean 'model.lora.target_modules'?"),
     ],

@@ -85,7 +85,8 @@ TRL_WITHOUT = {
     "loss_type": "gspo has one aggregation, TRL's \"grpo\" (the mean of each response's "
     "token mean)",
     "num_iterations": "each rollout batch is used once, in algorithm.minibatches steps",
-    "max_prompt_length": "prompts are not truncated",
+    "max_prompt_length": "prompts are not truncated (data.drop_long_prompts=true leaves out "
+    "those too long for the context)",
     "logging_steps": "every optimizer step is logged",
     "lr_scheduler_type": "the schedule is a linear warm-up, then constant (TRL's "
     '"constant"; "linear" decay has no equivalent)',
