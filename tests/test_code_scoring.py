@@ -99,7 +99,7 @@ def test_gspo_train_with_code_scoring_all(tmp_path, monkeypatch) -> None:
     where the default gives it 2/3."""
     data = tmp_path / "code.jsonl"
     data.write_text(json.dumps({"prompt": "Write add(a, b).", "tests": CALLS}) + "\n")
-    monkeypatch.setattr(sandbox, "program_of", lambda completion: EASY_ONLY)
+    monkeypatch.setattr(sandbox, "program_of", lambda completion, prompt=None: EASY_ONLY)
     args = [CPU, "model.layers=1", "model.hidden=64", "model.heads=2", "model.kv_heads=1",
             "model.intermediate=128", "rollout.group_size=2", "rollout.prompts_per_batch=1",
             "rollout.max_new_tokens=4", "train.max_steps=1", "algorithm.minibatches=1",

@@ -113,7 +113,7 @@ def test_gspo_train_on_a_verl_code_parquet(tmp_path, monkeypatch) -> None:
     field."""
     data = write_parquet(verl_rows([json.dumps(CALLS)] * 2), tmp_path / "train.parquet")
     easy_only = "def add(a, b):\n    return a + b if a < 10 else 0"
-    monkeypatch.setattr(sandbox, "program_of", lambda completion: easy_only)
+    monkeypatch.setattr(sandbox, "program_of", lambda completion, prompt=None: easy_only)
     args = [CPU, "model.layers=1", "model.hidden=64", "model.heads=2", "model.kv_heads=1",
             "model.intermediate=128", "rollout.group_size=2", "rollout.prompts_per_batch=2",
             "rollout.max_new_tokens=4", "train.max_steps=1", "algorithm.minibatches=1",
