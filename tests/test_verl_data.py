@@ -126,3 +126,20 @@ def test_gspo_train_on_a_verl_code_parquet(tmp_path, monkeypatch) -> None:
         assert main(["train", "--output-dir", str(run), *given]) == 0
         logged = (run / "completions" / "rollout-000000.jsonl").read_text().splitlines()
         assert [json.loads(line)["rewards"]["code"] for line in logged] == [reward] * 4
+
+
+def test_a_mapping_column_held_as_json_text_is_read_as_its_mapping(tmp_path: Path) -> None:
+    """A CSV file (or JSON Lines written with the mapping stringified) holds verl's
+    ``reward_model`` as the JSON text of an object: the dotted path reads into it (it
+    stopped the run: 'reward_model is str ..., not a mapping'); text that is no JSON object
+    still does."""
+    truth = json.dumps({"style": "rule", "ground_truth": "#### 7"})
+    path = tmp_path / "math.csv"
+    path.write_text('prompt,reward_model\nWhat is 3+4?,"' + truth.replace('"', '""') + '"\n')
+    rows = load_rows(path, what="data.train")
+    data = load_config(None, ["data.answer_column=reward_model.ground_truth"]).data
+    assert [r["answer"] for r in prepare_rows(rows, data, what="data.train")] == ["7"]
+    assert field_of({"m": ' {"a": {"b": 2}}'}, "m.a.b") == 2
+    for text, said in [("{not json", "str '{not json'"), ("[1]", "str '[1]'")]:
+        with pytest.raises(KeyError, match=re.escape(f"m is {said}, not a mapping")):
+            field_of({"m": text}, "m.a")

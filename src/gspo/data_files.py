@@ -194,8 +194,9 @@ def read_file(path: Path, *, what: str) -> list[Row]:
 def field_of(row: Row, path: str) -> Any:
     """``row``'s column ``path``, or where no column has that name a field nested in one
     by a dotted path: ``reward_model.ground_truth`` is the key ``ground_truth`` of the
-    mapping in the column ``reward_model`` (verl's Parquet layout: a struct column); None
-    where a mapping on the way is None (an empty cell, as a null column's). Raises
+    mapping in the column ``reward_model`` (verl's Parquet layout: a struct column; a CSV
+    or JSON Lines file may hold it as the JSON text of an object, read as that object);
+    None where a mapping on the way is None (an empty cell, as a null column's). Raises
     ``KeyError`` with the one-line reason where the path leads nowhere."""
     if path in row:
         return row[path]
@@ -207,12 +208,25 @@ def field_of(row: Row, path: str) -> Any:
         held = ".".join(parts[:k])
         if value is None:
             return None
+        value = _json_object(value)
         if not isinstance(value, dict):
             raise KeyError(f"{held} is {type(value).__name__} {value!r:.40}, not a mapping")
         if part not in value:
             keys = ", ".join(map(str, value)) or "none"
             raise KeyError(f"{held} has no key {part!r} (its keys: {keys})")
         value = value[part]
+    return value
+
+
+def _json_object(value: Any) -> Any:
+    """``value``, or the mapping it is the JSON text of (``'{"ground_truth": "7"}'``, as a
+    CSV cell or a stringified column holds a mapping)."""
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        try:
+            decoded = json.loads(value)
+        except ValueError:
+            return value
+        return decoded if isinstance(decoded, dict) else value
     return value
 
 
