@@ -667,6 +667,34 @@ def test_a_special_tokens_spelling_from_the_environment_stays_plain_text():
     )
 
 
+def test_text_without_a_special_tokens_spelling_keeps_the_marking_characters():
+    """U+E000 and U+E001 (private-use: an icon font's glyphs) mark environment text that
+    spells a special token; in a row's prompt, reset()'s text or a tool result without
+    such a spelling they were read as markers all the same and dropped from every
+    episode's tokens (the first turn's prompt of each episode too). Such text is encoded
+    as it is, as before marking existed; text that spells one still drops them."""
+    from gspo.models import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.add_tokens(["\ue000", "\ue001"])  # (so that they have ids of their own)
+    icons = [tokenizer.convert_tokens_to_ids(t) for t in ("\ue000", "\ue001")]
+    runner = MultiTurn(
+        ScriptedEngine(tokenizer, [["done"]]), EnvironmentFactory(Leaky), tokenizer,
+        max_turns=1, max_tokens=900, chat_kwargs={},
+    )  # fmt: skip
+    fmt = runner.format
+    row = {"prompt": "p \ue000 q", "hint": " \ue001r"}
+    prompt = fmt.prompt_ids([{"role": "user", "content": "p \ue000 q \ue001r"}])
+    assert runner.start(row).prompt == prompt and set(icons) <= set(prompt)
+    page = [{"role": "tool", "name": "read", "content": "a \ue000 b \ue001"}]
+    reply = fmt.reply_ids(page, stopped_with=2)
+    assert reply == fmt.encode("<tool_response>a \ue000 b \ue001</tool_response>")
+    spelt = [{"role": "tool", "name": "read", "content": "a \ue000 b <eos>"}]
+    plain_eos = [tokenizer.convert_tokens_to_ids(c) for c in "<eos>"]  # (its characters)
+    wanted = [*fmt.encode("<tool_response>a  b "), *plain_eos, *fmt.encode("</tool_response>")]
+    assert fmt.reply_ids(spelt, stopped_with=2) == wanted
+
+
 def test_cold_start_conversations_train_on_the_assistant_tokens_only(tokenizer):
     fmt = TurnFormat(tokenizer, EnvironmentFactory(Calculator).schemas, {})
     row = calculator_task(digits=3, sft_size=50, label_noise=0.0, train_size=100).sft[0]

@@ -261,6 +261,20 @@ def marked(value: Any, tokens: re.Pattern[str]) -> Any:
     return value
 
 
+def spells(value: Any, tokens: re.Pattern[str]) -> bool:
+    """Whether ``value`` (as :func:`marked` takes it) spells a control token or holds
+    :data:`SENTINEL`: text that needs :func:`marked`. Text that does not is encoded as it
+    is, the characters U+E000 and U+E001 kept (marking drops them; the prompt's own, in
+    the same rendered text, were read as markers and dropped too)."""
+    if isinstance(value, str):
+        return SENTINEL in value or tokens.search(value) is not None
+    if isinstance(value, dict):
+        return any(spells(v, tokens) for k, v in value.items() if k != "role")
+    if isinstance(value, list | tuple):
+        return any(spells(v, tokens) for v in value)
+    return False
+
+
 def encode_marked(tokenizer, text: str, tokens: re.Pattern[str]) -> list[int]:
     """The ids of ``text``, rendered from :func:`marked` messages: a marked token as plain
     text, the template's own special tokens as themselves. Text without a marker is

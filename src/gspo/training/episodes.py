@@ -34,6 +34,7 @@ from gspo.chat import (
     marked,
     render,
     special_markers,
+    spells,
     template_text,
     turn_end,
     turn_text,
@@ -107,17 +108,23 @@ class TurnFormat:
         token: a tool result must not end its turn or forge an assistant turn or a call."""
         return marked(value, self.control)
 
+    def spells(self, value: Any) -> bool:
+        """Whether the environment's ``value`` needs :meth:`mark` (else it is encoded as it
+        is: the same tokens as before marking existed, U+E000 and U+E001 included)."""
+        return spells(value, self.control)
+
     def encode_env(self, text: str) -> list[int]:
         """Rendered text whose environment parts were :meth:`mark`-ed: those as plain text,
         the template's markup as its tokens."""
         return encode_marked(self.tokenizer, text, self.control)
 
-    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+    def prompt_ids(self, messages: list[dict[str, Any]], *, marked: bool = False) -> list[int]:
         """The prompt, tools included, up to the model's first turn (a prefill continued:
-        :func:`gspo.chat.render`); text :meth:`mark`-ed in it encoded as plain text."""
+        :func:`gspo.chat.render`); ``marked``: text :meth:`mark`-ed in it, encoded as plain
+        text (else the text is encoded as it is)."""
         return render(
-            self.tokenizer, messages, tools=self.schemas, encode=self.encode_env,
-            **self.chat_kwargs,
+            self.tokenizer, messages, tools=self.schemas,
+            encode=self.encode_env if marked else None, **self.chat_kwargs,
         )  # fmt: skip
 
     def reply_ids(self, messages: list[dict[str, Any]], *, stopped_with: int | None) -> list[int]:
@@ -131,12 +138,15 @@ class TurnFormat:
         ``<end_of_turn>``. The messages' text is the environment's (:meth:`mark`).
         """
         base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": SENTINEL}]
-        text = self._render(base + self.mark(messages), tools=self.schemas, generation=True)
+        spelt = self.spells(messages)  # (else encoded as it is, U+E000 and U+E001 kept)
+        shown = self.mark(messages) if spelt else messages
+        text = self._render(base + shown, tools=self.schemas, generation=True)
         tail = text[text.rindex(SENTINEL) + len(SENTINEL) :]
-        ended = self.encode_env(tail.lstrip())  # ("content\n<|im_end|>": the newline with it)
+        encode = self.encode_env if spelt else self.encode
+        ended = encode(tail.lstrip())  # ("content\n<|im_end|>": the newline with it)
         if ended and stopped_with is not None and ended[0] == stopped_with:
             return ended[1:]
-        return self.encode_env(tail)
+        return encode(tail)
 
 
 def as_messages(prompt: Any) -> list[dict[str, Any]]:
@@ -253,8 +263,10 @@ class MultiTurn:
         observation = episode.reset(dict(row))
         messages = with_observation(as_messages(row["prompt"]), observation)
         # (reset's text is the environment's: a special token's spelling in it, plain text)
-        marked = with_observation(as_messages(row["prompt"]), self.format.mark(observation))
-        prompt = self.format.prompt_ids(marked)
+        shown, spelt = messages, self.format.spells(observation)
+        if spelt:
+            shown = with_observation(as_messages(row["prompt"]), self.format.mark(observation))
+        prompt = self.format.prompt_ids(shown, marked=spelt)
         if self.context is not None and len(prompt) >= self.context:  # (no room for a turn)
             raise EnvError(
                 f"environment {self.environment.name!r}: the episode's prompt (the row's and "
