@@ -135,7 +135,7 @@ def test_gspo_train_on_call_based_rows(tmp_path, monkeypatch, column: str) -> No
     ]  # fmt: skip
     data = tmp_path / "calls.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    monkeypatch.setattr(sandbox, "program_of", lambda completion: SOLVES_ALL)
+    monkeypatch.setattr(sandbox, "program_of", lambda completion, prompt=None: SOLVES_ALL)
     run = tmp_path / "run"
     args = [CPU, "model.layers=1", "model.hidden=64", "model.heads=2", "model.kv_heads=1",
             "model.intermediate=128", "rollout.group_size=2", "rollout.prompts_per_batch=3",
