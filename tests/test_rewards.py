@@ -40,6 +40,7 @@ def score(name: str, completions: list, answers: list, prompts: list | None = No
 
 def test_builtin_names() -> None:
     assert set(BUILTIN_REWARDS) == {
+        "by_source",
         "code",
         "environment",
         "exact_match",
@@ -525,7 +526,7 @@ def test_load_from_module_spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     [
         (
             "exact",
-            r"'exact'.*built-in name \(code, environment, exact_match, format, math, "
+            r"'exact'.*built-in name \(by_source, code, environment, exact_match, format, math, "
             r"numeric_match\)",
         ),
         ("", r"invalid reward function spec ''"),

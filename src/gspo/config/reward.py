@@ -22,7 +22,8 @@ class RewardConfig(Section):
     functions: list[str | Callable[..., Any]] = Field(
         default_factory=lambda: ["exact_match"],
         description="Built-ins (exact_match, numeric_match, math, format, code; environment: "
-        "the rollout.environment's get_reward) or "
+        "the rollout.environment's get_reward; by_source: each row by the built-in its "
+        "data_source names, reward.sources) or "
         "path/to/file.py:function / package.module:function; one name alone is a list of one; "
         "from Python also the functions themselves (docs/python.md)",
     )
@@ -68,6 +69,25 @@ class RewardConfig(Section):
         "DeepCoder, Skywork-OR1: partial credit rewards programs that special-case the easy "
         "tests; docs/code_reward.md)",
     )
+
+    sources: dict[str, str] = Field(
+        default_factory=dict,
+        description="The by_source reward: data_source -> the built-in that scores its rows "
+        "(math, numeric_match, exact_match, format, code), over verl's table (openai/gsm8k: "
+        "numeric_match; MATH, math_dapo, aime*, numina_*: math; apps, taco, codecontests, "
+        "codeforces: code); a key ending in * names every source it starts, e.g. "
+        "{my_math: math, my_code: code}",
+    )
+
+    @field_validator("sources")
+    @classmethod
+    def _routable(cls, value: dict[str, str]) -> dict[str, str]:
+        from gspo.rewards.by_source import source_problem
+
+        for source, name in value.items():
+            if (problem := source_problem(source, name)) is not None:
+                raise ValueError(problem)
+        return value
 
     @field_validator("functions", mode="before")
     @classmethod
@@ -125,8 +145,15 @@ class RewardConfig(Section):
                 raise ValueError(f"reward.functions: {problem}")
 
     def check_code_scoring(self) -> None:
-        """``code_scoring=all`` scores the built-in ``code`` reward, which is named."""
-        if self.code_scoring != "fraction" and not any(map(_is_code, self.functions)):
+        """``code_scoring=all`` scores the built-in ``code`` reward, which is named (or
+        ``by_source``, which may route rows to it); ``sources`` routes for ``by_source``."""
+        if self.sources and not any(map(_is_by_source, self.functions)):
+            raise ValueError(
+                "reward.sources routes the rows of the by_source reward, which "
+                "reward.functions does not name: add by_source, or drop reward.sources"
+            )
+        named_code = any(_is_code(f) or _is_by_source(f) for f in self.functions)
+        if self.code_scoring != "fraction" and not named_code:
             named = ", ".join(map(str, self._as_specs(list(self.functions))))
             raise ValueError(
                 f"reward.code_scoring={self.code_scoring} scores the built-in code reward, "
@@ -136,13 +163,18 @@ class RewardConfig(Section):
 
     def specs(self) -> list[str | Callable[..., Any]]:
         """``functions`` as they are loaded: the built-in ``code`` scored as
-        ``code_scoring`` says (:class:`gspo.rewards.verifiers.CodeReward`)."""
-        if self.code_scoring == "fraction":
+        ``code_scoring`` says (:class:`gspo.rewards.verifiers.CodeReward`), ``by_source``
+        routed as ``sources`` says (:class:`gspo.rewards.by_source.BySource`)."""
+        if self.code_scoring == "fraction" and not self.sources:
             return list(self.functions)
+        from gspo.rewards.by_source import BySource
         from gspo.rewards.verifiers import CodeReward
 
         code = CodeReward(self.code_scoring)
-        return [code if _is_code(f) else f for f in self.functions]
+        by_source = BySource(dict(self.sources), self.code_scoring)
+        return [
+            code if _is_code(f) else by_source if _is_by_source(f) else f for f in self.functions
+        ]
 
     def check_weights(self) -> None:
         """One weight per reward function, if weights are given."""
@@ -163,3 +195,8 @@ def _is_code(function: str | Callable[..., Any]) -> bool:
     from gspo.rewards.verifiers import code_reward
 
     return function is code_reward
+
+
+def _is_by_source(function: str | Callable[..., Any]) -> bool:
+    """Whether ``function`` is the built-in ``by_source`` reward (its name)."""
+    return isinstance(function, str) and function.strip() == "by_source"

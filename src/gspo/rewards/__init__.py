@@ -1,11 +1,13 @@
 """Reward functions: what they are (:mod:`.contract`), reading completions (:mod:`.parsing`),
 the built-in verifiers (:mod:`.verifiers`), a function from its spec (:mod:`.loading`),
 calling them on a batch (:mod:`.runner`), several with weights (:mod:`.functions`), DAPO's
-overlong penalty (:mod:`.penalty`) and the sandbox behind the ``code`` reward
-(:mod:`.sandbox`, imported when that reward runs). Needs only the standard library and
-:mod:`gspo.plugins`; math-verify is imported when the ``math`` reward runs.
+overlong penalty (:mod:`.penalty`), a built-in per row by its ``data_source``
+(:mod:`.by_source`, registered as ``by_source`` on import) and the sandbox behind the
+``code`` reward (:mod:`.sandbox`, imported when that reward runs). Needs only the
+standard library and :mod:`gspo.plugins`; math-verify is imported when the ``math`` reward runs.
 """
 
+from gspo.rewards.by_source import BySource
 from gspo.rewards.contract import RewardError, RewardFunction
 from gspo.rewards.functions import RewardFunctions, RewardResult
 from gspo.rewards.loading import load_reward_function
@@ -27,7 +29,8 @@ from gspo.rewards.verifiers import (
 
 # fmt: off
 __all__ = [
-    "BUILTIN_REWARDS", "RewardError", "RewardFunction", "RewardFunctions", "RewardResult",
+    "BUILTIN_REWARDS", "BySource", "RewardError", "RewardFunction", "RewardFunctions",
+    "RewardResult",
     "code_reward", "completion_text", "exact_match_reward", "extract_final_answer",
     "format_reward", "load_reward_function", "math_reward", "numeric_match_reward",
     "overlong_penalty", "parse_number", "reference_answer",

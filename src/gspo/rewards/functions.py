@@ -85,6 +85,18 @@ def metric_labels(names: Sequence[str]) -> dict[str, str]:
     return {name: label if counts[label] == 1 else name for name, label in short.items()}
 
 
+def _split(
+    name: str, values: list[float | None], keys: Sequence[Any]
+) -> dict[str, list[float | None]]:
+    """``values`` split by ``keys`` (a row's data_source): ``NAME/KEY`` holds the values
+    of the rows of that key, None elsewhere (logged as ``train/reward/NAME/KEY``)."""
+    out: dict[str, list[float | None]] = {}
+    for i, key in enumerate(keys):
+        column = out.setdefault(f"{name}/{key}", [None] * len(values))
+        column[i] = values[i]
+    return out
+
+
 @dataclass
 class RewardFunctions:
     """Several reward functions with weights, called together on a batch.
@@ -225,6 +237,22 @@ class RewardFunctions:
                     "column, as keywords: TRL's convention); add **kwargs to its parameters"
                 )
 
+    def check_rows(self, rows: Sequence[Mapping[str, Any]], where: str) -> None:
+        """At the start, what a built-in reads of each row, as it reads it: the ``code``
+        reward's tests parse (a row whose tests hold no assert stopped the run when it was
+        first sampled, hours in), ``by_source`` has a built-in for each row's source; one
+        line naming the row (``where``: the data)."""
+        from gspo.rewards.by_source import has_value
+        from gspo.rewards.code_tests import parse_tests
+
+        for name, function in zip(self.names, self.functions, strict=True):
+            if name.partition("#")[0] == "code":
+                for i, row in enumerate(rows, start=1):
+                    if has_value(tests := row.get("tests")):
+                        parse_tests(tests, f"{where} row {i}: tests")
+            if callable(check := getattr(function, "check_rows", None)):
+                check(rows, where)
+
     def take(self, key: str) -> bool:
         """Whether some function takes the keyword ``key`` (by name or ``**kwargs``): what
         the calls offer beside the data (:data:`gspo.rewards.contract.OFFERED`) is made
@@ -318,6 +346,9 @@ class RewardFunctions:
                     "for each, in their order)"
                 )
             per_function[name] = [_check_value(name, i, v) for i, v in enumerate(raw)]
+        for name, function in zip(self.names, self.functions, strict=True):
+            if (split := getattr(function, "split_by", None)) in columns:  # (by_source's)
+                per_function |= _split(name, per_function[name], columns[split])
 
         rewards = []
         for i in range(n):

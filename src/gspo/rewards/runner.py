@@ -443,9 +443,8 @@ class Runner:
         if aside is None:
             return self._in_thread(name, function, prompts, completions, columns, deadline)
         # (its own columns only: an environment's objects do not pickle)
-        needed = {
-            k: v for k, v in columns.items() if k in getattr(function, "required_columns", ())
-        }
+        reads = getattr(function, "reads_columns", getattr(function, "required_columns", ()))
+        needed = {k: v for k, v in columns.items() if k in reads}
         return aside.run([name], [function], [spec], prompts, completions, needed, deadline)[0]
 
     def _aside_runner(self, name: str, spec: str) -> Runner | None:

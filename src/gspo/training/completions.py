@@ -52,6 +52,8 @@ class CompletionLog:
         # an episode's: what its model saw first (reset's text too), the tokens it sampled
         prompts, sampled = scored.prompts, scored.batch.action_mask.sum(-1).tolist()
         labels = metric_labels(list(scored.per_function))  # (as train/reward/NAME names them)
+        functions = scored.per_function
+        split = {n for n in functions if any(n.startswith(f"{k}/") for k in functions)}
         mine = []
         for i, completion in enumerate(scored.completions):
             row = rows[i // group]
@@ -61,7 +63,11 @@ class CompletionLog:
             line |= {
                 "completion": completion,
                 "reward": float(scored.rewards[i]),
-                "rewards": {labels[name]: v[i] for name, v in scored.per_function.items()},
+                "rewards": {  # (by_source's NAME/SOURCE: the row's own source only)
+                    labels[name]: v[i]
+                    for name, v in functions.items()
+                    if v[i] is not None or name not in split
+                },
                 "advantage": values[i],
                 "tokens": int(lengths[i]),
                 **({} if prompts is None else {"model_tokens": int(sampled[i])}),

@@ -110,8 +110,11 @@ class Evaluator:
             # sum against eval.success_threshold, which a correctness reward beside a
             # penalty may never reach)
             functions = [part[5] for part in done]
-            if len(functions[0]) > 1:
-                every = {k: [v for f in functions for v in f[k]] for k in functions[0]}
+            names = dict.fromkeys(k for f in functions for k in f)  # (by_source's NAME/SOURCE)
+            if len(names) > 1:
+                every = {
+                    k: [v for p in done for v in p[5].get(k, [None] * len(p[1]))] for k in names
+                }
                 metrics |= reward_means(every, "eval/reward/", suffix)
         metrics["time/eval"] = time.perf_counter() - start
         return metrics

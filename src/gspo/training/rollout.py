@@ -231,8 +231,9 @@ def merge_groups(rounds: list[Scored], groups: list[int]) -> Scored:
     batch = concat_batches([s.batch for s in rounds])
     rows = torch.tensor([g * group + j for g in groups for j in range(group)])
     completions = [c for s in rounds for c in s.completions]
-    per_function = {
-        name: [v for s in rounds for v in s.per_function[name]] for name in rounds[0].per_function
+    per_function = {  # (a name one round lacks, by_source's SOURCE of none of its rows: None)
+        name: [v for s in rounds for v in s.per_function.get(name, [None] * len(s.rewards))]
+        for name in dict.fromkeys(n for s in rounds for n in s.per_function)
     }
     scorable = prompts = None
     if rounds[0].prompts is not None:
@@ -509,7 +510,10 @@ def rollout_metrics(
     advantages = torch.cat([p[1] for p in parts])
     lengths = torch.cat([p[2] for p in parts])
     finish_reasons = [r for p in parts for r in p[3]]
-    per_function = {name: [v for p in parts for v in p[4][name]] for name in parts[0][4]}
+    per_function = {  # (a name one rank lacks, by_source's SOURCE of none of its rows: None)
+        name: [v for p in parts for v in p[4].get(name, [None] * len(p[0]))]
+        for name in dict.fromkeys(n for p in parts for n in p[4])
+    }
     # a completion no reward function scored is out of the advantages' means: out of these
     # too (it was a reward of 0), as in evaluation and TRL; none scored, no reward logged
     kept = rewards[torch.cat([p[5] for p in parts])]

@@ -481,8 +481,7 @@ def check_reward_columns(
                         f"which reward function {name!r} needs: "
                         f"{gets}"
                     )
-            if any(n.partition("#")[0] == "code" for n in rewards.names):
-                _code_tests_parse(rows, f"{key} ({where})")
+            rewards.check_rows(rows, f"{key} ({where})")  # (code's tests, by_source's routes)
     return warnings
 
 
@@ -495,16 +494,6 @@ def _answers_are_text(rows: list[dict], name: str, where: str) -> None:
                 f"{where} row {i}: the answer (column 'answer', which reward function "
                 f"{name!r} compares) {said}"
             )
-
-
-def _code_tests_parse(rows: list[dict], where: str) -> None:
-    """Every row's ``tests`` read as the ``code`` reward reads them, at the start: a row
-    whose tests hold no assert stopped the run when it was first sampled, hours in."""
-    from gspo.rewards.sandbox import parse_tests
-
-    for i, row in enumerate(rows, start=1):
-        if not _empty(row.get("tests")):
-            parse_tests(row["tests"], f"{where} row {i}: tests")
 
 
 def _empty(value: Any) -> bool:
