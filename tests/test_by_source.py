@@ -99,6 +99,10 @@ def test_an_unknown_source_stops_the_run_naming_it_and_the_key(tmp_path: Path) -
     assert str(caught.value) == said
     with pytest.raises(RewardError, match="data_source 'my_math' is none of its sources"):
         score(rows, ["72", "1", RIGHT], [])  # (not a silent 0 for the row)
+    rows[1]["data_source"] = None  # (a null cell: no source named, nothing to set)
+    said = r"row 2: reward 'by_source': a row without a data_source \(None\), which names"
+    with pytest.raises(RewardError, match=said):
+        rewards.check_rows(rows, "data.train (x)")
 
 
 def test_a_row_without_what_its_builtin_reads_says_which_key_to_set(tmp_path: Path) -> None:

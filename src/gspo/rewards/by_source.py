@@ -82,8 +82,13 @@ class BySource:
         prefixes = [p for p in table if p.endswith("*") and key.startswith(p[:-1])]
         if key and prefixes:
             return table[max(prefixes, key=len)]
-        named = f"data_source {source!r}" if key else "an empty data_source"
-        example = key if key and key.isidentifier() else "SOURCE"
+        if not key:
+            raise RewardError(
+                f"reward 'by_source': a row without a data_source ({source!r}), which names "
+                "the built-in that scores it: give every row one"
+            )
+        named = f"data_source {source!r}"
+        example = key if key.isidentifier() else "SOURCE"
         raise RewardError(
             f"reward 'by_source': {named} is none of its sources (verl's, and "
             f"reward.sources); set reward.sources={{{example}: math}} (or one of "
