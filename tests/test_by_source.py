@@ -215,3 +215,17 @@ def test_rounds_and_ranks_of_other_sources_are_merged_and_logged() -> None:
     metrics = rollout_metrics(Distributed(), merged, torch.zeros(2))
     assert metrics["train/reward/by_source/aime"] == 1.0
     assert metrics["train/reward/by_source/apps"] == 0.0
+
+
+def test_verls_reward_keys_name_gspos() -> None:
+    """custom_reward_function.path and data.reward_fn_key were 'unknown key' alone."""
+    from gspo.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^custom_reward_function: unknown key; verl's "
+                       r"custom_reward_function is reward.functions=\[FILE.py:FUNCTION\] "
+                       r"\(called on a batch as TRL calls one"):  # fmt: skip
+        load_config(None, ["custom_reward_function.path=my_reward.py"])
+    with pytest.raises(ConfigError, match=r"^data.reward_fn_key: unknown key; verl's "
+                       r"reward_fn_key has no equivalent here: reward.functions=\[by_source\] "
+                       r"picks each row's built-in by its data_source column"):  # fmt: skip
+        load_config(None, ["data.reward_fn_key=data_source"])

@@ -145,6 +145,10 @@ VERL_NAMES = {
     "prompt_key": "data.prompt_column (a string or chat messages)",
     "filter_overlong_prompts": "data.drop_long_prompts (the prompts that leave fewer than "
     "rollout.max_new_tokens positions of the context)",
+    "custom_reward_function": "reward.functions=[FILE.py:FUNCTION] (called on a batch as "
+    "TRL calls one: prompts, completions and every column as lists, a float per completion; "
+    "not per row as verl's compute_score; its default_compute_score: "
+    "reward.functions=[by_source])",
 }
 
 #: verl's keys with no gspo setting, and why (docs/from_verl.md).
@@ -161,6 +165,8 @@ VERL_WITHOUT = {
     "tensor_model_parallel_size": "each rank runs its own vLLM engine, tensor-parallel size 1",
     "free_cache_engine": "vLLM keeps its weights and KV cache while the trainer trains "
     "(rollout.vllm.gpu_memory_utilization bounds them)",
+    "reward_fn_key": "reward.functions=[by_source] picks each row's built-in by its "
+    "data_source column, verl's default reward_fn_key (another column: rename it)",
 }
 
 #: verl's keys too common to be taken for verl's anywhere: only under this gspo section.
