@@ -229,3 +229,11 @@ def test_verls_reward_keys_name_gspos() -> None:
                        r"reward_fn_key has no equivalent here: reward.functions=\[by_source\] "
                        r"picks each row's built-in by its data_source column"):  # fmt: skip
         load_config(None, ["data.reward_fn_key=data_source"])
+
+
+def test_the_unscored_warning_names_the_functions_not_the_sources(capsys) -> None:
+    from gspo.training.rollout import Scorer
+
+    per_function = {"by_source": [None, None], "by_source/openai/gsm8k": [None, None]}
+    Scorer(None, None).warn_if_unscored(per_function, 2)  # type: ignore[arg-type]
+    assert "check reward.functions (by_source) against" in capsys.readouterr().err

@@ -158,7 +158,10 @@ class Scorer:
         if self.warned or not per_function or n == 0:
             return
         if all(v is None for values in per_function.values() for v in values):
-            self.warned = True
+            self.warned = True  # (by_source's NAME/SOURCE: not a function of its own)
+            functions = [
+                n for n in per_function if not any(n.startswith(f"{k}/") for k in per_function)
+            ]
             env = (  # (the environment's own reward: a get_reward() without its return?)
                 "; the environment's get_reward() returned None for every episode (a missing "
                 "return?)"
@@ -169,7 +172,7 @@ class Scorer:
                 f"gspo: warning{rank_said()}: every reward function returned None (does not "
                 f"apply) for all {n} completions of a batch, so every advantage is 0 and "
                 f"nothing is learned from it (AdamW's momentum and weight decay still move the "
-                f"weights); check reward.functions ({', '.join(per_function)}) "
+                f"weights); check reward.functions ({', '.join(functions)}) "
                 f"against the data's columns{env} (shown once)",
                 file=sys.stderr,
                 flush=True,
