@@ -78,6 +78,8 @@ def test_reward_sources_routes_sources_of_ones_own(tmp_path: Path) -> None:
     completions = ["72", "\\boxed{\\frac{1}{2}}", RIGHT]
     sources = "reward.sources={my_math: exact_match, my_code*: code}"
     assert score(rows, completions, [sources]).rewards == [1.0, 1.0, 1.0]  # (aime*: verl's)
+    config = load_config(None, ["reward.functions=[by_source]", sources])
+    assert len({*config.reward.specs()}) == 1  # (hashable, as a function is: was a TypeError)
     # a source's key of one's own over verl's: gsm8k's rows compared as exact text
     rows = prepared(tmp_path, mixed_rows(), VERL)
     override = "reward.sources={openai/gsm8k: exact_match}"

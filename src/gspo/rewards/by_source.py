@@ -47,11 +47,12 @@ def source_problem(source: str, name: Any) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class BySource:
     """Each row scored by the built-in its ``data_source`` names (:data:`VERL_SOURCES`,
     with ``sources`` over it); ``code`` scored as ``code_scoring`` says. A module-level
-    class, so that ``reward.workers`` processes get it by pickle."""
+    class, so that ``reward.workers`` processes get it by pickle; hashed as itself (a
+    function is), its ``sources`` a dict."""
 
     sources: Mapping[str, str] = field(default_factory=dict)
     code_scoring: str = "fraction"
