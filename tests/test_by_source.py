@@ -115,7 +115,12 @@ def test_a_row_without_what_its_builtin_reads_says_which_key_to_set(tmp_path: Pa
                        r"reads the column 'tests', which the row lacks; verl's data keeps it in "
                        r"reward_model: data.tests_column=reward_model.ground_truth$"):  # fmt: skip
         rewards.check_rows(rows, "data.train (x)")
-    rewards.check_rows(rows[:2], "data.train (x)")  # (the math rows have their answer)
+    assert rewards.check_rows(rows[:2], "data.train (x)") == []  # (math rows: answers)
+    rows[1]["answer"] = None  # (a null ground_truth: said at the start, not silently None)
+    assert rewards.check_rows(rows[:2], "data.train (x)") == [
+        "data.train (x): 1 of 2 rows (row 2) has no 'answer', which reward function "
+        "'by_source' reads for their data_source: their completions are not scored"
+    ]
 
 
 def test_reward_sources_is_checked_with_the_config() -> None:

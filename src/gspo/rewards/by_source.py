@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gspo.plugins import some_of
 from gspo.rewards.code_tests import parse_tests
 from gspo.rewards.contract import RewardError
 from gspo.rewards.parsing import cell_text
@@ -101,9 +102,11 @@ class BySource:
             return CodeReward(self.code_scoring)
         return BUILTIN_REWARDS[name]
 
-    def check_rows(self, rows: Sequence[Mapping[str, Any]], where: str) -> None:
+    def check_rows(self, rows: Sequence[Mapping[str, Any]], where: str) -> list[str]:
         """At the start: every row's source has a built-in, and the row what it reads (an
-        ``answer``, parsing ``tests``); one line naming the row and the key to set."""
+        ``answer``, parsing ``tests``); one line naming the row and the key to set.
+        Returned: a warning line for each column some rows leave empty (not scored)."""
+        empty: dict[str, list[int]] = {}
         for i, row in enumerate(rows, start=1):
             try:
                 name = self.route(row.get(SOURCE_COLUMN))
@@ -118,8 +121,15 @@ class BySource:
                         f"verl's data keeps it in reward_model: "
                         f"data.{needed}_column=reward_model.ground_truth"
                     )
+                if not has_value(row[needed]):
+                    empty.setdefault(needed, []).append(i)
             if name == "code" and has_value(row["tests"]):
                 parse_tests(row["tests"], f"{where} row {i}: tests")
+        return [
+            f"{where}: {some_of(found, len(rows), 'row')} no {column!r}, which reward "
+            "function 'by_source' reads for their data_source: their completions are not scored"
+            for column, found in empty.items()
+        ]
 
     def __call__(
         self, prompts: Sequence[Any], completions: Sequence[Any], **columns: Any

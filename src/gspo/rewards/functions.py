@@ -237,21 +237,23 @@ class RewardFunctions:
                     "column, as keywords: TRL's convention); add **kwargs to its parameters"
                 )
 
-    def check_rows(self, rows: Sequence[Mapping[str, Any]], where: str) -> None:
+    def check_rows(self, rows: Sequence[Mapping[str, Any]], where: str) -> list[str]:
         """At the start, what a built-in reads of each row, as it reads it: the ``code``
         reward's tests parse (a row whose tests hold no assert stopped the run when it was
         first sampled, hours in), ``by_source`` has a built-in for each row's source; one
-        line naming the row (``where``: the data)."""
+        line naming the row (``where``: the data). Returned: the functions' warning lines."""
         from gspo.rewards.by_source import has_value
         from gspo.rewards.code_tests import parse_tests
 
+        warnings: list[str] = []
         for name, function in zip(self.names, self.functions, strict=True):
             if name.partition("#")[0] == "code":
                 for i, row in enumerate(rows, start=1):
                     if has_value(tests := row.get("tests")):
                         parse_tests(tests, f"{where} row {i}: tests")
             if callable(check := getattr(function, "check_rows", None)):
-                check(rows, where)
+                warnings += check(rows, where) or []
+        return warnings
 
     def take(self, key: str) -> bool:
         """Whether some function takes the keyword ``key`` (by name or ``**kwargs``): what

@@ -481,7 +481,7 @@ def check_reward_columns(
                         f"which reward function {name!r} needs: "
                         f"{gets}"
                     )
-            rewards.check_rows(rows, f"{key} ({where})")  # (code's tests, by_source's routes)
+            warnings += rewards.check_rows(rows, f"{key} ({where})")  # (code's, by_source's)
     return warnings
 
 
