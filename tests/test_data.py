@@ -1356,3 +1356,25 @@ def test_chat_messages_written_out_in_a_csv_are_refused(tmp_path):
     assert [r["prompt"] for r in prepare_rows(text, data_config(), what="data.train")] == [
         "[1, 2] + [3]?", "[{x}] is a set"
     ]  # fmt: skip
+
+
+def test_a_prompt_that_opens_with_json_data_is_not_written_out_messages():
+    """A prompt that opens with JSON data holding a "role" or "content" key (records to
+    read, a message list quoted to explain) was refused as chat messages written out,
+    with nothing to turn the check off; a whole written-out list still is refused, a
+    numpy array's repr (no commas) too."""
+    prompts = [
+        '[{"role": "admin", "name": "Ann"}, {"role": "guest", "name": "Bo"}]\nWho is admin?',
+        '[{"content": 3, "id": 1}] Sum the content fields.',
+        "[{'role': 'user', 'content': 'hi'}] is a chat in Python. Explain it.",
+        '[{"role": "admin", "name": "Ann"}]',  # (no content: records, not messages)
+    ]
+    rows = [{"prompt": p} for p in prompts]
+    assert [r["prompt"] for r in prepare_rows(rows, data_config(), what="data.train")] == prompts
+    written = [
+        "[{'role': 'system', 'content': 'be brief'}\n {'role': 'user', 'content': '1+1='}]",
+        ' [ {"content": "1+1=", "role": "user"} ] ',
+    ]
+    for text in written:
+        with pytest.raises(ValueError, match=r"row 1: the prompt is chat messages written out"):
+            prepare_rows([{"prompt": text}], data_config(), what="data.train")

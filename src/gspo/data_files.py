@@ -230,13 +230,17 @@ def _json_object(value: Any) -> Any:
     return value
 
 
-_WRITTEN_MESSAGES = re.compile(r"""\s*\[\s*\{\s*['"](?:role|content)['"]\s*:""")
+_WRITTEN_MESSAGES = re.compile(r"""\s*\[\s*\{\s*['"](?:role|content)['"]\s*:.*\}\s*\]\s*""", re.S)
+_MESSAGE_KEY = re.compile(r"""['"](role|content)['"]\s*:""")
 
 
 def written_messages(text: str) -> bool:
     """Whether ``text`` is a list of chat messages written out (a CSV cell: pandas'
-    ``to_csv`` writes their repr; a string column of their JSON), not the messages."""
-    return bool(_WRITTEN_MESSAGES.match(text))
+    ``to_csv`` writes their repr; a string column of their JSON), not the messages: the
+    whole text one bracketed list of mappings with both keys, not a prompt that opens with
+    such data (``[{"role": "admin", ...}] Which users are admins?``)."""
+    whole = _WRITTEN_MESSAGES.fullmatch(text)
+    return bool(whole) and {"role", "content"} <= set(_MESSAGE_KEY.findall(text))
 
 
 _SLICE = re.compile(r"(?P<name>[^\[\]]+)\[(?P<start>-?\d+%?)?:(?P<stop>-?\d+%?)?\]")
