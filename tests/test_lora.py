@@ -570,3 +570,32 @@ def test_an_untied_model_may_adapt_its_output_layer(tiny_model):
         lora.base_model.model.lm_head.lora_B["default"].weight.normal_(0, 0.05)
         ids = torch.tensor([[3, 4, 5, 6]])
         torch.testing.assert_close(merged_copy(lora)(ids).logits, lora(ids).logits)
+
+
+def test_all_linear_leaves_out_routers_that_return_a_tuple():
+    """PhiMoE's and Llama 4's routers are nn.Linear subclasses whose forward returns a
+    tuple: all-linear adapted them and PEFT's layer added its update to the tuple, an
+    AttributeError in the first forward of every LoRA run on those families."""
+    from transformers import PhimoeConfig, PhimoeForCausalLM
+
+    from gspo.config import LoraSettings
+    from gspo.training.lora import attach_lora
+
+    torch.manual_seed(0)
+    config = PhimoeConfig(vocab_size=64, hidden_size=32, intermediate_size=32,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          num_local_experts=4, num_experts_per_tok=2,
+                          max_position_embeddings=64)  # fmt: skip
+    model = attach_lora(PhimoeForCausalLM(config), LoraSettings(r=4), seed=0)
+    ids = torch.randint(0, 64, (2, 8))
+    assert model(ids).logits.shape == (2, 8, 64)
+    adapted = {
+        n.removesuffix(".base_layer") for n, m in model.named_modules() if hasattr(m, "base_layer")
+    }
+    assert not any(n.endswith("mlp.router") for n in adapted)
+    assert any(n.endswith("self_attn.q_proj") for n in adapted)
+    # a list names a router as the user wants it (nothing left out)
+    listed = attach_lora(
+        PhimoeForCausalLM(config), LoraSettings(r=4, target_modules=["q_proj"]), seed=0
+    )
+    assert listed.peft_config["default"].exclude_modules is None

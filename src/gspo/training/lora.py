@@ -86,6 +86,20 @@ def _each_target_matches(targets: list[str], wrapped: torch.nn.Module) -> None:
             )
 
 
+def _tuple_routers(model: torch.nn.Module) -> list[str] | None:
+    """The routers that are ``nn.Linear`` subclasses returning a tuple (PhiMoE's
+    ``PhimoeTopKRouter``, Llama 4's ``Llama4Router``): ``all-linear`` took them, and PEFT's
+    layer added its update to their tuple (AttributeError in the first forward)."""
+    found = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear)
+        and type(module).__name__.endswith("Router")
+        and type(module).forward is not torch.nn.Linear.forward
+    ]
+    return found or None
+
+
 def attach_lora(
     model: torch.nn.Module,
     settings: LoraSettings,
@@ -111,6 +125,7 @@ def attach_lora(
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
         target_modules=settings.target_modules,
+        exclude_modules=_tuple_routers(model) if settings.target_modules == "all-linear" else None,
         bias="none",
         task_type="CAUSAL_LM",
     )
