@@ -221,3 +221,19 @@ def test_export_into_a_path_under_a_file_names_the_file(trained, tmp_path, capsy
     err = capsys.readouterr().err.strip()
     file = tmp_path / "notes.txt"
     assert err == f"gspo: error: export: --merge {out}: {file} is a file, not a directory", err
+
+
+def test_an_export_made_before_its_step_was_recorded_reads_it_from_its_source(tmp_path):
+    """An export written before gspo_export.json held its step (only exported_from) was
+    evaluated with step 0's seeds, against the docs' "an export keeps its step"."""
+    from gspo.export import EXPORT_MARK, exported_step
+
+    mark = {"exported_from": str(tmp_path / "run" / "checkpoints" / "step-0000006")}
+    (tmp_path / EXPORT_MARK).write_text(json.dumps(mark))
+    assert exported_step(tmp_path) == 6
+    (tmp_path / EXPORT_MARK).write_text(json.dumps({**mark, "step": 4}))
+    assert exported_step(tmp_path) == 4
+    (tmp_path / EXPORT_MARK).write_text(json.dumps({"exported_from": str(tmp_path / "x")}))
+    assert exported_step(tmp_path) == 0
+    (tmp_path / EXPORT_MARK).unlink()
+    assert exported_step(tmp_path) == 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -226,11 +227,16 @@ def stored_dtype(model_dir: Path) -> torch.dtype:
 
 def exported_step(model_dir: Path) -> int:
     """The RL step of the checkpoint that ``model_dir``, a ``gspo export --merge`` output,
-    was written from (its :data:`EXPORT_MARK`); 0 for any other model directory."""
+    was written from (its :data:`EXPORT_MARK`; an export that predates its ``step``, the
+    ``step-N`` of its ``exported_from``); 0 for any other model directory."""
     try:
-        step = json.loads((model_dir / EXPORT_MARK).read_text()).get("step", 0)
+        mark = json.loads((model_dir / EXPORT_MARK).read_text())
+        step = mark.get("step")
     except (OSError, ValueError, AttributeError):
         return 0
+    if step is None and isinstance(mark.get("exported_from"), str):
+        named = re.fullmatch(r"step-(\d+)", Path(mark["exported_from"]).name)
+        step = int(named[1]) if named else None
     return step if isinstance(step, int) and step >= 0 else 0
 
 
