@@ -409,8 +409,13 @@ def test_trackers_get_the_settings_and_a_resume_continues_their_runs(tmp_path, m
         ({"optim.lr": "1e-05", "reward.functions": '["math", "format"]', "model.path": "null"},)
     ]
     assert json.loads((tmp_path / "trackers.json").read_text()) == {
-        "wandb": {"id": "run-a", "project": "p", "entity": None},
-        "mlflow": {"id": "run-b", "tracking_uri": None, "experiment_name": "e"},
+        "wandb": {"id": "run-a", "project": "p", "entity": None, "environment": True},
+        "mlflow": {
+            "id": "run-b",
+            "tracking_uri": None,
+            "experiment_name": "e",
+            "environment": True,
+        },
     }
     fake.calls.clear()
     with MetricsLogger(tmp_path, tensorboard=False, params=params, resume_step=1, **sinks) as log:
@@ -456,8 +461,13 @@ def test_a_resume_with_another_tracker_environment_starts_a_new_run_there(
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "e")
     MetricsLogger(tmp_path, tensorboard=False, wandb={}, mlflow={}).close()
     assert json.loads((tmp_path / "trackers.json").read_text()) == {
-        "wandb": {"id": "run-a", "project": "a", "entity": None},
-        "mlflow": {"id": "run-b", "tracking_uri": None, "experiment_name": "e"},
+        "wandb": {"id": "run-a", "project": "a", "entity": None, "environment": True},
+        "mlflow": {
+            "id": "run-b",
+            "tracking_uri": None,
+            "experiment_name": "e",
+            "environment": True,
+        },
     }
     capsys.readouterr()
     fake.calls.clear()
@@ -484,6 +494,25 @@ def test_a_resume_with_another_tracker_environment_starts_a_new_run_there(
     assert fake.of("wandb.init")[0][0]["id"] == "old"
 
 
+def test_a_run_begun_without_the_tracker_variable_and_resumed_with_it_starts_a_new_run(
+    tmp_path, monkeypatch, capsys
+):
+    """Begun without WANDB_PROJECT (W&B's default project), resumed with WANDB_PROJECT=b:
+    the recorded None was taken for an entry written before the environment was recorded,
+    and the resume continued the id, a run of that id in project b, unsaid."""
+    fake = FakeTrackers(monkeypatch)
+    MetricsLogger(tmp_path, tensorboard=False, wandb={}).close()
+    monkeypatch.setenv("WANDB_PROJECT", "b")
+    fake.calls.clear()
+    capsys.readouterr()
+    MetricsLogger(tmp_path, tensorboard=False, wandb={}, resume_step=0).close()
+    assert "id" not in fake.of("wandb.init")[0][0]
+    assert capsys.readouterr().err.strip() == (
+        "gspo: log.wandb: project changed since the run began (project=None; WANDB_PROJECT='b' "
+        "now): the steps from here go to a new W&B run; the earlier ones are in run run-a"
+    )
+
+
 def test_a_resume_with_the_tracker_pointed_elsewhere_starts_a_new_run_there(
     tmp_path, monkeypatch, capsys
 ):
@@ -504,7 +533,9 @@ def test_a_resume_with_the_tracker_pointed_elsewhere_starts_a_new_run_there(
         "the steps from here go to a new MLflow run; the earlier ones are in run run-a"
     )
     recorded = json.loads((tmp_path / "trackers.json").read_text())["mlflow"]
-    assert recorded == {"id": "run-b", "tracking_uri": None, "experiment_name": "f"}
+    assert recorded == {
+        "id": "run-b", "tracking_uri": None, "experiment_name": "f", "environment": True
+    }  # fmt: skip
     # run_id=null asks for a new run: it gets the parameters too
     fake.calls.clear()
     fresh = {"experiment_name": "f", "run_id": None}

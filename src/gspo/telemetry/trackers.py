@@ -25,9 +25,10 @@ from typing import Any
 TENSORBOARD_DIR = "tensorboard"
 #: The tracker runs a run logs to, each with where it is (``{"wandb": {"id": ..., "project":
 #: ..., "entity": ...}, "mlflow": {"id": ..., "tracking_uri": ..., "experiment_name": ...}}``,
-#: each setting as given, else its environment variable): a resume goes on in the same ones (it
-#: started new ones, a second MLflow run holding the steps after the checkpoint twice) unless
-#: they point elsewhere. A tracker off at one resume keeps its entry for the next.
+#: each setting as given, else its environment variable, and ``"environment": true``: its None
+#: means neither was there): a resume goes on in the same ones (it started new ones, a second
+#: MLflow run holding the steps after the checkpoint twice) unless they point elsewhere. A
+#: tracker off at one resume keeps its entry for the next.
 TRACKERS_FILE = "trackers.json"
 #: Longest parameter value sent to MLflow (it refuses longer ones: 6000 characters).
 MLFLOW_VALUE_CHARS = 500
@@ -63,9 +64,10 @@ def _continued(
     began (another project, experiment or tracking URI: a new run there, said in one line),
     each the ``log.*`` setting or, where it has none, the environment variable the tracker
     reads (:func:`located`: a resume with another ``WANDB_PROJECT`` logged to a run of the
-    same id in the other project, unsaid). An entry of None (a run begun without one, or
-    recorded before the environment was) is compared with a setting alone. An MLflow run
-    not found where they point is a warning and a new run."""
+    same id in the other project, unsaid; begun without WANDB_PROJECT and resumed with one,
+    too). An entry of None recorded before the environment was (no ``"environment"``) is
+    compared with a setting alone. An MLflow run not found where they point is a warning
+    and a new run."""
     if not recorded or own in settings:
         return None
     now = located(sink, settings)
@@ -74,7 +76,7 @@ def _continued(
         for k in sink.where
         if k in recorded
         and recorded[k] != now[k]
-        and (recorded[k] is not None or settings.get(k) is not None)
+        and (recorded.get("environment") or recorded[k] is not None or settings.get(k) is not None)
     ]
     if moved:
         was = ", ".join(f"{k}={recorded.get(k)!r}{_from_env(k, settings, now)}" for k in moved)
@@ -164,7 +166,7 @@ class WandbSink:
             self.run = wandb_mod.init(**settings)
         self.id: str | None = getattr(self.run, "id", None)
         self.continued = _same_run(self.id, recorded)
-        self.entry = {"id": self.id, **located(self, settings)}
+        self.entry = {"id": self.id, **located(self, settings), "environment": True}
         self.declared: set[str] = set()
 
     def log(self, step: int, scalars: dict[str, float], steps: dict[str, int]) -> None:
@@ -241,7 +243,7 @@ class MlflowSink:
                 run = mlflow_mod.start_run(**cfg)
         info = getattr(run, "info", None)
         self.id: str | None = getattr(info, "run_id", None)
-        self.entry = {"id": self.id, **where}
+        self.entry = {"id": self.id, **where, "environment": True}
         self.continued = _same_run(self.id, recorded)
         # a run named by run_id exists and has them (MLflow refuses a parameter changed)
         if params and cfg.get("run_id") is None:
