@@ -120,12 +120,19 @@ def attach_lora(
     """
     from peft import LoraConfig, get_peft_model
 
+    routers = _tuple_routers(model) if settings.target_modules == "all-linear" else None
+    if routers and "exclude_modules" not in LoraConfig.__dataclass_fields__:  # (PEFT < 0.14)
+        raise ValueError(
+            f"model.lora.target_modules=all-linear: {routers[0]} returns a tuple, which a "
+            "LoRA layer cannot wrap, and this PEFT cannot leave it out: upgrade peft (>= "
+            "0.14) or list the modules to adapt (model.lora.target_modules=[q_proj,v_proj])"
+        )
     config = LoraConfig(
         r=settings.r,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
         target_modules=settings.target_modules,
-        exclude_modules=_tuple_routers(model) if settings.target_modules == "all-linear" else None,
+        **({"exclude_modules": routers} if routers else {}),
         bias="none",
         task_type="CAUSAL_LM",
     )
