@@ -1378,3 +1378,25 @@ def test_a_prompt_that_opens_with_json_data_is_not_written_out_messages():
     for text in written:
         with pytest.raises(ValueError, match=r"row 1: the prompt is chat messages written out"):
             prepare_rows([{"prompt": text}], data_config(), what="data.train")
+
+
+def test_a_directory_whose_path_holds_brackets_is_read(tmp_path, monkeypatch):
+    """datasets reads [ ] in a directory's path as a glob pattern: run[1] parsed as a
+    directory (test above) but "doesn't contain any data files", sliced or not."""
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "sweep[1]" / "data"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "train.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    (folder / "test.jsonl").write_text('{"prompt": "t"}\n')
+    prompts = {
+        "sweep[1]/data::train": ["a", "b"],
+        f"{folder}::test": ["t"],
+        "sweep[1]/data::train[1:]": ["b"],
+    }
+    for text, want in prompts.items():
+        assert [r["prompt"] for r in load_rows(text, what="data.train")] == want, text
+    with pytest.raises(ValueError) as err:
+        load_rows("sweep[1]/data::dev", what="data.train")
+    assert str(err.value) == (
+        "data.train: sweep[1]/data::dev: no split 'dev' (splits: train, test)"
+    )

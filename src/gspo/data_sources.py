@@ -26,6 +26,7 @@ import itertools
 import logging
 import os
 import re
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from difflib import get_close_matches
@@ -154,8 +155,12 @@ def _directory_rows(source: Source, text: str, *, what: str) -> list[Row]:
 
     base = Path(source.location).resolve()
     try:
-        with _quiet(datasets):
-            builder = datasets.load_dataset_builder(str(base), source.config)
+        with _quiet(datasets), _unpatterned(base) as looked:
+            builder = datasets.load_dataset_builder(str(looked), source.config)
+            found = {
+                split: [_under(Path(f), looked, base) for f in files]
+                for split, files in (builder.config.data_files or {}).items()
+            }
     except yaml.YAMLError as exc:  # (from the dataset card: its file was unnamed)
         raise ValueError(
             f"{what}: {text}: the YAML header of {base / 'README.md'} is malformed: "
@@ -163,10 +168,7 @@ def _directory_rows(source: Source, text: str, *, what: str) -> list[Row]:
         ) from None
     except Exception as exc:  # datasets raises many types: one line, naming the key
         raise _load_error(exc, source, text, what) from None
-    splits = {
-        str(split): sorted(Path(f) for f in files)
-        for split, files in (builder.config.data_files or {}).items()
-    }
+    splits = {str(split): sorted(files) for split, files in found.items()}
     unread = [
         f for files in splits.values() for f in files if f.suffix.lower() not in DATA_SUFFIXES
     ]
@@ -200,6 +202,31 @@ def _directory_rows(source: Source, text: str, *, what: str) -> list[Row]:
         )
     files = splits[source.split] if source.split is not None else next(iter(splits.values()))
     return [row for f in files for row in read_file(f, what=what)]
+
+
+@contextlib.contextmanager
+def _unpatterned(path: Path) -> Iterator[Path]:
+    """``path`` for ``datasets``, which reads ``[``, ``]``, ``*`` and ``?`` in a directory's
+    path as a pattern (``run[1]`` "doesn't contain any data files"): where it has one, a
+    temporary tree of links to its files, whose path has none."""
+    if not glob.has_magic(str(path)):
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="gspo-data-") as tmp:
+        mirror = Path(tmp)  # (datasets resolves a link to a directory: its files linked)
+        for file in path.rglob("*"):
+            if file.is_file():
+                (mirror / file.relative_to(path)).parent.mkdir(parents=True, exist_ok=True)
+                (mirror / file.relative_to(path)).symlink_to(file)
+        yield mirror
+
+
+def _under(file: Path, looked: Path, base: Path) -> Path:
+    """``file`` found under ``looked`` (:func:`_unpatterned`) as the same file under ``base``."""
+    try:
+        return base / file.relative_to(looked)
+    except ValueError:
+        return file
 
 
 def _some(names: list[str], most: int = 3) -> str:
