@@ -1054,3 +1054,15 @@ def test_a_vllm_setting_put_where_trl_or_verl_users_put_it_names_rollout_vllm(ov
         if section in ("rollout", "model"):
             with pytest.raises(ConfigError, match=r"did you mean"):
                 setattr(getattr(Config(), section), leaf, 1)
+
+
+def test_drop_long_prompts_with_an_environment_is_warned():
+    """Before: data.drop_long_prompts=true with an environment left out nothing (it reads
+    single-turn prompts; an environment renders its episodes' own), unsaid."""
+    drop = "data.drop_long_prompts=true"
+    for env in (["data.task=calculator"], ["rollout.environment=my_env:Env", "model.path=/m"]):
+        lines = load_config(None, [*env, drop]).warnings()
+        assert len(lines) == 1, lines
+        assert lines[0].startswith("data.drop_long_prompts=true with rollout.environment")
+        assert load_config(None, env).warnings() == []
+    assert load_config(None, [drop]).warnings() == []

@@ -219,6 +219,12 @@ class Config(Section):
                 "to multi-turn episodes, and every response here is one turn (set "
                 "rollout.environment for them)"
             )
+        if self.environment is not None and self.data.drop_long_prompts:
+            lines.append(
+                "data.drop_long_prompts=true with rollout.environment: it reads single-turn "
+                "prompts only, and an environment's episodes render their own, so no prompt "
+                "is left out (set data.drop_long_prompts=false)"
+            )
         if self.reward.overlong_buffer is not None and self.reward.overlong_penalty == 0:
             lines.append(
                 "reward.overlong_buffer is set but reward.overlong_penalty=0: no overlong "
