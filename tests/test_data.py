@@ -1100,6 +1100,38 @@ def test_rows_without_the_column_a_reward_needs_are_counted_in_a_warning():
     ), warned
 
 
+def test_gold_answers_numeric_match_never_scores_are_counted_in_a_warning():
+    """A gold answer that is no number ('seven', a CSV's 'nan' text) left numeric_match's
+    rows unscored, unsaid until a whole batch was (and not at all in a mixed one)."""
+    from gspo.rewards import RewardFunctions
+    from gspo.tasks import TaskData
+    from gspo.training.setup import check_reward_columns
+
+    answers = [7, "seven", "nan", "#### 72", "3/4", None, ["eight", "8"], ["x", "y"], 2.5]
+    rows = [{"prompt": str(i), "answer": a} for i, a in enumerate(answers)]
+    config = load_config(None, ["data.train=x.csv"])
+    rewards = RewardFunctions.from_specs(["format", "numeric_match"], None)
+    warned = check_reward_columns(rewards, TaskData(rows, [], []), config, None)
+    assert warned[0] == (
+        "data.train (x.csv): 3 of 9 rows (row 2 first) have a gold answer that is not a "
+        "number, as 'seven', which reward function 'numeric_match' never scores (None): "
+        "their completions are not scored by it"
+    ), warned
+    assert len(warned) == 2 and "row 6) has no 'answer'" in warned[1]  # (said once, there)
+    # the count is the rows numeric_match returns None for (an empty one is said above)
+    scored = rewards(["p"] * 9, ["7"] * 9, {"answer": answers})
+    unscored = [i for i, s in enumerate(scored.per_function["numeric_match"], 1) if s is None]
+    assert unscored == [2, 3, 6, 8]
+    # exact_match compares text: no such line; numbers only: none either
+    exact = RewardFunctions.from_specs(["exact_match"], None)
+    assert not any(
+        "not a number" in w
+        for w in check_reward_columns(exact, TaskData(rows, [], []), config, None)
+    )
+    numbers = [r for r in rows if r["answer"] in (7, "3/4", 2.5)]
+    assert check_reward_columns(rewards, TaskData(numbers, [], []), config, None) == []
+
+
 @pytest.mark.parametrize(
     ("answer", "said"),
     [

@@ -11,6 +11,7 @@ module                        what lives there
 ============================  =========================================================
 :mod:`.seeds`                 derived seeds: every draw a function of ``train.seed``
 :mod:`.setup`                 task data, the model, the optimizer
+:mod:`.reward_columns`        the rows' reward columns checked before a run starts
 :mod:`.policy`                :class:`Policy`: the trained weights behind one handle; how
                               minibatch log-probs are computed (plain, MoE routing)
 :mod:`.sampler`               the rollout engine, kept in step with the policy

@@ -20,7 +20,7 @@ from gspo.config import (
     flat_settings,
     load_config,
 )
-from gspo.data import load_rows, not_an_answer, prepare_rows
+from gspo.data import load_rows, prepare_rows
 from gspo.distributed import Distributed
 from gspo.environments import EnvError, EnvironmentFactory, EnvTimeout
 from gspo.models import (
@@ -41,8 +41,7 @@ from gspo.moe import (
 from gspo.moved import model_not_found, moved_path, with_run_dir
 from gspo.plugins import absolute_spec, counted, some_of
 from gspo.rewards import RewardFunctions
-from gspo.rewards.parsing import cell_text, completion_text
-from gspo.rewards.verifiers import BUILTIN_REWARDS
+from gspo.rewards.parsing import completion_text
 from gspo.tasks import BUILTIN_TASKS, TaskData
 from gspo.training.blocks import compile_blocks, enable_activation_checkpointing
 from gspo.training.checkpoint import CHECKPOINTS, CONFIG, checkpoint_dir
@@ -53,6 +52,7 @@ from gspo.training.lora import (
     is_lora_checkpoint,
     parameter_counts,
 )
+from gspo.training.reward_columns import check_reward_columns
 from gspo.training.seeds import derive_seed
 
 
@@ -434,74 +434,6 @@ def one_turn_with_tools(config: Config, environment: Any | None) -> list[str]:
         "calls one ends its episode there, cut as 'length', the tool's result never seen by "
         "the model; rollout.max_turns=2 or more lets it use them"
     ]
-
-
-def check_reward_columns(
-    rewards: RewardFunctions, data: TaskData, config: Config, environment: Any | None
-) -> list[str]:
-    """Before the run writes anything (or ``--overwrite`` removes an old run): the reward
-    functions find the columns they need in the training and the held-out rows (an
-    environment adds ``environments``); one line naming the data that lacks one. Returned:
-    a warning line for each such column that some rows leave empty (None, blank text or
-    an empty list: a built-in does not score their completions, so in training their
-    groups teach nothing; the user's own function is called with them as they are), and for
-    a function's parameter that only TRL fills."""
-    extra = ["environments"] if environment is not None else []
-    hint = ""
-    if environment is not None and "functions" not in config.reward.model_fields_set:
-        hint = (  # (one with get_reward is scored by it: with_environment_reward)
-            f"; the environment has no get_reward, so reward.functions scores its "
-            f"episodes, and its default is [{', '.join(map(str, config.reward.functions))}]: "
-            "set reward.functions"
-        )
-    warnings = rewards.trl_defaults()
-    for key, rows in (("data.train", data.train), ("data.eval", data.eval)):
-        if rows:
-            where = config.data.source_of(key)
-            columns = [k for k in rows[0] if k != "prompt"]
-            rewards.check_columns(columns, f"{key} ({where})", passed=extra, hint=hint)
-            compared = [  # (the built-ins that compare it, wherever they are in the list)
-                n
-                for n, f in zip(rewards.names, rewards.functions, strict=True)
-                if n.partition("#")[0] in BUILTIN_REWARDS
-                and "answer" in getattr(f, "required_columns", ())
-            ]
-            if "answer" in columns and compared:
-                _answers_are_text(rows, compared[0], f"{key} ({where})")
-            for column, name in rewards.required(columns).items():
-                empty = [i for i, row in enumerate(rows, start=1) if _empty(row.get(column))]
-                if empty:  # (a built-in leaves them unscored; the user's decides)
-                    gets = (
-                        "their completions are not scored"
-                        if name.partition("#")[0] in BUILTIN_REWARDS  # (exact_match#2 too)
-                        else f"it is called with their {column} as it is (None, blank or [])"
-                    )
-                    warnings.append(
-                        f"{key} ({where}): {some_of(empty, len(rows), 'row')} no {column!r}, "
-                        f"which reward function {name!r} needs: "
-                        f"{gets}"
-                    )
-            warnings += rewards.check_rows(rows, f"{key} ({where})")  # (code's, by_source's)
-    return warnings
-
-
-def _answers_are_text(rows: list[dict], name: str, where: str) -> None:
-    """Every row's ``answer`` one a built-in reward compares (a mapping's repr was the
-    gold answer: every completion scored 0, unsaid); else one line naming the row."""
-    for i, row in enumerate(rows, start=1):
-        if said := not_an_answer(row.get("answer")):
-            raise ValueError(
-                f"{where} row {i}: the answer (column 'answer', which reward function "
-                f"{name!r} compares) {said}"
-            )
-
-
-def _empty(value: Any) -> bool:
-    """No answer: a blank or missing cell (``cell_text``'s None: None, NaN, blank), or an
-    empty list of answers."""
-    if isinstance(value, (list, tuple)):
-        return not value
-    return cell_text(value) is None
 
 
 def empty_completions(sft: list[dict], config: Config) -> list[str]:
