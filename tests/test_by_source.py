@@ -244,3 +244,26 @@ def test_the_unscored_warning_names_the_functions_not_the_sources(capsys) -> Non
     per_function = {"by_source": [None, None], "by_source/openai/gsm8k": [None, None]}
     Scorer(None, None).warn_if_unscored(per_function, 2)  # type: ignore[arg-type]
     assert "check reward.functions (by_source) against" in capsys.readouterr().err
+
+
+def test_a_source_with_a_colon_is_logged_under_by_source() -> None:
+    """metric_labels shortened `file.py:function` to its function in every name, the
+    per-source ones too: data_source 'aime:2024' was logged as train/reward/2024."""
+    rewards = RewardFunctions.from_specs(["by_source"])
+    columns = {"data_source": ["aime:2024", "aime:2024"], "answer": ["5", "5"]}
+    result = rewards(["p", "p"], ["\\boxed{5}", "\\boxed{4}"], columns)
+    assert reward_means(result.per_function, "train/reward/") == {
+        "train/reward/by_source": 0.5, "train/reward/by_source/aime:2024": 0.5
+    }  # fmt: skip
+
+
+def test_a_file_under_a_folder_named_as_a_builtin_is_no_source_of_it(capsys) -> None:
+    """Without by_source, a function math/mine.py:f beside math was taken for math's
+    per-source entry: left out of the unscored warning (and its None of the completions log)."""
+    from gspo.training.rollout import Scorer
+
+    per_function = {"math": [None], "math/mine.py:f": [None]}
+    Scorer(None, None).warn_if_unscored(per_function, 1)  # type: ignore[arg-type]
+    assert "check reward.functions (math, math/mine.py:f) against" in capsys.readouterr().err
+    means = reward_means({"math": [1.0], "math/mine.py:f": [0.0]}, "r/")
+    assert means == {"r/math": 1.0, "r/f": 0.0}

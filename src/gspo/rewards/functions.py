@@ -76,13 +76,27 @@ def _spec_name(spec: str | RewardFunction) -> str:
 def metric_labels(names: Sequence[str]) -> dict[str, str]:
     """Each reward function's name as its metric calls it (``train/reward/LABEL``): a spec
     ``path/to/file.py:function`` or ``package.module:function`` by its function, as TRL
-    names it (``#2`` of a repeated spec kept); the whole name where two would be the same."""
+    names it (``#2`` of a repeated spec kept); the whole name where two would be the same.
+    A ``by_source`` split's ``NAME/SOURCE`` is its function's label and the source as it
+    is (a source ``aime:2024`` was logged as ``train/reward/2024``)."""
+    split = split_names(names)
     short = {}
     for name in names:
-        spec, mark, repeat = name.partition("#")
-        short[name] = spec.rpartition(":")[2].strip() + mark + repeat
+        if name not in split:
+            spec, mark, repeat = name.partition("#")
+            short[name] = spec.rpartition(":")[2].strip() + mark + repeat
     counts = Counter(short.values())
-    return {name: label if counts[label] == 1 else name for name, label in short.items()}
+    labels = {name: label if counts[label] == 1 else name for name, label in short.items()}
+    for name, base in split.items():
+        labels[name] = labels[base] + name[len(base) :]
+    return {name: labels[name] for name in names}
+
+
+def split_names(names: Sequence[str]) -> dict[str, str]:
+    """Of ``names`` (``per_function``'s), the per-source entries ``NAME/SOURCE`` of a
+    ``by_source`` function among them (:func:`_split`): each -> its function's NAME."""
+    bases = [n for n in names if n.partition("#")[0] == "by_source"]
+    return {n: b for n in names for b in bases if n.startswith(f"{b}/")}
 
 
 def _split(

@@ -22,7 +22,7 @@ import torch
 from gspo.config import Config
 from gspo.distributed import Distributed
 from gspo.publish import write_atomic
-from gspo.rewards.functions import metric_labels
+from gspo.rewards.functions import metric_labels, split_names
 from gspo.training.rollout import Scored
 
 #: The directory in the run's output directory.
@@ -53,7 +53,7 @@ class CompletionLog:
         prompts, sampled = scored.prompts, scored.batch.action_mask.sum(-1).tolist()
         labels = metric_labels(list(scored.per_function))  # (as train/reward/NAME names them)
         functions = scored.per_function
-        split = {n for n in functions if any(n.startswith(f"{k}/") for k in functions)}
+        split = split_names(list(functions))
         mine = []
         for i, completion in enumerate(scored.completions):
             row = rows[i // group]

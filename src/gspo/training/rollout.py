@@ -28,7 +28,7 @@ from gspo.distributed import Distributed, rank_said
 from gspo.engines import RolloutBatch, SamplingParams
 from gspo.objectives import group_advantages, rollout_correction
 from gspo.rewards import RewardFunctions, overlong_penalty
-from gspo.rewards.functions import metric_labels
+from gspo.rewards.functions import metric_labels, split_names
 from gspo.tasks import as_completion
 from gspo.training.dynamic_sampling import (
     concat_batches,
@@ -159,9 +159,8 @@ class Scorer:
             return
         if all(v is None for values in per_function.values() for v in values):
             self.warned = True  # (by_source's NAME/SOURCE: not a function of its own)
-            functions = [
-                n for n in per_function if not any(n.startswith(f"{k}/") for k in per_function)
-            ]
+            split = split_names(list(per_function))
+            functions = [n for n in per_function if n not in split]
             env = (  # (the environment's own reward: a get_reward() without its return?)
                 "; the environment's get_reward() returned None for every episode (a missing "
                 "return?)"
