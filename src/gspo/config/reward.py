@@ -74,7 +74,8 @@ class RewardConfig(Section):
         default_factory=dict,
         description="The by_source reward: data_source -> the built-in that scores its rows "
         "(math, numeric_match, exact_match, format, code), over verl's table (openai/gsm8k: "
-        "numeric_match; MATH, math_dapo, aime*, numina_*: math; apps, taco, codecontests, "
+        "numeric_match; lighteval/MATH, HuggingFaceH4/MATH-500, math_dapo, aime*, its six "
+        "numina_ sets (numina_cn_k12, ...): math; apps, taco, codecontests, "
         "codeforces: code); a key ending in * names every source it starts, e.g. "
         "{my_math: math, my_code: code}",
     )
