@@ -286,3 +286,17 @@ def test_each_prefix_the_docs_give_routes_as_they_say() -> None:
     assert "aime" in named
     for prefix in named - {"searchR1_", "my_code"}:  # (said to have no built-in; an example)
         assert BySource().route(f"{prefix}2024") == "math"
+
+
+def test_empty_mapping_tests_stop_the_run_at_its_start_as_before() -> None:
+    """has_value took an empty mapping of tests for no tests (setup's check, which it
+    replaced, did not): the code reward refuses {}, so the run stopped at the batch that
+    first sampled the row, hours in, where it had stopped at its start; by_source said
+    the row's completions are not scored."""
+    said = r"^data.train \(x\) row 1: tests: expected assert statements"
+    with pytest.raises(ValueError, match=said):
+        RewardFunctions.from_specs(["code"]).check_rows([{"tests": {}}], "data.train (x)")
+    with pytest.raises(ValueError, match=said):
+        RewardFunctions.from_specs(["by_source"]).check_rows(
+            [{"data_source": "apps", "tests": {}}], "data.train (x)"
+        )

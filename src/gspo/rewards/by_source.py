@@ -153,8 +153,9 @@ class BySource:
 
 
 def has_value(value: Any) -> bool:
-    """Whether a cell holds something (text, a non-empty list or mapping)."""
-    if isinstance(value, (list, tuple, dict)):
+    """Whether a cell holds something (text, a non-empty list; a mapping, even an empty
+    one, which the built-ins read as it is: the code reward refuses ``{}`` tests)."""
+    if isinstance(value, (list, tuple)):
         return bool(value)
     return cell_text(value) is not None
 
