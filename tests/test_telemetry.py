@@ -425,6 +425,15 @@ def test_trackers_get_the_settings_and_a_resume_continues_their_runs(tmp_path, m
     assert fake.of("mlflow.start_run") == [({"run_id": "run-b"},)]  # (its name is the run's)
     assert fake.of("mlflow.log_params") == []  # (MLflow refuses a parameter changed)
     assert fake.of("mlflow.log_metrics") == [((2, {"train/loss": 0.25}),)]
+    # names MLflow refuses (a reward.sources prefix key, a data_source's '+'): '_' for the rest
+    fake.calls.clear()
+    odd = {"reward.sources.my_code*": "code"}
+    with MetricsLogger(tmp_path / "odd", tensorboard=False, params=odd, mlflow={}) as log:
+        log.log(1, {"train/reward/by_source/a+b(c)": 1.0, "train/reward/by_source/aime:24": 0.5})
+    assert fake.of("mlflow.log_params") == [({"reward.sources.my_code_": "code"},)]
+    assert fake.of("mlflow.log_metrics") == [
+        ((1, {"train/reward/by_source/a_b_c_": 1.0, "train/reward/by_source/aime:24": 0.5}),)
+    ]
     # the user's own id wins; a fresh run in the directory starts new tracker runs
     fake.calls.clear()
     own = {"wandb": {"project": "p", "id": "mine"}}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import sys
 from collections.abc import Iterator, Mapping
@@ -247,14 +248,14 @@ class MlflowSink:
         self.continued = _same_run(self.id, recorded)
         # a run named by run_id exists and has them (MLflow refuses a parameter changed)
         if params and cfg.get("run_id") is None:
-            values = {k: _param_text(v) for k, v in params.items()}
+            values = {mlflow_name(k): _param_text(v) for k, v in params.items()}
             with tracker_settings(self.key, self.name):
                 mlflow_mod.log_params(values)
 
     def log(self, step: int, scalars: dict[str, float], steps: dict[str, int]) -> None:
         parts: dict[str, dict[str, float]] = {}
         for key, value in scalars.items():
-            parts.setdefault(axis(key), {})[key] = value
+            parts.setdefault(axis(key), {})[mlflow_name(key)] = value
         for name, part in parts.items():
             self.mlflow.log_metrics(part, step=steps[name])
 
@@ -271,6 +272,14 @@ class MlflowSink:
         next run started in this process (a ``gspo compare``'s next) was refused beside it."""
         with contextlib.suppress(Exception):
             self.mlflow.end_run()
+
+
+def mlflow_name(key: str) -> str:
+    """``key`` as MLflow takes a parameter's or metric's name: letters, digits and ``_ - . /
+    : `` (space); any other character ``_`` (a ``reward.sources`` key ``my_code*``, a
+    ``data_source`` ``a+b`` in ``train/reward/by_source/SOURCE``: MLflow refused the run's
+    parameters at its start, and a metric line mid-run)."""
+    return re.sub(r"[^/\w.\- :]", "_", key)
 
 
 def _param_text(value: Any) -> str:
