@@ -76,16 +76,18 @@ def prepare_rows(
             need(field, "data.prompt_template")
     else:
         need(data.prompt_column, "data.prompt_column")
-    fields = {"answer": data.answer_column, "tests": data.tests_column}
-    for name, column in fields.items() if not sft else ():  # (nothing scores a cold start)
-        if column is not None and ("." not in column or column in rows[0]):
-            need(column, f"data.{name}_column")
-        for i, row in enumerate(rows, start=1) if column is not None else ():
-            try:  # (a dotted path: a field of a mapping column, verl's reward_model.ground_truth)
-                field_of(row, column)
-            except KeyError as exc:
-                raise ValueError(f"data.{name}_column={column}: {exc.args[0]} in row {i} of "
-                                 f"{where}") from None  # fmt: skip
+    # each named field's value in every row (a dotted path: a field of a mapping column,
+    # verl's reward_model.ground_truth); a cold-start row need not have it (nothing scores it)
+    fields: dict[str, list[Any]] = {}
+    for name, column in {"answer": data.answer_column, "tests": data.tests_column}.items():
+        if column is None:
+            fields[name] = [_NONE] * len(rows)
+            continue
+        key = f"data.{name}_column"
+        if not sft and ("." not in column or column in rows[0]):
+            need(column, key)
+        fields[name] = [_field(row, column, None if sft else f"{key}={column}", i, where)
+                        for i, row in enumerate(rows, start=1)]  # fmt: skip
     if sft:
         need(data.completion_column, "data.completion_column")
     chat = data.chat_template or data.system_prompt is not None
@@ -105,13 +107,13 @@ def prepare_rows(
             if data.system_prompt is not None and not has_system:
                 prompt = [{"role": "system", "content": data.system_prompt}, *prompt]
         new = {**row, "prompt": prompt}
-        if (value := _field(row, data.answer_column)) is not _NONE:
+        if (value := fields["answer"][i - 1]) is not _NONE:
             if said := not_an_answer(value):  # (its repr was the answer: scored 0, unsaid)
                 raise ValueError(
                     f"{named} row {i}: the answer (column {data.answer_column!r}) {said}"
                 )
             new["answer"] = _answer(value)
-        if (value := _field(row, data.tests_column)) is not _NONE:
+        if (value := fields["tests"][i - 1]) is not _NONE:
             new["tests"] = value
         if sft:
             new["completion"] = _completion(row[data.completion_column], data, named, i)
@@ -119,18 +121,18 @@ def prepare_rows(
     return out
 
 
-_NONE = object()
+_NONE = object()  # (a field a row does not have; its value may be None: an empty cell)
 
 
-def _field(row: Row, column: str | None) -> Any:
-    """``row``'s column or dotted field ``column`` (:func:`field_of`); ``_NONE`` where no
-    column is named, or a cold-start row (which need not have it) has none."""
-    if column is None:
-        return _NONE
+def _field(row: Row, column: str, key: str | None, index: int, where: str) -> Any:
+    """``row``'s column or dotted field ``column`` (:func:`field_of`); where it has none,
+    ``_NONE`` (a cold-start row: ``key`` None), else one line naming ``key`` and the row."""
     try:
         return field_of(row, column)
-    except KeyError:
-        return _NONE
+    except KeyError as exc:
+        if key is None:
+            return _NONE
+        raise ValueError(f"{key}: {exc.args[0]} in row {index} of {where}") from None
 
 
 def _answer(value: Any) -> Any:
