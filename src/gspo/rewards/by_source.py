@@ -15,7 +15,7 @@ from typing import Any
 from gspo.plugins import some_of
 from gspo.rewards.code_tests import parse_tests
 from gspo.rewards.contract import RewardError
-from gspo.rewards.parsing import cell_text
+from gspo.rewards.parsing import cell_text, has_value
 from gspo.rewards.verifiers import BUILTIN_REWARDS, CodeReward
 
 #: The column that names a row's source (verl's).
@@ -150,14 +150,6 @@ class BySource:
             for i, value in zip(picked, values, strict=True):
                 out[i] = value
         return out
-
-
-def has_value(value: Any) -> bool:
-    """Whether a cell holds something (text, a non-empty list; a mapping, even an empty
-    one, which the built-ins read as it is: the code reward refuses ``{}`` tests)."""
-    if isinstance(value, (list, tuple)):
-        return bool(value)
-    return cell_text(value) is not None
 
 
 BUILTIN_REWARDS["by_source"] = BySource()

@@ -256,8 +256,8 @@ class RewardFunctions:
         reward's tests parse (a row whose tests hold no assert stopped the run when it was
         first sampled, hours in), ``by_source`` has a built-in for each row's source; one
         line naming the row (``where``: the data). Returned: the functions' warning lines."""
-        from gspo.rewards.by_source import has_value
         from gspo.rewards.code_tests import parse_tests
+        from gspo.rewards.parsing import has_value
 
         warnings: list[str] = []
         for name, function in zip(self.names, self.functions, strict=True):

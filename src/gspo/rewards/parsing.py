@@ -438,6 +438,15 @@ def cell_text(value: Any) -> str | None:
     return str(value).strip() or None  # (a blank cell: no answer, not the empty one)
 
 
+def has_value(value: Any) -> bool:
+    """Whether a cell holds something to score against: text (:func:`cell_text`: not None,
+    NaN or blank), a non-empty list of answers, or a mapping, even an empty one (which the
+    built-ins read as it is: the code reward refuses ``{}`` tests)."""
+    if isinstance(value, (list, tuple)):
+        return bool(value)
+    return cell_text(value) is not None
+
+
 def opens_thinking(prompt: Any) -> bool:
     """Whether ``prompt`` ends inside a think block it opened: a text prompt rendered by a
     template that ends the generation prompt with ``<think>`` (DeepSeek-R1's, QwQ's,

@@ -10,7 +10,7 @@ from gspo.config import Config
 from gspo.data import not_an_answer
 from gspo.plugins import some_of
 from gspo.rewards import RewardFunctions
-from gspo.rewards.parsing import _gold_number, cell_text
+from gspo.rewards.parsing import _gold_number, has_value
 from gspo.rewards.verifiers import BUILTIN_REWARDS
 from gspo.tasks import TaskData
 
@@ -49,7 +49,7 @@ def check_reward_columns(
                 _answers_are_text(rows, compared[0], f"{key} ({where})")
                 warnings += _not_numbers(rows, compared, f"{key} ({where})")
             for column, name in rewards.required(columns).items():
-                empty = [i for i, row in enumerate(rows, start=1) if _empty(row.get(column))]
+                empty = [i for i, row in enumerate(rows, start=1) if not has_value(row.get(column))]
                 if empty:  # (a built-in leaves them unscored; the user's decides)
                     gets = (
                         "their completions are not scored"
@@ -88,7 +88,7 @@ def _not_numbers(rows: list[dict], compared: list[str], where: str) -> list[str]
     for i, row in enumerate(rows, start=1):
         gold = row.get("answer")
         golds = list(gold) if isinstance(gold, (list, tuple)) else [gold]  # (any of them)
-        if not _empty(gold) and all(_gold_number(one) is None for one in golds):
+        if has_value(gold) and all(_gold_number(one) is None for one in golds):
             found.append(i)
     if not found:
         return []
@@ -98,11 +98,3 @@ def _not_numbers(rows: list[dict], compared: list[str], where: str) -> list[str]
         f"as {str(first)[:60]!r}, which reward function {name!r} never scores (None): their "
         "completions are not scored by it"
     ]
-
-
-def _empty(value: Any) -> bool:
-    """No answer: a blank or missing cell (``cell_text``'s None: None, NaN, blank), or an
-    empty list of answers."""
-    if isinstance(value, (list, tuple)):
-        return not value
-    return cell_text(value) is None
