@@ -102,16 +102,15 @@ class TurnFormat:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def mark(self, value: Any) -> Any:
+    def mark(self, value: Any) -> tuple[Any, bool]:
         """Text (or messages) from the environment, marked so that the spelling of a special
         token in it (``<|im_end|>``, ``<tool_call>``) is encoded as plain text, not as the
-        token: a tool result must not end its turn or forge an assistant turn or a call."""
-        return marked(value, self.control)
-
-    def spells(self, value: Any) -> bool:
-        """Whether the environment's ``value`` needs :meth:`mark` (else it is encoded as it
-        is: the same tokens as before marking existed, U+E000 and U+E001 included)."""
-        return spells(value, self.control)
+        token (a tool result must not end its turn or forge an assistant turn or a call),
+        and whether it was: text that spells none is left as it is, to be encoded as it is
+        (the same tokens as before marking existed, U+E000 and U+E001 included)."""
+        if not spells(value, self.control):
+            return value, False
+        return marked(value, self.control), True
 
     def encode_env(self, text: str) -> list[int]:
         """Rendered text whose environment parts were :meth:`mark`-ed: those as plain text,
@@ -138,8 +137,7 @@ class TurnFormat:
         ``<end_of_turn>``. The messages' text is the environment's (:meth:`mark`).
         """
         base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": SENTINEL}]
-        spelt = self.spells(messages)  # (else encoded as it is, U+E000 and U+E001 kept)
-        shown = self.mark(messages) if spelt else messages
+        shown, spelt = self.mark(messages)
         text = self._render(base + shown, tools=self.schemas, generation=True)
         tail = text[text.rindex(SENTINEL) + len(SENTINEL) :]
         encode = self.encode_env if spelt else self.encode
@@ -263,10 +261,9 @@ class MultiTurn:
         observation = episode.reset(dict(row))
         messages = with_observation(as_messages(row["prompt"]), observation)
         # (reset's text is the environment's: a special token's spelling in it, plain text)
-        shown, spelt = messages, self.format.spells(observation)
-        if spelt:
-            shown = with_observation(as_messages(row["prompt"]), self.format.mark(observation))
-        prompt = self.format.prompt_ids(shown, marked=spelt)
+        shown, spelt = self.format.mark(observation)
+        shown_messages = with_observation(as_messages(row["prompt"]), shown)
+        prompt = self.format.prompt_ids(shown_messages, marked=spelt)
         if self.context is not None and len(prompt) >= self.context:  # (no room for a turn)
             raise EnvError(
                 f"environment {self.environment.name!r}: the episode's prompt (the row's and "
