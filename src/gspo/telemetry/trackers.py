@@ -98,6 +98,7 @@ ENVIRONMENT = {
     "entity": "WANDB_ENTITY",
     "tracking_uri": "MLFLOW_TRACKING_URI",
     "experiment_name": "MLFLOW_EXPERIMENT_NAME",
+    "mode": "WANDB_MODE",  # (checked up front: check_installed)
 }
 
 
@@ -342,8 +343,8 @@ def check_installed(wandb: Any, mlflow: Any) -> None:
             _mlflow_store(found, wanted)
         settings = getattr(found, "Settings", None) if module == "wandb" else None
         if isinstance(settings, type):  # (the checks wandb.init makes of these first)
-            env = {"project": "WANDB_PROJECT", "entity": "WANDB_ENTITY", "mode": "WANDB_MODE"}
-            given = {k: v for k in env if (v := wanted.get(k) or os.environ.get(env[k]))}
+            keys = ("project", "entity", "mode")
+            given = {k: v for k in keys if (v := wanted.get(k) or os.environ.get(ENVIRONMENT[k]))}
             with tracker_settings(f"log.{module}", name):
                 settings(**given)
 
