@@ -701,6 +701,27 @@ def test_a_resume_past_the_cold_starts_steps_draws_each_of_its_points_once(tmp_p
     assert [e.step for e in events.Scalars("train/loss")] == [100]
 
 
+def test_a_resumes_event_file_is_read_after_the_runs_opened_the_same_second(tmp_path, monkeypatch):
+    """TensorBoard reads event files in name order; a name is its second, host, pid and a
+    per-process count as text: the 10th writer (count 9 -> 10) opened in the first's second
+    sorted before it ('.10' < '.9'), so the resume's purge hid nothing (CI drew step 101
+    twice)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.summary.writer import event_file_writer
+
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(9))
+    with MetricsLogger(tmp_path) as logger:
+        for step in (1, 2, 3):
+            logger.log(step, {"train/loss": float(step)})
+    with MetricsLogger(tmp_path, resume_step=1) as logger:
+        logger.log(2, {"train/loss": 20.0})
+    names = sorted(p.name for p in (tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert [name.split(".")[-1] for name in names] == ["9", "10"]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 1.0), (2, 20.0)]
+
+
 def test_a_tracker_refusing_its_settings_is_one_line_naming_the_key(tmp_path, monkeypatch):
     class RetiredStore(Exception):
         pass

@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -418,4 +419,20 @@ def tensorboard_writer(log_dir: Path, purge_step: int) -> Any:
             "log.tensorboard: TensorBoard logging needs the 'tensorboard' package (pip "
             "install tensorboard); or set log.tensorboard=false"
         ) from None
+    _after_earlier_event_files(log_dir)
     return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+
+
+def _after_earlier_event_files(log_dir: Path) -> None:
+    """TensorBoard reads a directory's event files in name order, and a name is its creation
+    second, then host, process id and a per-process count as text: a writer opened in the same
+    second as an earlier file (a resume moments after the run stopped; the 10th writer of a
+    process after its 9th) can sort before it, and its purge then hides nothing (the steps
+    past the checkpoint drawn twice). Opened after that second, its name sorts last."""
+    seconds = [
+        int(part[3])
+        for path in log_dir.glob("events.out.tfevents.*")
+        if len(part := path.name.split(".")) > 3 and part[3].isdigit()
+    ]
+    if seconds and (wait := max(seconds) + 1 - time.time()) > 0:
+        time.sleep(wait)
