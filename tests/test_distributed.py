@@ -1088,3 +1088,46 @@ def test_a_save_whose_returned_metadata_has_no_storage_data_is_checked_from_disk
     assert sharded.unwritten(metadata) == 0 and len(metadata.storage_data) == 5
     del metadata.storage_data[next(iter(metadata.storage_data))]
     assert sharded.unwritten(metadata) == 1
+
+
+COUNTED_EXPORT = """
+import os, sys
+from pathlib import Path
+import gspo.export
+writes, real = Path(sys.argv[1]), gspo.export.save_pretrained_atomic
+def counted(*args, **kwargs):
+    with writes.open("a") as f:
+        f.write(os.environ["RANK"] + "\\n")
+    return real(*args, **kwargs)
+gspo.export.save_pretrained_atomic = counted
+from gspo.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.slow
+def test_export_under_torchrun_is_written_and_said_by_rank_0_alone(tmp_path):
+    """``torchrun -m gspo export RUN --merge OUT``: every rank merged the adapter and wrote
+    the whole model over the same OUT, each saying so; rank 0 now does, the others wait. A
+    bad OUT is one line, rank 0's, and the torchrun fails."""
+    config = load_config(None, [*SMALL_RUN, "train.cold_start_steps=0", "model.lora.r=4",
+                                "train.max_steps=0"])  # fmt: skip
+    Trainer(config, tmp_path / "run").fit()
+    (tmp_path / "script.py").write_text(COUNTED_EXPORT)
+    writes, out = tmp_path / "writes", tmp_path / "merged"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               "2", str(tmp_path / "script.py"), str(writes), "export"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([*command, str(tmp_path / "run"), "--merge", str(out)],
+                          capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert writes.read_text() == "0\n"  # one rank wrote it (both did, before)
+    assert done.stdout.count(f"written to {out} as one model") == 1, done.stdout
+    assert (out / "model.safetensors").is_file() and (out / "gspo_export.json").is_file()
+    # a target the export refuses: rank 0's line, once, and the torchrun fails
+    refused = subprocess.run([*command, str(tmp_path / "run"), "--merge", str(tmp_path / "run")],
+                             capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    said = [line for line in refused.stderr.splitlines() if line.startswith("gspo: ")]
+    assert refused.returncode != 0 and len(said) == 1, refused.stderr[-3000:]
+    assert said[0].startswith("gspo: error: export: --merge") and "Traceback" not in said[0]
+    assert writes.read_text() == "0\n"

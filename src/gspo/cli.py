@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from gspo import __version__
 from gspo.distributed import (
     PEER_LINE_AFTER_S,
+    SaidByRankZero,
     Terminated,
     last_words,
     leads_another_node,
@@ -202,10 +203,6 @@ class Once(argparse.Action):
         if getattr(namespace, self.dest) is not None:
             parser.error(f"{option_string} given twice: put the settings in one file")
         setattr(namespace, self.dest, values)
-
-
-class SaidByRankZero(Exception):
-    """A setup error on a torchrun rank other than 0: rank 0 says the same line."""
 
 
 # How long a rank other than 0 waits, after a setup error, for rank 0 to say it. torchrun
@@ -440,10 +437,9 @@ def _main(args: argparse.Namespace) -> int:
             )
             return 0
         if args.command == "export":
-            from gspo.export import run_export
+            from gspo.export import export_command
 
-            print(run_export(args.source, args.merge, args.dtype, args.step))
-            return 0
+            return export_command(args.source, args.merge, args.dtype, args.step)
         if args.command == "eval":
             return run_eval(args)
         if args.doc:

@@ -161,6 +161,11 @@ def leads_another_node() -> bool:
     return not_rank_zero() and os.environ.get("LOCAL_RANK") == "0" and node not in ("", "0")
 
 
+class SaidByRankZero(Exception):
+    """An error on a torchrun rank other than 0 that rank 0 says (a setup error, the same
+    on every rank; rank 0's own, which it alone met): its ``__cause__`` is the error."""
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, what a scheduler (SLURM, Kubernetes, ``kill``) stops a job with: raised in
     the main thread, so the run stops as on Ctrl-C, saying how to resume (it ended at

@@ -301,3 +301,40 @@ def run_export(source: Path, merge: Path | None, dtype: str | None, step: int | 
         return f"{checkpoint} is a plain HF model: load it from there{copy}"
     checkpoint = export_merged(source, merge, dtype, step)
     return f"{checkpoint} written to {merge} as one model"
+
+
+def export_command(source: Path, merge: Path | None, dtype: str | None, step: int | None) -> int:
+    """``gspo export``: :func:`run_export`, its line printed; 0.
+
+    Under torchrun rank 0 alone exports and says its line (every rank merged and wrote the
+    whole model to the same place, one after another, each saying so); the other ranks
+    wait for it, and leave quietly (status 2) with rank 0's error, which rank 0 says."""
+    from gspo.distributed import (
+        SaidByRankZero,
+        setup_distributed,
+        teardown_distributed,
+        world_size,
+    )
+
+    if world_size() <= 1:
+        print(run_export(source, merge, dtype, step))
+        return 0
+    dist = setup_distributed("cpu")  # (gloo: its one collective says how rank 0 did)
+    said, error = "", None
+    try:
+        if dist.is_main:
+            try:
+                said = run_export(source, merge, dtype, step)
+            except Exception as exc:  # (told to the other ranks, then raised)
+                error = exc
+        failed = dist.gather_objects(None if error is None else str(error))[0]
+    finally:
+        teardown_distributed(dist)
+    if error is not None:
+        error.for_every_rank = True  # type: ignore[attr-defined]  # (its line names no rank)
+        raise error
+    if failed is not None:
+        raise SaidByRankZero from ValueError(failed)
+    if said:
+        print(said)
+    return 0
