@@ -1131,3 +1131,31 @@ def test_export_under_torchrun_is_written_and_said_by_rank_0_alone(tmp_path):
     assert refused.returncode != 0 and len(said) == 1, refused.stderr[-3000:]
     assert said[0].startswith("gspo: error: export: --merge") and "Traceback" not in said[0]
     assert writes.read_text() == "0\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [[], ["model.lora.r=4"]], ids=["full", "lora"])
+def test_eval_under_torchrun_has_one_process_figures_said_once(tmp_path, varied_reward, extra):
+    """``torchrun -m gspo eval RUN``: each rank evaluates its share of the held-out chunks
+    (24 prompts in 3 chunks: 2 and 1), the figures and the report are one process's, said
+    by rank 0; a LoRA adapter goes onto FSDP's shards. (It was refused: "gspo eval runs
+    in one process".) Bad input is one line, rank 0's."""
+    import json
+
+    overrides = [*SMALL_RUN, varied_reward, "train.cold_start_steps=0", "train.max_steps=2",
+                 "algorithm.minibatches=2", "optim.lr=1e-2", *extra]  # fmt: skip
+    Trainer(load_config(None, overrides), tmp_path / "run").fit()
+    run, judged = str(tmp_path / "run"), "eval.success_threshold=0.4"
+    assert main(["eval", run, judged, "--json", str(tmp_path / "one.json")]) == 0
+    done = torchrun("-m", "gspo", "eval", run, judged, "--json", str(tmp_path / "two.json"),
+                    "model.device=cpu")  # fmt: skip
+    one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
+    assert one.pop("time/eval") > 0 and two.pop("time/eval") > 0
+    assert two == one and one["prompts"] == 24 and 0 < one["eval/accuracy"] < 1, one
+    assert done.stdout.count("evaluated ") == 1 and "eval/reward_mean " in done.stdout
+    bad = torchrun("-m", "gspo", "eval", run, "--json", str(tmp_path / "no" / "x.json"),
+                   "model.device=cpu", check=False)  # fmt: skip
+    said = [line for line in bad.stderr.splitlines() if line.startswith("gspo: ")]
+    assert bad.returncode != 0 and said == [
+        f"gspo: error: --json {tmp_path / 'no' / 'x.json'}: {tmp_path / 'no'} is no directory"
+    ], bad.stderr[-3000:]

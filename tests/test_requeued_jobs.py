@@ -223,11 +223,11 @@ def test_a_stop_says_how_to_go_on_and_from_which_checkpoint(tmp_path, monkeypatc
     resume (a directory removed; gspo eval: it named gspo train --resume runs/gspo)."""
     import gspo.cli
 
-    def interrupted(args):
+    def interrupted(*args):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(gspo.cli, "run_train", interrupted)
-    monkeypatch.setattr(gspo.cli, "run_eval", interrupted)
+    monkeypatch.setattr("gspo.checkpoint_eval.eval_command", interrupted)
     run = tmp_path / "a run"
     (run / "checkpoints" / "step-0000006").mkdir(parents=True)
     (run / "config.yaml").write_text("{}\n")

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import math
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gspo.config import Config, checked_config, load_config
 from gspo.models import model_files
@@ -35,6 +36,9 @@ from gspo.training.checkpoint import (
 )
 from gspo.training.lora import ADAPTER_WEIGHTS, base_model_path, is_lora_checkpoint
 from gspo.training.setup import with_absolute_paths
+
+if TYPE_CHECKING:
+    from gspo.distributed import Distributed
 
 #: What an evaluation turns off: nothing trains, and nothing is written or tracked.
 QUIET = {
@@ -72,10 +76,14 @@ def evaluate(
     step: int | None = None,
     config: Config | str | Path | None = None,
     overrides: list[str] | tuple[str, ...] = (),
+    join: Callable[[str], Distributed] | None = None,
 ) -> Evaluated:
-    """Evaluate the checkpoint, run or model directory ``path`` (see the module); one
-    process. ``step`` picks a run's checkpoint; ``config`` (a :class:`Config` or a YAML
-    file) replaces the config a checkpoint names (a model directory's: the defaults)."""
+    """Evaluate the checkpoint, run or model directory ``path`` (see the module). ``step``
+    picks a run's checkpoint; ``config`` (a :class:`Config` or a YAML file) replaces the
+    config a checkpoint names (a model directory's: the defaults). ``join``: under
+    torchrun, called with ``model.device`` once the config is known, the rank it returns
+    (:func:`gspo.distributed.setup_distributed`) evaluates its share of the prompts, the
+    figures being every rank's (the same as one process's); by default one process."""
     from gspo.trainer import Trainer  # (loads transformers)
 
     checkpoint, run = _checkpoint(Path(path).expanduser(), step)
@@ -116,9 +124,10 @@ def evaluate(
     for key, value in QUIET.items():
         section, name = key.split(".")
         setattr(getattr(config, section), name, value)
+    dist = join(config.model.device) if join is not None else None
     with (
         tempfile.TemporaryDirectory(prefix="gspo-eval-") as scratch,
-        Trainer(config, Path(scratch) / "run") as trainer,
+        Trainer(config, Path(scratch) / "run", dist=dist) as trainer,
     ):
         if lora:  # the adapter's weights onto the fresh adapters
             _load_adapter(trainer.policy, checkpoint)
@@ -175,21 +184,27 @@ def _config_of(checkpoint: Path | None, run: Path | None) -> Path | None:
 def _load_adapter(policy: Any, checkpoint: Path) -> None:
     """A LoRA checkpoint's adapter weights (PEFT's file, checked against its manifest)
     onto ``policy``'s adapters: weights only (a checkpoint of ``train.save_only_model``
-    holds no optimizer state, which a resume's loading asked for)."""
-    from peft import set_peft_model_state_dict
+    holds no optimizer state, which a resume's loading asked for); under torchrun, each
+    rank its shard of them."""
     from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from gspo.models import is_model_file
     from gspo.publish import check_manifest
 
     check_manifest(checkpoint, is_model_file)
     state = load_file(checkpoint / ADAPTER_WEIGHTS, device=str(policy.device))
-    loaded = set_peft_model_state_dict(policy.module, state)
-    if loaded.unexpected_keys:
+    # PEFT's names lack the adapter's (lora_A.weight: the module's lora_A.default.weight)
+    ours = {n.replace(".default.", "."): n for n, p in policy.module.named_parameters()
+            if p.requires_grad}  # fmt: skip
+    if unexpected := [name for name in state if name not in ours]:
         raise ValueError(
             f"eval: {checkpoint / ADAPTER_WEIGHTS} holds weights its config's adapters lack "
-            f"({loaded.unexpected_keys[0]}, ...): model.lora.* differs from its run's"
+            f"({unexpected[0]}, ...): model.lora.* differs from its run's"
         )
+    # (whole tensors onto FSDP's shards: each rank keeps its own part)
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(policy.module, {ours[k]: v for k, v in state.items()}, options=options)
     policy.stepped()  # (the engine reads the new adapters at its next sync)
 
 
@@ -242,3 +257,51 @@ def _figure(value: Any) -> str:
     if isinstance(value, float) and math.isfinite(value):
         return f"{value:.4f}"
     return str(value)
+
+
+def eval_command(
+    source: Path,
+    step: int | None,
+    config: Path | None,
+    overrides: list[str],
+    json_file: Path | None,
+) -> int:
+    """``gspo eval``: :func:`evaluate`, its figures printed (and written to ``json_file``,
+    ``--json``); 0. Under torchrun the ranks share the prompts out and rank 0 says the
+    figures, those of one process; bad input is said once (by rank 0)."""
+    import json
+
+    from gspo.distributed import (
+        said_once,
+        setup_distributed,
+        several_ranks,
+        teardown_distributed,
+    )
+
+    joined: list[Distributed] = []
+
+    def join(device: str) -> Distributed:
+        joined.append(setup_distributed(device))
+        return joined[-1]
+
+    try:
+        with said_once():  # (every rank reads the same files: rank 0 says what is wrong)
+            if json_file is not None and json_file.is_dir():
+                raise ValueError(f"--json {json_file}: is a directory, not a file")
+            if json_file is not None and not json_file.parent.is_dir():
+                raise ValueError(f"--json {json_file}: {json_file.parent} is no directory")
+            evaluated = evaluate(source, step=step, config=config, overrides=overrides,
+                                 join=join if several_ranks() else None)  # fmt: skip
+    finally:
+        for dist in joined:
+            teardown_distributed(dist)
+    if joined and not joined[0].is_main:
+        return 0
+    print(report(evaluated))
+    if json_file is not None:
+        from gspo.publish import write_atomic
+
+        record = {"model": str(evaluated.model), "step": evaluated.step,
+                  "prompts": evaluated.prompts, **evaluated.metrics}  # fmt: skip
+        write_atomic(json_file, json.dumps(record, indent=1) + "\n")
+    return 0

@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import contextlib
 import os
 import re
 import signal
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -43,9 +41,9 @@ from gspo.distributed import (
     leads_another_node,
     not_rank_zero,
     peer_gone,
-    post_setup_error,
     posted_setup_error,
     rank_said,
+    said_once,
     sigterm_stops_as_ctrl_c,
     world_size,
 )
@@ -214,24 +212,6 @@ class Once(argparse.Action):
 RANK_ZERO_GRACE_S = 60.0
 
 
-@contextlib.contextmanager
-def said_once() -> Iterator[None]:
-    """Bad input found while setting up (config, model, data, rewards) is the same on every
-    torchrun rank: only rank 0 prints its line (and the first rank of another node, in its
-    own log), the others leave quietly with status 2; each posts its error, which rank 0
-    says where it had none (a node's own files). (Errors once training runs may be one
-    rank's own: every rank says those.)"""
-    try:
-        yield
-    except (ValueError, FileNotFoundError) as exc:
-        if not_rank_zero():  # (a RANK without WORLD_SIZE > 1 is no torchrun rank)
-            post_setup_error(str(exc))  # (this rank's own, its files: rank 0 says it)
-            raise SaidByRankZero from exc
-        # rank 0 says it for every rank: its line names no rank
-        exc.for_every_rank = True  # type: ignore[attr-defined]
-        raise
-
-
 def run_train(args: argparse.Namespace) -> int:
     from gspo.distributed import setup_distributed, teardown_distributed
     from gspo.runs import RunDirectory, finished_model_only
@@ -267,30 +247,6 @@ def run_train(args: argparse.Namespace) -> int:
         from gspo.training.time_limit import OUT_OF_TIME
 
         return OUT_OF_TIME if dist.world_size == 1 else 0  # (torchrun: STOPPED_FILE)
-    return 0
-
-
-def run_eval(args: argparse.Namespace) -> int:
-    """``gspo eval``: :func:`gspo.checkpoint_eval.evaluate`, its figures printed (and
-    ``--json``)."""
-    import json
-
-    from gspo.checkpoint_eval import evaluate, report
-
-    if world_size() > 1:
-        raise ValueError("gspo eval runs in one process: run it as a plain command")
-    if args.json is not None and args.json.is_dir():
-        raise ValueError(f"--json {args.json}: is a directory, not a file")
-    if args.json is not None and not args.json.parent.is_dir():  # (said after the evaluation)
-        raise ValueError(f"--json {args.json}: {args.json.parent} is no directory")
-    evaluated = evaluate(args.source, step=args.step, config=args.config, overrides=args.overrides)
-    print(report(evaluated))
-    if args.json is not None:
-        from gspo.publish import write_atomic
-
-        record = {"model": str(evaluated.model), "step": evaluated.step,
-                  "prompts": evaluated.prompts, **evaluated.metrics}  # fmt: skip
-        write_atomic(args.json, json.dumps(record, indent=1) + "\n")
     return 0
 
 
@@ -441,7 +397,9 @@ def _main(args: argparse.Namespace) -> int:
 
             return export_command(args.source, args.merge, args.dtype, args.step)
         if args.command == "eval":
-            return run_eval(args)
+            from gspo.checkpoint_eval import eval_command
+
+            return eval_command(args.source, args.step, args.config, args.overrides, args.json)
         if args.doc:
             if args.config is not None or args.overrides:
                 raise ValueError("--doc takes no --config or overrides")

@@ -166,6 +166,24 @@ class SaidByRankZero(Exception):
     on every rank; rank 0's own, which it alone met): its ``__cause__`` is the error."""
 
 
+@contextlib.contextmanager
+def said_once() -> Iterator[None]:
+    """Bad input found while setting up (config, model, data, rewards) is the same on every
+    torchrun rank: only rank 0 prints its line (and the first rank of another node, in its
+    own log), the others leave quietly with status 2; each posts its error, which rank 0
+    says where it had none (a node's own files). (Errors once training runs may be one
+    rank's own: every rank says those.)"""
+    try:
+        yield
+    except (ValueError, FileNotFoundError) as exc:
+        if not_rank_zero():  # (a RANK without WORLD_SIZE > 1 is no torchrun rank)
+            post_setup_error(str(exc))  # (this rank's own, its files: rank 0 says it)
+            raise SaidByRankZero from exc
+        # rank 0 says it for every rank: its line names no rank
+        exc.for_every_rank = True  # type: ignore[attr-defined]
+        raise
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, what a scheduler (SLURM, Kubernetes, ``kill``) stops a job with: raised in
     the main thread, so the run stops as on Ctrl-C, saying how to resume (it ended at
