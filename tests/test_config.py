@@ -83,6 +83,10 @@ def test_bad_values_name_the_key(override, expected):
         ("rollout.groupsize=4",
          "rollout.groupsize: unknown key; did you mean 'rollout.group_size'?"),
         ("modle.path=x", "modle: unknown key; did you mean 'model'?"),
+        # another section's key its name spells (it said 'train.save_every')
+        ("train.eval_every=2", "train.eval_every: unknown key; did you mean 'eval.every'?"),
+        # TRL's eval_steps: 0.74-similar to max_steps, which it said
+        ("train.eval_steps=2", "TRL's eval_steps is eval.every here (docs/from_trl.md)"),
         # TRL's names, as a user porting a GRPOConfig writes them
         ("learning_rate=1e-6", "learning_rate: unknown key; TRL's learning_rate is optim.lr here "
          "(docs/from_trl.md)"),
@@ -128,6 +132,8 @@ def test_unknown_keys_and_values_suggest_the_closest(tmp_path, override, expecte
 
         RewardFunctions.from_specs(config.reward.functions)
     assert str(info.value).endswith(expected)
+    with pytest.raises(ConfigError, match=r"eval_every: unknown key; did you mean 'eval.every'"):
+        load_config().train.eval_every = 2  # (set from Python too)
     with pytest.raises(ConfigError) as info:
         load_config(overrides=["optim.zzzz=1"])  # nothing close: no suggestion
     assert str(info.value) == "optim.zzzz: unknown key"

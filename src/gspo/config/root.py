@@ -303,10 +303,12 @@ def _one_sided_clip(algorithm: Any) -> str | None:
 
 
 def _name_sections(model: type[Section], prefix: str = "") -> None:
-    """Give every section class its place in the config (``optim.``, ``model.lora.``)."""
+    """Give every section class its place in the config (``optim.``, ``model.lora.``) and
+    the config it is in."""
     for name, field in model.model_fields.items():
         if isinstance(field.annotation, type) and issubclass(field.annotation, Section):
             field.annotation.config_key = f"{prefix}{name}."
+            field.annotation.config_root = Config
             _name_sections(field.annotation, field.annotation.config_key)
 
 

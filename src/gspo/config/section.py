@@ -30,6 +30,8 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
     #: The section's place in the config (``"optim."``), set by :mod:`gspo.config.root`.
     config_key: ClassVar[str] = ""
+    #: The config it is in (its other sections' keys: ``train.eval_every``, ``eval.every``).
+    config_root: ClassVar[type[BaseModel] | None] = None
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -56,7 +58,8 @@ class Section(BaseModel):
             if exc.errors()[0]["type"] == "no_such_attribute":
                 keys = list(type(self).model_fields)
                 key = f"{self.config_key}{name}"
-                raise ConfigError(unknown_key(key, keys, type(self))) from None
+                root = type(self).config_root
+                raise ConfigError(unknown_key(key, keys, type(self), root)) from None
             raise ConfigError(error_line(exc, type(self), self.config_key)) from None
 
 
@@ -102,12 +105,12 @@ ALIASES = {"fp16": "float16", "half": "float16", "fp32": "float32", "float": "fl
            "bf16": "bfloat16"}  # fmt: skip
 
 
-def did_you_mean(word: Any, choices: list[str], prefix: str = "") -> str:
+def did_you_mean(word: Any, choices: list[str], prefix: str = "", cutoff: float = 0.6) -> str:
     """``"; did you mean 'x'?"`` for the choice closest to ``word`` (``prefix`` + it: the
     whole dotted key), or ``""``."""
     if ALIASES.get(str(word).lower()) in choices:
         return f"; did you mean {prefix + ALIASES[str(word).lower()]!r}?"
-    close = difflib.get_close_matches(str(word), choices, n=1, cutoff=0.6)
+    close = difflib.get_close_matches(str(word), choices, n=1, cutoff=cutoff)
     return f"; did you mean {prefix + close[0]!r}?" if close else ""
 
 
@@ -127,18 +130,29 @@ def nested_key(section: type[BaseModel] | None, leaf: str) -> str | None:
     return found[0] if len(found) == 1 else None
 
 
-def unknown_key(key: str, keys: list[str], section: type[BaseModel] | None = None) -> str:
+def unknown_key(
+    key: str,
+    keys: list[str],
+    section: type[BaseModel] | None = None,
+    root: type[BaseModel] | None = None,
+) -> str:
     """The line for ``key`` (dotted, in full), unknown where its section (``section``)
     holds ``keys``: what gspo calls verl's key or TRL's field of that name
-    (:func:`~gspo.config.ported.ported_hint`), else the key of that name in a section
-    inside it (``rollout.max_model_len``: ``rollout.vllm.max_model_len``, not the closer
-    spelt ``rollout.max_episode_tokens``), else the closest key of the section."""
+    (:func:`~gspo.config.ported.ported_hint`; ``train.eval_steps``: ``eval.every``, not
+    the 0.74-similar ``train.max_steps``), else the key of that name in a section inside it
+    (``rollout.max_model_len``: ``rollout.vllm.max_model_len``, not the closer spelt
+    ``rollout.max_episode_tokens``), else a section's key its name spells (in ``root``, the
+    whole config: ``train.eval_every``: ``eval.every``, not ``train.save_every``), else the
+    closest key of the section."""
     parent, _, leaf = key.rpartition(".")
     close = did_you_mean(leaf, keys, f"{parent}." if parent else "")
-    if (ported := ported_hint(key, bool(close))) is not None:
+    if (ported := ported_hint(key, bool(did_you_mean(leaf, keys, cutoff=0.8)))) is not None:
         return ported
     if (inside := nested_key(section, leaf)) is not None:
         return f"{key}: unknown key; did you mean {(f'{parent}.' if parent else '') + inside!r}?"
+    spelt = [f"{leaf[:i]}.{leaf[i + 1 :]}" for i, c in enumerate(leaf) if c == "_"]
+    if root is not None and (named := [k for k in spelt if field_annotation(root, k)]):
+        return f"{key}: unknown key; did you mean {named[0]!r}?"
     return f"{key}: unknown key{close}"
 
 
@@ -232,7 +246,8 @@ def error_line(exc: ValidationError, model: type[BaseModel], prefix: str = "") -
         ]
         others = f" (also unknown: {', '.join(more)})" if more else ""
         below = _below(model, f"{prefix}{where}", err.get("input"), keys)
-        return (below or unknown_key(f"{prefix}{where}", keys, section)) + others
+        root = getattr(model, "config_root", None) if prefix else model
+        return (below or unknown_key(f"{prefix}{where}", keys, section, root)) + others
     message = err["msg"].removeprefix("Value error, ")
     value = err.get("input")
     if err["type"] == "missing" and isinstance(err["loc"][-1], int):  # a tuple too short
