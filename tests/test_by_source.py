@@ -94,7 +94,7 @@ def test_an_unknown_source_stops_the_run_naming_it_and_the_key(tmp_path: Path) -
     said = (
         "data.train (x) row 2: reward 'by_source': data_source 'my_math' is none of its "
         "sources (verl's, and reward.sources); set reward.sources={my_math: math} (or one of "
-        "code, exact_match, format, math, numeric_match)"
+        "code, exact_match, format, math, numeric_match, or path/to/file.py:function)"
     )
     with pytest.raises(RewardError) as caught:
         rewards.check_rows(rows, "data.train (x)")
@@ -300,3 +300,110 @@ def test_empty_mapping_tests_stop_the_run_at_its_start_as_before() -> None:
         RewardFunctions.from_specs(["by_source"]).check_rows(
             [{"data_source": "apps", "tests": {}}], "data.train (x)"
         )
+
+
+OWN = """
+def score(prompts, completions, answer, **kwargs):
+    return [1.0 if str(a) in c else 0.5 for c, a in zip(completions, answer)]
+
+async def quarter(prompts, completions, **kwargs):
+    return [0.25] * len(completions)
+
+def gold(prompts, completions, gold, **kwargs):
+    return [1.0] * len(completions)
+
+def boom(prompts, completions, **kwargs):
+    return [1 / 0]
+"""
+
+
+def test_reward_sources_names_functions_of_ones_own(tmp_path: Path, monkeypatch) -> None:
+    """verl's custom_reward_function for some sources: reward.sources took only the
+    built-ins' names ('my_rewards.py:score' is not a built-in a source is scored by)."""
+    from gspo.training.setup import with_absolute_paths
+
+    (tmp_path / "my_rewards.py").write_text(OWN)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = [
+        {"prompt": "p", "data_source": s, "answer": "7"}
+        for s in ("mine", "openai/gsm8k", "other_v1")
+    ]
+    sources = "reward.sources={mine: my_rewards.py:score, other*: my_rewards:quarter}"
+    result = score(rows, ["9", "#### 7", "7"], [sources])
+    assert result.rewards == [0.5, 1.0, 0.25]  # (quarter is async def, as TRL takes them)
+    assert reward_means(result.per_function, "r/") == {
+        "r/by_source": pytest.approx(1.75 / 3), "r/by_source/mine": 0.5,
+        "r/by_source/openai/gsm8k": 1.0, "r/by_source/other_v1": 0.25,
+    }  # fmt: skip
+    config = load_config(None, ["reward.functions=[by_source]", sources])
+    recorded = with_absolute_paths(config).reward.sources  # (a resume elsewhere finds it)
+    assert recorded == {"mine": f"{tmp_path}/my_rewards.py:score", "other*": "my_rewards:quarter"}
+    # under reward.timeout it runs aside (math-verify's limits) with every column it passes on
+    rewards = RewardFunctions.from_specs(config.reward.specs(), timeout=120)
+    try:
+        columns = {k: [row[k] for row in rows] for k in rows[0] if k != "prompt"}
+        assert rewards(["p"] * 3, ["9", "#### 7", "7"], columns).rewards == [0.5, 1.0, 0.25]
+    finally:
+        rewards.close()
+
+
+@pytest.mark.parametrize(
+    ("route", "said"),
+    [
+        ("nofile.py:score", r"^reward.sources: mine: reward function "
+         r"file not found: 'nofile.py'"),
+        ("my_rewards.py:scor", r"^reward.sources: mine: reward function "
+         r"'my_rewards.py:scor': file 'my_rewards.py' has no attribute 'scor'; did you mean"),
+        ("my_rewards.py:gold", r"^data.train \(x\) row 1: data_source 'mine' is scored by "
+         r"'my_rewards.py:gold' \(reward.sources: mine\), which needs the column\(s\) gold"),
+    ],
+)  # fmt: skip
+def test_a_function_of_ones_own_is_checked_at_the_start(tmp_path, monkeypatch, route, said):
+    (tmp_path / "my_rewards.py").write_text(OWN)
+    monkeypatch.chdir(tmp_path)
+    config = load_config(
+        None, ["reward.functions=[by_source]", f"reward.sources={{mine: {route}}}"]
+    )
+    rewards = RewardFunctions.from_specs(config.reward.specs())
+    with pytest.raises(RewardError, match=said):
+        rewards.check_rows([{"data_source": "mine", "answer": "7"}], "data.train (x)")
+
+
+def test_a_failing_function_of_ones_own_is_named_with_its_source(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(OWN)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RewardError, match=r"^reward function 'my_rewards.py:boom' \(reward."
+                       r"sources: mine\) raised ZeroDivisionError: division by zero"):  # fmt: skip
+        score(
+            [{"prompt": "p", "data_source": "mine", "answer": "7"}],
+            ["7"],
+            ["reward.sources={mine: my_rewards.py:boom}"],
+        )
+    with pytest.raises(ValueError, match=r"reward.sources: a: 'maths' is not a built-in a "
+                       r"source is scored by .* did you mean 'math'\?$"):  # fmt: skip
+        load_config(None, ["reward.functions=[by_source]", "reward.sources={a: maths}"])
+    with pytest.raises(ValueError, match=r"reward.sources: a: 'by_source' is not a built-in a"):
+        load_config(None, ["reward.functions=[by_source]", "reward.sources={a: by_source}"])
+
+
+def halves(prompts, completions, **kwargs):
+    return [0.5] * len(completions)
+
+
+def test_by_source_with_functions_from_python() -> None:
+    """From Python, reward.sources refused a function ('Input should be a valid string'),
+    as reward.functions takes one; a BySource built with a source's misspelt built-in
+    failed at the first batch with a KeyError ('maths')."""
+    from gspo.rewards import BySource
+
+    config = load_config(None, ["reward.functions=[by_source]"])
+    config.reward.sources = {"mine": halves}
+    rewards = RewardFunctions.from_specs(config.reward.specs())
+    columns = {"data_source": ["mine", "openai/gsm8k"], "answer": ["1", "1"]}
+    assert rewards(["p", "p"], ["x", "#### 1"], columns).rewards == [0.5, 1.0]
+    assert config.model_dump(mode="json")["reward"]["sources"] == {"mine": "test_by_source:halves"}
+    with pytest.raises(RewardError, match="reward.sources: mine: 'maths' is not a built-in"):
+        BySource({"mine": "maths"})
+    direct = RewardFunctions.from_specs([BySource({"mine": halves})])
+    assert direct(["p"], ["x"], {"data_source": ["mine"], "answer": ["1"]}).rewards == [0.5]

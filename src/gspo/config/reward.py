@@ -70,19 +70,23 @@ class RewardConfig(Section):
         "tests; docs/code_reward.md)",
     )
 
-    sources: dict[str, str] = Field(
+    sources: dict[str, str | Callable[..., Any]] = Field(
         default_factory=dict,
         description="The by_source reward: data_source -> the built-in that scores its rows "
-        "(math, numeric_match, exact_match, format, code), over verl's table (openai/gsm8k: "
+        "(math, numeric_match, exact_match, format, code) or a function of one's own "
+        "(path/to/file.py:function / package.module:function, as in reward.functions; from "
+        "Python also the function itself), over verl's table (openai/gsm8k: "
         "numeric_match; lighteval/MATH, HuggingFaceH4/MATH-500, math_dapo, aime*, its six "
         "numina_ sets (numina_cn_k12, ...): math; apps, taco, codecontests, "
         "codeforces: code); a key ending in * names every source it starts, e.g. "
-        "{my_math: math, my_code: code}",
+        "{my_math: math, my_code: code, my_chem: my_rewards.py:score}",
     )
 
     @field_validator("sources")
     @classmethod
-    def _routable(cls, value: dict[str, str]) -> dict[str, str]:
+    def _routable(
+        cls, value: dict[str, str | Callable[..., Any]]
+    ) -> dict[str, str | Callable[..., Any]]:
         from gspo.rewards.by_source import source_problem
 
         for source, name in value.items():
@@ -128,6 +132,11 @@ class RewardConfig(Section):
         """Functions given as Python objects are written as the spec that loads them
         (``module:function``), or as ``<python object NAME>`` where none can."""
         return [f if isinstance(f, str) else object_spec(f) for f in functions]
+
+    @field_serializer("sources")
+    def _sources_as_specs(self, sources: dict[str, str | Callable[..., Any]]) -> dict[str, str]:
+        """A source's function given as itself written as ``functions``' are."""
+        return {k: v if isinstance(v, str) else object_spec(v) for k, v in sources.items()}
 
     def check_functions(self) -> None:
         """At least one function, and each spec string well formed as text (a misspelt

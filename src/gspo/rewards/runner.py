@@ -41,6 +41,8 @@ def _call_one(
         if inspect.iscoroutine(out):  # an async def function (TRL takes those too)
             out = run_coroutine(out)
     except (Exception, SystemExit) as e:  # sys.exit in a reward ended the run as a success
+        if isinstance(e, RewardError) and getattr(function, "names_its_errors", False):
+            raise  # (by_source's lines name the source and the function it routed to)
         missing = missing_arguments(function, given)
         if isinstance(e, TypeError) and missing:
             have = ", ".join(columns) or "none but the prompt"
@@ -442,9 +444,13 @@ class Runner:
         aside = self._aside_runner(name, spec) if spec is not None and in_thread else None
         if aside is None:
             return self._in_thread(name, function, prompts, completions, columns, deadline)
-        # (its own columns only: an environment's objects do not pickle)
+        # (its own columns only: an environment's objects do not pickle; None: every one)
         reads = getattr(function, "reads_columns", getattr(function, "required_columns", ()))
-        needed = {k: v for k, v in columns.items() if k in reads}
+        needed = {
+            k: v
+            for k, v in columns.items()
+            if (k != "environments" if reads is None else k in reads)
+        }
         return aside.run([name], [function], [spec], prompts, completions, needed, deadline)[0]
 
     def _aside_runner(self, name: str, spec: str) -> Runner | None:

@@ -284,9 +284,9 @@ def with_absolute_paths(
     config: Config, moved: Callable[[Path], Path | None] | None = None
 ) -> Config:
     """``config`` with the files and directories it names relative to the current
-    directory made absolute (``model.path``, ``data.train/eval/sft``, ``reward.functions``
-    and ``rollout.environment`` files, ``train.cold_start_cache_dir``): what the run
-    records in its config.yaml, so a resume from another directory reads the same files
+    directory made absolute (``model.path``, ``data.train/eval/sft``, ``reward.functions``,
+    ``reward.sources`` and ``rollout.environment`` files, ``train.cold_start_cache_dir``):
+    what the run records in its config.yaml, so a resume from another directory reads the same files
     (it failed, or read another ``varied.py`` there). A hub id or module name stays, and
     a key left at its default stays unset. ``moved(path)``: where a recorded path that
     is missing lies now, the run having moved with it (:func:`gspo.moved.moved_path`).
@@ -320,7 +320,10 @@ def with_absolute_paths(
     keys = {
         "model": {"path": local},
         "data": {"train": data, "eval": data, "sft": data},
-        "reward": {"functions": lambda specs: [spec(f) for f in specs]},
+        "reward": {
+            "functions": lambda specs: [spec(f) for f in specs],
+            "sources": lambda routes: {k: spec(v) for k, v in routes.items()},
+        },
         "rollout": {"environment": spec},
         "train": {"cold_start_cache_dir": cache},
     }
