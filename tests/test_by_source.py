@@ -407,3 +407,27 @@ def test_by_source_with_functions_from_python() -> None:
         BySource({"mine": "maths"})
     direct = RewardFunctions.from_specs([BySource({"mine": halves})])
     assert direct(["p"], ["x"], {"data_source": ["mine"], "answer": ["1"]}).rewards == [0.5]
+
+
+def test_gold_answers_no_number_are_counted_for_by_sources_numeric_match() -> None:
+    """numeric_match reached through by_source (openai/gsm8k's rows) was left out of the
+    start's count of gold answers that are no number (named in reward.functions, it was
+    counted); a mapping for an answer of a math row was not refused either."""
+    from gspo.tasks import TaskData
+    from gspo.training.reward_columns import check_reward_columns
+
+    given = [("openai/gsm8k", "72"), ("openai/gsm8k", "seven"), ("math_dapo", "seven")]
+    rows = [{"prompt": "p", "data_source": s, "answer": a} for s, a in given]
+    config = load_config(None, ["reward.functions=[by_source]"])
+    rewards = RewardFunctions.from_specs(config.reward.specs())
+    said = check_reward_columns(rewards, TaskData(rows, [], []), config, None)
+    assert said == [
+        "data.train (the built-in addition task): 1 of 3 rows (row 2) has a gold answer that "
+        "is not a number, as 'seven', which reward function 'by_source' scores with "
+        "numeric_match for their data_source, which never scores (None): their completions "
+        "are not scored by it"
+    ]
+    rows[2]["answer"] = {"value": "1/2"}
+    with pytest.raises(ValueError, match=r"row 3: the answer \(column 'answer', which reward "
+                       r"function 'by_source' compares\)"):  # fmt: skip
+        check_reward_columns(rewards, TaskData(rows, [], []), config, None)

@@ -10,9 +10,13 @@ from gspo.config import Config
 from gspo.data import not_an_answer
 from gspo.plugins import some_of
 from gspo.rewards import RewardFunctions
+from gspo.rewards.by_source import SOURCE_COLUMN, BySource
 from gspo.rewards.parsing import _gold_number, has_value
 from gspo.rewards.verifiers import BUILTIN_REWARDS
 from gspo.tasks import TaskData
+
+#: The built-in whose gold answers must be numbers.
+ROUTE = "numeric_match"
 
 
 def check_reward_columns(
@@ -47,7 +51,8 @@ def check_reward_columns(
             ]
             if "answer" in columns and compared:
                 _answers_are_text(rows, compared[0], f"{key} ({where})")
-                warnings += _not_numbers(rows, compared, f"{key} ({where})")
+                numeric = [n for n in compared if n.partition("#")[0] == "numeric_match"]
+                warnings += _not_numbers(rows, numeric[:1], f"{key} ({where})")
             for column, name in rewards.required(columns).items():
                 empty = [i for i, row in enumerate(rows, start=1) if not has_value(row.get(column))]
                 if empty:  # (a built-in leaves them unscored; the user's decides)
@@ -62,31 +67,54 @@ def check_reward_columns(
                         f"{gets}"
                     )
             warnings += rewards.check_rows(rows, f"{key} ({where})")  # (code's, by_source's)
+            warnings += _routed_answers(rewards, rows, f"{key} ({where})")
     return warnings
 
 
-def _answers_are_text(rows: list[dict], name: str, where: str) -> None:
+def _routed_answers(rewards: RewardFunctions, rows: list[dict], where: str) -> list[str]:
+    """For ``by_source``: the rows it routes to a built-in that compares the answer, as
+    for that built-in named in ``reward.functions`` (its routes checked already)."""
+    warnings = []
+    for name, function in zip(rewards.names, rewards.functions, strict=True):
+        if not isinstance(function, BySource):
+            continue
+        routes = [function.route(row.get(SOURCE_COLUMN)) for row in rows]
+        compared = [i for i, r in enumerate(routes, 1) if r in ("exact_match", "math", ROUTE)]
+        _answers_are_text(rows, name, where, compared)
+        numeric = [i for i, route in enumerate(routes, start=1) if route == ROUTE]
+        how = f" scores with {ROUTE} for their data_source, which"
+        warnings += _not_numbers(rows, [name], where, numeric, how)
+    return warnings
+
+
+def _answers_are_text(
+    rows: list[dict], name: str, where: str, picked: list[int] | None = None
+) -> None:
     """Every row's ``answer`` one a built-in reward compares (a mapping's repr was the
-    gold answer: every completion scored 0, unsaid); else one line naming the row."""
-    for i, row in enumerate(rows, start=1):
-        if said := not_an_answer(row.get("answer")):
+    gold answer: every completion scored 0, unsaid); else one line naming the row.
+    ``picked``: the rows it compares (numbered from 1), where not all."""
+    for i in range(1, len(rows) + 1) if picked is None else picked:
+        if said := not_an_answer(rows[i - 1].get("answer")):
             raise ValueError(
                 f"{where} row {i}: the answer (column 'answer', which reward function "
                 f"{name!r} compares) {said}"
             )
 
 
-def _not_numbers(rows: list[dict], compared: list[str], where: str) -> list[str]:
+def _not_numbers(
+    rows: list[dict], named: list[str], where: str, picked: list[int] | None = None, how: str = ""
+) -> list[str]:
     """A warning line when some rows' gold answer is no number (``seven``, a CSV's
     ``nan`` text): ``numeric_match`` returns None for them, so their completions are never
     scored by it, and their groups teach nothing where it is the only reward. Rows with no
-    answer at all are said by :func:`check_reward_columns` already."""
-    name = next((n for n in compared if n.partition("#")[0] == "numeric_match"), None)
-    if name is None:
+    answer at all are said by :func:`check_reward_columns` already. ``named``: the
+    function that scores them (none: nothing to say); ``picked``: its rows, where not all
+    (``by_source``'s, which it scores with numeric_match: ``how`` says so)."""
+    if not named:
         return []
-    found = []
-    for i, row in enumerate(rows, start=1):
-        gold = row.get("answer")
+    name, found = named[0], []
+    for i in range(1, len(rows) + 1) if picked is None else picked:
+        gold = rows[i - 1].get("answer")
         golds = list(gold) if isinstance(gold, (list, tuple)) else [gold]  # (any of them)
         if has_value(gold) and all(_gold_number(one) is None for one in golds):
             found.append(i)
@@ -95,6 +123,6 @@ def _not_numbers(rows: list[dict], compared: list[str], where: str) -> list[str]
     first = rows[found[0] - 1].get("answer")
     return [
         f"{where}: {some_of(found, len(rows), 'row')} a gold answer that is not a number, "
-        f"as {str(first)[:60]!r}, which reward function {name!r} never scores (None): their "
-        "completions are not scored by it"
+        f"as {str(first)[:60]!r}, which reward function {name!r}{how} never scores (None): "
+        "their completions are not scored by it"
     ]
