@@ -912,9 +912,9 @@ def test_rollouts_past_where_the_rope_rescales_are_warned(capsys, rope, position
         # a spreadsheet's trailing unnamed columns, a cell longer than csv's default limit
         ("a.csv", "prompt,answer,,\nq1,1,,\n" + "x" * 200_000 + ",2,,\n",
          [["q1", 1], ["x" * 200_000, 2]]),
-        # a cell is a number only where the number's text is the cell
+        # a cell is a number only where the number's text is the cell; nan is None (below)
         ("a.csv", "prompt,answer\nq,0.5\nr,0.50\ns,+5\nt,1e3\nu,nan\nv,12.0\n",
-         [["q", 0.5], ["r", "0.50"], ["s", "+5"], ["t", "1e3"], ["u", "nan"], ["v", "12.0"]]),
+         [["q", 0.5], ["r", "0.50"], ["s", "+5"], ["t", "1e3"], ["u", None], ["v", "12.0"]]),
     ],
 )  # fmt: skip
 def test_files_give_their_values_as_written(tmp_path, name, content, rows):
@@ -924,6 +924,24 @@ def test_files_give_their_values_as_written(tmp_path, name, content, rows):
     path = tmp_path / name
     path.write_text(content, encoding="utf-8")
     assert [[r["prompt"], r["answer"]] for r in load_rows(path, what="data.train")] == rows
+
+
+def test_a_csv_nan_is_no_answer_as_jsons_nan_is(tmp_path):
+    """A CSV cell 'nan' (Python's csv writes a float NaN so) was the gold answer 'nan':
+    exact_match and math scored every completion against it (0, or 1 for one saying nan),
+    where JSON's NaN and null, and an empty CSV cell, leave the row unscored (None)."""
+    from gspo.rewards import BUILTIN_REWARDS
+
+    csv = tmp_path / "a.csv"
+    csv.write_text("prompt,answer\na,nan\nb,NaN\nc,\nd,None\ne,-nan\n")
+    jsonl = tmp_path / "a.jsonl"
+    jsonl.write_text('{"prompt": "a", "answer": NaN}\n{"prompt": "b", "answer": null}\n')
+    answers = [r["answer"] for r in load_rows(csv, what="data.train")]
+    assert answers == [None, None, None, "None", None]  # ('None' may be an answer: text)
+    assert [r["answer"] for r in load_rows(jsonl, what="data.train")] == [None, None]
+    for name in ("exact_match", "math"):
+        scored = BUILTIN_REWARDS[name](prompts=["p"] * 5, completions=["nan"] * 5, answer=answers)
+        assert scored[:3] == [None, None, None] and scored[4] is None, name
 
 
 TWICE = "names the column {!r} twice; JSON readers keep one of the two silently: write it once"
@@ -1101,7 +1119,7 @@ def test_rows_without_the_column_a_reward_needs_are_counted_in_a_warning():
 
 
 def test_gold_answers_numeric_match_never_scores_are_counted_in_a_warning():
-    """A gold answer that is no number ('seven', a CSV's 'nan' text) left numeric_match's
+    """A gold answer that is no number ('seven', the text 'nan') left numeric_match's
     rows unscored, unsaid until a whole batch was (and not at all in a mixed one)."""
     from gspo.rewards import RewardFunctions
     from gspo.tasks import TaskData

@@ -154,8 +154,11 @@ def _cell(text: str | None) -> Any:
     (``7``, ``0.5``, ``12345678901234567``); else the text as written (``007``, ``0.50``,
     ``1e3``, ``+5``, ``12.0``), which reading it as a number would change (a gold answer
     ``007`` was 7, ``12345678901234567`` beside a blank cell ``...568``, and ``12.0`` the
-    answer ``12``: a whole float is written as an integer, see ``cell_text``)."""
-    if not text:
+    answer ``12``: a whole float is written as an integer, see ``cell_text``). ``nan``
+    (``NaN``: Python's csv writes a float NaN so) is None, as JSON's ``NaN`` and Parquet's
+    are read: its text was the gold answer (exact_match and math scored every completion
+    against 'nan', where the same row from JSON or Parquet was left unscored)."""
+    if not text or text.strip().lower().lstrip("+-") == "nan":
         return None
     for kind in (int, float):
         try:

@@ -104,12 +104,12 @@ def _answers_are_text(
 def _not_numbers(
     rows: list[dict], named: list[str], where: str, picked: list[int] | None = None, how: str = ""
 ) -> list[str]:
-    """A warning line when some rows' gold answer is no number (``seven``, a CSV's
-    ``nan`` text): ``numeric_match`` returns None for them, so their completions are never
-    scored by it, and their groups teach nothing where it is the only reward. Rows with no
-    answer at all are said by :func:`check_reward_columns` already. ``named``: the
-    function that scores them (none: nothing to say); ``picked``: its rows, where not all
-    (``by_source``'s, which it scores with numeric_match: ``how`` says so)."""
+    """A warning line when some rows' gold answer is no number (``seven``, ``inf``):
+    ``numeric_match`` returns None for them, so their completions are never scored by it,
+    and their groups teach nothing where it is the only reward. Rows with no answer at all
+    are said by :func:`check_reward_columns` already. ``named``: the function that scores
+    them (none: nothing to say); ``picked``: its rows, where not all (``by_source``'s,
+    which it scores with numeric_match: ``how`` says so)."""
     if not named:
         return []
     name, found = named[0], []
