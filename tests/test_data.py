@@ -575,6 +575,45 @@ def test_drop_long_prompts_leaves_them_out_with_a_count(tmp_path, capsys):
     )
 
 
+def test_the_starts_warnings_count_the_rows_drop_long_prompts_keeps(tmp_path, capsys):
+    """The start's warnings were made before data.drop_long_prompts dropped rows: a dropped
+    row's empty or non-numeric answer was warned of, counted among all the file's rows,
+    'fewer than rollout.prompts_per_batch' was not said of the 2 rows left, and 'data.eval
+    has 4 rows; eval.max_prompts=3 evaluates the first 3' was said of 2. The rows left
+    keep their numbers in the file."""
+    from conftest import CPU
+
+    from gspo.cli import main
+
+    rows = [
+        {"prompt": "1+2=", "answer": "3"},
+        {"prompt": "1+" * 300 + "2=", "answer": None},  # (dropped)
+        {"prompt": "1+" * 253 + "2=", "answer": "seven"},  # (dropped)
+        {"prompt": "2+2=", "answer": None},
+    ]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    overrides = [CPU, "model.layers=1", "model.hidden=32", "model.heads=2", "model.kv_heads=1",
+                 "model.intermediate=64", f"data.train={data}", f"data.eval={data}",
+                 "eval.max_prompts=3", "eval.every=0", "train.cold_start_steps=0",
+                 "train.max_steps=1", "algorithm.minibatches=1", "rollout.prompts_per_batch=3",
+                 "rollout.group_size=2", "data.drop_long_prompts=true", "log.progress=false",
+                 "reward.functions=[numeric_match]"]  # fmt: skip
+    assert main(["train", "--output-dir", str(tmp_path / "run"), *overrides]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if "gspo: warning" in line]
+    assert (
+        f"gspo: warning: data.train ({data}): 1 of 2 rows (row 4) has no 'answer', which "
+        "reward function 'numeric_match' needs: their completions are not scored" in said
+    )
+    assert (
+        f"gspo: warning: data.train ({data}) has 2 rows, fewer than "
+        "rollout.prompts_per_batch=3: each rollout batch takes some prompts more than once "
+        "(their groups are alike; a smaller rollout.prompts_per_batch takes each once)" in said
+    )
+    assert not [line for line in said if "not a number" in line or "eval.max_prompts" in line]
+    assert len([line for line in said if "has no 'answer'" in line]) == 2  # (train, eval)
+
+
 @pytest.mark.parametrize(
     ("rows", "said"),
     [

@@ -132,6 +132,22 @@ def counted(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
+class Rows(list):
+    """Rows some of which were left out (``data.drop_long_prompts``): ``numbers`` are the
+    kept rows' numbers in their file (from 1), which messages about them name."""
+
+    def __init__(self, rows: Any, numbers: list[int]):
+        super().__init__(rows)
+        self.numbers = numbers
+
+
+def numbered(rows: Any) -> list[tuple[int, Any]]:
+    """``(number, row)`` of each of ``rows``: its number in its file (:class:`Rows`), else
+    its place, from 1."""
+    numbers = getattr(rows, "numbers", None) or range(1, len(rows) + 1)
+    return list(zip(numbers, rows, strict=True))
+
+
 def some_of(found: list[int], total: int, noun: str) -> str:
     """``1 of 2 rows (row 2) has``, ``2 of 5 rows (row 1 first) have``: which of the
     ``total`` (numbered from 1) a message is about, the first of them and the verb."""

@@ -172,6 +172,9 @@ class Trainer:
         check_eval_row(environment, self.data.eval)
         self.config = config = with_environment_reward(config, environment)
         self.rewards = rewards = reward_functions(config)
+        self.train_prompt_ids, eval_prompt_ids = task_prompt_ids(  # (the rows warned of: kept)
+            config, self.generator, self.tokenizer, self.policy.module, self.data, say=dist.is_main
+        )
         said = start_warnings(config, rewards, self.data, environment, out)
         self.optimizer, self.scheduler = rl_optimizer(config, self.policy.forward)
         self.reference = Reference(config.algorithm.kl_coef, out, self.policy, config.model.path)
@@ -185,9 +188,6 @@ class Trainer:
         self.cold_start_done = checkpoint is not None  # (a checkpoint is past it)
 
         # the stages, and the hooks attached to the update stage
-        self.train_prompt_ids, eval_prompt_ids = task_prompt_ids(
-            config, self.generator, self.tokenizer, self.policy.module, self.data, say=dist.is_main
-        )
         sampling = sampling_params(
             config.rollout, self.tokenizer, self.policy.module, config.data.chat_template_kwargs
         )

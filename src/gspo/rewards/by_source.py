@@ -19,6 +19,7 @@ from typing import Any
 from gspo.plugins import (
     PYTHON_OBJECT,
     missing_arguments,
+    numbered,
     object_spec,
     some_of,
     unexpected_arguments,
@@ -200,7 +201,7 @@ class BySource:
         Returned: a warning line for each column some rows leave empty (not scored)."""
         empty: dict[str, list[int]] = {}
         own: set[str] = set()  # (the keys routing to a function of one's own, checked)
-        for i, row in enumerate(rows, start=1):
+        for i, row in numbered(rows):
             try:
                 entry = self.entry(row.get(SOURCE_COLUMN))
             except RewardError as e:

@@ -11,7 +11,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gspo.plugins import missing_arguments, one_line, takes_keyword, unexpected_arguments
+from gspo.plugins import (
+    missing_arguments,
+    numbered,
+    one_line,
+    takes_keyword,
+    unexpected_arguments,
+)
 from gspo.rewards.contract import OFFERED, TRL_ONLY, RewardError, RewardFunction
 from gspo.rewards.loading import load_reward_function
 from gspo.rewards.runner import Runner
@@ -262,7 +268,7 @@ class RewardFunctions:
         warnings: list[str] = []
         for name, function in zip(self.names, self.functions, strict=True):
             if name.partition("#")[0] == "code":
-                for i, row in enumerate(rows, start=1):
+                for i, row in numbered(rows):
                     if has_value(tests := row.get("tests")):
                         parse_tests(tests, f"{where} row {i}: tests")
             if callable(check := getattr(function, "check_rows", None)):

@@ -14,6 +14,7 @@ import torch
 from gspo.chat import encode_prompt
 from gspo.config import Config
 from gspo.models import length_dependent_rope, model_context
+from gspo.plugins import Rows, numbered
 from gspo.tasks import TaskData
 from gspo.training.cold_start import single_turn_encoder
 from gspo.training.episodes import MultiTurn, TurnFormat, encode_conversation
@@ -101,11 +102,12 @@ def task_prompt_ids(
     _, learned = model_context(module)
     context, context_key = rollout_context(config, module)
     train, held_out = (
-        _kept(config, rows, encode_prompts(
-            config, generate, tokenizer, rows, name=f"{name} ({config.data.source_of(name)})",
-            context=context, learned_positions=learned, context_key=context_key, say=say,
-        ), name=name, context=context, context_key=context_key, say=say)
-        for name, rows in (("data.train", data.train), ("data.eval", data.eval))
+        _kept(config, data, key, encode_prompts(
+            config, generate, tokenizer, getattr(data, key),
+            name=f"data.{key} ({config.data.source_of(f'data.{key}')})", context=context,
+            learned_positions=learned, context_key=context_key, say=say,
+        ), context=context, context_key=context_key, say=say)
+        for key in ("train", "eval")
     )  # fmt: skip
     if say:  # (the trainer's forward sees the training rollouts only)
         # what bounds the rollouts: vLLM's max_model_len, an episode's end at the context;
@@ -117,17 +119,20 @@ def task_prompt_ids(
 
 def _kept(
     config: Config,
-    rows: list[dict[str, Any]],
+    data: TaskData,
+    key: str,
     ids: list[list[int]],
     *,
-    name: str,
     context: int | None,
     context_key: str,
     say: bool,
 ) -> list[list[int]]:
-    """With ``data.drop_long_prompts``, ``rows`` (in place) and their ``ids`` without the
-    prompts that leave fewer than ``rollout.max_new_tokens`` positions of ``context``, said
-    in one warning line; all of them dropped is an error."""
+    """With ``data.drop_long_prompts``, ``data``'s ``key`` rows and their ``ids`` without
+    the prompts that leave fewer than ``rollout.max_new_tokens`` positions of ``context``,
+    said in one warning line; all of them dropped is an error. The rows left are
+    :class:`gspo.plugins.Rows`, which keep their numbers in the file for the messages
+    about them (the start's warnings, counted among these rows)."""
+    rows, name = getattr(data, key), f"data.{key}"
     room = config.rollout.max_new_tokens
     if not config.data.drop_long_prompts or context is None or not rows:
         return ids
@@ -143,7 +148,9 @@ def _kept(
         raise ValueError(f"{said}: none is left")
     if say:
         print(f"gspo: warning: {said}", file=sys.stderr, flush=True)
-    rows[:] = [rows[i] for i in keep]
+    numbers = [number for number, _ in numbered(rows)]
+    rows[:] = [rows[i] for i in keep]  # (in place: and as Rows, numbered as in the file)
+    setattr(data, key, Rows(rows, [numbers[i] for i in keep]))
     return [ids[i] for i in keep]
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from gspo.config import Config
 from gspo.data import not_an_answer
-from gspo.plugins import some_of
+from gspo.plugins import numbered, some_of
 from gspo.rewards import RewardFunctions
 from gspo.rewards.by_source import SOURCE_COLUMN, BySource
 from gspo.rewards.parsing import _gold_number, has_value
@@ -50,11 +50,11 @@ def check_reward_columns(
                 and "answer" in getattr(f, "required_columns", ())
             ]
             if "answer" in columns and compared:
-                _answers_are_text(rows, compared[0], f"{key} ({where})")
+                _answers_are_text(numbered(rows), compared[0], f"{key} ({where})")
                 numeric = [n for n in compared if n.partition("#")[0] == "numeric_match"]
-                warnings += _not_numbers(rows, numeric[:1], f"{key} ({where})")
+                warnings += _not_numbers(numbered(rows), len(rows), numeric[:1], f"{key} ({where})")
             for column, name in rewards.required(columns).items():
-                empty = [i for i, row in enumerate(rows, start=1) if not has_value(row.get(column))]
+                empty = [i for i, row in numbered(rows) if not has_value(row.get(column))]
                 if empty:  # (a built-in leaves them unscored; the user's decides)
                     gets = (
                         "their completions are not scored"
@@ -78,23 +78,21 @@ def _routed_answers(rewards: RewardFunctions, rows: list[dict], where: str) -> l
     for name, function in zip(rewards.names, rewards.functions, strict=True):
         if not isinstance(function, BySource):
             continue
-        routes = [function.route(row.get(SOURCE_COLUMN)) for row in rows]
-        compared = [i for i, r in enumerate(routes, 1) if r in ("exact_match", "math", ROUTE)]
-        _answers_are_text(rows, name, where, compared)
-        numeric = [i for i, route in enumerate(routes, start=1) if route == ROUTE]
+        routes = [(i, row, function.route(row.get(SOURCE_COLUMN))) for i, row in numbered(rows)]
+        compared = [(i, row) for i, row, r in routes if r in ("exact_match", "math", ROUTE)]
+        _answers_are_text(compared, name, where)
+        numeric = [(i, row) for i, row, route in routes if route == ROUTE]
         how = f" scores with {ROUTE} for their data_source, which"
-        warnings += _not_numbers(rows, [name], where, numeric, how)
+        warnings += _not_numbers(numeric, len(rows), [name], where, how)
     return warnings
 
 
-def _answers_are_text(
-    rows: list[dict], name: str, where: str, picked: list[int] | None = None
-) -> None:
+def _answers_are_text(rows: list[tuple[int, dict]], name: str, where: str) -> None:
     """Every row's ``answer`` one a built-in reward compares (a mapping's repr was the
     gold answer: every completion scored 0, unsaid); else one line naming the row.
-    ``picked``: the rows it compares (numbered from 1), where not all."""
-    for i in range(1, len(rows) + 1) if picked is None else picked:
-        if said := not_an_answer(rows[i - 1].get("answer")):
+    ``rows``: the rows it compares, each with its number."""
+    for i, row in rows:
+        if said := not_an_answer(row.get("answer")):
             raise ValueError(
                 f"{where} row {i}: the answer (column 'answer', which reward function "
                 f"{name!r} compares) {said}"
@@ -102,27 +100,26 @@ def _answers_are_text(
 
 
 def _not_numbers(
-    rows: list[dict], named: list[str], where: str, picked: list[int] | None = None, how: str = ""
+    rows: list[tuple[int, dict]], total: int, named: list[str], where: str, how: str = ""
 ) -> list[str]:
     """A warning line when some rows' gold answer is no number (``seven``, ``inf``):
     ``numeric_match`` returns None for them, so their completions are never scored by it,
     and their groups teach nothing where it is the only reward. Rows with no answer at all
-    are said by :func:`check_reward_columns` already. ``named``: the function that scores
-    them (none: nothing to say); ``picked``: its rows, where not all (``by_source``'s,
-    which it scores with numeric_match: ``how`` says so)."""
+    are said by :func:`check_reward_columns` already. ``rows``: those ``named[0]`` scores,
+    each with its number, of ``total`` (none named: nothing to say; ``by_source``'s, which
+    it scores with numeric_match: ``how`` says so)."""
     if not named:
         return []
-    name, found = named[0], []
-    for i in range(1, len(rows) + 1) if picked is None else picked:
-        gold = rows[i - 1].get("answer")
+    found = []
+    for i, row in rows:
+        gold = row.get("answer")
         golds = list(gold) if isinstance(gold, (list, tuple)) else [gold]  # (any of them)
         if has_value(gold) and all(_gold_number(one) is None for one in golds):
-            found.append(i)
+            found.append((i, gold))
     if not found:
         return []
-    first = rows[found[0] - 1].get("answer")
     return [
-        f"{where}: {some_of(found, len(rows), 'row')} a gold answer that is not a number, "
-        f"as {str(first)[:60]!r}, which reward function {name!r}{how} never scores (None): "
-        "their completions are not scored by it"
+        f"{where}: {some_of([i for i, _ in found], total, 'row')} a gold answer that is not a "
+        f"number, as {str(found[0][1])[:60]!r}, which reward function {named[0]!r}{how} never "
+        "scores (None): their completions are not scored by it"
     ]
