@@ -232,6 +232,9 @@ def test_verls_reward_keys_name_gspos() -> None:
                        r"custom_reward_function is reward.functions=\[FILE.py:FUNCTION\] "
                        r"\(called on a batch as TRL calls one"):  # fmt: skip
         load_config(None, ["custom_reward_function.path=my_reward.py"])
+    with pytest.raises(ConfigError, match=r"with reward.sources=\{SOURCE: FILE.py:FUNCTION\} "
+                       r"for the sources a function of one's own scores"):  # fmt: skip
+        load_config(None, ["custom_reward_function.path=my_reward.py"])
     with pytest.raises(ConfigError, match=r"^data.reward_fn_key: unknown key; verl's "
                        r"reward_fn_key has no equivalent here: reward.functions=\[by_source\] "
                        r"picks each row's built-in by its data_source column"):  # fmt: skip

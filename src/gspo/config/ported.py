@@ -148,7 +148,8 @@ VERL_NAMES = {
     "custom_reward_function": "reward.functions=[FILE.py:FUNCTION] (called on a batch as "
     "TRL calls one: prompts, completions and every column as lists, a float per completion; "
     "not per row as verl's compute_score; its default_compute_score: "
-    "reward.functions=[by_source])",
+    "reward.functions=[by_source], with reward.sources={SOURCE: FILE.py:FUNCTION} for the "
+    "sources a function of one's own scores)",
 }
 
 #: verl's keys with no gspo setting, and why (docs/from_verl.md).
