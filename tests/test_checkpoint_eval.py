@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -237,3 +238,14 @@ def test_an_export_made_before_its_step_was_recorded_reads_it_from_its_source(tm
     assert exported_step(tmp_path) == 0
     (tmp_path / EXPORT_MARK).unlink()
     assert exported_step(tmp_path) == 0
+
+
+def test_the_report_counts_its_prompts_in_words():
+    """One prompt was "1 held-out prompts"."""
+    from gspo.checkpoint_eval import Evaluated, report
+
+    def first_line(prompts: int) -> str:
+        return report(Evaluated(Path("m"), 3, prompts, {"eval/accuracy": 0.5})).splitlines()[0]
+
+    assert first_line(1) == "evaluated m (step 3) on 1 held-out prompt"
+    assert first_line(2) == "evaluated m (step 3) on 2 held-out prompts"

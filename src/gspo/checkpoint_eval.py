@@ -243,7 +243,8 @@ def _logged(run: Path | None, step: int) -> dict[str, float]:
 def report(evaluated: Evaluated) -> str:
     """The lines ``gspo eval`` prints: each ``eval/*`` figure, beside the run's own."""
     what = f"{evaluated.model} (step {evaluated.step})" if evaluated.step else evaluated.model
-    lines = [f"evaluated {what} on {evaluated.prompts} held-out prompts"]
+    plural = "" if evaluated.prompts == 1 else "s"
+    lines = [f"evaluated {what} on {evaluated.prompts} held-out prompt{plural}"]
     width = max((len(k) for k in evaluated.metrics), default=0)
     for key, value in sorted(evaluated.metrics.items()):
         line = f"  {key:<{width}}  {_figure(value)}"
