@@ -62,7 +62,6 @@ __all__ = [
     "CodeTest",
     "Limits",
     "RunResult",
-    "code_reward",
     "code_scores",
     "extract_code",
     "isolation",
@@ -489,32 +488,21 @@ def score_code(
     return passed / len(cases)
 
 
-def code_reward(
-    prompts: Sequence[Any],
-    completions: Sequence[Any],
-    tests: Sequence[Any] | None = None,
-    **kwargs: Any,
-) -> list[float | None]:
-    """Pass fraction of each completion's Python program on its row's ``tests``
-    (:func:`code_scores` with ``scoring="fraction"``).
-
-    Called TRL-style as ``f(prompts=..., completions=..., tests=..., **other_columns)``. The
-    program is the completion's last fenced Python block (see :func:`extract_code`; of a
-    conversation, its assistant messages': :func:`program_of`); a
-    completion without one scores 0.0, a row whose ``tests`` is None gets None. Tests take
-    the forms of :func:`parse_tests`. Every program runs in the sandbox of this module, one
-    process per completion (and per input/output test), in parallel over the CPUs.
-    Call-based tests (``fn_name``) run in one process per completion, each call under
-    its own CPU limit, and their results are compared here (:mod:`.code_tests`).
-    """
-    return code_scores(prompts, completions, tests, "fraction")
-
-
 def code_scores(
     prompts: Sequence[Any], completions: Sequence[Any], tests: Sequence[Any] | None, scoring: str
 ) -> list[float | None]:
-    """:func:`code_reward` with each program scored as ``scoring`` says (:func:`score_code`:
-    ``fraction`` or ``all``); no keyword of its own beside the columns a call passes."""
+    """The built-in ``code`` reward of a batch (:class:`gspo.rewards.verifiers.CodeReward`
+    calls it): each completion's program scored on its row's ``tests`` as ``scoring``
+    says (:func:`score_code`: ``fraction`` or ``all``).
+
+    The program is the completion's last fenced Python block (see :func:`extract_code`; of
+    a conversation, its assistant messages': :func:`program_of`); a completion without one
+    scores 0.0, a row whose ``tests`` is None gets None. Tests take the forms of
+    :func:`parse_tests`. Every program runs in the sandbox of this module, one process per
+    completion (and per input/output test), in parallel over the CPUs. Call-based tests
+    (``fn_name``) run in one process per completion, each call under its own CPU limit,
+    and their results are compared here (:mod:`.code_tests`).
+    """
     if tests is None:
         raise RewardError("built-in reward 'code' needs a dataset column named 'tests'")
     if isinstance(tests, str) or len(tests) != len(completions):

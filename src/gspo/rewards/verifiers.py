@@ -309,27 +309,15 @@ def math_reward(
     return out
 
 
-def code_reward(
-    prompts: Sequence[Any],
-    completions: Sequence[Any],
-    tests: Sequence[Any] | None = None,
-    **kwargs: Any,
-) -> list[float | None]:
-    """Pass fraction of the completion's Python program on the row's ``tests`` (sandboxed).
-
-    See :func:`gspo.rewards.sandbox.code_reward`: the program is the last fenced Python
-    block, each runs in its own isolated, resource-limited process.
-    """
-    from gspo.rewards.sandbox import code_reward as run
-
-    return run(prompts=prompts, completions=completions, tests=tests, **kwargs)
-
-
 @dataclass(frozen=True)
 class CodeReward:
-    """The built-in ``code`` reward scored as ``reward.code_scoring`` says (``all``: 1 where
-    the program passes every test of its row, else 0), named ``code`` as the built-in is;
-    a module-level object, so that ``reward.workers`` processes get it by pickle."""
+    """The built-in ``code`` reward: each completion's Python program run on its row's
+    ``tests`` in the sandbox (:func:`gspo.rewards.sandbox.code_scores`), scored as
+    ``scoring`` (``reward.code_scoring``) says: ``fraction``, the fraction of the tests it
+    passes; ``all``, 1 where it passes every one, else 0. :data:`code_reward` is the one
+    ``reward.functions=[code]`` names. Named ``code`` whatever its scoring (its metric
+    ``train/reward/code``); a module-level class, so that ``reward.workers`` processes get
+    it by pickle. The sandbox is imported when it first scores."""
 
     scoring: str = "fraction"
     __name__ = "code"
@@ -345,6 +333,11 @@ class CodeReward:
         from gspo.rewards.sandbox import code_scores
 
         return code_scores(prompts, completions, tests, self.scoring)
+
+
+code_reward = CodeReward()
+"""The built-in ``code`` reward (``reward.functions=[code]``, or passed from Python): the
+fraction of its row's tests each completion's program passes (:class:`CodeReward`)."""
 
 
 def environment_reward(
@@ -401,7 +394,6 @@ for _function, _columns in (
     (exact_match_reward, ("answer",)),
     (numeric_match_reward, ("answer",)),
     (math_reward, ("answer",)),
-    (code_reward, ("tests",)),
 ):
     _function.required_columns = _columns  # type: ignore[attr-defined]
 # (math-verify's time limits work in a main thread only: see gspo.rewards.runner.Runner)
