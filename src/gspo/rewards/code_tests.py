@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gspo.rewards.parsing import answer_text
+from gspo.rewards.thinking import answer_text
 
 __all__ = [
     "QUIET",

@@ -447,33 +447,6 @@ def has_value(value: Any) -> bool:
     return cell_text(value) is not None
 
 
-def opens_thinking(prompt: Any) -> bool:
-    """Whether ``prompt`` ends inside a think block it opened: a text prompt rendered by a
-    template that ends the generation prompt with ``<think>`` (DeepSeek-R1's, QwQ's,
-    Qwen3-Thinking-2507's), or a chat prompt whose last, assistant, message does. Its
-    completion starts in the thinking and holds only ``</think>``."""
-    if isinstance(prompt, Sequence) and not isinstance(prompt, str) and prompt:
-        last = prompt[-1]
-        if not (isinstance(last, Mapping) and last.get("role") == "assistant"):
-            return False
-        prompt = last.get("content")
-        prompt = _content_text(prompt) if isinstance(prompt, str | list) else None
-    return isinstance(prompt, str) and prompt.rstrip().endswith("<think>")
-
-
-def answer_text(completion: Any, prompt: Any = None) -> str:
-    """The part of a completion that holds its answer: after the last ``</think>`` (a
-    reasoning model's thinking is not its answer), and before a ``<think>`` opened and
-    not closed (cut off while thinking: nothing of it is an answer). After a ``prompt``
-    that opened the thinking (:func:`opens_thinking`), nothing before ``</think>`` is."""
-    text = completion_text(completion)
-    if opens_thinking(prompt):
-        text = "<think>" + text
-    _, closed, tail = text.rpartition("</think>")
-    answer = tail if closed else text
-    return answer.split("<think>", 1)[0]  # (a think block opened again and not closed)
-
-
 #: GSM8K's solutions end with a line "#### <answer>" (a Markdown heading "#### Step 1"
 #: with more after it is no answer).
 _GSM8K_ANSWER = re.compile(r"####[ \t]*([^\n]*?)\s*\Z")

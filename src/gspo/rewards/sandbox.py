@@ -56,6 +56,7 @@ from gspo.rewards.code_tests import (
 )
 from gspo.rewards.contract import RewardError
 from gspo.rewards.parsing import completion_text
+from gspo.rewards.thinking import aligned_prompts
 
 __all__ = [
     "CODE_SCORING",
@@ -511,6 +512,7 @@ def code_scores(
             f"{len(completions)} completions"
         )
     jobs: list[tuple[str | None, list[CodeTest]] | None] = []
+    opened = aligned_prompts(prompts, len(completions))  # (a template ending in <think>)
     for k, row_tests in enumerate(tests):
         if row_tests is None:
             jobs.append(None)
@@ -521,8 +523,7 @@ def code_scores(
             cases = parse_tests(row_tests, where=where)
         except ValueError as exc:
             raise RewardError(f"built-in reward 'code': {exc}") from None
-        opened = prompts[k] if k < len(prompts) else None  # (a template ending in <think>)
-        jobs.append((program_of(completions[k], opened), cases))
+        jobs.append((program_of(completions[k], opened[k]), cases))
     mode, message = isolation()
     if mode != "bwrap":
         _say_once(message)

@@ -30,10 +30,10 @@ from gspo.rewards.parsing import (
     _hashes_line,
     _hedged,
     _predicted_number,
-    answer_text,
     cell_text,
     same_number,
 )
+from gspo.rewards.thinking import aligned_prompts, answer_text
 
 MATH_VERIFY_TIMEOUT_S = 5
 """Per-parse / per-comparison timeout given to math-verify when it can use one (see math_reward)."""
@@ -89,12 +89,11 @@ def any_of_answers(function: RewardFunction) -> RewardFunction:
 
 
 def _answer_texts(prompts: Sequence[Any], completions: Sequence[Any]) -> list[str]:
-    """Each completion's :func:`~gspo.rewards.parsing.answer_text`, read after its prompt
+    """Each completion's :func:`~gspo.rewards.thinking.answer_text`, read after its prompt
     (one that opened the thinking: nothing before ``</think>`` is an answer); prompts
     not aligned with the completions (a direct call's) are not read."""
-    aligned = isinstance(prompts, Sequence) and not isinstance(prompts, str)
-    aligned = aligned and len(prompts) == len(completions)
-    return [answer_text(c, prompts[i] if aligned else None) for i, c in enumerate(completions)]
+    opened = aligned_prompts(prompts, len(completions))
+    return [answer_text(c, p) for c, p in zip(completions, opened, strict=True)]
 
 
 def _golds(gold: Any) -> list[Any]:
@@ -112,7 +111,7 @@ def exact_match_reward(
     Called TRL-style as ``f(prompts=..., completions=..., answer=..., **other_columns)``;
     completions are strings or conversational ``[{"role": "assistant", "content": ...}]``.
     The text compared is what follows a reasoning model's ``</think>``
-    (:func:`~gspo.rewards.parsing.answer_text`). A sample whose answer is None or blank
+    (:func:`~gspo.rewards.thinking.answer_text`). A sample whose answer is None or blank
     gets None (not applicable).
     """
     answer = _require_answer("exact_match", answer, len(completions))

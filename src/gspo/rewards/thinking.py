@@ -1,0 +1,78 @@
+"""Where a completion's thinking ends and its answer starts (:func:`answer_text`), which
+every built-in reads: a reasoning model's thinking is not its answer.
+
+Only a leading thinking block is thinking: one the completion opens with ``<think>``, one
+its prompt opened (:func:`opens_thinking`: a template ending the generation prompt with
+``<think>``), or one a template opened unseen (a chat prompt: the completion holds only
+``</think>``). A tag further on is the answer's own text (a program's
+``print("</think>")``), but for a ``<think>`` in its prose that is never closed (cut off
+while thinking again: nothing after it is an answer).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gspo.rewards.parsing import _content_text, completion_text
+
+THINK, END = "<think>", "</think>"
+
+#: Code in Markdown: a fenced block (to its closing fence, or the end: cut off) or an
+#: inline span. A tag inside one is the program's text, not the model's thinking.
+_CODE = re.compile(r"```.*?(?:```|\Z)|`[^`\n]*`", re.DOTALL)
+
+
+def opens_thinking(prompt: Any) -> bool:
+    """Whether ``prompt`` ends inside a think block it opened: a text prompt rendered by a
+    template that ends the generation prompt with ``<think>`` (DeepSeek-R1's, QwQ's,
+    Qwen3-Thinking-2507's; ``<think>\\n`` too), or a chat prompt whose last, assistant,
+    message does. Its completion starts in the thinking and holds only ``</think>``."""
+    if isinstance(prompt, Sequence) and not isinstance(prompt, str) and prompt:
+        last = prompt[-1]
+        if not (isinstance(last, Mapping) and last.get("role") == "assistant"):
+            return False
+        prompt = last.get("content")
+        prompt = _content_text(prompt) if isinstance(prompt, str | list) else None
+    return isinstance(prompt, str) and prompt.rstrip().endswith(THINK)
+
+
+def _outside_code(text: str, tag: str, start: int = 0) -> int:
+    """Where ``tag`` first occurs in ``text`` from ``start`` outside code (-1: nowhere)."""
+    spans = [m.span() for m in _CODE.finditer(text)]
+    at = text.find(tag, start)
+    while at >= 0:
+        inside = next((e for s, e in spans if s <= at < e), None)
+        if inside is None:
+            return at
+        at = text.find(tag, inside)
+    return -1
+
+
+def answer_text(completion: Any, prompt: Any = None) -> str:
+    """The part of a completion that holds its answer: what follows its leading thinking
+    (to the first ``</think>``: of a completion that opens with ``<think>``, of one whose
+    ``prompt`` opened it, or, outside code, one with no ``<think>`` before it), and
+    before a ``<think>`` its prose opens again and never closes. Thinking never closed
+    leaves no answer (cut off while thinking). Tags in the answer's code are its text.
+    (It read after the last ``</think>`` and cut at any ``<think>``: a program that
+    printed either scored 0.)"""
+    text = completion_text(completion)
+    if opens_thinking(prompt) or text.lstrip().startswith(THINK):
+        _, closed, text = text.partition(END)
+        if not closed:
+            return ""
+    elif (end := _outside_code(text, END)) >= 0 and THINK not in text[:end]:
+        text = text[end + len(END) :]  # (a chat template opened it, unseen by the reward)
+    opened = _outside_code(text, THINK)
+    if opened >= 0 and END not in text[opened:]:
+        text = text[:opened]  # (a think block opened again and not closed)
+    return text
+
+
+def aligned_prompts(prompts: Any, n: int) -> list[Any]:
+    """The prompt of each of ``n`` completions: ``prompts`` where it is one per completion,
+    else None each (a direct call's prompts, not aligned, are not read)."""
+    aligned = isinstance(prompts, Sequence) and not isinstance(prompts, str)
+    return list(prompts) if aligned and len(prompts) == n else [None] * n
