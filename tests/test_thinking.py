@@ -56,3 +56,58 @@ def test_only_the_leading_thinking_is_removed() -> None:
     assert answer_text("b <think>c") == "b "  # (thinking again, cut off: kept as before)
     assert answer_text('`print("</think>")` b') == '`print("</think>")` b'
     assert answer_text('```\nx = "<think>"\n```') == '```\nx = "<think>"\n```'
+
+
+def scored(prompt_text: str, completions: list[str]) -> dict[str, list]:
+    """A rollout's scores of chat completions whose prompt the template rendered as
+    ``prompt_text`` (the row's prompt is its messages, which do not show it)."""
+    import torch
+
+    from gspo.engines.batch import RolloutBatch
+    from gspo.models.builtin import build_char_tokenizer
+    from gspo.rewards import RewardFunctions
+    from gspo.training.rollout import Scorer
+    from gspo.training.sampler import Generated
+
+    tok = build_char_tokenizer()
+    n, prompt = len(completions), tok(prompt_text)["input_ids"]
+    ids = [tok(text)["input_ids"] for text in completions]
+    width = max(map(len, ids))
+    batch = RolloutBatch(
+        prompt_ids=torch.tensor([prompt] * n), prompt_mask=torch.ones(n, len(prompt)),
+        completion_ids=torch.tensor([row + [0] * (width - len(row)) for row in ids]),
+        completion_mask=torch.tensor([[k < len(row) for k in range(width)] for row in ids]),
+        sampler_logprobs=torch.zeros(n, width), finish_reasons=["length"] * n, group_size=n,
+    )  # fmt: skip
+    rewards = RewardFunctions.from_specs(["numeric_match", "code"], None)
+    row = {"prompt": [{"role": "user", "content": "3+4?"}], "answer": "7", "tests": TESTS[OPENS]}
+    return Scorer(tok, rewards).score([row], Generated(batch)).per_function
+
+
+def test_a_chat_template_that_opens_the_thinking_leaves_no_answer_before_its_close() -> None:
+    """Qwen3-Thinking's (DeepSeek-R1's) chat template ends the generation prompt with
+    ``<think>\\n``: a completion cut off while thinking scored its steps (numeric_match 1.0,
+    a drafted program run) where the prompt was messages, in training and in evaluation
+    (one scorer), as a text prompt ending in ``<think>`` did not."""
+    cut_off = ["3+4=7? Let me check", f"Draft:\n{fenced(OPENS)}\nor"]
+    closed = ["3+4=7\n</think>\n\n7", f"a\n</think>\n{fenced(OPENS)}"]
+    thinks = "user: 3+4?\nassistant: <think>\n"
+    assert scored(thinks, cut_off) == {"numeric_match": [0.0, 0.0], "code": [0.0, 0.0]}
+    assert scored(thinks, closed) == {"numeric_match": [1.0, 0.0], "code": [0.0, 1.0]}
+    assert scored("user: 3+4?\nassistant: ", cut_off) == {
+        "numeric_match": [1.0, 0.0], "code": [0.0, 1.0]
+    }  # fmt: skip
+
+
+def test_each_turn_of_an_episode_opens_in_the_thinking_the_template_opened() -> None:
+    code = BUILTIN_REWARDS["code"]
+    episode = [
+        {"role": "assistant", "content": "plan\n</think>\ncalling the tool"},
+        {"role": "tool", "content": "ok"},
+        {"role": "assistant", "content": f"Draft:\n{fenced(OPENS)}\nbut"},  # (cut off)
+    ]
+    kwargs = {"prompts": [[{"role": "user", "content": "q"}]], "completions": [episode]}
+    assert code(**kwargs, tests=[TESTS[OPENS]]) == [1.0]  # (not opened: the draft is read)
+    assert code(**kwargs, tests=[TESTS[OPENS]], thinking_opened=[True]) == [0.0]
+    episode[2]["content"] = f"more\n</think>\n{fenced(OPENS)}"
+    assert code(**kwargs, tests=[TESTS[OPENS]], thinking_opened=[True]) == [1.0]

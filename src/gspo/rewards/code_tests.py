@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gspo.rewards.thinking import answer_text
+from gspo.rewards.thinking import THINK, answer_text
 
 __all__ = [
     "QUIET",
@@ -91,10 +91,13 @@ def program_of(completion: Any, prompt: Any = None) -> str | None:
     is read (:func:`answer_text`: after a reasoning model's ``</think>``), as the math
     rewards read theirs: a draft in the thinking is not the program (it was, where the
     answer had no fenced block). After a ``prompt`` that opened the thinking (a template
-    ending in ``<think>``), the first turn's text before ``</think>`` is thinking too."""
+    ending in ``<think>``), the first turn's text before ``</think>`` is thinking too; after
+    ``<think>`` itself (a chat template that opens every turn's thinking), each turn's."""
     if isinstance(completion, list) and all(isinstance(m, dict) for m in completion):
         turns = [m for m in completion if m.get("role") == "assistant"] or completion[-1:]
-        answers = [answer_text(m, prompt if k == 0 else None) for k, m in enumerate(turns)]
+        every = prompt == THINK  # (the chat template opened each turn's thinking)
+        opened = [prompt if k == 0 or every else None for k in range(len(turns))]
+        answers = [answer_text(m, p) for m, p in zip(turns, opened, strict=True)]
         return _last_program([b for text in answers for b in _FENCE.findall(text)])
     return extract_code(answer_text(completion, prompt))
 

@@ -15,6 +15,9 @@ A reward function is called with keyword arguments only::
 * ``completion_ids``: each completion's token ids (a list of ints), as TRL passes them; only
   to a function that takes it (by name or ``**kwargs``), so one written for gspo without
   ``**kwargs`` is called as before.
+* ``thinking_opened``: whether each completion's chat template opened its thinking (its
+  generation prompt ended with ``<think>``: Qwen3-Thinking's, DeepSeek-R1's), which the
+  prompt's messages do not say; gspo's own, offered as ``completion_ids`` is.
 
 It returns a list with one ``float`` or ``None`` per completion; ``None`` means "not
 applicable to this sample" and is skipped when rewards are combined (TRL's nansum).
@@ -25,8 +28,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 #: What a rollout passes a reward function beside the data's columns, to a function that
-#: takes it (by name or ``**kwargs``): TRL's name for it.
-OFFERED = ("completion_ids",)
+#: takes it (by name or ``**kwargs``): TRL's name for it (``thinking_opened``: gspo's).
+OFFERED = ("completion_ids", "thinking_opened")
 
 #: What TRL passes a reward function and gspo does not, and what gspo has instead.
 TRL_ONLY = {

@@ -490,11 +490,16 @@ def score_code(
 
 
 def code_scores(
-    prompts: Sequence[Any], completions: Sequence[Any], tests: Sequence[Any] | None, scoring: str
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    tests: Sequence[Any] | None,
+    scoring: str,
+    thinking_opened: Sequence[bool] | None = None,
 ) -> list[float | None]:
     """The built-in ``code`` reward of a batch (:class:`gspo.rewards.verifiers.CodeReward`
     calls it): each completion's program scored on its row's ``tests`` as ``scoring``
-    says (:func:`score_code`: ``fraction`` or ``all``).
+    says (:func:`score_code`: ``fraction`` or ``all``); ``thinking_opened``: where the
+    chat template opened each completion's thinking (:func:`.thinking.aligned_prompts`).
 
     The program is the completion's last fenced Python block (see :func:`extract_code`; of
     a conversation, its assistant messages': :func:`program_of`); a completion without one
@@ -512,7 +517,7 @@ def code_scores(
             f"{len(completions)} completions"
         )
     jobs: list[tuple[str | None, list[CodeTest]] | None] = []
-    opened = aligned_prompts(prompts, len(completions))  # (a template ending in <think>)
+    opened = aligned_prompts(prompts, len(completions), thinking_opened)  # (<think>)
     for k, row_tests in enumerate(tests):
         if row_tests is None:
             jobs.append(None)

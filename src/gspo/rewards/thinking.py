@@ -18,6 +18,11 @@ from typing import Any
 from gspo.rewards.parsing import _content_text, completion_text
 
 THINK, END = "<think>", "</think>"
+#: The keyword a rollout passes the built-ins (and a function that takes it): for each
+#: completion, whether the generation prompt its chat template rendered ended with
+#: ``<think>`` (Qwen3-Thinking's, DeepSeek-R1's): its thinking, every turn's in a multi-turn
+#: episode, was opened for it. (A chat prompt's messages do not say it.)
+THINKING_OPENED = "thinking_opened"
 
 #: Code in Markdown: a fenced block (to its closing fence, or the end: cut off) or an
 #: inline span. A tag inside one is the program's text, not the model's thinking.
@@ -71,8 +76,19 @@ def answer_text(completion: Any, prompt: Any = None) -> str:
     return text
 
 
-def aligned_prompts(prompts: Any, n: int) -> list[Any]:
-    """The prompt of each of ``n`` completions: ``prompts`` where it is one per completion,
-    else None each (a direct call's prompts, not aligned, are not read)."""
+def aligned_prompts(prompts: Any, n: int, opened: Sequence[bool] | None = None) -> list[Any]:
+    """The prompt of each of ``n`` completions as :func:`answer_text` reads it: ``prompts``
+    where it is one per completion, else None each (a direct call's prompts, not aligned,
+    are not read); ``<think>`` where ``opened`` (:data:`THINKING_OPENED`) says the chat
+    template opened the thinking (a chat prompt's messages do not say it)."""
     aligned = isinstance(prompts, Sequence) and not isinstance(prompts, str)
-    return list(prompts) if aligned and len(prompts) == n else [None] * n
+    out = list(prompts) if aligned and len(prompts) == n else [None] * n
+    if isinstance(opened, Sequence) and len(opened) == n:
+        out = [THINK if flag else prompt for prompt, flag in zip(out, opened, strict=True)]
+    return out
+
+
+def template_opened(prompt_tails: Sequence[str]) -> list[bool]:
+    """:data:`THINKING_OPENED` of completions whose prompts, as the model saw them
+    (rendered by the chat template), end with ``prompt_tails``."""
+    return [tail.rstrip().endswith(THINK) for tail in prompt_tails]

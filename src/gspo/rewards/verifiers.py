@@ -33,7 +33,7 @@ from gspo.rewards.parsing import (
     cell_text,
     same_number,
 )
-from gspo.rewards.thinking import aligned_prompts, answer_text
+from gspo.rewards.thinking import THINKING_OPENED, aligned_prompts, answer_text
 
 MATH_VERIFY_TIMEOUT_S = 5
 """Per-parse / per-comparison timeout given to math-verify when it can use one (see math_reward)."""
@@ -88,11 +88,14 @@ def any_of_answers(function: RewardFunction) -> RewardFunction:
     return scored
 
 
-def _answer_texts(prompts: Sequence[Any], completions: Sequence[Any]) -> list[str]:
+def _answer_texts(
+    prompts: Sequence[Any], completions: Sequence[Any], columns: dict[str, Any]
+) -> list[str]:
     """Each completion's :func:`~gspo.rewards.thinking.answer_text`, read after its prompt
-    (one that opened the thinking: nothing before ``</think>`` is an answer); prompts
-    not aligned with the completions (a direct call's) are not read."""
-    opened = aligned_prompts(prompts, len(completions))
+    (one that opened the thinking, or whose chat template did, ``thinking_opened``: nothing
+    before ``</think>`` is an answer); prompts not aligned with the completions (a direct
+    call's) are not read."""
+    opened = aligned_prompts(prompts, len(completions), columns.get(THINKING_OPENED))
     return [answer_text(c, p) for c, p in zip(completions, opened, strict=True)]
 
 
@@ -116,7 +119,7 @@ def exact_match_reward(
     """
     answer = _require_answer("exact_match", answer, len(completions))
     out: list[float | None] = []
-    for completion, gold in zip(_answer_texts(prompts, completions), answer, strict=True):
+    for completion, gold in zip(_answer_texts(prompts, completions, kwargs), answer, strict=True):
         text = cell_text(gold)
         out.append(None if text is None else float(completion.strip() == text))
     return out
@@ -149,7 +152,7 @@ def numeric_match_reward(
     """
     answer = _require_answer("numeric_match", answer, len(completions))
     out: list[float | None] = []
-    for completion, gold in zip(_answer_texts(prompts, completions), answer, strict=True):
+    for completion, gold in zip(_answer_texts(prompts, completions, kwargs), answer, strict=True):
         gold_value = _gold_number(gold)
         if gold_value is None:
             out.append(None)
@@ -171,7 +174,7 @@ def format_reward(
     a reasoning model's ``</think>`` (a box inside the thinking is no answer).
     """
     out: list[float | None] = []
-    for text in _answer_texts(prompts, completions):
+    for text in _answer_texts(prompts, completions, kwargs):
         ok = (
             any(c.strip() for c in _boxed_contents(text))
             or any(c.strip() for c in _answer_tag_contents(text))
@@ -276,7 +279,7 @@ def math_reward(
 
     gold_cache: dict[str, list[Any]] = {}
     out: list[float | None] = []
-    for completion, gold in zip(_answer_texts(prompts, completions), answer, strict=True):
+    for completion, gold in zip(_answer_texts(prompts, completions, kwargs), answer, strict=True):
         if gold is None:
             out.append(None)
             continue
@@ -331,7 +334,8 @@ class CodeReward:
     ) -> list[float | None]:
         from gspo.rewards.sandbox import code_scores
 
-        return code_scores(prompts, completions, tests, self.scoring)
+        opened = kwargs.get(THINKING_OPENED)
+        return code_scores(prompts, completions, tests, self.scoring, opened)
 
 
 code_reward = CodeReward()

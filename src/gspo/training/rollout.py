@@ -29,6 +29,7 @@ from gspo.engines import RolloutBatch, SamplingParams
 from gspo.objectives import group_advantages, rollout_correction
 from gspo.rewards import RewardFunctions, overlong_penalty
 from gspo.rewards.functions import metric_labels, split_names
+from gspo.rewards.thinking import THINKING_OPENED, template_opened
 from gspo.tasks import as_completion
 from gspo.training.dynamic_sampling import (
     concat_batches,
@@ -128,6 +129,9 @@ class Scorer:
             # the batch's ids and masks on the CPU: one copy from a GPU (not one wait per
             # row), which the update's minibatches then cut without waiting
             host = batch.on_host()
+            if self.rewards.take(THINKING_OPENED):  # (the prompts' ends: left-padded)
+                tails = self.tokenizer.batch_decode(host.prompt_ids[:, -16:].tolist())
+                columns[THINKING_OPENED] = template_opened(tails)
             if completions is None or offer:
                 tokens, masks = host.completion_ids, host.completion_mask.bool()
                 ids = [row[m].tolist() for row, m in zip(tokens, masks, strict=True)]
