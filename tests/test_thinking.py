@@ -111,3 +111,14 @@ def test_each_turn_of_an_episode_opens_in_the_thinking_the_template_opened() -> 
     assert code(**kwargs, tests=[TESTS[OPENS]], thinking_opened=[True]) == [0.0]
     episode[2]["content"] = f"more\n</think>\n{fenced(OPENS)}"
     assert code(**kwargs, tests=[TESTS[OPENS]], thinking_opened=[True]) == [1.0]
+
+
+def test_tags_in_code_are_skipped_in_linear_time() -> None:
+    """A completion looping on a code span with a tag (RL's repetition) took seconds: each
+    tag was looked up in every span (20,000 of them: 9 s)."""
+    import time
+
+    start = time.monotonic()
+    assert answer_text("`</think>` " * 20_000 + "a</think>b") == "b"
+    assert answer_text("<think>a</think>" + "`<think>`" * 20_000).endswith("`<think>`")
+    assert time.monotonic() - start < 3.0

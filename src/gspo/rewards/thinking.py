@@ -11,6 +11,7 @@ while thinking again: nothing after it is an answer).
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -45,13 +46,14 @@ def opens_thinking(prompt: Any) -> bool:
 
 def _outside_code(text: str, tag: str, start: int = 0) -> int:
     """Where ``tag`` first occurs in ``text`` from ``start`` outside code (-1: nowhere)."""
-    spans = [m.span() for m in _CODE.finditer(text)]
+    spans = [m.span() for m in _CODE.finditer(text)]  # (in order, apart)
+    starts = [s for s, _ in spans]
     at = text.find(tag, start)
     while at >= 0:
-        inside = next((e for s, e in spans if s <= at < e), None)
-        if inside is None:
+        k = bisect.bisect_right(starts, at) - 1  # (the last span starting at or before)
+        if k < 0 or at >= spans[k][1]:
             return at
-        at = text.find(tag, inside)
+        at = text.find(tag, spans[k][1])
     return -1
 
 
