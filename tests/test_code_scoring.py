@@ -112,3 +112,14 @@ def test_gspo_train_with_code_scoring_all(tmp_path, monkeypatch) -> None:
         assert main(["train", "--output-dir", str(run), *given]) == 0
         logged = (run / "completions" / "rollout-000000.jsonl").read_text().splitlines()
         assert [json.loads(line)["rewards"]["code"] for line in logged] == [reward] * 2
+
+
+def test_a_code_reward_object_passed_from_python_is_the_code_reward() -> None:
+    """``CodeReward("all")`` in reward.functions with ``reward.code_scoring=all`` was refused
+    ("which reward.functions (<python object code>) does not name: add code")."""
+    config = Config.model_validate(
+        {"reward": {"functions": [CodeReward("all")], "code_scoring": "all"}}
+    )
+    assert config.reward.specs() == [CodeReward("all")]
+    config = Config.model_validate({"reward": {"functions": [CodeReward()], "code_scoring": "all"}})
+    assert config.reward.specs() == [CodeReward("all")]

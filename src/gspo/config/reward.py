@@ -199,12 +199,13 @@ class RewardConfig(Section):
 
 
 def _is_code(function: str | Callable[..., Any]) -> bool:
-    """Whether ``function`` is the built-in ``code`` reward (its name, or itself)."""
+    """Whether ``function`` is the built-in ``code`` reward (its name, ``code_reward`` or
+    another :class:`~gspo.rewards.verifiers.CodeReward`)."""
     if isinstance(function, str):
         return function.strip() == "code"
-    from gspo.rewards.verifiers import code_reward
+    from gspo.rewards.verifiers import CodeReward
 
-    return function is code_reward
+    return isinstance(function, CodeReward)
 
 
 def _is_by_source(function: str | Callable[..., Any]) -> bool:
