@@ -1,10 +1,11 @@
 """Reward functions: what they are (:mod:`.contract`), reading completions (:mod:`.parsing`;
 where their thinking ends, :mod:`.thinking`), the built-in verifiers (:mod:`.verifiers`), a
-function from its spec (:mod:`.loading`), calling them on a batch (:mod:`.runner`), several with weights (:mod:`.functions`), DAPO's
-overlong penalty (:mod:`.penalty`), a built-in per row by its ``data_source``
-(:mod:`.by_source`, registered as ``by_source`` on import) and the sandbox behind the
-``code`` reward (:mod:`.sandbox`, imported when that reward runs). Needs only the
-standard library and :mod:`gspo.plugins`; math-verify is imported when the ``math`` reward runs.
+function from its spec (:mod:`.loading`), calling them on a batch (:mod:`.runner`), several
+with weights (:mod:`.functions`), DAPO's overlong penalty (:mod:`.penalty`), a built-in per
+row by its ``data_source`` (:mod:`.by_source`, registered as ``by_source`` on import) and
+the sandbox behind the ``code`` reward (:mod:`.sandbox`, imported when that reward runs).
+Needs only the standard library and :mod:`gspo.plugins`; math-verify is imported when the
+``math`` reward runs.
 """
 
 from gspo.rewards.by_source import BySource
