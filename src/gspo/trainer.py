@@ -262,7 +262,7 @@ class Trainer:
         """
         start = time.perf_counter()
         self.policy.dropout_seed = adapter_dropout_seed(self.config, self.dist, rollout_index)
-        # generation names its own settings (RolloutStage.generated); the rest is pi_old
+        # generation names its own settings (RolloutStage.scored_round); the rest is pi_old
         with out_of_memory("rollout", self.config):
             experience = self.rollouts.experience(rollout_index)
         lines = []
@@ -309,72 +309,69 @@ class Trainer:
         (its reward functions and environment ran on the data: ``gspo train --overwrite``
         removes the run it replaces then)."""
         try:
-            return self._fit(started)
+            cfg = self.config
+            fresh = False
+            if not self.cold_start_done:
+                with out_of_memory("cold_start", cfg):
+                    changed = cold_start(
+                        cfg, self.policy, self.tokenizer, self.data.sft, self.logger, self.dist,
+                        local_batch=self.local_sft_batch, checkpoints=self.output_dir / CHECKPOINTS,
+                        encode=sft_encoder(cfg, self.tokenizer, self.generator),
+                        time_limit=self.time_limit,
+                    )  # fmt: skip
+                if self.time_limit.stopped is not None:  # (its progress checkpoint written)
+                    return self._ended()
+                self.cold_start_done = True
+                # step 0: the cold-start model; RL resumes from here. A model no cold start
+                # changed is named, not copied (a LoRA run's adapters are small: written)
+                unchanged = not changed and not self.policy.adapters and self.policy.version == 0
+                self.save_checkpoint(model_dir=self.model_dir if unchanged else None)
+                fresh = True
+            start: dict[str, float] = {}
+            if self.step == 0 and not self.start_evaluated:
+                start = self.evaluator.run(self.step)
+                self.checkpoints.log(0, start)
+            if fresh:  # step 0 on disk before RL (the KL reference reads it)
+                self.checkpoints.wait()
+            # then no cold-start progress: also what a run stopped in its step-0 evaluation left
+            drop_progress(self.output_dir / CHECKPOINTS, self.dist)
+            show = cfg.log.progress and self.dist.is_main
+            first = self.step // cfg.algorithm.minibatches
+            if self.finished and self.dist.is_main:
+                print(took_its_steps(self.step, cfg), flush=True)
+            with (
+                TrainingProgress(cfg.total_steps, enabled=show, start_step=self.step) as bar,
+                self.rollouts.running(first, cfg.rollout_batches),
+            ):
+                bar.record(start)  # the first lines show the starting accuracy
+                for rollout_index in range(first, cfg.rollout_batches):
+                    before, began = self.step, time.perf_counter()
+                    with self.profiler.around(rollout_index):  # (log.profile_steps)
+                        lines = self.rl_step(rollout_index)
+                    if started is not None:
+                        started()
+                        started = None
+                    for step, line in lines:
+                        self.checkpoints.log(step, line)
+                    last = rollout_index == cfg.rollout_batches - 1
+                    if crossed(before, self.step, cfg.eval.every) or last:
+                        metrics = self.evaluator.run(self.step)
+                        self.checkpoints.log(self.step, metrics)
+                        line = {**line, **metrics}  # the progress line shows this evaluation
+                    bar.update(self.step, line)
+                    saved = crossed(before, self.step, cfg.train.save_every) or last
+                    if saved:
+                        self.save_checkpoint(last=last)
+                    self.time_limit.took(time.perf_counter() - began)
+                    if not last and self.time_limit.reached(self.checkpoints.longest_s):
+                        if not saved:
+                            self.save_checkpoint(last=True)
+                        self.time_limit.stopped = f"after step {self.step} of {cfg.total_steps}"
+                        break
+            return self._ended()
         except BaseException:
             self.checkpoints.wait(quiet=True)  # the checkpoint in flight is finished first
             raise
-
-    def _fit(self, on_started: Callable[[], None] | None) -> list[dict[str, Any]]:
-        cfg = self.config
-        started = False
-        if not self.cold_start_done:
-            with out_of_memory("cold_start", cfg):
-                changed = cold_start(
-                    cfg, self.policy, self.tokenizer, self.data.sft, self.logger, self.dist,
-                    local_batch=self.local_sft_batch, checkpoints=self.output_dir / CHECKPOINTS,
-                    encode=sft_encoder(cfg, self.tokenizer, self.generator),
-                    time_limit=self.time_limit,
-                )  # fmt: skip
-            if self.time_limit.stopped is not None:  # (its progress checkpoint written)
-                return self._ended()
-            self.cold_start_done = True
-            # step 0: the cold-start model; RL resumes from here. A model no cold start
-            # changed is named, not copied (a LoRA run's adapters are small: written)
-            unchanged = not changed and not self.policy.adapters and self.policy.version == 0
-            self.save_checkpoint(model_dir=self.model_dir if unchanged else None)
-            started = True
-        start: dict[str, float] = {}
-        if self.step == 0 and not self.start_evaluated:
-            start = self.evaluator.run(self.step)
-            self.checkpoints.log(0, start)
-        if started:  # step 0 on disk before RL (the KL reference reads it)
-            self.checkpoints.wait()
-        # then no cold-start progress: also what a run stopped in its step-0 evaluation left
-        drop_progress(self.output_dir / CHECKPOINTS, self.dist)
-        show = cfg.log.progress and self.dist.is_main
-        first = self.step // cfg.algorithm.minibatches
-        if self.finished and self.dist.is_main:
-            print(took_its_steps(self.step, cfg), flush=True)
-        with (
-            TrainingProgress(cfg.total_steps, enabled=show, start_step=self.step) as bar,
-            self.rollouts.running(first, cfg.rollout_batches),
-        ):
-            bar.record(start)  # the first lines show the starting accuracy
-            for rollout_index in range(first, cfg.rollout_batches):
-                before, began = self.step, time.perf_counter()
-                with self.profiler.around(rollout_index):  # (log.profile_steps)
-                    lines = self.rl_step(rollout_index)
-                if on_started is not None:
-                    on_started()
-                    on_started = None
-                for step, line in lines:
-                    self.checkpoints.log(step, line)
-                last = rollout_index == cfg.rollout_batches - 1
-                if crossed(before, self.step, cfg.eval.every) or last:
-                    metrics = self.evaluator.run(self.step)
-                    self.checkpoints.log(self.step, metrics)
-                    line = {**line, **metrics}  # the progress line shows this evaluation
-                bar.update(self.step, line)
-                saved = crossed(before, self.step, cfg.train.save_every) or last
-                if saved:
-                    self.save_checkpoint(last=last)
-                self.time_limit.took(time.perf_counter() - began)
-                if not last and self.time_limit.reached(self.checkpoints.longest_s):
-                    if not saved:
-                        self.save_checkpoint(last=True)
-                    self.time_limit.stopped = f"after step {self.step} of {cfg.total_steps}"
-                    break
-        return self._ended()
 
     def _ended(self) -> list[dict[str, Any]]:
         """The run's end (a time limit's stop too): its last checkpoint waited for, its
