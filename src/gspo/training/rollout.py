@@ -321,20 +321,21 @@ class RolloutStage:
                 buffer=config.overlong_buffer, penalty=config.reward.overlong_penalty,
             )  # fmt: skip
 
-    def generated(self, generator: Generator, picked: list[int], seed: int) -> Generated:
-        """``rollout.group_size`` responses (or episodes) for each of the ``picked`` rows."""
-        with out_of_memory("generation", self.config):
-            return generator.generate(
-                [self.rows[i] for i in picked],
-                [self.prompt_ids[i] for i in picked],
-                n=self.config.rollout.group_size,
-                params=self.sampling,
-                seed=seed,
-            )
-
-    def score(self, picked: list[int], generated: Generated) -> Scored:
-        """A training rollout's rewards: the rows' reward functions and the overlong penalty."""
-        return self.scorer.score([self.rows[i] for i in picked], generated, self.penalty)
+    def scored_round(
+        self, generator: Generator, picked: list[int], seed: int, local: dict[str, float]
+    ) -> Scored:
+        """``rollout.group_size`` responses (or episodes) for each of the ``picked`` rows,
+        scored: the rows' reward functions and the overlong penalty. Into ``local``: the
+        generation's metrics, ``time/generate`` and ``time/reward``."""
+        rows = [self.rows[i] for i in picked]
+        with timed(local, "time/generate"), out_of_memory("generation", self.config):
+            generated = generator.generate(
+                rows, [self.prompt_ids[i] for i in picked],
+                n=self.config.rollout.group_size, params=self.sampling, seed=seed,
+            )  # fmt: skip
+        local.update(generated.metrics)
+        with timed(local, "time/reward"):
+            return self.scorer.score(rows, generated, self.penalty)
 
     def refill(
         self,
@@ -355,7 +356,8 @@ class RolloutStage:
         def sample_round(r: int) -> torch.Tensor:
             more = extra_prompts(cfg.train.seed, index, r, len(self.rows), len(picked))
             seed = rank_seed(cfg.train.seed, self.dist, "rollout", index, "extra", r)
-            rounds.append(self.score(more, self.generated(generator, more, seed)))
+            # (its times and generation metrics: not logged, inside time/filter_groups)
+            rounds.append(self.scored_round(generator, more, seed, {}))
             prompts.append(more)
             return constant(rounds[-1])
 
@@ -392,15 +394,13 @@ class RolloutStage:
         local: dict[str, float] = {}
         with timed(local, "time/weight_sync"):
             generator.sampler.sync()
-        with timed(local, "time/generate"):
-            # this rank's share of the rollout batch's prompts (all of them in one process)
-            share = self.local_prompts
-            picked = prompts_for_batch(index, len(self.rows), cfg.rollout.prompts_per_batch, seed)
-            picked = picked[dist.rank * share : (dist.rank + 1) * share]
-            generated = self.generated(generator, picked, rank_seed(seed, dist, "rollout", index))
-        local.update(generated.metrics)
-        with timed(local, "time/reward"):
-            scored = self.score(picked, generated)
+        # this rank's share of the rollout batch's prompts (all of them in one process)
+        share = self.local_prompts
+        picked = prompts_for_batch(index, len(self.rows), cfg.rollout.prompts_per_batch, seed)
+        picked = picked[dist.rank * share : (dist.rank + 1) * share]
+        scored = self.scored_round(
+            generator, picked, rank_seed(seed, dist, "rollout", index), local
+        )
         if cfg.rollout.filter_groups:
             with timed(local, "time/filter_groups"):  # extra rounds: sampled and scored
                 scored, picked = self.refill(index, picked, scored, local, generator)
