@@ -112,6 +112,32 @@ def test_tool_calls_parse_in_order_and_bad_ones_carry_an_error():
         assert [call.error for call in parse_tool_calls(text)] == [said]
 
 
+def test_tool_calls_parse_as_qwen_and_hermes_models_write_them():
+    """`"arguments": null` (a tool without parameters) was "arguments must be an object",
+    and a `</tool_call>` inside one of the call's JSON strings (code, a quoted transcript)
+    cut the call there: "not valid JSON", for a call that is."""
+
+    def parsed(text: str) -> list[tuple[str, dict, str | None]]:
+        return [(c.name, c.arguments, c.error) for c in parse_tool_calls(text)]
+
+    assert parsed('<tool_call>{"name": "now", "arguments": null}</tool_call>') == [
+        ("now", {}, None)
+    ]
+    assert parsed('<tool_call>{"name": "now", "arguments": ""}</tool_call>') == [("now", {}, None)]
+    echo = '<tool_call>\n{"name": "echo", "arguments": {"s": "a</tool_call>b"}}\n</tool_call>'
+    later = '<tool_call>{"name": "add", "arguments": "{\\"x\\": 1}"}</tool_call>'
+    assert parsed(f"{echo} then {later}") == [
+        ("echo", {"s": "a</tool_call>b"}, None),
+        ("add", {"x": 1}, None),
+    ]
+    # what is still not a call is said as before
+    junk = '<tool_call>{"name": "add", "arguments": {"x": 1}}}</tool_call><tool_call>{"name": "a'
+    assert [c.error for c in parse_tool_calls(junk)] == [
+        "tool call is not valid JSON (Extra data)",
+        "unterminated <tool_call> (no </tool_call>)",
+    ]
+
+
 # ---------------------------------------------------------------------------- the factory
 
 
