@@ -307,6 +307,56 @@ def test_tool_errors_go_back_to_the_model_and_are_counted(env_file, capsys):
     )
 
 
+def test_arguments_of_another_type_than_the_tools_schema_are_the_models_error(capsys):
+    """The model sees each tool's JSON schema; arguments of another type reached the tool
+    as written: "3" for an int raised in the tool ('can only concatenate str', said on
+    stderr as the environment's fault), "false" for a bool was true, "XL" passed a
+    Literal. They are answered naming the argument now, the tool not called (TRL and
+    verl convert nothing either); what the schema allows goes through as written."""
+    from typing import Literal
+
+    seen = []
+
+    class Shop:
+        def buy(
+            self, count: int, gift: bool, size: Literal["S", "M"], price: float,
+            note: str | None, tag: str = None,  # noqa: RUF013 (a None default: null allowed)
+        ) -> str:  # fmt: skip
+            """Buy.
+
+            Args:
+                count: How many.
+                gift: Wrap it.
+                size: Which size.
+                price: Most to pay.
+                note: A note.
+                tag: A tag.
+            """
+            seen.append((count, gift, size, price, note, tag))
+            return "ok"
+
+    episode = EnvironmentFactory(Shop).episode()
+    good = {"count": 2, "gift": False, "size": "M", "price": 3, "note": None, "tag": None}
+    assert episode.respond(tool_call_text("buy", good))[0]["content"] == "ok"
+    assert seen == [(2, False, "M", 3, None, None)]
+    said = []
+    for bad in ({"count": "3"}, {"gift": "false"}, {"size": "XL"}, {"count": True},
+                {"price": "9.5"}, {"note": 1}, {"count": 2.5}):  # fmt: skip
+        reply = episode.respond(tool_call_text("buy", {**good, **bad}))
+        said.append(reply[0]["content"])
+    assert said == [
+        'error: bad arguments for buy: count must be an integer, got "3" (a string)',
+        'error: bad arguments for buy: gift must be a boolean, got "false" (a string)',
+        'error: bad arguments for buy: size must be one of "S", "M", got "XL"',
+        "error: bad arguments for buy: count must be an integer, got true (a boolean)",
+        'error: bad arguments for buy: price must be a number, got "9.5" (a string)',
+        "error: bad arguments for buy: note must be a string or null, got 1 (an integer)",
+        "error: bad arguments for buy: count must be an integer, got 2.5 (a number)",
+    ]
+    assert len(seen) == 1 and (episode.tool_calls, episode.tool_errors) == (8, 7)
+    assert capsys.readouterr().err == ""  # the model's error, not the environment's
+
+
 def test_an_async_tool_is_awaited_and_only_methods_are_tools():
     """An async def tool was never awaited: the model read "<coroutine object ...>" and the
     call counted as a success. A class attribute holding a type stopped the run with

@@ -26,9 +26,10 @@ with required parameters is called with the dataset row instead, see
 An episode ends when the model's turn calls no tool and ``step`` is absent or returns
 None, or at ``rollout.max_turns`` / ``rollout.max_episode_tokens`` (run by
 :mod:`gspo.training.episodes`). A call that does not parse, names no tool, has arguments
-the tool does not take, or whose tool raises is answered with an ``error: ...`` tool
-message and counted (``env/tool_errors_mean``); it never stops the run. A factory that
-cannot be loaded or made, a ``reset`` that raises or a tool without a schema stops it.
+the tool does not take or its schema does not allow, or whose tool raises is answered
+with an ``error: ...`` tool message and counted (``env/tool_errors_mean``); it never
+stops the run. A factory that cannot be loaded or made, a ``reset`` that raises or a
+tool without a schema stops it.
 """
 
 from __future__ import annotations
@@ -53,7 +54,13 @@ from gspo.plugins import (
     one_line,
     raised,
 )
-from gspo.tool_calls import NoText, ToolCall, parse_tool_calls, tool_result_text
+from gspo.tool_calls import (
+    NoText,
+    ToolCall,
+    argument_error,
+    parse_tool_calls,
+    tool_result_text,
+)
 
 #: Methods with a meaning of their own: never tools.
 RESERVED = frozenset({"reset", "step", "get_reward", "close"})
@@ -301,6 +308,10 @@ class EnvironmentFactory:
             and isinstance(inspect.getattr_static(owner, name), TOOL_KINDS)
         ]  # fmt: skip
         self.schemas = [self._schema(owner, name) for name in self.tool_names]
+        self.arguments = {  # each tool's JSON schema of its arguments (argument_error)
+            name: schema["function"].get("parameters") or {}
+            for name, schema in zip(self.tool_names, self.schemas, strict=True)
+        }
         self.has_step = callable(getattr(owner, "step", None))
         self.has_reward = callable(getattr(owner, "get_reward", None))
         if not self.tool_names and not self.has_step:
@@ -464,9 +475,14 @@ class Episode:
         if error is None:
             tool = getattr(self.env, call.name)
             try:
-                inspect.signature(tool).bind(**call.arguments)
+                signature = inspect.signature(tool)
+                signature.bind(**call.arguments)
+                defaults = {name: p.default for name, p in signature.parameters.items()}
+                wrong = argument_error(self.spec.arguments[call.name], call.arguments, defaults)
             except TypeError as e:
-                error = f"bad arguments for {call.name}: {e}"
+                wrong = str(e)
+            if wrong is not None:
+                error = f"bad arguments for {call.name}: {wrong}"
         if error is None:
             try:
                 with self.spec.deadline(f"tool {call.name}()"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,3 +107,63 @@ def tool_result_text(value: Any) -> str:
 
 class NoText(TypeError):
     """What a tool returned has no text of its own (:func:`tool_result_text`)."""
+
+
+#: A JSON schema type's name in a message, and whether a value read from JSON is of it.
+_TYPES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "integer": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "number": ("a number", lambda v: isinstance(v, int | float) and not isinstance(v, bool)),
+    "string": ("a string", lambda v: isinstance(v, str)),
+    "boolean": ("a boolean", lambda v: isinstance(v, bool)),
+    "array": ("an array", lambda v: isinstance(v, list)),
+    "object": ("an object", lambda v: isinstance(v, dict)),
+    "null": ("null", lambda v: v is None),
+}
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
+
+
+def _kind(value: Any) -> str:
+    """What ``value`` (read from JSON) is, as a message says it: ``a string``."""
+    for kind in ("boolean", "integer", "number", "string", "array", "object", "null"):
+        said, fits = _TYPES[kind]
+        if fits(value):
+            return said
+    return type(value).__name__
+
+
+def argument_error(
+    schema: dict[str, Any], arguments: dict[str, Any], defaults: dict[str, Any]
+) -> str | None:
+    """Why ``arguments`` do not fit the tool's JSON ``schema`` (its ``parameters``, from
+    ``get_json_schema``), or None: an argument whose top-level ``type`` or ``enum`` it
+    does not meet (null is also allowed for a ``nullable`` one or one whose default,
+    in ``defaults``, is None). Nothing is converted: a tool gets what the model wrote, as
+    in TRL and verl, or the model gets this error (a tool given "3" for an int raised in
+    itself, or took "false" for true)."""
+    properties = schema.get("properties") or {}
+    for name, value in arguments.items():
+        spec = properties.get(name)
+        if not isinstance(spec, dict):
+            continue
+        if value is None and (spec.get("nullable") or defaults.get(name, ...) is None):
+            continue
+        enum = spec.get("enum")
+        if isinstance(enum, list) and not any(
+            type(value) is type(choice) and value == choice for choice in enum
+        ):
+            choices = ", ".join(_shown(choice) for choice in enum)
+            return f"{name} must be one of {choices}, got {_shown(value)}"
+        kinds = spec.get("type")
+        kinds = [kinds] if isinstance(kinds, str) else kinds
+        if not isinstance(kinds, list) or not all(kind in _TYPES for kind in kinds):
+            continue  # (no type, or one JSON has no value of: "image")
+        if not any(_TYPES[kind][1](value) for kind in kinds):
+            if spec.get("nullable") or defaults.get(name, ...) is None:
+                kinds = [*kinds, "null"]
+            wanted = " or ".join(_TYPES[kind][0] for kind in kinds)
+            return f"{name} must be {wanted}, got {_shown(value)} ({_kind(value)})"
+    return None
