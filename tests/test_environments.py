@@ -5,6 +5,7 @@ import re
 import signal
 import threading
 from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
 import torch
@@ -886,6 +887,157 @@ def test_tool_call_markers_that_are_special_tokens_are_kept(env_file):
     assert out.metrics["env/tool_calls_mean"] == 1.0 and out.metrics["env/turns_mean"] == 2.0
     ids = tokenizer(f"<pad>{call}<eos>x", add_special_tokens=False)["input_ids"]
     assert turn_text(tokenizer, ids) == call + "x"  # (<pad>, <eos>: left out)
+
+
+class Meeting:
+    """Each ``join`` of a member waits until every member has joined: calls run one after
+    another never get there (each gives up after ``patience`` seconds)."""
+
+    members, patience = (1, 3, 4, 5), 5.0
+    arrived: ClassVar[list[int]] = []
+    everyone: ClassVar[list] = []
+    order: ClassVar[list[str]] = []
+
+    def __init__(self):
+        self.seen = []
+
+    async def join(self, x: int) -> int:
+        """Join the meeting.
+
+        Args:
+            x: Who.
+        """
+        import asyncio
+
+        if not Meeting.everyone:
+            Meeting.everyone.append(asyncio.Event())
+        Meeting.order.append(f"start {x}")
+        if x in Meeting.members:
+            Meeting.arrived.append(x)
+            if sorted(Meeting.arrived) == list(Meeting.members):
+                Meeting.everyone[0].set()
+            await asyncio.wait_for(Meeting.everyone[0].wait(), Meeting.patience)
+        await asyncio.sleep(0.01 * (x % 3))  # (returning in another order than called)
+        Meeting.order.append(f"end {x}")
+        self.seen.append(x)
+        return 10 * x
+
+    def note(self, x: int) -> str:
+        """A plain call.
+
+        Args:
+            x: Who.
+        """
+        self.seen.append(x)
+        return f"noted {x}"
+
+
+def test_async_tool_calls_of_a_batchs_turn_run_at_once(tokenizer):
+    """The async def tool calls of a turn ran one after another, episode after episode
+    (a batch of tools each waiting 2 s on a server took 2 s times the calls). The calls
+    of all episodes of a turn run at once now; each episode's own still in order, one
+    after another, and each reply in its calls' order, with the same messages and counts;
+    a turn with a plain def tool call runs as before."""
+    call = tool_call_text
+    Meeting.arrived.clear(), Meeting.everyone.clear(), Meeting.order.clear()
+    script = [
+        [
+            call("join", {"x": 1}) + call("join", {"x": 2}),  # (one after the other)
+            call("join", {"x": 3}) + call("join", {"x": "bad"}),
+            call("join", {"x": 4}),
+            call("note", {"x": 7}) + call("join", {"x": 9}),  # (a plain call: as before)
+            "no call",
+            call("join", {"x": 5}) + call("nope", {}),
+        ],
+        ["done"] * 5,
+    ]
+    engine = ScriptedEngine(tokenizer, script)
+    factory = EnvironmentFactory(Meeting, timeout=30.0)
+    runner = MultiTurn(engine, factory, tokenizer, max_turns=2, max_tokens=400, chat_kwargs={})
+    rows = [{"prompt": "meet"}]
+    out = runner.generate(rows, [[]], n=6, params=SamplingParams(max_new_tokens=200), seed=0)
+    replies = [[m["content"] for m in c if m["role"] == "tool"] for c in out.completions]
+    assert replies == [
+        ["10", "20"],
+        ["30", 'error: bad arguments for join: x must be an integer, got "bad" (a string)'],
+        ["40"],
+        ["noted 7", "90"],
+        [],
+        ["50", "error: unknown tool 'nope'; tools: join, note"],
+    ]
+    assert [e.seen for e in out.columns["environments"]] == [[1, 2], [3], [4], [7, 9], [], [5]]
+    assert out.metrics["env/tool_calls_mean"] == 9 / 6
+    assert out.metrics["env/tool_errors_mean"] == 2 / 6
+    # episode 0's second call started after its first ended; the others' at once
+    assert Meeting.order.index("start 2") > Meeting.order.index("end 1")
+    assert Meeting.order.index("start 4") < Meeting.order.index("end 3")
+
+
+def test_async_tool_calls_run_at_once_still_stop_at_env_timeout():
+    """A call of the async tool calls run at once past rollout.env_timeout stops the run
+    as one run alone does, naming the tool, and is cancelled; one that holds the event
+    loop (time.sleep in an async def) is stopped too; what a tool raises is the model's
+    error, as in Episode.respond."""
+    import asyncio
+    import time
+
+    from gspo.plugins import awaited
+    from gspo.tool_turns import respond_all
+
+    cancelled = []
+
+    class Waiter:
+        async def wait(self, seconds: float) -> str:
+            """Wait.
+
+            Args:
+                seconds: How long.
+            """
+            try:
+                await asyncio.sleep(seconds)
+            except asyncio.CancelledError:
+                cancelled.append(seconds)
+                raise
+            return "waited"
+
+        async def hold(self, seconds: float) -> str:
+            """Hold the event loop.
+
+            Args:
+                seconds: How long.
+            """
+            time.sleep(seconds)
+            return "held"
+
+        async def fail(self) -> str:
+            """Fail."""
+            raise KeyError("gone")
+
+    factory = EnvironmentFactory(Waiter, timeout=0.5)
+    call = tool_call_text
+    turns = [(factory.episode(), call("wait", {"seconds": s})) for s in (0.01, 60)]
+    start = time.monotonic()
+    with pytest.raises(EnvTimeout, match=r"Waiter': tool wait\(\) did not return within "):
+        respond_all(turns)
+    assert time.monotonic() - start < 5
+    for _ in range(100):  # (the cancellation reaches the task on the loop's thread)
+        if cancelled:
+            break
+        time.sleep(0.02)
+    assert cancelled == [60]
+    turns = [(factory.episode(), call("hold", {"seconds": 2.5})) for _ in range(2)]
+    start = time.monotonic()
+    with pytest.raises(EnvTimeout, match=r"calls of 2 episodes did not return within rollout"):
+        respond_all(turns)
+    assert time.monotonic() - start < 2.4
+    awaited(asyncio.sleep(0))  # (the loop is held until the sleeps end)
+    episodes = [factory.episode() for _ in range(2)]
+    replies = respond_all([(e, call("fail", {}) + call("wait", {"seconds": 0})) for e in episodes])
+    assert replies == [[
+        {"role": "tool", "name": "fail", "content": "error: KeyError: 'gone'"},
+        {"role": "tool", "name": "wait", "content": "waited"},
+    ]] * 2  # fmt: skip
+    assert [(e.tool_calls, e.tool_errors) for e in episodes] == [(2, 1), (2, 1)]
 
 
 def test_budgets_cut_episodes_as_length(tokenizer, env_file):

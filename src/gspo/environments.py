@@ -466,37 +466,67 @@ class Episode:
             return [{"role": "user", "content": observation}]
         return None
 
+    def plan(self, text: str) -> list[tuple[ToolCall, str | None, Any]] | None:
+        """The calls of the model's turn ``text`` as ``(call, error, tool)`` (:meth:`check`)
+        when each that runs is an ``async def`` tool's (run with other episodes' calls:
+        :func:`gspo.tool_turns.respond_all`); None: :meth:`respond` runs the turn."""
+        calls = parse_tool_calls(text) if self.spec.tool_names else []
+        checked = [(call, *self.check(call)) for call in calls]
+        running = [tool for _, error, tool in checked if error is None]
+        if running and all(inspect.iscoroutinefunction(tool) for tool in running):
+            return checked
+        return None
+
+    def check(self, call: ToolCall) -> tuple[str | None, Any]:
+        """``(error, tool)``: what ``call`` is answered with without running (None: it
+        runs), and the tool it calls."""
+        if call.error is not None:
+            return call.error, None
+        if call.name not in self.spec.tool_names:
+            return f"unknown tool {call.name!r}; tools: {', '.join(self.spec.tool_names)}", None
+        tool = getattr(self.env, call.name)
+        try:
+            signature = inspect.signature(tool)
+            signature.bind(**call.arguments)
+            defaults = {name: p.default for name, p in signature.parameters.items()}
+            wrong = argument_error(self.spec.arguments[call.name], call.arguments, defaults)
+        except TypeError as e:
+            wrong = str(e)
+        return (None if wrong is None else f"bad arguments for {call.name}: {wrong}"), tool
+
     def _answer(self, call: ToolCall) -> dict[str, Any]:
+        error, tool = self.check(call)
+        if error is not None:
+            return self.reply(call, error=error)
+        try:
+            with self.spec.deadline(f"tool {call.name}()"):
+                result = awaited(tool(**call.arguments))  # (async def: once never awaited)
+        except EnvTimeout:
+            raise
+        except (Exception, SystemExit) as e:  # (sys.exit in user code: an error)
+            return self.reply(call, failed=e)
+        return self.reply(call, result=result)
+
+    def reply(
+        self, call: ToolCall, *, result: Any = None, error: str | None = None,
+        failed: BaseException | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """The ``tool`` message answering ``call``: its ``result`` as text, else ``error``
+        or what the tool raised (``failed``, said once on stderr), counted."""
         self.tool_calls += 1
         message = {"role": "tool", "name": call.name, "content": ""}
-        error = call.error
-        if error is None and call.name not in self.spec.tool_names:
-            error = f"unknown tool {call.name!r}; tools: {', '.join(self.spec.tool_names)}"
-        if error is None:
-            tool = getattr(self.env, call.name)
+        if error is None and failed is None:
             try:
-                signature = inspect.signature(tool)
-                signature.bind(**call.arguments)
-                defaults = {name: p.default for name, p in signature.parameters.items()}
-                wrong = argument_error(self.spec.arguments[call.name], call.arguments, defaults)
-            except TypeError as e:
-                wrong = str(e)
-            if wrong is not None:
-                error = f"bad arguments for {call.name}: {wrong}"
-        if error is None:
-            try:
-                with self.spec.deadline(f"tool {call.name}()"):
-                    result = awaited(tool(**call.arguments))  # (async def: once never awaited)
                 message["content"] = tool_result_text(result)
                 return message
-            except EnvTimeout:
-                raise
             except NoText as e:  # (returned, not raised: no place in the tool to name)
                 error = f"the tool returned {e}"
                 self._warn(call.name, e, f"returned {e}")
-            except (Exception, SystemExit) as e:  # (sys.exit in user code: an error)
-                error = f"{type(e).__name__}: {one_line(e, 200)}"
-                self._warn(call.name, e)
+            except Exception as e:  # (a __str__ of its own that raises)
+                failed = e
+        if failed is not None:
+            error = f"{type(failed).__name__}: {one_line(failed, 200)}"
+            self._warn(call.name, failed)
         self.tool_errors += 1
         message["content"] = f"error: {error}"
         return message

@@ -44,6 +44,7 @@ from gspo.distributed import rank_said
 from gspo.engines import RolloutBatch, SamplingParams, pad_batch
 from gspo.environments import EnvError, EnvironmentFactory, Episode
 from gspo.rewards.parsing import completion_text
+from gspo.tool_turns import respond_all
 from gspo.training.sampler import (
     MODEL_CONTEXT,
     Generated,
@@ -293,12 +294,19 @@ class MultiTurn:
             if not live:
                 break
             turn_seed = seed if turn == 0 else derive_seed(seed, "turn", turn)
-            going: list[int] = []
+            answering: list[tuple[int, str]] = []  # (episode, its turn's text)
             for part, budget, batch in self.sample(states, live, n, turn, params, turn_seed):
                 if turn == 0 and budget == params.max_new_tokens:
                     cut += sum(reason == "length" for reason in batch.finish_reasons)
-                going += [i for j, i in enumerate(part) if self.advance(states[i], batch, j, turn)]
-            live = sorted(going)
+                for j, i in enumerate(part):
+                    if (text := self.advance(states[i], batch, j)) is not None:
+                        answering.append((i, text))
+            # (the environments' replies together: async tools' calls run at once)
+            replies = respond_all([(states[i].episode, text) for i, text in answering])
+            live = sorted(
+                i for (i, _), reply in zip(answering, replies, strict=True)
+                if self.follow(states[i], reply, turn)
+            )  # fmt: skip
         for i in live:  # still wanting to go on after max_turns
             states[i].finish = "length"
         if self.max_turns > 1 and all(s.turns == 1 for s in states):
@@ -393,8 +401,9 @@ class MultiTurn:
             flush=True,
         )
 
-    def advance(self, state: _State, batch: RolloutBatch, j: int, turn: int) -> bool:
-        """Append row ``j`` of ``batch`` (this turn) to ``state``; whether it goes on."""
+    def advance(self, state: _State, batch: RolloutBatch, j: int) -> str | None:
+        """Append row ``j`` of ``batch`` (this turn) to ``state``: the turn's text for the
+        environment to answer (:meth:`follow`), or None when the episode ended in it."""
         mask = batch.completion_mask[j].bool()
         ids = batch.completion_ids[j][mask].tolist()
         logprobs = batch.sampler_logprobs[j][mask].tolist()
@@ -411,14 +420,18 @@ class MultiTurn:
         state.messages.append({"role": "assistant", "content": text})
         if not stopped:
             state.finish = "length"
-            return False
-        reply = state.episode.respond(text)
+            return None
+        return text
+
+    def follow(self, state: _State, reply: list[dict[str, Any]] | None, turn: int) -> bool:
+        """The environment's ``reply`` to ``state``'s turn ``turn`` appended (None: it ended
+        the episode); whether the episode goes on."""
         if reply is None:
             state.finish = "stop"
             return False
         if turn + 1 == self.max_turns:
             return True  # marked "length" by the caller; the reply is never seen
-        reply_ids = self.format.reply_ids(reply, stopped_with=ids[-1])  # (its stop token)
+        reply_ids = self.format.reply_ids(reply, stopped_with=state.ids[-1])  # (its stop)
         if len(state.ids) + len(reply_ids) >= state.limit:
             state.finish = "length"
             self.warn_reply_too_long(len(reply_ids), len(state.ids), state.limit)
