@@ -358,6 +358,43 @@ def test_arguments_of_another_type_than_the_tools_schema_are_the_models_error(ca
     assert capsys.readouterr().err == ""  # the model's error, not the environment's
 
 
+def test_the_items_of_list_dict_and_tuple_arguments_are_checked_too():
+    """A list[int] of strings reached the tool as written, as did a dict's values."""
+    from gspo.tool_calls import argument_error
+
+    def pack(
+        counts: list[int], prices: dict[str, float], pair: tuple[int, str],
+        either: list[int] | dict[str, int], maybe: list[int | None],
+    ) -> str:  # fmt: skip
+        """Pack.
+
+        Args:
+            counts: Counts.
+            prices: Prices.
+            pair: A pair.
+            either: Either.
+            maybe: Maybe.
+        """
+        return ""
+
+    from transformers.utils import get_json_schema
+
+    schema = get_json_schema(pack)["function"]["parameters"]
+    good = {"counts": [1, 2], "prices": {"a": 1.5}, "pair": [1, "a"], "either": {"a": 1},
+            "maybe": [1, None]}  # fmt: skip
+    assert argument_error(schema, good, {}) is None
+    bads = ({"counts": [1, "2"]}, {"prices": {"a": "1.5"}}, {"pair": ["1", "a"]},
+            {"either": [1, "x"]}, {"maybe": [None, 2.5]})  # fmt: skip
+    said = [argument_error(schema, {**good, **bad}, {}) for bad in bads]
+    assert said == [
+        'counts[1] must be an integer, got "2" (a string)',
+        'prices["a"] must be a number, got "1.5" (a string)',
+        'pair[0] must be an integer, got "1" (a string)',
+        'either fits none of the forms its schema allows, got [1, "x"]',
+        "maybe[1] must be an integer or null, got 2.5 (a number)",
+    ]
+
+
 def test_an_async_tool_is_awaited_and_only_methods_are_tools():
     """An async def tool was never awaited: the model read "<coroutine object ...>" and the
     call counted as a success. A class attribute holding a type stopped the run with

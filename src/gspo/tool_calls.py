@@ -139,31 +139,52 @@ def argument_error(
     schema: dict[str, Any], arguments: dict[str, Any], defaults: dict[str, Any]
 ) -> str | None:
     """Why ``arguments`` do not fit the tool's JSON ``schema`` (its ``parameters``, from
-    ``get_json_schema``), or None: an argument whose top-level ``type`` or ``enum`` it
-    does not meet (null is also allowed for a ``nullable`` one or one whose default,
-    in ``defaults``, is None). Nothing is converted: a tool gets what the model wrote, as
-    in TRL and verl, or the model gets this error (a tool given "3" for an int raised in
-    itself, or took "false" for true)."""
+    ``get_json_schema``), or None: an argument, or an item of one (a list's, a dict's
+    values), whose ``type``, ``enum`` or ``anyOf`` it does not meet (null is also allowed
+    for a ``nullable`` one or an argument whose default, in ``defaults``, is None).
+    Nothing is converted: a tool gets what the model wrote, as in TRL and verl, or the
+    model gets this error (a tool given "3" for an int raised in itself, or took "false"
+    for true)."""
     properties = schema.get("properties") or {}
     for name, value in arguments.items():
-        spec = properties.get(name)
-        if not isinstance(spec, dict):
-            continue
-        if value is None and (spec.get("nullable") or defaults.get(name, ...) is None):
-            continue
-        enum = spec.get("enum")
-        if isinstance(enum, list) and not any(
-            type(value) is type(choice) and value == choice for choice in enum
-        ):
-            choices = ", ".join(_shown(choice) for choice in enum)
-            return f"{name} must be one of {choices}, got {_shown(value)}"
-        kinds = spec.get("type")
-        kinds = [kinds] if isinstance(kinds, str) else kinds
-        if not isinstance(kinds, list) or not all(kind in _TYPES for kind in kinds):
-            continue  # (no type, or one JSON has no value of: "image")
-        if not any(_TYPES[kind][1](value) for kind in kinds):
-            if spec.get("nullable") or defaults.get(name, ...) is None:
-                kinds = [*kinds, "null"]
-            wanted = " or ".join(_TYPES[kind][0] for kind in kinds)
-            return f"{name} must be {wanted}, got {_shown(value)} ({_kind(value)})"
+        if said := _misfit(properties.get(name), value, name, defaults.get(name, ...) is None):
+            return said
+    return None
+
+
+def _misfit(spec: Any, value: Any, where: str, nullable: bool = False) -> str | None:
+    """Why ``value`` (``where`` in the arguments) does not fit ``spec``, or None."""
+    if not isinstance(spec, dict):
+        return None
+    nullable = nullable or bool(spec.get("nullable"))
+    if value is None and nullable:
+        return None
+    forms = spec.get("anyOf")
+    if isinstance(forms, list) and forms:
+        if all(_misfit(form, value, where) for form in forms):
+            return f"{where} fits none of the forms its schema allows, got {_shown(value)}"
+        return None
+    enum = spec.get("enum")
+    if isinstance(enum, list) and not any(
+        type(value) is type(choice) and value == choice for choice in enum
+    ):
+        choices = ", ".join(_shown(choice) for choice in enum)
+        return f"{where} must be one of {choices}, got {_shown(value)}"
+    kinds = spec.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else kinds
+    if not isinstance(kinds, list) or not all(kind in _TYPES for kind in kinds):
+        return None  # (no type, or one JSON has no value of: "image")
+    if not any(_TYPES[kind][1](value) for kind in kinds):
+        wanted = " or ".join(_TYPES[kind][0] for kind in [*kinds, *["null"][:nullable]])
+        return f"{where} must be {wanted}, got {_shown(value)} ({_kind(value)})"
+    if isinstance(value, list):
+        shapes = spec.get("prefixItems")
+        shapes = shapes if isinstance(shapes, list) else [spec.get("items")] * len(value)
+        for k, (shape, item) in enumerate(zip(shapes, value, strict=False)):
+            if said := _misfit(shape, item, f"{where}[{k}]"):
+                return said
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if said := _misfit(spec.get("additionalProperties"), item, f"{where}[{_shown(key)}]"):
+                return said
     return None
