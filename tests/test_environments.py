@@ -281,6 +281,18 @@ def test_tool_errors_go_back_to_the_model_and_are_counted(env_file, capsys):
     for _ in range(2):
         message = factory.episode().respond(call("add", {"x": 1}))[0]
         assert message["content"] == "error: ZeroDivisionError: boom"
+
+    class Silent:
+        def add(self, x: int) -> int:
+            """Add.
+
+            Args:
+                x: How much.
+            """
+            raise TimeoutError  # (no message: the model read "error: TimeoutError: ")
+
+    message = EnvironmentFactory(Silent).episode().respond(call("add", {"x": 1}))[0]
+    assert message["content"] == "error: TimeoutError"
     warned = capsys.readouterr().err
     assert warned.count("raised ZeroDivisionError") == 1  # shown once
 

@@ -525,7 +525,8 @@ class Episode:
             except Exception as e:  # (a __str__ of its own that raises)
                 failed = e
         if failed is not None:
-            error = f"{type(failed).__name__}: {one_line(failed, 200)}"
+            said = one_line(failed, 200)  # (none: the type alone, "TimeoutError: " was sent)
+            error = f"{type(failed).__name__}: {said}" if said else type(failed).__name__
             self._warn(call.name, failed)
         self.tool_errors += 1
         message["content"] = f"error: {error}"
