@@ -407,6 +407,23 @@ def test_the_items_of_list_dict_and_tuple_arguments_are_checked_too():
     ]
 
 
+def test_a_call_drafted_inside_the_thinking_is_not_run(env_file):
+    """A reasoning model (Qwen3) that wrote a call inside its <think> block, then
+    answered, had the draft run and its episode go on (TRL's and vLLM's parsers read calls
+    after the thinking only; gspo's rewards read the answer there too)."""
+    episode = EnvironmentFactory(f"{env_file}:Counter").episode()
+    episode.reset({"start": 5})
+    draft = tool_call_text("add", {"x": 100})
+    assert episode.respond(f"<think>I could {draft}, no.</think>\n\nThe total is 5.") is None
+    # (a turn that began inside the thinking, the generation prompt's <think>: only its end)
+    turn = f"maybe {draft}</think>\n\n" + tool_call_text("add", {"x": 2})
+    assert [m["content"] for m in episode.respond(turn)] == ["7"]
+    assert episode.respond(f"{tool_call_text('add', {'x': 1})}<think>cut off {draft}") == [
+        {"role": "tool", "name": "add", "content": "8"}
+    ]
+    assert (episode.tool_calls, episode.env.total) == (2, 8)
+
+
 def test_an_async_tool_is_awaited_and_only_methods_are_tools():
     """An async def tool was never awaited: the model read "<coroutine object ...>" and the
     call counted as a success. A class attribute holding a type stopped the run with

@@ -54,6 +54,7 @@ from gspo.plugins import (
     one_line,
     raised,
 )
+from gspo.rewards.parsing import answer_text
 from gspo.tool_calls import (
     NoText,
     ToolCall,
@@ -433,7 +434,7 @@ class Episode:
 
     def respond(self, text: str) -> list[dict[str, Any]] | None:
         """The environment's reply to the model's turn ``text``: messages, or None (done)."""
-        calls = parse_tool_calls(text) if self.spec.tool_names else []
+        calls = self._calls(text)
         if calls:
             return [self._answer(call) for call in calls]
         if self.spec.has_step:
@@ -470,12 +471,17 @@ class Episode:
         """The calls of the model's turn ``text`` as ``(call, error, tool)`` (:meth:`check`)
         when each that runs is an ``async def`` tool's (run with other episodes' calls:
         :func:`gspo.tool_turns.respond_all`); None: :meth:`respond` runs the turn."""
-        calls = parse_tool_calls(text) if self.spec.tool_names else []
-        checked = [(call, *self.check(call)) for call in calls]
+        checked = [(call, *self.check(call)) for call in self._calls(text)]
         running = [tool for _, error, tool in checked if error is None]
         if running and all(inspect.iscoroutinefunction(tool) for tool in running):
             return checked
         return None
+
+    def _calls(self, text: str) -> list[ToolCall]:
+        """The calls of a turn, read where its answer is (:func:`answer_text`: after a
+        reasoning model's ``</think>``; a call drafted in the thinking is not run, as in
+        TRL's and vLLM's parsers)."""
+        return parse_tool_calls(answer_text(text)) if self.spec.tool_names else []
 
     def check(self, call: ToolCall) -> tuple[str | None, Any]:
         """``(error, tool)``: what ``call`` is answered with without running (None: it
