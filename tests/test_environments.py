@@ -1093,7 +1093,7 @@ def test_async_tool_calls_run_at_once_still_stop_at_env_timeout():
     assert cancelled == [60]
     turns = [(factory.episode(), call("hold", {"seconds": 2.5})) for _ in range(2)]
     start = time.monotonic()
-    with pytest.raises(EnvTimeout, match=r"calls of 2 episodes did not return within rollout"):
+    with pytest.raises(EnvTimeout, match=r"calls \(2 episodes'\) did not return within rollout"):
         respond_all(turns)
     assert time.monotonic() - start < 2.4
     awaited(asyncio.sleep(0))  # (the loop is held until the sleeps end)

@@ -74,7 +74,7 @@ def respond_all(turns: list[tuple[Episode, str]]) -> list[list[dict[str, Any]] |
         [functools.partial(tool, **call.arguments) for call, error, tool in plan if error is None]
         for plan in plans.values()
     ]
-    what = f"environment {spec.name!r}: the async tool calls of {len(chains)} episodes"
+    what = f"environment {spec.name!r}: a batch of async tool calls ({len(chains)} episodes')"
     if spec.timeout is None:
         guard: Any = spec.slow.watch(what)
     else:  # (each call is timed on the loop; this, past them all, if the loop is held)
