@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -364,11 +365,16 @@ def test_a_program_that_forks_passes_only_what_its_own_answers_pass(sandbox_mode
     """A function that forks, the child answering True and the parent False, had one of
     the two pass every yes/no test (both went on through the tests, writing verdicts):
     1.0 for a program that answers nothing. Only the harness's own process writes now:
-    the parent's answer (False) passes the odd numbers' tests."""
+    the parent's answer (False) passes the odd numbers' tests.
+
+    Every process forks again at each later test: 2**4 of them, beside bubblewrap's own, all
+    alive at once where the machine is slow to run the children out (FAST's 16 failed the
+    parent's last fork 1 run in 3 under load: 0.25), so the limit holds the whole tree."""
     forks = "import os\ndef is_even(x):\n    return os.fork() == 0\n"
     cases = parse_tests("\n".join(f"assert is_even({k}) is {k % 2 == 0}" for k in range(4)))
-    assert score_code(forks, cases, FAST) == 0.5
-    assert score_code("def is_even(x):\n    return x % 2 == 0", cases, FAST) == 1.0
+    tree = replace(FAST, max_procs=2**4 + 16)
+    assert score_code(forks, cases, tree) == 0.5
+    assert score_code("def is_even(x):\n    return x % 2 == 0", cases, tree) == 1.0
 
 
 def test_a_program_cannot_touch_the_trainers_files_or_fill_memory(sandbox_mode: str) -> None:
