@@ -150,6 +150,7 @@ def test_a_worker_that_dies_stops_the_run_with_one_line(module):
     """os._exit (a segfault alike) in a worker: multiprocessing.Pool replaces the process
     and drops its task, and the run waited for it forever (no reward.timeout)."""
     functions = RewardFunctions.from_specs(specs(module, "dies"), workers=2)
+    functions.runner.start()  # (spawning the workers: 16 s on a loaded 2-core machine)
     start = time.monotonic()
     try:
         with pytest.raises(RewardError) as err:
@@ -198,6 +199,8 @@ def test_a_hung_function_stops_with_one_line(module, workers):
         specs(module, "slow", "hangs"), workers=workers, timeout=1.0
     )
     try:
+        if workers:  # (start-up is not part of the deadline: 16 s under load on 2 cores)
+            functions.runner.start()
         start = time.monotonic()
         with pytest.raises(
             RewardError, match=r"'.*:hangs' did not finish within reward\.timeout=1 s"
