@@ -220,15 +220,24 @@ def test_launcher_settings_set_by_hand_are_one_line_and_a_lone_rank_says_it_wait
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29533")
     monkeypatch.setattr(distributed, "JOIN_SAY_S", 0.1)
+    monkeypatch.setattr(distributed, "JOIN_POLL_S", 0.1)  # (a line said again would show)
+
+    said: list[str] = []
 
     def never_joined(backend):
+        # the waiting thread's line, however late a loaded machine runs it (a fixed 0.5 s
+        # wait saw nothing where the thread ran 0.4 s late), then time to say it again
+        deadline = time.monotonic() + 30
+        while "still waiting" not in "".join(said) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            said.append(capsys.readouterr().err)
         time.sleep(0.5)
         raise RuntimeError("timed out")
 
     monkeypatch.setattr(torch.distributed, "init_process_group", never_joined)
     with pytest.raises(RuntimeError):
         distributed.setup_distributed("cpu")
-    assert capsys.readouterr().err == (
+    assert "".join(said) + capsys.readouterr().err == (
         "gspo: rank 0 of 2: still waiting at 127.0.0.1:29533 for the other ranks to join "
         "(started by torchrun, each with its RANK?)\n"
     )
