@@ -54,7 +54,7 @@ from gspo.plugins import (
     one_line,
     raised,
 )
-from gspo.rewards.parsing import answer_text
+from gspo.rewards.thinking import answer_text
 from gspo.tool_calls import (
     NoText,
     ToolCall,
