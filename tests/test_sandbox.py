@@ -9,6 +9,7 @@ installs it where it can); the resource limits are checked in both modes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -26,13 +27,18 @@ needs_bwrap = pytest.mark.skipif(not HAS_BWRAP, reason=sandbox.isolation()[1])
 
 
 def _process_count() -> int:
-    """The processes of the uid programs run as where that is not ours (root's tests: a
+    """The processes of the uids programs run as where those are not ours (root's tests: a
     count of every process on the host moved with other sessions' shells, 1 run in 3 on a
     shared 2-core machine), else every process."""
-    uid = sandbox._sandbox_ids()[0]
-    if uid == os.getuid():
-        return sum(1 for entry in os.listdir("/proc") if entry.isdigit())
-    return sandbox._process_count(uid)
+    block = sandbox.uid_block()
+    pids = [entry for entry in os.listdir("/proc") if entry.isdigit()]
+    if os.getuid() in block:
+        return len(pids)
+    owners = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            owners.append(os.stat(f"/proc/{pid}").st_uid)
+    return sum(uid in block for uid in owners)
 
 
 def fenced(code: str) -> str:
@@ -379,6 +385,28 @@ def test_a_program_that_forks_passes_only_what_its_own_answers_pass(sandbox_mode
     assert score_code("def is_even(x):\n    return x % 2 == 0", cases, tree) == 1.0
 
 
+@pytest.mark.skipif(os.getuid() != 0, reason="a trainer not root runs programs as itself")
+def test_a_fork_bomb_beside_a_program_leaves_it_its_own_processes(sandbox_mode: str) -> None:
+    """Programs scored at once ran as one uid (nobody) and RLIMIT_NPROC counts a uid's
+    every process: a fork bomb started beside a right answer that forks failed its fork
+    (scored 0 there, 1 alone). Each runs as a uid of its own now."""
+    import threading
+
+    fair = "import os, time\ntime.sleep(1.5)\ndef f():\n    pid = os.fork()\n"
+    fair += "    if pid == 0:\n        os._exit(0)\n    os.waitpid(pid, 0)\n    return 1\n"
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    cases, limits = parse_tests("assert f() == 1"), replace(FAST, wall_s=5.0, cpu_s=3)
+    scores: dict[str, float] = {}
+    fair_run = threading.Thread(target=lambda: scores.update(fair=score_code(fair, cases, limits)))
+    fair_run.start()
+    time.sleep(0.5)  # (the fair program asleep, holding its uid, when the bomb starts)
+    scores["bomb"] = score_code(bomb, cases, limits)
+    fair_run.join()
+    assert scores == {"fair": 1.0, "bomb": 0.0}
+    with sandbox.program_uid() as one, sandbox.program_uid() as other:
+        assert one != other and {one, other} <= set(sandbox.uid_block())
+
+
 def test_a_program_cannot_touch_the_trainers_files_or_fill_memory(sandbox_mode: str) -> None:
     """Without bubblewrap the program's directory held the files its output was read
     from: removing one stopped the run (FileNotFoundError), a link made the trainer read
@@ -431,7 +459,7 @@ def test_a_stale_directorys_session_reused_by_another_process_is_not_killed(
     import subprocess
 
     monkeypatch.setattr(sandbox, "_host_base", lambda: str(tmp_path))
-    monkeypatch.setattr(sandbox, "_sandbox_ids", lambda: (os.getuid(), os.getgid()))
+    monkeypatch.setattr(sandbox, "uid_block", lambda: range(os.getuid(), os.getuid() + 1))
     other = subprocess.Popen(["sleep", "30"], start_new_session=True, cwd=tmp_path)
     try:
         stale = tmp_path / "gspo-sandbox-999999-x"

@@ -28,7 +28,6 @@ import atexit
 import contextlib
 import functools
 import os
-import pwd
 import resource
 import secrets
 import shutil
@@ -37,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from math import ceil
@@ -56,6 +55,8 @@ from gspo.rewards.code_tests import (
 )
 from gspo.rewards.contract import RewardError
 from gspo.rewards.parsing import completion_text
+from gspo.rewards.program_uids import program_uid, uid_block
+from gspo.rewards.program_uids import sandbox_ids as _sandbox_ids
 from gspo.rewards.thinking import aligned_prompts
 
 __all__ = [
@@ -104,21 +105,6 @@ class RunResult:
 # --------------------------------------------------------------------------------------------
 # Isolation
 # --------------------------------------------------------------------------------------------
-
-
-def _sandbox_ids() -> tuple[int, int]:
-    """The uid/gid programs run as: ``nobody`` when the trainer is root, else the trainer's.
-
-    Root is exempt from the kernel's process-count limit whatever its capabilities, so a
-    fork bomb is contained only under another uid; ``nobody`` also owns no files to write.
-    """
-    if os.getuid() != 0:
-        return os.getuid(), os.getgid()
-    try:
-        entry = pwd.getpwnam("nobody")
-    except KeyError:
-        return 65534, 65534
-    return entry.pw_uid, entry.pw_gid
 
 
 def _world_executable(path: str) -> bool:
@@ -183,13 +169,14 @@ def _bwrap_args(workdir_mb: int) -> list[str]:
 def _bwrap_works() -> bool:
     if shutil.which("bwrap") is None:
         return False
+    probe_uid = uid_block()[-1]
     try:
         probe = subprocess.run(
             [*_bwrap_args(1), "--", _python(), "-I", "-c", "print(6 * 7)"],
             capture_output=True,
             timeout=30,
             env={"PATH": "/usr/bin:/bin"},
-            preexec_fn=_limit_setter(Limits(), _process_count(_sandbox_ids()[0]) + 64),
+            preexec_fn=_limit_setter(Limits(), _process_count(probe_uid) + 64, probe_uid),
         )
     except (OSError, subprocess.SubprocessError):
         return False
@@ -227,9 +214,9 @@ def _process_count(uid: int) -> int:
     return count
 
 
-def _limit_setter(limits: Limits, nproc: int) -> Any:
-    """What the child does before exec: set the limits, then become the sandbox uid."""
-    uid, gid = _sandbox_ids()
+def _limit_setter(limits: Limits, nproc: int, uid: int) -> Any:
+    """What the child does before exec: set the limits, then become ``uid``."""
+    gid = _sandbox_ids()[1]
 
     def apply() -> None:
         memory = limits.memory_mb << 20
@@ -269,64 +256,65 @@ def run_python(
     _sweep_at_exit()
     work = Path(host_dir, "work")
     work.mkdir()
-    uid, gid = _sandbox_ids()
-    try:
-        if uid != os.getuid():  # (the program's uid may pass through, not list or write)
-            os.chmod(host_dir, 0o711)
-            os.chown(work, uid, gid)
-        out_path = Path(host_dir, "stdout")
-        err_path = Path(host_dir, "stderr")
-        if script_on_stdin:
-            program_args, feed = ["-"], source
-        else:
-            Path(work, "main.py").write_text(source)
-            program_args, feed = ["main.py"], stdin
-        python = [_python(), "-I", *program_args]
-        env = {"PATH": "/usr/bin:/bin", "HOME": str(work), "LANG": "C.UTF-8"}
-        if mode == "bwrap":
-            argv = _bwrap_args(limits.workdir_mb)
-            if not script_on_stdin:
-                argv += ["--ro-bind", str(Path(work, "main.py")), f"{_SANDBOX_DIR}/main.py"]
-            argv += ["--", *python]
-        else:
-            argv = python
-            env["TMPDIR"] = str(work)
-        nproc = _process_count(uid) + limits.max_procs
-        with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            proc = subprocess.Popen(  # (standard input a pipe: a file was read back)
-                argv,
-                stdin=subprocess.PIPE,
-                stdout=out,
-                stderr=err,
-                cwd=work,
-                env=env,
-                start_new_session=True,
-                preexec_fn=_limit_setter(limits, nproc),
+    gid = _sandbox_ids()[1]
+    with program_uid() as uid:  # (its own: RLIMIT_NPROC counts a uid's every process)
+        try:
+            if uid != os.getuid():  # (the program's uid may pass through, not list or write)
+                os.chmod(host_dir, 0o711)
+                os.chown(work, uid, gid)
+            out_path = Path(host_dir, "stdout")
+            err_path = Path(host_dir, "stderr")
+            if script_on_stdin:
+                program_args, feed = ["-"], source
+            else:
+                Path(work, "main.py").write_text(source)
+                program_args, feed = ["main.py"], stdin
+            python = [_python(), "-I", *program_args]
+            env = {"PATH": "/usr/bin:/bin", "HOME": str(work), "LANG": "C.UTF-8"}
+            if mode == "bwrap":
+                argv = _bwrap_args(limits.workdir_mb)
+                if not script_on_stdin:
+                    argv += ["--ro-bind", str(Path(work, "main.py")), f"{_SANDBOX_DIR}/main.py"]
+                argv += ["--", *python]
+            else:
+                argv = python
+                env["TMPDIR"] = str(work)
+            nproc = _process_count(uid) + limits.max_procs
+            with open(out_path, "wb") as out, open(err_path, "wb") as err:
+                proc = subprocess.Popen(  # (standard input a pipe: a file was read back)
+                    argv,
+                    stdin=subprocess.PIPE,
+                    stdout=out,
+                    stderr=err,
+                    cwd=work,
+                    env=env,
+                    start_new_session=True,
+                    preexec_fn=_limit_setter(limits, nproc, uid),
+                )
+                timed_out = False
+                try:
+                    proc.communicate(feed.encode(), timeout=limits.wall_s)
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+                finally:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    if mode != "bwrap":  # (one in a session of its own slept on after the run)
+                        _kill(_programs((uid,), work), 2.0)
+                    with contextlib.suppress(OSError):
+                        proc.stdin.close()
+            cap = limits.max_output_bytes
+            stdout = out_path.read_bytes()[:cap].decode(errors="replace")
+            stderr = err_path.read_bytes()[:cap].decode(errors="replace")
+            return RunResult(
+                returncode=None if timed_out else proc.returncode,
+                stdout=stdout,
+                stderr=stderr,
+                timed_out=timed_out,
             )
-            timed_out = False
-            try:
-                proc.communicate(feed.encode(), timeout=limits.wall_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            finally:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                if mode != "bwrap":  # (one in a session of its own slept on after the run)
-                    _kill(_programs(uid, work), 2.0)
-                with contextlib.suppress(OSError):
-                    proc.stdin.close()
-        cap = limits.max_output_bytes
-        stdout = out_path.read_bytes()[:cap].decode(errors="replace")
-        stderr = err_path.read_bytes()[:cap].decode(errors="replace")
-        return RunResult(
-            returncode=None if timed_out else proc.returncode,
-            stdout=stdout,
-            stderr=stderr,
-            timed_out=timed_out,
-        )
-    finally:
-        shutil.rmtree(host_dir, ignore_errors=True)
+        finally:
+            shutil.rmtree(host_dir, ignore_errors=True)
 
 
 def _state(pid: int | str) -> list[str]:
@@ -335,8 +323,8 @@ def _state(pid: int | str) -> list[str]:
     return stat[stat.rindex(")") + 2 :].split()
 
 
-def _programs(uid: int, where: Path) -> list[int]:
-    """The live processes running as ``uid`` that a program run under ``where`` left: in
+def _programs(uids: Container[int], where: Path) -> list[int]:
+    """The live processes running as one of ``uids`` that a program run under ``where`` left: in
     a directory under it, or started with their ``HOME`` there (as the program was), one
     that called ``setsid`` (a session of its own, out of the ``killpg``'s reach)
     included; a process of the same uid elsewhere is not the program's."""
@@ -345,7 +333,7 @@ def _programs(uid: int, where: Path) -> list[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid():
             with contextlib.suppress(OSError, ValueError):
-                if os.stat(f"/proc/{entry}").st_uid != uid:
+                if os.stat(f"/proc/{entry}").st_uid not in uids:
                     continue
                 cwd = Path(os.readlink(f"/proc/{entry}/cwd").removesuffix(" (deleted)"))
                 if cwd == real or real in cwd.parents:
@@ -386,10 +374,10 @@ def sweep(owners: Sequence[int]) -> None:
     only the program's processes are killed (:func:`_programs`: in its directory, or
     started with its ``HOME``; one that changed both escapes; under bubblewrap they died
     with their parent)."""
-    uid, left = _sandbox_ids()[0], []
+    left: list[int] = []
     for owner in owners:
         for path in Path(_host_base()).glob(f"{_HOST_PREFIX}{owner}-*"):
-            left += _programs(uid, path)
+            left += _programs(uid_block(), path)
             shutil.rmtree(path, ignore_errors=True)
     _kill(left, 2.0)
 
