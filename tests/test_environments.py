@@ -1554,6 +1554,53 @@ def test_async_rollouts_run_episodes_too(tmp_path, env_file):
     assert all(r["env/turns_mean"] > 1 for r in lines)
 
 
+ENDER_ENV = """
+class Ender:
+    \"\"\"Goes on until the model says 'end'; the reward: whether it ever said 'yes'.\"\"\"
+
+    def __init__(self):
+        self.said = ""
+
+    def step(self, text):
+        self.said += text
+        return None if "end" in text else "more"
+
+    def get_reward(self):
+        return float("yes" in self.said)
+"""
+
+
+def test_filter_groups_logs_the_env_metrics_of_the_episodes_kept(tmp_path):
+    """rollout.filter_groups: env/* were round 0's, a dropped group's episodes in, an
+    extra round's kept ones out (turns 1.25 logged for a batch whose episodes took 1.75).
+    Scripted episodes: round 0's first group is constant (dropped), its second kept
+    (2 turns and 1); round 1's first group is kept (3 turns and 1), its second dropped."""
+    (tmp_path / "ender.py").write_text(ENDER_ENV)
+    overrides = addition_run(
+        tmp_path, f"{tmp_path / 'ender.py'}:Ender", "reward.functions=[environment]",
+        "rollout.group_size=2", "rollout.prompts_per_batch=2", "rollout.max_turns=3",
+        "rollout.max_new_tokens=16", "rollout.filter_groups=true",
+        "rollout.filter_max_rounds=2", "algorithm.minibatches=1",
+    )  # fmt: skip
+    trainer = Trainer(load_config(None, overrides), tmp_path / "run")
+    # each generate call: a turn of a round (round 0: rewards 0 0 | 0 1; round 1: 0 1 | 0 0)
+    script = [["end", "end", "go", "end yes"], ["end"], ["go", "end yes", "end", "end"]]
+    script += [["go"], ["end"]]
+    stage = trainer.rollout_stage
+    stage.generator = stage.generator.using(
+        engine_sampler(ScriptedEngine(trainer.tokenizer, script))
+    )
+    sampled = stage.sample(0)
+    metrics, batch = sampled.metrics, sampled.scored.batch
+    assert metrics["rollout/extra_rounds"] == 1 and metrics["rollout/groups_dropped"] == 2
+    assert sampled.scored.rewards.tolist() == [0.0, 1.0, 0.0, 1.0]
+    assert metrics["env/turns_mean"] == pytest.approx((2 + 1 + 3 + 1) / 4)
+    tokens, model_tokens = batch.completion_mask.sum().item(), batch.action_mask.sum().item()
+    assert metrics["env/episode_length_mean"] == pytest.approx(tokens / 4)
+    assert metrics["env/model_tokens_mean"] == pytest.approx(model_tokens / 4)
+    assert metrics["env/env_token_fraction"] == pytest.approx(1 - model_tokens / tokens)
+
+
 def test_turns_all_cut_by_max_new_tokens_warn_once(tmp_path, capsys):
     """The calculator's tool call is ~45 tokens: at rollout.max_new_tokens=8 every first
     turn is cut, every episode ends there, and the run says so once (not an error)."""

@@ -45,6 +45,7 @@ from gspo.engines import RolloutBatch, SamplingParams, pad_batch
 from gspo.environments import EnvError, EnvironmentFactory, Episode
 from gspo.rewards.parsing import completion_text
 from gspo.tool_turns import respond_all
+from gspo.training.metrics import env_metrics
 from gspo.training.sampler import (
     MODEL_CONTEXT,
     Generated,
@@ -472,23 +473,15 @@ class MultiTurn:
             [s.messages[: s.first] for s in states],
             [s.messages[s.first :] for s in states],
         )
-        episodes = len(states)
-        calls = sum(s.episode.tool_calls for s in states)
-        errors = sum(s.episode.tool_errors for s in states)
-        tokens = int(completion_mask.sum())
-        model_tokens = int(actions.sum())
-        metrics = {
-            "env/turns_mean": sum(s.turns for s in states) / episodes,
-            "env/tool_calls_mean": calls / episodes,
-            "env/tool_errors_mean": errors / episodes,
-            "env/env_token_fraction": (tokens - model_tokens) / tokens if tokens else 0.0,
-            "env/episode_length_mean": tokens / episodes,
-            "env/model_tokens_mean": model_tokens / episodes,
+        counts = {  # (each episode's: env/* of the episodes a rollout batch keeps)
+            "turns": [s.turns for s in states],
+            "tool_calls": [s.episode.tool_calls for s in states],
+            "tool_errors": [s.episode.tool_errors for s in states],
         }
-        if calls:  # (none made: no share of them valid, not 1.0)
-            metrics["env/tool_call_valid_fraction"] = (calls - errors) / calls
+        metrics = env_metrics(counts, completion_mask, actions)
         columns: dict[str, list[Any]] = {"environments": [s.episode.env for s in states]}
-        return Generated(batch, completions, columns, metrics, [s.episode for s in states], prompts)
+        episodes = [s.episode for s in states]
+        return Generated(batch, completions, columns, metrics, episodes, prompts, counts)
 
 
 def build_generator(

@@ -100,6 +100,34 @@ EPISODE_SHARES = {
 }
 
 
+#: Per-episode counts a multi-turn rollout keeps beside its batch (``Generated.counts``),
+#: row by row, so that the ``env/*`` figures can be those of any of its rows.
+EPISODE_COUNTS = ("turns", "tool_calls", "tool_errors")
+
+
+def env_metrics(
+    counts: Mapping[str, Sequence[int]], completion_mask: torch.Tensor, action_mask: torch.Tensor
+) -> dict[str, float]:
+    """The ``env/*`` figures of a batch of episodes: ``counts`` (:data:`EPISODE_COUNTS`,
+    one value per episode) and the batch's masks ``[N, T]`` (every token after the prompt;
+    the model's own)."""
+    episodes = len(counts["turns"])
+    calls, errors = sum(counts["tool_calls"]), sum(counts["tool_errors"])
+    tokens = int(completion_mask.sum())
+    model_tokens = int(action_mask.sum())
+    metrics = {
+        "env/turns_mean": sum(counts["turns"]) / episodes,
+        "env/tool_calls_mean": calls / episodes,
+        "env/tool_errors_mean": errors / episodes,
+        "env/env_token_fraction": (tokens - model_tokens) / tokens if tokens else 0.0,
+        "env/episode_length_mean": tokens / episodes,
+        "env/model_tokens_mean": model_tokens / episodes,
+    }
+    if calls:  # (none made: no share of them valid, not 1.0)
+        metrics["env/tool_call_valid_fraction"] = (calls - errors) / calls
+    return metrics
+
+
 def episode_metrics(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
     """The episode metrics of several parts of ``(episodes, metrics)`` as those of all
     their episodes together: each a mean weighted by the episodes, or for

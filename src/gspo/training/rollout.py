@@ -38,7 +38,7 @@ from gspo.training.dynamic_sampling import (
     fill_with_informative_groups,
 )
 from gspo.training.memory import out_of_memory
-from gspo.training.metrics import combine, logprob_mismatch, timed
+from gspo.training.metrics import combine, env_metrics, logprob_mismatch, timed
 from gspo.training.policy import PlainForward, RoutedForward
 from gspo.training.reference import Reference
 from gspo.training.sampler import Generated, Generator, Sampler
@@ -72,7 +72,8 @@ class Scored:
     ``scorable`` ``[N]`` bool: False where every reward function returned None (the
     completion's reward, 0, is then no evidence: it stays out of its group's baseline and
     gets advantage 0, as in TRL); None when every completion was scored. ``prompts``: an
-    episode's first messages (:class:`Generated`'s), for the completions log.
+    episode's first messages, ``counts`` its turns and tool calls (:class:`Generated`'s),
+    for the completions log and the ``env/*`` metrics.
     """
 
     batch: RolloutBatch
@@ -81,6 +82,7 @@ class Scored:
     per_function: dict[str, list[float | None]]
     scorable: torch.Tensor | None = None
     prompts: list[Any] | None = None
+    counts: dict[str, list[int]] | None = None
 
 
 @dataclass
@@ -154,7 +156,10 @@ class Scorer:
                 values = penalty(host.completion_mask.sum(-1).tolist())
                 rewards = rewards + torch.tensor(values, dtype=torch.float32)
                 per_function["overlong_penalty"] = values
-            return Scored(batch, completions, rewards, per_function, scorable, generated.prompts)
+            return Scored(
+                batch, completions, rewards, per_function, scorable, generated.prompts,
+                generated.counts,
+            )  # fmt: skip
 
     def warn_if_unscored(self, per_function: dict[str, list[float | None]], n: int) -> None:
         """One line on stderr (once a run) when every function returned None (does not
@@ -250,6 +255,10 @@ def merge_groups(rounds: list[Scored], groups: list[int]) -> Scored:
             for s in rounds
         ]
         scorable = torch.cat(every)[rows]
+    counts = None
+    if rounds[0].counts is not None:
+        counts = {k: [v for s in rounds for v in s.counts[k]] for k in rounds[0].counts}
+        counts = {k: [values[i] for i in rows.tolist()] for k, values in counts.items()}
     return Scored(
         batch.select(rows),
         [completions[i] for i in rows.tolist()],
@@ -257,6 +266,7 @@ def merge_groups(rounds: list[Scored], groups: list[int]) -> Scored:
         {name: [values[i] for i in rows.tolist()] for name, values in per_function.items()},
         None if scorable is None or bool(scorable.all()) else scorable,
         None if prompts is None else [prompts[i] for i in rows.tolist()],
+        counts,
     )
 
 
@@ -367,7 +377,13 @@ class RolloutStage:
         local["rollout/groups_dropped"] = float(kept.dropped)
         local["rollout/extra_rounds"] = float(kept.rounds)
         every_prompt = [i for p in prompts for i in p]
-        return merge_groups(rounds, kept.groups), [every_prompt[g] for g in kept.groups]
+        scored = merge_groups(rounds, kept.groups)
+        if scored.counts is not None:  # env/*: the episodes kept, not round 0's
+            for key in [k for k in local if k.startswith("env/")]:
+                del local[key]
+            batch = scored.batch
+            local.update(env_metrics(scored.counts, batch.completion_mask, batch.action_mask))
+        return scored, [every_prompt[g] for g in kept.groups]
 
     # ``rollout.max_staleness=0``: the stage is the loop's rollouts itself (the async
     # schedule with the same four methods: gspo.training.async_rollout.AsyncRollouts)

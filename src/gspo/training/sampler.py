@@ -160,7 +160,9 @@ class Generated:
     keyword arguments for the reward functions, e.g. TRL's ``environments``),
     ``metrics`` of the generation, the ``episodes`` to close once scored and what each
     episode's model saw before its first turn (``prompts``: its prompt messages, the
-    environment's ``reset`` text included; None: the rows' prompts, as single turns).
+    environment's ``reset`` text included; None: the rows' prompts, as single turns) and
+    each episode's ``counts`` (:data:`gspo.training.metrics.EPISODE_COUNTS`; None: single
+    turns), from which ``metrics`` can be recomputed over some of the rows.
     """
 
     batch: RolloutBatch
@@ -169,6 +171,7 @@ class Generated:
     metrics: dict[str, float] = field(default_factory=dict)
     episodes: list[Any] = field(default_factory=list)  # closed once scored
     prompts: list[Any] | None = None
+    counts: dict[str, list[int]] | None = None
 
 
 class Generator(Protocol):
