@@ -372,7 +372,7 @@ def test_arguments_of_another_type_than_the_tools_schema_are_the_models_error(ca
 
 def test_the_items_of_list_dict_and_tuple_arguments_are_checked_too():
     """A list[int] of strings reached the tool as written, as did a dict's values."""
-    from gspo.tool_calls import argument_error
+    from gspo.environments.tool_calls import argument_error
 
     def pack(
         counts: list[int], prices: dict[str, float], pair: tuple[int, str],
@@ -1047,8 +1047,8 @@ def test_async_tool_calls_run_at_once_still_stop_at_env_timeout():
     import asyncio
     import time
 
+    from gspo.environments.tool_turns import respond_all
     from gspo.plugins import awaited
-    from gspo.tool_turns import respond_all
 
     cancelled = []
 
@@ -1708,7 +1708,7 @@ def test_without_env_timeout_a_call_running_long_is_said_once(capsys, monkeypatc
             time.sleep(seconds)
             return "seen"
 
-    monkeypatch.setattr("gspo.environments.SLOW_CALL_SECONDS", 0.2)
+    monkeypatch.setattr("gspo.environments.episodes.SLOW_CALL_SECONDS", 0.2)
     factory = EnvironmentFactory(Slow)
     with factory.deadline("tool look()"):
         Slow().look(0.5)
@@ -1746,7 +1746,7 @@ def test_calls_from_several_threads_at_once_start_one_watcher(monkeypatch):
             super().__init__(*args, **kwargs)
             started.append(self)
 
-    monkeypatch.setattr("gspo.environments.threading.Thread", SlowMade)
+    monkeypatch.setattr("gspo.environments.episodes.threading.Thread", SlowMade)
     slow, ready = SlowCalls(after=60), threading.Barrier(6)
 
     def call():

@@ -18,7 +18,7 @@ from conftest import CPU
 from gspo.cli import main
 from gspo.config import load_config
 from gspo.data import load_rows, prepare_rows
-from gspo.data_files import field_of
+from gspo.data.files import field_of
 from gspo.rewards import RewardError, RewardFunctions, sandbox
 
 CALLS = {"fn_name": "add", "inputs": [[1, 2], [2, 2], [10, 1]], "outputs": [[3], [4], [11]]}

@@ -190,7 +190,7 @@ def stop_token_ids(tokenizer, model: Any, **chat_kwargs: Any) -> tuple[int, ...]
     return tuple(sorted(int(i) for i in stops if i is not None))
 
 
-#: The Hermes/Qwen tool-call markers (:func:`gspo.tool_calls.parse_tool_calls`).
+#: The Hermes/Qwen tool-call markers (:func:`gspo.environments.tool_calls.parse_tool_calls`).
 TOOL_MARKERS = ("<tool_call>", "</tool_call>")
 
 

@@ -43,8 +43,8 @@ from gspo.config import Config
 from gspo.distributed import rank_said
 from gspo.engines import RolloutBatch, SamplingParams, pad_batch
 from gspo.environments import EnvError, EnvironmentFactory, Episode
+from gspo.environments.tool_turns import respond_all
 from gspo.rewards.parsing import completion_text
-from gspo.tool_turns import respond_all
 from gspo.training.metrics import env_metrics
 from gspo.training.sampler import (
     MODEL_CONTEXT,

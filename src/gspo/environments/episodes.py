@@ -1,35 +1,6 @@
-"""Environments: what a model talks to in a multi-turn, tool-using episode.
-
-An environment is a plain Python class named in config (``rollout.environment=
-path/to/env.py:Factory`` or ``package.module:Factory``); ``Factory()`` makes one
-environment per episode. It follows TRL's ``environment_factory`` convention (a factory
-with required parameters is called with the dataset row instead, see
-:meth:`EnvironmentFactory.make`):
-
-- ``reset(**row)`` (optional) is called first with the dataset row's columns it takes
-  (all of them with ``**kwargs``; the prompt included); a string it returns is appended
-  to the prompt's last user message.
-- Every other public method is a **tool**. Its name, docstring (Google style, with an
-  ``Args:`` section) and type hints become the JSON schema handed to the tokenizer's chat
-  template (``transformers.utils.get_json_schema``). The model calls tools in the
-  Hermes/Qwen format, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; each
-  call's return value (``str()``, or JSON for other types) goes back as a ``tool`` message.
-- ``step(text)`` (optional) is the generic hook for environments that are not
-  tool-shaped (games, interpreters): called with the model's turn when it made no tool
-  call, it returns the next observation (a ``user`` message) or None to end it.
-- ``get_reward()`` (optional) is the environment's own reward for the episode: the
-  built-in reward function ``environment`` returns it, and is the default reward of an
-  environment that has one. Every reward function also gets ``environments=`` (one per
-  completion), as TRL's do.
-- ``close()`` (optional) is called once the episode has been scored.
-
-An episode ends when the model's turn calls no tool and ``step`` is absent or returns
-None, or at ``rollout.max_turns`` / ``rollout.max_episode_tokens`` (run by
-:mod:`gspo.training.episodes`). A call that does not parse, names no tool, has arguments
-the tool does not take or its schema does not allow, or whose tool raises is answered
-with an ``error: ...`` tool message and counted (``env/tool_errors_mean``); it never
-stops the run. A factory that cannot be loaded or made, a ``reset`` that raises or a
-tool without a schema stops it.
+"""An environment's episodes: the factory a spec names, its tools and schemas, an
+episode's turns (:class:`Episode`), the deadlines of calls into it, the built-in
+:class:`Calculator`. What an environment is: :mod:`gspo.environments`.
 """
 
 from __future__ import annotations
@@ -46,6 +17,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from gspo.environments.tool_calls import (
+    NoText,
+    ToolCall,
+    argument_error,
+    parse_tool_calls,
+    tool_result_text,
+)
 from gspo.plugins import (
     ENVIRONMENT_FORMS,
     awaited,
@@ -55,13 +33,6 @@ from gspo.plugins import (
     raised,
 )
 from gspo.rewards.thinking import answer_text
-from gspo.tool_calls import (
-    NoText,
-    ToolCall,
-    argument_error,
-    parse_tool_calls,
-    tool_result_text,
-)
 
 #: Methods with a meaning of their own: never tools.
 RESERVED = frozenset({"reset", "step", "get_reward", "close"})
@@ -470,7 +441,7 @@ class Episode:
     def plan(self, text: str) -> list[tuple[ToolCall, str | None, Any]] | None:
         """The calls of the model's turn ``text`` as ``(call, error, tool)`` (:meth:`check`)
         when each that runs is an ``async def`` tool's (run with other episodes' calls:
-        :func:`gspo.tool_turns.respond_all`); None: :meth:`respond` runs the turn."""
+        :func:`gspo.environments.tool_turns.respond_all`); None: :meth:`respond` runs the turn."""
         checked = [(call, *self.check(call)) for call in self._calls(text)]
         running = [tool for _, error, tool in checked if error is None]
         if running and all(inspect.iscoroutinefunction(tool) for tool in running):
@@ -569,6 +540,10 @@ class Episode:
 
 class Calculator:
     """The built-in ``calculator`` task's environment: one tool, ``add``."""
+
+    # where it is imported from: the spec a run records for the class given as itself
+    # (config.yaml, the cold-start cache key) stays gspo.environments:Calculator
+    __module__ = "gspo.environments"
 
     def add(self, a: int, b: int) -> int:
         """Add two integers.

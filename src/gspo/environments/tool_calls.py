@@ -2,7 +2,7 @@
 
 :func:`parse_tool_calls` reads the Hermes/Qwen format (``<tool_call>{json}</tool_call>``)
 out of a model's turn; :func:`tool_result_text` turns what a tool returned into the text
-of its ``tool`` message. Used by :mod:`gspo.environments`.
+of its ``tool`` message. Used by :mod:`gspo.environments.episodes`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """User datasets: how each row becomes a prompt; where the rows come from (``data.train``,
-``data.eval``, ``data.sft``: a file, a directory, a hub id) is :mod:`gspo.data_sources`.
+``data.eval``, ``data.sft``: a file, a directory, a hub id) is :mod:`gspo.data.sources`.
 
 **Rows to prompts** (:func:`prepare_rows`): the prompt is ``data.prompt_template``
 filled from the row's columns, else the ``data.prompt_column`` column; with
@@ -7,7 +7,7 @@ filled from the row's columns, else the ``data.prompt_column`` column; with
 (after the system message) for the tokenizer's chat template. ``data.answer_column``
 fills the ``answer`` column the built-in rewards read with that column's final answer
 (:func:`gspo.rewards.reference_answer`; it and ``data.tests_column`` may be a dotted path
-into a mapping column, verl's ``reward_model.ground_truth``: :func:`gspo.data_files.field_of`),
+into a mapping column, verl's ``reward_model.ground_truth``: :func:`gspo.data.files.field_of`),
 ``data.completion_column`` the cold start's
 ``completion``; cold-start rows with a ``messages`` column and neither (TRL's
 conversational SFT form) are split before the first assistant message. Every other
@@ -22,16 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 from gspo.chat import ROLES
 from gspo.config.data import template_fields
-from gspo.data_files import Row, field_of, written_messages
-from gspo.data_sources import load_rows, parse_source
+from gspo.data.files import Row, field_of, written_messages
 from gspo.rewards import reference_answer
 from gspo.rewards.parsing import cell_text
 
 if TYPE_CHECKING:
     from gspo.config import DataConfig
-
-
-__all__ = ["load_rows", "not_an_answer", "parse_source", "prepare_rows", "template_fields"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from gspo.environments import EnvTimeout, Episode, deadline
+from gspo.environments.episodes import EnvTimeout, Episode, deadline
 from gspo.plugins import awaited
 
 #: What :func:`run_chains` says of a call: it returned, it raised, or it ran past its time.

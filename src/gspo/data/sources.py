@@ -1,4 +1,5 @@
-"""Where a dataset's rows come from (:func:`load_rows`); what becomes of them: :mod:`gspo.data`.
+"""Where a dataset's rows come from (:func:`load_rows`); what becomes of them:
+:mod:`gspo.data.prompts`.
 
 **Sources** (``data.train``, ``data.eval``, ``data.sft``), decided in this order:
 
@@ -35,8 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from gspo import data_files
-from gspo.data_files import DATA_SUFFIXES, Row, read_file
+from gspo.data import files as data_files
+from gspo.data.files import DATA_SUFFIXES, Row, read_file
 from gspo.plugins import one_line
 
 if TYPE_CHECKING:
@@ -146,7 +147,7 @@ def _directory_rows(source: Source, text: str, *, what: str) -> list[Row]:
     """The rows of a directory of data files: the files of its split (and config) as
     ``datasets.load_dataset`` finds them (a README's ``configs:``, else splits by file
     name: ``train.jsonl``, ``data/test-00000.parquet``), each read by
-    :func:`gspo.data_files.read_file`.
+    :func:`gspo.data.files.read_file`.
     Without declared configs a data file that no split takes is refused: ``datasets``
     left it out (``part1.jsonl`` beside ``validation.jsonl``; the other kind of a
     directory of two)."""
