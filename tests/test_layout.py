@@ -112,3 +112,30 @@ def test_no_module_over_600_lines():
 
 def test_the_readme_stays_short():
     assert len((ROOT / "README.md").read_text().splitlines()) <= MAX_README_LINES
+
+
+def test_every_module_imports():
+    """Each module of the package imports (in a fresh process): a name moved away from a
+    module that another still imports it from (gspo.environments took answer_text from
+    gspo.rewards.parsing after it moved to gspo.rewards.thinking) failed every run."""
+    import os
+    import subprocess
+    import sys
+
+    names = sorted(module_name(p) for p in (SRC / "gspo").rglob("*.py"))
+    code = (
+        "import importlib, sys\n"
+        "for name in sys.argv[1:]:\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except Exception as e:\n"
+        "        print(f'{name}: {type(e).__name__}: {e}')\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", code, *names], capture_output=True, text=True, timeout=240, env=env
+    )
+    assert (done.returncode, done.stdout) == (0, ""), done.stderr[-2000:]
