@@ -177,6 +177,23 @@ def test_cache_key_covers_what_decides_the_cold_start(tmp_path, monkeypatch):
     )  # (a module's file: its digest too)
 
 
+def test_cache_key_covers_the_file_a_package_re_exports_its_environment_from(tmp_path, monkeypatch):
+    """``mypkg:Wallet``, a class defined in mypkg/wallet.py and imported by the package's
+    __init__.py: the key digested __init__.py alone, and a tool renamed in wallet.py
+    reused the old cold start (the tool's schema is in the SFT prompts)."""
+    package = tmp_path / "walletpkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("from walletpkg.wallet import Wallet\n")
+    wallet = package / "wallet.py"
+    wallet.write_text("class Wallet:\n    def deposit(self, n: int) -> str:\n        return 'ok'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = cs.environment_key("walletpkg:Wallet")
+    assert before.startswith("walletpkg:Wallet ")
+    assert cs.environment_key("walletpkg:Wallet") == before
+    wallet.write_text(wallet.read_text().replace("deposit", "put_money"))
+    assert cs.environment_key("walletpkg:Wallet") != before
+
+
 def test_cache_dir_follows_settings(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
     assert cs.cache_dir(load_config(None, [])) == tmp_path / "x" / "gspo" / "cold-start"

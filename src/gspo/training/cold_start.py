@@ -98,8 +98,8 @@ def environment_key(environment: Any) -> str | None:
         return None
     spec = environment if isinstance(environment, str) else object_spec(environment)
     if not spec.startswith(PYTHON_OBJECT):
-        file = _spec_file(spec)
-        return spec if file is None else f"{spec} {_file_digest(file)}"
+        files = _spec_files(spec)
+        return f"{spec} {_file_digest(*files)}" if files else spec
     try:
         source = inspect.getsource(environment)
     except (OSError, TypeError):
@@ -107,24 +107,37 @@ def environment_key(environment: Any) -> str | None:
     return f"{spec} {hashlib.sha256(source.encode()).hexdigest()}"
 
 
-def _spec_file(spec: str) -> Path | None:
-    """The file a ``source:Name`` spec's source is: a ``.py`` path, or a module's file."""
+def _spec_files(spec: str) -> list[Path]:
+    """The files a ``source:Name`` spec's object comes from: a ``.py`` path; or a module's
+    file and the one that defines the object, where the module imports it (a package's
+    ``__init__.py`` re-exporting a class of one of its modules)."""
+    import importlib
     import importlib.util
 
-    source = spec.rpartition(":")[0].strip()
+    source, _, name = (part.strip() for part in spec.rpartition(":"))
     if is_file_source(source):
         path = Path(source).expanduser()
-        return path if path.is_file() else None
+        return [path] if path.is_file() else []
     try:
         found = importlib.util.find_spec(source)
     except (ImportError, ValueError):
-        return None
-    origin = None if found is None else found.origin
-    return Path(origin) if origin and Path(origin).is_file() else None
+        return []
+    files: list[str | None] = [found.origin if found is not None else None]
+    try:
+        obj: Any = importlib.import_module(source)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        files.append(inspect.getsourcefile(obj))
+    except Exception:  # (not importable, no such name, no source file: the module's alone)
+        pass
+    return list(dict.fromkeys(Path(f) for f in files if f and Path(f).is_file()))
 
 
-def _file_digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+def _file_digest(*paths: Path) -> str:
+    h = hashlib.sha256(paths[0].read_bytes())
+    for path in paths[1:]:
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def cold_start_key(config: Config, rows: list[dict[str, Any]], dist: Distributed) -> str:
