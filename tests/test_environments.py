@@ -1708,7 +1708,7 @@ def test_without_env_timeout_a_call_running_long_is_said_once(capsys, monkeypatc
             time.sleep(seconds)
             return "seen"
 
-    monkeypatch.setattr("gspo.environments.episodes.SLOW_CALL_SECONDS", 0.2)
+    monkeypatch.setattr("gspo.environments.deadlines.SLOW_CALL_SECONDS", 0.2)
     factory = EnvironmentFactory(Slow)
     with factory.deadline("tool look()"):
         Slow().look(0.5)
@@ -1746,7 +1746,7 @@ def test_calls_from_several_threads_at_once_start_one_watcher(monkeypatch):
             super().__init__(*args, **kwargs)
             started.append(self)
 
-    monkeypatch.setattr("gspo.environments.episodes.threading.Thread", SlowMade)
+    monkeypatch.setattr("gspo.environments.deadlines.threading.Thread", SlowMade)
     slow, ready = SlowCalls(after=60), threading.Barrier(6)
 
     def call():

@@ -32,21 +32,17 @@ stops the run. A factory that cannot be loaded or made, a ``reset`` that raises 
 tool without a schema stops it.
 """
 
-from gspo.environments.episodes import (
+from gspo.environments.calculator import Calculator
+from gspo.environments.deadlines import (
     ENV_GRACE_SECONDS,
     INTERRUPT_EVERY,
-    RESERVED,
     SLOW_CALL_SECONDS,
-    TOOL_KINDS,
-    Calculator,
     EnvError,
-    EnvironmentFactory,
     EnvTimeout,
-    Episode,
     SlowCalls,
-    accepted,
     deadline,
 )
+from gspo.environments.episodes import RESERVED, TOOL_KINDS, EnvironmentFactory, Episode, accepted
 from gspo.environments.tool_calls import (
     NoText,
     ToolCall,

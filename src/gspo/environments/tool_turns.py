@@ -17,7 +17,8 @@ import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from gspo.environments.episodes import EnvTimeout, Episode, deadline
+from gspo.environments.deadlines import EnvTimeout, deadline
+from gspo.environments.episodes import Episode
 from gspo.plugins import awaited
 
 #: What :func:`run_chains` says of a call: it returned, it raised, or it ran past its time.
