@@ -122,3 +122,20 @@ def test_tags_in_code_are_skipped_in_linear_time() -> None:
     assert answer_text("`</think>` " * 20_000 + "a</think>b") == "b"
     assert answer_text("<think>a</think>" + "`<think>`" * 20_000).endswith("`<think>`")
     assert time.monotonic() - start < 3.0
+
+
+@pytest.mark.parametrize("name", ["math", "by_source"])
+def test_thinking_opened_reaches_math_run_aside_for_reward_timeout(name: str) -> None:
+    # under reward.timeout (and async rollouts) math, and by_source routing to it, run in a
+    # process of their own, which got only the answer column: a completion cut off in the
+    # thinking a chat template opened was scored on its thinking (1.0, not 0.0)
+    from gspo.rewards.functions import RewardFunctions
+
+    columns = {"answer": ["5"], "data_source": ["math"], "thinking_opened": [True]}
+    completions = ["Let me think. Maybe the answer is \\boxed{5}"]
+    for timeout in (None, 60):
+        rewards = RewardFunctions.from_specs([name], timeout=timeout)
+        try:
+            assert rewards(["What is 2+3?"], completions, columns).rewards == [0.0], timeout
+        finally:
+            rewards.close()

@@ -444,12 +444,13 @@ class Runner:
         aside = self._aside_runner(name, spec) if spec is not None and in_thread else None
         if aside is None:
             return self._in_thread(name, function, prompts, completions, columns, deadline)
-        # (its own columns only: an environment's objects do not pickle; None: every one)
+        # (its own columns only: an environment's objects do not pickle; None: every one;
+        # what the call offers, thinking_opened, too: the built-ins read it)
         reads = getattr(function, "reads_columns", getattr(function, "required_columns", ()))
         needed = {
             k: v
             for k, v in columns.items()
-            if (k != "environments" if reads is None else k in reads)
+            if (k != "environments" if reads is None else k in reads or k in OFFERED)
         }
         return aside.run([name], [function], [spec], prompts, completions, needed, deadline)[0]
 
