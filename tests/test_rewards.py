@@ -10,6 +10,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -1224,3 +1225,20 @@ def test_answers_as_models_write_them(verifier, completion, gold, expected):
         assert function(prompts=[""], completions=[completion]) == [expected]
     else:
         assert function(prompts=[""], completions=[completion], answer=[gold]) == [expected]
+
+
+def test_kwargs_passed_on_to_a_strict_function_name_the_offered_keyword() -> None:
+    # a function that passes its **kwargs on to one without them got thinking_opened (new,
+    # gspo's own) and raised a TypeError: the line says where it came from and the fix
+    def strict(completions: list, answer: list, completion_ids: list | None = None) -> list:
+        return [float(a in c) for c, a in zip(completions, answer, strict=True)]
+
+    def forwarding(prompts: list, completions: list, **kwargs: Any) -> list:
+        return strict(completions, **kwargs)
+
+    rewards = RewardFunctions.from_specs([forwarding])
+    columns = {"answer": ["5"], "thinking_opened": [False]}
+    with pytest.raises(RewardError, match=r"kwargs\.pop\('thinking_opened', None\)"):
+        rewards(["p"], ["5"], columns)
+    del columns["thinking_opened"]  # (as a function that names its keywords is called)
+    assert rewards(["p"], ["5"], columns).rewards == [1.0]

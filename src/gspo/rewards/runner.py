@@ -56,6 +56,14 @@ def _call_one(
                 f"which TRL passes and gspo does not (docs/from_trl.md: {TRL_ONLY[e.args[0]]}); "
                 f"read it with kwargs.get({e.args[0]!r}) to run without it"
             ) from e
+        passed_on = [k for k in OFFERED if f"unexpected keyword argument '{k}'" in str(e)]
+        if isinstance(e, TypeError) and passed_on and passed_on[0] in columns:
+            raise RewardError(  # (its **kwargs passed on to a function that takes no such)
+                f"reward function {name!r} raised {raised(e)}: gspo offers "
+                f"{passed_on[0]!r} to every reward function that takes **kwargs "
+                f"(docs/from_trl.md); take it out before passing the kwargs on: "
+                f"kwargs.pop({passed_on[0]!r}, None)"
+            ) from e
         unexpected = unexpected_arguments(function, given)
         if isinstance(e, TypeError) and unexpected:
             raise RewardError(
