@@ -249,3 +249,45 @@ def test_the_report_counts_its_prompts_in_words():
 
     assert first_line(1) == "evaluated m (step 3) on 1 held-out prompt"
     assert first_line(2) == "evaluated m (step 3) on 2 held-out prompts"
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], ["embed_tokens", "q_proj"], ["lm_head"]])
+def test_an_adapter_loads_as_peft_loads_it(tmp_path, monkeypatch, targets):
+    """gspo eval's adapter (set_model_state_dict, for FSDP's shards) lands where PEFT's
+    set_peft_model_state_dict put it, on every parameter; an adapted embedding's (PEFT
+    saves its lora_embedding_A and its base_layer.weight) was refused as 'weights its
+    config's adapters lack'."""
+    from types import SimpleNamespace
+
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    from safetensors.torch import save_file
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    import gspo.publish
+    from gspo.checkpoint_eval import _load_adapter
+    from gspo.config.model import LoraSettings
+    from gspo.training.lora import ADAPTER_WEIGHTS, attach_lora
+
+    def model(seed: int) -> torch.nn.Module:
+        torch.manual_seed(0)
+        config = Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32,
+                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                             head_dim=8, tie_word_embeddings=False)  # fmt: skip
+        settings = LoraSettings(r=2, target_modules=targets)
+        return attach_lora(Qwen3ForCausalLM(config), settings, seed=seed)
+
+    trained = model(1)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(torch.randn_like(p))  # (the base too: a saved base_layer is loaded)
+    state = {k: v.contiguous() for k, v in get_peft_model_state_dict(trained).items()}
+    save_file(state, tmp_path / ADAPTER_WEIGHTS)
+    monkeypatch.setattr(gspo.publish, "check_manifest", lambda *a: None)
+    peft, ours = model(2), model(2)
+    set_peft_model_state_dict(peft, state)
+    _load_adapter(SimpleNamespace(module=ours, device="cpu", stepped=lambda: None), tmp_path)
+    expected = dict(peft.named_parameters())
+    for name, value in ours.named_parameters():
+        assert torch.equal(value, expected[name]), name
+    fresh = dict(model(2).named_parameters())  # (and something was loaded)
+    assert any(not torch.equal(v, fresh[n]) for n, v in ours.named_parameters())

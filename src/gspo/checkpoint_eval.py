@@ -18,6 +18,7 @@ removed afterwards, and calls its evaluator; no cold start, no update.
 from __future__ import annotations
 
 import math
+import re
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -194,9 +195,9 @@ def _load_adapter(policy: Any, checkpoint: Path) -> None:
 
     check_manifest(checkpoint, is_model_file)
     state = load_file(checkpoint / ADAPTER_WEIGHTS, device=str(policy.device))
-    # PEFT's names lack the adapter's (lora_A.weight: the module's lora_A.default.weight)
-    ours = {n.replace(".default.", "."): n for n, p in policy.module.named_parameters()
-            if p.requires_grad}  # fmt: skip
+    # PEFT's names lack the adapter's (lora_A.weight: the module's lora_A.default.weight;
+    # an adapted embedding's lora_embedding_A.default, and its base_layer.weight, saved too)
+    ours = {re.sub(r"\.default(?=\.|$)", "", n): n for n, _ in policy.module.named_parameters()}
     if unexpected := [name for name in state if name not in ours]:
         raise ValueError(
             f"eval: {checkpoint / ADAPTER_WEIGHTS} holds weights its config's adapters lack "
