@@ -1254,3 +1254,20 @@ def test_a_folder_named_like_an_optional_tracker_is_not_taken_for_it(tmp_path, m
     with pytest.raises(ValueError, match="'gspo_no_such_tracker' package is not installed"):
         import_optional("gspo_no_such_tracker", "Tracker", "wandb")
     assert import_optional("json", "JSON", "x").__name__ == "json"  # (an installed one)
+
+
+def test_a_tensorboard_writer_waits_at_most_a_second_for_a_later_dated_event_file(
+    tmp_path, monkeypatch
+):
+    """An event file dated ahead of this host's clock (written on another node, its clock
+    ahead) made the writer sleep until that second: an hour ahead, an hour's hang."""
+    import time
+
+    from gspo.telemetry import trackers
+
+    slept: list[float] = []
+    monkeypatch.setattr(trackers.time, "sleep", slept.append)
+    ahead = int(time.time()) + 3600
+    (tmp_path / f"events.out.tfevents.{ahead}.othernode.1.0").touch()
+    trackers._after_earlier_event_files(tmp_path)
+    assert len(slept) == 1 and 0 < slept[0] <= 1.0

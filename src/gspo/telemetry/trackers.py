@@ -428,11 +428,13 @@ def _after_earlier_event_files(log_dir: Path) -> None:
     second, then host, process id and a per-process count as text: a writer opened in the same
     second as an earlier file (a resume moments after the run stopped; the 10th writer of a
     process after its 9th) can sort before it, and its purge then hides nothing (the steps
-    past the checkpoint drawn twice). Opened after that second, its name sorts last."""
+    past the checkpoint drawn twice). Opened after that second, its name sorts last. At most
+    a second: a file another host's clock dated later (a resume on another node) is not
+    waited for."""
     seconds = [
         int(part[3])
         for path in log_dir.glob("events.out.tfevents.*")
         if len(part := path.name.split(".")) > 3 and part[3].isdigit()
     ]
     if seconds and (wait := max(seconds) + 1 - time.time()) > 0:
-        time.sleep(wait)
+        time.sleep(min(wait, 1.0))
