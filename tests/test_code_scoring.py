@@ -93,6 +93,22 @@ def test_code_scoring_without_the_code_reward_is_refused_in_one_line() -> None:
     assert from_python.reward.specs() == [CodeReward("all")]
 
 
+def test_a_code_reward_passed_as_itself_keeps_its_scoring_beside_by_source() -> None:
+    """CodeReward("all") from Python beside by_source (reward.sources set) was scored as
+    reward.code_scoring's default, fraction, where alone it was scored all."""
+    alone = Config.model_validate({"reward": {"functions": [CodeReward("all")]}})
+    assert alone.reward.specs() == [CodeReward("all")]
+    beside = Config.model_validate(
+        {"reward": {"functions": [CodeReward("all"), "by_source"], "sources": {"mine": "math"}}}
+    )
+    assert beside.reward.specs()[0] == CodeReward("all")
+    # reward.code_scoring, when set, scores every CodeReward (and by_source's code)
+    every = Config.model_validate(
+        {"reward": {"functions": [CodeReward("fraction"), "code"], "code_scoring": "all"}}
+    )
+    assert every.reward.specs() == [CodeReward("all"), CodeReward("all")]
+
+
 def test_gspo_train_with_code_scoring_all(tmp_path, monkeypatch) -> None:
     """``gspo train reward.code_scoring=all``: every completion read as a program that passes
     2 of the row's 3 tests (program_of patched: the tiny model writes no code) gets 0,

@@ -182,8 +182,12 @@ class RewardConfig(Section):
 
         code = CodeReward(self.code_scoring)
         by_source = BySource(dict(self.sources), self.code_scoring)
+        # (a CodeReward passed as itself keeps its scoring where code_scoring is left alone)
+        rescored = [_is_code(f) and (isinstance(f, str) or self.code_scoring != "fraction")
+                    for f in self.functions]  # fmt: skip
         return [
-            code if _is_code(f) else by_source if _is_by_source(f) else f for f in self.functions
+            code if again else by_source if _is_by_source(f) else f
+            for f, again in zip(self.functions, rescored, strict=True)
         ]
 
     def check_weights(self) -> None:
