@@ -87,6 +87,9 @@ def test_bad_values_name_the_key(override, expected):
         ("train.eval_every=2", "train.eval_every: unknown key; did you mean 'eval.every'?"),
         # TRL's eval_steps: 0.74-similar to max_steps, which it said
         ("train.eval_steps=2", "TRL's eval_steps is eval.every here (docs/from_trl.md)"),
+        # a TRL or verl name misspelt, no key of the section as close (it said nothing)
+        ("rollout.num_generation=8", "rollout.num_generation: unknown key; TRL's "
+         "num_generations is rollout.group_size here (docs/from_trl.md)"),
         # TRL's names, as a user porting a GRPOConfig writes them
         ("learning_rate=1e-6", "learning_rate: unknown key; TRL's learning_rate is optim.lr here "
          "(docs/from_trl.md)"),
@@ -132,6 +135,8 @@ def test_unknown_keys_and_values_suggest_the_closest(tmp_path, override, expecte
 
         RewardFunctions.from_specs(config.reward.functions)
     assert str(info.value).endswith(expected)
+    with pytest.raises(ConfigError, match=r"^data.max_prompt_len: unknown key; verl's max_prompt_"):
+        load_config(overrides=["data.max_prompt_len=512"])  # (it said 'data.prompt_column')
     with pytest.raises(ConfigError, match=r"eval_every: unknown key; did you mean 'eval.every'"):
         load_config().train.eval_every = 2  # (set from Python too)
     with pytest.raises(ConfigError) as info:

@@ -10,7 +10,14 @@ from typing import Any, ClassVar, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 
-from gspo.config.ported import ported_hint
+from gspo.config.ported import (
+    TRL_NAMES,
+    TRL_WITHOUT,
+    VERL_DATA_WITHOUT,
+    VERL_NAMES,
+    VERL_WITHOUT,
+    ported_hint,
+)
 
 
 class ConfigError(ValueError):
@@ -150,6 +157,12 @@ def unknown_key(
         return ported
     if (inside := nested_key(section, leaf)) is not None:
         return f"{key}: unknown key; did you mean {(f'{parent}.' if parent else '') + inside!r}?"
+    names = [*VERL_NAMES, *VERL_WITHOUT, *VERL_DATA_WITHOUT, *TRL_NAMES, *TRL_WITHOUT]
+    near = difflib.get_close_matches(leaf, names, n=1, cutoff=0.85)  # (max_prompt_len)
+    if near and not did_you_mean(leaf, keys, cutoff=0.8):
+        spelt = f"{parent}.{near[0]}" if parent else near[0]
+        if (ported := ported_hint(spelt, False)) is not None:
+            return key + ported.removeprefix(spelt)
     spelt = [f"{leaf[:i]}.{leaf[i + 1 :]}" for i, c in enumerate(leaf) if c == "_"]
     if root is not None and (named := [k for k in spelt if field_annotation(root, k)]):
         return f"{key}: unknown key; did you mean {named[0]!r}?"
