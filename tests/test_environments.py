@@ -1106,6 +1106,39 @@ def test_async_tool_calls_run_at_once_still_stop_at_env_timeout():
     assert [(e.tool_calls, e.tool_errors) for e in episodes] == [(2, 1), (2, 1)]
 
 
+def test_async_tool_that_raises_cancelled_error_fails_its_call_alone():
+    """An async tool that raises asyncio.CancelledError itself (an inner task of its own
+    cancelled) is answered with its error, as Episode.respond answers it; the other
+    episodes' calls run at once beside it keep their replies (a bare CancelledError
+    stopped the whole batch)."""
+    import asyncio
+
+    from gspo.environments.tool_turns import respond_all
+
+    class Client:
+        async def fetch(self, x: int) -> str:
+            """Fetch.
+
+            Args:
+                x: Which.
+            """
+            if x == 1:
+                raise asyncio.CancelledError()
+            await asyncio.sleep(0)
+            return f"got {x}"
+
+    factory = EnvironmentFactory(Client)
+    turns = [(factory.episode(), tool_call_text("fetch", {"x": x})) for x in (0, 1, 2)]
+    alone = factory.episode().respond(tool_call_text("fetch", {"x": 1}))
+    assert alone == [{"role": "tool", "name": "fetch", "content": "error: CancelledError"}]
+    assert respond_all(turns) == [
+        [{"role": "tool", "name": "fetch", "content": "got 0"}],
+        alone,
+        [{"role": "tool", "name": "fetch", "content": "got 2"}],
+    ]
+    assert [(e.tool_calls, e.tool_errors) for e, _ in turns] == [(1, 0), (1, 1), (1, 0)]
+
+
 def test_budgets_cut_episodes_as_length(tokenizer, env_file):
     call = tool_call_text("add", {"x": 1})
     factory = EnvironmentFactory(f"{env_file}:Counter")

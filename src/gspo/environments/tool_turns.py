@@ -45,6 +45,11 @@ async def run_chains(
                     return [*out, (OVERRAN, None)]
                 out.append((RAISED, e))
                 continue
+            except asyncio.CancelledError as e:  # (raised by the tool: its error, as alone)
+                if asyncio.current_task().cancelling():  # (the batch's own cancellation)
+                    raise
+                out.append((RAISED, e))
+                continue
             if scope.expired():
                 return [*out, (OVERRAN, None)]
             out.append((RETURNED, value))
