@@ -407,6 +407,40 @@ def test_a_fork_bomb_beside_a_program_leaves_it_its_own_processes(sandbox_mode: 
         assert one != other and {one, other} <= set(sandbox.uid_block())
 
 
+@pytest.mark.skipif(len(sandbox.uid_block()) < 2, reason="a uid of its own per program: root")
+def test_two_processes_never_take_one_uid_before_their_programs_start(monkeypatch) -> None:
+    """Two processes (trainers, reward workers) whose search starts at the same uid (pids
+    64 apart mod 4,096, or 64+ programs at once) each take one no live process owns: a
+    uid taken by another whose program had not started yet was taken again (the fork
+    bomb's RLIMIT_NPROC shared)."""
+    import subprocess
+    import sys
+
+    holder = (
+        "import os, sys\nos.getpid = lambda: 1\n"
+        "from gspo.rewards.program_uids import program_uid\n"
+        "with program_uid() as uid:\n    print(uid, flush=True)\n    sys.stdin.read()\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", holder], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        theirs = int(child.stdout.readline())
+        with monkeypatch.context() as patched:
+            patched.setattr(os, "getpid", lambda: 1)
+            with sandbox.program_uid() as ours:
+                pass
+        assert ours != theirs and {ours, theirs} <= set(sandbox.uid_block())
+    finally:
+        child.communicate("")
+    assert child.returncode == 0
+    from gspo.rewards import program_uids
+
+    monkeypatch.setattr(program_uids, "_claim", lambda uid: None)  # (every uid locked)
+    with sandbox.program_uid() as shared:
+        assert shared == sandbox.uid_block()[0]
+
+
 def test_a_program_cannot_touch_the_trainers_files_or_fill_memory(sandbox_mode: str) -> None:
     """Without bubblewrap the program's directory held the files its output was read
     from: removing one stopped the run (FileNotFoundError), a link made the trainer read

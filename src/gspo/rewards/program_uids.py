@@ -13,6 +13,7 @@ runs its programs as itself: the limit is then shared with its own processes.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import os
 import pwd
@@ -26,8 +27,31 @@ BLOCK = 4096
 #: others inside the 65,536 ids a rootless container maps).
 STARTS = (1 << 30, 1 << 20, 200_000, 60_000 - BLOCK)
 
+#: Where a uid held is locked (``flock``, one file a uid): every process that runs programs
+#: on the machine (trainers, their reward workers) sees the others' (released when it dies).
+LOCKS = "/tmp/gspo-program-uids"
+
 _taken: set[int] = set()
 _lock = threading.Lock()
+
+
+def _claim(uid: int) -> int | None:
+    """An open file descriptor holding ``uid``'s lock, -1 where no lock can be made (the
+    scan of live processes alone), or None: another process holds it."""
+    try:
+        os.makedirs(LOCKS, mode=0o700, exist_ok=True)
+        if os.lstat(LOCKS).st_uid != os.getuid():  # (another user's: not trusted)
+            return -1
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+        fd = os.open(f"{LOCKS}/{uid}", flags, 0o600)
+    except OSError:
+        return -1
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def sandbox_ids() -> tuple[int, int]:
@@ -81,19 +105,28 @@ def _owners() -> set[int]:
 @contextlib.contextmanager
 def program_uid() -> Iterator[int]:
     """A uid of :func:`uid_block` for one program while it runs: one no other program of
-    this process holds and no live process owns (another trainer's program), searched from
-    a place set by this process's id; the block's first if every one is held (shared)."""
-    block = uid_block()
+    this process holds, no live process owns and no other process has locked (:data:`LOCKS`:
+    another trainer's or reward worker's program about to start), searched from a place set
+    by this process's id; the block's first if every one is held (shared)."""
+    block, held = uid_block(), -1  # (held: the lock's file descriptor, -1: none)
     with _lock:
         owners = _owners() if len(block) > 1 else set()
         start = os.getpid() * 64
         free = (block[(start + k) % len(block)] for k in range(len(block)))
-        uid = next((u for u in free if u not in _taken and u not in owners), block[0])
+        for uid in (u for u in free if u not in _taken and u not in owners):
+            # (locked while its program runs: another's scan may not see it start)
+            if len(block) > 1 and (held := _claim(uid)) is None:
+                continue
+            break
+        else:
+            uid, held = block[0], -1
         shared = uid in _taken
         _taken.add(uid)
     try:
         yield uid
     finally:
+        if held >= 0:
+            os.close(held)
         if not shared:
             with _lock:
                 _taken.discard(uid)
