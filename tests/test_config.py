@@ -87,6 +87,9 @@ def test_bad_values_name_the_key(override, expected):
         ("train.eval_every=2", "train.eval_every: unknown key; did you mean 'eval.every'?"),
         # TRL's eval_steps: 0.74-similar to max_steps, which it said
         ("train.eval_steps=2", "TRL's eval_steps is eval.every here (docs/from_trl.md)"),
+        # a key of another section, none of its own as close (it said nothing)
+        ("rollout.lr=1e-6", "rollout.lr: unknown key; did you mean 'optim.lr'?"),
+        ("train.kl_coef=0.1", "train.kl_coef: unknown key; did you mean 'algorithm.kl_coef'?"),
         # a TRL or verl name misspelt, no key of the section as close (it said nothing)
         ("rollout.num_generation=8", "rollout.num_generation: unknown key; TRL's "
          "num_generations is rollout.group_size here (docs/from_trl.md)"),

@@ -166,6 +166,10 @@ def unknown_key(
     spelt = [f"{leaf[:i]}.{leaf[i + 1 :]}" for i, c in enumerate(leaf) if c == "_"]
     if root is not None and (named := [k for k in spelt if field_annotation(root, k)]):
         return f"{key}: unknown key; did you mean {named[0]!r}?"
+    if root is not None and not did_you_mean(leaf, keys, cutoff=0.8):  # (rollout.lr: optim's)
+        moved = [f"{s}.{leaf}" for s in root.model_fields if field_annotation(root, f"{s}.{leaf}")]
+        if len(moved) == 1 and moved[0] != key:
+            return f"{key}: unknown key; did you mean {moved[0]!r}?"
     return f"{key}: unknown key{close}"
 
 
