@@ -441,6 +441,38 @@ def test_two_processes_never_take_one_uid_before_their_programs_start(monkeypatc
         assert shared == sandbox.uid_block()[0]
 
 
+@pytest.mark.skipif(os.getuid() != 0, reason="root's sandbox uids")
+def test_a_namespace_mapping_root_alone_runs_programs_as_its_root(monkeypatch) -> None:
+    """Root in a user namespace that maps uid 0 alone (`unshare -r`, uid_map '0 1000 1')
+    has neither a block nor nobody to run programs as: it runs them as itself, as a
+    trainer that is not root does (chown to nobody raised OSError: Invalid argument, a
+    traceback at the first scored program)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from gspo.rewards import program_uids
+
+    monkeypatch.setattr(program_uids, "_mapped", lambda: [range(0, 1)])
+    program_uids.uid_block.cache_clear()
+    try:
+        assert program_uids.sandbox_ids() == (os.getuid(), os.getgid())
+        assert program_uids.uid_block() == range(0, 1)
+    finally:
+        program_uids.uid_block.cache_clear()
+    if shutil.which("unshare") is None:
+        return
+    run = "from gspo.rewards import sandbox as s\nprint(s.score_code('def f():\\n    return 1\\n', "
+    run += "s.parse_tests('assert f() == 1')))"
+    inside = subprocess.run(
+        ["unshare", "--user", "--map-root-user", sys.executable, "-c", run],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    if "unshare failed" in inside.stderr or "unshare:" in inside.stderr:
+        return  # (no user namespaces here)
+    assert inside.stdout.strip() == "1.0", inside.stderr[-500:]
+
+
 def test_a_program_cannot_touch_the_trainers_files_or_fill_memory(sandbox_mode: str) -> None:
     """Without bubblewrap the program's directory held the files its output was read
     from: removing one stopped the run (FileNotFoundError), a link made the trainer read

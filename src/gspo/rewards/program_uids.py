@@ -6,7 +6,8 @@ and under a uid of its own while it runs (:func:`program_uid`): programs scored 
 shared one uid (``nobody``) shared one limit, so a fork bomb in one completion failed the
 ``fork`` of a right answer beside it (scored 0 alone 1). The uids come from a block that no
 account holds (a program owns no files) and that this user namespace maps; where there is
-none, every program runs as ``nobody`` (the limit shared again). A trainer that is not root
+none, every program runs as ``nobody`` (the limit shared again), or, in a namespace
+that maps its root alone, as the trainer. A trainer that is not root
 runs its programs as itself: the limit is then shared with its own processes.
 """
 
@@ -61,9 +62,14 @@ def sandbox_ids() -> tuple[int, int]:
         return os.getuid(), os.getgid()
     try:
         entry = pwd.getpwnam("nobody")
+        ids = entry.pw_uid, entry.pw_gid
     except KeyError:
-        return 65534, 65534
-    return entry.pw_uid, entry.pw_gid
+        ids = 65534, 65534
+    if not any(ids[0] in span for span in _mapped()):
+        # a namespace that maps its root alone (`unshare -r`): as a trainer not root (its
+        # root, another uid outside, has the limit too; chown to nobody failed, EINVAL)
+        return os.getuid(), os.getgid()
+    return ids
 
 
 def _mapped() -> list[range]:
