@@ -1242,3 +1242,16 @@ def test_kwargs_passed_on_to_a_strict_function_name_the_offered_keyword() -> Non
         rewards(["p"], ["5"], columns)
     del columns["thinking_opened"]  # (as a function that names its keywords is called)
     assert rewards(["p"], ["5"], columns).rewards == [1.0]
+
+
+def test_an_error_without_a_message_is_its_type_alone():
+    """A message-less exception read "raised TimeoutError:  (at ...)"."""
+    from gspo.plugins import raised
+
+    try:
+        raise TimeoutError()
+    except TimeoutError as e:
+        line = raised(e)
+    assert line.startswith("TimeoutError (at ")
+    assert line.endswith("GSPO_DEBUG=1 shows the traceback)")
+    assert raised(ValueError("bad  value\nhere")).startswith("ValueError: bad value here (")

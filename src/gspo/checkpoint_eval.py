@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from gspo.config import Config, checked_config, load_config
 from gspo.models import model_files
 from gspo.moved import moved_path
+from gspo.plugins import counted
 from gspo.telemetry import METRICS_FILE, read_metrics
 from gspo.training.checkpoint import (
     CHECKPOINTS,
@@ -244,8 +245,7 @@ def _logged(run: Path | None, step: int) -> dict[str, float]:
 def report(evaluated: Evaluated) -> str:
     """The lines ``gspo eval`` prints: each ``eval/*`` figure, beside the run's own."""
     what = f"{evaluated.model} (step {evaluated.step})" if evaluated.step else evaluated.model
-    plural = "" if evaluated.prompts == 1 else "s"
-    lines = [f"evaluated {what} on {evaluated.prompts} held-out prompt{plural}"]
+    lines = [f"evaluated {what} on {counted(evaluated.prompts, 'held-out prompt')}"]
     width = max((len(k) for k in evaluated.metrics), default=0)
     for key, value in sorted(evaluated.metrics.items()):
         line = f"  {key:<{width}}  {_figure(value)}"

@@ -162,7 +162,9 @@ def raised(exc: BaseException, limit: int = 500) -> str:
     user function's error on one line, with the place of the frame that raised it."""
     frames = traceback.extract_tb(exc.__traceback__)
     where = f"at {frames[-1].filename}:{frames[-1].lineno}; " if frames else ""
-    return f"{type(exc).__name__}: {one_line(exc, limit)} ({where}GSPO_DEBUG=1 shows the traceback)"
+    said = one_line(exc, limit)  # (none: "TimeoutError", not "TimeoutError: ")
+    what = f"{type(exc).__name__}: {said}" if said else type(exc).__name__
+    return f"{what} ({where}GSPO_DEBUG=1 shows the traceback)"
 
 
 def _import_file(path_text: str, spec: str, kind: str, error: type[Exception]) -> Any:
