@@ -18,6 +18,7 @@ from typing import Any
 
 from gspo.plugins import (
     PYTHON_OBJECT,
+    counted,
     missing_arguments,
     numbered,
     object_spec,
@@ -256,7 +257,7 @@ class BySource:
                 raise RewardError(str(e).replace(f"{label!r}", f"{label!r}{own}", 1)) from e
             if not isinstance(values, (list, tuple)) or len(values) != len(picked):
                 got = (
-                    f"{len(values)} value{'' if len(values) == 1 else 's'}"
+                    counted(len(values), "value")
                     if isinstance(values, (list, tuple))
                     else type(values).__name__
                 )

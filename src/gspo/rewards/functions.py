@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gspo.plugins import (
+    counted,
     missing_arguments,
     numbered,
     one_line,
@@ -362,9 +363,9 @@ class RewardFunctions:
                     f"expected a list of float or None (or a 1-D array of {n})"
                 )
             if len(raw) != n:
-                values = "1 value" if len(raw) == 1 else f"{len(raw)} values"
                 raise RewardError(
-                    f"reward function {name!r} returned {values} for {n} completions (one "
+                    f"reward function {name!r} returned {counted(len(raw), 'value')} for {n} "
+                    "completions (one "
                     "for each, in their order)"
                 )
             per_function[name] = [_check_value(name, i, v) for i, v in enumerate(raw)]

@@ -256,9 +256,9 @@ def merge_groups(rounds: list[Scored], groups: list[int]) -> Scored:
         ]
         scorable = torch.cat(every)[rows]
     counts = None
-    if rounds[0].counts is not None:
-        counts = {k: [v for s in rounds for v in s.counts[k]] for k in rounds[0].counts}
-        counts = {k: [values[i] for i in rows.tolist()] for k, values in counts.items()}
+    if rounds[0].counts is not None:  # (each round's episodes, then the rows kept)
+        every = {k: [v for s in rounds for v in s.counts[k]] for k in rounds[0].counts}
+        counts = {k: [values[i] for i in rows.tolist()] for k, values in every.items()}
     return Scored(
         batch.select(rows),
         [completions[i] for i in rows.tolist()],
