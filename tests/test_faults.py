@@ -73,8 +73,8 @@ else:
         return real_replace(*args, **kwargs)
     os.replace = replace
 
-from gspo.cli import main
-sys.exit(main(sys.argv[3:]))
+from gspo.cli import main, quick_exit
+quick_exit(main(sys.argv[3:]))  # (as `gspo` leaves)
 """
 
 
